@@ -1,0 +1,122 @@
+"""`llmdp train|privacy ...`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _add_plan_args(p: argparse.ArgumentParser, sigma: bool) -> None:
+    p.add_argument("--dataset-size", type=int, required=True, help="N, number of privacy units")
+    p.add_argument("--batch-size", type=float, required=True, help="expected batch size B = q*N")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--steps", type=int, help="number of DP-SGD steps T")
+    g.add_argument("--epochs", type=float, help="epochs; T = ceil(epochs / q)")
+    if sigma:
+        p.add_argument("--noise-multiplier", type=float, required=True, help="sigma")
+    else:
+        p.add_argument("--target-epsilon", type=float, required=True)
+    p.add_argument("--delta", type=float, default=None, help="default: a power of ten below 1/(10N)")
+    p.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmdp", description="Differentially private fine-tuning of HF causal LMs on Ray Train."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="run a recipe: llmdp train RECIPE [key.sub=value ...]")
+    t.add_argument("recipe")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=4")
+
+    priv = sub.add_parser("privacy", help="accounting: epsilon, calibrate, report")
+    psub = priv.add_subparsers(dest="privacy_command", required=True)
+    _add_plan_args(psub.add_parser("epsilon", help="epsilon of a DP-SGD plan"), sigma=True)
+    _add_plan_args(psub.add_parser("calibrate", help="noise multiplier for a target epsilon"), sigma=False)
+    r = psub.add_parser("report", help="(re)build and print the privacy report of a run")
+    r.add_argument("run_dir")
+    r.add_argument("--json", action="store_true")
+    return parser
+
+
+def _plan_from_args(a, *, calibrate: bool):
+    from llmdp.privacy.plan import make_plan
+
+    return make_plan(
+        dataset_size=a.dataset_size,
+        expected_batch_size=a.batch_size,
+        max_grad_norm=1.0,
+        steps=a.steps,
+        epochs=a.epochs,
+        delta=a.delta,
+        target_epsilon=a.target_epsilon if calibrate else None,
+        noise_multiplier=None if calibrate else a.noise_multiplier,
+        accountant=a.accountant,
+    )
+
+
+def _print_plan(plan, a, extra: dict) -> None:
+    out = {
+        "epsilon": plan.epsilon(),
+        "delta": plan.delta,
+        "noise_multiplier": plan.noise_multiplier,
+        "sampling_probability": plan.sampling_probability,
+        "steps": plan.steps,
+        "dataset_size": plan.dataset_size,
+        "expected_batch_size": plan.expected_batch_size,
+        "accountant": plan.accountant,
+        "adjacency": "add-or-remove one unit",
+        **extra,
+    }
+    if a.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:>22}: {v}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from llmdp.config import ConfigError
+    from llmdp.privacy.plan import PlanError
+
+    try:
+        if args.command == "train":
+            from llmdp.config import load_recipe
+            from llmdp.trainer import run
+
+            cfg = load_recipe(args.recipe, args.overrides)
+            run(cfg)
+            return 0
+        if args.privacy_command == "epsilon":
+            plan = _plan_from_args(args, calibrate=False)
+            _print_plan(plan, args, {})
+            return 0
+        if args.privacy_command == "calibrate":
+            plan = _plan_from_args(args, calibrate=True)
+            _print_plan(plan, args, {"target_epsilon": args.target_epsilon})
+            return 0
+        if args.privacy_command == "report":
+            from llmdp.report import write_report
+
+            if not os.path.exists(os.path.join(args.run_dir, "plan.json")):
+                raise ConfigError(f"{args.run_dir}: not a run directory (no plan.json)")
+            report = write_report(args.run_dir)
+            if args.json:
+                print(json.dumps(report))
+            else:
+                with open(os.path.join(args.run_dir, "privacy_report.md"), encoding="utf-8") as f:
+                    print(f.read())
+            return 0
+    except (ConfigError, PlanError, ValueError) as e:
+        print(f"llmdp: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,772 @@
+"""Recipes: typed, validated, frozen configuration for one llmdp run.
+
+A recipe is a YAML file with the sections ``model, data, privacy, optim, train, scaling,
+output``. :func:`load_recipe` reads it, applies ``key.sub=value`` overrides (the value is
+read as YAML, so ``privacy.target_epsilon=4``, ``model.lora=null`` and
+``optim.betas=[0.9,0.95]`` all work), and returns a frozen :class:`RecipeConfig` in which
+every default is filled in and every path is absolute.
+
+Validation stops at the first problem and raises one :class:`ConfigError` whose message
+names the full dotted key, the value, and what was expected (type, range, choices), with
+a "did you mean" for mistyped keys. The checks themselves live in :mod:`llmdp._validate`.
+
+The schema is declared once, in the dataclasses below: each field's type drives type
+checking and its ``metadata`` (``choices``, bounds, ``path``) drives the value checks,
+so a new field needs one line here and nothing else. Checks that involve two fields or
+two sections are in the ``_check_*`` functions at the bottom of the schema.
+
+Privacy settings (``privacy``) are kept apart from performance settings (``train``,
+``scaling``): ``train.seed`` seeds model initialization and dropout only; sampling and
+noise use fresh OS entropy unless ``privacy.rng: seeded`` (which the report labels).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, field
+from typing import Any
+
+import yaml
+
+from llmdp._validate import (
+    ConfigError,
+    check_choice,
+    check_exactly_one,
+    check_range,
+    check_type,
+    describe_type,
+    fmt,
+    unknown_key_error,
+)
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "OutputConfig",
+    "PrivacyConfig",
+    "RecipeConfig",
+    "ScalingConfig",
+    "SyntheticDataConfig",
+    "TinyModelConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "config_hash",
+    "dump_yaml",
+    "from_dict",
+    "load_recipe",
+    "parse_override",
+    "recipe_from_dict",
+    "to_dict",
+    "validate_recipe",
+]
+
+
+def _f(
+    default: Any = MISSING,
+    *,
+    factory: Any = MISSING,
+    choices: Sequence[Any] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    items: Mapping[str, float] | None = None,
+    nonempty: bool = False,
+    path: str | None = None,
+    pattern: str | None = None,
+    help: str = "",
+) -> Any:
+    """A dataclass field plus the checks the loader applies to it.
+
+    ``ge/gt/le/lt``: bounds; ``items``: the same bounds for every item of a tuple;
+    ``path``: "always" (resolved to an absolute path) or "maybe" (a local path if it
+    exists or starts with ./ ../ / ~, else kept as a hub id); ``help``: added to the
+    message when a required field is missing.
+    """
+    meta: dict[str, Any] = {}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if ge is not None or gt is not None or le is not None or lt is not None:
+        meta["range"] = _bounds(ge=ge, gt=gt, le=le, lt=lt)
+    if items is not None:
+        meta["items"] = _bounds(**items)
+    if nonempty:
+        meta["nonempty"] = True
+    if path is not None:
+        meta["path"] = path
+    if pattern is not None:
+        meta["pattern"] = pattern
+    if help:
+        meta["help"] = help
+    return field(default=default, default_factory=factory, metadata=meta)
+
+
+def _bounds(ge=None, gt=None, le=None, lt=None) -> tuple:
+    lo, lo_inc = (ge, True) if ge is not None else (gt, False)
+    hi, hi_inc = (le, True) if le is not None else (lt, False)
+    return (lo, hi, lo_inc, hi_inc)
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Architecture of a small model built from a config (``model.init: tiny``)."""
+
+    family: str = _f("llama", choices=("llama", "gpt2", "gemma", "qwen2"))
+    hidden_size: int = _f(64, ge=8)  # divisible by num_heads
+    num_layers: int = _f(2, ge=1)
+    num_heads: int = _f(4, ge=1)
+    num_kv_heads: int = _f(2, ge=1)  # divides num_heads
+    intermediate_size: int = _f(256, ge=1)
+    max_position_embeddings: int = _f(512, ge=1)  # >= data.sequence_length
+    tie_word_embeddings: bool = False
+    seed: int = _f(0, ge=0)  # initialization seed: public, not a privacy seed
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    r: int = _f(8, ge=1)
+    alpha: float = _f(16.0, gt=0)
+    dropout: float = _f(0.0, ge=0, lt=1)
+    target_modules: tuple[str, ...] = _f(("q_proj", "v_proj"), nonempty=True)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # Hub id or local directory. Required unless init == "tiny".
+    name_or_path: str | None = _f(None, path="maybe")
+    init: str = _f("pretrained", choices=("pretrained", "tiny"))
+    tiny: TinyModelConfig = _f(factory=TinyModelConfig)
+    # Path or hub id; defaults to name_or_path (filled in by the loader). Required for tiny.
+    tokenizer: str | None = _f(None, path="maybe")
+    dtype: str = _f("float32", choices=("float32", "bfloat16", "float64"))
+    # A mapping in YAML; `lora: {}` means LoraConfig defaults; null means full fine-tuning.
+    lora: LoraConfig | None = None
+    gradient_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class SyntheticDataConfig:
+    kind: str = _f("clinical_notes", choices=("clinical_notes",))
+    num_documents: int = _f(5000, ge=1)
+    seed: int = _f(0, ge=0)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = _f(
+        path="always",
+        help="the training corpus: a .jsonl, .json, .parquet or .txt file, or a directory",
+    )
+    format: str = _f("auto", choices=("auto", "jsonl", "json", "parquet", "text"))
+    text_field: str = "text"
+    # Only "sequence" is accepted for now; "document" and "user" are planned.
+    unit: str = _f("sequence", choices=("sequence", "document", "user"))
+    sequence_length: int = _f(128, ge=8, le=65536)
+    # When set, the demo corpus is generated at `path` if the file is missing.
+    synthetic: SyntheticDataConfig | None = None
+    max_units: int | None = _f(None, ge=1)  # optional cap, for quick runs
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    # Exactly one of target_epsilon / noise_multiplier.
+    target_epsilon: float | None = _f(None, gt=0)
+    noise_multiplier: float | None = _f(None, gt=0)
+    delta: float | None = _f(None, gt=0, lt=1)  # None: the plan picks a default below 1/N
+    max_grad_norm: float = _f(1.0, gt=0)
+    accountant: str = _f("pld", choices=("pld", "rdp"))
+    sampler: str = _f("poisson", choices=("poisson",))
+    rng: str = _f("secure", choices=("secure", "seeded"))
+    seed: int | None = _f(None, ge=0)  # required iff rng == "seeded"
+    clipping: str = _f("reference", choices=("reference", "ghost"))
+    max_noise_multiplier: float = _f(100.0, gt=0)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = _f("adamw", choices=("adamw", "sgd"))
+    lr: float = _f(1e-3, gt=0)
+    weight_decay: float = _f(0.0, ge=0)
+    betas: tuple[float, float] = _f((0.9, 0.999), items={"ge": 0, "lt": 1})
+    eps: float = _f(1e-8, gt=0)
+    momentum: float = _f(0.0, ge=0, lt=1)
+    schedule: str = _f("cosine", choices=("constant", "cosine", "linear"))
+    warmup_steps: int = _f(0, ge=0)  # < train.steps when steps is given
+    min_lr_ratio: float = _f(0.0, ge=0, le=1)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    expected_batch_size: int = _f(256, ge=1)  # B = q*N; checked against N by the plan
+    # Exactly one of steps / epochs.
+    steps: int | None = _f(None, ge=1)
+    epochs: float | None = _f(None, gt=0)
+    physical_batch_size: int = _f(32, ge=1)  # rows per micro-batch per worker
+    checkpoint_every: int = _f(50, ge=1)
+    log_every: int = _f(10, ge=1)
+    seed: int = _f(0, ge=0)  # model init / dropout only; NOT a privacy seed
+    eval_every: int = _f(0, ge=0)  # 0 = off
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    num_workers: int = _f(1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = _f(1.0, gt=0)
+
+
+_RUN_NAME = r"[A-Za-z0-9._-]+"
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str = _f("runs", path="always")
+    name: str | None = _f(None, pattern=_RUN_NAME)  # default: the recipe file's stem
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    model: ModelConfig
+    data: DataConfig
+    privacy: PrivacyConfig
+    optim: OptimConfig
+    train: TrainConfig
+    scaling: ScalingConfig
+    output: OutputConfig
+
+    @property
+    def run_dir(self) -> str:
+        if self.output.name is None:
+            raise ConfigError(
+                "output.name: not set; set it in the recipe, or load the recipe from a "
+                "file with load_recipe (which names the run after the file)",
+                key="output.name",
+            )
+        return os.path.join(self.output.dir, self.output.name)
+
+
+# ------------------------------------------------------------------ cross-field checks
+
+
+def _check_tiny(t: TinyModelConfig, prefix: str, base_dir: str) -> TinyModelConfig:
+    if t.hidden_size % t.num_heads:
+        raise ConfigError(
+            f"{prefix}.hidden_size: {t.hidden_size} is not divisible by "
+            f"{prefix}.num_heads ({t.num_heads})",
+            key=f"{prefix}.hidden_size",
+        )
+    if t.num_heads % t.num_kv_heads:
+        raise ConfigError(
+            f"{prefix}.num_kv_heads: {t.num_kv_heads} does not divide "
+            f"{prefix}.num_heads ({t.num_heads})",
+            key=f"{prefix}.num_kv_heads",
+        )
+    return t
+
+
+def _check_model(m: ModelConfig, prefix: str, base_dir: str) -> ModelConfig:
+    if m.init == "pretrained" and m.name_or_path is None:
+        raise ConfigError(
+            f"{prefix}.name_or_path: required when {prefix}.init is 'pretrained' (a hub id "
+            f"or a local model directory); or set {prefix}.init: tiny to build a small "
+            f"model from {prefix}.tiny",
+            key=f"{prefix}.name_or_path",
+        )
+    if m.init == "tiny" and m.tokenizer is None:
+        raise ConfigError(
+            f"{prefix}.tokenizer: required when {prefix}.init is 'tiny' (a model built "
+            f"from a config has no tokenizer of its own); give a hub id or a local "
+            f"tokenizer directory",
+            key=f"{prefix}.tokenizer",
+        )
+    if m.tokenizer is None:
+        m = dataclasses.replace(m, tokenizer=m.name_or_path)
+    return m
+
+
+def _check_data(d: DataConfig, prefix: str, base_dir: str) -> DataConfig:
+    if d.unit != "sequence":
+        raise ConfigError(
+            f"{prefix}.unit: {d.unit!r} is not supported yet; only 'sequence' is accepted "
+            f"for now (document and user privacy units are planned)",
+            key=f"{prefix}.unit",
+        )
+    return d
+
+
+def _check_privacy(p: PrivacyConfig, prefix: str, base_dir: str) -> PrivacyConfig:
+    check_exactly_one(
+        {
+            f"{prefix}.target_epsilon": p.target_epsilon,
+            f"{prefix}.noise_multiplier": p.noise_multiplier,
+        }
+    )
+    if p.rng == "seeded" and p.seed is None:
+        raise ConfigError(
+            f"{prefix}.seed: required when {prefix}.rng is 'seeded'",
+            key=f"{prefix}.seed",
+        )
+    if p.rng == "secure" and p.seed is not None:
+        raise ConfigError(
+            f"{prefix}.seed: {p.seed!r} is given but {prefix}.rng is 'secure', which draws "
+            f"sampling and noise from fresh OS entropy; set {prefix}.seed: null, or set "
+            f"{prefix}.rng: seeded for a reproducible run (whose report then carries no "
+            f"guarantee against anyone who knows the seed)",
+            key=f"{prefix}.seed",
+        )
+    return p
+
+
+def _check_train(t: TrainConfig, prefix: str, base_dir: str) -> TrainConfig:
+    check_exactly_one({f"{prefix}.steps": t.steps, f"{prefix}.epochs": t.epochs})
+    return t
+
+
+def _check_output(o: OutputConfig, prefix: str, base_dir: str) -> OutputConfig:
+    if o.name in (".", ".."):
+        raise ConfigError(
+            f"{prefix}.name: {o.name!r} is not a run name; it would point outside {prefix}.dir",
+            key=f"{prefix}.name",
+        )
+    return o
+
+
+def _check_recipe(r: RecipeConfig, prefix: str, base_dir: str) -> RecipeConfig:
+    if r.train.steps is not None and r.optim.warmup_steps >= r.train.steps:
+        raise ConfigError(
+            f"optim.warmup_steps: {r.optim.warmup_steps} must be less than train.steps "
+            f"({r.train.steps})",
+            key="optim.warmup_steps",
+        )
+    if r.model.init == "tiny" and r.model.tiny.max_position_embeddings < r.data.sequence_length:
+        raise ConfigError(
+            f"model.tiny.max_position_embeddings: {r.model.tiny.max_position_embeddings} is "
+            f"less than data.sequence_length ({r.data.sequence_length}); the model could "
+            f"not embed positions that far",
+            key="model.tiny.max_position_embeddings",
+        )
+    return r
+
+
+_CHECKS = {
+    TinyModelConfig: _check_tiny,
+    ModelConfig: _check_model,
+    DataConfig: _check_data,
+    PrivacyConfig: _check_privacy,
+    TrainConfig: _check_train,
+    OutputConfig: _check_output,
+    RecipeConfig: _check_recipe,
+}
+
+
+# ------------------------------------------------------------------ generic machinery
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """(inner type, nullable) for ``X | None``; (tp, False) otherwise."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1:  # pragma: no cover - the schema has no such fields
+            raise TypeError(f"unsupported union {tp!r}")
+        return args[0], True
+    return tp, False
+
+
+def _section_type(tp: Any) -> type | None:
+    inner, _ = _unwrap_optional(tp)
+    return inner if dataclasses.is_dataclass(inner) else None
+
+
+def _schema_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        keys.append(key)
+        sub = _section_type(_hints(cls)[f.name])
+        if sub is not None:
+            keys.extend(_schema_keys(sub, key))
+    return keys
+
+
+_ALL_KEYS: tuple[str, ...] = tuple(_schema_keys(RecipeConfig))
+_SECTIONS = [f.name for f in dataclasses.fields(RecipeConfig)]
+
+
+def _describe(tp: Any) -> str:
+    inner, nullable = _unwrap_optional(tp)
+    if dataclasses.is_dataclass(inner):
+        text = "a mapping"
+    elif typing.get_origin(inner) is tuple:
+        args = typing.get_args(inner)
+        if args[-1] is Ellipsis:
+            text = f"a list of {_plural(args[0])}"
+        else:
+            text = f"a list of {len(args)} {_plural(args[0])}"
+    else:
+        return describe_type(inner, nullable=nullable)
+    return text + (" or null" if nullable else "")
+
+
+def _plural(tp: type) -> str:
+    return {int: "integers", float: "numbers", str: "strings", bool: "booleans"}[tp]
+
+
+def _wrong_type(key: str, value: Any, tp: Any) -> ConfigError:
+    return ConfigError(
+        f"{key}: {fmt(value)} has the wrong type ({type(value).__name__}); "
+        f"expected {_describe(tp)}",
+        key=key,
+    )
+
+
+def _coerce(key: str, value: Any, tp: Any, base_dir: str) -> Any:
+    """Check ``value`` against the declared type ``tp``; return it converted."""
+    inner, nullable = _unwrap_optional(tp)
+    if value is None:
+        if nullable:
+            return None
+        if dataclasses.is_dataclass(inner):
+            value = {}  # `scaling:` with everything commented out means the defaults
+        else:
+            raise ConfigError(f"{key}: null is not allowed; expected {_describe(tp)}", key=key)
+
+    if dataclasses.is_dataclass(inner):
+        if not isinstance(value, Mapping):
+            raise _wrong_type(key, value, tp)
+        return _build(inner, value, key, base_dir)
+
+    if typing.get_origin(inner) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _wrong_type(key, value, tp)
+        args = typing.get_args(inner)
+        if args[-1] is Ellipsis:
+            item_types = [args[0]] * len(value)
+        else:
+            if len(value) != len(args):
+                raise ConfigError(
+                    f"{key}: {fmt(value)} has {len(value)} items; expected {_describe(tp)}",
+                    key=key,
+                )
+            item_types = list(args)
+        return tuple(
+            _coerce(f"{key}[{i}]", v, t, base_dir)
+            for i, (v, t) in enumerate(zip(value, item_types))
+        )
+
+    out = check_type(key, value, inner, nullable=nullable)
+    if isinstance(out, str) and not out.strip():
+        raise ConfigError(f"{key}: empty string; expected a non-empty string", key=key)
+    return out
+
+
+def _resolve_path(value: str, base_dir: str) -> str:
+    p = os.path.expanduser(value)
+    if not os.path.isabs(p):
+        p = os.path.join(base_dir, p)
+    return os.path.normpath(p)
+
+
+def _is_local_path(value: str, base_dir: str) -> bool:
+    if value in (".", "..") or value.startswith(("./", "../", "/", "~")):
+        return True
+    return os.path.exists(os.path.join(base_dir, value))
+
+
+def _field_value(key: str, raw: Any, f: dataclasses.Field, tp: Any, base_dir: str) -> Any:
+    value = _coerce(key, raw, tp, base_dir)
+    if value is None:
+        return None
+    meta = f.metadata
+    if "choices" in meta:
+        check_choice(key, value, meta["choices"])
+    if "range" in meta:
+        check_range(key, value, *meta["range"])
+    if "items" in meta:
+        for i, item in enumerate(value):
+            check_range(f"{key}[{i}]", item, *meta["items"])
+    if meta.get("nonempty") and len(value) == 0:
+        raise ConfigError(f"{key}: empty; expected {_describe(tp)} with at least one item", key=key)
+    if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
+        raise ConfigError(
+            f"{key}: {fmt(value)} does not match {meta['pattern']} "
+            f"(letters, digits, '.', '_' and '-' only)",
+            key=key,
+        )
+    if meta.get("path") == "always" or (
+        meta.get("path") == "maybe" and _is_local_path(value, base_dir)
+    ):
+        value = _resolve_path(value, base_dir)
+    return value
+
+
+def _build(cls: type, raw: Mapping, prefix: str, base_dir: str) -> Any:
+    """Build dataclass ``cls`` from mapping ``raw``, checking keys in the order written."""
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for name, raw_value in raw.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"{key}: keys must be strings, got {type(name).__name__} {name!r}", key=key
+            )
+        if name not in fields:
+            raise unknown_key_error(key, _ALL_KEYS)
+        values[name] = _field_value(key, raw_value, fields[name], hints[name], base_dir)
+    for name, f in fields.items():
+        if name in values:
+            continue
+        key = f"{prefix}.{name}" if prefix else name
+        inner, nullable = _unwrap_optional(hints[name])
+        if dataclasses.is_dataclass(inner) and not nullable:
+            values[name] = _build(inner, {}, key, base_dir)
+        elif f.metadata.get("path") and f.default not in (MISSING, None):
+            # A default path (output.dir: runs) is relative too: resolve it like one given.
+            values[name] = _field_value(key, f.default, f, hints[name], base_dir)
+        elif f.default is MISSING and f.default_factory is MISSING:
+            help_text = f.metadata.get("help")
+            raise ConfigError(f"{key}: required" + (f"; {help_text}" if help_text else ""), key=key)
+    obj = cls(**values)
+    check = _CHECKS.get(cls)
+    return check(obj, prefix, base_dir) if check else obj
+
+
+# ------------------------------------------------------------------------ public API
+
+
+def recipe_from_dict(
+    d: Mapping[str, Any],
+    *,
+    base_dir: str | os.PathLike | None = None,
+    default_name: str | None = None,
+) -> RecipeConfig:
+    """Validate a recipe given as a mapping (as read from YAML).
+
+    Relative paths are resolved against ``base_dir`` (default: the current directory).
+    ``default_name`` becomes ``output.name`` when the recipe leaves it null.
+    """
+    if not isinstance(d, Mapping):
+        raise ConfigError(
+            f"recipe: the top level must be a mapping with the sections {_SECTIONS}; "
+            f"got {type(d).__name__}"
+        )
+    base = os.path.abspath(os.fspath(base_dir)) if base_dir is not None else os.getcwd()
+    cfg = _build(RecipeConfig, d, "", base)
+    if cfg.output.name is None and default_name is not None:
+        if not re.fullmatch(_RUN_NAME, default_name) or default_name in (".", ".."):
+            raise ConfigError(
+                f"output.name: {default_name!r} (from the recipe file name) does not match "
+                f"{_RUN_NAME}; set output.name in the recipe or as an override",
+                key="output.name",
+            )
+        cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, name=default_name))
+    return cfg
+
+
+def from_dict(d: Mapping[str, Any], *, base_dir: str | os.PathLike | None = None) -> RecipeConfig:
+    """Inverse of :func:`to_dict`: ``from_dict(to_dict(c)) == c``."""
+    return recipe_from_dict(d, base_dir=base_dir)
+
+
+def to_dict(cfg: Any) -> Any:
+    """A plain, YAML- and JSON-able copy: dataclasses become dicts, tuples become lists."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    return cfg
+
+
+def validate_recipe(cfg: RecipeConfig) -> RecipeConfig:
+    """Re-run every check on a config built in code (e.g. with dataclasses.replace)."""
+    return recipe_from_dict(to_dict(cfg))
+
+
+def config_hash(cfg: RecipeConfig) -> str:
+    """sha256 hex digest of the canonical JSON of :func:`to_dict` (sorted keys)."""
+    text = json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def dump_yaml(cfg: RecipeConfig, path: str | os.PathLike) -> None:
+    """Write the resolved config; :func:`load_recipe` on the file gives an equal config."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    text = (
+        "# Resolved llmdp recipe: every default filled in, every path absolute.\n"
+        f"# config_hash: {config_hash(cfg)}\n"
+        + yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    )
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)  # atomic: a crash never leaves a half-written config.yaml
+
+
+_KEY_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+    """``"privacy.target_epsilon=4"`` -> ``(("privacy", "target_epsilon"), 4)``.
+
+    The value is read with ``yaml.safe_load``: ``null``, lists and mappings work.
+    """
+    example = "e.g. privacy.target_epsilon=4"
+    if not isinstance(text, str):
+        raise ConfigError(f"override {text!r}: expected a string key=value ({example})")
+    key, sep, raw_value = text.partition("=")
+    if not sep:
+        raise ConfigError(f"override {text!r}: no '='; expected key=value ({example})")
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key; expected key=value ({example})")
+    parts = tuple(key.split("."))
+    if not all(_KEY_PART.fullmatch(p) for p in parts):
+        raise ConfigError(
+            f"override {text!r}: malformed key {key!r}; expected dotted names such as "
+            f"privacy.target_epsilon",
+            key=key,
+        )
+    try:
+        value = yaml.safe_load(raw_value)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(
+            f"override {text!r}: the value {raw_value!r} is not valid YAML ({problem})", key=key
+        ) from None
+    return parts, value
+
+
+def _check_override_keys(keys: tuple[str, ...], text: str) -> None:
+    cls: type | None = RecipeConfig
+    for i, name in enumerate(keys):
+        dotted = ".".join(keys[: i + 1])
+        if cls is None:
+            raise ConfigError(
+                f"{dotted}: unknown key in override {text!r}; {'.'.join(keys[:i])!r} is a "
+                f"value, not a section",
+                key=dotted,
+            )
+        hints = _hints(cls)
+        if name not in hints:
+            raise unknown_key_error(dotted, _ALL_KEYS, where=f"in override {text!r}")
+        cls = _section_type(hints[name])
+
+
+def apply_overrides(d: Mapping[str, Any] | None, overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of the raw recipe ``d`` with each ``key.sub=value`` override set, in order.
+
+    Setting a key inside an absent or null section creates it (``model.lora.r=4`` turns
+    LoRA on with r=4 and the other LoRA defaults).
+    """
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    out: dict[str, Any] = copy.deepcopy(dict(d)) if d is not None else {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        _check_override_keys(keys, text)
+        node = out
+        for i, name in enumerate(keys[:-1]):
+            child = node.get(name)
+            if child is None:
+                child = node[name] = {}
+            elif not isinstance(child, dict):
+                dotted = ".".join(keys[: i + 1])
+                raise ConfigError(
+                    f"{dotted}: {fmt(child)} is not a mapping, so override {text!r} cannot "
+                    f"set a key inside it",
+                    key=dotted,
+                )
+            node = child
+        node[keys[-1]] = value
+    return out
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one, so a
+    second ``privacy:`` section would quietly replace the first)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
+    seen: dict[str, yaml.Mark] = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        if key_node.value in seen:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"duplicate key {key_node.value!r} (first defined at line "
+                f"{seen[key_node.value].line + 1})",
+                key_node.start_mark,
+            )
+        seen[key_node.value] = key_node.start_mark
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror})") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = exc.problem or exc.context or "invalid YAML"
+        raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: YAML syntax error: {exc}") from None
+
+
+def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeConfig:
+    """Read, override and validate a recipe file.
+
+    Relative paths in the recipe are resolved against the current working directory;
+    ``output.name`` defaults to the file's stem (``recipes/tiny.yaml`` -> ``tiny``).
+    """
+    given = os.fspath(path)
+    full = os.path.abspath(os.path.expanduser(given))
+    if not os.path.exists(full):
+        raise ConfigError(f"recipe file not found: {given!r} (looked for {full})")
+    if os.path.isdir(full):
+        raise ConfigError(f"recipe path is a directory, not a YAML file: {full}")
+    raw = _read_yaml(full)
+    if raw is None:
+        raise ConfigError(f"{full}: the recipe is empty; expected the sections {_SECTIONS}")
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"{full}: the top level must be a mapping with the sections {_SECTIONS}; "
+            f"got {type(raw).__name__} {fmt(raw)}"
+        )
+    raw = apply_overrides(raw, overrides)
+    stem = os.path.splitext(os.path.basename(full))[0]
+    return recipe_from_dict(raw, base_dir=os.getcwd(), default_name=stem)

@@ -1,0 +1,30 @@
+"""Per-unit normalized loss (DESIGN §3.4)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def row_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each row's share of its unit's normalized loss (DESIGN §3.4).
+
+    A unit's loss is the mean cross-entropy over *all* its target tokens; a row's entry is
+    the sum over its own target tokens divided by the unit's target-token count, so that
+    the unit's loss is the sum of its rows' entries. Padding tokens (label -100) add 0.
+    """
+    attention_mask = batch["attention_mask"]
+    # A row whose every position is masked (a padding row) would make attention softmax
+    # over nothing; let it attend to its own pad tokens instead. Its labels are all -100
+    # and its unit id -1, so it contributes exactly zero either way.
+    empty = attention_mask.sum(dim=1, keepdim=True) == 0
+    attention_mask = torch.where(empty, torch.ones_like(attention_mask), attention_mask)
+    out = model(input_ids=batch["input_ids"], attention_mask=attention_mask, use_cache=False)
+    logits = out.logits[:, :-1, :]
+    labels = batch["labels"][:, 1:]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # the loss in at least float32
+    ce = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+    denom = batch["num_target_tokens"].to(ce.dtype).clamp(min=1)
+    return ce.sum(dim=1) / denom

@@ -1,0 +1,259 @@
+"""Driver: prepare the run (data, model, plan), run the workers on Ray Train, write the report.
+
+Every path handed to workers is absolute (Ray workers chdir into their own folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from llmdp.config import RecipeConfig, config_hash, dump_yaml, to_dict
+
+WORKER_ENV = {
+    # Nothing is downloaded at run time: models and tokenizers are local folders.
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+@dataclass
+class PreparedRun:
+    cfg: RecipeConfig
+    run_dir: str
+    run_id: str
+    plan: Any  # DPPlan
+    store_dir: str
+    cache_dir: str
+    tokenizer_dir: str | None
+    ledger_meta: dict
+    data_stats: dict
+
+    def worker_config(self) -> dict:
+        return {
+            "recipe": to_dict(self.cfg),
+            "plan": self.plan.to_dict(),
+            "store_dir": self.store_dir,
+            "run_dir": self.run_dir,
+            "cache_dir": self.cache_dir,
+            "model_dir": self.cache_dir,
+            "tokenizer_dir": self.tokenizer_dir,
+            "run_id": self.run_id,
+            "ledger_meta": self.ledger_meta,
+        }
+
+
+def cache_root() -> str:
+    return os.path.abspath(os.environ.get("LLMDP_CACHE", ".cache/llmdp"))
+
+
+def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
+    """Everything the workers need, built once on the driver: data units, model files, the plan."""
+    from llmdp.data.store import UnitSpec, build_store
+    from llmdp.models import load_model
+    from llmdp.privacy.plan import make_plan
+
+    run_dir = os.path.abspath(cfg.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    cache = cache_root()
+    os.makedirs(cache, exist_ok=True)
+
+    if cfg.data.synthetic is not None and not os.path.exists(cfg.data.path):
+        from llmdp.data.synthetic import ensure_clinical_notes
+
+        log(f"generating {cfg.data.synthetic.num_documents} synthetic private documents -> {cfg.data.path}")
+        ensure_clinical_notes(cfg.data.path, cfg.data.synthetic.num_documents, cfg.data.synthetic.seed)
+
+    model, tokenizer = load_model(cfg.model, cache_dir=os.path.join(cache, "models"))
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    del model
+
+    spec = UnitSpec(kind=cfg.data.unit, sequence_length=cfg.data.sequence_length)
+    store = build_store(
+        os.path.join(cache, "units"),
+        data_path=cfg.data.path,
+        data_format=cfg.data.format,
+        text_field=cfg.data.text_field,
+        tokenizer=tokenizer,
+        spec=spec,
+        max_units=cfg.data.max_units,
+    )
+    N = store.num_units
+    plan = make_plan(
+        dataset_size=N,
+        expected_batch_size=cfg.train.expected_batch_size,
+        max_grad_norm=cfg.privacy.max_grad_norm,
+        steps=cfg.train.steps,
+        epochs=cfg.train.epochs,
+        delta=cfg.privacy.delta,
+        target_epsilon=cfg.privacy.target_epsilon,
+        noise_multiplier=cfg.privacy.noise_multiplier,
+        accountant=cfg.privacy.accountant,
+        max_noise_multiplier=cfg.privacy.max_noise_multiplier,
+    )
+    run_id = uuid.uuid4().hex[:12]
+    data_stats = dict(store.stats())
+    data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
+    ledger_meta = {
+        "config_hash": config_hash(cfg),
+        "unit": {"kind": spec.kind, "sequence_length": spec.sequence_length, "description": spec.describe()},
+        "dataset_fingerprint": store.fingerprint,
+        "dataset_size": N,
+        "rng": cfg.privacy.rng,
+        "sampler": cfg.privacy.sampler,
+        "relation": plan.relation,
+        "mechanism": "dp-sgd",
+    }
+    dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+    with open(os.path.join(run_dir, "plan.json"), "w", encoding="utf-8") as f:
+        json.dump({"plan": plan.to_dict(), "epsilon_planned": plan.epsilon(), "run_id": run_id,
+                   "data": data_stats}, f, indent=2)
+    tok_dir = cfg.model.tokenizer or cfg.model.name_or_path
+    return PreparedRun(
+        cfg=cfg, run_dir=run_dir, run_id=run_id, plan=plan, store_dir=store.directory,
+        cache_dir=os.path.join(cache, "models"), tokenizer_dir=tok_dir if tok_dir and os.path.isdir(tok_dir) else None,
+        ledger_meta=ledger_meta, data_stats=data_stats,
+    )
+
+
+class _Progress(threading.Thread):
+    """Rank 0 writes metrics.jsonl; the driver turns it into a progress bar."""
+
+    def __init__(self, path: str, total: int, epsilon_target: float | None):
+        super().__init__(daemon=True)
+        self.path, self.total, self.target = path, total, epsilon_target
+        self.stop = threading.Event()
+        self._offset = os.path.getsize(path) if os.path.exists(path) else 0
+
+    def run(self) -> None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=self.total, desc="dp-sgd", unit="step", dynamic_ncols=True, file=sys.stdout)
+        last = {}
+        while not self.stop.is_set():
+            self._poll(bar, last)
+            self.stop.wait(0.5)
+        self._poll(bar, last)
+        bar.close()
+
+    def _poll(self, bar, last) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        lines = chunk.split("\n")
+        complete, rest = lines[:-1], lines[-1]
+        self._offset += len(chunk.encode()) - len(rest.encode())
+        for line in complete:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if rec.get("event") == "start":
+                bar.n = rec["step"]
+                continue
+            if "step" not in rec or "event" in rec:
+                continue
+            bar.n = rec["step"]
+            if rec.get("epsilon_rdp_so_far") is not None:
+                last["eps"] = rec["epsilon_rdp_so_far"]
+            post = {}
+            if rec.get("train_loss") is not None:
+                post["loss"] = f"{rec['train_loss']:.3f}"
+            if "eps" in last:
+                post["eps"] = f"{last['eps']:.2f}"
+            if rec.get("worker0_tokens_per_s"):
+                post["tok/s/worker"] = f"{rec['worker0_tokens_per_s']:.0f}"
+            bar.set_postfix(post, refresh=False)
+            bar.refresh()
+
+
+def run(cfg: RecipeConfig, log=print) -> str:
+    """Run the recipe end to end; returns the run directory."""
+    from llmdp.report import write_report
+
+    prepared = prepare(cfg, log=log)
+    plan = prepared.plan
+    log(
+        f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
+        f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
+        f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}, planned epsilon={plan.epsilon():.4f} ({plan.accountant})"
+    )
+    error = None
+    try:
+        _fit(prepared, log)
+    except BaseException as e:  # the ledger is durable; still write what we know
+        error = e
+    report = write_report(prepared.run_dir, failure=repr(error) if error else None)
+    log(f"run directory: {prepared.run_dir}")
+    log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
+    log(f"epsilon = {report['epsilon']:.4f} at delta = {report['delta']:.3g} ({report['accountant']})")
+    if error is not None:
+        raise error
+    return prepared.run_dir
+
+
+def _fit(prepared: PreparedRun, log) -> None:
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cfg = prepared.cfg
+    started_ray = False
+    if not ray.is_initialized():
+        num_cpus = max(os.cpu_count() or 1, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 1)
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            logging_level="WARNING",
+            log_to_driver=True,
+            runtime_env={"env_vars": WORKER_ENV},
+            configure_logging=True,
+        )
+        started_ray = True
+    progress = _Progress(os.path.join(prepared.run_dir, "metrics.jsonl"), prepared.plan.steps,
+                         cfg.privacy.target_epsilon)
+    progress.start()
+    try:
+        trainer = TorchTrainer(
+            _ray_entry,
+            train_loop_config=prepared.worker_config(),
+            scaling_config=ScalingConfig(
+                num_workers=cfg.scaling.num_workers,
+                use_gpu=cfg.scaling.use_gpu,
+                resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+            ),
+            run_config=RunConfig(
+                name="checkpoints",
+                storage_path=prepared.run_dir,
+                failure_config=FailureConfig(max_failures=0),
+                checkpoint_config=CheckpointConfig(num_to_keep=2),
+            ),
+        )
+        trainer.fit()
+    finally:
+        progress.stop.set()
+        progress.join(timeout=5)
+        if started_ray:
+            ray.shutdown()
+        time.sleep(0)
+
+
+def _ray_entry(config: dict) -> None:
+    import os as _os
+
+    for k, v in WORKER_ENV.items():
+        _os.environ.setdefault(k, v)
+    from llmdp.worker import train_loop_per_worker
+
+    train_loop_per_worker(config)

@@ -1,0 +1,426 @@
+"""The DP-SGD loop that runs on every worker, readable top to bottom.
+
+Per logical step, on every worker in lockstep (DESIGN §1):
+
+    keys      rank 0 draws fresh OS entropy for the sample and the noise; broadcast   [sync]
+    sample    every worker expands the same key into the same Poisson sample
+    share     this worker's balanced share, cut into the same number of micro-steps
+    clip      forward -> per-unit normalized loss -> per-unit clipped gradient sum
+    ledger    rank 0 makes the step's DP event durable (write-ahead)
+    reduce    one all-reduce of the clipped sums                                      [sync]
+    noise     + N(0, σ²C²I), the same vector on every replica, exactly once
+    average   ÷ q·N (the expected batch size, never the realized one)
+    update    optimizer + schedule
+
+Nothing here imports Ray: :func:`train_loop_per_worker` takes a ``context`` that the Ray
+trainer (or a test) provides, so the step is runnable and testable on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmdp.clipping import GhostClipper
+from llmdp.losses import row_losses
+from llmdp.privacy import noise as dp_noise
+from llmdp.privacy import sampling
+
+# --------------------------------------------------------------------------- distributed
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def broadcast_bytes(data: bytes | None, nbytes: int, device: torch.device) -> bytes:
+    """Rank 0's bytes on every rank. [sync point]"""
+    if not _dist_on():
+        assert data is not None
+        return data
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=0)
+    return bytes(buf.cpu().tolist())
+
+
+def all_reduce_grads(params: Sequence[torch.Tensor]) -> None:
+    """Sum ``p.grad`` over workers with one flat all-reduce. [sync point, once per step]"""
+    if not _dist_on():
+        return
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
+        offset += n
+
+
+def broadcast_params(params: Sequence[torch.Tensor]) -> None:
+    """Start every replica from rank 0's parameters (e.g. LoRA's random init). [sync point]"""
+    if not _dist_on():
+        return
+    for p in params:
+        dist.broadcast(p.data, src=0)
+
+
+# --------------------------------------------------------------------------- one step
+
+
+@dataclass
+class StepKeys:
+    """Per-step randomness: 32 bytes for the sample, 32 for the noise."""
+
+    sample: bytes
+    noise: bytes
+
+    @staticmethod
+    def draw(step: int, rng_mode: str, seed: int | None, device: torch.device) -> StepKeys:
+        """Fresh OS entropy on rank 0, broadcast to all; or derived from the seed (seeded mode)."""
+        if rng_mode == "seeded":
+            # Every rank derives the same keys: reproducible, and no guarantee against anyone
+            # who knows the seed (the report says so).
+            return StepKeys(
+                sampling.seeded_key(int(seed), step, "sample"),
+                sampling.seeded_key(int(seed), step, "noise"),
+            )
+        rank0 = not _dist_on() or dist.get_rank() == 0
+        raw = (sampling.secure_key() + sampling.secure_key()) if rank0 else None
+        raw = broadcast_bytes(raw, 64, device)
+        return StepKeys(raw[:32], raw[32:])
+
+
+@dataclass
+class StepStats:
+    """What a worker did in one step. Counts and losses are computed on private data:
+    never published without DP (the report marks them internal)."""
+
+    units: int = 0
+    rows: int = 0
+    tokens: int = 0
+    loss_sum: float = 0.0
+    clipped: int = 0
+    micro_steps: int = 0
+
+
+def worker_share(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    return sampling.split_for_workers(indices, world_size)[rank]
+
+
+def accumulate_clipped_sum(
+    model: nn.Module,
+    clipper: GhostClipper,
+    store,
+    unit_indices: np.ndarray,
+    num_micro_steps: int,
+    physical_batch_size: int,
+    device: torch.device,
+    loss_fn: Callable[[nn.Module, dict], torch.Tensor] = row_losses,
+) -> StepStats:
+    """Σ_u clip(g_u) over this worker's units, left in ``p.grad`` (zeroed first).
+
+    Runs exactly ``num_micro_steps`` micro-steps, the number every worker runs this step;
+    micro-steps past this worker's units run on one masked padding row.
+    """
+    for p in clipper.params:
+        p.grad = torch.zeros_like(p)
+    stats = StepStats(micro_steps=num_micro_steps)
+    for m in range(num_micro_steps):
+        chunk = unit_indices[m * physical_batch_size : (m + 1) * physical_batch_size]
+        batch = store.rows(chunk)
+        if batch["input_ids"].shape[0] == 0:
+            batch = store.pad_batch(batch, 1)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        losses = loss_fn(model, batch)
+        norms = clipper.backward(losses, batch["row_units"])
+        real = batch["row_units"] >= 0
+        stats.units += len(chunk)
+        stats.rows += int(real.sum())
+        stats.tokens += int(batch["attention_mask"][real].sum())
+        stats.loss_sum += float(losses.detach()[real].sum())
+        stats.clipped += int((norms > clipper.max_grad_norm).sum())
+    return stats
+
+
+def privatize_(
+    params: Sequence[torch.Tensor],
+    noise_key: bytes,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    expected_batch_size: float,
+) -> None:
+    """All-reduce the clipped sums, add N(0, σ²C²I) once, divide by q·N. In place on ``p.grad``."""
+    all_reduce_grads(params)  # [sync point] nothing but summation touches the clipped sum
+    grads = [p.grad for p in params]
+    if noise_multiplier > 0:
+        dp_noise.add_noise_(grads, noise_key, noise_multiplier * max_grad_norm)
+    for g in grads:
+        g.div_(expected_batch_size)
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
+    if optim_cfg["name"] == "adamw":
+        return torch.optim.AdamW(
+            params,
+            lr=optim_cfg["lr"],
+            betas=tuple(optim_cfg["betas"]),
+            eps=optim_cfg["eps"],
+            weight_decay=optim_cfg["weight_decay"],
+        )
+    if optim_cfg["name"] == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=optim_cfg["lr"],
+            momentum=optim_cfg["momentum"],
+            weight_decay=optim_cfg["weight_decay"],
+        )
+    raise ValueError(f"optim.name: {optim_cfg['name']!r} is not one of ['adamw', 'sgd']")
+
+
+def lr_lambda(optim_cfg, total_steps: int) -> Callable[[int], float]:
+    """Linear warmup, then constant / cosine / linear decay to ``min_lr_ratio``."""
+    warmup = int(optim_cfg["warmup_steps"])
+    floor = float(optim_cfg["min_lr_ratio"])
+    kind = optim_cfg["schedule"]
+
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup)
+        progress = min(1.0, (step - warmup) / span)
+        if kind == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return floor + (1 - floor) * (1 - progress)
+
+    return f
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class LocalContext:
+    """What the loop needs from Ray Train, for a single process without Ray (tests, debug)."""
+
+    def __init__(self, checkpoint_dir: str | None = None):
+        self.checkpoint_dir = checkpoint_dir
+        self.reports: list[dict] = []
+
+    def get_world_rank(self) -> int:
+        return dist.get_rank() if _dist_on() else 0
+
+    def get_world_size(self) -> int:
+        return dist.get_world_size() if _dist_on() else 1
+
+    def get_checkpoint_dir(self) -> str | None:
+        return self.checkpoint_dir
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        self.reports.append(dict(metrics))
+        if checkpoint_dir and self.checkpoint_dir:
+            import shutil
+
+            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+            shutil.copytree(checkpoint_dir, self.checkpoint_dir)
+
+
+def _metrics_line(path: str, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _save_state(directory: str, params_named, optimizer, scheduler, step: int, extra: dict):
+    torch.save(
+        {
+            "params": {n: p.detach().cpu() for n, p in params_named},
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": step,
+            **extra,
+        },
+        os.path.join(directory, "state.pt"),
+    )
+
+
+def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
+    """The whole job on one worker. ``config`` is plain data built by the driver:
+    ``recipe`` (the resolved recipe dict), ``plan`` (DPPlan.to_dict()), ``store_dir``,
+    ``run_dir``, ``model_dir``, ``run_id``, ``ledger_meta``. Paths are absolute."""
+    from llmdp.config import recipe_from_dict
+    from llmdp.data.store import open_store
+    from llmdp.models import load_model
+    from llmdp.privacy.events import dpsgd_step_event
+    from llmdp.privacy.ledger import LedgerWriter
+    from llmdp.privacy.plan import DPPlan
+
+    if context is None:
+        context = _ray_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    recipe, plan = config["recipe"], DPPlan.from_dict(config["plan"])
+    train_cfg, optim_cfg, priv_cfg = recipe["train"], recipe["optim"], recipe["privacy"]
+    torch.set_num_threads(max(1, int(recipe["scaling"]["cpus_per_worker"])))
+    device = _device(recipe)
+
+    # ---- model, optimizer, data (identical on every replica)
+    torch.manual_seed(int(train_cfg["seed"]))
+    model, _ = load_model(recipe_from_dict(recipe).model, cache_dir=config["cache_dir"])
+    model = model.to(device)
+    model.train()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    broadcast_params(params)  # [sync point]
+    clipper = GhostClipper(model, plan.max_grad_norm, engine=priv_cfg["clipping"])
+    optimizer = build_optimizer(params, optim_cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, plan.steps))
+    store = open_store(config["store_dir"])
+    sampler = sampling.PoissonSampler(store.num_units, plan.sampling_probability)
+
+    # ---- resume
+    start = 0
+    ckpt_dir = context.get_checkpoint_dir()
+    if ckpt_dir and os.path.exists(os.path.join(ckpt_dir, "state.pt")):
+        state = torch.load(os.path.join(ckpt_dir, "state.pt"), map_location=device)
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(state["params"][n])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start = int(state["step"])
+
+    run_dir = config["run_dir"]
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    event = dpsgd_step_event(plan.sampling_probability, plan.noise_multiplier)
+    ledger = None
+    if rank == 0:
+        # One writer per attempt: after a resume, re-executed steps are counted again,
+        # as they must be (the lost ones were real releases too).
+        ledger = LedgerWriter(
+            os.path.join(run_dir, "ledger.jsonl"),
+            run_id=config["run_id"],
+            attempt=f"{int(time.time())}-{os.getpid()}",
+            meta=config["ledger_meta"],
+            block_size=int(train_cfg["checkpoint_every"]),
+            total_steps=plan.steps,
+        )
+        _metrics_line(metrics_path, {"event": "start", "step": start, "time": time.time(), "world_size": world})
+
+    checkpoint_every = int(train_cfg["checkpoint_every"])
+    log_every = int(train_cfg["log_every"])
+    physical = int(train_cfg["physical_batch_size"])
+    for step in range(start, plan.steps):
+        t0 = time.perf_counter()
+        keys = StepKeys.draw(step, priv_cfg["rng"], priv_cfg.get("seed"), device)
+        sample = sampler.sample(keys.sample)  # secret: never logged
+        micro = sampling.num_micro_batches(len(sample), world, physical)
+        mine = worker_share(sample, rank, world)
+        stats = accumulate_clipped_sum(model, clipper, store, mine, micro, physical, device)
+        if ledger is not None:
+            ledger.ensure(step, event)  # write-ahead: durable before any replica updates
+        privatize_(params, keys.noise, plan.noise_multiplier, plan.max_grad_norm, plan.expected_batch_size)
+        optimizer.step()
+        scheduler.step()
+        del sample, mine
+        dt = time.perf_counter() - t0
+
+        if rank == 0:
+            record = {
+                "step": step + 1,
+                "lr": scheduler.get_last_lr()[0],
+                "step_time_s": dt,
+                # computed on private data without DP: internal (see the report)
+                "train_loss": stats.loss_sum / stats.units if stats.units else None,
+                "worker0_units": stats.units,
+                "worker0_tokens": stats.tokens,
+                "worker0_tokens_per_s": stats.tokens / dt if dt > 0 else None,
+                "worker0_clipped_fraction": stats.clipped / stats.units if stats.units else None,
+                "micro_steps": micro,
+            }
+            if (step + 1) % log_every == 0 or step + 1 == plan.steps:
+                record["epsilon_rdp_so_far"] = plan.epsilon(steps=step + 1, accountant="rdp")
+            _metrics_line(metrics_path, record)
+
+        done = step + 1 == plan.steps
+        if (step + 1) % checkpoint_every == 0 or done:
+            # ray.train.report is a barrier: every worker reaches it at the same steps.
+            with tempfile.TemporaryDirectory() as tmp:
+                ckpt = None
+                if rank == 0:
+                    _save_state(tmp, named, optimizer, scheduler, step + 1, {"run_id": config["run_id"]})
+                    ckpt = tmp
+                context.report({"step": step + 1}, ckpt)
+
+    if rank == 0:
+        _save_final_model(model, config)
+        _metrics_line(metrics_path, {"event": "end", "step": plan.steps, "time": time.time()})
+    return {"steps": plan.steps}
+
+
+def _device(recipe) -> torch.device:
+    if recipe["scaling"]["use_gpu"] and torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _save_final_model(model: nn.Module, config: dict) -> None:
+    out = os.path.join(config["run_dir"], "model")
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok_dir = config.get("tokenizer_dir")
+    if tok_dir:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out)
+
+
+class _RayContext:
+    """Adapter from Ray Train v2's API to the few calls the loop makes."""
+
+    def __init__(self):
+        import ray.train
+
+        self._train = ray.train
+        self._ctx = ray.train.get_context()
+        self._ckpt = ray.train.get_checkpoint()
+        self._ckpt_dir = None
+
+    def get_world_rank(self) -> int:
+        return self._ctx.get_world_rank()
+
+    def get_world_size(self) -> int:
+        return self._ctx.get_world_size()
+
+    def get_checkpoint_dir(self) -> str | None:
+        if self._ckpt is None:
+            return None
+        if self._ckpt_dir is None:
+            self._ckpt_dir = self._ckpt.to_directory()
+        return self._ckpt_dir
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        from ray.train import Checkpoint
+
+        ckpt = Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        self._train.report(metrics, checkpoint=ckpt)
+
+
+def _ray_context():
+    return _RayContext()
