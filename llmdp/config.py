@@ -193,7 +193,7 @@ class PrivacyConfig:
     sampler: str = _f("poisson", choices=("poisson",))
     rng: str = _f("secure", choices=("secure", "seeded"))
     seed: int | None = _f(None, ge=0)  # required iff rng == "seeded"
-    clipping: str = _f("reference", choices=("reference", "ghost"))
+    clipping: str = _f("instantiate", choices=("instantiate", "reference"))
     max_noise_multiplier: float = _f(100.0, gt=0)
 
 

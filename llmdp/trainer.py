@@ -120,7 +120,7 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
                    "data": data_stats}, f, indent=2)
     tok_dir = cfg.model.tokenizer or cfg.model.name_or_path
     return PreparedRun(
-        cfg=cfg, run_dir=run_dir, run_id=run_id, plan=plan, store_dir=store.directory,
+        cfg=cfg, run_dir=run_dir, run_id=run_id, plan=plan, store_dir=store.path,
         cache_dir=os.path.join(cache, "models"), tokenizer_dir=tok_dir if tok_dir and os.path.isdir(tok_dir) else None,
         ledger_meta=ledger_meta, data_stats=data_stats,
     )

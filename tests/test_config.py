@@ -76,7 +76,7 @@ privacy:
   accountant: rdp
   sampler: poisson
   rng: secure
-  clipping: ghost
+  clipping: reference
   max_noise_multiplier: 50
 optim:
   name: adamw
@@ -158,7 +158,7 @@ def test_full_recipe_loads(in_tmp):
         delta=1e-6,
         max_grad_norm=0.5,
         accountant="rdp",
-        clipping="ghost",
+        clipping="reference",
         max_noise_multiplier=50.0,
     )
     # `5e-4` and `1e-6` are strings to PyYAML (YAML 1.1 needs a dot); they are accepted.
@@ -484,9 +484,12 @@ BAD = [
     # (id, dotted key, value, substrings the message must contain)
     (
         "unknown-section",
-        "privcy_budget",
+        "evaluation",
         {"x": 1},
-        ["privcy_budget: unknown key", "expected one of"],
+        [
+            "evaluation: unknown key; expected one of ['model', 'data', 'privacy', 'optim', "
+            "'train', 'scaling', 'output']"
+        ],
     ),
     ("typo-top-level", "Privacy", {}, ["Privacy: unknown key; did you mean 'privacy'?"]),
     (

@@ -16,7 +16,7 @@ from torch import nn
 
 from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd, unit_ids
 
-ENGINES = ("reference",)
+ENGINES = ("instantiate", "reference")
 
 
 class UnsupportedModuleError(ValueError):
@@ -43,6 +43,13 @@ def check_model(model: nn.Module) -> None:
         raise UnsupportedModuleError("the model has no trainable parameter")
 
 
+class _Record:
+    __slots__ = ("module", "inputs", "output")
+
+    def __init__(self, module, inputs, output):
+        self.module, self.inputs, self.output = module, inputs, output
+
+
 class GhostClipper:
     """Per-unit clipped gradient sum, exact.
 
@@ -50,10 +57,14 @@ class GhostClipper:
         model: the module whose trainable parameters (``requires_grad``) are trained.
         max_grad_norm: C, the L2 bound on each unit's gradient over *all* trainable
             parameters (flat clipping, DESIGN §3.1).
-        engine: ``"reference"`` (exact, batched per-unit vector-Jacobian products).
+        engine: ``"instantiate"`` (default): forward hooks keep each module's input, one
+            backward pass gives the gradient at each module's output, and registered rules
+            (``clipping/norms.py``) form every unit's gradient from the two; autograd never
+            forms the unclipped parameter gradients. ``"reference"``: batched per-unit
+            vector-Jacobian products (exact, slow, memory ~ units² · activations; tests).
     """
 
-    def __init__(self, model: nn.Module, max_grad_norm: float, engine: str = "reference"):
+    def __init__(self, model: nn.Module, max_grad_norm: float, engine: str = "instantiate"):
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
         if engine not in ENGINES:
@@ -63,7 +74,81 @@ class GhostClipper:
         self.max_grad_norm = float(max_grad_norm)
         self.engine = engine
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._records: list[_Record] = []
+        self._recording = True  # off while the rules re-run modules on single rows
+        self._handles = []
+        self._rules = {}
+        if engine == "instantiate":
+            self._install_hooks()
 
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self) -> None:
+        from llmdp.clipping.norms import find_rule
+
+        covered: set[int] = set()
+        for name, module in self.model.named_modules():
+            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            rule = find_rule(module)
+            if rule is None:
+                pnames = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+                raise UnsupportedModuleError(
+                    f"module '{name}' ({type(module).__name__}) has trainable parameters "
+                    f"{pnames} that the clipping engine cannot clip per unit. Freeze them "
+                    f"(e.g. `for p in model.get_submodule('{name}').parameters(): "
+                    "p.requires_grad_(False)`), train with LoRA, or register a rule in "
+                    "llmdp/clipping/norms.py."
+                )
+            self._rules[module] = rule
+            covered.update(id(p) for p in own)
+            self._handles.append(module.register_forward_hook(self._on_forward))
+        # The number of rows of the batch, read from the model's input: a module whose output
+        # is shared by all rows (learned position embeddings of shape [1, T, d]) is expanded
+        # to one copy per row, so that the backward pass gives each row its own gradient.
+        self._handles.append(self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
+        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in covered]
+        if missing:  # pragma: no cover - every parameter belongs to some module
+            raise UnsupportedModuleError(f"trainable parameters outside any module: {missing}")
+
+    def _on_model_input(self, module, args, kwargs) -> None:
+        x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if x is None and args:
+            x = args[0]
+        self._rows = x.shape[0] if isinstance(x, torch.Tensor) else None
+
+    def _on_forward(self, module, args, output):
+        if (
+            not self._recording
+            or not torch.is_grad_enabled()
+            or not isinstance(output, torch.Tensor)
+            or not output.requires_grad
+        ):
+            return None
+        rows = getattr(self, "_rows", None)
+        if (
+            isinstance(module, nn.Embedding)
+            and rows is not None
+            and output.dim() >= 2
+            and output.shape[0] == 1
+            and rows > 1
+        ):
+            output = output.expand(rows, *output.shape[1:])
+            self._records.append(_Record(module, args[0].detach(), output))
+            return output
+        self._records.append(_Record(module, args[0].detach(), output))
+        return None
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def reset(self) -> None:
+        """Forget what forward passes recorded (e.g. after a forward that is not trained on)."""
+        self._records.clear()
+
+    # ------------------------------------------------------------------ backward
     def backward(
         self, unit_losses: torch.Tensor, row_units: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -80,10 +165,16 @@ class GhostClipper:
                 f"{tuple(unit_losses.shape)}"
             )
         row_units, num_units = unit_ids(row_units, unit_losses.shape[0], unit_losses.device)
-        if num_units == 0:
-            return torch.zeros(0, dtype=torch.float32, device=unit_losses.device)
-        per_unit = per_unit_gradients_autograd(unit_losses, self.params, row_units)
-        sums, norms = clipped_sum(per_unit, self.max_grad_norm)
+        try:
+            if num_units == 0:
+                return torch.zeros(0, dtype=torch.float32, device=unit_losses.device)
+            if self.engine == "reference":
+                per_unit = per_unit_gradients_autograd(unit_losses, self.params, row_units)
+            else:
+                per_unit = self._per_unit_from_hooks(unit_losses, row_units, num_units)
+            sums, norms = clipped_sum(per_unit, self.max_grad_norm)
+        finally:
+            self._records.clear()
         for p, s in zip(self.params, sums):
             s = s.to(p.dtype)
             if p.grad is None:
@@ -91,3 +182,35 @@ class GhostClipper:
             else:
                 p.grad.add_(s)
         return norms
+
+    def _per_unit_from_hooks(self, row_losses, row_units, num_units) -> list[torch.Tensor]:
+        records = self._records
+        if not records:
+            raise RuntimeError(
+                "GhostClipper.backward: no forward pass was recorded; call the model with "
+                "gradients enabled between two backward calls"
+            )
+        # Rows are independent, so the gradient of the summed loss at a module's output row
+        # is the gradient of that row's own unit loss: one backward pass serves every unit.
+        total = row_losses[row_units >= 0].sum()
+        grads_out = torch.autograd.grad(total, [r.output for r in records], allow_unused=True)
+        per_param: dict[int, torch.Tensor] = {}
+        self._recording = False
+        try:
+            computed = [
+                (rec, self._rules[rec.module](rec.module, rec.inputs, G.detach(), row_units, num_units))
+                for rec, G in zip(records, grads_out)
+                if G is not None
+            ]
+        finally:
+            self._recording = True
+        for rec, grads in computed:
+            for local, g in grads.items():
+                p = getattr(rec.module, local)
+                # A parameter shared by several modules (tied embeddings) or a module called
+                # twice: its per-unit gradient is the sum of every use, cross terms included.
+                key = id(p)
+                per_param[key] = g if key not in per_param else per_param[key] + g
+        return [
+            per_param.get(id(p), p.new_zeros((num_units, *p.shape))) for p in self.params
+        ]

@@ -1,0 +1,63 @@
+"""Privacy core: events, plan, accountant, ledger, sampling and noise.
+
+Importable without Ray. `noise` needs torch and is imported lazily, so the CLI's
+`llmdp privacy epsilon|calibrate` does not pay for importing torch.
+"""
+
+from llmdp.privacy.accountant import ACCOUNTANTS, delta_for_epsilon, epsilon, epsilon_for
+from llmdp.privacy.events import compose, dpsgd_step_event, event_from_json, event_to_json
+from llmdp.privacy.ledger import LEDGER_FILENAME, Ledger, LedgerError, LedgerWriter, append_record
+from llmdp.privacy.plan import (
+    DPPlan,
+    PlanError,
+    calibrate_noise,
+    default_delta,
+    make_plan,
+    steps_for_epochs,
+)
+from llmdp.privacy.sampling import (
+    PoissonSampler,
+    num_micro_batches,
+    secure_key,
+    seeded_key,
+    split_for_workers,
+    uniform_stream,
+)
+
+__all__ = [
+    "ACCOUNTANTS",
+    "DPPlan",
+    "LEDGER_FILENAME",
+    "Ledger",
+    "LedgerError",
+    "LedgerWriter",
+    "PlanError",
+    "PoissonSampler",
+    "add_noise_",
+    "append_record",
+    "calibrate_noise",
+    "compose",
+    "default_delta",
+    "delta_for_epsilon",
+    "dpsgd_step_event",
+    "epsilon",
+    "epsilon_for",
+    "event_from_json",
+    "event_to_json",
+    "gaussian_like",
+    "make_plan",
+    "num_micro_batches",
+    "secure_key",
+    "seeded_key",
+    "split_for_workers",
+    "steps_for_epochs",
+    "uniform_stream",
+]
+
+
+def __getattr__(name):
+    if name in ("gaussian_like", "add_noise_"):
+        from llmdp.privacy import noise
+
+        return getattr(noise, name)
+    raise AttributeError(f"module 'llmdp.privacy' has no attribute {name!r}")

@@ -115,6 +115,8 @@ class _Pools:
         self.cities = [fake.city() for _ in range(size)]
         self.companies = [fake.company() for _ in range(size // 2)]
         self.countries = sorted({fake.country() for _ in range(size)})
+        self.phones = [fake.phone_number() for _ in range(size // 2)]
+        self.addresses = [fake.address().replace("\n", ", ") for _ in range(size // 2)]
 
     weekdays = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
     months = ("January", "February", "March", "April", "May", "June", "July", "August",
@@ -138,6 +140,40 @@ def _encyclopedic_line(rng: random.Random, pools: _Pools) -> str:
         n=rng.randint(1, 10), sbp=rng.randint(100, 160), dbp=rng.randint(60, 100),
         temp=round(rng.uniform(36.1, 37.4), 1), city=rng.choice(pools.cities),
     )
+
+
+_ABBREVIATIONS = (
+    ("PO", "by mouth"), ("BID", "twice a day"), ("TID", "three times a day"),
+    ("PRN", "as needed"), ("q6h", "every six hours"), ("subcut", "under the skin"),
+    ("IV", "intravenous"), ("IM", "intramuscular"), ("SL", "under the tongue"),
+    ("NKDA", "no known drug allergies"), ("HPI", "history of present illness"),
+    ("PMH", "past medical history"), ("RTC", "return to clinic"), ("PCP", "primary care provider"),
+    ("BP", "blood pressure"), ("HR", "heart rate"), ("RR", "respiratory rate"),
+    ("SpO2", "oxygen saturation"), ("NC", "nasal cannula"), ("y/o", "years old"),
+)
+
+
+def _reference_line(rng: random.Random, pools: _Pools) -> str:
+    """Formulary / glossary / contact-page style lines (public reference material)."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        drug, doses, freqs = rng.choice(MEDICATIONS)
+        return (f"{_cap(drug)}: usual dose {rng.choice(doses)} {rng.choice(freqs)}; "
+                f"class: {_DRUG_CLASSES.get(drug, 'prescription medicine')}.")
+    if kind == 1:
+        abbr, meaning = rng.choice(_ABBREVIATIONS)
+        return f"In medical writing, {abbr} means {meaning}."
+    if kind == 2:
+        y, m, d = rng.randint(1990, 2024), rng.randint(1, 12), rng.randint(1, 28)
+        fmt = rng.randrange(3)
+        date = (f"{y}-{m:02d}-{d:02d}" if fmt == 0 else f"{m:02d}/{d:02d}/{y}" if fmt == 1
+                else f"{pools.months[m - 1]} {d}, {y}")
+        return (f"The {rng.choice(('clinic', 'pharmacy', 'library', 'museum', 'office'))} in "
+                f"{rng.choice(pools.cities)} reopened on {date}; call {rng.choice(pools.phones)} "
+                f"or write to {rng.choice(pools.addresses)}.")
+    temp = round(rng.uniform(35.8, 38.5), 1)
+    return (f"Example vital signs: T {temp} C, BP {rng.randint(95, 180)}/{rng.randint(55, 105)}, "
+            f"HR {rng.randint(50, 125)}, RR {rng.randint(12, 24)}, SpO2 {rng.randint(90, 100)}%.")
 
 
 def _prose_line(rng: random.Random, pools: _Pools) -> str:
@@ -170,9 +206,11 @@ def generate_public_corpus(num_lines: int, seed: int) -> list[str]:
     lines: list[str] = []
     for _ in range(num_lines):
         r = rng.random()
-        if r < 0.55:
+        if r < 0.45:
             k = rng.randint(1, 3)
             lines.append(" ".join(_encyclopedic_line(rng, pools) for _ in range(k)))
+        elif r < 0.6:
+            lines.append(_reference_line(rng, pools))
         elif r < 0.8:
             lines.append(_prose_line(rng, pools))
         else:
@@ -249,6 +287,7 @@ def train_public_tokenizer(
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-tokenizer-", dir=parent)
     try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         fast.save_pretrained(tmp)
         _make_portable(tmp, fast)
         with open(os.path.join(tmp, "llmdp_tokenizer.json"), "w") as f:

@@ -2,21 +2,17 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from llmdp.clipping import GhostClipper, UnsupportedModuleError
 from llmdp.clipping.reference import clip_factors, per_unit_gradients_func
 from llmdp.losses import row_losses
+from tests.helpers import tiny_model
 
 V, L = 97, 12
 
 
-def tiny_llama():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      attn_implementation="eager")
-    return LlamaForCausalLM(cfg).double()
+def tiny_llama(family="llama", **kw):
+    return tiny_model(family, vocab_size=V, dtype=torch.float64, exact=True, **kw)
 
 
 def make_batch(row_units):
@@ -47,14 +43,30 @@ def reference(model, batch, C):
     return norms, {n: torch.einsum("u,u...->...", f, grads[n]) for n in names}
 
 
+@pytest.mark.parametrize("engine", ["instantiate", "reference"])
 @pytest.mark.parametrize("row_units", [[0, 1, 2, 3], [0, 0, 1, 1, 1, -1], [2, 0, -1, 1, 0]])
 @pytest.mark.parametrize("C", [1e-3, 1e3])
-def test_reference_engine_matches_torch_func(row_units, C):
+def test_engine_matches_torch_func(engine, row_units, C):
     model = tiny_llama()
     batch = make_batch(row_units)
     ref_norms, ref_sum = reference(model, batch, C)
-    clipper = GhostClipper(model, C)
+    clipper = GhostClipper(model, C, engine=engine)
     norms = clipper.backward(row_losses(model, batch), batch["row_units"])
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_sum[n], rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("family,kw", [("gpt2", {"tie_word_embeddings": True}), ("gemma", {"tie_word_embeddings": True}),
+                                       ("qwen2", {}), ("llama", {"tie_word_embeddings": True})])
+def test_families_tied_embeddings_and_padding(family, kw):
+    model = tiny_llama(family, **kw)
+    if kw.get("tie_word_embeddings"):
+        assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    batch = make_batch([0, 0, 1, -1, 2])
+    C = 0.05
+    ref_norms, ref_sum = reference(model, batch, C)
+    norms = GhostClipper(model, C).backward(row_losses(model, batch), batch["row_units"])
     torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_sum[n], rtol=1e-6, atol=1e-12)

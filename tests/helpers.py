@@ -1,0 +1,229 @@
+"""Shared test helpers: tiny tokenizers, tiny models, small corpora and unit stores.
+
+Everything is built locally and fast (no network, no downloads). Import with
+``from tests.helpers import tiny_llama, tiny_tokenizer, ...``.
+
+- ``tiny_tokenizer_dir()``: a byte-level BPE (vocab 300) trained on a small *public*
+  corpus, built once per test session; ``tiny_tokenizer()`` loads it (a fresh object).
+- ``tiny_model(family, ...)`` / ``tiny_llama`` / ``tiny_gpt2`` / ``tiny_gemma`` /
+  ``tiny_qwen2``: randomly initialized in-memory models (hidden 16, 2 layers, eager
+  attention, dropout 0), seeded, in any dtype (float64 for reference checks).
+  ``exact=True`` (float64 reference checks): transformers' Llama/Gemma/Qwen2 compute
+  RMSNorm and the eager attention softmax in float32 even in a float64 model, which
+  limits agreement to ~1e-7 relative; ``exact=True`` makes those run in the model's dtype
+  (GPT-2 already does). See ``make_exact``.
+- ``tiny_model_config(family, **overrides)``: an ``llmdp.config.TinyModelConfig``.
+- ``write_notes(path, n)``: a small synthetic private corpus (jsonl).
+- ``tiny_store(cache_dir, ...)``: a built ``UnitStore`` over such a corpus.
+- ``random_rows(...)``: a batch shaped like ``UnitStore.rows`` (with padding), no store needed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+
+import torch
+
+TINY_VOCAB = 300
+_SESSION_DIR: str | None = None
+_TOKENIZER_DIRS: dict[int, str] = {}
+
+
+def session_dir() -> str:
+    """A temporary directory shared by the whole test session (removed at exit)."""
+    global _SESSION_DIR
+    if _SESSION_DIR is None:
+        _SESSION_DIR = tempfile.mkdtemp(prefix="llmdp-tests-")
+        atexit.register(shutil.rmtree, _SESSION_DIR, True)
+    return _SESSION_DIR
+
+
+def tiny_tokenizer_dir(vocab_size: int = TINY_VOCAB) -> str:
+    """Folder of a small public BPE tokenizer (trained once per session and vocab size)."""
+    if vocab_size not in _TOKENIZER_DIRS:
+        from llmdp.tokenizer.public import train_public_tokenizer
+
+        out = os.path.join(session_dir(), f"tokenizer-{vocab_size}")
+        _TOKENIZER_DIRS[vocab_size] = train_public_tokenizer(
+            out, vocab_size=vocab_size, num_lines=1500, seed=0
+        )
+    return _TOKENIZER_DIRS[vocab_size]
+
+
+def tiny_tokenizer(tmp_dir=None, vocab_size: int = TINY_VOCAB):
+    """A fresh ``AutoTokenizer`` for the session's tiny tokenizer.
+
+    With ``tmp_dir``, the folder is copied to ``tmp_dir/tokenizer`` first and loaded from
+    there (for tests that need their own copy on disk).
+    """
+    from transformers import AutoTokenizer
+
+    src = tiny_tokenizer_dir(vocab_size)
+    if tmp_dir is not None:
+        dst = os.path.join(os.fspath(tmp_dir), "tokenizer")
+        if not os.path.isdir(dst):
+            shutil.copytree(src, dst)
+        src = dst
+    return AutoTokenizer.from_pretrained(src)
+
+
+def tiny_model_config(family: str = "llama", **overrides):
+    """An ``llmdp.config.TinyModelConfig`` with test-sized defaults."""
+    from llmdp.config import TinyModelConfig
+
+    kw = dict(family=family, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
+              intermediate_size=32, max_position_embeddings=64, tie_word_embeddings=False, seed=0)
+    kw.update(overrides)
+    return TinyModelConfig(**kw)
+
+
+EXACT_ATTN = "eager_native_dtype"
+
+
+def _eager_native_dtype(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                        **kwargs):
+    """Eager attention with the softmax in the inputs' dtype (transformers' Llama/Gemma/Qwen2
+    eager path upcasts it to float32 and back, losing float64 precision)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        b, h, t, d = key.shape
+        key = key[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+        value = value[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.nn.functional.softmax(weights, dim=-1)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+_EXACT_REGISTERED = False
+
+
+def _register_exact_attention() -> None:
+    global _EXACT_REGISTERED
+    if not _EXACT_REGISTERED:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+        AttentionInterface.register(EXACT_ATTN, _eager_native_dtype)
+        AttentionMaskInterface.register(EXACT_ATTN, eager_mask)
+        _EXACT_REGISTERED = True
+
+
+def _rms_norm_native(self, x):
+    eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if type(self).__name__.startswith("Gemma"):
+        return y * (1.0 + self.weight)  # Gemma scales by (1 + w)
+    return self.weight * y
+
+
+def make_exact(model):
+    """Make RMSNorm and eager attention compute in the model's own dtype (in place).
+
+    For float64 reference checks only: the math is the same as transformers', without
+    the float32 round trips. Patches instances (not classes) and sets the attention
+    implementation to a registered native-dtype eager function (works under torch.func).
+    """
+    import types
+
+    _register_exact_attention()
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = types.MethodType(_rms_norm_native, module)
+    if model.config.model_type != "gpt2":  # GPT-2's eager path is already native-dtype
+        model.set_attn_implementation(EXACT_ATTN)
+    return model
+
+
+def tiny_model(family: str = "llama", *, vocab_size: int = 64, dtype=torch.float32,
+               attn_implementation: str = "eager", exact: bool = False, pad_token_id: int = 2,
+               bos_token_id: int = 0, eos_token_id: int = 1, **overrides):
+    """A randomly initialized in-memory tiny causal LM (seeded by ``seed``, default 0).
+
+    ``exact=True``: see :func:`make_exact` (use with ``dtype=torch.float64``).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from llmdp.models import tiny_hf_config
+
+    cfg = tiny_model_config(family, **overrides)
+    hf = tiny_hf_config(cfg, vocab_size, pad_token_id, bos_token_id, eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(hf, attn_implementation=attn_implementation)
+    model = model.to(dtype)
+    return make_exact(model) if exact else model
+
+
+def tiny_llama(**kw):
+    return tiny_model("llama", **kw)
+
+
+def tiny_gpt2(**kw):
+    return tiny_model("gpt2", **kw)
+
+
+def tiny_gemma(**kw):
+    return tiny_model("gemma", **kw)
+
+
+def tiny_qwen2(**kw):
+    return tiny_model("qwen2", **kw)
+
+
+def write_notes(path, num_documents: int = 40, seed: int = 0) -> str:
+    """A small synthetic private corpus (jsonl with doc_id, user_id, author, date, text)."""
+    from llmdp.data.synthetic import generate_clinical_notes, write_jsonl
+
+    return write_jsonl(generate_clinical_notes(num_documents, seed), path)
+
+
+def tiny_store(cache_dir, *, num_documents: int = 40, sequence_length: int = 32, seed: int = 0,
+               tokenizer=None, max_units: int | None = None):
+    """A built ``UnitStore`` over ``write_notes`` (corpus written into ``cache_dir``)."""
+    from llmdp.data.store import build_store
+    from llmdp.data.units import UnitSpec
+
+    cache_dir = os.fspath(cache_dir)
+    os.makedirs(cache_dir, exist_ok=True)
+    data = os.path.join(cache_dir, f"notes-{num_documents}-{seed}.jsonl")
+    if not os.path.exists(data):
+        write_notes(data, num_documents, seed)
+    return build_store(
+        os.path.join(cache_dir, "units"), data_path=data, data_format="auto", text_field="text",
+        tokenizer=tokenizer if tokenizer is not None else tiny_tokenizer(),
+        spec=UnitSpec(sequence_length=sequence_length), max_units=max_units,
+    )
+
+
+def random_rows(num_rows: int, sequence_length: int, vocab_size: int = 64, *, seed: int = 0,
+                lengths=None, pad_id: int = 2) -> dict[str, torch.Tensor]:
+    """A batch in the ``UnitStore.rows`` format with random tokens.
+
+    ``lengths[r]`` real tokens in row r (default: the last row is half padding).
+    """
+    g = torch.Generator().manual_seed(seed)
+    L = sequence_length
+    if lengths is None:
+        lengths = [L] * num_rows
+        if num_rows:
+            lengths[-1] = max(2, L // 2)
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    tokens = torch.randint(0, vocab_size, (num_rows, L), generator=g)
+    mask = (torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    input_ids = torch.where(mask.bool(), tokens, torch.full_like(tokens, pad_id))
+    labels = torch.where(mask.bool(), tokens, torch.full_like(tokens, -100))
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "row_units": torch.arange(num_rows, dtype=torch.int64),
+        "num_target_tokens": (labels[:, 1:] != -100).sum(dim=1),
+    }

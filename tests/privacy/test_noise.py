@@ -1,0 +1,119 @@
+"""Noise tests: tolerances are in standard deviations (sd) of the statistic tested."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from llmdp.privacy.noise import add_noise_, gaussian_like
+from llmdp.privacy.sampling import seeded_key
+
+N = 1_000_000
+STD = 2.5
+KEY = seeded_key(2024, 0, "noise-test")
+
+
+@pytest.fixture(scope="module")
+def draws():
+    return gaussian_like((N,), KEY, 0, STD, dtype=torch.float64).numpy()
+
+
+def _normal_cdf(x):
+    return 0.5 * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
+def test_mean_and_std(draws):
+    # sd of the sample mean: STD/sqrt(n); sd of the sample std: ~ STD/sqrt(2n).
+    assert abs(draws.mean()) < 5 * STD / math.sqrt(N)
+    assert abs(draws.std() - STD) < 5 * STD / math.sqrt(2 * N)
+
+
+def test_fourth_moment_is_gaussian(draws):
+    # Kurtosis 3 for a Gaussian; sd of the sample kurtosis ~ sqrt(24/n). Catches e.g.
+    # uniform (1.8) or Laplace (6) noise with the right variance.
+    z = draws / draws.std()
+    assert abs(np.mean(z**4) - 3.0) < 5 * math.sqrt(24 / N)
+
+
+def test_ks_against_normal(draws):
+    s = np.sort(draws / STD)
+    cdf = _normal_cdf(s)
+    i = np.arange(1, N + 1)
+    d = max(np.max(i / N - cdf), np.max(cdf - (i - 1) / N))
+    assert d < 1.95 / math.sqrt(N)  # 0.1% critical value of the KS statistic
+
+
+def test_both_box_muller_outputs_used_and_uncorrelated(draws):
+    even, odd = draws[0::2], draws[1::2]
+    n = len(even)
+    # Pair members (cos/sin of the same radius) are independent for exact Box-Muller.
+    assert abs(np.corrcoef(even, odd)[0, 1]) < 5 / math.sqrt(n)
+    # If only one output of each pair were used, the sin half would never appear: its
+    # distribution is symmetric too, so check both halves are Gaussian with the std.
+    for half in (even, odd):
+        assert abs(half.std() - STD) < 5 * STD / math.sqrt(2 * n)
+    # Lag-1 autocorrelation across pairs.
+    assert abs(np.corrcoef(draws[1:-1:2], draws[2::2])[0, 1]) < 5 / math.sqrt(n)
+
+
+def test_deterministic_given_key_and_index(draws):
+    again = gaussian_like((N,), KEY, 0, STD, dtype=torch.float64).numpy()
+    assert np.array_equal(draws, again)
+    # Shape does not change the stream: same values, reshaped.
+    shaped = gaussian_like((1000, 1000), KEY, 0, STD, dtype=torch.float64)
+    assert np.array_equal(shaped.reshape(-1).numpy(), draws)
+    # Odd lengths take a prefix of the same stream.
+    assert np.array_equal(gaussian_like((7,), KEY, 0, STD, dtype=torch.float64).numpy(), draws[:7])
+
+
+def test_independent_across_indices_and_keys(draws):
+    other_index = gaussian_like((N,), KEY, 1, STD, dtype=torch.float64).numpy()
+    other_key = gaussian_like(
+        (N,), seeded_key(2024, 1, "noise-test"), 0, STD, dtype=torch.float64
+    ).numpy()
+    for other in (other_index, other_key):
+        assert abs(np.corrcoef(draws, other)[0, 1]) < 5 / math.sqrt(N)
+
+
+def test_dtype_device_and_scaling():
+    z32 = gaussian_like((3, 4), KEY, 5, 1.0)
+    assert z32.dtype == torch.float32 and z32.shape == (3, 4) and z32.device.type == "cpu"
+    z64 = gaussian_like((3, 4), KEY, 5, 3.0, dtype=torch.float64)
+    # Same stream, scaled by std, cast at the end.
+    assert torch.allclose(z32.double() * 3.0, z64, rtol=1e-6, atol=0)
+    assert gaussian_like((0,), KEY, 0, 1.0).numel() == 0
+    bf = gaussian_like((10,), KEY, 0, 1.0, dtype=torch.bfloat16)
+    assert bf.dtype == torch.bfloat16
+
+
+def test_add_noise_in_place_identical_on_replicas():
+    shapes = [(5, 3), (7,), (2, 2, 2)]
+    replica_a = [torch.ones(s) for s in shapes]
+    replica_b = [torch.ones(s) for s in shapes]
+    ids = [id(t) for t in replica_a]
+    add_noise_(replica_a, KEY, 0.7)
+    add_noise_(replica_b, KEY, 0.7)
+    assert [id(t) for t in replica_a] == ids  # in place
+    for i, (a, b) in enumerate(zip(replica_a, replica_b)):
+        assert torch.equal(a, b)  # every worker adds the same noise
+        assert torch.equal(a - 1.0, gaussian_like(a.shape, KEY, i, 0.7)) or torch.allclose(
+            a - 1.0, gaussian_like(a.shape, KEY, i, 0.7), atol=1e-6
+        )
+    # Tensor i uses index i: different tensors get different noise.
+    assert not torch.allclose(replica_a[0].reshape(-1)[:7], replica_a[1])
+
+
+def test_add_noise_works_on_grad_of_leaf():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.zeros(4)
+    add_noise_([p.grad], KEY, 1.0)
+    assert torch.equal(p.grad, gaussian_like((4,), KEY, 0, 1.0))
+
+
+@pytest.mark.parametrize("std", [0.0, -1.0, math.inf, math.nan])
+def test_zero_or_invalid_std_is_refused(std):
+    with pytest.raises(ValueError, match="std must be a finite number > 0"):
+        gaussian_like((3,), KEY, 0, std)
+    with pytest.raises(ValueError, match="std"):
+        add_noise_([torch.zeros(3)], KEY, std)

@@ -1,0 +1,155 @@
+"""The DP-SGD step on a worker: what the mechanism promises, checked in float64."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from llmdp.clipping import GhostClipper
+from llmdp.privacy import sampling
+from llmdp.worker import accumulate_clipped_sum, privatize_, worker_share
+from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
+
+P = 4  # physical batch size
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tiny_store(tmp_path_factory.mktemp("store"), num_documents=40, sequence_length=24)
+
+
+def model64():
+    return tiny_llama(vocab_size=TINY_VOCAB, dtype=torch.float64)
+
+
+def private_grad(model, store, sample, *, C, sigma, B, key=b"\0" * 32, world=1, rank=0, physical=P):
+    """The averaged noisy gradient of one logical step, as this worker sees it."""
+    clipper = GhostClipper(model, C)
+    micro = sampling.num_micro_batches(len(sample), world, physical)
+    share = worker_share(np.asarray(sample, dtype=np.int64), rank, world)
+    stats = accumulate_clipped_sum(model, clipper, store, share, micro, physical, torch.device("cpu"))
+    privatize_(clipper.params, key, sigma, C, B)
+    return [p.grad.detach().clone() for p in clipper.params], stats
+
+
+def flat(grads):
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def test_one_huge_unit_moves_the_update_by_at_most_C_over_qN(store):
+    C, B, lr = 1e-3, 7.5, 1.0
+    base = list(range(0, 10))
+    outlier = 17
+    # The outlier's own gradient is far above C: the bound below is not vacuous.
+    m = model64()
+    g_alone, _ = private_grad(m, store, [outlier], C=1e9, sigma=0.0, B=1.0)
+    assert flat(g_alone).norm() > 100 * C
+
+    def updated_params(sample):
+        model = model64()
+        grads, _ = private_grad(model, store, sample, C=C, sigma=0.0, B=B)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+        opt.step()
+        return flat([p.detach() for p in model.parameters() if p.requires_grad])
+
+    moved = (updated_params(base + [outlier]) - updated_params(base)).norm().item()
+    assert moved <= lr * C / B * (1 + 1e-9)
+    assert moved >= 0.5 * lr * C / B  # it is clipped to C, not dropped
+
+
+def test_padding_rows_and_micro_batch_split_change_nothing(store):
+    # The last unit of the store is a partial row: padding tokens inside a real unit.
+    assert int(store.rows([store.num_units - 1])["attention_mask"].sum()) < store.sequence_length
+    sample = [0, 3, 5, 8, 11, store.num_units - 1]
+    ref, _ = private_grad(model64(), store, sample, C=0.05, sigma=0.0, B=6.0, physical=64)
+    one_by_one, stats = private_grad(model64(), store, sample, C=0.05, sigma=0.0, B=6.0, physical=1)
+    assert stats.micro_steps == len(sample)
+    torch.testing.assert_close(flat(one_by_one), flat(ref), rtol=1e-10, atol=1e-15)
+
+    class PaddedStore:
+        """Every micro-batch padded with masked rows of arbitrary tokens."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def rows(self, idx):
+            batch = self.inner.rows(idx)
+            padded = self.inner.pad_batch(batch, batch["input_ids"].shape[0] + 3)
+            padded["input_ids"][-3:] = torch.randint(0, TINY_VOCAB, (3, self.inner.sequence_length))
+            return padded
+
+        def pad_batch(self, batch, n):
+            return self.inner.pad_batch(batch, n)
+
+    padded, _ = private_grad(model64(), PaddedStore(store), sample, C=0.05, sigma=0.0, B=6.0, physical=2)
+    torch.testing.assert_close(flat(padded), flat(ref), rtol=1e-10, atol=1e-15)
+
+
+def test_empty_sample_is_a_noise_only_step_with_std_sigma_C_over_qN(store):
+    sigma, C, B = 1.3, 0.7, 20.0
+    grads, stats = private_grad(model64(), store, [], C=C, sigma=sigma, B=B, key=sampling.secure_key())
+    assert stats.micro_steps == 0 and stats.units == 0
+    x = flat(grads)
+    n = x.numel()
+    expected = sigma * C / B
+    # Sample std of n iid normals has sd ~ expected / sqrt(2n); the mean has sd expected / sqrt(n).
+    assert abs(x.std().item() - expected) < 5 * expected / math.sqrt(2 * n), (x.std().item(), expected)
+    assert abs(x.mean().item()) < 5 * expected / math.sqrt(n)
+    # Without noise the same step is exactly zero: the std above is the noise, nothing else.
+    zero, _ = private_grad(model64(), store, [], C=C, sigma=0.0, B=B)
+    assert torch.count_nonzero(flat(zero)) == 0
+
+
+def test_noise_is_added_once_and_identically_for_the_same_key(store):
+    key = sampling.secure_key()
+    a, _ = private_grad(model64(), store, [1, 2], C=0.1, sigma=0.8, B=4.0, key=key)
+    b, _ = private_grad(model64(), store, [1, 2], C=0.1, sigma=0.8, B=4.0, key=key)
+    c, _ = private_grad(model64(), store, [1, 2], C=0.1, sigma=0.0, B=4.0, key=key)
+    torch.testing.assert_close(flat(a), flat(b), rtol=0, atol=0)
+    noise = flat(a) - flat(c)
+    n = noise.numel()
+    expected = 0.8 * 0.1 / 4.0
+    assert abs(noise.std().item() - expected) < 5 * expected / math.sqrt(2 * n)
+
+
+def _two_worker_proc(rank, world, port, store_dir, sample, out_dir, sigma, key):
+    import torch.distributed as dist
+
+    from llmdp.data.store import open_store
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        grads, _ = private_grad(model64(), open_store(store_dir), sample, C=0.05, sigma=sigma, B=9.0,
+                                key=key, world=world, rank=rank)
+        torch.save(flat(grads), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("sigma", [0.0, 1.0])
+def test_two_workers_give_the_update_of_one(store, tmp_path, sigma):
+    import torch.multiprocessing as mp
+
+    sample = [0, 2, 4, 5, 9, 12, 13]  # odd size: uneven shares, padding micro-steps
+    key = b"k" * 32
+    single, _ = private_grad(model64(), store, sample, C=0.05, sigma=sigma, B=9.0, key=key)
+    mp.start_processes(_two_worker_proc, args=(2, _free_port(), store.path, sample, str(tmp_path), sigma, key),
+                       nprocs=2, join=True, start_method="spawn")
+    r0 = torch.load(tmp_path / "rank0.pt")
+    r1 = torch.load(tmp_path / "rank1.pt")
+    torch.testing.assert_close(r0, r1, rtol=0, atol=0)  # replicas agree bit for bit
+    torch.testing.assert_close(r0, flat(single), rtol=1e-6, atol=1e-12)
