@@ -117,8 +117,9 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         ],
         "tokenizer": {
             "path": cfg["model"].get("tokenizer") or cfg["model"].get("name_or_path"),
-            "trained_on_private_data": False,
-            "note": "trained on a public corpus, never on the private one",
+            "trained_by_this_run": False,
+            "note": "not fit on the private corpus by llmdp (the demo's is trained on a generated "
+            "public corpus); a tokenizer fit on this private data elsewhere is not covered",
         },
         # ---- the mechanism's numbers
         "steps": ledger_steps,
@@ -156,14 +157,14 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     return report
 
 
-def epsilon_curve(run_dir: str, points: int = 24) -> list[tuple[int, float]]:
+def epsilon_curve(run_dir: str, points: int = 16) -> list[tuple[int, float]]:
     """ε (PLD) after t steps of this run's plan, at a few t: the curve of the plot."""
     from llmdp.privacy.plan import DPPlan
 
     with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
         plan = DPPlan.from_dict(json.load(f)["plan"])
     ts = sorted({max(1, round(plan.steps * i / points)) for i in range(1, points + 1)})
-    return [(t, plan.epsilon(steps=t)) for t in ts]
+    return [(0, 0.0)] + [(t, plan.epsilon(steps=t)) for t in ts]
 
 
 def write_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:

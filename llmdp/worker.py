@@ -323,7 +323,6 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
         _metrics_line(metrics_path, {"event": "start", "step": start, "time": time.time(), "world_size": world})
 
     checkpoint_every = int(train_cfg["checkpoint_every"])
-    log_every = int(train_cfg["log_every"])
     physical = int(train_cfg["physical_batch_size"])
     for step in range(start, plan.steps):
         t0 = time.perf_counter()
@@ -333,7 +332,9 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
         mine = worker_share(sample, rank, world)
         stats = accumulate_clipped_sum(model, clipper, store, mine, micro, physical, device)
         if ledger is not None:
-            ledger.ensure(step, event)  # write-ahead: durable before any replica updates
+            # Write-ahead: the step's event is durable before any replica applies the update.
+            # The other ranks cannot pass the all-reduce below before rank 0 reaches it.
+            ledger.ensure(step, event)
         privatize_(params, keys.noise, plan.noise_multiplier, plan.max_grad_norm, plan.expected_batch_size)
         optimizer.step()
         scheduler.step()
@@ -353,8 +354,6 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
                 "worker0_clipped_fraction": stats.clipped / stats.units if stats.units else None,
                 "micro_steps": micro,
             }
-            if (step + 1) % log_every == 0 or step + 1 == plan.steps:
-                record["epsilon_rdp_so_far"] = plan.epsilon(steps=step + 1, accountant="rdp")
             _metrics_line(metrics_path, record)
 
         done = step + 1 == plan.steps

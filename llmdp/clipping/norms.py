@@ -21,9 +21,16 @@ Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int], dict
 
 def _to_units(per_row: torch.Tensor, unit_of_row: torch.Tensor, num_units: int) -> torch.Tensor:
     """Sum per-row gradients into units; padding rows (-1) are dropped."""
+    if num_units == per_row.shape[0] and _is_identity(unit_of_row):
+        return per_row  # row r is unit r: nothing to sum (the common case of sequence units)
     keep = unit_of_row >= 0
     out = per_row.new_zeros((num_units, *per_row.shape[1:]))
     return out.index_add(0, unit_of_row[keep], per_row[keep])
+
+
+def _is_identity(unit_of_row: torch.Tensor) -> bool:
+    n = unit_of_row.shape[0]
+    return bool(torch.equal(unit_of_row, torch.arange(n, device=unit_of_row.device)))
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,31 @@ __all__ = [
 
 ACCOUNTANTS = ("pld", "rdp")
 
+
+class _DroppedOrderFilter:
+    """dp-accounting logs a warning for every fractional RDP order whose series does not
+    converge, then (correctly) leaves that order out of the minimum. The result is still a
+    valid bound; the warnings only drown the progress output, so they are dropped."""
+
+    def filter(self, record) -> bool:
+        return "failed to converge" not in record.getMessage()
+
+
+def _quiet_dropped_orders() -> None:
+    import logging
+
+    for name in ("absl", "dp_accounting"):
+        logging.getLogger(name).addFilter(_DroppedOrderFilter())
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.get_absl_logger().addFilter(_DroppedOrderFilter())
+    except ImportError:  # pragma: no cover
+        pass
+
+
+_quiet_dropped_orders()
+
 # Adding or removing one privacy unit: the relation Poisson subsampling is analysed under.
 NEIGHBORING_RELATION = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 
