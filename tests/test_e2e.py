@@ -1,0 +1,63 @@
+"""End to end on Ray Train: `llmdp train` with two CPU workers, then the report."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import dp_accounting
+import pytest
+
+from llmdp.cli import main
+from tests.helpers import tiny_tokenizer_dir, write_notes
+
+pytestmark = pytest.mark.slow
+
+RECIPE = """
+model:
+  init: tiny
+  tokenizer: {tok}
+  tiny: {{hidden_size: 16, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 32,
+         max_position_embeddings: 64}}
+data: {{path: notes.jsonl, sequence_length: 32}}
+privacy: {{target_epsilon: 4.0, max_grad_norm: 0.5}}
+optim: {{name: sgd, lr: 0.5, schedule: constant}}
+train: {{expected_batch_size: 12, steps: 6, physical_batch_size: 4, checkpoint_every: 3}}
+scaling: {{num_workers: 2}}
+output: {{dir: runs, name: e2e}}
+"""
+
+
+def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys):
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    write_notes(tmp_path / "notes.jsonl", 80)
+    (tmp_path / "r.yaml").write_text(RECIPE.format(tok=tiny_tokenizer_dir()))
+    assert main(["train", "r.yaml"]) == 0
+    assert not ray.is_initialized()  # the driver shut down the Ray it started
+    run_dir = tmp_path / "runs" / "e2e"
+    capsys.readouterr()
+
+    assert main(["privacy", "report", str(run_dir), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    for key in ("epsilon", "delta", "accountant", "unit", "adjacency", "steps", "noise_multiplier",
+                "sampling_probability", "max_grad_norm"):
+        assert key in rep
+    assert rep["steps"] == 6 and rep["status"] == "complete" and rep["unit"] == "sequence"
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        rep["sampling_probability"], dp_accounting.GaussianDpEvent(rep["noise_multiplier"])), 6)
+    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    direct = acc.compose(event).get_epsilon(rep["delta"])
+    assert rep["epsilon"] == pytest.approx(direct, rel=1e-6)
+    assert rep["epsilon"] <= 4.0
+
+    metrics = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics if "event" not in m] == [1, 2, 3, 4, 5, 6]
+    assert next(m for m in metrics if m.get("event") == "start")["world_size"] == 2
+    for name in ("config.yaml", "ledger.jsonl", "privacy_report.md", "privacy_report.png", "plan.json"):
+        assert os.path.exists(run_dir / name), name
+    assert any(d.startswith("checkpoint_") for d in os.listdir(run_dir / "checkpoints"))
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    assert model.config.num_hidden_layers == 1
