@@ -79,6 +79,16 @@ def _print_plan(plan, a, extra: dict) -> None:
             print(f"{k:>22}: {v}")
 
 
+def _quiet_libraries() -> None:
+    """Our progress bar is the one that matters; silence per-file loading bars."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:  # pragma: no cover
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from llmdp.config import ConfigError
@@ -90,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             from llmdp.trainer import run
 
             cfg = load_recipe(args.recipe, args.overrides)
+            _quiet_libraries()
             run(cfg)
             return 0
         if args.privacy_command == "epsilon":

@@ -158,13 +158,16 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
 
 
 def epsilon_curve(run_dir: str, points: int = 16) -> list[tuple[int, float]]:
-    """ε (PLD) after t steps of this run's plan, at a few t: the curve of the plot."""
+    """ε after t steps of this run's plan, at a few t: the curve of the plot (a fast,
+    conservative PLD estimate; the reported ε is computed from the ledger)."""
+    from llmdp.privacy.accountant import epsilon_estimate
     from llmdp.privacy.plan import DPPlan
 
     with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
         plan = DPPlan.from_dict(json.load(f)["plan"])
     ts = sorted({max(1, round(plan.steps * i / points)) for i in range(1, points + 1)})
-    return [(0, 0.0)] + [(t, plan.epsilon(steps=t)) for t in ts]
+    q, sigma, delta = plan.sampling_probability, plan.noise_multiplier, plan.delta
+    return [(0, 0.0)] + [(t, epsilon_estimate(q, sigma, t, delta)) for t in ts]
 
 
 def write_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:

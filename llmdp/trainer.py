@@ -172,7 +172,11 @@ class _Progress(threading.Thread):
             due = rec["step"] - self._eps_at[0] >= max(1, self.total // 10)
             if rec["step"] != self._eps_at[0] and ((due and now - self._eps_time > 5) or rec["step"] == self.total):
                 # epsilon after this many steps of the plan, with the plan's accountant
-                self._eps_at = (rec["step"], self.plan.epsilon(steps=rec["step"]))
+                from llmdp.privacy.accountant import epsilon_estimate
+
+                p = self.plan
+                eps = epsilon_estimate(p.sampling_probability, p.noise_multiplier, rec["step"], p.delta)
+                self._eps_at = (rec["step"], eps)
                 self._eps_time = time.monotonic()
                 last["eps"] = self._eps_at[1]
             post = {}

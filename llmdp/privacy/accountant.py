@@ -8,6 +8,7 @@ the RDP order grid.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -201,7 +202,33 @@ def epsilon_for(
     accountant: str = "pld",
 ) -> float:
     """Epsilon of `steps` DP-SGD steps at sampling rate q and noise multiplier sigma."""
+    return _epsilon_for_cached(sampling_probability, noise_multiplier, steps, delta, accountant)
+
+
+@functools.lru_cache(maxsize=256)
+def _epsilon_for_cached(sampling_probability, noise_multiplier, steps, delta, accountant) -> float:
+    # A pure function of its arguments; PLD takes ~0.1-1 s, and the driver asks the same
+    # question several times (plan, log line, report).
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
         raise ValueError(f"steps must be an integer >= 0, got steps={steps!r}")
     event = dpsgd_step_event(sampling_probability, noise_multiplier)
     return epsilon([(event, int(steps))], delta, accountant)
+
+
+# A coarser PLD grid: ~10x faster, pessimistic like the default (it rounds privacy losses
+# up), and a little looser (~0.1-0.3% larger epsilon). For progress bars and plots only;
+# reported guarantees always use `epsilon` above.
+PLD_DISPLAY_DISCRETIZATION_INTERVAL = 1e-3
+
+
+def epsilon_estimate(sampling_probability: float, noise_multiplier: float, steps: int,
+                     delta: float) -> float:
+    """A fast, conservative epsilon of `steps` DP-SGD steps, for display (not for reports)."""
+    if steps <= 0:
+        return 0.0
+    event = dpsgd_step_event(sampling_probability, noise_multiplier)
+    acc = PLDAccountant(
+        NEIGHBORING_RELATION, value_discretization_interval=PLD_DISPLAY_DISCRETIZATION_INTERVAL
+    )
+    acc.compose(event, int(steps))
+    return float(acc.get_epsilon(_check_delta(delta)))
