@@ -153,3 +153,17 @@ def test_two_workers_give_the_update_of_one(store, tmp_path, sigma):
     r1 = torch.load(tmp_path / "rank1.pt")
     torch.testing.assert_close(r0, r1, rtol=0, atol=0)  # replicas agree bit for bit
     torch.testing.assert_close(r0, flat(single), rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+def test_learning_rate_schedule(schedule):
+    from llmdp.worker import lr_lambda
+
+    cfg = {"warmup_steps": 4, "min_lr_ratio": 0.1, "schedule": schedule}
+    f = lr_lambda(cfg, total_steps=24)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    end = {"constant": 1.0, "cosine": 0.1, "linear": 0.1}[schedule]
+    assert f(24) == pytest.approx(end)
+    mid = f(14)  # halfway through the decay
+    assert mid == pytest.approx({"constant": 1.0, "cosine": 0.55, "linear": 0.55}[schedule])
+    assert all(f(s) >= f(s + 1) - 1e-12 for s in range(4, 24))
