@@ -193,7 +193,8 @@ class PrivacyConfig:
     sampler: str = _f("poisson", choices=("poisson",))
     rng: str = _f("secure", choices=("secure", "seeded"))
     seed: int | None = _f(None, ge=0)  # required iff rng == "seeded"
-    clipping: str = _f("instantiate", choices=("instantiate", "reference"))
+    clipping: str = _f("ghost", choices=("ghost", "reference"))
+    clipping_mode: str = _f("auto", choices=("auto", "book-keeping", "two-pass"))
     max_noise_multiplier: float = _f(100.0, gt=0)
 
 

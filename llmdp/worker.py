@@ -287,7 +287,9 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     broadcast_params(params)  # [sync point]
-    clipper = GhostClipper(model, plan.max_grad_norm, engine=priv_cfg["clipping"])
+    clipper = GhostClipper(
+        model, plan.max_grad_norm, engine=priv_cfg["clipping"], mode=priv_cfg.get("clipping_mode", "auto")
+    )
     optimizer = build_optimizer(params, optim_cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, plan.steps))
     store = open_store(config["store_dir"])

@@ -4,19 +4,44 @@
 gradient norms before clipping and *adds* Σ_u min(1, C/‖g_u‖)·g_u to ``p.grad`` of every
 trainable parameter, like autograd accumulation.
 
-The ``reference`` engine below is exact but instantiates every unit's full gradient
-(memory U × params): one vector-Jacobian product per unit, batched by autograd. The fast
-hook-based ghost / book-keeping engine plugs in behind the same contract.
+How (``engine="ghost"``, the default):
+
+1. forward hooks keep each trainable module's input A and wrap its output in a *tap*, an
+   identity autograd node that also leads to one dummy leaf;
+2. one backward pass, asked only for the dummy leaf's gradient, runs every tap with the
+   gradient G at that module's output — autograd never forms the unclipped weight
+   gradients (their matmuls are skipped: nothing asks for them);
+3. as each G arrives, the layer's rule (``norms.py``) computes each unit's squared norm,
+   by the ghost identity or from the instantiated per-unit gradient, whichever is
+   cheaper for this batch's shapes;
+4. with the norms known, c_u = min(1, C/‖g_u‖), and the clipped sum is formed either
+   from what was kept (``mode="book-keeping"``: Σ_r c_{u(r)} G_rᵀA_r per layer, one
+   backward in all, but every G is kept until the norms are known) or by a second
+   backward of Σ_u c_u L_u (``mode="two-pass"``: G is dropped as soon as its norm is
+   taken; peak memory of a non-private step, a second backward's time). ``mode="auto"``
+   picks book-keeping when what it keeps fits comfortably in free memory.
+
+``engine="reference"`` is the exact, slow yardstick (per-unit vector-Jacobian products).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
-from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd, unit_ids
+from llmdp.clipping.norms import Record, Units, acc_dtype, cross_inner, find_rule
+from llmdp.clipping.reference import (
+    clip_factors,
+    clipped_sum,
+    per_unit_gradients_autograd,
+    unit_ids,
+)
 
-ENGINES = ("instantiate", "reference")
+ENGINES = ("ghost", "reference")
+MODES = ("auto", "book-keeping", "two-pass")
+LAYER_POLICIES = ("auto", "ghost", "instantiate")
 
 
 class UnsupportedModuleError(ValueError):
@@ -43,49 +68,84 @@ def check_model(model: nn.Module) -> None:
         raise UnsupportedModuleError("the model has no trainable parameter")
 
 
-class _Record:
-    __slots__ = ("module", "inputs", "output")
+class _Tap(torch.autograd.Function):
+    """Identity on the module output whose backward hands G to the clipper."""
 
-    def __init__(self, module, inputs, output):
-        self.module, self.inputs, self.output = module, inputs, output
+    @staticmethod
+    def forward(ctx, x, anchor, clipper, rec):
+        ctx.clipper, ctx.rec = clipper, rec
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.clipper._on_output_grad(ctx.rec, g)
+        return g, None, None, None
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
 class GhostClipper:
-    """Per-unit clipped gradient sum, exact.
+    """Exact per-unit clipping of the gradient over all trainable parameters.
 
     Args:
         model: the module whose trainable parameters (``requires_grad``) are trained.
         max_grad_norm: C, the L2 bound on each unit's gradient over *all* trainable
             parameters (flat clipping, DESIGN §3.1).
-        engine: ``"instantiate"`` (default): forward hooks keep each module's input, one
-            backward pass gives the gradient at each module's output, and registered rules
-            (``clipping/norms.py``) form every unit's gradient from the two; autograd never
-            forms the unclipped parameter gradients. ``"reference"``: batched per-unit
-            vector-Jacobian products (exact, slow, memory ~ units² · activations; tests).
+        engine: ``"ghost"`` (hooks, default) or ``"reference"`` (slow, for tests).
+        mode: ``"auto"``, ``"book-keeping"`` or ``"two-pass"`` (see the module docstring).
+        layer_policy: ``"auto"`` (per layer and batch, the cheaper of ghost norm and
+            instantiation), or force ``"ghost"`` / ``"instantiate"`` where a rule has both.
     """
 
-    def __init__(self, model: nn.Module, max_grad_norm: float, engine: str = "instantiate"):
+    def __init__(
+        self,
+        model: nn.Module,
+        max_grad_norm: float,
+        engine: str = "ghost",
+        mode: str = "auto",
+        layer_policy: str = "auto",
+    ):
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
         if engine not in ENGINES:
             raise ValueError(f"clipping engine {engine!r} is not one of {list(ENGINES)}")
+        if mode not in MODES:
+            raise ValueError(f"clipping mode {mode!r} is not one of {list(MODES)}")
+        if layer_policy not in LAYER_POLICIES:
+            raise ValueError(f"layer_policy {layer_policy!r} is not one of {list(LAYER_POLICIES)}")
         check_model(model)
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
-        self.engine = engine
+        self.engine, self.mode, self.layer_policy = engine, mode, layer_policy
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._records: list[_Record] = []
-        self._recording = True  # off while the rules re-run modules on single rows
+        self.last_mode: str | None = None  # the mode the last backward used (auto resolves)
+        self._records: list[Record] = []
+        self._recording = True
+        self._phase = "idle"
+        self._units: Units | None = None
+        self._keep_G = False
+        self._shared: set[int] = set()
         self._handles = []
         self._rules = {}
-        if engine == "instantiate":
+        self._anchor = None
+        if engine == "ghost":
             self._install_hooks()
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
-        from llmdp.clipping.norms import find_rule
-
-        covered: set[int] = set()
+        owners: dict[int, int] = {}
         for name, module in self.model.named_modules():
             own = [p for p in module.parameters(recurse=False) if p.requires_grad]
             if not own:
@@ -101,15 +161,21 @@ class GhostClipper:
                     "llmdp/clipping/norms.py."
                 )
             self._rules[module] = rule
-            covered.update(id(p) for p in own)
+            for p in own:
+                owners[id(p)] = owners.get(id(p), 0) + 1
             self._handles.append(module.register_forward_hook(self._on_forward))
+        # Parameters owned by several modules (tied input embedding and LM head): the norm
+        # of the sum of their uses needs cross terms, computed from what each use kept.
+        self._shared = {k for k, n in owners.items() if n > 1}
+        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in owners]
+        if missing:  # pragma: no cover - every parameter belongs to some module
+            raise UnsupportedModuleError(f"trainable parameters outside any module: {missing}")
         # The number of rows of the batch, read from the model's input: a module whose output
         # is shared by all rows (learned position embeddings of shape [1, T, d]) is expanded
         # to one copy per row, so that the backward pass gives each row its own gradient.
         self._handles.append(self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
-        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in covered]
-        if missing:  # pragma: no cover - every parameter belongs to some module
-            raise UnsupportedModuleError(f"trainable parameters outside any module: {missing}")
+        device = self.params[0].device
+        self._anchor = torch.zeros((), device=device, requires_grad=True)
 
     def _on_model_input(self, module, args, kwargs) -> None:
         x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
@@ -120,24 +186,42 @@ class GhostClipper:
     def _on_forward(self, module, args, output):
         if (
             not self._recording
+            or torch._C._are_functorch_transforms_active()  # a rule re-running a module
             or not torch.is_grad_enabled()
             or not isinstance(output, torch.Tensor)
             or not output.requires_grad
         ):
             return None
         rows = getattr(self, "_rows", None)
-        if (
-            isinstance(module, nn.Embedding)
-            and rows is not None
-            and output.dim() >= 2
-            and output.shape[0] == 1
-            and rows > 1
-        ):
+        if isinstance(module, nn.Embedding) and rows is not None and output.dim() >= 2 and output.shape[0] == 1 and rows > 1:
             output = output.expand(rows, *output.shape[1:])
-            self._records.append(_Record(module, args[0].detach(), output))
-            return output
-        self._records.append(_Record(module, args[0].detach(), output))
-        return None
+        rec = Record(module, self._rules[module], args[0].detach(), output.numel() * output.element_size())
+        self._records.append(rec)
+        return _Tap.apply(output, self._anchor, self, rec)
+
+    def _on_output_grad(self, rec: Record, G: torch.Tensor) -> None:
+        """Runs inside the backward pass, once per recorded call, as soon as G is known."""
+        if self._phase != "norms":
+            return
+        units = self._units
+        G = G.detach()
+        rec.G = G
+        rule = rec.rule
+        rec.ghost = rule.choose_ghost(rec.module, rec.A, G, self.layer_policy)
+        shared = any(id(getattr(rec.module, n)) in self._shared for n in rule.params(rec.module))
+        if rec.ghost:
+            rec.sqn = rule.sq_norms_ghost(rec, units)
+        else:
+            rec.per_unit = rule.per_unit(rec, units)
+            rec.sqn = {n: _sq(g) for n, g in rec.per_unit.items()}
+        if shared:
+            return  # cross terms with the other uses need A and G
+        if not (self._keep_G and rec.ghost):
+            rec.G = None  # two-pass, or instantiated: G is no longer needed
+        if not self._keep_G:
+            rec.per_unit, rec.A = None, None  # two-pass: only the norms are kept
+        elif not rec.ghost:
+            rec.A = None  # book-keeping, instantiated: the per-unit gradients are kept
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -149,9 +233,7 @@ class GhostClipper:
         self._records.clear()
 
     # ------------------------------------------------------------------ backward
-    def backward(
-        self, unit_losses: torch.Tensor, row_units: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def backward(self, unit_losses: torch.Tensor, row_units: torch.Tensor | None = None) -> torch.Tensor:
         """Add the clipped sum of per-unit gradients to ``p.grad``; return per-unit norms.
 
         ``unit_losses`` has one entry per batch row: a unit's loss is the sum of its rows'
@@ -170,47 +252,92 @@ class GhostClipper:
                 return torch.zeros(0, dtype=torch.float32, device=unit_losses.device)
             if self.engine == "reference":
                 per_unit = per_unit_gradients_autograd(unit_losses, self.params, row_units)
-            else:
-                per_unit = self._per_unit_from_hooks(unit_losses, row_units, num_units)
-            sums, norms = clipped_sum(per_unit, self.max_grad_norm)
+                sums, norms = clipped_sum(per_unit, self.max_grad_norm)
+                self._add_to_grad(zip(self.params, sums))
+                return norms
+            return self._ghost_backward(unit_losses, row_units, num_units)
         finally:
             self._records.clear()
-        for p, s in zip(self.params, sums):
-            s = s.to(p.dtype)
-            if p.grad is None:
-                p.grad = s.clone()
-            else:
-                p.grad.add_(s)
-        return norms
+            self._phase = "idle"
+            self._units = None
 
-    def _per_unit_from_hooks(self, row_losses, row_units, num_units) -> list[torch.Tensor]:
-        records = self._records
+    def _resolve_mode(self) -> str:
+        if self.mode != "auto":
+            return self.mode
+        # What book-keeping keeps beyond a non-private step: every hooked layer's G.
+        kept = sum(rec.out_bytes for rec in self._records)
+        free = _available_memory(self.params[0].device)
+        return "book-keeping" if kept < 0.5 * free else "two-pass"
+
+    def _ghost_backward(self, row_losses, row_units, num_units) -> torch.Tensor:
+        records = list(self._records)
         if not records:
             raise RuntimeError(
                 "GhostClipper.backward: no forward pass was recorded; call the model with "
                 "gradients enabled between two backward calls"
             )
-        # Rows are independent, so the gradient of the summed loss at a module's output row
-        # is the gradient of that row's own unit loss: one backward pass serves every unit.
-        total = row_losses[row_units >= 0].sum()
-        grads_out = torch.autograd.grad(total, [r.output for r in records], allow_unused=True)
-        per_param: dict[int, torch.Tensor] = {}
-        self._recording = False
+        mode = self._resolve_mode()
+        self.last_mode = mode
+        units = Units.make(row_units, num_units)
+        keep = row_units >= 0
+        total = row_losses[keep].sum()
+        self._units, self._keep_G, self._phase = units, mode == "book-keeping", "norms"
+        self._recording = False  # activation-checkpoint recomputation must not record
         try:
-            computed = [
-                (rec, self._rules[rec.module](rec.module, rec.inputs, G.detach(), row_units, num_units))
-                for rec, G in zip(records, grads_out)
-                if G is not None
-            ]
+            # Pass 1. Rows are independent, so the gradient of the summed loss at a module's
+            # output row is that of the row's own unit loss: one backward serves every unit.
+            torch.autograd.grad(total, self._anchor, retain_graph=mode == "two-pass", allow_unused=True)
         finally:
             self._recording = True
-        for rec, grads in computed:
-            for local, g in grads.items():
-                p = getattr(rec.module, local)
-                # A parameter shared by several modules (tied embeddings) or a module called
-                # twice: its per-unit gradient is the sum of every use, cross terms included.
-                key = id(p)
-                per_param[key] = g if key not in per_param else per_param[key] + g
-        return [
-            per_param.get(id(p), p.new_zeros((num_units, *p.shape))) for p in self.params
-        ]
+            self._phase = "idle"
+        seen = [r for r in records if r.sqn is not None]
+        norms = self._norms(seen, units)
+        factors = clip_factors(norms, self.max_grad_norm)
+        if mode == "two-pass":
+            row_factors = units.row_factors(factors).to(row_losses.dtype)
+            # Pass 2: autograd forms Σ_u c_u ∇L_u itself and adds it to p.grad. The taps
+            # pass gradients through untouched (phase idle).
+            torch.autograd.backward((row_factors * row_losses).sum(), inputs=self.params)
+            return norms
+        row_factors = units.row_factors(factors)
+        contributions = []
+        for rec in seen:
+            if rec.ghost:
+                parts = rec.rule.clipped_ghost(rec, row_factors)
+            else:
+                f = factors.to(next(iter(rec.per_unit.values())).dtype) if rec.per_unit else factors
+                parts = {n: torch.einsum("u,u...->...", f, g) for n, g in (rec.per_unit or {}).items()}
+            contributions.extend((getattr(rec.module, n), g) for n, g in parts.items())
+        self._add_to_grad(contributions)
+        return norms
+
+    def _norms(self, records: list[Record], units: Units) -> torch.Tensor:
+        sq = None
+        uses: dict[int, list[tuple[Record, str]]] = {}
+        for rec in records:
+            for n, s in rec.sqn.items():
+                sq = s.to(torch.float64 if s.dtype == torch.float64 else torch.float32) if sq is None else sq + s
+                pid = id(getattr(rec.module, n))
+                if pid in self._shared:
+                    uses.setdefault(pid, []).append((rec, n))
+        for use in uses.values():
+            for i in range(len(use)):
+                for j in range(i + 1, len(use)):
+                    (ri, ni), (rj, nj) = use[i], use[j]
+                    sq = sq + 2 * cross_inner(ri, rj, ni, nj, units).to(sq.dtype)
+        if sq is None:  # no trainable parameter was reached by this batch
+            sq = torch.zeros(units.num_units, device=self.params[0].device)
+        return sq.clamp(min=0).sqrt()
+
+    def _add_to_grad(self, contributions) -> None:
+        for p, g in contributions:
+            g = g.to(p.dtype)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.add_(g)
+
+
+def _sq(g: torch.Tensor) -> torch.Tensor:
+    g2 = g.reshape(g.shape[0], -1).to(acc_dtype(g))
+    return (g2 * g2).sum(1)

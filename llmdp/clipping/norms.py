@@ -1,36 +1,87 @@
 """Registry of per-unit gradient rules, by module type.
 
-A rule turns what the forward hook kept (the module's input A) and the gradient of the
-loss with respect to the module's output (G) into per-*row* gradient contributions for
-each of the module's own trainable parameters; the engine then sums rows into units.
+For every supported module, a *rule* knows, from the module's input A (kept by a forward
+hook) and the gradient G of the loss at its output (seen during the backward pass):
 
-Rules exist only for modules whose output at one row depends on that row alone. Anything
-else is refused by the engine (DESIGN §3.6): no silent fallback.
+* ``sq_norms``   each unit's squared gradient norm for the module's own parameters,
+  either by the **ghost** identity ‖Σ_t G_t A_tᵀ‖² = ⟨A Aᵀ, G Gᵀ⟩ over the unit's tokens
+  (O(T²(p+d)) per unit, never forming the p×d gradient) or by **instantiating** the
+  unit's gradient (O(p·d) per unit, then reused for the clipped sum);
+* ``clipped``    Σ_u c_u · g_u, from the same A and G (book-keeping: no second backward).
+
+Only modules whose output at one row depends on that row alone have rules; anything else
+is refused by the engine (DESIGN §3.6): no silent fallback.
+
+Units: ``unit_of_row[r]`` is row r's unit (−1: padding row). A unit's gradient is the sum
+over its rows, so its ghost norm sums ⟨A_r A_r'ᵀ, G_r G_r'ᵀ⟩ over all pairs of its rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-# rule(module, A, G, unit_of_row, num_units) -> {param_local_name: tensor [U, *param.shape]}
-Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
+ACC = torch.float32  # norms and Gram matrices are accumulated in at least float32
 
 
-def _to_units(per_row: torch.Tensor, unit_of_row: torch.Tensor, num_units: int) -> torch.Tensor:
-    """Sum per-row gradients into units; padding rows (-1) are dropped."""
-    if num_units == per_row.shape[0] and _is_identity(unit_of_row):
-        return per_row  # row r is unit r: nothing to sum (the common case of sequence units)
-    keep = unit_of_row >= 0
-    out = per_row.new_zeros((num_units, *per_row.shape[1:]))
-    return out.index_add(0, unit_of_row[keep], per_row[keep])
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else ACC
 
 
-def _is_identity(unit_of_row: torch.Tensor) -> bool:
-    n = unit_of_row.shape[0]
-    return bool(torch.equal(unit_of_row, torch.arange(n, device=unit_of_row.device)))
+# --------------------------------------------------------------------------- units
+
+
+@dataclass
+class Units:
+    """The row -> unit map of one micro-batch, with the pairs of rows that share a unit."""
+
+    unit_of_row: torch.Tensor  # [R] int64, -1 = padding
+    num_units: int
+    identity: bool  # row r is unit r for every r (no padding): the common fast path
+    pair_a: torch.Tensor | None = None  # rows r, r' (r != r') of the same unit
+    pair_b: torch.Tensor | None = None
+
+    @staticmethod
+    def make(unit_of_row: torch.Tensor, num_units: int) -> Units:
+        R = unit_of_row.shape[0]
+        identity = num_units == R and bool(
+            torch.equal(unit_of_row, torch.arange(R, device=unit_of_row.device))
+        )
+        u = Units(unit_of_row, num_units, identity)
+        if not identity:
+            same = (unit_of_row[:, None] == unit_of_row[None, :]) & (unit_of_row[:, None] >= 0)
+            same.fill_diagonal_(False)
+            a, b = same.nonzero(as_tuple=True)
+            u.pair_a, u.pair_b = a, b
+        return u
+
+    @property
+    def keep(self) -> torch.Tensor:
+        return self.unit_of_row >= 0
+
+    def rows_to_units(self, per_row: torch.Tensor) -> torch.Tensor:
+        """Sum a per-row quantity [R, ...] into units [U, ...]; padding rows dropped."""
+        if self.identity:
+            return per_row
+        out = per_row.new_zeros((self.num_units, *per_row.shape[1:]))
+        return out.index_add(0, self.unit_of_row[self.keep], per_row[self.keep])
+
+    def pairs_to_units(self, per_pair: torch.Tensor) -> torch.Tensor:
+        """Sum a quantity of same-unit row pairs [P] into units [U]."""
+        out = per_pair.new_zeros(self.num_units)
+        if per_pair.numel():
+            out.index_add_(0, self.unit_of_row[self.pair_a], per_pair)
+        return out
+
+    def row_factors(self, unit_factors: torch.Tensor) -> torch.Tensor:
+        """c_{u(r)} for every row, 0 for padding rows."""
+        if self.identity:
+            return unit_factors
+        f = unit_factors.new_zeros(self.unit_of_row.shape[0])
+        f[self.keep] = unit_factors[self.unit_of_row[self.keep]]
+        return f
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
@@ -40,85 +91,271 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-def linear_rule(module: nn.Linear, A, G, unit_of_row, num_units):
-    A3, G3 = _as_3d(A).to(G.dtype), _as_3d(G)
-    out = {}
-    if module.weight.requires_grad:
-        # Row r's weight gradient is Σ_t G[r,t] A[r,t]ᵀ; rows are summed into their unit.
-        out["weight"] = _to_units(torch.einsum("rto,rti->roi", G3, A3), unit_of_row, num_units)
-    if module.bias is not None and module.bias.requires_grad:
-        out["bias"] = _to_units(G3.sum(1), unit_of_row, num_units)
+def _gram_pair_sum(X: torch.Tensor, Y: torch.Tensor, units: Units) -> torch.Tensor:
+    """Per unit Σ_{r,r' in u} ⟨X_r X_r'ᵀ, Y_r Y_r'ᵀ⟩ for X [R,T,a], Y [R,T,b] (float32+)."""
+    # Diagonal (r = r'): ⟨X Xᵀ, Y Yᵀ⟩ per row.
+    diag = (torch.bmm(X, X.transpose(1, 2)) * torch.bmm(Y, Y.transpose(1, 2))).sum((1, 2))
+    out = units.rows_to_units(diag)
+    if not units.identity and units.pair_a is not None and units.pair_a.numel():
+        a, b = units.pair_a, units.pair_b
+        cross = (torch.bmm(X[a], X[b].transpose(1, 2)) * torch.bmm(Y[a], Y[b].transpose(1, 2))).sum((1, 2))
+        out = out + units.pairs_to_units(cross)
     return out
 
 
-def conv1d_rule(module, A, G, unit_of_row, num_units):
-    """HF GPT-2 Conv1D: y = x W + b with W of shape [in, out]."""
-    A3, G3 = _as_3d(A).to(G.dtype), _as_3d(G)
-    out = {}
-    if module.weight.requires_grad:
-        out["weight"] = _to_units(torch.einsum("rti,rto->rio", A3, G3), unit_of_row, num_units)
-    if module.bias is not None and module.bias.requires_grad:
-        out["bias"] = _to_units(G3.sum(1), unit_of_row, num_units)
-    return out
+def _ghost_cheaper(T: int, p: int, d: int) -> bool:
+    """Ghost norm (two T×T Grams per unit) vs instantiated p×d gradient per unit, by memory
+    and arithmetic: both scale the same way in the batch, so compare per unit."""
+    return 2 * T * T < p * d
 
 
-def embedding_rule(module: nn.Embedding, A, G, unit_of_row, num_units):
-    """Scatter each token's output gradient into its row of the unit's [V, d] gradient."""
-    if not module.weight.requires_grad:
-        return {}
-    R = G.shape[0]
-    ids = A.reshape(A.shape[0], -1)
-    if ids.shape[0] != R:  # shared indices, e.g. learned position ids of shape [1, T]
-        ids = ids.expand(R, -1)
-    G3 = G.reshape(R, ids.shape[1], -1)
-    scale = getattr(module, "embed_scale", None)
-    if scale is not None:  # Gemma's scaled word embedding: y = E[ids] * scale
-        G3 = G3 * scale.to(G3.dtype)
-    if module.padding_idx is not None:
-        # nn.Embedding never updates the padding row.
-        G3 = G3.masked_fill((ids == module.padding_idx).unsqueeze(-1), 0)
-    keep = unit_of_row >= 0
-    units = unit_of_row[keep].unsqueeze(1).expand(-1, ids.shape[1])
-    out = G3.new_zeros((num_units, *module.weight.shape))
-    out.index_put_((units.reshape(-1), ids[keep].reshape(-1)), G3[keep].reshape(-1, G3.shape[-1]), accumulate=True)
-    return {"weight": out}
+# --------------------------------------------------------------------------- records
 
 
-def rowwise_vjp_rule(module: nn.Module, A, G, unit_of_row, num_units):
-    """Exact per-row gradients of any row-independent module (normalization layers), by a
-    vectorized vector-Jacobian product of the module re-run on each row alone."""
-    from torch.func import functional_call, vjp, vmap
+class Record:
+    """One call of one hooked module in one micro-batch: its input, and later its output
+    gradient or its per-unit gradients."""
 
-    params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-    if not params:
-        return {}
-    frozen = {n: p.detach() for n, p in module.named_parameters(recurse=False) if not p.requires_grad}
+    __slots__ = ("module", "rule", "A", "G", "per_unit", "ghost", "sqn", "out_bytes")
 
-    def one(a, g):
-        def f(p):
-            return functional_call(module, {**p, **frozen}, (a.unsqueeze(0),))
-
-        _, pullback = vjp(f, params)
-        return pullback(g.unsqueeze(0))[0]
-
-    per_row = vmap(one)(A.detach(), G)
-    return {n: _to_units(per_row[n], unit_of_row, num_units) for n in params}
+    def __init__(self, module: nn.Module, rule: LayerRule, A: torch.Tensor, out_bytes: int = 0):
+        self.module, self.rule, self.A = module, rule, A
+        self.G: torch.Tensor | None = None
+        self.per_unit: dict[str, torch.Tensor] | None = None
+        self.ghost: bool = False
+        self.sqn: dict[str, torch.Tensor] | None = None  # per-unit squared norms, per parameter
+        self.out_bytes = out_bytes  # size of the module output, hence of G
 
 
-def _is_rms_norm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("RMSNorm")
+class LayerRule:
+    """Interface of a rule. ``params`` are the module's own trainable parameter names."""
+
+    def params(self, module) -> list[str]:
+        return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+
+    def choose_ghost(self, module, A, G, policy: str) -> bool:
+        return False
+
+    def sq_norms_ghost(self, rec: Record, units: Units) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def per_unit(self, rec: Record, units: Units) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def clipped_ghost(self, rec: Record, row_factors: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
 
 
-def find_rule(module: nn.Module) -> Rule | None:
-    """The rule for ``module``'s own parameters, or None if it is not supported."""
-    if type(module) is nn.Linear:
-        return linear_rule
-    if type(module) is nn.Embedding or (
-        isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding")
-    ):
-        return embedding_rule
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return conv1d_rule
-    if isinstance(module, nn.LayerNorm) or _is_rms_norm(module) or isinstance(module, nn.GroupNorm):
-        return rowwise_vjp_rule
+class LinearRule(LayerRule):
+    """nn.Linear (weight [out, in]) and, with ``transposed``, HF GPT-2 Conv1D ([in, out])."""
+
+    def __init__(self, transposed: bool = False):
+        self.transposed = transposed
+
+    def choose_ghost(self, module, A, G, policy):
+        if policy != "auto":
+            return policy == "ghost"
+        T = _as_3d(G).shape[1]
+        return _ghost_cheaper(T, G.shape[-1], A.shape[-1])
+
+    def sq_norms_ghost(self, rec, units):
+        module, dt = rec.module, acc_dtype(rec.G)
+        A3, G3 = _as_3d(rec.A).to(dt), _as_3d(rec.G).to(dt)
+        out = {}
+        if module.weight.requires_grad:
+            out["weight"] = _gram_pair_sum(A3, G3, units)
+        if module.bias is not None and module.bias.requires_grad:
+            s = G3.sum(1)  # the bias gradient of each row
+            out["bias"] = _bias_sq(s, units)
+        return out
+
+    def per_unit(self, rec, units):
+        module = rec.module
+        A3, G3 = _as_3d(rec.A).to(rec.G.dtype), _as_3d(rec.G)
+        out = {}
+        if module.weight.requires_grad:
+            eq = "rti,rto->rio" if self.transposed else "rto,rti->roi"
+            out["weight"] = units.rows_to_units(torch.einsum(eq, *( (A3, G3) if self.transposed else (G3, A3))))
+        if module.bias is not None and module.bias.requires_grad:
+            out["bias"] = units.rows_to_units(G3.sum(1))
+        return out
+
+    def clipped_ghost(self, rec, row_factors):
+        module = rec.module
+        A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
+        Gc = G3 * row_factors.to(G3.dtype)[:, None, None]
+        out = {}
+        if module.weight.requires_grad:
+            A2, G2 = A3.reshape(-1, A3.shape[-1]).to(Gc.dtype), Gc.reshape(-1, Gc.shape[-1])
+            out["weight"] = A2.t() @ G2 if self.transposed else G2.t() @ A2
+        if module.bias is not None and module.bias.requires_grad:
+            out["bias"] = Gc.sum((0, 1))
+        return out
+
+
+def _bias_sq(per_row: torch.Tensor, units: Units) -> torch.Tensor:
+    per_unit = units.rows_to_units(per_row)
+    return (per_unit * per_unit).sum(-1)
+
+
+class EmbeddingRule(LayerRule):
+    """nn.Embedding (and Gemma's scaled word embedding): y_t = E[id_t] (· scale)."""
+
+    def _ids_and_G(self, rec: Record):
+        module = rec.module
+        G = rec.G
+        R = G.shape[0]
+        ids = rec.A.reshape(rec.A.shape[0], -1)
+        if ids.shape[0] != R:  # shared indices, e.g. learned position ids of shape [1, T]
+            ids = ids.expand(R, -1)
+        G3 = G.reshape(R, ids.shape[1], -1)
+        scale = getattr(module, "embed_scale", None)
+        if scale is not None:  # Gemma: y = E[ids] * scale
+            G3 = G3 * scale.to(G3.dtype)
+        if module.padding_idx is not None:  # nn.Embedding never updates the padding row
+            G3 = G3.masked_fill((ids == module.padding_idx).unsqueeze(-1), 0)
+        return ids, G3
+
+    def choose_ghost(self, module, A, G, policy):
+        if policy != "auto":
+            return policy == "ghost"
+        T = A.reshape(A.shape[0], -1).shape[1]
+        V, d = module.weight.shape
+        return _ghost_cheaper(T, V, d)
+
+    def sq_norms_ghost(self, rec, units):
+        if not rec.module.weight.requires_grad:
+            return {}
+        ids, G3 = self._ids_and_G(rec)
+        G3 = G3.to(acc_dtype(G3))
+        # Σ_{t,s} [id_t = id_s] ⟨G_t, G_s⟩: equal-token mask instead of a one-hot [T, V].
+        same = (ids[:, :, None] == ids[:, None, :]).to(G3.dtype)
+        diag = (same * torch.bmm(G3, G3.transpose(1, 2))).sum((1, 2))
+        out = units.rows_to_units(diag)
+        if not units.identity and units.pair_a is not None and units.pair_a.numel():
+            a, b = units.pair_a, units.pair_b
+            same_ab = (ids[a][:, :, None] == ids[b][:, None, :]).to(G3.dtype)
+            cross = (same_ab * torch.bmm(G3[a], G3[b].transpose(1, 2))).sum((1, 2))
+            out = out + units.pairs_to_units(cross)
+        return {"weight": out}
+
+    def per_unit(self, rec, units):
+        module = rec.module
+        if not module.weight.requires_grad:
+            return {}
+        ids, G3 = self._ids_and_G(rec)
+        keep = units.keep
+        uid = units.unit_of_row[keep].unsqueeze(1).expand(-1, ids.shape[1])
+        out = G3.new_zeros((units.num_units, *module.weight.shape))
+        out.index_put_((uid.reshape(-1), ids[keep].reshape(-1)), G3[keep].reshape(-1, G3.shape[-1]),
+                       accumulate=True)
+        return {"weight": out}
+
+    def clipped_ghost(self, rec, row_factors):
+        ids, G3 = self._ids_and_G(rec)
+        Gc = G3 * row_factors.to(G3.dtype)[:, None, None]
+        out = Gc.new_zeros(rec.module.weight.shape)
+        out.index_add_(0, ids.reshape(-1), Gc.reshape(-1, Gc.shape[-1]))
+        return {"weight": out}
+
+
+class RowwiseRule(LayerRule):
+    """Normalization layers (LayerNorm, the RMSNorm variants, GroupNorm): their parameters
+    are d-vectors, so per-unit gradients are small and always instantiated, by a vectorized
+    vector-Jacobian product of the module re-run on each row alone (exact for any such
+    module, whatever its formula: Llama's w·x̂, Gemma's (1+w)·x̂, LayerNorm's w·x̂+b)."""
+
+    def per_unit(self, rec, units):
+        from torch.func import functional_call, vjp, vmap
+
+        module = rec.module
+        params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        if not params:
+            return {}
+        frozen = {n: p.detach() for n, p in module.named_parameters(recurse=False) if not p.requires_grad}
+
+        def one(a, g):
+            def f(p):
+                return functional_call(module, {**p, **frozen}, (a.unsqueeze(0),))
+
+            _, pullback = vjp(f, params)
+            return pullback(g.unsqueeze(0))[0]
+
+        per_row = vmap(one)(rec.A, rec.G)
+        return {n: units.rows_to_units(per_row[n]) for n in params}
+
+
+_LINEAR, _CONV1D, _EMBEDDING, _ROWWISE = LinearRule(), LinearRule(transposed=True), EmbeddingRule(), RowwiseRule()
+
+
+def find_rule(module: nn.Module) -> LayerRule | None:
+    """The rule for ``module``'s own parameters, or None if it is not supported.
+
+    Matching is by exact type (a subclass may change the forward, as Gemma's scaled
+    embedding does), plus the HF classes whose forward is known.
+    """
+    t = type(module)
+    if t is nn.Linear:
+        return _LINEAR
+    if t is nn.Embedding or (isinstance(module, nn.Embedding) and t.__name__.endswith("ScaledWordEmbedding")):
+        return _EMBEDDING
+    if t.__name__ == "Conv1D" and hasattr(module, "nf"):
+        return _CONV1D
+    if t in (nn.LayerNorm, nn.GroupNorm) or t.__name__.endswith("RMSNorm"):
+        return _ROWWISE
     return None
+
+
+# --------------------------------------------------------------------------- shared parameters
+
+
+def cross_inner(ri: Record, rj: Record, pname_i: str, pname_j: str, units: Units) -> torch.Tensor:
+    """Per unit ⟨g_i, g_j⟩ for one parameter used by two calls (tied embeddings, a module
+    called twice), without forming a p×d gradient when both are ghost-capable."""
+    ti, tj = type(ri.rule), type(rj.rule)
+    if ti is EmbeddingRule and tj is LinearRule and not rj.rule.transposed:
+        return _cross_embedding_linear(ri, rj, units)
+    if tj is EmbeddingRule and ti is LinearRule and not ri.rule.transposed:
+        return _cross_embedding_linear(rj, ri, units)
+    if ti is LinearRule and tj is LinearRule and ri.rule.transposed == rj.rule.transposed and pname_i == pname_j == "weight":
+        dt = acc_dtype(ri.G)
+        Ai, Gi = _as_3d(ri.A).to(dt), _as_3d(ri.G).to(dt)
+        Aj, Gj = _as_3d(rj.A).to(dt), _as_3d(rj.G).to(dt)
+        return _pair_sum_two(Ai, Gi, Aj, Gj, units)
+    # Anything else: instantiate both (small parameters only reach here).
+    gi = ri.rule.per_unit(ri, units)[pname_i]
+    gj = rj.rule.per_unit(rj, units)[pname_j]
+    return (gi.reshape(gi.shape[0], -1).to(acc_dtype(gi)) * gj.reshape(gj.shape[0], -1).to(acc_dtype(gj))).sum(1)
+
+
+def _pair_sum_two(Ai, Gi, Aj, Gj, units: Units) -> torch.Tensor:
+    """Per unit Σ_{r,r' in u} ⟨A_i,r A_j,r'ᵀ, G_i,r G_j,r'ᵀ⟩."""
+    diag = (torch.bmm(Ai, Aj.transpose(1, 2)) * torch.bmm(Gi, Gj.transpose(1, 2))).sum((1, 2))
+    out = units.rows_to_units(diag)
+    if not units.identity and units.pair_a is not None and units.pair_a.numel():
+        a, b = units.pair_a, units.pair_b
+        cross = (torch.bmm(Ai[a], Aj[b].transpose(1, 2)) * torch.bmm(Gi[a], Gj[b].transpose(1, 2))).sum((1, 2))
+        out = out + units.pairs_to_units(cross)
+    return out
+
+
+def _cross_embedding_linear(re: Record, rl: Record, units: Units) -> torch.Tensor:
+    """⟨embedding grad, linear grad⟩ of a tied [V, d] matrix, per unit:
+    Σ_t Σ_s G_lin[s, id_t] ⟨G_emb,t, A_lin,s⟩ — a T×T computation, no V×d tensor."""
+    ids, Ge = re.rule._ids_and_G(re)
+    dt = acc_dtype(rl.G)
+    Ge = Ge.to(dt)
+    Al, Gl = _as_3d(rl.A).to(dt), _as_3d(rl.G).to(dt)
+
+    def one(e_ids, ge, al, gl):  # rows of the embedding call, rows of the linear call
+        # P[s, t] = G_lin[s, id_t]; M[s, t] = ⟨A_lin,s, G_emb,t⟩
+        P = torch.gather(gl, 2, e_ids[:, None, :].expand(-1, gl.shape[1], -1))
+        M = torch.bmm(al, ge.transpose(1, 2))
+        return (P * M).sum((1, 2))
+
+    diag = one(ids, Ge, Al, Gl)
+    out = units.rows_to_units(diag)
+    if not units.identity and units.pair_a is not None and units.pair_a.numel():
+        a, b = units.pair_a, units.pair_b
+        out = out + units.pairs_to_units(one(ids[a], Ge[a], Al[b], Gl[b]))
+    return out

@@ -43,30 +43,41 @@ def reference(model, batch, C):
     return norms, {n: torch.einsum("u,u...->...", f, grads[n]) for n in names}
 
 
-@pytest.mark.parametrize("engine", ["instantiate", "reference"])
+CONFIGS = [
+    {"engine": "reference"},
+    {"engine": "ghost", "mode": "book-keeping", "layer_policy": "ghost"},
+    {"engine": "ghost", "mode": "book-keeping", "layer_policy": "instantiate"},
+    {"engine": "ghost", "mode": "two-pass", "layer_policy": "ghost"},
+    {"engine": "ghost", "mode": "auto", "layer_policy": "auto"},
+]
+IDS = ["reference", "bk-ghost", "bk-instantiate", "two-pass", "auto"]
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("row_units", [[0, 1, 2, 3], [0, 0, 1, 1, 1, -1], [2, 0, -1, 1, 0]])
 @pytest.mark.parametrize("C", [1e-3, 1e3])
-def test_engine_matches_torch_func(engine, row_units, C):
+def test_engine_matches_torch_func(kw, row_units, C):
     model = tiny_llama()
     batch = make_batch(row_units)
     ref_norms, ref_sum = reference(model, batch, C)
-    clipper = GhostClipper(model, C, engine=engine)
+    clipper = GhostClipper(model, C, **kw)
     norms = clipper.backward(row_losses(model, batch), batch["row_units"])
     torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_sum[n], rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("clip", CONFIGS[1:], ids=IDS[1:])
 @pytest.mark.parametrize("family,kw", [("gpt2", {"tie_word_embeddings": True}), ("gemma", {"tie_word_embeddings": True}),
                                        ("qwen2", {}), ("llama", {"tie_word_embeddings": True})])
-def test_families_tied_embeddings_and_padding(family, kw):
+def test_families_tied_embeddings_and_padding(family, kw, clip):
     model = tiny_llama(family, **kw)
     if kw.get("tie_word_embeddings"):
         assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
     batch = make_batch([0, 0, 1, -1, 2])
     C = 0.05
     ref_norms, ref_sum = reference(model, batch, C)
-    norms = GhostClipper(model, C).backward(row_losses(model, batch), batch["row_units"])
+    norms = GhostClipper(model, C, **clip).backward(row_losses(model, batch), batch["row_units"])
     torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_sum[n], rtol=1e-6, atol=1e-12)
@@ -124,3 +135,101 @@ def test_batchnorm_is_refused_by_path_and_type():
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
     with pytest.raises(UnsupportedModuleError, match=r"'1' \(BatchNorm1d\) mixes examples"):
         GhostClipper(net, 1.0)
+
+
+def _compare(model, batch, C, ref_norms, ref_sum, **clip):
+    for p in model.parameters():
+        p.grad = None
+    clipper = GhostClipper(model, C, **clip)
+    norms = clipper.backward(row_losses(model, batch), batch["row_units"])
+    clipper.remove_hooks()
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, ref_sum[n], rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("clip", CONFIGS[1:], ids=IDS[1:])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_activation_checkpointing(family, clip):
+    model = tiny_llama(family, tie_word_embeddings=True)
+    batch = make_batch([0, 1, 1, -1, 2])
+    ref_norms, ref_sum = reference(model, batch, 0.05)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    _compare(model, batch, 0.05, ref_norms, ref_sum, **clip)
+
+
+def _lora(model, dropout):
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["c_attn", "c_fc"] if model.config.model_type == "gpt2" else ["q_proj", "v_proj", "down_proj"]
+    torch.manual_seed(3)
+    lora = get_peft_model(model, LoraConfig(r=3, lora_alpha=6, lora_dropout=dropout, target_modules=targets,
+                                            task_type="CAUSAL_LM"))
+    with torch.no_grad():  # LoRA B starts at zero; make the adapters' gradients non-trivial
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return lora.double()
+
+
+@pytest.mark.parametrize("clip", CONFIGS[1:], ids=IDS[1:])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_lora_matches_torch_func(family, clip):
+    model = _lora(tiny_llama(family), dropout=0.0)
+    batch = make_batch([0, 0, 1, 2, -1])
+    ref_norms, ref_sum = reference(model, batch, 0.02)
+    assert set(ref_sum) and all("lora_" in n for n in ref_sum)
+    _compare(model, batch, 0.02, ref_norms, ref_sum, **clip)
+
+
+@pytest.mark.parametrize("mode", ["book-keeping", "two-pass"])
+def test_lora_with_dropout_matches_autograd_on_the_same_forward(mode):
+    from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
+
+    model = _lora(tiny_llama(), dropout=0.3)
+    model.train()
+    batch = make_batch([0, 1, 1, 2])
+    clipper = GhostClipper(model, 0.02, mode=mode)
+    losses = row_losses(model, batch)  # one forward: one dropout mask for both
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_unit = per_unit_gradients_autograd(losses, params, batch["row_units"], retain_graph=True)
+    ref, ref_norms = clipped_sum(per_unit, 0.02)
+    norms = clipper.backward(losses, batch["row_units"])
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r, rtol=1e-6, atol=1e-12)
+
+
+def test_bf16_autocast_norms_in_float32():
+    model = tiny_model("llama", vocab_size=V, dtype=torch.float32)
+    batch = make_batch([0, 1, 2, 3])
+    ref_norms, _ = reference(model.double(), batch, 1.0)
+    model = model.float()
+    clipper = GhostClipper(model, 1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = row_losses(model, batch)
+    norms = clipper.backward(losses, batch["row_units"])
+    assert norms.dtype == torch.float32
+    torch.testing.assert_close(norms.double(), ref_norms, rtol=3e-2, atol=0)
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_unsupported_trainable_module_is_named():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.mixer = torch.nn.Conv1d(4, 4, 3)
+
+        def forward(self, input_ids):
+            return self.mixer(self.embed(input_ids).transpose(1, 2))
+
+    with pytest.raises(UnsupportedModuleError) as e:
+        GhostClipper(Net(), 1.0)
+    msg = str(e.value)
+    assert "'mixer' (Conv1d)" in msg and "requires_grad_(False)" in msg
+    net = Net()
+    net.mixer.requires_grad_(False)  # the fix the message gives
+    GhostClipper(net, 1.0)
