@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run a recipe: llmdp train RECIPE [key.sub=value ...]")
     t.add_argument("recipe")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=4")
+    t.add_argument("--debug", action="store_true",
+                   help="check the clipping engine against the exact reference on the first step")
 
     priv = sub.add_parser("privacy", help="accounting: epsilon, calibrate, report")
     psub = priv.add_subparsers(dest="privacy_command", required=True)
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             from llmdp.config import load_recipe
             from llmdp.trainer import run
 
-            cfg = load_recipe(args.recipe, args.overrides)
+            overrides = list(args.overrides) + (["privacy.debug_check=true"] if args.debug else [])
+            cfg = load_recipe(args.recipe, overrides)
             _quiet_libraries()
             run(cfg)
             return 0

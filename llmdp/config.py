@@ -195,6 +195,7 @@ class PrivacyConfig:
     seed: int | None = _f(None, ge=0)  # required iff rng == "seeded"
     clipping: str = _f("ghost", choices=("ghost", "reference"))
     clipping_mode: str = _f("auto", choices=("auto", "book-keeping", "two-pass"))
+    debug_check: bool = False  # compare the engine with the exact reference on the first step
     max_noise_multiplier: float = _f(100.0, gt=0)
 
 

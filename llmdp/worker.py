@@ -130,6 +130,7 @@ def accumulate_clipped_sum(
     physical_batch_size: int,
     device: torch.device,
     loss_fn: Callable[[nn.Module, dict], torch.Tensor] = row_losses,
+    debug_check: bool = False,
 ) -> StepStats:
     """Σ_u clip(g_u) over this worker's units, left in ``p.grad`` (zeroed first).
 
@@ -146,7 +147,10 @@ def accumulate_clipped_sum(
             batch = store.pad_batch(batch, 1)
         batch = {k: v.to(device) for k, v in batch.items()}
         losses = loss_fn(model, batch)
-        norms = clipper.backward(losses, batch["row_units"])
+        if debug_check and m == 0:
+            norms = check_against_reference(clipper, losses, batch["row_units"])
+        else:
+            norms = clipper.backward(losses, batch["row_units"])
         real = batch["row_units"] >= 0
         stats.units += len(chunk)
         stats.rows += int(real.sum())
@@ -154,6 +158,37 @@ def accumulate_clipped_sum(
         stats.loss_sum += float(losses.detach()[real].sum())
         stats.clipped += int((norms > clipper.max_grad_norm).sum())
     return stats
+
+
+class ClippingCheckError(RuntimeError):
+    """The clipping engine disagrees with the exact reference (``--debug``)."""
+
+
+def check_against_reference(clipper: GhostClipper, losses: torch.Tensor, row_units) -> torch.Tensor:
+    """Run the engine and the slow exact reference on the same forward pass and compare
+    per-unit norms and clipped sums; stop the run on a mismatch (DESIGN §3.6)."""
+    from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
+
+    per_unit = per_unit_gradients_autograd(losses, clipper.params, row_units, retain_graph=True)
+    ref_sums, ref_norms = clipped_sum(per_unit, clipper.max_grad_norm)
+    del per_unit
+    before = [p.grad.detach().clone() for p in clipper.params]
+    norms = clipper.backward(losses, row_units)
+    rtol = 1e-6 if losses.dtype == torch.float64 else 2e-3
+    worst = float((norms.double() - ref_norms.double()).abs().max() / ref_norms.double().abs().max().clamp(min=1e-30))
+    if worst > rtol:
+        raise ClippingCheckError(f"per-unit norms differ from the reference by {worst:.3g} (relative) > {rtol:g}")
+    names = {id(p): n for n, p in clipper.model.named_parameters()}
+    for p, b, r in zip(clipper.params, before, ref_sums):
+        got = (p.grad - b).double()
+        scale = r.double().abs().max().clamp(min=1e-30)
+        err = float((got - r.double()).abs().max() / scale)
+        if err > rtol:
+            raise ClippingCheckError(
+                f"clipped sum of '{names[id(p)]}' differs from the reference by {err:.3g} "
+                f"(relative) > {rtol:g}"
+            )
+    return norms
 
 
 def privatize_(
@@ -332,7 +367,10 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
         sample = sampler.sample(keys.sample)  # secret: never logged
         micro = sampling.num_micro_batches(len(sample), world, physical)
         mine = worker_share(sample, rank, world)
-        stats = accumulate_clipped_sum(model, clipper, store, mine, micro, physical, device)
+        stats = accumulate_clipped_sum(
+            model, clipper, store, mine, micro, physical, device,
+            debug_check=bool(priv_cfg.get("debug_check")) and step == start,
+        )
         if ledger is not None:
             # Write-ahead: the step's event is durable before any replica applies the update.
             # The other ranks cannot pass the all-reduce below before rank 0 reaches it.

@@ -167,3 +167,25 @@ def test_learning_rate_schedule(schedule):
     mid = f(14)  # halfway through the decay
     assert mid == pytest.approx({"constant": 1.0, "cosine": 0.55, "linear": 0.55}[schedule])
     assert all(f(s) >= f(s + 1) - 1e-12 for s in range(4, 24))
+
+
+def test_debug_check_accepts_the_engine_and_catches_a_wrong_one(store, monkeypatch):
+    from llmdp.clipping.norms import LinearRule
+    from llmdp.losses import row_losses
+    from llmdp.worker import ClippingCheckError, check_against_reference
+
+    batch = store.rows([0, 1, 2])
+    model = model64()
+    clipper = GhostClipper(model, 0.05, mode="book-keeping", layer_policy="ghost")
+    for p in clipper.params:
+        p.grad = torch.zeros_like(p)
+    check_against_reference(clipper, row_losses(model, batch), batch["row_units"])
+
+    real = LinearRule.clipped_ghost
+
+    def wrong(self, rec, row_factors):  # a bug: clipping factors applied twice
+        return real(self, rec, row_factors * row_factors)
+
+    monkeypatch.setattr(LinearRule, "clipped_ghost", wrong)
+    with pytest.raises(ClippingCheckError, match="clipped sum of '.*' differs"):
+        check_against_reference(clipper, row_losses(model, batch), batch["row_units"])

@@ -233,3 +233,25 @@ def test_unsupported_trainable_module_is_named():
     net = Net()
     net.mixer.requires_grad_(False)  # the fix the message gives
     GhostClipper(net, 1.0)
+
+
+UNITS = {"units-of-1": [0, 1, -1, 2], "units-of-3": [0, 0, 0, 1, -1, 1, 1]}
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("layout", list(UNITS))
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+@pytest.mark.parametrize("family,kw", [("llama", {}), ("gpt2", {"tie_word_embeddings": True}),
+                                       ("gemma", {"tie_word_embeddings": True}), ("qwen2", {})])
+def test_acceptance_matrix(family, kw, tuning, layout, ckpt):
+    """Every family x full/LoRA x units of 1 and 3 rows (padding rows and tokens) x
+    activation checkpointing: the default engine equals torch.func in float64."""
+    model = tiny_llama(family, **kw)
+    if tuning == "lora":
+        model = _lora(model, dropout=0.0)
+    batch = make_batch(UNITS[layout])
+    ref_norms, ref_sum = reference(model, batch, 0.03)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    _compare(model, batch, 0.03, ref_norms, ref_sum)
