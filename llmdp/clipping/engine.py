@@ -291,6 +291,7 @@ class GhostClipper:
             self._recording = True
             self._phase = "idle"
         seen = [r for r in records if r.sqn is not None]
+        self._check_coverage(seen)
         norms = self._norms(seen, units)
         factors = clip_factors(norms, self.max_grad_norm)
         if mode == "two-pass":
@@ -310,6 +311,21 @@ class GhostClipper:
             contributions.extend((getattr(rec.module, n), g) for n, g in parts.items())
         self._add_to_grad(contributions)
         return norms
+
+    def _check_coverage(self, seen: list[Record]) -> None:
+        """Every hooked module must have been seen with its output gradient: a trainable
+        parameter the engine did not see would be trained without being clipped, or not
+        at all (DESIGN §3.6: no silent fallback)."""
+        reached = {id(r.module) for r in seen}
+        missing = [n for n, m in self.model.named_modules() if m in self._rules and id(m) not in reached]
+        if missing:
+            raise UnsupportedModuleError(
+                f"trainable modules {missing[:5]}{' ...' if len(missing) > 5 else ''} took part "
+                "in no recorded forward/backward of this batch. Reentrant activation "
+                "checkpointing hides them from the engine: use "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+                "False}); a module the model never calls must be frozen (requires_grad_(False))."
+            )
 
     def _norms(self, records: list[Record], units: Units) -> torch.Tensor:
         sq = None

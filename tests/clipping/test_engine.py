@@ -255,3 +255,20 @@ def test_acceptance_matrix(family, kw, tuning, layout, ckpt):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     _compare(model, batch, 0.03, ref_norms, ref_sum)
+
+
+def test_reentrant_checkpointing_is_refused_not_silently_unclipped():
+    model = tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    batch = make_batch([0, 1])
+    with pytest.raises((UnsupportedModuleError, RuntimeError), match="use_reentrant"):
+        GhostClipper(model, 1.0).backward(row_losses(model, batch), batch["row_units"])
+
+
+def test_a_trainable_module_outside_the_graph_is_refused():
+    model = tiny_llama()
+    model.unused = torch.nn.Linear(3, 3).double()  # trainable, never called by forward
+    batch = make_batch([0, 1])
+    with pytest.raises(UnsupportedModuleError, match="'unused'"):
+        GhostClipper(model, 1.0).backward(row_losses(model, batch), batch["row_units"])
