@@ -207,7 +207,7 @@ class GhostClipper:
         G = G.detach()
         rec.G = G
         rule = rec.rule
-        rec.ghost = rule.choose_ghost(rec.module, rec.A, G, self.layer_policy)
+        rec.ghost = rule.choose_ghost(rec.module, rec.A, G, self.layer_policy, units.num_units)
         shared = any(id(getattr(rec.module, n)) in self._shared for n in rule.params(rec.module))
         if rec.ghost:
             rec.sqn = rule.sq_norms_ghost(rec, units)

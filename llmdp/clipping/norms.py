@@ -103,10 +103,16 @@ def _gram_pair_sum(X: torch.Tensor, Y: torch.Tensor, units: Units) -> torch.Tens
     return out
 
 
-def _ghost_cheaper(T: int, p: int, d: int) -> bool:
-    """Ghost norm (two T×T Grams per unit) vs instantiated p×d gradient per unit, by memory
-    and arithmetic: both scale the same way in the batch, so compare per unit."""
-    return 2 * T * T < p * d
+def _ghost_cheaper(num_units: int, rows: int, T: int, p: int, d: int) -> bool:
+    """Ghost norm or instantiation, for one layer and one batch.
+
+    Time: instantiating costs what the non-private weight gradient costs (one p×d
+    outer-product sum per unit) and makes norms and the clipped sum cheap; the ghost norm
+    adds T²(p+d) per unit. So instantiate whenever its memory is acceptable: when the
+    per-unit gradients (U·p·d) are no larger than what book-keeping keeps for the layer
+    anyway (its input and output, R·T·(p+d)). Otherwise the ghost norm, whose memory is
+    T² per unit, never p×d."""
+    return num_units * p * d > rows * T * (p + d)
 
 
 # --------------------------------------------------------------------------- records
@@ -133,7 +139,7 @@ class LayerRule:
     def params(self, module) -> list[str]:
         return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
 
-    def choose_ghost(self, module, A, G, policy: str) -> bool:
+    def choose_ghost(self, module, A, G, policy: str, num_units: int) -> bool:
         return False
 
     def sq_norms_ghost(self, rec: Record, units: Units) -> dict[str, torch.Tensor]:
@@ -152,11 +158,11 @@ class LinearRule(LayerRule):
     def __init__(self, transposed: bool = False):
         self.transposed = transposed
 
-    def choose_ghost(self, module, A, G, policy):
+    def choose_ghost(self, module, A, G, policy, num_units):
         if policy != "auto":
             return policy == "ghost"
-        T = _as_3d(G).shape[1]
-        return _ghost_cheaper(T, G.shape[-1], A.shape[-1])
+        G3 = _as_3d(G)
+        return _ghost_cheaper(num_units, G3.shape[0], G3.shape[1], G.shape[-1], A.shape[-1])
 
     def sq_norms_ghost(self, rec, units):
         module, dt = rec.module, acc_dtype(rec.G)
@@ -216,12 +222,13 @@ class EmbeddingRule(LayerRule):
             G3 = G3.masked_fill((ids == module.padding_idx).unsqueeze(-1), 0)
         return ids, G3
 
-    def choose_ghost(self, module, A, G, policy):
+    def choose_ghost(self, module, A, G, policy, num_units):
         if policy != "auto":
             return policy == "ghost"
-        T = A.reshape(A.shape[0], -1).shape[1]
+        R, T = G.shape[0], G.reshape(G.shape[0], -1, G.shape[-1]).shape[1]
         V, d = module.weight.shape
-        return _ghost_cheaper(T, V, d)
+        # Kept anyway: the output gradient [R, T, d] (the input is token ids).
+        return num_units * V * d > R * T * d
 
     def sq_norms_ghost(self, rec, units):
         if not rec.module.weight.requires_grad:
