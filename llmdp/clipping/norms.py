@@ -93,14 +93,7 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
 
 def _gram_pair_sum(X: torch.Tensor, Y: torch.Tensor, units: Units) -> torch.Tensor:
     """Per unit Σ_{r,r' in u} ⟨X_r X_r'ᵀ, Y_r Y_r'ᵀ⟩ for X [R,T,a], Y [R,T,b] (float32+)."""
-    # Diagonal (r = r'): ⟨X Xᵀ, Y Yᵀ⟩ per row.
-    diag = (torch.bmm(X, X.transpose(1, 2)) * torch.bmm(Y, Y.transpose(1, 2))).sum((1, 2))
-    out = units.rows_to_units(diag)
-    if not units.identity and units.pair_a is not None and units.pair_a.numel():
-        a, b = units.pair_a, units.pair_b
-        cross = (torch.bmm(X[a], X[b].transpose(1, 2)) * torch.bmm(Y[a], Y[b].transpose(1, 2))).sum((1, 2))
-        out = out + units.pairs_to_units(cross)
-    return out
+    return _pair_sum_two(X, Y, X, Y, units)
 
 
 def _ghost_cheaper(num_units: int, rows: int, T: int, p: int, d: int) -> bool:
