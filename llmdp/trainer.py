@@ -45,7 +45,6 @@ class PreparedRun:
             "store_dir": self.store_dir,
             "run_dir": self.run_dir,
             "cache_dir": self.cache_dir,
-            "model_dir": self.cache_dir,
             "tokenizer_dir": self.tokenizer_dir,
             "run_id": self.run_id,
             "ledger_meta": self.ledger_meta,
@@ -259,7 +258,6 @@ def _fit(prepared: PreparedRun, log) -> None:
         progress.join(timeout=5)
         if started_ray:
             ray.shutdown()
-        time.sleep(0)
 
 
 def _ray_entry(config: dict) -> None:

@@ -298,7 +298,7 @@ def _save_state(directory: str, params_named, optimizer, scheduler, step: int, e
 def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
     """The whole job on one worker. ``config`` is plain data built by the driver:
     ``recipe`` (the resolved recipe dict), ``plan`` (DPPlan.to_dict()), ``store_dir``,
-    ``run_dir``, ``model_dir``, ``run_id``, ``ledger_meta``. Paths are absolute."""
+    ``run_dir``, ``cache_dir``, ``run_id``, ``ledger_meta``. Paths are absolute."""
     from llmdp.config import recipe_from_dict
     from llmdp.data.store import open_store
     from llmdp.models import load_model
