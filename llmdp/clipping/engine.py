@@ -228,10 +228,6 @@ class GhostClipper:
             h.remove()
         self._handles.clear()
 
-    def reset(self) -> None:
-        """Forget what forward passes recorded (e.g. after a forward that is not trained on)."""
-        self._records.clear()
-
     # ------------------------------------------------------------------ backward
     def backward(self, unit_losses: torch.Tensor, row_units: torch.Tensor | None = None) -> torch.Tensor:
         """Add the clipped sum of per-unit gradients to ``p.grad``; return per-unit norms.

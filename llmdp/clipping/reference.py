@@ -47,10 +47,6 @@ def unit_losses_from_rows(row_losses: torch.Tensor, row_units: torch.Tensor, num
     return out.index_add(0, row_units[keep], row_losses[keep])
 
 
-def trainable_params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def per_unit_gradients_autograd(
     row_losses: torch.Tensor,
     params: Sequence[torch.Tensor],
