@@ -168,18 +168,36 @@ class SyntheticDataConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = _f(
-        path="always",
-        help="the training corpus: a .jsonl, .json, .parquet or .txt file, or a directory",
+    # The source: exactly one of `path` (local files, a directory of them, or a folder
+    # written by datasets' save_to_disk) and `dataset` (a Hub dataset name; needs network).
+    path: str | None = _f(
+        None, path="always",
+        help="the training corpus: a .jsonl, .json, .parquet, .csv or .txt file, a directory, "
+             "or a datasets save_to_disk folder",
     )
-    format: str = _f("auto", choices=("auto", "jsonl", "json", "parquet", "text"))
-    text_field: str = "text"
-    # Only "sequence" is accepted for now; "document" and "user" are planned.
+    dataset: str | None = _f(None, nonempty=True)
+    config_name: str | None = None
+    split: str = _f("train", nonempty=True)
+    format: str = _f("auto", choices=("auto", "jsonl", "json", "parquet", "csv", "text"))
+    # What a record is: plain text (`text_field`), a chat (`messages_field`: a list of
+    # {role, content}) or an instruction pair (`prompt_field` + `response_field`). Chats and
+    # instructions train on the response tokens only.
+    text_field: str = _f("text", nonempty=True)
+    messages_field: str | None = _f(None, nonempty=True)
+    prompt_field: str | None = _f(None, nonempty=True)
+    response_field: str | None = _f(None, nonempty=True)
+    chat_template: str = _f("auto", choices=("auto", "none"))
+    # The privacy unit (what the guarantee protects): a packed sequence of
+    # `sequence_length` tokens, a document, or a user (records grouped by `user_field`).
     unit: str = _f("sequence", choices=("sequence", "document", "user"))
     sequence_length: int = _f(128, ge=8, le=65536)
+    max_rows_per_unit: int | None = _f(None, ge=1)  # document/user contribution bound; sequence: 1
+    user_field: str | None = _f(None, nonempty=True)
+    document_masking: bool = False  # sequence/user: no attention across packed documents
     # When set, the demo corpus is generated at `path` if the file is missing.
     synthetic: SyntheticDataConfig | None = None
     max_units: int | None = _f(None, ge=1)  # optional cap, for quick runs
+    num_proc: int | None = _f(None, ge=1)  # tokenizer processes (None: by corpus size)
 
 
 @dataclass(frozen=True)
@@ -190,7 +208,10 @@ class PrivacyConfig:
     delta: float | None = _f(None, gt=0, lt=1)  # None: the plan picks a default below 1/N
     max_grad_norm: float = _f(1.0, gt=0)
     accountant: str = _f("pld", choices=("pld", "rdp"))
-    sampler: str = _f("poisson", choices=("poisson",))
+    # "poisson": exact Poisson sampling; "truncated-poisson": Poisson capped at
+    # max_batch_size units (bounded memory), accounted with the truncated event (pld only).
+    sampler: str = _f("poisson", choices=("poisson", "truncated-poisson"))
+    max_batch_size: int | None = _f(None, ge=1)  # truncated-poisson cap; None: the plan picks it
     rng: str = _f("secure", choices=("secure", "seeded"))
     seed: int | None = _f(None, ge=0)  # required iff rng == "seeded"
     clipping: str = _f("ghost", choices=("ghost", "reference"))
@@ -223,6 +244,7 @@ class TrainConfig:
     log_every: int = _f(10, ge=1)
     seed: int = _f(0, ge=0)  # model init / dropout only; NOT a privacy seed
     eval_every: int = _f(0, ge=0)  # 0 = off
+    length_bucketing: bool = True  # group rows of similar length; pad each micro-batch to its longest
 
 
 @dataclass(frozen=True)
@@ -302,11 +324,65 @@ def _check_model(m: ModelConfig, prefix: str, base_dir: str) -> ModelConfig:
 
 
 def _check_data(d: DataConfig, prefix: str, base_dir: str) -> DataConfig:
-    if d.unit != "sequence":
+    if (d.path is None) == (d.dataset is None):
+        got = "both" if d.path is not None else "neither"
         raise ConfigError(
-            f"{prefix}.unit: {d.unit!r} is not supported yet; only 'sequence' is accepted "
-            f"for now (document and user privacy units are planned)",
-            key=f"{prefix}.unit",
+            f"{prefix}.path / {prefix}.dataset: give exactly one data source, got {got} "
+            f"(path={d.path!r}, dataset={d.dataset!r}); path is a local file or folder, "
+            f"dataset a Hub dataset name",
+            key=f"{prefix}.path",
+        )
+    if (d.prompt_field is None) != (d.response_field is None):
+        missing = "response_field" if d.response_field is None else "prompt_field"
+        raise ConfigError(
+            f"{prefix}.{missing}: instruction records need both {prefix}.prompt_field and "
+            f"{prefix}.response_field (got prompt_field={d.prompt_field!r}, "
+            f"response_field={d.response_field!r})",
+            key=f"{prefix}.{missing}",
+        )
+    if d.messages_field is not None and d.prompt_field is not None:
+        raise ConfigError(
+            f"{prefix}.messages_field: {d.messages_field!r} and {prefix}.prompt_field "
+            f"{d.prompt_field!r} both set; a record is either a chat (messages_field) or an "
+            f"instruction pair (prompt_field + response_field)",
+            key=f"{prefix}.messages_field",
+        )
+    if d.unit == "sequence":
+        if d.max_rows_per_unit not in (None, 1):
+            raise ConfigError(
+                f"{prefix}.max_rows_per_unit: {d.max_rows_per_unit} with {prefix}.unit 'sequence'; "
+                f"a sequence unit is one row. Use unit: document or user for multi-row units",
+                key=f"{prefix}.max_rows_per_unit",
+            )
+    elif d.max_rows_per_unit is None:
+        raise ConfigError(
+            f"{prefix}.max_rows_per_unit: required with {prefix}.unit {d.unit!r}: the contribution "
+            f"bound, in rows of {prefix}.sequence_length tokens, of one {d.unit} (longer ones are "
+            f"truncated), e.g. max_rows_per_unit: 4",
+            key=f"{prefix}.max_rows_per_unit",
+        )
+    if d.unit == "user" and d.user_field is None:
+        raise ConfigError(
+            f"{prefix}.user_field: required with {prefix}.unit 'user': the record field that "
+            f"identifies the user (e.g. user_field: user_id)",
+            key=f"{prefix}.user_field",
+        )
+    if d.unit != "user" and d.user_field is not None:
+        raise ConfigError(
+            f"{prefix}.user_field: {d.user_field!r} is only used with {prefix}.unit 'user' "
+            f"(unit is {d.unit!r}); remove it or set unit: user",
+            key=f"{prefix}.user_field",
+        )
+    if d.unit == "document" and d.document_masking:
+        raise ConfigError(
+            f"{prefix}.document_masking: true has no effect with {prefix}.unit 'document' "
+            f"(a document unit is never packed with another document); remove it",
+            key=f"{prefix}.document_masking",
+        )
+    if d.synthetic is not None and d.path is None:
+        raise ConfigError(
+            f"{prefix}.synthetic: needs {prefix}.path (where the synthetic corpus is written)",
+            key=f"{prefix}.synthetic",
         )
     return d
 
@@ -330,6 +406,20 @@ def _check_privacy(p: PrivacyConfig, prefix: str, base_dir: str) -> PrivacyConfi
             f"{prefix}.rng: seeded for a reproducible run (whose report then carries no "
             f"guarantee against anyone who knows the seed)",
             key=f"{prefix}.seed",
+        )
+    if p.max_batch_size is not None and p.sampler != "truncated-poisson":
+        raise ConfigError(
+            f"{prefix}.max_batch_size: {p.max_batch_size} is only used with {prefix}.sampler "
+            f"'truncated-poisson' (sampler is {p.sampler!r}); remove it or set "
+            f"sampler: truncated-poisson",
+            key=f"{prefix}.max_batch_size",
+        )
+    if p.sampler == "truncated-poisson" and p.accountant != "pld":
+        raise ConfigError(
+            f"{prefix}.accountant: {p.accountant!r} cannot account {prefix}.sampler "
+            f"'truncated-poisson' (dp-accounting supports the truncated event only in its PLD "
+            f"accountant); set accountant: pld or sampler: poisson",
+            key=f"{prefix}.accountant",
         )
     return p
 
@@ -361,6 +451,14 @@ def _check_recipe(r: RecipeConfig, prefix: str, base_dir: str) -> RecipeConfig:
             f"less than data.sequence_length ({r.data.sequence_length}); the model could "
             f"not embed positions that far",
             key="model.tiny.max_position_embeddings",
+        )
+    rows = r.data.max_rows_per_unit or 1
+    if rows > r.train.physical_batch_size:
+        raise ConfigError(
+            f"train.physical_batch_size: {r.train.physical_batch_size} is less than "
+            f"data.max_rows_per_unit ({rows}); a unit's rows are clipped together, so they must "
+            f"fit in one micro-batch: raise physical_batch_size or lower max_rows_per_unit",
+            key="train.physical_batch_size",
         )
     return r
 

@@ -626,8 +626,11 @@ BAD = [
             "train.epochs=2.0",
         ],
     ),
-    ("missing-data-path", "data.path", DELETE, ["data.path: required; the training corpus"]),
-    ("missing-data-section", "data", DELETE, ["data.path: required"]),
+    ("missing-data-path", "data.path", DELETE,
+     ["data.path / data.dataset: give exactly one data source, got neither"]),
+    ("missing-data-section", "data", DELETE, ["data.path / data.dataset: give exactly one"]),
+    ("path-and-dataset", "data.dataset", "org/notes",
+     ["give exactly one data source, got both", "dataset='org/notes'"]),
     ("empty-data-path", "data.path", "", ["data.path: empty string"]),
     (
         "data-path-int",
@@ -636,10 +639,46 @@ BAD = [
         ["data.path: 3 has the wrong type (int); expected a string", "quote it"],
     ),
     (
-        "unit-user",
+        "unit-user-without-bound",
         "data.unit",
         "user",
-        ["data.unit: 'user' is not supported yet; only 'sequence' is accepted for now"],
+        ["data.max_rows_per_unit: required with data.unit 'user'", "e.g. max_rows_per_unit: 4"],
+    ),
+    (
+        "unit-document-without-bound",
+        "data.unit",
+        "document",
+        ["data.max_rows_per_unit: required with data.unit 'document'"],
+    ),
+    (
+        "sequence-with-rows",
+        "data.max_rows_per_unit",
+        3,
+        ["data.max_rows_per_unit: 3 with data.unit 'sequence'", "a sequence unit is one row"],
+    ),
+    (
+        "user-field-without-user-unit",
+        "data.user_field",
+        "user_id",
+        ["data.user_field: 'user_id' is only used with data.unit 'user'"],
+    ),
+    (
+        "prompt-without-response",
+        "data.prompt_field",
+        "question",
+        ["data.response_field: instruction records need both", "prompt_field='question'"],
+    ),
+    (
+        "max-batch-size-with-poisson",
+        "privacy.max_batch_size",
+        300,
+        ["privacy.max_batch_size: 300 is only used with privacy.sampler 'truncated-poisson'"],
+    ),
+    (
+        "sampler-unknown",
+        "privacy.sampler",
+        "shuffle",
+        ["privacy.sampler: 'shuffle' is not one of ['poisson', 'truncated-poisson']"],
     ),
     (
         "unit-unknown",
@@ -902,3 +941,24 @@ def test_override_values_are_validated(in_tmp):
         load_recipe(path, ["privacy.accountant=RDP"])
     with pytest.raises(ConfigError, match=r"train\.steps: True has the wrong type \(bool\)"):
         load_recipe(path, ["train.steps=yes"])
+
+
+def test_unit_rows_must_fit_a_micro_batch():
+    d = _edit("data.unit", "user")
+    d["data"].update({"user_field": "user_id", "max_rows_per_unit": 16})
+    d["train"]["physical_batch_size"] = 8
+    with pytest.raises(ConfigError, match=r"train.physical_batch_size: 8 is less than data.max_rows_per_unit \(16\)"):
+        recipe_from_dict(d)
+    d["train"]["physical_batch_size"] = 16
+    cfg = recipe_from_dict(d)
+    assert (cfg.data.unit, cfg.data.user_field, cfg.data.max_rows_per_unit) == ("user", "user_id", 16)
+
+
+def test_truncated_poisson_needs_the_pld_accountant():
+    d = _edit("privacy.sampler", "truncated-poisson")
+    d["privacy"]["accountant"] = "rdp"
+    with pytest.raises(ConfigError, match="privacy.accountant: 'rdp' cannot account privacy.sampler "
+                                          "'truncated-poisson'.*set accountant: pld"):
+        recipe_from_dict(d)
+    d["privacy"].update({"accountant": "pld", "max_batch_size": 300})
+    assert recipe_from_dict(d).privacy.max_batch_size == 300
