@@ -20,7 +20,11 @@ def row_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
     # and its unit id -1, so it contributes exactly zero either way.
     empty = attention_mask.sum(dim=1, keepdim=True) == 0
     attention_mask = torch.where(empty, torch.ones_like(attention_mask), attention_mask)
-    out = model(input_ids=batch["input_ids"], attention_mask=attention_mask, use_cache=False)
+    kwargs = {}
+    if "segment_ids" in batch:  # document masking: no attention across documents in a row
+        dtype = model.get_input_embeddings().weight.dtype
+        attention_mask, kwargs["position_ids"] = segment_attention(batch["segment_ids"], dtype)
+    out = model(input_ids=batch["input_ids"], attention_mask=attention_mask, use_cache=False, **kwargs)
     logits = out.logits[:, :-1, :]
     labels = batch["labels"][:, 1:]
     if logits.dtype in (torch.float16, torch.bfloat16):
@@ -28,3 +32,24 @@ def row_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
     ce = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
     denom = batch["num_target_tokens"].to(ce.dtype).clamp(min=1)
     return ce.sum(dim=1) / denom
+
+
+def segment_attention(segment_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-diagonal causal attention for rows packing several documents.
+
+    Returns an additive 4-D mask [R, 1, T, T] (0 where token i may attend to token j: j <= i
+    and same segment; the dtype's most negative value elsewhere) and position ids that
+    restart at 0 with every segment. Padding (segment -1) attends only to padding, so no
+    row is left attending to nothing.
+    """
+    R, T = segment_ids.shape
+    device = segment_ids.device
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    allowed = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    zero = torch.zeros((), dtype=dtype, device=device)
+    mask = torch.where(allowed[:, None], zero, torch.finfo(dtype).min)  # out of place: vmap-safe
+    idx = torch.arange(T, device=device).expand(R, T)
+    change = torch.ones_like(segment_ids, dtype=torch.bool)
+    change[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start = torch.where(change, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return mask, idx - start

@@ -1,16 +1,35 @@
-"""Load the training text from local files with ``datasets.load_dataset`` (offline).
+"""Where the training records come from: local files, a saved ``datasets`` folder, or the Hub.
 
-Formats: JSON lines / JSON (``json``), Parquet (``parquet``), plain text (``text``, one row
-per line, column ``text``), CSV (``csv``). ``format="auto"`` picks by extension.
-``data.path`` is one file or a directory of files of one format (read in sorted order).
-Error messages name the recipe fields (``data.path``, ``data.format``, ``data.text_field``)
-so the user knows what to change. Nothing is ever looked up on the Hub.
+``load_records`` is the entry point; it returns a ``datasets.Dataset`` of records (rows),
+whatever their shape (plain text, chat messages, prompt/response pairs; see
+``llmdp.data.formats`` for how records become tokens). Exactly one of:
+
+- ``data.path``: a local file or a directory of files of one format, read with the packaged
+  ``datasets`` builders (offline). Formats: JSON lines / JSON (``json``), Parquet
+  (``parquet``), plain text (``text``, one row per line, column ``text``), CSV (``csv``).
+  ``format="auto"`` picks by extension; a directory is read in sorted file order. Local
+  files form one split, ``train``.
+- ``data.path`` pointing at a directory written by ``Dataset.save_to_disk`` (it holds
+  ``state.json`` and ``dataset_info.json``) or ``DatasetDict.save_to_disk`` (it holds
+  ``dataset_dict.json``; ``data.split`` picks the split). Detected automatically.
+- ``data.dataset``: a Hub dataset name, loaded with
+  ``datasets.load_dataset(name, data.config_name, split=data.split)``. This needs the
+  network the first time (or the ``datasets`` cache); offline, the error says how to
+  prepare a local copy (``save_to_disk`` once, then ``data.path``).
+
+Error messages name the recipe fields (``data.path``, ``data.dataset``, ``data.format``,
+``data.split``, ``data.config_name`` and the column fields) so the user knows what to change.
+
+``source_fingerprint`` is a sha256 that changes when the records change; the unit store
+keys its cache on it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Mapping, Sequence
 
 import datasets
 
@@ -19,6 +38,10 @@ _EXTENSIONS = {
     ".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet", ".pq": "parquet",
     ".txt": "text", ".text": "text", ".csv": "csv",
 }
+# Files ``save_to_disk`` writes: a Dataset folder holds the first two, a DatasetDict the third.
+_SAVED_DATASET_FILES = ("state.json", "dataset_info.json")
+_SAVED_DICT_FILE = "dataset_dict.json"
+LOCAL_SPLIT = "train"  # the one split local files form
 
 
 def _ext(name: str) -> str:
@@ -27,11 +50,24 @@ def _ext(name: str) -> str:
     return os.path.splitext(name)[1].lower()
 
 
+def saved_dataset_kind(path) -> str | None:
+    """``"dataset"`` / ``"dataset_dict"`` for a ``save_to_disk`` folder, else None."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, _SAVED_DICT_FILE)):
+        return "dataset_dict"
+    if all(os.path.isfile(os.path.join(path, f)) for f in _SAVED_DATASET_FILES):
+        return "dataset"
+    return None
+
+
 def data_files(path) -> list[str]:
     """The files behind ``data.path``: the file itself, or a directory's data files, sorted.
 
     In a directory, hidden files and files whose extension is not a known data format
-    (README.md, .lock files) are skipped.
+    (README.md, .lock files) are skipped. A ``save_to_disk`` folder (or a directory holding
+    one) is not a directory of data files: use :func:`load_records` for it.
     """
     path = os.path.abspath(os.fspath(path))
     if os.path.isfile(path):
@@ -39,6 +75,12 @@ def data_files(path) -> list[str]:
     if os.path.isdir(path):
         files = []
         for root, dirs, names in os.walk(path):
+            if saved_dataset_kind(root) is not None:
+                raise ValueError(
+                    f"data.path={path!r}: {root!r} is a folder written by datasets' save_to_disk, "
+                    "not a directory of data files; point data.path at that folder itself "
+                    "(load_records reads it)"
+                )
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             files.extend(os.path.join(root, n) for n in names
                          if not n.startswith(".") and _ext(n) in _EXTENSIONS)
@@ -79,15 +121,180 @@ def resolve_format(path, format: str = "auto") -> str:
 
 def load_texts(path, format: str = "auto", text_field: str = "text") -> datasets.Dataset:
     """The ``train`` split of local file(s) as a ``datasets.Dataset`` holding ``text_field``."""
-    files = data_files(path)
-    builder = resolve_format(path, format)
-    ds = datasets.load_dataset(builder, data_files={"train": files}, split="train")
-    if text_field not in ds.column_names:
+    return load_records(path=path, format=format, columns={"data.text_field": text_field})
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def _check_source(path, dataset) -> None:
+    if (path is None) == (dataset is None):
+        given = "both" if path is not None else "neither"
         raise ValueError(
-            f"data.text_field={text_field!r} is not a column of data.path="
-            f"{os.path.abspath(os.fspath(path))!r}; available columns: {ds.column_names}"
+            f"set exactly one of data.path (local files or a save_to_disk folder) and "
+            f"data.dataset (a Hub dataset name); {given} given"
+            + (f" (data.path={os.fspath(path)!r}, data.dataset={dataset!r})" if path is not None else "")
+        )
+
+
+def _check_columns(ds: datasets.Dataset, columns, where: str) -> None:
+    """``columns``: the columns the caller needs, as names or {recipe field: column name}."""
+    if not columns:
+        return
+    if isinstance(columns, str):
+        columns = [columns]
+    items = columns.items() if isinstance(columns, Mapping) else ((None, c) for c in columns)
+    missing = [(field, col) for field, col in items if col not in ds.column_names]
+    if not missing:
+        return
+    what = "; ".join(
+        f"{field}={col!r} is not a column of {where}" if field else
+        f"column {col!r} is not in {where}"
+        for field, col in missing
+    )
+    raise ValueError(f"{what}; available columns: {ds.column_names}")
+
+
+def _saved_split_dir(path: str, split: str | None) -> str:
+    """The folder of ``split`` in a saved DatasetDict (error lists the available splits)."""
+    with open(os.path.join(path, _SAVED_DICT_FILE)) as f:
+        splits = list(json.load(f).get("splits", []))
+    if split not in splits:
+        raise ValueError(
+            f"data.split={split!r} is not a split of the saved DatasetDict data.path={path!r}; "
+            f"available splits: {splits}"
+        )
+    return os.path.join(path, split)
+
+
+def _check_single_split(path: str, split: str | None, what: str, own_split: str | None = None):
+    """Sources with one table accept data.split=train (the default) or their own split name."""
+    if split in (None, LOCAL_SPLIT) or (own_split is not None and split == own_split):
+        return
+    raise ValueError(
+        f"data.split={split!r} does not apply to data.path={path!r}: {what} holds a single "
+        f"table{f' (split {own_split!r})' if own_split else ''}; leave data.split={LOCAL_SPLIT!r}, "
+        "or point data.path at a DatasetDict saved with save_to_disk to pick a split"
+    )
+
+
+def _check_no_format(format: str | None, where: str) -> None:
+    if format not in (None, "", "auto"):
+        raise ValueError(
+            f"data.format={format!r} does not apply to {where}; leave data.format='auto'"
+        )
+
+
+def _load_saved(path: str, kind: str, split: str | None) -> datasets.Dataset:
+    if kind == "dataset_dict":
+        return datasets.load_from_disk(_saved_split_dir(path, split))
+    ds = datasets.load_from_disk(path)
+    _check_single_split(path, split, "a saved Dataset folder", ds.split and str(ds.split))
+    return ds
+
+
+def _offline_flags() -> bool:
+    import huggingface_hub.constants as hub_constants
+
+    return bool(datasets.config.HF_HUB_OFFLINE or getattr(datasets.config, "HF_DATASETS_OFFLINE",
+                                                          False) or hub_constants.HF_HUB_OFFLINE)
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    if isinstance(exc, (ConnectionError, OfflineModeIsEnabled, LocalEntryNotFoundError, TimeoutError)):
+        return True
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - huggingface_hub depends on httpx
+        return False
+    return isinstance(exc, (httpx.TransportError,))
+
+
+def _hub_name(dataset, config_name, split) -> str:
+    s = f"data.dataset={dataset!r}"
+    if config_name is not None:
+        s += f" (data.config_name={config_name!r})"
+    return s + f", data.split={split!r}"
+
+
+def _load_hub(dataset: str, config_name: str | None, split: str | None) -> datasets.Dataset:
+    if not isinstance(dataset, str) or not dataset:
+        raise ValueError(f"data.dataset must be a Hub dataset name like 'org/name', got {dataset!r}")
+    if not isinstance(split, str) or not split:
+        raise ValueError(f"data.split must name one split of data.dataset={dataset!r}, got {split!r}")
+    try:
+        ds = datasets.load_dataset(dataset, config_name, split=split)
+    except Exception as exc:
+        if _is_connection_error(exc):
+            why = ("offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if _offline_flags()
+                   else "the Hugging Face Hub could not be reached")
+            raise ValueError(
+                f"data.dataset={dataset!r} could not be reached offline: {why}, and it is not in "
+                f"the local datasets cache ({type(exc).__name__}: {exc}). To fix: on a machine with "
+                f"network, run once `datasets.load_dataset({dataset!r}, {config_name!r}, "
+                f"split={split!r}).save_to_disk(DIR)`, copy DIR here, and set data.path=DIR "
+                "instead of data.dataset (or unset HF_HUB_OFFLINE / HF_DATASETS_OFFLINE if this "
+                "machine has network)"
+            ) from exc
+        if isinstance(exc, datasets.exceptions.DatasetNotFoundError):
+            raise ValueError(
+                f"data.dataset={dataset!r} was not found on the Hub (check the name; a private or "
+                f"gated dataset needs `hf auth login`): {exc}"
+            ) from exc
+        if isinstance(exc, ValueError):  # unknown split, missing/unknown config name, ...
+            raise ValueError(f"{_hub_name(dataset, config_name, split)}: {exc}") from exc
+        raise
+    if not isinstance(ds, datasets.Dataset):  # e.g. an IterableDataset from a custom script
+        raise ValueError(
+            f"{_hub_name(dataset, config_name, split)} did not load as a datasets.Dataset "
+            f"(got {type(ds).__name__})"
         )
     return ds
+
+
+def load_records(
+    *, path=None, dataset: str | None = None, format: str = "auto", split: str | None = "train",
+    config_name: str | None = None, columns: Sequence[str] | Mapping[str, str] | None = None,
+) -> datasets.Dataset:
+    """The records of ``data.path`` or ``data.dataset`` as a ``datasets.Dataset`` (all columns).
+
+    ``columns``: the columns the caller needs, either a list of names or a mapping
+    ``{recipe field: column}`` (e.g. ``{"data.text_field": "body"}``), which makes the
+    error name the field. A missing one raises ``ValueError`` listing the available columns.
+    ``split`` picks the split of a saved DatasetDict or of a Hub dataset; local files and a
+    saved single Dataset form one table, so they accept only ``split="train"`` (or the saved
+    Dataset's own split name). ``config_name`` is for Hub datasets only.
+    """
+    _check_source(path, dataset)
+    if dataset is not None:
+        _check_no_format(format, f"data.dataset={dataset!r} (a Hub dataset)")
+        ds = _load_hub(dataset, config_name, split)
+        where = _hub_name(dataset, config_name, split)
+    else:
+        path = os.path.abspath(os.fspath(path))
+        if config_name is not None:
+            raise ValueError(
+                f"data.config_name={config_name!r} applies to Hub datasets (data.dataset) only, "
+                f"not to data.path={path!r}"
+            )
+        kind = saved_dataset_kind(path)
+        if kind is not None:
+            _check_no_format(format, f"data.path={path!r} (a folder written by save_to_disk)")
+            ds = _load_saved(path, kind, split)
+            where = f"data.path={path!r}" + (f" (split {split!r})" if kind == "dataset_dict" else "")
+        else:
+            files = data_files(path)
+            builder = resolve_format(path, format)
+            _check_single_split(path, split, "local data files")
+            ds = datasets.load_dataset(builder, data_files={LOCAL_SPLIT: files}, split=LOCAL_SPLIT)
+            where = f"data.path={path!r}"
+    _check_columns(ds, columns, where)
+    return ds
+
+
+# ----------------------------------------------------------------------------- fingerprints
 
 
 def _sha256_file(path: str, chunk_size: int = 1 << 20) -> str:
@@ -114,3 +321,59 @@ def fingerprint_file(path) -> str:
     for f in data_files(path):
         h.update(os.path.relpath(f, path).encode() + b"\0" + _sha256_file(f).encode() + b"\n")
     return h.hexdigest()
+
+
+def _saved_arrow_files(table_dir: str) -> list[str]:
+    """The Arrow data files of one saved Dataset folder, in their table order."""
+    with open(os.path.join(table_dir, "state.json")) as f:
+        state = json.load(f)
+    names = [d["filename"] for d in state.get("_data_files", [])]
+    if not names:  # should not happen; hash whatever Arrow files are there
+        names = sorted(n for n in os.listdir(table_dir) if n.endswith(".arrow"))
+    return [os.path.join(table_dir, n) for n in names]
+
+
+def _fingerprint_saved(path: str, kind: str, split: str | None) -> str:
+    if kind == "dataset_dict":
+        table_dir = _saved_split_dir(path, split)
+        h = hashlib.sha256(b"llmdp-saved-dict-v1\0" + str(split).encode() + b"\0")
+    else:
+        table_dir = path
+        h = hashlib.sha256(b"llmdp-saved-v1\0")  # one table: the split name does not matter
+    for f in _saved_arrow_files(table_dir):
+        h.update(os.path.basename(f).encode() + b"\0" + _sha256_file(f).encode() + b"\n")
+    return h.hexdigest()
+
+
+def source_fingerprint(
+    *, path=None, dataset: str | None = None, split: str | None = "train",
+    config_name: str | None = None, format: str = "auto",
+) -> str:
+    """sha256 (hex) of the records a ``load_records`` call with these arguments reads.
+
+    - local files: :func:`fingerprint_file` (bytes of the file, or of every data file of a
+      directory with their relative names); ``format`` is checked, not hashed.
+    - a saved Dataset folder: its Arrow data files; a saved DatasetDict: the chosen split's
+      Arrow data files and the split name.
+    - a Hub dataset: loads it (from the ``datasets`` cache when possible) and hashes its
+      ``_fingerprint`` with the name, config and split.
+    """
+    _check_source(path, dataset)
+    if dataset is not None:
+        _check_no_format(format, f"data.dataset={dataset!r} (a Hub dataset)")
+        ds = _load_hub(dataset, config_name, split)
+        payload = {"dataset": dataset, "config_name": config_name, "split": split,
+                   "fingerprint": ds._fingerprint}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    path = os.path.abspath(os.fspath(path))
+    kind = saved_dataset_kind(path)
+    if kind is not None:
+        _check_no_format(format, f"data.path={path!r} (a folder written by save_to_disk)")
+        if kind == "dataset":
+            with open(os.path.join(path, "state.json")) as f:
+                own = json.load(f).get("_split")
+            _check_single_split(path, split, "a saved Dataset folder", own)
+        return _fingerprint_saved(path, kind, split)
+    resolve_format(path, format)  # the same errors load_records would raise
+    _check_single_split(path, split, "local data files")
+    return fingerprint_file(path)

@@ -1,15 +1,20 @@
-"""The unit store: tokenized privacy units on disk, memory-mapped, and batch assembly.
+"""The unit store: tokenized privacy units on disk as memory-mapped Arrow, and row reads.
 
 A store is a directory ``<cache_dir>/<fingerprint>/`` holding
 
-- ``tokens.npy``  int32 [N, L]: unit ``i`` is row ``i`` (padded with the pad id),
-- ``lengths.npy`` int32 [N]: real tokens in row ``i`` (L except possibly the last row),
+- ``rows.arrow``  Arrow IPC file, one row per model input row: ``input_ids``
+  (large_list<int32>, no padding stored), ``target`` (large_list<uint8>, 1 where the token
+  is a training target) and, with document masking, ``segment_ids`` (large_list<int32>);
+- ``units.arrow`` one row per privacy unit: ``row_start`` (int64), ``row_count`` (int32),
+  ``num_target_tokens`` (int64), ``max_row_length`` (int32);
 - ``meta.json``   counts, ids, the spec and what the fingerprint was computed over.
 
-The fingerprint hashes the data file's bytes, the tokenizer, the unit spec and
-``max_units``, so a store is rebuilt exactly when one of them changes. Building writes a
-temporary directory and renames it into place, so readers in other processes (Ray
-workers call ``open_store(abs_dir)``) never see a half-written store.
+Both files are memory-mapped (zero copy): opening a store costs nothing, and a worker
+reads from disk only the rows of the units it was given. The fingerprint hashes the data
+source, the tokenizer, the record encoding, the unit spec and ``max_units``, so a store is
+rebuilt exactly when one of them changes. Building writes a temporary directory and
+renames it into place, so readers in other processes (Ray workers call
+``open_store(abs_dir)``) never see a half-written store.
 """
 
 from __future__ import annotations
@@ -23,18 +28,31 @@ import tempfile
 from collections.abc import Sequence
 
 import numpy as np
+import pyarrow as pa
 import torch
 
-from llmdp.data.sources import data_files, fingerprint_file, load_texts, resolve_format
-from llmdp.data.units import UnitSpec, build_sequence_units, special_ids, tokenizer_fingerprint
+from llmdp.data.units import (
+    EncodedCorpus,
+    UnitArrays,
+    UnitSpec,
+    build_units,
+    special_ids,
+    tokenizer_fingerprint,
+)
 
-__all__ = ["UnitSpec", "UnitStore", "build_store", "open_store", "store_fingerprint"]
+__all__ = ["UnitSpec", "UnitStore", "build_store", "open_store", "store_fingerprint", "write_store"]
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 IGNORE_INDEX = -100
 _TOKENIZE_BATCH = 1000
+_BATCH_TOKENS = 1 << 24  # tokens per Arrow record batch (64 MiB of int32)
+_PARALLEL_MIN_RECORDS = 100_000  # below this, one process tokenizes faster than a pool starts
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
 
 
 class UnitStore:
@@ -52,16 +70,37 @@ class UnitStore:
                 f"unit store {self.path!r} has format_version {self.meta.get('format_version')}, "
                 f"expected {FORMAT_VERSION}; delete it to rebuild"
             )
-        self._tokens = np.load(os.path.join(self.path, "tokens.npy"), mmap_mode="r")
-        self._lengths = np.load(os.path.join(self.path, "lengths.npy"), mmap_mode="r")
         self.num_units: int = int(self.meta["num_units"])
+        self.num_rows: int = int(self.meta["num_rows"])
         self.sequence_length: int = int(self.meta["sequence_length"])
         self.fingerprint: str = self.meta["fingerprint"]
         self.pad_id: int = int(self.meta["pad_id"])
         self.eos_id: int = int(self.meta["eos_id"])
         self.spec = UnitSpec(**self.meta["spec"])
-        if self._tokens.shape != (self.num_units, self.sequence_length):
+        self._rows_per_batch = int(self.meta["rows_per_batch"])
+        self._open()
+
+    def _open(self) -> None:
+        units = _read_ipc(os.path.join(self.path, "units.arrow"))
+        col = {name: _np(units.column(name)) for name in units.column_names}
+        self.unit_row_start: np.ndarray = col["row_start"]
+        self.unit_row_count: np.ndarray = col["row_count"]
+        self.unit_target_tokens: np.ndarray = col["num_target_tokens"]
+        self.unit_max_row_length: np.ndarray = col["max_row_length"]
+        if self.unit_row_start.size != self.num_units:
             raise ValueError(f"unit store {self.path!r} is inconsistent with its meta.json")
+        source = pa.memory_map(os.path.join(self.path, "rows.arrow"), "r")
+        reader = pa.ipc.open_file(source)
+        self._batches = []  # per record batch: {column: (offsets, values)} numpy views
+        n = 0
+        for b in range(reader.num_record_batches):
+            batch = reader.get_batch(b)
+            self._batches.append({name: (_np(batch.column(name).offsets), _np(batch.column(name).values))
+                                  for name in batch.schema.names})
+            n += batch.num_rows
+        if n != self.num_rows:
+            raise ValueError(f"unit store {self.path!r} is inconsistent with its meta.json")
+        self.has_segments = "segment_ids" in (self._batches[0] if self._batches else {})
 
     def __len__(self) -> int:
         return self.num_units
@@ -71,41 +110,86 @@ class UnitStore:
         return (open_store, (self.path,))
 
     def __repr__(self) -> str:
-        return (f"UnitStore({self.path!r}, num_units={self.num_units}, "
+        return (f"UnitStore({self.path!r}, kind={self.spec.kind!r}, num_units={self.num_units}, "
                 f"sequence_length={self.sequence_length})")
 
-    def rows(self, unit_indices) -> dict[str, torch.Tensor]:
-        """The batch rows of ``unit_indices`` (a sequence unit is one row).
+    def _gather(self, rows: np.ndarray, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Rows ``rows`` padded/cut to ``width``: per column an int64 [R, width] array, and
+        the real length of each row."""
+        R = rows.size
+        names = ["input_ids", "target"] + (["segment_ids"] if self.has_segments else [])
+        out = {k: np.zeros((R, width), dtype=np.int64) for k in names}
+        length = np.zeros(R, dtype=np.int64)
+        if R == 0:
+            return out, length
+        b_of, local = np.divmod(rows, self._rows_per_batch)
+        pos = np.arange(width, dtype=np.int64)[None, :]
+        for b in np.unique(b_of):
+            sel = np.flatnonzero(b_of == b)
+            cols = self._batches[int(b)]
+            offs = cols["input_ids"][0]
+            s = offs[local[sel]].astype(np.int64)
+            n = np.minimum(offs[local[sel] + 1] - s, width)
+            length[sel] = n
+            src = s[:, None] + np.minimum(pos, np.maximum(n[:, None] - 1, 0))
+            for k in names:
+                out[k][sel] = cols[k][1][src]
+        return out, length
 
-        ``input_ids`` / ``attention_mask`` / ``labels`` int64 [R, L]; ``labels`` equals
-        ``input_ids`` except -100 at padding (the caller shifts: logits[:, :-1] vs
-        labels[:, 1:]). ``row_units[r]`` is the position in ``unit_indices`` of row r's unit;
-        ``num_target_tokens[r]`` is the number of target tokens of that unit after the shift.
+    def rows(self, unit_indices, width: int | str | None = None) -> dict[str, torch.Tensor]:
+        """The batch rows of ``unit_indices``: every row of every unit, unit by unit.
+
+        ``width``: None pads every row to ``sequence_length``; ``"auto"`` to the longest row
+        of the batch rounded up to a multiple of 8 (less padding to compute on); an int to
+        that many tokens (>= the longest row). ``input_ids`` / ``attention_mask`` /
+        ``labels`` int64 [R, width]; ``labels`` is the token where it is a training target,
+        -100 elsewhere (padding, prompts); the caller shifts: logits[:, :-1] vs labels[:, 1:].
+        ``row_units[r]`` is the position in ``unit_indices`` of row r's unit;
+        ``num_target_tokens[r]`` the number of target tokens of that *unit* after the shift.
+        With document masking, ``segment_ids`` [R, width]: the document of each token within
+        its row (-1 at padding).
         """
         idx = as_indices(unit_indices)
         if idx.size and (idx.min() < 0 or idx.max() >= self.num_units):
             raise IndexError(f"unit index out of range [0, {self.num_units})")
+        counts = self.unit_row_count[idx].astype(np.int64)
+        starts = self.unit_row_start[idx].astype(np.int64)
+        from llmdp.data.units import _ranges
+
+        rows = _ranges(starts, starts + counts)
+        row_units = np.repeat(np.arange(idx.size, dtype=np.int64), counts)
+        longest = int(self.unit_max_row_length[idx].max()) if idx.size else 0
         L = self.sequence_length
-        tokens = torch.from_numpy(np.asarray(self._tokens[idx], dtype=np.int64)).reshape(-1, L)
-        lengths = torch.from_numpy(np.asarray(self._lengths[idx], dtype=np.int64))
-        mask = (torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)).long()
-        input_ids = torch.where(mask.bool(), tokens, torch.full_like(tokens, self.pad_id))
-        labels = torch.where(mask.bool(), tokens, torch.full_like(tokens, IGNORE_INDEX))
-        return {
-            "input_ids": input_ids,
-            "attention_mask": mask,
-            "labels": labels,
-            "row_units": torch.arange(idx.size, dtype=torch.int64),
-            "num_target_tokens": (labels[:, 1:] != IGNORE_INDEX).sum(dim=1),
+        if width is None:
+            width = L
+        elif width == "auto":
+            width = min(L, max(8, _round_up(max(longest, 1), 8)))
+        elif isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < longest:
+            raise ValueError(f"width must be None, 'auto' or an int >= the longest row ({longest}), "
+                             f"got {width!r}")
+        cols, length = self._gather(rows, int(width))
+        mask = np.arange(int(width))[None, :] < length[:, None]
+        input_ids = np.where(mask, cols["input_ids"], self.pad_id)
+        labels = np.where(mask & (cols["target"] != 0), cols["input_ids"], IGNORE_INDEX)
+        batch = {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(mask.astype(np.int64)),
+            "labels": torch.from_numpy(labels),
+            "row_units": torch.from_numpy(row_units),
+            "num_target_tokens": torch.from_numpy(
+                self.unit_target_tokens[idx].astype(np.int64)[row_units]),
         }
+        if self.has_segments:
+            batch["segment_ids"] = torch.from_numpy(np.where(mask, cols["segment_ids"], -1))
+        return batch
 
     @staticmethod
     def pad_batch(batch: dict, num_rows: int, pad_id: int = 0) -> dict:
-        """Append padding rows up to ``num_rows`` (fixed shapes for every micro-batch).
+        """Append padding rows up to ``num_rows``.
 
         Padding rows: input_ids ``pad_id`` (any valid id; it is masked), attention_mask 0,
         labels -100, row_units -1 (no unit: contributes exactly zero), num_target_tokens 1
-        (so a per-unit mean never divides by zero).
+        (so a per-unit mean never divides by zero), segment_ids -1.
         """
         R, L = batch["input_ids"].shape
         if num_rows < R:
@@ -114,7 +198,7 @@ class UnitStore:
         if extra == 0:
             return dict(batch)
         fill = {"input_ids": pad_id, "attention_mask": 0, "labels": IGNORE_INDEX,
-                "row_units": -1, "num_target_tokens": 1}
+                "row_units": -1, "num_target_tokens": 1, "segment_ids": -1}
         out = {}
         for key, value in batch.items():
             if key not in fill:
@@ -126,12 +210,17 @@ class UnitStore:
 
     def stats(self) -> dict:
         """Counts computed on the private data: the report must mark them internal."""
-        return {
-            "num_units": self.num_units,
-            "num_tokens": int(self.meta["num_tokens"]),
-            "num_documents": int(self.meta["num_documents"]),
-            "sequence_length": self.sequence_length,
-        }
+        return dict(self.meta["counts"])
+
+
+def _np(array) -> np.ndarray:
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
+    return array.to_numpy(zero_copy_only=True)
+
+
+def _read_ipc(path: str) -> pa.Table:
+    return pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
 
 
 def open_store(store_dir) -> UnitStore:
@@ -139,15 +228,13 @@ def open_store(store_dir) -> UnitStore:
     return UnitStore(store_dir)
 
 
-def store_fingerprint(
-    *, data_sha256: str, data_format: str, text_field: str, tokenizer_sha256: str,
-    spec: UnitSpec, max_units: int | None,
-) -> str:
+def store_fingerprint(*, source_sha256: str, source: dict, encoding: str, tokenizer_sha256: str,
+                      spec: UnitSpec, max_units: int | None) -> str:
     payload = {
         "format_version": FORMAT_VERSION,
-        "data_sha256": data_sha256,
-        "data_format": data_format,
-        "text_field": text_field,
+        "source_sha256": source_sha256,
+        "source": source,
+        "encoding": encoding,
         "tokenizer_sha256": tokenizer_sha256,
         "spec": spec.to_dict(),
         "max_units": max_units,
@@ -155,49 +242,114 @@ def store_fingerprint(
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def write_store(directory, units: UnitArrays, meta: dict) -> None:
+    """Write ``units`` as a store into ``directory`` (which must not exist or be empty).
+
+    ``meta`` must hold fingerprint, sequence_length, pad_id, eos_id, spec; counts and
+    layout fields are filled in here. Used by :func:`build_store` and by benchmarks that
+    make synthetic stores without a tokenizer.
+    """
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    L = int(meta["sequence_length"])
+    rows_per_batch = max(1, _BATCH_TOKENS // L)
+    fields = [("input_ids", pa.int32(), units.tokens), ("target", pa.uint8(), units.target)]
+    if units.segments is not None:
+        fields.append(("segment_ids", pa.int32(), units.segments))
+    schema = pa.schema([(name, pa.large_list(t)) for name, t, _ in fields])
+    offs = units.row_offsets
+    with pa.OSFile(os.path.join(directory, "rows.arrow"), "wb") as sink, \
+            pa.ipc.new_file(sink, schema) as writer:
+        for r0 in range(0, units.num_rows, rows_per_batch):
+            r1 = min(r0 + rows_per_batch, units.num_rows)
+            o = offs[r0 : r1 + 1]
+            local = pa.array(o - o[0], type=pa.int64())
+            arrays = [pa.LargeListArray.from_arrays(local, pa.array(vals[o[0] : o[-1]], type=t))
+                      for _, t, vals in fields]
+            writer.write_batch(pa.record_batch(arrays, schema=schema))
+    table = pa.table({
+        "row_start": pa.array(units.row_start, type=pa.int64()),
+        "row_count": pa.array(units.row_count, type=pa.int32()),
+        "num_target_tokens": pa.array(units.unit_target_tokens(), type=pa.int64()),
+        "max_row_length": pa.array(units.unit_max_row_length(), type=pa.int32()),
+    })
+    with pa.OSFile(os.path.join(directory, "units.arrow"), "wb") as sink, \
+            pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    meta = dict(meta)
+    meta.update({
+        "format_version": FORMAT_VERSION,
+        "num_units": units.num_units,
+        "num_rows": units.num_rows,
+        "rows_per_batch": rows_per_batch,
+        "counts": {**units.counts, "num_units": units.num_units, "num_rows": units.num_rows,
+                   "sequence_length": L},
+    })
+    with open(os.path.join(directory, "meta.json"), "w") as f:  # written last
+        json.dump(meta, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
 def build_store(
-    cache_dir, *, data_path, data_format: str = "auto", text_field: str = "text", tokenizer,
-    spec: UnitSpec, max_units: int | None = None,
+    cache_dir, *, tokenizer, spec: UnitSpec, data_path=None, dataset: str | None = None,
+    data_format: str = "auto", split: str = "train", config_name: str | None = None,
+    text_field: str = "text", messages_field: str | None = None, prompt_field: str | None = None,
+    response_field: str | None = None, chat_template: str = "auto", max_units: int | None = None,
+    num_proc: int | None = None, progress: bool = True,
 ) -> UnitStore:
-    """Build (or reuse) the unit store for this data file, tokenizer and spec.
+    """Build (or reuse) the unit store for this data source, encoding, tokenizer and spec.
 
     Returns the store at ``<cache_dir>/<fingerprint>/``; it is rebuilt only when the
     fingerprint changes. Safe against concurrent builders: each writes its own temporary
-    directory and the first rename wins.
+    directory and the first rename wins. ``num_proc`` processes tokenize (None: one below
+    100k records, else up to 8).
     """
-    data_path = os.path.abspath(os.fspath(data_path))
-    data_files(data_path)  # a clear error naming data.path if there is nothing to read
-    fmt = resolve_format(data_path, data_format)
-    data_sha = fingerprint_file(data_path)
+    from llmdp.data.formats import RecordEncoder
+    from llmdp.data.sources import load_records, source_fingerprint
+
+    if data_path is not None:
+        data_path = os.path.abspath(os.fspath(data_path))
+    source = {"path": data_path, "dataset": dataset, "format": data_format, "split": split,
+              "config_name": config_name}
+    src_sha = source_fingerprint(path=data_path, dataset=dataset, split=split,
+                                 config_name=config_name, format=data_format)
+    encoder = RecordEncoder(tokenizer, text_field=text_field, messages_field=messages_field,
+                            prompt_field=prompt_field, response_field=response_field,
+                            chat_template=chat_template)
     tok_sha = tokenizer_fingerprint(tokenizer)
-    fp = store_fingerprint(data_sha256=data_sha, data_format=fmt, text_field=text_field,
+    fp = store_fingerprint(source_sha256=src_sha, source=source, encoding=encoder.fingerprint(),
                            tokenizer_sha256=tok_sha, spec=spec, max_units=max_units)
     cache_dir = os.path.abspath(os.fspath(cache_dir))
     final = os.path.join(cache_dir, fp)
     if os.path.isfile(os.path.join(final, "meta.json")):
         return open_store(final)
 
-    ds = load_texts(data_path, format=fmt, text_field=text_field)
-    batches = (b[text_field] for b in ds.select_columns([text_field]).iter(batch_size=_TOKENIZE_BATCH))
-    tokens, lengths, counts = build_sequence_units(batches, tokenizer, spec, max_units)
-    if tokens.shape[0] == 0:
+    columns = dict(encoder.column_fields)
+    if spec.kind == "user":
+        columns["data.user_field"] = spec.user_field
+    ds = load_records(path=data_path, dataset=dataset, format=data_format, split=split,
+                      config_name=config_name, columns=columns)
+    corpus = encode_records(ds, encoder, spec, max_units=max_units, num_proc=num_proc,
+                            progress=progress)
+    units = build_units(corpus, spec, max_units)
+    where = f"data.path={data_path!r}" if data_path else f"data.dataset={dataset!r}"
+    if units.num_units == 0:
         raise ValueError(
-            f"data.path={data_path!r} (data.text_field={text_field!r}) yields no privacy units "
-            f"of {spec.sequence_length} tokens: it holds fewer than 2 tokens"
+            f"{where} yields no privacy units of kind {spec.kind!r}: no record has a target "
+            f"token to train on (check data.text_field / data.messages_field / data.response_field)"
         )
     eos_id, pad_id = special_ids(tokenizer)
+    cs = np.concatenate([[0], np.cumsum(corpus.target, dtype=np.int64)])
+    per_record = cs[corpus.offsets[1:]] - cs[corpus.offsets[:-1]]
+    units.counts = {**units.counts, "records_without_target": int((per_record == 0).sum())}
     meta = {
-        "format_version": FORMAT_VERSION,
         "fingerprint": fp,
-        "num_units": int(tokens.shape[0]),
         "sequence_length": spec.sequence_length,
-        "num_tokens": counts["num_tokens"],
-        "num_documents": counts["num_documents"],
         "pad_id": pad_id,
         "eos_id": eos_id,
         "spec": spec.to_dict(),
         "max_units": max_units,
-        "data": {"path": data_path, "format": fmt, "text_field": text_field, "sha256": data_sha},
+        "data": {**source, "sha256": src_sha, "encoding": encoder.describe()},
         "tokenizer_sha256": tok_sha,
     }
 
@@ -205,11 +357,7 @@ def build_store(
     tmp = tempfile.mkdtemp(prefix=f".tmp-{fp[:12]}-", dir=cache_dir)
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the store is read by other processes
-        np.save(os.path.join(tmp, "tokens.npy"), tokens)
-        np.save(os.path.join(tmp, "lengths.npy"), lengths)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:  # written last
-            json.dump(meta, f, indent=2, sort_keys=True)
-            f.write("\n")
+        write_store(tmp, units, meta)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -219,9 +367,80 @@ def build_store(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("built unit store %s: %d units of %d tokens", final, meta["num_units"],
-             spec.sequence_length)
+    log.info("built unit store %s: %d %s units", final, units.num_units, spec.kind)
     return open_store(final)
+
+
+def encode_records(ds, encoder, spec: UnitSpec, *, max_units: int | None = None,
+                   num_proc: int | None = None, progress: bool = True) -> EncodedCorpus:
+    """Encode every record of ``ds`` (a ``datasets.Dataset``) into an :class:`EncodedCorpus`.
+
+    One process reads batches in order and stops early once ``max_units`` sequence or
+    document units are surely in hand; with ``num_proc > 1`` a ``datasets.map`` pool
+    tokenizes shards in parallel (its progress bar names the stage).
+    """
+    n = len(ds)
+    if num_proc is None:
+        num_proc = 1 if n < _PARALLEL_MIN_RECORDS else max(1, min(8, os.cpu_count() or 1))
+    users = spec.user_field if spec.kind == "user" else None
+    if num_proc > 1 and max_units is None:
+        return _encode_parallel(ds, encoder, users, num_proc)
+
+    from tqdm.auto import tqdm
+
+    ids_all, tgt_all, lens, keys = [], [], [], []
+    budget_tokens = max_units * spec.sequence_length if (max_units and spec.kind == "sequence") else None
+    budget_records = max_units if (max_units and spec.kind == "document") else None
+    total_tokens = 0
+    bar = tqdm(total=n, desc="tokenizing", unit="rec", disable=not progress, leave=False)
+    try:
+        for batch in ds.iter(batch_size=_TOKENIZE_BATCH):
+            out = encoder.encode_batch(batch)
+            for ids, tgt in out:
+                ids_all.append(np.asarray(ids, np.int32))
+                tgt_all.append(np.asarray(tgt, np.uint8))
+                lens.append(ids_all[-1].size)
+                total_tokens += ids_all[-1].size
+            if users:
+                keys.extend(batch[users])
+            bar.update(len(out))
+            if budget_tokens is not None and total_tokens >= budget_tokens:
+                break
+            if budget_records is not None and len(lens) >= budget_records:
+                break
+    finally:
+        bar.close()
+    return EncodedCorpus(_cat(ids_all, np.int32), _cat(tgt_all, np.uint8),
+                         np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]),
+                         np.asarray(keys, dtype=object) if users else None)
+
+
+def _encode_parallel(ds, encoder, user_field: str | None, num_proc: int) -> EncodedCorpus:
+    def encode(batch):
+        out = encoder.encode_batch(batch)
+        return {"_ids": [o[0].astype(np.int32) for o in out],
+                "_target": [np.asarray(o[1], np.uint8) for o in out]}
+
+    keep = [user_field] if user_field else []
+    mapped = ds.map(encode, batched=True, batch_size=_TOKENIZE_BATCH, num_proc=num_proc,
+                    remove_columns=[c for c in ds.column_names if c not in keep],
+                    desc="tokenizing", new_fingerprint=f"llmdp-{encoder.fingerprint()[:16]}-{num_proc}")
+    table = mapped.data.table if hasattr(mapped.data, "table") else mapped.data
+    ids_col = table.column("_ids")
+    tgt_col = table.column("_target")
+
+    def flat(col):
+        return np.concatenate([c.flatten().to_numpy() for c in col.chunks]) if col.num_chunks else np.empty(0)
+
+    lens = np.concatenate([c.value_lengths().to_numpy() for c in ids_col.chunks]) \
+        if ids_col.num_chunks else np.empty(0, np.int64)
+    users = np.asarray(table.column(user_field).to_pylist(), dtype=object) if user_field else None
+    return EncodedCorpus(flat(ids_col).astype(np.int32), flat(tgt_col).astype(np.uint8),
+                         np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]), users)
+
+
+def _cat(xs: list, dtype) -> np.ndarray:
+    return np.concatenate(xs) if xs else np.empty(0, dtype)
 
 
 def as_indices(unit_indices: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:

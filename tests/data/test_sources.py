@@ -1,11 +1,21 @@
 import hashlib
 import json
+import shutil
+import socket
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llmdp.data.sources import fingerprint_file, load_texts, resolve_format
+from llmdp.data import sources
+from llmdp.data.sources import (
+    fingerprint_file,
+    load_records,
+    load_texts,
+    resolve_format,
+    source_fingerprint,
+)
 
 ROWS = [
     {"text": "first document", "user_id": "u1"},
@@ -92,3 +102,198 @@ def test_fingerprint_file(tmp_path):
     assert fingerprint_file(p) == hashlib.sha256(data).hexdigest()
     p.write_bytes(data + b"x")
     assert fingerprint_file(p) == hashlib.sha256(data + b"x").hexdigest()
+
+
+# ----------------------------------------------------------------------------- load_records
+
+CHATS = [
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    {"messages": [{"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]},
+]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_load_records_local_formats(tmp_path):
+    texts = [r["text"] for r in ROWS]
+    p = _jsonl(tmp_path / "d.jsonl", ROWS)
+    assert load_records(path=p, columns=["text", "user_id"])["text"] == texts
+    pq.write_table(pa.table({"body": texts}), tmp_path / "d.parquet")
+    assert load_records(path=tmp_path / "d.parquet", columns=["body"])["body"] == texts
+    (tmp_path / "d.csv").write_text("text,user_id\n" + "".join(f"{r['text']},{r['user_id']}\n" for r in ROWS))
+    ds = load_records(path=tmp_path / "d.csv", format="csv")
+    assert ds["text"] == texts and ds["user_id"] == [r["user_id"] for r in ROWS]
+    (tmp_path / "d.txt").write_text("\n".join(texts) + "\n")
+    assert load_records(path=tmp_path / "d.txt")["text"] == texts
+    d = tmp_path / "dir"
+    d.mkdir()
+    _jsonl(d / "b.jsonl", ROWS[1:])
+    _jsonl(d / "a.jsonl", ROWS[:1])
+    assert load_records(path=d)["text"] == texts  # sorted file order
+
+
+def test_load_records_chat_jsonl_keeps_message_lists(tmp_path):
+    ds = load_records(path=_jsonl(tmp_path / "c.jsonl", CHATS), columns={"data.messages_field": "messages"})
+    assert ds["messages"] == [r["messages"] for r in CHATS]
+
+
+def test_load_records_saved_dataset(tmp_path):
+    ds = datasets.Dataset.from_list(ROWS)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    got = load_records(path=tmp_path / "saved", columns=["text"])
+    assert got["text"] == [r["text"] for r in ROWS]
+    with pytest.raises(ValueError, match=r"data\.split='test' does not apply"):
+        load_records(path=tmp_path / "saved", split="test")
+    with pytest.raises(ValueError, match=r"data\.format='jsonl' does not apply.*save_to_disk"):
+        load_records(path=tmp_path / "saved", format="jsonl")
+    with pytest.raises(ValueError, match=r"save_to_disk"):  # not a directory of data files
+        sources.data_files(tmp_path / "saved")
+
+
+def _save_dict(path):
+    dd = datasets.DatasetDict({
+        "train": datasets.Dataset.from_list(ROWS[:2]),
+        "validation": datasets.Dataset.from_list(ROWS[2:]),
+    })
+    dd.save_to_disk(str(path))
+    return path
+
+
+def test_load_records_saved_dataset_dict_split(tmp_path):
+    p = _save_dict(tmp_path / "dd")
+    assert load_records(path=p)["text"] == [r["text"] for r in ROWS[:2]]
+    assert load_records(path=p, split="validation")["text"] == [ROWS[2]["text"]]
+    with pytest.raises(ValueError) as exc:
+        load_records(path=p, split="test")
+    msg = str(exc.value)
+    assert "data.split='test'" in msg and "['train', 'validation']" in msg
+
+
+def test_load_records_missing_columns_listed(tmp_path):
+    p = _jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(ValueError) as exc:
+        load_records(path=p, columns={"data.prompt_field": "prompt", "data.response_field": "text"})
+    msg = str(exc.value)
+    assert "data.prompt_field='prompt'" in msg and "response_field" not in msg
+    assert "available columns: ['text', 'user_id']" in msg
+    with pytest.raises(ValueError, match=r"column 'messages' is not in data\.path=.*\['text', 'user_id'\]"):
+        load_records(path=p, columns=["text", "messages"])
+    _save_dict(tmp_path / "dd")
+    with pytest.raises(ValueError, match=r"split 'validation'.*available columns"):
+        load_records(path=tmp_path / "dd", split="validation", columns=["messages"])
+
+
+def test_load_records_source_errors(tmp_path):
+    p = _jsonl(tmp_path / "d.jsonl", ROWS)
+    for kw in ({}, {"path": p, "dataset": "org/name"}):
+        with pytest.raises(ValueError, match=r"exactly one of data\.path .* and data\.dataset"):
+            load_records(**kw)
+        with pytest.raises(ValueError, match=r"exactly one of data\.path"):
+            source_fingerprint(**kw)
+    with pytest.raises(ValueError, match=r"data\.split='validation' does not apply"):
+        load_records(path=p, split="validation")
+    with pytest.raises(ValueError, match=r"data\.config_name='x'"):
+        load_records(path=p, config_name="x")
+    with pytest.raises(ValueError, match=r"data\.format='json' does not apply to data\.dataset"):
+        load_records(dataset="org/name", format="json")
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection or resolve a name fails the test."""
+    def refuse(*a, **kw):
+        raise AssertionError("the test tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+def test_hub_dataset_offline_error(tmp_path, monkeypatch, no_network):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # datasets and huggingface_hub read these at import time.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")  # nothing cached
+    name = "llmdp-tests/not-a-cached-dataset"
+    for fn in (load_records, source_fingerprint):
+        with pytest.raises(ValueError) as exc:
+            fn(dataset=name)
+        msg = str(exc.value)
+        assert f"data.dataset='{name}' could not be reached offline" in msg
+        assert "save_to_disk" in msg and "data.path" in msg
+
+
+def test_hub_dataset_connection_error(monkeypatch):
+    def unreachable(*a, **kw):
+        raise ConnectionError("Couldn't reach 'org/name' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(ValueError, match=r"data\.dataset='org/name' could not be reached offline"):
+        load_records(dataset="org/name")
+
+
+def test_hub_dataset_loaded_and_fingerprinted(monkeypatch):
+    tables = {"train": datasets.Dataset.from_list(ROWS[:2]), "test": datasets.Dataset.from_list(ROWS[2:])}
+    calls = []
+
+    def fake_load_dataset(name, config_name=None, *, split=None):
+        calls.append((name, config_name, split))
+        if split not in tables:
+            raise ValueError(f'Unknown split "{split}". Should be one of {list(tables)}.')
+        return tables[split]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    ds = load_records(dataset="org/name", config_name="en", split="test", columns=["text"])
+    assert ds["text"] == [ROWS[2]["text"]]
+    assert calls == [("org/name", "en", "test")]
+    with pytest.raises(ValueError, match=r"data\.dataset='org/name'.*data\.split='dev'.*Unknown split"):
+        load_records(dataset="org/name", split="dev")
+    with pytest.raises(ValueError, match=r"data\.text_field='body' is not a column of data\.dataset"):
+        load_records(dataset="org/name", columns={"data.text_field": "body"})
+    fp = source_fingerprint(dataset="org/name", split="train")
+    assert fp == source_fingerprint(dataset="org/name", split="train")
+    assert fp != source_fingerprint(dataset="org/name", split="test")
+    assert fp != source_fingerprint(dataset="org/name", split="train", config_name="en")
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def test_source_fingerprint_files(tmp_path):
+    p = _jsonl(tmp_path / "d.jsonl", ROWS)
+    fp = source_fingerprint(path=p)
+    assert fp == source_fingerprint(path=p) == fingerprint_file(p)
+    _jsonl(p, ROWS[:2])
+    assert source_fingerprint(path=p) != fp
+    with pytest.raises(ValueError, match=r"data\.format='xml'"):
+        source_fingerprint(path=p, format="xml")
+
+
+def test_source_fingerprint_saved(tmp_path):
+    p = _save_dict(tmp_path / "dd")
+    train = source_fingerprint(path=p)
+    assert train == source_fingerprint(path=p, split="train")
+    assert train != source_fingerprint(path=p, split="validation")
+    with pytest.raises(ValueError, match=r"data\.split='test'.*\['train', 'validation'\]"):
+        source_fingerprint(path=p, split="test")
+    # Same content under the other split name: the split still changes it.
+    q = tmp_path / "swapped"
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(ROWS[:2])}).save_to_disk(str(q))
+    assert source_fingerprint(path=q, split="validation") != train
+
+    s = tmp_path / "saved"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(s))
+    fp = source_fingerprint(path=s)
+    assert fp == source_fingerprint(path=s)
+    datasets.Dataset.from_list(ROWS[:2]).save_to_disk(str(tmp_path / "tmp"))
+    shutil.rmtree(s)
+    shutil.copytree(tmp_path / "tmp", s)
+    assert source_fingerprint(path=s) != fp

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llmdp.data.store import UnitStore, build_store, open_store
-from llmdp.data.units import UnitSpec, pack_stream
+from llmdp.data.units import UnitSpec
 from tests.helpers import tiny_tokenizer, tiny_tokenizer_dir, write_notes
 
 L = 32
@@ -53,8 +53,9 @@ def test_packing_keeps_every_token_once_in_order(store, corpus, tok):
     b = store.rows(np.arange(store.num_units))
     real = b["input_ids"][b["attention_mask"].bool()].tolist()  # row-major order
     assert real == (stream if rest >= 2 else stream[: n_full * L])
-    assert store.stats() == {"num_units": store.num_units, "num_tokens": len(real),
-                             "num_documents": n_docs, "sequence_length": L}
+    stats = store.stats()
+    assert (stats["num_units"], stats["num_rows"], stats["num_tokens"], stats["num_records"],
+            stats["sequence_length"]) == (store.num_units, store.num_units, len(real), n_docs, L)
     # EOS separates documents; no BOS was added.
     assert real.count(tok.eos_token_id) == n_docs
     assert tok.bos_token_id not in real
@@ -108,17 +109,6 @@ def test_pad_batch(store):
         UnitStore.pad_batch(b, 1)
 
 
-def test_pack_stream_remainders():
-    s = np.arange(10, dtype=np.int32)
-    tokens, lengths = pack_stream(s, 4, pad_id=-1)
-    assert tokens.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, -1, -1]]
-    assert lengths.tolist() == [4, 4, 2]
-    tokens, lengths = pack_stream(s[:9], 4, pad_id=-1)  # remainder of 1 token: dropped
-    assert tokens.shape == (2, 4) and lengths.tolist() == [4, 4]
-    tokens, lengths = pack_stream(s[:8], 4, pad_id=-1)
-    assert tokens.shape == (2, 4)
-
-
 def test_rebuilt_only_when_fingerprint_changes(tmp_path, tok):
     data = write_notes(tmp_path / "n.jsonl", num_documents=8, seed=1)
     cache = tmp_path / "cache"
@@ -134,9 +124,15 @@ def test_rebuilt_only_when_fingerprint_changes(tmp_path, tok):
     s4 = _build(cache, data, tok, max_units=3)
     assert s4.num_units == 3
     s5 = _build(cache, data, tiny_tokenizer(vocab_size=280))
+    s7 = build_store(cache, data_path=data, tokenizer=tok,
+                     spec=UnitSpec("document", L, max_rows_per_unit=2))
+    s8 = build_store(cache, data_path=data, tokenizer=tok,
+                     spec=UnitSpec("user", L, max_rows_per_unit=2, user_field="user_id"))
+    s9 = build_store(cache, data_path=data, tokenizer=tok, prompt_field="author", response_field="text",
+                     spec=UnitSpec(sequence_length=L))
     write_notes(data, num_documents=8, seed=2)  # the text file changes
     s6 = _build(cache, data, tok)
-    for s in (s3, s4, s5, s6):
+    for s in (s3, s4, s5, s6, s7, s8, s9):
         assert s.fingerprint not in seen
         seen.add(s.fingerprint)
         assert os.path.basename(s.path) == s.fingerprint
@@ -168,8 +164,9 @@ def test_open_store_elsewhere_and_in_another_process(tmp_path, store):
 def test_unit_spec():
     spec = UnitSpec(sequence_length=128)
     assert spec.describe() == "a sequence of 128 tokens (packed across document boundaries)"
-    with pytest.raises(ValueError, match="document"):
-        UnitSpec(kind="document")
+    assert "masked at document boundaries" in UnitSpec(sequence_length=8, document_masking=True).describe()
+    with pytest.raises(ValueError, match="data.unit='paragraph'"):
+        UnitSpec(kind="paragraph")
     with pytest.raises(ValueError):
         UnitSpec(sequence_length=1)
 
@@ -203,3 +200,55 @@ def test_pad_falls_back_to_eos(tmp_path):
     data = write_notes(tmp_path / "n.jsonl", num_documents=3, seed=0)
     s = _build(tmp_path / "c", data, tok)
     assert s.pad_id == tok.eos_token_id
+
+
+def test_document_and_user_stores_from_the_notes(tmp_path, tok):
+    """The demo corpus through build_store as document and as user units."""
+    data = write_notes(tmp_path / "n.jsonl", num_documents=60, seed=5)
+    with open(data) as f:
+        recs = [json.loads(line) for line in f]
+    doc = build_store(tmp_path / "c", data_path=data, tokenizer=tok,
+                      spec=UnitSpec("document", L, max_rows_per_unit=2))
+    lens = [len(tok(r["text"], add_special_tokens=False)["input_ids"]) + 1 for r in recs]
+    assert doc.num_units == len(recs)  # one unit per note
+    assert doc.stats()["records_truncated"] == sum(n > 2 * L for n in lens)
+    assert doc.unit_row_count.tolist() == [min(2, -(-n // L) - (n % L == 1)) for n in lens]
+    first = doc.rows([0], width=None)
+    ids = tok(recs[0]["text"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert first["input_ids"][first["attention_mask"].bool()].tolist() == ids[: 2 * L]
+
+    user = build_store(tmp_path / "c", data_path=data, tokenizer=tok,
+                       spec=UnitSpec("user", L, max_rows_per_unit=3, user_field="user_id"))
+    users = sorted({r["user_id"] for r in recs})
+    assert user.num_units == len(users) and user.unit_row_count.max() <= 3
+    assert user.stats()["num_users"] == len(users)
+    b = user.rows(np.arange(user.num_units))
+    assert b["row_units"].tolist() == np.repeat(np.arange(user.num_units), user.unit_row_count).tolist()
+    with pytest.raises(ValueError, match="data.user_field='patient'"):
+        build_store(tmp_path / "c", data_path=data, tokenizer=tok,
+                    spec=UnitSpec("user", L, max_rows_per_unit=3, user_field="patient"))
+
+
+def test_chat_records_train_on_responses_only(tmp_path):
+    """Through the store, labels are -100 everywhere but the assistant replies."""
+    from tests.data._chat_helpers import chat_tokenizer
+
+    tok = chat_tokenizer()
+    chats = [{"messages": [{"role": "system", "content": "You are a scribe."},
+                           {"role": "user", "content": f"Summarize visit {i}."},
+                           {"role": "assistant", "content": f"Patient {i} is stable."},
+                           {"role": "user", "content": "Anything else?"},
+                           {"role": "assistant", "content": "No."}]} for i in range(6)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    s = build_store(tmp_path / "c", data_path=data, tokenizer=tok, messages_field="messages",
+                    spec=UnitSpec("document", 64, max_rows_per_unit=2))
+    assert s.num_units == 6
+    b = s.rows([2], width=None)
+    labels = b["labels"][b["labels"] != -100].tolist()
+    text = tok.decode(labels, skip_special_tokens=False)
+    assert "Patient 2 is stable." in text and "No." in text
+    for prompt in ("scribe", "Summarize", "Anything", "system", "user"):
+        assert prompt not in text
+    rows = b["labels"].shape[0]
+    assert b["num_target_tokens"].tolist() == [int((b["labels"][:, 1:] != -100).sum())] * rows
