@@ -191,8 +191,10 @@ class DataConfig:
     # `sequence_length` tokens, a document, or a user (records grouped by `user_field`).
     unit: str = _f("sequence", choices=("sequence", "document", "user"))
     sequence_length: int = _f(128, ge=8, le=65536)
-    max_rows_per_unit: int | None = _f(None, ge=1)  # document/user contribution bound; sequence: 1
-    user_field: str | None = _f(None, nonempty=True)
+    # Used by the unit kinds they name, ignored by the others, so that one recipe can
+    # describe its corpus once and switch `unit` on the command line:
+    max_rows_per_unit: int | None = _f(None, ge=1)  # document/user contribution bound (a sequence is 1 row)
+    user_field: str | None = _f(None, nonempty=True)  # user units: the field naming the user
     document_masking: bool = False  # sequence/user: no attention across packed documents
     # When set, the demo corpus is generated at `path` if the file is missing.
     synthetic: SyntheticDataConfig | None = None
@@ -347,14 +349,7 @@ def _check_data(d: DataConfig, prefix: str, base_dir: str) -> DataConfig:
             f"instruction pair (prompt_field + response_field)",
             key=f"{prefix}.messages_field",
         )
-    if d.unit == "sequence":
-        if d.max_rows_per_unit not in (None, 1):
-            raise ConfigError(
-                f"{prefix}.max_rows_per_unit: {d.max_rows_per_unit} with {prefix}.unit 'sequence'; "
-                f"a sequence unit is one row. Use unit: document or user for multi-row units",
-                key=f"{prefix}.max_rows_per_unit",
-            )
-    elif d.max_rows_per_unit is None:
+    if d.unit != "sequence" and d.max_rows_per_unit is None:
         raise ConfigError(
             f"{prefix}.max_rows_per_unit: required with {prefix}.unit {d.unit!r}: the contribution "
             f"bound, in rows of {prefix}.sequence_length tokens, of one {d.unit} (longer ones are "
@@ -365,12 +360,6 @@ def _check_data(d: DataConfig, prefix: str, base_dir: str) -> DataConfig:
         raise ConfigError(
             f"{prefix}.user_field: required with {prefix}.unit 'user': the record field that "
             f"identifies the user (e.g. user_field: user_id)",
-            key=f"{prefix}.user_field",
-        )
-    if d.unit != "user" and d.user_field is not None:
-        raise ConfigError(
-            f"{prefix}.user_field: {d.user_field!r} is only used with {prefix}.unit 'user' "
-            f"(unit is {d.unit!r}); remove it or set unit: user",
             key=f"{prefix}.user_field",
         )
     if d.unit == "document" and d.document_masking:
@@ -452,7 +441,7 @@ def _check_recipe(r: RecipeConfig, prefix: str, base_dir: str) -> RecipeConfig:
             f"not embed positions that far",
             key="model.tiny.max_position_embeddings",
         )
-    rows = r.data.max_rows_per_unit or 1
+    rows = 1 if r.data.unit == "sequence" else r.data.max_rows_per_unit
     if rows > r.train.physical_batch_size:
         raise ConfigError(
             f"train.physical_batch_size: {r.train.physical_batch_size} is less than "

@@ -24,7 +24,9 @@ INTERNAL_METRICS = {
     "worker0_tokens_per_s": "throughput of rank 0 (derived from the token count)",
     "worker0_clipped_fraction": "fraction of rank 0's units whose gradient norm exceeded C",
     "micro_steps": "micro-steps per worker (reveals the realized sample size)",
-    "data.num_units / num_tokens / num_documents": "dataset statistics (N is used by the accountant and published as is)",
+    "sample_truncated": "whether the step's Poisson draw exceeded max_batch_size (truncated Poisson)",
+    "data_statistics": "counts of records, rows, tokens, truncated documents and capped users "
+    "(N, the number of units, is used by the accountant and published as is)",
 }
 
 
@@ -59,7 +61,13 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     records = ledger.records() if os.path.exists(ledger_path) else []
     entries = ledger.entries() if records else []
     delta = plan.delta
-    eps = {name: accountant.epsilon(entries, delta, name) for name in accountant.ACCOUNTANTS}
+    from llmdp.privacy.events import is_truncated
+
+    # Every accountant that supports every recorded event (RDP cannot account truncated
+    # Poisson: it is left out rather than approximated).
+    usable = [name for name in accountant.ACCOUNTANTS
+              if name == plan.accountant or not any(is_truncated(e) for e, _ in entries)]
+    eps = {name: accountant.epsilon(entries, delta, name) for name in usable}
     ledger_steps = sum(int(r["count"]) for r in records if r.get("kind") == "release")
 
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -67,10 +75,14 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     completed = max((m["step"] for m in step_records), default=0)
     priv = cfg["privacy"]
     seeded = priv.get("rng") == "seeded"
-    unit_desc = (records[-1]["meta"]["unit"]["description"] if records else
-                 f"a sequence of {cfg['data']['sequence_length']} tokens")
-    unit_kind = records[-1]["meta"]["unit"]["kind"] if records else cfg["data"]["unit"]
-
+    unit_meta = records[-1]["meta"]["unit"] if records else {}
+    data_cfg = cfg["data"]
+    unit_desc = unit_meta.get("description") or f"a sequence of {data_cfg['sequence_length']} tokens"
+    unit_kind = unit_meta.get("kind") or data_cfg["unit"]
+    rows_cap = int(unit_meta.get("max_rows_per_unit") or data_cfg.get("max_rows_per_unit") or 1)
+    seq_len = int(unit_meta.get("sequence_length") or data_cfg["sequence_length"])
+    data_stats = dict(plan_info.get("data") or {})
+    truncated_steps = sum(1 for m in step_records if m.get("sample_truncated"))
     releases = [
         {
             "run_id": r.get("run_id"),
@@ -100,6 +112,21 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         "artifacts are the model checkpoints and the final model",
         "unit": unit_kind,
         "unit_description": unit_desc,
+        "unit_size": {
+            "sequence_length": seq_len,
+            "max_rows_per_unit": rows_cap,
+            "max_tokens_per_unit": rows_cap * seq_len,
+            "user_field": unit_meta.get("user_field", data_cfg.get("user_field")),
+            "document_masking": bool(unit_meta.get("document_masking", data_cfg.get("document_masking"))),
+        },
+        "contribution_bound": _contribution_bound(unit_kind, rows_cap, seq_len,
+                                                  unit_meta.get("user_field", data_cfg.get("user_field"))),
+        "data_statistics": {
+            "computed_on_private_data": True,
+            "note": "counts computed on the private corpus without DP (internal); only N is "
+            "used by the accountant",
+            **{k: v for k, v in data_stats.items() if not k.startswith("parameters_")},
+        },
         "adjacency": "add-or-remove one privacy unit (" + unit_desc + ")",
         "mechanism_output": "every intermediate model (all T noisy updates); the final model "
         "and every checkpoint are covered",
@@ -133,12 +160,7 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         "noise_std_per_coordinate": plan.noise_std,
         "clipping": "flat: each unit's gradient over all trainable parameters clipped to L2 <= C",
         "normalization": "noisy sum divided by the expected batch size q*N",
-        "sampling": {
-            "assumed": "Poisson: every unit independently with probability q at every step",
-            "used": "Poisson from " + ("a seeded generator" if seeded else "fresh OS entropy (SHAKE-256 stream)"),
-            "honoured": True,
-            "note": "empty samples run as noise-only steps; no truncation, no shuffling",
-        },
+        "sampling": _sampling_section(plan, seeded, truncated_steps, completed),
         "rng_mode": priv.get("rng"),
         "rng_warning": (
             "This run used a fixed seed for sampling and noise: it carries NO privacy guarantee "
@@ -157,17 +179,62 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     return report
 
 
+def _truncation_rows(r: dict) -> list[str]:
+    s = r["sampling"]
+    if "max_batch_size" not in s:
+        return []
+    prob = s["truncation_probability_per_step"]
+    cost = s["truncation_epsilon_cost"]
+    return [
+        f"| Truncation cap B_max | {s['max_batch_size']} units; per-step truncation probability "
+        f"{prob:.3g}; ε cost of truncation {100 * cost:.3g}% |" if prob is not None and cost is not None
+        else f"| Truncation cap B_max | {s['max_batch_size']} units |",
+        f"| Steps truncated (internal) | {s['steps_truncated']} |",
+    ]
+
+
+def _contribution_bound(kind: str, rows: int, seq_len: int, user_field) -> str:
+    if kind == "sequence":
+        return f"one unit is one row of {seq_len} tokens; its gradient is clipped to C"
+    what = "document" if kind == "document" else f"user (records sharing {user_field!r})"
+    return (f"each {what} contributes at most {rows} row(s) of {seq_len} tokens "
+            f"({rows * seq_len} tokens), clipped together to C; the rest is dropped")
+
+
+def _sampling_section(plan, seeded: bool, truncated_steps: int, completed: int) -> dict:
+    source = "a seeded generator" if seeded else "fresh OS entropy (SHAKE-256 stream)"
+    if plan.sampler == "truncated-poisson":
+        return {
+            "assumed": "truncated Poisson: every unit independently with probability q, then, "
+            f"if more than B_max = {plan.max_batch_size} units were drawn, a uniformly random "
+            "subset of B_max of them (dp-accounting's TruncatedSubsampledGaussianDpEvent, "
+            "add-or-remove-one relation, PLD accountant)",
+            "used": "truncated Poisson from " + source,
+            "honoured": True,
+            "max_batch_size": plan.max_batch_size,
+            "truncation_probability_per_step": plan.truncation_probability,
+            "truncation_epsilon_cost": plan.truncation_cost,
+            "steps_truncated": truncated_steps,
+            "steps_truncated_note": "computed on private data (internal)",
+            "note": "every step runs the micro-steps of B_max units (padding below it)",
+        }
+    return {
+        "assumed": "Poisson: every unit independently with probability q at every step",
+        "used": "Poisson from " + source,
+        "honoured": True,
+        "note": "empty samples run as noise-only steps; no truncation, no shuffling",
+    }
+
+
 def epsilon_curve(run_dir: str, points: int = 16) -> list[tuple[int, float]]:
     """ε after t steps of this run's plan, at a few t: the curve of the plot (a fast,
     conservative PLD estimate; the reported ε is computed from the ledger)."""
-    from llmdp.privacy.accountant import epsilon_estimate
     from llmdp.privacy.plan import DPPlan
 
     with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
         plan = DPPlan.from_dict(json.load(f)["plan"])
     ts = sorted({max(1, round(plan.steps * i / points)) for i in range(1, points + 1)})
-    q, sigma, delta = plan.sampling_probability, plan.noise_multiplier, plan.delta
-    return [(0, 0.0)] + [(t, epsilon_estimate(q, sigma, t, delta)) for t in ts]
+    return [(0, 0.0)] + [(t, plan.epsilon_estimate(t)) for t in ts]
 
 
 def write_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
@@ -226,7 +293,7 @@ def render_markdown(r: dict) -> str:
         "",
         f"**Guarantee:** (ε = {r['epsilon']:.4f}, δ = {r['delta']:.3g})-differential privacy "
         f"with respect to {r['adjacency']}, accounted with {r['accountant'].upper()} "
-        f"(RDP: ε = {eps['rdp']:.4f}; PLD: ε = {eps['pld']:.4f}).",
+        "(" + "; ".join(f"{k.upper()}: ε = {v:.4f}" for k, v in eps.items()) + ").",
         "",
     ]
     if r.get("rng_warning"):
@@ -241,15 +308,17 @@ def render_markdown(r: dict) -> str:
         "| --- | --- |",
         f"| DP setting | {r['dp_setting']} |",
         f"| Unit of privacy | {r['unit']}: {r['unit_description']} |",
+        f"| Unit size / contribution bound | {r['contribution_bound']} |",
         f"| Adjacency | {r['adjacency']} |",
         f"| Mechanism output | {r['mechanism_output']} |",
-        f"| Accounting | {r['accountant'].upper()} (reported); RDP and PLD both computed; δ = {r['delta']:.3g} (< 1/N = {1 / r['dataset_size']:.3g}) |",
+        f"| Accounting | {r['accountant'].upper()} (reported); also computed: {', '.join(k.upper() for k in r['epsilon_by_accountant'] if k != r['accountant']) or 'none (truncated Poisson is accounted by PLD only)'}; δ = {r['delta']:.3g} (< 1/N = {1 / r['dataset_size']:.3g}) |",
         f"| ε at δ | {r['epsilon']:.4f} (target {r['target_epsilon'] if r['target_epsilon'] is not None else 'none: σ given'}) |",
         f"| Sampling assumed | {r['sampling']['assumed']} |",
         f"| Sampling used | {r['sampling']['used']}; honoured: {'yes' if r['sampling']['honoured'] else 'NO'} ({r['sampling']['note']}) |",
         f"| Sampling probability q | {r['sampling_probability']:.6g} |",
         f"| Expected batch size q·N | {r['expected_batch_size']:g} units |",
         f"| Dataset size N | {r['dataset_size']} units |",
+        *_truncation_rows(r),
         f"| Noise multiplier σ | {r['noise_multiplier']:.6g} |",
         f"| Clipping norm C | {r['max_grad_norm']:g} ({r['clipping']}) |",
         f"| Steps T (ledger) | {r['steps']} (planned {r['steps_planned']}, completed {r['steps_completed']}) |",
@@ -268,6 +337,10 @@ def render_markdown(r: dict) -> str:
         "## Metrics computed on private data without DP (internal: do not publish)",
         "",
         *[f"- `{k}`: {v}" for k, v in r["internal_metrics"].items()],
+        "",
+        "Data statistics (internal): " + ", ".join(
+            f"{k}={v}" for k, v in r["data_statistics"].items()
+            if k not in ("computed_on_private_data", "note")) + ".",
         "",
         "## Ledger",
         "",

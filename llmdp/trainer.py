@@ -55,6 +55,48 @@ def cache_root() -> str:
     return os.path.abspath(os.environ.get("LLMDP_CACHE", ".cache/llmdp"))
 
 
+# What a run directory's checkpoints and ledger depend on: resuming under a recipe that
+# changes any of these would mix two different trainings (and two guarantees) in one run.
+_RESUME_KEYS = ("model", "data", "privacy", "optim", "train.expected_batch_size", "train.steps",
+                "train.epochs", "train.seed")
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def check_run_dir(run_dir: str, cfg: RecipeConfig) -> None:
+    """Refuse to reuse a run directory that holds a run of a different recipe."""
+    import yaml
+
+    from llmdp.config import ConfigError
+
+    old_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(old_path):
+        return
+    with open(old_path, encoding="utf-8") as f:
+        old = _flatten(json.loads(json.dumps(yaml.safe_load(f) or {})))
+    new = _flatten(json.loads(json.dumps(to_dict(cfg))))
+    changed = sorted(k for k in set(old) | set(new)
+                     if any(k == r or k.startswith(r + ".") for r in _RESUME_KEYS)
+                     and old.get(k) != new.get(k))
+    if changed:
+        shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:4])
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        raise ConfigError(
+            f"output.name: {os.path.basename(run_dir)!r} already holds a run ({run_dir}) of a "
+            f"different recipe ({shown}{more}); resuming it would mix two trainings. Give this "
+            f"run its own name (e.g. output.name={os.path.basename(run_dir)}-2) or delete that "
+            f"directory",
+            key="output.name",
+        )
+
+
 def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
     """Everything the workers need, built once on the driver: data units, model files, the plan."""
     from llmdp.data.store import UnitSpec, build_store
@@ -62,6 +104,7 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
     from llmdp.privacy.plan import make_plan
 
     run_dir = os.path.abspath(cfg.run_dir)
+    check_run_dir(run_dir, cfg)
     os.makedirs(run_dir, exist_ok=True)
     cache = cache_root()
     os.makedirs(cache, exist_ok=True)
@@ -77,17 +120,38 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     del model
 
-    spec = UnitSpec(kind=cfg.data.unit, sequence_length=cfg.data.sequence_length)
+    d = cfg.data
+    spec = UnitSpec(kind=d.unit, sequence_length=d.sequence_length,
+                    max_rows_per_unit=1 if d.unit == "sequence" else d.max_rows_per_unit,
+                    document_masking=d.document_masking,
+                    user_field=d.user_field if d.unit == "user" else None)
     store = build_store(
         os.path.join(cache, "units"),
-        data_path=cfg.data.path,
-        data_format=cfg.data.format,
-        text_field=cfg.data.text_field,
         tokenizer=tokenizer,
         spec=spec,
-        max_units=cfg.data.max_units,
+        data_path=d.path,
+        dataset=d.dataset,
+        data_format=d.format,
+        split=d.split,
+        config_name=d.config_name,
+        text_field=d.text_field,
+        messages_field=d.messages_field,
+        prompt_field=d.prompt_field,
+        response_field=d.response_field,
+        chat_template=d.chat_template,
+        max_units=d.max_units,
+        num_proc=d.num_proc,
     )
     N = store.num_units
+    if cfg.train.expected_batch_size > N:
+        from llmdp.config import ConfigError
+
+        raise ConfigError(
+            f"train.expected_batch_size: {cfg.train.expected_batch_size} is more than the {N} "
+            f"{spec.kind} units of the corpus (data.unit={spec.kind!r}); lower it below N "
+            f"(a sampling probability q = B/N of at most 1)",
+            key="train.expected_batch_size",
+        )
     plan = make_plan(
         dataset_size=N,
         expected_batch_size=cfg.train.expected_batch_size,
@@ -99,13 +163,15 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         noise_multiplier=cfg.privacy.noise_multiplier,
         accountant=cfg.privacy.accountant,
         max_noise_multiplier=cfg.privacy.max_noise_multiplier,
+        sampler=cfg.privacy.sampler,
+        max_batch_size=cfg.privacy.max_batch_size,
     )
     run_id = uuid.uuid4().hex[:12]
     data_stats = dict(store.stats())
     data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
     ledger_meta = {
         "config_hash": config_hash(cfg),
-        "unit": {"kind": spec.kind, "sequence_length": spec.sequence_length, "description": spec.describe()},
+        "unit": {**spec.to_dict(), "description": spec.describe()},
         "dataset_fingerprint": store.fingerprint,
         "dataset_size": N,
         "rng": cfg.privacy.rng,
@@ -171,10 +237,9 @@ class _Progress(threading.Thread):
             due = rec["step"] - self._eps_at[0] >= max(1, self.total // 10)
             if rec["step"] != self._eps_at[0] and ((due and now - self._eps_time > 5) or rec["step"] == self.total):
                 # epsilon after this many steps of the plan, with the plan's accountant
-                from llmdp.privacy.accountant import epsilon_estimate
 
                 p = self.plan
-                eps = epsilon_estimate(p.sampling_probability, p.noise_multiplier, rec["step"], p.delta)
+                eps = p.epsilon_estimate(rec["step"])
                 self._eps_at = (rec["step"], eps)
                 self._eps_time = time.monotonic()
                 last["eps"] = self._eps_at[1]

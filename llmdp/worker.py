@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmdp.clipping import GhostClipper
+from llmdp.data.batching import assign_micro_batches
 from llmdp.losses import row_losses
 from llmdp.privacy import noise as dp_noise
 from llmdp.privacy import sampling
@@ -117,34 +118,30 @@ class StepStats:
     micro_steps: int = 0
 
 
-def worker_share(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    return sampling.split_for_workers(indices, world_size)[rank]
-
-
 def accumulate_clipped_sum(
     model: nn.Module,
     clipper: GhostClipper,
     store,
-    unit_indices: np.ndarray,
-    num_micro_steps: int,
-    physical_batch_size: int,
+    micro_batches: Sequence[np.ndarray],
     device: torch.device,
     loss_fn: Callable[[nn.Module, dict], torch.Tensor] = row_losses,
     debug_check: bool = False,
+    width: int | str | None = "auto",
 ) -> StepStats:
     """Σ_u clip(g_u) over this worker's units, left in ``p.grad`` (zeroed first).
 
-    Runs exactly ``num_micro_steps`` micro-steps, the number every worker runs this step;
-    micro-steps past this worker's units run on one masked padding row.
+    ``micro_batches`` is this worker's list from ``assign_micro_batches``: one entry per
+    micro-step, the same count on every worker; an empty entry runs on one masked padding
+    row (contributing exactly zero). ``width`` as in ``UnitStore.rows``.
     """
     for p in clipper.params:
         p.grad = torch.zeros_like(p)
-    stats = StepStats(micro_steps=num_micro_steps)
-    for m in range(num_micro_steps):
-        chunk = unit_indices[m * physical_batch_size : (m + 1) * physical_batch_size]
-        batch = store.rows(chunk)
+    stats = StepStats(micro_steps=len(micro_batches))
+    for m, units in enumerate(micro_batches):
+        batch = store.rows(units, width=width)
         if batch["input_ids"].shape[0] == 0:
-            batch = store.pad_batch(batch, 1)
+            batch = store.pad_batch(store.rows(units, width=8 if width == "auto" else width), 1,
+                                    pad_id=store.pad_id)
         batch = {k: v.to(device) for k, v in batch.items()}
         losses = loss_fn(model, batch)
         if debug_check and m == 0:
@@ -152,7 +149,7 @@ def accumulate_clipped_sum(
         else:
             norms = clipper.backward(losses, batch["row_units"])
         real = batch["row_units"] >= 0
-        stats.units += len(chunk)
+        stats.units += len(units)
         stats.rows += int(real.sum())
         stats.tokens += int(batch["attention_mask"][real].sum())
         stats.loss_sum += float(losses.detach()[real].sum())
@@ -205,6 +202,21 @@ def privatize_(
         dp_noise.add_noise_(grads, noise_key, noise_multiplier * max_grad_norm)
     for g in grads:
         g.div_(expected_batch_size)
+
+
+def fixed_micro_steps(plan, max_rows_per_unit: int, world_size: int, physical_batch_size: int) -> int:
+    """Micro-steps every worker runs at least, every step.
+
+    With truncated Poisson the batch is padded up to B_max units of compute: enough
+    micro-steps for ``max_batch_size`` units of ``max_rows_per_unit`` rows (the public
+    bounds), so memory and step count do not depend on the realized sample. Plain
+    Poisson: 0 (the count follows the sample).
+    """
+    if plan.sampler != "truncated-poisson":
+        return 0
+    per_bin = max(1, physical_batch_size // max(1, int(max_rows_per_unit)))
+    per_worker = -(-int(plan.max_batch_size) // world_size)
+    return -(-per_worker // per_bin)
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -302,7 +314,6 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
     from llmdp.config import recipe_from_dict
     from llmdp.data.store import open_store
     from llmdp.models import load_model
-    from llmdp.privacy.events import dpsgd_step_event
     from llmdp.privacy.ledger import LedgerWriter
     from llmdp.privacy.plan import DPPlan
 
@@ -328,7 +339,10 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
     optimizer = build_optimizer(params, optim_cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, plan.steps))
     store = open_store(config["store_dir"])
-    sampler = sampling.PoissonSampler(store.num_units, plan.sampling_probability)
+    sampler = plan.make_sampler(store.num_units)  # the sampler the plan was accounted for
+    physical = int(train_cfg["physical_batch_size"])
+    min_micro = fixed_micro_steps(plan, store.spec.max_rows_per_unit, world, physical)
+    bucket = bool(train_cfg.get("length_bucketing", True))
 
     # ---- resume
     start = 0
@@ -344,7 +358,7 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
 
     run_dir = config["run_dir"]
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    event = dpsgd_step_event(plan.sampling_probability, plan.noise_multiplier)
+    event = plan.step_event()
     ledger = None
     if rank == 0:
         # One writer per attempt: after a resume, re-executed steps are counted again,
@@ -360,16 +374,20 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
         _metrics_line(metrics_path, {"event": "start", "step": start, "time": time.time(), "world_size": world})
 
     checkpoint_every = int(train_cfg["checkpoint_every"])
-    physical = int(train_cfg["physical_batch_size"])
     for step in range(start, plan.steps):
         t0 = time.perf_counter()
         keys = StepKeys.draw(step, priv_cfg["rng"], priv_cfg.get("seed"), device)
-        sample = sampler.sample(keys.sample)  # secret: never logged
-        micro = sampling.num_micro_batches(len(sample), world, physical)
-        mine = worker_share(sample, rank, world)
+        sample, truncated = sampler.sample_with_info(keys.sample)  # secret: never logged
+        # Every worker computes the same assignment from the same sample; it reads only its own rows.
+        mine = assign_micro_batches(
+            sample, store.unit_row_count, store.unit_max_row_length, world_size=world,
+            physical_batch_size=physical, bucket=bucket, min_micro_steps=min_micro,
+        )[rank]
+        micro = len(mine)
         stats = accumulate_clipped_sum(
-            model, clipper, store, mine, micro, physical, device,
+            model, clipper, store, mine, device,
             debug_check=bool(priv_cfg.get("debug_check")) and step == start,
+            width="auto" if bucket else None,
         )
         if ledger is not None:
             # Write-ahead: the step's event is durable before any replica applies the update.
@@ -393,6 +411,7 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
                 "worker0_tokens_per_s": stats.tokens / dt if dt > 0 else None,
                 "worker0_clipped_fraction": stats.clipped / stats.units if stats.units else None,
                 "micro_steps": micro,
+                "sample_truncated": bool(truncated),
             }
             _metrics_line(metrics_path, record)
 

@@ -651,18 +651,6 @@ BAD = [
         ["data.max_rows_per_unit: required with data.unit 'document'"],
     ),
     (
-        "sequence-with-rows",
-        "data.max_rows_per_unit",
-        3,
-        ["data.max_rows_per_unit: 3 with data.unit 'sequence'", "a sequence unit is one row"],
-    ),
-    (
-        "user-field-without-user-unit",
-        "data.user_field",
-        "user_id",
-        ["data.user_field: 'user_id' is only used with data.unit 'user'"],
-    ),
-    (
         "prompt-without-response",
         "data.prompt_field",
         "question",
@@ -962,3 +950,15 @@ def test_truncated_poisson_needs_the_pld_accountant():
         recipe_from_dict(d)
     d["privacy"].update({"accountant": "pld", "max_batch_size": 300})
     assert recipe_from_dict(d).privacy.max_batch_size == 300
+
+
+def test_unit_fields_describe_the_corpus_once():
+    """max_rows_per_unit / user_field may sit in a sequence recipe, so that `data.unit=user`
+    on the command line is enough; they bind only the unit kinds that use them."""
+    d = minimal()
+    d["data"].update({"user_field": "user_id", "max_rows_per_unit": 64})
+    d["train"]["physical_batch_size"] = 8
+    assert recipe_from_dict(d).data.unit == "sequence"  # 64 rows do not matter to sequence units
+    d["data"]["unit"] = "user"
+    with pytest.raises(ConfigError, match="physical_batch_size: 8 is less than data.max_rows_per_unit"):
+        recipe_from_dict(d)

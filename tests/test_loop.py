@@ -94,3 +94,61 @@ def test_local_loop_writes_metrics_and_a_report_matching_dp_accounting(tmp_path)
         assert not {"indices", "sample", "norms"} & set(x)
     assert os.path.exists(os.path.join(prep.run_dir, "privacy_report.png"))
     assert to_dict(cfg)["privacy"]["rng"] == rep["rng_mode"] == "secure"
+
+
+def make_unit_recipe(tmp_path, name, **data):
+    cfg = make_recipe(tmp_path)
+    raw = to_dict(cfg)
+    raw["data"].update(data)
+    raw["output"]["name"] = name
+    return recipe_from_dict(raw)
+
+
+def test_user_units_with_truncated_poisson_report_what_ran(tmp_path):
+    """User units through the local loop, truncated-Poisson sampled: the report states the
+    unit, its bound, the cap, and an ε equal to dp-accounting's truncated event composed T times."""
+    import dp_accounting
+
+    from llmdp.config import ConfigError
+    from llmdp.report import write_report
+
+    cfg = make_unit_recipe(tmp_path, "user", unit="user", user_field="user_id", max_rows_per_unit=3)
+    raw = to_dict(cfg)
+    raw["privacy"]["sampler"] = "truncated-poisson"
+    raw["train"]["expected_batch_size"] = 64
+    with pytest.raises(ConfigError, match=r"train.expected_batch_size: 64 is more than the \d+ user units"):
+        prepared_config(recipe_from_dict(raw))
+    raw["train"]["expected_batch_size"] = 3
+    cfg = recipe_from_dict(raw)
+    prep = prepared_config(cfg)
+    plan = prep.plan
+    assert plan.sampler == "truncated-poisson" and plan.max_batch_size >= plan.expected_batch_size
+    train_loop_per_worker(prep.worker_config(), LocalContext())
+    rep = write_report(prep.run_dir)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            plan.dataset_size, plan.sampling_probability, plan.max_batch_size, plan.noise_multiplier),
+        plan.steps)
+    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    assert rep["epsilon"] == pytest.approx(acc.compose(event).get_epsilon(plan.delta), rel=1e-6)
+    assert rep["unit"] == "user" and "'user_id'" in rep["unit_description"]
+    assert rep["unit_size"]["max_rows_per_unit"] == 3
+    assert "at most 3 row(s) of 24 tokens" in rep["contribution_bound"]
+    assert rep["dataset_size"] == prep.data_stats["num_users"] == prep.data_stats["num_units"]
+    assert rep["data_statistics"]["computed_on_private_data"] is True
+    assert rep["sampling"]["max_batch_size"] == plan.max_batch_size
+    assert rep["sampling"]["truncation_epsilon_cost"] == pytest.approx(plan.truncation_cost)
+    md = open(os.path.join(prep.run_dir, "privacy_report.md")).read()
+    assert "Truncation cap B_max" in md and "user: a user" in md
+
+
+def test_a_run_directory_is_not_reused_by_another_recipe(tmp_path):
+    from llmdp.config import ConfigError
+
+    cfg = make_recipe(tmp_path)
+    prepared_config(cfg)
+    prepared_config(cfg)  # the same recipe: fine (a resume)
+    other = make_unit_recipe(tmp_path, "t", unit="document", max_rows_per_unit=2)
+    with pytest.raises(ConfigError, match=r"output.name: 't' already holds a run .*data.unit: "
+                                          r"'sequence' -> 'document'.*output.name=t-2"):
+        prepared_config(other)

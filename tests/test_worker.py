@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from llmdp.clipping import GhostClipper
+from llmdp.data.batching import assign_micro_batches
 from llmdp.privacy import sampling
-from llmdp.worker import accumulate_clipped_sum, privatize_, worker_share
+from llmdp.worker import accumulate_clipped_sum, privatize_
 from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
 
 P = 4  # physical batch size
@@ -26,12 +27,15 @@ def model64():
     return tiny_llama(vocab_size=TINY_VOCAB, dtype=torch.float64)
 
 
-def private_grad(model, store, sample, *, C, sigma, B, key=b"\0" * 32, world=1, rank=0, physical=P):
+def private_grad(model, store, sample, *, C, sigma, B, key=b"\0" * 32, world=1, rank=0, physical=P,
+                 bucket=True):
     """The averaged noisy gradient of one logical step, as this worker sees it."""
     clipper = GhostClipper(model, C)
-    micro = sampling.num_micro_batches(len(sample), world, physical)
-    share = worker_share(np.asarray(sample, dtype=np.int64), rank, world)
-    stats = accumulate_clipped_sum(model, clipper, store, share, micro, physical, torch.device("cpu"))
+    mine = assign_micro_batches(np.asarray(sample, dtype=np.int64), store.unit_row_count,
+                                store.unit_max_row_length, world_size=world,
+                                physical_batch_size=physical, bucket=bucket)[rank]
+    stats = accumulate_clipped_sum(model, clipper, store, mine, torch.device("cpu"),
+                                   width="auto" if bucket else None)
     privatize_(clipper.params, key, sigma, C, B)
     return [p.grad.detach().clone() for p in clipper.params], stats
 
@@ -76,17 +80,42 @@ def test_padding_rows_and_micro_batch_split_change_nothing(store):
         def __init__(self, inner):
             self.inner = inner
 
-        def rows(self, idx):
-            batch = self.inner.rows(idx)
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def rows(self, idx, width=None):
+            batch = self.inner.rows(idx, width=width)
             padded = self.inner.pad_batch(batch, batch["input_ids"].shape[0] + 3)
-            padded["input_ids"][-3:] = torch.randint(0, TINY_VOCAB, (3, self.inner.sequence_length))
+            padded["input_ids"][-3:] = torch.randint(0, TINY_VOCAB, (3, batch["input_ids"].shape[1]))
             return padded
 
-        def pad_batch(self, batch, n):
-            return self.inner.pad_batch(batch, n)
+        def pad_batch(self, batch, n, pad_id=0):
+            return self.inner.pad_batch(batch, n, pad_id)
 
     padded, _ = private_grad(model64(), PaddedStore(store), sample, C=0.05, sigma=0.0, B=6.0, physical=2)
     torch.testing.assert_close(flat(padded), flat(ref), rtol=1e-10, atol=1e-15)
+
+
+def test_multi_row_units_same_update_for_any_micro_batching(tmp_path):
+    """Document units of several rows: bucketing, micro-batch size and worker split change
+    nothing (a unit's rows always stay together and are clipped once)."""
+    from llmdp.data.store import build_store
+    from llmdp.data.units import UnitSpec
+    from tests.helpers import tiny_tokenizer, write_notes
+
+    data = write_notes(tmp_path / "n.jsonl", num_documents=30, seed=2)
+    docs = build_store(tmp_path / "u", data_path=data, tokenizer=tiny_tokenizer(),
+                       spec=UnitSpec("document", 16, max_rows_per_unit=3))
+    assert docs.unit_row_count.max() == 3
+    sample = np.arange(0, docs.num_units, 2)
+    ref, _ = private_grad(model64(), docs, sample, C=0.05, sigma=0.0, B=8.0, physical=64, bucket=False)
+    for physical, bucket in ((3, True), (4, False), (7, True)):
+        got, stats = private_grad(model64(), docs, sample, C=0.05, sigma=0.0, B=8.0,
+                                  physical=physical, bucket=bucket)
+        assert stats.units == sample.size
+        torch.testing.assert_close(flat(got), flat(ref), rtol=1e-10, atol=1e-15)
+    with pytest.raises(ValueError, match="physical_batch_size=2"):
+        private_grad(model64(), docs, sample, C=0.05, sigma=0.0, B=8.0, physical=2)
 
 
 def test_empty_sample_is_a_noise_only_step_with_std_sigma_C_over_qN(store):

@@ -4,19 +4,36 @@ Importable without Ray. `noise` needs torch and is imported lazily, so the CLI's
 `llmdp privacy epsilon|calibrate` does not pay for importing torch.
 """
 
-from llmdp.privacy.accountant import ACCOUNTANTS, delta_for_epsilon, epsilon, epsilon_for
-from llmdp.privacy.events import compose, dpsgd_step_event, event_from_json, event_to_json
+from llmdp.privacy.accountant import (
+    ACCOUNTANTS,
+    delta_for_epsilon,
+    epsilon,
+    epsilon_estimate,
+    epsilon_for,
+)
+from llmdp.privacy.events import (
+    compose,
+    dpsgd_step_event,
+    event_from_json,
+    event_to_json,
+    is_truncated,
+)
 from llmdp.privacy.ledger import LEDGER_FILENAME, Ledger, LedgerError, LedgerWriter, append_record
 from llmdp.privacy.plan import (
+    SAMPLERS,
     DPPlan,
     PlanError,
     calibrate_noise,
     default_delta,
     make_plan,
     steps_for_epochs,
+    truncation_cost,
+    truncation_probability,
 )
 from llmdp.privacy.sampling import (
     PoissonSampler,
+    TruncatedPoissonSampler,
+    make_sampler,
     num_micro_batches,
     secure_key,
     seeded_key,
@@ -33,6 +50,8 @@ __all__ = [
     "LedgerWriter",
     "PlanError",
     "PoissonSampler",
+    "SAMPLERS",
+    "TruncatedPoissonSampler",
     "add_noise_",
     "append_record",
     "calibrate_noise",
@@ -41,16 +60,21 @@ __all__ = [
     "delta_for_epsilon",
     "dpsgd_step_event",
     "epsilon",
+    "epsilon_estimate",
     "epsilon_for",
     "event_from_json",
     "event_to_json",
     "gaussian_like",
+    "is_truncated",
     "make_plan",
+    "make_sampler",
     "num_micro_batches",
     "secure_key",
     "seeded_key",
     "split_for_workers",
     "steps_for_epochs",
+    "truncation_cost",
+    "truncation_probability",
     "uniform_stream",
 ]
 

@@ -4,6 +4,10 @@ All the mathematics is dp-accounting's (DESIGN §5: accounting is not re-impleme
 here). This module only fixes the choices that make numbers comparable across llmdp:
 the neighbouring relation (add-or-remove-one privacy unit), the PLD discretization and
 the RDP order grid.
+
+Truncated Poisson sampling (`TruncatedSubsampledGaussianDpEvent`) is accounted by
+dp-accounting's PLD accountant only (its RDP accountant does not support the event), and
+only under the add-or-remove-one relation here (DESIGN §3.3); asking RDP for it raises.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
-from llmdp.privacy.events import dpsgd_step_event
+from llmdp.privacy.events import dpsgd_step_event, is_truncated
 
 __all__ = [
     "ACCOUNTANTS",
@@ -29,6 +33,8 @@ __all__ = [
     "epsilon",
     "delta_for_epsilon",
     "epsilon_for",
+    "epsilon_estimate",
+    "check_supported",
 ]
 
 ACCOUNTANTS = ("pld", "rdp")
@@ -116,14 +122,56 @@ def _check_epsilon(eps: float) -> float:
     return float(eps)
 
 
-def make_accountant(accountant: str = "pld") -> dp_accounting.PrivacyAccountant:
-    """A fresh, empty dp-accounting accountant configured the llmdp way."""
+def make_accountant(
+    accountant: str = "pld", *, value_discretization_interval: float | None = None
+) -> dp_accounting.PrivacyAccountant:
+    """A fresh, empty dp-accounting accountant configured the llmdp way.
+
+    `value_discretization_interval` (PLD only) defaults to
+    `PLD_VALUE_DISCRETIZATION_INTERVAL`, the grid of every reported number; a coarser one
+    is for estimates (display, planning searches).
+    """
     _check_accountant(accountant)
     if accountant == "pld":
-        return PLDAccountant(
-            NEIGHBORING_RELATION, value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL
+        interval = (
+            PLD_VALUE_DISCRETIZATION_INTERVAL
+            if value_discretization_interval is None
+            else float(value_discretization_interval)
         )
+        if not (0.0 < interval < math.inf):
+            raise ValueError(
+                "value_discretization_interval must be a finite number > 0, got "
+                f"value_discretization_interval={value_discretization_interval!r}"
+            )
+        return PLDAccountant(NEIGHBORING_RELATION, value_discretization_interval=interval)
+    if value_discretization_interval is not None:
+        raise ValueError("value_discretization_interval is a PLD setting; accountant='rdp' has none")
     return RdpAccountant(orders=RDP_ORDERS, neighboring_relation=NEIGHBORING_RELATION)
+
+
+def check_supported(event: dp_accounting.DpEvent, accountant: str) -> None:
+    """Raise a ValueError that names the fix if `accountant` cannot account `event`.
+
+    The truncated-Poisson event is supported by dp-accounting's PLD accountant only
+    (`RdpAccountant.supports` is False for it), and llmdp accounts it under the
+    add-or-remove-one relation only (DESIGN §3.3).
+    """
+    _check_accountant(accountant)
+    if not is_truncated(event):
+        return
+    if accountant != "pld":
+        raise ValueError(
+            f"privacy.accountant={accountant!r} cannot account truncated Poisson sampling "
+            "(TruncatedSubsampledGaussianDpEvent, privacy.sampler='truncated-poisson'): "
+            "dp-accounting supports that event only in its PLD accountant, under the "
+            "add-or-remove-one relation. Fix: set privacy.accountant: pld "
+            "(accountant='pld'), or use privacy.sampler: poisson"
+        )
+    if NEIGHBORING_RELATION != dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE:
+        raise ValueError(  # pragma: no cover - the relation is a module constant
+            "truncated Poisson sampling is accounted only under the add-or-remove-one "
+            f"relation, not {NEIGHBORING_RELATION}"
+        )
 
 
 def _normalize_entries(entries) -> list[tuple[dp_accounting.DpEvent, int]]:
@@ -147,11 +195,15 @@ def _normalize_entries(entries) -> list[tuple[dp_accounting.DpEvent, int]]:
     return out
 
 
-def _composed(entries, accountant: str) -> dp_accounting.PrivacyAccountant | None:
+def _composed(
+    entries, accountant: str, value_discretization_interval: float | None = None
+) -> dp_accounting.PrivacyAccountant | None:
     items = _normalize_entries(entries)
     if not items:
         return None
-    acc = make_accountant(accountant)
+    for event, _ in items:
+        check_supported(event, accountant)  # before any (possibly slow) composition
+    acc = make_accountant(accountant, value_discretization_interval=value_discretization_interval)
     for event, count in items:
         if not acc.supports(event):
             raise ValueError(
@@ -194,41 +246,99 @@ def delta_for_epsilon(
     return float(acc.get_delta(eps))
 
 
+def _event_for(sampling_probability, noise_multiplier, dataset_size, max_batch_size):
+    return dpsgd_step_event(
+        sampling_probability,
+        noise_multiplier,
+        dataset_size=dataset_size,
+        max_batch_size=max_batch_size,
+    )
+
+
+def _check_steps(steps) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+        raise ValueError(f"steps must be an integer >= 0, got steps={steps!r}")
+    return int(steps)
+
+
 def epsilon_for(
     sampling_probability: float,
     noise_multiplier: float,
     steps: int,
     delta: float,
     accountant: str = "pld",
+    *,
+    dataset_size: int | None = None,
+    max_batch_size: int | None = None,
 ) -> float:
-    """Epsilon of `steps` DP-SGD steps at sampling rate q and noise multiplier sigma."""
-    return _epsilon_for_cached(sampling_probability, noise_multiplier, steps, delta, accountant)
+    """Epsilon of `steps` DP-SGD steps at sampling rate q and noise multiplier sigma.
+
+    With `max_batch_size` (and then `dataset_size`), the steps use truncated Poisson
+    sampling and are accounted with `TruncatedSubsampledGaussianDpEvent` (PLD only).
+    Memoized: a pure function of its arguments.
+    """
+    return _epsilon_cached(
+        sampling_probability,
+        noise_multiplier,
+        steps,
+        delta,
+        accountant,
+        dataset_size,
+        max_batch_size,
+        None,
+    )
 
 
-@functools.lru_cache(maxsize=256)
-def _epsilon_for_cached(sampling_probability, noise_multiplier, steps, delta, accountant) -> float:
-    # A pure function of its arguments; PLD takes ~0.1-1 s, and the driver asks the same
-    # question several times (plan, log line, report).
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
-        raise ValueError(f"steps must be an integer >= 0, got steps={steps!r}")
-    event = dpsgd_step_event(sampling_probability, noise_multiplier)
-    return epsilon([(event, int(steps))], delta, accountant)
+@functools.lru_cache(maxsize=1024)
+def _epsilon_cached(
+    sampling_probability,
+    noise_multiplier,
+    steps,
+    delta,
+    accountant,
+    dataset_size,
+    max_batch_size,
+    value_discretization_interval,
+) -> float:
+    # A pure function of its arguments; PLD takes ~0.1-7 s, and the driver asks the same
+    # question several times (plan, log line, report), the planner many more.
+    steps = _check_steps(steps)
+    event = _event_for(sampling_probability, noise_multiplier, dataset_size, max_batch_size)
+    delta = _check_delta(delta)
+    _check_accountant(accountant)
+    acc = _composed([(event, steps)], accountant, value_discretization_interval)
+    if acc is None:
+        return 0.0
+    return float(acc.get_epsilon(delta))
 
 
 # A coarser PLD grid: ~10x faster, pessimistic like the default (it rounds privacy losses
-# up), and a little looser (~0.1-0.3% larger epsilon). For progress bars and plots only;
-# reported guarantees always use `epsilon` above.
+# up), and a little looser (~0.1-0.3% larger epsilon). For progress bars, plots and the
+# planner's searches only; reported guarantees always use `epsilon` above.
 PLD_DISPLAY_DISCRETIZATION_INTERVAL = 1e-3
 
 
-def epsilon_estimate(sampling_probability: float, noise_multiplier: float, steps: int,
-                     delta: float) -> float:
-    """A fast, conservative epsilon of `steps` DP-SGD steps, for display (not for reports)."""
-    if steps <= 0:
+def epsilon_estimate(
+    sampling_probability: float,
+    noise_multiplier: float,
+    steps: int,
+    delta: float,
+    *,
+    dataset_size: int | None = None,
+    max_batch_size: int | None = None,
+    value_discretization_interval: float = PLD_DISPLAY_DISCRETIZATION_INTERVAL,
+) -> float:
+    """A fast, conservative PLD epsilon of `steps` DP-SGD steps, for display and planning
+    searches (not for reports). `dataset_size`/`max_batch_size` as in `epsilon_for`."""
+    if isinstance(steps, (int, np.integer)) and not isinstance(steps, bool) and steps <= 0:
         return 0.0
-    event = dpsgd_step_event(sampling_probability, noise_multiplier)
-    acc = PLDAccountant(
-        NEIGHBORING_RELATION, value_discretization_interval=PLD_DISPLAY_DISCRETIZATION_INTERVAL
+    return _epsilon_cached(
+        sampling_probability,
+        noise_multiplier,
+        steps,
+        delta,
+        "pld",
+        dataset_size,
+        max_batch_size,
+        float(value_discretization_interval),
     )
-    acc.compose(event, int(steps))
-    return float(acc.get_epsilon(_check_delta(delta)))

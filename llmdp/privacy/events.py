@@ -15,25 +15,45 @@ from __future__ import annotations
 import collections
 import importlib
 import math
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import dp_accounting
 from dp_accounting import dp_event
 
-__all__ = ["dpsgd_step_event", "event_to_json", "event_from_json", "compose"]
+__all__ = ["dpsgd_step_event", "is_truncated", "event_to_json", "event_from_json", "compose"]
 
 # A ledger file is data, not code: `from_named_tuple` would import whatever module a
 # line names. Only dp-accounting's own event classes may be rebuilt from JSON.
 _ALLOWED_MODULE_PREFIX = "dp_accounting"
 
 
-def dpsgd_step_event(sampling_probability: float, noise_multiplier: float) -> dp_accounting.DpEvent:
-    """The event of one DP-SGD step: Poisson subsampling at rate q, then a Gaussian sum.
+def _check_count(name: str, value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 ({what}), got {name}={value!r}")
+    return int(value)
+
+
+def dpsgd_step_event(
+    sampling_probability: float,
+    noise_multiplier: float,
+    *,
+    dataset_size: int | None = None,
+    max_batch_size: int | None = None,
+) -> dp_accounting.DpEvent:
+    """The event of one DP-SGD step: (truncated) Poisson subsampling, then a Gaussian sum.
 
     `noise_multiplier` is sigma, the noise std in units of the clipping bound C
-    (sensitivity 1 after dividing by C). The sampler in `sampling.py` is the one
-    that makes the Poisson assumption true.
+    (sensitivity 1 after dividing by C).
+
+    * `max_batch_size=None`: `PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`, made
+      true by `sampling.PoissonSampler`.
+    * `max_batch_size=B_max`: `TruncatedSubsampledGaussianDpEvent(N, q, B_max, sigma)`
+      with N = `dataset_size` (then required), made true by
+      `sampling.TruncatedPoissonSampler(N, q, B_max)`. dp-accounting accounts it with
+      its PLD accountant only (`accountant.py`). B_max >= N is allowed (no truncation
+      can happen; epsilon equals the Poisson event's).
     """
     q = float(sampling_probability)
     sigma = float(noise_multiplier)
@@ -45,7 +65,36 @@ def dpsgd_step_event(sampling_probability: float, noise_multiplier: float) -> dp
         raise ValueError(
             f"noise_multiplier must be a finite number > 0, got noise_multiplier={noise_multiplier!r}"
         )
-    return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    if dataset_size is not None:
+        dataset_size = _check_count("dataset_size", dataset_size, "the number of privacy units N")
+    if max_batch_size is None:
+        return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    max_batch_size = _check_count(
+        "max_batch_size", max_batch_size, "the truncated-Poisson cap B_max on units per step"
+    )
+    if dataset_size is None:
+        raise ValueError(
+            f"dataset_size is required with max_batch_size={max_batch_size} (the truncated "
+            "event depends on the number of privacy units N): pass dataset_size=N, the N "
+            "the sampler draws from"
+        )
+    return dp_accounting.TruncatedSubsampledGaussianDpEvent(
+        dataset_size=dataset_size,
+        sampling_probability=q,
+        truncated_batch_size=max_batch_size,
+        noise_multiplier=sigma,
+    )
+
+
+def is_truncated(event: dp_accounting.DpEvent) -> bool:
+    """Whether `event` is, or contains, a `TruncatedSubsampledGaussianDpEvent`."""
+    if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
+        return True
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return is_truncated(event.event)
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return any(is_truncated(e) for e in event.events)
+    return False
 
 
 def _is_event_tuple(value: Any) -> bool:

@@ -1,8 +1,10 @@
-"""The DP plan: sampling rate q, steps T, noise multiplier sigma, clip bound C, delta.
+"""The DP plan: sampling rate q, steps T, noise multiplier sigma, clip bound C, delta,
+and the sampler (Poisson, or truncated Poisson with its cap B_max).
 
 A `DPPlan` is frozen: once training starts, the numbers the accountant was promised
 cannot drift. `make_plan` validates user input with messages that name the field, the
-value and the fix, and calibrates sigma to a target epsilon with dp-accounting.
+value and the fix, calibrates sigma to a target epsilon with dp-accounting and, for
+truncated Poisson sampling, picks the cap B_max whose epsilon cost is below a budget.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from dataclasses import dataclass
 import dp_accounting
 import numpy as np
 from dp_accounting import mechanism_calibration
+from scipy import stats
 
 from llmdp.privacy import accountant as _acc
+from llmdp.privacy import sampling as _sampling
 from llmdp.privacy.events import dpsgd_step_event
 
 __all__ = [
@@ -28,15 +32,31 @@ __all__ = [
     "steps_for_epochs",
     "calibrate_noise",
     "make_plan",
+    "truncation_cost",
+    "truncation_probability",
+    "DEFAULT_TRUNCATION_BUDGET",
 ]
 
-SAMPLERS = ("poisson",)
+SAMPLERS = ("poisson", "truncated-poisson")
+TRUNCATED = "truncated-poisson"
 RELATIONS = ("add_or_remove_one",)
 
 # Calibration tolerance on sigma, relative. Epsilon is smooth in sigma with
 # |d log eps / d log sigma| of order 1-3 in the DP-SGD regime, so 1e-5 relative on sigma
 # keeps the calibrated epsilon within ~1e-4 relative of the target.
 _SIGMA_RTOL = 1e-5
+
+# make_plan picks the smallest cap B_max whose relative epsilon cost is below this.
+DEFAULT_TRUNCATION_BUDGET = 0.01
+
+# The PLD grid of the planner's searches (B_max, and sigma under the truncated event):
+# ~10x faster than the reporting grid `_acc.PLD_VALUE_DISCRETIZATION_INTERVAL`, and
+# pessimistic like it. Every number a plan carries is recomputed on the reporting grid.
+_SEARCH_INTERVAL = _acc.PLD_DISPLAY_DISCRETIZATION_INTERVAL
+
+# Rounds of "search B_max at sigma, calibrate sigma at B_max" before giving up (they
+# settle in 1-2: B_max moves sigma by < 1%).
+_MAX_ROUNDS = 6
 
 
 class PlanError(ValueError):
@@ -123,6 +143,96 @@ def _check_sampling(dataset_size, expected_batch_size) -> float:
     return float(expected_batch_size) / int(dataset_size)
 
 
+def _check_accountant_field(accountant) -> str:
+    if accountant not in _acc.ACCOUNTANTS:
+        raise PlanError(
+            f"privacy.accountant must be one of {_acc.ACCOUNTANTS}, got accountant={accountant!r}"
+        )
+    return accountant
+
+
+def _check_sampler_fields(sampler, accountant, dataset_size, max_batch_size) -> int | None:
+    """Validate (sampler, accountant, max_batch_size); returns B_max as an int or None."""
+    if sampler not in SAMPLERS:
+        raise PlanError(
+            f"privacy.sampler must be one of {SAMPLERS}, got sampler={sampler!r}: only "
+            "Poisson and truncated Poisson sampling are accounted (shuffled fixed batches "
+            "are never accounted as Poisson)"
+        )
+    if sampler != TRUNCATED:
+        if max_batch_size is not None:
+            raise PlanError(
+                f"privacy.max_batch_size={max_batch_size!r} is only used with privacy.sampler="
+                f"{TRUNCATED!r} (sampler is {sampler!r}); remove max_batch_size or set "
+                f"sampler: {TRUNCATED}"
+            )
+        return None
+    if accountant != "pld":
+        raise PlanError(
+            f"privacy.accountant={accountant!r} cannot account privacy.sampler={TRUNCATED!r}: "
+            "dp-accounting supports the truncated event (TruncatedSubsampledGaussianDpEvent) "
+            "only in its PLD accountant, under the add-or-remove-one relation. Fix: set "
+            "accountant: pld, or sampler: poisson"
+        )
+    if max_batch_size is None:
+        return None
+    if not _is_int(max_batch_size) or not (1 <= max_batch_size <= dataset_size):
+        raise PlanError(
+            f"privacy.max_batch_size must be an integer in [1, dataset_size = {dataset_size}] "
+            f"(the cap B_max on units per step), got max_batch_size={max_batch_size!r}; set "
+            "it in that range, or leave it unset (null) to let the plan pick the smallest "
+            "cap whose epsilon cost is below the truncation budget"
+        )
+    return int(max_batch_size)
+
+
+def truncation_probability(dataset_size: int, sampling_probability: float, max_batch_size: int) -> float:
+    """P(|S| > B_max) for S ~ Binomial(N, q): the per-step probability that truncated
+    Poisson sampling drops units. `scipy.stats.binom.sf(B_max, N, q)`."""
+    return float(stats.binom.sf(int(max_batch_size), int(dataset_size), float(sampling_probability)))
+
+
+def truncation_cost(
+    sampling_probability: float,
+    noise_multiplier: float,
+    steps: int,
+    delta: float,
+    dataset_size: int,
+    max_batch_size: int,
+    *,
+    value_discretization_interval: float | None = None,
+) -> float:
+    """eps_truncated(sigma, B_max) / eps_poisson(sigma) - 1 after `steps` steps at `delta`.
+
+    Both epsilons are PLD (the only accountant of the truncated event), on the reporting
+    grid unless `value_discretization_interval` is given (the planner's searches use a
+    coarser one). 0.0 where no truncation can happen (B_max >= N, or a tail probability
+    that underflows: dp-accounting then uses the Poisson PLD itself).
+    """
+    if stats.binom.sf(int(max_batch_size) - 1, int(dataset_size) - 1, sampling_probability) == 0.0:
+        return 0.0  # exactly the Poisson PLD (dp-accounting's own shortcut): no PLD needed
+    if value_discretization_interval is None:
+
+        def eps(b):
+            return _acc.epsilon_for(
+                sampling_probability, noise_multiplier, steps, delta, "pld",
+                dataset_size=None if b is None else dataset_size, max_batch_size=b,
+            )
+    else:
+
+        def eps(b):
+            return _acc.epsilon_estimate(
+                sampling_probability, noise_multiplier, steps, delta,
+                dataset_size=None if b is None else dataset_size, max_batch_size=b,
+                value_discretization_interval=value_discretization_interval,
+            )
+
+    truncated, poisson = eps(int(max_batch_size)), eps(None)
+    if poisson == 0.0:
+        return 0.0 if truncated == 0.0 else math.inf
+    return truncated / poisson - 1.0
+
+
 @dataclass(frozen=True)
 class DPPlan:
     """Everything the accountant needs, frozen for the whole run.
@@ -130,6 +240,14 @@ class DPPlan:
     Noise is added once per logical step to the *sum* of clipped unit gradients with
     std sigma*C, and the noisy sum is divided by the expected batch size B = q*N
     (DESIGN §3.2), hence `noise_std` = sigma*C/B on the averaged gradient.
+
+    `sampler="truncated-poisson"` caps every step at `max_batch_size` = B_max units
+    (required, 1 <= B_max <= N; the PLD accountant only) and is accounted with
+    `TruncatedSubsampledGaussianDpEvent(N, q, B_max, sigma)`. Its plan also carries
+    `truncation_cost` (eps_truncated / eps_poisson - 1 at this sigma, T and delta: what
+    the cap costs in epsilon; None if not computed) and `truncation_probability`
+    (P(Binomial(N, q) > B_max): how often a step drops units; derived, filled in if
+    None). For "poisson" the three are None.
     """
 
     dataset_size: int
@@ -142,6 +260,9 @@ class DPPlan:
     sampler: str = "poisson"
     relation: str = "add_or_remove_one"
     target_epsilon: float | None = None
+    max_batch_size: int | None = None
+    truncation_cost: float | None = None
+    truncation_probability: float | None = None
 
     def __post_init__(self):
         # Validate here too, so a plan read back from a file (from_dict) is as checked
@@ -151,19 +272,45 @@ class DPPlan:
         _check_positive("noise_multiplier", self.noise_multiplier, "sigma")
         _check_positive("max_grad_norm", self.max_grad_norm, "the clipping bound C")
         _check_delta(self.delta, self.dataset_size)
-        if self.accountant not in _acc.ACCOUNTANTS:
-            raise PlanError(
-                f"accountant must be one of {_acc.ACCOUNTANTS}, got accountant={self.accountant!r}"
-            )
-        if self.sampler not in SAMPLERS:
-            raise PlanError(
-                f"sampler must be one of {SAMPLERS}, got sampler={self.sampler!r}: only Poisson "
-                "sampling is accounted as Poisson"
-            )
+        _check_accountant_field(self.accountant)
+        _check_sampler_fields(self.sampler, self.accountant, self.dataset_size, self.max_batch_size)
         if self.relation not in RELATIONS:
             raise PlanError(f"relation must be one of {RELATIONS}, got relation={self.relation!r}")
         if self.target_epsilon is not None:
             _check_positive("target_epsilon", self.target_epsilon, "the privacy budget")
+        if self.sampler != TRUNCATED:
+            for name in ("truncation_cost", "truncation_probability"):
+                if getattr(self, name) is not None:
+                    raise PlanError(
+                        f"{name}={getattr(self, name)!r} is only meaningful with "
+                        f"sampler={TRUNCATED!r} (sampler is {self.sampler!r}); remove it"
+                    )
+            return
+        if self.max_batch_size is None:
+            raise PlanError(
+                f"privacy.max_batch_size is required with sampler={TRUNCATED!r} in a DPPlan "
+                "(make_plan picks it when left unset)"
+            )
+        object.__setattr__(self, "max_batch_size", int(self.max_batch_size))
+        cost = self.truncation_cost
+        if cost is not None and not (_is_number(cost) and -1.0 <= cost < math.inf):
+            raise PlanError(
+                f"truncation_cost must be a finite number >= -1 (eps_truncated / eps_poisson - 1), "
+                f"got truncation_cost={cost!r}"
+            )
+        exact = truncation_probability(
+            self.dataset_size, self.sampling_probability, self.max_batch_size
+        )
+        given = self.truncation_probability
+        if given is None:
+            object.__setattr__(self, "truncation_probability", exact)
+        elif not (_is_number(given) and math.isclose(given, exact, rel_tol=1e-6, abs_tol=1e-300)):
+            raise PlanError(
+                f"truncation_probability={given!r} does not match P(Binomial(N, q) > "
+                f"max_batch_size) = {exact!r} for N={self.dataset_size}, q="
+                f"{self.sampling_probability!r}, max_batch_size={self.max_batch_size}; "
+                "remove it (it is derived)"
+            )
 
     @property
     def sampling_probability(self) -> float:
@@ -179,8 +326,37 @@ class DPPlan:
             / (self.sampling_probability * self.dataset_size)
         )
 
+    @property
+    def truncated(self) -> bool:
+        """Whether the plan uses truncated Poisson sampling (a cap `max_batch_size`)."""
+        return self.sampler == TRUNCATED
+
+    def _event_kwargs(self) -> dict:
+        if not self.truncated:
+            return {}
+        return {"dataset_size": int(self.dataset_size), "max_batch_size": self.max_batch_size}
+
     def step_event(self) -> dp_accounting.DpEvent:
-        return dpsgd_step_event(self.sampling_probability, self.noise_multiplier)
+        """The event of one step: Poisson, or truncated Poisson (`max_batch_size`)."""
+        return dpsgd_step_event(
+            self.sampling_probability, self.noise_multiplier, **self._event_kwargs()
+        )
+
+    def make_sampler(self, num_units: int | None = None):
+        """The sampler that makes `step_event()` true: `PoissonSampler(N, q)` or
+        `TruncatedPoissonSampler(N, q, max_batch_size)`, N = `dataset_size`.
+
+        `num_units`, if given (e.g. the store's size), must equal `dataset_size`: the
+        truncated event's guarantee is for N units exactly.
+        """
+        if num_units is not None and num_units != self.dataset_size:
+            raise PlanError(
+                f"the sampler must draw from the plan's dataset_size={self.dataset_size} "
+                f"units, got num_units={num_units!r}: rebuild the plan for this dataset"
+            )
+        return _sampling.make_sampler(
+            int(self.dataset_size), self.sampling_probability, self.max_batch_size
+        )
 
     def epsilon(self, steps: int | None = None, accountant: str | None = None) -> float:
         """Epsilon at `self.delta` after `steps` steps (default: all T planned steps)."""
@@ -191,6 +367,19 @@ class DPPlan:
             steps,
             self.delta,
             accountant or self.accountant,
+            **self._event_kwargs(),
+        )
+
+    def epsilon_estimate(self, steps: int | None = None) -> float:
+        """A fast, conservative PLD epsilon after `steps` steps, for display only
+        (`accountant.epsilon_estimate` of this plan's event)."""
+        steps = self.steps if steps is None else steps
+        return _acc.epsilon_estimate(
+            self.sampling_probability,
+            self.noise_multiplier,
+            steps,
+            self.delta,
+            **self._event_kwargs(),
         )
 
     def to_dict(self) -> dict:
@@ -198,6 +387,7 @@ class DPPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> DPPlan:
+        """Inverse of `to_dict`; a dict written before a field existed gets its default."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -214,26 +404,61 @@ def _knobs_message() -> str:
 
 
 class _EpsilonCurve:
-    """epsilon(sigma) for fixed (q, T, delta, accountant), memoized.
+    """epsilon(sigma) for fixed (q, T, delta, accountant[, N, B_max][, grid]), memoized.
 
-    A PLD evaluation costs ~1 s at T~2000 and `calibrate_dp_mechanism` re-evaluates the
-    bracket endpoints and its final root; the memo makes those repeats free. The
-    values are exactly those `accountant.epsilon_for` returns.
+    A PLD evaluation costs ~1 s at T~2000 (several seconds for the truncated event) and
+    `calibrate_dp_mechanism` re-evaluates the bracket endpoints and its final root; the
+    memo makes those repeats free. The values are exactly those
+    `accountant.epsilon_for` returns (or `accountant.epsilon_estimate` on `interval`).
     """
 
-    def __init__(self, q: float, steps: int, delta: float, accountant: str):
+    def __init__(
+        self,
+        q: float,
+        steps: int,
+        delta: float,
+        accountant: str,
+        *,
+        dataset_size: int | None = None,
+        max_batch_size: int | None = None,
+        interval: float | None = None,
+    ):
         self.q, self.steps, self.delta, self.accountant = q, steps, delta, accountant
+        self.dataset_size, self.max_batch_size, self.interval = dataset_size, max_batch_size, interval
         self._values: dict[float, float] = {}
 
+    def _kwargs(self) -> dict:
+        if self.max_batch_size is None:
+            return {}
+        return {"dataset_size": self.dataset_size, "max_batch_size": self.max_batch_size}
+
     def event(self, sigma: float) -> dp_accounting.DpEvent:
-        return dp_accounting.SelfComposedDpEvent(dpsgd_step_event(self.q, sigma), self.steps)
+        return dp_accounting.SelfComposedDpEvent(
+            dpsgd_step_event(self.q, sigma, **self._kwargs()), self.steps
+        )
+
+    @staticmethod
+    def sigma_of(event) -> float | None:
+        """sigma of an event built by `event`, None for anything else."""
+        inner = getattr(event, "event", None)
+        if isinstance(inner, dp_accounting.TruncatedSubsampledGaussianDpEvent):
+            return inner.noise_multiplier
+        return getattr(getattr(inner, "event", None), "noise_multiplier", None)
 
     def __call__(self, sigma: float) -> float:
         sigma = float(sigma)
         if sigma not in self._values:
-            self._values[sigma] = _acc.epsilon_for(
-                self.q, sigma, self.steps, self.delta, self.accountant
-            )
+            if self.interval is None:
+                value = _acc.epsilon_for(
+                    self.q, sigma, self.steps, self.delta, self.accountant, **self._kwargs()
+                )
+            else:
+                assert self.accountant == "pld", "a grid is a PLD setting"
+                value = _acc.epsilon_estimate(
+                    self.q, sigma, self.steps, self.delta,
+                    value_discretization_interval=self.interval, **self._kwargs(),
+                )
+            self._values[sigma] = value
         return self._values[sigma]
 
     def fresh_accountant(self) -> dp_accounting.PrivacyAccountant:
@@ -260,12 +485,10 @@ class _MemoAccountant(dp_accounting.PrivacyAccountant):
         return super().compose(event, count)
 
     def get_epsilon(self, target_delta: float) -> float:
-        sigma = None
+        sigma = event = None
         if len(self._composed) == 1 and self._composed[0][1] == 1:
             event = self._composed[0][0]
-            sigma = getattr(
-                getattr(getattr(event, "event", None), "event", None), "noise_multiplier", None
-            )
+            sigma = self._curve.sigma_of(event)
         if target_delta != self._curve.delta or sigma is None or event != self._curve.event(sigma):
             raise RuntimeError(
                 f"unexpected calibration query: {self._composed!r}, delta={target_delta!r}"
@@ -273,21 +496,8 @@ class _MemoAccountant(dp_accounting.PrivacyAccountant):
         return self._curve(sigma)
 
 
-def calibrate_noise(
-    target_epsilon: float,
-    delta: float,
-    sampling_probability: float,
-    steps: int,
-    accountant: str = "pld",
-    max_noise_multiplier: float = 100.0,
-) -> float:
-    """The smallest noise multiplier sigma whose epsilon (at `delta`, after `steps`
-    steps at sampling rate q) is at most `target_epsilon`.
-
-    The result satisfies epsilon(sigma) <= target (checked, not assumed) and is within
-    a relative 1e-5 of the exact solution, so epsilon(sigma) is within ~1e-4 of target.
-    Raises `PlanError` if even `max_noise_multiplier` gives epsilon > target.
-    """
+def _check_calibration_args(target_epsilon, delta, sampling_probability, steps, accountant,
+                            max_noise_multiplier):
     target = _check_positive("target_epsilon", target_epsilon, "the privacy budget")
     if not _is_number(delta) or not (0 < delta < 1):
         raise PlanError(f"delta must be in (0, 1), got delta={delta!r}")
@@ -297,20 +507,65 @@ def calibrate_noise(
         )
     steps = _check_steps(steps)
     max_sigma = _check_positive("max_noise_multiplier", max_noise_multiplier, "largest sigma tried")
-    if accountant not in _acc.ACCOUNTANTS:
-        raise PlanError(
-            f"accountant must be one of {_acc.ACCOUNTANTS}, got accountant={accountant!r}"
-        )
-    q, delta = float(sampling_probability), float(delta)
+    _check_accountant_field(accountant)
+    return target, float(delta), float(sampling_probability), steps, max_sigma
 
-    curve = _EpsilonCurve(q, steps, delta, accountant)
+
+def calibrate_noise(
+    target_epsilon: float,
+    delta: float,
+    sampling_probability: float,
+    steps: int,
+    accountant: str = "pld",
+    max_noise_multiplier: float = 100.0,
+    *,
+    dataset_size: int | None = None,
+    max_batch_size: int | None = None,
+) -> float:
+    """The smallest noise multiplier sigma whose epsilon (at `delta`, after `steps`
+    steps at sampling rate q) is at most `target_epsilon`.
+
+    The result satisfies epsilon(sigma) <= target (checked, not assumed) and is within
+    a relative 1e-5 of the exact solution, so epsilon(sigma) is within ~1e-4 of target.
+    Raises `PlanError` if even `max_noise_multiplier` gives epsilon > target.
+
+    With `max_batch_size` (and `dataset_size`), sigma is calibrated for truncated
+    Poisson sampling (the truncated event, PLD only): the search runs on the planner's
+    coarser PLD grid and the result is checked, and nudged up if needed, on the
+    reporting grid, so epsilon(sigma) <= target holds for the reported number.
+    """
+    target, delta, q, steps, max_sigma = _check_calibration_args(
+        target_epsilon, delta, sampling_probability, steps, accountant, max_noise_multiplier
+    )
+    if max_batch_size is not None:
+        if not _is_int(dataset_size) or dataset_size < 1:
+            raise PlanError(
+                "dataset_size must be an integer >= 1 (the number of privacy units N of the "
+                f"truncated event) with max_batch_size, got dataset_size={dataset_size!r}"
+            )
+        b = _check_sampler_fields(TRUNCATED, accountant, dataset_size, max_batch_size)
+        coarse = _EpsilonCurve(q, steps, delta, "pld", interval=_SEARCH_INTERVAL)
+        sigma = _calibrate(coarse, target, max_sigma)
+        sigma = _calibrate_truncated(q, steps, delta, int(dataset_size), b, target, max_sigma, sigma)
+        return _fine_check(_truncated_curve(q, steps, delta, int(dataset_size), b), target, sigma)
+    return _calibrate(_EpsilonCurve(q, steps, delta, accountant), target, max_sigma)
+
+
+def _calibrate(curve: _EpsilonCurve, target: float, max_sigma: float,
+               start: float | None = None) -> float:
+    """The calibration of `calibrate_noise` on any curve; `start` is a close guess of
+    the root (then the bracket walks from it in small, growing steps)."""
     eps_max = curve(max_sigma)
     if eps_max > target:
+        cap = "" if curve.max_batch_size is None else f", max_batch_size={curve.max_batch_size}"
+        knobs = _knobs_message()
+        if curve.max_batch_size is not None:
+            knobs += " With truncated Poisson sampling: a larger max_batch_size."
         raise PlanError(
             f"target_epsilon={target:g} is unreachable with these numbers: even the largest "
             f"noise multiplier tried, max_noise_multiplier={max_sigma:g}, gives epsilon={eps_max:.4g} "
-            f"(sampling probability q={q:.6g}, steps={steps}, delta={delta:g}, accountant={accountant!r}). "
-            + _knobs_message()
+            f"(sampling probability q={curve.q:.6g}, steps={curve.steps}, delta={curve.delta:g}, "
+            f"accountant={curve.accountant!r}{cap}). " + knobs
         )
 
     # Bracket the root before handing it to Brent. PLD cost and memory explode as
@@ -318,8 +573,10 @@ def calibrate_noise(
     # far below the answer: locate it first, loosely, with the cheap RDP accountant
     # (an upper bound of the same quantity, so usually a slightly larger sigma), then
     # walk from there in small geometric steps with PLD.
-    if accountant == "pld":
-        rdp = _EpsilonCurve(q, steps, delta, "rdp")
+    if start is not None:
+        lo, hi = _bracket(curve, target, start, max_sigma, factor=1.01, accelerate=True)
+    elif curve.accountant == "pld":
+        rdp = _EpsilonCurve(curve.q, curve.steps, curve.delta, "rdp")
         if rdp(max_sigma) <= target:
             lo, hi = _bracket(rdp, target, 1.0, max_sigma, factor=2.0)
             guess = hi if lo is None else _brent(rdp, target, lo, hi, rtol=1e-2)
@@ -335,6 +592,11 @@ def calibrate_noise(
     # calibrate_dp_mechanism already guarantees a non-positive gap; check it anyway,
     # nudging sigma up if ever needed, so the promise "epsilon <= target" never rests
     # on a library's internals.
+    return _fine_check(curve, target, sigma)
+
+
+def _fine_check(curve: _EpsilonCurve, target: float, sigma: float) -> float:
+    """sigma, nudged up geometrically until curve(sigma) <= target."""
     step = _SIGMA_RTOL
     for _ in range(60):
         if curve(sigma) <= target:
@@ -344,19 +606,25 @@ def calibrate_noise(
     raise PlanError(f"calibration failed to reach target_epsilon={target:g} near sigma={sigma:g}")
 
 
-def _bracket(eps, target: float, start: float, max_sigma: float, factor: float):
+def _bracket(eps, target: float, start: float, max_sigma: float, factor: float,
+             accelerate: bool = False):
     """(lo, hi) with eps(lo) > target >= eps(hi) and eps(lo) finite, walking geometrically
-    from `start`; (None, hi) if eps stays <= target down to a vanishing sigma.
+    from `start` (with `accelerate`, the factor squares after each step: small steps
+    first for a close guess, few steps for a far one); (None, hi) if eps stays <= target
+    down to a vanishing sigma.
 
     eps(max_sigma) <= target must hold (the caller checks it).
     """
     lo = lo_value = None
     hi = min(start, max_sigma)
     value = eps(hi)
+    up = factor
     while value > target:  # start is infeasible: walk up
         lo, lo_value = hi, value
-        hi = min(hi * factor, max_sigma)
+        hi = min(hi * up, max_sigma)
         value = eps(hi)
+        if accelerate:
+            up = up * up
     if lo is not None and math.isfinite(lo_value):
         return lo, hi
     floor = hi * 1e-6
@@ -367,6 +635,8 @@ def _bracket(eps, target: float, start: float, max_sigma: float, factor: float):
         value = eps(cand)
         if value <= target:
             hi = cand
+            if accelerate:
+                factor = factor * factor
         elif math.isfinite(value):
             return cand, hi
         else:
@@ -391,6 +661,123 @@ def _brent(curve: _EpsilonCurve, target: float, lo: float, hi: float, rtol: floa
     )
 
 
+# ---- truncated Poisson: the cap B_max and sigma under the truncated event
+
+
+def _truncated_curve(q, steps, delta, n, b, interval=None) -> _EpsilonCurve:
+    return _EpsilonCurve(
+        q, steps, delta, "pld", dataset_size=n, max_batch_size=b, interval=interval
+    )
+
+
+def _calibrate_truncated(q, steps, delta, n, b, target, max_sigma, start) -> float:
+    """sigma calibrated on the search grid under the truncated event at cap b, walking
+    from `start` (the Poisson sigma, or a previous round's)."""
+    curve = _truncated_curve(q, steps, delta, n, b, _SEARCH_INTERVAL)
+    return _calibrate(curve, target, max_sigma, start=start)
+
+
+def _smallest_cap(q, steps, delta, n, sigma, budget, start=None, step=None) -> int:
+    """The smallest B_max in [1, n] with truncation_cost < budget on the search grid, at
+    noise multiplier sigma (the cost falls with B_max; it is 0 at B_max = n).
+
+    Walks from `start` (default: qN + 3 sd, where the cost is usually still large) in
+    doubling steps to bracket the answer, then bisects on the integers.
+    """
+    def feasible(b: int) -> bool:
+        if b >= n:
+            return True
+        return truncation_cost(
+            q, sigma, steps, delta, n, b, value_discretization_interval=_SEARCH_INTERVAL
+        ) < budget
+
+    mean, sd = q * n, math.sqrt(n * q * (1.0 - q))
+    if start is None:
+        start = math.ceil(mean + 3.0 * sd)
+    if step is None:
+        step = max(1, math.ceil(sd / 2.0))
+    start = min(max(1, int(start)), n)
+    if feasible(start):
+        lo, hi = 0, start  # feasible(0) is False by definition (a cap of 0 units)
+        while True:
+            cand = hi - step
+            if cand < 1:
+                break
+            if feasible(cand):
+                hi, step = cand, 2 * step
+            else:
+                lo = cand
+                break
+    else:
+        lo, hi = start, n
+        while True:
+            cand = lo + step
+            if cand >= n:
+                break
+            if feasible(cand):
+                hi = cand
+                break
+            lo, step = cand, 2 * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _plan_truncated(*, q, n, steps, delta, sigma, target, cap, budget, max_sigma):
+    """(sigma, B_max, truncation_cost) of a truncated-Poisson plan.
+
+    Fixed sigma (target None): B_max = `cap`, or the smallest cap whose cost is below
+    `budget` at sigma. Target mode: sigma is first calibrated under Poisson, then B_max
+    is searched at sigma and sigma re-calibrated under the truncated event at B_max,
+    until B_max is the smallest cap at its own sigma (a cycle B <-> B-1, possible in
+    principle, resolves to the larger cap). All of that runs on the search grid; the
+    final sigma is then checked (nudged up if needed) and the cost computed on the
+    reporting grid. If the reporting grid puts an automatic cap's cost at or above the
+    budget (a knife edge the search grid missed), the cap grows by one and the last
+    steps repeat.
+    """
+    if target is not None:
+        sigma = _calibrate(_EpsilonCurve(q, steps, delta, "pld", interval=_SEARCH_INTERVAL),
+                           target, max_sigma)
+    b = cap if cap is not None else _smallest_cap(q, steps, delta, n, sigma, budget)
+    if target is not None:
+        sigma_at: dict[int, float] = {}
+        for _ in range(_MAX_ROUNDS):
+            sigma = sigma_at[b] = _calibrate_truncated(q, steps, delta, n, b, target, max_sigma, sigma)
+            if cap is not None:
+                break
+            nxt = _smallest_cap(q, steps, delta, n, sigma, budget, start=b, step=1)
+            if nxt == b:
+                break
+            if nxt in sigma_at:  # a cycle: the larger cap meets the budget at its sigma
+                b = max(b, nxt)
+                sigma = sigma_at[b]
+                break
+            b = nxt
+        else:
+            raise PlanError(
+                f"could not settle privacy.max_batch_size for target_epsilon={target:g} "
+                f"(last tried {b}); set privacy.max_batch_size explicitly"
+            )
+    for _ in range(_MAX_ROUNDS):
+        if target is not None:
+            sigma = _fine_check(_truncated_curve(q, steps, delta, n, b), target, sigma)
+        cost = truncation_cost(q, sigma, steps, delta, n, b)
+        if cap is not None or cost < budget:
+            return sigma, b, cost
+        b += 1  # knife edge: the search grid said < budget, the reporting grid does not
+        if target is not None:
+            sigma = _calibrate_truncated(q, steps, delta, n, b, target, max_sigma, sigma)
+    raise PlanError(
+        f"could not find privacy.max_batch_size with truncation cost < {budget:g} "
+        f"(last tried {b}, cost {cost:.4g}); set privacy.max_batch_size explicitly"
+    )
+
+
 def make_plan(
     *,
     dataset_size: int,
@@ -403,11 +790,23 @@ def make_plan(
     noise_multiplier: float | None = None,
     accountant: str = "pld",
     max_noise_multiplier: float = 100.0,
+    sampler: str = "poisson",
+    max_batch_size: int | None = None,
+    truncation_budget: float = DEFAULT_TRUNCATION_BUDGET,
 ) -> DPPlan:
     """Validate the inputs and build a `DPPlan`, calibrating sigma if a target is given.
 
     Exactly one of `steps`/`epochs` and exactly one of `target_epsilon`/`noise_multiplier`.
     `delta` defaults to `default_delta(dataset_size)`.
+
+    `sampler="truncated-poisson"` (PLD accountant only): with `max_batch_size=None` the
+    cap B_max is the smallest whose truncation cost eps_truncated / eps_poisson - 1 is
+    below `truncation_budget` (relative; 1% by default), found on the planner's search
+    grid, with sigma calibrated under the truncated event at that cap in target mode
+    (so the reported epsilon, truncated event, is <= target_epsilon). A given
+    `max_batch_size` is used as is, whatever its cost; the plan carries the cost. The
+    plan's cost, epsilon and sigma are on the reporting grid. Takes seconds to tens of
+    seconds (PLD of the truncated event): ~20 s for N=15000, B=256, T=50 on 2 cores.
     """
     if (steps is None) == (epochs is None):
         got = "both" if steps is not None else "neither"
@@ -425,22 +824,45 @@ def make_plan(
     if delta is None:
         delta = default_delta(dataset_size)
     delta = _check_delta(delta, dataset_size)
-    if accountant not in _acc.ACCOUNTANTS:
-        raise PlanError(
-            f"accountant must be one of {_acc.ACCOUNTANTS}, got accountant={accountant!r}"
-        )
+    _check_accountant_field(accountant)
+    cap = _check_sampler_fields(sampler, accountant, dataset_size, max_batch_size)
+    if sampler == TRUNCATED and cap is None:
+        if not _is_number(truncation_budget) or not (0 < truncation_budget < math.inf):
+            raise PlanError(
+                "privacy.truncation_budget (the largest relative epsilon cost of the automatic "
+                "max_batch_size, e.g. 0.01 for 1%) must be a finite number > 0, got "
+                f"truncation_budget={truncation_budget!r}"
+            )
     steps = _check_steps(steps) if steps is not None else steps_for_epochs(epochs, q)
+    sigma = max_sigma = None
     if noise_multiplier is not None:
         sigma = _check_positive("noise_multiplier", noise_multiplier, "sigma")
     else:
         target_epsilon = _check_positive("target_epsilon", target_epsilon, "the privacy budget")
+        max_sigma = _check_positive(
+            "max_noise_multiplier", max_noise_multiplier, "largest sigma tried"
+        )
+    cost = None
+    if sampler == TRUNCATED:
+        sigma, cap, cost = _plan_truncated(
+            q=q,
+            n=int(dataset_size),
+            steps=steps,
+            delta=delta,
+            sigma=sigma,
+            target=target_epsilon,
+            cap=cap,
+            budget=float(truncation_budget),
+            max_sigma=max_sigma,
+        )
+    elif sigma is None:
         sigma = calibrate_noise(
             target_epsilon,
             delta,
             q,
             steps,
             accountant=accountant,
-            max_noise_multiplier=max_noise_multiplier,
+            max_noise_multiplier=max_sigma,
         )
     return DPPlan(
         dataset_size=int(dataset_size),
@@ -450,5 +872,8 @@ def make_plan(
         max_grad_norm=float(max_grad_norm),
         delta=delta,
         accountant=accountant,
+        sampler=sampler,
         target_epsilon=None if target_epsilon is None else float(target_epsilon),
+        max_batch_size=cap,
+        truncation_cost=None if cost is None else float(cost),
     )

@@ -3,7 +3,13 @@ import json
 import dp_accounting as dpa
 import pytest
 
-from llmdp.privacy.events import compose, dpsgd_step_event, event_from_json, event_to_json
+from llmdp.privacy.events import (
+    compose,
+    dpsgd_step_event,
+    event_from_json,
+    event_to_json,
+    is_truncated,
+)
 
 
 def _roundtrip(event):
@@ -29,6 +35,16 @@ def test_step_event_is_poisson_sampled_gaussian():
                 ),
                 dpa.GaussianDpEvent(5.0),
                 dpa.ComposedDpEvent([dpa.LaplaceDpEvent(0.3)]),
+            ]
+        ),
+        dpa.TruncatedSubsampledGaussianDpEvent(15000, 256 / 15000, 334, 0.52),
+        dpa.SelfComposedDpEvent(dpa.TruncatedSubsampledGaussianDpEvent(100, 0.1, 12, 1.5), 40),
+        dpa.ComposedDpEvent(
+            [
+                dpa.SelfComposedDpEvent(dpsgd_step_event(0.1, 1.0), 3),
+                dpa.SelfComposedDpEvent(
+                    dpsgd_step_event(0.1, 1.0, dataset_size=1000, max_batch_size=130), 5
+                ),
             ]
         ),
     ],
@@ -85,3 +101,52 @@ def test_compose_rejects_bad_counts():
 def test_step_event_validation(q, sigma, name):
     with pytest.raises(ValueError, match=name):
         dpsgd_step_event(q, sigma)
+
+
+def test_truncated_step_event():
+    e = dpsgd_step_event(0.01, 1.1, dataset_size=5000, max_batch_size=80)
+    assert e == dpa.TruncatedSubsampledGaussianDpEvent(
+        dataset_size=5000, sampling_probability=0.01, truncated_batch_size=80, noise_multiplier=1.1
+    )
+    assert type(e.dataset_size) is int and type(e.truncated_batch_size) is int
+    # The JSON keeps the library's field names and plain ints.
+    d = json.loads(json.dumps(event_to_json(e)))
+    assert d == {
+        "module_name": "dp_accounting.dp_event",
+        "class_name": "TruncatedSubsampledGaussianDpEvent",
+        "dataset_size": 5000,
+        "sampling_probability": 0.01,
+        "truncated_batch_size": 80,
+        "noise_multiplier": 1.1,
+    }
+    assert event_from_json(d) == e
+    # dataset_size alone keeps the Poisson event (it does not depend on N).
+    assert dpsgd_step_event(0.01, 1.1, dataset_size=5000) == dpsgd_step_event(0.01, 1.1)
+    # A cap >= N is allowed (no truncation can happen).
+    assert dpsgd_step_event(0.5, 1.0, dataset_size=10, max_batch_size=20).truncated_batch_size == 20
+
+
+def test_is_truncated():
+    t = dpsgd_step_event(0.1, 1.0, dataset_size=100, max_batch_size=20)
+    p = dpsgd_step_event(0.1, 1.0)
+    assert is_truncated(t) and not is_truncated(p)
+    assert is_truncated(compose([(p, 3), (t, 2)])) and not is_truncated(compose([(p, 3)]))
+    assert is_truncated(dpa.SelfComposedDpEvent(t, 4))
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragments",
+    [
+        (dict(max_batch_size=10), ["dataset_size is required", "max_batch_size=10", "dataset_size=N"]),
+        (dict(dataset_size=100, max_batch_size=0), ["max_batch_size must be an integer >= 1", "max_batch_size=0"]),
+        (dict(dataset_size=100, max_batch_size=2.5), ["max_batch_size=2.5"]),
+        (dict(dataset_size=100, max_batch_size=True), ["max_batch_size=True"]),
+        (dict(dataset_size=0, max_batch_size=5), ["dataset_size must be an integer >= 1", "dataset_size=0"]),
+        (dict(dataset_size=-3), ["dataset_size=-3"]),
+    ],
+)
+def test_truncated_step_event_validation(kwargs, fragments):
+    with pytest.raises(ValueError) as ei:
+        dpsgd_step_event(0.1, 1.0, **kwargs)
+    for f in fragments:
+        assert f in str(ei.value), (f, str(ei.value))

@@ -1,10 +1,12 @@
 import dataclasses
+import json
 import math
 
 import dp_accounting as dpa
 import pytest
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
+from scipy import stats
 
 from llmdp.privacy import plan as P
 from llmdp.privacy.accountant import RDP_ORDERS
@@ -229,3 +231,171 @@ def test_default_delta(n, expected):
 def test_steps_for_epochs(epochs, q, expected):
     assert P.steps_for_epochs(epochs, q) == expected
     assert P.steps_for_epochs(epochs, q) >= epochs / q * (1 - 1e-9)
+
+
+# ---- truncated Poisson sampling
+
+TRUNC = dict(dataset_size=2000, expected_batch_size=40, steps=20, delta=1e-5, max_grad_norm=1.0)
+
+
+def _direct_truncated_epsilon(n, q, cap, sigma, steps, delta, interval=1e-4):
+    event = dpa.TruncatedSubsampledGaussianDpEvent(n, q, cap, sigma)
+    a = PLDAccountant(ADD_REMOVE, value_discretization_interval=interval)
+    return a.compose(dpa.SelfComposedDpEvent(event, steps)).get_epsilon(delta)
+
+
+def _direct_cost(p: DPPlan, cap: int, interval=1e-4) -> float:
+    """eps_truncated / eps_poisson - 1 at the plan's sigma, T, delta, by dp-accounting."""
+    q, s, t, d = p.sampling_probability, p.noise_multiplier, p.steps, p.delta
+    pois = (
+        PLDAccountant(ADD_REMOVE, value_discretization_interval=interval)
+        .compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(s)), t))
+        .get_epsilon(d)
+    )
+    return _direct_truncated_epsilon(p.dataset_size, q, cap, s, t, d, interval) / pois - 1
+
+
+def _check_auto_cap(p: DPPlan, budget=0.01):
+    cap = p.max_batch_size
+    # The plan's cost is dp-accounting's, on the reporting grid, and below the budget ...
+    assert p.truncation_cost == pytest.approx(_direct_cost(p, cap), rel=1e-9, abs=1e-12)
+    assert p.truncation_cost < budget
+    # ... and the cap is the smallest below budget on the planner's search grid.
+    assert _direct_cost(p, cap, P._SEARCH_INTERVAL) < budget
+    assert _direct_cost(p, cap - 1, P._SEARCH_INTERVAL) >= budget
+    assert p.truncation_probability == stats.binom.sf(cap, p.dataset_size, p.sampling_probability)
+
+
+def test_truncated_plan_fixed_sigma_picks_the_smallest_cap():
+    p = make_plan(**TRUNC, noise_multiplier=4.0, sampler="truncated-poisson")
+    assert p.sampler == "truncated-poisson" and p.noise_multiplier == 4.0
+    assert p.expected_batch_size < p.max_batch_size < p.dataset_size
+    _check_auto_cap(p)
+    q = p.sampling_probability
+    assert p.step_event() == dpa.TruncatedSubsampledGaussianDpEvent(2000, q, p.max_batch_size, 4.0)
+    expected = _direct_truncated_epsilon(2000, q, p.max_batch_size, 4.0, 20, 1e-5)
+    assert p.epsilon() == pytest.approx(expected, rel=1e-12)
+    assert p.epsilon_estimate() >= p.epsilon()
+    sampler = p.make_sampler(2000)
+    assert (sampler.num_units, sampler.sampling_probability, sampler.max_batch_size) == (
+        2000, q, p.max_batch_size,
+    )
+    with pytest.raises(PlanError, match="dataset_size=2000"):
+        p.make_sampler(1999)
+    with pytest.raises(ValueError, match="privacy.accountant='rdp'"):
+        p.epsilon(accountant="rdp")
+    # A larger budget allows a smaller cap.
+    loose = make_plan(**TRUNC, noise_multiplier=4.0, sampler="truncated-poisson", truncation_budget=0.2)
+    assert loose.max_batch_size < p.max_batch_size
+    _check_auto_cap(loose, budget=0.2)
+
+
+def test_truncated_plan_target_mode():
+    target = 0.15
+    p = make_plan(**TRUNC, target_epsilon=target, sampler="truncated-poisson")
+    _check_auto_cap(p)
+    q = p.sampling_probability
+    eps = _direct_truncated_epsilon(2000, q, p.max_batch_size, p.noise_multiplier, 20, 1e-5)
+    assert p.epsilon() == pytest.approx(eps, rel=1e-12)
+    assert 0.999 * target <= eps <= target
+    # sigma was calibrated under the truncated event: under Poisson it would give less.
+    assert _direct_epsilon(q, p.noise_multiplier, 20, 1e-5) < eps / (1 + 0.5 * p.truncation_cost)
+
+
+def test_truncated_plan_with_a_given_cap_carries_its_cost():
+    p = make_plan(**TRUNC, noise_multiplier=4.0, sampler="truncated-poisson", max_batch_size=44)
+    assert p.max_batch_size == 44
+    assert p.truncation_cost == pytest.approx(_direct_cost(p, 44), rel=1e-9)
+    assert p.truncation_cost > 0.5  # far above the 1% budget, allowed, and reported
+    t = make_plan(**TRUNC, target_epsilon=0.15, sampler="truncated-poisson", max_batch_size=44)
+    eps = _direct_truncated_epsilon(2000, 0.02, 44, t.noise_multiplier, 20, 1e-5)
+    assert 0.999 * 0.15 <= eps <= 0.15
+    assert t.noise_multiplier == calibrate_noise(
+        0.15, 1e-5, 0.02, 20, dataset_size=2000, max_batch_size=44
+    )
+    # A cap of N: no truncation can happen, the cost is exactly 0.
+    full = make_plan(**TRUNC, noise_multiplier=4.0, sampler="truncated-poisson", max_batch_size=2000)
+    assert full.truncation_cost == 0.0 and full.truncation_probability == 0.0
+    assert full.epsilon() == pytest.approx(_direct_epsilon(0.02, 4.0, 20, 1e-5), rel=1e-12)
+
+
+def test_reporting_grid_has_the_last_word_on_the_cost(monkeypatch):
+    # If the reporting grid puts the searched cap at or above the budget (a knife edge the
+    # search grid missed), the plan takes the next cap rather than report cost >= budget.
+    base = make_plan(**TRUNC, noise_multiplier=4.0, sampler="truncated-poisson")
+    real = P.truncation_cost
+
+    def edgy(*a, value_discretization_interval=None, **k):
+        cost = real(*a, value_discretization_interval=value_discretization_interval, **k)
+        if value_discretization_interval is None and a[5] == base.max_batch_size:
+            return 0.0101
+        return cost
+
+    monkeypatch.setattr(P, "truncation_cost", edgy)
+    p = make_plan(**TRUNC, noise_multiplier=4.0, sampler="truncated-poisson")
+    assert p.max_batch_size == base.max_batch_size + 1 and p.truncation_cost < 0.01
+
+
+def test_truncated_plan_roundtrip_and_old_dicts():
+    p = make_plan(**TRUNC, noise_multiplier=4.0, sampler="truncated-poisson", max_batch_size=44)
+    d = json.loads(json.dumps(p.to_dict()))
+    assert d["max_batch_size"] == 44 and d["sampler"] == "truncated-poisson"
+    assert DPPlan.from_dict(d) == p
+    # A plan.json written before these fields existed still loads (Poisson).
+    old = {k: v for k, v in make_plan(**TRUNC, noise_multiplier=4.0).to_dict().items()
+           if k not in ("max_batch_size", "truncation_cost", "truncation_probability")}
+    q = DPPlan.from_dict(old)
+    assert q.sampler == "poisson" and q.max_batch_size is None and q.truncation_cost is None
+    assert q.step_event() == dpa.PoissonSampledDpEvent(0.02, dpa.GaussianDpEvent(4.0))
+    # truncation_probability is derived: filled in if missing, refused if inconsistent.
+    d2 = {**d, "truncation_probability": None}
+    assert DPPlan.from_dict(d2).truncation_probability == p.truncation_probability
+    with pytest.raises(PlanError, match="truncation_probability=0.5 does not match"):
+        DPPlan.from_dict({**d, "truncation_probability": 0.5})
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        (dict(sampler="shuffle"), ["privacy.sampler", "sampler='shuffle'", "'truncated-poisson'"]),
+        (
+            dict(max_batch_size=10),
+            ["privacy.max_batch_size=10", "sampler is 'poisson'", "sampler: truncated-poisson"],
+        ),
+        (
+            dict(sampler="truncated-poisson", accountant="rdp"),
+            ["privacy.accountant='rdp'", "truncated-poisson", "accountant: pld"],
+        ),
+        (
+            dict(sampler="truncated-poisson", max_batch_size=0),
+            ["privacy.max_batch_size", "[1, dataset_size = 1000]", "max_batch_size=0", "unset"],
+        ),
+        (dict(sampler="truncated-poisson", max_batch_size=1001), ["max_batch_size=1001"]),
+        (dict(sampler="truncated-poisson", max_batch_size=12.5), ["max_batch_size=12.5"]),
+        (
+            dict(sampler="truncated-poisson", truncation_budget=0.0),
+            ["privacy.truncation_budget", "truncation_budget=0.0", "> 0"],
+        ),
+    ],
+)
+def test_truncated_plan_errors_name_field_and_value(override, fragments):
+    with pytest.raises(PlanError) as ei:
+        make_plan(**{**BASE, **override})
+    for f in fragments:
+        assert f in str(ei.value), (f, str(ei.value))
+
+
+def test_dpplan_truncated_fields_are_validated():
+    kw = dict(dataset_size=1000, expected_batch_size=10, steps=1, noise_multiplier=1.0,
+              max_grad_norm=1.0, delta=1e-5)
+    with pytest.raises(PlanError, match="privacy.max_batch_size is required"):
+        DPPlan(**kw, sampler="truncated-poisson")
+    with pytest.raises(PlanError, match="truncation_cost=0.1 is only meaningful"):
+        DPPlan(**kw, truncation_cost=0.1)
+    with pytest.raises(PlanError, match=r"truncation_cost=nan"):
+        DPPlan(**kw, sampler="truncated-poisson", max_batch_size=20, truncation_cost=math.nan)
+    with pytest.raises(PlanError, match="privacy.accountant='rdp'"):
+        DPPlan(**kw, sampler="truncated-poisson", max_batch_size=20, accountant="rdp")
+    p = DPPlan(**kw, sampler="truncated-poisson", max_batch_size=20)
+    assert p.truncation_probability == stats.binom.sf(20, 1000, 0.01)
+    assert p.truncation_cost is None
