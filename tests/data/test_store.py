@@ -252,3 +252,20 @@ def test_chat_records_train_on_responses_only(tmp_path):
         assert prompt not in text
     rows = b["labels"].shape[0]
     assert b["num_target_tokens"].tolist() == [int((b["labels"][:, 1:] != -100).sum())] * rows
+
+
+def test_parallel_tokenization_builds_the_same_units(tmp_path, tok):
+    """num_proc > 1 (a datasets.map pool) and one process give identical stores."""
+    from llmdp.data.formats import RecordEncoder
+    from llmdp.data.sources import load_records
+    from llmdp.data.store import encode_records
+
+    data = write_notes(tmp_path / "n.jsonl", num_documents=50, seed=4)
+    spec = UnitSpec("user", L, max_rows_per_unit=3, user_field="user_id")
+    ds = load_records(path=data)
+    enc = RecordEncoder(tok)
+    one = encode_records(ds, enc, spec, num_proc=1, progress=False)
+    two = encode_records(ds, enc, spec, num_proc=2, progress=False)
+    for name in ("tokens", "target", "offsets"):
+        assert np.array_equal(getattr(one, name), getattr(two, name)), name
+    assert one.users.tolist() == two.users.tolist() == [r for r in ds["user_id"]]
