@@ -82,9 +82,10 @@ def check_run_dir(run_dir: str, cfg: RecipeConfig) -> None:
     with open(old_path, encoding="utf-8") as f:
         old = _flatten(json.loads(json.dumps(yaml.safe_load(f) or {})))
     new = _flatten(json.loads(json.dumps(to_dict(cfg))))
-    changed = sorted(k for k in set(old) | set(new)
+    # A key the old config lacks is a field added to the schema since: not a change.
+    changed = sorted(k for k in old
                      if any(k == r or k.startswith(r + ".") for r in _RESUME_KEYS)
-                     and old.get(k) != new.get(k))
+                     and old[k] != new.get(k))
     if changed:
         shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:4])
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""

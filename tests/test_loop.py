@@ -148,6 +148,14 @@ def test_a_run_directory_is_not_reused_by_another_recipe(tmp_path):
     cfg = make_recipe(tmp_path)
     prepared_config(cfg)
     prepared_config(cfg)  # the same recipe: fine (a resume)
+    # A config written before a schema field existed is not a different recipe.
+    import yaml
+
+    path = os.path.join(cfg.run_dir, "config.yaml")
+    old = yaml.safe_load(open(path))
+    del old["data"]["num_proc"]
+    yaml.safe_dump(old, open(path, "w"))
+    prepared_config(cfg)
     other = make_unit_recipe(tmp_path, "t", unit="document", max_rows_per_unit=2)
     with pytest.raises(ConfigError, match=r"output.name: 't' already holds a run .*data.unit: "
                                           r"'sequence' -> 'document'.*output.name=t-2"):
