@@ -28,14 +28,22 @@ output: {{dir: runs, name: e2e}}
 """
 
 
-def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys):
+# The second run takes the most involved path: user units of several rows with document
+# masking, sampled by truncated Poisson.
+USER_UNITS = ["data.unit=user", "data.user_field=user_id", "data.max_rows_per_unit=2",
+              "data.document_masking=true", "privacy.sampler=truncated-poisson",
+              "train.expected_batch_size=6"]
+
+
+@pytest.mark.parametrize("unit", ["sequence", "user"])
+def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys, unit):
     import ray
     from transformers import AutoModelForCausalLM
 
     monkeypatch.chdir(tmp_path)
     write_notes(tmp_path / "notes.jsonl", 80)
     (tmp_path / "r.yaml").write_text(RECIPE.format(tok=tiny_tokenizer_dir()))
-    assert main(["train", "r.yaml"]) == 0
+    assert main(["train", "r.yaml", *(USER_UNITS if unit == "user" else [])]) == 0
     assert not ray.is_initialized()  # the driver shut down the Ray it started
     run_dir = tmp_path / "runs" / "e2e"
     capsys.readouterr()
@@ -45,9 +53,17 @@ def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys):
     for key in ("epsilon", "delta", "accountant", "unit", "adjacency", "steps", "noise_multiplier",
                 "sampling_probability", "max_grad_norm"):
         assert key in rep
-    assert rep["steps"] == 6 and rep["status"] == "complete" and rep["unit"] == "sequence"
-    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-        rep["sampling_probability"], dp_accounting.GaussianDpEvent(rep["noise_multiplier"])), 6)
+    assert rep["steps"] == 6 and rep["status"] == "complete" and rep["unit"] == unit
+    if unit == "user":
+        assert rep["unit_size"]["max_rows_per_unit"] == 2 and rep["unit_size"]["document_masking"]
+        assert rep["dataset_size"] == rep["data_statistics"]["num_users"]
+        step = dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            rep["dataset_size"], rep["sampling_probability"], rep["sampling"]["max_batch_size"],
+            rep["noise_multiplier"])
+    else:
+        step = dp_accounting.PoissonSampledDpEvent(
+            rep["sampling_probability"], dp_accounting.GaussianDpEvent(rep["noise_multiplier"]))
+    event = dp_accounting.SelfComposedDpEvent(step, 6)
     acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     direct = acc.compose(event).get_epsilon(rep["delta"])
     assert rep["epsilon"] == pytest.approx(direct, rel=1e-6)
