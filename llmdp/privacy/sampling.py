@@ -304,8 +304,9 @@ class TruncatedPoissonSampler:
     The batch has at most B_max units: the caller provisions, and pads its compute to,
     B_max units per step ("pad below it"); units beyond B_max are never processed.
 
-    Same key -> same sample, on every machine. The sample, the key and whether this
-    step was truncated are secret (DESIGN §3.7): never log them.
+    Same key -> same sample, on every machine. The sample and the key are secret
+    (DESIGN §3.7): never log them. Whether a step was truncated is computed on private
+    data: it may only appear among the metrics the report marks internal.
     """
 
     TRUNCATE_PURPOSE = b"llmdp.truncated_poisson_sampler.subset.v1"
