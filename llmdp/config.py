@@ -220,6 +220,11 @@ class PrivacyConfig:
     clipping_mode: str = _f("auto", choices=("auto", "book-keeping", "two-pass"))
     debug_check: bool = False  # compare the engine with the exact reference on the first step
     max_noise_multiplier: float = _f(100.0, gt=0)
+    # The dataset's ledger: every DP release on this dataset (runs, tokenizers) is recorded
+    # and composed there. None: <cache>/ledgers/<dataset fingerprint>.jsonl.
+    ledger: str | None = _f(None, path="always")
+    # Cap on the composed epsilon (at the plan's delta) of everything in the ledger.
+    budget_epsilon: float | None = _f(None, gt=0)
 
 
 @dataclass(frozen=True)
@@ -246,6 +251,7 @@ class TrainConfig:
     log_every: int = _f(10, ge=1)
     seed: int = _f(0, ge=0)  # model init / dropout only; NOT a privacy seed
     eval_every: int = _f(0, ge=0)  # 0 = off
+    max_failures: int = _f(0, ge=0)  # worker failures Ray Train recovers from (resume from a checkpoint)
     length_bucketing: bool = True  # group rows of similar length; pad each micro-batch to its longest
 
 
@@ -254,6 +260,13 @@ class ScalingConfig:
     num_workers: int = _f(1, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = _f(1.0, gt=0)
+    # "replicated": every worker holds the whole model, one all-reduce of the clipped sum
+    # per logical step; "fsdp": FSDP2 fully_shard over the workers (parameters, gradients
+    # and optimizer state sharded; the clipped sum is reduce-scattered, each shard gets
+    # its slice of one N(0, sigma^2 C^2 I)).
+    strategy: str = _f("replicated", choices=("replicated", "fsdp"))
+    # Compute in bf16 (autocast) over float32 master weights; "none": the model's dtype.
+    mixed_precision: str = _f("none", choices=("none", "bf16"))
 
 
 _RUN_NAME = r"[A-Za-z0-9._-]+"
