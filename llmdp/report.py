@@ -73,6 +73,8 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     step_records = [m for m in metrics if "event" not in m and "step" in m]
     completed = max((m["step"] for m in step_records), default=0)
+    stop = next((m for m in reversed(metrics) if m.get("event") == "stopped"), None)
+    attempts = sorted({r.get("attempt") for r in records if r.get("kind") == "release"})
     priv = cfg["privacy"]
     seeded = priv.get("rng") == "seeded"
     unit_meta = records[-1]["meta"]["unit"] if records else {}
@@ -99,8 +101,10 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
         "run_id": plan_info.get("run_id"),
-        "status": "failed" if failure else ("complete" if completed >= plan.steps else "incomplete"),
+        "status": "failed" if failure else ("complete" if completed >= plan.steps else
+                                            "stopped" if stop else "incomplete"),
         "failure": failure,
+        "stopped": stop["reason"] if stop else None,
         # ---- the guarantee
         "epsilon": eps[plan.accountant],
         "delta": delta,
@@ -152,6 +156,11 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         "steps": ledger_steps,
         "steps_planned": plan.steps,
         "steps_completed": completed,
+        "attempts": len(attempts),
+        # Steps in the ledger beyond those that produced the final model: executed (or
+        # reserved write-ahead) by attempts that failed, then re-executed after a resume.
+        "steps_lost_to_failures": max(0, ledger_steps - completed),
+        "dataset_ledger": _dataset_ledger(plan_info, plan),
         "noise_multiplier": plan.noise_multiplier,
         "sampling_probability": plan.sampling_probability,
         "expected_batch_size": plan.expected_batch_size,
@@ -179,6 +188,19 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     return report
 
 
+def _dataset_ledger(plan_info: dict, plan) -> dict | None:
+    """ε composed over everything recorded on this dataset (every run, every tokenizer)."""
+    path = plan_info.get("dataset_ledger")
+    if not path:
+        return None
+    from llmdp.privacy.service import budget_status
+
+    try:
+        return budget_status(path, plan_info.get("budget_epsilon"), plan.delta, plan.accountant)
+    except Exception as e:  # the run's own report must not depend on another file's health
+        return {"ledger": path, "error": repr(e)}
+
+
 def _truncation_rows(r: dict) -> list[str]:
     s = r["sampling"]
     if "max_batch_size" not in s:
@@ -191,6 +213,16 @@ def _truncation_rows(r: dict) -> list[str]:
         else f"| Truncation cap B_max | {s['max_batch_size']} units |",
         f"| Steps truncated (internal) | {s['steps_truncated']} |",
     ]
+
+
+def _dataset_rows(r: dict) -> list[str]:
+    d = r.get("dataset_ledger")
+    if not d or "epsilon_spent" not in d:
+        return []
+    budget = (f"; budget ε = {d['budget_epsilon']:g}, remaining {d['epsilon_remaining']:.4f}"
+              if d.get("budget_epsilon") is not None else "; no budget set")
+    return [f"| Dataset ledger (all releases on this data) | ε = {d['epsilon_spent']:.4f} at δ = "
+            f"{d['delta']:.3g}{budget} |"]
 
 
 def _contribution_bound(kind: str, rows: int, seq_len: int, user_field) -> str:
@@ -300,6 +332,7 @@ def render_markdown(r: dict) -> str:
         lines += [f"> **Warning:** {r['rng_warning']}", ""]
     if r["status"] != "complete":
         lines += [f"> Run status: **{r['status']}**" + (f" ({r['failure']})" if r.get("failure") else "")
+                  + (f" ({r['stopped']})" if r.get("stopped") else "")
                   + ". The ε above covers every step recorded in the ledger.", ""]
     lines += [
         "## Checklist (How to DP-fy ML, §5.3.3)",
@@ -321,7 +354,9 @@ def render_markdown(r: dict) -> str:
         *_truncation_rows(r),
         f"| Noise multiplier σ | {r['noise_multiplier']:.6g} |",
         f"| Clipping norm C | {r['max_grad_norm']:g} ({r['clipping']}) |",
-        f"| Steps T (ledger) | {r['steps']} (planned {r['steps_planned']}, completed {r['steps_completed']}) |",
+        f"| Steps T (ledger) | {r['steps']} (planned {r['steps_planned']}, completed {r['steps_completed']}; "
+        f"{r['attempts']} attempt(s), {r['steps_lost_to_failures']} step(s) lost to failures and re-executed) |",
+        *_dataset_rows(r),
         f"| Noise std per coordinate of the averaged gradient | σC/(qN) = {r['noise_std_per_coordinate']:.4g} |",
         f"| RNG mode | {r['rng_mode']} |",
         f"| Tokenizer | {r['tokenizer']['note']} |",

@@ -37,6 +37,8 @@ class PreparedRun:
     tokenizer_dir: str | None
     ledger_meta: dict
     data_stats: dict
+    ledger_service: dict | None = None  # LedgerService kwargs
+    ledger_actor: str | None = None  # name of the Ray actor serving it, once started
 
     def worker_config(self) -> dict:
         return {
@@ -48,6 +50,8 @@ class PreparedRun:
             "tokenizer_dir": self.tokenizer_dir,
             "run_id": self.run_id,
             "ledger_meta": self.ledger_meta,
+            "ledger": {"service": self.ledger_service, "actor": self.ledger_actor,
+                       "budget_epsilon": (self.ledger_service or {}).get("budget_epsilon")},
         }
 
 
@@ -167,7 +171,7 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         sampler=cfg.privacy.sampler,
         max_batch_size=cfg.privacy.max_batch_size,
     )
-    run_id = uuid.uuid4().hex[:12]
+    run_id = _previous_run_id(run_dir) or uuid.uuid4().hex[:12]  # a re-launch resumes the same run
     data_stats = dict(store.stats())
     data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
     ledger_meta = {
@@ -180,16 +184,81 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         "relation": plan.relation,
         "mechanism": "dp-sgd",
     }
+    from llmdp.privacy.events import event_to_json
+
+    dataset_ledger = cfg.privacy.ledger or os.path.join(
+        cache, "ledgers", f"{store.meta['data']['sha256'][:16]}.jsonl")
+    service = {
+        "dataset_ledger": os.path.abspath(dataset_ledger),
+        "run_ledger": os.path.join(run_dir, "ledger.jsonl"),
+        "run_id": run_id, "meta": ledger_meta,
+        "block_size": int(cfg.train.checkpoint_every), "total_steps": plan.steps,
+        "event_json": event_to_json(plan.step_event()), "delta": plan.delta,
+        "accountant": plan.accountant, "budget_epsilon": cfg.privacy.budget_epsilon,
+    }
+    if cfg.privacy.budget_epsilon is not None:
+        check_budget(service, plan, resuming=_has_checkpoint(run_dir), log=log)
     dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     with open(os.path.join(run_dir, "plan.json"), "w", encoding="utf-8") as f:
         json.dump({"plan": plan.to_dict(), "epsilon_planned": plan.epsilon(), "run_id": run_id,
-                   "data": data_stats}, f, indent=2)
+                   "data": data_stats, "dataset_ledger": service["dataset_ledger"],
+                   "budget_epsilon": cfg.privacy.budget_epsilon}, f, indent=2)
     tok_dir = cfg.model.tokenizer or cfg.model.name_or_path
     return PreparedRun(
         cfg=cfg, run_dir=run_dir, run_id=run_id, plan=plan, store_dir=store.path,
         cache_dir=os.path.join(cache, "models"), tokenizer_dir=tok_dir if tok_dir and os.path.isdir(tok_dir) else None,
-        ledger_meta=ledger_meta, data_stats=data_stats,
+        ledger_meta=ledger_meta, data_stats=data_stats, ledger_service=service,
     )
+
+
+def finished_run(cfg: RecipeConfig) -> dict | None:
+    """The report of ``cfg``'s run directory if that run completed all its steps, else None.
+    (A different recipe in that directory is refused by ``check_run_dir`` in ``prepare``.)"""
+    run_dir = os.path.abspath(cfg.run_dir)
+    try:
+        with open(os.path.join(run_dir, "privacy_report.json"), encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return None
+    check_run_dir(run_dir, cfg)
+    if report.get("status") == "complete" and os.path.isdir(os.path.join(run_dir, "model")):
+        return {"steps": report["steps_completed"], "epsilon": report["epsilon"], "delta": report["delta"]}
+    return None
+
+
+def _previous_run_id(run_dir: str) -> str | None:
+    try:
+        with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def _has_checkpoint(run_dir: str) -> bool:
+    d = os.path.join(run_dir, "checkpoints")
+    return os.path.isdir(d) and any(n.startswith("checkpoint_") for n in os.listdir(d))
+
+
+def check_budget(service: dict, plan, *, resuming: bool, log=print) -> None:
+    """Refuse to start a run whose plan does not fit in what remains of the dataset's budget
+    (a resumed run starts if one step fits, and stops before the step that would cross it)."""
+    from llmdp.privacy.service import BudgetError, LedgerService
+
+    svc = LedgerService(**service)
+    allowed = svc.allowance()
+    st = svc.status()
+    need = 1 if resuming else plan.steps
+    if allowed < need:
+        planned = plan.epsilon()
+        raise BudgetError(
+            f"privacy.budget_epsilon={st['budget_epsilon']:g}: the dataset ledger "
+            f"{st['ledger']} has already spent ε = {st['epsilon_spent']:.4f} at δ = {plan.delta:.3g} "
+            f"(remaining ε = {st['epsilon_remaining']:.4f}); this plan alone needs ε = {planned:.4f} "
+            f"for T = {plan.steps} steps and only {allowed} of its steps fit. Lower "
+            f"privacy.target_epsilon / train.steps, or raise the budget"
+        )
+    log(f"budget: ε spent on this dataset = {st['epsilon_spent']:.4f} of {st['budget_epsilon']:g}; "
+        f"{allowed} more steps of this run fit")
 
 
 class _Progress(threading.Thread):
@@ -259,6 +328,12 @@ def run(cfg: RecipeConfig, log=print) -> str:
     """Run the recipe end to end; returns the run directory."""
     from llmdp.report import write_report
 
+    done = finished_run(cfg)
+    if done is not None:
+        log(f"run {cfg.run_dir} is already complete ({done['steps']} of {done['steps']} steps, "
+            f"ε = {done['epsilon']:.4f} at δ = {done['delta']:.3g}); nothing to do. Give a new "
+            f"output.name to train again.")
+        return os.path.abspath(cfg.run_dir)
     prepared = prepare(cfg, log=log)
     plan = prepared.plan
     log(
@@ -272,6 +347,8 @@ def run(cfg: RecipeConfig, log=print) -> str:
     except BaseException as e:  # the ledger is durable; still write what we know
         error = e
     report = write_report(prepared.run_dir, failure=repr(error) if error else None)
+    if report.get("stopped"):
+        log(f"stopped early: {report['stopped']}")
     log(f"run directory: {prepared.run_dir}")
     log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
     log(f"epsilon = {report['epsilon']:.4f} at delta = {report['delta']:.3g} ({report['accountant']})")
@@ -300,6 +377,12 @@ def _fit(prepared: PreparedRun, log) -> None:
             configure_logging=True,
         )
         started_ray = True
+    from llmdp.privacy.service import LedgerService
+
+    # The single ledger writer, on the driver's node, shared by every attempt of the workers.
+    actor_name = f"llmdp-ledger-{prepared.run_id}"
+    actor = ray.remote(LedgerService).options(name=actor_name, num_cpus=0).remote(**prepared.ledger_service)
+    prepared.ledger_actor = actor_name
     progress = _Progress(os.path.join(prepared.run_dir, "metrics.jsonl"), prepared.plan)
     progress.start()
     try:
@@ -314,7 +397,8 @@ def _fit(prepared: PreparedRun, log) -> None:
             run_config=RunConfig(
                 name="checkpoints",
                 storage_path=prepared.run_dir,
-                failure_config=FailureConfig(max_failures=0),
+                # A failed worker group restarts from the latest checkpoint, up to this many times.
+                failure_config=FailureConfig(max_failures=cfg.train.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=2),
             ),
         )
@@ -322,6 +406,7 @@ def _fit(prepared: PreparedRun, log) -> None:
     finally:
         progress.stop.set()
         progress.join(timeout=5)
+        ray.kill(actor)
         if started_ray:
             ray.shutdown()
 

@@ -314,7 +314,6 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
     from llmdp.config import recipe_from_dict
     from llmdp.data.store import open_store
     from llmdp.models import load_model
-    from llmdp.privacy.ledger import LedgerWriter
     from llmdp.privacy.plan import DPPlan
 
     if context is None:
@@ -358,24 +357,35 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
 
     run_dir = config["run_dir"]
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    event = plan.step_event()
     ledger = None
+    budgeted = config.get("ledger", {}).get("budget_epsilon") is not None
     if rank == 0:
-        # One writer per attempt: after a resume, re-executed steps are counted again,
-        # as they must be (the lost ones were real releases too).
-        ledger = LedgerWriter(
-            os.path.join(run_dir, "ledger.jsonl"),
-            run_id=config["run_id"],
-            attempt=f"{int(time.time())}-{os.getpid()}",
-            meta=config["ledger_meta"],
-            block_size=int(train_cfg["checkpoint_every"]),
-            total_steps=plan.steps,
-        )
+        # The single writer of the dataset's and the run's ledgers (a Ray actor on the
+        # driver, or in-process without Ray). One attempt per (re)start of the worker
+        # group: re-executed steps are counted again, as they must be.
+        ledger = ledger_client(config)
+        ledger.start_attempt()
         _metrics_line(metrics_path, {"event": "start", "step": start, "time": time.time(), "world_size": world})
 
     checkpoint_every = int(train_cfg["checkpoint_every"])
+    def checkpoint(done: int) -> None:
+        # ray.train.report is a barrier: every worker reaches it at the same steps.
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = None
+            if rank == 0:
+                _save_state(tmp, named, optimizer, scheduler, done, {"run_id": config["run_id"]})
+                ckpt = tmp
+            context.report({"step": done}, ckpt)
+
+    stopped = None
     for step in range(start, plan.steps):
         t0 = time.perf_counter()
+        if budgeted:
+            # Budget: rank 0 asks the ledger service; every worker learns the answer. [sync point]
+            ok, why = ledger.admit(step) if ledger is not None else (True, "")
+            if broadcast_bytes(b"\x01" if ok else b"\x00", 1, device) == b"\x00":
+                stopped = {"step": step, "reason": why}
+                break
         keys = StepKeys.draw(step, priv_cfg["rng"], priv_cfg.get("seed"), device)
         sample, truncated = sampler.sample_with_info(keys.sample)  # secret: never logged
         # Every worker computes the same assignment from the same sample; it reads only its own rows.
@@ -392,7 +402,7 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
         if ledger is not None:
             # Write-ahead: the step's event is durable before any replica applies the update.
             # The other ranks cannot pass the all-reduce below before rank 0 reaches it.
-            ledger.ensure(step, event)
+            ledger.ensure(step)
         privatize_(params, keys.noise, plan.noise_multiplier, plan.max_grad_norm, plan.expected_batch_size)
         optimizer.step()
         scheduler.step()
@@ -417,18 +427,45 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
 
         done = step + 1 == plan.steps
         if (step + 1) % checkpoint_every == 0 or done:
-            # ray.train.report is a barrier: every worker reaches it at the same steps.
-            with tempfile.TemporaryDirectory() as tmp:
-                ckpt = None
-                if rank == 0:
-                    _save_state(tmp, named, optimizer, scheduler, step + 1, {"run_id": config["run_id"]})
-                    ckpt = tmp
-                context.report({"step": step + 1}, ckpt)
+            checkpoint(step + 1)
 
+    if stopped is not None:
+        # Stopped by the budget before step `stopped["step"]`: save what was trained (every
+        # update so far is in the ledger), unless that state was just checkpointed.
+        if stopped["step"] % checkpoint_every != 0 and stopped["step"] > start:
+            checkpoint(stopped["step"])
+        if rank == 0:
+            _save_final_model(model, config)
+            _metrics_line(metrics_path, {"event": "stopped", "step": stopped["step"],
+                                         "reason": stopped["reason"], "time": time.time()})
+        return {"steps": stopped["step"], "stopped": stopped["reason"]}
     if rank == 0:
         _save_final_model(model, config)
         _metrics_line(metrics_path, {"event": "end", "step": plan.steps, "time": time.time()})
     return {"steps": plan.steps}
+
+
+class _ActorLedger:
+    """The ledger service's methods, called on its Ray actor (blocking: write-ahead)."""
+
+    def __init__(self, name: str):
+        import ray
+
+        self._ray, self._actor = ray, ray.get_actor(name)
+
+    def __getattr__(self, method):
+        remote = getattr(self._actor, method)
+        return lambda *a, **k: self._ray.get(remote.remote(*a, **k))
+
+
+def ledger_client(config: dict):
+    """The run's ledger service: the named Ray actor if the driver made one, else in-process."""
+    from llmdp.privacy.service import LedgerService
+
+    spec = config["ledger"]
+    if spec.get("actor"):
+        return _ActorLedger(spec["actor"])
+    return LedgerService(**spec["service"])
 
 
 def _device(recipe) -> torch.device:

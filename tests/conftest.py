@@ -1,6 +1,11 @@
 import os
+import tempfile
 
 import pytest
+
+# Tests never share a cache (models, unit stores, dataset ledgers) with the user's runs or
+# with an earlier test session: a dataset ledger is cumulative by design.
+os.environ["LLMDP_CACHE"] = tempfile.mkdtemp(prefix="llmdp-test-cache-")
 
 # Never reach a hub from tests: every model and tokenizer is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,3 +27,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    shutil.rmtree(os.environ["LLMDP_CACHE"], ignore_errors=True)

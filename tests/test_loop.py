@@ -160,3 +160,60 @@ def test_a_run_directory_is_not_reused_by_another_recipe(tmp_path):
     with pytest.raises(ConfigError, match=r"output.name: 't' already holds a run .*data.unit: "
                                           r"'sequence' -> 'document'.*output.name=t-2"):
         prepared_config(other)
+
+
+def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
+    """A dataset ledger shared by two runs: the second is refused at start when its plan does
+    not fit; when it starts but the budget runs out, it stops before the crossing step."""
+    import dp_accounting
+
+    from llmdp.privacy.service import BudgetError
+    from llmdp.report import write_report
+
+    first = make_recipe(tmp_path)
+    prep = prepared_config(first)
+    train_loop_per_worker(prep.worker_config(), LocalContext())
+    dataset_ledger = prep.ledger_service["dataset_ledger"]
+    assert Ledger(dataset_ledger).total_count() == 6
+    ev = prep.plan.step_event()
+
+    def eps(k):
+        acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        return acc.compose(ev, k).get_epsilon(prep.plan.delta)
+
+    raw = to_dict(first)
+    raw["output"]["name"] = "second"
+    raw["privacy"]["budget_epsilon"] = eps(6 + 3) * (1 + 1e-9)  # 3 more steps fit, the plan needs 6
+    with pytest.raises(BudgetError, match=r"privacy.budget_epsilon=.*already spent ε = "
+                                          rf"{eps(6):.4f}.*only 3 of its steps fit"):
+        prepared_config(recipe_from_dict(raw))
+
+    # The same budget met mid-run (as after failures): stop cleanly before step 4.
+    raw["privacy"]["budget_epsilon"] = None
+    prep2 = prepared_config(recipe_from_dict(raw))
+    wc = prep2.worker_config()
+    wc["ledger"]["budget_epsilon"] = wc["ledger"]["service"]["budget_epsilon"] = eps(9) * (1 + 1e-9)
+    ctx = LocalContext(checkpoint_dir=str(tmp_path / "ckpt2"))
+    out = train_loop_per_worker(wc, ctx)
+    assert out["steps"] == 3 and "before step 4 of 6" in out["stopped"]
+    assert [r["step"] for r in ctx.reports] == [2, 3]  # the stopped state is checkpointed
+    assert Ledger(dataset_ledger).total_count() == 9
+    assert Ledger(os.path.join(prep2.run_dir, "ledger.jsonl")).total_count() == 3
+    rep = write_report(prep2.run_dir)
+    assert rep["status"] == "stopped" and "privacy.budget_epsilon" in rep["stopped"]
+    assert rep["steps"] == 3 and rep["dataset_ledger"]["epsilon_spent"] == pytest.approx(eps(9), rel=1e-9)
+
+
+def test_a_finished_run_is_not_run_again(tmp_path, capsys):
+    from llmdp.report import write_report
+    from llmdp.trainer import run
+
+    cfg = make_recipe(tmp_path)
+    prep = prepared_config(cfg)
+    train_loop_per_worker(prep.worker_config(), LocalContext())
+    write_report(prep.run_dir)
+    before = Ledger(os.path.join(prep.run_dir, "ledger.jsonl")).total_count()
+    lines = []
+    assert run(cfg, log=lines.append) == prep.run_dir  # no Ray started: nothing to do
+    assert "already complete (6 of 6 steps" in lines[0] and "nothing to do" in lines[0]
+    assert Ledger(os.path.join(prep.run_dir, "ledger.jsonl")).total_count() == before

@@ -1,0 +1,152 @@
+"""The ledger service: the single writer of a run's DP releases, and the budget keeper.
+
+One ledger per *dataset* (``privacy.ledger``; default ``<cache>/ledgers/<source sha>.jsonl``)
+records every release made on that data: every run, every attempt, private tokenizers.
+The run directory keeps its own ``ledger.jsonl`` with this run's releases only (what the
+run's report composes). A :class:`LedgerService` writes both, write-ahead (DESIGN §3.5):
+rank 0 asks it to :meth:`admit` a step before the step starts and to :meth:`ensure` it
+before the update is applied; no other process writes.
+
+Under Ray it runs as a named actor on the driver's node (``ray.remote(LedgerService)``),
+so every attempt of every worker group records through the same writer; its state is the
+files, so a new driver (a re-launch) picks up exactly where the ledger stands.
+
+Budget (``privacy.budget_epsilon``): the composed ε (at the plan's δ) of everything in the
+dataset ledger may not exceed it. At start the service computes how many more steps of
+this run's event fit (a binary search over dp-accounting compositions); a step beyond
+that is not admitted, and the run stops cleanly before it. Blocks of the write-ahead
+reservation are shortened so that a reservation never crosses the budget either.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from llmdp.privacy import accountant as _acc
+from llmdp.privacy.events import event_from_json
+from llmdp.privacy.ledger import Ledger, LedgerWriter
+
+__all__ = ["BudgetError", "LedgerService", "steps_within_budget", "budget_status"]
+
+
+class BudgetError(RuntimeError):
+    """The dataset's privacy budget does not allow what was asked."""
+
+
+def _entries(path: str):
+    return Ledger(path).entries() if os.path.exists(path) else []
+
+
+def steps_within_budget(entries, event, budget: float, delta: float, accountant: str,
+                        upper: int) -> int:
+    """The largest k in [0, upper] with ε(entries + k × event) <= budget (dp-accounting)."""
+    def fits(k: int) -> bool:
+        return _acc.epsilon(list(entries) + ([(event, k)] if k else []), delta, accountant) <= budget
+
+    if not fits(0):
+        return 0
+    if fits(upper):
+        return upper
+    lo, hi = 0, upper  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def budget_status(path: str, budget: float | None, delta: float, accountant: str) -> dict:
+    """ε spent so far in the dataset ledger at ``path`` and what remains of ``budget``."""
+    spent = _acc.epsilon(_entries(path), delta, accountant)
+    return {"ledger": path, "epsilon_spent": spent, "budget_epsilon": budget,
+            "epsilon_remaining": None if budget is None else max(0.0, budget - spent),
+            "delta": delta, "accountant": accountant}
+
+
+class LedgerService:
+    """Single writer of one run's releases to the dataset ledger and the run ledger.
+
+    ``admit(step)`` -> ``(ok, message)``: whether global step ``step`` may run (False once
+    the budget would be crossed). ``ensure(step)``: the step's event is durable in both
+    ledgers (a new block is reserved when needed). ``start_attempt()`` after every
+    (re)start of the worker group: new writers, so re-executed steps are counted again.
+    """
+
+    def __init__(self, *, dataset_ledger: str, run_ledger: str, run_id: str, meta: dict,
+                 block_size: int, total_steps: int, event_json: dict, delta: float,
+                 accountant: str, budget_epsilon: float | None = None):
+        self.dataset_ledger = os.path.abspath(dataset_ledger)
+        self.run_ledger = os.path.abspath(run_ledger)
+        self.run_id, self.meta = run_id, dict(meta)
+        self.block_size, self.total_steps = int(block_size), int(total_steps)
+        self.event = event_from_json(event_json)
+        self.delta, self.accountant, self.budget = float(delta), accountant, budget_epsilon
+        self._writers: tuple[LedgerWriter, LedgerWriter] | None = None
+        self._allowance: int | None = None  # steps (ledger counts) the budget still allows
+        self._reserved: list[tuple[int, int]] = []  # this attempt's blocks [start, end)
+        self.attempts = 0
+
+    # ------------------------------------------------------------------ budget
+    def allowance(self) -> int | None:
+        """Ledger counts of this run's event that still fit in the budget (None: no budget)."""
+        if self.budget is None:
+            return None
+        if self._allowance is None:
+            self._allowance = steps_within_budget(
+                _entries(self.dataset_ledger), self.event, self.budget, self.delta,
+                self.accountant, self.total_steps)
+        return self._allowance
+
+    def status(self) -> dict:
+        return budget_status(self.dataset_ledger, self.budget, self.delta, self.accountant)
+
+    # ------------------------------------------------------------------ writing
+    def start_attempt(self) -> str:
+        attempt = f"{int(time.time())}-{os.getpid()}-{self.attempts}"
+        self.attempts += 1
+        self._writers = tuple(
+            LedgerWriter(path, run_id=self.run_id, attempt=attempt, meta=self.meta,
+                         block_size=self.block_size, total_steps=self.total_steps)
+            for path in (self.dataset_ledger, self.run_ledger))
+        self._reserved = []
+        return attempt
+
+    def _block(self, step: int) -> int:
+        """Length of the block a new reservation at ``step`` would take (0: none fits)."""
+        count = min(self.block_size, self.total_steps - step)
+        allowed = self.allowance()
+        return count if allowed is None else min(count, allowed)
+
+    def admit(self, step: int) -> tuple[bool, str]:
+        if any(a <= step < b for a, b in self._reserved):
+            return True, ""
+        if self._block(step) >= 1:
+            return True, ""
+        st = self.status()
+        return False, (
+            f"privacy.budget_epsilon={self.budget:g} reached on the dataset ledger {self.dataset_ledger}: "
+            f"ε spent = {st['epsilon_spent']:.4f} at δ = {self.delta:.3g}; one more step of this run "
+            f"would cross it. The run stopped before step {step + 1} of {self.total_steps} and saved "
+            f"its state; raise privacy.budget_epsilon or train on data with budget left"
+        )
+
+    def ensure(self, step: int) -> bool:
+        """Write-ahead: ``step`` durable in both ledgers before its update is applied."""
+        if self._writers is None:
+            self.start_attempt()
+        if any(a <= step < b for a, b in self._reserved):
+            return False
+        count = self._block(step)
+        if count < 1:
+            raise RuntimeError(f"step {step} was not admitted: the privacy budget is spent")
+        for w in self._writers:
+            # One reservation of `count` steps in each ledger: dataset ledger first, so a
+            # crash in between over-counts the budget rather than under-counts it.
+            w.append(self.event, count, first_step=step)
+        self._reserved.append((step, step + count))
+        if self._allowance is not None:
+            self._allowance -= count
+        return True
