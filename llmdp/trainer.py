@@ -373,7 +373,8 @@ def _fit(prepared: PreparedRun, log) -> None:
             # Progress comes from metrics.jsonl; worker logs stay in Ray's session logs
             # (LLMDP_VERBOSE=1 shows them). A failing worker's traceback is still raised here.
             log_to_driver=os.environ.get("LLMDP_VERBOSE", "0") == "1",
-            runtime_env={"env_vars": WORKER_ENV},
+            runtime_env={"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
+                                                       if k == "LLMDP_FAULT"}}},
             configure_logging=True,
         )
         started_ray = True

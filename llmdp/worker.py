@@ -404,6 +404,7 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
             # The other ranks cannot pass the all-reduce below before rank 0 reaches it.
             ledger.ensure(step)
         privatize_(params, keys.noise, plan.noise_multiplier, plan.max_grad_norm, plan.expected_batch_size)
+        _maybe_inject_fault(step, rank)
         optimizer.step()
         scheduler.step()
         del sample, mine
@@ -443,6 +444,19 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
         _save_final_model(model, config)
         _metrics_line(metrics_path, {"event": "end", "step": plan.steps, "time": time.time()})
     return {"steps": plan.steps}
+
+
+def _maybe_inject_fault(step: int, rank: int) -> None:
+    """Test hook: ``LLMDP_FAULT=step=K,rank=R,marker=PATH`` makes worker R raise once at
+    0-based step K (after the ledger write, before the update), as a lost node would."""
+    spec = os.environ.get("LLMDP_FAULT")
+    if not spec:
+        return
+    f = dict(item.split("=", 1) for item in spec.split(","))
+    if int(f["step"]) == step and int(f.get("rank", 0)) == rank and not os.path.exists(f["marker"]):
+        with open(f["marker"], "w") as fh:
+            fh.write(f"failed at step {step} on rank {rank}\n")
+        raise RuntimeError(f"injected fault at step {step} on rank {rank} (LLMDP_FAULT)")
 
 
 class _ActorLedger:

@@ -77,3 +77,40 @@ def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys, unit):
     assert any(d.startswith("checkpoint_") for d in os.listdir(run_dir / "checkpoints"))
     model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
     assert model.config.num_hidden_layers == 1
+
+
+def test_a_failed_worker_resumes_and_every_executed_step_is_counted(tmp_path, monkeypatch, capsys):
+    """Worker 1 raises at step 5 (after the ledger write); Ray restarts the group from the
+    step-3 checkpoint; the run finishes, the ledger counts every executed step, the report
+    says what the failure cost, and a second launch does nothing."""
+    from llmdp.privacy.ledger import Ledger
+
+    monkeypatch.chdir(tmp_path)
+    write_notes(tmp_path / "notes.jsonl", 80)
+    (tmp_path / "r.yaml").write_text(RECIPE.format(tok=tiny_tokenizer_dir()))
+    marker = tmp_path / "fault-happened"
+    monkeypatch.setenv("LLMDP_FAULT", f"step=4,rank=1,marker={marker}")
+    argv = ["train", "r.yaml", "train.max_failures=1", "output.name=faulty"]
+    assert main(argv) == 0
+    assert marker.exists(), "the fault was injected"
+    run_dir = tmp_path / "runs" / "faulty"
+    starts = [json.loads(x) for x in open(run_dir / "metrics.jsonl") if '"start"' in x]
+    assert [s["step"] for s in starts] == [0, 3]  # resumed from the last checkpoint
+    ledger = Ledger(run_dir / "ledger.jsonl")
+    # blocks of 3: [0,3) and [3,6) by the first attempt, [3,6) again by the second
+    assert ledger.total_count() == 9 >= 6
+    assert len({r["attempt"] for r in ledger.records()}) == 2
+    capsys.readouterr()
+    assert main(["privacy", "report", str(run_dir), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["status"] == "complete" and rep["steps_completed"] == 6 and rep["steps"] == 9
+    assert rep["attempts"] == 2 and rep["steps_lost_to_failures"] == 3
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        rep["sampling_probability"], dp_accounting.GaussianDpEvent(rep["noise_multiplier"])), 9)
+    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    assert rep["epsilon"] == pytest.approx(acc.compose(event).get_epsilon(rep["delta"]), rel=1e-6)
+
+    monkeypatch.delenv("LLMDP_FAULT")
+    assert main(argv) == 0
+    assert "already complete (6 of 6 steps" in capsys.readouterr().out
+    assert Ledger(run_dir / "ledger.jsonl").total_count() == 9
