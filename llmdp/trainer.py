@@ -318,8 +318,9 @@ class _Progress(threading.Thread):
                 post["loss"] = f"{rec['train_loss']:.3f}"
             if "eps" in last:
                 post["eps"] = f"{last['eps']:.2f}"
-            if rec.get("worker0_tokens_per_s"):
-                post["tok/s/worker"] = f"{rec['worker0_tokens_per_s']:.0f}"
+            if rec.get("tokens_per_s"):
+                post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
+                post["units/s"] = f"{rec['units_per_s']:.1f}"
             bar.set_postfix(post, refresh=False)
             bar.refresh()
 

@@ -405,6 +405,7 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
             ledger.ensure(step)
         privatize_(params, keys.noise, plan.noise_multiplier, plan.max_grad_norm, plan.expected_batch_size)
         _maybe_inject_fault(step, rank)
+        totals = _sum_over_workers([stats.units, stats.rows, stats.tokens], device)  # [sync point]
         optimizer.step()
         scheduler.step()
         del sample, mine
@@ -420,6 +421,12 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
                 "worker0_units": stats.units,
                 "worker0_tokens": stats.tokens,
                 "worker0_tokens_per_s": stats.tokens / dt if dt > 0 else None,
+                "worker0_units_per_s": stats.units / dt if dt > 0 else None,
+                "units": totals[0],
+                "rows": totals[1],
+                "tokens": totals[2],
+                "tokens_per_s": totals[2] / dt if dt > 0 else None,
+                "units_per_s": totals[0] / dt if dt > 0 else None,
                 "worker0_clipped_fraction": stats.clipped / stats.units if stats.units else None,
                 "micro_steps": micro,
                 "sample_truncated": bool(truncated),
@@ -444,6 +451,15 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
         _save_final_model(model, config)
         _metrics_line(metrics_path, {"event": "end", "step": plan.steps, "time": time.time()})
     return {"steps": plan.steps}
+
+
+def _sum_over_workers(values: list[int], device: torch.device) -> list[int]:
+    """Sum small integer counters over workers (one tiny all-reduce). [sync point]"""
+    if not _dist_on():
+        return [int(v) for v in values]
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [int(v) for v in t.tolist()]
 
 
 def _maybe_inject_fault(step: int, rank: int) -> None:

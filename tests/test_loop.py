@@ -90,6 +90,11 @@ def test_local_loop_writes_metrics_and_a_report_matching_dp_accounting(tmp_path)
     lines = [json.loads(x) for x in open(os.path.join(prep.run_dir, "metrics.jsonl"))]
     steps = [x["step"] for x in lines if "event" not in x]
     assert steps == list(range(1, T + 1))
+    for x in lines:
+        if "event" not in x:  # one worker: the totals are rank 0's counts
+            assert (x["units"], x["tokens"]) == (x["worker0_units"], x["worker0_tokens"])
+            assert x["tokens_per_s"] == pytest.approx(x["tokens"] / x["step_time_s"])
+            assert x["units_per_s"] == pytest.approx(x["units"] / x["step_time_s"])
     for x in lines:  # secrets stay secret: no sampled indices, no per-unit norms
         assert not {"indices", "sample", "norms"} & set(x)
     assert os.path.exists(os.path.join(prep.run_dir, "privacy_report.png"))
@@ -171,6 +176,9 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
     from llmdp.report import write_report
 
     first = make_recipe(tmp_path)
+    raw = to_dict(first)
+    raw["privacy"]["ledger"] = str(tmp_path / "notes-ledger.jsonl")  # this test's dataset ledger
+    first = recipe_from_dict(raw)
     prep = prepared_config(first)
     train_loop_per_worker(prep.worker_config(), LocalContext())
     dataset_ledger = prep.ledger_service["dataset_ledger"]
