@@ -373,7 +373,8 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = None
             if rank == 0:
-                _save_state(tmp, named, optimizer, scheduler, done, {"run_id": config["run_id"]})
+                _save_state(tmp, named, optimizer, scheduler, done,
+                            {"run_id": config["run_id"], "ledger": ledger.position()})
                 ckpt = tmp
             context.report({"step": done}, ckpt)
 

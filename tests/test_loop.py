@@ -205,6 +205,9 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
     out = train_loop_per_worker(wc, ctx)
     assert out["steps"] == 3 and "before step 4 of 6" in out["stopped"]
     assert [r["step"] for r in ctx.reports] == [2, 3]  # the stopped state is checkpointed
+    state = torch.load(tmp_path / "ckpt2" / "state.pt", weights_only=False)
+    assert state["step"] == 3 and state["ledger"]["run_steps_recorded"] == 3
+    assert state["ledger"]["dataset_steps_recorded"] == 9
     assert Ledger(dataset_ledger).total_count() == 9
     assert Ledger(os.path.join(prep2.run_dir, "ledger.jsonl")).total_count() == 3
     rep = write_report(prep2.run_dir)

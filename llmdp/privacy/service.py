@@ -104,6 +104,17 @@ class LedgerService:
         return budget_status(self.dataset_ledger, self.budget, self.delta, self.accountant)
 
     # ------------------------------------------------------------------ writing
+    def position(self) -> dict:
+        """Where the ledgers stand (stored in every checkpoint): steps recorded for this run,
+        the end of this attempt's last reserved block, and the dataset ledger's total."""
+        return {
+            "attempt": self._writers[0].attempt if self._writers else None,
+            "reserved_until": max((b for _, b in self._reserved), default=0),
+            "run_steps_recorded": Ledger(self.run_ledger).total_count() if os.path.exists(self.run_ledger) else 0,
+            "dataset_steps_recorded": (Ledger(self.dataset_ledger).total_count()
+                                       if os.path.exists(self.dataset_ledger) else 0),
+        }
+
     def start_attempt(self) -> str:
         attempt = f"{int(time.time())}-{os.getpid()}-{self.attempts}"
         self.attempts += 1

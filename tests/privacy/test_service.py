@@ -52,6 +52,8 @@ def test_writes_both_ledgers_write_ahead_in_blocks(tmp_path):
     for path in (tmp_path / "dataset.jsonl", tmp_path / "run" / "ledger.jsonl"):
         recs = Ledger(path).records()
         assert [(r["first_step"], r["count"]) for r in recs] == [(0, 4), (4, 4), (8, 4)]
+    pos = s.position()
+    assert (pos["reserved_until"], pos["run_steps_recorded"], pos["dataset_steps_recorded"]) == (12, 12, 12)
     # A second attempt (a resume from step 6) counts re-executed steps again.
     s.start_attempt()
     s.ensure(6)
