@@ -22,7 +22,11 @@ def row_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
     attention_mask = torch.where(empty, torch.ones_like(attention_mask), attention_mask)
     kwargs = {}
     if "segment_ids" in batch:  # document masking: no attention across documents in a row
-        dtype = model.get_input_embeddings().weight.dtype
+        # float32 (float64 for a float64 model) whatever the compute dtype: SDPA accepts a
+        # float mask with any query dtype, eager attention adds it with type promotion, and
+        # under autocast the query's dtype is not knowable here.
+        weight_dtype = model.get_input_embeddings().weight.dtype
+        dtype = torch.float64 if weight_dtype == torch.float64 else torch.float32
         attention_mask, kwargs["position_ids"] = segment_attention(batch["segment_ids"], dtype)
     out = model(input_ids=batch["input_ids"], attention_mask=attention_mask, use_cache=False, **kwargs)
     logits = out.logits[:, :-1, :]

@@ -8,7 +8,9 @@ Per logical step, on every worker in lockstep (DESIGN §1):
     clip      forward -> per-unit normalized loss -> per-unit clipped gradient sum
     ledger    rank 0 makes the step's DP event durable (write-ahead)
     reduce    one all-reduce of the clipped sums                                      [sync]
+              (scaling.strategy fsdp: one reduce-scatter; each rank gets its shard's sum)
     noise     + N(0, σ²C²I), the same vector on every replica, exactly once
+              (fsdp: each shard adds its slice of it, from its own stream)
     average   ÷ q·N (the expected batch size, never the realized one)
     update    optimizer + schedule
 
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmdp import parallel
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
 from llmdp.losses import row_losses
@@ -128,14 +131,20 @@ def accumulate_clipped_sum(
     debug_check: bool = False,
     width: int | str | None = "auto",
 ) -> StepStats:
-    """Σ_u clip(g_u) over this worker's units, left in ``p.grad`` (zeroed first).
+    """Σ_u clip(g_u) over this worker's units, left in ``p.grad`` (zeroed first), or in the
+    clipper's ``grad_buffers`` when it has them (``scaling.strategy: fsdp``).
 
     ``micro_batches`` is this worker's list from ``assign_micro_batches``: one entry per
     micro-step, the same count on every worker; an empty entry runs on one masked padding
     row (contributing exactly zero). ``width`` as in ``UnitStore.rows``.
     """
-    for p in clipper.params:
-        p.grad = torch.zeros_like(p)
+    if clipper.grad_buffers is not None:
+        # fsdp: full-size local buffers, summed over the micro-steps; reduced once per step.
+        for b in clipper.grad_buffers.values():
+            b.zero_()
+    else:
+        for p in clipper.params:
+            p.grad = torch.zeros_like(p)
     stats = StepStats(micro_steps=len(micro_batches))
     for m, units in enumerate(micro_batches):
         batch = store.rows(units, width=width)
@@ -294,11 +303,15 @@ def _metrics_line(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _save_state(directory: str, params_named, optimizer, scheduler, step: int, extra: dict):
+def _save_state(directory: str, params_named, optimizer, scheduler, step: int, extra: dict,
+                full: tuple[dict, dict] | None = None):
+    """``full``: (params, optimizer state) already gathered to full tensors (fsdp)."""
+    params, optim = full if full is not None else (
+        {n: p.detach().cpu() for n, p in params_named}, optimizer.state_dict())
     torch.save(
         {
-            "params": {n: p.detach().cpu() for n, p in params_named},
-            "optimizer": optimizer.state_dict(),
+            "params": params,
+            "optimizer": optim,
             "scheduler": scheduler.state_dict(),
             "step": step,
             **extra,
@@ -329,12 +342,25 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
     model, _ = load_model(recipe_from_dict(recipe).model, cache_dir=config["cache_dir"])
     model = model.to(device)
     model.train()
+    strategy = recipe["scaling"].get("strategy", "replicated")
+    mixed_precision = recipe["scaling"].get("mixed_precision", "none")
+    parallel.check_strategy(strategy, mixed_precision)
+    if strategy == "fsdp" and priv_cfg.get("debug_check"):
+        raise ValueError("privacy.debug_check compares p.grad with the reference engine on the full "
+                         "model; it is not supported with scaling.strategy: 'fsdp' (use 'replicated')")
+    # Every worker starts from rank 0's full weights (e.g. LoRA's random init), then fsdp
+    # shards them (parameters become DTensors; optimizer and engine are built on those).
+    broadcast_params([p for p in model.parameters() if p.requires_grad])  # [sync point]
+    model = parallel.prepare_model(model, strategy, mixed_precision, device)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    broadcast_params(params)  # [sync point]
+    # fsdp: the clipped sum accumulates in full-size local buffers (None: in p.grad).
+    grad_sinks = parallel.make_grad_sinks(model, strategy)
     clipper = GhostClipper(
-        model, plan.max_grad_norm, engine=priv_cfg["clipping"], mode=priv_cfg.get("clipping_mode", "auto")
+        model, plan.max_grad_norm, engine=priv_cfg["clipping"], mode=priv_cfg.get("clipping_mode", "auto"),
+        grad_buffers=grad_sinks,
     )
+    loss_fn = parallel.loss_fn_for(strategy, mixed_precision, device)  # replicated bf16: autocast
     optimizer = build_optimizer(params, optim_cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, plan.steps))
     store = open_store(config["store_dir"])
@@ -347,11 +373,21 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
     start = 0
     ckpt_dir = context.get_checkpoint_dir()
     if ckpt_dir and os.path.exists(os.path.join(ckpt_dir, "state.pt")):
-        state = torch.load(os.path.join(ckpt_dir, "state.pt"), map_location=device)
-        with torch.no_grad():
-            for n, p in named:
-                p.copy_(state["params"][n])
-        optimizer.load_state_dict(state["optimizer"])
+        state = torch.load(os.path.join(ckpt_dir, "state.pt"),
+                           map_location="cpu" if strategy == "fsdp" else device)
+        if state.get("strategy", "replicated") != strategy:
+            raise ValueError(
+                f"the checkpoint in {ckpt_dir} was written with scaling.strategy: "
+                f"{state.get('strategy', 'replicated')!r}; resume it with the same strategy, not {strategy!r}"
+            )
+        if strategy == "fsdp":
+            # Full (gathered) tensors, read by every rank, sharded into place. [sync point]
+            parallel.load_training_state(model, optimizer, state["params"], state["optimizer"])
+        else:
+            with torch.no_grad():
+                for n, p in named:
+                    p.copy_(state["params"][n])
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start = int(state["step"])
 
@@ -372,9 +408,13 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
         # ray.train.report is a barrier: every worker reaches it at the same steps.
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = None
+            # fsdp: gather full parameters and optimizer state to rank 0 (a collective). [sync point]
+            full = parallel.gather_training_state(model, optimizer, [n for n, _ in named]) \
+                if strategy == "fsdp" else None
             if rank == 0:
                 _save_state(tmp, named, optimizer, scheduler, done,
-                            {"run_id": config["run_id"], "ledger": ledger.position()})
+                            {"run_id": config["run_id"], "ledger": ledger.position(), "strategy": strategy},
+                            full=full)
                 ckpt = tmp
             context.report({"step": done}, ckpt)
 
@@ -396,7 +436,7 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
         )[rank]
         micro = len(mine)
         stats = accumulate_clipped_sum(
-            model, clipper, store, mine, device,
+            model, clipper, store, mine, device, loss_fn=loss_fn,
             debug_check=bool(priv_cfg.get("debug_check")) and step == start,
             width="auto" if bucket else None,
         )
@@ -404,10 +444,16 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
             # Write-ahead: the step's event is durable before any replica applies the update.
             # The other ranks cannot pass the all-reduce below before rank 0 reaches it.
             ledger.ensure(step)
-        privatize_(params, keys.noise, plan.noise_multiplier, plan.max_grad_norm, plan.expected_batch_size)
+        # replicated: all-reduce of p.grad; fsdp: reduce-scatter of the local buffers, each
+        # shard noised from its own stream. [sync point] Either way: sum, noise once, ÷ q·N.
+        parallel.privatize(params, None if grad_sinks is None else [grad_sinks[n] for n, _ in named],
+                           keys.noise, plan.noise_multiplier, plan.max_grad_norm,
+                           plan.expected_batch_size, strategy)
         _maybe_inject_fault(step, rank)
         totals = _sum_over_workers([stats.units, stats.rows, stats.tokens], device)  # [sync point]
         optimizer.step()
+        if strategy == "fsdp":
+            optimizer.zero_grad(set_to_none=True)  # the next reduction checks for stray gradients
         scheduler.step()
         del sample, mine
         dt = time.perf_counter() - t0
@@ -443,13 +489,15 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
         # update so far is in the ledger), unless that state was just checkpointed.
         if stopped["step"] % checkpoint_every != 0 and stopped["step"] > start:
             checkpoint(stopped["step"])
+        full = parallel.full_model_state(model, strategy)  # fsdp: gathered to rank 0 [sync point]
         if rank == 0:
-            _save_final_model(model, config)
+            _save_final_model(model, config, state_dict=full)
             _metrics_line(metrics_path, {"event": "stopped", "step": stopped["step"],
                                          "reason": stopped["reason"], "time": time.time()})
         return {"steps": stopped["step"], "stopped": stopped["reason"]}
+    full = parallel.full_model_state(model, strategy)  # fsdp: gathered to rank 0 [sync point]
     if rank == 0:
-        _save_final_model(model, config)
+        _save_final_model(model, config, state_dict=full)
         _metrics_line(metrics_path, {"event": "end", "step": plan.steps, "time": time.time()})
     return {"steps": plan.steps}
 
@@ -506,10 +554,13 @@ def _device(recipe) -> torch.device:
     return torch.device("cpu")
 
 
-def _save_final_model(model: nn.Module, config: dict) -> None:
+def _save_final_model(model: nn.Module, config: dict, state_dict: dict | None = None) -> None:
+    """``state_dict``: the full (gathered) state of a sharded model (fsdp), saved through
+    the model's own ``save_pretrained``."""
     out = os.path.join(config["run_dir"], "model")
     os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    extra = {} if state_dict is None else {"state_dict": state_dict}
+    model.save_pretrained(out, safe_serialization=True, **extra)
     tok_dir = config.get("tokenizer_dir")
     if tok_dir:
         from transformers import AutoTokenizer

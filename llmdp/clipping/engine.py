@@ -22,11 +22,28 @@ How (``engine="ghost"``, the default):
    picks book-keeping when what it keeps fits comfortably in free memory.
 
 ``engine="reference"`` is the exact, slow yardstick (per-unit vector-Jacobian products).
+
+Sharded parameters (FSDP2, ``scaling.strategy: fsdp``): with ``grad_buffers`` (one plain,
+full-size tensor per trainable parameter name) the clipped sum is *added to those
+buffers* instead of ``p.grad``; the caller reduce-scatters them once per logical step.
+The engine then never asks autograd for a parameter gradient (pass 1 asks only for the
+dummy leaf; two-pass asks for the gradients of the unsharded parameters the forward
+used, and gets them back instead of leaving them in ``.grad``), so FSDP2's own gradient
+reduce-scatter finds nothing to reduce. Parameters are identified by the objects
+registered when the clipper was built (the sharded DTensors), not by what a module holds
+at backward time (FSDP2 swaps in unsharded parameters around forward and backward).
+Parameter *values* are read only inside the backward pass of their FSDP unit (the
+norm-layer rule re-runs the module there), when FSDP2 has all-gathered them; after the
+backward only shapes and flags are read, which the sharded DTensor reports globally.
+So FSDP2's default ``reshard_after_forward=True`` is valid. Every rank must issue the same
+collectives: with sharded parameters an all-padding micro-batch still runs its backward
+pass(es) (on a zero loss), and ``mode="auto"`` takes one decision for all ranks.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -82,6 +99,20 @@ class _Tap(torch.autograd.Function):
         return g, None, None, None
 
 
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """Half-precision activations/gradients are upcast to float32 before the clipped sum is
+    contracted (clipped sums are formed and accumulated in float32 at least)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+
+
 def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -107,6 +138,10 @@ class GhostClipper:
         mode: ``"auto"``, ``"book-keeping"`` or ``"two-pass"`` (see the module docstring).
         layer_policy: ``"auto"`` (per layer and batch, the cheaper of ghost norm and
             instantiation), or force ``"ghost"`` / ``"instantiate"`` where a rule has both.
+        grad_buffers: ``{parameter name: tensor}`` for every trainable parameter (names
+            as in ``model.named_parameters()``, full/global shapes, plain tensors): the
+            clipped sum is added there instead of ``p.grad``. Required when the trainable
+            parameters are sharded DTensors (FSDP2); optional otherwise.
     """
 
     def __init__(
@@ -116,6 +151,7 @@ class GhostClipper:
         engine: str = "ghost",
         mode: str = "auto",
         layer_policy: str = "auto",
+        grad_buffers: Mapping[str, torch.Tensor] | None = None,
     ):
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
@@ -129,7 +165,16 @@ class GhostClipper:
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
         self.engine, self.mode, self.layer_policy = engine, mode, layer_policy
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.param_names = [n for n, _ in named]
+        self._name_of = {id(p): n for n, p in named}
+        self.sharded = any(_is_dtensor(p) for p in self.params)
+        self.grad_buffers = self._check_buffers(named, grad_buffers, engine)
+        # (module, parameter name) -> id of the parameter registered at construction (stable
+        # under FSDP2, which swaps unsharded parameters in and out around forward/backward).
+        self._pids: dict[tuple[nn.Module, str], int] = {}
+        self._fwd_params: dict[tuple[nn.Module, str], torch.Tensor] = {}
         self.last_mode: str | None = None  # the mode the last backward used (auto resolves)
         self._records: list[Record] = []
         self._recording = True
@@ -142,6 +187,39 @@ class GhostClipper:
         self._anchor = None
         if engine == "ghost":
             self._install_hooks()
+
+    def _check_buffers(self, named, grad_buffers, engine):
+        if grad_buffers is None:
+            if self.sharded:
+                raise ValueError(
+                    "the trainable parameters are sharded (FSDP2 DTensors): pass grad_buffers="
+                    "{name: full-size tensor} so the clipped sum has somewhere to accumulate "
+                    "(llmdp.parallel.make_grad_sinks)"
+                )
+            return None
+        if self.sharded and engine != "ghost":
+            raise ValueError(
+                f"clipping engine {engine!r} cannot run on sharded (FSDP) parameters; "
+                "use engine='ghost' (privacy.clipping) or scaling.strategy='replicated'"
+            )
+        names = [n for n, _ in named]
+        missing = [n for n in names if n not in grad_buffers]
+        extra = [n for n in grad_buffers if n not in set(names)]
+        if missing or extra:
+            raise ValueError(f"grad_buffers must have one tensor per trainable parameter: "
+                             f"missing {missing[:5]}, unknown {extra[:5]}")
+        for n, p in named:
+            b = grad_buffers[n]
+            if _is_dtensor(b) or tuple(b.shape) != tuple(p.shape) or not b.is_floating_point():
+                raise ValueError(
+                    f"grad_buffers[{n!r}] must be a plain floating tensor of the parameter's "
+                    f"full shape {tuple(p.shape)}, got {type(b).__name__} {tuple(b.shape)}"
+                )
+        return dict(grad_buffers)
+
+    def _pid(self, module: nn.Module, pname: str) -> int:
+        pid = self._pids.get((module, pname))
+        return pid if pid is not None else id(getattr(module, pname))
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
@@ -163,6 +241,9 @@ class GhostClipper:
             self._rules[module] = rule
             for p in own:
                 owners[id(p)] = owners.get(id(p), 0) + 1
+            for pname, p in module.named_parameters(recurse=False):
+                if p.requires_grad:
+                    self._pids[(module, pname)] = id(p)
             self._handles.append(module.register_forward_hook(self._on_forward))
         # Parameters owned by several modules (tied input embedding and LM head): the norm
         # of the sum of their uses needs cross terms, computed from what each use kept.
@@ -197,6 +278,11 @@ class GhostClipper:
             output = output.expand(rows, *output.shape[1:])
         rec = Record(module, self._rules[module], args[0].detach(), output.numel() * output.element_size())
         self._records.append(rec)
+        if self.grad_buffers is not None:
+            # The parameters this call used (FSDP2: the unsharded ones), for two-pass's
+            # second backward, which asks autograd for exactly their gradients.
+            for pname in rec.rule.params(module):
+                self._fwd_params[(module, pname)] = getattr(module, pname)
         return _Tap.apply(output, self._anchor, self, rec)
 
     def _on_output_grad(self, rec: Record, G: torch.Tensor) -> None:
@@ -208,7 +294,7 @@ class GhostClipper:
         rec.G = G
         rule = rec.rule
         rec.ghost = rule.choose_ghost(rec.module, rec.A, G, self.layer_policy, units.num_units)
-        shared = any(id(getattr(rec.module, n)) in self._shared for n in rule.params(rec.module))
+        shared = any(self._pid(rec.module, n) in self._shared for n in rule.params(rec.module))
         if rec.ghost:
             rec.sqn = rule.sq_norms_ghost(rec, units)
         else:
@@ -245,6 +331,8 @@ class GhostClipper:
         row_units, num_units = unit_ids(row_units, unit_losses.shape[0], unit_losses.device)
         try:
             if num_units == 0:
+                if self.sharded and self._records:
+                    self._collective_backward_only(unit_losses)
                 return torch.zeros(0, dtype=torch.float32, device=unit_losses.device)
             if self.engine == "reference":
                 per_unit = per_unit_gradients_autograd(unit_losses, self.params, row_units)
@@ -254,8 +342,34 @@ class GhostClipper:
             return self._ghost_backward(unit_losses, row_units, num_units)
         finally:
             self._records.clear()
+            self._fwd_params.clear()
             self._phase = "idle"
             self._units = None
+
+    def _collective_backward_only(self, row_losses: torch.Tensor) -> None:
+        """A micro-batch of padding rows only, with sharded parameters: contributes nothing,
+        but runs the same backward pass(es) as a rank with real units, so that FSDP2's
+        backward all-gathers are issued on every rank in the same order. [sync points]"""
+        mode = self._resolve_mode()
+        total = (row_losses * 0).sum()
+        self._recording = False
+        try:
+            torch.autograd.grad(total, self._anchor, retain_graph=mode == "two-pass", allow_unused=True)
+            if mode == "two-pass":
+                torch.autograd.grad(total, self._unique_fwd_params()[1], allow_unused=True)
+        finally:
+            self._recording = True
+
+    def _unique_fwd_params(self) -> tuple[list[int], list[torch.Tensor]]:
+        """(stable ids, the tensors the forward used), one entry per parameter object."""
+        pids, tensors, seen = [], [], set()
+        for (module, pname), t in self._fwd_params.items():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            pids.append(self._pid(module, pname))
+            tensors.append(t)
+        return pids, tensors
 
     def _resolve_mode(self) -> str:
         if self.mode != "auto":
@@ -263,7 +377,18 @@ class GhostClipper:
         # What book-keeping keeps beyond a non-private step: every hooked layer's G.
         kept = sum(rec.out_bytes for rec in self._records)
         free = _available_memory(self.params[0].device)
-        return "book-keeping" if kept < 0.5 * free else "two-pass"
+        fits = kept < 0.5 * free
+        if self.sharded:
+            # Two-pass runs a second backward, with FSDP2 all-gathers in it: every rank must
+            # take the same decision (book-keeping only if it fits on all). [sync point]
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                p = next(p for p in self.params if _is_dtensor(p))
+                flag = torch.tensor([0.0 if fits else 1.0], device=p.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=p.device_mesh.get_group())
+                fits = bool(flag.item() == 0.0)
+        return "book-keeping" if fits else "two-pass"
 
     def _ghost_backward(self, row_losses, row_units, num_units) -> torch.Tensor:
         records = list(self._records)
@@ -292,6 +417,14 @@ class GhostClipper:
         factors = clip_factors(norms, self.max_grad_norm)
         if mode == "two-pass":
             row_factors = units.row_factors(factors).to(row_losses.dtype)
+            if self.grad_buffers is not None:
+                # Pass 2 into the buffers: autograd returns Σ_u c_u ∇L_u for the tensors the
+                # forward used (FSDP2: the unsharded parameters) instead of storing it in
+                # .grad, so FSDP2's post-backward has no gradient to reduce-scatter.
+                pids, tensors = self._unique_fwd_params()
+                grads = torch.autograd.grad((row_factors * row_losses).sum(), tensors, allow_unused=True)
+                self._add_to_buffers((pid, g) for pid, g in zip(pids, grads) if g is not None)
+                return norms
             # Pass 2: autograd forms Σ_u c_u ∇L_u itself and adds it to p.grad. The taps
             # pass gradients through untouched (phase idle).
             torch.autograd.backward((row_factors * row_losses).sum(), inputs=self.params)
@@ -300,12 +433,26 @@ class GhostClipper:
         contributions = []
         for rec in seen:
             if rec.ghost:
+                up = _compute_dtype(rec.G.dtype)
+                if up is not None:  # bf16/fp16 G (and A): contract the clipped sum in float32
+                    rec.G = rec.G.to(up)
+                    if rec.A.is_floating_point():
+                        rec.A = rec.A.to(up)
                 parts = rec.rule.clipped_ghost(rec, row_factors)
             else:
-                f = factors.to(next(iter(rec.per_unit.values())).dtype) if rec.per_unit else factors
-                parts = {n: torch.einsum("u,u...->...", f, g) for n, g in (rec.per_unit or {}).items()}
-            contributions.extend((getattr(rec.module, n), g) for n, g in parts.items())
-        self._add_to_grad(contributions)
+                per_unit = rec.per_unit or {}
+                up = {n: _compute_dtype(g.dtype) for n, g in per_unit.items()}
+                per_unit = {n: g if up[n] is None else g.to(up[n]) for n, g in per_unit.items()}
+                f = factors.to(next(iter(per_unit.values())).dtype) if per_unit else factors
+                parts = {n: torch.einsum("u,u...->...", f, g) for n, g in per_unit.items()}
+            if self.grad_buffers is not None:
+                contributions.extend((self._pid(rec.module, n), g) for n, g in parts.items())
+            else:
+                contributions.extend((getattr(rec.module, n), g) for n, g in parts.items())
+        if self.grad_buffers is not None:
+            self._add_to_buffers(contributions)
+        else:
+            self._add_to_grad(contributions)
         return norms
 
     def _check_coverage(self, seen: list[Record]) -> None:
@@ -329,7 +476,7 @@ class GhostClipper:
         for rec in records:
             for n, s in rec.sqn.items():
                 sq = s.to(torch.float64 if s.dtype == torch.float64 else torch.float32) if sq is None else sq + s
-                pid = id(getattr(rec.module, n))
+                pid = self._pid(rec.module, n)
                 if pid in self._shared:
                     uses.setdefault(pid, []).append((rec, n))
         for use in uses.values():
@@ -341,7 +488,17 @@ class GhostClipper:
             sq = torch.zeros(units.num_units, device=self.params[0].device)
         return sq.clamp(min=0).sqrt()
 
+    def _add_to_buffers(self, contributions) -> None:
+        """Add (stable parameter id, clipped-sum part) pairs into the caller's buffers."""
+        with torch.no_grad():
+            for pid, g in contributions:
+                buf = self.grad_buffers[self._name_of[pid]]
+                buf.add_(g.to(buf.dtype))
+
     def _add_to_grad(self, contributions) -> None:
+        if self.grad_buffers is not None:  # the reference engine, into the buffers
+            self._add_to_buffers((id(p), g) for p, g in contributions)
+            return
         for p, g in contributions:
             g = g.to(p.dtype)
             if p.grad is None:

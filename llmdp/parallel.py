@@ -1,0 +1,382 @@
+"""Scaling strategies (``scaling.strategy``): where the model lives and how the clipped sum
+of a logical step is reduced and noised (DESIGN §1, §3.1-3.2).
+
+``replicated``
+    Every worker holds the whole model. The clipping engine adds each micro-step's clipped
+    sum into ``p.grad``; once per logical step one all-reduce sums them over workers, every
+    replica adds the *same* N(0, σ²C²I) (same noise key), and divides by q·N
+    (:func:`llmdp.worker.privatize_`, unchanged).
+
+``fsdp``
+    FSDP2 (``torch.distributed.fsdp.fully_shard``) on a 1-D mesh over all workers: each
+    decoder layer is one FSDP unit, the root holds the rest (embeddings, final norm, head).
+    Parameters, their gradients and the optimizer state are sharded on dim 0 (the last
+    shard may be shorter, or empty). Per-unit norms are computed by each worker on its own
+    micro-batches, as in ``replicated`` (a unit's rows never span two workers). The
+    clipped sum is accumulated *locally* over the micro-steps in full-size buffers (one
+    plain tensor per trainable parameter, float32, or float64 for float64 parameters):
+    nothing is reduced per micro-step. Once per logical step one reduce-scatter gives
+    every rank the cross-worker sum of its own shard; every rank adds to its shard its
+    slice of one N(0, σ²C²I), drawn from a secure stream keyed by (the step's noise key,
+    this shard), so each coordinate gets exactly one independent draw; then ÷ q·N, and the
+    optimizer steps on the sharded parameters.
+
+    Limitation (for now): the full-size local buffers cost one unsharded float32 copy of
+    the trainable parameters per worker, plus a transient padded copy of the same size at
+    the reduce-scatter, so fsdp shards parameters and optimizer state but not the
+    gradient accumulator. Sharded accumulators would need a reduce-scatter per
+    micro-step. With LoRA the buffers are adapter-sized.
+
+Mixed precision (``scaling.mixed_precision: bf16``): ``fsdp`` uses FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` (float32 master weights,
+bf16 compute); ``replicated`` runs the forward under ``torch.autocast(bf16)``. Clipped
+sums, the reduction and the noise stay in float32 (float64 for float64 parameters).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmdp.privacy import noise as dp_noise
+from llmdp.privacy import sampling
+
+STRATEGIES = ("replicated", "fsdp")
+MIXED_PRECISION = ("none", "bf16")
+
+_SHARD_NOISE_DOMAIN = b"llmdp.fsdp.shard-noise.v1"
+
+
+def check_strategy(strategy: str, mixed_precision: str = "none") -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"scaling.strategy: {strategy!r} is not one of {list(STRATEGIES)}")
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(
+            f"scaling.mixed_precision: {mixed_precision!r} is not one of {list(MIXED_PRECISION)}"
+        )
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# --------------------------------------------------------------------------- model setup
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: the classes a HF model lists in
+    ``_no_split_modules`` (e.g. ``LlamaDecoderLayer``, ``GPT2Block``), found anywhere inside
+    ``model`` (also under a PEFT wrapper)."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    # Outermost only: never shard a block that sits inside another sharded block.
+    inner = {id(c) for m in layers for c in m.modules() if c is not m}
+    return [m for m in layers if id(m) not in inner]
+
+
+def prepare_model(
+    model: nn.Module,
+    strategy: str,
+    mixed_precision: str = "none",
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Place ``model`` for ``strategy``; the same module object is returned.
+
+    ``fsdp`` needs an initialized process group (one rank is fine) and every rank must start
+    from the same full weights (broadcast them first). Build the optimizer and the clipping
+    engine *after* this call, on the sharded parameters.
+
+    ``reshard_after_forward=True`` (FSDP2's default, the memory-saving choice) is valid for
+    the clipping engine: it reads parameter values only inside the backward pass of their
+    FSDP unit (the norm-layer rule re-runs the module there), when FSDP2 has all-gathered
+    them again; after the backward it reads only shapes and flags, which the sharded
+    DTensor reports with the global shape. Module inputs and output gradients (A, G), which
+    it keeps, are activations, not parameters, and are not affected by resharding.
+    """
+    check_strategy(strategy, mixed_precision)
+    if device is not None:
+        model = model.to(device)
+    if strategy == "replicated":
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("scaling.strategy: 'fsdp' needs an initialized torch.distributed process group")
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    if mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    # The clipping engine's taps return a view of each hooked layer's output; when that is
+    # the root's output (the LM head's logits), FSDP2 warns that an in-place op on it would
+    # skip its pre-backward hook. The loss (llmdp.losses) never modifies logits in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(
+            f"scaling.strategy: 'fsdp' found no decoder layer to shard in {type(model).__name__} "
+            "(no _no_split_modules classes); use scaling.strategy: 'replicated'"
+        )
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def loss_fn_for(strategy: str, mixed_precision: str, device: torch.device | str,
+                base: Callable | None = None) -> Callable:
+    """The per-row loss function for the strategy: under ``replicated`` + bf16 the forward
+    runs under ``torch.autocast`` (the clipping engine's backward, outside it, keeps norms
+    and clipped sums in float32); ``fsdp`` casts through its mixed-precision policy."""
+    if base is None:
+        from llmdp.losses import row_losses as base
+    check_strategy(strategy, mixed_precision)
+    if mixed_precision != "bf16" or strategy != "replicated":
+        return base
+    device_type = torch.device(device).type
+
+    def autocast_loss(model, batch):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            return base(model, batch)
+
+    return autocast_loss
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Clipped sums and noise: float32, or float64 for float64 parameters."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def make_grad_sinks(model: nn.Module, strategy: str) -> dict[str, torch.Tensor] | None:
+    """``fsdp``: one zeroed full-size local buffer per trainable parameter, by name (the
+    clipping engine's ``grad_buffers``). ``replicated``: None (the engine uses ``p.grad``)."""
+    check_strategy(strategy)
+    if strategy == "replicated":
+        return None
+    return {
+        n: torch.zeros(tuple(p.shape), dtype=sum_dtype(p.dtype), device=p.device)
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+# --------------------------------------------------------------------------- shard layout
+
+
+def shard_rows(p: torch.Tensor, rank: int | None = None) -> tuple[int, int, int]:
+    """(first row, rows, rows per shard) of ``rank``'s dim-0 shard of DTensor ``p``.
+
+    FSDP2 shards dim 0 like ``torch.chunk``: ⌈d0/W⌉ rows per rank, the last shards shorter
+    or empty. Checked against this rank's ``p.to_local()`` so a layout change fails loudly.
+    """
+    from torch.distributed.tensor import Shard
+
+    placements = tuple(p.placements)
+    if len(placements) != 1 or placements[0] != Shard(0):
+        raise ValueError(f"expected an FSDP2 parameter sharded on dim 0, got placements {placements}")
+    world = p.device_mesh.size()
+    me = p.device_mesh.get_local_rank()
+    d0 = p.shape[0]
+    chunk = -(-d0 // world)
+    _, n = _rows(d0, chunk, me)
+    local = tuple(p.to_local().shape)
+    if local != (n, *p.shape[1:]):
+        raise RuntimeError(
+            f"unexpected FSDP2 shard layout: rank {me} holds {local} of {tuple(p.shape)}, "
+            f"expected {(n, *p.shape[1:])}"
+        )
+    return (*_rows(d0, chunk, me if rank is None else rank), chunk)
+
+
+def _rows(d0: int, chunk: int, r: int) -> tuple[int, int]:
+    lo = min(r * chunk, d0)
+    return lo, min(d0, lo + chunk) - lo
+
+
+def shard_noise_key(noise_key: bytes, rank: int, world_size: int) -> bytes:
+    """The 32-byte key of shard ``rank``'s noise stream: SHAKE-256 of the step's noise key
+    with (domain, world size, rank) as domain separation, so shards draw independent
+    streams, none of them the replicated stream of the same key."""
+    purpose = _SHARD_NOISE_DOMAIN + int(world_size).to_bytes(8, "big") + int(rank).to_bytes(8, "big")
+    return hashlib.shake_256(sampling._stream_prefix(noise_key, purpose)).digest(32)
+
+
+# --------------------------------------------------------------------------- reduce + noise
+
+
+def privatize(
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None,
+    noise_key: bytes,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    expected_batch_size: float,
+    strategy: str,
+    names: Sequence[str] | None = None,
+) -> None:
+    """Sum over workers, + N(0, σ²C²I) once, ÷ q·N; the result is left in ``p.grad``.
+
+    ``replicated``: ``buffers`` is None, the clipped sums are in ``p.grad``
+    (:func:`llmdp.worker.privatize_`). ``fsdp``: ``buffers`` holds this worker's full-size
+    clipped sums (aligned with ``params``, or a mapping by ``names``); ``params`` are the
+    sharded DTensors, whose ``.grad`` must be None (anything there would be a gradient the
+    clipping engine did not make, counted twice).
+    """
+    check_strategy(strategy)
+    if strategy == "replicated":
+        from llmdp.worker import privatize_
+
+        if buffers is not None:
+            raise ValueError("scaling.strategy 'replicated' keeps the clipped sums in p.grad; buffers must be None")
+        privatize_(params, noise_key, noise_multiplier, max_grad_norm, expected_batch_size)
+        return
+    if isinstance(buffers, Mapping):
+        if names is None:
+            raise ValueError("buffers given by name: pass names aligned with params")
+        buffers = [buffers[n] for n in names]
+    if buffers is None or len(buffers) != len(params):
+        raise ValueError("scaling.strategy 'fsdp' needs one full-size buffer per parameter")
+    privatize_sharded_(params, buffers, noise_key, noise_multiplier, max_grad_norm, expected_batch_size)
+
+
+def privatize_sharded_(
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    noise_key: bytes,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    expected_batch_size: float,
+) -> None:
+    """FSDP2: reduce-scatter the local clipped sums, noise each shard with its own stream,
+    ÷ q·N, and set each sharded parameter's ``.grad``. [sync point, once per step]"""
+    from torch.distributed.tensor import DTensor
+
+    for i, p in enumerate(params):
+        if not isinstance(p, DTensor):
+            raise TypeError(f"parameter {i} is not an FSDP2 DTensor (type {type(p).__name__})")
+        if p.grad is not None:
+            raise RuntimeError(
+                f"parameter {i} {tuple(p.shape)} already has a gradient before the DP reduction: "
+                "something other than the clipping engine produced it (it would be counted "
+                "twice). Clear gradients after each optimizer step (zero_grad(set_to_none=True))."
+            )
+    if not params:
+        return
+    mesh = params[0].device_mesh
+    group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    layouts = [shard_rows(p) for p in params]
+    local: list[torch.Tensor | None] = [None] * len(params)
+    # One reduce-scatter per dtype (normally one in all). Send layout: [world, per_rank],
+    # rank r's segment holds, parameter after parameter, its ⌈d0/W⌉ rows (zero-padded).
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, b in enumerate(buffers):
+        if tuple(b.shape) != tuple(params[i].shape):
+            raise ValueError(f"buffer {i} has shape {tuple(b.shape)}, parameter {tuple(params[i].shape)}")
+        by_dtype.setdefault(b.dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+        rest = {i: math.prod(params[i].shape[1:]) for i in idx}
+        per_rank = sum(layouts[i][2] * rest[i] for i in idx)
+        send = torch.zeros(world, per_rank, dtype=dtype, device=buffers[idx[0]].device)
+        off = 0
+        for i in idx:
+            d0, chunk, r_ = params[i].shape[0], layouts[i][2], rest[i]
+            flat = buffers[i].reshape(d0, r_)
+            for r in range(world):
+                lo, n = _rows(d0, chunk, r)
+                if n:
+                    send[r, off : off + n * r_] = flat[lo : lo + n].reshape(-1)
+            off += chunk * r_
+        recv = torch.empty(per_rank, dtype=dtype, device=send.device)
+        _reduce_scatter(recv, send.reshape(-1), group)  # [sync point] summation only
+        del send
+        off = 0
+        for i in idx:
+            _, n, chunk = layouts[i]
+            local[i] = recv[off : off + n * rest[i]].view(n, *params[i].shape[1:])
+            off += chunk * rest[i]
+    if noise_multiplier > 0:
+        # This shard's slice of one N(0, σ²C²I): its own stream, tensor i uses index i.
+        dp_noise.add_noise_(local, shard_noise_key(noise_key, me, world), noise_multiplier * max_grad_norm)
+    for p, g in zip(params, local):
+        g.div_(expected_batch_size)
+        p.grad = DTensor.from_local(g.to(p.dtype), p.device_mesh, p.placements, run_check=False,
+                                    shape=p.shape, stride=p.stride())
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+# --------------------------------------------------------------------------- state
+
+
+def _full_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def gather_training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, trainable: Sequence[str]
+) -> tuple[dict | None, dict | None]:
+    """``fsdp``: the full (gathered) trainable parameters and optimizer state, on rank 0
+    (CPU); None on the other ranks. A collective: every rank calls it. [sync point]"""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = _full_options(cpu_offload=True)
+    msd = get_model_state_dict(model, options=opts)
+    osd = get_optimizer_state_dict(model, optimizer, options=opts)
+    if _world()[0] != 0:
+        return None, None
+    params = {n: msd[n] for n in trainable}
+    return params, osd
+
+
+def load_training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, params: Mapping[str, torch.Tensor],
+    optimizer_state: dict | None,
+) -> None:
+    """``fsdp``: load full trainable parameters and a full optimizer state (as written by
+    :func:`gather_training_state`, read by every rank) into the sharded model and
+    optimizer. A collective. [sync point]"""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(trainable - set(params))
+    if missing:
+        raise ValueError(f"checkpoint lacks trainable parameters {missing[:5]}")
+    set_model_state_dict(model, dict(params), options=_full_options(strict=False))
+    if optimizer is not None and optimizer_state is not None:
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=_full_options())
+
+
+def full_model_state(model: nn.Module, strategy: str) -> dict | None:
+    """For the final export: ``fsdp`` gathers the full model state dict to rank 0's CPU
+    (None on the other ranks; a collective, every rank calls it [sync point]);
+    ``replicated``: None (rank 0 saves its own replica)."""
+    check_strategy(strategy)
+    if strategy == "replicated":
+        return None
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    sd = get_model_state_dict(model, options=_full_options(cpu_offload=True))
+    return sd if _world()[0] == 0 else None
