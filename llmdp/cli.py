@@ -1,4 +1,4 @@
-"""`llmdp train|privacy ...`: the command line."""
+"""`llmdp train|privacy|submit ...`: the command line."""
 
 from __future__ import annotations
 
@@ -42,6 +42,32 @@ def build_parser() -> argparse.ArgumentParser:
     r = psub.add_parser("report", help="(re)build and print the privacy report of a run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
+
+    s = sub.add_parser(
+        "submit",
+        help="run a recipe on a Ray cluster (Ray Jobs): llmdp submit RECIPE --address ADDR "
+             "[key.sub=value ...]",
+        description="Validate RECIPE here, then submit `llmdp train RECIPE` as a Ray job that "
+                    "ships this checkout as its working dir (docs/LAUNCH.md).",
+    )
+    s.add_argument("recipe", help="a recipe inside the working dir")
+    s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. output.dir=/mnt/shared/runs")
+    s.add_argument("--address", default=None,
+                   help="the cluster's Ray dashboard, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)")
+    s.add_argument("--dry-run", action="store_true",
+                   help="print the entrypoint and runtime env as JSON; contact nothing")
+    s.add_argument("--working-dir", default=".",
+                   help="the folder shipped to the cluster (default: the current one)")
+    s.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for the job (repeatable), e.g. "
+                        "LLMDP_CACHE=/mnt/shared/llmdp-cache")
+    s.add_argument("--no-pip", action="store_true",
+                   help="do not install llmdp's dependencies in the job's runtime env (the "
+                        "cluster's image already has them)")
+    s.add_argument("--submission-id", default=None, help="default: llmdp-<run name>-<random>")
+    s.add_argument("--no-wait", action="store_true",
+                   help="return after submitting instead of following the job's logs")
+    s.add_argument("--debug", action="store_true", help="passed on to `llmdp train`")
     return parser
 
 
@@ -92,7 +118,14 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "submit" and all("=" in e and not e.startswith("-") for e in extra):
+        # argparse stops filling a positional list at the first option: `submit R --address A
+        # k=v` leaves k=v over. Overrides may come anywhere, in the order written.
+        args.overrides = list(args.overrides) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from llmdp.config import ConfigError
     from llmdp.privacy.plan import PlanError
 
@@ -106,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             _quiet_libraries()
             run(cfg)
             return 0
+        if args.command == "submit":
+            from llmdp.submit import main as submit_main
+
+            return submit_main(args)
         if args.privacy_command == "epsilon":
             plan = _plan_from_args(args, calibrate=False)
             _print_plan(plan, args, {})

@@ -367,8 +367,7 @@ def _fit(prepared: PreparedRun, log) -> None:
     started_ray = False
     if not ray.is_initialized():
         num_cpus = max(os.cpu_count() or 1, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 1)
-        ray.init(
-            num_cpus=num_cpus,
+        init = dict(
             include_dashboard=False,
             logging_level="WARNING",
             # Progress comes from metrics.jsonl; worker logs stay in Ray's session logs
@@ -378,6 +377,14 @@ def _fit(prepared: PreparedRun, log) -> None:
                                                        if k == "LLMDP_FAULT"}}},
             configure_logging=True,
         )
+        try:
+            ray.init(num_cpus=num_cpus, **init)  # a local Ray sized for the workers
+        except ValueError as e:
+            # A driver on a cluster node (a Ray job, `ray start`, SLURM symmetric-run, KubeRay)
+            # joins that cluster, whose resources are its own: Ray refuses num_cpus there.
+            if "existing cluster" not in str(e):
+                raise
+            ray.init(**init)
         started_ray = True
     from llmdp.privacy.service import LedgerService
 
