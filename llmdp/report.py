@@ -24,7 +24,8 @@ INTERNAL_METRICS = {
     "worker0_tokens_per_s": "throughput of rank 0 (derived from the token count)",
     "worker0_units_per_s": "throughput of rank 0 in units",
     "units / rows / tokens": "units, rows and real tokens processed by all workers (the realized sample)",
-    "tokens_per_s / units_per_s": "throughput of all workers together (derived from the realized sample)",
+    "tokens_per_s / units_per_s (and _per_worker)": "throughput of all workers together, and its "
+    "mean per worker (derived from the realized sample)",
     "worker0_clipped_fraction": "fraction of rank 0's units whose gradient norm exceeded C",
     "micro_steps": "micro-steps per worker (reveals the realized sample size)",
     "sample_truncated": "whether the step's Poisson draw exceeded max_batch_size (truncated Poisson)",

@@ -390,7 +390,11 @@ def _fit(prepared: PreparedRun, log) -> None:
 
     # The single ledger writer, on the driver's node, shared by every attempt of the workers.
     actor_name = f"llmdp-ledger-{prepared.run_id}"
-    actor = ray.remote(LedgerService).options(name=actor_name, num_cpus=0).remote(**prepared.ledger_service)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(LedgerService).options(
+        name=actor_name, num_cpus=0, scheduling_strategy=here).remote(**prepared.ledger_service)
     prepared.ledger_actor = actor_name
     progress = _Progress(os.path.join(prepared.run_dir, "metrics.jsonl"), prepared.plan)
     progress.start()

@@ -474,6 +474,8 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
                 "tokens": totals[2],
                 "tokens_per_s": totals[2] / dt if dt > 0 else None,
                 "units_per_s": totals[0] / dt if dt > 0 else None,
+                "tokens_per_s_per_worker": totals[2] / dt / world if dt > 0 else None,
+                "units_per_s_per_worker": totals[0] / dt / world if dt > 0 else None,
                 "worker0_clipped_fraction": stats.clipped / stats.units if stats.units else None,
                 "micro_steps": micro,
                 "sample_truncated": bool(truncated),

@@ -76,6 +76,7 @@ def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys, unit):
     # totals over both workers: rank 0 holds about half of every step's units
     assert sum(m["units"] for m in steps) > sum(m["worker0_units"] for m in steps) > 0
     assert all(m["tokens_per_s"] >= m["worker0_tokens_per_s"] > 0 for m in steps if m["worker0_units"])
+    assert all(m["tokens_per_s_per_worker"] == pytest.approx(m["tokens_per_s"] / 2) for m in steps)
     for name in ("config.yaml", "ledger.jsonl", "privacy_report.md", "privacy_report.png", "plan.json"):
         assert os.path.exists(run_dir / name), name
     assert any(d.startswith("checkpoint_") for d in os.listdir(run_dir / "checkpoints"))

@@ -95,6 +95,7 @@ def test_local_loop_writes_metrics_and_a_report_matching_dp_accounting(tmp_path)
             assert (x["units"], x["tokens"]) == (x["worker0_units"], x["worker0_tokens"])
             assert x["tokens_per_s"] == pytest.approx(x["tokens"] / x["step_time_s"])
             assert x["units_per_s"] == pytest.approx(x["units"] / x["step_time_s"])
+            assert x["tokens_per_s_per_worker"] == pytest.approx(x["tokens_per_s"])  # one worker
     for x in lines:  # secrets stay secret: no sampled indices, no per-unit norms
         assert not {"indices", "sample", "norms"} & set(x)
     assert os.path.exists(os.path.join(prep.run_dir, "privacy_report.png"))
