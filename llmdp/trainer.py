@@ -197,7 +197,7 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         "accountant": plan.accountant, "budget_epsilon": cfg.privacy.budget_epsilon,
     }
     if cfg.privacy.budget_epsilon is not None:
-        check_budget(service, plan, resuming=_has_checkpoint(run_dir), log=log)
+        service["allowance"] = check_budget(service, plan, resuming=_has_checkpoint(run_dir), log=log)
     dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     with open(os.path.join(run_dir, "plan.json"), "w", encoding="utf-8") as f:
         json.dump({"plan": plan.to_dict(), "epsilon_planned": plan.epsilon(), "run_id": run_id,
@@ -239,7 +239,7 @@ def _has_checkpoint(run_dir: str) -> bool:
     return os.path.isdir(d) and any(n.startswith("checkpoint_") for n in os.listdir(d))
 
 
-def check_budget(service: dict, plan, *, resuming: bool, log=print) -> None:
+def check_budget(service: dict, plan, *, resuming: bool, log=print) -> int:
     """Refuse to start a run whose plan does not fit in what remains of the dataset's budget
     (a resumed run starts if one step fits, and stops before the step that would cross it)."""
     from llmdp.privacy.service import BudgetError, LedgerService
@@ -259,6 +259,7 @@ def check_budget(service: dict, plan, *, resuming: bool, log=print) -> None:
         )
     log(f"budget: ε spent on this dataset = {st['epsilon_spent']:.4f} of {st['budget_epsilon']:g}; "
         f"{allowed} more steps of this run fit")
+    return allowed
 
 
 class _Progress(threading.Thread):

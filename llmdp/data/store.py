@@ -35,6 +35,7 @@ from llmdp.data.units import (
     EncodedCorpus,
     UnitArrays,
     UnitSpec,
+    _ranges,
     build_units,
     special_ids,
     tokenizer_fingerprint,
@@ -154,8 +155,6 @@ class UnitStore:
             raise IndexError(f"unit index out of range [0, {self.num_units})")
         counts = self.unit_row_count[idx].astype(np.int64)
         starts = self.unit_row_start[idx].astype(np.int64)
-        from llmdp.data.units import _ranges
-
         rows = _ranges(starts, starts + counts)
         row_units = np.repeat(np.arange(idx.size, dtype=np.int64), counts)
         longest = int(self.unit_max_row_length[idx].max()) if idx.size else 0

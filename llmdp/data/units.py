@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -185,27 +185,6 @@ class EncodedCorpus:
 
         return EncodedCorpus(cat(ids, np.int32), cat(tgt, np.uint8), np.cumsum(lens),
                              None if users is None else np.asarray(users, dtype=object))
-
-
-def iter_document_tokens(
-    texts: Iterable[list[str]], tokenizer, eos_id: int
-) -> Iterator[tuple[np.ndarray, int]]:
-    """For each batch of texts: (int32 ids of the batch's documents, each + EOS; #documents).
-
-    No BOS and no other special tokens: the stream is documents separated by EOS.
-    """
-    for batch in texts:
-        batch = ["" if t is None else str(t) for t in batch]
-        enc = tokenizer(batch, add_special_tokens=False)["input_ids"]
-        total = sum(len(ids) for ids in enc) + len(enc)
-        out = np.empty(total, dtype=np.int32)
-        pos = 0
-        for ids in enc:
-            n = len(ids)
-            out[pos : pos + n] = ids
-            out[pos + n] = eos_id
-            pos += n + 1
-        yield out, len(enc)
 
 
 # --------------------------------------------------------------------------- unit arrays

@@ -34,10 +34,8 @@ from llmdp.privacy.sampling import (
     PoissonSampler,
     TruncatedPoissonSampler,
     make_sampler,
-    num_micro_batches,
     secure_key,
     seeded_key,
-    split_for_workers,
     uniform_stream,
 )
 
@@ -68,10 +66,8 @@ __all__ = [
     "is_truncated",
     "make_plan",
     "make_sampler",
-    "num_micro_batches",
     "secure_key",
     "seeded_key",
-    "split_for_workers",
     "steps_for_epochs",
     "truncation_cost",
     "truncation_probability",

@@ -43,8 +43,6 @@ __all__ = [
     "PoissonSampler",
     "TruncatedPoissonSampler",
     "make_sampler",
-    "split_for_workers",
-    "num_micro_batches",
 ]
 
 KEY_BYTES = 32
@@ -355,33 +353,3 @@ def make_sampler(
     if max_batch_size is None:
         return PoissonSampler(num_units, sampling_probability)
     return TruncatedPoissonSampler(num_units, sampling_probability, max_batch_size)
-
-
-def split_for_workers(indices, world_size: int) -> list[np.ndarray]:
-    """Deterministic balanced split: contiguous slices whose sizes differ by at most 1
-    (the first `len % world_size` workers get one more)."""
-    if (
-        isinstance(world_size, bool)
-        or not isinstance(world_size, (int, np.integer))
-        or world_size < 1
-    ):
-        raise ValueError(f"world_size must be an integer >= 1, got world_size={world_size!r}")
-    return np.array_split(np.asarray(indices, dtype=np.int64), int(world_size))
-
-
-def num_micro_batches(sample_size: int, world_size: int, physical_batch_size: int) -> int:
-    """Micro-batches every worker runs this step: ceil(ceil(S / W) / P), 0 if S == 0.
-
-    All workers must run the same number (collectives inside forward/backward would
-    otherwise deadlock), so workers with a smaller share pad with empty micro-batches;
-    it depends only on the public-to-workers sample size, not on which units were drawn.
-    """
-    for name, value, low in (
-        ("sample_size", sample_size, 0),
-        ("world_size", world_size, 1),
-        ("physical_batch_size", physical_batch_size, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {name}={value!r}")
-    max_share = -(-int(sample_size) // int(world_size))
-    return -(-max_share // int(physical_batch_size))

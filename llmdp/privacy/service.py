@@ -77,7 +77,8 @@ class LedgerService:
 
     def __init__(self, *, dataset_ledger: str, run_ledger: str, run_id: str, meta: dict,
                  block_size: int, total_steps: int, event_json: dict, delta: float,
-                 accountant: str, budget_epsilon: float | None = None):
+                 accountant: str, budget_epsilon: float | None = None,
+                 allowance: int | None = None):
         self.dataset_ledger = os.path.abspath(dataset_ledger)
         self.run_ledger = os.path.abspath(run_ledger)
         self.run_id, self.meta = run_id, dict(meta)
@@ -85,7 +86,9 @@ class LedgerService:
         self.event = event_from_json(event_json)
         self.delta, self.accountant, self.budget = float(delta), accountant, budget_epsilon
         self._writers: tuple[LedgerWriter, LedgerWriter] | None = None
-        self._allowance: int | None = None  # steps (ledger counts) the budget still allows
+        # Steps (ledger counts) the budget still allows; the driver passes the number its
+        # start-up check just computed, so the search runs once per launch.
+        self._allowance: int | None = allowance if budget_epsilon is not None else None
         self._reserved: list[tuple[int, int]] = []  # this attempt's blocks [start, end)
         self.attempts = 0
 

@@ -18,10 +18,8 @@ from llmdp.privacy.sampling import (
     PoissonSampler,
     TruncatedPoissonSampler,
     make_sampler,
-    num_micro_batches,
     secure_key,
     seeded_key,
-    split_for_workers,
     uniform_stream,
 )
 
@@ -200,36 +198,7 @@ def test_keys():
         seeded_key("42", 0, "x")
 
 
-@pytest.mark.parametrize("n, world", [(0, 3), (1, 4), (10, 3), (17, 8), (1000, 7), (5, 5)])
-def test_split_for_workers_balanced(n, world):
-    idx = np.sort(np.random.default_rng(0).choice(10_000, size=n, replace=False))
-    parts = split_for_workers(idx, world)
-    assert len(parts) == world
-    sizes = [len(p) for p in parts]
-    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == n
-    assert np.array_equal(np.concatenate(parts), idx)
-    again = split_for_workers(idx, world)
-    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
-
-
-@pytest.mark.parametrize(
-    "n, world, pbs", [(0, 4, 8), (1, 4, 8), (32, 4, 8), (33, 4, 8), (100, 3, 7), (5, 8, 2)]
-)
-def test_num_micro_batches_covers_every_worker(n, world, pbs):
-    m = num_micro_batches(n, world, pbs)
-    shares = [len(p) for p in split_for_workers(np.arange(n), world)]
-    if n == 0:
-        assert m == 0
-    else:
-        # Enough micro-batches for the largest share, and no more than needed.
-        assert m * pbs >= max(shares) > (m - 1) * pbs
-
-
-def test_num_micro_batches_validation():
-    with pytest.raises(ValueError, match="physical_batch_size"):
-        num_micro_batches(10, 2, 0)
-    with pytest.raises(ValueError, match="world_size"):
-        split_for_workers(np.arange(3), 0)
+def test_sampling_probability_validation():
     with pytest.raises(ValueError, match="sampling_probability"):
         PoissonSampler(10, 0.0)
 
