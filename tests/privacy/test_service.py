@@ -86,3 +86,19 @@ def test_budget_shortens_the_last_block_and_refuses_the_crossing_step(tmp_path):
     assert direct_eps(total) <= budget
     with pytest.raises(RuntimeError, match="not admitted"):
         s.ensure(10)
+
+
+def test_a_precomputed_allowance_is_used_as_is(tmp_path):
+    """The driver's start-up search result is handed over: no second search, same limit."""
+    # budget_epsilon=1e9 would allow every step; the handed-over allowance of 3 binds.
+    handed = LedgerService(
+        dataset_ledger=str(tmp_path / "dataset.jsonl"), run_ledger=str(tmp_path / "r" / "ledger.jsonl"),
+        run_id="r", meta={}, block_size=4, total_steps=20,
+        event_json=event_to_json(dpsgd_step_event(Q, SIGMA)), delta=DELTA, accountant="pld",
+        budget_epsilon=1e9, allowance=3)
+    handed.start_attempt()
+    assert [handed.admit(k)[0] for k in range(3)] == [True] * 3
+    for k in range(3):
+        handed.ensure(k)
+    assert handed.admit(3)[0] is False
+    assert Ledger(tmp_path / "r" / "ledger.jsonl").total_count() == 3
