@@ -591,7 +591,11 @@ class _RayContext:
         if self._ckpt is None:
             return None
         if self._ckpt_dir is None:
-            self._ckpt_dir = self._ckpt.to_directory()
+            # A fresh folder per worker: with Ray's default (shared per node) folder, a second
+            # worker on the node can find it already created and read a state.pt that the
+            # first is still copying (seen as a torch.load unpickling error on resume).
+            self._ckpt_dir = self._ckpt.to_directory(
+                tempfile.mkdtemp(prefix=f"llmdp-ckpt-rank{self.get_world_rank()}-"))
         return self._ckpt_dir
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
