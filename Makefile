@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.llmdp-installed
 
-.PHONY: install demo test test-quick lint clean
+.PHONY: install demo demo-private-tokenizer test test-quick lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/llmdp train recipes/tiny-cpu.yaml
+
+# The demo with a tokenizer trained on the private notes with DP (two releases, one report).
+demo-private-tokenizer: $(STAMP)
+	$(BIN)/llmdp tokenizer train tokenizers/demo-private.yaml
+	$(BIN)/llmdp train recipes/tiny-cpu-private-tokenizer.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -1,4 +1,4 @@
-"""`llmdp train|privacy|submit ...`: the command line."""
+"""`llmdp train|privacy|tokenizer|submit ...`: the command line."""
 
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     r = psub.add_parser("report", help="(re)build and print the privacy report of a run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
+
+    tk = sub.add_parser("tokenizer", help="private tokenizers: llmdp tokenizer train RECIPE")
+    tksub = tk.add_subparsers(dest="tokenizer_command", required=True)
+    tt = tksub.add_parser(
+        "train",
+        help="train a SentencePiece tokenizer on the private corpus with DP and record the "
+             "release in the dataset's ledger: llmdp tokenizer train tokenizers/NAME.yaml",
+    )
+    tt.add_argument("recipe")
+    tt.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=2")
 
     s = sub.add_parser(
         "submit",
@@ -128,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from llmdp.config import ConfigError
     from llmdp.privacy.plan import PlanError
+    from llmdp.privacy.service import BudgetError
 
     try:
         if args.command == "train":
@@ -138,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_recipe(args.recipe, overrides)
             _quiet_libraries()
             run(cfg)
+            return 0
+        if args.command == "tokenizer":
+            from llmdp.config import load_tokenizer_recipe
+            from llmdp.tokenizer.train import train_tokenizer
+
+            cfg = load_tokenizer_recipe(args.recipe, args.overrides)
+            _quiet_libraries()
+            train_tokenizer(cfg)
             return 0
         if args.command == "submit":
             from llmdp.submit import main as submit_main
@@ -163,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 with open(os.path.join(args.run_dir, "privacy_report.md"), encoding="utf-8") as f:
                     print(f.read())
             return 0
-    except (ConfigError, PlanError, ValueError) as e:
+    except (ConfigError, PlanError, ValueError, BudgetError) as e:
         print(f"llmdp: error: {e}", file=sys.stderr)
         return 2
     return 1

@@ -22,6 +22,7 @@ noise use fresh OS entropy unless ``privacy.rng: seeded`` (which the report labe
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -65,7 +66,10 @@ __all__ = [
     "config_hash",
     "dump_yaml",
     "from_dict",
+    "TokenizerRecipeConfig",
     "load_recipe",
+    "load_tokenizer_recipe",
+    "tokenizer_recipe_from_dict",
     "parse_override",
     "recipe_from_dict",
     "to_dict",
@@ -153,6 +157,11 @@ class ModelConfig:
     tiny: TinyModelConfig = _f(factory=TinyModelConfig)
     # Path or hub id; defaults to name_or_path (filled in by the loader). Required for tiny.
     tokenizer: str | None = _f(None, path="maybe")
+    # Adapt a pretrained model to `tokenizer` (e.g. a private llmdp tokenizer): the model's
+    # own tokenizer (hub id or folder). The embeddings are resized to the new vocabulary and
+    # each new token's rows start as the mean of the base rows of the base tokenizer's
+    # pieces of the same string (a public computation). None: no adaptation.
+    base_tokenizer: str | None = _f(None, path="maybe")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float64"))
     # A mapping in YAML; `lora: {}` means LoraConfig defaults; null means full fine-tuning.
     lora: LoraConfig | None = None
@@ -299,6 +308,77 @@ class RecipeConfig:
         return os.path.join(self.output.dir, self.output.name)
 
 
+# ---------------------------------------------------------------- tokenizer recipes
+# `llmdp tokenizer train tokenizers/<name>.yaml`: a SentencePiece tokenizer trained on the
+# private corpus with DP (llmdp.tokenizer.private), recorded in the dataset's ledger.
+
+
+@dataclass(frozen=True)
+class TokenizerDataConfig:
+    """The private corpus, read like `data` of a training recipe. The tokenizer's privacy
+    unit is a document (one record) or a user (all records of one `user_field` value);
+    a training run that uses the tokenizer must use the same unit to compose with it."""
+
+    path: str | None = _f(None, path="always", help="the private corpus (file, directory or save_to_disk folder)")
+    dataset: str | None = _f(None, nonempty=True)
+    config_name: str | None = None
+    split: str = _f("train", nonempty=True)
+    format: str = _f("auto", choices=("auto", "jsonl", "json", "parquet", "csv", "text"))
+    # Every text of a record is read: `text_field`, or the contents of `messages_field`,
+    # or `prompt_field` + `response_field`.
+    text_field: str = _f("text", nonempty=True)
+    messages_field: str | None = _f(None, nonempty=True)
+    prompt_field: str | None = _f(None, nonempty=True)
+    response_field: str | None = _f(None, nonempty=True)
+    unit: str = _f("document", choices=("document", "user"))
+    user_field: str | None = _f(None, nonempty=True)
+    synthetic: SyntheticDataConfig | None = None
+
+
+@dataclass(frozen=True)
+class TokenizerPrivacyConfig:
+    # false: count words exactly (a NON-private tokenizer, for baselines only: a training
+    # recipe that claims a guarantee refuses it).
+    dp: bool = True
+    target_epsilon: float | None = _f(None, gt=0)  # epsilon of this release alone
+    delta: float | None = _f(None, gt=0, lt=1)  # None: a power of ten below 1/(10 N)
+    # K: distinct words one unit contributes at most (each counted once).
+    max_words_per_unit: int = _f(128, ge=1)
+    # Share of delta spent on the threshold (words held by a single unit); rest: Gaussian.
+    delta_threshold_fraction: float = _f(0.5, gt=0, lt=1)
+    accountant: str = _f("pld", choices=("pld", "rdp"))
+    rng: str = _f("secure", choices=("secure", "seeded"))
+    seed: int | None = _f(None, ge=0)  # required iff rng == "seeded"
+    ledger: str | None = _f(None, path="always")  # the dataset's ledger (default as for training)
+    budget_epsilon: float | None = _f(None, gt=0)
+
+
+@dataclass(frozen=True)
+class TokenizerModelConfig:
+    model_type: str = _f("bpe", choices=("bpe", "unigram"))
+    vocab_size: int = _f(8000, ge=300)  # a soft limit: fewer released words give fewer pieces
+    byte_fallback: bool = True  # every byte is a piece: no <unk> on any text
+    character_coverage: float = _f(1.0, gt=0, le=1)
+
+
+@dataclass(frozen=True)
+class TokenizerOutputConfig:
+    dir: str = _f("runs/tokenizers", path="always")
+    name: str | None = _f(None, pattern=r"[A-Za-z0-9._-]+")  # default: the recipe file's stem
+
+
+@dataclass(frozen=True)
+class TokenizerRecipeConfig:
+    data: TokenizerDataConfig
+    privacy: TokenizerPrivacyConfig
+    tokenizer: TokenizerModelConfig
+    output: TokenizerOutputConfig
+
+    @property
+    def out_dir(self) -> str:
+        return os.path.join(self.output.dir, self.output.name)
+
+
 # ------------------------------------------------------------------ cross-field checks
 
 
@@ -332,6 +412,13 @@ def _check_model(m: ModelConfig, prefix: str, base_dir: str) -> ModelConfig:
             f"from a config has no tokenizer of its own); give a hub id or a local "
             f"tokenizer directory",
             key=f"{prefix}.tokenizer",
+        )
+    if m.base_tokenizer is not None and m.init != "pretrained":
+        raise ConfigError(
+            f"{prefix}.base_tokenizer: {m.base_tokenizer!r} adapts a pretrained model to "
+            f"{prefix}.tokenizer, but {prefix}.init is {m.init!r} (a model built from a config "
+            f"is sized to its tokenizer already); remove it",
+            key=f"{prefix}.base_tokenizer",
         )
     if m.tokenizer is None:
         m = dataclasses.replace(m, tokenizer=m.name_or_path)
@@ -465,6 +552,67 @@ def _check_recipe(r: RecipeConfig, prefix: str, base_dir: str) -> RecipeConfig:
     return r
 
 
+def _check_tokenizer_data(d: TokenizerDataConfig, prefix: str, base_dir: str) -> TokenizerDataConfig:
+    if (d.path is None) == (d.dataset is None):
+        got = "both" if d.path is not None else "neither"
+        raise ConfigError(
+            f"{prefix}.path / {prefix}.dataset: give exactly one data source, got {got} "
+            f"(path={d.path!r}, dataset={d.dataset!r})",
+            key=f"{prefix}.path",
+        )
+    if (d.prompt_field is None) != (d.response_field is None):
+        missing = "response_field" if d.response_field is None else "prompt_field"
+        raise ConfigError(
+            f"{prefix}.{missing}: instruction records need both {prefix}.prompt_field and "
+            f"{prefix}.response_field",
+            key=f"{prefix}.{missing}",
+        )
+    if d.unit == "user" and d.user_field is None:
+        raise ConfigError(
+            f"{prefix}.user_field: required with {prefix}.unit 'user': the record field that "
+            f"identifies the user (e.g. user_field: user_id)",
+            key=f"{prefix}.user_field",
+        )
+    if d.unit != "user" and d.user_field is not None:
+        raise ConfigError(
+            f"{prefix}.user_field: {d.user_field!r} is only used with {prefix}.unit 'user' "
+            f"(unit is {d.unit!r}); remove it or set unit: user",
+            key=f"{prefix}.user_field",
+        )
+    if d.synthetic is not None and d.path is None:
+        raise ConfigError(
+            f"{prefix}.synthetic: needs {prefix}.path (where the synthetic corpus is written)",
+            key=f"{prefix}.synthetic",
+        )
+    return d
+
+
+def _check_tokenizer_privacy(p: TokenizerPrivacyConfig, prefix: str, base_dir: str) -> TokenizerPrivacyConfig:
+    if p.dp and p.target_epsilon is None:
+        raise ConfigError(
+            f"{prefix}.target_epsilon: required when {prefix}.dp is true: the epsilon of this "
+            f"tokenizer release (noise and threshold are calibrated to it), e.g. "
+            f"target_epsilon: 1.0",
+            key=f"{prefix}.target_epsilon",
+        )
+    if not p.dp and p.target_epsilon is not None:
+        raise ConfigError(
+            f"{prefix}.target_epsilon: {p.target_epsilon!r} is given but {prefix}.dp is false "
+            f"(exact counts, no guarantee); remove one of them",
+            key=f"{prefix}.target_epsilon",
+        )
+    if p.rng == "seeded" and p.seed is None:
+        raise ConfigError(f"{prefix}.seed: required when {prefix}.rng is 'seeded'", key=f"{prefix}.seed")
+    if p.rng == "secure" and p.seed is not None:
+        raise ConfigError(
+            f"{prefix}.seed: {p.seed!r} is given but {prefix}.rng is 'secure' (fresh OS "
+            f"entropy); set {prefix}.seed: null, or {prefix}.rng: seeded (no guarantee "
+            f"against anyone who knows the seed)",
+            key=f"{prefix}.seed",
+        )
+    return p
+
+
 _CHECKS = {
     TinyModelConfig: _check_tiny,
     ModelConfig: _check_model,
@@ -473,6 +621,8 @@ _CHECKS = {
     TrainConfig: _check_train,
     OutputConfig: _check_output,
     RecipeConfig: _check_recipe,
+    TokenizerDataConfig: _check_tokenizer_data,
+    TokenizerPrivacyConfig: _check_tokenizer_privacy,
 }
 
 
@@ -510,7 +660,10 @@ def _schema_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-_ALL_KEYS: tuple[str, ...] = tuple(_schema_keys(RecipeConfig))
+_RECIPE_KEYS: tuple[str, ...] = tuple(_schema_keys(RecipeConfig))
+_TOKENIZER_KEYS: tuple[str, ...] = tuple(_schema_keys(TokenizerRecipeConfig))
+# The "did you mean" candidates for an unknown key: the schema being loaded.
+_KEYS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("_KEYS", default=_RECIPE_KEYS)
 _SECTIONS = [f.name for f in dataclasses.fields(RecipeConfig)]
 
 
@@ -633,7 +786,7 @@ def _build(cls: type, raw: Mapping, prefix: str, base_dir: str) -> Any:
                 f"{key}: keys must be strings, got {type(name).__name__} {name!r}", key=key
             )
         if name not in fields:
-            raise unknown_key_error(key, _ALL_KEYS)
+            raise unknown_key_error(key, _KEYS.get())
         values[name] = _field_value(key, raw_value, fields[name], hints[name], base_dir)
     for name, f in fields.items():
         if name in values:
@@ -760,8 +913,9 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     return parts, value
 
 
-def _check_override_keys(keys: tuple[str, ...], text: str) -> None:
-    cls: type | None = RecipeConfig
+def _check_override_keys(keys: tuple[str, ...], text: str, root: type = None) -> None:
+    cls: type | None = root or RecipeConfig
+    cls_root = cls
     for i, name in enumerate(keys):
         dotted = ".".join(keys[: i + 1])
         if cls is None:
@@ -772,11 +926,13 @@ def _check_override_keys(keys: tuple[str, ...], text: str) -> None:
             )
         hints = _hints(cls)
         if name not in hints:
-            raise unknown_key_error(dotted, _ALL_KEYS, where=f"in override {text!r}")
+            raise unknown_key_error(dotted, _RECIPE_KEYS if cls_root is RecipeConfig else _TOKENIZER_KEYS,
+                                    where=f"in override {text!r}")
         cls = _section_type(hints[name])
 
 
-def apply_overrides(d: Mapping[str, Any] | None, overrides: Sequence[str]) -> dict[str, Any]:
+def apply_overrides(d: Mapping[str, Any] | None, overrides: Sequence[str],
+                    root: type | None = None) -> dict[str, Any]:
     """A copy of the raw recipe ``d`` with each ``key.sub=value`` override set, in order.
 
     Setting a key inside an absent or null section creates it (``model.lora.r=4`` turns
@@ -787,7 +943,7 @@ def apply_overrides(d: Mapping[str, Any] | None, overrides: Sequence[str]) -> di
     out: dict[str, Any] = copy.deepcopy(dict(d)) if d is not None else {}
     for text in overrides:
         keys, value = parse_override(text)
-        _check_override_keys(keys, text)
+        _check_override_keys(keys, text, root)
         node = out
         for i, name in enumerate(keys[:-1]):
             child = node.get(name)
@@ -872,3 +1028,57 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recip
     raw = apply_overrides(raw, overrides)
     stem = os.path.splitext(os.path.basename(full))[0]
     return recipe_from_dict(raw, base_dir=os.getcwd(), default_name=stem)
+
+
+def tokenizer_recipe_from_dict(
+    d: Mapping[str, Any],
+    *,
+    base_dir: str | os.PathLike | None = None,
+    default_name: str | None = None,
+) -> TokenizerRecipeConfig:
+    """Validate a tokenizer recipe (sections data, privacy, tokenizer, output)."""
+    sections = [f.name for f in dataclasses.fields(TokenizerRecipeConfig)]
+    if not isinstance(d, Mapping):
+        raise ConfigError(
+            f"tokenizer recipe: the top level must be a mapping with the sections {sections}; "
+            f"got {type(d).__name__}"
+        )
+    base = os.path.abspath(os.fspath(base_dir)) if base_dir is not None else os.getcwd()
+    token = _KEYS.set(_TOKENIZER_KEYS)
+    try:
+        cfg = _build(TokenizerRecipeConfig, d, "", base)
+    finally:
+        _KEYS.reset(token)
+    if cfg.output.name is None:
+        if default_name is None or not re.fullmatch(_RUN_NAME, default_name) or default_name in (".", ".."):
+            raise ConfigError(
+                f"output.name: not set and {default_name!r} (from the recipe file name) is not "
+                f"a valid name ({_RUN_NAME}); set output.name",
+                key="output.name",
+            )
+        cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, name=default_name))
+    return cfg
+
+
+def load_tokenizer_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> TokenizerRecipeConfig:
+    """Read, override and validate a tokenizer recipe file (`tokenizers/<name>.yaml`).
+    Relative paths resolve against the current directory; ``output.name`` defaults to the
+    file's stem."""
+    sections = [f.name for f in dataclasses.fields(TokenizerRecipeConfig)]
+    given = os.fspath(path)
+    full = os.path.abspath(os.path.expanduser(given))
+    if not os.path.exists(full):
+        raise ConfigError(f"tokenizer recipe file not found: {given!r} (looked for {full})")
+    if os.path.isdir(full):
+        raise ConfigError(f"tokenizer recipe path is a directory, not a YAML file: {full}")
+    raw = _read_yaml(full)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{full}: expected a mapping with the sections {sections}")
+    if "model" in raw or "train" in raw:
+        raise ConfigError(
+            f"{full}: this is a training recipe (it has a model/train section); run it with "
+            f"`llmdp train {given}`. A tokenizer recipe has the sections {sections}"
+        )
+    raw = apply_overrides(raw, overrides, root=TokenizerRecipeConfig)
+    stem = os.path.splitext(os.path.basename(full))[0]
+    return tokenizer_recipe_from_dict(raw, base_dir=os.getcwd(), default_name=stem)

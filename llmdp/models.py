@@ -199,13 +199,18 @@ def load_model(model_cfg, *, vocab_size: int | None = None, cache_dir) -> tuple[
     ``init == "tiny"``: build ``model_cfg.tiny`` into ``<cache_dir>/tiny-<hash>/`` (once)
     sized to the tokenizer (or ``vocab_size``), then load it like any checkpoint.
     ``init == "pretrained"``: ``from_pretrained(model_cfg.name_or_path)``; with
-    ``vocab_size`` different from the checkpoint's, the embeddings are resized.
+    ``vocab_size`` different from the checkpoint's, the embeddings are resized. With
+    ``model_cfg.base_tokenizer`` (the checkpoint's own tokenizer), the checkpoint is first
+    adapted to ``model_cfg.tokenizer`` into ``<cache_dir>/adapted-<hash>/`` (once; see
+    ``llmdp.tokenizer.adapt.build_adapted_model``) and loaded from there; the adaptation
+    counts are ``model.llmdp_vocab_adaptation``.
     Then LoRA (``model_cfg.lora``) and gradient checkpointing, and the module check of
     :func:`validate_trainable_modules` (as for training).
     """
     from transformers import AutoModelForCausalLM
 
     init = getattr(model_cfg, "init", "pretrained")
+    adaptation = None
     tok_src = getattr(model_cfg, "tokenizer", None) or model_cfg.name_or_path
     if tok_src is None:
         raise ValueError("model.tokenizer: required when model.init is 'tiny'")
@@ -227,6 +232,14 @@ def load_model(model_cfg, *, vocab_size: int | None = None, cache_dir) -> tuple[
         if path is None:
             raise ValueError("model.name_or_path: required when model.init is 'pretrained'")
         attn = getattr(model_cfg, "attn_implementation", None) or PRETRAINED_ATTN_IMPLEMENTATION
+        base_tok = getattr(model_cfg, "base_tokenizer", None)
+        if base_tok is not None:  # adapt the embeddings to model.tokenizer (built once)
+            from llmdp.tokenizer.adapt import adapted_model_hash, build_adapted_model
+
+            h = adapted_model_hash(path, base_tok, tok_src)
+            path, adaptation = build_adapted_model(
+                path, base_tok, tok_src,
+                os.path.join(os.fspath(cache_dir), f"adapted-{h[:16]}"))
     else:
         raise ValueError(f"model.init={init!r} is not one of ['pretrained', 'tiny']")
 
@@ -243,9 +256,13 @@ def load_model(model_cfg, *, vocab_size: int | None = None, cache_dir) -> tuple[
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
 
+    if adaptation is not None:
+        model.llmdp_vocab_adaptation = adaptation
     lora = getattr(model_cfg, "lora", None)
     if lora is not None:
         model = apply_lora(model, lora)
+        if adaptation is not None:
+            model.llmdp_vocab_adaptation = adaptation
 
     validate_trainable_modules(model, assume_training=True)
     return model, tokenizer

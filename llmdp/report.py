@@ -71,7 +71,19 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     # Poisson: it is left out rather than approximated).
     usable = [name for name in accountant.ACCOUNTANTS
               if name == plan.accountant or not any(is_truncated(e) for e, _ in entries)]
-    eps = {name: accountant.epsilon(entries, delta, name) for name in usable}
+    # Releases this run's model builds on, made before it on the same units (a private
+    # tokenizer): composed into the guarantee, thresholds' delta included.
+    prior = list(plan_info.get("prior_releases") or [])
+    from llmdp.privacy.events import event_from_json
+
+    prior_entries = [(event_from_json(r["event"]), int(r["count"])) for r in prior]
+    keep = 1.0
+    for r in prior:
+        keep *= (1.0 - float((r.get("extra") or {}).get("delta_threshold") or 0.0)) ** int(r["count"])
+    prior_dthr = 1.0 - keep
+    eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta, prior_dthr, name)
+           for name in usable}
+    eps_training = accountant.epsilon(entries, delta, plan.accountant)
     ledger_steps = sum(int(r["count"]) for r in records if r.get("kind") == "release")
 
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -90,6 +102,19 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     data_stats = dict(plan_info.get("data") or {})
     truncated_steps = sum(1 for m in step_records if m.get("sample_truncated"))
     releases = [
+        {
+            "run_id": r.get("run_id"),
+            "attempt": None,
+            "first_step": None,
+            "count": r.get("count"),
+            "event": r.get("event"),
+            "mechanism": r.get("mechanism", "private-tokenizer"),
+            "epsilon_alone": r.get("epsilon"),
+            "delta_threshold": (r.get("extra") or {}).get("delta_threshold"),
+            "recorded_in": r.get("ledger"),
+        }
+        for r in prior
+    ] + [
         {
             "run_id": r.get("run_id"),
             "attempt": r.get("attempt"),
@@ -114,6 +139,8 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         "delta": delta,
         "accountant": plan.accountant,
         "epsilon_by_accountant": eps,
+        "epsilon_training_only": eps_training,
+        "delta_threshold_of_earlier_releases": prior_dthr,
         "target_epsilon": plan.target_epsilon,
         "epsilon_planned": plan_info.get("epsilon_planned"),
         "dp_setting": "central DP: a trusted trainer holds the raw data; the released "
@@ -139,23 +166,23 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         "mechanism_output": "every intermediate model (all T noisy updates); the final model "
         "and every checkpoint are covered",
         "data_accesses_covered": [
+            f"the private tokenizer's release {r.get('release_id')} on the same units "
+            f"(ε_tok = {r.get('epsilon'):.4f} alone; Gaussian partition selection, threshold δ "
+            f"{(r.get('extra') or {}).get('delta_threshold'):.3g})"
+            for r in prior
+        ] + [
             "this run's DP-SGD training steps on the private corpus, as recorded in the ledger "
             f"({ledger_steps} steps over {len({r.get('attempt') for r in records})} attempt(s))",
         ],
         "data_accesses_not_covered": [
             "the choice of hyper-parameters (C, learning rate, batch size, steps) if it was "
             "tuned on this private data: that tuning is not accounted",
-            "the pretrained model's and the tokenizer's training data (public, or covered by "
-            "their own guarantees)",
+            "the pretrained model's training data, and the tokenizer's unless it is a DP "
+            "release on this data listed above (public, or covered by their own guarantees)",
             "dataset statistics used to plan the run (N, number of units) are published as is",
             "metrics listed under internal_metrics",
         ],
-        "tokenizer": {
-            "path": cfg["model"].get("tokenizer") or cfg["model"].get("name_or_path"),
-            "trained_by_this_run": False,
-            "note": "not fit on the private corpus by llmdp (the demo's is trained on a generated "
-            "public corpus); a tokenizer fit on this private data elsewhere is not covered",
-        },
+        "tokenizer": _tokenizer_section(cfg, plan_info),
         # ---- the mechanism's numbers
         "steps": ledger_steps,
         "steps_planned": plan.steps,
@@ -190,6 +217,34 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         "dataset_fingerprint": records[-1]["meta"].get("dataset_fingerprint") if records else None,
     }
     return report
+
+
+def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
+    tok = plan_info.get("tokenizer") or {}
+    path = cfg["model"].get("tokenizer") or cfg["model"].get("name_or_path")
+    kind = tok.get("kind", "external")
+    if kind == "private-dp":
+        vocab = ("trained from scratch: the model is built from a config with the private "
+                 "tokenizer's vocabulary" if cfg["model"].get("init") == "tiny" else
+                 "pretrained model adapted to the private tokenizer: embeddings resized, each new "
+                 "token initialized from the base tokenizer's pieces of the same string (a public "
+                 "computation)")
+    elif cfg["model"].get("init") == "tiny":
+        vocab = "trained from scratch with this tokenizer's vocabulary"
+    else:
+        vocab = "the pretrained model with " + ("an adapted vocabulary" if cfg["model"].get(
+            "base_tokenizer") else "its tokenizer as given")
+    return {
+        "path": path,
+        "kind": kind,
+        "composed_into_guarantee": bool(tok.get("compose")),
+        "model_vocabulary": vocab,
+        "vocab_size": tok.get("vocab_size"),
+        "vocab_adaptation": tok.get("vocab_adaptation"),
+        "trained_by_this_run": False,
+        "note": (tok.get("summary") or "not fit on the private corpus by llmdp; a tokenizer fit "
+                 "on this private data elsewhere is not covered") + f"; model vocabulary: {vocab}",
+    }
 
 
 def _dataset_ledger(plan_info: dict, plan) -> dict | None:
@@ -269,8 +324,21 @@ def epsilon_curve(run_dir: str, points: int = 16) -> list[tuple[int, float]]:
 
     with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
         plan = DPPlan.from_dict(json.load(f)["plan"])
+    with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
+        prior = json.load(f).get("prior_releases") or []
     ts = sorted({max(1, round(plan.steps * i / points)) for i in range(1, points + 1)})
-    return [(0, 0.0)] + [(t, plan.epsilon_estimate(t)) for t in ts]
+    if not prior:
+        return [(0, 0.0)] + [(t, plan.epsilon_estimate(t)) for t in ts]
+    from llmdp.privacy.events import event_from_json
+    from llmdp.privacy.plan import composed_epsilon
+
+    entries = [(event_from_json(r["event"]), int(r["count"])) for r in prior]
+    d_thr = 1.0
+    for r in prior:
+        d_thr *= (1.0 - float((r.get("extra") or {}).get("delta_threshold") or 0.0)) ** int(r["count"])
+    d_thr = 1.0 - d_thr
+    # Starts at the tokenizer's ε: the model's guarantee covers both releases.
+    return [(t, composed_epsilon(plan, entries, d_thr, steps=t)) for t in [0] + ts]
 
 
 def write_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
@@ -349,7 +417,9 @@ def render_markdown(r: dict) -> str:
         f"| Adjacency | {r['adjacency']} |",
         f"| Mechanism output | {r['mechanism_output']} |",
         f"| Accounting | {r['accountant'].upper()} (reported); also computed: {', '.join(k.upper() for k in r['epsilon_by_accountant'] if k != r['accountant']) or 'none (truncated Poisson is accounted by PLD only)'}; δ = {r['delta']:.3g} (< 1/N = {1 / r['dataset_size']:.3g}) |",
-        f"| ε at δ | {r['epsilon']:.4f} (target {r['target_epsilon'] if r['target_epsilon'] is not None else 'none: σ given'}) |",
+        f"| ε at δ | {r['epsilon']:.4f} (target {r['target_epsilon'] if r['target_epsilon'] is not None else 'none: σ given'})"
+        + (f"; training alone {r['epsilon_training_only']:.4f}, composed with the private tokenizer's release"
+           if r["tokenizer"].get("composed_into_guarantee") else "") + " |",
         f"| Sampling assumed | {r['sampling']['assumed']} |",
         f"| Sampling used | {r['sampling']['used']}; honoured: {'yes' if r['sampling']['honoured'] else 'NO'} ({r['sampling']['note']}) |",
         f"| Sampling probability q | {r['sampling_probability']:.6g} |",
@@ -383,11 +453,13 @@ def render_markdown(r: dict) -> str:
         "",
         "## Ledger",
         "",
-        f"{r['ledger']['lines']} line(s) in `ledger.jsonl`; every DP release, composed above:",
+        f"{r['ledger']['lines']} line(s) in `ledger.jsonl`"
+        + (" plus the tokenizer's release (recorded in the dataset ledger)" if r["tokenizer"].get(
+            "composed_into_guarantee") else "") + "; every DP release, composed above:",
         "",
         "| run | attempt | first step | count | mechanism |",
         "| --- | --- | --- | --- | --- |",
-        *[f"| {x['run_id']} | {x['attempt']} | {x['first_step']} | {x['count']} | {x['mechanism']} |"
+        *[f"| {x['run_id']} | {x['attempt'] or '-'} | {x['first_step'] if x['first_step'] is not None else '-'} | {x['count']} | {x['mechanism']} |"
           for x in r["ledger"]["releases"]],
         "",
         "![epsilon and loss](privacy_report.png)",

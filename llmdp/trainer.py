@@ -120,12 +120,23 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         log(f"generating {cfg.data.synthetic.num_documents} synthetic private documents -> {cfg.data.path}")
         ensure_clinical_notes(cfg.data.path, cfg.data.synthetic.num_documents, cfg.data.synthetic.seed)
 
+    # What the tokenizer means for the guarantee, before anything is built with it: a
+    # tokenizer fit on this data without DP is refused; a DP one on this data is composed.
+    from llmdp.data.sources import source_fingerprint
+    from llmdp.tokenizer.train import tokenizer_for_run
+
+    d = cfg.data
+    source_sha = source_fingerprint(path=d.path, dataset=d.dataset, split=d.split,
+                                    config_name=d.config_name, format=d.format)
+    tok_use = tokenizer_for_run(cfg.model, d, data_sha256=source_sha, delta=cfg.privacy.delta)
+
     model, tokenizer = load_model(cfg.model, cache_dir=os.path.join(cache, "models"))
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    tok_use["vocab_adaptation"] = getattr(model, "llmdp_vocab_adaptation", None)
+    tok_use["vocab_size"] = len(tokenizer)
     del model
 
-    d = cfg.data
     spec = UnitSpec(kind=d.unit, sequence_length=d.sequence_length,
                     max_rows_per_unit=1 if d.unit == "sequence" else d.max_rows_per_unit,
                     document_masking=d.document_masking,
@@ -171,6 +182,16 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         sampler=cfg.privacy.sampler,
         max_batch_size=cfg.privacy.max_batch_size,
     )
+    prior_releases = [tok_use["release"]] if tok_use["compose"] else []
+    if prior_releases:
+        from llmdp.privacy.events import event_from_json
+        from llmdp.privacy.plan import calibrate_with_prior
+
+        # The model's guarantee covers the tokenizer too: sigma is calibrated so that the
+        # composition (tokenizer release + every step) meets privacy.target_epsilon.
+        plan = calibrate_with_prior(
+            plan, [(event_from_json(r["event"]), r["count"]) for r in prior_releases],
+            _prior_delta_threshold(prior_releases))
     run_id = _previous_run_id(run_dir) or uuid.uuid4().hex[:12]  # a re-launch resumes the same run
     data_stats = dict(store.stats())
     data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
@@ -196,11 +217,22 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         "event_json": event_to_json(plan.step_event()), "delta": plan.delta,
         "accountant": plan.accountant, "budget_epsilon": cfg.privacy.budget_epsilon,
     }
+    if prior_releases:
+        from llmdp.tokenizer.train import ensure_release_recorded
+
+        for rel in prior_releases:
+            if ensure_release_recorded(rel, service["dataset_ledger"], {
+                    "dataset_fingerprint": store.fingerprint, "dataset_size": N,
+                    "unit": ledger_meta["unit"], "tokenizer": rel["tokenizer"]}):
+                log(f"tokenizer release {rel['release_id']} copied into the dataset ledger "
+                    f"{service['dataset_ledger']}")
     if cfg.privacy.budget_epsilon is not None:
         service["allowance"] = check_budget(service, plan, resuming=_has_checkpoint(run_dir), log=log)
     dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     with open(os.path.join(run_dir, "plan.json"), "w", encoding="utf-8") as f:
-        json.dump({"plan": plan.to_dict(), "epsilon_planned": plan.epsilon(), "run_id": run_id,
+        json.dump({"plan": plan.to_dict(), "epsilon_planned": _planned_epsilon(plan, prior_releases),
+                   "epsilon_planned_training_only": plan.epsilon(), "run_id": run_id,
+                   "tokenizer": tok_use, "prior_releases": prior_releases,
                    "data": data_stats, "dataset_ledger": service["dataset_ledger"],
                    "budget_epsilon": cfg.privacy.budget_epsilon}, f, indent=2)
     tok_dir = cfg.model.tokenizer or cfg.model.name_or_path
@@ -209,6 +241,24 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         cache_dir=os.path.join(cache, "models"), tokenizer_dir=tok_dir if tok_dir and os.path.isdir(tok_dir) else None,
         ledger_meta=ledger_meta, data_stats=data_stats, ledger_service=service,
     )
+
+
+def _prior_delta_threshold(releases) -> float:
+    keep = 1.0
+    for r in releases:
+        keep *= (1.0 - float((r.get("extra") or {}).get("delta_threshold") or 0.0)) ** int(r["count"])
+    return 1.0 - keep
+
+
+def _planned_epsilon(plan, prior_releases) -> float:
+    """ε of the whole plan composed with the earlier releases it builds on (the tokenizer)."""
+    if not prior_releases:
+        return plan.epsilon()
+    from llmdp.privacy.events import event_from_json
+    from llmdp.privacy.plan import composed_epsilon
+
+    return composed_epsilon(plan, [(event_from_json(r["event"]), r["count"]) for r in prior_releases],
+                            _prior_delta_threshold(prior_releases))
 
 
 def finished_run(cfg: RecipeConfig) -> dict | None:
@@ -224,6 +274,11 @@ def finished_run(cfg: RecipeConfig) -> dict | None:
     if report.get("status") == "complete" and os.path.isdir(os.path.join(run_dir, "model")):
         return {"steps": report["steps_completed"], "epsilon": report["epsilon"], "delta": report["delta"]}
     return None
+
+
+def _plan_json(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _previous_run_id(run_dir: str) -> str | None:
@@ -341,8 +396,13 @@ def run(cfg: RecipeConfig, log=print) -> str:
     log(
         f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
         f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
-        f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}, planned epsilon={plan.epsilon():.4f} ({plan.accountant})"
+        f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}, planned epsilon="
+        f"{_planned_epsilon(plan, _plan_json(prepared.run_dir).get('prior_releases') or []):.4f} "
+        f"({plan.accountant})"
     )
+    tok = _plan_json(prepared.run_dir).get("tokenizer") or {}
+    if tok.get("kind") == "private-dp":
+        log(f"tokenizer: {tok['summary']}")
     error = None
     try:
         _fit(prepared, log)

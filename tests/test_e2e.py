@@ -119,3 +119,47 @@ def test_a_failed_worker_resumes_and_every_executed_step_is_counted(tmp_path, mo
     assert main(argv) == 0
     assert "already complete (6 of 6 steps" in capsys.readouterr().out
     assert Ledger(run_dir / "ledger.jsonl").total_count() == 9
+
+
+TOKENIZER_RECIPE = """
+data: {path: notes.jsonl, unit: document}
+privacy: {target_epsilon: 4.0, max_words_per_unit: 64}
+tokenizer: {vocab_size: 400}
+output: {dir: tokenizers, name: private}
+"""
+
+
+def test_private_tokenizer_then_training_one_guarantee(tmp_path, monkeypatch, capsys):
+    """`llmdp tokenizer train` then `llmdp train` with it: the report composes both releases."""
+    import math
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))  # this data's own dataset ledger
+    write_notes(tmp_path / "notes.jsonl", 80)
+    (tmp_path / "t.yaml").write_text(TOKENIZER_RECIPE)
+    assert main(["tokenizer", "train", "t.yaml"]) == 0
+    tok = json.load(open(tmp_path / "tokenizers" / "private" / "llmdp_tokenizer.json"))
+    (tmp_path / "r.yaml").write_text(RECIPE.format(tok=tmp_path / "tokenizers" / "private"))
+    assert main(["train", "r.yaml", "data.unit=document", "data.max_rows_per_unit=2",
+                 "privacy.target_epsilon=6"]) == 0
+    capsys.readouterr()
+    assert main(["privacy", "report", str(tmp_path / "runs" / "e2e"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["status"] == "complete" and rep["tokenizer"]["composed_into_guarantee"]
+    p = tok["privacy"]
+    d_thr = p["delta_threshold"]
+    event = dp_accounting.ComposedDpEvent([
+        dp_accounting.GaussianDpEvent(p["noise_std"] / math.sqrt(p["max_words_per_unit"])),
+        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+            rep["sampling_probability"], dp_accounting.GaussianDpEvent(rep["noise_multiplier"])), 6)])
+    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    direct = acc.compose(event).get_epsilon(rep["delta"] - d_thr) - math.log1p(-d_thr)
+    assert rep["epsilon"] == pytest.approx(direct, rel=1e-6) and rep["epsilon"] <= 6.0
+    assert [r["mechanism"] for r in rep["ledger"]["releases"]][:2] == ["private-tokenizer", "dp-sgd"]
+    assert rep["ledger"]["releases"][0]["run_id"] == p["run_id"]
+    # the dataset ledger (budget) holds both, and the model has the tokenizer's vocabulary
+    from transformers import AutoModelForCausalLM
+
+    assert rep["dataset_ledger"]["epsilon_spent"] == pytest.approx(rep["epsilon"], rel=1e-6)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "e2e" / "model")
+    assert model.get_input_embeddings().num_embeddings == tok["vocab_size_actual"]

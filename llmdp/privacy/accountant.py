@@ -234,6 +234,35 @@ def epsilon(
     return float(acc.get_epsilon(delta))
 
 
+def epsilon_with_threshold(
+    entries: Iterable[tuple[dp_accounting.DpEvent, int]],
+    delta: float,
+    delta_threshold: float,
+    accountant: str = "pld",
+) -> float:
+    """Epsilon at `delta` of `entries` composed with mechanisms that each are, with
+    probability at least 1 - d_i, exactly one of the entries' mechanisms, and anything
+    otherwise (a thresholded release: `llmdp.tokenizer.private`); `delta_threshold` =
+    1 - prod(1 - d_i).
+
+    eps = eps_entries(delta - delta_threshold) - log(1 - delta_threshold): in the add
+    direction the hockey-stick divergence grows by at most delta_threshold, in the remove
+    direction the likelihood ratio by at most 1 / (1 - delta_threshold). With
+    delta_threshold = 0 this is `epsilon`.
+    """
+    d_thr = float(delta_threshold)
+    delta = _check_delta(delta)
+    if not (0.0 <= d_thr < delta):
+        raise ValueError(
+            f"delta_threshold={delta_threshold!r} must be in [0, delta={delta!r}): the "
+            "thresholded releases alone spend more than the target delta; report at a larger "
+            "delta or train the tokenizer with a smaller one"
+        )
+    if d_thr == 0.0:
+        return epsilon(entries, delta, accountant)
+    return epsilon(entries, delta - d_thr, accountant) - math.log1p(-d_thr)
+
+
 def delta_for_epsilon(
     entries: Iterable[tuple[dp_accounting.DpEvent, int]], epsilon: float, accountant: str = "pld"
 ) -> float:

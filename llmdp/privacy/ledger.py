@@ -246,6 +246,19 @@ class Ledger:
                 out.append((event, rec["count"]))
         return out
 
+    def delta_threshold(self) -> float:
+        """Combined delta of the thresholds of thresholded releases (private tokenizers):
+        1 - prod(1 - d_i) over the releases' ``extra["delta_threshold"]``; 0.0 if none.
+        Account the ledger with `accountant.epsilon_with_threshold(entries(), delta, this)`."""
+        keep = 1.0
+        for rec in self.records():
+            if rec["kind"] != _RELEASE_KIND or not rec["count"]:
+                continue
+            d = (rec.get("extra") or {}).get("delta_threshold")
+            if d is not None:
+                keep *= (1.0 - float(d)) ** int(rec["count"])
+        return 1.0 - keep
+
     def total_count(self, run_id: str | None = None) -> int:
         """Sum of release counts (of one run if `run_id` is given)."""
         return sum(

@@ -877,3 +877,72 @@ def make_plan(
         max_batch_size=cap,
         truncation_cost=None if cost is None else float(cost),
     )
+
+
+def composed_epsilon(plan: DPPlan, prior_entries=(), prior_delta_threshold: float = 0.0,
+                     accountant: str | None = None, steps: int | None = None) -> float:
+    """Epsilon at `plan.delta` of earlier releases on the same units (`prior_entries`,
+    e.g. a private tokenizer; `prior_delta_threshold` their thresholds' delta) composed
+    with `steps` (default: all) steps of `plan`
+    (`accountant.epsilon_with_threshold`)."""
+    steps = plan.steps if steps is None else steps
+    entries = list(prior_entries) + ([(plan.step_event(), steps)] if steps else [])
+    return _acc.epsilon_with_threshold(entries, plan.delta, prior_delta_threshold,
+                                       accountant or plan.accountant)
+
+
+def calibrate_with_prior(plan: DPPlan, prior_entries, prior_delta_threshold: float = 0.0,
+                         rtol: float = 1e-3) -> DPPlan:
+    """`plan` with sigma raised so that the composition of the earlier releases
+    (`prior_entries`, `prior_delta_threshold`) and all of the plan's steps is
+    <= `plan.target_epsilon` at `plan.delta`: the guarantee of a model trained with a
+    private tokenizer covers both. sigma is found by bisection to `rtol` and always lands
+    on the side that meets the target. A truncated plan keeps its cap; its cost is
+    recomputed at the new sigma.
+    """
+    target = plan.target_epsilon
+    if target is None:
+        return plan  # fixed sigma: the report states the composed epsilon, whatever it is
+    prior_entries = list(prior_entries)
+    if not prior_entries and not prior_delta_threshold:
+        return plan
+    d_thr = float(prior_delta_threshold)
+    if not (0.0 <= d_thr < plan.delta):
+        raise PlanError(
+            f"privacy.delta: {plan.delta:.3g} is not above the delta {d_thr:.3g} that the earlier "
+            f"releases (private tokenizer thresholds) already spend; raise privacy.delta (below "
+            f"1/N) or train the tokenizer with a smaller delta"
+        )
+    spent = _acc.epsilon_with_threshold(prior_entries, plan.delta, d_thr, plan.accountant)
+    if spent >= target:
+        raise PlanError(
+            f"privacy.target_epsilon: {target:g} is already spent by the earlier releases on this "
+            f"data (ε = {spent:.4f} at δ = {plan.delta:.3g}, e.g. the private tokenizer); raise "
+            f"target_epsilon or train the tokenizer with a smaller epsilon"
+        )
+
+    def eps(sigma: float) -> float:
+        p = dataclasses.replace(plan, noise_multiplier=sigma, truncation_cost=None,
+                                truncation_probability=None)
+        return composed_epsilon(p, prior_entries, d_thr)
+
+    lo = hi = float(plan.noise_multiplier)
+    if eps(hi) <= target:
+        return plan
+    while eps(hi) > target:
+        lo, hi = hi, hi * 1.25
+        if hi > 1e4:
+            raise PlanError(f"no noise multiplier reaches target_epsilon={target:g} with the earlier "
+                            f"releases composed; {_knobs_message()}")
+    while hi - lo > rtol * hi:
+        mid = math.sqrt(lo * hi)
+        if eps(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+    cost = None
+    if plan.truncated:
+        cost = truncation_cost(plan.sampling_probability, hi, plan.steps, plan.delta,
+                               plan.dataset_size, plan.max_batch_size)
+    return dataclasses.replace(plan, noise_multiplier=hi, truncation_cost=cost,
+                               truncation_probability=None)

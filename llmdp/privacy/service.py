@@ -27,7 +27,7 @@ from llmdp.privacy import accountant as _acc
 from llmdp.privacy.events import event_from_json
 from llmdp.privacy.ledger import Ledger, LedgerWriter
 
-__all__ = ["BudgetError", "LedgerService", "steps_within_budget", "budget_status"]
+__all__ = ["BudgetError", "LedgerService", "steps_within_budget", "budget_status", "ledger_epsilon"]
 
 
 class BudgetError(RuntimeError):
@@ -38,11 +38,23 @@ def _entries(path: str):
     return Ledger(path).entries() if os.path.exists(path) else []
 
 
+def _delta_threshold(path: str) -> float:
+    return Ledger(path).delta_threshold() if os.path.exists(path) else 0.0
+
+
+def ledger_epsilon(path: str, delta: float, accountant: str) -> float:
+    """ε at δ of everything in the ledger at ``path``, thresholded releases (private
+    tokenizers) included (`accountant.epsilon_with_threshold`)."""
+    return _acc.epsilon_with_threshold(_entries(path), delta, _delta_threshold(path), accountant)
+
+
 def steps_within_budget(entries, event, budget: float, delta: float, accountant: str,
-                        upper: int) -> int:
-    """The largest k in [0, upper] with ε(entries + k × event) <= budget (dp-accounting)."""
+                        upper: int, delta_threshold: float = 0.0) -> int:
+    """The largest k in [0, upper] with ε(entries + k × event) <= budget (dp-accounting;
+    ``delta_threshold``: that of thresholded releases among ``entries``)."""
     def fits(k: int) -> bool:
-        return _acc.epsilon(list(entries) + ([(event, k)] if k else []), delta, accountant) <= budget
+        return _acc.epsilon_with_threshold(
+            list(entries) + ([(event, k)] if k else []), delta, delta_threshold, accountant) <= budget
 
     if not fits(0):
         return 0
@@ -60,7 +72,7 @@ def steps_within_budget(entries, event, budget: float, delta: float, accountant:
 
 def budget_status(path: str, budget: float | None, delta: float, accountant: str) -> dict:
     """ε spent so far in the dataset ledger at ``path`` and what remains of ``budget``."""
-    spent = _acc.epsilon(_entries(path), delta, accountant)
+    spent = ledger_epsilon(path, delta, accountant)
     return {"ledger": path, "epsilon_spent": spent, "budget_epsilon": budget,
             "epsilon_remaining": None if budget is None else max(0.0, budget - spent),
             "delta": delta, "accountant": accountant}
@@ -100,7 +112,7 @@ class LedgerService:
         if self._allowance is None:
             self._allowance = steps_within_budget(
                 _entries(self.dataset_ledger), self.event, self.budget, self.delta,
-                self.accountant, self.total_steps)
+                self.accountant, self.total_steps, _delta_threshold(self.dataset_ledger))
         return self._allowance
 
     def status(self) -> dict:

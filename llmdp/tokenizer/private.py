@@ -254,16 +254,11 @@ def epsilon_with_threshold(
     entries, delta: float, delta_threshold: float, accountant: str = "pld"
 ) -> float:
     """Epsilon at `delta` of `entries` composed with thresholds of total delta_threshold:
-    eps_entries(delta - delta_threshold) - log(1 - delta_threshold) (module docstring)."""
-    from llmdp.privacy.accountant import epsilon
+    eps_entries(delta - delta_threshold) - log(1 - delta_threshold) (module docstring;
+    `llmdp.privacy.accountant.epsilon_with_threshold`)."""
+    from llmdp.privacy.accountant import epsilon_with_threshold as _eps
 
-    d_thr = float(delta_threshold)
-    if not (0.0 <= d_thr < delta):
-        raise ValueError(
-            f"delta_threshold={delta_threshold!r} must be in [0, delta={delta!r}): the "
-            "threshold alone spends more than the target delta"
-        )
-    return epsilon(entries, delta - d_thr, accountant) - math.log1p(-d_thr)
+    return _eps(entries, delta, delta_threshold, accountant)
 
 
 def calibrate_tokenizer_noise(

@@ -1,0 +1,324 @@
+"""`llmdp tokenizer train`: the recipe, the write-ahead ledger record, the folder, the
+composition into a training run's guarantee, and the refusals."""
+
+import json
+import math
+import os
+import shutil
+from collections import Counter
+
+import dp_accounting
+import pytest
+import yaml
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
+
+from llmdp.config import ConfigError, load_recipe, load_tokenizer_recipe, tokenizer_recipe_from_dict
+from llmdp.privacy.ledger import Ledger
+from llmdp.privacy.sampling import seeded_key
+from llmdp.tokenizer import private as tp
+from llmdp.tokenizer.train import corpus_units, record_texts, tokenizer_for_run, train_tokenizer
+from tests.helpers import write_notes
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO_TOKENIZER_RECIPE = os.path.join(REPO, "tokenizers", "demo-private.yaml")
+DEMO_TRAIN_RECIPE = os.path.join(REPO, "recipes", "tiny-cpu-private-tokenizer.yaml")
+N_NOTES = 300
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tokcorpus")
+    return write_notes(d / "notes.jsonl", N_NOTES, seed=0)
+
+
+def _recipe(tmp_path, corpus, **privacy):
+    return {
+        "data": {"path": str(corpus), "text_field": "text", "unit": "document"},
+        "privacy": {"target_epsilon": 4.0, "max_words_per_unit": 64,
+                    "ledger": str(tmp_path / "ledger.jsonl"), **privacy},
+        "tokenizer": {"model_type": "bpe", "vocab_size": 600},
+        "output": {"dir": str(tmp_path / "tokenizers"), "name": "tok"},
+    }
+
+
+def _train(tmp_path, corpus, **privacy):
+    cfg = tokenizer_recipe_from_dict(_recipe(tmp_path, corpus, **privacy))
+    return cfg, train_tokenizer(cfg, log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    tmp = tmp_path_factory.mktemp("tok")
+    cfg, info = _train(tmp, corpus)
+    return tmp, cfg, info
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+def test_release_is_recorded_and_described(trained):
+    tmp, cfg, info = trained
+    recs = [r for r in Ledger(tmp / "ledger.jsonl").records() if r["kind"] == "release"]
+    assert len(recs) == 1
+    rec = recs[0]
+    p = info["privacy"]
+    sigma, tau, k = p["noise_std"], p["threshold"], p["max_words_per_unit"]
+    assert k == 64 and rec["count"] == 1
+    assert rec["meta"]["mechanism"] == "private-tokenizer"
+    assert rec["meta"]["unit"]["kind"] == "document" and rec["meta"]["dataset_size"] == N_NOTES
+    # The event is the Gaussian mechanism of multiplier sigma / sqrt(K); the threshold's
+    # delta is K * Phi_bar((tau - 1) / sigma), stored with it.
+    assert Ledger(tmp / "ledger.jsonl").entries() == [(dp_accounting.GaussianDpEvent(sigma / math.sqrt(k)), 1)]
+    d_thr = k * 0.5 * math.erfc((tau - 1) / sigma / math.sqrt(2))
+    assert rec["extra"]["delta_threshold"] == pytest.approx(d_thr, rel=1e-6)
+    assert Ledger(tmp / "ledger.jsonl").delta_threshold() == pytest.approx(d_thr, rel=1e-12)
+    # delta defaults to a power of ten below 1/(10 N); epsilon of the release within target
+    assert p["delta"] == 1e-4
+    acc = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(dp_accounting.GaussianDpEvent(sigma / math.sqrt(k)))
+    direct = acc.get_epsilon(p["delta"] - d_thr) - math.log1p(-d_thr)
+    assert p["epsilon"] == pytest.approx(direct, rel=1e-9)
+    assert direct <= 4.0 + 1e-9
+    assert info["dp"] is True and info["data"]["num_units"] == N_NOTES
+    assert info["data"]["sha256"] and info["released_words"] > 50
+
+
+def test_folder_loads_offline_and_round_trips(trained, corpus):
+    from transformers import AutoTokenizer
+
+    tmp, cfg, info = trained
+    tok = AutoTokenizer.from_pretrained(cfg.out_dir)
+    assert len(tok) == info["vocab_size_actual"] > 300
+    assert [tok.convert_tokens_to_ids(t) for t in tp.SPECIAL_TOKENS] == [0, 1, 2, 3]
+    text = json.loads(open(corpus).readline())["text"] + " Ünïcødé ✓ 漢字"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.unk_token_id not in ids  # byte fallback
+    assert tok.decode(ids) == text
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(cfg.out_dir, "spm.model"))
+    assert sp.encode(text) == ids
+
+
+def test_second_launch_does_nothing_and_other_recipe_is_refused(trained):
+    tmp, cfg, info = trained
+    before = (tmp / "ledger.jsonl").read_bytes()
+    again = train_tokenizer(cfg, log=lambda *_: None)
+    assert again["privacy"]["release_id"] == info["privacy"]["release_id"]
+    assert (tmp / "ledger.jsonl").read_bytes() == before  # no second release
+    other = tokenizer_recipe_from_dict({**_recipe(tmp, cfg.data.path), "tokenizer": {"vocab_size": 700}})
+    with pytest.raises(ConfigError, match=r"output\.name.*different recipe"):
+        train_tokenizer(other, log=lambda *_: None)
+    assert (tmp / "ledger.jsonl").read_bytes() == before
+
+
+def test_budget_refuses_before_recording(tmp_path, corpus):
+    from llmdp.privacy.service import BudgetError
+
+    with pytest.raises(BudgetError, match=r"privacy\.budget_epsilon=3"):
+        _train(tmp_path, corpus, budget_epsilon=3.0)
+    assert not (tmp_path / "ledger.jsonl").exists() or Ledger(tmp_path / "ledger.jsonl").entries() == []
+    assert not (tmp_path / "tokenizers" / "tok").exists()
+
+
+def test_user_units_group_records(tmp_path, corpus):
+    cfg = tokenizer_recipe_from_dict({**_recipe(tmp_path, corpus),
+                                      "data": {"path": str(corpus), "unit": "user", "user_field": "user_id"}})
+    units, info = corpus_units(cfg)
+    rows = [json.loads(line) for line in open(corpus)]
+    users = Counter(r["user_id"] for r in rows)
+    assert info["num_units"] == len(users) == len(units) and info["num_records"] == N_NOTES
+    assert sorted(map(len, units)) == sorted(
+        sum(len(r["text"].split()) for r in rows if r["user_id"] == u) for u in users)
+
+
+def test_record_texts_of_each_format():
+    assert record_texts({"text": "a b"}) == ["a b"]
+    assert record_texts({"m": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+                        messages_field="m") == ["hi", "yo"]
+    assert record_texts({"p": "q?", "r": "a."}, prompt_field="p", response_field="r") == ["q?", "a."]
+
+
+def test_tokenizer_recipe_errors(tmp_path, corpus):
+    base = _recipe(tmp_path, corpus)
+    with pytest.raises(ConfigError, match=r"privacy\.target_epsilon: required"):
+        tokenizer_recipe_from_dict({**base, "privacy": {"max_words_per_unit": 8}})
+    with pytest.raises(ConfigError, match=r"data\.user_field: required"):
+        tokenizer_recipe_from_dict({**base, "data": {"path": str(corpus), "unit": "user"}})
+    with pytest.raises(ConfigError, match=r"data\.unit.*'sequence'"):
+        tokenizer_recipe_from_dict({**base, "data": {"path": str(corpus), "unit": "sequence"}})
+    with pytest.raises(ConfigError, match=r"privacy\.max_word_per_unit: unknown key; did you mean "
+                                          r"'privacy\.max_words_per_unit'"):
+        tokenizer_recipe_from_dict({**base, "privacy": {"target_epsilon": 1, "max_word_per_unit": 3}})
+    with pytest.raises(ConfigError, match="training recipe"):
+        load_tokenizer_recipe(os.path.join(REPO, "recipes", "tiny-cpu.yaml"))
+    cfg = load_tokenizer_recipe(DEMO_TOKENIZER_RECIPE, ["privacy.target_epsilon=3"])
+    assert cfg.privacy.target_epsilon == 3 and cfg.output.name == "demo-private"
+
+
+def test_cli(tmp_path, corpus, capsys):
+    from llmdp.cli import main
+
+    recipe = tmp_path / "t.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(tmp_path, corpus)))
+    assert main(["tokenizer", "train", str(recipe), "tokenizer.vocab_size=500"]) == 0
+    out = capsys.readouterr().out
+    assert "recorded in the dataset ledger" in out and "words released" in out
+    assert json.load(open(tmp_path / "tokenizers" / "tok" / "llmdp_tokenizer.json"))["dp"] is True
+    assert main(["tokenizer", "train", str(recipe), "privacy.dp=false"]) == 2
+    assert "target_epsilon" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the demo's settings
+
+
+def test_single_unit_words_never_in_the_vocabulary_at_demo_settings(tmp_path):
+    """At the demo's (epsilon, delta, K), over many seeded runs on a corpus of synthetic
+    notes, no word held by a single note is released, so no such word is a piece of the
+    vocabulary; words held by many notes are (the test cannot pass vacuously)."""
+    from llmdp.data.synthetic import generate_clinical_notes
+    from llmdp.privacy.plan import default_delta
+
+    demo = load_tokenizer_recipe(DEMO_TOKENIZER_RECIPE)
+    k = demo.privacy.max_words_per_unit
+    n_demo = demo.data.synthetic.num_documents
+    delta = demo.privacy.delta or default_delta(n_demo)
+    sigma, tau, _ = tp.calibrate_tokenizer_noise(demo.privacy.target_epsilon, delta, k)
+    units = [tp.unit_words(r["text"]) for r in generate_clinical_notes(1000, 3)]
+    df = Counter(w for u in units for w in set(u))
+    single = {w for w, c in df.items() if c == 1}
+    assert len(single) > 1000  # names, record numbers, dates, values
+    frequent = {w for w, c in df.items() if c >= 900}
+    assert len(frequent) > 5
+    released_any = set()
+    for run in range(12):
+        counts = tp.dp_word_counts(units, max_words_per_unit=k, noise_multiplier=sigma,
+                                   threshold=tau, key=seeded_key(run, 0, "demo-canary"))
+        assert not single & set(counts)
+        assert frequent <= set(counts)
+        released_any |= set(counts)
+    # One trained vocabulary: its pieces come from released words only, so a single-note
+    # word is a piece only if it also begins a word that several notes hold.
+    out = tp.train_sentencepiece_from_counts(counts, vocab_size=demo.tokenizer.vocab_size,
+                                             out_dir=tmp_path / "tok", model_type=demo.tokenizer.model_type)
+    from transformers import AutoTokenizer
+
+    vocab = set(AutoTokenizer.from_pretrained(out).get_vocab())
+    shared_prefixes = {w[:i] for w, c in df.items() if c >= 2 for i in range(1, len(w) + 1)}
+    leaked = [w for w in single if "▁" + w in vocab and w not in shared_prefixes]
+    assert leaked == []
+    assert any("▁" + w in vocab for w in frequent)
+
+
+# ----------------------------------------------------------------------------- use in training
+
+
+def _train_cfg(tok_dir, corpus, tmp_path, *overrides):
+    return load_recipe(DEMO_TRAIN_RECIPE, [
+        f"model.tokenizer={tok_dir}", f"data.path={corpus}", "data.synthetic=null",
+        f"output.dir={tmp_path / 'runs'}", "train.expected_batch_size=32", "train.steps=12",
+        "optim.warmup_steps=2", "train.checkpoint_every=4", *overrides])
+
+
+def test_non_dp_private_tokenizer_is_refused(tmp_path, corpus):
+    cfg, info = _train(tmp_path, corpus, dp=False, target_epsilon=None)
+    assert info["dp"] is False and info["trained_on_private_data"] is True
+    assert not (tmp_path / "ledger.jsonl").exists()  # nothing DP was released
+    train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path)
+    with pytest.raises(ConfigError, match=r"model\.tokenizer:.*WITHOUT differential privacy"):
+        tokenizer_for_run(train_cfg.model, train_cfg.data, data_sha256="x")
+    from llmdp.trainer import prepare
+
+    with pytest.raises(ConfigError, match=r"model\.tokenizer:.*WITHOUT differential privacy"):
+        prepare(train_cfg, log=lambda *_: None)
+    assert not os.path.exists(os.path.join(train_cfg.run_dir, "plan.json"))
+
+
+def test_unit_mismatch_other_data_and_pretrained_rules(trained, corpus, tmp_path):
+    tmp, cfg, info = trained
+    sha = info["data"]["sha256"]
+    train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path, "data.unit=sequence")
+    with pytest.raises(ConfigError, match=r"data\.unit: 'sequence'.*'document' units"):
+        tokenizer_for_run(train_cfg.model, train_cfg.data, data_sha256=sha)
+    train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path, "data.unit=user", "data.user_field=user_id")
+    with pytest.raises(ConfigError, match=r"data\.unit: 'user'"):
+        tokenizer_for_run(train_cfg.model, train_cfg.data, data_sha256=sha)
+    same = tokenizer_for_run(_train_cfg(cfg.out_dir, corpus, tmp_path).model,
+                             _train_cfg(cfg.out_dir, corpus, tmp_path).data, data_sha256=sha)
+    assert same["compose"] and same["release"]["release_id"] == info["privacy"]["release_id"]
+    other = tokenizer_for_run(_train_cfg(cfg.out_dir, corpus, tmp_path).model,
+                              _train_cfg(cfg.out_dir, corpus, tmp_path).data, data_sha256="0" * 64)
+    assert other["kind"] == "private-dp" and not other["compose"] and "OTHER data" in other["summary"]
+    with pytest.raises(ConfigError, match=r"privacy\.delta"):
+        tokenizer_for_run(train_cfg.model, _train_cfg(cfg.out_dir, corpus, tmp_path).data,
+                          data_sha256=sha, delta=info["privacy"]["delta_threshold"] / 2)
+    pre = _train_cfg(cfg.out_dir, corpus, tmp_path, "model.init=pretrained",
+                     f"model.name_or_path={tmp_path}")
+    with pytest.raises(ConfigError, match=r"model\.base_tokenizer: required"):
+        tokenizer_for_run(pre.model, pre.data, data_sha256=sha)
+    missing = _train_cfg(str(tmp_path / "nope"), corpus, tmp_path)
+    with pytest.raises(ConfigError, match=r"model\.tokenizer:.*does not exist.*llmdp tokenizer train"):
+        tokenizer_for_run(missing.model, missing.data, data_sha256=sha)
+
+
+def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monkeypatch):
+    """prepare() calibrates sigma for the composition; the report's epsilon equals
+    dp-accounting on the composed events (PLD and RDP), with the threshold's delta."""
+    from llmdp.privacy.ledger import LedgerWriter
+    from llmdp.report import build_report
+    from llmdp.trainer import prepare
+
+    tmp, cfg, info = trained
+    # The run's dataset ledger is not the tokenizer's file: the release is copied there.
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path, "privacy.target_epsilon=6")
+    prepared = prepare(train_cfg, log=lambda *_: None)
+    plan = prepared.plan
+    p = info["privacy"]
+    tok_event = dp_accounting.GaussianDpEvent(p["noise_std"] / math.sqrt(p["max_words_per_unit"]))
+    d_thr = p["delta_threshold"]
+    ds_ledger = Ledger(prepared.ledger_service["dataset_ledger"])
+    assert ds_ledger.entries() == [(tok_event, 1)]
+    assert ds_ledger.delta_threshold() == pytest.approx(d_thr, rel=1e-12)
+    prepare(train_cfg, log=lambda *_: None)  # a re-launch does not copy it again
+    assert ds_ledger.entries() == [(tok_event, 1)]
+
+    # Simulate the run's steps in its ledger (as the ledger service writes them).
+    w = LedgerWriter(prepared.ledger_service["run_ledger"], run_id=prepared.run_id, attempt="0",
+                     meta=prepared.ledger_meta, block_size=4, total_steps=plan.steps)
+    for s in range(plan.steps):
+        w.ensure(s, plan.step_event())
+    report = build_report(prepared.run_dir)
+
+    def direct(acc, sigma, delta):
+        acc.compose(dp_accounting.ComposedDpEvent([
+            tok_event,
+            dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+                plan.sampling_probability, dp_accounting.GaussianDpEvent(sigma)), plan.steps)]))
+        return acc.get_epsilon(delta - d_thr) - math.log1p(-d_thr)
+
+    rel = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    want = direct(PLDAccountant(rel), plan.noise_multiplier, plan.delta)
+    assert report["epsilon"] == pytest.approx(want, rel=1e-9)
+    assert report["epsilon_by_accountant"]["rdp"] == pytest.approx(
+        direct(RdpAccountant(), plan.noise_multiplier, plan.delta), rel=1e-9)
+    assert report["epsilon"] <= 6.0 + 1e-9
+    # sigma is the smallest (to the calibration's tolerance) that meets the target
+    assert direct(PLDAccountant(rel), plan.noise_multiplier * (1 - 3e-3), plan.delta) > 6.0
+    assert report["epsilon_training_only"] < report["epsilon"]
+    assert report["tokenizer"]["kind"] == "private-dp" and report["tokenizer"]["composed_into_guarantee"]
+    assert "trained from scratch" in report["tokenizer"]["model_vocabulary"]
+    mech = [r["mechanism"] for r in report["ledger"]["releases"]]
+    assert mech[0] == "private-tokenizer" and set(mech[1:]) == {"dp-sgd"}
+    # The dataset ledger (budget) holds the tokenizer's release only (the steps above were
+    # written to the run's ledger alone), accounted with its threshold's delta.
+    acc = PLDAccountant(rel)
+    acc.compose(tok_event)
+    assert report["dataset_ledger"]["epsilon_spent"] == pytest.approx(
+        acc.get_epsilon(plan.delta - d_thr) - math.log1p(-d_thr), rel=1e-9)
+    from llmdp.report import render_markdown
+
+    md = render_markdown(report)
+    assert "private-tokenizer" in md and "training alone" in md
+    shutil.rmtree(prepared.run_dir)
