@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--epsilons", default="1,2,4", help="epsilon_tok values (comma-separated)")
     ap.add_argument("--max-words", default="64,128", help="K values (comma-separated)")
     ap.add_argument("--vocab-size", type=int, default=2048)
-    ap.add_argument("--model-type", default="unigram", choices=("unigram", "bpe"))
+    ap.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
     ap.add_argument("--num-documents", type=int, default=5000, help="private corpus size")
     ap.add_argument("--heldout", type=int, default=500, help="held-out notes")
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON")

@@ -102,3 +102,33 @@ def test_a_precomputed_allowance_is_used_as_is(tmp_path):
         handed.ensure(k)
     assert handed.admit(3)[0] is False
     assert Ledger(tmp_path / "r" / "ledger.jsonl").total_count() == 3
+
+
+def test_budget_counts_a_private_tokenizer_release_with_its_threshold_delta(tmp_path):
+    """A thresholded release (private tokenizer) in the dataset ledger: the budget keeper
+    composes it with its delta_threshold, eps(delta - d) - log(1 - d), per dp-accounting."""
+    import math
+
+    from llmdp.privacy.ledger import LedgerWriter
+    from llmdp.privacy.service import budget_status
+
+    tok_event, d_thr = dp_accounting.GaussianDpEvent(3.0), 4e-6
+    LedgerWriter(tmp_path / "dataset.jsonl", run_id="tokenizer-x", attempt="1", meta={},
+                 block_size=1, total_steps=1).append(tok_event, 1, extra={"delta_threshold": d_thr})
+
+    def composed(k):
+        acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        acc.compose(tok_event)
+        if k:
+            acc.compose(dpsgd_step_event(Q, SIGMA), k)
+        return acc.get_epsilon(DELTA - d_thr) - math.log1p(-d_thr)
+
+    st = budget_status(str(tmp_path / "dataset.jsonl"), None, DELTA, "pld")
+    assert st["epsilon_spent"] == pytest.approx(composed(0), rel=1e-9)
+    k_true = 6
+    budget = composed(k_true) * (1 + 1e-9)
+    # Without the threshold's delta the budget would let more steps through.
+    assert direct_eps([(tok_event, 1), (dpsgd_step_event(Q, SIGMA), k_true + 1)]) <= budget
+    s = service(tmp_path, budget=budget, total=10, block=2)
+    assert s.allowance() == k_true
+    assert composed(k_true) <= budget < composed(k_true + 1)

@@ -322,3 +322,35 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
     md = render_markdown(report)
     assert "private-tokenizer" in md and "training alone" in md
     shutil.rmtree(prepared.run_dir)
+
+
+def test_pretrained_model_adapted_to_the_private_tokenizer(trained, corpus, tmp_path, monkeypatch):
+    """A pretrained checkpoint (its own byte-level tokenizer) fine-tuned with the private
+    tokenizer: the embeddings are rebuilt for the new vocabulary and the report says so."""
+    from transformers import AutoTokenizer
+
+    from llmdp.models import build_tiny_model
+    from llmdp.report import build_report
+    from llmdp.trainer import prepare
+    from tests.helpers import tiny_model_config
+
+    tmp, cfg, info = trained
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    base_tok_dir = os.path.join(REPO, "tokenizers", "demo-public")
+    base = AutoTokenizer.from_pretrained(base_tok_dir)
+    ckpt = build_tiny_model(tmp_path / "pretrained", tiny_model_config("llama"), len(base),
+                            base.pad_token_id, base.bos_token_id, base.eos_token_id)
+    train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path, "model.init=pretrained",
+                           f"model.name_or_path={ckpt}", f"model.base_tokenizer={base_tok_dir}",
+                           "model.lora.r=4", "output.name=adapted")
+    prepared = prepare(train_cfg, log=lambda *_: None)
+    plan_info = json.load(open(os.path.join(prepared.run_dir, "plan.json")))
+    stats = plan_info["tokenizer"]["vocab_adaptation"]
+    assert stats["vocab_size_new"] == info["vocab_size_actual"] == plan_info["tokenizer"]["vocab_size"]
+    assert stats["vocab_size_base"] == len(base)
+    assert stats["copied"] + stats["mean_of_pieces"] + stats["special"] + stats["fallback"] == stats["vocab_size_new"]
+    assert stats["copied"] > 100  # many private pieces are exactly one public token
+    assert plan_info["prior_releases"][0]["release_id"] == info["privacy"]["release_id"]
+    report = build_report(prepared.run_dir)
+    assert "adapted to the private tokenizer" in report["tokenizer"]["model_vocabulary"]
+    assert report["tokenizer"]["vocab_adaptation"] == stats
