@@ -1,4 +1,4 @@
-"""`llmdp train|privacy|tokenizer|submit ...`: the command line."""
+"""`llmdp train|privacy|tokenizer|export|submit ...`: the command line."""
 
 from __future__ import annotations
 
@@ -52,6 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tt.add_argument("recipe")
     tt.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=2")
+
+    e = sub.add_parser(
+        "export",
+        help="export a finished run as a Hugging Face folder with its privacy report and model "
+             "card, and publish it: llmdp export RUN_DIR --to DIR [--push ORG/NAME]",
+    )
+    e.add_argument("run_dir")
+    e.add_argument("--to", required=True, help="the export folder (created; an earlier export of "
+                   "the same run is replaced)")
+    e.add_argument("--merge", action="store_true",
+                   help="LoRA runs: merge the adapter into the base and export full weights")
+    e.add_argument("--push", default=None, metavar="ORG/NAME", help="publish to this Hub model repo")
+    e.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    e.add_argument("--dry-run", action="store_true",
+                   help="build the folder and list exactly what would be uploaded; contact nothing")
+    e.add_argument("--allow-unverified", action="store_true",
+                   help="export a run that fails verification (the card says which checks failed)")
+    e.add_argument("--base-model", default=None, metavar="HUB_ID",
+                   help="the base model's Hub id, when the recipe named a local path")
+    e.add_argument("--license", default=None, help="license in the card's metadata (default: other)")
 
     s = sub.add_parser(
         "submit",
@@ -137,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from llmdp.config import ConfigError
+    from llmdp.export import ExportError
     from llmdp.privacy.plan import PlanError
     from llmdp.privacy.service import BudgetError
 
@@ -157,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_tokenizer_recipe(args.recipe, args.overrides)
             _quiet_libraries()
             train_tokenizer(cfg)
+            return 0
+        if args.command == "export":
+            from llmdp.export import export_run
+
+            export_run(args.run_dir, args.to, merge=args.merge, push=args.push, private=args.private,
+                       dry_run=args.dry_run, allow_unverified=args.allow_unverified,
+                       base_model=args.base_model, license=args.license)
             return 0
         if args.command == "submit":
             from llmdp.submit import main as submit_main
@@ -182,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 with open(os.path.join(args.run_dir, "privacy_report.md"), encoding="utf-8") as f:
                     print(f.read())
             return 0
-    except (ConfigError, PlanError, ValueError, BudgetError) as e:
+    except (ConfigError, PlanError, ValueError, BudgetError, ExportError) as e:
         print(f"llmdp: error: {e}", file=sys.stderr)
         return 2
     return 1

@@ -285,6 +285,13 @@ _RUN_NAME = r"[A-Za-z0-9._-]+"
 class OutputConfig:
     dir: str = _f("runs", path="always")
     name: str | None = _f(None, pattern=_RUN_NAME)  # default: the recipe file's stem
+    # After a successful run, export it (`llmdp export`) to <run dir>/export and publish it
+    # to this Hub repo (ORG/NAME). None: no export.
+    push_to: str | None = _f(None, pattern=r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+    private: bool = False  # the Hub repo's visibility when push_to creates it
+    merge: bool = False  # LoRA: publish merged full weights instead of the adapter
+    license: str | None = _f(None, nonempty=True)  # the card's license (default: other)
+    base_model: str | None = _f(None, nonempty=True)  # the base's Hub id when model.name_or_path is local
 
 
 @dataclass(frozen=True)

@@ -416,6 +416,19 @@ def run(cfg: RecipeConfig, log=print) -> str:
     log(f"epsilon = {report['epsilon']:.4f} at delta = {report['delta']:.3g} ({report['accountant']})")
     if error is not None:
         raise error
+    out = cfg.output
+    if out.push_to is not None and report.get("status") == "complete":
+        from llmdp.export import ExportError, export_run
+
+        try:
+            export_run(prepared.run_dir, os.path.join(prepared.run_dir, "export"), merge=out.merge,
+                       push=out.push_to, private=out.private, base_model=out.base_model,
+                       license=out.license, log=log)
+        except ExportError as e:
+            raise ExportError(
+                f"{e}\nThe model is trained and saved in {prepared.run_dir}; publish it later with "
+                f"`llmdp export {prepared.run_dir} --to {os.path.join(prepared.run_dir, 'export')} "
+                f"--push {out.push_to}`") from None
     return prepared.run_dir
 
 
