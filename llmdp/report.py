@@ -77,10 +77,7 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     from llmdp.privacy.events import event_from_json
 
     prior_entries = [(event_from_json(r["event"]), int(r["count"])) for r in prior]
-    keep = 1.0
-    for r in prior:
-        keep *= (1.0 - float((r.get("extra") or {}).get("delta_threshold") or 0.0)) ** int(r["count"])
-    prior_dthr = 1.0 - keep
+    prior_dthr = accountant.threshold_delta(prior)
     eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta, prior_dthr, name)
            for name in usable}
     eps_training = accountant.epsilon(entries, delta, plan.accountant)
@@ -333,10 +330,9 @@ def epsilon_curve(run_dir: str, points: int = 16) -> list[tuple[int, float]]:
     from llmdp.privacy.plan import composed_epsilon
 
     entries = [(event_from_json(r["event"]), int(r["count"])) for r in prior]
-    d_thr = 1.0
-    for r in prior:
-        d_thr *= (1.0 - float((r.get("extra") or {}).get("delta_threshold") or 0.0)) ** int(r["count"])
-    d_thr = 1.0 - d_thr
+    from llmdp.privacy.accountant import threshold_delta
+
+    d_thr = threshold_delta(prior)
     # Starts at the tokenizer's ε: the model's guarantee covers both releases.
     return [(t, composed_epsilon(plan, entries, d_thr, steps=t)) for t in [0] + ts]
 

@@ -244,10 +244,9 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
 
 
 def _prior_delta_threshold(releases) -> float:
-    keep = 1.0
-    for r in releases:
-        keep *= (1.0 - float((r.get("extra") or {}).get("delta_threshold") or 0.0)) ** int(r["count"])
-    return 1.0 - keep
+    from llmdp.privacy.accountant import threshold_delta
+
+    return threshold_delta(releases)
 
 
 def _planned_epsilon(plan, prior_releases) -> float:

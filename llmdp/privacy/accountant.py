@@ -234,6 +234,18 @@ def epsilon(
     return float(acc.get_epsilon(delta))
 
 
+def threshold_delta(releases: Iterable[dict]) -> float:
+    """Combined delta of the thresholds of thresholded releases: 1 - prod (1 - d_i)^count
+    over records (ledger lines, or releases carried by a plan) whose ``extra`` has a
+    ``delta_threshold`` d_i; 0.0 if none."""
+    keep = 1.0
+    for rec in releases:
+        d = (rec.get("extra") or {}).get("delta_threshold")
+        if d is not None and rec.get("count", 1):
+            keep *= (1.0 - float(d)) ** int(rec.get("count", 1))
+    return 1.0 - keep
+
+
 def epsilon_with_threshold(
     entries: Iterable[tuple[dp_accounting.DpEvent, int]],
     delta: float,

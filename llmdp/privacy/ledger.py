@@ -250,14 +250,9 @@ class Ledger:
         """Combined delta of the thresholds of thresholded releases (private tokenizers):
         1 - prod(1 - d_i) over the releases' ``extra["delta_threshold"]``; 0.0 if none.
         Account the ledger with `accountant.epsilon_with_threshold(entries(), delta, this)`."""
-        keep = 1.0
-        for rec in self.records():
-            if rec["kind"] != _RELEASE_KIND or not rec["count"]:
-                continue
-            d = (rec.get("extra") or {}).get("delta_threshold")
-            if d is not None:
-                keep *= (1.0 - float(d)) ** int(rec["count"])
-        return 1.0 - keep
+        from llmdp.privacy.accountant import threshold_delta
+
+        return threshold_delta(r for r in self.records() if r["kind"] == _RELEASE_KIND)
 
     def total_count(self, run_id: str | None = None) -> int:
         """Sum of release counts (of one run if `run_id` is given)."""

@@ -240,14 +240,10 @@ def ledger_extra(
 
 def threshold_delta_from_records(records: Iterable[Mapping]) -> float:
     """Combined delta_threshold of ledger records (1 - prod(1 - d_i) over their
-    ``extra["delta_threshold"]``); 0.0 if none carries one."""
-    keep = 1.0
-    for rec in records:
-        extra = rec.get("extra") or {}
-        d = extra.get("delta_threshold")
-        if d is not None:
-            keep *= 1.0 - float(d)
-    return 1.0 - keep
+    ``extra["delta_threshold"]``); 0.0 if none (`llmdp.privacy.accountant.threshold_delta`)."""
+    from llmdp.privacy.accountant import threshold_delta as _combined
+
+    return _combined(records)
 
 
 def epsilon_with_threshold(
