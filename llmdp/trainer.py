@@ -249,15 +249,16 @@ def _prior_delta_threshold(releases) -> float:
     return threshold_delta(releases)
 
 
-def _planned_epsilon(plan, prior_releases) -> float:
-    """ε of the whole plan composed with the earlier releases it builds on (the tokenizer)."""
+def _planned_epsilon(plan, prior_releases, steps: int | None = None) -> float:
+    """ε of ``steps`` (default: all) steps of the plan composed with the earlier releases it
+    builds on (the private tokenizer)."""
     if not prior_releases:
-        return plan.epsilon()
+        return plan.epsilon(steps)
     from llmdp.privacy.events import event_from_json
     from llmdp.privacy.plan import composed_epsilon
 
     return composed_epsilon(plan, [(event_from_json(r["event"]), r["count"]) for r in prior_releases],
-                            _prior_delta_threshold(prior_releases))
+                            _prior_delta_threshold(prior_releases), steps=steps)
 
 
 def finished_run(cfg: RecipeConfig) -> dict | None:
@@ -319,9 +320,10 @@ def check_budget(service: dict, plan, *, resuming: bool, log=print) -> int:
 class _Progress(threading.Thread):
     """Rank 0 writes metrics.jsonl; the driver turns it into a progress bar."""
 
-    def __init__(self, path: str, plan):
+    def __init__(self, path: str, plan, prior_releases=()):
         super().__init__(daemon=True)
         self.path, self.total, self.plan = path, plan.steps, plan
+        self.prior = list(prior_releases)  # e.g. the private tokenizer's release: ε starts there
         self._eps_at = (0, 0.0)  # (step, epsilon): epsilon spent so far, recomputed now and then
         self._eps_time = 0.0
         self.stop = threading.Event()
@@ -364,7 +366,8 @@ class _Progress(threading.Thread):
                 # epsilon after this many steps of the plan, with the plan's accountant
 
                 p = self.plan
-                eps = p.epsilon_estimate(rec["step"])
+                eps = (_planned_epsilon(p, self.prior, steps=rec["step"]) if self.prior
+                       else p.epsilon_estimate(rec["step"]))
                 self._eps_at = (rec["step"], eps)
                 self._eps_time = time.monotonic()
                 last["eps"] = self._eps_at[1]
@@ -469,7 +472,8 @@ def _fit(prepared: PreparedRun, log) -> None:
     actor = ray.remote(LedgerService).options(
         name=actor_name, num_cpus=0, scheduling_strategy=here).remote(**prepared.ledger_service)
     prepared.ledger_actor = actor_name
-    progress = _Progress(os.path.join(prepared.run_dir, "metrics.jsonl"), prepared.plan)
+    progress = _Progress(os.path.join(prepared.run_dir, "metrics.jsonl"), prepared.plan,
+                         _plan_json(prepared.run_dir).get("prior_releases") or [])
     progress.start()
     try:
         trainer = TorchTrainer(
