@@ -80,7 +80,7 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     prior_dthr = accountant.threshold_delta(prior)
     eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta, prior_dthr, name)
            for name in usable}
-    eps_training = accountant.epsilon(entries, delta, plan.accountant)
+    eps_training = accountant.epsilon(entries, delta, plan.accountant) if prior else eps[plan.accountant]
     ledger_steps = sum(int(r["count"]) for r in records if r.get("kind") == "release")
 
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))

@@ -223,12 +223,14 @@ def _composed(
 
 
 def epsilon(
-    entries: Iterable[tuple[dp_accounting.DpEvent, int]], delta: float, accountant: str = "pld"
+    entries: Iterable[tuple[dp_accounting.DpEvent, int]], delta: float, accountant: str = "pld",
+    value_discretization_interval: float | None = None,
 ) -> float:
-    """Epsilon at `delta` of the composition of `(event, count)` entries; 0.0 if empty."""
+    """Epsilon at `delta` of the composition of `(event, count)` entries; 0.0 if empty.
+    (`value_discretization_interval`: a coarser PLD grid, for searches only.)"""
     delta = _check_delta(delta)
     _check_accountant(accountant)
-    acc = _composed(entries, accountant)
+    acc = _composed(entries, accountant, value_discretization_interval)
     if acc is None:
         return 0.0
     return float(acc.get_epsilon(delta))
@@ -251,6 +253,7 @@ def epsilon_with_threshold(
     delta: float,
     delta_threshold: float,
     accountant: str = "pld",
+    value_discretization_interval: float | None = None,
 ) -> float:
     """Epsilon at `delta` of `entries` composed with mechanisms that each are, with
     probability at least 1 - d_i, exactly one of the entries' mechanisms, and anything
@@ -271,8 +274,8 @@ def epsilon_with_threshold(
             "delta or train the tokenizer with a smaller one"
         )
     if d_thr == 0.0:
-        return epsilon(entries, delta, accountant)
-    return epsilon(entries, delta - d_thr, accountant) - math.log1p(-d_thr)
+        return epsilon(entries, delta, accountant, value_discretization_interval)
+    return epsilon(entries, delta - d_thr, accountant, value_discretization_interval) - math.log1p(-d_thr)
 
 
 def delta_for_epsilon(

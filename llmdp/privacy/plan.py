@@ -880,7 +880,8 @@ def make_plan(
 
 
 def composed_epsilon(plan: DPPlan, prior_entries=(), prior_delta_threshold: float = 0.0,
-                     accountant: str | None = None, steps: int | None = None) -> float:
+                     accountant: str | None = None, steps: int | None = None,
+                     value_discretization_interval: float | None = None) -> float:
     """Epsilon at `plan.delta` of earlier releases on the same units (`prior_entries`,
     e.g. a private tokenizer; `prior_delta_threshold` their thresholds' delta) composed
     with `steps` (default: all) steps of `plan`
@@ -888,7 +889,7 @@ def composed_epsilon(plan: DPPlan, prior_entries=(), prior_delta_threshold: floa
     steps = plan.steps if steps is None else steps
     entries = list(prior_entries) + ([(plan.step_event(), steps)] if steps else [])
     return _acc.epsilon_with_threshold(entries, plan.delta, prior_delta_threshold,
-                                       accountant or plan.accountant)
+                                       accountant or plan.accountant, value_discretization_interval)
 
 
 def calibrate_with_prior(plan: DPPlan, prior_entries, prior_delta_threshold: float = 0.0,
@@ -921,25 +922,45 @@ def calibrate_with_prior(plan: DPPlan, prior_entries, prior_delta_threshold: flo
             f"target_epsilon or train the tokenizer with a smaller epsilon"
         )
 
-    def eps(sigma: float) -> float:
-        p = dataclasses.replace(plan, noise_multiplier=sigma, truncation_cost=None,
-                                truncation_probability=None)
-        return composed_epsilon(p, prior_entries, d_thr)
+    from scipy.optimize import brentq
 
-    lo = hi = float(plan.noise_multiplier)
-    if eps(hi) <= target:
+    coarse = _SEARCH_INTERVAL if plan.accountant == "pld" else None
+    memo: dict[tuple, float] = {}
+
+    def eps(sigma: float, interval=None) -> float:
+        if (sigma, interval) not in memo:
+            p = dataclasses.replace(plan, noise_multiplier=sigma, truncation_cost=None,
+                                    truncation_probability=None)
+            memo[sigma, interval] = composed_epsilon(p, prior_entries, d_thr,
+                                                     value_discretization_interval=interval)
+        return memo[sigma, interval]
+
+    def root(lo: float, hi: float, interval, xtol: float) -> float:
+        # Brent's method on log(sigma): each evaluation is a whole PLD composition.
+        return math.exp(brentq(lambda x: eps(math.exp(x), interval) - target,
+                               math.log(lo), math.log(hi), xtol=xtol))
+
+    if eps(plan.noise_multiplier) <= target:
         return plan
-    while eps(hi) > target:
-        lo, hi = hi, hi * 1.25
+    # 1. On the planner's coarse grid (fast), bracket and locate the root.
+    lo = hi = float(plan.noise_multiplier)
+    while eps(hi, coarse) > target:
+        lo, hi = hi, hi * 1.5
         if hi > 1e4:
             raise PlanError(f"no noise multiplier reaches target_epsilon={target:g} with the earlier "
                             f"releases composed; {_knobs_message()}")
-    while hi - lo > rtol * hi:
-        mid = math.sqrt(lo * hi)
-        if eps(mid) <= target:
-            hi = mid
-        else:
-            lo = mid
+    guess = root(lo, hi, coarse, 1e-3) if lo < hi else hi
+    # 2. On the reporting grid, in a narrow bracket around it.
+    lo, hi = guess / 1.02, guess * 1.02
+    while eps(lo) <= target:
+        lo /= 1.02
+    while eps(hi) > target:
+        hi *= 1.02
+    r = root(lo, hi, None, rtol / 4)
+    # 3. Never on the wrong side of the target.
+    hi = r * (1 + rtol / 4)
+    while eps(hi) > target:
+        hi *= 1 + rtol / 4
     cost = None
     if plan.truncated:
         cost = truncation_cost(plan.sampling_probability, hi, plan.steps, plan.delta,

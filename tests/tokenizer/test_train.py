@@ -281,7 +281,12 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
     ds_ledger = Ledger(prepared.ledger_service["dataset_ledger"])
     assert ds_ledger.entries() == [(tok_event, 1)]
     assert ds_ledger.delta_threshold() == pytest.approx(d_thr, rel=1e-12)
-    prepare(train_cfg, log=lambda *_: None)  # a re-launch does not copy it again
+    from llmdp.tokenizer.train import ensure_release_recorded
+
+    plan_info = json.load(open(os.path.join(prepared.run_dir, "plan.json")))
+    # What a re-launch does: the release is there already, nothing is copied again.
+    assert not ensure_release_recorded(plan_info["prior_releases"][0],
+                                       prepared.ledger_service["dataset_ledger"], {})
     assert ds_ledger.entries() == [(tok_event, 1)]
 
     # Simulate the run's steps in its ledger (as the ledger service writes them).
