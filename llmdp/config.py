@@ -432,7 +432,8 @@ def _check_model(m: ModelConfig, prefix: str, base_dir: str) -> ModelConfig:
     return m
 
 
-def _check_data(d: DataConfig, prefix: str, base_dir: str) -> DataConfig:
+def _check_source_fields(d, prefix: str) -> None:
+    """Checks a training and a tokenizer recipe's `data` share (same field names)."""
     if (d.path is None) == (d.dataset is None):
         got = "both" if d.path is not None else "neither"
         raise ConfigError(
@@ -449,6 +450,20 @@ def _check_data(d: DataConfig, prefix: str, base_dir: str) -> DataConfig:
             f"response_field={d.response_field!r})",
             key=f"{prefix}.{missing}",
         )
+    if d.unit == "user" and d.user_field is None:
+        raise ConfigError(
+            f"{prefix}.user_field: required with {prefix}.unit 'user': the record field that "
+            f"identifies the user (e.g. user_field: user_id)",
+            key=f"{prefix}.user_field",
+        )
+    if d.synthetic is not None and d.path is None:
+        raise ConfigError(
+            f"{prefix}.synthetic: needs {prefix}.path (where the synthetic corpus is written)",
+            key=f"{prefix}.synthetic",
+        )
+
+
+def _check_data(d: DataConfig, prefix: str, base_dir: str) -> DataConfig:
     if d.messages_field is not None and d.prompt_field is not None:
         raise ConfigError(
             f"{prefix}.messages_field: {d.messages_field!r} and {prefix}.prompt_field "
@@ -463,33 +478,17 @@ def _check_data(d: DataConfig, prefix: str, base_dir: str) -> DataConfig:
             f"truncated), e.g. max_rows_per_unit: 4",
             key=f"{prefix}.max_rows_per_unit",
         )
-    if d.unit == "user" and d.user_field is None:
-        raise ConfigError(
-            f"{prefix}.user_field: required with {prefix}.unit 'user': the record field that "
-            f"identifies the user (e.g. user_field: user_id)",
-            key=f"{prefix}.user_field",
-        )
     if d.unit == "document" and d.document_masking:
         raise ConfigError(
             f"{prefix}.document_masking: true has no effect with {prefix}.unit 'document' "
             f"(a document unit is never packed with another document); remove it",
             key=f"{prefix}.document_masking",
         )
-    if d.synthetic is not None and d.path is None:
-        raise ConfigError(
-            f"{prefix}.synthetic: needs {prefix}.path (where the synthetic corpus is written)",
-            key=f"{prefix}.synthetic",
-        )
+    _check_source_fields(d, prefix)
     return d
 
 
-def _check_privacy(p: PrivacyConfig, prefix: str, base_dir: str) -> PrivacyConfig:
-    check_exactly_one(
-        {
-            f"{prefix}.target_epsilon": p.target_epsilon,
-            f"{prefix}.noise_multiplier": p.noise_multiplier,
-        }
-    )
+def _check_rng_seed(p, prefix: str) -> None:
     if p.rng == "seeded" and p.seed is None:
         raise ConfigError(
             f"{prefix}.seed: required when {prefix}.rng is 'seeded'",
@@ -503,6 +502,16 @@ def _check_privacy(p: PrivacyConfig, prefix: str, base_dir: str) -> PrivacyConfi
             f"guarantee against anyone who knows the seed)",
             key=f"{prefix}.seed",
         )
+
+
+def _check_privacy(p: PrivacyConfig, prefix: str, base_dir: str) -> PrivacyConfig:
+    check_exactly_one(
+        {
+            f"{prefix}.target_epsilon": p.target_epsilon,
+            f"{prefix}.noise_multiplier": p.noise_multiplier,
+        }
+    )
+    _check_rng_seed(p, prefix)
     if p.max_batch_size is not None and p.sampler != "truncated-poisson":
         raise ConfigError(
             f"{prefix}.max_batch_size: {p.max_batch_size} is only used with {prefix}.sampler "
@@ -560,36 +569,12 @@ def _check_recipe(r: RecipeConfig, prefix: str, base_dir: str) -> RecipeConfig:
 
 
 def _check_tokenizer_data(d: TokenizerDataConfig, prefix: str, base_dir: str) -> TokenizerDataConfig:
-    if (d.path is None) == (d.dataset is None):
-        got = "both" if d.path is not None else "neither"
-        raise ConfigError(
-            f"{prefix}.path / {prefix}.dataset: give exactly one data source, got {got} "
-            f"(path={d.path!r}, dataset={d.dataset!r})",
-            key=f"{prefix}.path",
-        )
-    if (d.prompt_field is None) != (d.response_field is None):
-        missing = "response_field" if d.response_field is None else "prompt_field"
-        raise ConfigError(
-            f"{prefix}.{missing}: instruction records need both {prefix}.prompt_field and "
-            f"{prefix}.response_field",
-            key=f"{prefix}.{missing}",
-        )
-    if d.unit == "user" and d.user_field is None:
-        raise ConfigError(
-            f"{prefix}.user_field: required with {prefix}.unit 'user': the record field that "
-            f"identifies the user (e.g. user_field: user_id)",
-            key=f"{prefix}.user_field",
-        )
+    _check_source_fields(d, prefix)
     if d.unit != "user" and d.user_field is not None:
         raise ConfigError(
             f"{prefix}.user_field: {d.user_field!r} is only used with {prefix}.unit 'user' "
             f"(unit is {d.unit!r}); remove it or set unit: user",
             key=f"{prefix}.user_field",
-        )
-    if d.synthetic is not None and d.path is None:
-        raise ConfigError(
-            f"{prefix}.synthetic: needs {prefix}.path (where the synthetic corpus is written)",
-            key=f"{prefix}.synthetic",
         )
     return d
 
@@ -608,15 +593,7 @@ def _check_tokenizer_privacy(p: TokenizerPrivacyConfig, prefix: str, base_dir: s
             f"(exact counts, no guarantee); remove one of them",
             key=f"{prefix}.target_epsilon",
         )
-    if p.rng == "seeded" and p.seed is None:
-        raise ConfigError(f"{prefix}.seed: required when {prefix}.rng is 'seeded'", key=f"{prefix}.seed")
-    if p.rng == "secure" and p.seed is not None:
-        raise ConfigError(
-            f"{prefix}.seed: {p.seed!r} is given but {prefix}.rng is 'secure' (fresh OS "
-            f"entropy); set {prefix}.seed: null, or {prefix}.rng: seeded (no guarantee "
-            f"against anyone who knows the seed)",
-            key=f"{prefix}.seed",
-        )
+    _check_rng_seed(p, prefix)
     return p
 
 

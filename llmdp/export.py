@@ -36,8 +36,9 @@ import glob
 import json
 import os
 import shutil
-import tempfile
 from typing import Any
+
+from llmdp._fs import building_dir, replace_dir
 
 __all__ = ["ExportError", "verify_run", "export_run", "model_card", "push_folder", "HfApi"]
 
@@ -491,11 +492,7 @@ def export_run(
             info is None or info.get("run_id") != report.get("run_id")))):
         raise ExportError(f"--to: {to} exists and is not an export of this run; choose an empty or "
                           f"new folder")
-    parent = os.path.dirname(to)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
-    try:
-        os.chmod(tmp, 0o755)
+    with building_dir(to, ".tmp-export-") as tmp:
         fmt = _write_model(run_dir, tmp, cfg, merge=merge, base_model=base_id, log=log)
         _copy_files(os.path.join(run_dir, "model"), tmp, _TOKENIZER_FILES)
         roots = tuple(sorted({run_dir, os.path.dirname(run_dir), os.getcwd(),
@@ -518,12 +515,7 @@ def export_run(
                        "exported_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
                       f, indent=2, sort_keys=True)
             f.write("\n")
-        if os.path.isdir(to):
-            shutil.rmtree(to)
-        os.replace(tmp, to)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        replace_dir(tmp, to)
     files = _list_files(to)
     log(f"exported {fmt} to {to} ({len(files)} files, {sum(s for _, s in files) / 1e6:.1f} MB); "
         f"ε = {report['epsilon']:.4f} at δ = {report['delta']:.3g}"

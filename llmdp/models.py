@@ -20,8 +20,6 @@ import inspect
 import json
 import logging
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import torch
@@ -141,37 +139,27 @@ def build_tiny_model(out_dir, tiny_cfg, vocab_size, pad_token_id, bos_token_id, 
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=TINY_ATTN_IMPLEMENTATION, dtype=torch.float32
         )
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-tiny-", dir=parent)
-    try:
-        os.chmod(tmp, 0o755)
-        kwargs = {}
-        if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-            kwargs["safe_serialization"] = True  # transformers 4.x; 5.x always writes safetensors
-        model.save_pretrained(tmp, **kwargs)
+    from llmdp._fs import building_dir, install_dir
+
+    with building_dir(out_dir, ".tmp-tiny-") as tmp:
+        model.save_pretrained(tmp, **save_kwargs(model))
         with open(os.path.join(tmp, _TINY_MARKER), "w") as f:  # written last
             json.dump({"hash": h, "spec": spec}, f, indent=2, sort_keys=True)
             f.write("\n")
-        if os.path.isdir(out_dir):
-            if _read_marker(out_dir) == h:  # a concurrent builder finished first
-                shutil.rmtree(tmp)
-                return out_dir
-            shutil.rmtree(out_dir)  # a stale build from another config
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if _read_marker(out_dir) != h:
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if not install_dir(tmp, out_dir, lambda: _read_marker(out_dir) == h):
+            return out_dir  # a concurrent builder finished first
     log.info("built tiny %s model in %s", spec["family"], out_dir)
     return out_dir
 
 
 # ------------------------------------------------------------------------------- loading
+
+
+def save_kwargs(model) -> dict:
+    """safetensors on transformers 4.x too (5.x always writes them)."""
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        return {"safe_serialization": True}
+    return {}
 
 
 def _dtype_kwarg() -> str:

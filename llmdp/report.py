@@ -73,11 +73,10 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
               if name == plan.accountant or not any(is_truncated(e) for e, _ in entries)]
     # Releases this run's model builds on, made before it on the same units (a private
     # tokenizer): composed into the guarantee, thresholds' delta included.
-    prior = list(plan_info.get("prior_releases") or [])
-    from llmdp.privacy.events import event_from_json
+    from llmdp.privacy.plan import release_entries
 
-    prior_entries = [(event_from_json(r["event"]), int(r["count"])) for r in prior]
-    prior_dthr = accountant.threshold_delta(prior)
+    prior = list(plan_info.get("prior_releases") or [])
+    prior_entries, prior_dthr = release_entries(prior)
     eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta, prior_dthr, name)
            for name in usable}
     eps_training = accountant.epsilon(entries, delta, plan.accountant) if prior else eps[plan.accountant]
@@ -326,15 +325,10 @@ def epsilon_curve(run_dir: str, points: int = 16) -> list[tuple[int, float]]:
     ts = sorted({max(1, round(plan.steps * i / points)) for i in range(1, points + 1)})
     if not prior:
         return [(0, 0.0)] + [(t, plan.epsilon_estimate(t)) for t in ts]
-    from llmdp.privacy.events import event_from_json
     from llmdp.privacy.plan import composed_epsilon
 
-    entries = [(event_from_json(r["event"]), int(r["count"])) for r in prior]
-    from llmdp.privacy.accountant import threshold_delta
-
-    d_thr = threshold_delta(prior)
     # Starts at the tokenizer's ε: the model's guarantee covers both releases.
-    return [(t, composed_epsilon(plan, entries, d_thr, steps=t)) for t in [0] + ts]
+    return [(t, composed_epsilon(plan, prior, steps=t)) for t in [0] + ts]
 
 
 def write_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:

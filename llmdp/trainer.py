@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmdp.config import RecipeConfig, config_hash, dump_yaml, to_dict
+from llmdp.privacy.plan import composed_epsilon
 
 WORKER_ENV = {
     # Nothing is downloaded at run time: models and tokenizers are local folders.
@@ -157,6 +158,7 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         chat_template=d.chat_template,
         max_units=d.max_units,
         num_proc=d.num_proc,
+        source_sha256=source_sha,
     )
     N = store.num_units
     if cfg.train.expected_batch_size > N:
@@ -184,14 +186,11 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
     )
     prior_releases = [tok_use["release"]] if tok_use["compose"] else []
     if prior_releases:
-        from llmdp.privacy.events import event_from_json
         from llmdp.privacy.plan import calibrate_with_prior
 
         # The model's guarantee covers the tokenizer too: sigma is calibrated so that the
         # composition (tokenizer release + every step) meets privacy.target_epsilon.
-        plan = calibrate_with_prior(
-            plan, [(event_from_json(r["event"]), r["count"]) for r in prior_releases],
-            _prior_delta_threshold(prior_releases))
+        plan = calibrate_with_prior(plan, prior_releases)
     run_id = _previous_run_id(run_dir) or uuid.uuid4().hex[:12]  # a re-launch resumes the same run
     data_stats = dict(store.stats())
     data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
@@ -230,7 +229,7 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         service["allowance"] = check_budget(service, plan, resuming=_has_checkpoint(run_dir), log=log)
     dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     with open(os.path.join(run_dir, "plan.json"), "w", encoding="utf-8") as f:
-        json.dump({"plan": plan.to_dict(), "epsilon_planned": _planned_epsilon(plan, prior_releases),
+        json.dump({"plan": plan.to_dict(), "epsilon_planned": composed_epsilon(plan, prior_releases),
                    "epsilon_planned_training_only": plan.epsilon(), "run_id": run_id,
                    "tokenizer": tok_use, "prior_releases": prior_releases,
                    "data": data_stats, "dataset_ledger": service["dataset_ledger"],
@@ -241,24 +240,6 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         cache_dir=os.path.join(cache, "models"), tokenizer_dir=tok_dir if tok_dir and os.path.isdir(tok_dir) else None,
         ledger_meta=ledger_meta, data_stats=data_stats, ledger_service=service,
     )
-
-
-def _prior_delta_threshold(releases) -> float:
-    from llmdp.privacy.accountant import threshold_delta
-
-    return threshold_delta(releases)
-
-
-def _planned_epsilon(plan, prior_releases, steps: int | None = None) -> float:
-    """ε of ``steps`` (default: all) steps of the plan composed with the earlier releases it
-    builds on (the private tokenizer)."""
-    if not prior_releases:
-        return plan.epsilon(steps)
-    from llmdp.privacy.events import event_from_json
-    from llmdp.privacy.plan import composed_epsilon
-
-    return composed_epsilon(plan, [(event_from_json(r["event"]), r["count"]) for r in prior_releases],
-                            _prior_delta_threshold(prior_releases), steps=steps)
 
 
 def finished_run(cfg: RecipeConfig) -> dict | None:
@@ -366,7 +347,7 @@ class _Progress(threading.Thread):
                 # epsilon after this many steps of the plan, with the plan's accountant
 
                 p = self.plan
-                eps = (_planned_epsilon(p, self.prior, steps=rec["step"]) if self.prior
+                eps = (composed_epsilon(p, self.prior, steps=rec["step"]) if self.prior
                        else p.epsilon_estimate(rec["step"]))
                 self._eps_at = (rec["step"], eps)
                 self._eps_time = time.monotonic()
@@ -399,7 +380,7 @@ def run(cfg: RecipeConfig, log=print) -> str:
         f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
         f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
         f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}, planned epsilon="
-        f"{_planned_epsilon(plan, _plan_json(prepared.run_dir).get('prior_releases') or []):.4f} "
+        f"{composed_epsilon(plan, _plan_json(prepared.run_dir).get('prior_releases') or []):.4f} "
         f"({plan.accountant})"
     )
     tok = _plan_json(prepared.run_dir).get("tokenizer") or {}

@@ -294,7 +294,7 @@ def build_store(
     data_format: str = "auto", split: str = "train", config_name: str | None = None,
     text_field: str = "text", messages_field: str | None = None, prompt_field: str | None = None,
     response_field: str | None = None, chat_template: str = "auto", max_units: int | None = None,
-    num_proc: int | None = None, progress: bool = True,
+    num_proc: int | None = None, progress: bool = True, source_sha256: str | None = None,
 ) -> UnitStore:
     """Build (or reuse) the unit store for this data source, encoding, tokenizer and spec.
 
@@ -310,8 +310,10 @@ def build_store(
         data_path = os.path.abspath(os.fspath(data_path))
     source = {"path": data_path, "dataset": dataset, "format": data_format, "split": split,
               "config_name": config_name}
-    src_sha = source_fingerprint(path=data_path, dataset=dataset, split=split,
-                                 config_name=config_name, format=data_format)
+    # `source_sha256`: the caller's `source_fingerprint` of these same arguments (hashing a
+    # large corpus twice is not free).
+    src_sha = source_sha256 or source_fingerprint(path=data_path, dataset=dataset, split=split,
+                                                  config_name=config_name, format=data_format)
     encoder = RecordEncoder(tokenizer, text_field=text_field, messages_field=messages_field,
                             prompt_field=prompt_field, response_field=response_field,
                             chat_template=chat_template)

@@ -879,35 +879,44 @@ def make_plan(
     )
 
 
-def composed_epsilon(plan: DPPlan, prior_entries=(), prior_delta_threshold: float = 0.0,
-                     accountant: str | None = None, steps: int | None = None,
+def release_entries(releases) -> tuple[list, float]:
+    """(entries, delta_threshold) of earlier releases a run builds on (``plan.json``
+    ``prior_releases``: dicts with ``event`` JSON, ``count`` and ``extra``)."""
+    from llmdp.privacy.events import event_from_json
+
+    releases = list(releases)
+    return ([(event_from_json(r["event"]), int(r["count"])) for r in releases],
+            _acc.threshold_delta(releases))
+
+
+def composed_epsilon(plan: DPPlan, prior_releases=(), accountant: str | None = None,
+                     steps: int | None = None,
                      value_discretization_interval: float | None = None) -> float:
-    """Epsilon at `plan.delta` of earlier releases on the same units (`prior_entries`,
-    e.g. a private tokenizer; `prior_delta_threshold` their thresholds' delta) composed
-    with `steps` (default: all) steps of `plan`
-    (`accountant.epsilon_with_threshold`)."""
+    """Epsilon at `plan.delta` of earlier releases on the same units (`prior_releases`,
+    e.g. a private tokenizer's, thresholds' delta included) composed with `steps`
+    (default: all) steps of `plan` (`accountant.epsilon_with_threshold`)."""
     steps = plan.steps if steps is None else steps
-    entries = list(prior_entries) + ([(plan.step_event(), steps)] if steps else [])
-    return _acc.epsilon_with_threshold(entries, plan.delta, prior_delta_threshold,
-                                       accountant or plan.accountant, value_discretization_interval)
+    prior, d_thr = release_entries(prior_releases)
+    if not prior and value_discretization_interval is None:
+        return plan.epsilon(steps, accountant) if steps else 0.0
+    entries = prior + ([(plan.step_event(), steps)] if steps else [])
+    return _acc.epsilon_with_threshold(entries, plan.delta, d_thr, accountant or plan.accountant,
+                                       value_discretization_interval)
 
 
-def calibrate_with_prior(plan: DPPlan, prior_entries, prior_delta_threshold: float = 0.0,
-                         rtol: float = 1e-3) -> DPPlan:
+def calibrate_with_prior(plan: DPPlan, prior_releases, rtol: float = 1e-3) -> DPPlan:
     """`plan` with sigma raised so that the composition of the earlier releases
-    (`prior_entries`, `prior_delta_threshold`) and all of the plan's steps is
+    (`prior_releases`, thresholds' delta included) and all of the plan's steps is
     <= `plan.target_epsilon` at `plan.delta`: the guarantee of a model trained with a
-    private tokenizer covers both. sigma is found by bisection to `rtol` and always lands
-    on the side that meets the target. A truncated plan keeps its cap; its cost is
-    recomputed at the new sigma.
+    private tokenizer covers both. sigma is located with Brent's method on the coarse PLD
+    grid, refined on the reporting grid to `rtol`, and always lands on the side that meets
+    the target. A truncated plan keeps its cap; its cost is recomputed at the new sigma.
     """
     target = plan.target_epsilon
-    if target is None:
+    prior_releases = list(prior_releases)
+    if target is None or not prior_releases:
         return plan  # fixed sigma: the report states the composed epsilon, whatever it is
-    prior_entries = list(prior_entries)
-    if not prior_entries and not prior_delta_threshold:
-        return plan
-    d_thr = float(prior_delta_threshold)
+    prior_entries, d_thr = release_entries(prior_releases)
     if not (0.0 <= d_thr < plan.delta):
         raise PlanError(
             f"privacy.delta: {plan.delta:.3g} is not above the delta {d_thr:.3g} that the earlier "
@@ -931,7 +940,7 @@ def calibrate_with_prior(plan: DPPlan, prior_entries, prior_delta_threshold: flo
         if (sigma, interval) not in memo:
             p = dataclasses.replace(plan, noise_multiplier=sigma, truncation_cost=None,
                                     truncation_probability=None)
-            memo[sigma, interval] = composed_epsilon(p, prior_entries, d_thr,
+            memo[sigma, interval] = composed_epsilon(p, prior_releases,
                                                      value_discretization_interval=interval)
         return memo[sigma, interval]
 

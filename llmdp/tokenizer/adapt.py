@@ -19,14 +19,11 @@ public model only; it spends no privacy budget.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import os
 import re
 import shutil
-import tempfile
-from typing import Any
 
 import torch
 
@@ -451,6 +448,8 @@ def build_adapted_model(model_dir, base_tokenizer, new_tokenizer_dir, out_dir) -
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from llmdp.models import _dtype_kwarg, save_kwargs
+
     out_dir = os.path.abspath(os.fspath(out_dir))
     h = adapted_model_hash(model_dir, base_tokenizer, new_tokenizer_dir)
     marker = _read_adapted_marker(out_dir)
@@ -460,18 +459,13 @@ def build_adapted_model(model_dir, base_tokenizer, new_tokenizer_dir, out_dir) -
     base_tok = AutoTokenizer.from_pretrained(os.fspath(base_tokenizer))
     new_tok = AutoTokenizer.from_pretrained(os.fspath(new_tokenizer_dir))
     model = AutoModelForCausalLM.from_pretrained(os.fspath(model_dir),
-                                                 **{_dtype_kwarg(): torch.float32})
+                                                 **{_dtype_kwarg(): torch.float32})  # 4.x / 5.x name
     stats = adapt_embeddings(model, base_tok, new_tok)
 
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-adapted-", dir=parent)
-    try:
-        os.chmod(tmp, 0o755)
-        kwargs: dict[str, Any] = {}
-        if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-            kwargs["safe_serialization"] = True
-        model.save_pretrained(tmp, **kwargs)
+    from llmdp._fs import building_dir, install_dir
+
+    with building_dir(out_dir, ".tmp-adapted-") as tmp:
+        model.save_pretrained(tmp, **save_kwargs(model))
         _copy_tokenizer(new_tokenizer_dir, tmp, new_tok)
         with open(os.path.join(tmp, ADAPTED_MARKER), "w") as f:  # written last
             json.dump({
@@ -480,28 +474,14 @@ def build_adapted_model(model_dir, base_tokenizer, new_tokenizer_dir, out_dir) -
                 "new_tokenizer": os.fspath(new_tokenizer_dir),
             }, f, indent=2, sort_keys=True)
             f.write("\n")
-        if os.path.isdir(out_dir):
+
+        def current() -> bool:
             marker = _read_adapted_marker(out_dir)
-            if marker is not None and marker.get("hash") == h:  # a concurrent builder won
-                shutil.rmtree(tmp)
-                return out_dir, marker["stats"]
-            shutil.rmtree(out_dir)  # a stale build
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            marker = _read_adapted_marker(out_dir)
-            if marker is None or marker.get("hash") != h:
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-            return out_dir, marker["stats"]
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            return marker is not None and marker.get("hash") == h
+
+        if not install_dir(tmp, out_dir, current):  # a concurrent builder won
+            return out_dir, _read_adapted_marker(out_dir)["stats"]
     log.info("adapted %s to tokenizer %s in %s: %s", model_dir, new_tokenizer_dir, out_dir, stats)
     return out_dir, stats
 
 
-def _dtype_kwarg() -> str:
-    import transformers
-
-    return "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"

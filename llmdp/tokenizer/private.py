@@ -39,11 +39,11 @@ event, is delta_C(eps):
 
 hence at a target delta the whole composition is (eps, delta)-DP with
 ``eps = eps_C(delta - delta_threshold) - log(1 - delta_threshold)``
-(`epsilon_with_threshold`). dp-accounting 0.6 has no event for "plus delta" (no
+(`llmdp.privacy.accountant.epsilon_with_threshold`). dp-accounting 0.6 has no event for "plus delta" (no
 ``EpsilonDeltaDpEvent``; its PLD accountant accepts none that is exactly an (0, delta)
 mechanism), so the ledger records the Gaussian event and stores delta_threshold in the
-record's ``extra`` (`ledger_extra`): **a report must use `epsilon_with_threshold` (or
-`threshold_delta_from_records`) over such a ledger, never the plain epsilon.**
+record's ``extra`` (`ledger_extra`): **a report must use `accountant.epsilon_with_threshold`
+with `Ledger.delta_threshold()` over such a ledger, never the plain epsilon.**
 
 Seeded keys (`llmdp.privacy.sampling.seeded_key`) are for tests only (DESIGN §3.7); a real
 run uses `secure_key()`.
@@ -79,8 +79,6 @@ __all__ = [
     "threshold_delta",
     "tokenizer_event",
     "ledger_extra",
-    "threshold_delta_from_records",
-    "epsilon_with_threshold",
     "train_sentencepiece_from_counts",
 ]
 
@@ -217,7 +215,7 @@ def tokenizer_event(noise_multiplier: float, max_words_per_unit: int) -> dp_acco
 
     Its threshold's delta (`threshold_delta`) is NOT in the event: store
     `ledger_extra(...)` in the same ledger record and account with
-    `epsilon_with_threshold`.
+    `accountant.epsilon_with_threshold`.
     """
     k = _check_k(max_words_per_unit)
     sigma = _check_positive("noise_multiplier", noise_multiplier)
@@ -236,25 +234,6 @@ def ledger_extra(
         "delta_threshold": threshold_delta(noise_multiplier, threshold, max_words_per_unit),
         **more,
     }
-
-
-def threshold_delta_from_records(records: Iterable[Mapping]) -> float:
-    """Combined delta_threshold of ledger records (1 - prod(1 - d_i) over their
-    ``extra["delta_threshold"]``); 0.0 if none (`llmdp.privacy.accountant.threshold_delta`)."""
-    from llmdp.privacy.accountant import threshold_delta as _combined
-
-    return _combined(records)
-
-
-def epsilon_with_threshold(
-    entries, delta: float, delta_threshold: float, accountant: str = "pld"
-) -> float:
-    """Epsilon at `delta` of `entries` composed with thresholds of total delta_threshold:
-    eps_entries(delta - delta_threshold) - log(1 - delta_threshold) (module docstring;
-    `llmdp.privacy.accountant.epsilon_with_threshold`)."""
-    from llmdp.privacy.accountant import epsilon_with_threshold as _eps
-
-    return _eps(entries, delta, delta_threshold, accountant)
 
 
 def calibrate_tokenizer_noise(
@@ -381,12 +360,10 @@ def train_sentencepiece_from_counts(
         raise ValueError(f"model_type must be 'unigram' or 'bpe', got {model_type!r}")
     if not counts:
         raise ValueError("counts is empty: nothing was released (lower tau / raise epsilon?)")
+    from llmdp._fs import building_dir, replace_dir
+
     out_dir = os.path.abspath(os.fspath(out_dir))
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-private-tokenizer-", dir=parent)
-    try:
-        os.chmod(tmp, 0o755)
+    with building_dir(out_dir, ".tmp-private-tokenizer-") as tmp:
         work = tempfile.mkdtemp(prefix="spm-", dir=tmp)
         tsv = os.path.join(work, "counts.tsv")
         n_words = _write_tsv(counts, tsv)
@@ -422,12 +399,7 @@ def train_sentencepiece_from_counts(
                 f, indent=2, sort_keys=True,
             )
             f.write("\n")
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        replace_dir(tmp, out_dir)
     return out_dir
 
 

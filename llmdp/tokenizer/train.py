@@ -209,10 +209,9 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
         if p.budget_epsilon is not None:
             from llmdp.privacy.ledger import Ledger
 
-            led = Ledger(ledger)
-            entries = led.entries() if os.path.exists(ledger) else []
-            d_thr = 1.0 - (1.0 - (led.delta_threshold() if os.path.exists(ledger) else 0.0)) * (
-                1.0 - extra["delta_threshold"])
+            records = Ledger(ledger).records()  # a missing ledger is empty
+            entries = Ledger(ledger).entries()
+            d_thr = acc.threshold_delta([r for r in records if r["kind"] == "release"] + [{"extra": extra}])
             after = acc.epsilon_with_threshold(entries + [(event, 1)], delta, d_thr, p.accountant)
             st = budget_status(ledger, p.budget_epsilon, delta, p.accountant)
             if after > p.budget_epsilon:

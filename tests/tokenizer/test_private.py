@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from dp_accounting.pld import PLDAccountant
 
-from llmdp.privacy.accountant import epsilon
+from llmdp.privacy.accountant import epsilon, epsilon_with_threshold
+from llmdp.privacy.accountant import threshold_delta as combined_threshold_delta
 from llmdp.privacy.events import dpsgd_step_event
 from llmdp.privacy.ledger import Ledger, LedgerWriter
 from llmdp.privacy.sampling import seeded_key
@@ -19,7 +20,6 @@ from llmdp.tokenizer.private import (
     bound_unit_words,
     calibrate_tokenizer_noise,
     dp_word_counts,
-    epsilon_with_threshold,
     ledger_extra,
     pre_tokenize,
     threshold_delta,
@@ -198,9 +198,8 @@ def test_tokenizer_plus_dpsgd_composes_in_one_ledger(tmp_path, calibrated):
     entries = ledger.entries()
     assert entries == [(dp_accounting.GaussianDpEvent(sigma / math.sqrt(K)), 1),
                        (dpsgd_step_event(q, noise), steps)]
-    from llmdp.tokenizer.private import threshold_delta_from_records
-
-    d_thr = threshold_delta_from_records(ledger.records())
+    d_thr = combined_threshold_delta(ledger.records())
+    assert ledger.delta_threshold() == d_thr
     assert d_thr == pytest.approx(d["delta_threshold"], rel=1e-9)
 
     composed = dp_accounting.ComposedDpEvent([
