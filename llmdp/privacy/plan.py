@@ -209,7 +209,8 @@ def truncation_cost(
     coarser one). 0.0 where no truncation can happen (B_max >= N, or a tail probability
     that underflows: dp-accounting then uses the Poisson PLD itself).
     """
-    if stats.binom.sf(int(max_batch_size) - 1, int(dataset_size) - 1, sampling_probability) == 0.0:
+    # dp-accounting's own shortcut, for the event's dataset size N + 1 (`dpsgd_step_event`).
+    if stats.binom.sf(int(max_batch_size) - 1, int(dataset_size), sampling_probability) == 0.0:
         return 0.0  # exactly the Poisson PLD (dp-accounting's own shortcut): no PLD needed
     if value_discretization_interval is None:
 
@@ -243,7 +244,8 @@ class DPPlan:
 
     `sampler="truncated-poisson"` caps every step at `max_batch_size` = B_max units
     (required, 1 <= B_max <= N; the PLD accountant only) and is accounted with
-    `TruncatedSubsampledGaussianDpEvent(N, q, B_max, sigma)`. Its plan also carries
+    `TruncatedSubsampledGaussianDpEvent(N + 1, q, B_max, sigma)` (the add-neighbour's
+    size: `events.dpsgd_step_event`). Its plan also carries
     `truncation_cost` (eps_truncated / eps_poisson - 1 at this sigma, T and delta: what
     the cap costs in epsilon; None if not computed) and `truncation_probability`
     (P(Binomial(N, q) > B_max): how often a step drops units; derived, filled in if
