@@ -740,7 +740,8 @@ def _plan_truncated(*, q, n, steps, delta, sigma, target, cap, budget, max_sigma
     final sigma is then checked (nudged up if needed) and the cost computed on the
     reporting grid. If the reporting grid puts an automatic cap's cost at or above the
     budget (a knife edge the search grid missed), the cap grows by one and the last
-    steps repeat.
+    steps repeat (up to the largest cap, N, which is kept with its stated cost
+    even if that is above the budget: only possible for a tiny N).
     """
     if target is not None:
         sigma = _calibrate(_EpsilonCurve(q, steps, delta, "pld", interval=_SEARCH_INTERVAL),
@@ -769,7 +770,10 @@ def _plan_truncated(*, q, n, steps, delta, sigma, target, cap, budget, max_sigma
         if target is not None:
             sigma = _fine_check(_truncated_curve(q, steps, delta, n, b), target, sigma)
         cost = truncation_cost(q, sigma, steps, delta, n, b)
-        if cap is not None or cost < budget:
+        # b == n is the largest cap allowed: the sampler never truncates on the N units,
+        # but the add-neighbour (N + 1 units) can, so its cost is small but not 0; on a
+        # tiny dataset it may exceed the budget. The plan carries (and the report states) it.
+        if cap is not None or cost < budget or b >= n:
             return sigma, b, cost
         b += 1  # knife edge: the search grid said < budget, the reporting grid does not
         if target is not None:
