@@ -187,7 +187,9 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         # Steps in the ledger beyond those that produced the final model: executed (or
         # reserved write-ahead) by attempts that failed, then re-executed after a resume.
         "steps_lost_to_failures": max(0, ledger_steps - completed),
-        "dataset_ledger": _dataset_ledger(plan_info, plan),
+        "dataset_ledger": _dataset_ledger(plan_info, plan, unit_meta or {
+            "kind": unit_kind, "sequence_length": seq_len, "user_field": data_cfg.get("user_field"),
+            "document_masking": bool(data_cfg.get("document_masking"))}),
         "noise_multiplier": plan.noise_multiplier,
         "sampling_probability": plan.sampling_probability,
         "expected_batch_size": plan.expected_batch_size,
@@ -243,15 +245,16 @@ def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
     }
 
 
-def _dataset_ledger(plan_info: dict, plan) -> dict | None:
-    """ε composed over everything recorded on this dataset (every run, every tokenizer)."""
+def _dataset_ledger(plan_info: dict, plan, unit: dict) -> dict | None:
+    """ε composed over the releases recorded on this dataset (every run, every tokenizer) for
+    this run's privacy unit; releases for other units are listed, not composed."""
     path = plan_info.get("dataset_ledger")
     if not path:
         return None
     from llmdp.privacy.service import budget_status
 
     try:
-        return budget_status(path, plan_info.get("budget_epsilon"), plan.delta, plan.accountant)
+        return budget_status(path, plan_info.get("budget_epsilon"), plan.delta, plan.accountant, unit)
     except Exception as e:  # the run's own report must not depend on another file's health
         return {"ledger": path, "error": repr(e)}
 
@@ -276,8 +279,13 @@ def _dataset_rows(r: dict) -> list[str]:
         return []
     budget = (f"; budget ε = {d['budget_epsilon']:g}, remaining {d['epsilon_remaining']:.4f}"
               if d.get("budget_epsilon") is not None else "; no budget set")
-    return [f"| Dataset ledger (all releases on this data) | ε = {d['epsilon_spent']:.4f} at δ = "
-            f"{d['delta']:.3g}{budget} |"]
+    other = d.get("not_composed") or []
+    listed = "; ".join(f"{x['run_id']} ({x['mechanism']}, {x['count']} release(s), unit {x['unit']}): "
+                       f"{x['status']}" for x in other)
+    return [f"| Dataset ledger (releases on this data for this run's unit, {d.get('unit')}) | ε = "
+            f"{d['epsilon_spent']:.4f} at δ = {d['delta']:.3g}{budget} |"] + (
+        [f"| Dataset ledger, other privacy units | {listed}; an ε for one unit definition is no "
+         f"guarantee for another, and no group-privacy conversion is made |"] if other else [])
 
 
 def _contribution_bound(kind: str, rows: int, seq_len: int, user_field) -> str:

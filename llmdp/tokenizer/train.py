@@ -208,12 +208,15 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
         ledger = _dataset_ledger(cfg, data["sha256"])
         if p.budget_epsilon is not None:
             from llmdp.privacy.ledger import Ledger
+            from llmdp.privacy.service import release_entries_of, split_by_unit
 
-            records = Ledger(ledger).records()  # a missing ledger is empty
-            entries = Ledger(ledger).entries()
-            d_thr = acc.threshold_delta([r for r in records if r["kind"] == "release"] + [{"extra": extra}])
+            # The budget is per privacy unit: releases for other units are not composed.
+            unit = {"kind": data["unit"], "user_field": data["user_field"]}
+            same, _ = split_by_unit(Ledger(ledger).records(), unit)  # a missing ledger is empty
+            entries = release_entries_of(same)
+            d_thr = acc.threshold_delta(same + [{"extra": extra}])
             after = acc.epsilon_with_threshold(entries + [(event, 1)], delta, d_thr, p.accountant)
-            st = budget_status(ledger, p.budget_epsilon, delta, p.accountant)
+            st = budget_status(ledger, p.budget_epsilon, delta, p.accountant, unit)
             if after > p.budget_epsilon:
                 raise BudgetError(
                     f"privacy.budget_epsilon={p.budget_epsilon:g}: the dataset ledger {ledger} has "
