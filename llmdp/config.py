@@ -162,6 +162,12 @@ class ModelConfig:
     # each new token's rows start as the mean of the base rows of the base tokenizer's
     # pieces of the same string (a public computation). None: no adaptation.
     base_tokenizer: str | None = _f(None, path="maybe")
+    # What an llmdp DP tokenizer (model.tokenizer) was trained on, relative to this run's
+    # data. "same" (default, the safe side): its release is composed into the run's
+    # guarantee, whatever file it was trained on (a file hash cannot tell whether two
+    # sources share individuals). "independent": the user declares that the sources share
+    # no individuals; the release is not composed and the report says so.
+    tokenizer_data: str = _f("same", choices=("same", "independent"))
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float64"))
     # A mapping in YAML; `lora: {}` means LoraConfig defaults; null means full fine-tuning.
     lora: LoraConfig | None = None

@@ -170,9 +170,15 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     if report.get("status") not in ("complete", "stopped"):
         problems.append(f"the run's status is {report.get('status')!r}, not complete"
                         + (f" ({report.get('failure')})" if report.get("failure") else ""))
-    if report.get("rng_mode") == "seeded":
-        problems.append("the run used a seeded RNG (privacy.rng: seeded): it carries no guarantee "
-                        "against anyone who knows the seed")
+    from llmdp.report import seeded_sources
+
+    # The run's own seed, or a private tokenizer's (llmdp_tokenizer.json privacy.rng), read
+    # from the run's files, not only from the report (which may predate the tokenizer check).
+    seeded_from = seeded_sources(_run_config(run_dir), _read_json(os.path.join(run_dir, "plan.json")) or {})
+    if report.get("rng_mode") == "seeded" or seeded_from:
+        problems.append("a DP release of this model used a seeded RNG ("
+                        + ("; ".join(seeded_from) or "privacy.rng: seeded")
+                        + "): it carries no guarantee against anyone who knows the seed")
     if report.get("steps", 0) < report.get("steps_completed", 0):
         problems.append(f"the ledger records {report.get('steps')} steps but {report.get('steps_completed')} "
                         f"were completed: steps are missing from the ledger")

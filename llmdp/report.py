@@ -88,7 +88,11 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     stop = next((m for m in reversed(metrics) if m.get("event") == "stopped"), None)
     attempts = sorted({r.get("attempt") for r in records if r.get("kind") == "release"})
     priv = cfg["privacy"]
-    seeded = priv.get("rng") == "seeded"
+    # Every DP release behind this model that drew its randomness from a fixed seed: the
+    # training run's, and a private tokenizer's (composed or declared independent: its
+    # vocabulary is part of the model either way).
+    seeded_from = seeded_sources(cfg, plan_info)
+    seeded = bool(seeded_from)
     unit_meta = records[-1]["meta"]["unit"] if records else {}
     data_cfg = cfg["data"]
     unit_desc = unit_meta.get("description") or f"a sequence of {data_cfg['sequence_length']} tokens"
@@ -174,7 +178,8 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
             "the choice of hyper-parameters (C, learning rate, batch size, steps) if it was "
             "tuned on this private data: that tuning is not accounted",
             "the pretrained model's training data, and the tokenizer's unless it is a DP "
-            "release on this data listed above (public, or covered by their own guarantees)",
+            "release listed above (a tokenizer not made by llmdp is assumed public)",
+            *_tokenizer_not_covered(plan_info),
             "dataset statistics used to plan the run (N, number of units) are published as is",
             "metrics listed under internal_metrics",
         ],
@@ -187,7 +192,9 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         # Steps in the ledger beyond those that produced the final model: executed (or
         # reserved write-ahead) by attempts that failed, then re-executed after a resume.
         "steps_lost_to_failures": max(0, ledger_steps - completed),
-        "dataset_ledger": _dataset_ledger(plan_info, plan),
+        "dataset_ledger": _dataset_ledger(plan_info, plan, unit_meta or {
+            "kind": unit_kind, "sequence_length": seq_len, "user_field": data_cfg.get("user_field"),
+            "document_masking": bool(data_cfg.get("document_masking"))}),
         "noise_multiplier": plan.noise_multiplier,
         "sampling_probability": plan.sampling_probability,
         "expected_batch_size": plan.expected_batch_size,
@@ -197,10 +204,13 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         "clipping": "flat: each unit's gradient over all trainable parameters clipped to L2 <= C",
         "normalization": "noisy sum divided by the expected batch size q*N",
         "sampling": _sampling_section(plan, seeded, truncated_steps, completed),
-        "rng_mode": priv.get("rng"),
+        "rng_mode": "seeded" if seeded else priv.get("rng"),
+        "rng_seeded_sources": seeded_from,
         "rng_warning": (
-            "This run used a fixed seed for sampling and noise: it carries NO privacy guarantee "
-            "against anyone who knows that seed." if seeded else None
+            ("This run used a fixed seed for sampling and noise" if priv.get("rng") == "seeded" else
+             "A fixed seed drew the noise of a DP release this model is built on")
+            + f" ({'; '.join(seeded_from)}): it carries NO privacy guarantee against anyone who "
+            "knows that seed." if seeded else None
         ),
         "ledger": {
             "path": "ledger.jsonl",
@@ -213,6 +223,42 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         "dataset_fingerprint": records[-1]["meta"].get("dataset_fingerprint") if records else None,
     }
     return report
+
+
+def seeded_sources(cfg: dict, plan_info: dict) -> list[str]:
+    """The DP releases behind a run's model whose randomness came from a fixed seed (empty:
+    fresh OS entropy everywhere): the training run (``privacy.rng: seeded``) and a private
+    tokenizer whose release was seeded (its ``llmdp_tokenizer.json`` ``privacy.rng``), whether
+    its release is composed or declared independent. Read by the report and by
+    `export.verify_run`, which refuses to publish such a model as verified."""
+    out = []
+    if (cfg.get("privacy") or {}).get("rng") == "seeded":
+        out.append("training: privacy.rng: seeded")
+    tok = plan_info.get("tokenizer") or {}
+    rngs = [r.get("rng") for r in plan_info.get("prior_releases") or []]
+    if tok.get("kind") == "private-dp":
+        rng = tok.get("rng")
+        if rng is None:  # a plan.json written before the tokenizer's rng was carried
+            from llmdp.tokenizer.train import read_tokenizer_info
+
+            try:
+                rng = ((read_tokenizer_info(tok.get("path")) or {}).get("privacy") or {}).get("rng")
+            except Exception:
+                rng = None
+        rngs.append(rng)
+    if "seeded" in rngs:
+        out.append(f"the private tokenizer {tok.get('path')}: its recipe's privacy.rng: seeded")
+    return out
+
+
+def _tokenizer_not_covered(plan_info: dict) -> list[str]:
+    """A private tokenizer's release that the user declared independent (not composed)."""
+    tok = plan_info.get("tokenizer") or {}
+    if tok.get("kind") != "private-dp" or tok.get("compose"):
+        return []
+    return [f"the private tokenizer's DP release on another data source ({tok.get('path')}): "
+            "not composed: declared independent by model.tokenizer_data; if the two sources "
+            "share individuals, the ε add up"]
 
 
 def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
@@ -234,6 +280,11 @@ def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
         "path": path,
         "kind": kind,
         "composed_into_guarantee": bool(tok.get("compose")),
+        # What the user declared about the tokenizer's data (model.tokenizer_data; private-dp
+        # only) and what llmdp did with its release.
+        "tokenizer_data": tok.get("tokenizer_data") if kind == "private-dp" else None,
+        "composition": tok.get("composition"),
+        "rng": tok.get("rng") if kind == "private-dp" else None,
         "model_vocabulary": vocab,
         "vocab_size": tok.get("vocab_size"),
         "vocab_adaptation": tok.get("vocab_adaptation"),
@@ -243,15 +294,16 @@ def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
     }
 
 
-def _dataset_ledger(plan_info: dict, plan) -> dict | None:
-    """ε composed over everything recorded on this dataset (every run, every tokenizer)."""
+def _dataset_ledger(plan_info: dict, plan, unit: dict) -> dict | None:
+    """ε composed over the releases recorded on this dataset (every run, every tokenizer) for
+    this run's privacy unit; releases for other units are listed, not composed."""
     path = plan_info.get("dataset_ledger")
     if not path:
         return None
     from llmdp.privacy.service import budget_status
 
     try:
-        return budget_status(path, plan_info.get("budget_epsilon"), plan.delta, plan.accountant)
+        return budget_status(path, plan_info.get("budget_epsilon"), plan.delta, plan.accountant, unit)
     except Exception as e:  # the run's own report must not depend on another file's health
         return {"ledger": path, "error": repr(e)}
 
@@ -276,8 +328,13 @@ def _dataset_rows(r: dict) -> list[str]:
         return []
     budget = (f"; budget ε = {d['budget_epsilon']:g}, remaining {d['epsilon_remaining']:.4f}"
               if d.get("budget_epsilon") is not None else "; no budget set")
-    return [f"| Dataset ledger (all releases on this data) | ε = {d['epsilon_spent']:.4f} at δ = "
-            f"{d['delta']:.3g}{budget} |"]
+    other = d.get("not_composed") or []
+    listed = "; ".join(f"{x['run_id']} ({x['mechanism']}, {x['count']} release(s), unit {x['unit']}): "
+                       f"{x['status']}" for x in other)
+    return [f"| Dataset ledger (releases on this data for this run's unit, {d.get('unit')}) | ε = "
+            f"{d['epsilon_spent']:.4f} at δ = {d['delta']:.3g}{budget} |"] + (
+        [f"| Dataset ledger, other privacy units | {listed}; an ε for one unit definition is no "
+         f"guarantee for another, and no group-privacy conversion is made |"] if other else [])
 
 
 def _contribution_bound(kind: str, rows: int, seq_len: int, user_field) -> str:

@@ -289,6 +289,7 @@ def check_budget(service: dict, plan, *, resuming: bool, log=print) -> int:
         raise BudgetError(
             f"privacy.budget_epsilon={st['budget_epsilon']:g}: the dataset ledger "
             f"{st['ledger']} has already spent ε = {st['epsilon_spent']:.4f} at δ = {plan.delta:.3g} "
+            f"for the privacy unit {st.get('unit')!r} "
             f"(remaining ε = {st['epsilon_remaining']:.4f}); this plan alone needs ε = {planned:.4f} "
             f"for T = {plan.steps} steps and only {allowed} of its steps fit. Lower "
             f"privacy.target_epsilon / train.steps, or raise the budget"

@@ -58,7 +58,7 @@ def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys, unit):
         assert rep["unit_size"]["max_rows_per_unit"] == 2 and rep["unit_size"]["document_masking"]
         assert rep["dataset_size"] == rep["data_statistics"]["num_users"]
         step = dp_accounting.TruncatedSubsampledGaussianDpEvent(
-            rep["dataset_size"], rep["sampling_probability"], rep["sampling"]["max_batch_size"],
+            rep["dataset_size"] + 1, rep["sampling_probability"], rep["sampling"]["max_batch_size"],
             rep["noise_multiplier"])
     else:
         step = dp_accounting.PoissonSampledDpEvent(

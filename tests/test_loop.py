@@ -133,7 +133,7 @@ def test_user_units_with_truncated_poisson_report_what_ran(tmp_path):
     rep = write_report(prep.run_dir)
     event = dp_accounting.SelfComposedDpEvent(
         dp_accounting.TruncatedSubsampledGaussianDpEvent(
-            plan.dataset_size, plan.sampling_probability, plan.max_batch_size, plan.noise_multiplier),
+            plan.dataset_size + 1, plan.sampling_probability, plan.max_batch_size, plan.noise_multiplier),
         plan.steps)
     acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     assert rep["epsilon"] == pytest.approx(acc.compose(event).get_epsilon(plan.delta), rel=1e-6)

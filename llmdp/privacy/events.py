@@ -49,11 +49,19 @@ def dpsgd_step_event(
 
     * `max_batch_size=None`: `PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`, made
       true by `sampling.PoissonSampler`.
-    * `max_batch_size=B_max`: `TruncatedSubsampledGaussianDpEvent(N, q, B_max, sigma)`
+    * `max_batch_size=B_max`: `TruncatedSubsampledGaussianDpEvent(N + 1, q, B_max, sigma)`
       with N = `dataset_size` (then required), made true by
       `sampling.TruncatedPoissonSampler(N, q, B_max)`. dp-accounting accounts it with
       its PLD accountant only (`accountant.py`). B_max >= N is allowed (no truncation
       can happen; epsilon equals the Poisson event's).
+
+    Why N + 1: dp-accounting's `dataset_size` is the size of the dataset that *contains*
+    the differing unit (its PLD truncates with probability
+    P(Binomial(dataset_size - 1, q) >= B_max) given that unit was drawn). Under
+    add-or-remove-one, the neighbours of the N-unit dataset we sample are D minus a unit
+    (the larger one has N units) and D plus a unit (N + 1 units); truncation is likelier,
+    and epsilon larger, with more units, so N + 1 covers both. The sampling rate stays
+    q = B/N, the rate the sampler actually uses.
     """
     q = float(sampling_probability)
     sigma = float(noise_multiplier)
@@ -79,7 +87,7 @@ def dpsgd_step_event(
             "the sampler draws from"
         )
     return dp_accounting.TruncatedSubsampledGaussianDpEvent(
-        dataset_size=dataset_size,
+        dataset_size=dataset_size + 1,  # the add-neighbour's size: see the docstring
         sampling_probability=q,
         truncated_batch_size=max_batch_size,
         noise_multiplier=sigma,

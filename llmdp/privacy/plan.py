@@ -209,7 +209,8 @@ def truncation_cost(
     coarser one). 0.0 where no truncation can happen (B_max >= N, or a tail probability
     that underflows: dp-accounting then uses the Poisson PLD itself).
     """
-    if stats.binom.sf(int(max_batch_size) - 1, int(dataset_size) - 1, sampling_probability) == 0.0:
+    # dp-accounting's own shortcut, for the event's dataset size N + 1 (`dpsgd_step_event`).
+    if stats.binom.sf(int(max_batch_size) - 1, int(dataset_size), sampling_probability) == 0.0:
         return 0.0  # exactly the Poisson PLD (dp-accounting's own shortcut): no PLD needed
     if value_discretization_interval is None:
 
@@ -243,7 +244,8 @@ class DPPlan:
 
     `sampler="truncated-poisson"` caps every step at `max_batch_size` = B_max units
     (required, 1 <= B_max <= N; the PLD accountant only) and is accounted with
-    `TruncatedSubsampledGaussianDpEvent(N, q, B_max, sigma)`. Its plan also carries
+    `TruncatedSubsampledGaussianDpEvent(N + 1, q, B_max, sigma)` (the add-neighbour's
+    size: `events.dpsgd_step_event`). Its plan also carries
     `truncation_cost` (eps_truncated / eps_poisson - 1 at this sigma, T and delta: what
     the cap costs in epsilon; None if not computed) and `truncation_probability`
     (P(Binomial(N, q) > B_max): how often a step drops units; derived, filled in if
@@ -738,7 +740,8 @@ def _plan_truncated(*, q, n, steps, delta, sigma, target, cap, budget, max_sigma
     final sigma is then checked (nudged up if needed) and the cost computed on the
     reporting grid. If the reporting grid puts an automatic cap's cost at or above the
     budget (a knife edge the search grid missed), the cap grows by one and the last
-    steps repeat.
+    steps repeat (up to the largest cap, N, which is kept with its stated cost
+    even if that is above the budget: only possible for a tiny N).
     """
     if target is not None:
         sigma = _calibrate(_EpsilonCurve(q, steps, delta, "pld", interval=_SEARCH_INTERVAL),
@@ -767,7 +770,10 @@ def _plan_truncated(*, q, n, steps, delta, sigma, target, cap, budget, max_sigma
         if target is not None:
             sigma = _fine_check(_truncated_curve(q, steps, delta, n, b), target, sigma)
         cost = truncation_cost(q, sigma, steps, delta, n, b)
-        if cap is not None or cost < budget:
+        # b == n is the largest cap allowed: the sampler never truncates on the N units,
+        # but the add-neighbour (N + 1 units) can, so its cost is small but not 0; on a
+        # tiny dataset it may exceed the budget. The plan carries (and the report states) it.
+        if cap is not None or cost < budget or b >= n:
             return sigma, b, cost
         b += 1  # knife edge: the search grid said < budget, the reporting grid does not
         if target is not None:

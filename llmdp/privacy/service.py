@@ -11,8 +11,17 @@ Under Ray it runs as a named actor on the driver's node (``ray.remote(LedgerServ
 so every attempt of every worker group records through the same writer; its state is the
 files, so a new driver (a re-launch) picks up exactly where the ledger stands.
 
-Budget (``privacy.budget_epsilon``): the composed ε (at the plan's δ) of everything in the
-dataset ledger may not exceed it. At start the service computes how many more steps of
+Budget (``privacy.budget_epsilon``): the composed ε (at the plan's δ) of the dataset
+ledger's releases *for this run's privacy unit* may not exceed it.
+
+Budgets and "ε spent" are per unit definition (`unit_key` of each record's ``meta.unit``).
+An (ε, δ) guarantee is a statement about one adjacency: composing a sequence-level and a
+user-level release gives a number that is a guarantee for neither (a user may own many
+sequences, so the sequence-level ε says nothing per user without a group-privacy
+conversion). llmdp makes no such conversion: only releases of the same unit definition
+are composed (`split_by_unit`); releases for other units are listed beside the number as
+"not composed: different privacy unit", never silently added or dropped. These are pure
+functions over ledger records, so they carry over to any other ledger store. At start the service computes how many more steps of
 this run's event fit (a binary search over dp-accounting compositions); a step beyond
 that is not admitted, and the run stops cleanly before it. Blocks of the write-ahead
 reservation are shortened so that a reservation never crosses the budget either.
@@ -20,6 +29,7 @@ reservation are shortened so that a reservation never crosses the budget either.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -27,25 +37,104 @@ from llmdp.privacy import accountant as _acc
 from llmdp.privacy.events import event_from_json
 from llmdp.privacy.ledger import Ledger, LedgerWriter
 
-__all__ = ["BudgetError", "LedgerService", "steps_within_budget", "budget_status", "ledger_epsilon"]
+__all__ = ["BudgetError", "LedgerService", "steps_within_budget", "budget_status", "ledger_epsilon",
+           "unit_key", "split_by_unit", "release_entries_of", "unit_epsilon", "NOT_COMPOSED"]
+
+# How a release for another privacy unit is listed next to a unit's "ε spent".
+NOT_COMPOSED = "not composed: different privacy unit"
+_UNKNOWN_UNIT = "not recorded"
 
 
 class BudgetError(RuntimeError):
     """The dataset's privacy budget does not allow what was asked."""
 
 
-def _entries(path: str):
-    return Ledger(path).entries() if os.path.exists(path) else []
+def unit_key(unit) -> str:
+    """The privacy unit *definition* of a ledger record, from its ``meta`` (or ``meta["unit"]``,
+    or a unit key already): what "one unit" is, whatever its contribution bound.
+
+    "document": one record; "user (records sharing 'f')": one value of user field f;
+    "a sequence of L tokens (...)": one packed row, the description training stores. Two
+    runs with different row caps per document still protect the same unit (one record);
+    a document and a user, or sequences of different lengths, are different units.
+    A record with no unit information gets "not recorded" (composed with nothing).
+    """
+    if isinstance(unit, str):
+        return unit
+    u = dict(unit or {})
+    if "unit" in u and isinstance(u["unit"], dict):
+        u = dict(u["unit"])
+    kind = u.get("kind")
+    if kind == "document":
+        return "document"
+    if kind == "user":
+        return f"user (records sharing {u.get('user_field')!r})"
+    if kind == "sequence":
+        if u.get("sequence_length") is not None:
+            how = ("attention masked at document boundaries" if u.get("document_masking")
+                   else "packed across document boundaries")
+            return f"a sequence of {int(u['sequence_length'])} tokens ({how})"
+        return u.get("description") or "sequence (length not recorded)"
+    return _UNKNOWN_UNIT
 
 
-def _delta_threshold(path: str) -> float:
-    return Ledger(path).delta_threshold() if os.path.exists(path) else 0.0
+def _releases(records) -> list[dict]:
+    return [r for r in records if r.get("kind") == "release" and r.get("count")]
 
 
-def ledger_epsilon(path: str, delta: float, accountant: str) -> float:
-    """ε at δ of everything in the ledger at ``path``, thresholded releases (private
-    tokenizers) included (`accountant.epsilon_with_threshold`)."""
-    return _acc.epsilon_with_threshold(_entries(path), delta, _delta_threshold(path), accountant)
+def split_by_unit(records, unit) -> tuple[list[dict], list[dict]]:
+    """(releases for ``unit``'s definition, releases for other units) among ledger
+    ``records`` (`unit_key`; a record with no unit information is never composed)."""
+    key = unit_key(unit)
+    same, other = [], []
+    for r in _releases(records):
+        k = unit_key(r.get("meta"))
+        (same if k == key and k != _UNKNOWN_UNIT else other).append(r)
+    return same, other
+
+
+def release_entries_of(records) -> list:
+    """``(event, count)`` of release records, consecutive identical events merged."""
+    out, cache = [], {}
+    for r in _releases(records):
+        key = json.dumps(r["event"], sort_keys=True)
+        if key not in cache:
+            cache[key] = event_from_json(r["event"])
+        event = cache[key]
+        if out and out[-1][0] == event:
+            out[-1] = (event, out[-1][1] + int(r["count"]))
+        else:
+            out.append((event, int(r["count"])))
+    return out
+
+
+def unit_epsilon(records, unit, delta: float, accountant: str) -> float:
+    """ε at δ of the releases in ``records`` made for ``unit``'s definition, thresholded
+    releases (private tokenizers) included with their δ (`accountant.epsilon_with_threshold`)."""
+    same, _ = split_by_unit(records, unit)
+    return _acc.epsilon_with_threshold(release_entries_of(same), delta,
+                                       _acc.threshold_delta(same), accountant)
+
+
+def not_composed(records, unit) -> list[dict]:
+    """The releases for other units than ``unit``, as listed beside its "ε spent"."""
+    _, other = split_by_unit(records, unit)
+    out: dict[tuple, dict] = {}  # one line per (run, unit, mechanism), counts summed
+    for r in other:
+        k = (r.get("run_id"), unit_key(r.get("meta")), (r.get("meta") or {}).get("mechanism", "dp-sgd"))
+        row = out.setdefault(k, {"run_id": k[0], "unit": k[1], "mechanism": k[2], "count": 0,
+                                 "status": NOT_COMPOSED})
+        row["count"] += int(r["count"])
+    return list(out.values())
+
+
+def _records(path: str) -> list[dict]:
+    return Ledger(path).records() if os.path.exists(path) else []
+
+
+def ledger_epsilon(path: str, delta: float, accountant: str, unit) -> float:
+    """ε at δ of the releases for ``unit``'s definition in the ledger at ``path`` (`unit_epsilon`)."""
+    return unit_epsilon(_records(path), unit, delta, accountant)
 
 
 def steps_within_budget(entries, event, budget: float, delta: float, accountant: str,
@@ -70,12 +159,19 @@ def steps_within_budget(entries, event, budget: float, delta: float, accountant:
     return lo
 
 
-def budget_status(path: str, budget: float | None, delta: float, accountant: str) -> dict:
-    """ε spent so far in the dataset ledger at ``path`` and what remains of ``budget``."""
-    spent = ledger_epsilon(path, delta, accountant)
-    return {"ledger": path, "epsilon_spent": spent, "budget_epsilon": budget,
+def budget_status(path: str, budget: float | None, delta: float, accountant: str, unit) -> dict:
+    """ε spent so far for ``unit``'s definition in the dataset ledger at ``path``, what
+    remains of ``budget`` (a budget for that unit), and the releases for other units,
+    listed as not composed."""
+    records = _records(path)
+    spent = unit_epsilon(records, unit, delta, accountant)
+    same, _ = split_by_unit(records, unit)
+    return {"ledger": path, "unit": unit_key(unit), "epsilon_spent": spent, "budget_epsilon": budget,
             "epsilon_remaining": None if budget is None else max(0.0, budget - spent),
-            "delta": delta, "accountant": accountant}
+            "delta": delta, "accountant": accountant,
+            "releases_composed": len(same), "not_composed": not_composed(records, unit),
+            "composition": "releases for this privacy unit only: an ε for one unit definition "
+                           "is no guarantee for another (no group-privacy conversion is made)"}
 
 
 class LedgerService:
@@ -101,6 +197,11 @@ class LedgerService:
         # Steps (ledger counts) the budget still allows; the driver passes the number its
         # start-up check just computed, so the search runs once per launch.
         self._allowance: int | None = allowance if budget_epsilon is not None else None
+        if budget_epsilon is not None and unit_key(self.meta) == _UNKNOWN_UNIT:
+            raise ValueError(
+                f"privacy.budget_epsilon={budget_epsilon:g} needs the run's privacy unit in the ledger "
+                f"meta (meta['unit'] with its 'kind'), got meta={self.meta!r}: a budget is per unit "
+                f"definition")
         self._reserved: list[tuple[int, int]] = []  # this attempt's blocks [start, end)
         self.attempts = 0
 
@@ -110,13 +211,14 @@ class LedgerService:
         if self.budget is None:
             return None
         if self._allowance is None:
+            same, _ = split_by_unit(_records(self.dataset_ledger), self.meta)
             self._allowance = steps_within_budget(
-                _entries(self.dataset_ledger), self.event, self.budget, self.delta,
-                self.accountant, self.total_steps, _delta_threshold(self.dataset_ledger))
+                release_entries_of(same), self.event, self.budget, self.delta,
+                self.accountant, self.total_steps, _acc.threshold_delta(same))
         return self._allowance
 
     def status(self) -> dict:
-        return budget_status(self.dataset_ledger, self.budget, self.delta, self.accountant)
+        return budget_status(self.dataset_ledger, self.budget, self.delta, self.accountant, self.meta)
 
     # ------------------------------------------------------------------ writing
     def position(self) -> dict:
@@ -154,7 +256,8 @@ class LedgerService:
         st = self.status()
         return False, (
             f"privacy.budget_epsilon={self.budget:g} reached on the dataset ledger {self.dataset_ledger}: "
-            f"ε spent = {st['epsilon_spent']:.4f} at δ = {self.delta:.3g}; one more step of this run "
+            f"ε spent = {st['epsilon_spent']:.4f} at δ = {self.delta:.3g} for the privacy unit "
+            f"{st['unit']!r}; one more step of this run "
             f"would cross it. The run stopped before step {step + 1} of {self.total_steps} and saved "
             f"its state; raise privacy.budget_epsilon or train on data with budget left"
         )

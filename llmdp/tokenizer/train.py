@@ -208,12 +208,15 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
         ledger = _dataset_ledger(cfg, data["sha256"])
         if p.budget_epsilon is not None:
             from llmdp.privacy.ledger import Ledger
+            from llmdp.privacy.service import release_entries_of, split_by_unit
 
-            records = Ledger(ledger).records()  # a missing ledger is empty
-            entries = Ledger(ledger).entries()
-            d_thr = acc.threshold_delta([r for r in records if r["kind"] == "release"] + [{"extra": extra}])
+            # The budget is per privacy unit: releases for other units are not composed.
+            unit = {"kind": data["unit"], "user_field": data["user_field"]}
+            same, _ = split_by_unit(Ledger(ledger).records(), unit)  # a missing ledger is empty
+            entries = release_entries_of(same)
+            d_thr = acc.threshold_delta(same + [{"extra": extra}])
             after = acc.epsilon_with_threshold(entries + [(event, 1)], delta, d_thr, p.accountant)
-            st = budget_status(ledger, p.budget_epsilon, delta, p.accountant)
+            st = budget_status(ledger, p.budget_epsilon, delta, p.accountant, unit)
             if after > p.budget_epsilon:
                 raise BudgetError(
                     f"privacy.budget_epsilon={p.budget_epsilon:g}: the dataset ledger {ledger} has "
@@ -288,9 +291,16 @@ def tokenizer_for_run(model_cfg, data_cfg, *, data_sha256: str, delta: float | N
     - "external": no ``llmdp_tokenizer.json`` (a pretrained model's tokenizer, say):
       assumed public, not fit on this private data;
     - "public": llmdp's public tokenizer (trained on a generated public corpus);
-    - "private-dp": an llmdp DP tokenizer. On the same data (source fingerprint) its
-      release is composed into the run's guarantee, which requires the same privacy unit;
-      on other data it is independent of this run's data (its own guarantee covers it).
+    - "private-dp": an llmdp DP tokenizer. By default (``model.tokenizer_data: same``) its
+      release is composed into the run's guarantee, whatever file it was trained on: a
+      different file hash says nothing about whether the two sources share individuals
+      (another format, a cleaned copy, a superset). Composing requires the same privacy
+      unit. ``model.tokenizer_data: independent`` is the user's declaration that the sources
+      share no individuals: the release is not composed, and the summary says so (refused
+      when the tokenizer was trained on this very source).
+
+    ``rng`` (private-dp): the tokenizer release's RNG mode; "seeded" carries no guarantee
+    against anyone who knows the seed, like a seeded run (`report.seeded_sources`).
 
     A tokenizer llmdp trained on private data *without* DP (``privacy.dp: false``) is
     refused: a recipe that claims a guarantee cannot use it.
@@ -332,22 +342,39 @@ def tokenizer_for_run(model_cfg, data_cfg, *, data_sha256: str, delta: float | N
             f"its pieces (a public computation)",
             key="model.base_tokenizer",
         )
-    if tdata.get("sha256") != data_sha256:
-        out["summary"] = (
-            f"trained with DP on OTHER data (fingerprint {str(tdata.get('sha256'))[:16]}, ε_tok = "
-            f"{priv['epsilon']:.4f} at δ = {priv['delta']:.3g}); independent of this run's data, "
-            f"covered by its own guarantee")
+    declared = getattr(model_cfg, "tokenizer_data", "same")
+    same_source = tdata.get("sha256") == data_sha256
+    alone = (f"release {priv['release_id']}: ε_tok = {priv['epsilon']:.4f} at δ = {priv['delta']:.3g}, "
+             f"K = {priv['max_words_per_unit']} words per {tdata.get('unit')}")
+    out.update(rng=priv.get("rng"), tokenizer_data=declared)
+    if declared == "independent":
+        if same_source:
+            raise ConfigError(
+                f"model.tokenizer_data: 'independent', but the private tokenizer {path} was trained "
+                f"on this very data source (the same file contents): its release is on the same "
+                f"individuals and must be composed. Remove model.tokenizer_data (default 'same')",
+                key="model.tokenizer_data",
+            )
+        out.update(
+            composition="not composed: declared independent by model.tokenizer_data",
+            summary=(f"trained with DP by `llmdp tokenizer train` on another data source ({alone}); "
+                     f"not composed: declared independent by model.tokenizer_data; if the two "
+                     f"sources share individuals, the ε add up"))
         return out
     unit = data_cfg.unit
     if tdata.get("unit") != unit or (unit == "user" and tdata.get("user_field") != data_cfg.user_field):
         want = tdata.get("unit") + (f" with data.user_field={tdata.get('user_field')!r}"
                                     if tdata.get("unit") == "user" else "")
         raise ConfigError(
-            f"data.unit: {unit!r}, but the private tokenizer {path} was trained on this data with "
+            f"data.unit: {unit!r}, but the private tokenizer {path} (model.tokenizer_data: same) "
+            f"was trained on {'this data' if same_source else 'another source that may hold the same individuals'} with "
             f"{tdata.get('unit')!r} units: guarantees for different privacy units do not compose. "
             f"Train with data.unit={want}, or train a tokenizer with data.unit={unit!r}"
             + (" (a tokenizer cannot use sequence units: they are made of its own tokens)"
-               if unit == "sequence" else ""),
+               if unit == "sequence" else "")
+            + ("" if same_source else
+               "; if the tokenizer's data source shares no individuals with this one, declare "
+               "model.tokenizer_data: independent (its release is then not composed)"),
             key="data.unit",
         )
     d_thr = float(priv["delta_threshold"])
@@ -366,10 +393,14 @@ def tokenizer_for_run(model_cfg, data_cfg, *, data_sha256: str, delta: float | N
                  "epsilon": priv["epsilon"], "delta": priv["delta"], "tokenizer": path,
                  "unit": tdata.get("unit"), "dataset_size": tdata.get("num_units"),
                  "rng": priv.get("rng")},
-        summary=(f"trained with DP on this data by `llmdp tokenizer train` (release "
-                 f"{priv['release_id']}: ε_tok = {priv['epsilon']:.4f} at δ = {priv['delta']:.3g}, "
-                 f"K = {priv['max_words_per_unit']} words per {tdata.get('unit')}); composed into "
-                 f"this run's guarantee"),
+        composition="composed: " + ("trained on this data source" if same_source else
+                                    "model.tokenizer_data: same (the default)"),
+        summary=(f"trained with DP by `llmdp tokenizer train` ({alone}) on "
+                 + ("this data source" if same_source else
+                    "another data source, which may share individuals with this one")
+                 + "; composed into this run's guarantee (model.tokenizer_data: same"
+                 + ("" if same_source else ", the default; declare independent only if the two "
+                    "sources share no individuals") + ")"),
     )
     return out
 

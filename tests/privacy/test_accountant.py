@@ -120,7 +120,8 @@ TN, TQ, TCAP, TSIGMA, TSTEPS, TDELTA = 2000, 0.02, 50, 4.0, 20, 1e-5  # mean 40,
 
 
 def _direct_truncated(cap, steps=TSTEPS, interval=1e-4):
-    event = dpa.TruncatedSubsampledGaussianDpEvent(TN, TQ, cap, TSIGMA)
+    # dp-accounting's dataset_size is the add-neighbour's: N + 1 (events.dpsgd_step_event)
+    event = dpa.TruncatedSubsampledGaussianDpEvent(TN + 1, TQ, cap, TSIGMA)
     a = PLDAccountant(ADD_REMOVE, value_discretization_interval=interval)
     return a.compose(dpa.SelfComposedDpEvent(event, steps))
 
@@ -194,3 +195,23 @@ def test_ledger_entries_with_truncated_events_compose():
     )
     assert mixed == pytest.approx(direct, rel=1e-12)
     assert acc.epsilon_for(TQ, TSIGMA, TSTEPS, TDELTA) < mixed < whole
+
+
+def test_truncated_event_uses_the_add_neighbours_size():
+    """Issue 12 item 5: dp-accounting's TruncatedSubsampledGaussianDpEvent takes the size
+    of the dataset that contains the differing unit. Sampling N units at q = B/N, the
+    add-neighbour has N + 1 units; accounting with N understates epsilon."""
+    n, q, cap, sigma, steps, delta = 10_000, 0.01, 110, 1.0, 1000, 1e-5
+    event = dpsgd_step_event(q, sigma, dataset_size=n, max_batch_size=cap)
+    assert event == dpa.TruncatedSubsampledGaussianDpEvent(n + 1, q, cap, sigma)
+
+    def direct(size):
+        a = PLDAccountant(ADD_REMOVE)
+        ev = dpa.TruncatedSubsampledGaussianDpEvent(size, q, cap, sigma)
+        return a.compose(dpa.SelfComposedDpEvent(ev, steps)).get_epsilon(delta)
+
+    got = acc.epsilon_for(q, sigma, steps, delta, dataset_size=n, max_batch_size=cap)
+    with_n_plus_1, with_n = direct(n + 1), direct(n)
+    assert got == pytest.approx(with_n_plus_1, rel=1e-12)
+    # The old accounting (dataset_size = N) is ~4e-4 relative below: 7.6820 vs 7.6851.
+    assert with_n_plus_1 - with_n > 2e-4 * with_n

@@ -105,8 +105,9 @@ def test_step_event_validation(q, sigma, name):
 
 def test_truncated_step_event():
     e = dpsgd_step_event(0.01, 1.1, dataset_size=5000, max_batch_size=80)
+    # N = 5000 units sampled; the event carries the add-neighbour's size N + 1.
     assert e == dpa.TruncatedSubsampledGaussianDpEvent(
-        dataset_size=5000, sampling_probability=0.01, truncated_batch_size=80, noise_multiplier=1.1
+        dataset_size=5001, sampling_probability=0.01, truncated_batch_size=80, noise_multiplier=1.1
     )
     assert type(e.dataset_size) is int and type(e.truncated_batch_size) is int
     # The JSON keeps the library's field names and plain ints.
@@ -114,7 +115,7 @@ def test_truncated_step_event():
     assert d == {
         "module_name": "dp_accounting.dp_event",
         "class_name": "TruncatedSubsampledGaussianDpEvent",
-        "dataset_size": 5000,
+        "dataset_size": 5001,
         "sampling_probability": 0.01,
         "truncated_batch_size": 80,
         "noise_multiplier": 1.1,

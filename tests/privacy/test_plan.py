@@ -239,7 +239,8 @@ TRUNC = dict(dataset_size=2000, expected_batch_size=40, steps=20, delta=1e-5, ma
 
 
 def _direct_truncated_epsilon(n, q, cap, sigma, steps, delta, interval=1e-4):
-    event = dpa.TruncatedSubsampledGaussianDpEvent(n, q, cap, sigma)
+    # n units sampled: dp-accounting's dataset_size is the add-neighbour's, n + 1
+    event = dpa.TruncatedSubsampledGaussianDpEvent(n + 1, q, cap, sigma)
     a = PLDAccountant(ADD_REMOVE, value_discretization_interval=interval)
     return a.compose(dpa.SelfComposedDpEvent(event, steps)).get_epsilon(delta)
 
@@ -272,7 +273,7 @@ def test_truncated_plan_fixed_sigma_picks_the_smallest_cap():
     assert p.expected_batch_size < p.max_batch_size < p.dataset_size
     _check_auto_cap(p)
     q = p.sampling_probability
-    assert p.step_event() == dpa.TruncatedSubsampledGaussianDpEvent(2000, q, p.max_batch_size, 4.0)
+    assert p.step_event() == dpa.TruncatedSubsampledGaussianDpEvent(2001, q, p.max_batch_size, 4.0)
     expected = _direct_truncated_epsilon(2000, q, p.max_batch_size, 4.0, 20, 1e-5)
     assert p.epsilon() == pytest.approx(expected, rel=1e-12)
     assert p.epsilon_estimate() >= p.epsilon()

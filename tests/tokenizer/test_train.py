@@ -247,9 +247,26 @@ def test_unit_mismatch_other_data_and_pretrained_rules(trained, corpus, tmp_path
     same = tokenizer_for_run(_train_cfg(cfg.out_dir, corpus, tmp_path).model,
                              _train_cfg(cfg.out_dir, corpus, tmp_path).data, data_sha256=sha)
     assert same["compose"] and same["release"]["release_id"] == info["privacy"]["release_id"]
+    # Another source (a different file hash): composed by default, never "independent".
     other = tokenizer_for_run(_train_cfg(cfg.out_dir, corpus, tmp_path).model,
                               _train_cfg(cfg.out_dir, corpus, tmp_path).data, data_sha256="0" * 64)
-    assert other["kind"] == "private-dp" and not other["compose"] and "OTHER data" in other["summary"]
+    assert other["kind"] == "private-dp" and other["compose"] and other["tokenizer_data"] == "same"
+    assert other["release"]["release_id"] == info["privacy"]["release_id"]
+    assert "composed into this run's guarantee (model.tokenizer_data: same, the default" in other["summary"]
+    assert "independent" not in other["summary"].split("declare")[0]
+    # ... with the unit check too (the message offers the declaration).
+    seq = _train_cfg(cfg.out_dir, corpus, tmp_path, "data.unit=sequence")
+    with pytest.raises(ConfigError, match=r"data\.unit: 'sequence'.*declare model\.tokenizer_data: independent"):
+        tokenizer_for_run(seq.model, seq.data, data_sha256="0" * 64)
+    # Declared independent: not composed, and worded so.
+    ind = _train_cfg(cfg.out_dir, corpus, tmp_path, "model.tokenizer_data=independent")
+    other = tokenizer_for_run(ind.model, ind.data, data_sha256="0" * 64)
+    assert other["kind"] == "private-dp" and not other["compose"] and other["release"] is None
+    assert other["summary"].endswith("not composed: declared independent by model.tokenizer_data; "
+                                     "if the two sources share individuals, the ε add up")
+    # ... which the same source (same file contents) contradicts.
+    with pytest.raises(ConfigError, match=r"model\.tokenizer_data: 'independent', but .* this very data source"):
+        tokenizer_for_run(ind.model, ind.data, data_sha256=sha)
     with pytest.raises(ConfigError, match=r"privacy\.delta"):
         tokenizer_for_run(train_cfg.model, _train_cfg(cfg.out_dir, corpus, tmp_path).data,
                           data_sha256=sha, delta=info["privacy"]["delta_threshold"] / 2)
@@ -359,3 +376,155 @@ def test_pretrained_model_adapted_to_the_private_tokenizer(trained, corpus, tmp_
     report = build_report(prepared.run_dir)
     assert "adapted to the private tokenizer" in report["tokenizer"]["model_vocabulary"]
     assert report["tokenizer"]["vocab_adaptation"] == stats
+
+
+# ----------------------------------------------------------------------------- issue 12, items 4 and 7
+
+
+def _report_after_steps(train_cfg):
+    """prepare() the run, write its steps to its ledger as the ledger service does, and
+    build its report (no training: the report is a function of the ledger and plan)."""
+    from llmdp.privacy.ledger import LedgerWriter
+    from llmdp.report import build_report
+    from llmdp.trainer import prepare
+
+    prepared = prepare(train_cfg, log=lambda *_: None)
+    plan = prepared.plan
+    w = LedgerWriter(prepared.ledger_service["run_ledger"], run_id=prepared.run_id, attempt="0",
+                     meta=prepared.ledger_meta, block_size=4, total_steps=plan.steps)
+    for s in range(plan.steps):
+        w.ensure(s, plan.step_event())
+    return prepared, build_report(prepared.run_dir)
+
+
+def _tok_event(info):
+    p = info["privacy"]
+    return dp_accounting.GaussianDpEvent(p["noise_std"] / math.sqrt(p["max_words_per_unit"])), p["delta_threshold"]
+
+
+def _training_event(plan):
+    return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        plan.sampling_probability, dp_accounting.GaussianDpEvent(plan.noise_multiplier)), plan.steps)
+
+
+@pytest.fixture(scope="module")
+def other_corpus(tmp_path_factory):
+    """Another file (other notes): llmdp cannot tell whether it holds the same people."""
+    return write_notes(tmp_path_factory.mktemp("othercorpus") / "other.jsonl", N_NOTES, seed=1)
+
+
+def test_tokenizer_on_another_source_is_composed_by_default(trained, other_corpus, tmp_path, monkeypatch):
+    """model.tokenizer_data: same (default): a DP tokenizer trained on another file is
+    composed into the run's guarantee; ε equals dp-accounting on the composition."""
+    tmp, cfg, info = trained
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    prepared, report = _report_after_steps(
+        _train_cfg(cfg.out_dir, other_corpus, tmp_path, "privacy.noise_multiplier=1.5",
+                   "privacy.target_epsilon=null"))
+    plan = prepared.plan
+    tok_event, d_thr = _tok_event(info)
+    acc = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(dp_accounting.ComposedDpEvent([tok_event, _training_event(plan)]))
+    assert report["epsilon"] == pytest.approx(acc.get_epsilon(plan.delta - d_thr) - math.log1p(-d_thr), rel=1e-9)
+    acc = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    assert report["epsilon_training_only"] == pytest.approx(
+        acc.compose(_training_event(plan)).get_epsilon(plan.delta), rel=1e-9)
+    assert report["epsilon"] > report["epsilon_training_only"]
+    t = report["tokenizer"]
+    assert t["composed_into_guarantee"] and t["tokenizer_data"] == "same"
+    assert "another data source, which may share individuals" in t["note"]
+    assert "model.tokenizer_data: same, the default" in t["note"]
+    assert not any("independent" in x for x in report["data_accesses_not_covered"])
+    # The release is in this data's ledger (its budget) too.
+    assert (tok_event, 1) in Ledger(prepared.ledger_service["dataset_ledger"]).entries()
+
+
+def test_tokenizer_declared_independent_is_not_composed_and_said_so(trained, other_corpus, tmp_path,
+                                                                     monkeypatch):
+    from llmdp.report import render_markdown
+
+    tmp, cfg, info = trained
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    prepared, report = _report_after_steps(
+        _train_cfg(cfg.out_dir, other_corpus, tmp_path, "privacy.noise_multiplier=1.5",
+                   "privacy.target_epsilon=null", "model.tokenizer_data=independent"))
+    plan = prepared.plan
+    acc = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    alone = acc.compose(_training_event(plan)).get_epsilon(plan.delta)
+    assert report["epsilon"] == pytest.approx(alone, rel=1e-9)
+    wording = ("not composed: declared independent by model.tokenizer_data; if the two sources "
+               "share individuals, the ε add up")
+    t = report["tokenizer"]
+    assert not t["composed_into_guarantee"] and t["tokenizer_data"] == "independent"
+    assert wording in t["note"] and t["composition"].startswith("not composed: declared independent")
+    assert any(wording in x for x in report["data_accesses_not_covered"])
+    assert "covered by its own guarantee" not in json.dumps(report)
+    assert wording in render_markdown(report)
+    tok_event, _ = _tok_event(info)
+    assert tok_event not in [e for e, _ in Ledger(prepared.ledger_service["dataset_ledger"]).entries()]
+
+
+def test_tokenizer_data_is_validated():
+    with pytest.raises(ConfigError, match=r"model\.tokenizer_data: 'indep' is not one of \['same', 'independent'\]"):
+        load_recipe(DEMO_TRAIN_RECIPE, ["model.tokenizer_data=indep"])
+
+
+@pytest.fixture(scope="module")
+def seeded_tokenizer(tmp_path_factory, corpus):
+    tmp = tmp_path_factory.mktemp("seededtok")
+    cfg, info = _train(tmp, corpus, rng="seeded", seed=7)
+    assert info["privacy"]["rng"] == "seeded"
+    return tmp, cfg, info
+
+
+def test_seeded_tokenizer_release_is_labelled_seeded(seeded_tokenizer, corpus, tmp_path, monkeypatch):
+    """Issue 12 item 4: a run on a secure RNG with a seeded private tokenizer is reported
+    as seeded, with the warning, not "RNG: secure"."""
+    from llmdp.report import render_markdown
+
+    tmp, cfg, info = seeded_tokenizer
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path, "privacy.noise_multiplier=1.5",
+                           "privacy.target_epsilon=null")
+    assert train_cfg.privacy.rng == "secure"
+    _, report = _report_after_steps(train_cfg)
+    assert report["rng_mode"] == "seeded" and report["tokenizer"]["rng"] == "seeded"
+    assert "NO privacy guarantee against anyone who knows that seed" in report["rng_warning"]
+    assert "private tokenizer" in report["rng_warning"]
+    md = render_markdown(report)
+    assert "| RNG mode | seeded |" in md and "> **Warning:**" in md
+    # Declared independent (not composed) changes nothing: the vocabulary is in the model.
+    ind = _train_cfg(cfg.out_dir, write_notes(tmp_path / "o.jsonl", 50, seed=3), tmp_path,
+                     "privacy.noise_multiplier=1.5", "privacy.target_epsilon=null",
+                     "model.tokenizer_data=independent", "output.name=ind")
+    _, report = _report_after_steps(ind)
+    assert report["rng_mode"] == "seeded" and "private tokenizer" in report["rng_warning"]
+
+
+def test_seeded_tokenizer_run_is_refused_by_export(seeded_tokenizer, corpus, tmp_path, monkeypatch):
+    from llmdp.export import ExportError, export_run
+    from llmdp.report import write_report
+    from llmdp.trainer import prepare
+    from llmdp.worker import LocalContext, train_loop_per_worker
+
+    tmp, cfg, info = seeded_tokenizer
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path, "privacy.noise_multiplier=1.5",
+                           "privacy.target_epsilon=null", "train.steps=2", "train.checkpoint_every=2",
+                           "train.expected_batch_size=8", "train.physical_batch_size=8",
+                           "data.sequence_length=32", "optim.warmup_steps=0", "model.tiny.hidden_size=16",
+                           "model.tiny.num_layers=1", "model.tiny.intermediate_size=32",
+                           "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1")
+    prep = prepare(train_cfg, log=lambda *_: None)
+    ckpt = os.path.join(prep.run_dir, "checkpoints", "checkpoint_000000")
+    train_loop_per_worker(prep.worker_config(), LocalContext(checkpoint_dir=ckpt))
+    report = write_report(prep.run_dir)
+    assert report["status"] == "complete" and report["rng_mode"] == "seeded"
+    with pytest.raises(ExportError, match=r"seeded RNG \(the private tokenizer .*privacy\.rng: seeded\)"):
+        export_run(prep.run_dir, tmp_path / "out", log=lambda *a: None)
+    # A report written before this check (saying "secure") does not get it through either.
+    stored = json.load(open(os.path.join(prep.run_dir, "privacy_report.json")))
+    stored.update(rng_mode="secure", rng_warning=None)
+    json.dump(stored, open(os.path.join(prep.run_dir, "privacy_report.json"), "w"))
+    with pytest.raises(ExportError, match=r"seeded RNG \(the private tokenizer"):
+        export_run(prep.run_dir, tmp_path / "out2", log=lambda *a: None)
