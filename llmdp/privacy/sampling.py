@@ -6,9 +6,10 @@ DESIGN §3.3: the sampler must be exactly what the accountant assumes.
 * `PoissonSampler` is the sampling of `PoissonSampledDpEvent(q, ...)`: at every step,
   every privacy unit is included independently with probability q.
 * `TruncatedPoissonSampler` is the sampling of
-  `TruncatedSubsampledGaussianDpEvent(N, q, B_max, ...)`: the same Poisson draw, and
-  when it holds more than B_max units, a uniformly random subset of exactly B_max of
-  them.
+  `TruncatedSubsampledGaussianDpEvent(N + 1, q, B_max, ...)` for a sampler over N units
+  (dp-accounting's size is that of the dataset holding the added unit): the same Poisson
+  draw, and when it holds more than B_max units, a uniformly random subset of exactly
+  B_max of them.
 
 Both draws are unpredictable to an adversary and exact:
 
