@@ -37,29 +37,82 @@ def test_epsilon_matches_dp_accounting(capsys):
     assert out["sampling_probability"] == pytest.approx(0.02)
 
 
+# The planner's own names: a user of the command line never typed them.
+INTERNAL_NAMES = ("expected_batch_size", "dataset_size", "default_delta", "target_epsilon",
+                  "noise_multiplier", "max_noise_multiplier", "sampling_probability", "steps=",
+                  "epochs=", "delta=", "accountant=")
+
+GOOD = {"--dataset-size": "1000", "--batch-size": "10", "--steps": "5", "--noise-multiplier": "1",
+        "--target-epsilon": "3", "--delta": "1e-5"}
+
+
+def _argv(command, **bad):
+    flags = dict(GOOD)
+    flags.pop("--target-epsilon" if command == "epsilon" else "--noise-multiplier")
+    for k, v in bad.items():
+        flag = "--" + k.replace("_", "-")
+        if flag == "--epochs":
+            flags.pop("--steps")
+        flags[flag] = v
+    return ["privacy", command, *(f"{k}={v}" for k, v in flags.items())]
+
+
 @pytest.mark.parametrize(
-    "argv,needle",
+    "command,bad,needle",
     [
-        (["--dataset-size", "1000", "--batch-size", "10", "--steps", "5", "--noise-multiplier", "1",
-          "--delta", "0.01"], "below 1/N"),
-        (["--dataset-size", "1000", "--batch-size", "2000", "--steps", "5", "--noise-multiplier", "1"],
-         "expected_batch_size"),
-        (["--dataset-size", "1000", "--batch-size", "10", "--steps", "0", "--noise-multiplier", "1"],
-         "steps"),
+        ("epsilon", {"dataset_size": "0"}, "--dataset-size 0"),
+        ("epsilon", {"dataset_size": "-5"}, "--dataset-size -5"),
+        ("epsilon", {"batch_size": "0"}, "--batch-size 0"),
+        ("calibrate", {"batch_size": "-1"}, "--batch-size -1"),
+        ("epsilon", {"batch_size": "nan"}, "--batch-size nan"),
+        ("epsilon", {"batch_size": "inf"}, "--batch-size inf"),
+        ("epsilon", {"batch_size": "2000"}, "--batch-size 2000 is more than --dataset-size 1000"),
+        ("calibrate", {"batch_size": "2000"}, "--batch-size 2000 is more than --dataset-size 1000"),
+        ("epsilon", {"steps": "0"}, "--steps 0"),
+        ("calibrate", {"steps": "-2"}, "--steps -2"),
+        ("epsilon", {"epochs": "0"}, "--epochs 0"),
+        ("calibrate", {"epochs": "nan"}, "--epochs nan"),
+        ("epsilon", {"noise_multiplier": "0"}, "--noise-multiplier 0"),
+        ("epsilon", {"noise_multiplier": "-1"}, "--noise-multiplier -1"),
+        ("epsilon", {"noise_multiplier": "inf"}, "--noise-multiplier inf"),
+        ("calibrate", {"target_epsilon": "0"}, "--target-epsilon 0"),
+        ("calibrate", {"target_epsilon": "-3"}, "--target-epsilon -3"),
+        ("calibrate", {"target_epsilon": "nan"}, "--target-epsilon nan"),
+        ("epsilon", {"delta": "0"}, "--delta 0 must be a number > 0; use e.g. --delta 1e-05"),
+        ("calibrate", {"delta": "-1e-5"}, "--delta -1e-05 must be a number > 0"),
+        ("epsilon", {"delta": "0.01"}, "--delta 0.01 must be below 1/N = 0.001 (--dataset-size 1000)"),
+        ("calibrate", {"delta": "2"}, "--delta 2 must be below 1/N"),
     ],
 )
-def test_bad_plans_exit_2_with_a_message(capsys, argv, needle):
-    assert main(["privacy", "epsilon", *argv]) == 2
+def test_bad_flags_exit_2_naming_the_flag_not_internal_names(capsys, command, bad, needle):
+    assert main(_argv(command, **bad)) == 2
     err = capsys.readouterr().err
-    assert needle in err and err.startswith("llmdp: error:")
+    assert err.startswith("llmdp: error:") and needle in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not [n for n in INTERNAL_NAMES if n in err], err
 
 
-def test_unreachable_target_names_the_knobs(capsys):
+def test_unreachable_target_names_the_flags(capsys):
     rc = main(["privacy", "calibrate", "--dataset-size", "1000", "--batch-size", "900", "--steps",
                "10000", "--target-epsilon", "0.01", "--delta", "1e-5"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "unreachable" in err and "steps" in err
+    assert "--target-epsilon 0.01 is unreachable" in err and "--steps" in err and "--batch-size" in err
+    # The floor it quotes is the epsilon at the largest noise multiplier tried, from dp-accounting.
+    assert f"epsilon = {direct_epsilon(0.9, 100.0, 10000, 1e-5):.4g}" in err, err
+    assert not [n for n in INTERNAL_NAMES if n in err], err
+
+
+def test_version_is_the_package_version(capsys):
+    import re
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    version = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"llmdp {version}"
 
 
 BASE = """
