@@ -277,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PlanError, ValueError, BudgetError, ExportError) as e:
         print(f"llmdp: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        # Ctrl-C: a training run has written its report (status: interrupted) already.
+        from llmdp.trainer import RunInterrupted
+
+        why = str(e) if isinstance(e, RunInterrupted) else "interrupted"
+        print(f"llmdp: {why}", file=sys.stderr)
+        return 130
     return 1
 
 
