@@ -1032,3 +1032,48 @@ def test_warmup_ratio_out_of_range(in_tmp, value):
     with pytest.raises(ConfigError) as e:
         recipe_from_dict(_edit("optim.warmup_ratio", value))
     assert f"optim.warmup_ratio: {float(value)!r} is out of range" in str(e.value), str(e.value)
+
+
+def test_readme_documents_the_cache_and_max_units(monkeypatch, tmp_path):
+    from llmdp.trainer import cache_root
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert "`data.max_units: K`" in text
+    assert "`LLMDP_CACHE`" in text and "`.cache/llmdp` under the current directory" in text
+    for sub in ("`models/`", "`units/`", "`ledgers/`"):
+        assert sub in text, sub
+    # What the README says the code does: the default and the variable.
+    monkeypatch.delenv("LLMDP_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert cache_root() == os.path.join(str(tmp_path), ".cache", "llmdp")
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "elsewhere"))
+    assert cache_root() == str(tmp_path / "elsewhere")
+
+
+@pytest.mark.slow  # generates and tokenizes the demo's 5,000 notes (~40 s on 2 cores)
+def test_readme_demo_figures_match_the_data_preparation(tmp_path):
+    """N, q, δ and σ that the README quotes for `make demo` are what the recipe produces
+    (the data preparation and the plan of recipes/tiny-cpu.yaml, no training)."""
+    import re
+
+    from llmdp.trainer import prepare
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    m = re.search(r"packs the 5,000 notes into N = ([\d,]+) units of 128 tokens, samples "
+                  r"B = 256 units per step \(q = ([\d.]+)\) for T = 50 steps, calibrates "
+                  r"σ = ([\d.]+) for ε = 8 at δ = ([\de.-]+)", text)
+    assert m, "the README's demo paragraph changed; update this test with it"
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        cfg = load_recipe("recipes/tiny-cpu.yaml", [
+            f"data.path={tmp_path / 'clinical_notes.jsonl'}", f"output.dir={tmp_path / 'runs'}"])
+    finally:
+        os.chdir(cwd)
+    plan = prepare(cfg, log=lambda *a: None).plan
+    assert int(m.group(1).replace(",", "")) == plan.dataset_size
+    assert m.group(2) == f"{plan.sampling_probability:.3g}"
+    assert m.group(3) == f"{plan.noise_multiplier:.3g}"
+    assert float(m.group(4)) == plan.delta
