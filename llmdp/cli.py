@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmdp", description="Differentially private fine-tuning of HF causal LMs on Ray Train."
     )
+    from llmdp import __version__
+
+    parser.add_argument("--version", action="version", version=f"llmdp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="run a recipe: llmdp train RECIPE [key.sub=value ...]")
@@ -101,20 +104,81 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan_from_args(a, *, calibrate: bool):
-    from llmdp.privacy.plan import make_plan
+class FlagError(ValueError):
+    """A bad command-line value; the message names the flag, the value and the fix."""
 
-    return make_plan(
+
+def _check_plan_flags(a, *, calibrate: bool) -> None:
+    """Check every flag of `llmdp privacy epsilon|calibrate` here, so that a bad value is
+    reported by its flag (--batch-size), not by the planner's internal names."""
+    import math
+
+    from llmdp.privacy.plan import default_delta
+
+    def finite_positive(flag: str, value: float, what: str) -> None:
+        if not (math.isfinite(value) and value > 0):
+            raise FlagError(f"{flag} {value:g}: {what} must be a finite number > 0")
+
+    n = a.dataset_size
+    if n < 1:
+        raise FlagError(f"--dataset-size {n}: the number of privacy units N must be at least 1")
+    finite_positive("--batch-size", a.batch_size, "the expected batch size B = q*N")
+    if a.batch_size > n:
+        raise FlagError(
+            f"--batch-size {a.batch_size:g} is more than --dataset-size {n}: the expected batch "
+            f"size is q*N with a sampling probability q <= 1; use a --batch-size of at most {n}")
+    if a.steps is not None and a.steps < 1:
+        raise FlagError(f"--steps {a.steps}: the number of DP-SGD steps must be at least 1")
+    if a.epochs is not None:
+        finite_positive("--epochs", a.epochs, "the number of epochs")
+    if calibrate:
+        finite_positive("--target-epsilon", a.target_epsilon, "the target epsilon")
+    else:
+        finite_positive("--noise-multiplier", a.noise_multiplier, "the noise multiplier sigma")
+    if a.delta is not None and not (0 < a.delta < 1.0 / n):
+        fix = (f"e.g. --delta {default_delta(n):g} (or leave --delta out: the default is a "
+               f"power of ten below 1/(10N))")
+        if not a.delta > 0:
+            raise FlagError(f"--delta {a.delta:g} must be a number > 0; use {fix}")
+        raise FlagError(
+            f"--delta {a.delta:g} must be below 1/N = {1.0 / n:.6g} (--dataset-size {n}): a "
+            f"delta that large allows publishing a whole privacy unit. Use a smaller --delta, "
+            f"{fix}")
+
+
+def _plan_from_args(a, *, calibrate: bool):
+    from llmdp.privacy.plan import PlanError, default_delta, make_plan
+
+    _check_plan_flags(a, calibrate=calibrate)
+    kw = dict(
         dataset_size=a.dataset_size,
         expected_batch_size=a.batch_size,
         max_grad_norm=1.0,
         steps=a.steps,
         epochs=a.epochs,
         delta=a.delta,
-        target_epsilon=a.target_epsilon if calibrate else None,
-        noise_multiplier=None if calibrate else a.noise_multiplier,
         accountant=a.accountant,
     )
+    if not calibrate:
+        return make_plan(noise_multiplier=a.noise_multiplier, **kw)
+    max_sigma = 100.0
+    try:
+        return make_plan(target_epsilon=a.target_epsilon, max_noise_multiplier=max_sigma, **kw)
+    except PlanError:
+        # Every flag was checked above: the target cannot be met. Say so in flags.
+        try:
+            floor = f"epsilon = {make_plan(noise_multiplier=max_sigma, **kw).epsilon():.4g}"
+        except PlanError:  # pragma: no cover - the same inputs were accepted above
+            floor = "a larger epsilon"
+        delta = a.delta if a.delta is not None else default_delta(a.dataset_size)
+        length = f"--steps {a.steps}" if a.steps is not None else f"--epochs {a.epochs:g}"
+        raise FlagError(
+            f"--target-epsilon {a.target_epsilon:g} is unreachable with --dataset-size "
+            f"{a.dataset_size} --batch-size {a.batch_size:g} {length} --delta {delta:g} "
+            f"--accountant {a.accountant}: even a noise multiplier of {max_sigma:g} gives "
+            f"{floor}. To make it reachable: fewer --steps/--epochs, a smaller --batch-size, "
+            f"a larger --dataset-size, a larger --target-epsilon, or a larger --delta (still "
+            f"below 1/N)") from None
 
 
 def _print_plan(plan, a, extra: dict) -> None:
@@ -213,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PlanError, ValueError, BudgetError, ExportError) as e:
         print(f"llmdp: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        # Ctrl-C: a training run has written its report (status: interrupted) already.
+        from llmdp.trainer import RunInterrupted
+
+        why = str(e) if isinstance(e, RunInterrupted) else "interrupted"
+        print(f"llmdp: {why}", file=sys.stderr)
+        return 130
     return 1
 
 

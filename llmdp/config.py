@@ -73,6 +73,7 @@ __all__ = [
     "parse_override",
     "recipe_from_dict",
     "to_dict",
+    "warmup_steps_for",
     "validate_recipe",
 ]
 
@@ -251,8 +252,26 @@ class OptimConfig:
     eps: float = _f(1e-8, gt=0)
     momentum: float = _f(0.0, ge=0, lt=1)
     schedule: str = _f("cosine", choices=("constant", "cosine", "linear"))
-    warmup_steps: int = _f(0, ge=0)  # < train.steps when steps is given
+    warmup_steps: int = _f(0, ge=0)  # < train.steps when steps is given; > 0 wins over warmup_ratio
+    # Warmup as a fraction of the run's T steps (floor(ratio * T)), so that it scales with
+    # train.steps / train.epochs; used when warmup_steps is 0 (as in transformers).
+    warmup_ratio: float = _f(0.0, ge=0, lt=1)
     min_lr_ratio: float = _f(0.0, ge=0, le=1)
+
+
+def warmup_steps_for(optim: Any, total_steps: int) -> int:
+    """The warmup length of a run of ``total_steps`` steps: ``optim.warmup_steps`` if it is
+    set (> 0), else ``floor(optim.warmup_ratio * total_steps)``, which is < total_steps.
+    ``optim``: an OptimConfig or its dict (the worker's recipe)."""
+    import math
+
+    get = optim.get if isinstance(optim, dict) else (lambda k, d=None: getattr(optim, k, d))
+    steps = int(get("warmup_steps", 0) or 0)
+    if steps > 0:
+        return steps
+    ratio = float(get("warmup_ratio", 0.0) or 0.0)
+    # 0.2 * 50 is 10.000000000000002 and 0.29 * 100 is 28.999999999999996: floor with a margin.
+    return min(max(0, int(math.floor(ratio * total_steps + 1e-9))), max(0, total_steps - 1))
 
 
 @dataclass(frozen=True)
@@ -553,7 +572,8 @@ def _check_recipe(r: RecipeConfig, prefix: str, base_dir: str) -> RecipeConfig:
     if r.train.steps is not None and r.optim.warmup_steps >= r.train.steps:
         raise ConfigError(
             f"optim.warmup_steps: {r.optim.warmup_steps} must be less than train.steps "
-            f"({r.train.steps})",
+            f"({r.train.steps}); lower optim.warmup_steps, or set optim.warmup_steps=0 and "
+            f"optim.warmup_ratio (e.g. 0.2) so that warmup scales with train.steps",
             key="optim.warmup_steps",
         )
     if r.model.init == "tiny" and r.model.tiny.max_position_embeddings < r.data.sequence_length:

@@ -49,7 +49,10 @@ def _read_jsonl(path: str) -> list[dict]:
     return out
 
 
-def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
+RESUME_HINT = "re-run the same command to resume"
+
+
+def build_report(run_dir: str, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
     from llmdp.privacy import accountant
     from llmdp.privacy.ledger import Ledger
     from llmdp.privacy.plan import DPPlan
@@ -86,6 +89,9 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     step_records = [m for m in metrics if "event" not in m and "step" in m]
     completed = max((m["step"] for m in step_records), default=0)
     stop = next((m for m in reversed(metrics) if m.get("event") == "stopped"), None)
+    # Interrupted (Ctrl-C, SIGTERM) if the driver said so after the latest (re)start.
+    last = next((m for m in reversed(metrics) if m.get("event") in ("interrupted", "start")), None)
+    interrupted = interrupted or (last is not None and last["event"] == "interrupted")
     attempts = sorted({r.get("attempt") for r in records if r.get("kind") == "release"})
     priv = cfg["privacy"]
     # Every DP release behind this model that drew its randomness from a fixed seed: the
@@ -130,9 +136,11 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
         "run_id": plan_info.get("run_id"),
-        "status": "failed" if failure else ("complete" if completed >= plan.steps else
+        "status": "failed" if failure else ("interrupted" if interrupted else
+                                            "complete" if completed >= plan.steps else
                                             "stopped" if stop else "incomplete"),
         "failure": failure,
+        "resume": RESUME_HINT if interrupted and not failure else None,
         "stopped": stop["reason"] if stop else None,
         # ---- the guarantee
         "epsilon": eps[plan.accountant],
@@ -388,8 +396,8 @@ def epsilon_curve(run_dir: str, points: int = 16) -> list[tuple[int, float]]:
     return [(t, composed_epsilon(plan, prior, steps=t)) for t in [0] + ts]
 
 
-def write_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
-    report = build_report(run_dir, failure=failure)
+def write_report(run_dir: str, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
+    report = build_report(run_dir, failure=failure, interrupted=interrupted)
     with open(os.path.join(run_dir, "privacy_report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
     with open(os.path.join(run_dir, "privacy_report.md"), "w", encoding="utf-8") as f:
@@ -452,6 +460,7 @@ def render_markdown(r: dict) -> str:
     if r["status"] != "complete":
         lines += [f"> Run status: **{r['status']}**" + (f" ({r['failure']})" if r.get("failure") else "")
                   + (f" ({r['stopped']})" if r.get("stopped") else "")
+                  + (f" ({r['resume']})" if r.get("resume") else "")
                   + ". The ε above covers every step recorded in the ledger.", ""]
     lines += [
         "## Checklist (How to DP-fy ML, §5.3.3)",

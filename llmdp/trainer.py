@@ -6,7 +6,9 @@ Every path handed to workers is absolute (Ray workers chdir into their own folde
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -257,6 +259,37 @@ def finished_run(cfg: RecipeConfig) -> dict | None:
     return None
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """The run was interrupted (Ctrl-C, SIGTERM); its report says `status: interrupted`."""
+
+
+def resume_point(run_dir: str) -> dict | None:
+    """Where a re-launch of the run in ``run_dir`` starts: ``{"step": k, "attempt": n}``
+    (k: the step of the latest checkpoint, the one Ray Train restores; n: this launch's
+    attempt, counted like the report's attempts), or None for a fresh run."""
+    from llmdp.export import _latest_checkpoint
+    from llmdp.privacy.ledger import Ledger
+
+    ledger_path = os.path.join(run_dir, "ledger.jsonl")
+    try:
+        records = Ledger(ledger_path).records() if os.path.exists(ledger_path) else []
+    except Exception:  # noqa: BLE001 - a damaged ledger is reported by the report, not here
+        records = []
+    attempts = {r.get("attempt") for r in records if r.get("kind") == "release"}
+    ckpt = _latest_checkpoint(run_dir)
+    if ckpt is None and not attempts:
+        return None
+    step = 0
+    if ckpt is not None:
+        import torch
+
+        try:  # mmap: only the step is read, not the parameters or the optimizer state
+            step = int(torch.load(ckpt, map_location="cpu", mmap=True, weights_only=True)["step"])
+        except Exception:  # noqa: BLE001 - a checkpoint Ray cannot read either fails the run later
+            step = "?"
+    return {"step": step, "attempt": len(attempts) + 1}
+
+
 def _plan_json(run_dir: str) -> dict:
     with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
         return json.load(f)
@@ -366,8 +399,9 @@ class _Progress(threading.Thread):
 
 
 def run(cfg: RecipeConfig, log=print) -> str:
-    """Run the recipe end to end; returns the run directory."""
-    from llmdp.report import write_report
+    """Run the recipe end to end; returns the run directory. Ctrl-C raises RunInterrupted
+    after the report (status: interrupted) is written."""
+    from llmdp.report import RESUME_HINT, write_report
 
     done = finished_run(cfg)
     if done is not None:
@@ -387,17 +421,33 @@ def run(cfg: RecipeConfig, log=print) -> str:
     tok = _plan_json(prepared.run_dir).get("tokenizer") or {}
     if tok.get("kind") == "private-dp":
         log(f"tokenizer: {tok['summary']}")
+    resume = resume_point(prepared.run_dir)
+    if resume is not None:
+        log(f"resuming from step {resume['step']} of {plan.steps} (attempt {resume['attempt']})")
     error = None
+    interrupted = False
     try:
         _fit(prepared, log)
+    except (KeyboardInterrupt, SystemExit) as e:
+        # Ctrl-C (or SIGTERM): Ray Train's SIGINT handler aborts the run and exits with
+        # SystemExit; nothing failed, and the same command resumes from the last checkpoint.
+        error, interrupted = e, True
+        with open(os.path.join(prepared.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"event": "interrupted", "time": time.time(),
+                                "by": type(e).__name__}) + "\n")
     except BaseException as e:  # the ledger is durable; still write what we know
         error = e
-    report = write_report(prepared.run_dir, failure=repr(error) if error else None)
+    report = write_report(prepared.run_dir, failure=repr(error) if error and not interrupted else None,
+                          interrupted=interrupted)
     if report.get("stopped"):
         log(f"stopped early: {report['stopped']}")
     log(f"run directory: {prepared.run_dir}")
     log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
     log(f"epsilon = {report['epsilon']:.4f} at delta = {report['delta']:.3g} ({report['accountant']})")
+    if interrupted:
+        raise RunInterrupted(
+            f"interrupted after step {report['steps_completed']} of {plan.steps}; "
+            f"{RESUME_HINT}") from None
     if error is not None:
         raise error
     out = cfg.output
@@ -414,6 +464,29 @@ def run(cfg: RecipeConfig, log=print) -> str:
                 f"`llmdp export {prepared.run_dir} --to {os.path.join(prepared.run_dir, 'export')} "
                 f"--push {out.push_to}`") from None
     return prepared.run_dir
+
+
+# Ray's module that logs, on every local `ray.init`, "Token authentication is enabled for
+# this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out ...": a notice about Ray's own
+# default (a local cluster that llmdp starts and stops), nothing a user of llmdp acts on.
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+_RAY_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropRayAuthNotice(logging.Filter):
+    """Drops that one record; every other Ray warning (the security warning "Token
+    authentication is disabled" included) still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_RAY_AUTH_NOTICE)
+
+
+def quiet_ray_notices() -> None:
+    """Hide Ray's token-authentication notice from llmdp's users (idempotent). A filter on
+    Ray's logger, not RAY_AUTH_MODE: the authentication mode stays Ray's choice."""
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    if not any(isinstance(f, _DropRayAuthNotice) for f in logger.filters):
+        logger.addFilter(_DropRayAuthNotice())
 
 
 def _fit(prepared: PreparedRun, log) -> None:
@@ -435,6 +508,7 @@ def _fit(prepared: PreparedRun, log) -> None:
                                                        if k == "LLMDP_FAULT"}}},
             configure_logging=True,
         )
+        quiet_ray_notices()
         try:
             ray.init(num_cpus=num_cpus, **init)  # a local Ray sized for the workers
         except ValueError as e:
@@ -474,7 +548,12 @@ def _fit(prepared: PreparedRun, log) -> None:
                 checkpoint_config=CheckpointConfig(num_to_keep=2),
             ),
         )
-        trainer.fit()
+        sigint = signal.getsignal(signal.SIGINT)
+        try:
+            trainer.fit()  # installs Ray Train's SIGINT handler (Ctrl-C aborts the run)
+        finally:
+            if threading.current_thread() is threading.main_thread() and sigint is not None:
+                signal.signal(signal.SIGINT, sigint)  # Ctrl-C while the report is written
     finally:
         progress.stop.set()
         progress.join(timeout=5)

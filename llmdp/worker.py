@@ -252,7 +252,9 @@ def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
 
 def lr_lambda(optim_cfg, total_steps: int) -> Callable[[int], float]:
     """Linear warmup, then constant / cosine / linear decay to ``min_lr_ratio``."""
-    warmup = int(optim_cfg["warmup_steps"])
+    from llmdp.config import warmup_steps_for
+
+    warmup = warmup_steps_for(optim_cfg, total_steps)  # warmup_steps, or warmup_ratio * T
     floor = float(optim_cfg["min_lr_ratio"])
     kind = optim_cfg["schedule"]
 

@@ -962,3 +962,118 @@ def test_unit_fields_describe_the_corpus_once():
     d["data"]["unit"] = "user"
     with pytest.raises(ConfigError, match="physical_batch_size: 8 is less than data.max_rows_per_unit"):
         recipe_from_dict(d)
+
+
+# ----------------------------------------------------------------- first contact (issue 12, 11a)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _readme_train_commands() -> list[list[str]]:
+    """Every `llmdp train ...` command line in the README's code blocks, as argv."""
+    import re
+    import shlex
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if len(words) > 2 and words[0].endswith("llmdp") and words[1] == "train":
+                commands.append([w for w in words[2:] if not w.startswith("--")])
+    return commands
+
+
+def test_readme_has_a_short_run_and_every_train_command_in_it_loads(monkeypatch):
+    monkeypatch.chdir(REPO)
+    commands = _readme_train_commands()
+    assert any("train.steps=6" in c for c in commands), commands  # the quick first try
+    for recipe, *overrides in commands:
+        cfg = load_recipe(recipe, overrides)  # raises ConfigError on e.g. warmup >= steps
+        assert cfg.train.steps is None or cfg.train.steps >= 1
+
+
+@pytest.mark.parametrize("steps,warmup", [(6, 1), (12, 2), (50, 10), (300, 60)])
+def test_the_demo_warmup_scales_with_train_steps(monkeypatch, steps, warmup):
+    from llmdp.config import warmup_steps_for
+    from llmdp.worker import lr_lambda
+
+    monkeypatch.chdir(REPO)
+    cfg = load_recipe("recipes/tiny-cpu.yaml", [f"train.steps={steps}"])
+    assert warmup_steps_for(cfg.optim, steps) == warmup
+    f = lr_lambda(to_dict(cfg)["optim"], steps)
+    assert [f(s) for s in range(warmup)] == pytest.approx([(s + 1) / warmup for s in range(warmup)])
+    assert f(warmup) == pytest.approx(1.0)  # the peak learning rate is reached before the end
+
+
+@pytest.mark.parametrize("ratio,total,expected", [(0.0, 10, 0), (0.2, 50, 10), (0.29, 100, 29),
+                                                  (0.7, 10, 7), (0.99, 3, 2), (0.5, 1, 0)])
+def test_warmup_ratio_is_a_floor_below_the_run_length(ratio, total, expected):
+    from llmdp.config import warmup_steps_for
+
+    assert warmup_steps_for({"warmup_steps": 0, "warmup_ratio": ratio}, total) == expected
+    # An explicit warmup_steps wins over the ratio (as in transformers' TrainingArguments).
+    assert warmup_steps_for({"warmup_steps": 3, "warmup_ratio": ratio}, total) == 3
+
+
+def test_user_set_warmup_at_least_steps_names_both_keys_and_the_fix(monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError) as e:
+        load_recipe("recipes/tiny-cpu.yaml", ["train.steps=6", "optim.warmup_steps=6"])
+    msg = str(e.value)
+    assert "optim.warmup_steps: 6 must be less than train.steps (6)" in msg, msg
+    assert "optim.warmup_ratio" in msg and "\n" not in msg, msg
+    assert e.value.key == "optim.warmup_steps"
+
+
+@pytest.mark.parametrize("value", [1, 1.5, -0.1])
+def test_warmup_ratio_out_of_range(in_tmp, value):
+    with pytest.raises(ConfigError) as e:
+        recipe_from_dict(_edit("optim.warmup_ratio", value))
+    assert f"optim.warmup_ratio: {float(value)!r} is out of range" in str(e.value), str(e.value)
+
+
+def test_readme_documents_the_cache_and_max_units(monkeypatch, tmp_path):
+    from llmdp.trainer import cache_root
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert "`data.max_units: K`" in text
+    assert "`LLMDP_CACHE`" in text and "`.cache/llmdp` under the current directory" in text
+    for sub in ("`models/`", "`units/`", "`ledgers/`"):
+        assert sub in text, sub
+    # What the README says the code does: the default and the variable.
+    monkeypatch.delenv("LLMDP_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert cache_root() == os.path.join(str(tmp_path), ".cache", "llmdp")
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "elsewhere"))
+    assert cache_root() == str(tmp_path / "elsewhere")
+
+
+@pytest.mark.slow  # generates and tokenizes the demo's 5,000 notes (~40 s on 2 cores)
+def test_readme_demo_figures_match_the_data_preparation(tmp_path):
+    """N, q, δ and σ that the README quotes for `make demo` are what the recipe produces
+    (the data preparation and the plan of recipes/tiny-cpu.yaml, no training)."""
+    import re
+
+    from llmdp.trainer import prepare
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    m = re.search(r"packs the 5,000 notes into N = ([\d,]+) units of 128 tokens, samples "
+                  r"B = 256 units per step \(q = ([\d.]+)\) for T = 50 steps, calibrates "
+                  r"σ = ([\d.]+) for ε = 8 at δ = ([\de.-]+)", text)
+    assert m, "the README's demo paragraph changed; update this test with it"
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        cfg = load_recipe("recipes/tiny-cpu.yaml", [
+            f"data.path={tmp_path / 'clinical_notes.jsonl'}", f"output.dir={tmp_path / 'runs'}"])
+    finally:
+        os.chdir(cwd)
+    plan = prepare(cfg, log=lambda *a: None).plan
+    assert int(m.group(1).replace(",", "")) == plan.dataset_size
+    assert m.group(2) == f"{plan.sampling_probability:.3g}"
+    assert m.group(3) == f"{plan.noise_multiplier:.3g}"
+    assert float(m.group(4)) == plan.delta
