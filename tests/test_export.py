@@ -514,3 +514,30 @@ def test_curve_and_progress_count_the_ledger_not_completed_steps(full_run, tmp_p
     assert report["epsilon"] <= shown["eps"] <= report["epsilon"] * 1.01
     progress._poll(bar, shown, final=True)
     assert shown["eps"] == report["epsilon"]
+
+
+def test_publishable_report_is_an_allow_list(full_run):
+    """A key the allow-list does not name stays out (a new internal metric is private by
+    default), and a hash of the data inside an allowed text (a stop reason naming the
+    dataset ledger file) is redacted; the guarantee's numbers are kept as they are."""
+    from llmdp.privacy.ledger import Ledger
+    from llmdp.report import PUBLISHABLE_REPORT, publishable_ledger, publishable_report
+
+    full = json.load(open(os.path.join(full_run, "privacy_report.json")))
+    fp = full["dataset_fingerprint"]
+    full["new_internal_count"] = 12345
+    full["sampling"] = {**full["sampling"], "new_internal_rate": 0.5}
+    full["stopped"] = f"budget reached on the dataset ledger /c/ledgers/{fp[:16]}.jsonl"
+    pub = publishable_report(full)
+    assert "new_internal_count" not in pub and "new_internal_rate" not in pub["sampling"]
+    assert set(pub) - {"publishable", "withheld"} <= set(PUBLISHABLE_REPORT)
+    assert fp[:12] not in json.dumps(pub) and pub["stopped"].endswith("ledgers/<hash>.jsonl")
+    for key in ("epsilon", "delta", "epsilon_by_accountant", "noise_multiplier", "steps", "dataset_size"):
+        assert pub[key] == full[key]
+    assert all("time" not in r for r in pub["ledger"]["releases"])
+    records = Ledger(os.path.join(full_run, "ledger.jsonl")).records()
+    assert fp in json.dumps(records)  # the local ledger has it in every line's meta
+    lines = publishable_ledger(records)
+    assert lines and fp[:12] not in json.dumps(lines)
+    assert [(r["event"], r["count"]) for r in lines] == [
+        (r["event"], r["count"]) for r in records if r["kind"] == "release"]
