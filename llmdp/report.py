@@ -551,14 +551,15 @@ PUBLISHABLE_NOTE = ("publishable copy: DP outputs and public configuration only.
                     "stay in the local run directory")
 
 
-def _allowed(value, spec):
+def allow_listed(value, spec):
+    """The part of ``value`` that the allow-list ``spec`` names (a deep, JSON-only copy)."""
     if spec is True or value is None:
         return json.loads(json.dumps(value))  # a deep, JSON-only copy
     if isinstance(value, list):
-        return [_allowed(v, spec) for v in value]
+        return [allow_listed(v, spec) for v in value]
     if not isinstance(value, dict):
         return None  # a scalar where the allow-list expects a mapping: not published
-    return {k: _allowed(value[k], sub) for k, sub in spec.items() if k in value}
+    return {k: allow_listed(value[k], sub) for k, sub in spec.items() if k in value}
 
 
 # A maximal run of 13+ hex digits with a letter and a digit: a hash (decimal numbers have no
@@ -597,7 +598,7 @@ def _data_hashes(report: dict) -> tuple[str, ...]:
 def publishable_report(report: dict) -> dict[str, Any]:
     """The report that may leave the machine, derived from the full local one by the
     `PUBLISHABLE_REPORT` allow-list; hashes are redacted from its texts."""
-    pub = _redact_hashes(_allowed(report, PUBLISHABLE_REPORT), _data_hashes(report))
+    pub = _redact_hashes(allow_listed(report, PUBLISHABLE_REPORT), _data_hashes(report))
     pub["publishable"] = True
     pub["withheld"] = PUBLISHABLE_NOTE
     return pub
@@ -616,7 +617,7 @@ def publishable_ledger(records, prior_releases=(), secrets: tuple[str, ...] = ()
     records = list(records)
     secrets = tuple(secrets) + tuple((r.get("meta") or {}).get("dataset_fingerprint") or ""
                                      for r in records)
-    out = [_allowed(r, PUBLISHABLE_LEDGER_RECORD) for r in prior + records
+    out = [allow_listed(r, PUBLISHABLE_LEDGER_RECORD) for r in prior + records
            if r.get("kind") == "release"]
     return _redact_hashes(out, secrets)
 

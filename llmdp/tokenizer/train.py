@@ -148,9 +148,9 @@ PUBLIC_INFO: dict = {
 
 def publishable_tokenizer_info(info: dict) -> dict:
     """The part of a tokenizer's info that its folder may hold (`PUBLIC_INFO`)."""
-    from llmdp.report import _allowed
+    from llmdp.report import allow_listed
 
-    return _allowed(info, PUBLIC_INFO)
+    return allow_listed(info, PUBLIC_INFO)
 
 
 def private_facts_path(folder: str) -> str:
