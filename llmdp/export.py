@@ -9,11 +9,13 @@ The folder (`export_run`):
   its Hub id, never a local path), or, with ``--merge``, the base with the adapter merged
   in (``merge_and_unload``); a full fine-tune is exported as full weights. safetensors only;
 - the tokenizer;
-- ``privacy_report.json`` / ``.md`` / ``.png`` and the run's ``ledger.jsonl`` (local paths
-  replaced by their last component);
+- the publishable ``privacy_report.json`` / ``.md`` / ``.png`` and ``ledger.jsonl``
+  (`llmdp.report.publishable_report` / `publishable_ledger`: allow-lists of DP outputs and
+  public configuration; no data statistics, internal metrics, loss curve or data hash;
+  local paths replaced by their last component). The run directory keeps the full ones;
 - ``README.md``: a model card whose YAML metadata (license, base_model, library_name,
   tags, datasets when public, and a ``differential_privacy`` block) and privacy section are
-  generated from the report (`model_card`);
+  generated from the publishable report (`model_card`);
 - ``llmdp_export.json``: what was exported and whether the run was verified.
 
 Before anything is written the run is verified (`verify_run`): its ledger and report exist
@@ -323,8 +325,10 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         *[f"| {r['run_id']} | {r['count']} | {r['mechanism']} |" for r in report["ledger"]["releases"]],
         "",
         "The files `privacy_report.json`, `privacy_report.md`, `privacy_report.png` and `ledger.jsonl` "
-        "hold the full report and the ledger it was computed from (every (event, count) release; "
-        "anyone can recompute ε from it with dp-accounting).",
+        "hold the publishable report and the ledger it was computed from (every (event, count) release; "
+        "anyone can recompute ε from it with dp-accounting). They carry DP outputs and public "
+        "configuration only: statistics and metrics computed on the private data without DP, and "
+        "fingerprints of that data, are not published.",
         "",
         "## Use",
         "",
@@ -454,6 +458,37 @@ def _saved_dtype(model_dir: str):
     return getattr(torch, str(name), torch.float32)
 
 
+def _publishable(run_dir: str, report: dict) -> dict:
+    """The publishable report of the run (`llmdp.report.publishable_report`), with the
+    ledger's ε curve (computed now when the stored report has none)."""
+    from llmdp.report import epsilon_curve, publishable_report
+
+    full = dict(report)
+    if not full.get("epsilon_curve") and os.path.exists(os.path.join(run_dir, "ledger.jsonl")):
+        full["epsilon_curve"] = [[t, e] for t, e in epsilon_curve(run_dir)]
+    return publishable_report(full)
+
+
+def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
+    """privacy_report.json / .md / .png and ledger.jsonl of the export, from `pub` and the
+    run's ledger through the allow-lists of llmdp.report; nothing is copied as is."""
+    from llmdp.report import plot_publishable, publishable_ledger, render_publishable_markdown
+
+    with open(os.path.join(out, "privacy_report.json"), "w", encoding="utf-8") as f:
+        json.dump(pub, f, indent=2)
+    with open(os.path.join(out, "privacy_report.md"), "w", encoding="utf-8") as f:
+        f.write(render_publishable_markdown(pub))
+    plot_publishable(pub, os.path.join(out, "privacy_report.png"))
+    path = os.path.join(run_dir, "ledger.jsonl")
+    if os.path.exists(path):
+        from llmdp.privacy.ledger import Ledger
+
+        info = _read_json(os.path.join(run_dir, "plan.json")) or {}
+        lines = publishable_ledger(Ledger(path).records(), info.get("prior_releases") or [])
+        with open(os.path.join(out, "ledger.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(rec, sort_keys=True) + "\n" for rec in lines)
+
+
 def _list_files(folder: str) -> list[tuple[str, int]]:
     out = []
     for root, _, files in os.walk(folder):
@@ -503,14 +538,10 @@ def export_run(
         _copy_files(os.path.join(run_dir, "model"), tmp, _TOKENIZER_FILES)
         roots = tuple(sorted({run_dir, os.path.dirname(run_dir), os.getcwd(),
                               os.path.expanduser("~")}, key=len, reverse=True))
-        clean = _scrub(report, roots)
-        with open(os.path.join(tmp, "privacy_report.json"), "w", encoding="utf-8") as f:
-            json.dump(clean, f, indent=2)
-        from llmdp.report import render_markdown
-
-        with open(os.path.join(tmp, "privacy_report.md"), "w", encoding="utf-8") as f:
-            f.write(render_markdown(clean))
-        _copy_files(run_dir, tmp, ("privacy_report.png", "ledger.jsonl"))
+        # Only DP outputs and public configuration leave (DESIGN §3.9): the report, its plot,
+        # the ledger and the card are the publishable ones, derived from the local report.
+        clean = _scrub(_publishable(run_dir, report), roots)
+        _write_publishable(run_dir, tmp, clean)
         card = model_card(clean, _scrub(cfg, roots), fmt=fmt, base_model=base_id, license=license,
                           unverified=problems, repo_id=push)
         card.save(os.path.join(tmp, "README.md"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import yaml
@@ -31,6 +32,7 @@ INTERNAL_METRICS = {
     "sample_truncated": "whether the step's Poisson draw exceeded max_batch_size (truncated Poisson)",
     "data_statistics": "counts of records, rows, tokens, truncated documents and capped users "
     "(N, the number of units, is used by the accountant and published as is)",
+    "step_time_s": "wall time of the step (grows with the realized sample size)",
 }
 
 
@@ -189,7 +191,8 @@ def build_report(run_dir: str, failure: str | None = None, interrupted: bool = F
             "release listed above (a tokenizer not made by llmdp is assumed public)",
             *_tokenizer_not_covered(plan_info),
             "dataset statistics used to plan the run (N, number of units) are published as is",
-            "metrics listed under internal_metrics",
+            "metrics computed on the private data without DP (internal: listed in the local "
+            "report, never published)",
         ],
         "tokenizer": _tokenizer_section(cfg, plan_info),
         # ---- the mechanism's numbers
@@ -378,26 +381,57 @@ def _sampling_section(plan, seeded: bool, truncated_steps: int, completed: int) 
     }
 
 
+def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None = None,
+                   exact: bool = True) -> tuple[int, float]:
+    """(ledger steps, ε) of the prior releases composed with the first `steps` steps (all
+    by default) recorded in the run's ledger, at the plan's δ with its accountant: the
+    report's ε when all are taken and ``exact``. The ledger, not the completed steps: steps
+    re-executed after a failure were released twice, and write-ahead blocks count too.
+    ``exact=False``: PLD on the coarser display grid (conservative, ~10x faster)."""
+    from llmdp.privacy import accountant as acc
+    from llmdp.privacy.ledger import Ledger
+    from llmdp.privacy.plan import release_entries
+
+    entries = Ledger(ledger_path).entries() if os.path.exists(ledger_path) else []
+    total = sum(int(c) for _, c in entries)
+    steps = total if steps is None else min(int(steps), total)
+    kept, left = [], steps
+    for event, count in entries:  # the first `steps` steps, in ledger order
+        if left <= 0:
+            break
+        kept.append((event, min(int(count), left)))
+        left -= kept[-1][1]
+    prior, d_thr = release_entries(list(prior_releases))
+    if not prior and not kept:
+        return steps, 0.0
+    interval = None if exact or plan.accountant != "pld" else acc.PLD_DISPLAY_DISCRETIZATION_INTERVAL
+    return steps, acc.epsilon_with_threshold(prior + kept, plan.delta, d_thr, plan.accountant, interval)
+
+
 def epsilon_curve(run_dir: str, points: int = 16) -> list[tuple[int, float]]:
-    """ε after t steps of this run's plan, at a few t: the curve of the plot (a fast,
-    conservative PLD estimate; the reported ε is computed from the ledger)."""
+    """ε after the first t steps recorded in the run's ledger, at a few t: the curve of the
+    plot. Starts at the earlier releases' ε (a private tokenizer's), and its last point is
+    the reported ε (same composition, same grid); the others use the display grid."""
     from llmdp.privacy.plan import DPPlan
 
     with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
-        plan = DPPlan.from_dict(json.load(f)["plan"])
-    with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
-        prior = json.load(f).get("prior_releases") or []
-    ts = sorted({max(1, round(plan.steps * i / points)) for i in range(1, points + 1)})
-    if not prior:
-        return [(0, 0.0)] + [(t, plan.epsilon_estimate(t)) for t in ts]
-    from llmdp.privacy.plan import composed_epsilon
+        info = json.load(f)
+    plan = DPPlan.from_dict(info["plan"])
+    prior = info.get("prior_releases") or []
+    path = os.path.join(run_dir, "ledger.jsonl")
+    from llmdp.privacy.ledger import Ledger
 
-    # Starts at the tokenizer's ε: the model's guarantee covers both releases.
-    return [(t, composed_epsilon(plan, prior, steps=t)) for t in [0] + ts]
+    total = sum(int(c) for _, c in Ledger(path).entries()) if os.path.exists(path) else 0
+    ts = sorted({max(1, round(total * i / points)) for i in range(1, points + 1)}) if total else []
+    return [ledger_epsilon(path, plan, prior, steps=t, exact=(t == total)) for t in [0] + ts]
 
 
 def write_report(run_dir: str, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
     report = build_report(run_dir, failure=failure, interrupted=interrupted)
+    try:  # the plot's curve, kept for the publishable report (export renders its PNG from it)
+        report["epsilon_curve"] = [[t, e] for t, e in epsilon_curve(run_dir)]
+    except Exception as e:  # a curve must never lose a report
+        report["plot_error"] = repr(e)
     with open(os.path.join(run_dir, "privacy_report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
     with open(os.path.join(run_dir, "privacy_report.md"), "w", encoding="utf-8") as f:
@@ -409,24 +443,29 @@ def write_report(run_dir: str, failure: str | None = None, interrupted: bool = F
     return report
 
 
+def _epsilon_panel(ax, curve, report: dict) -> None:
+    ax.plot([t for t, _ in curve], [e for _, e in curve], color="tab:red")
+    ax.set_xlabel("steps recorded in the ledger")
+    ax.set_ylabel(f"epsilon at delta={report['delta']:.0e} ({report['accountant']})")
+    ax.set_title("privacy spent")
+    ax.grid(alpha=0.3)
+    if report.get("target_epsilon"):
+        ax.axhline(report["target_epsilon"], ls="--", color="gray", label="target")
+        ax.legend()
+
+
 def plot(run_dir: str, report: dict) -> str:
+    """The local run's plot: ε spent (from the ledger) and the internal training loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curve = epsilon_curve(run_dir)
+    curve = report.get("epsilon_curve") or epsilon_curve(run_dir)
     metrics = [m for m in _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
                if "event" not in m and m.get("train_loss") is not None]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax1.plot([t for t, _ in curve], [e for _, e in curve], color="tab:red")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel(f"epsilon at delta={report['delta']:.0e} ({report['accountant']})")
-    ax1.set_title("privacy spent")
-    ax1.grid(alpha=0.3)
-    if report.get("target_epsilon"):
-        ax1.axhline(report["target_epsilon"], ls="--", color="gray", label="target")
-        ax1.legend()
+    _epsilon_panel(ax1, curve, report)
     if metrics:
         steps = [m["step"] for m in metrics]
         loss = [m["train_loss"] for m in metrics]
@@ -522,3 +561,221 @@ def render_markdown(r: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- what is published
+#
+# DESIGN §3.9: an export (or anything meant for publication) holds DP releases and public
+# configuration only. The publishable report and ledger are derived from the local ones by
+# ALLOW-lists: a key not named here (a new internal metric, a data statistic, a hash) stays
+# out by default. `True` keeps the value (strings still pass `_redact_hashes`); a dict keeps
+# only the keys it names (applied to every item of a list).
+
+_PUBLIC_UNIT = {"kind": True, "description": True, "sequence_length": True, "max_rows_per_unit": True,
+                "max_tokens_per_unit": True, "document_masking": True, "user_field": True}
+
+PUBLISHABLE_REPORT: dict[str, Any] = {
+    "report_version": True, "run_id": True, "status": True, "stopped": True, "resume": True,
+    # the guarantee
+    "epsilon": True, "delta": True, "accountant": True, "epsilon_by_accountant": True,
+    "epsilon_training_only": True, "delta_threshold_of_earlier_releases": True,
+    "target_epsilon": True, "epsilon_planned": True, "dp_setting": True, "unit": True,
+    "unit_description": True, "unit_size": _PUBLIC_UNIT, "contribution_bound": True,
+    "adjacency": True, "mechanism_output": True, "data_accesses_covered": True,
+    "data_accesses_not_covered": True,
+    "tokenizer": {"kind": True, "composed_into_guarantee": True, "model_vocabulary": True,
+                  "vocab_size": True, "vocab_adaptation": True, "trained_by_this_run": True,
+                  "tokenizer_data": True, "composition": True, "rng": True, "note": True},
+    # the mechanism's numbers (N is used by the accountant and published as is)
+    "steps": True, "steps_planned": True, "steps_completed": True, "attempts": True,
+    "steps_lost_to_failures": True,
+    "dataset_ledger": {"epsilon_spent": True, "budget_epsilon": True, "epsilon_remaining": True,
+                       "delta": True, "accountant": True, "unit": True},
+    "noise_multiplier": True, "sampling_probability": True, "expected_batch_size": True,
+    "dataset_size": True, "max_grad_norm": True, "noise_std_per_coordinate": True,
+    "clipping": True, "normalization": True,
+    "sampling": {"assumed": True, "used": True, "honoured": True, "max_batch_size": True,
+                 "truncation_probability_per_step": True, "truncation_epsilon_cost": True,
+                 "note": True},
+    "rng_mode": True, "rng_warning": True, "rng_seeded_sources": True,
+    "ledger": {"path": True, "releases": {"run_id": True, "attempt": True, "first_step": True,
+                                          "count": True, "event": True, "mechanism": True,
+                                          "epsilon_alone": True, "delta_threshold": True}},
+    "epsilon_curve": True,  # ε of ledger prefixes: a function of the releases only
+}
+
+PUBLISHABLE_LEDGER_RECORD: dict[str, Any] = {
+    "kind": True, "event": True, "count": True, "first_step": True, "run_id": True, "attempt": True,
+    "extra": {"mechanism": True, "noise_std": True, "threshold": True, "max_words_per_unit": True,
+              "delta_threshold": True},
+    "meta": {"mechanism": True, "unit": _PUBLIC_UNIT, "rng": True, "sampler": True,
+             "relation": True, "dataset_size": True},
+}
+
+PUBLISHABLE_NOTE = ("publishable copy: DP outputs and public configuration only. Data statistics, "
+                    "metrics computed on private data, loss curves and fingerprints of the data "
+                    "stay in the local run directory")
+
+
+def allow_listed(value, spec):
+    """The part of ``value`` that the allow-list ``spec`` names (a deep, JSON-only copy)."""
+    if spec is True or value is None:
+        return json.loads(json.dumps(value))  # a deep, JSON-only copy
+    if isinstance(value, list):
+        return [allow_listed(v, spec) for v in value]
+    if not isinstance(value, dict):
+        return None  # a scalar where the allow-list expects a mapping: not published
+    return {k: allow_listed(value[k], sub) for k, sub in spec.items() if k in value}
+
+
+# A maximal run of 13+ hex digits with a letter and a digit: a hash (decimal numbers have no
+# letter; llmdp's run and release ids have 12 digits).
+_HEX_RUN = re.compile(r"(?<![0-9a-fA-F])(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{13,}"
+                      r"(?![0-9a-fA-F])")
+
+
+def _redact_hashes(obj, secrets: tuple[str, ...]):
+    """Strings with every hex run of 13+ digits (a hash, never an llmdp run or release id,
+    which have 12) and every 12+ prefix of a known data hash replaced by ``<hash>``."""
+    if isinstance(obj, dict):
+        return {k: _redact_hashes(v, secrets) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_redact_hashes(v, secrets) for v in obj]
+    if isinstance(obj, str):
+        obj = _HEX_RUN.sub("<hash>", obj)
+        for s in secrets:
+            if len(s) >= 12 and s[:12] in obj:
+                obj = obj.replace(s[:12], "<hash>")
+    return obj
+
+
+def _data_hashes(report: dict) -> tuple[str, ...]:
+    """Hashes of the private data a full report may carry (the store's fingerprint, the
+    source hash that names the dataset ledger file)."""
+    out = [report.get("dataset_fingerprint")]
+    d = report.get("dataset_ledger") or {}
+    if d.get("ledger"):
+        out.append(os.path.splitext(os.path.basename(str(d["ledger"])))[0])
+    out += [os.path.splitext(os.path.basename(str(r.get("recorded_in"))))[0]
+            for r in (report.get("ledger") or {}).get("releases", []) if r.get("recorded_in")]
+    return tuple(h for h in out if isinstance(h, str) and h)
+
+
+def publishable_report(report: dict) -> dict[str, Any]:
+    """The report that may leave the machine, derived from the full local one by the
+    `PUBLISHABLE_REPORT` allow-list; hashes are redacted from its texts."""
+    pub = _redact_hashes(allow_listed(report, PUBLISHABLE_REPORT), _data_hashes(report))
+    pub["publishable"] = True
+    pub["withheld"] = PUBLISHABLE_NOTE
+    return pub
+
+
+def publishable_ledger(records, prior_releases=(), secrets: tuple[str, ...] = ()) -> list[dict]:
+    """The releases of a ledger that may be published: (event, count), unit, δ_thr, run and
+    release ids (`PUBLISHABLE_LEDGER_RECORD`), preceded by the earlier releases the run's
+    guarantee composes (a private tokenizer's), so that ε can be recomputed from it alone.
+    No fingerprint, config hash, path or time."""
+    prior = [{"kind": "release", "event": r.get("event"), "count": r.get("count", 1),
+              "first_step": 0, "run_id": r.get("run_id"), "attempt": None,
+              "extra": r.get("extra"), "meta": {"mechanism": r.get("mechanism", "private-tokenizer"),
+                                                "unit": {"kind": r.get("unit")}}}
+             for r in prior_releases]
+    records = list(records)
+    secrets = tuple(secrets) + tuple((r.get("meta") or {}).get("dataset_fingerprint") or ""
+                                     for r in records)
+    out = [allow_listed(r, PUBLISHABLE_LEDGER_RECORD) for r in prior + records
+           if r.get("kind") == "release"]
+    return _redact_hashes(out, secrets)
+
+
+def render_publishable_markdown(r: dict) -> str:
+    """Markdown of a publishable report (`publishable_report`): reads nothing else."""
+    eps = r["epsilon_by_accountant"]
+    s = r["sampling"]
+    tok = r.get("tokenizer") or {}
+    d = r.get("dataset_ledger") or {}
+    lines = [
+        "# Privacy report",
+        "",
+        f"**Guarantee:** (ε = {r['epsilon']:.4f}, δ = {r['delta']:.3g})-differential privacy "
+        f"with respect to {r['adjacency']}, accounted with {r['accountant'].upper()} "
+        "(" + "; ".join(f"{k.upper()}: ε = {v:.4f}" for k, v in eps.items()) + ").",
+        "",
+        f"> This is the {PUBLISHABLE_NOTE}.",
+        "",
+    ]
+    if r.get("rng_warning"):
+        lines += [f"> **Warning:** {r['rng_warning']}", ""]
+    if r.get("status") != "complete":
+        lines += [f"> Run status: **{r.get('status')}**" + (f" ({r['stopped']})" if r.get("stopped") else "")
+                  + (f" ({r['resume']})" if r.get("resume") else "")
+                  + ". The ε above covers every step recorded in the ledger.", ""]
+    trunc = ([f"| Truncation cap B_max | {s['max_batch_size']} units |"] if "max_batch_size" in s else [])
+    lines += [
+        "## Checklist (How to DP-fy ML, §5.3.3)",
+        "",
+        "| item | value |",
+        "| --- | --- |",
+        f"| DP setting | {r['dp_setting']} |",
+        f"| Unit of privacy | {r['unit']}: {r['unit_description']} |",
+        f"| Unit size / contribution bound | {r['contribution_bound']} |",
+        f"| Adjacency | {r['adjacency']} |",
+        f"| Mechanism output | {r['mechanism_output']} |",
+        f"| Accounting | {r['accountant'].upper()}; " + ", ".join(
+            f"{k.upper()} ε = {v:.4f}" for k, v in eps.items()) + f"; δ = {r['delta']:.3g} |",
+        f"| ε at δ | {r['epsilon']:.4f} (target {r['target_epsilon'] if r.get('target_epsilon') is not None else 'none: σ given'})"
+        + (f"; training alone {r['epsilon_training_only']:.4f}, composed with the private tokenizer's release"
+           if tok.get("composed_into_guarantee") else "") + " |",
+        f"| Sampling assumed | {s['assumed']} |",
+        f"| Sampling used | {s['used']}; honoured: {'yes' if s.get('honoured') else 'NO'} ({s.get('note', '')}) |",
+        f"| Sampling probability q | {r['sampling_probability']:.6g} |",
+        f"| Expected batch size q·N | {r['expected_batch_size']:g} units |",
+        f"| Dataset size N | {r['dataset_size']} units |",
+        *trunc,
+        f"| Noise multiplier σ | {r['noise_multiplier']:.6g} |",
+        f"| Clipping norm C | {r['max_grad_norm']:g} ({r['clipping']}) |",
+        f"| Steps T (ledger) | {r['steps']} (planned {r['steps_planned']}, completed {r['steps_completed']}; "
+        f"{r['attempts']} attempt(s), {r['steps_lost_to_failures']} step(s) lost to failures and re-executed) |",
+        *([f"| Dataset ledger (releases on this data for this run's unit, {d.get('unit')}) | "
+           f"ε = {d['epsilon_spent']:.4f} at δ = {d['delta']:.3g} |"]
+          if d.get("epsilon_spent") is not None else []),
+        f"| RNG mode | {r['rng_mode']} |",
+        f"| Tokenizer | {tok.get('note', '–')} |",
+        "",
+        "## Data accesses covered",
+        "",
+        *[f"- {x}" for x in r["data_accesses_covered"]],
+        "",
+        "## Not covered by this guarantee",
+        "",
+        *[f"- {x}" for x in r["data_accesses_not_covered"]],
+        "",
+        "## Ledger",
+        "",
+        "Every DP release, composed above (`ledger.jsonl` holds their events and counts):",
+        "",
+        "| run | attempt | first step | count | mechanism |",
+        "| --- | --- | --- | --- | --- |",
+        *[f"| {x['run_id']} | {x.get('attempt') or '-'} | {x['first_step'] if x.get('first_step') is not None else '-'} "
+          f"| {x['count']} | {x['mechanism']} |" for x in r["ledger"]["releases"]],
+        "",
+        "![epsilon spent](privacy_report.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot_publishable(r: dict, out: str) -> str:
+    """The publishable plot: ε spent against the steps of the ledger, drawn from the
+    publishable report's ``epsilon_curve`` alone (no loss curve, nothing internal)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 1, figsize=(5, 3.6))
+    _epsilon_panel(ax, r.get("epsilon_curve") or [], r)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -18,20 +18,22 @@ from tests.helpers import tiny_tokenizer_dir, write_notes
 LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 
 
-def _run(tmp_path, *, lora: bool, rng: str = "secure", name: str = "run"):
+def _run(tmp_path, *, lora: bool, rng: str = "secure", name: str = "run", data=None,
+         tokenizer=None, unit: str = "sequence"):
     """A finished run made by the worker loop in this process (no Ray): final model,
     ledger, report and a checkpoint where Ray would put it."""
     from llmdp.report import write_report
     from llmdp.trainer import prepare
     from llmdp.worker import LocalContext, train_loop_per_worker
 
-    data = write_notes(tmp_path / "notes.jsonl", 30)
+    data = data or write_notes(tmp_path / "notes.jsonl", 30)
     raw = {
-        "model": {"init": "tiny", "tokenizer": tiny_tokenizer_dir(),
+        "model": {"init": "tiny", "tokenizer": tokenizer or tiny_tokenizer_dir(),
                   "tiny": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
                            "intermediate_size": 32, "max_position_embeddings": 64},
                   "lora": LORA if lora else None},
-        "data": {"path": str(data), "sequence_length": 24},
+        "data": {"path": str(data), "sequence_length": 24, "unit": unit,
+                 **({} if unit == "sequence" else {"max_rows_per_unit": 2})},
         # A fixed sigma: no calibration, and a cheap PLD in every report this file rebuilds.
         "privacy": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "rng": rng,
                     **({"seed": 3} if rng == "seeded" else {})},
@@ -349,3 +351,193 @@ def test_recipe_push_to_exports_after_training(tmp_path, hf, monkeypatch):
     from huggingface_hub import ModelCard
 
     assert ModelCard.load(os.path.join(run_dir, "export", "README.md")).data.license == "apache-2.0"
+
+
+# ----------------------------------------------------------------------------- what is published
+
+# Names of metrics and statistics computed on the private data without DP, and of hashes of
+# it: none may appear in a published file (DESIGN §3.9).
+INTERNAL_NAMES = ("train_loss", "worker0_units", "worker0_tokens", "tokens_per_s", "units_per_s",
+                  "worker0_clipped_fraction", "micro_steps", "sample_truncated", "step_time_s",
+                  "data_statistics", "steps_truncated", "dataset_fingerprint", "internal_metrics",
+                  "sha256", "num_records", "num_units", "training loss")
+_VOCAB_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "spm.model", "tokenizer.model")
+
+
+def _files(*folders):
+    for folder in folders:
+        for root, _, names in os.walk(folder):
+            for n in names:
+                yield os.path.join(root, n)
+
+
+def _private_tokenizer(tmp_path, corpus):
+    from llmdp.config import tokenizer_recipe_from_dict
+    from llmdp.tokenizer.train import train_tokenizer
+
+    cfg = tokenizer_recipe_from_dict({
+        "data": {"path": str(corpus), "unit": "document"},
+        "privacy": {"target_epsilon": 8.0, "max_words_per_unit": 32},
+        "tokenizer": {"model_type": "bpe", "vocab_size": 400},
+        "output": {"dir": str(tmp_path / "tokenizers"), "name": "tok"},
+    })
+    train_tokenizer(cfg, log=lambda *a: None)
+    return cfg.out_dir
+
+
+def test_export_and_private_tokenizer_publish_no_private_statistics_or_hashes(tmp_path, monkeypatch):
+    """A run trained with a private tokenizer on the same notes, exported: neither the
+    export nor the tokenizer folder holds an internal metric, a data statistic (name or
+    value) or a hash of the data (12+ hex prefix), in any file, PNG and safetensors
+    included; the published ledger alone gives the published ε; the local run keeps all."""
+    import hashlib
+    import re
+
+    from PIL import Image
+    from safetensors import safe_open
+
+    from llmdp.data.sources import source_fingerprint
+    from llmdp.privacy import accountant
+    from llmdp.privacy.events import event_from_json
+
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))  # the dataset ledger is named by the hash
+    corpus = write_notes(tmp_path / "notes.jsonl", 120, seed=5)
+    tok_dir = _private_tokenizer(tmp_path, corpus)
+    run = _run(tmp_path, lora=False, name="private-tok", data=corpus, tokenizer=tok_dir, unit="document")
+    out = tmp_path / "export"
+    res = export_run(run, out, log=lambda *a: None)
+    assert res["verified"], res["problems"]  # verified against the full local report
+
+    full = json.load(open(os.path.join(run, "privacy_report.json")))
+    assert full["tokenizer"]["composed_into_guarantee"]
+    raw = open(corpus, "rb").read()
+    hashes = {hashlib.sha256(raw).hexdigest(), source_fingerprint(path=str(corpus)), full["dataset_fingerprint"]}
+    assert all(isinstance(h, str) and len(h) >= 32 for h in hashes)
+    stats = {k: v for k, v in full["data_statistics"].items()
+             if k not in ("note", "computed_on_private_data", "kind", "sequence_length")}  # not counts
+    names = set(INTERNAL_NAMES) | set(stats)
+    # Counts computed without DP; N (dataset_size) is used by the accountant and published as is.
+    values = {v for v in stats.values() if isinstance(v, int) and not isinstance(v, bool)
+              and v >= 100 and v != full["dataset_size"]}
+    assert values and "num_tokens" in stats
+    # The local run keeps everything (so the checks below can fail): the hash in its ledger,
+    # the statistics and internal metrics in its report.
+    local = open(os.path.join(run, "ledger.jsonl")).read() + open(os.path.join(run, "privacy_report.json")).read()
+    assert full["dataset_fingerprint"] in local and "train_loss" in local and "num_tokens" in local
+
+    published = list(_files(out, tok_dir))
+    assert {"privacy_report.json", "privacy_report.md", "privacy_report.png", "ledger.jsonl",
+            "README.md", "model.safetensors", "llmdp_tokenizer.json"} <= {os.path.basename(p) for p in published}
+    for path in published:
+        data = open(path, "rb").read()
+        low = data.lower()
+        for h in hashes:
+            assert h[:12].encode() not in low, (path, h[:12])
+        for name in names:
+            assert name.encode() not in data, (path, name)
+        if path.endswith(".safetensors"):
+            with safe_open(path, framework="pt") as f:
+                meta = json.dumps(f.metadata() or {})
+            assert not any(n in meta for n in names) and not any(h[:12] in meta for h in hashes)
+        if os.path.basename(path) in _VOCAB_FILES or path.endswith((".png", ".safetensors")):
+            continue  # token ids and weights: numbers that are no statistic
+        text = data.decode("utf-8")
+        for v in values:
+            assert not re.search(rf"(?<![\d.]){v}(?![\d.])", text), (path, v)
+
+    # The published plot is the ε panel alone (the local one also has the loss curve).
+    assert Image.open(out / "privacy_report.png").size[0] < 0.6 * Image.open(
+        os.path.join(run, "privacy_report.png")).size[0]
+    # The published ledger is complete: the tokenizer's release and every step, without
+    # fingerprints, and ε recomputed from it alone is the published one.
+    recs = [json.loads(line) for line in open(out / "ledger.jsonl")]
+    assert recs[0]["meta"]["mechanism"] == "private-tokenizer" and recs[0]["extra"]["delta_threshold"] > 0
+    assert sum(r["count"] for r in recs[1:]) == full["steps"]
+    pub = json.load(open(out / "privacy_report.json"))
+    eps = accountant.epsilon_with_threshold([(event_from_json(r["event"]), r["count"]) for r in recs],
+                                            pub["delta"], accountant.threshold_delta(recs), pub["accountant"])
+    assert eps == pytest.approx(pub["epsilon"], rel=1e-9) and pub["epsilon"] == full["epsilon"]
+    assert pub["epsilon_curve"][-1][1] == full["epsilon"]
+    # The private tokenizer's facts stay beside its folder, for training runs on this machine.
+    from llmdp.tokenizer.train import private_facts_path, read_tokenizer_info
+
+    assert not private_facts_path(tok_dir).startswith(os.path.abspath(tok_dir) + os.sep)
+    assert read_tokenizer_info(tok_dir)["data"]["sha256"] == hashlib.sha256(raw).hexdigest()
+
+
+def test_step_time_is_an_internal_metric(full_run, tmp_path):
+    """step_time_s grows with the realized sample size: listed as internal, never published."""
+    report = json.load(open(os.path.join(full_run, "privacy_report.json")))
+    steps = [json.loads(x) for x in open(os.path.join(full_run, "metrics.jsonl")) if '"event"' not in x]
+    assert steps and all("step_time_s" in m for m in steps)
+    assert "step_time_s" in report["internal_metrics"]
+    assert "`step_time_s`" in open(os.path.join(full_run, "privacy_report.md")).read()
+    out = tmp_path / "export"
+    export_run(full_run, out, log=lambda *a: None)
+    for path in _files(out):
+        assert b"step_time_s" not in open(path, "rb").read(), path
+
+
+def test_curve_and_progress_count_the_ledger_not_completed_steps(full_run, tmp_path):
+    """Steps re-executed after a failure are in the ledger twice: the plot's curve and the
+    progress bar end at the report's ε, which composes every step of the ledger."""
+    from tqdm import tqdm
+
+    from llmdp.privacy.ledger import Ledger, LedgerWriter
+    from llmdp.privacy.plan import DPPlan
+    from llmdp.report import epsilon_curve, write_report
+    from llmdp.trainer import _Progress
+
+    run = _copy(full_run, tmp_path, "re-executed")
+    path = os.path.join(run, "ledger.jsonl")
+    last = [r for r in Ledger(path).records() if r["kind"] == "release"][-1]
+    info = json.load(open(os.path.join(run, "plan.json")))
+    plan = DPPlan.from_dict(info["plan"])
+    # A second attempt that re-ran steps 3-4 after the first one had reserved them.
+    LedgerWriter(path, run_id=last["run_id"], attempt="2", meta=last["meta"], block_size=2,
+                 total_steps=plan.steps).append(plan.step_event(), 2, first_step=2)
+    report = write_report(run)
+    assert report["steps"] == plan.steps + 2 and report["steps_completed"] == plan.steps
+    assert report["epsilon"] > plan.epsilon() * 1.01  # the extra steps matter
+
+    curve = epsilon_curve(run)
+    assert curve[0] == (0, 0.0) and curve[-1] == (plan.steps + 2, report["epsilon"])
+    assert all(a[1] <= b[1] for a, b in zip(curve, curve[1:]))
+    assert report["epsilon_curve"][-1] == [plan.steps + 2, report["epsilon"]]
+
+    progress = _Progress(os.path.join(run, "metrics.jsonl"), plan, info.get("prior_releases") or [])
+    progress._offset = 0  # replay the whole metrics file
+    bar, shown = tqdm(total=plan.steps, disable=True), {}
+    progress._read_metrics(bar, shown)
+    assert bar.n == plan.steps
+    # While running: the display grid, conservative (never below the ledger's ε).
+    assert report["epsilon"] <= shown["eps"] <= report["epsilon"] * 1.01
+    progress._poll(bar, shown, final=True)
+    assert shown["eps"] == report["epsilon"]
+
+
+def test_publishable_report_is_an_allow_list(full_run):
+    """A key the allow-list does not name stays out (a new internal metric is private by
+    default), and a hash of the data inside an allowed text (a stop reason naming the
+    dataset ledger file) is redacted; the guarantee's numbers are kept as they are."""
+    from llmdp.privacy.ledger import Ledger
+    from llmdp.report import PUBLISHABLE_REPORT, publishable_ledger, publishable_report
+
+    full = json.load(open(os.path.join(full_run, "privacy_report.json")))
+    fp = full["dataset_fingerprint"]
+    full["new_internal_count"] = 12345
+    full["sampling"] = {**full["sampling"], "new_internal_rate": 0.5}
+    full["stopped"] = f"budget reached on the dataset ledger /c/ledgers/{fp[:16]}.jsonl"
+    pub = publishable_report(full)
+    assert "new_internal_count" not in pub and "new_internal_rate" not in pub["sampling"]
+    assert set(pub) - {"publishable", "withheld"} <= set(PUBLISHABLE_REPORT)
+    assert fp[:12] not in json.dumps(pub) and pub["stopped"].endswith("ledgers/<hash>.jsonl")
+    for key in ("epsilon", "delta", "epsilon_by_accountant", "noise_multiplier", "steps", "dataset_size"):
+        assert pub[key] == full[key]
+    assert all("time" not in r for r in pub["ledger"]["releases"])
+    records = Ledger(os.path.join(full_run, "ledger.jsonl")).records()
+    assert fp in json.dumps(records)  # the local ledger has it in every line's meta
+    lines = publishable_ledger(records)
+    assert lines and fp[:12] not in json.dumps(lines)
+    assert [(r["event"], r["count"]) for r in lines] == [
+        (r["event"], r["count"]) for r in records if r["kind"] == "release"]

@@ -15,9 +15,11 @@ The job, top to bottom (`train_tokenizer`):
    threshold's delta in the record's ``extra``;
 4. DP word counts (fresh OS entropy), then SentencePiece on the released counts only
    (post-processing), written as a Hugging Face tokenizer folder whose
-   ``llmdp_tokenizer.json`` carries the release (event, delta_threshold, unit, data
-   fingerprint, ledger, release id): a training run reads it to compose the release into
-   its guarantee (`tokenizer_release`) or to refuse a tokenizer that has none.
+   ``llmdp_tokenizer.json`` carries the release (event, delta_threshold, unit, release id)
+   and public configuration only (`PUBLIC_INFO`): the corpus's hash and exact counts and
+   the dataset ledger's path stay beside it, in ``<folder>.llmdp-private.json``. A training
+   run reads both to compose the release into its guarantee (`tokenizer_release`) or to
+   refuse a tokenizer that has none.
 
 ``privacy.dp: false`` trains on exact counts of every word: a NON-private baseline (for
 compression comparisons). Its folder says so, and a training recipe refuses it.
@@ -117,11 +119,68 @@ def read_tokenizer_info(path) -> dict | None:
         return None
     try:
         with open(os.path.join(path, INFO_FILE), encoding="utf-8") as f:
-            return json.load(f)
+            return _with_private_facts(json.load(f), path)
     except FileNotFoundError:
         return None
     except ValueError as e:
         raise ConfigError(f"{os.path.join(path, INFO_FILE)}: not valid JSON ({e})") from None
+
+
+# ----------------------------------------------------------------------------- what the folder holds
+#
+# DESIGN §3.9: a private tokenizer's folder may be published; it holds the DP release and
+# public configuration only (`PUBLIC_INFO`, an allow-list). Facts about the private corpus
+# that are not DP (its hash, exact record and unit counts) and the dataset ledger's path
+# (named by that hash) stay beside the folder, in ``<folder>.llmdp-private.json`` (never
+# publish that file); `read_tokenizer_info` merges them back for a training run.
+
+PUBLIC_INFO: dict = {
+    "kind": True, "model_type": True, "vocab_size": True, "vocab_size_actual": True,
+    "released_words": True, "dp": True, "trained_on_private_data": True, "warning": True,
+    "recipe_hash": True, "recipe": True,
+    "data": {"unit": True, "user_field": True, "source": True},
+    "privacy": {k: True for k in (
+        "epsilon", "delta", "accountant", "target_epsilon", "max_words_per_unit", "noise_std",
+        "threshold", "delta_threshold", "noise_multiplier_gaussian", "event", "extra",
+        "release_id", "run_id", "rng", "seed", "rng_warning", "adjacency", "mechanism")},
+}
+
+
+def publishable_tokenizer_info(info: dict) -> dict:
+    """The part of a tokenizer's info that its folder may hold (`PUBLIC_INFO`)."""
+    from llmdp.report import allow_listed
+
+    return allow_listed(info, PUBLIC_INFO)
+
+
+def private_facts_path(folder: str) -> str:
+    """The local file, beside a private tokenizer's folder, with what the folder must not hold."""
+    folder = os.path.abspath(os.fspath(folder)).rstrip(os.sep)
+    return folder + ".llmdp-private.json"
+
+
+def _write_private_facts(info: dict, folder: str) -> None:
+    path = private_facts_path(folder)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"release_id": info["privacy"]["release_id"], "data": info["data"],
+                   "privacy": {"ledger": info["privacy"]["ledger"]}}, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def _with_private_facts(info: dict, folder: str) -> dict:
+    rid = (info.get("privacy") or {}).get("release_id")
+    if not rid:
+        return info
+    try:
+        with open(private_facts_path(folder), encoding="utf-8") as f:
+            facts = json.load(f)
+    except (OSError, ValueError):
+        return info  # copied without it: the folder's public facts only
+    if facts.get("release_id") != rid:
+        return info  # another release's file
+    return {**info, "data": {**facts.get("data", {}), **(info.get("data") or {})},
+            "privacy": {**facts.get("privacy", {}), **info["privacy"]}}
 
 
 def _check_out_dir(cfg: TokenizerRecipeConfig) -> dict | None:
@@ -262,9 +321,12 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
             "larger corpus", key="privacy.target_epsilon")
     log(f"{len(counts)} words released; training SentencePiece ({t.model_type}, vocab {t.vocab_size})")
     info["released_words"] = len(counts)
+    if p.dp:  # before the folder exists: a folder here always finds its facts
+        _write_private_facts(info, cfg.out_dir)
     out = tp.train_sentencepiece_from_counts(
         counts, vocab_size=t.vocab_size, out_dir=cfg.out_dir, model_type=t.model_type,
-        byte_fallback=t.byte_fallback, character_coverage=t.character_coverage, extra_meta=info)
+        byte_fallback=t.byte_fallback, character_coverage=t.character_coverage,
+        extra_meta=publishable_tokenizer_info(info))
     dump_yaml(cfg, os.path.join(out, RECIPE_FILE))
     with open(os.path.join(out, INFO_FILE), encoding="utf-8") as f:
         written = json.load(f)
@@ -272,10 +334,10 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
 
     written["vocab_size_actual"] = len(AutoTokenizer.from_pretrained(out))
     with open(os.path.join(out, INFO_FILE), "w", encoding="utf-8") as f:
-        json.dump(written, f, indent=2, sort_keys=True)
+        json.dump(publishable_tokenizer_info(written), f, indent=2, sort_keys=True)
         f.write("\n")
     log(f"tokenizer: {out} ({written['vocab_size_actual']} tokens)")
-    return written
+    return read_tokenizer_info(out)  # with the local facts, as a training run here sees it
 
 
 # ----------------------------------------------------------------------------- use in training

@@ -101,6 +101,39 @@ def test_folder_loads_offline_and_round_trips(trained, corpus):
     assert sp.encode(text) == ids
 
 
+def test_folder_holds_the_release_and_public_configuration_only(trained, corpus, tmp_path):
+    """DESIGN §3.9: the folder may be published: no hash of the corpus, no exact count of
+    its records or units, no path of the dataset ledger. Those stay beside the folder for
+    training runs on this machine; a copy of the folder alone has none of them."""
+    import hashlib
+
+    from llmdp.tokenizer.train import INFO_FILE, read_tokenizer_info
+
+    tmp, cfg, info = trained
+    sha = hashlib.sha256(open(corpus, "rb").read()).hexdigest()
+    assert info["data"]["sha256"] == sha and info["data"]["num_records"] == N_NOTES  # local view
+    names = (b"sha256", b"num_records", b"num_units", b"dataset_fingerprint")
+    files = [os.path.join(r, n) for r, _, ns in os.walk(cfg.out_dir) for n in ns]
+    assert INFO_FILE in {os.path.basename(f) for f in files}
+    for path in files:
+        data = open(path, "rb").read()
+        assert sha[:12].encode() not in data.lower(), path
+        assert not any(n in data for n in names), path
+    on_disk = json.load(open(os.path.join(cfg.out_dir, INFO_FILE)))
+    assert on_disk["privacy"]["release_id"] == info["privacy"]["release_id"]
+    assert "ledger" not in on_disk["privacy"] and info["privacy"]["ledger"]  # the path: local only
+    assert on_disk["data"] == {"unit": "document", "user_field": None, "source": info["data"]["source"]}
+    # The local facts: beside the folder, not in it; merged back by read_tokenizer_info.
+    from llmdp.tokenizer.train import private_facts_path
+
+    facts = private_facts_path(cfg.out_dir)
+    assert os.path.dirname(facts) == os.path.dirname(os.path.abspath(cfg.out_dir))
+    assert read_tokenizer_info(cfg.out_dir)["data"]["num_units"] == N_NOTES
+    copy = tmp_path / "copied-tok"
+    shutil.copytree(cfg.out_dir, copy)
+    assert "sha256" not in read_tokenizer_info(copy)["data"]
+
+
 def test_second_launch_does_nothing_and_other_recipe_is_refused(trained):
     tmp, cfg, info = trained
     before = (tmp / "ledger.jsonl").read_bytes()
