@@ -357,7 +357,7 @@ class GhostClipper:
                     continue
                 dst = self._owned.get(nxt)
                 if dst is not None and not isinstance(node, tap) and not (src and src & dst):
-                    bad.update(names.get(v, "?") for i in dst for v in self._rec_params[i])
+                    bad.update(self._params_below(nxt, dst, names))
                 if nxt not in seen:
                     seen.add(nxt)
                     todo.append(nxt)
@@ -370,6 +370,22 @@ class GhostClipper:
                 "instead, freeze the parameter (requires_grad_(False)), or use "
                 "privacy.clipping: reference."
             )
+
+    def _params_below(self, node, recs: set[int], names: dict[int, str]) -> set[str]:
+        """Names of the parameters reached from ``node`` inside the calls ``recs`` own (e.g.
+        the weight behind a cast that autocast's cache shares with an outside use)."""
+        out, seen, todo = set(), {node}, [node]
+        while todo:
+            for nxt, _ in todo.pop().next_functions:
+                if nxt is None or nxt in seen:
+                    continue
+                seen.add(nxt)
+                if hasattr(nxt, "variable"):
+                    if id(nxt.variable) in names:
+                        out.add(names[id(nxt.variable)])
+                elif self._owned.get(nxt, set()) & recs:
+                    todo.append(nxt)
+        return out or {names.get(v, "?") for i in recs for v in self._rec_params[i]}
 
     def _on_output_grad(self, rec: Record, G: torch.Tensor) -> None:
         """Runs inside the backward pass, once per recorded call, as soon as G is known."""

@@ -177,7 +177,10 @@ class LinearRule(LayerRule):
 
     def per_unit(self, rec, units):
         module = rec.module
-        A3, G3 = _as_3d(rec.A).to(rec.G.dtype), _as_3d(rec.G)
+        # float32 at least: the per-unit gradient whose norm is clipped must be the one the
+        # float32 contraction adds (two-pass, DESIGN §3.8), not a bf16-rounded copy.
+        dt = acc_dtype(rec.G)
+        A3, G3 = _as_3d(rec.A).to(dt), _as_3d(rec.G).to(dt)
         out = {}
         if module.weight.requires_grad:
             eq = "rti,rto->rio" if self.transposed else "rto,rti->roi"
@@ -253,6 +256,7 @@ class EmbeddingRule(LayerRule):
         if not module.weight.requires_grad:
             return {}
         ids, G3 = self._ids_and_G(rec)
+        G3 = G3.to(acc_dtype(G3))  # float32 at least, as the contraction that is added
         keep = units.keep
         uid = units.unit_of_row[keep].unsqueeze(1).expand(-1, ids.shape[1])
         out = G3.new_zeros((units.num_units, *module.weight.shape))

@@ -53,7 +53,12 @@ def per_unit_gradients_autograd(
     row_units: torch.Tensor | None = None,
     retain_graph: bool = False,
 ) -> list[torch.Tensor]:
-    """Per-unit gradients from per-row losses that still carry their autograd graph."""
+    """Per-unit gradients from per-row losses that still carry their autograd graph.
+
+    A unit whose gradient is NaN/inf can make the *other* units' gradients here non-finite
+    too (the batched VJP backpropagates a 0 through its rows: 0·inf = NaN); those units then
+    also get clip factor 0 in :func:`clipped_sum` (nothing non-finite is ever added, but the
+    step loses them). The hook-based engine keeps rows apart and loses only the bad unit."""
     row_units, num_units = unit_ids(row_units, row_losses.shape[0], row_losses.device)
     if num_units == 0:
         return [p.new_zeros((0, *p.shape)) for p in params]

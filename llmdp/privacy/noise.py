@@ -98,6 +98,15 @@ def add_noise_(tensors: Sequence[torch.Tensor], key: bytes, std: float) -> None:
     once per logical step, after the cross-worker sum.
     """
     std = _check_std(std)
+    for i, t in enumerate(tensors):
+        if not t.is_floating_point() or t.dtype.itemsize < 4:
+            # Noise drawn or added in bf16/fp16 would be rounded to a coarse grid (and the
+            # clipped sum it is added to already was): DESIGN §3.8.
+            raise TypeError(
+                f"tensor {i} is {t.dtype}: noise is drawn and added in float32 or wider; "
+                "keep the clipped sums in float32 (llmdp.parallel.make_grad_sinks)"
+            )
     with torch.no_grad():
         for i, t in enumerate(tensors):
-            t.add_(gaussian_like(t.shape, key, i, std, dtype=t.dtype, device=t.device))
+            dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+            t.add_(gaussian_like(t.shape, key, i, std, dtype=dtype, device=t.device))
