@@ -194,6 +194,8 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         "dataset_size": plan.dataset_size,
         "max_grad_norm": plan.max_grad_norm,
         "noise_std_per_coordinate": plan.noise_std,
+        "noise_generator": _noise_generator(plan, (plan_info.get("data") or {}).get("parameters_trainable"),
+                                            ledger_steps),
         "clipping": "flat: each unit's gradient over all trainable parameters clipped to L2 <= C",
         "normalization": "noisy sum divided by the expected batch size q*N",
         "sampling": _sampling_section(plan, seeded, truncated_steps, completed),
@@ -213,6 +215,36 @@ def build_report(run_dir: str, failure: str | None = None) -> dict[str, Any]:
         "dataset_fingerprint": records[-1]["meta"].get("dataset_fingerprint") if records else None,
     }
     return report
+
+
+def _noise_generator(plan, trainable: int | None, steps: int) -> dict:
+    """What the noise generator adds beyond the accountant's exact Gaussian (issue 12, 8c):
+    its tail truncation (with the δ it adds, llmdp.privacy.noise.truncation_delta_per_step)
+    and its float32 rounding (not quantified)."""
+    from llmdp.privacy.noise import NOISE_TAIL, truncation_delta_per_step
+
+    per_step = (truncation_delta_per_step(int(trainable), plan.noise_multiplier)
+                if trainable and plan.noise_multiplier > 0 else None)
+    return {
+        "method": "Box-Muller on 53-bit uniforms from a keyed SHAKE-256 stream, float64, rounded to float32",
+        "tail_truncation_std": NOISE_TAIL,
+        "trainable_parameters": trainable,
+        "truncation_delta_per_step": per_step,
+        "truncation_delta_run": None if per_step is None else min(1.0, per_step * steps),
+        "float32_rounding": "each draw is rounded to float32 and added to a float32 sum; "
+                            "this floating-point effect is not covered by the accountant",
+    }
+
+
+def _noise_line(r: dict) -> list[str]:
+    g = r.get("noise_generator")
+    if not g:
+        return []
+    d = ("not computed (trainable parameter count unknown)" if g["truncation_delta_per_step"] is None
+         else f"≤ {g['truncation_delta_per_step']:.3g} per step, ≤ {g['truncation_delta_run']:.3g} over "
+              f"the {r['steps']} ledger steps, not included in δ above")
+    return [f"| Noise generator | |z| ≤ {g['tail_truncation_std']:.4f}·σC per coordinate (truncated tail: "
+            f"δ added {d}); draws rounded to float32 (not accounted) |"]
 
 
 def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
@@ -417,6 +449,7 @@ def render_markdown(r: dict) -> str:
         f"| Dataset size N | {r['dataset_size']} units |",
         *_truncation_rows(r),
         f"| Noise multiplier σ | {r['noise_multiplier']:.6g} |",
+        *_noise_line(r),
         f"| Clipping norm C | {r['max_grad_norm']:g} ({r['clipping']}) |",
         f"| Steps T (ledger) | {r['steps']} (planned {r['steps_planned']}, completed {r['steps_completed']}; "
         f"{r['attempts']} attempt(s), {r['steps_lost_to_failures']} step(s) lost to failures and re-executed) |",

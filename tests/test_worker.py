@@ -331,3 +331,24 @@ def test_max_nonfinite_steps_is_validated(value, why):
         recipe_from_dict(raw)
     raw["train"]["max_nonfinite_steps"] = 0
     assert recipe_from_dict(raw).train.max_nonfinite_steps == 0
+
+
+def test_report_states_the_noise_tail_and_its_delta(tmp_path):
+    """Issue 12 item 8c: the report (JSON and Markdown) carries the generator's tail and
+    the δ it adds, computed from the run's trainable parameter count and σ."""
+    from llmdp.privacy.noise import NOISE_TAIL, truncation_delta_per_step
+    from llmdp.report import render_markdown, write_report
+    from llmdp.worker import LocalContext, train_loop_per_worker
+    from tests.test_loop import make_recipe, prepared_config
+
+    prep = prepared_config(make_recipe(tmp_path, steps=2))
+    train_loop_per_worker(prep.worker_config(), LocalContext())
+    r = write_report(prep.run_dir)
+    g = r["noise_generator"]
+    assert g["tail_truncation_std"] == NOISE_TAIL
+    assert g["trainable_parameters"] > 0
+    assert g["truncation_delta_per_step"] == truncation_delta_per_step(g["trainable_parameters"],
+                                                                       r["noise_multiplier"])
+    assert g["truncation_delta_run"] == pytest.approx(g["truncation_delta_per_step"] * r["steps"])
+    md = render_markdown(r)
+    assert f"|z| ≤ {NOISE_TAIL:.4f}·σC" in md and "rounded to float32" in md
