@@ -73,7 +73,6 @@ def step_fn(method, model, batch, C):
 
     if method.startswith("llmdp-"):
         from llmdp.clipping import GhostClipper
-
         from llmdp.parallel import make_grad_sinks
 
         kind = method[len("llmdp-"):]
