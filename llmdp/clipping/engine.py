@@ -47,10 +47,8 @@ statistic: never logged per unit).
 Sharded parameters (FSDP2, ``scaling.strategy: fsdp``): with ``grad_buffers`` (one plain,
 full-size tensor per trainable parameter name) the clipped sum is *added to those
 buffers* instead of ``p.grad``; the caller reduce-scatters them once per logical step.
-The engine then never asks autograd for a parameter gradient (pass 1 asks only for the
-dummy leaf; two-pass asks for the gradients of the unsharded parameters the forward
-used, and gets them back instead of leaving them in ``.grad``), so FSDP2's own gradient
-reduce-scatter finds nothing to reduce. Parameters are identified by the objects
+The engine never asks autograd for a parameter gradient (both passes ask only for the
+dummy leaf's), so FSDP2's own gradient reduce-scatter finds nothing to reduce. Parameters are identified by the objects
 registered when the clipper was built (the sharded DTensors), not by what a module holds
 at backward time (FSDP2 swaps in unsharded parameters around forward and backward).
 Parameter *values* are read only inside the backward pass of their FSDP unit (the
