@@ -73,10 +73,12 @@ def step_fn(method, model, batch, C):
 
     if method.startswith("llmdp-"):
         from llmdp.clipping import GhostClipper
+        from llmdp.parallel import make_grad_sinks
 
         kind = method[len("llmdp-"):]
-        clipper = (GhostClipper(model, C, engine="reference") if kind == "reference"
-                   else GhostClipper(model, C, mode=kind))
+        sinks = make_grad_sinks(model, "replicated")  # float32 sums for bf16 parameters
+        clipper = (GhostClipper(model, C, engine="reference", grad_buffers=sinks) if kind == "reference"
+                   else GhostClipper(model, C, mode=kind, grad_buffers=sinks))
 
         def step():
             clipper.backward(row_losses(model, batch), batch["row_units"])

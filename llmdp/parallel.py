@@ -5,7 +5,9 @@ of a logical step is reduced and noised (DESIGN §1, §3.1-3.2).
     Every worker holds the whole model. The clipping engine adds each micro-step's clipped
     sum into ``p.grad``; once per logical step one all-reduce sums them over workers, every
     replica adds the *same* N(0, σ²C²I) (same noise key), and divides by q·N
-    (:func:`llmdp.worker.privatize_`, unchanged).
+    (:func:`llmdp.worker.privatize_`). Trainable parameters narrower than float32 (bf16
+    full fine-tuning) get float32 sinks instead of ``p.grad``, as ``fsdp`` does
+    (:func:`make_grad_sinks`): summed, all-reduced and noised in float32, then cast.
 
 ``fsdp``
     FSDP2 (``torch.distributed.fsdp.fully_shard``) on a 1-D mesh over all workers: each
@@ -160,15 +162,19 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def make_grad_sinks(model: nn.Module, strategy: str) -> dict[str, torch.Tensor] | None:
-    """``fsdp``: one zeroed full-size local buffer per trainable parameter, by name (the
-    clipping engine's ``grad_buffers``). ``replicated``: None (the engine uses ``p.grad``)."""
+    """One zeroed full-size local buffer per trainable parameter, by name (the clipping
+    engine's ``grad_buffers``), float32 (float64 for float64 parameters): ``fsdp`` always;
+    ``replicated`` when some trainable parameter is narrower than float32 (bf16/fp16 full
+    fine-tuning), so that the clipped sums, their all-reduce and the noise are float32
+    (DESIGN §3.8) and the update is cast to the parameter dtype only at the end.
+    ``replicated`` with float32+ parameters: None (the engine sums into ``p.grad``)."""
     check_strategy(strategy)
-    if strategy == "replicated":
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if strategy == "replicated" and all(p.dtype.itemsize >= 4 for _, p in trainable):
         return None
     return {
         n: torch.zeros(tuple(p.shape), dtype=sum_dtype(p.dtype), device=p.device)
-        for n, p in model.named_parameters()
-        if p.requires_grad
+        for n, p in trainable
     }
 
 
@@ -228,8 +234,9 @@ def privatize(
 ) -> None:
     """Sum over workers, + N(0, σ²C²I) once, ÷ q·N; the result is left in ``p.grad``.
 
-    ``replicated``: ``buffers`` is None, the clipped sums are in ``p.grad``
-    (:func:`llmdp.worker.privatize_`). ``fsdp``: ``buffers`` holds this worker's full-size
+    ``replicated``: the clipped sums are in ``p.grad``, or in ``buffers`` (float32 sinks
+    for low-precision parameters, :func:`make_grad_sinks`), reduced and noised there and
+    only then cast into ``p.grad`` (:func:`llmdp.worker.privatize_`). ``fsdp``: ``buffers`` holds this worker's full-size
     clipped sums (aligned with ``params``, or a mapping by ``names``); ``params`` are the
     sharded DTensors, whose ``.grad`` must be None (anything there would be a gradient the
     clipping engine did not make, counted twice).
@@ -238,9 +245,11 @@ def privatize(
     if strategy == "replicated":
         from llmdp.worker import privatize_
 
-        if buffers is not None:
-            raise ValueError("scaling.strategy 'replicated' keeps the clipped sums in p.grad; buffers must be None")
-        privatize_(params, noise_key, noise_multiplier, max_grad_norm, expected_batch_size)
+        if isinstance(buffers, Mapping):
+            if names is None:
+                raise ValueError("buffers given by name: pass names aligned with params")
+            buffers = [buffers[n] for n in names]
+        privatize_(params, noise_key, noise_multiplier, max_grad_norm, expected_batch_size, sinks=buffers)
         return
     if isinstance(buffers, Mapping):
         if names is None:

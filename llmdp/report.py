@@ -33,6 +33,8 @@ INTERNAL_METRICS = {
     "data_statistics": "counts of records, rows, tokens, truncated documents and capped users "
     "(N, the number of units, is used by the accountant and published as is)",
     "step_time_s": "wall time of the step (grows with the realized sample size)",
+    "nonfinite_units": "units whose gradient was not finite in the step (given no weight; the run "
+    "stops after train.max_nonfinite_steps such steps)",
 }
 
 
@@ -212,6 +214,8 @@ def build_report(run_dir: str, failure: str | None = None, interrupted: bool = F
         "dataset_size": plan.dataset_size,
         "max_grad_norm": plan.max_grad_norm,
         "noise_std_per_coordinate": plan.noise_std,
+        "noise_generator": _noise_generator(plan, (plan_info.get("data") or {}).get("parameters_trainable"),
+                                            ledger_steps),
         "clipping": "flat: each unit's gradient over all trainable parameters clipped to L2 <= C",
         "normalization": "noisy sum divided by the expected batch size q*N",
         "sampling": _sampling_section(plan, seeded, truncated_steps, completed),
@@ -270,6 +274,36 @@ def _tokenizer_not_covered(plan_info: dict) -> list[str]:
     return [f"the private tokenizer's DP release on another data source ({tok.get('path')}): "
             "not composed: declared independent by model.tokenizer_data; if the two sources "
             "share individuals, the ε add up"]
+
+
+def _noise_generator(plan, trainable: int | None, steps: int) -> dict:
+    """What the noise generator adds beyond the accountant's exact Gaussian (issue 12, 8c):
+    its tail truncation (with the δ it adds, llmdp.privacy.noise.truncation_delta_per_step)
+    and its float32 rounding (not quantified)."""
+    from llmdp.privacy.noise import NOISE_TAIL, truncation_delta_per_step
+
+    per_step = (truncation_delta_per_step(int(trainable), plan.noise_multiplier)
+                if trainable and plan.noise_multiplier > 0 else None)
+    return {
+        "method": "Box-Muller on 53-bit uniforms from a keyed SHAKE-256 stream, float64, rounded to float32",
+        "tail_truncation_std": NOISE_TAIL,
+        "trainable_parameters": trainable,
+        "truncation_delta_per_step": per_step,
+        "truncation_delta_run": None if per_step is None else min(1.0, per_step * steps),
+        "float32_rounding": "each draw is rounded to float32 and added to a float32 sum; "
+                            "this floating-point effect is not covered by the accountant",
+    }
+
+
+def _noise_line(r: dict) -> list[str]:
+    g = r.get("noise_generator")
+    if not g:
+        return []
+    d = ("not computed (trainable parameter count unknown)" if g["truncation_delta_per_step"] is None
+         else f"≤ {g['truncation_delta_per_step']:.3g} per step, ≤ {g['truncation_delta_run']:.3g} over "
+              f"the {r['steps']} ledger steps, not included in δ above")
+    return [f"| Noise generator | |z| ≤ {g['tail_truncation_std']:.4f}·σC per coordinate (truncated tail: "
+            f"δ added {d}); draws rounded to float32 (not accounted) |"]
 
 
 def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
@@ -522,6 +556,7 @@ def render_markdown(r: dict) -> str:
         f"| Dataset size N | {r['dataset_size']} units |",
         *_truncation_rows(r),
         f"| Noise multiplier σ | {r['noise_multiplier']:.6g} |",
+        *_noise_line(r),
         f"| Clipping norm C | {r['max_grad_norm']:g} ({r['clipping']}) |",
         f"| Steps T (ledger) | {r['steps']} (planned {r['steps_planned']}, completed {r['steps_completed']}; "
         f"{r['attempts']} attempt(s), {r['steps_lost_to_failures']} step(s) lost to failures and re-executed) |",
@@ -593,7 +628,7 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
                        "delta": True, "accountant": True, "unit": True},
     "noise_multiplier": True, "sampling_probability": True, "expected_batch_size": True,
     "dataset_size": True, "max_grad_norm": True, "noise_std_per_coordinate": True,
-    "clipping": True, "normalization": True,
+    "noise_generator": True, "clipping": True, "normalization": True,
     "sampling": {"assumed": True, "used": True, "honoured": True, "max_batch_size": True,
                  "truncation_probability_per_step": True, "truncation_epsilon_cost": True,
                  "note": True},
@@ -733,6 +768,7 @@ def render_publishable_markdown(r: dict) -> str:
         f"| Dataset size N | {r['dataset_size']} units |",
         *trunc,
         f"| Noise multiplier σ | {r['noise_multiplier']:.6g} |",
+        *_noise_line(r),
         f"| Clipping norm C | {r['max_grad_norm']:g} ({r['clipping']}) |",
         f"| Steps T (ledger) | {r['steps']} (planned {r['steps_planned']}, completed {r['steps_completed']}; "
         f"{r['attempts']} attempt(s), {r['steps_lost_to_failures']} step(s) lost to failures and re-executed) |",

@@ -62,9 +62,14 @@ def broadcast_bytes(data: bytes | None, nbytes: int, device: torch.device) -> by
 
 def all_reduce_grads(params: Sequence[torch.Tensor]) -> None:
     """Sum ``p.grad`` over workers with one flat all-reduce. [sync point, once per step]"""
+    all_reduce_([p.grad for p in params])
+
+
+def all_reduce_(grads: Sequence[torch.Tensor]) -> None:
+    """Sum tensors over workers with one flat all-reduce (in their own dtype, float32 or
+    wider: checked by :func:`privatize_`). [sync point, once per step]"""
     if not _dist_on():
         return
-    grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
@@ -119,6 +124,7 @@ class StepStats:
     loss_sum: float = 0.0
     clipped: int = 0
     micro_steps: int = 0
+    nonfinite: int = 0  # units whose gradient was NaN/inf (factor 0: they added nothing)
 
 
 def accumulate_clipped_sum(
@@ -162,7 +168,9 @@ def accumulate_clipped_sum(
         stats.rows += int(real.sum())
         stats.tokens += int(batch["attention_mask"][real].sum())
         stats.loss_sum += float(losses.detach()[real].sum())
-        stats.clipped += int((norms > clipper.max_grad_norm).sum())
+        finite = torch.isfinite(norms)
+        stats.clipped += int((norms[finite] > clipper.max_grad_norm).sum())
+        stats.nonfinite += int((~finite).sum())
     return stats
 
 
@@ -178,15 +186,18 @@ def check_against_reference(clipper: GhostClipper, losses: torch.Tensor, row_uni
     per_unit = per_unit_gradients_autograd(losses, clipper.params, row_units, retain_graph=True)
     ref_sums, ref_norms = clipped_sum(per_unit, clipper.max_grad_norm)
     del per_unit
-    before = [p.grad.detach().clone() for p in clipper.params]
+    sinks = clipper.grad_buffers
+    now = (lambda: [p.grad for p in clipper.params]) if sinks is None else \
+        (lambda: [sinks[n] for n in clipper.param_names])
+    before = [g.detach().clone() for g in now()]
     norms = clipper.backward(losses, row_units)
     rtol = 1e-6 if losses.dtype == torch.float64 else 2e-3
     worst = float((norms.double() - ref_norms.double()).abs().max() / ref_norms.double().abs().max().clamp(min=1e-30))
     if worst > rtol:
         raise ClippingCheckError(f"per-unit norms differ from the reference by {worst:.3g} (relative) > {rtol:g}")
     names = {id(p): n for n, p in clipper.model.named_parameters()}
-    for p, b, r in zip(clipper.params, before, ref_sums):
-        got = (p.grad - b).double()
+    for p, g, b, r in zip(clipper.params, now(), before, ref_sums):
+        got = (g - b).double()
         scale = r.double().abs().max().clamp(min=1e-30)
         err = float((got - r.double()).abs().max() / scale)
         if err > rtol:
@@ -203,14 +214,27 @@ def privatize_(
     noise_multiplier: float,
     max_grad_norm: float,
     expected_batch_size: float,
+    sinks: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """All-reduce the clipped sums, add N(0, σ²C²I) once, divide by q·N. In place on ``p.grad``."""
-    all_reduce_grads(params)  # [sync point] nothing but summation touches the clipped sum
-    grads = [p.grad for p in params]
+    """All-reduce the clipped sums, add N(0, σ²C²I) once, divide by q·N. In place on ``p.grad``,
+    or on ``sinks`` (float32 sums of low-precision parameters), then cast into ``p.grad``:
+    the only rounding to the parameter dtype happens after the noise (DESIGN §3.8)."""
+    grads = [p.grad for p in params] if sinks is None else list(sinks)
+    for i, g in enumerate(grads):
+        if g is None or not g.is_floating_point() or g.dtype.itemsize < 4:
+            raise TypeError(
+                f"clipped sum {i} is {None if g is None else g.dtype}: clipped sums, their "
+                "reduction and the noise must be float32 or wider (DESIGN §3.8); accumulate "
+                "low-precision parameters into llmdp.parallel.make_grad_sinks buffers"
+            )
+    all_reduce_(grads)  # [sync point] nothing but summation touches the clipped sum
     if noise_multiplier > 0:
         dp_noise.add_noise_(grads, noise_key, noise_multiplier * max_grad_norm)
     for g in grads:
         g.div_(expected_batch_size)
+    if sinks is not None:
+        for p, g in zip(params, grads):
+            p.grad = g.to(p.dtype)  # the update, cast at the end
 
 
 def fixed_micro_steps(plan, max_rows_per_unit: int, world_size: int, physical_batch_size: int) -> int:
@@ -373,6 +397,8 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
 
     # ---- resume
     start = 0
+    nonfinite_steps = 0  # steps that had a unit with a NaN/inf gradient (train.max_nonfinite_steps)
+    max_nonfinite = int(train_cfg.get("max_nonfinite_steps", 10))
     ckpt_dir = context.get_checkpoint_dir()
     if ckpt_dir and os.path.exists(os.path.join(ckpt_dir, "state.pt")):
         state = torch.load(os.path.join(ckpt_dir, "state.pt"),
@@ -392,6 +418,7 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start = int(state["step"])
+        nonfinite_steps = int(state.get("nonfinite_steps", 0))
 
     run_dir = config["run_dir"]
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -415,7 +442,8 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
                 if strategy == "fsdp" else None
             if rank == 0:
                 _save_state(tmp, named, optimizer, scheduler, done,
-                            {"run_id": config["run_id"], "ledger": ledger.position(), "strategy": strategy},
+                            {"run_id": config["run_id"], "ledger": ledger.position(), "strategy": strategy,
+                             "nonfinite_steps": nonfinite_steps},
                             full=full)
                 ckpt = tmp
             context.report({"step": done}, ckpt)
@@ -452,7 +480,8 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
                            keys.noise, plan.noise_multiplier, plan.max_grad_norm,
                            plan.expected_batch_size, strategy)
         _maybe_inject_fault(step, rank)
-        totals = _sum_over_workers([stats.units, stats.rows, stats.tokens], device)  # [sync point]
+        totals = _sum_over_workers([stats.units, stats.rows, stats.tokens, stats.nonfinite], device)  # [sync point]
+        nonfinite_steps += totals[3] > 0  # every worker counts the same steps
         optimizer.step()
         if strategy == "fsdp":
             optimizer.zero_grad(set_to_none=True)  # the next reduction checks for stray gradients
@@ -481,12 +510,22 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
                 "worker0_clipped_fraction": stats.clipped / stats.units if stats.units else None,
                 "micro_steps": micro,
                 "sample_truncated": bool(truncated),
+                "nonfinite_units": totals[3],  # internal: units whose gradient was NaN/inf
             }
             _metrics_line(metrics_path, record)
 
         done = step + 1 == plan.steps
         if (step + 1) % checkpoint_every == 0 or done:
             checkpoint(step + 1)
+        if nonfinite_steps > max_nonfinite and not done:
+            # Those units added nothing (factor 0), so every update stays DP; but a run whose
+            # gradients keep overflowing is not training. Stop cleanly, with the numbers.
+            stopped = {"step": step + 1, "reason": (
+                f"{nonfinite_steps} steps had privacy units whose gradient was not finite "
+                f"(NaN/inf; they contributed nothing), more than train.max_nonfinite_steps="
+                f"{max_nonfinite}. Lower optim.lr, train in float32 (model.dtype), or raise "
+                "train.max_nonfinite_steps.")}
+            break
 
     if stopped is not None:
         # Stopped by the budget before step `stopped["step"]`: save what was trained (every

@@ -218,3 +218,139 @@ def test_debug_check_accepts_the_engine_and_catches_a_wrong_one(store, monkeypat
     monkeypatch.setattr(LinearRule, "clipped_ghost", wrong)
     with pytest.raises(ClippingCheckError, match="clipped sum of '.*' differs"):
         check_against_reference(clipper, row_losses(model, batch), batch["row_units"])
+
+
+# --------------------------------------------------------------------------- issue 12
+
+
+@pytest.fixture(scope="module")
+def big_store(tmp_path_factory):
+    s = tiny_store(tmp_path_factory.mktemp("big"), num_documents=15, sequence_length=8)
+    assert s.num_units > 1024
+    return s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_sensitivity_of_the_clipped_sum_at_B_1024(big_store, dtype):
+    """Issue 12 item 2: ‖f(D) − f(D∖u)‖ ≤ C(1+1e-6), f = this worker's clipped sum before
+    noise through the real engine, sinks and micro-step accumulation, measured in float64;
+    bf16 trainable parameters (full fine-tuning, replicated) included (was 2.75·C)."""
+    from llmdp import parallel
+
+    C, B, physical = 1e-3, 1024, 256
+
+    def f(sample):
+        model = tiny_llama(vocab_size=TINY_VOCAB, dtype=dtype)
+        sinks = parallel.make_grad_sinks(model, "replicated")
+        clipper = GhostClipper(model, C, grad_buffers=sinks)
+        mine = assign_micro_batches(np.asarray(sample, dtype=np.int64), big_store.unit_row_count,
+                                    big_store.unit_max_row_length, world_size=1,
+                                    physical_batch_size=physical)[0]
+        accumulate_clipped_sum(model, clipper, big_store, mine, torch.device("cpu"))
+        sums = [p.grad for p in clipper.params] if sinks is None else [sinks[n] for n in clipper.param_names]
+        dtypes.update(s.dtype for s in sums)
+        return torch.cat([s.double().reshape(-1) for s in sums])
+
+    dtypes = set()
+    D = list(range(B))
+    u = 700
+    full = f(D)
+    assert float(full.norm()) > 10 * C  # many clipped units add up: not a vacuous bound
+    sens = float((full - f([i for i in D if i != u])).norm())
+    assert sens <= C * (1 + 1e-6), sens / C
+    assert sens >= C * (1 - 1e-3)  # the unit is clipped: its contribution is C
+    assert dtypes == {torch.float32}  # the sums are float32 whatever the parameter dtype
+
+
+def test_privatize_reduces_and_noises_float32_sinks_and_casts_at_the_end():
+    """bf16 parameters: the clipped sums, the noise and the ÷ q·N stay in float32; the
+    result is cast to bf16 only once, into p.grad."""
+    from llmdp import parallel
+    from llmdp.privacy.noise import gaussian_like
+
+    model = tiny_llama(vocab_size=TINY_VOCAB, dtype=torch.bfloat16)
+    sinks = parallel.make_grad_sinks(model, "replicated")
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for n, p in model.named_parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(0)
+    for n in names:
+        sinks[n].copy_(torch.randn(sinks[n].shape, generator=g) * 1e-3)
+    want = [(sinks[n].clone() + gaussian_like(sinks[n].shape, b"k" * 32, i, 0.5 * 2.0)) / 7.0
+            for i, n in enumerate(names)]
+    parallel.privatize(params, sinks, b"k" * 32, 0.5, 2.0, 7.0, "replicated", names=names)
+    for p, w in zip(params, want):
+        assert p.grad.dtype == torch.bfloat16
+        assert torch.equal(p.grad, w.to(torch.bfloat16))
+    # A bf16 clipped sum is refused, not reduced and noised in bf16.
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(TypeError, match="float32 or wider"):
+        privatize_(params, b"k" * 32, 0.5, 2.0, 7.0)
+
+
+def test_nonfinite_units_stop_the_loop_after_max_nonfinite_steps(tmp_path, monkeypatch):
+    """Issue 12 item 8b: every step has a unit whose loss (hence gradient) is NaN. Each is
+    dropped (the parameters stay finite) and counted; the run stops, with a message, at
+    the first step that makes the count exceed train.max_nonfinite_steps."""
+    import json
+
+    import llmdp.losses
+    from llmdp.worker import LocalContext, train_loop_per_worker
+    from tests.test_loop import make_recipe, prepared_config
+
+    real = llmdp.losses.row_losses
+
+    def nan_first_row(model, batch):
+        losses = real(model, batch)
+        first = (batch["row_units"] >= 0).long().argmax()
+        bad = torch.zeros_like(losses, dtype=torch.bool)
+        bad[first] = bool(batch["row_units"][first] >= 0)
+        return torch.where(bad, losses * float("nan"), losses)
+
+    monkeypatch.setattr(llmdp.losses, "row_losses", nan_first_row)
+    cfg = make_recipe(tmp_path, steps=8, max_nonfinite_steps=2)
+    prep = prepared_config(cfg)
+    out = train_loop_per_worker(prep.worker_config(), LocalContext())
+    assert out["steps"] == 3
+    assert "train.max_nonfinite_steps=2" in out["stopped"] and "not finite" in out["stopped"]
+    lines = [json.loads(x) for x in open(os.path.join(prep.run_dir, "metrics.jsonl"))]
+    steps = [x for x in lines if "nonfinite_units" in x]
+    assert len(steps) == 3 and all(x["nonfinite_units"] >= 1 for x in steps)
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(prep.run_dir, "model", "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in saved.values())  # nothing non-finite leaked
+
+
+@pytest.mark.parametrize("value,why", [(-1, "out of range"), ("ten", "wrong type"), (2.5, "wrong type")])
+def test_max_nonfinite_steps_is_validated(value, why):
+    from llmdp.config import ConfigError, recipe_from_dict
+
+    raw = {"model": {"init": "tiny", "tokenizer": "/tmp"}, "data": {"path": "x.jsonl"},
+           "privacy": {"noise_multiplier": 1.0},
+           "train": {"steps": 5, "max_nonfinite_steps": value}}
+    with pytest.raises(ConfigError, match=rf"train.max_nonfinite_steps: .*{why}"):
+        recipe_from_dict(raw)
+    raw["train"]["max_nonfinite_steps"] = 0
+    assert recipe_from_dict(raw).train.max_nonfinite_steps == 0
+
+
+def test_report_states_the_noise_tail_and_its_delta(tmp_path):
+    """Issue 12 item 8c: the report (JSON and Markdown) carries the generator's tail and
+    the δ it adds, computed from the run's trainable parameter count and σ."""
+    from llmdp.privacy.noise import NOISE_TAIL, truncation_delta_per_step
+    from llmdp.report import render_markdown, write_report
+    from llmdp.worker import LocalContext, train_loop_per_worker
+    from tests.test_loop import make_recipe, prepared_config
+
+    prep = prepared_config(make_recipe(tmp_path, steps=2))
+    train_loop_per_worker(prep.worker_config(), LocalContext())
+    r = write_report(prep.run_dir)
+    g = r["noise_generator"]
+    assert g["tail_truncation_std"] == NOISE_TAIL
+    assert g["trainable_parameters"] > 0
+    assert g["truncation_delta_per_step"] == truncation_delta_per_step(g["trainable_parameters"],
+                                                                       r["noise_multiplier"])
+    assert g["truncation_delta_run"] == pytest.approx(g["truncation_delta_per_step"] * r["steps"])
+    md = render_markdown(r)
+    assert f"|z| ≤ {NOISE_TAIL:.4f}·σC" in md and "rounded to float32" in md

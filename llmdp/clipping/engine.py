@@ -16,20 +16,39 @@ How (``engine="ghost"``, the default):
    cheaper for this batch's shapes;
 4. with the norms known, c_u = min(1, C/‖g_u‖), and the clipped sum is formed either
    from what was kept (``mode="book-keeping"``: Σ_r c_{u(r)} G_rᵀA_r per layer, one
-   backward in all, but every G is kept until the norms are known) or by a second
-   backward of Σ_u c_u L_u (``mode="two-pass"``: G is dropped as soon as its norm is
-   taken; peak memory of a non-private step, a second backward's time). ``mode="auto"``
-   picks book-keeping when what it keeps fits comfortably in free memory.
+   backward in all, but every G is kept until the norms are known) or by a second,
+   identical backward (``mode="two-pass"``: G is dropped as soon as its norm is taken;
+   pass 2 runs the same backward of the same unscaled loss, so each tap receives the
+   same G again, checked bit for bit against a fingerprint kept from pass 1, and forms
+   Σ_r c_{u(r)} G_rᵀA_r from it as it arrives). ``mode="auto"`` picks book-keeping when
+   what it keeps fits comfortably in free memory.
+
+Precision (DESIGN §3.8). The clipped sum is contracted in float32 (float64 for float64
+inputs) from the same A and G the norms were computed from, in both modes, whatever the
+parameter or autocast dtype: pass 2 never backpropagates c_u-scaled losses through
+low-precision layers (that changes G by rounding, so the added gradient would not be the
+one whose norm was clipped). It is added to ``p.grad`` only when that is float32 or
+wider; half-precision trainable parameters need float32 ``grad_buffers``
+(``llmdp.parallel.make_grad_sinks``).
+
+Every use is in the norm (DESIGN §3.8). Each recorded call of a hooked module is one use
+of its parameters; a parameter with several uses in a micro-batch (tied embeddings, a
+module called twice) gets all cross terms ⟨g_i, g_j⟩. A use the hooks cannot see (a
+functional ``F.linear(x, module.weight)`` outside the module) is found by walking the
+autograd graph of the loss and refused with the parameter's name, never mis-clipped.
+
+Non-finite gradients: a unit whose gradient norm is NaN or infinite gets factor 0 and
+its rows are zeroed before any contraction (0·NaN would be NaN), so it contributes
+exactly nothing; ``last_nonfinite`` counts such units in the last call (an internal
+statistic: never logged per unit).
 
 ``engine="reference"`` is the exact, slow yardstick (per-unit vector-Jacobian products).
 
 Sharded parameters (FSDP2, ``scaling.strategy: fsdp``): with ``grad_buffers`` (one plain,
 full-size tensor per trainable parameter name) the clipped sum is *added to those
 buffers* instead of ``p.grad``; the caller reduce-scatters them once per logical step.
-The engine then never asks autograd for a parameter gradient (pass 1 asks only for the
-dummy leaf; two-pass asks for the gradients of the unsharded parameters the forward
-used, and gets them back instead of leaving them in ``.grad``), so FSDP2's own gradient
-reduce-scatter finds nothing to reduce. Parameters are identified by the objects
+The engine never asks autograd for a parameter gradient (both passes ask only for the
+dummy leaf's), so FSDP2's own gradient reduce-scatter finds nothing to reduce. Parameters are identified by the objects
 registered when the clipper was built (the sharded DTensors), not by what a module holds
 at backward time (FSDP2 swaps in unsharded parameters around forward and backward).
 Parameter *values* are read only inside the backward pass of their FSDP unit (the
@@ -181,7 +200,13 @@ class GhostClipper:
         self._phase = "idle"
         self._units: Units | None = None
         self._keep_G = False
-        self._shared: set[int] = set()
+        self._shared: set[int] = set()  # parameters with several uses in this micro-batch
+        # The autograd nodes of each recorded call (node -> record indices) and the
+        # parameter tensors each call used: to find uses the hooks did not see.
+        self._owned: dict[object, set[int]] = {}
+        self._rec_params: list[set[int]] = []
+        self._factors = self._row_factors = self._zero_rows = None
+        self.last_nonfinite = 0  # units with a non-finite gradient norm in the last backward
         self._handles = []
         self._rules = {}
         self._anchor = None
@@ -245,9 +270,8 @@ class GhostClipper:
                 if p.requires_grad:
                     self._pids[(module, pname)] = id(p)
             self._handles.append(module.register_forward_hook(self._on_forward))
-        # Parameters owned by several modules (tied input embedding and LM head): the norm
-        # of the sum of their uses needs cross terms, computed from what each use kept.
-        self._shared = {k for k, n in owners.items() if n > 1}
+        # Which parameters have several uses (tied input embedding and LM head, a module
+        # called twice) is counted per micro-batch from the recorded calls (_multi_use).
         missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in owners]
         if missing:  # pragma: no cover - every parameter belongs to some module
             raise UnsupportedModuleError(f"trainable parameters outside any module: {missing}")
@@ -278,15 +302,94 @@ class GhostClipper:
             output = output.expand(rows, *output.shape[1:])
         rec = Record(module, self._rules[module], args[0].detach(), output.numel() * output.element_size())
         self._records.append(rec)
-        if self.grad_buffers is not None:
-            # The parameters this call used (FSDP2: the unsharded ones), for two-pass's
-            # second backward, which asks autograd for exactly their gradients.
-            for pname in rec.rule.params(module):
-                self._fwd_params[(module, pname)] = getattr(module, pname)
+        used = set()
+        for pname in rec.rule.params(module):
+            # The parameter tensors this call used (FSDP2: the unsharded ones).
+            t = getattr(module, pname)
+            self._fwd_params[(module, pname)] = t
+            used.add(id(t))
+        self._rec_params.append(used)
+        self._own_subgraph(output, args[0], len(self._records) - 1)
         return _Tap.apply(output, self._anchor, self, rec)
+
+    def _own_subgraph(self, output: torch.Tensor, inp, index: int) -> None:
+        """Mark the autograd nodes between this call's output and its input as the call's
+        own: an edge into them (or into its parameters) from anywhere else is a use of the
+        parameters that the hooks did not record (checked in ``_check_uses``)."""
+        stop = inp.grad_fn if isinstance(inp, torch.Tensor) else None
+        todo = [output.grad_fn] if output.grad_fn is not None else []
+        while todo:
+            node = todo.pop()
+            if node is stop or hasattr(node, "variable"):
+                continue
+            mine = self._owned.setdefault(node, set())
+            if index in mine:
+                continue
+            mine.add(index)
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+
+    def _check_uses(self, total: torch.Tensor) -> None:
+        """Walk the loss's autograd graph; refuse a trainable parameter reached by an op
+        that no recorded call owns (e.g. ``F.linear(x, module.weight)`` outside the
+        module): its gradient would be trained without being in its unit's norm (two-pass)
+        or silently dropped (book-keeping). DESIGN §3.8."""
+        if total.grad_fn is None:
+            return
+        names = {i: n for i, n in self._name_of.items()}
+        for (module, pname), t in self._fwd_params.items():
+            names[id(t)] = self._name_of.get(self._pid(module, pname), pname)
+        tap = _Tap._backward_cls
+        bad: set[str] = set()
+        seen = {total.grad_fn}
+        todo = [total.grad_fn]
+        while todo:
+            node = todo.pop()
+            src = self._owned.get(node)
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                if hasattr(nxt, "variable"):  # a leaf: a parameter (or the anchor, an input)
+                    v = id(nxt.variable)
+                    if v in names and not (src and any(v in self._rec_params[i] for i in src)):
+                        bad.add(names[v])
+                    continue
+                dst = self._owned.get(nxt)
+                if dst is not None and not isinstance(node, tap) and not (src and src & dst):
+                    bad.update(self._params_below(nxt, dst, names))
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        if bad:
+            raise UnsupportedModuleError(
+                f"trainable parameter(s) {sorted(bad)} are used in the forward pass outside a "
+                "call of the module that owns them (e.g. a functional F.linear(x, module.weight), "
+                "or the tensor read by another module): the clipping engine cannot see that use, "
+                "so the unit's gradient would not be clipped as a whole. Call the owning module "
+                "instead, freeze the parameter (requires_grad_(False)), or use "
+                "privacy.clipping: reference."
+            )
+
+    def _params_below(self, node, recs: set[int], names: dict[int, str]) -> set[str]:
+        """Names of the parameters reached from ``node`` inside the calls ``recs`` own (e.g.
+        the weight behind a cast that autocast's cache shares with an outside use)."""
+        out, seen, todo = set(), {node}, [node]
+        while todo:
+            for nxt, _ in todo.pop().next_functions:
+                if nxt is None or nxt in seen:
+                    continue
+                seen.add(nxt)
+                if hasattr(nxt, "variable"):
+                    if id(nxt.variable) in names:
+                        out.add(names[id(nxt.variable)])
+                elif self._owned.get(nxt, set()) & recs:
+                    todo.append(nxt)
+        return out or {names.get(v, "?") for i in recs for v in self._rec_params[i]}
 
     def _on_output_grad(self, rec: Record, G: torch.Tensor) -> None:
         """Runs inside the backward pass, once per recorded call, as soon as G is known."""
+        if self._phase == "apply":
+            self._apply_second_pass(rec, G.detach())
+            return
         if self._phase != "norms":
             return
         units = self._units
@@ -300,14 +403,35 @@ class GhostClipper:
         else:
             rec.per_unit = rule.per_unit(rec, units)
             rec.sqn = {n: _sq(g) for n, g in rec.per_unit.items()}
+        if not self._keep_G:
+            # two-pass: pass 2 brings the same G again; keep A and G's fingerprint only
+            # (G too, until the cross terms are taken, if the parameter has other uses).
+            rec.fp = _fingerprint(G)
+            rec.per_unit = None
+            if not shared:
+                rec.G = None
+            return
         if shared:
             return  # cross terms with the other uses need A and G
-        if not (self._keep_G and rec.ghost):
-            rec.G = None  # two-pass, or instantiated: G is no longer needed
-        if not self._keep_G:
-            rec.per_unit, rec.A = None, None  # two-pass: only the norms are kept
-        elif not rec.ghost:
-            rec.A = None  # book-keeping, instantiated: the per-unit gradients are kept
+        if not rec.ghost:
+            rec.G, rec.A = None, None  # book-keeping, instantiated: the per-unit gradients are kept
+
+    def _apply_second_pass(self, rec: Record, G: torch.Tensor) -> None:
+        """Two-pass, pass 2: the same backward brings G again; form and add this call's
+        part of the clipped sum from it, in float32, then drop it."""
+        if rec.fp is None:  # not reached in pass 1 (so not part of the norms)
+            return
+        if not torch.equal(_fingerprint(G), rec.fp):
+            raise RuntimeError(
+                f"clipping two-pass: the second backward gave module {type(rec.module).__name__} "
+                "a different output gradient than the first (a non-deterministic backward), so "
+                "what would be added is not what was clipped. Use privacy.clipping_mode: "
+                "book-keeping, or torch.use_deterministic_algorithms(True)."
+            )
+        rec.G = G
+        parts = self._contribution(rec, self._units)
+        rec.G = rec.A = None
+        self._add_parts([(rec, parts)])
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -337,12 +461,16 @@ class GhostClipper:
             if self.engine == "reference":
                 per_unit = per_unit_gradients_autograd(unit_losses, self.params, row_units)
                 sums, norms = clipped_sum(per_unit, self.max_grad_norm)
+                self.last_nonfinite = int((~torch.isfinite(norms)).sum())
                 self._add_to_grad(zip(self.params, sums))
                 return norms
             return self._ghost_backward(unit_losses, row_units, num_units)
         finally:
             self._records.clear()
             self._fwd_params.clear()
+            self._owned.clear()
+            self._rec_params.clear()
+            self._factors = self._row_factors = self._zero_rows = None
             self._phase = "idle"
             self._units = None
 
@@ -356,20 +484,18 @@ class GhostClipper:
         try:
             torch.autograd.grad(total, self._anchor, retain_graph=mode == "two-pass", allow_unused=True)
             if mode == "two-pass":
-                torch.autograd.grad(total, self._unique_fwd_params()[1], allow_unused=True)
+                torch.autograd.grad(total, self._anchor, allow_unused=True)
         finally:
             self._recording = True
 
-    def _unique_fwd_params(self) -> tuple[list[int], list[torch.Tensor]]:
-        """(stable ids, the tensors the forward used), one entry per parameter object."""
-        pids, tensors, seen = [], [], set()
-        for (module, pname), t in self._fwd_params.items():
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            pids.append(self._pid(module, pname))
-            tensors.append(t)
-        return pids, tensors
+    def _multi_use(self, records: list[Record]) -> set[int]:
+        """Parameters with more than one recorded use in this micro-batch (stable ids)."""
+        count: dict[int, int] = {}
+        for rec in records:
+            for n in rec.rule.params(rec.module):
+                pid = self._pid(rec.module, n)
+                count[pid] = count.get(pid, 0) + 1
+        return {pid for pid, c in count.items() if c > 1}
 
     def _resolve_mode(self) -> str:
         if self.mode != "auto":
@@ -402,6 +528,8 @@ class GhostClipper:
         units = Units.make(row_units, num_units)
         keep = row_units >= 0
         total = row_losses[keep].sum()
+        self._shared = self._multi_use(records)
+        self._check_uses(total)
         self._units, self._keep_G, self._phase = units, mode == "book-keeping", "norms"
         self._recording = False  # activation-checkpoint recomputation must not record
         try:
@@ -414,46 +542,62 @@ class GhostClipper:
         seen = [r for r in records if r.sqn is not None]
         self._check_coverage(seen)
         norms = self._norms(seen, units)
-        factors = clip_factors(norms, self.max_grad_norm)
+        factors = clip_factors(norms, self.max_grad_norm)  # 0 for a non-finite norm
+        self.last_nonfinite = int((~torch.isfinite(norms)).sum())
+        self._factors = factors
+        self._row_factors = units.row_factors(factors)
+        # Rows that add nothing (padding, units with a non-finite gradient) are zeroed
+        # before any contraction: a 0 factor alone would leave 0·NaN = NaN in the sum.
+        zero = self._row_factors == 0
+        self._zero_rows = zero if bool(zero.any()) else None
         if mode == "two-pass":
-            row_factors = units.row_factors(factors).to(row_losses.dtype)
-            if self.grad_buffers is not None:
-                # Pass 2 into the buffers: autograd returns Σ_u c_u ∇L_u for the tensors the
-                # forward used (FSDP2: the unsharded parameters) instead of storing it in
-                # .grad, so FSDP2's post-backward has no gradient to reduce-scatter.
-                pids, tensors = self._unique_fwd_params()
-                grads = torch.autograd.grad((row_factors * row_losses).sum(), tensors, allow_unused=True)
-                self._add_to_buffers((pid, g) for pid, g in zip(pids, grads) if g is not None)
-                return norms
-            # Pass 2: autograd forms Σ_u c_u ∇L_u itself and adds it to p.grad. The taps
-            # pass gradients through untouched (phase idle).
-            torch.autograd.backward((row_factors * row_losses).sum(), inputs=self.params)
+            for rec in seen:
+                rec.G, rec.per_unit = None, None  # cross terms are taken: pass 2 brings G again
+            # Pass 2: the same backward of the same loss; each tap checks that G is pass 1's
+            # G and adds Σ_r c_{u(r)} G_rᵀA_r (float32) to the sinks as G arrives.
+            self._phase = "apply"
+            self._recording = False
+            try:
+                torch.autograd.grad(total, self._anchor, allow_unused=True)
+            finally:
+                self._recording = True
+                self._phase = "idle"
             return norms
-        row_factors = units.row_factors(factors)
-        contributions = []
-        for rec in seen:
-            if rec.ghost:
-                up = _compute_dtype(rec.G.dtype)
-                if up is not None:  # bf16/fp16 G (and A): contract the clipped sum in float32
-                    rec.G = rec.G.to(up)
-                    if rec.A.is_floating_point():
-                        rec.A = rec.A.to(up)
-                parts = rec.rule.clipped_ghost(rec, row_factors)
-            else:
-                per_unit = rec.per_unit or {}
-                up = {n: _compute_dtype(g.dtype) for n, g in per_unit.items()}
-                per_unit = {n: g if up[n] is None else g.to(up[n]) for n, g in per_unit.items()}
-                f = factors.to(next(iter(per_unit.values())).dtype) if per_unit else factors
-                parts = {n: torch.einsum("u,u...->...", f, g) for n, g in per_unit.items()}
-            if self.grad_buffers is not None:
-                contributions.extend((self._pid(rec.module, n), g) for n, g in parts.items())
-            else:
-                contributions.extend((getattr(rec.module, n), g) for n, g in parts.items())
-        if self.grad_buffers is not None:
-            self._add_to_buffers(contributions)
-        else:
-            self._add_to_grad(contributions)
+        self._add_parts([(rec, self._contribution(rec, units)) for rec in seen])
         return norms
+
+    def _contribution(self, rec: Record, units: Units) -> dict[str, torch.Tensor]:
+        """Σ_u c_u·g_u for this call's parameters, in float32 or wider, from A and G (or
+        the kept per-unit gradients); rows with a zero factor contribute exactly zero."""
+        rule, mask = rec.rule, self._zero_rows
+        if rule.has_clipped_ghost and (rec.ghost or self._phase == "apply"):
+            G, A = rec.G, rec.A
+            up = _compute_dtype(G.dtype)
+            if up is not None:  # bf16/fp16 G (and A): contract the clipped sum in float32
+                G = G.to(up)
+                if A.is_floating_point():
+                    A = A.to(up)
+            if mask is not None:
+                G = G.masked_fill(_row_mask(mask, G), 0)
+                if A.is_floating_point() and A.shape[0] == G.shape[0]:
+                    A = A.masked_fill(_row_mask(mask, A), 0)
+            rec.G, rec.A = G, A
+            return rule.clipped_ghost(rec, self._row_factors)
+        per_unit = rec.per_unit if rec.per_unit is not None else rule.per_unit(rec, units)
+        out = {}
+        for n, g in per_unit.items():
+            up = _compute_dtype(g.dtype)
+            g = g if up is None else g.to(up)
+            f = self._factors.to(g.dtype)
+            g = torch.where(_row_mask(f == 0, g), 0, g)
+            out[n] = torch.einsum("u,u...->...", f, g)
+        return out
+
+    def _add_parts(self, parts: list[tuple[Record, dict[str, torch.Tensor]]]) -> None:
+        if self.grad_buffers is not None:
+            self._add_to_buffers((self._pid(rec.module, n), g) for rec, d in parts for n, g in d.items())
+        else:
+            self._add_to_grad((getattr(rec.module, n), g) for rec, d in parts for n, g in d.items())
 
     def _check_coverage(self, seen: list[Record]) -> None:
         """Every hooked module must have been seen with its output gradient: a trainable
@@ -500,11 +644,34 @@ class GhostClipper:
             self._add_to_buffers((id(p), g) for p, g in contributions)
             return
         for p, g in contributions:
+            if p.dtype.itemsize < 4 or not p.dtype.is_floating_point:
+                # A bf16/fp16 .grad would round the clipped sum (each unit's share of it
+                # could exceed C): DESIGN §3.8. Sum into float32 buffers instead.
+                raise TypeError(
+                    f"parameter '{self._name_of.get(id(p), '?')}' is {p.dtype}: the clipped sum "
+                    "must be accumulated in float32 or wider; pass grad_buffers="
+                    "llmdp.parallel.make_grad_sinks(model, strategy) (float32 sinks)"
+                )
             g = g.to(p.dtype)
             if p.grad is None:
                 p.grad = g.clone()
             else:
                 p.grad.add_(g)
+
+
+def _row_mask(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A [R] boolean mask shaped to broadcast over ``t`` [R, ...]."""
+    return mask.view(-1, *([1] * (t.dim() - 1)))
+
+
+def _fingerprint(G: torch.Tensor) -> torch.Tensor:
+    """Per row (Σ G², Σ G) in float32: pass 2 must see pass 1's G bit for bit (any
+    rounding difference changes these). Non-finite values map to sentinels so that a
+    NaN row compares equal to itself."""
+    g = G.detach().reshape(G.shape[0], -1)
+    dt = acc_dtype(g)
+    fp = torch.stack([torch.linalg.vector_norm(g, dim=1, dtype=dt), g.sum(1, dtype=dt)], 1)
+    return torch.nan_to_num(fp, nan=-1.0, posinf=-2.0, neginf=-3.0)
 
 
 def _sq(g: torch.Tensor) -> torch.Tensor:

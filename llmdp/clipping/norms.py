@@ -115,7 +115,7 @@ class Record:
     """One call of one hooked module in one micro-batch: its input, and later its output
     gradient or its per-unit gradients."""
 
-    __slots__ = ("module", "rule", "A", "G", "per_unit", "ghost", "sqn", "out_bytes")
+    __slots__ = ("module", "rule", "A", "G", "per_unit", "ghost", "sqn", "out_bytes", "fp")
 
     def __init__(self, module: nn.Module, rule: LayerRule, A: torch.Tensor, out_bytes: int = 0):
         self.module, self.rule, self.A = module, rule, A
@@ -124,10 +124,15 @@ class Record:
         self.ghost: bool = False
         self.sqn: dict[str, torch.Tensor] | None = None  # per-unit squared norms, per parameter
         self.out_bytes = out_bytes  # size of the module output, hence of G
+        self.fp: torch.Tensor | None = None  # two-pass: pass 1's fingerprint of G, per row
 
 
 class LayerRule:
-    """Interface of a rule. ``params`` are the module's own trainable parameter names."""
+    """Interface of a rule. ``params`` are the module's own trainable parameter names.
+    ``has_clipped_ghost``: the rule forms Σ_r c_{u(r)}·(row r's gradient) from A and G
+    directly (one contraction, no per-unit tensor)."""
+
+    has_clipped_ghost = False
 
     def params(self, module) -> list[str]:
         return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -147,6 +152,8 @@ class LayerRule:
 
 class LinearRule(LayerRule):
     """nn.Linear (weight [out, in]) and, with ``transposed``, HF GPT-2 Conv1D ([in, out])."""
+
+    has_clipped_ghost = True
 
     def __init__(self, transposed: bool = False):
         self.transposed = transposed
@@ -170,7 +177,10 @@ class LinearRule(LayerRule):
 
     def per_unit(self, rec, units):
         module = rec.module
-        A3, G3 = _as_3d(rec.A).to(rec.G.dtype), _as_3d(rec.G)
+        # float32 at least: the per-unit gradient whose norm is clipped must be the one the
+        # float32 contraction adds (two-pass, DESIGN §3.8), not a bf16-rounded copy.
+        dt = acc_dtype(rec.G)
+        A3, G3 = _as_3d(rec.A).to(dt), _as_3d(rec.G).to(dt)
         out = {}
         if module.weight.requires_grad:
             eq = "rti,rto->rio" if self.transposed else "rto,rti->roi"
@@ -199,6 +209,8 @@ def _bias_sq(per_row: torch.Tensor, units: Units) -> torch.Tensor:
 
 class EmbeddingRule(LayerRule):
     """nn.Embedding (and Gemma's scaled word embedding): y_t = E[id_t] (· scale)."""
+
+    has_clipped_ghost = True
 
     def _ids_and_G(self, rec: Record):
         module = rec.module
@@ -244,6 +256,7 @@ class EmbeddingRule(LayerRule):
         if not module.weight.requires_grad:
             return {}
         ids, G3 = self._ids_and_G(rec)
+        G3 = G3.to(acc_dtype(G3))  # float32 at least, as the contraction that is added
         keep = units.keep
         uid = units.unit_of_row[keep].unsqueeze(1).expand(-1, ids.shape[1])
         out = G3.new_zeros((units.num_units, *module.weight.shape))
@@ -322,6 +335,11 @@ def cross_inner(ri: Record, rj: Record, pname_i: str, pname_j: str, units: Units
         Ai, Gi = _as_3d(ri.A).to(dt), _as_3d(ri.G).to(dt)
         Aj, Gj = _as_3d(rj.A).to(dt), _as_3d(rj.G).to(dt)
         return _pair_sum_two(Ai, Gi, Aj, Gj, units)
+    if ti is LinearRule and tj is LinearRule and pname_i == pname_j == "bias":
+        dt = acc_dtype(ri.G)
+        bi = units.rows_to_units(_as_3d(ri.G).to(dt).sum(1))
+        bj = units.rows_to_units(_as_3d(rj.G).to(dt).sum(1))
+        return (bi * bj).sum(-1)
     # Anything else: instantiate both (small parameters only reach here).
     gi = ri.rule.per_unit(ri, units)[pname_i]
     gj = rj.rule.per_unit(rj, units)[pname_j]

@@ -53,7 +53,12 @@ def per_unit_gradients_autograd(
     row_units: torch.Tensor | None = None,
     retain_graph: bool = False,
 ) -> list[torch.Tensor]:
-    """Per-unit gradients from per-row losses that still carry their autograd graph."""
+    """Per-unit gradients from per-row losses that still carry their autograd graph.
+
+    A unit whose gradient is NaN/inf can make the *other* units' gradients here non-finite
+    too (the batched VJP backpropagates a 0 through its rows: 0·inf = NaN); those units then
+    also get clip factor 0 in :func:`clipped_sum` (nothing non-finite is ever added, but the
+    step loses them). The hook-based engine keeps rows apart and loses only the bad unit."""
     row_units, num_units = unit_ids(row_units, row_losses.shape[0], row_losses.device)
     if num_units == 0:
         return [p.new_zeros((0, *p.shape)) for p in params]
@@ -112,9 +117,13 @@ def per_unit_gradients_func(
 
 
 def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
-    """min(1, C/‖g_u‖), exactly 1 for a zero gradient (nothing to scale)."""
-    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-    return torch.where(norms > max_grad_norm, max_grad_norm / safe, torch.ones_like(norms))
+    """min(1, C/‖g_u‖), exactly 1 for a zero gradient (nothing to scale), and exactly 0
+    for a non-finite norm (NaN or inf): such a unit contributes nothing. The caller must
+    also zero that unit's gradient before summing (0·NaN is NaN)."""
+    finite = torch.isfinite(norms)
+    safe = torch.where(finite & (norms > 0), norms, torch.ones_like(norms))
+    f = torch.where(norms > max_grad_norm, max_grad_norm / safe, torch.ones_like(norms))
+    return torch.where(finite, f, torch.zeros_like(f))
 
 
 def clipped_sum(
@@ -131,5 +140,9 @@ def clipped_sum(
         sq = s if sq is None else sq + s
     norms = sq.sqrt()
     factors = clip_factors(norms, max_grad_norm)
-    sums = [torch.einsum("u,u...->...", factors.to(g.dtype), g) for g in per_unit]
+    # Sums in float32 or wider; a unit with factor 0 (non-finite) is zeroed, not multiplied.
+    zero = factors == 0
+    sums = [torch.einsum("u,u...->...", factors,
+                         torch.where(zero.view(-1, *([1] * (g.dim() - 1))), 0, g.to(acc_dtype)))
+            for g in per_unit]
     return sums, norms

@@ -272,3 +272,165 @@ def test_a_trainable_module_outside_the_graph_is_refused():
     batch = make_batch([0, 1])
     with pytest.raises(UnsupportedModuleError, match="'unused'"):
         GhostClipper(model, 1.0).backward(row_losses(model, batch), batch["row_units"])
+
+
+# --------------------------------------------------------------------------- issue 12
+
+
+class _Reuse(torch.nn.Module):
+    """Embedding -> a Linear called twice (or, ``functional``, its weight also used by
+    F.linear outside the module) -> head. Rows are independent."""
+
+    def __init__(self, functional=False, dtype=torch.float64):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.embed = torch.nn.Embedding(V, 6)
+        self.mix = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, V, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        self.functional = functional
+        self.to(dtype)
+
+    def forward(self, input_ids, **_):
+        h = self.embed(input_ids)
+        h = torch.tanh(self.mix(h))
+        if self.functional:
+            h = torch.tanh(torch.nn.functional.linear(h, self.mix.weight))
+        else:
+            h = torch.tanh(self.mix(h))  # the same module, a second call
+        return self.head(h)
+
+
+def _reuse_row_losses(model, batch):
+    logits = model(batch["input_ids"])
+    lp = torch.log_softmax(logits[:, :-1].to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1)
+    nll = -lp.gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    return nll.mean(1)
+
+
+def _reuse_reference(model, batch, C):
+    grads = per_unit_gradients_func(model, lambda call, row: _reuse_row_losses(_Call(call), row)[0],
+                                    {"input_ids": batch["input_ids"]}, batch["row_units"])
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    flat = torch.cat([grads[n].reshape(grads[n].shape[0], -1) for n in names], 1)
+    norms = flat.norm(dim=1)
+    f = clip_factors(norms, C)
+    return norms, {n: torch.einsum("u,u...->...", f, grads[n]) for n in names}
+
+
+class _Call:
+    def __init__(self, call):
+        self.call = call
+
+    def __call__(self, input_ids):
+        return self.call(input_ids=input_ids)
+
+
+@pytest.mark.parametrize("clip", CONFIGS[1:], ids=IDS[1:])
+@pytest.mark.parametrize("row_units", [[0, 1, 2, 3], [0, 0, 1, -1, 1]])
+def test_module_called_twice_has_its_cross_terms(clip, row_units):
+    """A module called twice in one forward: its two uses' gradients add up, so the unit's
+    norm needs the cross term (issue 12 item 3: it contributed sqrt(2)*C without it)."""
+    model = _Reuse()
+    batch = make_batch(row_units)
+    C = 1e-3
+    ref_norms, ref_sum = _reuse_reference(model, batch, C)
+    assert (ref_norms > 10 * C).all()  # every unit is clipped: the bound below is not vacuous
+    norms = GhostClipper(model, C, **clip).backward(_reuse_row_losses(model, batch), batch["row_units"])
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_sum[n], rtol=1e-9, atol=1e-15)
+    # One unit alone adds at most C (the sensitivity), measured from what was added.
+    model.zero_grad(set_to_none=True)
+    one = {k: v[:1] for k, v in batch.items()}
+    GhostClipper(model, C, **clip).backward(_reuse_row_losses(model, one), one["row_units"])
+    added = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
+    assert added <= C * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp64", "bf16-autocast"])
+@pytest.mark.parametrize("mode", ["book-keeping", "two-pass", "auto"])
+def test_weight_reused_functionally_is_refused_with_its_name(mode, autocast):
+    """F.linear(h, module.weight) outside the module: a use the hooks cannot record. It must
+    be refused with the parameter's name, never mis-clipped (issue 12 item 3: 1.83*C)."""
+    model = _Reuse(functional=True, dtype=torch.float32 if autocast else torch.float64)
+    batch = make_batch([0, 1, 2])
+    clipper = GhostClipper(model, 1e-3, mode=mode)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        losses = _reuse_row_losses(model, batch)
+    with pytest.raises(UnsupportedModuleError, match=r"\['mix.weight'\].*outside a call of the module"):
+        clipper.backward(losses, batch["row_units"])
+    assert all(p.grad is None for p in model.parameters())  # refused before anything was added
+    # The same model without the functional use is accepted (the check is not a blanket refusal).
+    model.functional = False
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        losses = _reuse_row_losses(model, batch)
+    clipper.backward(losses, batch["row_units"])
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", ["two-pass", "book-keeping"])
+def test_under_bf16_autocast_each_unit_adds_at_most_C(mode):
+    """Issue 12 item 8a: under bf16 autocast each clipped unit's contribution, measured in
+    float64 from what the engine actually added (the sum with the unit minus the sum with
+    its row turned into padding, same shapes), is <= C."""
+    model = tiny_model("llama", vocab_size=V, dtype=torch.float32)
+    row_units = list(range(8))
+    batch = make_batch(row_units)
+    C = 1e-2
+
+    def added(ru):
+        model.zero_grad(set_to_none=True)
+        clipper = GhostClipper(model, C, mode=mode)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = row_losses(model, {**batch, "row_units": torch.tensor(ru)})
+        norms = clipper.backward(losses, torch.tensor(ru))
+        clipper.remove_hooks()
+        return torch.cat([p.grad.double().reshape(-1) for p in model.parameters()]), norms
+
+    full, norms = added(row_units)
+    assert (norms > 2 * C).all()  # every unit is clipped
+    worst = 0.0
+    for u in row_units:
+        without, _ = added([r if r != u else -1 for r in row_units])
+        worst = max(worst, float((full - without).norm()) / C)
+    assert worst <= 1 + 1e-6, worst
+    assert worst > 1 - 1e-3  # the units really reach C
+
+
+def test_clip_factors_of_non_finite_norms_are_zero():
+    C = 2.0
+    f = clip_factors(torch.tensor([float("nan"), float("inf"), 0.0, 4.0, 1.0, C]), C)
+    torch.testing.assert_close(f, torch.tensor([0.0, 0.0, 1.0, 0.5, 1.0, 1.0]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("kw", CONFIGS, ids=IDS)
+def test_a_unit_with_a_non_finite_gradient_contributes_nothing(kw, bad):
+    """Issue 12 item 8b: unit 1's loss is NaN/inf, so its gradient is. Factor 0, rows zeroed
+    (0*NaN would be NaN): the sum equals the reference over the finite units, it is counted."""
+    model = tiny_llama()
+    row_units = [0, 1, 1, 2, -1, 3]
+    batch = make_batch(row_units)
+    C = 1e-2
+    finite_only = {**batch, "row_units": torch.tensor([u if u != 1 else -1 for u in row_units])}
+    _, ref_sum = reference(model, finite_only, C)
+    ru = batch["row_units"]
+    clipper = GhostClipper(model, C, **kw)
+    losses = row_losses(model, batch)
+    scale = torch.where(ru == 1, torch.tensor(bad, dtype=losses.dtype), torch.ones_like(losses))
+    norms = clipper.backward(losses * scale, ru)
+    assert not torch.isfinite(norms[1])
+    if kw["engine"] == "reference":
+        # Its batched VJP backpropagates 0·NaN into the other units too (documented): they
+        # are dropped as well, and nothing non-finite is added.
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        assert clipper.last_nonfinite >= 1
+        return
+    assert torch.isfinite(norms[[0, 2, 3]]).all()
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p.grad).all(), n
+        torch.testing.assert_close(p.grad, ref_sum[n], rtol=1e-6, atol=1e-12)
+    assert clipper.last_nonfinite == 1

@@ -117,3 +117,65 @@ def test_zero_or_invalid_std_is_refused(std):
         gaussian_like((3,), KEY, 0, std)
     with pytest.raises(ValueError, match="std"):
         add_noise_([torch.zeros(3)], KEY, std)
+
+
+# --------------------------------------------------------------------------- issue 12, 8c
+
+
+def test_stated_tail_is_the_generators_largest_possible_draw(monkeypatch):
+    """NOISE_TAIL is what the construction can reach: k1 = 0 gives u1 = 2**-53 (the
+    smallest), k2 = 0 gives theta = 0 (cos = 1); nothing larger is possible."""
+    import math
+
+    import numpy as np
+    import torch
+
+    import llmdp.privacy.noise as noise
+
+    assert noise.NOISE_TAIL == math.sqrt(106 * math.log(2))
+    assert abs(noise.NOISE_TAIL - 8.5717) < 1e-4
+
+    def zeros(key, purpose, n):
+        yield 0, np.zeros(n, dtype=np.uint64)
+
+    monkeypatch.setattr(noise, "_uint53_chunks", zeros)
+    z = noise.gaussian_like((4,), b"k" * 32, 0, 3.0, dtype=torch.float64)
+    assert float(z[0]) == noise.NOISE_TAIL * 3.0  # the maximum is reached exactly
+    monkeypatch.undo()
+    draws = noise.gaussian_like((200_000,), b"k" * 32, 1, 1.0, dtype=torch.float64)
+    assert float(draws.abs().max()) <= noise.NOISE_TAIL
+
+
+def test_noise_is_float32_and_never_added_in_bf16():
+    import pytest
+    import torch
+
+    from llmdp.privacy.noise import add_noise_
+
+    t = torch.zeros(1000, dtype=torch.float32)
+    add_noise_([t], b"k" * 32, 1.0)
+    assert t.dtype == torch.float32 and t.std() > 0.9
+    with pytest.raises(TypeError, match="float32 or wider"):
+        add_noise_([torch.zeros(10, dtype=torch.bfloat16)], b"k" * 32, 1.0)
+
+
+def test_truncation_delta_bounds_the_known_allocations():
+    """The stated per-step δ is at least the exact bad-event mass of the two extreme
+    allocations of the sensitivity: all on one pair, and spread evenly over k pairs."""
+    import math
+
+    from llmdp.privacy.noise import NOISE_TAIL as tau
+    from llmdp.privacy.noise import truncation_delta_per_step
+
+    def h(a):
+        return math.exp(-((tau - a) ** 2) / 2) - math.exp(-(tau**2) / 2)
+
+    for k in (1, 10**3, 10**6, 10**9):
+        for sigma in (0.3, 0.5, 1.0, 2.0):
+            s = 1 / sigma
+            bound = truncation_delta_per_step(k, sigma)
+            assert h(s) <= bound  # concentrated on one pair
+            assert k * h(s / math.sqrt(k)) <= bound  # spread evenly
+            if sigma >= 0.5:
+                assert bound < 1e-8  # and not vacuous for usual sigma
+    assert truncation_delta_per_step(10**6, 0.1) == 1.0  # below 1/(tau-1): stated as vacuous
