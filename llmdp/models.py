@@ -169,10 +169,27 @@ def _dtype_kwarg() -> str:
     return "dtype" if major >= 5 else "torch_dtype"
 
 
-def load_tokenizer(name_or_path):
+def check_local_path(name_or_path, key: str) -> None:
+    """A value that is a local path (absolute, or ./ ../ ~; the recipe loader makes every
+    path-like value absolute) must exist: it is never sent to a hub as a model id, where
+    it would be retried against the network and fail with a long traceback."""
+    from llmdp.config import ConfigError
+
+    value = os.fspath(name_or_path)
+    if (os.path.isabs(value) or value.startswith(("./", "../", "~"))) \
+            and not os.path.exists(os.path.expanduser(value)):
+        raise ConfigError(
+            f"{key}: {value} does not exist (a local path, so it is not looked up on the "
+            f"Hugging Face Hub); fix the path, create it first, or give a Hub id like org/name",
+            key=key,
+        )
+
+
+def load_tokenizer(name_or_path, key: str = "model.tokenizer"):
     """``AutoTokenizer.from_pretrained``; pad falls back to EOS when the tokenizer has none."""
     from transformers import AutoTokenizer
 
+    check_local_path(name_or_path, key)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -202,7 +219,12 @@ def load_model(model_cfg, *, vocab_size: int | None = None, cache_dir) -> tuple[
     tok_src = getattr(model_cfg, "tokenizer", None) or model_cfg.name_or_path
     if tok_src is None:
         raise ValueError("model.tokenizer: required when model.init is 'tiny'")
-    tokenizer = load_tokenizer(tok_src)
+    tokenizer = load_tokenizer(tok_src, "model.tokenizer" if getattr(model_cfg, "tokenizer", None)
+                               else "model.name_or_path")
+    if init == "pretrained" and model_cfg.name_or_path is not None:
+        check_local_path(model_cfg.name_or_path, "model.name_or_path")
+    if getattr(model_cfg, "base_tokenizer", None) is not None:
+        check_local_path(model_cfg.base_tokenizer, "model.base_tokenizer")
     dtype_name = getattr(model_cfg, "dtype", "float32")
     if dtype_name not in DTYPES:
         raise ValueError(f"model.dtype={dtype_name!r} is not one of {list(DTYPES)}")
