@@ -180,3 +180,46 @@ def test_validation_error_after_data_loading_leaves_no_run_dir(workdir, capsys):
                                     "max_rows_per_unit": 1})
     err = train_fails(workdir, capsys, recipe, "train.expected_batch_size=50")
     assert "train.expected_batch_size" in err, err
+
+
+def test_text_folder_gives_one_document_unit_per_file_and_the_report_says_so(workdir):
+    """Issue 12 item 9: 12 note files of several lines each are 12 document units (not one
+    per line), and the report states how records were read."""
+    from llmdp.config import load_recipe
+    from llmdp.report import write_report
+    from llmdp.trainer import prepare
+
+    (workdir / "notes").mkdir()
+    for i in range(12):
+        (workdir / "notes" / f"{i:03d}.txt").write_text(
+            f"Note {i}.\nThe patient was seen.\n\nPlan: follow up in {i} weeks.\n")
+    recipe = write_recipe(workdir, {"path": "notes", "unit": "document", "max_rows_per_unit": 2})
+    prep = prepare(load_recipe(recipe, []), log=lambda *a: None)
+    assert prep.plan.dataset_size == 12 and prep.data_stats["num_records"] == 12
+    report = write_report(prep.run_dir)
+    assert "one record per text file (data.text_split=file)" in report["records"]
+    assert "data.on_bad_record=error" in report["records"]
+    with open(os.path.join(prep.run_dir, "privacy_report.md"), encoding="utf-8") as f:
+        assert "one record per text file (data.text_split=file)" in f.read()
+    lines = prepare(load_recipe(recipe, ["data.text_split=line", "output.name=lines"]),
+                    log=lambda *a: None)
+    assert lines.plan.dataset_size == 36
+    para = prepare(load_recipe(recipe, ["data.text_split=paragraph", "output.name=para"]),
+                   log=lambda *a: None)
+    assert para.plan.dataset_size == 24
+
+
+def test_max_units_cap_is_refused_with_the_replacement(workdir, capsys):
+    """Issue 12 item 8d: a cap by count is not add/remove-one relative to the corpus."""
+    write_lines(workdir / "ok.jsonl", GOOD)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "ok.jsonl"}),
+                      "data.max_units=3")
+    assert "data.max_units: 3" in err and "data.unit_fraction" in err and "replace-one" in err, err
+
+
+def test_unit_fraction_is_stated_in_the_record_description():
+    from llmdp.data.sources import describe_records
+
+    text = describe_records({"path": None, "unit_fraction": 0.25, "on_bad_record": "skip"})
+    assert "data.unit_fraction=0.25" in text and "add/remove-one" in text
+    assert "data.on_bad_record=skip" in text

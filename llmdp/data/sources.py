@@ -641,3 +641,40 @@ def source_fingerprint(
     resolve_format(path, format)  # the same errors load_records would raise
     _check_single_split(path, split, "local data files")
     return fingerprint_file(path)
+
+
+# ----------------------------------------------------------------------------- description
+
+
+def describe_records(data_cfg: Mapping) -> str:
+    """What one record of the corpus is, for the privacy report (``data_cfg``: the recipe's
+    ``data`` section as a dict): how text files are split into records, what happens to
+    malformed records, and the unit selection (``unit_fraction``). Public configuration only."""
+    parts = []
+    path, fmt = data_cfg.get("path"), data_cfg.get("format") or "auto"
+    builder = None
+    if path is not None:
+        try:
+            builder = resolve_format(path, fmt)
+        except (OSError, ValueError):
+            builder = _BUILDERS.get(fmt)
+    if builder == "text":
+        split = data_cfg.get("text_split") or "file"
+        parts.append({"file": "one record per text file (data.text_split=file)",
+                      "line": "one record per non-blank line of the text files (data.text_split=line)",
+                      "paragraph": "one record per paragraph (block of lines between blank lines) of "
+                                   "the text files (data.text_split=paragraph)"}[split])
+    elif builder == "json":
+        parts.append("one record per JSON object (line of a JSON-lines file)")
+    else:
+        parts.append("one record per row of the dataset")
+    policy = data_cfg.get("on_bad_record") or "error"
+    parts.append("malformed records stop the run (data.on_bad_record=error)" if policy == "error"
+                 else "malformed records are left out and counted (data.on_bad_record=skip; the "
+                      "count is internal)")
+    frac = data_cfg.get("unit_fraction")
+    if frac is not None:
+        parts.append(f"each unit kept independently iff a keyed hash of its own content is below "
+                     f"data.unit_fraction={frac:g} (adding or removing a unit never changes which "
+                     f"others are kept: the relation stays add/remove-one relative to the corpus)")
+    return "; ".join(parts)
