@@ -190,7 +190,18 @@ def load_tokenizer(name_or_path, key: str = "model.tokenizer"):
     from transformers import AutoTokenizer
 
     check_local_path(name_or_path, key)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except OSError as e:  # not a local folder, and not a Hub id that could be fetched
+        from llmdp.config import ConfigError
+
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"{key}: {name_or_path!r} is neither a tokenizer folder (none at "
+            f"{os.path.abspath(os.fspath(name_or_path))}) nor a Hub id that could be loaded "
+            f"({why}); give an existing local folder (./path) or a reachable Hub id (org/name)",
+            key=key,
+        ) from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer {name_or_path!r} has neither a pad nor an EOS token")

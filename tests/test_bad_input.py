@@ -223,3 +223,11 @@ def test_unit_fraction_is_stated_in_the_record_description():
     text = describe_records({"path": None, "unit_fraction": 0.25, "on_bad_record": "skip"})
     assert "data.unit_fraction=0.25" in text and "add/remove-one" in text
     assert "data.on_bad_record=skip" in text
+
+
+def test_unknown_bare_tokenizer_name_is_one_message(workdir, capsys):
+    """A bare name (a possible Hub id) that is neither a folder nor loadable offline."""
+    write_lines(workdir / "ok.jsonl", GOOD)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "ok.jsonl"}),
+                      "model.tokenizer=no-such-tokenizer-xyz")
+    assert "model.tokenizer: 'no-such-tokenizer-xyz' is neither a tokenizer folder" in err, err

@@ -228,7 +228,7 @@ def _json_lines_records(path: str):
             rec = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(
-                f"data.path: {path}:{n}: not valid JSON ({e.msg} at column {e.colno}); each line "
+                f"data.path: {path}:{n}: not valid JSON ({e.msg}; column {e.colno}); each line "
                 f"of a JSON-lines file is one JSON object: fix or remove that line",
                 key="data.path",
             ) from None
