@@ -242,13 +242,23 @@ def _json_lines_records(path: str):
 
 
 def _whole_json(path: str):
-    """A ``.json`` file that is one JSON document (an array of records), else None."""
+    """A ``.json`` file that is one JSON document (an array of records), else None (then
+    it is read as JSON lines). A broken array stops with its line and column."""
     if _ext(path) != ".json":
         return None
+    with _open_binary(path) as f:
+        raw = f.read()
     try:
-        with _open_binary(path) as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None  # _decoded_lines names the line
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        if text.lstrip("\ufeff \t\r\n").startswith("["):
+            raise ConfigError(
+                f"data.path: {path}:{e.lineno}: not valid JSON ({e.msg}; column {e.colno}); the "
+                f"file is one JSON array of records: fix it there", key="data.path") from None
         return None
     return doc if isinstance(doc, (list, dict)) else None
 

@@ -330,3 +330,13 @@ def test_source_fingerprint_saved(tmp_path):
     shutil.rmtree(s)
     shutil.copytree(tmp_path / "tmp", s)
     assert source_fingerprint(path=s) != fp
+
+
+def test_broken_json_array_names_its_line(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text('[\n {"text": "a"},\n {"text": "b"\n]\n')
+    with pytest.raises(ValueError, match=rf"{p}:4: not valid JSON"):
+        load_texts(p)
+    p.write_text("")
+    with pytest.raises(ValueError, match="no records"):
+        load_texts(p)
