@@ -187,8 +187,7 @@ def test_unit_fraction_selection_of_a_unit_depends_on_that_unit_alone(kind):
     base = build_units(c, spec, unit_fraction=0.5)
     full = build_units(c, spec)
     assert 0 < base.num_units < full.num_units  # it does select
-    assert base.counts["units_not_selected"] == full.num_units - base.num_units + (
-        0 if kind == "user" else 0)
+    assert base.counts["units_not_selected"] == full.num_units - base.num_units
     assert _unit_set(base) <= _unit_set(full)
     flipped = 0
     for trial in range(12):  # one new unit, at a random position, many times
