@@ -231,3 +231,18 @@ def test_unknown_bare_tokenizer_name_is_one_message(workdir, capsys):
     err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "ok.jsonl"}),
                       "model.tokenizer=no-such-tokenizer-xyz")
     assert "model.tokenizer: 'no-such-tokenizer-xyz' is neither a tokenizer folder" in err, err
+
+
+@pytest.mark.parametrize("value,is_path", [
+    ("meta-llama/Llama-3.2-1B", False), ("gpt2", False), ("Qwen/Qwen2.5-7B-Instruct", False),
+    ("./tok", True), ("../tok", True), ("tokenizers/x/y", True), ("runs/tok", True),
+    ("my tok", True), ("org/name/", True), ("org--x/name", True),
+])
+def test_hub_ids_stay_ids_and_paths_become_paths(workdir, value, is_path):
+    from llmdp.config import load_recipe
+
+    (workdir / "runs").mkdir()
+    write_lines(workdir / "ok.jsonl", GOOD)
+    cfg = load_recipe(write_recipe(workdir, {"path": "ok.jsonl"}), [f"model.tokenizer={value}"])
+    expected = os.path.normpath(os.path.join(workdir, value)) if is_path else value
+    assert cfg.model.tokenizer == expected
