@@ -195,6 +195,14 @@ class DataConfig:
     config_name: str | None = None
     split: str = _f("train", nonempty=True)
     format: str = _f("auto", choices=("auto", "jsonl", "json", "parquet", "csv", "text"))
+    # Plain-text files (.txt): `file` = each file is ONE record (one document: what a
+    # document unit protects); `line` = one record per non-blank line; `paragraph` = one per
+    # block of lines separated by a blank line. The report states it.
+    text_split: str = _f("file", choices=("file", "line", "paragraph"))
+    # A malformed record (missing / non-string / empty text, a chat role that is not a known
+    # one, ...): `error` stops at the first, naming its file, line and field; `skip` leaves
+    # such records out and counts them (internal data statistics: records_skipped).
+    on_bad_record: str = _f("error", choices=("error", "skip"))
     # What a record is: plain text (`text_field`), a chat (`messages_field`: a list of
     # {role, content}) or an instruction pair (`prompt_field` + `response_field`). Chats and
     # instructions train on the response tokens only.
@@ -214,7 +222,15 @@ class DataConfig:
     document_masking: bool = False  # sequence/user: no attention across packed documents
     # When set, the demo corpus is generated at `path` if the file is missing.
     synthetic: SyntheticDataConfig | None = None
-    max_units: int | None = _f(None, ge=1)  # optional cap, for quick runs
+    # For quick runs on part of the corpus: keep each unit independently iff a keyed hash
+    # of its own content (a user unit: its user key) is below this fraction (key: a fixed
+    # public string). Whether a unit is kept depends on that unit alone, so adding or
+    # removing a unit never changes which others are kept, and the guarantee stays
+    # add/remove-one relative to the whole corpus. None: every unit.
+    unit_fraction: float | None = _f(None, gt=0, le=1)
+    # Removed: a cap by count ("the first max_units") lets an added unit evict another
+    # (replace-one, not the add/remove-one the run is accounted under). Use unit_fraction.
+    max_units: int | None = None
     num_proc: int | None = _f(None, ge=1)  # tokenizer processes (None: by corpus size)
 
 
@@ -512,6 +528,16 @@ def _check_data(d: DataConfig, prefix: str, base_dir: str) -> DataConfig:
             f"(a document unit is never packed with another document); remove it",
             key=f"{prefix}.document_masking",
         )
+    if d.max_units is not None:
+        raise ConfigError(
+            f"{prefix}.max_units: {d.max_units!r} is no longer supported: keeping the first "
+            f"max_units units lets one added unit evict another, so the guarantee relative to "
+            f"the corpus would be replace-one, not the add/remove-one it is accounted under. "
+            f"For a quick run on part of the corpus set {prefix}.unit_fraction (e.g. 0.1: each "
+            f"unit kept independently, by a keyed hash of its own content) and remove "
+            f"{prefix}.max_units",
+            key=f"{prefix}.max_units",
+        )
     _check_source_fields(d, prefix)
     return d
 
@@ -754,10 +780,27 @@ def _resolve_path(value: str, base_dir: str) -> str:
     return os.path.normpath(p)
 
 
+# A Hugging Face Hub id: `name` or `org/name`, letters, digits, '-', '_', '.' (no '--' or
+# '..', at most 96 characters).
+_HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
 def _is_local_path(value: str, base_dir: str) -> bool:
+    """Whether a `path="maybe"` value (model.name_or_path, model.tokenizer, ...) is a local
+    path rather than a Hub id. A local path that does not exist is then reported as
+    missing, never looked up on a hub: anything that is not a well-formed Hub id
+    (`org/name`), starts with ./ ../ / ~, contains a backslash, or whose first component
+    is an existing directory (runs/tok when runs/ exists) is a path."""
     if value in (".", "..") or value.startswith(("./", "../", "/", "~")):
         return True
-    return os.path.exists(os.path.join(base_dir, value))
+    if os.path.exists(os.path.join(base_dir, value)):
+        return True
+    if "\\" in value or os.sep in value.replace("/", "") or value.endswith("/"):
+        return True
+    if not _HUB_ID.fullmatch(value) or len(value) > 96 or "--" in value or ".." in value:
+        return True
+    head = value.split("/", 1)[0]
+    return "/" in value and os.path.isdir(os.path.join(base_dir, head))
 
 
 def _field_value(key: str, raw: Any, f: dataclasses.Field, tp: Any, base_dir: str) -> Any:

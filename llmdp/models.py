@@ -169,11 +169,39 @@ def _dtype_kwarg() -> str:
     return "dtype" if major >= 5 else "torch_dtype"
 
 
-def load_tokenizer(name_or_path):
+def check_local_path(name_or_path, key: str) -> None:
+    """A value that is a local path (absolute, or ./ ../ ~; the recipe loader makes every
+    path-like value absolute) must exist: it is never sent to a hub as a model id, where
+    it would be retried against the network and fail with a long traceback."""
+    from llmdp.config import ConfigError
+
+    value = os.fspath(name_or_path)
+    if (os.path.isabs(value) or value.startswith(("./", "../", "~"))) \
+            and not os.path.exists(os.path.expanduser(value)):
+        raise ConfigError(
+            f"{key}: {value} does not exist (a local path, so it is not looked up on the "
+            f"Hugging Face Hub); fix the path, create it first, or give a Hub id like org/name",
+            key=key,
+        )
+
+
+def load_tokenizer(name_or_path, key: str = "model.tokenizer"):
     """``AutoTokenizer.from_pretrained``; pad falls back to EOS when the tokenizer has none."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    check_local_path(name_or_path, key)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except OSError as e:  # not a local folder, and not a Hub id that could be fetched
+        from llmdp.config import ConfigError
+
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"{key}: {name_or_path!r} is neither a tokenizer folder (none at "
+            f"{os.path.abspath(os.fspath(name_or_path))}) nor a Hub id that could be loaded "
+            f"({why}); give an existing local folder (./path) or a reachable Hub id (org/name)",
+            key=key,
+        ) from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer {name_or_path!r} has neither a pad nor an EOS token")
@@ -202,7 +230,12 @@ def load_model(model_cfg, *, vocab_size: int | None = None, cache_dir) -> tuple[
     tok_src = getattr(model_cfg, "tokenizer", None) or model_cfg.name_or_path
     if tok_src is None:
         raise ValueError("model.tokenizer: required when model.init is 'tiny'")
-    tokenizer = load_tokenizer(tok_src)
+    tokenizer = load_tokenizer(tok_src, "model.tokenizer" if getattr(model_cfg, "tokenizer", None)
+                               else "model.name_or_path")
+    if init == "pretrained" and model_cfg.name_or_path is not None:
+        check_local_path(model_cfg.name_or_path, "model.name_or_path")
+    if getattr(model_cfg, "base_tokenizer", None) is not None:
+        check_local_path(model_cfg.base_tokenizer, "model.base_tokenizer")
     dtype_name = getattr(model_cfg, "dtype", "float32")
     if dtype_name not in DTYPES:
         raise ValueError(f"model.dtype={dtype_name!r} is not one of {list(DTYPES)}")

@@ -159,6 +159,7 @@ def build_report(run_dir: str, failure: str | None = None, interrupted: bool = F
         "artifacts are the model checkpoints and the final model",
         "unit": unit_kind,
         "unit_description": unit_desc,
+        "records": _describe_records(data_cfg),
         "unit_size": {
             "sequence_length": seq_len,
             "max_rows_per_unit": rows_cap,
@@ -382,6 +383,12 @@ def _dataset_rows(r: dict) -> list[str]:
          f"guarantee for another, and no group-privacy conversion is made |"] if other else [])
 
 
+def _describe_records(data_cfg: dict) -> str:
+    from llmdp.data.sources import describe_records
+
+    return describe_records(data_cfg)
+
+
 def _contribution_bound(kind: str, rows: int, seq_len: int, user_field) -> str:
     if kind == "sequence":
         return f"one unit is one row of {seq_len} tokens; its gradient is clipped to C"
@@ -542,6 +549,7 @@ def render_markdown(r: dict) -> str:
         "| --- | --- |",
         f"| DP setting | {r['dp_setting']} |",
         f"| Unit of privacy | {r['unit']}: {r['unit_description']} |",
+        f"| Records | {r.get('records', '')} |",
         f"| Unit size / contribution bound | {r['contribution_bound']} |",
         f"| Adjacency | {r['adjacency']} |",
         f"| Mechanism output | {r['mechanism_output']} |",

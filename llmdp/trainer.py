@@ -113,7 +113,8 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
 
     run_dir = os.path.abspath(cfg.run_dir)
     check_run_dir(run_dir, cfg)
-    os.makedirs(run_dir, exist_ok=True)
+    # runs/<name>/ is created only after every check and the data have passed (below), so a
+    # bad recipe or bad data leaves no empty run directory behind.
     cache = cache_root()
     os.makedirs(cache, exist_ok=True)
 
@@ -158,9 +159,11 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
         prompt_field=d.prompt_field,
         response_field=d.response_field,
         chat_template=d.chat_template,
-        max_units=d.max_units,
+        unit_fraction=d.unit_fraction,
         num_proc=d.num_proc,
         source_sha256=source_sha,
+        text_split=d.text_split,
+        on_bad_record=d.on_bad_record,
     )
     N = store.num_units
     if cfg.train.expected_batch_size > N:
@@ -229,6 +232,7 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
                     f"{service['dataset_ledger']}")
     if cfg.privacy.budget_epsilon is not None:
         service["allowance"] = check_budget(service, plan, resuming=_has_checkpoint(run_dir), log=log)
+    os.makedirs(run_dir, exist_ok=True)
     dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     with open(os.path.join(run_dir, "plan.json"), "w", encoding="utf-8") as f:
         json.dump({"plan": plan.to_dict(), "epsilon_planned": composed_epsilon(plan, prior_releases),

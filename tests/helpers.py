@@ -186,7 +186,7 @@ def write_notes(path, num_documents: int = 40, seed: int = 0) -> str:
 
 
 def tiny_store(cache_dir, *, num_documents: int = 40, sequence_length: int = 32, seed: int = 0,
-               tokenizer=None, max_units: int | None = None):
+               tokenizer=None, unit_fraction: float | None = None):
     """A built ``UnitStore`` over ``write_notes`` (corpus written into ``cache_dir``)."""
     from llmdp.data.store import build_store
     from llmdp.data.units import UnitSpec
@@ -199,7 +199,7 @@ def tiny_store(cache_dir, *, num_documents: int = 40, sequence_length: int = 32,
     return build_store(
         os.path.join(cache_dir, "units"), data_path=data, data_format="auto", text_field="text",
         tokenizer=tokenizer if tokenizer is not None else tiny_tokenizer(),
-        spec=UnitSpec(sequence_length=sequence_length), max_units=max_units,
+        spec=UnitSpec(sequence_length=sequence_length), unit_fraction=unit_fraction,
     )
 
 

@@ -68,7 +68,7 @@ data:
     kind: clinical_notes
     num_documents: 200
     seed: 1
-  max_units: 100
+  unit_fraction: 0.5
 privacy:
   target_epsilon: 8
   delta: 1.0e-6
@@ -151,7 +151,7 @@ def test_full_recipe_loads(in_tmp):
         unit="sequence",
         sequence_length=64,
         synthetic=SyntheticDataConfig("clinical_notes", 200, 1),
-        max_units=100,
+        unit_fraction=0.5,
     )
     assert cfg.privacy == PrivacyConfig(
         target_epsilon=8.0,

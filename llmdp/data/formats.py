@@ -52,6 +52,13 @@ works (a template that rewrites the content), ``encode_batch`` raises ``ValueErr
 A record with empty / None text still encodes (to ``[eos]``); a chat without an assistant
 message (or with no messages) encodes with no target token and is counted in
 ``num_records_without_target`` so callers can report or drop it.
+
+Malformed records are found before encoding by :meth:`RecordEncoder.record_problems` (a
+missing or non-string text / prompt / response, an empty text or response, a chat that is
+not a list of ``{role, content}`` messages or has a role outside :data:`KNOWN_ROLES`), so
+that the caller refuses or skips them (``data.on_bad_record``) instead of encoding them
+into something else: a number is never turned into text, a missing text never into an
+EOS-only unit, a misspelt role never into a record without targets.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ import numpy as np
 FORMATS_VERSION = 1
 PLAIN_FORMAT = "plain-v1: '{Role}: {content}\\n' per message (System/User/Assistant)"
 ASSISTANT = "assistant"
+# Roles chat templates know; any other (a typo like "assitant") is a malformed record.
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 _PROBE_USER = "llmdp-probe-user-7d1f"
 _PROBE_ASSISTANT = "llmdp-probe-assistant-3a9c"
 
@@ -202,6 +211,49 @@ class RecordEncoder:
         return {"num_records": self.num_records, "num_tokens": self.num_tokens,
                 "num_target_tokens": self.num_target_tokens,
                 "num_records_without_target": self.num_records_without_target}
+
+    # ------------------------------------------------------------------ validation
+
+    def record_problems(self, batch: Mapping[str, list]) -> list[tuple[int, str, str]]:
+        """``[(k, field, what is wrong)]`` for each malformed record ``k`` of the batch;
+        ``field`` is the recipe field and its column, e.g. ``data.text_field='text'``."""
+        out = []
+        fields = {col: f"{field}={col!r}" for field, col in self.column_fields.items()}
+        for col in self.columns:
+            values = batch.get(col)
+            if values is None:  # the column is absent from the whole batch
+                n = len(next(iter(batch.values()))) if batch else 0
+                out.extend((k, fields[col], "is missing") for k in range(n))
+                continue
+            for k, v in enumerate(values):
+                why = (self._chat_problem(v) if self.mode == "chat"
+                       else _text_problem(v, empty_ok=col == self.prompt_field))
+                if why is not None:
+                    out.append((k, fields[col], why))
+        return sorted(out)
+
+    @staticmethod
+    def _chat_problem(messages) -> str | None:
+        if messages is None:
+            return "is missing"
+        if isinstance(messages, (str, bytes, Mapping)) or not hasattr(messages, "__iter__"):
+            return f"holds a {type(messages).__name__}, not a list of {{'role', 'content'}} messages"
+        messages = list(messages)
+        if not messages:
+            return "is an empty list of messages"
+        for j, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                return f"message {j} is a {type(m).__name__}, not a {{'role', 'content'}} dict"
+            role = m.get("role")
+            if not isinstance(role, str):
+                return f"message {j} has no string 'role' (got {role!r})"
+            if role not in KNOWN_ROLES:
+                return f"message {j} has role {role!r}, not one of {list(KNOWN_ROLES)}"
+            content = m.get("content")
+            if content is not None and not isinstance(content, str):
+                return (f"message {j} has content of type {type(content).__name__}, not a string "
+                        "(structured / multimodal content is not supported)")
+        return None
 
     # ------------------------------------------------------------------ encoding
 
@@ -411,6 +463,16 @@ class RecordEncoder:
             spans.append((j, end))
             cursor = end
         return spans
+
+
+def _text_problem(value, *, empty_ok: bool = False) -> str | None:
+    if value is None:
+        return "is missing (or null)"
+    if not isinstance(value, str):
+        return f"holds a {type(value).__name__} ({value!r:.40}), not a string"
+    if not empty_ok and not value.strip():
+        return "is empty"
+    return None
 
 
 def _text(value) -> str:

@@ -11,7 +11,7 @@ A store is a directory ``<cache_dir>/<fingerprint>/`` holding
 
 Both files are memory-mapped (zero copy): opening a store costs nothing, and a worker
 reads from disk only the rows of the units it was given. The fingerprint hashes the data
-source, the tokenizer, the record encoding, the unit spec and ``max_units``, so a store is
+source, the tokenizer, the record encoding, the unit spec and ``unit_fraction``, so a store is
 rebuilt exactly when one of them changes. Building writes a temporary directory and
 renames it into place, so readers in other processes (Ray workers call
 ``open_store(abs_dir)``) never see a half-written store.
@@ -228,7 +228,7 @@ def open_store(store_dir) -> UnitStore:
 
 
 def store_fingerprint(*, source_sha256: str, source: dict, encoding: str, tokenizer_sha256: str,
-                      spec: UnitSpec, max_units: int | None) -> str:
+                      spec: UnitSpec, unit_fraction: float | None) -> str:
     payload = {
         "format_version": FORMAT_VERSION,
         "source_sha256": source_sha256,
@@ -236,7 +236,7 @@ def store_fingerprint(*, source_sha256: str, source: dict, encoding: str, tokeni
         "encoding": encoding,
         "tokenizer_sha256": tokenizer_sha256,
         "spec": spec.to_dict(),
-        "max_units": max_units,
+        "unit_fraction": unit_fraction,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -293,8 +293,9 @@ def build_store(
     cache_dir, *, tokenizer, spec: UnitSpec, data_path=None, dataset: str | None = None,
     data_format: str = "auto", split: str = "train", config_name: str | None = None,
     text_field: str = "text", messages_field: str | None = None, prompt_field: str | None = None,
-    response_field: str | None = None, chat_template: str = "auto", max_units: int | None = None,
-    num_proc: int | None = None, progress: bool = True, source_sha256: str | None = None,
+    response_field: str | None = None, chat_template: str = "auto",
+    unit_fraction: float | None = None, num_proc: int | None = None, progress: bool = True,
+    source_sha256: str | None = None, text_split: str = "file", on_bad_record: str = "error",
 ) -> UnitStore:
     """Build (or reuse) the unit store for this data source, encoding, tokenizer and spec.
 
@@ -302,14 +303,23 @@ def build_store(
     fingerprint changes. Safe against concurrent builders: each writes its own temporary
     directory and the first rename wins. ``num_proc`` processes tokenize (None: one below
     100k records, else up to 8).
+
+    ``text_split``: how plain-text files become records (see ``llmdp.data.sources``).
+    ``on_bad_record``: ``"error"`` stops at the first malformed record with its file, line
+    and field; ``"skip"`` leaves malformed records out and counts them (internal
+    statistics ``records_skipped``, ``records_skipped_by_field``). ``unit_fraction``:
+    keep each unit independently by a keyed hash of its own content (see
+    ``llmdp.data.units.build_units``).
     """
     from llmdp.data.formats import RecordEncoder
-    from llmdp.data.sources import load_records, source_fingerprint
+    from llmdp.data.sources import load_records, record_location, source_fingerprint
 
     if data_path is not None:
         data_path = os.path.abspath(os.fspath(data_path))
+    if on_bad_record not in ON_BAD_RECORD:
+        raise ValueError(f"data.on_bad_record: {on_bad_record!r} is not one of {list(ON_BAD_RECORD)}")
     source = {"path": data_path, "dataset": dataset, "format": data_format, "split": split,
-              "config_name": config_name}
+              "config_name": config_name, "text_split": text_split, "on_bad_record": on_bad_record}
     # `source_sha256`: the caller's `source_fingerprint` of these same arguments (hashing a
     # large corpus twice is not free).
     src_sha = source_sha256 or source_fingerprint(path=data_path, dataset=dataset, split=split,
@@ -319,7 +329,7 @@ def build_store(
                             chat_template=chat_template)
     tok_sha = tokenizer_fingerprint(tokenizer)
     fp = store_fingerprint(source_sha256=src_sha, source=source, encoding=encoder.fingerprint(),
-                           tokenizer_sha256=tok_sha, spec=spec, max_units=max_units)
+                           tokenizer_sha256=tok_sha, spec=spec, unit_fraction=unit_fraction)
     cache_dir = os.path.abspath(os.fspath(cache_dir))
     final = os.path.join(cache_dir, fp)
     if os.path.isfile(os.path.join(final, "meta.json")):
@@ -329,10 +339,12 @@ def build_store(
     if spec.kind == "user":
         columns["data.user_field"] = spec.user_field
     ds = load_records(path=data_path, dataset=dataset, format=data_format, split=split,
-                      config_name=config_name, columns=columns)
-    corpus = encode_records(ds, encoder, spec, max_units=max_units, num_proc=num_proc,
-                            progress=progress)
-    units = build_units(corpus, spec, max_units)
+                      config_name=config_name, columns=columns, text_split=text_split)
+    locate = record_location(path=data_path, dataset=dataset, format=data_format,
+                             text_split=text_split, split=split)
+    ds, skipped = check_records(ds, encoder, spec, on_bad_record, locate)
+    corpus = encode_records(ds, encoder, spec, num_proc=num_proc, progress=progress)
+    units = build_units(corpus, spec, unit_fraction=unit_fraction)
     where = f"data.path={data_path!r}" if data_path else f"data.dataset={dataset!r}"
     if units.num_units == 0:
         raise ValueError(
@@ -342,14 +354,15 @@ def build_store(
     eos_id, pad_id = special_ids(tokenizer)
     cs = np.concatenate([[0], np.cumsum(corpus.target, dtype=np.int64)])
     per_record = cs[corpus.offsets[1:]] - cs[corpus.offsets[:-1]]
-    units.counts = {**units.counts, "records_without_target": int((per_record == 0).sum())}
+    units.counts = {**units.counts, "records_without_target": int((per_record == 0).sum()),
+                    **skipped}
     meta = {
         "fingerprint": fp,
         "sequence_length": spec.sequence_length,
         "pad_id": pad_id,
         "eos_id": eos_id,
         "spec": spec.to_dict(),
-        "max_units": max_units,
+        "unit_fraction": unit_fraction,
         "data": {**source, "sha256": src_sha, "encoding": encoder.describe()},
         "tokenizer_sha256": tok_sha,
     }
@@ -372,27 +385,78 @@ def build_store(
     return open_store(final)
 
 
-def encode_records(ds, encoder, spec: UnitSpec, *, max_units: int | None = None,
-                   num_proc: int | None = None, progress: bool = True) -> EncodedCorpus:
+ON_BAD_RECORD = ("error", "skip")
+
+
+def check_records(ds, encoder, spec: UnitSpec, on_bad_record: str, locate) -> tuple[object, dict]:
+    """Find malformed records before anything is encoded (``RecordEncoder.record_problems``,
+    and a missing user key for user units).
+
+    ``on_bad_record="error"``: the first one stops with one message naming its location
+    (``locate(i)``: file:line, or record i), the field and what is wrong. ``"skip"``: they
+    are left out; returns (the remaining records, counts computed on private data, which
+    the report lists as internal).
+    """
+    from llmdp._validate import ConfigError
+
+    user = spec.user_field if spec.kind == "user" else None
+    cols = [c for c in dict.fromkeys(encoder.columns + ([user] if user else [])) if c in ds.column_names]
+    bad: dict[int, str] = {}
+    kinds: dict[str, int] = {}
+    view = ds.select_columns(cols) if cols else ds
+    base = 0
+    for batch in view.iter(batch_size=_TOKENIZE_BATCH):
+        n = len(next(iter(batch.values()))) if batch else 0
+        problems = encoder.record_problems(batch)
+        if user:
+            problems += [(k, f"data.user_field={user!r}", "is missing or empty")
+                         for k, u in enumerate(batch[user]) if _no_user(u)]
+        for k, field_name, why in sorted(problems):
+            i = base + k
+            if on_bad_record == "error":
+                raise ConfigError(
+                    f"{locate(i)}: {field_name} {why}. Fix or remove that record, or set "
+                    f"data.on_bad_record=skip to leave malformed records out (they are counted "
+                    f"in the run's internal data statistics)", key="data.on_bad_record")
+            if i not in bad:
+                bad[i] = why
+                kinds[field_name] = kinds.get(field_name, 0) + 1
+        base += n
+    counts = {"records_skipped": len(bad)}
+    if kinds:
+        counts["records_skipped_by_field"] = kinds
+    if bad:
+        keep = [i for i in range(len(ds)) if i not in bad]
+        if not keep:
+            raise ConfigError(
+                f"data.on_bad_record: every record is malformed ({len(bad)} skipped, the first at "
+                f"{locate(0)}: {bad[0]}; by field: {kinds}); nothing is left to train on: fix "
+                f"the data or data.text_field / data.messages_field", key="data.on_bad_record")
+        ds = ds.select(keep)
+    return ds, counts
+
+
+def _no_user(u) -> bool:
+    return u is None or (isinstance(u, float) and u != u) or (isinstance(u, str) and not u)
+
+
+def encode_records(ds, encoder, spec: UnitSpec, *, num_proc: int | None = None,
+                   progress: bool = True) -> EncodedCorpus:
     """Encode every record of ``ds`` (a ``datasets.Dataset``) into an :class:`EncodedCorpus`.
 
-    One process reads batches in order and stops early once ``max_units`` sequence or
-    document units are surely in hand; with ``num_proc > 1`` a ``datasets.map`` pool
+    One process reads batches in order; with ``num_proc > 1`` a ``datasets.map`` pool
     tokenizes shards in parallel (its progress bar names the stage).
     """
     n = len(ds)
     if num_proc is None:
         num_proc = 1 if n < _PARALLEL_MIN_RECORDS else max(1, min(8, os.cpu_count() or 1))
     users = spec.user_field if spec.kind == "user" else None
-    if num_proc > 1 and max_units is None:
+    if num_proc > 1:
         return _encode_parallel(ds, encoder, users, num_proc)
 
     from tqdm.auto import tqdm
 
     ids_all, tgt_all, lens, keys = [], [], [], []
-    budget_tokens = max_units * spec.sequence_length if (max_units and spec.kind == "sequence") else None
-    budget_records = max_units if (max_units and spec.kind == "document") else None
-    total_tokens = 0
     bar = tqdm(total=n, desc="tokenizing", unit="rec", disable=not progress, leave=False)
     try:
         for batch in ds.iter(batch_size=_TOKENIZE_BATCH):
@@ -401,14 +465,9 @@ def encode_records(ds, encoder, spec: UnitSpec, *, max_units: int | None = None,
                 ids_all.append(np.asarray(ids, np.int32))
                 tgt_all.append(np.asarray(tgt, np.uint8))
                 lens.append(ids_all[-1].size)
-                total_tokens += ids_all[-1].size
             if users:
                 keys.extend(batch[users])
             bar.update(len(out))
-            if budget_tokens is not None and total_tokens >= budget_tokens:
-                break
-            if budget_records is not None and len(lens) >= budget_records:
-                break
     finally:
         bar.close()
     return EncodedCorpus(_cat(ids_all, np.int32), _cat(tgt_all, np.uint8),

@@ -21,6 +21,14 @@ The unit of privacy fixes what the guarantee means (the DP-fy guide, §5.1). Thr
     contribution bound: a user's rows are a function of that user's own records only, so
     adding or removing a user changes exactly one unit. The unit is the user.
 
+``unit_fraction`` (``data.unit_fraction``, for quick runs on part of a corpus) keeps each
+unit independently iff a keyed hash of the unit's own content (its tokens; for a user unit
+its user key) falls below the fraction; the key is a fixed public string. Whether a unit
+is kept therefore depends on that unit alone: adding or removing one unit never changes
+which other units are kept, so add/remove-one relative to the whole corpus remains the
+relation the guarantee is accounted under. (A cap by count, "the first k", or even "the k
+smallest hashes", would let an added unit evict another: replace-one, not add/remove.)
+
 For every kind, a unit's loss is the mean over all its target tokens and its gradient the
 sum over its rows (the ``row_units`` contract of the clipping engine); a row of fewer than
 2 tokens has nothing to predict and is dropped, as is a unit with no target token.
@@ -39,6 +47,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SUPPORTED_KINDS = ("sequence", "document", "user")
+# The key of the unit-selection hash: public and fixed (never derived from the data).
+SELECTION_KEY = b"llmdp.unit_fraction.v1"
 
 
 @dataclass(frozen=True)
@@ -315,10 +325,51 @@ def select_units(units: UnitArrays, keep: np.ndarray) -> UnitArrays:
                       rc.astype(np.int32), seg, dict(units.counts))
 
 
-def build_units(corpus: EncodedCorpus, spec: UnitSpec, max_units: int | None = None) -> UnitArrays:
+def selection_hash(content: bytes) -> float:
+    """A keyed hash of a unit's own content, uniform in [0, 1) (key: SELECTION_KEY)."""
+    h = hashlib.blake2b(content, key=SELECTION_KEY, digest_size=8)
+    return int.from_bytes(h.digest(), "big") / 2.0**64
+
+
+def _check_fraction(unit_fraction) -> float | None:
+    if unit_fraction is None:
+        return None
+    f = unit_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+        raise ValueError(f"data.unit_fraction must be in (0, 1] or null, got {unit_fraction!r}")
+    return float(f)
+
+
+def _select_by_content(units: UnitArrays, fraction: float) -> UnitArrays:
+    """Keep unit u iff selection_hash(its tokens and target flags) < fraction."""
+    keep = []
+    for u in range(units.num_units):
+        r0, r1 = units.row_start[u], units.row_start[u] + units.row_count[u]
+        a, b = units.row_offsets[r0], units.row_offsets[r1]
+        lens = np.diff(units.row_offsets[r0:r1 + 1]).astype(np.int64)
+        content = lens.tobytes() + units.tokens[a:b].tobytes() + units.target[a:b].tobytes()
+        if selection_hash(content) < fraction:
+            keep.append(u)
+    return select_units(units, np.asarray(keep, dtype=np.int64))
+
+
+def build_units(corpus: EncodedCorpus, spec: UnitSpec, *,
+                unit_fraction: float | None = None) -> UnitArrays:
     """The privacy units of an encoded corpus (see the module docstring)."""
-    if max_units is not None and (isinstance(max_units, bool) or int(max_units) < 1):
-        raise ValueError(f"data.max_units must be >= 1 or null, got {max_units!r}")
+    fraction = _check_fraction(unit_fraction)
+    units = _build_units(corpus, spec, fraction)
+    if fraction is not None and spec.kind != "user":  # user units are selected by user key
+        before = units.num_units
+        counts = units.counts
+        units = _select_by_content(units, fraction)
+        counts.update({"units_not_selected": before - units.num_units, "num_units": units.num_units,
+                       "num_rows": units.num_rows, "num_tokens": int(units.tokens.size),
+                       "num_target_tokens": int(units.unit_target_tokens().sum())})
+        units.counts = counts
+    return units
+
+
+def _build_units(corpus: EncodedCorpus, spec: UnitSpec, fraction: float | None) -> UnitArrays:
     L = spec.sequence_length
     D = corpus.num_records
     doc_len = np.diff(corpus.offsets)
@@ -327,8 +378,6 @@ def build_units(corpus: EncodedCorpus, spec: UnitSpec, max_units: int | None = N
 
     if spec.kind == "sequence":
         total = corpus.tokens.size
-        if max_units is not None:
-            total = min(total, int(max_units) * L)
         begin, end, _ = _rows_from_streams([0], [total], L, None)
         owner = np.arange(begin.size)
         counts["records_used"] = int(doc_of_token[end[-1] - 1] + 1) if begin.size else 0
@@ -338,8 +387,6 @@ def build_units(corpus: EncodedCorpus, spec: UnitSpec, max_units: int | None = N
     R = spec.max_rows_per_unit
     cap = R * L
     if spec.kind == "document":
-        if max_units is not None:
-            D = min(D, int(max_units))
         lens = doc_len[:D]
         begin, end, owner = _rows_from_streams(corpus.offsets[:D], lens, L, R)
         counts["records_truncated"] = int((lens > cap).sum())
@@ -369,11 +416,16 @@ def build_units(corpus: EncodedCorpus, spec: UnitSpec, max_units: int | None = N
     kept = np.clip(cap - before, 0, olen)
     user_tokens = np.bincount(ouser, weights=olen, minlength=n_users).astype(np.int64)
     user_kept = np.bincount(ouser, weights=kept, minlength=n_users).astype(np.int64)
-    if max_units is not None and n_users > int(max_units):
-        n_users = int(max_units)
-        sel = ouser < n_users
-        order, olen, ouser, kept = order[sel], olen[sel], ouser[sel], kept[sel]
-        user_tokens, user_kept = user_tokens[:n_users], user_kept[:n_users]
+    if fraction is not None:  # a user is kept by a keyed hash of its own key
+        chosen = np.flatnonzero([selection_hash(str(k).encode()) < fraction for k in uniq])
+        counts["units_not_selected"] = int(n_users - chosen.size)
+        new_id = np.full(n_users, -1, dtype=np.int64)
+        new_id[chosen] = np.arange(chosen.size)
+        sel = new_id[ouser] >= 0
+        order, olen, kept = order[sel], olen[sel], kept[sel]
+        ouser = new_id[ouser[sel]]
+        user_tokens, user_kept = user_tokens[chosen], user_kept[chosen]
+        n_users = int(chosen.size)
     gather = _ranges(corpus.offsets[order], corpus.offsets[order] + kept)  # user streams, concatenated
     stream_start = np.concatenate([[0], np.cumsum(user_kept)[:-1]])
     begin, end, owner = _rows_from_streams(stream_start, user_kept, L, R)

@@ -13,6 +13,7 @@ from llmdp.data.sources import (
     fingerprint_file,
     load_records,
     load_texts,
+    record_location,
     resolve_format,
     source_fingerprint,
 )
@@ -56,9 +57,40 @@ def test_parquet_with_other_text_field(tmp_path):
 
 def test_text_lines(tmp_path):
     p = tmp_path / "d.txt"
-    p.write_text("line one\nline two\nline three\n")
-    assert _texts(load_texts(p)) == ["line one", "line two", "line three"]
+    p.write_text("line one\nline two\n\nline three\n")
+    assert _texts(load_texts(p, text_split="line")) == ["line one", "line two", "line three"]
     assert resolve_format(p) == "text"
+
+
+def test_a_text_file_is_one_record_by_default(tmp_path):
+    """Issue 12 item 9: a folder of notes is one record per note, not per line."""
+    d = tmp_path / "notes"
+    d.mkdir()
+    notes = ["Patient seen.\nBP normal.\n\nPlan: rest.\n", "Second note,\ntwo lines\n", "one\n"]
+    for i, n in enumerate(notes):
+        (d / f"{i:02d}.txt").write_text(n)
+    assert _texts(load_texts(d)) == [n.strip("\n") for n in notes]
+    assert _texts(load_texts(d, text_split="paragraph")) == [
+        "Patient seen.\nBP normal.", "Plan: rest.", "Second note,\ntwo lines", "one"]
+    assert len(load_texts(d, text_split="line")) == 6
+    loc = record_location(path=d, text_split="paragraph")
+    assert loc(1) == f"{d / '00.txt'}:4" and loc(2) == f"{d / '01.txt'}:1"
+
+
+def test_jsonl_record_locations_skip_blank_lines(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps(ROWS[0]) + "\n\n" + json.dumps(ROWS[1]) + "\n")
+    assert len(load_texts(p)) == 2
+    loc = record_location(path=p)
+    assert loc(0) == f"{p}:1" and loc(1) == f"{p}:3"
+    assert record_location(dataset="org/x")(4) == "record 4 of data.dataset='org/x' (split 'train')"
+
+
+def test_mixed_json_types_name_the_field_and_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "a", "n": 1}\n\n{"text": "b", "n": [2]}\n')
+    with pytest.raises(ValueError, match=rf"{p}:3: field 'n' holds a JSON array, but a number at {p}:1"):
+        load_texts(p)
 
 
 def test_directory_of_files(tmp_path):
@@ -127,7 +159,8 @@ def test_load_records_local_formats(tmp_path):
     ds = load_records(path=tmp_path / "d.csv", format="csv")
     assert ds["text"] == texts and ds["user_id"] == [r["user_id"] for r in ROWS]
     (tmp_path / "d.txt").write_text("\n".join(texts) + "\n")
-    assert load_records(path=tmp_path / "d.txt")["text"] == texts
+    assert load_records(path=tmp_path / "d.txt", text_split="line")["text"] == texts
+    assert load_records(path=tmp_path / "d.txt")["text"] == ["\n".join(texts)]
     d = tmp_path / "dir"
     d.mkdir()
     _jsonl(d / "b.jsonl", ROWS[1:])
@@ -297,3 +330,13 @@ def test_source_fingerprint_saved(tmp_path):
     shutil.rmtree(s)
     shutil.copytree(tmp_path / "tmp", s)
     assert source_fingerprint(path=s) != fp
+
+
+def test_broken_json_array_names_its_line(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text('[\n {"text": "a"},\n {"text": "b"\n]\n')
+    with pytest.raises(ValueError, match=rf"{p}:4: not valid JSON"):
+        load_texts(p)
+    p.write_text("")
+    with pytest.raises(ValueError, match="no records"):
+        load_texts(p)

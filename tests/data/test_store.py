@@ -121,8 +121,8 @@ def test_rebuilt_only_when_fingerprint_changes(tmp_path, tok):
 
     seen = {s1.fingerprint}
     s3 = _build(cache, data, tok, seq_len=16)
-    s4 = _build(cache, data, tok, max_units=3)
-    assert s4.num_units == 3
+    s4 = _build(cache, data, tok, unit_fraction=0.5)
+    assert 0 < s4.num_units < s1.num_units
     s5 = _build(cache, data, tiny_tokenizer(vocab_size=280))
     s7 = build_store(cache, data_path=data, tokenizer=tok,
                      spec=UnitSpec("document", L, max_rows_per_unit=2))
@@ -175,9 +175,12 @@ def test_errors_name_the_fields(tmp_path, tok):
     with pytest.raises(ValueError, match=r"data\.path"):
         _build(tmp_path / "c", tmp_path / "missing.jsonl", tok)
     one = tmp_path / "one.jsonl"
-    one.write_text(json.dumps({"text": ""}) + "\n")  # only an EOS: no unit of 2 tokens
-    with pytest.raises(ValueError, match="no privacy units"):
+    one.write_text(json.dumps({"text": ""}) + "\n")  # an empty text: a malformed record
+    with pytest.raises(ValueError, match=rf"{one}:1: data.text_field='text' is empty"):
         _build(tmp_path / "c", one, tok)
+    with pytest.raises(ValueError, match=r"every record is malformed \(1 skipped"):
+        build_store(tmp_path / "c", data_path=one, tokenizer=tok, spec=UnitSpec(sequence_length=L),
+                    on_bad_record="skip")
     with pytest.raises(ValueError, match=r"data\.text_field='body'"):
         build_store(tmp_path / "c", data_path=one, data_format="auto", text_field="body",
                     tokenizer=tok, spec=UnitSpec(sequence_length=L))
@@ -269,3 +272,46 @@ def test_parallel_tokenization_builds_the_same_units(tmp_path, tok):
     for name in ("tokens", "target", "offsets"):
         assert np.array_equal(getattr(one, name), getattr(two, name)), name
     assert one.users.tolist() == two.users.tolist() == [r for r in ds["user_id"]]
+
+
+@pytest.mark.parametrize("bad,why", [
+    ({"body": "no text field"}, "is missing"),
+    ({"text": 12345}, "holds a int"),
+    ({"text": "   "}, "is empty"),
+])
+def test_bad_records_refused_or_skipped_and_counted(tmp_path, tok, bad, why):
+    """Issue 12 item 9: a missing / numeric / empty text is refused with its file:line and
+    field (data.on_bad_record=error), or left out and counted (skip): the units are then
+    exactly those of the file without that record."""
+    good = [{"text": f"note {i}: the patient was seen today"} for i in range(6)]
+    with_bad = tmp_path / "with_bad.jsonl"
+    with_bad.write_text("".join(json.dumps(r) + "\n" for r in good[:4] + [bad] + good[4:]))
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("".join(json.dumps(r) + "\n" for r in good))
+    spec = UnitSpec("document", L, max_rows_per_unit=2)
+    with pytest.raises(ValueError, match=rf"{with_bad}:5: data.text_field='text' {why}"):
+        build_store(tmp_path / "c", data_path=with_bad, tokenizer=tok, spec=spec)
+    skipped = build_store(tmp_path / "c", data_path=with_bad, tokenizer=tok, spec=spec,
+                          on_bad_record="skip")
+    ref = build_store(tmp_path / "c", data_path=clean, tokenizer=tok, spec=spec)
+    assert skipped.stats()["records_skipped"] == 1 and ref.stats()["records_skipped"] == 0
+    assert skipped.stats()["records_skipped_by_field"] == {"data.text_field='text'": 1}
+    assert skipped.num_units == ref.num_units == 6
+    a, b = skipped.rows(range(6)), ref.rows(range(6))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_chat_with_unknown_role_is_refused(tmp_path, tok):
+    chats = [{"messages": [{"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": f"hello {i}"}]} for i in range(3)]
+    chats[1]["messages"][1]["role"] = "assitant"
+    p = tmp_path / "c.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in chats))
+    with pytest.raises(ValueError, match=rf"{p}:2: data.messages_field='messages' message 1 has "
+                                         r"role 'assitant', not one of"):
+        build_store(tmp_path / "c", data_path=p, tokenizer=tok, messages_field="messages",
+                    chat_template="none", spec=UnitSpec("document", L, max_rows_per_unit=1))
+    s = build_store(tmp_path / "c", data_path=p, tokenizer=tok, messages_field="messages",
+                    chat_template="none", spec=UnitSpec("document", L, max_rows_per_unit=1),
+                    on_bad_record="skip")
+    assert s.num_units == 2 and s.stats()["records_skipped"] == 1

@@ -171,15 +171,50 @@ def test_user_units_need_a_key_for_every_record():
         build_units(bad, UnitSpec("user", 16, max_rows_per_unit=2, user_field="user_id"))
 
 
-def test_max_units_caps_every_kind():
-    c, _, _ = corpus(num_records=60, num_users=9)
-    for spec in (UnitSpec("sequence", 16), UnitSpec("document", 16, max_rows_per_unit=2),
-                 UnitSpec("user", 16, max_rows_per_unit=2, user_field="u")):
-        full = build_units(c, spec)
-        capped = build_units(c, spec, max_units=5)
-        assert capped.num_units <= 5 < full.num_units
-        for u in range(capped.num_units):
-            assert rows_of(capped, u) == rows_of(full, u)
+def _unit_set(units):
+    return {repr(rows_of(units, u)) for u in range(units.num_units)}
+
+
+@pytest.mark.parametrize("kind", ["document", "user"])
+def test_unit_fraction_selection_of_a_unit_depends_on_that_unit_alone(kind):
+    """Issue 12 item 8d: adding one unit to the corpus never changes whether another unit
+    is selected (so add/remove-one relative to the corpus still holds). The old
+    `max_units` cap kept the first units: one added in front evicted the last one."""
+    spec = (UnitSpec("document", 16, max_rows_per_unit=2) if kind == "document"
+            else UnitSpec("user", 16, max_rows_per_unit=2, user_field="u"))
+    c, recs, users = corpus(num_records=80, num_users=40)
+    rng = np.random.default_rng(5)
+    base = build_units(c, spec, unit_fraction=0.5)
+    full = build_units(c, spec)
+    assert 0 < base.num_units < full.num_units  # it does select
+    assert base.counts["units_not_selected"] == full.num_units - base.num_units
+    assert _unit_set(base) <= _unit_set(full)
+    flipped = 0
+    for trial in range(12):  # one new unit, at a random position, many times
+        n = int(rng.integers(3, 30))
+        new = (np.append(rng.integers(2, 60, n), EOS).astype(np.int32), np.ones(n + 1, bool))
+        at = int(rng.integers(0, len(recs) + 1))
+        c2 = EncodedCorpus.from_records(recs[:at] + [new] + recs[at:],
+                                        users[:at] + [f"new-{trial}"] + users[at:])
+        bigger = build_units(c2, spec, unit_fraction=0.5)
+        extra = _unit_set(bigger) - _unit_set(base)
+        # every unit selected before is selected after; at most the new unit is added
+        assert _unit_set(base) <= _unit_set(bigger)
+        assert len(extra) <= 1 and bigger.num_units - base.num_units == len(extra)
+        flipped += len(extra)
+    assert 0 < flipped < 12  # the new unit itself is sometimes kept, sometimes not
+
+
+def test_unit_fraction_sequence_rows_are_kept_by_their_content():
+    c, _, _ = corpus(num_records=60)
+    spec = UnitSpec("sequence", 16)
+    full, half = build_units(c, spec), build_units(c, spec, unit_fraction=0.5)
+    assert 0.3 * full.num_units < half.num_units < 0.7 * full.num_units
+    assert _unit_set(half) <= _unit_set(full)
+    assert half.counts["num_units"] == half.num_units
+    assert build_units(c, spec, unit_fraction=1.0).num_units == full.num_units
+    with pytest.raises(ValueError, match="data.unit_fraction"):
+        build_units(c, spec, unit_fraction=0)
 
 
 def test_units_without_targets_are_dropped():

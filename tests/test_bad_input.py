@@ -1,0 +1,248 @@
+"""Bad input through the user's path (`llmdp train recipe key=value`): one message that names
+the file, the line/record and the field, exit code 2, no traceback, and nothing left behind
+(no runs/<name>/ directory, no dataset-ledger line).
+
+Issue 12, items 9 and 10 and "no empty run dir".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from llmdp.cli import main
+from tests.helpers import tiny_tokenizer_dir, write_notes
+
+TINY = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+        "intermediate_size": 32, "max_position_embeddings": 64}
+
+
+@pytest.fixture()
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def write_recipe(workdir, data: dict, model: dict | None = None, name: str = "r") -> str:
+    raw = {
+        "model": {"init": "tiny", "tokenizer": tiny_tokenizer_dir(), "tiny": TINY, **(model or {})},
+        "data": {"sequence_length": 16, **data},
+        "privacy": {"noise_multiplier": 1.0, "delta": 1e-3},
+        "optim": {"schedule": "constant"},
+        "train": {"expected_batch_size": 2, "steps": 2, "physical_batch_size": 2},
+        "output": {"dir": "runs"},
+    }
+    path = workdir / f"{name}.yaml"
+    path.write_text(json.dumps(raw))  # JSON is YAML
+    return str(path)
+
+
+def train_fails(workdir, capsys, recipe: str, *overrides: str) -> str:
+    """Runs `llmdp train`; asserts one clean error and nothing left behind; returns stderr."""
+    rc = main(["train", recipe, *overrides])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    assert err.count("llmdp: error:") == 1, err
+    err = err[err.index("llmdp: error:"):]  # (after any progress bar of the data loading)
+    assert err.count("\n") == 1, err
+    name = os.path.splitext(os.path.basename(recipe))[0]
+    assert not os.path.exists(workdir / "runs" / name), os.listdir(workdir / "runs")
+    ledgers = workdir / "cache" / "ledgers"
+    assert not ledgers.exists() or not any(
+        p.stat().st_size for p in ledgers.iterdir()), list(ledgers.iterdir())
+    return err
+
+
+def write_lines(path, lines) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+    return str(path)
+
+
+GOOD = [{"text": f"note number {i} about the patient and the visit"} for i in range(6)]
+
+
+# ------------------------------------------------------------------------- item 10
+
+
+def test_empty_jsonl(workdir, capsys):
+    data = workdir / "empty.jsonl"
+    data.write_text("")
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "empty.jsonl"}))
+    assert str(data) in err and "data.path" in err and "no records" in err, err
+
+
+def test_malformed_jsonl_line_names_the_right_line(workdir, capsys):
+    lines = [json.dumps(r) for r in GOOD]
+    lines.insert(3, '{"text": "unterminated')  # line 4
+    write_lines(workdir / "bad.jsonl", lines)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "bad.jsonl"}))
+    assert f"{workdir / 'bad.jsonl'}:4" in err and "not valid JSON" in err, err
+    assert ":5" not in err and ":3:" not in err, err
+
+
+def test_non_utf8_bytes_name_file_and_line(workdir, capsys):
+    lines = [json.dumps(r) for r in GOOD]
+    with open(workdir / "latin1.jsonl", "wb") as f:
+        for i, line in enumerate(lines):
+            if i == 2:  # line 3 holds Latin-1 bytes
+                f.write(json.dumps({"text": "caf"}).encode()[:-2] + b"\xe9\"}\n")
+            else:
+                f.write(line.encode() + b"\n")
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "latin1.jsonl"}))
+    assert f"{workdir / 'latin1.jsonl'}:3" in err and "UTF-8" in err, err
+
+
+def test_non_utf8_text_file(workdir, capsys):
+    (workdir / "notes").mkdir()
+    (workdir / "notes" / "a.txt").write_text("a fine note\n")
+    (workdir / "notes" / "b.txt").write_bytes(b"first line\nsecond \xff line\n")
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes"}))
+    assert f"{workdir / 'notes' / 'b.txt'}:2" in err and "UTF-8" in err, err
+
+
+@pytest.mark.parametrize("value", ["./no-such-tokenizer", "tokenizers/x/y", "runs/tok"])
+def test_missing_relative_tokenizer_path_is_not_sent_to_a_hub(workdir, capsys, monkeypatch, value):
+    import transformers
+
+    (workdir / "runs").mkdir()  # "runs/tok": its parent exists, so it is a path
+    write_lines(workdir / "ok.jsonl", GOOD)
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(name, *a, **k):
+        calls.append(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "ok.jsonl"}),
+                      f"model.tokenizer={value}")
+    assert "model.tokenizer" in err and "does not exist" in err, err
+    assert os.path.normpath(os.path.join(workdir, value)) in err, err
+    assert calls == [], calls
+
+
+# ------------------------------------------------------------------------- item 9
+
+
+def test_missing_text_field_is_refused(workdir, capsys):
+    write_lines(workdir / "d.jsonl", GOOD[:2] + [{"body": "no text here"}] + GOOD[2:])
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "d.jsonl"}))
+    assert f"{workdir / 'd.jsonl'}:3" in err and "data.text_field='text'" in err, err
+    assert "data.on_bad_record" in err, err
+
+
+def test_number_in_text_field_is_refused(workdir, capsys):
+    write_lines(workdir / "d.jsonl", GOOD[:4] + [{"text": 12345}] + GOOD[4:])
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "d.jsonl"}))
+    assert f"{workdir / 'd.jsonl'}:5" in err and "data.text_field='text'" in err, err
+    assert "int" in err and "data.on_bad_record" in err, err
+
+
+def test_all_empty_texts_are_refused_for_sequence_units(workdir, capsys):
+    write_lines(workdir / "d.jsonl", [{"text": ""}] * 5)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "d.jsonl"}))
+    assert f"{workdir / 'd.jsonl'}:1" in err and "empty" in err, err
+
+
+def test_unknown_chat_role_is_refused(workdir, capsys):
+    chats = [{"messages": [{"role": "user", "content": f"hi {i}"},
+                           {"role": "assistant", "content": f"hello {i}"}]} for i in range(5)]
+    chats[2]["messages"][1]["role"] = "assitant"
+    write_lines(workdir / "c.jsonl", chats)
+    err = train_fails(workdir, capsys, write_recipe(
+        workdir, {"path": "c.jsonl", "messages_field": "messages", "chat_template": "none"}))
+    assert f"{workdir / 'c.jsonl'}:3" in err and "'assitant'" in err, err
+    assert "data.messages_field" in err, err
+
+
+def test_bad_text_file_choice_is_refused(workdir, capsys):
+    (workdir / "notes").mkdir()
+    (workdir / "notes" / "a.txt").write_text("one\ntwo\n")
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes"}),
+                      "data.text_split=sentence")
+    assert "data.text_split" in err and "'sentence'" in err, err
+
+
+# ------------------------------------------------------------------------- run dir
+
+
+def test_validation_error_after_data_loading_leaves_no_run_dir(workdir, capsys):
+    write_notes(workdir / "notes.jsonl", 4)
+    # 4 documents give fewer units than the expected batch size: refused after the data
+    # were loaded and tokenized.
+    recipe = write_recipe(workdir, {"path": "notes.jsonl", "unit": "document",
+                                    "max_rows_per_unit": 1})
+    err = train_fails(workdir, capsys, recipe, "train.expected_batch_size=50")
+    assert "train.expected_batch_size" in err, err
+
+
+def test_text_folder_gives_one_document_unit_per_file_and_the_report_says_so(workdir):
+    """Issue 12 item 9: 12 note files of several lines each are 12 document units (not one
+    per line), and the report states how records were read."""
+    from llmdp.config import load_recipe
+    from llmdp.report import write_report
+    from llmdp.trainer import prepare
+
+    (workdir / "notes").mkdir()
+    for i in range(12):
+        (workdir / "notes" / f"{i:03d}.txt").write_text(
+            f"Note {i}.\nThe patient was seen.\n\nPlan: follow up in {i} weeks.\n")
+    recipe = write_recipe(workdir, {"path": "notes", "unit": "document", "max_rows_per_unit": 2})
+    prep = prepare(load_recipe(recipe, []), log=lambda *a: None)
+    assert prep.plan.dataset_size == 12 and prep.data_stats["num_records"] == 12
+    report = write_report(prep.run_dir)
+    assert "one record per text file (data.text_split=file)" in report["records"]
+    assert "data.on_bad_record=error" in report["records"]
+    with open(os.path.join(prep.run_dir, "privacy_report.md"), encoding="utf-8") as f:
+        assert "one record per text file (data.text_split=file)" in f.read()
+    lines = prepare(load_recipe(recipe, ["data.text_split=line", "output.name=lines"]),
+                    log=lambda *a: None)
+    assert lines.plan.dataset_size == 36
+    para = prepare(load_recipe(recipe, ["data.text_split=paragraph", "output.name=para"]),
+                   log=lambda *a: None)
+    assert para.plan.dataset_size == 24
+
+
+def test_max_units_cap_is_refused_with_the_replacement(workdir, capsys):
+    """Issue 12 item 8d: a cap by count is not add/remove-one relative to the corpus."""
+    write_lines(workdir / "ok.jsonl", GOOD)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "ok.jsonl"}),
+                      "data.max_units=3")
+    assert "data.max_units: 3" in err and "data.unit_fraction" in err and "replace-one" in err, err
+
+
+def test_unit_fraction_is_stated_in_the_record_description():
+    from llmdp.data.sources import describe_records
+
+    text = describe_records({"path": None, "unit_fraction": 0.25, "on_bad_record": "skip"})
+    assert "data.unit_fraction=0.25" in text and "add/remove-one" in text
+    assert "data.on_bad_record=skip" in text
+
+
+def test_unknown_bare_tokenizer_name_is_one_message(workdir, capsys):
+    """A bare name (a possible Hub id) that is neither a folder nor loadable offline."""
+    write_lines(workdir / "ok.jsonl", GOOD)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "ok.jsonl"}),
+                      "model.tokenizer=no-such-tokenizer-xyz")
+    assert "model.tokenizer: 'no-such-tokenizer-xyz' is neither a tokenizer folder" in err, err
+
+
+@pytest.mark.parametrize("value,is_path", [
+    ("meta-llama/Llama-3.2-1B", False), ("gpt2", False), ("Qwen/Qwen2.5-7B-Instruct", False),
+    ("./tok", True), ("../tok", True), ("tokenizers/x/y", True), ("runs/tok", True),
+    ("my tok", True), ("org/name/", True), ("org--x/name", True),
+])
+def test_hub_ids_stay_ids_and_paths_become_paths(workdir, value, is_path):
+    from llmdp.config import load_recipe
+
+    (workdir / "runs").mkdir()
+    write_lines(workdir / "ok.jsonl", GOOD)
+    cfg = load_recipe(write_recipe(workdir, {"path": "ok.jsonl"}), [f"model.tokenizer={value}"])
+    expected = os.path.normpath(os.path.join(workdir, value)) if is_path else value
+    assert cfg.model.tokenizer == expected
