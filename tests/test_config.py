@@ -1034,12 +1034,12 @@ def test_warmup_ratio_out_of_range(in_tmp, value):
     assert f"optim.warmup_ratio: {float(value)!r} is out of range" in str(e.value), str(e.value)
 
 
-def test_readme_documents_the_cache_and_max_units(monkeypatch, tmp_path):
+def test_readme_documents_the_cache_and_the_part_of_a_corpus(monkeypatch, tmp_path):
     from llmdp.trainer import cache_root
 
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         text = f.read()
-    assert "`data.max_units: K`" in text
+    assert "`data.unit_fraction: 0.1`" in text and "`data.max_units` (keep the first k units) was removed" in text
     assert "`LLMDP_CACHE`" in text and "`.cache/llmdp` under the current directory" in text
     for sub in ("`models/`", "`units/`", "`ledgers/`"):
         assert sub in text, sub
