@@ -230,8 +230,9 @@ def big_store(tmp_path_factory):
     return s
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_sensitivity_of_the_clipped_sum_at_B_1024(big_store, dtype):
+def test_sensitivity_of_the_clipped_sum_at_B_1024(big_store, dtype, device):
     """Issue 12 item 2: ‖f(D) − f(D∖u)‖ ≤ C(1+1e-6), f = this worker's clipped sum before
     noise through the real engine, sinks and micro-step accumulation, measured in float64;
     bf16 trainable parameters (full fine-tuning, replicated) included (was 2.75·C)."""
@@ -240,13 +241,13 @@ def test_sensitivity_of_the_clipped_sum_at_B_1024(big_store, dtype):
     C, B, physical = 1e-3, 1024, 256
 
     def f(sample):
-        model = tiny_llama(vocab_size=TINY_VOCAB, dtype=dtype)
+        model = tiny_llama(vocab_size=TINY_VOCAB, dtype=dtype).to(device)
         sinks = parallel.make_grad_sinks(model, "replicated")
         clipper = GhostClipper(model, C, grad_buffers=sinks)
         mine = assign_micro_batches(np.asarray(sample, dtype=np.int64), big_store.unit_row_count,
                                     big_store.unit_max_row_length, world_size=1,
                                     physical_batch_size=physical)[0]
-        accumulate_clipped_sum(model, clipper, big_store, mine, torch.device("cpu"))
+        accumulate_clipped_sum(model, clipper, big_store, mine, torch.device(device))
         sums = [p.grad for p in clipper.params] if sinks is None else [sinks[n] for n in clipper.param_names]
         dtypes.update(s.dtype for s in sums)
         return torch.cat([s.double().reshape(-1) for s in sums])

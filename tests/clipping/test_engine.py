@@ -371,22 +371,23 @@ def test_weight_reused_functionally_is_refused_with_its_name(mode, autocast):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", ["two-pass", "book-keeping"])
-def test_under_bf16_autocast_each_unit_adds_at_most_C(mode):
+def test_under_bf16_autocast_each_unit_adds_at_most_C(mode, device):
     """Issue 12 item 8a: under bf16 autocast each clipped unit's contribution, measured in
     float64 from what the engine actually added (the sum with the unit minus the sum with
     its row turned into padding, same shapes), is <= C."""
-    model = tiny_model("llama", vocab_size=V, dtype=torch.float32)
+    model = tiny_model("llama", vocab_size=V, dtype=torch.float32).to(device)
     row_units = list(range(8))
-    batch = make_batch(row_units)
+    batch = {k: v.to(device) for k, v in make_batch(row_units).items()}
     C = 1e-2
 
     def added(ru):
         model.zero_grad(set_to_none=True)
         clipper = GhostClipper(model, C, mode=mode)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            losses = row_losses(model, {**batch, "row_units": torch.tensor(ru)})
-        norms = clipper.backward(losses, torch.tensor(ru))
+        with torch.autocast(device, dtype=torch.bfloat16):
+            losses = row_losses(model, {**batch, "row_units": torch.tensor(ru, device=device)})
+        norms = clipper.backward(losses, torch.tensor(ru, device=device))
         clipper.remove_hooks()
         return torch.cat([p.grad.double().reshape(-1) for p in model.parameters()]), norms
 
