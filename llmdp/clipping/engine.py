@@ -578,8 +578,14 @@ class GhostClipper:
                 if A.is_floating_point():
                     A = A.to(up)
             if mask is not None:
-                G = G.masked_fill(_row_mask(mask, G), 0)
-                if A.is_floating_point() and A.shape[0] == G.shape[0]:
+                # A zero factor times a finite value adds exactly 0, so only non-finite
+                # values in the zero-factor rows need zeroing (0·NaN = NaN). G is the
+                # largest tensor of the step (the LM head's [R, T, V]): it is copied only
+                # when one of those rows of it is not finite.
+                if not bool(torch.isfinite(G[mask]).all()):
+                    G = G.masked_fill(_row_mask(mask, G), 0)
+                if (A.is_floating_point() and A.shape[0] == G.shape[0]
+                        and not bool(torch.isfinite(A[mask]).all())):
                     A = A.masked_fill(_row_mask(mask, A), 0)
             rec.G, rec.A = G, A
             return rule.clipped_ghost(rec, self._row_factors)
@@ -589,7 +595,9 @@ class GhostClipper:
             up = _compute_dtype(g.dtype)
             g = g if up is None else g.to(up)
             f = self._factors.to(g.dtype)
-            g = torch.where(_row_mask(f == 0, g), 0, g)
+            zero = f == 0
+            if bool(zero.any()) and not bool(torch.isfinite(g[zero]).all()):
+                g = torch.where(_row_mask(zero, g), 0, g)  # 0·NaN would be NaN
             out[n] = torch.einsum("u,u...->...", f, g)
         return out
 

@@ -192,13 +192,20 @@ class LinearRule(LayerRule):
     def clipped_ghost(self, rec, row_factors):
         module = rec.module
         A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
-        Gc = G3 * row_factors.to(G3.dtype)[:, None, None]
+        f = row_factors.to(G3.dtype)
         out = {}
         if module.weight.requires_grad:
-            A2, G2 = A3.reshape(-1, A3.shape[-1]).to(Gc.dtype), Gc.reshape(-1, Gc.shape[-1])
+            # Σ_r c_r G_rᵀA_r: scale the smaller of A and G by the row factors (the LM
+            # head's G is [R, T, V]; a scaled copy of it would cost as much as the logits).
+            A3 = A3.to(G3.dtype)
+            if A3.shape[-1] <= G3.shape[-1]:
+                A3 = A3 * f[:, None, None]
+            else:
+                G3 = G3 * f[:, None, None]
+            A2, G2 = A3.reshape(-1, A3.shape[-1]), G3.reshape(-1, G3.shape[-1])
             out["weight"] = A2.t() @ G2 if self.transposed else G2.t() @ A2
         if module.bias is not None and module.bias.requires_grad:
-            out["bias"] = Gc.sum((0, 1))
+            out["bias"] = (_as_3d(rec.G).sum(1) * f[:, None]).sum(0)
         return out
 
 
