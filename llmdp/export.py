@@ -472,12 +472,12 @@ def _publishable(run_dir: str, report: dict) -> dict:
 def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
     """privacy_report.json / .md / .png and ledger.jsonl of the export, from `pub` and the
     run's ledger through the allow-lists of llmdp.report; nothing is copied as is."""
-    from llmdp.report import plot_publishable, publishable_ledger, render_publishable_markdown
+    from llmdp.report import plot_publishable, publishable_ledger, render_markdown
 
     with open(os.path.join(out, "privacy_report.json"), "w", encoding="utf-8") as f:
         json.dump(pub, f, indent=2)
     with open(os.path.join(out, "privacy_report.md"), "w", encoding="utf-8") as f:
-        f.write(render_publishable_markdown(pub))
+        f.write(render_markdown(pub))
     plot_publishable(pub, os.path.join(out, "privacy_report.png"))
     path = os.path.join(run_dir, "ledger.jsonl")
     if os.path.exists(path):

@@ -364,8 +364,7 @@ def _truncation_rows(r: dict) -> list[str]:
         f"| Truncation cap B_max | {s['max_batch_size']} units; per-step truncation probability "
         f"{prob:.3g}; ε cost of truncation {100 * cost:.3g}% |" if prob is not None and cost is not None
         else f"| Truncation cap B_max | {s['max_batch_size']} units |",
-        f"| Steps truncated (internal) | {s['steps_truncated']} |",
-    ]
+    ] + ([f"| Steps truncated (internal) | {s['steps_truncated']} |"] if "steps_truncated" in s else [])
 
 
 def _dataset_rows(r: dict) -> list[str]:
@@ -526,7 +525,12 @@ def plot(run_dir: str, report: dict) -> str:
 
 
 def render_markdown(r: dict) -> str:
+    """Markdown of a report: the full local one, or a publishable one (`publishable_report`),
+    whose internal sections are absent and so are not rendered."""
     eps = r["epsilon_by_accountant"]
+    s = r["sampling"]
+    tok = r.get("tokenizer") or {}
+    pub = bool(r.get("publishable"))
     lines = [
         "# Privacy report",
         "",
@@ -535,13 +539,16 @@ def render_markdown(r: dict) -> str:
         "(" + "; ".join(f"{k.upper()}: ε = {v:.4f}" for k, v in eps.items()) + ").",
         "",
     ]
+    if pub:
+        lines += [f"> This is the {PUBLISHABLE_NOTE}.", ""]
     if r.get("rng_warning"):
         lines += [f"> **Warning:** {r['rng_warning']}", ""]
-    if r["status"] != "complete":
-        lines += [f"> Run status: **{r['status']}**" + (f" ({r['failure']})" if r.get("failure") else "")
+    if r.get("status") != "complete":
+        lines += [f"> Run status: **{r.get('status')}**" + (f" ({r['failure']})" if r.get("failure") else "")
                   + (f" ({r['stopped']})" if r.get("stopped") else "")
                   + (f" ({r['resume']})" if r.get("resume") else "")
                   + ". The ε above covers every step recorded in the ledger.", ""]
+    others = ", ".join(k.upper() for k in eps if k != r["accountant"])
     lines += [
         "## Checklist (How to DP-fy ML, §5.3.3)",
         "",
@@ -549,16 +556,18 @@ def render_markdown(r: dict) -> str:
         "| --- | --- |",
         f"| DP setting | {r['dp_setting']} |",
         f"| Unit of privacy | {r['unit']}: {r['unit_description']} |",
-        f"| Records | {r.get('records', '')} |",
+        *([f"| Records | {r['records']} |"] if r.get("records") else []),
         f"| Unit size / contribution bound | {r['contribution_bound']} |",
         f"| Adjacency | {r['adjacency']} |",
         f"| Mechanism output | {r['mechanism_output']} |",
-        f"| Accounting | {r['accountant'].upper()} (reported); also computed: {', '.join(k.upper() for k in r['epsilon_by_accountant'] if k != r['accountant']) or 'none (truncated Poisson is accounted by PLD only)'}; δ = {r['delta']:.3g} (< 1/N = {1 / r['dataset_size']:.3g}) |",
-        f"| ε at δ | {r['epsilon']:.4f} (target {r['target_epsilon'] if r['target_epsilon'] is not None else 'none: σ given'})"
+        f"| Accounting | {r['accountant'].upper()} (reported); also computed: "
+        f"{others or 'none (truncated Poisson is accounted by PLD only)'}; δ = {r['delta']:.3g} "
+        f"(< 1/N = {1 / r['dataset_size']:.3g}) |",
+        f"| ε at δ | {r['epsilon']:.4f} (target {r['target_epsilon'] if r.get('target_epsilon') is not None else 'none: σ given'})"
         + (f"; training alone {r['epsilon_training_only']:.4f}, composed with the private tokenizer's release"
-           if r["tokenizer"].get("composed_into_guarantee") else "") + " |",
-        f"| Sampling assumed | {r['sampling']['assumed']} |",
-        f"| Sampling used | {r['sampling']['used']}; honoured: {'yes' if r['sampling']['honoured'] else 'NO'} ({r['sampling']['note']}) |",
+           if tok.get("composed_into_guarantee") else "") + " |",
+        f"| Sampling assumed | {s['assumed']} |",
+        f"| Sampling used | {s['used']}; honoured: {'yes' if s.get('honoured') else 'NO'} ({s.get('note', '')}) |",
         f"| Sampling probability q | {r['sampling_probability']:.6g} |",
         f"| Expected batch size q·N | {r['expected_batch_size']:g} units |",
         f"| Dataset size N | {r['dataset_size']} units |",
@@ -571,7 +580,7 @@ def render_markdown(r: dict) -> str:
         *_dataset_rows(r),
         f"| Noise std per coordinate of the averaged gradient | σC/(qN) = {r['noise_std_per_coordinate']:.4g} |",
         f"| RNG mode | {r['rng_mode']} |",
-        f"| Tokenizer | {r['tokenizer']['note']} |",
+        f"| Tokenizer | {tok.get('note', '–')} |",
         "",
         "## Data accesses covered",
         "",
@@ -581,26 +590,32 @@ def render_markdown(r: dict) -> str:
         "",
         *[f"- {x}" for x in r["data_accesses_not_covered"]],
         "",
-        "## Metrics computed on private data without DP (internal: do not publish)",
-        "",
-        *[f"- `{k}`: {v}" for k, v in r["internal_metrics"].items()],
-        "",
-        "Data statistics (internal): " + ", ".join(
-            f"{k}={v}" for k, v in r["data_statistics"].items()
-            if k not in ("computed_on_private_data", "note")) + ".",
-        "",
+    ]
+    if "internal_metrics" in r:
+        lines += [
+            "## Metrics computed on private data without DP (internal: do not publish)",
+            "",
+            *[f"- `{k}`: {v}" for k, v in r["internal_metrics"].items()],
+            "",
+            "Data statistics (internal): " + ", ".join(
+                f"{k}={v}" for k, v in r["data_statistics"].items()
+                if k not in ("computed_on_private_data", "note")) + ".",
+            "",
+        ]
+    ledger = r["ledger"]
+    lines += [
         "## Ledger",
         "",
-        f"{r['ledger']['lines']} line(s) in `ledger.jsonl`"
-        + (" plus the tokenizer's release (recorded in the dataset ledger)" if r["tokenizer"].get(
-            "composed_into_guarantee") else "") + "; every DP release, composed above:",
+        (f"{ledger['lines']} line(s) in `ledger.jsonl`" if "lines" in ledger else "`ledger.jsonl` holds")
+        + (" plus the tokenizer's release (recorded in the dataset ledger)" if tok.get(
+            "composed_into_guarantee") and "lines" in ledger else "") + "; every DP release, composed above:",
         "",
         "| run | attempt | first step | count | mechanism |",
         "| --- | --- | --- | --- | --- |",
-        *[f"| {x['run_id']} | {x['attempt'] or '-'} | {x['first_step'] if x['first_step'] is not None else '-'} | {x['count']} | {x['mechanism']} |"
-          for x in r["ledger"]["releases"]],
+        *[f"| {x['run_id']} | {x.get('attempt') or '-'} | {x['first_step'] if x.get('first_step') is not None else '-'} "
+          f"| {x['count']} | {x['mechanism']} |" for x in ledger["releases"]],
         "",
-        "![epsilon and loss](privacy_report.png)",
+        "![epsilon spent](privacy_report.png)" if pub else "![epsilon and loss](privacy_report.png)",
         "",
     ]
     return "\n".join(lines)
@@ -623,7 +638,7 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
     "epsilon": True, "delta": True, "accountant": True, "epsilon_by_accountant": True,
     "epsilon_training_only": True, "delta_threshold_of_earlier_releases": True,
     "target_epsilon": True, "epsilon_planned": True, "dp_setting": True, "unit": True,
-    "unit_description": True, "unit_size": _PUBLIC_UNIT, "contribution_bound": True,
+    "unit_description": True, "unit_size": _PUBLIC_UNIT, "records": True, "contribution_bound": True,
     "adjacency": True, "mechanism_output": True, "data_accesses_covered": True,
     "data_accesses_not_covered": True,
     "tokenizer": {"kind": True, "composed_into_guarantee": True, "model_vocabulary": True,
@@ -729,84 +744,6 @@ def publishable_ledger(records, prior_releases=(), secrets: tuple[str, ...] = ()
     out = [allow_listed(r, PUBLISHABLE_LEDGER_RECORD) for r in prior + records
            if r.get("kind") == "release"]
     return _redact_hashes(out, secrets)
-
-
-def render_publishable_markdown(r: dict) -> str:
-    """Markdown of a publishable report (`publishable_report`): reads nothing else."""
-    eps = r["epsilon_by_accountant"]
-    s = r["sampling"]
-    tok = r.get("tokenizer") or {}
-    d = r.get("dataset_ledger") or {}
-    lines = [
-        "# Privacy report",
-        "",
-        f"**Guarantee:** (ε = {r['epsilon']:.4f}, δ = {r['delta']:.3g})-differential privacy "
-        f"with respect to {r['adjacency']}, accounted with {r['accountant'].upper()} "
-        "(" + "; ".join(f"{k.upper()}: ε = {v:.4f}" for k, v in eps.items()) + ").",
-        "",
-        f"> This is the {PUBLISHABLE_NOTE}.",
-        "",
-    ]
-    if r.get("rng_warning"):
-        lines += [f"> **Warning:** {r['rng_warning']}", ""]
-    if r.get("status") != "complete":
-        lines += [f"> Run status: **{r.get('status')}**" + (f" ({r['stopped']})" if r.get("stopped") else "")
-                  + (f" ({r['resume']})" if r.get("resume") else "")
-                  + ". The ε above covers every step recorded in the ledger.", ""]
-    trunc = ([f"| Truncation cap B_max | {s['max_batch_size']} units |"] if "max_batch_size" in s else [])
-    lines += [
-        "## Checklist (How to DP-fy ML, §5.3.3)",
-        "",
-        "| item | value |",
-        "| --- | --- |",
-        f"| DP setting | {r['dp_setting']} |",
-        f"| Unit of privacy | {r['unit']}: {r['unit_description']} |",
-        f"| Unit size / contribution bound | {r['contribution_bound']} |",
-        f"| Adjacency | {r['adjacency']} |",
-        f"| Mechanism output | {r['mechanism_output']} |",
-        f"| Accounting | {r['accountant'].upper()}; " + ", ".join(
-            f"{k.upper()} ε = {v:.4f}" for k, v in eps.items()) + f"; δ = {r['delta']:.3g} |",
-        f"| ε at δ | {r['epsilon']:.4f} (target {r['target_epsilon'] if r.get('target_epsilon') is not None else 'none: σ given'})"
-        + (f"; training alone {r['epsilon_training_only']:.4f}, composed with the private tokenizer's release"
-           if tok.get("composed_into_guarantee") else "") + " |",
-        f"| Sampling assumed | {s['assumed']} |",
-        f"| Sampling used | {s['used']}; honoured: {'yes' if s.get('honoured') else 'NO'} ({s.get('note', '')}) |",
-        f"| Sampling probability q | {r['sampling_probability']:.6g} |",
-        f"| Expected batch size q·N | {r['expected_batch_size']:g} units |",
-        f"| Dataset size N | {r['dataset_size']} units |",
-        *trunc,
-        f"| Noise multiplier σ | {r['noise_multiplier']:.6g} |",
-        *_noise_line(r),
-        f"| Clipping norm C | {r['max_grad_norm']:g} ({r['clipping']}) |",
-        f"| Steps T (ledger) | {r['steps']} (planned {r['steps_planned']}, completed {r['steps_completed']}; "
-        f"{r['attempts']} attempt(s), {r['steps_lost_to_failures']} step(s) lost to failures and re-executed) |",
-        *([f"| Dataset ledger (releases on this data for this run's unit, {d.get('unit')}) | "
-           f"ε = {d['epsilon_spent']:.4f} at δ = {d['delta']:.3g} |"]
-          if d.get("epsilon_spent") is not None else []),
-        f"| RNG mode | {r['rng_mode']} |",
-        f"| Tokenizer | {tok.get('note', '–')} |",
-        "",
-        "## Data accesses covered",
-        "",
-        *[f"- {x}" for x in r["data_accesses_covered"]],
-        "",
-        "## Not covered by this guarantee",
-        "",
-        *[f"- {x}" for x in r["data_accesses_not_covered"]],
-        "",
-        "## Ledger",
-        "",
-        "Every DP release, composed above (`ledger.jsonl` holds their events and counts):",
-        "",
-        "| run | attempt | first step | count | mechanism |",
-        "| --- | --- | --- | --- | --- |",
-        *[f"| {x['run_id']} | {x.get('attempt') or '-'} | {x['first_step'] if x.get('first_step') is not None else '-'} "
-          f"| {x['count']} | {x['mechanism']} |" for x in r["ledger"]["releases"]],
-        "",
-        "![epsilon spent](privacy_report.png)",
-        "",
-    ]
-    return "\n".join(lines)
 
 
 def plot_publishable(r: dict, out: str) -> str:
