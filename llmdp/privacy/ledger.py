@@ -143,6 +143,29 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def release_entries(numbered_records, where: str) -> list[tuple[dp_accounting.DpEvent, int]]:
+    """`(event, count)` of the release records among ``numbered_records`` (pairs of a line
+    number and a parsed record, e.g. ``enumerate(records, 1)``), consecutive identical events
+    merged; an unreadable event stops with ``where`` and its line."""
+    out: list[tuple[dp_accounting.DpEvent, int]] = []
+    cache: dict[str, dp_accounting.DpEvent] = {}
+    for lineno, rec in numbered_records:
+        if rec.get("kind") != _RELEASE_KIND or not rec.get("count"):
+            continue
+        key = json.dumps(rec["event"], sort_keys=True)
+        if key not in cache:
+            try:
+                cache[key] = event_from_json(rec["event"])
+            except Exception as e:
+                raise LedgerError(f"{where}: line {lineno} has an unreadable event: {e}") from e
+        event = cache[key]
+        if out and out[-1][0] == event:
+            out[-1] = (event, out[-1][1] + int(rec["count"]))
+        else:
+            out.append((event, int(rec["count"])))
+    return out
+
+
 class Ledger:
     """Read side of a ledger file. A missing file is an empty ledger."""
 
@@ -226,25 +249,7 @@ class Ledger:
 
     def entries(self) -> list[tuple[dp_accounting.DpEvent, int]]:
         """`(event, count)` of all releases, consecutive identical events merged."""
-        out: list[tuple[dp_accounting.DpEvent, int]] = []
-        cache: dict[str, dp_accounting.DpEvent] = {}
-        for lineno, rec in self._numbered_records():
-            if rec["kind"] != _RELEASE_KIND or rec["count"] == 0:
-                continue
-            key = json.dumps(rec["event"], sort_keys=True)
-            if key not in cache:
-                try:
-                    cache[key] = event_from_json(rec["event"])
-                except Exception as e:
-                    raise LedgerError(
-                        f"{self.path}: line {lineno} has an unreadable event: {e}"
-                    ) from e
-            event = cache[key]
-            if out and out[-1][0] == event:
-                out[-1] = (event, out[-1][1] + rec["count"])
-            else:
-                out.append((event, rec["count"]))
-        return out
+        return release_entries(self._numbered_records(), self.path)
 
     def delta_threshold(self) -> float:
         """Combined delta of the thresholds of thresholded releases (private tokenizers):

@@ -29,13 +29,12 @@ reservation are shortened so that a reservation never crosses the budget either.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 from llmdp.privacy import accountant as _acc
 from llmdp.privacy.events import event_from_json
-from llmdp.privacy.ledger import Ledger, LedgerWriter
+from llmdp.privacy.ledger import Ledger, LedgerWriter, release_entries
 
 __all__ = ["BudgetError", "LedgerService", "steps_within_budget", "budget_status", "ledger_epsilon",
            "unit_key", "split_by_unit", "release_entries_of", "unit_epsilon", "NOT_COMPOSED"]
@@ -93,19 +92,10 @@ def split_by_unit(records, unit) -> tuple[list[dict], list[dict]]:
     return same, other
 
 
-def release_entries_of(records) -> list:
-    """``(event, count)`` of release records, consecutive identical events merged."""
-    out, cache = [], {}
-    for r in _releases(records):
-        key = json.dumps(r["event"], sort_keys=True)
-        if key not in cache:
-            cache[key] = event_from_json(r["event"])
-        event = cache[key]
-        if out and out[-1][0] == event:
-            out[-1] = (event, out[-1][1] + int(r["count"]))
-        else:
-            out.append((event, int(r["count"])))
-    return out
+def release_entries_of(records, where: str = "ledger") -> list:
+    """``(event, count)`` of release records, consecutive identical events merged
+    (`llmdp.privacy.ledger.release_entries`)."""
+    return release_entries(enumerate(records, 1), where)
 
 
 def unit_epsilon(records, unit, delta: float, accountant: str) -> float:
