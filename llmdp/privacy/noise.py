@@ -27,7 +27,7 @@ assert _CHUNK % 2 == 0  # Box-Muller pairs must never straddle two chunks
 
 # The largest |z|/std the generator can return: u1 >= 2**-53, so r = sqrt(-2 ln u1) <=
 # sqrt(106 ln 2), reached at k1 = 0 with theta = 0 (k2 = 0: cos = 1).
-NOISE_TAIL = math.sqrt(-2.0 * math.log(_INV_2_53))  # ~8.5713
+NOISE_TAIL = math.sqrt(-2.0 * math.log(_INV_2_53))  # ~8.5717
 
 
 def truncation_delta_per_step(num_coordinates: int, noise_multiplier: float) -> float:
@@ -123,7 +123,7 @@ def gaussian_like(
       against floating-point Laplace samplers (Mironov 2012); the accountant assumes
       an exact continuous Gaussian;
     * the tails are truncated: |z| <= NOISE_TAIL * std, NOISE_TAIL = sqrt(-2 ln 2**-53) =
-      sqrt(106 ln 2) ~ 8.5713 (u1 >= 2**-53; the bound is reached at k1 = k2 = 0). The δ
+      sqrt(106 ln 2) ~ 8.5717 (u1 >= 2**-53; the bound is reached at k1 = k2 = 0). The δ
       this adds per step is bounded by :func:`truncation_delta_per_step` (derived there)
       and stated in the privacy report;
     * the draw is computed in float64 and rounded to float32 (``add_noise_`` always adds
