@@ -50,3 +50,57 @@ def install_dir(tmp: str, out_dir: str, is_current: Callable[[], bool]) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
         return False
     return True
+
+
+class RunDirInUse(RuntimeError):
+    """A second launch into a run directory that a live launch holds."""
+
+
+class RunLock:
+    """One launch per run directory: an exclusive ``flock`` on ``<dir>/.<name>.lock`` (a
+    sibling of the run directory, so that it is taken before anything is written), held
+    until `release` or the process's end (the OS drops it when the holder dies). The file
+    names its holder (pid, host, time) for the refusal message; a dataset ledger's hold
+    names the file, so that a hold whose run died can be told from a live one."""
+
+    def __init__(self, run_dir: str):
+        import fcntl
+        import json
+        import socket
+        import time
+
+        run_dir = os.path.abspath(run_dir)
+        self.path = os.path.join(os.path.dirname(run_dir), f".{os.path.basename(run_dir)}.lock")
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.pread(self._fd, 4096, 0).decode() or "{}")
+            except ValueError:
+                holder = {}
+            os.close(self._fd)
+            self._fd = None
+            raise RunDirInUse(
+                f"output.name: {os.path.basename(run_dir)!r} ({run_dir}) is in use by another "
+                f"launch (PID {holder.get('pid', '?')} on host {holder.get('host', '?')}, since "
+                f"{holder.get('since', '?')}); two launches would interleave checkpoints and "
+                f"ledger records. Wait for it to finish (or stop it), or give this run its own "
+                f"output.name") from None
+        self.info = {"pid": os.getpid(), "host": socket.gethostname(),
+                     "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "path": self.path}
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps(self.info).encode(), 0)
+        os.fsync(self._fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()

@@ -45,6 +45,37 @@ def build_parser() -> argparse.ArgumentParser:
     r = psub.add_parser("report", help="(re)build and print the privacy report of a run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
+    lg = psub.add_parser(
+        "ledger", help="the dataset ledgers: list, verify, repair, import",
+        description="Dataset ledgers live in one database: $LLMDP_HOME/ledger.sqlite by default "
+                    "(LLMDP_HOME defaults to the user's data directory), or --ledger (a SQLite "
+                    "file or a postgresql:// URL, as privacy.ledger in a recipe).")
+    lsub = lg.add_subparsers(dest="ledger_command", required=True)
+
+    def _loc(p):
+        p.add_argument("--ledger", default=None, metavar="DB",
+                       help="the ledgers' database (default: $LLMDP_HOME/ledger.sqlite)")
+
+    ll = lsub.add_parser("list", help="every dataset ledger in the database")
+    _loc(ll)
+    lv = lsub.add_parser("verify", help="check hash chains: every dataset ledger, one "
+                         "(--dataset ID), or a run (RUN_DIR: its ledger.jsonl against its dataset ledger)")
+    lv.add_argument("run_dir", nargs="?", default=None)
+    lv.add_argument("--dataset", default=None, metavar="ID")
+    _loc(lv)
+    lr = lsub.add_parser("repair", help="RUN_DIR: rewrite its ledger.jsonl from the dataset "
+                         "ledger; --dataset ID --acknowledge-loss: go on past damaged records")
+    lr.add_argument("run_dir", nargs="?", default=None)
+    lr.add_argument("--dataset", default=None, metavar="ID")
+    lr.add_argument("--acknowledge-loss", action="store_true",
+                    help="drop the damaged records of a dataset ledger (their releases stop "
+                         "being counted); the repair is recorded in the ledger")
+    lr.add_argument("--reason", default="", help="why (recorded with the repair)")
+    _loc(lr)
+    li = lsub.add_parser("import", help="import a JSONL dataset ledger of an earlier llmdp, once")
+    li.add_argument("file")
+    li.add_argument("--dataset", required=True, metavar="ID", help="the data.dataset_id it belongs to")
+    _loc(li)
 
     tk = sub.add_parser("tokenizer", help="private tokenizers: llmdp tokenizer train RECIPE")
     tksub = tk.add_subparsers(dest="tokenizer_command", required=True)
@@ -223,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     from llmdp.config import ConfigError
     from llmdp.export import ExportError
     from llmdp.privacy.plan import PlanError
+    from llmdp._fs import RunDirInUse
+    from llmdp.privacy.ledger import LedgerError
     from llmdp.privacy.service import BudgetError
 
     try:
@@ -262,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
             plan = _plan_from_args(args, calibrate=True)
             _print_plan(plan, args, {"target_epsilon": args.target_epsilon})
             return 0
+        if args.privacy_command == "ledger":
+            from llmdp.privacy.ledger_cli import main as ledger_main
+
+            return ledger_main(args)
         if args.privacy_command == "report":
             from llmdp.report import write_report
 
@@ -274,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                 with open(os.path.join(args.run_dir, "privacy_report.md"), encoding="utf-8") as f:
                     print(f.read())
             return 0
-    except (ConfigError, PlanError, ValueError, BudgetError, ExportError) as e:
+    except (ConfigError, PlanError, ValueError, BudgetError, ExportError, LedgerError,
+            RunDirInUse) as e:
         print(f"llmdp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

@@ -195,6 +195,11 @@ class DataConfig:
     config_name: str | None = None
     split: str = _f("train", nonempty=True)
     format: str = _f("auto", choices=("auto", "jsonl", "json", "parquet", "csv", "text"))
+    # The dataset's identity in the ledger: every release on data with this id is charged
+    # to one budget, whatever the working directory and whatever edits the data sees (its
+    # content hash is kept as a record). None: derived from the source (the local path,
+    # or the Hub name). Declare a new id only for data about other individuals.
+    dataset_id: str | None = _f(None, nonempty=True)
     # Plain-text files (.txt): `file` = each file is ONE record (one document: what a
     # document unit protects); `line` = one record per non-blank line; `paragraph` = one per
     # block of lines separated by a blank line. The report states it.
@@ -252,11 +257,17 @@ class PrivacyConfig:
     clipping_mode: str = _f("auto", choices=("auto", "book-keeping", "two-pass"))
     debug_check: bool = False  # compare the engine with the exact reference on the first step
     max_noise_multiplier: float = _f(100.0, gt=0)
-    # The dataset's ledger: every DP release on this dataset (runs, tokenizers) is recorded
-    # and composed there. None: <cache>/ledgers/<dataset fingerprint>.jsonl.
-    ledger: str | None = _f(None, path="always")
+    # The ledgers' database: every DP release on a dataset (runs, tokenizers) is recorded
+    # and composed there, one hash-chained ledger per data.dataset_id. None: SQLite at
+    # $LLMDP_HOME/ledger.sqlite; a path: that SQLite file; postgresql://user@host/db:
+    # PostgreSQL (clusters). A .jsonl (an earlier llmdp's ledger) is imported once.
+    ledger: str | None = _f(None, path="ledger")
     # Cap on the composed epsilon (at the plan's delta) of everything in the ledger.
     budget_epsilon: float | None = _f(None, gt=0)
+    # Steps re-executed after a failure are released again and raise epsilon. false: the
+    # run stops when one more step would take epsilon past target_epsilon (status stopped);
+    # true: it finishes and the report's first line says epsilon exceeds the target.
+    allow_exceed_target_on_failure: bool = False
 
 
 @dataclass(frozen=True)
@@ -372,6 +383,7 @@ class TokenizerDataConfig:
 
     path: str | None = _f(None, path="always", help="the private corpus (file, directory or save_to_disk folder)")
     dataset: str | None = _f(None, nonempty=True)
+    dataset_id: str | None = _f(None, nonempty=True)  # the ledger's dataset id (as for training)
     config_name: str | None = None
     split: str = _f("train", nonempty=True)
     format: str = _f("auto", choices=("auto", "jsonl", "json", "parquet", "csv", "text"))
@@ -400,7 +412,7 @@ class TokenizerPrivacyConfig:
     accountant: str = _f("pld", choices=("pld", "rdp"))
     rng: str = _f("secure", choices=("secure", "seeded"))
     seed: int | None = _f(None, ge=0)  # required iff rng == "seeded"
-    ledger: str | None = _f(None, path="always")  # the dataset's ledger (default as for training)
+    ledger: str | None = _f(None, path="ledger")  # the ledgers' database (default as for training)
     budget_epsilon: float | None = _f(None, gt=0)
 
 
@@ -823,6 +835,17 @@ def _field_value(key: str, raw: Any, f: dataclasses.Field, tp: Any, base_dir: st
             f"(letters, digits, '.', '_' and '-' only)",
             key=key,
         )
+    if meta.get("path") == "ledger":
+        if value.startswith(("postgresql://", "postgres://")):
+            from urllib.parse import urlsplit
+
+            if urlsplit(value).password is not None:
+                raise ConfigError(
+                    f"{key}: the URL carries a password, which would be written to the run's "
+                    f"config.yaml and plan.json; remove it and give it in PGPASSWORD or "
+                    f"~/.pgpass (e.g. {key}=postgresql://user@host/db)", key=key)
+            return value
+        return _resolve_path(value, base_dir)
     if meta.get("path") == "always" or (
         meta.get("path") == "maybe" and _is_local_path(value, base_dir)
     ):

@@ -184,10 +184,22 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     if report.get("steps", 0) < report.get("steps_completed", 0):
         problems.append(f"the ledger records {report.get('steps')} steps but {report.get('steps_completed')} "
                         f"were completed: steps are missing from the ledger")
+    if rebuilt is not None:
+        # build_report cross-checked the run's ledger with the dataset ledger (and stopped
+        # on any difference); a database it could not reach is a reason not to verify.
+        d = rebuilt.get("dataset_ledger") or {}
+        if d.get("error"):
+            problems.append(f"the run's releases could not be cross-checked against the dataset "
+                            f"ledger {d.get('dataset_id', '')!r} ({d.get('ledger')}): {d['error']}")
     if has_ledger:
         from llmdp.privacy.ledger import Ledger
 
-        recs = [r for r in Ledger(os.path.join(run_dir, "ledger.jsonl")).records() if r["kind"] == "release"]
+        ledger_file = Ledger(os.path.join(run_dir, "ledger.jsonl"))
+        all_recs = ledger_file.records()
+        if ledger_file.legacy:
+            problems.append("ledger.jsonl was written by an earlier llmdp, without hash-chained "
+                            "records: it cannot be checked for deleted or edited lines")
+        recs = [r for r in all_recs if r["kind"] == "release"]
         want = _config_hash_header(run_dir)
         got = (recs[-1].get("meta") or {}).get("config_hash") if recs else None
         if recs and want and got != want:
@@ -207,6 +219,15 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
             problems.append(f"the last checkpoint is at step {state.get('step')}, the report at "
                             f"{report.get('steps_completed')} completed steps")
         problems += _check_weights(os.path.join(run_dir, "model"), state["params"])
+        pos = state.get("ledger") or {}
+        if has_ledger and pos.get("run_last_hash"):
+            # The checkpoint knows how far the run's ledger had come: its last record must
+            # still be there, at the same line.
+            n = int(pos.get("run_records") or 0)
+            if n > len(all_recs) or all_recs[n - 1].get("hash") != pos["run_last_hash"]:
+                problems.append(f"the last checkpoint was written when ledger.jsonl held {n} "
+                                f"record(s) ending with {pos['run_last_hash'][:12]}, which it no "
+                                f"longer does: lines were deleted or replaced")
     return problems, report
 
 

@@ -208,7 +208,10 @@ def build_report(run_dir: str, failure: str | None = None, interrupted: bool = F
         "steps_lost_to_failures": max(0, ledger_steps - completed),
         "dataset_ledger": _dataset_ledger(plan_info, plan, unit_meta or {
             "kind": unit_kind, "sequence_length": seq_len, "user_field": data_cfg.get("user_field"),
-            "document_masking": bool(data_cfg.get("document_masking"))}),
+            "document_masking": bool(data_cfg.get("document_masking"))}, records,
+            plan_info.get("run_id")),
+        "exceeds_target": _exceeds(eps[plan.accountant], plan, plan_info, ledger_steps, completed,
+                                   len(attempts)),
         "noise_multiplier": plan.noise_multiplier,
         "sampling_probability": plan.sampling_probability,
         "expected_batch_size": plan.expected_batch_size,
@@ -239,6 +242,22 @@ def build_report(run_dir: str, failure: str | None = None, interrupted: bool = F
         "dataset_fingerprint": records[-1]["meta"].get("dataset_fingerprint") if records else None,
     }
     return report
+
+
+def _exceeds(eps: float, plan, plan_info: dict, steps: int, completed: int, attempts: int) -> str | None:
+    """Why ε is above privacy.target_epsilon (or the planned ε), or None."""
+    target = plan.target_epsilon
+    planned = plan_info.get("epsilon_planned")
+    bound, what = ((target, "privacy.target_epsilon") if target is not None else
+                   (planned, "the planned ε"))
+    if bound is None or eps <= bound * (1 + 1e-9):
+        return None
+    allowed = (" (privacy.allow_exceed_target_on_failure: true)"
+               if plan_info.get("allow_exceed_target_on_failure") and target is not None else "")
+    return (f"ε = {eps:.4f} exceeds {what} = {bound:.4f}{allowed}: the ledger records {steps} "
+            f"steps for {completed} completed over {attempts} attempt(s); steps re-executed after "
+            f"failures (and reserved write-ahead by failed attempts) were released again, and "
+            f"every release counts")
 
 
 def seeded_sources(cfg: dict, plan_info: dict) -> list[str]:
@@ -340,18 +359,44 @@ def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
     }
 
 
-def _dataset_ledger(plan_info: dict, plan, unit: dict) -> dict | None:
+def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
+                    run_id: str | None) -> dict | None:
     """ε composed over the releases recorded on this dataset (every run, every tokenizer) for
-    this run's privacy unit; releases for other units are listed, not composed."""
-    path = plan_info.get("dataset_ledger")
-    if not path:
+    this run's privacy unit; releases for other units are listed, not composed. The run's
+    ``ledger.jsonl`` is cross-checked against the dataset ledger: a damaged dataset ledger,
+    or a run ledger that lacks one of the run's records (a deleted line) or holds one the
+    dataset ledger does not, raises `LedgerError`. A database that cannot be reached is
+    stated (``"error"``), not guessed."""
+    info = plan_info.get("dataset_ledger")
+    if not info:
         return None
-    from llmdp.privacy.service import budget_status
+    if isinstance(info, str):  # a run of an earlier llmdp: a JSONL dataset ledger
+        return {"ledger": info, "error": "a JSONL dataset ledger of an earlier llmdp: not "
+                "cross-checked (it is imported into the ledgers' database by the next run on "
+                "this data)"}
+    from llmdp.privacy.ledger import LedgerError
+    from llmdp.privacy.ledgerdb import LedgerDB, resolve_location
+    from llmdp.privacy.service import budget_status, cross_check
 
+    location = info["location"]
+    db = LedgerDB(resolve_location(location) if "://" not in location else location, read_only=True)
     try:
-        return budget_status(path, plan_info.get("budget_epsilon"), plan.delta, plan.accountant, unit)
-    except Exception as e:  # the run's own report must not depend on another file's health
-        return {"ledger": path, "error": repr(e)}
+        try:
+            records = db.records(info["dataset_id"])
+        except LedgerError as e:
+            if "is damaged" in str(e):
+                raise
+            return {"ledger": location, "dataset_id": info["dataset_id"],
+                    "error": f"not reachable: {e}"}
+    finally:
+        db.close()
+    problems = cross_check(run_records, records, run_id) if run_id else []
+    if problems:
+        raise LedgerError(problems[0])
+    out = budget_status(records, plan_info.get("budget_epsilon"), plan.delta, plan.accountant, unit,
+                        location, info["dataset_id"])
+    out["cross_checked"] = True
+    return out
 
 
 def _truncation_rows(r: dict) -> list[str]:
@@ -531,7 +576,7 @@ def render_markdown(r: dict) -> str:
     s = r["sampling"]
     tok = r.get("tokenizer") or {}
     pub = bool(r.get("publishable"))
-    lines = [
+    lines = ([f"**Warning: {r['exceeds_target']}.**", ""] if r.get("exceeds_target") else []) + [
         "# Privacy report",
         "",
         f"**Guarantee:** (ε = {r['epsilon']:.4f}, δ = {r['delta']:.3g})-differential privacy "
@@ -646,7 +691,7 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
                   "tokenizer_data": True, "composition": True, "rng": True, "note": True},
     # the mechanism's numbers (N is used by the accountant and published as is)
     "steps": True, "steps_planned": True, "steps_completed": True, "attempts": True,
-    "steps_lost_to_failures": True,
+    "steps_lost_to_failures": True, "exceeds_target": True,
     "dataset_ledger": {"epsilon_spent": True, "budget_epsilon": True, "epsilon_remaining": True,
                        "delta": True, "accountant": True, "unit": True},
     "noise_multiplier": True, "sampling_probability": True, "expected_batch_size": True,
@@ -716,7 +761,9 @@ def _data_hashes(report: dict) -> tuple[str, ...]:
         out.append(os.path.splitext(os.path.basename(str(d["ledger"])))[0])
     out += [os.path.splitext(os.path.basename(str(r.get("recorded_in"))))[0]
             for r in (report.get("ledger") or {}).get("releases", []) if r.get("recorded_in")]
-    return tuple(h for h in out if isinstance(h, str) and h)
+    # Only hex digests (a legacy ledger file was named by the source's hash; a database
+    # location names no data).
+    return tuple(h for h in out if isinstance(h, str) and re.fullmatch(r"[0-9a-f]{12,}", h))
 
 
 def publishable_report(report: dict) -> dict[str, Any]:

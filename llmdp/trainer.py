@@ -54,8 +54,16 @@ class PreparedRun:
             "run_id": self.run_id,
             "ledger_meta": self.ledger_meta,
             "ledger": {"service": self.ledger_service, "actor": self.ledger_actor,
-                       "budget_epsilon": (self.ledger_service or {}).get("budget_epsilon")},
+                       "budget_epsilon": (self.ledger_service or {}).get("budget_epsilon"),
+                       # rank 0 asks the service before every block: a budget, or a target
+                       # that failures may not exceed
+                       "admit": _needs_admission(self.ledger_service or {})},
         }
+
+
+def _needs_admission(service: dict) -> bool:
+    return service.get("budget_epsilon") is not None or (
+        service.get("target_epsilon") is not None and not service.get("allow_exceed_target"))
 
 
 def cache_root() -> str:
@@ -105,7 +113,38 @@ def check_run_dir(run_dir: str, cfg: RecipeConfig) -> None:
         )
 
 
-def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
+def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print) -> dict:
+    """Open (and start, if new) the dataset ledger of recipe ``data`` ``d``: its identity
+    (`dataset_identity`), the database (`resolve_location`), and the legacy JSONL ledgers
+    it replaces, imported once. Prints where it is."""
+    from llmdp.data.sources import dataset_identity
+    from llmdp.privacy.ledgerdb import LedgerDB, describe_location, resolve_location
+    from llmdp.privacy.service import open_dataset
+
+    ident = dataset_identity(d)
+    location = resolve_location(ledger_opt)
+    legacy = [os.path.join(cache_root(), "ledgers", f"{sha256[:16]}.jsonl")]
+    if ledger_opt is not None and ledger_opt.endswith(".jsonl"):
+        legacy.append(ledger_opt)
+    db = LedgerDB(location)
+    try:
+        open_dataset(db, ident["dataset_id"], sha256=sha256, source=ident["source"],
+                     name=ident["name"], log=log, legacy_jsonl=legacy)
+    finally:
+        db.close()
+    shown = describe_location(location)
+    log(f"ledger: dataset {ident['dataset_id']!r} in {shown}"
+        + ("" if ident["declared"] else " (data.dataset_id derived from the source)"))
+    return {**ident, "location": location, "shown": shown}
+
+
+def _checkpoint_step(run_dir: str) -> int:
+    rp = resume_point(run_dir) if os.path.isdir(run_dir) else None
+    step = (rp or {}).get("step", 0)
+    return step if isinstance(step, int) else 0
+
+
+def prepare(cfg: RecipeConfig, log=print, lock=None) -> PreparedRun:
     """Everything the workers need, built once on the driver: data units, model files, the plan."""
     from llmdp.data.store import UnitSpec, build_store
     from llmdp.models import load_model
@@ -211,35 +250,42 @@ def prepare(cfg: RecipeConfig, log=print) -> PreparedRun:
     }
     from llmdp.privacy.events import event_to_json
 
-    dataset_ledger = cfg.privacy.ledger or os.path.join(
-        cache, "ledgers", f"{store.meta['data']['sha256'][:16]}.jsonl")
+    ledger = open_dataset_ledger(d, cfg.privacy.ledger, source_sha, log=log)
+    # A resumed run holds (and may need) only the steps after its checkpoint.
+    resumed_at = _checkpoint_step(run_dir)
     service = {
-        "dataset_ledger": os.path.abspath(dataset_ledger),
+        "location": ledger["location"], "dataset_id": ledger["dataset_id"],
         "run_ledger": os.path.join(run_dir, "ledger.jsonl"),
         "run_id": run_id, "meta": ledger_meta,
         "block_size": int(cfg.train.checkpoint_every), "total_steps": plan.steps,
         "event_json": event_to_json(plan.step_event()), "delta": plan.delta,
         "accountant": plan.accountant, "budget_epsilon": cfg.privacy.budget_epsilon,
+        "target_epsilon": plan.target_epsilon, "prior_releases": prior_releases,
+        "allow_exceed_target": cfg.privacy.allow_exceed_target_on_failure,
+        "lock": lock.info if lock is not None else None,
     }
     if prior_releases:
         from llmdp.tokenizer.train import ensure_release_recorded
 
         for rel in prior_releases:
-            if ensure_release_recorded(rel, service["dataset_ledger"], {
+            if ensure_release_recorded(rel, ledger, {
                     "dataset_fingerprint": store.fingerprint, "dataset_size": N,
                     "unit": ledger_meta["unit"], "tokenizer": rel["tokenizer"]}):
                 log(f"tokenizer release {rel['release_id']} copied into the dataset ledger "
-                    f"{service['dataset_ledger']}")
+                    f"{ledger['dataset_id']!r}")
     if cfg.privacy.budget_epsilon is not None:
-        service["allowance"] = check_budget(service, plan, resuming=_has_checkpoint(run_dir), log=log)
+        check_budget(service, plan, remaining=plan.steps - resumed_at, resuming=resumed_at > 0, log=log)
     os.makedirs(run_dir, exist_ok=True)
     dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     with open(os.path.join(run_dir, "plan.json"), "w", encoding="utf-8") as f:
         json.dump({"plan": plan.to_dict(), "epsilon_planned": composed_epsilon(plan, prior_releases),
                    "epsilon_planned_training_only": plan.epsilon(), "run_id": run_id,
                    "tokenizer": tok_use, "prior_releases": prior_releases,
-                   "data": data_stats, "dataset_ledger": service["dataset_ledger"],
-                   "budget_epsilon": cfg.privacy.budget_epsilon}, f, indent=2)
+                   "data": data_stats,
+                   "dataset_ledger": {"location": ledger["shown"], "dataset_id": ledger["dataset_id"]},
+                   "budget_epsilon": cfg.privacy.budget_epsilon,
+                   "allow_exceed_target_on_failure": cfg.privacy.allow_exceed_target_on_failure},
+                  f, indent=2)
     tok_dir = cfg.model.tokenizer or cfg.model.name_or_path
     return PreparedRun(
         cfg=cfg, run_dir=run_dir, run_id=run_id, plan=plan, store_dir=store.path,
@@ -312,28 +358,32 @@ def _has_checkpoint(run_dir: str) -> bool:
     return os.path.isdir(d) and any(n.startswith("checkpoint_") for n in os.listdir(d))
 
 
-def check_budget(service: dict, plan, *, resuming: bool, log=print) -> int:
-    """Refuse to start a run whose plan does not fit in what remains of the dataset's budget
-    (a resumed run starts if one step fits, and stops before the step that would cross it)."""
+def check_budget(service: dict, plan, *, remaining: int, resuming: bool, log=print) -> dict:
+    """Hold this run's remaining steps of the dataset's budget, in one transaction with the
+    check (`LedgerService.hold`): a run whose plan does not fit in what remains, after the
+    releases and what live runs hold, is refused before it starts (a resumed run starts if
+    one step fits, and stops before the step that would cross it)."""
     from llmdp.privacy.service import BudgetError, LedgerService
 
     svc = LedgerService(**service)
-    allowed = svc.allowance()
-    st = svc.status()
-    need = 1 if resuming else plan.steps
-    if allowed < need:
-        planned = plan.epsilon()
+    try:
+        st = svc.hold(remaining, need=1 if resuming else remaining)
+    finally:
+        svc.db.close()
+    if not st["held"]:
+        holders = [h["run_id"] for h in st["live_holds"] if h["run_id"] != service["run_id"]]
         raise BudgetError(
             f"privacy.budget_epsilon={st['budget_epsilon']:g}: the dataset ledger "
-            f"{st['ledger']} has already spent ε = {st['epsilon_spent']:.4f} at δ = {plan.delta:.3g} "
-            f"for the privacy unit {st.get('unit')!r} "
-            f"(remaining ε = {st['epsilon_remaining']:.4f}); this plan alone needs ε = {planned:.4f} "
-            f"for T = {plan.steps} steps and only {allowed} of its steps fit. Lower "
-            f"privacy.target_epsilon / train.steps, or raise the budget"
-        )
+            f"{st['dataset_id']!r} ({st['ledger']}) has spent ε = {st['epsilon_spent']:.4f} at "
+            f"δ = {plan.delta:.3g} for the privacy unit {st.get('unit')!r}"
+            + (f", and the live run(s) {', '.join(holders)} hold {st['held_steps']} more step(s)"
+               if holders else "")
+            + f"; this plan needs ε = {plan.epsilon():.4f} for T = {plan.steps} steps and only "
+            f"{st['fit']} of its {remaining} remaining steps fit. Lower privacy.target_epsilon / "
+            f"train.steps, raise the budget, or wait for the other run(s) to end")
     log(f"budget: ε spent on this dataset = {st['epsilon_spent']:.4f} of {st['budget_epsilon']:g}; "
-        f"{allowed} more steps of this run fit")
-    return allowed
+        f"this run holds its {st['held']} remaining step(s)")
+    return st
 
 
 class _Progress(threading.Thread):
@@ -418,15 +468,40 @@ class _Progress(threading.Thread):
 def run(cfg: RecipeConfig, log=print) -> str:
     """Run the recipe end to end; returns the run directory. Ctrl-C raises RunInterrupted
     after the report (status: interrupted) is written."""
-    from llmdp.report import RESUME_HINT, write_report
-
     done = finished_run(cfg)
     if done is not None:
         log(f"run {cfg.run_dir} is already complete ({done['steps']} of {done['steps']} steps, "
             f"ε = {done['epsilon']:.4f} at δ = {done['delta']:.3g}); nothing to do. Give a new "
             f"output.name to train again.")
         return os.path.abspath(cfg.run_dir)
-    prepared = prepare(cfg, log=log)
+    from llmdp._fs import RunLock
+
+    lock = RunLock(cfg.run_dir)  # one launch per run directory, before anything is written
+    try:
+        return _run_locked(cfg, lock, log)
+    finally:
+        lock.release()
+
+
+def _end_hold(prepared: PreparedRun, status: str, log) -> None:
+    """The run's hold on the budget ends with the launch (a resumed run holds anew)."""
+    if (prepared.ledger_service or {}).get("budget_epsilon") is None:
+        return
+    from llmdp.privacy.service import LedgerService
+
+    try:
+        svc = LedgerService(**prepared.ledger_service)
+        svc.end(f"launch ended: {status}")
+        svc.db.close()
+    except Exception as e:  # noqa: BLE001 - a hold of a dead run is ended by the next user
+        log(f"warning: could not end this run's hold on the budget ({e}); the next run on "
+            f"this dataset ends it (this launch's lock is free)")
+
+
+def _run_locked(cfg: RecipeConfig, lock, log) -> str:
+    from llmdp.report import RESUME_HINT, write_report
+
+    prepared = prepare(cfg, log=log, lock=lock)
     plan = prepared.plan
     log(
         f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
@@ -454,6 +529,7 @@ def run(cfg: RecipeConfig, log=print) -> str:
                                 "by": type(e).__name__}) + "\n")
     except BaseException as e:  # the ledger is durable; still write what we know
         error = e
+    _end_hold(prepared, "interrupted" if interrupted else "failed" if error else "ended", log)
     report = write_report(prepared.run_dir, failure=repr(error) if error and not interrupted else None,
                           interrupted=interrupted)
     if report.get("stopped"):

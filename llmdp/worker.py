@@ -423,7 +423,8 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
     run_dir = config["run_dir"]
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     ledger = None
-    budgeted = config.get("ledger", {}).get("budget_epsilon") is not None
+    spec = config.get("ledger", {})
+    budgeted = bool(spec.get("admit", spec.get("budget_epsilon") is not None))
     if rank == 0:
         # The single writer of the dataset's and the run's ledgers (a Ray actor on the
         # driver, or in-process without Ray). One attempt per (re)start of the worker
@@ -452,7 +453,7 @@ def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
     for step in range(start, plan.steps):
         t0 = time.perf_counter()
         if budgeted:
-            # Budget: rank 0 asks the ledger service; every worker learns the answer. [sync point]
+            # Budget / target: rank 0 asks the ledger service; every worker learns the answer. [sync point]
             ok, why = ledger.admit(step) if ledger is not None else (True, "")
             if broadcast_bytes(b"\x01" if ok else b"\x00", 1, device) == b"\x00":
                 stopped = {"step": step, "reason": why}

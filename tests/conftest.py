@@ -6,6 +6,8 @@ import pytest
 # Tests never share a cache (models, unit stores, dataset ledgers) with the user's runs or
 # with an earlier test session: a dataset ledger is cumulative by design.
 os.environ["LLMDP_CACHE"] = tempfile.mkdtemp(prefix="llmdp-test-cache-")
+# ... nor a ledgers' database ($LLMDP_HOME/ledger.sqlite).
+os.environ["LLMDP_HOME"] = tempfile.mkdtemp(prefix="llmdp-test-home-")
 
 # Never reach a hub from tests: every model and tokenizer is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,3 +35,4 @@ def pytest_sessionfinish(session, exitstatus):
     import shutil
 
     shutil.rmtree(os.environ["LLMDP_CACHE"], ignore_errors=True)
+    shutil.rmtree(os.environ["LLMDP_HOME"], ignore_errors=True)

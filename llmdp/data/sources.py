@@ -688,3 +688,19 @@ def describe_records(data_cfg: Mapping) -> str:
                      f"data.unit_fraction={frac:g} (adding or removing a unit never changes which "
                      f"others are kept: the relation stays add/remove-one relative to the corpus)")
     return "; ".join(parts)
+
+
+def dataset_identity(d) -> dict:
+    """The ledger identity of a recipe's ``data`` (a training or tokenizer recipe):
+    ``{"dataset_id", "source", "name"}``. ``data.dataset_id`` when declared; else derived
+    from the source, never from its bytes: ``path:<real path>`` of local data (the same
+    file from any working directory, edited or not, is one dataset), ``hub:<name>[/<config>]``
+    of a Hub dataset. ``name``: the file or dataset name, for "looks like" warnings."""
+    if d.path is not None:
+        real = os.path.realpath(os.fspath(d.path))
+        source, name = f"path:{real}", os.path.basename(real.rstrip(os.sep))
+    else:
+        source = f"hub:{d.dataset}" + (f"/{d.config_name}" if d.config_name else "")
+        name = d.dataset
+    return {"dataset_id": d.dataset_id or source, "source": source, "name": name,
+            "declared": d.dataset_id is not None}

@@ -18,7 +18,7 @@ from llmdp.privacy.events import (
     event_to_json,
     is_truncated,
 )
-from llmdp.privacy.ledger import LEDGER_FILENAME, Ledger, LedgerError, LedgerWriter, append_record
+from llmdp.privacy.ledger import LEDGER_FILENAME, Ledger, LedgerError
 from llmdp.privacy.plan import (
     SAMPLERS,
     DPPlan,
@@ -45,13 +45,11 @@ __all__ = [
     "LEDGER_FILENAME",
     "Ledger",
     "LedgerError",
-    "LedgerWriter",
     "PlanError",
     "PoissonSampler",
     "SAMPLERS",
     "TruncatedPoissonSampler",
     "add_noise_",
-    "append_record",
     "calibrate_noise",
     "compose",
     "default_delta",

@@ -1,63 +1,108 @@
-"""The privacy ledger: an append-only, write-ahead, durable record of every DP release.
+"""Ledger records: hash-chained, tamper-evident records of DP releases, and the run's
+``ledger.jsonl`` (the human-readable copy of one run's records).
 
-Format: JSON lines (`ledger.jsonl`), one object per line. Lines of kind "release" hold
-`(event, count)` pairs, the only thing the accountant reads:
+The dataset ledger (every release on one dataset: runs, attempts, private tokenizers) is a
+database (`llmdp.privacy.ledgerdb`: SQLite in WAL mode by default, PostgreSQL on clusters).
+Every record there carries
+
+- ``ledger`` (the dataset id), ``seq`` (1, 2, ... per ledger) and ``prev``: the hash of
+  record ``seq - 1`` (`GENESIS` for the first): a hash chain per ledger, so an edited,
+  deleted, inserted or garbage record breaks a link and is *detected*;
+- ``run_id`` and ``run_prev``: the hash of the same run's previous record (None for its
+  first): a chain per run inside the ledger's chain.
+
+A record's hash is the SHA-256 of its canonical JSON (`canonical`: sorted keys, no spaces,
+ASCII). A run's ``ledger.jsonl`` holds that run's records exactly as they are in the
+dataset ledger, one per line, each with its ``"hash"``; it is written inside the same
+database transaction that writes the record (`llmdp.privacy.service`). Reading it
+(`Ledger`) checks every line's hash and the run chain: a torn, garbage, edited or deleted
+line stops the reader with a `LedgerError` naming the file, the line and the choices. A
+deleted *last* line leaves a valid chain; the dataset ledger (which holds the record) and
+the run's checkpoints (which hold the position) catch it (`llmdp.export.verify_run`).
+
+Release records hold ``(event, count)``, the only thing the accountant reads:
 
     {"kind": "release", "event": <event_to_json>, "count": k, "first_step": s,
-     "run_id": ..., "attempt": ..., "time": <ISO 8601 UTC>, "meta": {...}}
+     "attempt": ..., "meta": {...}, ...}
 
-Invariant (DESIGN §3.5): a step's event is durable on disk *before* its update is
-applied, so a crash can make the ledger over-count, never under-count. To keep that
-cheap, a writer reserves blocks of steps: one fsync'ed line per `block_size` steps,
-never one line per step. After a crash the unused tail of the last block is counted
-although it never ran (over-count, allowed); a resumed run uses a new writer that has
-reserved nothing, so steps re-executed after the crash are counted again, which is
-correct: the steps run before the crash were real releases.
+Invariant (DESIGN §3.5): a step's event is durable *before* its update is applied, so a
+crash can make the ledger over-count, never under-count; a writer reserves blocks of steps
+(one record per block).
 
-Durability: every append is one `write` of a whole line under an exclusive `flock`
-(so concurrent processes never interleave bytes), then `fsync`; the directory is
-fsync'ed when the file (or a directory) is created. A crash mid-write can leave a torn
-final line; readers ignore it, and the next append first terminates it with "\\n"
-and a "repair" line naming its length, so the fragment stays an isolated, ignored
-line while any other unparsable line is reported as corruption.
+Ledgers written by llmdp before hash chains (lines without ``"hash"``) are read as
+*legacy* files (`Ledger.legacy`): imported once into a dataset ledger
+(`llmdp.privacy.ledgerdb.LedgerDB.import_jsonl`), never written again.
 """
 
 from __future__ import annotations
 
-import copy
 import datetime as _dt
 import fcntl
+import hashlib
 import json
 import os
 from pathlib import Path
 
 import dp_accounting
 
-from llmdp.privacy.events import event_from_json, event_to_json
+from llmdp.privacy.events import event_from_json
 
-__all__ = ["LEDGER_FILENAME", "LedgerError", "Ledger", "LedgerWriter", "append_record"]
+__all__ = ["LEDGER_FILENAME", "GENESIS", "LedgerError", "Ledger", "canonical", "record_hash",
+           "append_line", "release_entries", "check_record", "now"]
 
 LEDGER_FILENAME = "ledger.jsonl"
-_REPAIR_KIND = "repair"
+GENESIS = "0" * 64
+RECORD_VERSION = 2
 _RELEASE_KIND = "release"
+# What a record may be (anything else is not a record llmdp wrote).
+KINDS = ("dataset", "data_version", "release", "hold", "hold_end", "import", "repair", "note")
 
 
 class LedgerError(RuntimeError):
-    """A ledger that cannot be read or written safely."""
+    """A ledger that cannot be read or written safely. The message names the ledger, the
+    record and what the user can do; nothing that reads the ledger proceeds past it."""
 
 
-def _now() -> str:
+def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
-def _encode(record: dict) -> bytes:
-    # allow_nan=False: NaN/Infinity are not JSON, and a ledger other tools cannot read
-    # is not a checkable record. json.dumps escapes newlines, so one record = one line.
+def canonical(record: dict) -> str:
+    """The one text of a record that its hash is taken over."""
     try:
-        text = json.dumps(record, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
+        return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                          allow_nan=False)
     except (TypeError, ValueError) as e:
         raise LedgerError(f"ledger record is not JSON-serializable: {e}") from e
-    return text.encode("ascii") + b"\n"
+
+
+def record_hash(record: dict) -> str:
+    """SHA-256 (hex) of ``record``'s canonical JSON, without any ``"hash"`` key."""
+    body = {k: v for k, v in record.items() if k != "hash"}
+    return hashlib.sha256(canonical(body).encode("ascii")).hexdigest()
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_record(rec) -> str | None:
+    """Why ``rec`` is not a well-formed record (None if it is)."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    if rec.get("kind") not in KINDS:
+        return f"unknown kind {rec.get('kind')!r}"
+    if not _is_int(rec.get("seq")) or rec["seq"] < 1:
+        return f"seq {rec.get('seq')!r} is not an integer >= 1"
+    if not isinstance(rec.get("prev"), str) or len(rec["prev"]) != 64:
+        return "no 64-hex 'prev' hash"
+    if not isinstance(rec.get("ledger"), str):
+        return "no 'ledger' (dataset id)"
+    if rec["kind"] == _RELEASE_KIND:
+        count = rec.get("count")
+        if not isinstance(rec.get("event"), dict) or not _is_int(count) or count < 0:
+            return f"a release without a valid event and an integer count >= 0 (count={count!r})"
+    return None
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -68,11 +113,11 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _make_dirs(directory: Path) -> None:
+def make_dirs(directory) -> None:
     """mkdir -p, fsync'ing the parent of every directory created, so a fresh run
     directory survives a power loss together with the ledger inside it."""
     missing = []
-    d = directory
+    d = Path(directory)
     while not d.exists():
         missing.append(d)
         d = d.parent
@@ -84,19 +129,6 @@ def _make_dirs(directory: Path) -> None:
         _fsync_dir(d.parent)
 
 
-def _tail_fragment_length(fd: int, size: int) -> int:
-    """Bytes after the last b"\\n" of the file (0 if it ends with a newline)."""
-    end = size
-    while end > 0:
-        start = max(0, end - 65536)
-        chunk = os.pread(fd, end - start, start)
-        pos = chunk.rfind(b"\n")
-        if pos >= 0:
-            return size - (start + pos + 1)
-        end = start
-    return size
-
-
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -104,157 +136,146 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def _durable_append(path: Path, record: dict | None) -> None:
-    """Append `record` (or only repair a torn tail if None) and fsync before returning."""
-    payload = (
-        b"" if record is None else _encode(record)
-    )  # encode first: fail before touching the file
-    _make_dirs(path.parent)
+def append_line(path, record: dict) -> None:
+    """Durably append one record (with its ``"hash"``) as one line: exclusive ``flock``
+    (no two processes interleave bytes), one ``write``, ``fsync`` before returning; the
+    directory is fsync'ed when the file is created."""
+    path = Path(path)
+    payload = (canonical(record) + "\n").encode("ascii")  # encode first: fail before writing
+    make_dirs(path.parent)
     created = not path.exists()
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        # Advisory lock held across read-tail + write + fsync: every llmdp writer takes
-        # it, so no two processes interleave partial lines or both repair one tail.
         fcntl.flock(fd, fcntl.LOCK_EX)
-        size = os.fstat(fd).st_size
-        torn = _tail_fragment_length(fd, size) if size else 0
-        if torn:
-            repair = {"kind": _REPAIR_KIND, "torn_bytes": torn, "time": _now()}
-            payload = b"\n" + _encode(repair) + payload
-        if payload:
-            _write_all(fd, payload)
-        # fsync, not just flush: the write-ahead promise is about the disk, not the page cache.
-        os.fsync(fd)
+        _write_all(fd, payload)
+        os.fsync(fd)  # the write-ahead promise is about the disk, not the page cache
     finally:
-        os.close(fd)  # also releases the flock
+        os.close(fd)
     if created:
-        # A new file's directory entry is only durable once the directory is synced.
         _fsync_dir(path.parent)
 
 
-def append_record(path, record: dict) -> None:
-    """Durably append one JSON record as one line: lock, write, fsync, then return."""
-    if not isinstance(record, dict):
-        raise LedgerError(f"a ledger record must be a dict, got {type(record).__name__}")
-    _durable_append(Path(path), record)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def release_entries(numbered_records, where: str) -> list[tuple[dp_accounting.DpEvent, int]]:
-    """`(event, count)` of the release records among ``numbered_records`` (pairs of a line
-    number and a parsed record, e.g. ``enumerate(records, 1)``), consecutive identical events
-    merged; an unreadable event stops with ``where`` and its line."""
-    out: list[tuple[dp_accounting.DpEvent, int]] = []
-    cache: dict[str, dp_accounting.DpEvent] = {}
-    for lineno, rec in numbered_records:
+    """`(event, count)` of the release records among ``numbered_records`` (pairs of a number
+    and a parsed record, e.g. ``enumerate(records, 1)``), identical events merged into one
+    entry (composition is commutative: the order of releases does not change ε); an
+    unreadable event stops with ``where`` and its number."""
+    counts: dict[str, int] = {}
+    events: dict[str, dp_accounting.DpEvent] = {}
+    for n, rec in numbered_records:
         if rec.get("kind") != _RELEASE_KIND or not rec.get("count"):
             continue
         key = json.dumps(rec["event"], sort_keys=True)
-        if key not in cache:
+        if key not in events:
             try:
-                cache[key] = event_from_json(rec["event"])
+                events[key] = event_from_json(rec["event"])
             except Exception as e:
-                raise LedgerError(f"{where}: line {lineno} has an unreadable event: {e}") from e
-        event = cache[key]
-        if out and out[-1][0] == event:
-            out[-1] = (event, out[-1][1] + int(rec["count"]))
-        else:
-            out.append((event, int(rec["count"])))
-    return out
+                raise LedgerError(f"{where}: record {n} has an unreadable event: {e}") from e
+        counts[key] = counts.get(key, 0) + int(rec["count"])
+    return [(events[k], c) for k, c in counts.items()]
+
+
+RUN_REPAIR_HINT = (
+    "The dataset ledger holds this run's records: `llmdp privacy ledger repair {run_dir}` "
+    "rewrites ledger.jsonl from it (the damaged file is kept beside it). Nothing that reads "
+    "this ledger proceeds until then.")
 
 
 class Ledger:
-    """Read side of a ledger file. A missing file is an empty ledger."""
+    """Read side of a run's ``ledger.jsonl`` (or a legacy JSONL ledger). A missing file is
+    an empty ledger. Every read checks the whole file (it is small: one line per block of
+    steps) and raises `LedgerError` on a torn, garbage, edited or unlinked line."""
 
     def __init__(self, path):
         self.path = Path(path)
-        self._torn_lines = 0
+        self.legacy = False  # True: written before hash chains (no "hash" on any line)
 
-    @property
-    def torn_lines(self) -> int:
-        """Torn fragments (crash mid-write) ignored in the file as it is now."""
-        self._numbered_records()
-        return self._torn_lines
+    def _hint(self) -> str:
+        return RUN_REPAIR_HINT.format(run_dir=self.path.parent)
 
-    def _numbered_records(self) -> list[tuple[int, dict]]:
-        # Re-read on every call: the file is small (one line per block of steps) and
-        # may be growing while a run is live.
-        self._torn_lines = 0
+    def _lines(self) -> tuple[list[bytes], bytes]:
         try:
             with open(self.path, "rb") as f:
-                # Shared lock: never read a line a writer is in the middle of appending.
-                fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # never read a line being appended
                 data = f.read()
         except FileNotFoundError:
-            return []
+            return [], b""
         lines = data.split(b"\n")
-        complete, tail = lines[:-1], lines[-1]  # tail: bytes after the last newline
+        return lines[:-1], lines[-1]
 
-        def parse(raw: bytes):
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                return None
-            return obj if isinstance(obj, dict) and isinstance(obj.get("kind"), str) else None
-
-        out: list[tuple[int, dict]] = []
-        parsed = [None if not raw.strip() else parse(raw) for raw in complete]
-        for i, raw in enumerate(complete):
-            lineno = i + 1
+    def _numbered_records(self) -> list[tuple[int, dict]]:
+        complete, tail = self._lines()
+        parsed: list[tuple[int, dict]] = []
+        for i, raw in enumerate(complete, 1):
             if not raw.strip():
-                continue
-            rec = parsed[i]
-            if rec is None:
-                nxt = parsed[i + 1] if i + 1 < len(parsed) else None
-                if (
-                    nxt is not None
-                    and nxt.get("kind") == _REPAIR_KIND
-                    and nxt.get("torn_bytes") == len(raw)
-                ):
-                    self._torn_lines += 1  # a torn write, terminated by a later writer
-                    continue
+                raise LedgerError(f"{self.path}: line {i} is empty (an edited file). {self._hint()}")
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
                 raise LedgerError(
-                    f"{self.path}: line {lineno} is not a valid ledger record "
-                    f"(corrupt or edited file; first bytes: {raw[:80]!r})"
-                )
-            self._check(rec, lineno)
-            out.append((lineno, rec))
-        if tail.strip():
-            rec = parse(tail)
-            if rec is None:
-                self._torn_lines += 1  # crash mid-write: the line was never acknowledged
-            else:
-                # Whole record, only the newline missing. Counting it can only over-count
-                # (allowed), and a later writer's repair turns it into a complete line.
-                self._check(rec, len(complete) + 1)
-                out.append((len(complete) + 1, rec))
+                    f"{self.path}: line {i} is not a ledger record (garbage or an edited line; "
+                    f"first bytes: {raw[:60]!r}). {self._hint()}") from None
+            if not isinstance(rec, dict):
+                raise LedgerError(f"{self.path}: line {i} is not a JSON object. {self._hint()}")
+            parsed.append((i, rec))
+        if tail:
+            raise LedgerError(
+                f"{self.path}: the last line ({len(tail)} bytes, no newline) is torn: a write "
+                f"that did not complete (a crash while it was written) or a truncated file. "
+                f"{self._hint()}")
+        self.legacy = bool(parsed) and all("hash" not in r for _, r in parsed)
+        if self.legacy:
+            return self._legacy(parsed)
+        prev_hash = None
+        run_id = None
+        for i, rec in parsed:
+            why = check_record({k: v for k, v in rec.items() if k != "hash"})
+            if "hash" not in rec or why:
+                raise LedgerError(f"{self.path}: line {i} is not a valid record "
+                                  f"({why or 'no hash'}). {self._hint()}")
+            if record_hash(rec) != rec["hash"]:
+                raise LedgerError(
+                    f"{self.path}: line {i} (dataset record {rec.get('seq')}) was edited: its "
+                    f"content no longer matches its hash. {self._hint()}")
+            if run_id is None:
+                run_id = rec.get("run_id")
+            if rec.get("run_id") != run_id:
+                raise LedgerError(
+                    f"{self.path}: line {i} belongs to run {rec.get('run_id')!r}, not "
+                    f"{run_id!r} (lines from another run's ledger). {self._hint()}")
+            if rec.get("run_prev") != prev_hash:
+                what = ("the first line links to an earlier record: the first line(s) were deleted"
+                        if prev_hash is None else
+                        "it does not link to the line before it: a line was deleted or reordered")
+                raise LedgerError(f"{self.path}: line {i} (dataset record {rec.get('seq')}): "
+                                  f"{what}. {self._hint()}")
+            prev_hash = rec["hash"]
+        return parsed
+
+    def _legacy(self, parsed: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+        out = []
+        for i, rec in parsed:
+            if not isinstance(rec.get("kind"), str):
+                raise LedgerError(f"{self.path}: line {i} is not a ledger record (no kind)")
+            if rec["kind"] == _RELEASE_KIND:
+                count = rec.get("count")
+                if not isinstance(rec.get("event"), dict) or not _is_int(count) or count < 0:
+                    raise LedgerError(
+                        f"{self.path}: line {i} is a release without a valid event and an "
+                        f"integer count >= 0 (count={count!r})")
+            out.append((i, rec))
         return out
 
-    def _check(self, rec: dict, lineno: int) -> None:
-        if rec["kind"] != _RELEASE_KIND:
-            return
-        count = rec.get("count")
-        if not isinstance(rec.get("event"), dict) or not _is_int(count) or count < 0:
-            raise LedgerError(
-                f"{self.path}: line {lineno} is a release without a valid event and an integer "
-                f"count >= 0 (count={count!r})"
-            )
-
     def records(self) -> list[dict]:
-        """All parsed lines, in file order (torn fragments excluded, see `torn_lines`)."""
+        """Every record, in file order (verified)."""
         return [rec for _, rec in self._numbered_records()]
 
     def entries(self) -> list[tuple[dp_accounting.DpEvent, int]]:
-        """`(event, count)` of all releases, consecutive identical events merged."""
-        return release_entries(self._numbered_records(), self.path)
+        """`(event, count)` of all releases (identical events merged)."""
+        return release_entries(self._numbered_records(), str(self.path))
 
     def delta_threshold(self) -> float:
-        """Combined delta of the thresholds of thresholded releases (private tokenizers):
-        1 - prod(1 - d_i) over the releases' ``extra["delta_threshold"]``; 0.0 if none.
-        Account the ledger with `accountant.epsilon_with_threshold(entries(), delta, this)`."""
+        """Combined delta of the thresholds of thresholded releases (private tokenizers)."""
         from llmdp.privacy.accountant import threshold_delta
 
         return threshold_delta(r for r in self.records() if r["kind"] == _RELEASE_KIND)
@@ -274,106 +295,3 @@ class Ledger:
             if rec["kind"] == _RELEASE_KIND and rec.get("run_id") is not None:
                 seen.setdefault(rec["run_id"], None)
         return list(seen)
-
-
-class LedgerWriter:
-    """Write side for one process / attempt of one run.
-
-    Call `ensure(step, event)` before applying the update of global step `step`
-    (0-based). It returns only once that step is durably accounted for.
-    """
-
-    def __init__(
-        self,
-        path,
-        *,
-        run_id: str,
-        attempt: str,
-        meta: dict,
-        block_size: int,
-        total_steps: int,
-    ):
-        if not isinstance(run_id, str) or not run_id:
-            raise ValueError(f"run_id must be a non-empty string, got run_id={run_id!r}")
-        if not _is_int(block_size) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got block_size={block_size!r}")
-        if not _is_int(total_steps) or total_steps < 0:
-            raise ValueError(
-                f"total_steps must be an integer >= 0, got total_steps={total_steps!r}"
-            )
-        if not isinstance(meta, dict):
-            raise ValueError(f"meta must be a dict, got {type(meta).__name__}")
-        _encode({"meta": meta})  # not JSON-able -> fail now, before any training step
-        self.path = Path(path)
-        self.run_id = run_id
-        self.attempt = str(attempt)
-        self.meta = copy.deepcopy(meta)
-        self.block_size = block_size
-        self.total_steps = total_steps
-        self._blocks: list[tuple[dp_accounting.DpEvent, int, int]] = []
-        self._reserved_until = 0
-        # Create the file (and directories) durably and terminate a torn tail left by
-        # a crashed predecessor, so our first line starts on a fresh line.
-        _durable_append(self.path, None)
-
-    @property
-    def reserved_until(self) -> int:
-        """End (exclusive) of the last block this writer reserved; 0 before any."""
-        return self._reserved_until
-
-    def ensure(self, step: int, event: dp_accounting.DpEvent) -> bool:
-        """Make sure global step `step` is durably recorded as `event`; True if a line
-        was written (a new block `[step, step + min(block_size, total_steps - step))`)."""
-        if not _is_int(step) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got step={step!r}")
-        if step >= self.total_steps:
-            # Refuse rather than silently spend budget the plan never accounted for.
-            raise LedgerError(
-                f"step {step} is beyond the planned total_steps={self.total_steps}: "
-                "the privacy budget covers only the planned steps"
-            )
-        for ev, start, end in self._blocks:
-            if start <= step < end and ev == event:
-                return False
-        count = min(self.block_size, self.total_steps - step)
-        self.append(event, count, first_step=step)
-        self._blocks.append((event, step, step + count))
-        self._reserved_until = step + count
-        return True
-
-    def append(
-        self,
-        event: dp_accounting.DpEvent | None,
-        count: int,
-        *,
-        first_step: int | None = None,
-        kind: str = _RELEASE_KIND,
-        extra: dict | None = None,
-    ) -> dict:
-        """Durably append one record of this run/attempt; returns the record written.
-
-        `extra` (e.g. what a private tokenizer released) is stored under "extra".
-        """
-        if kind == _RELEASE_KIND:
-            if not isinstance(event, dp_accounting.DpEvent):
-                raise ValueError(
-                    f"a release needs a dp_accounting.DpEvent, got {type(event).__name__}"
-                )
-            if not _is_int(count) or count < 1:
-                raise ValueError(f"count must be an integer >= 1, got count={count!r}")
-        if kind == _REPAIR_KIND:
-            raise ValueError(f"kind={kind!r} is reserved for torn-tail repairs")
-        record = {
-            "kind": kind,
-            "event": None if event is None else event_to_json(event),
-            "count": count,
-            "first_step": first_step,
-            "run_id": self.run_id,
-            "attempt": self.attempt,
-            "time": _now(),
-            "meta": self.meta,
-        }
-        if extra is not None:
-            record["extra"] = extra
-        append_record(self.path, record)
-        return record

@@ -34,10 +34,11 @@ import time
 
 from llmdp.privacy import accountant as _acc
 from llmdp.privacy.events import event_from_json
-from llmdp.privacy.ledger import Ledger, LedgerWriter, release_entries
+from llmdp.privacy.ledger import LedgerError, release_entries
 
-__all__ = ["BudgetError", "LedgerService", "steps_within_budget", "budget_status", "ledger_epsilon",
-           "unit_key", "split_by_unit", "release_entries_of", "unit_epsilon", "NOT_COMPOSED"]
+__all__ = ["BudgetError", "LedgerService", "steps_within_budget", "budget_status", "unit_key",
+           "split_by_unit", "release_entries_of", "unit_epsilon", "NOT_COMPOSED", "open_dataset",
+           "live_holds", "holder_alive"]
 
 # How a release for another privacy unit is listed next to a unit's "ε spent".
 NOT_COMPOSED = "not composed: different privacy unit"
@@ -118,15 +119,6 @@ def not_composed(records, unit) -> list[dict]:
     return list(out.values())
 
 
-def _records(path: str) -> list[dict]:
-    return Ledger(path).records() if os.path.exists(path) else []
-
-
-def ledger_epsilon(path: str, delta: float, accountant: str, unit) -> float:
-    """ε at δ of the releases for ``unit``'s definition in the ledger at ``path`` (`unit_epsilon`)."""
-    return unit_epsilon(_records(path), unit, delta, accountant)
-
-
 def steps_within_budget(entries, event, budget: float, delta: float, accountant: str,
                         upper: int, delta_threshold: float = 0.0) -> int:
     """The largest k in [0, upper] with ε(entries + k × event) <= budget (dp-accounting;
@@ -135,10 +127,10 @@ def steps_within_budget(entries, event, budget: float, delta: float, accountant:
         return _acc.epsilon_with_threshold(
             list(entries) + ([(event, k)] if k else []), delta, delta_threshold, accountant) <= budget
 
+    if upper <= 0 or fits(upper):  # one composition in the common case
+        return max(0, upper)
     if not fits(0):
         return 0
-    if fits(upper):
-        return upper
     lo, hi = 0, upper  # fits(lo), not fits(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -149,123 +141,410 @@ def steps_within_budget(entries, event, budget: float, delta: float, accountant:
     return lo
 
 
-def budget_status(path: str, budget: float | None, delta: float, accountant: str, unit) -> dict:
-    """ε spent so far for ``unit``'s definition in the dataset ledger at ``path``, what
-    remains of ``budget`` (a budget for that unit), and the releases for other units,
-    listed as not composed."""
-    records = _records(path)
+
+
+# ---------------------------------------------------------------------------- holds
+# A run with a budget *holds* the ε of its remaining planned steps from its start: a "hold"
+# record (steps, event, unit, and the run's lock file), ended by "hold_end". Admitting a
+# hold or a release checks  ε(releases + the unused part of every live hold + the new
+# request) <= budget  in one transaction, so a second run cannot start on budget that the
+# first will spend, and no set of concurrent runs ever crosses the budget. A hold whose run
+# died (its lock file is free) is ended by the next transaction that meets it.
+
+
+def live_holds(records) -> dict[str, dict]:
+    """run_id -> {"hold": record, "used": releases of that run since the hold} for the
+    holds not ended."""
+    holds: dict[str, dict] = {}
+    for r in records:
+        rid = r.get("run_id")
+        if r.get("kind") == "hold":
+            holds[rid] = {"hold": r, "used": 0}
+        elif r.get("kind") == "hold_end":
+            holds.pop(rid, None)
+        elif r.get("kind") == "release" and rid in holds:
+            holds[rid]["used"] += int(r.get("count") or 0)
+    return holds
+
+
+def hold_entries(holds: dict[str, dict], unit, exclude: str | None = None) -> list:
+    """``(event, unused steps)`` of the live holds for ``unit``'s definition (except
+    ``exclude``'s run)."""
+    key = unit_key(unit)
+    out = []
+    for rid, h in holds.items():
+        rec = h["hold"]
+        if rid == exclude or unit_key(rec.get("meta")) != key:
+            continue
+        unused = int(rec["steps"]) - h["used"]
+        if unused > 0:
+            out.append((event_from_json(rec["event"]), unused))
+    return out
+
+
+def holder_alive(lock: dict | None) -> bool:
+    """Whether the run that wrote a hold still runs: its lock file is locked (by it). Not
+    decidable (the file is on another machine's disk): alive."""
+    import fcntl
+    import socket
+
+    if not lock or not lock.get("path"):
+        return True
+    path = lock["path"]
+    if not os.path.exists(path):
+        if lock.get("host") == socket.gethostname() and lock.get("pid"):
+            return _pid_alive(int(lock["pid"]))
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # also releases a lock we just took
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def budget_status(records, budget: float | None, delta: float, accountant: str, unit,
+                  location: str | None = None, dataset_id: str | None = None) -> dict:
+    """ε spent so far for ``unit``'s definition among a dataset ledger's ``records``, what
+    remains of ``budget`` (a budget for that unit), what live runs hold of it, and the
+    releases for other units, listed as not composed."""
     spent = unit_epsilon(records, unit, delta, accountant)
     same, _ = split_by_unit(records, unit)
-    return {"ledger": path, "unit": unit_key(unit), "epsilon_spent": spent, "budget_epsilon": budget,
+    holds = live_holds(records)
+    held = hold_entries(holds, unit)
+    return {"ledger": location, "dataset_id": dataset_id, "unit": unit_key(unit),
+            "epsilon_spent": spent, "budget_epsilon": budget,
             "epsilon_remaining": None if budget is None else max(0.0, budget - spent),
+            "over_budget": budget is not None and spent > budget,
             "delta": delta, "accountant": accountant,
             "releases_composed": len(same), "not_composed": not_composed(records, unit),
+            "live_holds": [{"run_id": rid, "steps_unused": int(h["hold"]["steps"]) - h["used"]}
+                           for rid, h in holds.items()
+                           if unit_key(h["hold"].get("meta")) == unit_key(unit)],
+            "held_steps": sum(c for _, c in held),
             "composition": "releases for this privacy unit only: an ε for one unit definition "
                            "is no guarantee for another (no group-privacy conversion is made)"}
 
 
-class LedgerService:
-    """Single writer of one run's releases to the dataset ledger and the run ledger.
+def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, log=print,
+                 legacy_jsonl: list[str] = ()) -> dict:
+    """Make sure ``dataset_id``'s ledger exists and knows this content hash: a new ledger
+    starts with a "dataset" record; a new hash of known data is a "data_version" record
+    (the same budget: a modified copy of the data is the same individuals unless the user
+    declares a new ``data.dataset_id``). Warns when a new ledger's data looks like another
+    ledger's (the same content hash, or the same source name with another hash). Legacy
+    JSONL ledgers are imported once. Returns {"new": bool, "versions": n, "similar": [...]}."""
+    similar = []
+    with db.transaction(dataset_id, full=True) as tx:
+        recs = tx.records
+        known = [r for r in recs if r["kind"] in ("dataset", "data_version")]
+        out = {"new": not known, "versions": len(known), "similar": []}
+        if not known:
+            similar = _similar_ledgers(db, dataset_id, sha256, name)
+            tx.append({"kind": "dataset", "dataset_id": dataset_id, "sha256": sha256,
+                       "source": source, "name": name, "similar_to": [s["ledger"] for s in similar]})
+        elif sha256 not in {r.get("sha256") for r in known}:
+            tx.append({"kind": "data_version", "sha256": sha256, "source": source, "name": name})
+            log(f"note: the data of dataset {dataset_id!r} changed since its ledger was started "
+                f"({len(known)} earlier version(s)); it is charged to the same budget. If it holds "
+                f"different individuals, declare a new data.dataset_id")
+            out["versions"] += 1
+    for s in similar:
+        log(f"warning: starting a new ledger for dataset {dataset_id!r}, but the ledger "
+            f"{s['ledger']!r} holds data that looks like it ({s['why']}). If they are the same "
+            f"individuals, set data.dataset_id: {s['ledger']} so that one budget covers both")
+    out["similar"] = similar
+    for path in legacy_jsonl:
+        if path and os.path.exists(path):
+            n = db.import_jsonl(dataset_id, path, log=log)
+            if n:
+                log(f"imported {n} release record(s) from the JSONL ledger {path} (written by an "
+                    f"earlier llmdp) into the dataset ledger {dataset_id!r}, once")
+    return out
 
+
+def _similar_ledgers(db, dataset_id: str, sha256: str, name: str) -> list[dict]:
+    """Other ledgers whose dataset records have this content hash or this source name
+    (read without verification: a hint only)."""
+    import json as _json
+
+    out = []
+    conn = db._connect()
+    cur = conn.cursor()
+    db._exec(cur, "SELECT ledger, body FROM llmdp_records WHERE ledger <> ? AND "
+                  "(body LIKE ? OR body LIKE ?)", (dataset_id, '%"kind":"dataset"%',
+                                                    '%"kind":"data_version"%'))
+    seen: dict[str, str] = {}
+    for ledger, body in cur.fetchall():
+        try:
+            rec = _json.loads(body)
+        except ValueError:
+            continue
+        if rec.get("sha256") == sha256:
+            seen[ledger] = "the same content hash"
+        elif name and rec.get("name") == name and ledger not in seen:
+            seen[ledger] = f"the same source name {name!r}, other content"
+    for ledger, why in seen.items():
+        out.append({"ledger": ledger, "why": why})
+    return out
+
+
+class LedgerService:
+    """The single writer of one run's releases: to the dataset ledger (the database, in one
+    transaction with the budget check) and to the run's ``ledger.jsonl`` (inside the same
+    transaction, before it commits).
+
+    ``hold(steps)``: (budget) hold the run's remaining steps, or raise `BudgetError`.
     ``admit(step)`` -> ``(ok, message)``: whether global step ``step`` may run (False once
-    the budget would be crossed). ``ensure(step)``: the step's event is durable in both
-    ledgers (a new block is reserved when needed). ``start_attempt()`` after every
-    (re)start of the worker group: new writers, so re-executed steps are counted again.
+    the budget, or the target after failures, would be crossed). ``ensure(step)``: the
+    step's event is durable in both ledgers (a new block is reserved when needed).
+    ``start_attempt()`` after every (re)start of the worker group: re-executed steps are
+    counted again. ``end()``: the run's hold ends.
     """
 
-    def __init__(self, *, dataset_ledger: str, run_ledger: str, run_id: str, meta: dict,
+    def __init__(self, *, location: str, dataset_id: str, run_ledger: str, run_id: str, meta: dict,
                  block_size: int, total_steps: int, event_json: dict, delta: float,
                  accountant: str, budget_epsilon: float | None = None,
-                 allowance: int | None = None):
-        self.dataset_ledger = os.path.abspath(dataset_ledger)
+                 target_epsilon: float | None = None, prior_releases=(),
+                 allow_exceed_target: bool = False, lock: dict | None = None):
+        from llmdp.privacy.ledgerdb import LedgerDB
+
+        self.location, self.dataset_id = location, dataset_id
         self.run_ledger = os.path.abspath(run_ledger)
         self.run_id, self.meta = run_id, dict(meta)
         self.block_size, self.total_steps = int(block_size), int(total_steps)
+        self.event_json = event_json
         self.event = event_from_json(event_json)
         self.delta, self.accountant, self.budget = float(delta), accountant, budget_epsilon
-        self._writers: tuple[LedgerWriter, LedgerWriter] | None = None
-        # Steps (ledger counts) the budget still allows; the driver passes the number its
-        # start-up check just computed, so the search runs once per launch.
-        self._allowance: int | None = allowance if budget_epsilon is not None else None
+        self.target = target_epsilon
+        self.prior = list(prior_releases)
+        self.allow_exceed_target = bool(allow_exceed_target)
+        self.lock = lock
         if budget_epsilon is not None and unit_key(self.meta) == _UNKNOWN_UNIT:
             raise ValueError(
                 f"privacy.budget_epsilon={budget_epsilon:g} needs the run's privacy unit in the ledger "
                 f"meta (meta['unit'] with its 'kind'), got meta={self.meta!r}: a budget is per unit "
                 f"definition")
+        self.db = LedgerDB(location)
         self._reserved: list[tuple[int, int]] = []  # this attempt's blocks [start, end)
+        self._stopped: str | None = None
+        self.attempt: str | None = None
         self.attempts = 0
 
-    # ------------------------------------------------------------------ budget
-    def allowance(self) -> int | None:
-        """Ledger counts of this run's event that still fit in the budget (None: no budget)."""
-        if self.budget is None:
-            return None
-        if self._allowance is None:
-            same, _ = split_by_unit(_records(self.dataset_ledger), self.meta)
-            self._allowance = steps_within_budget(
-                release_entries_of(same), self.event, self.budget, self.delta,
-                self.accountant, self.total_steps, _acc.threshold_delta(same))
-        return self._allowance
+    # ------------------------------------------------------------------ reading
+    def records(self) -> list[dict]:
+        return self.db.records(self.dataset_id)
 
-    def status(self) -> dict:
-        return budget_status(self.dataset_ledger, self.budget, self.delta, self.accountant, self.meta)
+    def status(self, records=None) -> dict:
+        from llmdp.privacy.ledgerdb import describe_location
+
+        return budget_status(self.records() if records is None else records, self.budget,
+                             self.delta, self.accountant, self.meta,
+                             describe_location(self.location), self.dataset_id)
+
+    def _mine(self, records) -> list[dict]:
+        return [r for r in records if r.get("run_id") == self.run_id]
+
+    # ------------------------------------------------------------------ budget
+    def _budget_allows(self, tx, want: int, hold: bool = False) -> int:
+        """Steps of ``want`` that fit in the budget now (inside the transaction)."""
+        if self.budget is None or want <= 0:
+            return want
+        recs = tx.records
+        holds = live_holds(recs)
+        mine = holds.get(self.run_id)
+        if not hold and mine is not None and mine["used"] + want <= int(mine["hold"]["steps"]):
+            return want  # inside this run's hold: admitted with it
+        # End the holds of runs that died (their lock file is free), in this transaction.
+        for rid, h in list(holds.items()):
+            if rid != self.run_id and not holder_alive(h["hold"].get("lock")):
+                tx.append({"kind": "hold_end", "run_id": rid,
+                           "reason": "the run holding it is gone (its lock file is free)",
+                           "ended_by": self.run_id})
+                holds.pop(rid)
+        same, _ = split_by_unit(recs, self.meta)
+        base = release_entries_of(same) + hold_entries(holds, self.meta, exclude=self.run_id)
+        if mine is not None and not hold:
+            # The part of the request inside the hold is admitted; the rest must fit anew.
+            inside = max(0, int(mine["hold"]["steps"]) - mine["used"])
+            base += [(self.event, inside)] if inside else []
+            return inside + steps_within_budget(base, self.event, self.budget, self.delta,
+                                                self.accountant, want - inside,
+                                                _acc.threshold_delta(same))
+        return steps_within_budget(base, self.event, self.budget, self.delta, self.accountant,
+                                   want, _acc.threshold_delta(same))
+
+    def _target_allows(self, records, want: int) -> int:
+        """Steps of ``want`` that keep this run's ε within privacy.target_epsilon (unless
+        failures may exceed it: privacy.allow_exceed_target_on_failure)."""
+        if self.target is None or self.allow_exceed_target or want <= 0:
+            return want
+        mine = [r for r in self._mine(records) if r.get("kind") == "release"]
+        done = sum(int(r["count"]) for r in mine)
+        if done + want <= self.total_steps:
+            return want  # within the plan: ε <= the planned ε <= the target
+        from llmdp.privacy.plan import release_entries as prior_entries
+
+        p_entries, p_thr = prior_entries(self.prior)
+        base = p_entries + release_entries_of(mine)
+        return steps_within_budget(base, self.event, self.target, self.delta, self.accountant,
+                                   want, p_thr)
+
+    def hold(self, steps: int, need: int | None = None) -> dict:
+        """Hold ``steps`` (this run's remaining planned steps) of the budget, or as many as
+        fit if at least ``need`` do (default: all); returns the status with ``"held"`` (0:
+        nothing held, ``"fit"`` says how many would have fit). Without a budget: nothing."""
+        if self.budget is None:
+            return {**self.status(), "held": 0, "fit": steps}
+        need = int(steps) if need is None else int(need)
+        with self.db.transaction(self.dataset_id, full=True) as tx:
+            fit = self._budget_allows(tx, int(steps), hold=True)
+            held = fit if fit >= max(1, need) else 0
+            if held:
+                rec = tx.append({"kind": "hold", "run_id": self.run_id, "steps": int(held),
+                                 "event": self.event_json, "meta": self.meta, "lock": self.lock,
+                                 "budget_epsilon": self.budget})
+                self._append_run_line(rec)
+            records = list(tx.records)
+        return {**self.status(records), "held": held, "fit": fit}
+
+    def end(self, reason: str = "run ended") -> None:
+        """End this run's hold (if any): what it did not use goes back to the budget."""
+        if self.budget is None:
+            return
+        with self.db.transaction(self.dataset_id) as tx:
+            if self.run_id in live_holds(tx.records):
+                rec = tx.append({"kind": "hold_end", "run_id": self.run_id, "reason": reason})
+                self._append_run_line(rec)
 
     # ------------------------------------------------------------------ writing
+    def _append_run_line(self, rec: dict) -> None:
+        from llmdp.privacy.ledger import append_line
+
+        # Inside the database transaction, before it commits: a crash in between leaves a
+        # line the database lacks (detected), never a release the run's file lacks.
+        append_line(self.run_ledger, rec)
+
     def position(self) -> dict:
-        """Where the ledgers stand (stored in every checkpoint): steps recorded for this run,
-        the end of this attempt's last reserved block, and the dataset ledger's total."""
+        """Where the ledgers stand (stored in every checkpoint): this attempt, the end of its
+        last reserved block, and this run's records (count, last hash) in ledger.jsonl."""
+        from llmdp.privacy.ledger import Ledger
+
+        recs = Ledger(self.run_ledger).records() if os.path.exists(self.run_ledger) else []
         return {
-            "attempt": self._writers[0].attempt if self._writers else None,
+            "attempt": self.attempt,
             "reserved_until": max((b for _, b in self._reserved), default=0),
-            "run_steps_recorded": Ledger(self.run_ledger).total_count() if os.path.exists(self.run_ledger) else 0,
-            "dataset_steps_recorded": (Ledger(self.dataset_ledger).total_count()
-                                       if os.path.exists(self.dataset_ledger) else 0),
+            "run_steps_recorded": sum(int(r["count"]) for r in recs if r.get("kind") == "release"),
+            "run_records": len(recs),
+            "run_last_hash": recs[-1].get("hash") if recs else None,
+            "dataset_id": self.dataset_id,
         }
 
     def start_attempt(self) -> str:
-        attempt = f"{int(time.time())}-{os.getpid()}-{self.attempts}"
+        self.attempt = f"{int(time.time())}-{os.getpid()}-{self.attempts}"
         self.attempts += 1
-        self._writers = tuple(
-            LedgerWriter(path, run_id=self.run_id, attempt=attempt, meta=self.meta,
-                         block_size=self.block_size, total_steps=self.total_steps)
-            for path in (self.dataset_ledger, self.run_ledger))
         self._reserved = []
-        return attempt
+        self._stopped = None
+        return self.attempt
 
-    def _block(self, step: int) -> int:
-        """Length of the block a new reservation at ``step`` would take (0: none fits)."""
-        count = min(self.block_size, self.total_steps - step)
-        allowed = self.allowance()
-        return count if allowed is None else min(count, allowed)
+    def _stop_message(self, step: int, why: str, records) -> str:
+        if why == "budget":
+            st = self.status(records)
+            holders = [h["run_id"] for h in st["live_holds"] if h["run_id"] != self.run_id]
+            return (
+                f"privacy.budget_epsilon={self.budget:g} reached on the dataset ledger "
+                f"{self.dataset_id!r} ({st['ledger']}): ε spent = {st['epsilon_spent']:.4f} at "
+                f"δ = {self.delta:.3g} for the privacy unit {st['unit']!r}"
+                + (f", and run(s) {', '.join(holders)} hold the rest" if holders else "")
+                + f"; one more step of this run would cross it. The run stopped before step "
+                f"{step + 1} of {self.total_steps} and saved its state; raise "
+                f"privacy.budget_epsilon or train on data with budget left")
+        done = sum(int(r["count"]) for r in self._mine(records) if r.get("kind") == "release")
+        return (
+            f"privacy.target_epsilon={self.target:g} reached: failures made this run re-execute "
+            f"steps ({done} steps in its ledger for {step} completed), and one more step would "
+            f"take ε past the target. The run stopped before step {step + 1} of "
+            f"{self.total_steps}; its report states ε. To finish anyway (ε above the target, "
+            f"stated first in the report), set privacy.allow_exceed_target_on_failure: true")
 
     def admit(self, step: int) -> tuple[bool, str]:
         if any(a <= step < b for a, b in self._reserved):
             return True, ""
-        if self._block(step) >= 1:
+        if self.budget is None and (self.target is None or self.allow_exceed_target):
             return True, ""
-        st = self.status()
-        return False, (
-            f"privacy.budget_epsilon={self.budget:g} reached on the dataset ledger {self.dataset_ledger}: "
-            f"ε spent = {st['epsilon_spent']:.4f} at δ = {self.delta:.3g} for the privacy unit "
-            f"{st['unit']!r}; one more step of this run "
-            f"would cross it. The run stopped before step {step + 1} of {self.total_steps} and saved "
-            f"its state; raise privacy.budget_epsilon or train on data with budget left"
-        )
+        ok = self.ensure(step, stop_ok=True)
+        return (True, "") if ok or any(a <= step < b for a, b in self._reserved) else (False, self._stopped)
 
-    def ensure(self, step: int) -> bool:
-        """Write-ahead: ``step`` durable in both ledgers before its update is applied."""
-        if self._writers is None:
+    def ensure(self, step: int, stop_ok: bool = False) -> bool:
+        """Write-ahead: ``step`` durable in both ledgers before its update is applied. True
+        if a block was reserved now."""
+        if self.attempt is None:
             self.start_attempt()
         if any(a <= step < b for a, b in self._reserved):
             return False
-        count = self._block(step)
+        if step >= self.total_steps:
+            raise LedgerError(f"step {step} is beyond the planned total_steps={self.total_steps}: "
+                              "the privacy budget covers only the planned steps")
+        want = min(self.block_size, self.total_steps - step)
+        with self.db.transaction(self.dataset_id) as tx:
+            by_target = self._target_allows(tx.records, want)
+            count = self._budget_allows(tx, by_target)
+            if count >= 1:
+                rec = tx.append({"kind": "release", "event": self.event_json, "count": int(count),
+                                 "first_step": step, "run_id": self.run_id,
+                                 "attempt": self.attempt, "meta": self.meta})
+                self._append_run_line(rec)
+            records = tx.records
         if count < 1:
-            raise RuntimeError(f"step {step} was not admitted: the privacy budget is spent")
-        for w in self._writers:
-            # One reservation of `count` steps in each ledger: dataset ledger first, so a
-            # crash in between over-counts the budget rather than under-counts it.
-            w.append(self.event, count, first_step=step)
+            self._stopped = self._stop_message(step, "budget" if by_target >= 1 else "target", records)
+            if stop_ok:
+                return False
+            raise BudgetError(self._stopped)
         self._reserved.append((step, step + count))
-        if self._allowance is not None:
-            self._allowance -= count
         return True
+
+
+def cross_check(run_records: list[dict], dataset_records: list[dict], run_id: str,
+                run_ledger: str = "ledger.jsonl", dataset: str = "the dataset ledger") -> list[str]:
+    """Problems between a run's ``ledger.jsonl`` records and the dataset ledger's (both
+    verified): every line of the run's file must be the dataset ledger's record of the same
+    seq and hash, and every record of the run in the dataset ledger must be in the file (a
+    deleted last line leaves a valid run chain; the dataset ledger still has it)."""
+    from llmdp.privacy.ledger import RUN_REPAIR_HINT
+
+    if not run_records or "hash" not in run_records[0]:
+        return []  # a legacy run ledger: nothing to compare by hash
+    by_hash = {r["hash"]: r for r in dataset_records}
+    problems = []
+    hint = RUN_REPAIR_HINT.format(run_dir=os.path.dirname(run_ledger) or ".")
+    for i, r in enumerate(run_records, 1):
+        if r["hash"] not in by_hash:
+            problems.append(
+                f"{run_ledger}: line {i} (record {r.get('seq')}) is not in {dataset}: written by "
+                f"a reservation whose transaction did not commit (a crash), or not by llmdp. {hint}")
+    have = {r["hash"] for r in run_records}
+    missing = [r for r in dataset_records if r.get("run_id") == run_id and r["hash"] not in have]
+    if missing:
+        steps = sum(int(r.get("count") or 0) for r in missing if r.get("kind") == "release")
+        problems.append(
+            f"{run_ledger} lacks {len(missing)} of this run's record(s) that {dataset} holds "
+            f"(records {', '.join(str(r['seq']) for r in missing[:5])}; {steps} step(s)): lines "
+            f"were deleted, or a crash came between the database and the file. {hint}")
+    return problems

@@ -10,7 +10,7 @@ The job, top to bottom (`train_tokenizer`):
    ``privacy.delta``) for K = ``privacy.max_words_per_unit`` words per unit
    (`llmdp.tokenizer.private.calibrate_tokenizer_noise`), and check the dataset's budget;
 3. **write-ahead**: append the release to the dataset's ledger (the one training runs on
-   this data use: ``<cache>/ledgers/<source sha>.jsonl`` unless ``privacy.ledger``) before
+   this data use: ``data.dataset_id`` in the ledgers' database, `llmdp.privacy.ledgerdb`) before
    any noisy count exists: a Gaussian event of multiplier sigma/sqrt(K) with the
    threshold's delta in the record's ``extra``;
 4. DP word counts (fresh OS entropy), then SentencePiece on the released counts only
@@ -206,22 +206,13 @@ def _check_out_dir(cfg: TokenizerRecipeConfig) -> dict | None:
     )
 
 
-def _dataset_ledger(cfg: TokenizerRecipeConfig, sha: str) -> str:
-    if cfg.privacy.ledger is not None:
-        return cfg.privacy.ledger
-    from llmdp.trainer import cache_root
-
-    return os.path.join(cache_root(), "ledgers", f"{sha[:16]}.jsonl")
-
-
 def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
     """Run a tokenizer recipe end to end; returns the folder's ``llmdp_tokenizer.json``."""
     from llmdp.privacy import accountant as acc
     from llmdp.privacy.events import event_to_json
-    from llmdp.privacy.ledger import LedgerWriter
     from llmdp.privacy.plan import default_delta
     from llmdp.privacy.sampling import secure_key, seeded_key
-    from llmdp.privacy.service import BudgetError, budget_status
+    from llmdp.privacy.service import BudgetError
     from llmdp.tokenizer import private as tp
 
     done = _check_out_dir(cfg)
@@ -264,33 +255,43 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
         event = tp.tokenizer_event(sigma, k)
         extra = tp.ledger_extra(sigma, tau, k)
         eps = acc.epsilon_with_threshold([(event, 1)], delta, extra["delta_threshold"], p.accountant)
-        ledger = _dataset_ledger(cfg, data["sha256"])
-        if p.budget_epsilon is not None:
-            from llmdp.privacy.ledger import Ledger
-            from llmdp.privacy.service import release_entries_of, split_by_unit
+        from llmdp.privacy.ledgerdb import LedgerDB
+        from llmdp.privacy.service import live_holds, release_entries_of, split_by_unit
+        from llmdp.trainer import open_dataset_ledger
 
-            # The budget is per privacy unit: releases for other units are not composed.
-            unit = {"kind": data["unit"], "user_field": data["user_field"]}
-            same, _ = split_by_unit(Ledger(ledger).records(), unit)  # a missing ledger is empty
-            entries = release_entries_of(same)
-            d_thr = acc.threshold_delta(same + [{"extra": extra}])
-            after = acc.epsilon_with_threshold(entries + [(event, 1)], delta, d_thr, p.accountant)
-            st = budget_status(ledger, p.budget_epsilon, delta, p.accountant, unit)
-            if after > p.budget_epsilon:
-                raise BudgetError(
-                    f"privacy.budget_epsilon={p.budget_epsilon:g}: the dataset ledger {ledger} has "
-                    f"spent ε = {st['epsilon_spent']:.4f} at δ = {delta:.3g}; with this tokenizer "
-                    f"(ε_tok = {eps:.4f}) it would be {after:.4f}. Lower privacy.target_epsilon or "
-                    f"raise the budget"
-                )
+        ledger = open_dataset_ledger(cfg.data, p.ledger, data["sha256"], log=log)
+        unit = {"kind": data["unit"], "user_field": data["user_field"]}
         release_id = uuid.uuid4().hex[:12]
-        meta = {"mechanism": "private-tokenizer", "unit": {"kind": data["unit"],
-                "user_field": data["user_field"]}, "dataset_fingerprint": data["sha256"],
+        meta = {"mechanism": "private-tokenizer", "unit": unit, "dataset_fingerprint": data["sha256"],
                 "dataset_size": n, "rng": p.rng, "tokenizer": cfg.out_dir}
-        # Write-ahead (DESIGN §3.5): the release is durable before any noisy count exists.
-        LedgerWriter(ledger, run_id=f"tokenizer-{release_id}", attempt="1", meta=meta,
-                     block_size=1, total_steps=1).append(event, 1, first_step=0, extra=extra)
-        log(f"release {release_id} recorded in the dataset ledger {ledger}: ε_tok = {eps:.4f} at "
+        db = LedgerDB(ledger["location"])
+        try:
+            # Check the budget and record the release in one transaction; write-ahead
+            # (DESIGN §3.5): the release is durable before any noisy count exists.
+            with db.transaction(ledger["dataset_id"], full=True) as tx:
+                if p.budget_epsilon is not None:
+                    from llmdp.privacy.service import hold_entries
+
+                    # The budget is per privacy unit: releases for other units are not composed.
+                    same, _ = split_by_unit(tx.records, unit)
+                    entries = release_entries_of(same) + hold_entries(live_holds(tx.records), unit)
+                    d_thr = acc.threshold_delta(same + [{"extra": extra}])
+                    spent = acc.epsilon_with_threshold(release_entries_of(same), delta,
+                                                       acc.threshold_delta(same), p.accountant)
+                    after = acc.epsilon_with_threshold(entries + [(event, 1)], delta, d_thr, p.accountant)
+                    if after > p.budget_epsilon:
+                        raise BudgetError(
+                            f"privacy.budget_epsilon={p.budget_epsilon:g}: the dataset ledger "
+                            f"{ledger['dataset_id']!r} ({ledger['shown']}) has spent ε = {spent:.4f} "
+                            f"at δ = {delta:.3g}; with what live runs hold and this tokenizer "
+                            f"(ε_tok = {eps:.4f}) it would be {after:.4f}. Lower "
+                            f"privacy.target_epsilon or raise the budget")
+                rec = tx.append({"kind": "release", "event": event_to_json(event), "count": 1,
+                                 "first_step": 0, "run_id": f"tokenizer-{release_id}",
+                                 "attempt": "1", "meta": meta, "extra": extra})
+        finally:
+            db.close()
+        log(f"release {release_id} recorded in the dataset ledger {ledger['dataset_id']!r}: ε_tok = {eps:.4f} at "
             f"δ = {delta:.3g} (K = {k} words per {data['unit']}, noise std {sigma:.3f}, "
             f"threshold {tau:.2f})")
         key = seeded_key(p.seed, 0, "tokenizer") if p.rng == "seeded" else secure_key()
@@ -303,7 +304,9 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
             "noise_std": sigma, "threshold": tau, "delta_threshold": extra["delta_threshold"],
             "noise_multiplier_gaussian": details["noise_multiplier_gaussian"],
             "event": event_to_json(event), "extra": extra, "release_id": release_id,
-            "run_id": f"tokenizer-{release_id}", "ledger": os.path.abspath(ledger),
+            "run_id": f"tokenizer-{release_id}",
+            "ledger": {"location": ledger["shown"], "dataset_id": ledger["dataset_id"],
+                       "seq": rec["seq"], "hash": rec["hash"]},
             "rng": p.rng, "seed": p.seed,
             "adjacency": f"add-or-remove one {data['unit']}"
                          + (f" (records sharing {data['user_field']!r})" if data["unit"] == "user" else ""),
@@ -467,18 +470,23 @@ def tokenizer_for_run(model_cfg, data_cfg, *, data_sha256: str, delta: float | N
     return out
 
 
-def ensure_release_recorded(release: dict, dataset_ledger: str, meta: dict) -> bool:
-    """Make sure the tokenizer's release is in ``dataset_ledger`` (the run's dataset ledger
-    may not be the file the tokenizer wrote to: another cache, ``privacy.ledger``): append a
-    copy when no record of its run id is there. True if a record was appended."""
-    from llmdp.privacy.events import event_from_json
-    from llmdp.privacy.ledger import Ledger, LedgerWriter
+def ensure_release_recorded(release: dict, ledger: dict, meta: dict) -> bool:
+    """Make sure the tokenizer's release is in the run's dataset ledger (``ledger``: from
+    `llmdp.trainer.open_dataset_ledger`; it may not be the ledger the tokenizer wrote to:
+    another dataset id, another database): append a copy when no record of its run id is
+    there. True if a record was appended."""
+    from llmdp.privacy.ledgerdb import LedgerDB
 
-    if os.path.exists(dataset_ledger) and any(
-            r.get("run_id") == release["run_id"] for r in Ledger(dataset_ledger).records()):
-        return False
-    LedgerWriter(dataset_ledger, run_id=release["run_id"], attempt="imported",
-                 meta={**meta, "mechanism": "private-tokenizer", "imported_from": release["ledger"]},
-                 block_size=1, total_steps=1).append(
-        event_from_json(release["event"]), 1, first_step=0, extra=release["extra"])
-    return True
+    db = LedgerDB(ledger["location"])
+    try:
+        with db.transaction(ledger["dataset_id"]) as tx:
+            if any(r.get("run_id") == release["run_id"] for r in tx.records):
+                return False
+            tx.append({"kind": "release", "event": release["event"], "count": 1, "first_step": 0,
+                       "run_id": release["run_id"], "attempt": "imported",
+                       "meta": {**meta, "mechanism": "private-tokenizer",
+                                "imported_from": release.get("ledger")},
+                       "extra": release["extra"]})
+        return True
+    finally:
+        db.close()

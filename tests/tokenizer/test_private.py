@@ -13,7 +13,8 @@ from dp_accounting.pld import PLDAccountant
 from llmdp.privacy.accountant import epsilon, epsilon_with_threshold
 from llmdp.privacy.accountant import threshold_delta as combined_threshold_delta
 from llmdp.privacy.events import dpsgd_step_event
-from llmdp.privacy.ledger import Ledger, LedgerWriter
+from llmdp.privacy.events import event_to_json
+from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.sampling import seeded_key
 from llmdp.tokenizer.private import (
     SPECIAL_TOKENS,
@@ -190,16 +191,18 @@ def test_calibration_matches_dp_accounting(calibrated):
 def test_tokenizer_plus_dpsgd_composes_in_one_ledger(tmp_path, calibrated):
     eps, sigma, tau, d = calibrated
     q, noise, steps = 0.01, 1.1, 300
-    writer = LedgerWriter(tmp_path / "ledger.jsonl", run_id="r", attempt="0", meta={},
-                          block_size=10, total_steps=steps)
-    writer.append(tokenizer_event(sigma, K), 1, extra=ledger_extra(sigma, tau, K))
-    writer.append(dpsgd_step_event(q, noise), steps)
-    ledger = Ledger(tmp_path / "ledger.jsonl")
-    entries = ledger.entries()
+    db = LedgerDB(str(tmp_path / "ledger.sqlite"))
+    db.append("d", {"kind": "release", "event": event_to_json(tokenizer_event(sigma, K)), "count": 1,
+                    "run_id": "tok", "extra": ledger_extra(sigma, tau, K)})
+    db.append("d", {"kind": "release", "event": event_to_json(dpsgd_step_event(q, noise)),
+                    "count": steps, "run_id": "r"})
+    from llmdp.privacy.service import release_entries_of
+
+    records = db.records("d")
+    entries = release_entries_of(records)
     assert entries == [(dp_accounting.GaussianDpEvent(sigma / math.sqrt(K)), 1),
                        (dpsgd_step_event(q, noise), steps)]
-    d_thr = combined_threshold_delta(ledger.records())
-    assert ledger.delta_threshold() == d_thr
+    d_thr = combined_threshold_delta(records)
     assert d_thr == pytest.approx(d["delta_threshold"], rel=1e-9)
 
     composed = dp_accounting.ComposedDpEvent([

@@ -1,0 +1,171 @@
+"""`llmdp privacy ledger list|verify|repair|import`: the dataset ledgers from the command line.
+
+Exit status: 0 when everything checked is intact (or was repaired), 2 with one message when a
+ledger is damaged or an argument is wrong (the CLI prints `LedgerError`/`ValueError`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from llmdp.privacy.ledger import LEDGER_FILENAME, Ledger, LedgerError, append_line
+
+
+def _db(location: str | None, read_only: bool):
+    from llmdp.privacy.ledgerdb import LedgerDB, resolve_location
+
+    loc = resolve_location(location)
+    return LedgerDB(loc, read_only=read_only)
+
+
+def _run_info(run_dir: str) -> tuple[dict, str]:
+    plan = os.path.join(run_dir, "plan.json")
+    if not os.path.exists(plan):
+        raise ValueError(f"{run_dir}: not a run directory (no plan.json)")
+    with open(plan, encoding="utf-8") as f:
+        info = json.load(f)
+    d = info.get("dataset_ledger")
+    if not isinstance(d, dict):
+        raise ValueError(f"{run_dir}: a run of an earlier llmdp (its dataset ledger is the JSONL "
+                         f"file {d}); import that file with `llmdp privacy ledger import`")
+    return info, d["location"]
+
+
+def _summary(ledger: str, st) -> str:
+    from llmdp.privacy.service import live_holds
+
+    recs = st.records
+    rel = [r for r in recs if r["kind"] == "release"]
+    runs = {r.get("run_id") for r in rel}
+    holds = live_holds(recs)
+    return (f"{ledger}: intact, {len(recs)} record(s), {len(rel)} release(s) "
+            f"({sum(int(r['count']) for r in rel)} step(s)) by {len(runs)} run(s)"
+            + (f", {st.excused} damaged record(s) excused by repairs" if st.excused else "")
+            + (f", live hold(s): {', '.join(holds)}" if holds else ""))
+
+
+def verify_run(run_dir: str, location: str | None = None) -> list[str]:
+    """Problems of a run's ledger.jsonl, checked on its own and against its dataset ledger
+    (raises `LedgerError` if the dataset ledger itself is damaged)."""
+    from llmdp.privacy.service import cross_check
+
+    info, loc = _run_info(run_dir)
+    path = os.path.join(run_dir, LEDGER_FILENAME)
+    try:
+        run_records = Ledger(path).records()
+    except LedgerError as e:
+        return [str(e)]
+    db = _db(location or loc, read_only=True)
+    try:
+        records = db.records(info["dataset_ledger"]["dataset_id"])
+    finally:
+        db.close()
+    return cross_check(run_records, records, info.get("run_id"), path,
+                       f"the dataset ledger {info['dataset_ledger']['dataset_id']!r}")
+
+
+def main(args) -> int:
+    cmd = args.ledger_command
+    if cmd == "list":
+        db = _db(args.ledger, read_only=True)
+        try:
+            ids = db.ledgers()
+            print(f"ledgers in {db.where}: {len(ids)}")
+            for i in ids:
+                try:
+                    print("  " + _summary(i, db.read(i)))
+                except LedgerError as e:
+                    print(f"  {i}: DAMAGED ({str(e).split(' is damaged: ')[-1].split('. Nothing')[0]})")
+        finally:
+            db.close()
+        return 0
+    if cmd == "verify":
+        if args.run_dir:
+            problems = verify_run(args.run_dir, args.ledger)
+            if problems:
+                raise LedgerError("; ".join(problems))
+            print(f"{os.path.join(args.run_dir, LEDGER_FILENAME)}: intact, and every record is in "
+                  f"its dataset ledger, which holds no other record of this run")
+            return 0
+        db = _db(args.ledger, read_only=True)
+        try:
+            ids = [args.dataset] if args.dataset else db.ledgers()
+            if args.dataset and args.dataset not in db.ledgers():
+                raise ValueError(f"--dataset {args.dataset!r}: no such ledger in {db.where} "
+                                 f"(`llmdp privacy ledger list` shows them)")
+            damaged = []
+            for i in ids:
+                try:
+                    print(_summary(i, db.read(i)))
+                except LedgerError as e:
+                    damaged.append(str(e))
+            if damaged:
+                raise LedgerError("\n".join(damaged))
+        finally:
+            db.close()
+        return 0
+    if cmd == "repair":
+        if args.run_dir:
+            return _repair_run(args.run_dir, args.ledger, args.reason)
+        if not args.dataset:
+            raise ValueError("llmdp privacy ledger repair: give a RUN_DIR (rewrite its "
+                             "ledger.jsonl) or --dataset ID (a damaged dataset ledger)")
+        db = _db(args.ledger, read_only=False)
+        try:
+            rec = db.repair(args.dataset, acknowledge_loss=args.acknowledge_loss, reason=args.reason)
+        finally:
+            db.close()
+        if rec is None:
+            print(f"{args.dataset}: intact; nothing to repair")
+            return 0
+        print(f"{args.dataset}: repaired by record {rec['seq']}: {rec['records_lost']} damaged "
+              f"record(s) excused and no longer counted (acknowledged loss, recorded)")
+        return 0
+    if cmd == "import":
+        db = _db(args.ledger, read_only=False)
+        try:
+            n = db.import_jsonl(args.dataset, args.file)
+        finally:
+            db.close()
+        print(f"imported {n} release record(s) from {args.file} into {args.dataset!r}"
+              if n else f"{args.file}: imported before; nothing to do")
+        return 0
+    raise ValueError(f"unknown ledger command {cmd!r}")
+
+
+def _repair_run(run_dir: str, location: str | None, reason: str) -> int:
+    """Rewrite a run's ledger.jsonl from its dataset ledger (which must be intact): the
+    damaged file is kept beside it, and the repair is recorded in the dataset ledger."""
+    problems = verify_run(run_dir, location)
+    if not problems:
+        print(f"{os.path.join(run_dir, LEDGER_FILENAME)}: intact; nothing to repair")
+        return 0
+    info, loc = _run_info(run_dir)
+    ds, run_id = info["dataset_ledger"]["dataset_id"], info["run_id"]
+    path = os.path.join(run_dir, LEDGER_FILENAME)
+    db = _db(location or loc, read_only=False)
+    try:
+        with db.transaction(ds, full=True) as tx:
+            tx.append({"kind": "repair", "run_id": run_id, "target": "run ledger",
+                       "excused": [], "problems": problems[:5], "reason": reason,
+                       "by": _who()})
+            mine = [r for r in tx.records if r.get("run_id") == run_id]
+            kept = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+            if os.path.exists(path):
+                os.replace(path, kept)
+            for r in mine:
+                append_line(path, r)
+    finally:
+        db.close()
+    print(f"{path}: rewritten from the dataset ledger {ds!r} ({len(mine)} record(s), the repair "
+          f"included); the damaged file is {kept}")
+    return 0
+
+
+def _who() -> str:
+    import getpass
+    import socket
+
+    return f"{getpass.getuser()}@{socket.gethostname()}"

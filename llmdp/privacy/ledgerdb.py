@@ -1,0 +1,675 @@
+"""The dataset ledgers' database: SQLite (WAL mode, the embedded default) or PostgreSQL.
+
+One database holds the ledgers of many datasets, one hash chain per dataset id
+(`llmdp.privacy.ledger`). Where it is (`resolve_location`):
+
+- ``privacy.ledger: postgresql://user@host/db`` -> PostgreSQL (driver ``psycopg``; the
+  password comes from ``PGPASSWORD`` or ``~/.pgpass``, never from the recipe);
+- ``privacy.ledger: /path/ledger.sqlite`` -> that SQLite file;
+- otherwise ``$LLMDP_HOME/ledger.sqlite`` (`llmdp_home`: default under the user's data
+  directory), the same file whatever the working directory.
+
+Writes happen in `LedgerDB.transaction`: an exclusive lock on the ledger (SQLite: ``BEGIN
+IMMEDIATE``; PostgreSQL: ``SELECT ... FOR UPDATE`` of the ledger's head row) during which
+the caller reads the verified records, decides (e.g. checks the budget) and appends. "Check
+the budget and reserve the next block" is therefore one transaction, whatever the number
+of concurrent runs.
+
+Tamper evidence: `verify_rows` checks every record's hash, every link of the chain and the
+head (the last record's seq and hash, kept in a table of its own, so a deleted last record
+is seen too). A damaged ledger raises `LedgerError`; `LedgerDB.repair` with
+``acknowledge_loss`` is the only way past it, and appends a ``repair`` record naming each
+damaged record (by a fingerprint of what was found), so that exactly that damage is excused
+from then on, and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import hashlib
+import json
+import os
+import socket
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
+
+from llmdp.privacy.ledger import (
+    GENESIS,
+    RECORD_VERSION,
+    Ledger,
+    LedgerError,
+    canonical,
+    check_record,
+    now,
+)
+
+__all__ = ["LedgerDB", "VerifiedLedger", "llmdp_home", "default_location", "resolve_location",
+           "describe_location", "verify_rows", "DAMAGE_HINT", "is_url"]
+
+SCHEMA_VERSION = 1
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS llmdp_records (ledger TEXT NOT NULL, seq BIGINT NOT NULL, "
+    "body TEXT NOT NULL, hash TEXT NOT NULL, PRIMARY KEY (ledger, seq))",
+    "CREATE TABLE IF NOT EXISTS llmdp_heads (ledger TEXT PRIMARY KEY, seq BIGINT NOT NULL, "
+    "hash TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS llmdp_schema (version INTEGER NOT NULL)",
+)
+
+
+def llmdp_home() -> str:
+    """``$LLMDP_HOME``, else the user's data directory: ``$XDG_DATA_HOME/llmdp`` or
+    ``~/.local/share/llmdp`` (``~/Library/Application Support/llmdp`` on macOS)."""
+    home = os.environ.get("LLMDP_HOME")
+    if home:
+        return os.path.abspath(os.path.expanduser(home))
+    import sys
+
+    if sys.platform == "darwin":
+        base = os.path.expanduser("~/Library/Application Support")
+    else:
+        base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return os.path.join(base, "llmdp")
+
+
+def default_location() -> str:
+    return os.path.join(llmdp_home(), "ledger.sqlite")
+
+
+def is_url(location: str) -> bool:
+    return location.startswith(("postgresql://", "postgres://"))
+
+
+def resolve_location(ledger: str | None) -> str:
+    """The database of ``privacy.ledger`` (None: the per-user default)."""
+    if ledger is None or ledger.endswith(".jsonl"):
+        return default_location()  # a .jsonl is a legacy ledger, imported into the default
+    return ledger if is_url(ledger) else os.path.abspath(os.path.expanduser(ledger))
+
+
+def describe_location(location: str) -> str:
+    """The location without a password (for messages, reports and plan.json)."""
+    if not is_url(location):
+        return location
+    parts = urlsplit(location)
+    if parts.password is None:
+        return location
+    netloc = parts.netloc.split("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}" if user else netloc))
+
+
+DAMAGE_HINT = (
+    "Nothing that reads this ledger proceeds. Choices: restore the database from a backup; "
+    "or `llmdp privacy ledger repair {ledger_arg}--acknowledge-loss` to go on without the "
+    "damaged record(s): their releases are then no longer counted (the ε reported for this "
+    "dataset may under-state what was spent), and the repair itself is recorded in the ledger.")
+
+
+def _damage_fingerprint(row) -> str:
+    if row is None:
+        return "missing"
+    return hashlib.sha256((str(row[1]) + "\0" + str(row[2])).encode("utf-8", "replace")).hexdigest()
+
+
+@dataclass
+class VerifiedLedger:
+    """The verified records of one ledger (damage excused by repairs left out)."""
+
+    ledger: str
+    records: list[dict] = field(default_factory=list)  # in seq order, each with "hash"
+    head_seq: int = 0
+    head_hash: str = GENESIS
+    excused: int = 0  # damaged records excused by repairs (their releases are not counted)
+
+    def last_of_run(self, run_id: str) -> dict | None:
+        for rec in reversed(self.records):
+            if rec.get("run_id") == run_id:
+                return rec
+        return None
+
+
+def verify_rows(ledger: str, rows: list[tuple], head: tuple | None, where: str,
+                hint_arg: str = "") -> VerifiedLedger:
+    """Check one ledger's rows ``(seq, body, hash)`` and its head ``(seq, hash)``.
+
+    Returns the verified records; raises `LedgerError` naming every damaged record that no
+    repair record excuses (an edited body, a hash that does not link, a missing seq, rows
+    after the head, a head that is not the last record)."""
+    by_seq = {int(r[0]): r for r in rows}
+    parsed: dict[int, dict] = {}
+    bad: dict[int, str] = {}
+    for seq, row in by_seq.items():
+        body, h = row[1], row[2]
+        try:
+            rec = json.loads(body)
+        except (TypeError, ValueError):
+            bad[seq] = f"record {seq} is not JSON (garbage; first bytes {str(body)[:40]!r})"
+            continue
+        why = check_record(rec)
+        if why is None and canonical(rec) != body:
+            why = "not in canonical form (edited)"
+        if why is None and rec["seq"] != seq:
+            why = f"its body says seq {rec['seq']} (moved or edited)"
+        if why is None and rec["ledger"] != ledger:
+            why = f"its body names ledger {rec['ledger']!r} (copied from another ledger)"
+        if why is None and hashlib.sha256(body.encode("ascii")).hexdigest() != h:
+            why = "its content no longer matches its hash (edited)"
+        if why is not None:
+            bad[seq] = f"record {seq}: {why}"
+            continue
+        rec["hash"] = h
+        parsed[seq] = rec
+    # Repairs (records that verify on their own) excuse exactly the damage they list.
+    excused_rows: dict[int, str] = {}
+    excused_links: dict[int, str] = {}
+    for rec in parsed.values():
+        if rec["kind"] == "repair":
+            for d in rec.get("excused") or []:
+                if d.get("link") is not None:
+                    excused_links[int(d["seq"])] = d["link"]
+                else:
+                    excused_rows[int(d["seq"])] = d.get("fingerprint")
+    head_seq, head_hash = (int(head[0]), head[1]) if head is not None else (0, GENESIS)
+    last = max([head_seq, *by_seq.keys()], default=0)
+    problems: list[str] = []
+    out = VerifiedLedger(ledger=ledger, head_seq=head_seq, head_hash=head_hash)
+    expected: str | None = GENESIS
+    last_good: tuple[int, str] = (0, GENESIS)
+    after_damage = False
+    for seq in range(1, last + 1):
+        row = by_seq.get(seq)
+        rec = parsed.get(seq)
+        if seq in excused_rows and excused_rows[seq] == _damage_fingerprint(row):
+            out.excused += 1  # exactly the damage a repair acknowledged: not counted
+            expected = None  # unknown: the next record's link must be excused too
+            after_damage = False
+            continue
+        if rec is not None and head_seq == seq and head_hash != rec["hash"] and seq == last:
+            problems.append(f"record {seq}, the last, is not the record the ledger's head "
+                            f"names (hash {head_hash[:12]}): it was edited")
+            expected = None
+            after_damage = True
+            continue
+        if rec is not None and (rec["prev"] == expected or excused_links.get(seq) == rec["prev"]):
+            out.records.append(rec)
+            expected = rec["hash"]
+            last_good = (seq, rec["hash"])
+            continue
+        if row is None:
+            problems.append(f"record {seq} is missing (deleted)")
+        elif seq in bad:
+            problems.append(bad[seq])
+        elif expected is None and after_damage:
+            pass  # its link cannot be checked past the damage named before it
+        elif expected is None:
+            problems.append(f"record {seq} follows a record a repair excused, but its link is "
+                            f"not excused (inserted or edited since)")
+        else:
+            problems.append(f"record {seq} does not link to record {seq - 1} (one of the two "
+                            f"was edited, or a record was deleted or inserted)")
+        expected = None
+        after_damage = True
+    if not problems and (head_seq, head_hash) != last_good:
+        if head_seq > last_good[0]:
+            problems.append(f"the ledger's head says {head_seq} records but the last one is "
+                            f"{last_good[0]}: the last record(s) were deleted")
+        elif head is None and by_seq:
+            problems.append("the ledger has records but no head (written by something else "
+                            "than llmdp)")
+        else:
+            problems.append(f"the ledger's head (record {head_seq}, hash {head_hash[:12]}) is not "
+                            f"its last record {last_good[0]}: a record was edited or inserted")
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        if after_damage or len(problems) > 1:
+            shown += " (records after a damaged one cannot be checked until it is repaired)"
+        raise LedgerError(f"the dataset ledger {ledger!r} in {where} is damaged: {shown}. "
+                          + DAMAGE_HINT.format(ledger_arg=hint_arg))
+    return out
+
+
+class _Tx:
+    """One open transaction on one ledger: verified records and `append`."""
+
+    def __init__(self, db: LedgerDB, cur, ledger: str, state: VerifiedLedger):
+        self.db, self.cur, self.ledger, self.state = db, cur, ledger, state
+        self.appended: list[dict] = []
+
+    @property
+    def records(self) -> list[dict]:
+        return self.state.records
+
+    def append(self, record: dict) -> dict:
+        """Add ``record`` at the end of the ledger (seq, prev, run_prev, time, hash set here);
+        durable when the transaction commits. Returns the record with its hash."""
+        st = self.state
+        rec = {k: v for k, v in record.items() if k != "hash"}
+        rec.update(v=RECORD_VERSION, ledger=self.ledger, seq=st.head_seq + 1, prev=st.head_hash)
+        rec.setdefault("time", now())
+        rec.setdefault("run_id", None)
+        if "run_prev" not in rec:
+            last = st.last_of_run(rec["run_id"]) if rec["run_id"] is not None else None
+            rec["run_prev"] = None if last is None else last["hash"]
+        why = check_record(rec)
+        if why:
+            raise LedgerError(f"refusing to write an invalid ledger record: {why}")
+        body = canonical(rec)
+        h = hashlib.sha256(body.encode("ascii")).hexdigest()
+        self.db._exec(self.cur, "INSERT INTO llmdp_records (ledger, seq, body, hash) VALUES (?, ?, ?, ?)",
+                      (self.ledger, rec["seq"], body, h))
+        self.db._exec(self.cur, "UPDATE llmdp_heads SET seq = ?, hash = ? WHERE ledger = ?",
+                      (rec["seq"], h, self.ledger))
+        rec["hash"] = h
+        st.records.append(rec)
+        st.head_seq, st.head_hash = rec["seq"], h
+        self.appended.append(rec)
+        return rec
+
+
+class LedgerDB:
+    """A connection to the ledgers' database at ``location`` (a SQLite path or a
+    ``postgresql://`` URL). ``read_only``: never create anything (readers: reports, export,
+    verify); a missing SQLite file then raises `LedgerError`."""
+
+    def __init__(self, location: str, read_only: bool = False):
+        self.location = location
+        self.where = describe_location(location)
+        self.pg = is_url(location)
+        self.read_only = read_only
+        self._conn = None
+        self._cache: dict[str, VerifiedLedger] = {}
+
+    # ------------------------------------------------------------------ connection
+    def _connect(self):
+        if self._conn is not None:
+            return self._conn
+        if self.pg:
+            try:
+                import psycopg
+            except ImportError:
+                raise LedgerError(
+                    f"privacy.ledger: {self.where} is a PostgreSQL URL, but the driver psycopg is "
+                    f"not installed; `pip install 'llmdp[postgresql]'` (or psycopg[binary])") from None
+            try:
+                self._conn = psycopg.connect(self.location, autocommit=True, connect_timeout=30)
+            except Exception as e:  # noqa: BLE001 - psycopg.OperationalError and friends
+                raise LedgerError(f"cannot connect to the ledger database {self.where}: "
+                                  f"{str(e).strip()}") from None
+        else:
+            if self.read_only and not os.path.exists(self.location):
+                raise LedgerError(f"the ledger database {self.location} does not exist (was "
+                                  f"LLMDP_HOME or privacy.ledger different when the run was made?)")
+            if not self.read_only:
+                from llmdp.privacy.ledger import make_dirs
+
+                make_dirs(os.path.dirname(self.location) or ".")
+            try:
+                self._conn = sqlite3.connect(self.location, timeout=300, isolation_level=None,
+                                             check_same_thread=False)
+                if not self.read_only:
+                    self._conn.execute("PRAGMA journal_mode=WAL")
+                # Durable at every commit (WAL + FULL fsyncs the log at each commit).
+                self._conn.execute("PRAGMA synchronous=FULL")
+            except sqlite3.DatabaseError as e:
+                self._conn = None
+                raise LedgerError(f"the ledger database {self.location} cannot be opened: {e} "
+                                  f"(not an SQLite file, or damaged; restore it from a backup)") from None
+        if not self.read_only:
+            self._ensure_schema()
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
+
+    def __getstate__(self):  # picklable (Ray actors): reconnect on the other side
+        return {"location": self.location, "read_only": self.read_only}
+
+    def __setstate__(self, state):
+        self.__init__(state["location"], state["read_only"])
+
+    def _sql(self, sql: str) -> str:
+        return sql.replace("?", "%s") if self.pg else sql
+
+    def _exec(self, cur, sql: str, params=()):
+        try:
+            cur.execute(self._sql(sql), params)
+        except Exception as e:  # noqa: BLE001 - sqlite3/psycopg errors
+            if isinstance(e, LedgerError):
+                raise
+            raise LedgerError(f"the ledger database {self.where}: {type(e).__name__}: {e}") from e
+        return cur
+
+    def _ensure_schema(self) -> None:
+        conn = self._conn
+        cur = conn.cursor()
+        if self.pg:
+            with conn.transaction():
+                cur.execute("SELECT pg_advisory_xact_lock(7417011)")  # one creator at a time
+                for s in _SCHEMA:
+                    cur.execute(s)
+                cur.execute("SELECT version FROM llmdp_schema")
+                if cur.fetchone() is None:
+                    cur.execute("INSERT INTO llmdp_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
+            return
+        self._retry(lambda: self._sqlite_schema(cur))
+
+    def _sqlite_schema(self, cur) -> None:
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            for s in _SCHEMA:
+                cur.execute(s)
+            if cur.execute("SELECT version FROM llmdp_schema").fetchone() is None:
+                cur.execute("INSERT INTO llmdp_schema (version) VALUES (?)", (SCHEMA_VERSION,))
+            cur.execute("COMMIT")
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+
+    @staticmethod
+    def _retry(fn, tries: int = 50):
+        for i in range(tries):
+            try:
+                return fn()
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) and "busy" not in str(e):
+                    raise LedgerError(f"the ledger database: {e}") from e
+                time.sleep(min(2.0, 0.05 * (i + 1)))
+        return fn()
+
+    # ------------------------------------------------------------------ reading
+    def ledgers(self) -> list[str]:
+        conn = self._connect()
+        cur = conn.cursor()
+        try:
+            self._exec(cur, "SELECT ledger FROM llmdp_heads ORDER BY ledger")
+        except LedgerError:
+            if self.read_only:
+                return []
+            raise
+        return [r[0] for r in cur.fetchall()]
+
+    def _rows(self, cur, ledger: str, after: int = 0):
+        self._exec(cur, "SELECT seq, body, hash FROM llmdp_records WHERE ledger = ? AND seq > ? "
+                        "ORDER BY seq", (ledger, after))
+        rows = cur.fetchall()
+        self._exec(cur, "SELECT seq, hash FROM llmdp_heads WHERE ledger = ?", (ledger,))
+        return rows, cur.fetchone()
+
+    def _hint_arg(self, ledger: str) -> str:
+        loc = "" if self.location == default_location() else f"--ledger {self.where} "
+        return f"{loc}--dataset {ledger} "
+
+    def _verified(self, cur, ledger: str, full: bool) -> VerifiedLedger:
+        """The verified ledger: fully checked (``full``), or the cached state extended by the
+        records appended since (their links from the cached head checked)."""
+        cached = self._cache.get(ledger)
+        if full or cached is None:
+            try:
+                rows, head = self._rows(cur, ledger)
+            except LedgerError:
+                if self.read_only:
+                    return VerifiedLedger(ledger=ledger)  # no tables yet: no ledger
+                raise
+            st = verify_rows(ledger, rows, head, self.where, self._hint_arg(ledger))
+        else:
+            rows, head = self._rows(cur, ledger, after=cached.head_seq)
+            if not rows and (head is None or (int(head[0]), head[1]) == (cached.head_seq, cached.head_hash)):
+                return cached
+            st = VerifiedLedger(ledger=ledger, records=list(cached.records), head_seq=cached.head_seq,
+                                head_hash=cached.head_hash, excused=cached.excused)
+            expected = cached.head_hash
+            for seq, body, h in rows:
+                try:
+                    rec = json.loads(body)
+                except ValueError:
+                    rec = None
+                ok = (rec is not None and check_record(rec) is None and canonical(rec) == body
+                      and rec["seq"] == seq == st.head_seq + 1 and rec["prev"] == expected
+                      and rec["ledger"] == ledger
+                      and hashlib.sha256(body.encode("ascii")).hexdigest() == h)
+                if not ok:
+                    return self._verified(cur, ledger, full=True)  # full check: names the damage
+                rec["hash"] = h
+                st.records.append(rec)
+                st.head_seq, st.head_hash, expected = seq, h, h
+            if head is None or (int(head[0]), head[1]) != (st.head_seq, st.head_hash):
+                return self._verified(cur, ledger, full=True)
+        self._cache[ledger] = st
+        return st
+
+    def read(self, ledger: str) -> VerifiedLedger:
+        """Every record of ``ledger``, fully verified (an unknown ledger is empty)."""
+        conn = self._connect()
+        cur = conn.cursor()
+        if self.pg:
+            with conn.transaction():
+                return self._verified(cur, ledger, full=True)
+        return self._verified(cur, ledger, full=True)
+
+    def records(self, ledger: str) -> list[dict]:
+        return self.read(ledger).records
+
+    # ------------------------------------------------------------------ writing
+    @contextlib.contextmanager
+    def transaction(self, ledger: str, full: bool = False):
+        """Lock ``ledger`` exclusively, yield a `_Tx` (verified records + append), commit
+        on exit (roll back on an exception). ``full``: verify the whole chain (else only
+        the records appended since this connection last saw the ledger)."""
+        if self.read_only:
+            raise LedgerError(f"{self.where}: opened read-only")
+        conn = self._connect()
+        cur = conn.cursor()
+        if self.pg:
+            try:
+                with conn.transaction():
+                    cur.execute("INSERT INTO llmdp_heads (ledger, seq, hash) VALUES (%s, 0, %s) "
+                                "ON CONFLICT (ledger) DO NOTHING", (ledger, GENESIS))
+                    cur.execute("SELECT seq FROM llmdp_heads WHERE ledger = %s FOR UPDATE", (ledger,))
+                    tx = self._begin(cur, ledger, full)
+                    yield tx
+            except BaseException:
+                self._cache.pop(ledger, None)
+                raise
+            self._cache[ledger] = tx.state
+            return
+        self._retry(lambda: cur.execute("BEGIN IMMEDIATE"))
+        try:
+            cur.execute("INSERT OR IGNORE INTO llmdp_heads (ledger, seq, hash) VALUES (?, 0, ?)",
+                        (ledger, GENESIS))
+            tx = self._begin(cur, ledger, full)
+            yield tx
+        except BaseException:
+            cur.execute("ROLLBACK")
+            self._cache.pop(ledger, None)
+            raise
+        try:
+            cur.execute("COMMIT")
+        except sqlite3.Error as e:
+            self._cache.pop(ledger, None)
+            raise LedgerError(f"the ledger database {self.where}: the transaction did not "
+                              f"commit: {e}") from e
+        self._cache[ledger] = tx.state
+
+    def _begin(self, cur, ledger: str, full: bool) -> _Tx:
+        try:
+            st = self._verified(cur, ledger, full)
+        except LedgerError:
+            self._cache.pop(ledger, None)
+            raise
+        # Work on a copy: a rollback must not leave appended records in the cache.
+        st = VerifiedLedger(ledger=ledger, records=list(st.records), head_seq=st.head_seq,
+                            head_hash=st.head_hash, excused=st.excused)
+        return _Tx(self, cur, ledger, st)
+
+    def append(self, ledger: str, record: dict) -> dict:
+        """One record in its own transaction."""
+        with self.transaction(ledger) as tx:
+            return tx.append(record)
+
+    # ------------------------------------------------------------------ repair, import
+    def damage(self, ledger: str) -> tuple[list[dict], str | None]:
+        """(what a repair of ``ledger`` would excuse, the verification error or None)."""
+        conn = self._connect()
+        cur = conn.cursor()
+        rows, head = self._rows(cur, ledger)
+        try:
+            verify_rows(ledger, rows, head, self.where)
+            return [], None
+        except LedgerError as e:
+            error = str(e)
+        return _damage_list(ledger, rows, head), error
+
+    def repair(self, ledger: str, *, acknowledge_loss: bool, reason: str = "") -> dict | None:
+        """Append a ``repair`` record excusing the damage found now (None if none). Refused
+        without ``acknowledge_loss``: the damaged records' releases stop being counted."""
+        excuses, error = self.damage(ledger)
+        if error is None:
+            return None
+        if not acknowledge_loss:
+            raise LedgerError(error)
+        conn = self._connect()
+        cur = conn.cursor()
+
+        def do():
+            rows, head = self._rows(cur, ledger)
+            excuses2 = [d for d in _damage_list(ledger, rows, head) if d not in _excused(ledger, rows)]
+            seq = max([int(head[0]) if head else 0, *[int(r[0]) for r in rows]], default=0) + 1
+            good = _last_good(ledger, rows, excuses2)
+            lost = [d for d in excuses2 if d.get("link") is None]
+            rec = {"kind": "repair", "excused": excuses2 + [{"seq": seq, "link": good[1]}],
+                   "records_lost": len(lost), "acknowledged_loss": True,
+                   "by": f"{getpass.getuser()}@{socket.gethostname()}", "reason": reason,
+                   "run_id": None, "run_prev": None,
+                   "v": RECORD_VERSION, "ledger": ledger, "seq": seq, "prev": good[1], "time": now()}
+            body = canonical(rec)
+            h = hashlib.sha256(body.encode("ascii")).hexdigest()
+            self._exec(cur, "INSERT INTO llmdp_records (ledger, seq, body, hash) VALUES (?, ?, ?, ?)",
+                       (ledger, seq, body, h))
+            if head is None:
+                self._exec(cur, "INSERT INTO llmdp_heads (ledger, seq, hash) VALUES (?, ?, ?)",
+                           (ledger, seq, h))
+            else:
+                self._exec(cur, "UPDATE llmdp_heads SET seq = ?, hash = ? WHERE ledger = ?",
+                           (seq, h, ledger))
+            rec["hash"] = h
+            return rec
+
+        self._cache.pop(ledger, None)
+        if self.pg:
+            with conn.transaction():
+                cur.execute("SELECT seq FROM llmdp_heads WHERE ledger = %s FOR UPDATE", (ledger,))
+                rec = do()
+        else:
+            self._retry(lambda: cur.execute("BEGIN IMMEDIATE"))
+            try:
+                rec = do()
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            cur.execute("COMMIT")
+        self.read(ledger)  # the repaired ledger verifies
+        return rec
+
+    def import_jsonl(self, ledger: str, path: str, *, log=print) -> int:
+        """Import a legacy JSONL ledger's records into ``ledger``, once per file (an
+        ``import`` record names its real path and SHA-256). Returns the releases imported
+        (0 if it was imported before)."""
+        real = os.path.realpath(path)
+        with open(real, "rb") as f:
+            sha = hashlib.sha256(f.read()).hexdigest()
+        legacy = Ledger(real)
+        records = legacy.records()  # a torn or garbage line stops here, with its line
+        if records and not legacy.legacy:
+            raise LedgerError(f"{path} is a run's ledger.jsonl (hash-chained records), not a "
+                              f"legacy dataset ledger: its records are in the dataset ledger already")
+        with self.transaction(ledger) as tx:
+            before = [r for r in tx.records if r["kind"] == "import" and r.get("path") == real]
+            if before:
+                if before[-1].get("sha256") != sha:
+                    log(f"warning: the JSONL ledger {real} changed since it was imported into "
+                        f"the dataset ledger {ledger!r} on {before[-1].get('time')}; it is not "
+                        f"imported again (an earlier llmdp wrote to it since?). Check it by hand.")
+                return 0
+            releases = [r for r in records if r.get("kind") == "release" and r.get("count")]
+            tx.append({"kind": "import", "path": real, "sha256": sha, "lines": len(records),
+                       "releases": len(releases)})
+            for r in releases:
+                tx.append({"kind": "release", "event": r["event"], "count": int(r["count"]),
+                           "first_step": r.get("first_step"), "run_id": r.get("run_id"),
+                           "attempt": r.get("attempt"), "meta": r.get("meta") or {},
+                           **({"extra": r["extra"]} if r.get("extra") is not None else {}),
+                           "imported_from": real, "original_time": r.get("time")})
+        return len(releases)
+
+
+def _damage_list(ledger: str, rows, head) -> list[dict]:
+    """Every damaged record (by seq, with the fingerprint of what is there) and every link
+    that must be excused, as a repair record lists them."""
+    by_seq = {int(r[0]): r for r in rows}
+    last = max([int(head[0]) if head else 0, *by_seq.keys()], default=0)
+    out: list[dict] = []
+    expected: str | None = GENESIS
+    for seq in range(1, last + 1):
+        row = by_seq.get(seq)
+        rec = _self_valid(ledger, seq, row)
+        if rec is not None and head is not None and int(head[0]) == seq == last and head[1] != rec["hash"]:
+            rec = None  # the last record is not the one the head names: edited
+        if rec is not None and rec["prev"] == expected:
+            expected = rec["hash"]
+            continue
+        if rec is not None and expected is None:
+            out.append({"seq": seq, "link": rec["prev"]})  # a good record after damage
+            expected = rec["hash"]
+            continue
+        if rec is not None:  # a good record that does not link: one of the two was edited
+            out.append({"seq": seq, "link": rec["prev"]})
+            expected = rec["hash"]
+            continue
+        out.append({"seq": seq, "fingerprint": _damage_fingerprint(row)})
+        expected = None
+    return out
+
+
+def _excused(ledger: str, rows) -> list[dict]:
+    """What the repair records among ``rows`` excuse already."""
+    out: list[dict] = []
+    for r in rows:
+        rec = _self_valid(ledger, int(r[0]), r)
+        if rec is not None and rec["kind"] == "repair":
+            out += rec.get("excused") or []
+    return out
+
+
+def _self_valid(ledger: str, seq: int, row) -> dict | None:
+    if row is None:
+        return None
+    body, h = row[1], row[2]
+    try:
+        rec = json.loads(body)
+    except (TypeError, ValueError):
+        return None
+    if (check_record(rec) is not None or canonical(rec) != body or rec["seq"] != seq
+            or rec["ledger"] != ledger or hashlib.sha256(body.encode("ascii")).hexdigest() != h):
+        return None
+    rec["hash"] = h
+    return rec
+
+
+def _last_good(ledger: str, rows, excuses) -> tuple[int, str]:
+    bad = {d["seq"] for d in excuses if d.get("link") is None}
+    best = (0, GENESIS)
+    for r in sorted(rows, key=lambda r: int(r[0])):
+        seq = int(r[0])
+        if seq in bad:
+            continue
+        rec = _self_valid(ledger, seq, r)
+        if rec is not None:
+            best = (seq, rec["hash"])
+    return best
+
