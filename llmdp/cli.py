@@ -251,11 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from llmdp._fs import RunDirInUse
     from llmdp.config import ConfigError
     from llmdp.export import ExportError
-    from llmdp.privacy.plan import PlanError
-    from llmdp._fs import RunDirInUse
     from llmdp.privacy.ledger import LedgerError
+    from llmdp.privacy.plan import PlanError
     from llmdp.privacy.service import BudgetError
 
     try:

@@ -227,3 +227,35 @@ def random_rows(num_rows: int, sequence_length: int, vocab_size: int = 64, *, se
         "row_units": torch.arange(num_rows, dtype=torch.int64),
         "num_target_tokens": (labels[:, 1:] != -100).sum(dim=1),
     }
+
+
+def dataset_records(location, data_path=None, dataset_id=None) -> list[dict]:
+    """The verified records of a dataset ledger (``dataset_id``, or the id derived from a
+    local ``data_path``) in the database at ``location`` (None: the default)."""
+    import os as _os
+
+    from llmdp.privacy.ledgerdb import LedgerDB, resolve_location
+
+    ds = dataset_id or "path:" + _os.path.realpath(str(data_path))
+    db = LedgerDB(resolve_location(None if location is None else str(location)))
+    try:
+        return db.records(ds)
+    finally:
+        db.close()
+
+
+def dataset_entries(location, data_path=None, dataset_id=None):
+    from llmdp.privacy.service import release_entries_of
+
+    return release_entries_of(dataset_records(location, data_path, dataset_id))
+
+
+def simulate_steps(prepared, steps=None) -> None:
+    """Write a prepared run's steps to its ledgers as the ledger service does (no training)."""
+    from llmdp.privacy.service import LedgerService
+
+    svc = LedgerService(**prepared.ledger_service)
+    svc.start_attempt()
+    for s in range(prepared.plan.steps if steps is None else steps):
+        svc.ensure(s)
+    svc.db.close()

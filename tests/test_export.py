@@ -238,9 +238,22 @@ def test_unauthenticated_offline_and_failed_uploads_keep_the_folder(full_run, tm
 # ----------------------------------------------------------------------------- refusals
 
 
-def _copy(run_dir, tmp_path, name="copy"):
+def _copy(run_dir, tmp_path, name="copy", own_ledger=False):
+    """A copy of a run directory. ``own_ledger``: with a copy of its dataset ledger's
+    database, so that changing the copy's releases leaves the original's ledger alone."""
     dst = tmp_path / name
     shutil.copytree(run_dir, dst)
+    if own_ledger:
+        import sqlite3
+
+        plan_path = dst / "plan.json"
+        info = json.load(open(plan_path))
+        db_copy = str(tmp_path / f"{name}-ledger.sqlite")
+        src = sqlite3.connect(info["dataset_ledger"]["location"])
+        src.execute("VACUUM INTO ?", (db_copy,))
+        src.close()
+        info["dataset_ledger"]["location"] = db_copy
+        json.dump(info, open(plan_path, "w"))
     return str(dst)
 
 
@@ -483,19 +496,25 @@ def test_curve_and_progress_count_the_ledger_not_completed_steps(full_run, tmp_p
     progress bar end at the report's ε, which composes every step of the ledger."""
     from tqdm import tqdm
 
-    from llmdp.privacy.ledger import Ledger, LedgerWriter
+    from llmdp.privacy.ledger import Ledger
     from llmdp.privacy.plan import DPPlan
+    from llmdp.privacy.service import LedgerService
     from llmdp.report import epsilon_curve, write_report
     from llmdp.trainer import _Progress
 
-    run = _copy(full_run, tmp_path, "re-executed")
+    run = _copy(full_run, tmp_path, "re-executed", own_ledger=True)
     path = os.path.join(run, "ledger.jsonl")
     last = [r for r in Ledger(path).records() if r["kind"] == "release"][-1]
     info = json.load(open(os.path.join(run, "plan.json")))
     plan = DPPlan.from_dict(info["plan"])
     # A second attempt that re-ran steps 3-4 after the first one had reserved them.
-    LedgerWriter(path, run_id=last["run_id"], attempt="2", meta=last["meta"], block_size=2,
-                 total_steps=plan.steps).append(plan.step_event(), 2, first_step=2)
+    svc = LedgerService(location=info["dataset_ledger"]["location"],
+                        dataset_id=info["dataset_ledger"]["dataset_id"], run_ledger=path,
+                        run_id=last["run_id"], meta=last["meta"], block_size=2,
+                        total_steps=plan.steps, event_json=last["event"], delta=plan.delta,
+                        accountant=plan.accountant)
+    svc.start_attempt()
+    svc.ensure(2)
     report = write_report(run)
     assert report["steps"] == plan.steps + 2 and report["steps_completed"] == plan.steps
     assert report["epsilon"] > plan.epsilon() * 1.01  # the extra steps matter

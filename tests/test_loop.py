@@ -11,7 +11,7 @@ import torch
 from llmdp.config import recipe_from_dict, to_dict
 from llmdp.privacy.ledger import Ledger
 from llmdp.worker import LocalContext, train_loop_per_worker
-from tests.helpers import tiny_tokenizer_dir, write_notes
+from tests.helpers import dataset_records, tiny_tokenizer_dir, write_notes
 
 
 def make_recipe(tmp_path, **train):
@@ -178,12 +178,16 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
 
     first = make_recipe(tmp_path)
     raw = to_dict(first)
-    raw["privacy"]["ledger"] = str(tmp_path / "notes-ledger.jsonl")  # this test's dataset ledger
+    raw["privacy"]["ledger"] = str(tmp_path / "ledgers.sqlite")  # this test's own database
     first = recipe_from_dict(raw)
     prep = prepared_config(first)
     train_loop_per_worker(prep.worker_config(), LocalContext())
-    dataset_ledger = prep.ledger_service["dataset_ledger"]
-    assert Ledger(dataset_ledger).total_count() == 6
+    loc, ds = prep.ledger_service["location"], prep.ledger_service["dataset_id"]
+
+    def total():
+        return sum(int(r["count"]) for r in dataset_records(loc, dataset_id=ds) if r["kind"] == "release")
+
+    assert total() == 6
     ev = prep.plan.step_event()
 
     def eps(k):
@@ -193,8 +197,8 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
     raw = to_dict(first)
     raw["output"]["name"] = "second"
     raw["privacy"]["budget_epsilon"] = eps(6 + 3) * (1 + 1e-9)  # 3 more steps fit, the plan needs 6
-    with pytest.raises(BudgetError, match=r"privacy.budget_epsilon=.*already spent ε = "
-                                          rf"{eps(6):.4f}.*only 3 of its steps fit"):
+    with pytest.raises(BudgetError, match=r"privacy.budget_epsilon=.*has spent ε = "
+                                          rf"{eps(6):.4f}.*only 3 of its 6 remaining steps fit"):
         prepared_config(recipe_from_dict(raw))
 
     # The same budget met mid-run (as after failures): stop cleanly before step 4.
@@ -202,14 +206,14 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
     prep2 = prepared_config(recipe_from_dict(raw))
     wc = prep2.worker_config()
     wc["ledger"]["budget_epsilon"] = wc["ledger"]["service"]["budget_epsilon"] = eps(9) * (1 + 1e-9)
+    wc["ledger"]["admit"] = True
     ctx = LocalContext(checkpoint_dir=str(tmp_path / "ckpt2"))
     out = train_loop_per_worker(wc, ctx)
     assert out["steps"] == 3 and "before step 4 of 6" in out["stopped"]
     assert [r["step"] for r in ctx.reports] == [2, 3]  # the stopped state is checkpointed
     state = torch.load(tmp_path / "ckpt2" / "state.pt", weights_only=False)
     assert state["step"] == 3 and state["ledger"]["run_steps_recorded"] == 3
-    assert state["ledger"]["dataset_steps_recorded"] == 9
-    assert Ledger(dataset_ledger).total_count() == 9
+    assert total() == 9
     assert Ledger(os.path.join(prep2.run_dir, "ledger.jsonl")).total_count() == 3
     rep = write_report(prep2.run_dir)
     assert rep["status"] == "stopped" and "privacy.budget_epsilon" in rep["stopped"]

@@ -14,11 +14,11 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
 from llmdp.config import ConfigError, load_recipe, load_tokenizer_recipe, tokenizer_recipe_from_dict
-from llmdp.privacy.ledger import Ledger
+from llmdp.privacy.accountant import threshold_delta
 from llmdp.privacy.sampling import seeded_key
 from llmdp.tokenizer import private as tp
 from llmdp.tokenizer.train import corpus_units, record_texts, tokenizer_for_run, train_tokenizer
-from tests.helpers import write_notes
+from tests.helpers import dataset_entries, dataset_records, simulate_steps, write_notes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_TOKENIZER_RECIPE = os.path.join(REPO, "tokenizers", "demo-private.yaml")
@@ -36,7 +36,7 @@ def _recipe(tmp_path, corpus, **privacy):
     return {
         "data": {"path": str(corpus), "text_field": "text", "unit": "document"},
         "privacy": {"target_epsilon": 4.0, "max_words_per_unit": 64,
-                    "ledger": str(tmp_path / "ledger.jsonl"), **privacy},
+                    "ledger": str(tmp_path / "ledger.sqlite"), **privacy},
         "tokenizer": {"model_type": "bpe", "vocab_size": 600},
         "output": {"dir": str(tmp_path / "tokenizers"), "name": "tok"},
     }
@@ -59,7 +59,7 @@ def trained(tmp_path_factory, corpus):
 
 def test_release_is_recorded_and_described(trained):
     tmp, cfg, info = trained
-    recs = [r for r in Ledger(tmp / "ledger.jsonl").records() if r["kind"] == "release"]
+    recs = [r for r in dataset_records(tmp / "ledger.sqlite", cfg.data.path) if r["kind"] == "release"]
     assert len(recs) == 1
     rec = recs[0]
     p = info["privacy"]
@@ -69,10 +69,10 @@ def test_release_is_recorded_and_described(trained):
     assert rec["meta"]["unit"]["kind"] == "document" and rec["meta"]["dataset_size"] == N_NOTES
     # The event is the Gaussian mechanism of multiplier sigma / sqrt(K); the threshold's
     # delta is K * Phi_bar((tau - 1) / sigma), stored with it.
-    assert Ledger(tmp / "ledger.jsonl").entries() == [(dp_accounting.GaussianDpEvent(sigma / math.sqrt(k)), 1)]
+    assert dataset_entries(tmp / "ledger.sqlite", cfg.data.path) == [(dp_accounting.GaussianDpEvent(sigma / math.sqrt(k)), 1)]
     d_thr = k * 0.5 * math.erfc((tau - 1) / sigma / math.sqrt(2))
     assert rec["extra"]["delta_threshold"] == pytest.approx(d_thr, rel=1e-6)
-    assert Ledger(tmp / "ledger.jsonl").delta_threshold() == pytest.approx(d_thr, rel=1e-12)
+    assert threshold_delta(recs) == pytest.approx(d_thr, rel=1e-12)
     # delta defaults to a power of ten below 1/(10 N); epsilon of the release within target
     assert p["delta"] == 1e-4
     acc = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
@@ -136,14 +136,14 @@ def test_folder_holds_the_release_and_public_configuration_only(trained, corpus,
 
 def test_second_launch_does_nothing_and_other_recipe_is_refused(trained):
     tmp, cfg, info = trained
-    before = (tmp / "ledger.jsonl").read_bytes()
+    before = dataset_records(tmp / "ledger.sqlite", cfg.data.path)
     again = train_tokenizer(cfg, log=lambda *_: None)
     assert again["privacy"]["release_id"] == info["privacy"]["release_id"]
-    assert (tmp / "ledger.jsonl").read_bytes() == before  # no second release
+    assert dataset_records(tmp / "ledger.sqlite", cfg.data.path) == before  # no second release
     other = tokenizer_recipe_from_dict({**_recipe(tmp, cfg.data.path), "tokenizer": {"vocab_size": 700}})
     with pytest.raises(ConfigError, match=r"output\.name.*different recipe"):
         train_tokenizer(other, log=lambda *_: None)
-    assert (tmp / "ledger.jsonl").read_bytes() == before
+    assert dataset_records(tmp / "ledger.sqlite", cfg.data.path) == before
 
 
 def test_budget_refuses_before_recording(tmp_path, corpus):
@@ -151,7 +151,7 @@ def test_budget_refuses_before_recording(tmp_path, corpus):
 
     with pytest.raises(BudgetError, match=r"privacy\.budget_epsilon=3"):
         _train(tmp_path, corpus, budget_epsilon=3.0)
-    assert not (tmp_path / "ledger.jsonl").exists() or Ledger(tmp_path / "ledger.jsonl").entries() == []
+    assert dataset_entries(tmp_path / "ledger.sqlite", corpus) == []
     assert not (tmp_path / "tokenizers" / "tok").exists()
 
 
@@ -257,7 +257,7 @@ def _train_cfg(tok_dir, corpus, tmp_path, *overrides):
 def test_non_dp_private_tokenizer_is_refused(tmp_path, corpus):
     cfg, info = _train(tmp_path, corpus, dp=False, target_epsilon=None)
     assert info["dp"] is False and info["trained_on_private_data"] is True
-    assert not (tmp_path / "ledger.jsonl").exists()  # nothing DP was released
+    assert not (tmp_path / "ledger.sqlite").exists()  # nothing DP was released
     train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path)
     with pytest.raises(ConfigError, match=r"model\.tokenizer:.*WITHOUT differential privacy"):
         tokenizer_for_run(train_cfg.model, train_cfg.data, data_sha256="x")
@@ -315,35 +315,31 @@ def test_unit_mismatch_other_data_and_pretrained_rules(trained, corpus, tmp_path
 def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monkeypatch):
     """prepare() calibrates sigma for the composition; the report's epsilon equals
     dp-accounting on the composed events (PLD and RDP), with the threshold's delta."""
-    from llmdp.privacy.ledger import LedgerWriter
     from llmdp.report import build_report
     from llmdp.trainer import prepare
 
     tmp, cfg, info = trained
     # The run's dataset ledger is not the tokenizer's file: the release is copied there.
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))  # this test's own ledgers
     train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path, "privacy.target_epsilon=6")
     prepared = prepare(train_cfg, log=lambda *_: None)
     plan = prepared.plan
     p = info["privacy"]
     tok_event = dp_accounting.GaussianDpEvent(p["noise_std"] / math.sqrt(p["max_words_per_unit"]))
     d_thr = p["delta_threshold"]
-    ds_ledger = Ledger(prepared.ledger_service["dataset_ledger"])
-    assert ds_ledger.entries() == [(tok_event, 1)]
-    assert ds_ledger.delta_threshold() == pytest.approx(d_thr, rel=1e-12)
+    ds = prepared.ledger_service["dataset_id"]
+    assert dataset_entries(None, dataset_id=ds) == [(tok_event, 1)]
+    assert threshold_delta(dataset_records(None, dataset_id=ds)) == pytest.approx(d_thr, rel=1e-12)
     from llmdp.tokenizer.train import ensure_release_recorded
 
     plan_info = json.load(open(os.path.join(prepared.run_dir, "plan.json")))
     # What a re-launch does: the release is there already, nothing is copied again.
-    assert not ensure_release_recorded(plan_info["prior_releases"][0],
-                                       prepared.ledger_service["dataset_ledger"], {})
-    assert ds_ledger.entries() == [(tok_event, 1)]
+    assert not ensure_release_recorded(plan_info["prior_releases"][0], {
+        "location": prepared.ledger_service["location"], "dataset_id": ds}, {})
+    assert dataset_entries(None, dataset_id=ds) == [(tok_event, 1)]
 
-    # Simulate the run's steps in its ledger (as the ledger service writes them).
-    w = LedgerWriter(prepared.ledger_service["run_ledger"], run_id=prepared.run_id, attempt="0",
-                     meta=prepared.ledger_meta, block_size=4, total_steps=plan.steps)
-    for s in range(plan.steps):
-        w.ensure(s, plan.step_event())
+    simulate_steps(prepared)  # the run's steps, as the ledger service writes them
     report = build_report(prepared.run_dir)
 
     def direct(acc, sigma, delta):
@@ -366,12 +362,9 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
     assert "trained from scratch" in report["tokenizer"]["model_vocabulary"]
     mech = [r["mechanism"] for r in report["ledger"]["releases"]]
     assert mech[0] == "private-tokenizer" and set(mech[1:]) == {"dp-sgd"}
-    # The dataset ledger (budget) holds the tokenizer's release only (the steps above were
-    # written to the run's ledger alone), accounted with its threshold's delta.
-    acc = PLDAccountant(rel)
-    acc.compose(tok_event)
-    assert report["dataset_ledger"]["epsilon_spent"] == pytest.approx(
-        acc.get_epsilon(plan.delta - d_thr) - math.log1p(-d_thr), rel=1e-9)
+    # The dataset ledger (budget) holds the tokenizer's release and the steps, accounted
+    # with the threshold's delta: the same composition as the run's.
+    assert report["dataset_ledger"]["epsilon_spent"] == pytest.approx(want, rel=1e-9)
     from llmdp.report import render_markdown
 
     md = render_markdown(report)
@@ -391,6 +384,7 @@ def test_pretrained_model_adapted_to_the_private_tokenizer(trained, corpus, tmp_
 
     tmp, cfg, info = trained
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))  # this test's own ledgers
     base_tok_dir = os.path.join(REPO, "tokenizers", "demo-public")
     base = AutoTokenizer.from_pretrained(base_tok_dir)
     ckpt = build_tiny_model(tmp_path / "pretrained", tiny_model_config("llama"), len(base),
@@ -417,16 +411,11 @@ def test_pretrained_model_adapted_to_the_private_tokenizer(trained, corpus, tmp_
 def _report_after_steps(train_cfg):
     """prepare() the run, write its steps to its ledger as the ledger service does, and
     build its report (no training: the report is a function of the ledger and plan)."""
-    from llmdp.privacy.ledger import LedgerWriter
     from llmdp.report import build_report
     from llmdp.trainer import prepare
 
     prepared = prepare(train_cfg, log=lambda *_: None)
-    plan = prepared.plan
-    w = LedgerWriter(prepared.ledger_service["run_ledger"], run_id=prepared.run_id, attempt="0",
-                     meta=prepared.ledger_meta, block_size=4, total_steps=plan.steps)
-    for s in range(plan.steps):
-        w.ensure(s, plan.step_event())
+    simulate_steps(prepared)
     return prepared, build_report(prepared.run_dir)
 
 
@@ -451,6 +440,7 @@ def test_tokenizer_on_another_source_is_composed_by_default(trained, other_corpu
     composed into the run's guarantee; ε equals dp-accounting on the composition."""
     tmp, cfg, info = trained
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))  # this test's own ledgers
     prepared, report = _report_after_steps(
         _train_cfg(cfg.out_dir, other_corpus, tmp_path, "privacy.noise_multiplier=1.5",
                    "privacy.target_epsilon=null"))
@@ -469,7 +459,7 @@ def test_tokenizer_on_another_source_is_composed_by_default(trained, other_corpu
     assert "model.tokenizer_data: same, the default" in t["note"]
     assert not any("independent" in x for x in report["data_accesses_not_covered"])
     # The release is in this data's ledger (its budget) too.
-    assert (tok_event, 1) in Ledger(prepared.ledger_service["dataset_ledger"]).entries()
+    assert (tok_event, 1) in dataset_entries(None, dataset_id=prepared.ledger_service["dataset_id"])
 
 
 def test_tokenizer_declared_independent_is_not_composed_and_said_so(trained, other_corpus, tmp_path,
@@ -478,6 +468,7 @@ def test_tokenizer_declared_independent_is_not_composed_and_said_so(trained, oth
 
     tmp, cfg, info = trained
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))  # this test's own ledgers
     prepared, report = _report_after_steps(
         _train_cfg(cfg.out_dir, other_corpus, tmp_path, "privacy.noise_multiplier=1.5",
                    "privacy.target_epsilon=null", "model.tokenizer_data=independent"))
@@ -494,7 +485,7 @@ def test_tokenizer_declared_independent_is_not_composed_and_said_so(trained, oth
     assert "covered by its own guarantee" not in json.dumps(report)
     assert wording in render_markdown(report)
     tok_event, _ = _tok_event(info)
-    assert tok_event not in [e for e, _ in Ledger(prepared.ledger_service["dataset_ledger"]).entries()]
+    assert tok_event not in [e for e, _ in dataset_entries(None, dataset_id=prepared.ledger_service["dataset_id"])]
 
 
 def test_tokenizer_data_is_validated():
@@ -517,6 +508,7 @@ def test_seeded_tokenizer_release_is_labelled_seeded(seeded_tokenizer, corpus, t
 
     tmp, cfg, info = seeded_tokenizer
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))  # this test's own ledgers
     train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path, "privacy.noise_multiplier=1.5",
                            "privacy.target_epsilon=null")
     assert train_cfg.privacy.rng == "secure"
@@ -542,6 +534,7 @@ def test_seeded_tokenizer_run_is_refused_by_export(seeded_tokenizer, corpus, tmp
 
     tmp, cfg, info = seeded_tokenizer
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))  # this test's own ledgers
     train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path, "privacy.noise_multiplier=1.5",
                            "privacy.target_epsilon=null", "train.steps=2", "train.checkpoint_every=2",
                            "train.expected_batch_size=8", "train.physical_batch_size=8",
