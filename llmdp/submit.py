@@ -27,8 +27,10 @@ Why this shape (Ray 2.60):
 On the cluster the job runs in its own copy of the working dir, so relative paths in the
 recipe resolve there, exactly as they did here. Absolute paths are not shipped: they must
 exist at the same path on the cluster (shared storage). ``output.dir`` and the llmdp cache
-(``LLMDP_CACHE``: unit store, dataset ledgers) must be on storage that every node sees and
-that outlives the job; docs/LAUNCH.md explains.
+(``LLMDP_CACHE``: unit store, models) must be on storage that every node sees and that
+outlives the job, and the dataset ledgers (``privacy.ledger``: a postgresql:// URL, or
+``LLMDP_HOME`` on shared storage) must be the same for every job on the data;
+docs/LAUNCH.md explains.
 
 ``--dry-run`` prints the submission as one JSON object and contacts nothing.
 """
@@ -229,14 +231,15 @@ def _path_warnings(cfg: RecipeConfig, root: str, env_vars: dict[str, str]) -> li
         ("output.dir", cfg.output.dir, "run directories (checkpoints, ledger, report, model)"),
         ("privacy.ledger", cfg.privacy.ledger, "the dataset ledger"),
     ):
-        if value is None:
-            continue
+        if value is None or value.startswith(("postgresql://", "postgres://")):
+            continue  # a database server: every node reaches it as it is
         if _inside(value, root):
             out.append(
                 f"{key}: {shown(value, root)} resolves inside the job's working dir on the "
                 f"cluster: a temporary copy on the head node only, not seen by the other "
                 f"nodes and deleted with the job; for {what} use shared storage, e.g. "
-                f"{key}=/mnt/shared/{'runs' if key == 'output.dir' else 'ledgers/data.jsonl'}")
+                + (f"{key}=/mnt/shared/runs" if key == "output.dir" else
+                   f"{key}=postgresql://USER@DBHOST/llmdp (or /mnt/shared/llmdp/ledger.sqlite)"))
         else:
             out.append(
                 f"{key}: {value} is an absolute path: it must be shared storage mounted at this "
@@ -244,10 +247,15 @@ def _path_warnings(cfg: RecipeConfig, root: str, env_vars: dict[str, str]) -> li
     if "LLMDP_CACHE" not in env_vars:
         out.append(
             "LLMDP_CACHE is not set in --env: unless the cluster's nodes set it (launch/ does), "
-            "the unit store and the dataset ledger go to .cache/llmdp inside the job's "
-            "temporary working dir, where other nodes cannot read the units and a later job "
-            "on the same data does not see this job's privacy spend; pass "
-            "--env LLMDP_CACHE=/mnt/shared/llmdp-cache")
+            "the unit store goes to .cache/llmdp inside the job's temporary working dir, where "
+            "other nodes cannot read the units; pass --env LLMDP_CACHE=/mnt/shared/llmdp-cache")
+    if cfg.privacy.ledger is None and "LLMDP_HOME" not in env_vars:
+        out.append(
+            "the dataset ledgers default to $LLMDP_HOME/ledger.sqlite (the user's data directory) "
+            "of the node that runs the job: a later job on the same data that runs elsewhere "
+            "does not see this job's privacy spend. Unless the nodes set LLMDP_HOME on shared "
+            "storage, pass privacy.ledger=postgresql://USER@DBHOST/llmdp or "
+            "--env LLMDP_HOME=/mnt/shared/llmdp")
     return out
 
 
