@@ -103,7 +103,10 @@ def build_report(run_dir: str, failure: str | None = None, interrupted: bool = F
     # vocabulary is part of the model either way).
     seeded_from = seeded_sources(cfg, plan_info)
     seeded = bool(seeded_from)
-    unit_meta = records[-1]["meta"]["unit"] if records else {}
+    # The run's meta, from its last release (a hold or hold_end record carries no unit).
+    last_meta = next((r["meta"] for r in reversed(records)
+                      if r.get("kind") == "release" and r.get("meta")), {})
+    unit_meta = last_meta.get("unit") or {}
     data_cfg = cfg["data"]
     unit_desc = unit_meta.get("description") or f"a sequence of {data_cfg['sequence_length']} tokens"
     unit_kind = unit_meta.get("kind") or data_cfg["unit"]
@@ -185,7 +188,7 @@ def build_report(run_dir: str, failure: str | None = None, interrupted: bool = F
             for r in prior
         ] + [
             "this run's DP-SGD training steps on the private corpus, as recorded in the ledger "
-            f"({ledger_steps} steps over {len({r.get('attempt') for r in records})} attempt(s))",
+            f"({ledger_steps} steps over {len(attempts)} attempt(s))",
         ],
         "data_accesses_not_covered": [
             "the choice of hyper-parameters (C, learning rate, batch size, steps) if it was "
@@ -238,8 +241,8 @@ def build_report(run_dir: str, failure: str | None = None, interrupted: bool = F
             "releases": releases,
         },
         "internal_metrics": INTERNAL_METRICS,
-        "config_hash": records[-1]["meta"].get("config_hash") if records else None,
-        "dataset_fingerprint": records[-1]["meta"].get("dataset_fingerprint") if records else None,
+        "config_hash": last_meta.get("config_hash"),
+        "dataset_fingerprint": last_meta.get("dataset_fingerprint"),
     }
     return report
 

@@ -12,9 +12,8 @@ import textwrap
 
 import dp_accounting
 import pytest
-import torch
 
-from llmdp.config import recipe_from_dict, to_dict
+from llmdp.config import recipe_from_dict
 from llmdp.privacy.ledger import Ledger
 from llmdp.worker import LocalContext, train_loop_per_worker
 from tests.helpers import dataset_records, simulate_steps, tiny_tokenizer_dir, write_notes
