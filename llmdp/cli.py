@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "being counted); the repair is recorded in the ledger")
     lr.add_argument("--reason", default="", help="why (recorded with the repair)")
     _loc(lr)
+    le = lsub.add_parser("end-hold", help="end the budget hold of a run that died where its "
+                         "lock file cannot be seen from here (recorded)")
+    le.add_argument("run_id")
+    le.add_argument("--dataset", required=True, metavar="ID")
+    le.add_argument("--reason", default="")
+    _loc(le)
     li = lsub.add_parser("import", help="import a JSONL dataset ledger of an earlier llmdp, once")
     li.add_argument("file")
     li.add_argument("--dataset", required=True, metavar="ID", help="the data.dataset_id it belongs to")

@@ -28,8 +28,8 @@ On the cluster the job runs in its own copy of the working dir, so relative path
 recipe resolve there, exactly as they did here. Absolute paths are not shipped: they must
 exist at the same path on the cluster (shared storage). ``output.dir`` and the llmdp cache
 (``LLMDP_CACHE``: unit store, models) must be on storage that every node sees and that
-outlives the job, and the dataset ledgers (``privacy.ledger``: a postgresql:// URL, or
-``LLMDP_HOME`` on shared storage) must be the same for every job on the data;
+outlives the job, and the dataset ledgers (``privacy.ledger``: a postgresql:// URL) must be
+the same database for every job on the data;
 docs/LAUNCH.md explains.
 
 ``--dry-run`` prints the submission as one JSON object and contacts nothing.
@@ -239,7 +239,7 @@ def _path_warnings(cfg: RecipeConfig, root: str, env_vars: dict[str, str]) -> li
                 f"cluster: a temporary copy on the head node only, not seen by the other "
                 f"nodes and deleted with the job; for {what} use shared storage, e.g. "
                 + (f"{key}=/mnt/shared/runs" if key == "output.dir" else
-                   f"{key}=postgresql://USER@DBHOST/llmdp (or /mnt/shared/llmdp/ledger.sqlite)"))
+                   f"{key}=postgresql://USER@DBHOST/llmdp"))
         else:
             out.append(
                 f"{key}: {value} is an absolute path: it must be shared storage mounted at this "
@@ -249,13 +249,12 @@ def _path_warnings(cfg: RecipeConfig, root: str, env_vars: dict[str, str]) -> li
             "LLMDP_CACHE is not set in --env: unless the cluster's nodes set it (launch/ does), "
             "the unit store goes to .cache/llmdp inside the job's temporary working dir, where "
             "other nodes cannot read the units; pass --env LLMDP_CACHE=/mnt/shared/llmdp-cache")
-    if cfg.privacy.ledger is None and "LLMDP_HOME" not in env_vars:
+    if cfg.privacy.ledger is None:
         out.append(
-            "the dataset ledgers default to $LLMDP_HOME/ledger.sqlite (the user's data directory) "
-            "of the node that runs the job: a later job on the same data that runs elsewhere "
-            "does not see this job's privacy spend. Unless the nodes set LLMDP_HOME on shared "
-            "storage, pass privacy.ledger=postgresql://USER@DBHOST/llmdp or "
-            "--env LLMDP_HOME=/mnt/shared/llmdp")
+            "privacy.ledger is not set: the dataset ledgers default to $LLMDP_HOME/ledger.sqlite "
+            "on the node that runs the job (in a container, deleted with it), so a later job on "
+            "the same data may not see this job's privacy spend; pass "
+            "privacy.ledger=postgresql://USER@DBHOST/llmdp (a database that outlives the cluster)")
     return out
 
 

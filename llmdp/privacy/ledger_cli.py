@@ -123,6 +123,28 @@ def main(args) -> int:
         print(f"{args.dataset}: repaired by record {rec['seq']}: {rec['records_lost']} damaged "
               f"record(s) excused and no longer counted (acknowledged loss, recorded)")
         return 0
+    if cmd == "end-hold":
+        from llmdp.privacy.service import holder_alive, live_holds
+
+        db = _db(args.ledger, read_only=False)
+        try:
+            with db.transaction(args.dataset, full=True) as tx:
+                hold = live_holds(tx.records).get(args.run_id)
+                if hold is None:
+                    raise ValueError(f"{args.run_id!r} holds nothing in the dataset ledger "
+                                     f"{args.dataset!r} (`llmdp privacy ledger verify --dataset "
+                                     f"{args.dataset}` lists the live holds)")
+                lock = hold["hold"].get("lock") or {}
+                if lock.get("path") and os.path.exists(lock["path"]) and holder_alive(lock):
+                    raise ValueError(f"run {args.run_id!r} is alive (its lock file {lock['path']} "
+                                     f"is held by PID {lock.get('pid')} on {lock.get('host')}); "
+                                     f"its hold ends when its launch ends")
+                tx.append({"kind": "hold_end", "run_id": None, "ended_run": args.run_id,
+                           "reason": f"ended by hand: {args.reason}".rstrip(": "), "by": _who()})
+        finally:
+            db.close()
+        print(f"{args.dataset}: the hold of run {args.run_id} ended (recorded)")
+        return 0
     if cmd == "import":
         db = _db(args.ledger, read_only=False)
         try:

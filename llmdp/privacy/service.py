@@ -1,18 +1,20 @@
 """The ledger service: the single writer of a run's DP releases, and the budget keeper.
 
-One ledger per *dataset* (``privacy.ledger``; default ``<cache>/ledgers/<source sha>.jsonl``)
-records every release made on that data: every run, every attempt, private tokenizers.
-The run directory keeps its own ``ledger.jsonl`` with this run's releases only (what the
-run's report composes). A :class:`LedgerService` writes both, write-ahead (DESIGN §3.5):
-rank 0 asks it to :meth:`admit` a step before the step starts and to :meth:`ensure` it
-before the update is applied; no other process writes.
+One ledger per *dataset* (``data.dataset_id``) in the ledgers' database
+(`llmdp.privacy.ledgerdb`: ``$LLMDP_HOME/ledger.sqlite`` or ``privacy.ledger``) records every
+release made on that data: every run, every attempt, private tokenizers. The run directory
+keeps its own ``ledger.jsonl`` with this run's records (what the run's report composes),
+written inside the same database transaction. A :class:`LedgerService` writes both,
+write-ahead (DESIGN §3.5): rank 0 asks it to :meth:`admit` a step before the step starts and
+to :meth:`ensure` it before the update is applied; no other process writes.
 
 Under Ray it runs as a named actor on the driver's node (``ray.remote(LedgerService)``),
 so every attempt of every worker group records through the same writer; its state is the
-files, so a new driver (a re-launch) picks up exactly where the ledger stands.
+database, so a new driver (a re-launch) picks up exactly where the ledger stands.
 
 Budget (``privacy.budget_epsilon``): the composed ε (at the plan's δ) of the dataset
-ledger's releases *for this run's privacy unit* may not exceed it.
+ledger's releases *for this run's privacy unit*, plus what live runs hold, may not exceed
+it; checked inside the transaction that records each hold and each block (`LedgerService`).
 
 Budgets and "ε spent" are per unit definition (`unit_key` of each record's ``meta.unit``).
 An (ε, δ) guarantee is a statement about one adjacency: composing a sequence-level and a
@@ -21,10 +23,7 @@ sequences, so the sequence-level ε says nothing per user without a group-privac
 conversion). llmdp makes no such conversion: only releases of the same unit definition
 are composed (`split_by_unit`); releases for other units are listed beside the number as
 "not composed: different privacy unit", never silently added or dropped. These are pure
-functions over ledger records, so they carry over to any other ledger store. At start the service computes how many more steps of
-this run's event fit (a binary search over dp-accounting compositions); a step beyond
-that is not admitted, and the run stops cleanly before it. Blocks of the write-ahead
-reservation are shortened so that a reservation never crosses the budget either.
+functions over ledger records.
 """
 
 from __future__ import annotations
@@ -161,7 +160,9 @@ def live_holds(records) -> dict[str, dict]:
         if r.get("kind") == "hold":
             holds[rid] = {"hold": r, "used": 0}
         elif r.get("kind") == "hold_end":
-            holds.pop(rid, None)
+            # Ended by the run itself (run_id), or by someone else for it (ended_run, with no
+            # run_id: the record is not that run's, whose ledger.jsonl never sees it).
+            holds.pop(r.get("ended_run") or rid, None)
         elif r.get("kind") == "release" and rid in holds:
             holds[rid]["used"] += int(r.get("count") or 0)
     return holds
@@ -375,7 +376,7 @@ class LedgerService:
         # End the holds of runs that died (their lock file is free), in this transaction.
         for rid, h in list(holds.items()):
             if rid != self.run_id and not holder_alive(h["hold"].get("lock")):
-                tx.append({"kind": "hold_end", "run_id": rid,
+                tx.append({"kind": "hold_end", "run_id": None, "ended_run": rid,
                            "reason": "the run holding it is gone (its lock file is free)",
                            "ended_by": self.run_id})
                 holds.pop(rid)
