@@ -108,6 +108,25 @@ DAMAGE_HINT = (
     "dataset may under-state what was spent), and the repair itself is recorded in the ledger.")
 
 
+def _set_wal(conn, wait_s: float = 300.0) -> None:
+    """Switch an SQLite connection's file to WAL mode (a no-op once it is). Switching a new
+    file needs an exclusive lock, and SQLite answers "database is locked" at once (no busy
+    wait) while another connection holds a lock on it, e.g. another run opening the same
+    new file: wait for it (as long as the connection's busy timeout) instead of failing."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.01
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            busy = "locked" in str(e) or "busy" in str(e)
+            if not busy or time.monotonic() >= deadline:
+                raise
+        time.sleep(pause)
+        pause = min(0.5, pause * 2)
+
+
 def _damage_fingerprint(row) -> str:
     if row is None:
         return "missing"
@@ -310,10 +329,12 @@ class LedgerDB:
                 self._conn = sqlite3.connect(self.location, timeout=300, isolation_level=None,
                                              check_same_thread=False)
                 if not self.read_only:
-                    self._conn.execute("PRAGMA journal_mode=WAL")
+                    _set_wal(self._conn)
                 # Durable at every commit (WAL + FULL fsyncs the log at each commit).
                 self._conn.execute("PRAGMA synchronous=FULL")
             except sqlite3.DatabaseError as e:
+                with contextlib.suppress(Exception):
+                    self._conn.close()
                 self._conn = None
                 raise LedgerError(f"the ledger database {self.location} cannot be opened: {e} "
                                   f"(not an SQLite file, or damaged; restore it from a backup)") from None
