@@ -181,6 +181,24 @@ RUN_REPAIR_HINT = (
     "this ledger proceeds until then.")
 
 
+LEGACY_HINT = (
+    "It is a JSONL ledger of an earlier llmdp (no hash-chained records): correct or remove that "
+    "line by hand (a torn last line is a write that never completed: its steps never ran), "
+    "then import the file again (`llmdp privacy ledger import`). Nothing that reads this "
+    "ledger proceeds until then.")
+
+
+def _old_torn_fragment(raw: bytes, following) -> bool:
+    """Whether ``raw`` is a torn fragment that an earlier llmdp's writer terminated: the next
+    line is its "repair" record naming the fragment's length (``following``: the next
+    (number, bytes, parsed) line, if any)."""
+    if not following:
+        return False
+    nxt = following[0][2]
+    return (isinstance(nxt, dict) and nxt.get("kind") == "repair"
+            and nxt.get("torn_bytes") == len(raw) and "hash" not in nxt)
+
+
 class Ledger:
     """Read side of a run's ``ledger.jsonl`` (or a legacy JSONL ledger). A missing file is
     an empty ledger. Every read checks the whole file (it is small: one line per block of
@@ -191,6 +209,8 @@ class Ledger:
         self.legacy = False  # True: written before hash chains (no "hash" on any line)
 
     def _hint(self) -> str:
+        if self.legacy:
+            return LEGACY_HINT
         return RUN_REPAIR_HINT.format(run_dir=self.path.parent)
 
     def _lines(self) -> tuple[list[bytes], bytes]:
@@ -205,25 +225,34 @@ class Ledger:
 
     def _numbered_records(self) -> list[tuple[int, dict]]:
         complete, tail = self._lines()
-        parsed: list[tuple[int, dict]] = []
+        lines: list[tuple[int, bytes, object]] = []
         for i, raw in enumerate(complete, 1):
+            try:
+                rec = json.loads(raw.decode("utf-8")) if raw.strip() else None
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                rec = None
+            lines.append((i, raw, rec))
+        objects = [rec for _, _, rec in lines if isinstance(rec, dict)]
+        # Written before hash chains: no line has a hash (the messages then say so).
+        self.legacy = bool(objects) and all("hash" not in r for r in objects)
+        parsed: list[tuple[int, dict]] = []
+        for k, (i, raw, rec) in enumerate(lines):
+            if rec is None and self.legacy and _old_torn_fragment(raw, lines[k + 1:k + 2]):
+                continue  # an earlier llmdp's torn write, terminated by its writer's "repair" line
             if not raw.strip():
                 raise LedgerError(f"{self.path}: line {i} is empty (an edited file). {self._hint()}")
-            try:
-                rec = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
+            if rec is None:
                 raise LedgerError(
                     f"{self.path}: line {i} is not a ledger record (garbage or an edited line; "
-                    f"first bytes: {raw[:60]!r}). {self._hint()}") from None
+                    f"first bytes: {raw[:60]!r}). {self._hint()}")
             if not isinstance(rec, dict):
                 raise LedgerError(f"{self.path}: line {i} is not a JSON object. {self._hint()}")
             parsed.append((i, rec))
         if tail:
             raise LedgerError(
-                f"{self.path}: the last line ({len(tail)} bytes, no newline) is torn: a write "
-                f"that did not complete (a crash while it was written) or a truncated file. "
-                f"{self._hint()}")
-        self.legacy = bool(parsed) and all("hash" not in r for _, r in parsed)
+                f"{self.path}: the last line (line {len(complete) + 1}: {len(tail)} bytes, no "
+                f"newline) is torn: a write that did not complete (a crash while it was written) "
+                f"or a truncated file. {self._hint()}")
         if self.legacy:
             return self._legacy(parsed)
         prev_hash = None
