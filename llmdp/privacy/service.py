@@ -149,7 +149,8 @@ def steps_within_budget(entries, event, budget: float, delta: float, accountant:
 # hold or a release checks  ε(releases + the unused part of every live hold + the new
 # request) <= budget  in one transaction, so a second run cannot start on budget that the
 # first will spend, and no set of concurrent runs ever crosses the budget. A hold whose run
-# died (its lock file is free) is ended by the next transaction that meets it.
+# died (its lock file is free) is ended by the next transaction that meets it (a "hold_end"
+# with ``hold_of``: the dead run's id, outside that run's records).
 
 
 def live_holds(records) -> dict[str, dict]:
@@ -161,7 +162,7 @@ def live_holds(records) -> dict[str, dict]:
         if r.get("kind") == "hold":
             holds[rid] = {"hold": r, "used": 0}
         elif r.get("kind") == "hold_end":
-            holds.pop(rid, None)
+            holds.pop(r.get("hold_of", rid), None)
         elif r.get("kind") == "release" and rid in holds:
             holds[rid]["used"] += int(r.get("count") or 0)
     return holds
@@ -375,7 +376,9 @@ class LedgerService:
         # End the holds of runs that died (their lock file is free), in this transaction.
         for rid, h in list(holds.items()):
             if rid != self.run_id and not holder_alive(h["hold"].get("lock")):
-                tx.append({"kind": "hold_end", "run_id": rid,
+                # Not a record of the dead run (run_id None): its ledger.jsonl and its run
+                # chain stay whole, and it can resume.
+                tx.append({"kind": "hold_end", "run_id": None, "hold_of": rid,
                            "reason": "the run holding it is gone (its lock file is free)",
                            "ended_by": self.run_id})
                 holds.pop(rid)
