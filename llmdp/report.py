@@ -103,7 +103,9 @@ def build_report(run_dir: str, failure: str | None = None, interrupted: bool = F
     # vocabulary is part of the model either way).
     seeded_from = seeded_sources(cfg, plan_info)
     seeded = bool(seeded_from)
-    unit_meta = records[-1]["meta"]["unit"] if records else {}
+    # The last record with a meta (a hold's end, a repair have none).
+    last_meta = next((r["meta"] for r in reversed(records) if isinstance(r.get("meta"), dict)), {})
+    unit_meta = last_meta.get("unit") or {}
     data_cfg = cfg["data"]
     unit_desc = unit_meta.get("description") or f"a sequence of {data_cfg['sequence_length']} tokens"
     unit_kind = unit_meta.get("kind") or data_cfg["unit"]
@@ -238,8 +240,8 @@ def build_report(run_dir: str, failure: str | None = None, interrupted: bool = F
             "releases": releases,
         },
         "internal_metrics": INTERNAL_METRICS,
-        "config_hash": records[-1]["meta"].get("config_hash") if records else None,
-        "dataset_fingerprint": records[-1]["meta"].get("dataset_fingerprint") if records else None,
+        "config_hash": last_meta.get("config_hash"),
+        "dataset_fingerprint": last_meta.get("dataset_fingerprint"),
     }
     return report
 
