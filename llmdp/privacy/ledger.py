@@ -19,6 +19,10 @@ database transaction that writes the record (`llmdp.privacy.service`). Reading i
 line stops the reader with a `LedgerError` naming the file, the line and the choices. A
 deleted *last* line leaves a valid chain; the dataset ledger (which holds the record) and
 the run's checkpoints (which hold the position) catch it (`llmdp.export.verify_run`).
+A file rewritten from the dataset ledger (`llmdp privacy ledger repair RUN_DIR`) after a
+repair of the dataset ledger lacks the records that repair excused; its own repair line
+names each link that skips one (``run_links_excused``: the line before and the missing
+hash), and only those links are accepted.
 
 Release records hold ``(event, count)``, the only thing the accountant reads:
 
@@ -257,6 +261,10 @@ class Ledger:
             return self._legacy(parsed)
         prev_hash = None
         run_id = None
+        # Links to records of this run that a repair of the dataset ledger excused (named by
+        # the repair that rewrote this file; `llmdp privacy ledger repair RUN_DIR`).
+        gaps = {(g.get("after"), g.get("link")) for _, r in parsed if r.get("kind") == "repair"
+                for g in (r.get("run_links_excused") or []) if isinstance(g, dict)}
         for i, rec in parsed:
             why = check_record({k: v for k, v in rec.items() if k != "hash"})
             if "hash" not in rec or why:
@@ -272,7 +280,7 @@ class Ledger:
                 raise LedgerError(
                     f"{self.path}: line {i} belongs to run {rec.get('run_id')!r}, not "
                     f"{run_id!r} (lines from another run's ledger). {self._hint()}")
-            if rec.get("run_prev") != prev_hash:
+            if rec.get("run_prev") != prev_hash and (prev_hash, rec.get("run_prev")) not in gaps:
                 what = ("the first line links to an earlier record: the first line(s) were deleted"
                         if prev_hash is None else
                         "it does not link to the line before it: a line was deleted or reordered")
