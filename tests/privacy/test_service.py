@@ -328,6 +328,7 @@ def test_the_hold_of_a_dead_run_is_ended_by_the_next_transaction(tmp_path):
     assert st["held"] == 5
     ends = [r for r in records(tmp_path) if r["kind"] == "hold_end"]
     assert len(ends) == 1 and ends[0]["ended_by"] == "b" and "lock file is free" in ends[0]["reason"]
+    assert ends[0]["hold_of"] == "a" and ends[0]["run_id"] is None  # not a record of run a
     assert st["live_holds"] == [{"run_id": "b", "steps_unused": 5}]
     # The dead run's ledger.jsonl still matches the dataset ledger, and it can resume.
     path = tmp_path / "a" / "ledger.jsonl"
