@@ -152,6 +152,46 @@ def test_blocks_written_ahead_to_the_database_and_ledger_jsonl(tmp_path):
     db.close()
 
 
+def test_a_missing_ledger_is_empty(tmp_path):
+    from llmdp.privacy.accountant import epsilon
+
+    lg = Ledger(tmp_path / "nope.jsonl")
+    assert lg.records() == [] and lg.entries() == [] and lg.total_count() == 0 and lg.runs() == []
+    assert epsilon(lg, 1e-5) == 0.0
+    assert LedgerDB(db_path(tmp_path)).records("nope") == []
+
+
+def test_a_restart_never_under_counts(tmp_path):
+    total, block = 50, 8
+    applied = 0
+    svc = service(tmp_path, total=total, block=block)
+    svc.start_attempt()  # attempt 1 applies steps 0..20, then crashes
+    for step in range(21):
+        svc.ensure(step)
+        applied += 1
+    svc.start_attempt()  # attempt 2 resumes from the checkpoint at step 13, to the end
+    for step in range(13, total):
+        svc.ensure(step)
+        applied += 1
+    lg = Ledger(tmp_path / "run" / "ledger.jsonl")
+    assert applied <= lg.total_count("run") <= applied + 2 * block  # one partial block each
+    assert lg.total_count() == sum(released(LedgerDB(db_path(tmp_path)).records(DS)).values())
+    attempts = [r["attempt"] for r in lg.records()]
+    assert attempts[0] != attempts[-1] and len(set(attempts)) == 2
+
+
+def test_a_record_that_is_not_json_is_refused_before_anything_is_written(tmp_path):
+    svc = LedgerService(location=db_path(tmp_path), dataset_id=DS,
+                        run_ledger=str(tmp_path / "run" / "ledger.jsonl"), run_id="run",
+                        meta={"x": object()}, block_size=2, total_steps=4, event_json=EVJ,
+                        delta=1e-5, accountant="rdp")
+    svc.start_attempt()
+    with pytest.raises(LedgerError, match="not JSON-serializable"):
+        svc.ensure(0)
+    assert LedgerDB(db_path(tmp_path)).records(DS) == []
+    assert not (tmp_path / "run" / "ledger.jsonl").exists()
+
+
 def test_the_line_is_fsynced_before_ensure_returns(tmp_path, monkeypatch):
     run_file = tmp_path / "run" / "ledger.jsonl"
     seen = []
