@@ -19,6 +19,10 @@ database transaction that writes the record (`llmdp.privacy.service`). Reading i
 line stops the reader with a `LedgerError` naming the file, the line and the choices. A
 deleted *last* line leaves a valid chain; the dataset ledger (which holds the record) and
 the run's checkpoints (which hold the position) catch it (`llmdp.export.verify_run`).
+A file rewritten from the dataset ledger (`llmdp privacy ledger repair RUN_DIR`) after a
+repair of the dataset ledger lacks the records that repair excused; its own repair line
+names each link that skips one (``run_links_excused``: the line before and the missing
+hash), and only those links are accepted.
 
 Release records hold ``(event, count)``, the only thing the accountant reads:
 
@@ -181,6 +185,24 @@ RUN_REPAIR_HINT = (
     "this ledger proceeds until then.")
 
 
+LEGACY_HINT = (
+    "It is a JSONL ledger of an earlier llmdp (no hash-chained records): correct or remove that "
+    "line by hand (a torn last line is a write that never completed: its steps never ran), "
+    "then import the file again (`llmdp privacy ledger import`). Nothing that reads this "
+    "ledger proceeds until then.")
+
+
+def _old_torn_fragment(raw: bytes, following) -> bool:
+    """Whether ``raw`` is a torn fragment that an earlier llmdp's writer terminated: the next
+    line is its "repair" record naming the fragment's length (``following``: the next
+    (number, bytes, parsed) line, if any)."""
+    if not following:
+        return False
+    nxt = following[0][2]
+    return (isinstance(nxt, dict) and nxt.get("kind") == "repair"
+            and nxt.get("torn_bytes") == len(raw) and "hash" not in nxt)
+
+
 class Ledger:
     """Read side of a run's ``ledger.jsonl`` (or a legacy JSONL ledger). A missing file is
     an empty ledger. Every read checks the whole file (it is small: one line per block of
@@ -191,6 +213,8 @@ class Ledger:
         self.legacy = False  # True: written before hash chains (no "hash" on any line)
 
     def _hint(self) -> str:
+        if self.legacy:
+            return LEGACY_HINT
         return RUN_REPAIR_HINT.format(run_dir=self.path.parent)
 
     def _lines(self) -> tuple[list[bytes], bytes]:
@@ -205,29 +229,42 @@ class Ledger:
 
     def _numbered_records(self) -> list[tuple[int, dict]]:
         complete, tail = self._lines()
-        parsed: list[tuple[int, dict]] = []
+        lines: list[tuple[int, bytes, object]] = []
         for i, raw in enumerate(complete, 1):
+            try:
+                rec = json.loads(raw.decode("utf-8")) if raw.strip() else None
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                rec = None
+            lines.append((i, raw, rec))
+        objects = [rec for _, _, rec in lines if isinstance(rec, dict)]
+        # Written before hash chains: no line has a hash (the messages then say so).
+        self.legacy = bool(objects) and all("hash" not in r for r in objects)
+        parsed: list[tuple[int, dict]] = []
+        for k, (i, raw, rec) in enumerate(lines):
+            if rec is None and self.legacy and _old_torn_fragment(raw, lines[k + 1:k + 2]):
+                continue  # an earlier llmdp's torn write, terminated by its writer's "repair" line
             if not raw.strip():
                 raise LedgerError(f"{self.path}: line {i} is empty (an edited file). {self._hint()}")
-            try:
-                rec = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
+            if rec is None:
                 raise LedgerError(
                     f"{self.path}: line {i} is not a ledger record (garbage or an edited line; "
-                    f"first bytes: {raw[:60]!r}). {self._hint()}") from None
+                    f"first bytes: {raw[:60]!r}). {self._hint()}")
             if not isinstance(rec, dict):
                 raise LedgerError(f"{self.path}: line {i} is not a JSON object. {self._hint()}")
             parsed.append((i, rec))
         if tail:
             raise LedgerError(
-                f"{self.path}: the last line ({len(tail)} bytes, no newline) is torn: a write "
-                f"that did not complete (a crash while it was written) or a truncated file. "
-                f"{self._hint()}")
-        self.legacy = bool(parsed) and all("hash" not in r for _, r in parsed)
+                f"{self.path}: the last line (line {len(complete) + 1}: {len(tail)} bytes, no "
+                f"newline) is torn: a write that did not complete (a crash while it was written) "
+                f"or a truncated file. {self._hint()}")
         if self.legacy:
             return self._legacy(parsed)
         prev_hash = None
         run_id = None
+        # Links to records of this run that a repair of the dataset ledger excused (named by
+        # the repair that rewrote this file; `llmdp privacy ledger repair RUN_DIR`).
+        gaps = {(g.get("after"), g.get("link")) for _, r in parsed if r.get("kind") == "repair"
+                for g in (r.get("run_links_excused") or []) if isinstance(g, dict)}
         for i, rec in parsed:
             why = check_record({k: v for k, v in rec.items() if k != "hash"})
             if "hash" not in rec or why:
@@ -243,7 +280,7 @@ class Ledger:
                 raise LedgerError(
                     f"{self.path}: line {i} belongs to run {rec.get('run_id')!r}, not "
                     f"{run_id!r} (lines from another run's ledger). {self._hint()}")
-            if rec.get("run_prev") != prev_hash:
+            if rec.get("run_prev") != prev_hash and (prev_hash, rec.get("run_prev")) not in gaps:
                 what = ("the first line links to an earlier record: the first line(s) were deleted"
                         if prev_hash is None else
                         "it does not link to the line before it: a line was deleted or reordered")

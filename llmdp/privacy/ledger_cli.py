@@ -53,15 +53,16 @@ def verify_run(run_dir: str, location: str | None = None) -> list[str]:
 
     info, loc = _run_info(run_dir)
     path = os.path.join(run_dir, LEDGER_FILENAME)
-    try:
-        run_records = Ledger(path).records()
-    except LedgerError as e:
-        return [str(e)]
+    # The dataset ledger first: a run's file is repaired from it, so it must be intact.
     db = _db(location or loc, read_only=True)
     try:
         records = db.records(info["dataset_ledger"]["dataset_id"])
     finally:
         db.close()
+    try:
+        run_records = Ledger(path).records()
+    except LedgerError as e:
+        return [str(e)]
     return cross_check(run_records, records, info.get("run_id"), path,
                        f"the dataset ledger {info['dataset_ledger']['dataset_id']!r}")
 
@@ -139,7 +140,7 @@ def main(args) -> int:
                     raise ValueError(f"run {args.run_id!r} is alive (its lock file {lock['path']} "
                                      f"is held by PID {lock.get('pid')} on {lock.get('host')}); "
                                      f"its hold ends when its launch ends")
-                tx.append({"kind": "hold_end", "run_id": None, "ended_run": args.run_id,
+                tx.append({"kind": "hold_end", "run_id": None, "hold_of": args.run_id,
                            "reason": f"ended by hand: {args.reason}".rstrip(": "), "by": _who()})
         finally:
             db.close()
@@ -170,9 +171,17 @@ def _repair_run(run_dir: str, location: str | None, reason: str) -> int:
     db = _db(location or loc, read_only=False)
     try:
         with db.transaction(ds, full=True) as tx:
+            # Links to this run's records that a repair of the dataset ledger excused (they
+            # are no longer counted): the rewritten file lacks them, and says so.
+            gaps, last = [], None
+            for r in tx.records:
+                if r.get("run_id") == run_id:
+                    if r.get("run_prev") != last:
+                        gaps.append({"after": last, "link": r.get("run_prev")})
+                    last = r["hash"]
             tx.append({"kind": "repair", "run_id": run_id, "target": "run ledger",
-                       "excused": [], "problems": problems[:5], "reason": reason,
-                       "by": _who()})
+                       "excused": [], "run_links_excused": gaps, "problems": problems[:5],
+                       "reason": reason, "by": _who()})
             mine = [r for r in tx.records if r.get("run_id") == run_id]
             kept = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
             if os.path.exists(path):

@@ -206,6 +206,13 @@ def verify_rows(ledger: str, rows: list[tuple], head: tuple | None, where: str,
             expected = None  # unknown: the next record's link must be excused too
             after_damage = False
             continue
+        if seq in excused_rows:  # a repair excused something else than what is there now
+            problems.append(bad.get(seq) or (f"record {seq} is missing (deleted)" if row is None else
+                            f"record {seq} is not the damaged record a repair excused: it "
+                            f"changed since (edited, or put back)"))
+            expected = None
+            after_damage = True
+            continue
         if rec is not None and head_seq == seq and head_hash != rec["hash"] and seq == last:
             problems.append(f"record {seq}, the last, is not the record the ledger's head "
                             f"names (hash {head_hash[:12]}): it was edited")
@@ -540,7 +547,7 @@ class LedgerDB:
         cur = conn.cursor()
         rows, head = self._rows(cur, ledger)
         try:
-            verify_rows(ledger, rows, head, self.where)
+            verify_rows(ledger, rows, head, self.where, self._hint_arg(ledger))
             return [], None
         except LedgerError as e:
             error = str(e)
@@ -634,11 +641,15 @@ def _damage_list(ledger: str, rows, head) -> list[dict]:
     that must be excused, as a repair record lists them."""
     by_seq = {int(r[0]): r for r in rows}
     last = max([int(head[0]) if head else 0, *by_seq.keys()], default=0)
+    # Records a repair excused (as `verify_rows`): damage, the same or changed since.
+    excused_rows = {int(d["seq"]) for d in _excused(ledger, rows) if d.get("link") is None}
     out: list[dict] = []
     expected: str | None = GENESIS
     for seq in range(1, last + 1):
         row = by_seq.get(seq)
-        rec = _self_valid(ledger, seq, row)
+        rec = None if seq in excused_rows else _self_valid(ledger, seq, row)
+        if rec is not None and head is not None and seq > int(head[0]):
+            rec = None  # after the head: llmdp writes a record and the head together (inserted)
         if rec is not None and head is not None and int(head[0]) == seq == last and head[1] != rec["hash"]:
             rec = None  # the last record is not the one the head names: edited
         if rec is not None and rec["prev"] == expected:
@@ -648,7 +659,10 @@ def _damage_list(ledger: str, rows, head) -> list[dict]:
             out.append({"seq": seq, "link": rec["prev"]})  # a good record after damage
             expected = rec["hash"]
             continue
-        if rec is not None:  # a good record that does not link: one of the two was edited
+        if rec is not None:  # a good record that does not link to the good one before it:
+            # that one is not what this record linked to (edited, its hash recomputed; or this
+            # record's link was edited, and then the next link breaks too): not counted either
+            out.append({"seq": seq - 1, "fingerprint": _damage_fingerprint(by_seq.get(seq - 1))})
             out.append({"seq": seq, "link": rec["prev"]})
             expected = rec["hash"]
             continue

@@ -148,7 +148,8 @@ def steps_within_budget(entries, event, budget: float, delta: float, accountant:
 # hold or a release checks  ε(releases + the unused part of every live hold + the new
 # request) <= budget  in one transaction, so a second run cannot start on budget that the
 # first will spend, and no set of concurrent runs ever crosses the budget. A hold whose run
-# died (its lock file is free) is ended by the next transaction that meets it.
+# died (its lock file is free) is ended by the next transaction that meets it (a "hold_end"
+# with ``hold_of``: the dead run's id, outside that run's records).
 
 
 def live_holds(records) -> dict[str, dict]:
@@ -160,9 +161,7 @@ def live_holds(records) -> dict[str, dict]:
         if r.get("kind") == "hold":
             holds[rid] = {"hold": r, "used": 0}
         elif r.get("kind") == "hold_end":
-            # Ended by the run itself (run_id), or by someone else for it (ended_run, with no
-            # run_id: the record is not that run's, whose ledger.jsonl never sees it).
-            holds.pop(r.get("ended_run") or rid, None)
+            holds.pop(r.get("hold_of", rid), None)
         elif r.get("kind") == "release" and rid in holds:
             holds[rid]["used"] += int(r.get("count") or 0)
     return holds
@@ -376,7 +375,9 @@ class LedgerService:
         # End the holds of runs that died (their lock file is free), in this transaction.
         for rid, h in list(holds.items()):
             if rid != self.run_id and not holder_alive(h["hold"].get("lock")):
-                tx.append({"kind": "hold_end", "run_id": None, "ended_run": rid,
+                # Not a record of the dead run (run_id None): its ledger.jsonl and its run
+                # chain stay whole, and it can resume.
+                tx.append({"kind": "hold_end", "run_id": None, "hold_of": rid,
                            "reason": "the run holding it is gone (its lock file is free)",
                            "ended_by": self.run_id})
                 holds.pop(rid)

@@ -1,0 +1,256 @@
+"""`llmdp privacy ledger list|verify|repair|import`: exit 0 when what was checked is intact
+(or was repaired), 2 with the message on stderr when a ledger is damaged or an argument is
+wrong; a repair of a dataset ledger needs --acknowledge-loss, and every repair is recorded."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from llmdp.cli import main
+from llmdp.privacy.events import dpsgd_step_event, event_to_json
+from llmdp.privacy.ledger import Ledger
+from llmdp.privacy.ledgerdb import LedgerDB
+from llmdp.privacy.service import LedgerService
+
+EVJ = event_to_json(dpsgd_step_event(0.01, 1.0))
+DS = "ds-1"
+META = {"unit": {"kind": "sequence", "sequence_length": 24}}
+
+
+def _service(tmp_path, run_id="run") -> LedgerService:
+    return LedgerService(
+        location=str(tmp_path / "ledger.sqlite"), dataset_id=DS,
+        run_ledger=str(tmp_path / run_id / "ledger.jsonl"), run_id=run_id, meta=META, block_size=2,
+        total_steps=10, event_json=EVJ, delta=1e-5, accountant="rdp")
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory (plan.json naming its dataset ledger) whose ledger.jsonl a
+    LedgerService wrote: 5 records of 2 steps."""
+    svc = _service(tmp_path)
+    svc.start_attempt()
+    for step in range(10):
+        svc.ensure(step)
+    svc.db.close()
+    run = tmp_path / "run"
+    (run / "plan.json").write_text(json.dumps({
+        "run_id": "run", "dataset_ledger": {"location": str(tmp_path / "ledger.sqlite"),
+                                            "dataset_id": DS}}))
+    return run
+
+
+def db(tmp_path) -> str:
+    return str(tmp_path / "ledger.sqlite")
+
+
+def ledger(args, capsys) -> tuple[int, str, str]:
+    rc = main(["privacy", "ledger", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def sql(tmp_path, query, params=()):
+    con = sqlite3.connect(db(tmp_path))
+    try:
+        rows = con.execute(query, params).fetchall()
+        con.commit()
+        return rows
+    finally:
+        con.close()
+
+
+def edit_record_3(tmp_path):
+    body = sql(tmp_path, "SELECT body FROM llmdp_records WHERE ledger = ? AND seq = 3", (DS,))[0][0]
+    sql(tmp_path, "UPDATE llmdp_records SET body = ? WHERE ledger = ? AND seq = 3",
+        (body.replace('"count":2', '"count":1'), DS))
+
+
+def state(tmp_path):
+    return (sql(tmp_path, "SELECT ledger, seq, body, hash FROM llmdp_records ORDER BY ledger, seq"),
+            sql(tmp_path, "SELECT * FROM llmdp_heads ORDER BY ledger"))
+
+
+# ------------------------------------------------------------------ dataset ledgers
+
+def test_list_and_verify(tmp_path, run_dir, capsys):
+    LedgerDB(db(tmp_path)).append("other", {"kind": "note"})
+    rc, out, err = ledger(["list", "--ledger", db(tmp_path)], capsys)
+    assert rc == 0 and err == ""
+    assert out.splitlines() == [
+        f"ledgers in {db(tmp_path)}: 2",
+        f"  {DS}: intact, 5 record(s), 5 release(s) (10 step(s)) by 1 run(s)",
+        "  other: intact, 1 record(s), 0 release(s) (0 step(s)) by 0 run(s)"]
+    rc, out, err = ledger(["verify", "--ledger", db(tmp_path)], capsys)
+    assert rc == 0 and err == "" and len(out.splitlines()) == 2
+    rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
+    assert (rc, err) == (0, "") and out.startswith(f"{DS}: intact, 5 record(s)")
+    # Damaged: verify fails with the message on stderr; list says which one is damaged.
+    edit_record_3(tmp_path)
+    for args in (["verify"], ["verify", "--dataset", DS]):
+        rc, out, err = ledger([*args, "--ledger", db(tmp_path)], capsys)
+        assert rc == 2
+        assert err.startswith(f"llmdp: error: the dataset ledger {DS!r} in {db(tmp_path)} is "
+                              f"damaged: record 3: its content no longer matches its hash")
+        assert (f"llmdp privacy ledger repair --ledger {db(tmp_path)} --dataset {DS} "
+                "--acknowledge-loss") in err
+    rc, out, err = ledger(["list", "--ledger", db(tmp_path)], capsys)
+    assert rc == 0
+    assert f"  {DS}: DAMAGED (record 3: its content no longer matches its hash" in out
+    assert "  other: intact" in out
+
+
+def test_verify_refuses_unknown_ledgers_and_databases(tmp_path, run_dir, capsys):
+    rc, _, err = ledger(["verify", "--dataset", "nope", "--ledger", db(tmp_path)], capsys)
+    assert rc == 2 and "--dataset 'nope': no such ledger" in err
+    missing = str(tmp_path / "missing.sqlite")
+    rc, _, err = ledger(["verify", "--ledger", missing], capsys)
+    assert rc == 2 and f"the ledger database {missing} does not exist" in err
+    assert not (tmp_path / "missing.sqlite").exists()  # verify never creates one
+
+
+def test_repair_needs_acknowledge_loss(tmp_path, run_dir, capsys):
+    rc, out, _ = ledger(["repair", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
+    assert rc == 0 and out.strip() == f"{DS}: intact; nothing to repair"
+    edit_record_3(tmp_path)
+    before = state(tmp_path)
+    rc, out, err = ledger(["repair", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
+    assert rc == 2 and out == ""
+    assert "is damaged: record 3" in err and f"--dataset {DS} --acknowledge-loss" in err
+    assert state(tmp_path) == before  # nothing written
+    rc, out, err = ledger(["repair", "--dataset", DS, "--acknowledge-loss", "--reason",
+                           "disk error", "--ledger", db(tmp_path)], capsys)
+    assert (rc, err) == (0, "")
+    assert out.strip() == (f"{DS}: repaired by record 6: 1 damaged record(s) excused and no longer "
+                           f"counted (acknowledged loss, recorded)")
+    rec = LedgerDB(db(tmp_path)).records(DS)[-1]
+    assert rec["kind"] == "repair" and rec["seq"] == 6 and rec["reason"] == "disk error"
+    assert [d["seq"] for d in rec["excused"] if "fingerprint" in d] == [3]
+    rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
+    assert (rc, err) == (0, "")
+    assert out.strip() == (f"{DS}: intact, 5 record(s), 4 release(s) (8 step(s)) by 1 run(s), 1 "
+                           f"damaged record(s) excused by repairs")
+
+
+def test_repair_needs_a_run_dir_or_a_dataset(tmp_path, capsys):
+    rc, _, err = ledger(["repair", "--ledger", db(tmp_path)], capsys)
+    assert rc == 2 and "give a RUN_DIR" in err and "--dataset ID" in err
+
+
+def test_import(tmp_path, capsys):
+    legacy = tmp_path / "legacy.jsonl"
+    lines = [{"kind": "release", "event": EVJ, "count": c, "first_step": s, "run_id": "old",
+              "attempt": "0", "meta": META} for s, c in ((0, 4), (4, 4))]
+    legacy.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = ["import", str(legacy), "--dataset", DS, "--ledger", db(tmp_path)]
+    rc, out, err = ledger(args, capsys)
+    assert (rc, err) == (0, "") and out.strip() == f"imported 2 release record(s) from {legacy} into {DS!r}"
+    rc, out, err = ledger(args, capsys)
+    assert (rc, err) == (0, "") and out.strip() == f"{legacy}: imported before; nothing to do"
+    assert [r["kind"] for r in LedgerDB(db(tmp_path)).records(DS)] == ["import", "release", "release"]
+    torn = tmp_path / "torn.jsonl"
+    torn.write_bytes(legacy.read_bytes()[:-10])
+    rc, out, err = ledger(["import", str(torn), "--dataset", "torn", "--ledger", db(tmp_path)], capsys)
+    assert rc == 2 and f"llmdp: error: {torn}: the last line (line 2:" in err
+    assert LedgerDB(db(tmp_path)).records("torn") == []
+
+
+# ------------------------------------------------------------------ a run's ledger.jsonl
+
+def _torn(path):
+    path.write_bytes(path.read_bytes()[:-5])
+
+
+def _last_line_deleted(path):
+    path.write_bytes(b"".join(x + b"\n" for x in path.read_bytes().split(b"\n")[:-2]))
+
+
+def _edited(path):
+    lines = path.read_bytes().split(b"\n")
+    lines[1] = lines[1].replace(b'"count":2', b'"count":1')
+    path.write_bytes(b"\n".join(lines))
+
+
+@pytest.mark.parametrize("damage, said", [
+    (_torn, "the last line (line 5:"),
+    (_last_line_deleted, "lacks 1 of this run's record(s)"),
+    (_edited, "line 2 (dataset record 2) was edited"),
+])
+def test_a_run_ledger_is_verified_and_rewritten_from_the_dataset_ledger(tmp_path, run_dir, capsys,
+                                                                       damage, said):
+    path = run_dir / "ledger.jsonl"
+    rc, out, err = ledger(["verify", str(run_dir)], capsys)
+    assert (rc, err) == (0, "") and out.startswith(f"{path}: intact")
+    rc, out, _ = ledger(["repair", str(run_dir)], capsys)
+    assert rc == 0 and out.strip() == f"{path}: intact; nothing to repair"
+    good = Ledger(path).records()
+    damage(path)
+    damaged = path.read_bytes()
+    rc, out, err = ledger(["verify", str(run_dir)], capsys)
+    assert rc == 2 and err.startswith(f"llmdp: error: {path}") and said in err
+    assert f"llmdp privacy ledger repair {run_dir}" in err
+    rc, out, err = ledger(["repair", str(run_dir)], capsys)
+    assert (rc, err) == (0, "")
+    kept = list(run_dir.glob("ledger.jsonl.damaged-*"))
+    assert len(kept) == 1 and kept[0].read_bytes() == damaged  # kept beside it
+    assert out.strip() == (f"{path}: rewritten from the dataset ledger {DS!r} (6 record(s), the "
+                           f"repair included); the damaged file is {kept[0]}")
+    records = LedgerDB(db(tmp_path)).records(DS)
+    rep = records[-1]
+    assert rep["kind"] == "repair" and rep["run_id"] == "run" and rep["target"] == "run ledger"
+    assert said in rep["problems"][0]
+    assert Ledger(path).records() == good + [rep]
+    rc, out, err = ledger(["verify", str(run_dir)], capsys)
+    assert (rc, err) == (0, "") and out.startswith(f"{path}: intact")
+    # The run goes on: its next records link to the repair.
+    svc = _service(tmp_path)
+    svc.start_attempt()
+    svc.ensure(8)
+    assert Ledger(path).records()[-1]["run_prev"] == rep["hash"]
+    assert ledger(["verify", str(run_dir)], capsys)[0] == 0
+
+
+def test_a_run_ledger_is_not_rewritten_from_a_damaged_dataset_ledger(tmp_path, run_dir, capsys):
+    _torn(run_dir / "ledger.jsonl")
+    torn = (run_dir / "ledger.jsonl").read_bytes()
+    edit_record_3(tmp_path)
+    before = state(tmp_path)
+    for cmd in ("verify", "repair"):
+        rc, out, err = ledger([cmd, str(run_dir)], capsys)
+        assert rc == 2 and f"the dataset ledger {DS!r}" in err and "is damaged: record 3" in err
+    assert state(tmp_path) == before
+    assert (run_dir / "ledger.jsonl").read_bytes() == torn
+    assert not list(run_dir.glob("ledger.jsonl.damaged-*"))
+
+
+def test_a_directory_without_plan_is_no_run(tmp_path, capsys):
+    rc, _, err = ledger(["verify", str(tmp_path)], capsys)
+    assert rc == 2 and "not a run directory (no plan.json)" in err
+
+
+def test_a_run_ledger_is_rewritten_after_a_repair_of_its_dataset_ledger(tmp_path, run_dir, capsys):
+    """The dataset ledger lost one of the run's records (repaired with --acknowledge-loss):
+    the run's file no longer matches it; rewritten, it lacks that record and verifies."""
+    edit_record_3(tmp_path)
+    rc, _, _ = ledger(["repair", "--dataset", DS, "--acknowledge-loss", "--ledger", db(tmp_path)],
+                      capsys)
+    assert rc == 0
+    rc, _, err = ledger(["verify", str(run_dir)], capsys)
+    assert rc == 2 and "line 3 (record 3) is not in the dataset ledger" in err
+    rc, out, err = ledger(["repair", str(run_dir)], capsys)
+    assert (rc, err) == (0, "")
+    path = run_dir / "ledger.jsonl"
+    lines = Ledger(path).records()
+    assert [r["seq"] for r in lines] == [1, 2, 4, 5, 7]
+    assert lines[-1]["run_links_excused"] == [{"after": lines[1]["hash"], "link": lines[2]["run_prev"]}]
+    rc, out, err = ledger(["verify", str(run_dir)], capsys)
+    assert (rc, err) == (0, "") and out.startswith(f"{path}: intact")
+    # The excuse is for that link only: deleting another line is detected.
+    raw = path.read_bytes().split(b"\n")
+    del raw[1]
+    path.write_bytes(b"\n".join(raw))
+    rc, _, err = ledger(["verify", str(run_dir)], capsys)
+    assert rc == 2 and "line 2 (dataset record 4): it does not link to the line before it" in err
