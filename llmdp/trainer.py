@@ -138,6 +138,28 @@ def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print) -> di
     return {**ident, "location": location, "shown": shown}
 
 
+def _check_run_ledger(run_dir: str, run_id: str, ledger: dict) -> None:
+    """Before a resumed run records anything: its ledger.jsonl verifies on its own and
+    against the dataset ledger (else `LedgerError`, naming the line and the repair)."""
+    path = os.path.join(run_dir, "ledger.jsonl")
+    if not os.path.exists(path):
+        return
+    from llmdp.privacy.ledger import Ledger, LedgerError
+    from llmdp.privacy.ledgerdb import LedgerDB
+    from llmdp.privacy.service import cross_check
+
+    records = Ledger(path).records()
+    db = LedgerDB(ledger["location"])
+    try:
+        dataset_records = db.records(ledger["dataset_id"])
+    finally:
+        db.close()
+    problems = cross_check(records, dataset_records, run_id, path,
+                           f"the dataset ledger {ledger['dataset_id']!r}")
+    if problems:
+        raise LedgerError(problems[0])
+
+
 def _checkpoint_step(run_dir: str) -> int:
     rp = resume_point(run_dir) if os.path.isdir(run_dir) else None
     step = (rp or {}).get("step", 0)
@@ -251,6 +273,7 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> PreparedRun:
     from llmdp.privacy.events import event_to_json
 
     ledger = open_dataset_ledger(d, cfg.privacy.ledger, source_sha, log=log)
+    _check_run_ledger(run_dir, run_id, ledger)  # a resumed run: its ledger.jsonl is whole
     # A resumed run holds (and may need) only the steps after its checkpoint.
     resumed_at = _checkpoint_step(run_dir)
     service = {

@@ -300,3 +300,32 @@ def test_two_concurrent_runs_under_a_budget_that_fits_one(tmp_path):
     assert not [r for r in recs if r["kind"] == "hold" and r["run_id"] != winner["run_id"]]
     assert [r["kind"] for r in recs if r["run_id"] == winner["run_id"]][-1] == "hold_end"
     assert os.path.isdir(tmp_path / "runs" / winner_name / "model")
+
+
+def test_a_damaged_run_ledger_stops_a_resume_before_any_release(tmp_path, monkeypatch, capsys):
+    """A run whose ledger.jsonl lost its last line (the dataset ledger still has it) is not
+    resumed: `llmdp train` exits 2 with the message and the repair command, and records
+    nothing; after `llmdp privacy ledger repair RUN_DIR` it resumes."""
+    import yaml
+
+    from llmdp.cli import main
+
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
+    data = write_notes(tmp_path / "notes.jsonl", 30)
+    raw = _raw(tmp_path, data)
+    prep = _prepare(recipe_from_dict(raw))
+    simulate_steps(prep, steps=4)  # two blocks of 2
+    path = os.path.join(prep.run_dir, "ledger.jsonl")
+    lines = open(path).read().splitlines(keepends=True)
+    open(path, "w").write("".join(lines[:-1]))
+    before = dataset_records(None, dataset_id=prep.ledger_service["dataset_id"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "lacks 1 of this run's record(s)" in err and "llmdp privacy ledger repair" in err
+    assert "Traceback" not in err
+    assert dataset_records(None, dataset_id=prep.ledger_service["dataset_id"]) == before
+    assert main(["privacy", "ledger", "repair", prep.run_dir]) == 0
+    assert Ledger(path).total_count() == 4
+    _prepare(recipe_from_dict(raw))  # accepted again
