@@ -277,3 +277,34 @@ def test_sqlite_first_open_waits_for_a_concurrent_writer(tmp_path):
         release.join()
         db.close()
         other.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_read_during_an_append_sees_an_intact_ledger(backend, request, tmp_path, monkeypatch):
+    """A reader (reports, `llmdp privacy ledger verify|list`, a run's status) reads the
+    records, then the head: a record another process appends in between must not make an
+    intact ledger look damaged ("the last record(s) were deleted")."""
+    location = _location(backend, request, tmp_path)
+    dataset_id = f"read-{uuid.uuid4().hex[:8]}"
+    writer, reader = LedgerDB(location), LedgerDB(location)
+    try:
+        writer.append(dataset_id, {"kind": "note", "text": "first"})
+        real_exec = reader._exec
+        appended = []
+
+        def exec_then_append(cur, sql, params=()):
+            out = real_exec(cur, sql, params)
+            if sql.startswith("SELECT seq, body, hash FROM llmdp_records") and len(appended) < 2:
+                # Another process commits a record between this read's two SELECTs.
+                appended.append(writer.append(dataset_id, {"kind": "note", "text": "between"}))
+            return out
+
+        monkeypatch.setattr(reader, "_exec", exec_then_append)
+        assert [r["seq"] for r in reader.read(dataset_id).records] == [1]  # as it was
+        assert reader.damage(dataset_id) == ([], None)
+        assert len(appended) == 2
+        monkeypatch.undo()
+        assert [r["seq"] for r in reader.read(dataset_id).records] == [1, 2, 3]
+    finally:
+        writer.close()
+        reader.close()
