@@ -471,14 +471,37 @@ class LedgerDB:
         self._cache[ledger] = st
         return st
 
+    @contextlib.contextmanager
+    def _snapshot(self, conn):
+        """One view of the database for several reads (a ledger's records, then its head).
+        Without it each statement sees the database as it is then, and a record another
+        process appends between the two makes an intact ledger look damaged. (Inside a
+        write transaction, which locks the ledger, nothing changes in between.)"""
+        if self.pg:
+            import psycopg
+
+            idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            with conn.transaction():
+                if idle:
+                    conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                yield
+            return
+        if conn.in_transaction:
+            yield
+            return
+        conn.execute("BEGIN")  # deferred: a WAL read transaction, never waits for writers
+        try:
+            yield
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("COMMIT")
+
     def read(self, ledger: str) -> VerifiedLedger:
         """Every record of ``ledger``, fully verified (an unknown ledger is empty)."""
         conn = self._connect()
         cur = conn.cursor()
-        if self.pg:
-            with conn.transaction():
-                return self._verified(cur, ledger, full=True)
-        return self._verified(cur, ledger, full=True)
+        with self._snapshot(conn):
+            return self._verified(cur, ledger, full=True)
 
     def records(self, ledger: str) -> list[dict]:
         return self.read(ledger).records
@@ -545,7 +568,8 @@ class LedgerDB:
         """(what a repair of ``ledger`` would excuse, the verification error or None)."""
         conn = self._connect()
         cur = conn.cursor()
-        rows, head = self._rows(cur, ledger)
+        with self._snapshot(conn):
+            rows, head = self._rows(cur, ledger)
         try:
             verify_rows(ledger, rows, head, self.where, self._hint_arg(ledger))
             return [], None

