@@ -377,18 +377,18 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
         return {"ledger": info, "error": "a JSONL dataset ledger of an earlier llmdp: not "
                 "cross-checked (it is imported into the ledgers' database by the next run on "
                 "this data)"}
-    from llmdp.privacy.ledger import LedgerError
+    from llmdp.privacy.ledger import LedgerDamaged, LedgerError
     from llmdp.privacy.ledgerdb import LedgerDB, resolve_location
     from llmdp.privacy.service import budget_status, cross_check
 
     location = info["location"]
-    db = LedgerDB(resolve_location(location) if "://" not in location else location, read_only=True)
+    db = LedgerDB(resolve_location(location), read_only=True)
     try:
         try:
             records = db.records(info["dataset_id"])
+        except LedgerDamaged:
+            raise
         except LedgerError as e:
-            if "is damaged" in str(e):
-                raise
             return {"ledger": location, "dataset_id": info["dataset_id"],
                     "error": f"not reachable: {e}"}
     finally:

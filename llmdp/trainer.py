@@ -144,18 +144,10 @@ def _check_run_ledger(run_dir: str, run_id: str, ledger: dict) -> None:
     path = os.path.join(run_dir, "ledger.jsonl")
     if not os.path.exists(path):
         return
-    from llmdp.privacy.ledger import Ledger, LedgerError
-    from llmdp.privacy.ledgerdb import LedgerDB
-    from llmdp.privacy.service import cross_check
+    from llmdp.privacy.ledger import LedgerError
+    from llmdp.privacy.service import run_ledger_problems
 
-    records = Ledger(path).records()
-    db = LedgerDB(ledger["location"])
-    try:
-        dataset_records = db.records(ledger["dataset_id"])
-    finally:
-        db.close()
-    problems = cross_check(records, dataset_records, run_id, path,
-                           f"the dataset ledger {ledger['dataset_id']!r}")
+    problems = run_ledger_problems(path, run_id, ledger["location"], ledger["dataset_id"])
     if problems:
         raise LedgerError(problems[0])
 

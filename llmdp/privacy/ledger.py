@@ -51,7 +51,7 @@ import dp_accounting
 
 from llmdp.privacy.events import event_from_json
 
-__all__ = ["LEDGER_FILENAME", "GENESIS", "LedgerError", "Ledger", "canonical", "record_hash",
+__all__ = ["LEDGER_FILENAME", "GENESIS", "LedgerError", "LedgerDamaged", "Ledger", "canonical", "record_hash",
            "append_line", "release_entries", "check_record", "now"]
 
 LEDGER_FILENAME = "ledger.jsonl"
@@ -65,6 +65,11 @@ KINDS = ("dataset", "data_version", "release", "hold", "hold_end", "import", "re
 class LedgerError(RuntimeError):
     """A ledger that cannot be read or written safely. The message names the ledger, the
     record and what the user can do; nothing that reads the ledger proceeds past it."""
+
+
+class LedgerDamaged(LedgerError):
+    """A dataset ledger whose records do not verify (as opposed to one that cannot be
+    reached)."""
 
 
 def now() -> str:

@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from llmdp.privacy.ledger import LEDGER_FILENAME, Ledger, LedgerError, append_line
+from llmdp.privacy.ledger import LEDGER_FILENAME, LedgerError, append_line
 
 
 def _db(location: str | None, read_only: bool):
@@ -49,22 +49,12 @@ def _summary(ledger: str, st) -> str:
 def verify_run(run_dir: str, location: str | None = None) -> list[str]:
     """Problems of a run's ledger.jsonl, checked on its own and against its dataset ledger
     (raises `LedgerError` if the dataset ledger itself is damaged)."""
-    from llmdp.privacy.service import cross_check
+    from llmdp.privacy.ledgerdb import resolve_location
+    from llmdp.privacy.service import run_ledger_problems
 
     info, loc = _run_info(run_dir)
-    path = os.path.join(run_dir, LEDGER_FILENAME)
-    # The dataset ledger first: a run's file is repaired from it, so it must be intact.
-    db = _db(location or loc, read_only=True)
-    try:
-        records = db.records(info["dataset_ledger"]["dataset_id"])
-    finally:
-        db.close()
-    try:
-        run_records = Ledger(path).records()
-    except LedgerError as e:
-        return [str(e)]
-    return cross_check(run_records, records, info.get("run_id"), path,
-                       f"the dataset ledger {info['dataset_ledger']['dataset_id']!r}")
+    return run_ledger_problems(os.path.join(run_dir, LEDGER_FILENAME), info.get("run_id"),
+                               resolve_location(location or loc), info["dataset_ledger"]["dataset_id"])
 
 
 def main(args) -> int:

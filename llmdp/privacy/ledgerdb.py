@@ -40,6 +40,7 @@ from llmdp.privacy.ledger import (
     GENESIS,
     RECORD_VERSION,
     Ledger,
+    LedgerDamaged,
     LedgerError,
     canonical,
     check_record,
@@ -161,26 +162,11 @@ def verify_rows(ledger: str, rows: list[tuple], head: tuple | None, where: str,
     parsed: dict[int, dict] = {}
     bad: dict[int, str] = {}
     for seq, row in by_seq.items():
-        body, h = row[1], row[2]
-        try:
-            rec = json.loads(body)
-        except (TypeError, ValueError):
-            bad[seq] = f"record {seq} is not JSON (garbage; first bytes {str(body)[:40]!r})"
-            continue
-        why = check_record(rec)
-        if why is None and canonical(rec) != body:
-            why = "not in canonical form (edited)"
-        if why is None and rec["seq"] != seq:
-            why = f"its body says seq {rec['seq']} (moved or edited)"
-        if why is None and rec["ledger"] != ledger:
-            why = f"its body names ledger {rec['ledger']!r} (copied from another ledger)"
-        if why is None and hashlib.sha256(body.encode("ascii")).hexdigest() != h:
-            why = "its content no longer matches its hash (edited)"
+        rec, why = _check_row(ledger, seq, row)
         if why is not None:
-            bad[seq] = f"record {seq}: {why}"
-            continue
-        rec["hash"] = h
-        parsed[seq] = rec
+            bad[seq] = f"record {seq} {why}" if why.startswith("is ") else f"record {seq}: {why}"
+        else:
+            parsed[seq] = rec
     # Repairs (records that verify on their own) excuse exactly the damage they list.
     excused_rows: dict[int, str] = {}
     excused_links: dict[int, str] = {}
@@ -252,7 +238,7 @@ def verify_rows(ledger: str, rows: list[tuple], head: tuple | None, where: str,
         shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
         if after_damage or len(problems) > 1:
             shown += " (records after a damaged one cannot be checked until it is repaired)"
-        raise LedgerError(f"the dataset ledger {ledger!r} in {where} is damaged: {shown}. "
+        raise LedgerDamaged(f"the dataset ledger {ledger!r} in {where} is damaged: {shown}. "
                           + DAMAGE_HINT.format(ledger_arg=hint_arg))
     return out
 
@@ -262,7 +248,6 @@ class _Tx:
 
     def __init__(self, db: LedgerDB, cur, ledger: str, state: VerifiedLedger):
         self.db, self.cur, self.ledger, self.state = db, cur, ledger, state
-        self.appended: list[dict] = []
 
     @property
     def records(self) -> list[dict]:
@@ -291,7 +276,6 @@ class _Tx:
         rec["hash"] = h
         st.records.append(rec)
         st.head_seq, st.head_hash = rec["seq"], h
-        self.appended.append(rec)
         return rec
 
 
@@ -452,20 +436,13 @@ class LedgerDB:
             st = VerifiedLedger(ledger=ledger, records=list(cached.records), head_seq=cached.head_seq,
                                 head_hash=cached.head_hash, excused=cached.excused)
             expected = cached.head_hash
-            for seq, body, h in rows:
-                try:
-                    rec = json.loads(body)
-                except ValueError:
-                    rec = None
-                ok = (rec is not None and check_record(rec) is None and canonical(rec) == body
-                      and rec["seq"] == seq == st.head_seq + 1 and rec["prev"] == expected
-                      and rec["ledger"] == ledger
-                      and hashlib.sha256(body.encode("ascii")).hexdigest() == h)
-                if not ok:
+            for row in rows:
+                seq = int(row[0])
+                rec = _self_valid(ledger, seq, row)
+                if rec is None or seq != st.head_seq + 1 or rec["prev"] != expected:
                     return self._verified(cur, ledger, full=True)  # full check: names the damage
-                rec["hash"] = h
                 st.records.append(rec)
-                st.head_seq, st.head_hash, expected = seq, h, h
+                st.head_seq, st.head_hash, expected = seq, rec["hash"], rec["hash"]
             if head is None or (int(head[0]), head[1]) != (st.head_seq, st.head_hash):
                 return self._verified(cur, ledger, full=True)
         self._cache[ledger] = st
@@ -705,19 +682,31 @@ def _excused(ledger: str, rows) -> list[dict]:
     return out
 
 
-def _self_valid(ledger: str, seq: int, row) -> dict | None:
-    if row is None:
-        return None
+def _check_row(ledger: str, seq: int, row) -> tuple[dict | None, str | None]:
+    """(the record with its "hash", None) if the row ``(seq, body, hash)`` is a well-formed
+    record of ``ledger`` at ``seq`` whose body matches its hash, else (None, why)."""
     body, h = row[1], row[2]
     try:
         rec = json.loads(body)
     except (TypeError, ValueError):
-        return None
-    if (check_record(rec) is not None or canonical(rec) != body or rec["seq"] != seq
-            or rec["ledger"] != ledger or hashlib.sha256(body.encode("ascii")).hexdigest() != h):
-        return None
+        return None, f"is not JSON (garbage; first bytes {str(body)[:40]!r})"
+    why = check_record(rec)
+    if why is None and canonical(rec) != body:
+        why = "not in canonical form (edited)"
+    if why is None and rec["seq"] != seq:
+        why = f"its body says seq {rec['seq']} (moved or edited)"
+    if why is None and rec["ledger"] != ledger:
+        why = f"its body names ledger {rec['ledger']!r} (copied from another ledger)"
+    if why is None and hashlib.sha256(body.encode("ascii")).hexdigest() != h:
+        why = "its content no longer matches its hash (edited)"
+    if why is not None:
+        return None, why
     rec["hash"] = h
-    return rec
+    return rec, None
+
+
+def _self_valid(ledger: str, seq: int, row) -> dict | None:
+    return None if row is None else _check_row(ledger, seq, row)[0]
 
 
 def _last_good(ledger: str, rows, excuses) -> tuple[int, str]:

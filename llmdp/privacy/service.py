@@ -550,3 +550,23 @@ def cross_check(run_records: list[dict], dataset_records: list[dict], run_id: st
             f"(records {', '.join(str(r['seq']) for r in missing[:5])}; {steps} step(s)): lines "
             f"were deleted, or a crash came between the database and the file. {hint}")
     return problems
+
+
+def run_ledger_problems(run_ledger: str, run_id: str, location: str, dataset_id: str) -> list[str]:
+    """Problems of a run's ``ledger.jsonl``, read on its own and cross-checked against its
+    dataset ledger (`cross_check`). The dataset ledger is read first and must be intact (a
+    run's file is repaired from it): its damage raises `LedgerError`."""
+    from llmdp.privacy.ledger import Ledger
+    from llmdp.privacy.ledgerdb import LedgerDB
+
+    db = LedgerDB(location, read_only=True)
+    try:
+        records = db.records(dataset_id)
+    finally:
+        db.close()
+    try:
+        run_records = Ledger(run_ledger).records()
+    except LedgerError as e:
+        return [str(e)]
+    return cross_check(run_records, records, run_id, run_ledger,
+                       f"the dataset ledger {dataset_id!r}")
