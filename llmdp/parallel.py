@@ -19,9 +19,10 @@ of a logical step is reduced and noised (DESIGN §1, §3.1-3.2).
     plain tensor per trainable parameter, float32, or float64 for float64 parameters):
     nothing is reduced per micro-step. Once per logical step one reduce-scatter gives
     every rank the cross-worker sum of its own shard; every rank adds to its shard its
-    slice of one N(0, σ²C²I), drawn from a secure stream keyed by (the step's noise key,
-    this shard), so each coordinate gets exactly one independent draw; then ÷ q·N, and the
-    optimizer steps on the sharded parameters.
+    slice of the one global N(0, σ²C²I), seeked in the secure stream of the step's noise key
+    (``llmdp.privacy.noise``), so each coordinate gets exactly one draw, the very one the
+    replicated strategy adds to it; then ÷ q·N, and the optimizer steps on the sharded
+    parameters.
 
     Limitation (for now): the full-size local buffers cost one unsharded float32 copy of
     the trainable parameters per worker, plus a transient padded copy of the same size at
@@ -37,7 +38,6 @@ sums, the reduction and the noise stay in float32 (float64 for float64 parameter
 
 from __future__ import annotations
 
-import hashlib
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -47,12 +47,10 @@ import torch.distributed as dist
 from torch import nn
 
 from llmdp.privacy import noise as dp_noise
-from llmdp.privacy import sampling
 
 STRATEGIES = ("replicated", "fsdp")
 MIXED_PRECISION = ("none", "bf16")
 
-_SHARD_NOISE_DOMAIN = b"llmdp.fsdp.shard-noise.v1"
 
 
 def check_strategy(strategy: str, mixed_precision: str = "none") -> None:
@@ -211,14 +209,6 @@ def _rows(d0: int, chunk: int, r: int) -> tuple[int, int]:
     return lo, min(d0, lo + chunk) - lo
 
 
-def shard_noise_key(noise_key: bytes, rank: int, world_size: int) -> bytes:
-    """The 32-byte key of shard ``rank``'s noise stream: SHAKE-256 of the step's noise key
-    with (domain, world size, rank) as domain separation, so shards draw independent
-    streams, none of them the replicated stream of the same key."""
-    purpose = _SHARD_NOISE_DOMAIN + int(world_size).to_bytes(8, "big") + int(rank).to_bytes(8, "big")
-    return hashlib.shake_256(sampling._stream_prefix(noise_key, purpose)).digest(32)
-
-
 # --------------------------------------------------------------------------- reduce + noise
 
 
@@ -268,7 +258,7 @@ def privatize_sharded_(
     max_grad_norm: float,
     expected_batch_size: float,
 ) -> None:
-    """FSDP2: reduce-scatter the local clipped sums, noise each shard with its own stream,
+    """FSDP2: reduce-scatter the local clipped sums, noise each shard with its slice of the noise,
     ÷ q·N, and set each sharded parameter's ``.grad``. [sync point, once per step]"""
     from torch.distributed.tensor import DTensor
 
@@ -284,7 +274,7 @@ def privatize_sharded_(
     if not params:
         return
     mesh = params[0].device_mesh
-    group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    group, world = mesh.get_group(), mesh.size()
     layouts = [shard_rows(p) for p in params]
     local: list[torch.Tensor | None] = [None] * len(params)
     # One reduce-scatter per dtype (normally one in all). Send layout: [world, per_rank],
@@ -316,8 +306,13 @@ def privatize_sharded_(
             local[i] = recv[off : off + n * rest[i]].view(n, *params[i].shape[1:])
             off += chunk * rest[i]
     if noise_multiplier > 0:
-        # This shard's slice of one N(0, σ²C²I): its own stream, tensor i uses index i.
-        dp_noise.add_noise_(local, shard_noise_key(noise_key, me, world), noise_multiplier * max_grad_norm)
+        # This shard's slice of the one global N(0, σ²C²I): tensor i's noise vector i from
+        # the step's noise key, seeked to the shard's first row, so each coordinate gets
+        # exactly the draw the replicated strategy adds to it.
+        offsets = [layouts[i][0] * math.prod(params[i].shape[1:]) for i in range(len(params))]
+        totals = [params[i].numel() for i in range(len(params))]
+        dp_noise.add_noise_(local, noise_key, noise_multiplier * max_grad_norm, offsets=offsets,
+                            totals=totals)
     for p, g in zip(params, local):
         g.div_(expected_batch_size)
         p.grad = DTensor.from_local(g.to(p.dtype), p.device_mesh, p.placements, run_check=False,

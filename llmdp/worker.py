@@ -38,8 +38,8 @@ from llmdp import parallel
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
 from llmdp.losses import row_losses
+from llmdp.privacy import chacha, sampling
 from llmdp.privacy import noise as dp_noise
-from llmdp.privacy import sampling
 
 # --------------------------------------------------------------------------- distributed
 
@@ -92,25 +92,26 @@ def broadcast_params(params: Sequence[torch.Tensor]) -> None:
 
 @dataclass
 class StepKeys:
-    """Per-step randomness: 32 bytes for the sample, 32 for the noise."""
+    """Per-step randomness: the keys of the sample and of the noise, both derived from one
+    32-byte step key through ChaCha20 (``chacha.derive_key``, domain-separated labels)."""
 
     sample: bytes
     noise: bytes
 
-    @staticmethod
-    def draw(step: int, rng_mode: str, seed: int | None, device: torch.device) -> StepKeys:
+    @classmethod
+    def from_step_key(cls, step_key: bytes) -> StepKeys:
+        return cls(chacha.derive_key(step_key, b"sample"), chacha.derive_key(step_key, b"noise"))
+
+    @classmethod
+    def draw(cls, step: int, rng_mode: str, seed: int | None, device: torch.device) -> StepKeys:
         """Fresh OS entropy on rank 0, broadcast to all; or derived from the seed (seeded mode)."""
         if rng_mode == "seeded":
             # Every rank derives the same keys: reproducible, and no guarantee against anyone
             # who knows the seed (the report says so).
-            return StepKeys(
-                sampling.seeded_key(int(seed), step, "sample"),
-                sampling.seeded_key(int(seed), step, "noise"),
-            )
+            return cls.from_step_key(sampling.seeded_key(int(seed), step, "step"))
         rank0 = not _dist_on() or dist.get_rank() == 0
-        raw = (sampling.secure_key() + sampling.secure_key()) if rank0 else None
-        raw = broadcast_bytes(raw, 64, device)
-        return StepKeys(raw[:32], raw[32:])
+        raw = sampling.secure_key() if rank0 else None
+        return cls.from_step_key(broadcast_bytes(raw, 32, device))
 
 
 @dataclass

@@ -124,8 +124,8 @@ if triton is not None:
         return r * tl.cos(theta), r * tl.sin(theta)
 
     @triton.jit
-    def _put(t_ptr, e, z, first, n):
-        m = (e >= first) & (e < first + n)
+    def _put(t_ptr, e, z, first, n, live):
+        m = live & (e >= first) & (e < first + n)
         p = t_ptr + (e - first)
         old = tl.load(p, mask=m, other=0.0)
         tl.store(p, old + z.to(old.dtype), mask=m)
@@ -140,11 +140,11 @@ if triton is not None:
         scale = tl.load(c_ptr)  # float64 scalars: -2·std², 2π·2**-53 (float args would be fp32)
         two_pi_2m53 = tl.load(c_ptr + 1)
         w = _block(kn_ptr, b.to(tl.uint32))
-        e0 = tl.where(live, b * 8, -1)
+        e0 = b * 8
         for p in tl.static_range(4):
             za, zb = _pair(w[4 * p], w[4 * p + 1], w[4 * p + 2], w[4 * p + 3], scale, two_pi_2m53)
-            _put(t_ptr, e0 + 2 * p, za, first, n)
-            _put(t_ptr, e0 + 2 * p + 1, zb, first, n)
+            _put(t_ptr, e0 + 2 * p, za, first, n, live)
+            _put(t_ptr, e0 + 2 * p + 1, zb, first, n, live)
 
 
 

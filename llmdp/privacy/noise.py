@@ -1,34 +1,58 @@
 """Gaussian noise: the one place it is drawn (DESIGN §3.2, §3.7).
 
-Noise comes from the same keyed SHAKE-256 stream as sampling (`sampling.py`), not from
-torch's generator: torch's Mersenne Twister / Philox are statistical PRNGs whose state
-can be recovered from outputs, and the DP guarantee needs noise an adversary cannot
-predict. Keying by (key, index) also makes every worker, holding the same broadcast
-key, produce the *identical* noise vector, so "noise once per logical step" holds
-across data-parallel replicas without communicating the noise.
+Noise comes from ChaCha20 (RFC 8439, ``chacha.py``), keyed by the step's noise key, not
+from torch's generator: torch's Mersenne Twister / Philox are statistical PRNGs whose
+state can be recovered from outputs, and the DP guarantee needs noise an adversary cannot
+predict. The noise of a step is one global vector: tensor i of the trainable parameters
+(in the model's order) is the stream (noise key, nonce ``b"gaus" ‖ i``), and its element e
+is normal ``e % 8`` of ChaCha20 block ``e // 8``. So
+
+* every replica, holding the same broadcast key, adds the *identical* noise, once per
+  logical step, without communicating it;
+* the draw is seekable: an FSDP shard computes exactly its slice of the global vector
+  (``offset``), bit for bit what the replicated strategy adds there;
+* it is generated in place on the device that holds the sums, in chunks (CUDA: one fused
+  Triton kernel, keystream and transform in registers; CPU: OpenSSL's ChaCha20 and
+  vectorized torch math on cache-sized chunks), never in a parameter-sized buffer.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from llmdp.privacy.sampling import _CHUNK, _uint53_chunks
+from llmdp.privacy import chacha
 
-__all__ = ["gaussian_like", "add_noise_", "NOISE_TAIL", "truncation_delta_per_step"]
+__all__ = [
+    "gaussian_like",
+    "add_gaussian_",
+    "add_noise_",
+    "NOISE_TAIL",
+    "NOISE_METHOD",
+    "truncation_delta_per_step",
+]
 
-_NOISE_DOMAIN = b"llmdp.gaussian.v1"
+NOISE_TAG = b"gaus"
 _TWO_PI = 2.0 * math.pi
 _INV_2_53 = 1.0 / float(2**53)
-assert _CHUNK % 2 == 0  # Box-Muller pairs must never straddle two chunks
+_TWO_PI_2M53 = _TWO_PI * _INV_2_53
+_MASK53 = (1 << 53) - 1
+_CHUNK_PAIRS = 1 << 16  # CPU: 64 Ki normals per chunk (~1 MiB of float64 work space)
+assert _CHUNK_PAIRS % 4 == 0  # chunks start on ChaCha20 block boundaries (4 pairs a block)
+
+#: What the generator is, for the privacy report.
+NOISE_METHOD = (
+    "ChaCha20 (RFC 8439) keystream; Box-Muller in float64 on two 53-bit uniforms per pair; "
+    "rounded to float32 (float64 for float64 sums)"
+)
 
 # The largest |z|/std the generator can return: u1 >= 2**-53, so r = sqrt(-2 ln u1) <=
 # sqrt(106 ln 2), reached at k1 = 0 with theta = 0 (k2 = 0: cos = 1).
 NOISE_TAIL = math.sqrt(-2.0 * math.log(_INV_2_53))  # ~8.5717
-
 
 def truncation_delta_per_step(num_coordinates: int, noise_multiplier: float) -> float:
     """An upper bound on the δ that the generator's truncated tail adds to one step.
@@ -102,6 +126,160 @@ def _check_index(index) -> int:
     return int(index)
 
 
+def _check_target(t: torch.Tensor, what: str) -> None:
+    if not t.is_floating_point() or t.dtype.itemsize < 4:
+        # Noise drawn or added in bf16/fp16 would be rounded to a coarse grid (and the
+        # clipped sum it is added to already was): DESIGN §3.8.
+        raise TypeError(
+            f"{what} is {t.dtype}: noise is drawn and added in float32 or wider; "
+            "keep the clipped sums in float32 (llmdp.parallel.make_grad_sinks)"
+        )
+
+
+def _nonce(index: int) -> bytes:
+    return chacha.stream_nonce(NOISE_TAG, index)
+
+
+def _pairs_cpu(key: bytes, nonce: bytes, p0: int, n_pairs: int, std: float, ws: dict) -> torch.Tensor:
+    """[n_pairs, 2] in ``ws["dtype"]``: std·r·(cos θ, sin θ) of pairs p0 … p0 + n_pairs - 1
+    (p0 % 4 == 0), computed in float64.
+
+    Pair j is the 64-bit words 2j, 2j + 1 of the stream (16 bytes; 4 pairs a block):
+    k1, k2 = their top 53 bits, u1 = (k1 + 1)·2**-53 in (0, 1], θ = 2π·k2·2**-53.
+    ``ws`` holds reusable work buffers (planar, so the math runs vectorized), so a draw
+    allocates nothing per chunk."""
+    n_blocks = -(-n_pairs // 4)
+    if ws.get("n") != n_pairs:
+        dtype = ws["dtype"]
+        ws.clear()
+        ws.update(n=n_pairs, dtype=dtype, buf=bytearray(n_blocks * 64),
+                  k=torch.empty(2, n_pairs, dtype=torch.int64),
+                  f=torch.empty(2, n_pairs, dtype=torch.float64),
+                  c=torch.empty(n_pairs, dtype=torch.float64),
+                  z=torch.empty(n_pairs, 2, dtype=dtype))
+    chacha.keystream_into(key, nonce, p0 // 4, ws["buf"])
+    if sys.byteorder == "little":
+        words = torch.frombuffer(ws["buf"], dtype=torch.int64)
+    else:  # the stream's 64-bit words are little-endian
+        words = torch.from_numpy(np.frombuffer(ws["buf"], dtype="<u8").astype(np.int64))
+    words = words[: 2 * n_pairs].view(n_pairs, 2).t()
+    k, f, c, z = ws["k"], ws["f"], ws["c"], ws["z"]
+    torch.bitwise_right_shift(words, 11, out=k)  # arithmetic shift on int64 ...
+    k.bitwise_and_(_MASK53)  # ... so keep the top 53 bits of the unsigned word
+    f.copy_(k)  # exact: < 2**53
+    r, theta = f[0], f[1]
+    r.add_(1.0).mul_(_INV_2_53).log_().mul_(-2.0 * std * std).sqrt_()  # std·sqrt(-2 ln u1)
+    theta.mul_(_TWO_PI_2M53)
+    torch.cos(theta, out=c)
+    z[:, 0].copy_(c.mul_(r))  # rounded to the target dtype
+    torch.sin(theta, out=c)
+    z[:, 1].copy_(c.mul_(r))
+    return z
+
+
+def _add_gaussian_cpu(flat: torch.Tensor, key: bytes, nonce: bytes, offset: int, total: int,
+                      std: float) -> None:
+    """flat += elements [offset, offset + numel) of the noise vector of length ``total``.
+
+    Chunks are the fixed pair ranges [c·P, min((c+1)·P, ⌈total/2⌉)): an element is always
+    computed in the same chunk at the same position, whatever slice is asked for, so slices
+    of one vector are bit-identical to the whole (same torch thread count)."""
+    n = flat.numel()
+    pairs_total = -(-total // 2)
+    first_pair, last_pair = offset // 2, (offset + n - 1) // 2
+    ws: dict = {"dtype": flat.dtype}
+    for c in range(first_pair // _CHUNK_PAIRS, last_pair // _CHUNK_PAIRS + 1):
+        p0 = c * _CHUNK_PAIRS
+        p1 = min(p0 + _CHUNK_PAIRS, pairs_total)
+        z = _pairs_cpu(key, nonce, p0, p1 - p0, std, ws).view(-1)
+        lo, hi = max(offset, 2 * p0), min(offset + n, 2 * p1)  # elements of both
+        flat[lo - offset : hi - offset] += z[lo - 2 * p0 : hi - 2 * p0]
+
+
+def add_gaussian_(t: torch.Tensor, key: bytes, index: int, std: float, offset: int = 0,
+                  total: int | None = None) -> torch.Tensor:
+    """``t += N(0, std²)``: elements ``offset … offset + t.numel() - 1`` (in ``t``'s
+    row-major order) of noise vector ``index`` under ``key``, whose full length is
+    ``total`` (default ``offset + t.numel()``). In place, on ``t``'s device, in float32
+    or float64 (``t``'s dtype; narrower dtypes are refused); returns ``t``.
+
+    Method (the same on every device): element e is normal ``e % 8`` of ChaCha20 block
+    ``e // 8`` of the stream (key, ``b"gaus" ‖ index``); the 16 words of a block make 4
+    Box-Muller pairs, pair j from its 64-bit words k1, k2 (top 53 bits of each):
+    u1 = (k1 + 1)·2**-53 in (0, 1] (so log(u1) is finite), θ = 2π·k2·2**-53,
+    r = std·sqrt(-2 ln u1), elements 2j, 2j + 1 = r·cos θ, r·sin θ, computed in float64
+    and rounded to ``t``'s dtype, then added (a second rounding).
+
+    Floating-point limits, stated so the privacy report states them too:
+
+    * it is floating-point Gaussian sampling, not a discrete Gaussian: the output lives on
+      a non-uniform float grid (such artifacts have been exploited against floating-point
+      Laplace samplers, Mironov 2012); the accountant assumes an exact continuous Gaussian;
+    * the tails are truncated: |z| <= NOISE_TAIL·std, NOISE_TAIL = sqrt(-2 ln 2**-53) =
+      sqrt(106 ln 2) ~ 8.5717 (u1 >= 2**-53; reached at k1 = k2 = 0). The δ this adds per
+      step is bounded by :func:`truncation_delta_per_step` and stated in the privacy report;
+    * each draw is computed in float64 and rounded to float32 (float64 for float64 sums),
+      then rounded again when added to the sum. The rounding is not covered by the
+      accountant (nor by the δ above). float64 log/cos/sin differ between devices by an
+      ulp or so (SLEEF/glibc on CPU, libdevice on CUDA): the *keystream* is bit-identical
+      everywhere, the noise bit-identical on one device.
+
+    Seekable: any slice of the vector equals the same slice of the whole, bit for bit, on
+    the same device (CPU: with the same torch thread count), which FSDP shards rely on.
+    """
+    std = _check_std(std)
+    index = _check_index(index)
+    _check_target(t, "the tensor")
+    key = chacha.check_key(key)
+    n = t.numel()
+    offset = _check_index(offset)
+    total = offset + n if total is None else _check_index(total)
+    if total < offset + n:
+        raise ValueError(f"total={total} < offset + numel = {offset + n}")
+    if -(-total // 8) > chacha.MAX_BLOCKS:
+        raise ValueError(f"a noise vector of {total} elements passes the ChaCha20 block counter "
+                         f"(at most {8 * chacha.MAX_BLOCKS} per tensor)")
+    if n == 0:
+        return t
+    nonce = _nonce(index)
+    with torch.no_grad():
+        flat = t.view(-1) if t.is_contiguous() else None
+        work = flat if flat is not None else t.contiguous().view(-1)
+        if t.device.type == "cuda":
+            from llmdp.privacy import _triton_chacha
+
+            if _triton_chacha.available():
+                _triton_chacha.gauss_add_(work, key, nonce, offset, std)
+            else:
+                _add_gaussian_torch(work, key, nonce, offset, std)
+        elif t.device.type == "cpu":
+            _add_gaussian_cpu(work, key, nonce, offset, total, std)
+        else:
+            _add_gaussian_torch(work, key, nonce, offset, std)
+        if flat is None:
+            t.copy_(work.view(t.shape))
+    return t
+
+
+def _add_gaussian_torch(flat: torch.Tensor, key: bytes, nonce: bytes, offset: int, std: float,
+                        chunk_pairs: int = 1 << 22) -> None:
+    """The torch-ops path (a CUDA machine without Triton; any other device): the keystream
+    from :func:`chacha.chacha20_keystream_torch`, the same transform on ``flat``'s device."""
+    n = flat.numel()
+    first_pair, end_pair = offset // 2, (offset + n - 1) // 2 + 1
+    for p0 in range(first_pair - first_pair % 4, end_pair, chunk_pairs):
+        p1 = min(p0 + chunk_pairs, end_pair)
+        w = chacha.chacha20_keystream_torch(key, nonce, p0 // 4, 4 * (p1 - p0), flat.device)
+        w = w.view(-1, 2, 2)
+        k = (((w[:, :, 1] << 32) | w[:, :, 0]) >> 11) & _MASK53  # top 53 bits of each 64-bit word
+        f = k.to(torch.float64)
+        r = ((f[:, 0] + 1.0) * _INV_2_53).log_().mul_(-2.0 * std * std).sqrt_()
+        theta = f[:, 1] * _TWO_PI_2M53
+        z = torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1).view(-1)
+        lo, hi = max(offset, 2 * p0), min(offset + n, 2 * p1)
+        flat[lo - offset : hi - offset] += z[lo - 2 * p0 : hi - 2 * p0].to(flat.dtype)
+
+
 def gaussian_like(
     shape,
     key: bytes,
@@ -109,64 +287,31 @@ def gaussian_like(
     std: float,
     dtype: torch.dtype = torch.float32,
     device="cpu",
+    offset: int = 0,
+    total: int | None = None,
 ) -> torch.Tensor:
-    """A tensor of i.i.d. N(0, std**2) draws, deterministic given (key, index).
-
-    Method: Box-Muller in float64 on 53-bit uniforms from SHAKE-256 keyed by
-    (key, index): u1 = (k1 + 1) * 2**-53 in (0, 1] (so log(u1) is finite),
-    u2 = k2 * 2**-53 in [0, 1), and both outputs r*cos(2 pi u2), r*sin(2 pi u2) of each
-    pair are used. The result is cast to `dtype` at the end and moved to `device`.
-
-    Known limitations, stated so the report can state them too:
-    * this is floating-point Gaussian sampling, not a discrete Gaussian: the output
-      lives on a non-uniform float grid, and such artifacts have been exploited
-      against floating-point Laplace samplers (Mironov 2012); the accountant assumes
-      an exact continuous Gaussian;
-    * the tails are truncated: |z| <= NOISE_TAIL * std, NOISE_TAIL = sqrt(-2 ln 2**-53) =
-      sqrt(106 ln 2) ~ 8.5717 (u1 >= 2**-53; the bound is reached at k1 = k2 = 0). The δ
-      this adds per step is bounded by :func:`truncation_delta_per_step` (derived there)
-      and stated in the privacy report;
-    * the draw is computed in float64 and rounded to float32 (``add_noise_`` always adds
-      float32 noise to float32 sums, float64 to float64; never bf16/fp16), then rounded
-      again when added to the sum. This rounding is not covered by the accountant (nor by
-      the δ above).
-    """
-    std = _check_std(std)
-    index = _check_index(index)
-    shape = torch.Size(shape)
-    n = shape.numel()
-    out = torch.empty(n, dtype=dtype)
-    purpose = _NOISE_DOMAIN + index.to_bytes(8, "big")
-    for offset, k in _uint53_chunks(key, purpose, 2 * ((n + 1) // 2)):
-        k1, k2 = k[0::2], k[1::2]
-        u1 = (k1 + np.uint64(1)) * _INV_2_53
-        theta = (k2 * _INV_2_53) * _TWO_PI
-        r = np.sqrt(-2.0 * np.log(u1))
-        r *= std
-        z = np.empty(len(k), dtype=np.float64)
-        z[0::2] = r * np.cos(theta)
-        z[1::2] = r * np.sin(theta)
-        take = min(len(z), n - offset)
-        out[offset : offset + take] = torch.from_numpy(z[:take])
-    return out.reshape(shape).to(device)
+    """A new tensor of i.i.d. N(0, std²) draws: elements ``offset …`` of noise vector
+    ``index`` under ``key`` (:func:`add_gaussian_` added to zeros, so the two agree bit for
+    bit). ``dtype`` float32 or float64."""
+    out = torch.zeros(torch.Size(shape), dtype=dtype, device=device)
+    if not out.is_floating_point() or out.dtype.itemsize < 4:
+        raise TypeError(f"dtype {dtype}: noise is drawn in float32 or wider")
+    return add_gaussian_(out, key, index, std, offset=offset, total=total)
 
 
-def add_noise_(tensors: Sequence[torch.Tensor], key: bytes, std: float) -> None:
-    """Add independent N(0, std**2) noise to each tensor in place (tensor i uses index i).
+def add_noise_(tensors: Sequence[torch.Tensor], key: bytes, std: float,
+               offsets: Sequence[int] | None = None, totals: Sequence[int] | None = None) -> None:
+    """Add N(0, std²) noise to each tensor in place: tensor i gets noise vector i
+    (its elements ``offsets[i] …`` of a vector of length ``totals[i]``: an FSDP shard's
+    slice; default the whole vector).
 
     Every worker holds the same key, so all replicas add the identical noise vector,
-    once per logical step, after the cross-worker sum.
+    once per logical step, after the cross-worker sum; and a shard adds exactly the
+    slice the replicated strategy adds to the same coordinates.
     """
     std = _check_std(std)
     for i, t in enumerate(tensors):
-        if not t.is_floating_point() or t.dtype.itemsize < 4:
-            # Noise drawn or added in bf16/fp16 would be rounded to a coarse grid (and the
-            # clipped sum it is added to already was): DESIGN §3.8.
-            raise TypeError(
-                f"tensor {i} is {t.dtype}: noise is drawn and added in float32 or wider; "
-                "keep the clipped sums in float32 (llmdp.parallel.make_grad_sinks)"
-            )
-    with torch.no_grad():
-        for i, t in enumerate(tensors):
-            dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
-            t.add_(gaussian_like(t.shape, key, i, std, dtype=dtype, device=t.device))
+        _check_target(t, f"tensor {i}")
+    for i, t in enumerate(tensors):
+        add_gaussian_(t, key, i, std, offset=0 if offsets is None else offsets[i],
+                      total=None if totals is None else totals[i])
