@@ -301,20 +301,23 @@ def _tokenizer_not_covered(plan_info: dict) -> list[str]:
 
 def _noise_generator(plan, trainable: int | None, steps: int) -> dict:
     """What the noise generator adds beyond the accountant's exact Gaussian (issue 12, 8c):
-    its tail truncation (with the δ it adds, llmdp.privacy.noise.truncation_delta_per_step)
-    and its float32 rounding (not quantified)."""
-    from llmdp.privacy.noise import NOISE_TAIL, truncation_delta_per_step
+    its tail truncation (with the δ it adds, llmdp.privacy.noise.truncation_delta_per_step),
+    its float32 rounding (not quantified), and that the accountant assumes a continuous
+    Gaussian (issue 14)."""
+    from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
 
     per_step = (truncation_delta_per_step(int(trainable), plan.noise_multiplier)
                 if trainable and plan.noise_multiplier > 0 else None)
     return {
-        "method": "Box-Muller on 53-bit uniforms from a keyed SHAKE-256 stream, float64, rounded to float32",
+        "method": NOISE_METHOD,
         "tail_truncation_std": NOISE_TAIL,
         "trainable_parameters": trainable,
         "truncation_delta_per_step": per_step,
         "truncation_delta_run": None if per_step is None else min(1.0, per_step * steps),
         "float32_rounding": "each draw is rounded to float32 and added to a float32 sum; "
                             "this floating-point effect is not covered by the accountant",
+        "accountant_assumes": "an exact continuous Gaussian; the generator is a floating-point "
+                              "approximation of it (truncated tail, float grid)",
     }
 
 
@@ -325,8 +328,9 @@ def _noise_line(r: dict) -> list[str]:
     d = ("not computed (trainable parameter count unknown)" if g["truncation_delta_per_step"] is None
          else f"≤ {g['truncation_delta_per_step']:.3g} per step, ≤ {g['truncation_delta_run']:.3g} over "
               f"the {r['steps']} ledger steps, not included in δ above")
-    return [f"| Noise generator | |z| ≤ {g['tail_truncation_std']:.4f}·σC per coordinate (truncated tail: "
-            f"δ added {d}); draws rounded to float32 (not accounted) |"]
+    return [f"| Noise generator | {g.get('method', 'Box-Muller')}: |z| ≤ {g['tail_truncation_std']:.4f}·σC "
+            f"per coordinate (truncated tail: δ added {d}); draws rounded to float32 (not accounted); "
+            "the accountant assumes an exact continuous Gaussian |"]
 
 
 def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
@@ -445,7 +449,9 @@ def _contribution_bound(kind: str, rows: int, seq_len: int, user_field) -> str:
 
 
 def _sampling_section(plan, seeded: bool, truncated_steps: int, completed: int) -> dict:
-    source = "a seeded generator" if seeded else "fresh OS entropy (SHAKE-256 stream)"
+    source = ("a seeded generator (ChaCha20 keyed from the seed: reproducible, no guarantee "
+              "against anyone who knows the seed)" if seeded else
+              "fresh OS entropy per step (ChaCha20 keystream, RFC 8439)")
     if plan.sampler == "truncated-poisson":
         return {
             "assumed": "truncated Poisson: every unit independently with probability q, then, "

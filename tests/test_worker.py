@@ -355,3 +355,6 @@ def test_report_states_the_noise_tail_and_its_delta(tmp_path):
     assert g["truncation_delta_run"] == pytest.approx(g["truncation_delta_per_step"] * r["steps"])
     md = render_markdown(r)
     assert f"|z| ≤ {NOISE_TAIL:.4f}·σC" in md and "rounded to float32" in md
+    # Issue 14: the generator and the accountant's continuous-Gaussian assumption are stated.
+    assert "ChaCha20 (RFC 8439)" in g["method"] and "ChaCha20 (RFC 8439)" in md
+    assert "continuous Gaussian" in g["accountant_assumes"] and "exact continuous Gaussian" in md

@@ -49,8 +49,10 @@ __all__ = [
     "PoissonSampler",
     "SAMPLERS",
     "TruncatedPoissonSampler",
+    "add_gaussian_",
     "add_noise_",
     "calibrate_noise",
+    "chacha20_keystream",
     "compose",
     "default_delta",
     "delta_for_epsilon",
@@ -74,7 +76,7 @@ __all__ = [
 
 
 def __getattr__(name):
-    if name in ("gaussian_like", "add_noise_"):
+    if name in ("gaussian_like", "add_noise_", "add_gaussian_", "chacha20_keystream"):
         from llmdp.privacy import noise
 
         return getattr(noise, name)

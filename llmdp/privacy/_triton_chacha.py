@@ -7,7 +7,8 @@ Each program computes ``BLOCK`` ChaCha20 blocks, one per lane: the 16-word state
 registers, 20 rounds of add-rotate-xor on uint32 lanes, no memory traffic but the output.
 The noise kernel turns each block (16 words) into 4 Box-Muller pairs (8 normals) exactly
 as ``noise._normals_from_words`` does on CPU: 53-bit integers from the top of each
-little-endian 64-bit word, u1 = (k1 + 1)·2**-53, θ = 2π·k2·2**-53, in float64, and adds
+little-endian 64-bit words (k1 = low 53 bits of the first, s2 = the second's top 53 bits,
+signed), u1 = (k1 + 1)·2**-53, θ = 2π·s2·2**-53, in float64, and adds
 ``std·r·(cos θ, sin θ)``, rounded to the target's dtype, to the elements it owns.
 
 With ``TRITON_INTERPRET=1`` set before the import, the same kernels run on CPU tensors
@@ -116,11 +117,12 @@ if triton is not None:
 
     @triton.jit
     def _pair(lo0, hi0, lo1, hi1, scale, two_pi_2m53):
-        k1 = ((hi0.to(tl.uint64) << 32) | lo0.to(tl.uint64)) >> 11
-        k2 = ((hi1.to(tl.uint64) << 32) | lo1.to(tl.uint64)) >> 11
+        k1 = ((hi0 & 0x1FFFFF).to(tl.uint64) << 32) | lo0.to(tl.uint64)  # low 53 bits
+        w2 = ((hi1.to(tl.uint64) << 32) | lo1.to(tl.uint64)).to(tl.int64, bitcast=True)
+        s2 = w2 >> 11  # signed: the top 53 bits, in [-2**52, 2**52)
         u1 = (k1.to(tl.float64) + 1.0) * 1.1102230246251565e-16  # 2**-53, exact
         r = tl.sqrt(tl.log(u1) * scale)
-        theta = k2.to(tl.float64) * two_pi_2m53
+        theta = s2.to(tl.float64) * two_pi_2m53
         return r * tl.cos(theta), r * tl.sin(theta)
 
     @triton.jit

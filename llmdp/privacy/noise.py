@@ -26,8 +26,10 @@ import numpy as np
 import torch
 
 from llmdp.privacy import chacha
+from llmdp.privacy.chacha import chacha20_keystream
 
 __all__ = [
+    "chacha20_keystream",
     "gaussian_like",
     "add_gaussian_",
     "add_noise_",
@@ -51,7 +53,7 @@ NOISE_METHOD = (
 )
 
 # The largest |z|/std the generator can return: u1 >= 2**-53, so r = sqrt(-2 ln u1) <=
-# sqrt(106 ln 2), reached at k1 = 0 with theta = 0 (k2 = 0: cos = 1).
+# sqrt(106 ln 2), reached at k1 = 0 with theta = 0 (s2 = 0: cos = 1).
 NOISE_TAIL = math.sqrt(-2.0 * math.log(_INV_2_53))  # ~8.5717
 
 def truncation_delta_per_step(num_coordinates: int, noise_multiplier: float) -> float:
@@ -140,33 +142,40 @@ def _nonce(index: int) -> bytes:
     return chacha.stream_nonce(NOISE_TAG, index)
 
 
-def _pairs_cpu(key: bytes, nonce: bytes, p0: int, n_pairs: int, std: float, ws: dict) -> torch.Tensor:
-    """[n_pairs, 2] in ``ws["dtype"]``: std·r·(cos θ, sin θ) of pairs p0 … p0 + n_pairs - 1
-    (p0 % 4 == 0), computed in float64.
+def _keystream_cpu(key: bytes, nonce: bytes, p0: int, n_pairs: int, buf: bytearray) -> bytearray:
+    """The 16 bytes of each pair p0 … p0 + n_pairs - 1 (p0 % 4 == 0) into ``buf``'s prefix."""
+    n_blocks = -(-n_pairs // 4)
+    chacha.keystream_into(key, nonce, p0 // 4, memoryview(buf)[: 64 * n_blocks])
+    return buf
+
+
+def _pairs_cpu(buf: bytearray, n_pairs: int, std: float, ws: dict) -> torch.Tensor:
+    """[n_pairs, 2] in ``ws["dtype"]``: std·r·(cos θ, sin θ) of the pairs whose keystream
+    is ``buf``'s prefix, computed in float64.
 
     Pair j is the 64-bit words 2j, 2j + 1 of the stream (16 bytes; 4 pairs a block):
-    k1, k2 = their top 53 bits, u1 = (k1 + 1)·2**-53 in (0, 1], θ = 2π·k2·2**-53.
+    k1 = the low 53 bits of the first, s2 = the second read as a signed integer, shifted
+    right by 11 (its top 53 bits, in [-2**52, 2**52)); u1 = (k1 + 1)·2**-53 in (0, 1],
+    θ = 2π·s2·2**-53 in [-π, π).
     ``ws`` holds reusable work buffers (planar, so the math runs vectorized), so a draw
     allocates nothing per chunk."""
-    n_blocks = -(-n_pairs // 4)
     if ws.get("n") != n_pairs:
         dtype = ws["dtype"]
         ws.clear()
-        ws.update(n=n_pairs, dtype=dtype, buf=bytearray(n_blocks * 64),
+        ws.update(n=n_pairs, dtype=dtype,
                   k=torch.empty(2, n_pairs, dtype=torch.int64),
                   f=torch.empty(2, n_pairs, dtype=torch.float64),
                   c=torch.empty(n_pairs, dtype=torch.float64),
                   z=torch.empty(n_pairs, 2, dtype=dtype))
-    chacha.keystream_into(key, nonce, p0 // 4, ws["buf"])
     if sys.byteorder == "little":
-        words = torch.frombuffer(ws["buf"], dtype=torch.int64)
+        words = torch.frombuffer(buf, dtype=torch.int64, count=2 * n_pairs)
     else:  # the stream's 64-bit words are little-endian
-        words = torch.from_numpy(np.frombuffer(ws["buf"], dtype="<u8").astype(np.int64))
-    words = words[: 2 * n_pairs].view(n_pairs, 2).t()
+        words = torch.from_numpy(np.frombuffer(buf, dtype="<u8", count=2 * n_pairs).astype(np.int64))
+    words = words.view(n_pairs, 2).t()
     k, f, c, z = ws["k"], ws["f"], ws["c"], ws["z"]
-    torch.bitwise_right_shift(words, 11, out=k)  # arithmetic shift on int64 ...
-    k.bitwise_and_(_MASK53)  # ... so keep the top 53 bits of the unsigned word
-    f.copy_(k)  # exact: < 2**53
+    torch.bitwise_and(words[0], _MASK53, out=k[0])  # k1: the low 53 bits
+    torch.bitwise_right_shift(words[1], 11, out=k[1])  # s2: arithmetic shift, the top 53 bits
+    f.copy_(k)  # exact: |k| < 2**53
     r, theta = f[0], f[1]
     r.add_(1.0).mul_(_INV_2_53).log_().mul_(-2.0 * std * std).sqrt_()  # std·sqrt(-2 ln u1)
     theta.mul_(_TWO_PI_2M53)
@@ -175,6 +184,20 @@ def _pairs_cpu(key: bytes, nonce: bytes, p0: int, n_pairs: int, std: float, ws: 
     torch.sin(theta, out=c)
     z[:, 1].copy_(c.mul_(r))
     return z
+
+
+_POOL = None
+
+
+def _pool():
+    """One background thread: OpenSSL (which releases the GIL) makes the next chunk's
+    keystream while torch transforms this one."""
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmdp-keystream")
+    return _POOL
 
 
 def _add_gaussian_cpu(flat: torch.Tensor, key: bytes, nonce: bytes, offset: int, total: int,
@@ -187,12 +210,22 @@ def _add_gaussian_cpu(flat: torch.Tensor, key: bytes, nonce: bytes, offset: int,
     n = flat.numel()
     pairs_total = -(-total // 2)
     first_pair, last_pair = offset // 2, (offset + n - 1) // 2
-    ws: dict = {"dtype": flat.dtype}
+    chunks = []
     for c in range(first_pair // _CHUNK_PAIRS, last_pair // _CHUNK_PAIRS + 1):
         p0 = c * _CHUNK_PAIRS
-        p1 = min(p0 + _CHUNK_PAIRS, pairs_total)
-        z = _pairs_cpu(key, nonce, p0, p1 - p0, std, ws).view(-1)
-        lo, hi = max(offset, 2 * p0), min(offset + n, 2 * p1)  # elements of both
+        chunks.append((p0, min(p0 + _CHUNK_PAIRS, pairs_total) - p0))
+    size = 64 * -(-max(m for _, m in chunks) // 4)
+    bufs = [bytearray(size), bytearray(size) if len(chunks) > 1 else None]
+    ws: dict = {"dtype": flat.dtype}
+    pending = None
+    for i, (p0, m) in enumerate(chunks):
+        buf = pending.result() if pending is not None else _keystream_cpu(key, nonce, p0, m, bufs[0])
+        pending = None
+        if i + 1 < len(chunks):
+            q0, qm = chunks[i + 1]
+            pending = _pool().submit(_keystream_cpu, key, nonce, q0, qm, bufs[(i + 1) % 2])
+        z = _pairs_cpu(buf, m, std, ws).view(-1)
+        lo, hi = max(offset, 2 * p0), min(offset + n, 2 * (p0 + m))  # elements of both
         flat[lo - offset : hi - offset] += z[lo - 2 * p0 : hi - 2 * p0]
 
 
@@ -205,8 +238,9 @@ def add_gaussian_(t: torch.Tensor, key: bytes, index: int, std: float, offset: i
 
     Method (the same on every device): element e is normal ``e % 8`` of ChaCha20 block
     ``e // 8`` of the stream (key, ``b"gaus" ‖ index``); the 16 words of a block make 4
-    Box-Muller pairs, pair j from its 64-bit words k1, k2 (top 53 bits of each):
-    u1 = (k1 + 1)·2**-53 in (0, 1] (so log(u1) is finite), θ = 2π·k2·2**-53,
+    Box-Muller pairs, pair j from its two little-endian 64-bit words: k1 = the low 53 bits
+    of the first, s2 = the top 53 bits of the second as a signed integer (in [-2**52, 2**52));
+    u1 = (k1 + 1)·2**-53 in (0, 1] (so log(u1) is finite), θ = 2π·s2·2**-53 in [-π, π),
     r = std·sqrt(-2 ln u1), elements 2j, 2j + 1 = r·cos θ, r·sin θ, computed in float64
     and rounded to ``t``'s dtype, then added (a second rounding).
 
@@ -216,7 +250,7 @@ def add_gaussian_(t: torch.Tensor, key: bytes, index: int, std: float, offset: i
       a non-uniform float grid (such artifacts have been exploited against floating-point
       Laplace samplers, Mironov 2012); the accountant assumes an exact continuous Gaussian;
     * the tails are truncated: |z| <= NOISE_TAIL·std, NOISE_TAIL = sqrt(-2 ln 2**-53) =
-      sqrt(106 ln 2) ~ 8.5717 (u1 >= 2**-53; reached at k1 = k2 = 0). The δ this adds per
+      sqrt(106 ln 2) ~ 8.5717 (u1 >= 2**-53; reached at k1 = s2 = 0). The δ this adds per
       step is bounded by :func:`truncation_delta_per_step` and stated in the privacy report;
     * each draw is computed in float64 and rounded to float32 (float64 for float64 sums),
       then rounded again when added to the sum. The rounding is not covered by the
@@ -271,10 +305,11 @@ def _add_gaussian_torch(flat: torch.Tensor, key: bytes, nonce: bytes, offset: in
         p1 = min(p0 + chunk_pairs, end_pair)
         w = chacha.chacha20_keystream_torch(key, nonce, p0 // 4, 4 * (p1 - p0), flat.device)
         w = w.view(-1, 2, 2)
-        k = (((w[:, :, 1] << 32) | w[:, :, 0]) >> 11) & _MASK53  # top 53 bits of each 64-bit word
-        f = k.to(torch.float64)
-        r = ((f[:, 0] + 1.0) * _INV_2_53).log_().mul_(-2.0 * std * std).sqrt_()
-        theta = f[:, 1] * _TWO_PI_2M53
+        word = (w[:, :, 1] << 32) | w[:, :, 0]  # the little-endian 64-bit words, as int64
+        k1 = (word[:, 0] & _MASK53).to(torch.float64)
+        s2 = (word[:, 1] >> 11).to(torch.float64)
+        r = ((k1 + 1.0) * _INV_2_53).log_().mul_(-2.0 * std * std).sqrt_()
+        theta = s2 * _TWO_PI_2M53
         z = torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1).view(-1)
         lo, hi = max(offset, 2 * p0), min(offset + n, 2 * p1)
         flat[lo - offset : hi - offset] += z[lo - 2 * p0 : hi - 2 * p0].to(flat.dtype)
