@@ -45,11 +45,11 @@ A1 = [
 ]
 # A.2: encryption (key, nonce, counter, plaintext, ciphertext).
 _IETF = (
-    "Any submission to the IETF intended by the Contributor for publication as all or part of an IETF "
-    "Internet-Draft or RFC and any statement made within the context of an IETF activity is considered "
-    "an \"IETF Contribution\". Such statements include oral statements in IETF sessions, as well as "
-    "written and electronic communications made at any time or place, which are addressed to"
-).encode()
+    b"Any submission to the IETF intended by the Contributor for publication as all or part of an IETF "
+    b"Internet-Draft or RFC and any statement made within the context of an IETF activity is considered "
+    b"an \"IETF Contribution\". Such statements include oral statements in IETF sessions, as well as "
+    b"written and electronic communications made at any time or place, which are addressed to"
+)
 _JABBER = (b"'Twas brillig, and the slithy toves\nDid gyre and gimble in the wabe:\n"
            b"All mimsy were the borogoves,\nAnd the mome raths outgrabe.")
 A2 = [
