@@ -38,7 +38,9 @@ in q):
   P(Q = j) = rho**j (1 - rho) with rho = (1-q)**m (the number of Bernoulli(rho) successes
   before the first failure), and P(R = r) proportional to (1-q)**r on {0, ..., m-1}, drawn
   by rejection (r from t uniform bits, accepted with probability (1-q)**r). Expected cost:
-  m q > 1/2, so rho < e**-1/2 and the acceptance rate is > 1 - e**-1, O(1) words per gap.
+  m q in (1/2, 1], so rho <= e**-(m q) < e**-1/2 and the acceptance rate (1 - rho) / (m q)
+  is > 1 - e**-1: on average < 1 / (1 - e**-1/2) + 2 / (1 - e**-1) < 5.7 words per gap.
+  (For q < 2**-63, t = 63 and m > N: Q >= 1 already leaves the units, one word.)
 * Every decision is a coin "U < p" with p = (1-q)**s a dyadic rational (q is a binary
   float, 1 - q = c / 2**b exactly) and U a uniform real whose first 64 bits are one
   keystream word W. A float64 approximation f of p (products of the float64 nearest to
