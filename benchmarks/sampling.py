@@ -12,6 +12,15 @@ tokens (random tokens; no tokenizer involved), then times, per logical step,
     python benchmarks/sampling.py --units 200000 --batch 2000 --repeats 3
 
 Prints one JSON line per repetition and a summary (median seconds per stage).
+
+``--draw-only`` times the draw alone, with no store: the O(B) ``PoissonSampler`` at
+N = 10**9 units, B = 10**6 (q = 10**-3), and, for comparison, the O(N)
+``ReferencePoissonSampler`` and the O(B) sampler at a smaller N (10**7) and the same q:
+median seconds per draw, peak traced memory of one draw (tracemalloc, a separate run),
+and their ratios, including the reference's time extrapolated linearly to the large N.
+
+    python benchmarks/sampling.py --draw-only
+    python benchmarks/sampling.py --draw-only --draw-units 1000000 --reference-units 100000
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+import tracemalloc
 
 import numpy as np
 
@@ -57,6 +67,59 @@ def synthetic_store(directory: str, num_units: int, L: int = 128, seed: int = 0)
     return open_store(directory)
 
 
+def _time_draws(sampler, repeats: int) -> dict:
+    """Median seconds of `repeats` draws (after one warm-up), the sampled units of the
+    last, and the peak traced memory (bytes) of one more draw under tracemalloc."""
+    sampler.sample(sampling.secure_key())  # warm-up: imports, OpenSSL, page faults
+    secs = []
+    for _ in range(repeats):
+        key = sampling.secure_key()
+        t0 = time.perf_counter()
+        sample = sampler.sample(key)
+        secs.append(time.perf_counter() - t0)
+    tracemalloc.start()
+    try:
+        sampler.sample(sampling.secure_key())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return {"median_s": statistics.median(secs), "min_s": min(secs), "sampled_units": int(sample.size),
+            "peak_bytes": peak, "peak_bytes_per_sampled_unit": peak / max(int(sample.size), 1)}
+
+
+def draw_benchmark(args) -> int:
+    """The draw alone: O(B) sampler at (draw_units, draw_batch), then the O(N) reference
+    and the O(B) sampler at reference_units with the same q. One JSON line each, and one
+    line of ratios."""
+    n_big, n_ref = args.draw_units, args.reference_units
+    q = args.draw_batch / n_big
+    rows = {}
+    for name, cls, n in (("poisson_large_n", sampling.PoissonSampler, n_big),
+                         ("poisson_small_n", sampling.PoissonSampler, n_ref),
+                         ("reference_small_n", sampling.ReferencePoissonSampler, n_ref)):
+        rec = {"sampler": cls.__name__, "N": n, "q": q, "B": n * q, **_time_draws(cls(n, q), args.repeats)}
+        rows[name] = rec
+        print(json.dumps({"run": name, **{k: round(v, 6) if isinstance(v, float) else v
+                                          for k, v in rec.items()}}))
+    big, small, ref = rows["poisson_large_n"], rows["poisson_small_n"], rows["reference_small_n"]
+    ratios = {
+        # same N, same q: how much faster the O(B) draw is than one coin per unit
+        "reference_over_poisson_s_at_small_n": ref["median_s"] / small["median_s"],
+        # the reference scales with N: its time extrapolated to the large N, over the O(B) draw
+        "reference_extrapolated_over_poisson_s_at_large_n":
+            ref["median_s"] * (n_big / n_ref) / big["median_s"],
+        # O(B): the large-N draw costs about B_large / B_small times the small-N one
+        "poisson_s_large_over_small_n": big["median_s"] / small["median_s"],
+        "B_large_over_small_n": n_big / n_ref,
+        "reference_over_poisson_peak_bytes_at_small_n": ref["peak_bytes"] / small["peak_bytes"],
+    }
+    print(json.dumps({"summary": "draw only: median seconds per draw, peak traced bytes",
+                      "poisson_s": round(big["median_s"], 4), "poisson_peak_MiB": round(big["peak_bytes"] / 2**20, 2),
+                      "N": n_big, "B": args.draw_batch, "repeats": args.repeats,
+                      **{k: round(v, 3) for k, v in ratios.items()}}))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--units", type=int, default=1_000_000)
@@ -68,7 +131,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-size", type=int, default=None,
                     help="truncated-poisson cap (default: B + 4 sqrt(B))")
     ap.add_argument("--dir", default=os.path.join(".cache", "llmdp", "bench", "store-1m"))
+    ap.add_argument("--draw-only", action="store_true",
+                    help="time the sampler's draw alone (no store): see the module docstring")
+    ap.add_argument("--draw-units", type=int, default=10**9, help="--draw-only: N of the O(B) draw")
+    ap.add_argument("--draw-batch", type=float, default=10**6, help="--draw-only: expected batch q*N")
+    ap.add_argument("--reference-units", type=int, default=10**7,
+                    help="--draw-only: N of the O(N) reference draw (same q)")
     args = ap.parse_args(argv)
+    if args.draw_only:
+        return draw_benchmark(args)
 
     t0 = time.perf_counter()
     store = synthetic_store(os.path.join(args.dir + f"-{args.units}"), args.units)

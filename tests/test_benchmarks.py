@@ -33,3 +33,14 @@ def test_sampling_benchmark_runs_small(tmp_path, capsys, sampler):
         if sampler == "truncated-poisson":
             assert r["sampled_units"] <= int(200 + 4 * 200 ** 0.5)
     assert lines[-1]["N"] == 20000 and lines[-1]["total_s"] > 0
+
+
+def test_sampling_benchmark_draw_only_runs_small(capsys):
+    main = _script("sampling").main
+    assert main(["--draw-only", "--draw-units", "1000000", "--draw-batch", "1000",
+                 "--reference-units", "100000", "--repeats", "2"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    runs = {x["run"]: x for x in lines if "run" in x}
+    assert runs["poisson_large_n"]["N"] == 1000000 and runs["reference_small_n"]["N"] == 100000
+    assert all(r["median_s"] > 0 and r["peak_bytes"] > 0 for r in runs.values())
+    assert lines[-1]["reference_over_poisson_s_at_small_n"] > 0

@@ -32,6 +32,7 @@ from llmdp.privacy.plan import (
 )
 from llmdp.privacy.sampling import (
     PoissonSampler,
+    ReferencePoissonSampler,
     TruncatedPoissonSampler,
     make_sampler,
     secure_key,
@@ -47,6 +48,7 @@ __all__ = [
     "LedgerError",
     "PlanError",
     "PoissonSampler",
+    "ReferencePoissonSampler",
     "SAMPLERS",
     "TruncatedPoissonSampler",
     "add_gaussian_",

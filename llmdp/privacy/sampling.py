@@ -1,33 +1,71 @@
-"""Poisson and truncated Poisson sampling of privacy units from a cryptographically
-secure stream.
+"""Poisson and truncated Poisson sampling of privacy units from a ChaCha20 keystream.
 
 DESIGN §3.3: the sampler must be exactly what the accountant assumes.
 
 * `PoissonSampler` is the sampling of `PoissonSampledDpEvent(q, ...)`: at every step,
-  every privacy unit is included independently with probability q.
+  every privacy unit is included independently with probability q. It draws the sample in
+  O(B) expected time and memory (B = qN, the expected batch size), whatever N is.
+* `ReferencePoissonSampler` draws the same distribution the obvious way, one coin per
+  unit (O(N) per step). It is the test reference for `PoissonSampler`, not used in training.
 * `TruncatedPoissonSampler` is the sampling of
   `TruncatedSubsampledGaussianDpEvent(N + 1, q, B_max, ...)` for a sampler over N units
   (dp-accounting's size is that of the dataset holding the added unit): the same Poisson
   draw, and when it holds more than B_max units, a uniformly random subset of exactly
   B_max of them.
 
-Both draws are unpredictable to an adversary and exact:
+Randomness. Every draw reads 64-bit words of the ChaCha20 keystream (RFC 8439,
+`llmdp.privacy.chacha.words64`) under the step's 32-byte sample key (the worker passes
+``chacha.derive_key(step_key, b"sample")``), one stream per purpose, told apart by the
+4-byte tag of its nonce (`chacha.stream_nonce`): ``pois`` (the skips of `PoissonSampler`),
+``exct`` (the further bits of a coin that the fast comparison leaves undecided, one stream
+per coin), ``subs`` (the truncation subset), ``refp`` and ``ties`` (the reference sampler,
+a tie's stream indexed by the unit), ``unif`` (`uniform_stream`'s default). With a key
+from `secure_key()` (OS entropy) the keystream is computationally indistinguishable from
+uniform for anyone who does not know the key; the guarantees below are stated for an
+ideal uniform stream. The sample is a deterministic function of the key: words are read
+at deterministic positions, so workers agree on a draw without communicating indices
+(rank 0 draws a fresh key per step and broadcasts it; every worker expands the same key
+to the same sample).
 
-* randomness comes from SHAKE-256 (an extendable-output function, FIPS 202) keyed by a
-  32-byte key; with a key from `secure_key()` (OS entropy) the stream is
-  computationally indistinguishable from uniform for anyone who does not know the key.
-  The guarantees below are stated for an ideal uniform stream.
-* coins are exact, not rounded to a 2**-53 grid: a unit whose 53-bit uniform ties the
-  threshold floor(q * 2**53) is decided with further bits (`_resolve_ties`), so the
-  inclusion probability is q itself, which the truncated event needs (its bound is not
-  known to be monotone in q). Subsets are drawn by Fisher-Yates with rejection-sampled
-  integers, so they are exactly uniform.
-* workers agree on a draw without communicating indices: rank 0 draws a fresh key per
-  step and broadcasts it; every worker expands the same key to the same sample.
+Exactness of `PoissonSampler` (every unit independently with probability exactly q, not
+a rounded q; the truncated event needs q itself, its bound is not known to be monotone
+in q):
+
+* The gaps between consecutive included units (and before the first) are i.i.d.
+  G ~ Geometric(q), P(G = g) = (1-q)**g q; included positions are the partial sums of
+  G + 1 from -1, up to N. This is the same law as N independent Bernoulli(q) coins.
+* G = m Q + R with m = 2**t, t = floor(log2(1/q)) (capped at 63): Q and R are independent,
+  P(Q = j) = rho**j (1 - rho) with rho = (1-q)**m (the number of Bernoulli(rho) successes
+  before the first failure), and P(R = r) proportional to (1-q)**r on {0, ..., m-1}, drawn
+  by rejection (r from t uniform bits, accepted with probability (1-q)**r). Expected cost:
+  m q in (1/2, 1], so rho <= e**-(m q) < e**-1/2 and the acceptance rate (1 - rho) / (m q)
+  is > 1 - e**-1: on average < 1 / (1 - e**-1/2) + 2 / (1 - e**-1) < 5.7 words per gap.
+  (For q < 2**-63, t = 63 and m > N: Q >= 1 already leaves the units, one word.)
+* Every decision is a coin "U < p" with p = (1-q)**s a dyadic rational (q is a binary
+  float, 1 - q = c / 2**b exactly) and U a uniform real whose first 64 bits are one
+  keystream word W. A float64 approximation f of p (products of the float64 nearest to
+  the exact (1-q)**(2**i), computed with Python integers; correctly rounded IEEE
+  multiplications only, no log/exp/pow from a math library) has relative error at most
+  (1 + 2**-53)**(2t+2) - 1 < `_margin(t)`: W decides the coin when it lies outside
+  [f (1 - margin), f (1 + margin)] * 2**64, which is rigorous; otherwise (probability
+  about 1e-14) `_exact_coin` reads further bits of U from the coin's own ``exct`` stream
+  and compares them with integer lower and upper bounds of p at increasing precision,
+  which terminates with probability 1 and decides U < p exactly. Hence each coin has
+  probability exactly p, and fresh words make coins independent.
+
+Subsets (`_uniform_subset`) are exactly uniform: each of the n candidates gets a uniform
+64-bit word and the `size` smallest are kept, redrawn in the (probability < n 2**-64)
+event that the size-th and (size+1)-th smallest words tie; the law is permutation
+invariant, so given no tie the chosen set is uniform over all C(n, size) subsets.
+
+The SHAKE-256 helpers (`_check_key`, `_stream_prefix`, `_raw_chunks`, `_uint53_chunks`)
+serve other modules (the private tokenizer's and the noise's streams); sampling no longer
+uses them.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -36,21 +74,36 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from llmdp.privacy import chacha
+
 __all__ = [
     "KEY_BYTES",
     "secure_key",
     "seeded_key",
     "uniform_stream",
     "PoissonSampler",
+    "ReferencePoissonSampler",
     "TruncatedPoissonSampler",
     "make_sampler",
 ]
 
 KEY_BYTES = 32
 _MIN_KEY_BYTES = 16  # 128 bits: shorter keys are guessable, which would void the guarantee
-_CHUNK = 1 << 20  # uniforms per SHAKE call: bounds memory at 8 MiB per chunk for huge N
+_CHUNK = 1 << 20  # words per keystream call of the O(N) draws: bounds memory at 8 MiB
 _STREAM_DOMAIN = b"llmdp.uniform_stream.v1"
 _TWO_53 = float(2**53)
+_TWO_64 = float(2**64)
+_U53 = 2.0**-53  # the unit roundoff of float64 (round to nearest)
+_MAX_UNITS = 1 << 62  # partial sums of the gaps stay below 2**63 (int64)
+_SKIP_CHUNK = 1 << 18  # gaps drawn per round: bounds the working memory at a few MiB
+
+# Stream tags (the first 4 bytes of a ChaCha20 nonce, `chacha.stream_nonce`).
+_TAG_POISSON = b"pois"
+_TAG_EXACT = b"exct"
+_TAG_SUBSET = b"subs"
+_TAG_REFERENCE = b"refp"
+_TAG_TIES = b"ties"
+_TAG_UNIFORM = b"unif"
 
 
 def secure_key() -> bytes:
@@ -73,6 +126,11 @@ def seeded_key(seed: int, step: int, purpose: str) -> bytes:
     # JSON of a list of (int, int, str) is an unambiguous, injective encoding.
     blob = json.dumps(["llmdp.seeded_key.v1", int(seed), int(step), purpose], separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).digest()
+
+
+# --------------------------------------------------------------------------- SHAKE-256
+# Kept for the modules that still read SHAKE-256 streams (tokenizer/private.py, noise.py,
+# parallel.py). Sampling reads ChaCha20 words (below).
 
 
 def _check_key(key) -> bytes:
@@ -117,29 +175,66 @@ def _uint53_chunks(key: bytes, purpose: bytes, n: int) -> Iterator[tuple[int, np
         yield offset, words >> np.uint64(11)  # keep the top 53 of 64 random bits
 
 
-def uniform_stream(key: bytes, n: int, purpose: bytes = b"") -> np.ndarray:
-    """`n` float64 uniforms in [0, 1) from SHAKE-256 keyed by (key, purpose).
+# --------------------------------------------------------------------------- ChaCha20 words
 
-    Each value is k * 2**-53 with k uniform on {0, ..., 2**53 - 1}: the grid of
-    doubles with 53 random bits, so the granularity is 2**-53 (every event
-    {u < t} has probability within 2**-53 of t). Deterministic given (key, purpose).
+
+def _check_sample_key(key) -> bytes:
+    """The 32-byte sample key, or one ValueError that names the length and the fix."""
+    if not isinstance(key, (bytes, bytearray)):
+        raise ValueError(
+            f"a sampling key is {KEY_BYTES} bytes, got {type(key).__name__}: pass the step's "
+            "sample key, chacha.derive_key(step_key, b'sample') (or secure_key() / seeded_key())"
+        )
+    if len(key) != KEY_BYTES:
+        raise ValueError(
+            f"a sampling key is {KEY_BYTES} bytes (a ChaCha20 key), got a {len(key)}-byte key: "
+            "pass the step's sample key, chacha.derive_key(step_key, b'sample') "
+            "(or secure_key() / seeded_key()), not a shorter or longer one"
+        )
+    return bytes(key)
+
+
+def _words(key: bytes, tag: bytes, index: int, first: int, n: int) -> np.ndarray:
+    """Words ``first … first + n - 1`` (uint64) of the ChaCha20 stream
+    (key, ``tag ‖ index``). The one place sampling reads randomness (tests count it)."""
+    return chacha.words64(key, chacha.stream_nonce(tag, index), first, n)
+
+
+class _Stream:
+    """A cursor on the stream (key, ``tag ‖ 0``): `take(n)` returns the next n words."""
+
+    __slots__ = ("key", "tag", "cursor")
+
+    def __init__(self, key: bytes, tag: bytes):
+        self.key, self.tag, self.cursor = key, tag, 0
+
+    def take(self, n: int) -> np.ndarray:
+        w = _words(self.key, self.tag, 0, self.cursor, n)
+        self.cursor += n
+        return w
+
+
+def uniform_stream(key: bytes, n: int, tag: bytes = _TAG_UNIFORM) -> np.ndarray:
+    """`n` float64 uniforms in [0, 1) from the ChaCha20 stream (key, ``tag ‖ 0``).
+
+    Value i is (w_i >> 11) * 2**-53 for word w_i of the stream: k * 2**-53 with k uniform
+    on {0, ..., 2**53 - 1}, so the granularity is 2**-53 (every event {u < t} has
+    probability within 2**-53 of t). `key` is 32 bytes; `tag` a 4-byte stream tag.
+    Deterministic given (key, tag); the first m values do not depend on n >= m.
     """
+    key = _check_sample_key(key)
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"n must be an integer >= 0, got n={n!r}")
-    out = np.empty(int(n), dtype=np.float64)
-    for offset, k in _uint53_chunks(key, purpose, int(n)):
-        out[offset : offset + len(k)] = k * (1.0 / _TWO_53)  # exact: k < 2**53
+    n = int(n)
+    out = np.empty(n, dtype=np.float64)
+    for offset in range(0, n, _CHUNK):
+        m = min(_CHUNK, n - offset)
+        k = _words(key, tag, 0, offset, m) >> np.uint64(11)  # the top 53 of 64 random bits
+        out[offset : offset + m] = k * (1.0 / _TWO_53)  # exact: k < 2**53
     return out
 
 
-def _uint64_words(key: bytes, purpose: bytes, n: int) -> np.ndarray:
-    """`n` uniform 64-bit words (uint64) of the SHAKE-256 stream keyed by (key, purpose).
-
-    Same construction and domain separation as `_uint53_chunks` (no shift); the first
-    m words do not depend on n >= m. Used for the (small) draws of `_uniform_subset`.
-    """
-    words = [k for _, k in _raw_chunks(key, purpose, n)]
-    return np.concatenate(words) if words else np.empty(0, dtype=np.uint64)
+# --------------------------------------------------------------------------- validation
 
 
 def _check_num_units(num_units) -> int:
@@ -163,6 +258,284 @@ def _check_q(sampling_probability) -> float:
     return q
 
 
+# --------------------------------------------------------------------------- exact coins
+
+
+def _one_minus(q: float) -> tuple[int, int]:
+    """(c, b) with 1 - q = c / 2**b exactly (q is a binary float: q = a / 2**b)."""
+    a, den = q.as_integer_ratio()
+    return den - a, den.bit_length() - 1
+
+
+def _ceil_shift(x: int, k: int) -> int:
+    """ceil(x / 2**k) for x >= 0."""
+    return -((-x) >> k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _power_bounds(c: int, b: int, s: int, prec: int) -> tuple[int, int]:
+    """(lo, hi) with lo / 2**prec <= (c / 2**b)**s <= hi / 2**prec, rigorously.
+
+    Binary powering on fixed-point integers (value X / 2**prec), rounding every product
+    down for `lo` and up for `hi`: all quantities are >= 0, so products of lower bounds are
+    lower bounds. The width shrinks as `prec` grows (about s 2**-prec relative).
+    """
+    if prec >= b:
+        base_lo = base_hi = c << (prec - b)
+    else:
+        base_lo, base_hi = c >> (b - prec), _ceil_shift(c, b - prec)
+    lo = hi = 1 << prec
+    while s:
+        if s & 1:
+            lo = (lo * base_lo) >> prec
+            hi = _ceil_shift(hi * base_hi, prec)
+        s >>= 1
+        if s:
+            base_lo = (base_lo * base_lo) >> prec
+            base_hi = _ceil_shift(base_hi * base_hi, prec)
+    return lo, hi
+
+
+def _nearest_powers(c: int, b: int, t: int) -> list[float]:
+    """[P_0, ..., P_t]: P_i is the float64 nearest to (c / 2**b)**(2**i) (ties to even).
+
+    Integer bounds lo <= x <= hi by repeated squaring with directed rounding; when lo and
+    hi round to the same float, so does x (rounding is monotone). Python's int / int is
+    correctly rounded. If they differ the precision doubles: the bounds close in on x, and
+    an x that is a float64 midpoint has few enough bits to be computed exactly.
+    """
+    prec = 2 * (b + t) + 128
+    while prec <= 1 << 22:
+        one = 1 << prec
+        lo = hi = c << (prec - b)  # exact: prec > b
+        out = []
+        for i in range(t + 1):
+            if i:
+                lo, hi = (lo * lo) >> prec, _ceil_shift(hi * hi, prec)
+            f_lo, f_hi = lo / one, hi / one
+            if f_lo != f_hi:
+                break
+            out.append(f_lo)
+        else:
+            return out
+        prec *= 2
+    raise RuntimeError(f"could not round (1-q)**(2**i) to float64 for 1-q = {c}/2**{b}")  # pragma: no cover
+
+
+def _margin(t: int) -> float:
+    """4 (t + 2) 2**-53: twice a rigorous bound on the relative error of f.
+
+    f is a product of at most t + 1 of the P_i (each within relative 2**-53 of its exact
+    value) with at most t correctly rounded multiplications (relative error <= 2**-53
+    each; no underflow: every partial product is >= min(1/4, 1 - q) >= 2**-53), so
+    |f / p - 1| <= (1 + 2**-53)**(2t + 1) - 1 < (2t + 2) 2**-53 <= margin / 2. The other
+    half covers the roundings of f (1 ± margin) in `_fast_thresholds`."""
+    return 4 * (t + 2) * _U53
+
+
+def _fast_thresholds(f: np.ndarray, margin: float) -> tuple[np.ndarray, np.ndarray]:
+    """(A, D), uint64 arrays: for the coin "U < p" with |f / p - 1| <= margin / 2 (see
+    `_margin`) and U's first 64 bits W, W < A proves U < p and W > D proves U >= p.
+
+    fl(f (1 - margin)) <= p (1 + margin/2)(1 - margin)(1 + 2**-53) <= p since margin >=
+    8 2**-53, and likewise fl(f (1 + margin)) >= p. So
+    A = floor(f (1 - margin) 2**64) <= p 2**64, so W < A gives U < (W + 1) / 2**64 <= p.
+    D = ceil(f (1 + margin) 2**64) - 1, so W > D gives U >= W / 2**64 >= p; when that
+    ceiling is 2**64 or more, D = 2**64 - 1 and W > D never holds. f <= 1, so
+    f (1 - margin) < 1 and the casts are exact (floats >= 2**53 are integers).
+    """
+    lo = f * (1.0 - margin)
+    hi = f * (1.0 + margin)
+    a = (lo * _TWO_64).astype(np.uint64)  # truncation = floor (lo >= 0)
+    c = np.ceil(hi * _TWO_64)
+    d = np.where(c >= _TWO_64, 0.0, c).astype(np.uint64) - np.uint64(1)  # 0 - 1 wraps to 2**64 - 1
+    return a, d
+
+
+def _exact_coin(c: int, b: int, s: int, w: int, key: bytes, position: int) -> bool:
+    """U < (c / 2**b)**s, exactly, for U the uniform real whose bits are the word `w` (the
+    word at `position` of the ``pois`` stream) followed by the words of the coin's own
+    stream (key, ``exct ‖ position``).
+
+    After k words, U lies in [v / 2**64k, (v + 1) / 2**64k); p = (c / 2**b)**s lies in
+    [lo, hi] / 2**prec (`_power_bounds`). Decide when one interval lies on one side of
+    the other; else read one more word and raise the precision. p is fixed and U's
+    interval shrinks to a point, so this ends with probability 1.
+    """
+    v, k = w, 1
+    guard = b + 2 * s.bit_length() + 64
+    while True:
+        prec = 64 * k + guard
+        lo, hi = _power_bounds(c, b, s, prec)
+        shift = prec - 64 * k
+        if (v + 1) << shift <= lo:
+            return True
+        if v << shift >= hi:
+            return False
+        v = (v << 64) | int(_words(key, _TAG_EXACT, position, k - 1, 1)[0])
+        k += 1
+
+
+# --------------------------------------------------------------------------- Poisson: O(B)
+
+
+class PoissonSampler:
+    """Poisson subsampling of `num_units` privacy units at rate q, in O(qN) expected time.
+
+    Formal guarantee: for a key drawn by `secure_key()` (and ChaCha20 modelled as an ideal
+    random stream), `sample(key)` includes every unit independently with probability
+    exactly q. This is the sampling `PoissonSampledDpEvent(q, ...)` assumes. Fresh keys
+    give independent draws across steps.
+
+    The draw walks the gaps between included units (geometric skips, see the module
+    docstring for why every coin is exact), so its expected time and memory are O(qN + 1)
+    (a few keystream words per included unit), independent of N: no array of size N is
+    ever built. `num_units` may be up to 2**62.
+
+    The batch size |S| ~ Binomial(N, q) is unbounded: memory must be provisioned for
+    the largest batch that can occur; `TruncatedPoissonSampler` caps it.
+
+    Same key -> same sample, on every machine (float64 products are correctly rounded
+    IEEE operations; no library function enters a decision): this is how workers agree
+    on the draw. The key is 32 bytes (a step's sample key, ``chacha.derive_key(step_key,
+    b"sample")``). The sample, like the key, is secret (DESIGN §3.7): never log either.
+    """
+
+    TAG = _TAG_POISSON
+    EXACT_TAG = _TAG_EXACT
+    #: The cap on the batch size: None, Poisson batches are not capped.
+    max_batch_size: int | None = None
+
+    def __init__(self, num_units: int, sampling_probability: float):
+        self.num_units = _check_num_units(num_units)
+        if self.num_units > _MAX_UNITS:
+            raise ValueError(
+                f"num_units must be at most 2**62 = {_MAX_UNITS} (positions are int64), "
+                f"got num_units={num_units!r}"
+            )
+        self.sampling_probability = _check_q(sampling_probability)
+        q = self.sampling_probability
+        if q == 1.0:
+            return
+        self._c, self._b = _one_minus(q)
+        a, den = q.as_integer_ratio()
+        # t = floor(log2(1/q)) = floor(log2(floor(1/q))): 2**t <= 1/q < 2**(t+1)
+        self._t = t = min((den // a).bit_length() - 1, 63)
+        self._m = 1 << t
+        # Q >= qcap means G >= m Q >= N: the walk has left the units, Q need not be finished.
+        self._qcap = -(-self.num_units // self._m)
+        self._powers = _nearest_powers(self._c, self._b, t)  # P_0 .. P_t
+        self._margin = _margin(t)
+        rho_a, rho_d = _fast_thresholds(np.array([self._powers[t]]), self._margin)
+        self._rho_a, self._rho_d = rho_a[0], rho_d[0]  # np.uint64 scalars
+        # f(r) = prod over set bits i of r of P_i, from tables of 16-bit chunks of r.
+        self._tables = []
+        for lo_bit in range(0, t, 16):
+            width = min(16, t - lo_bit)
+            v = np.arange(1 << width, dtype=np.int64)
+            tab = np.ones(1 << width, dtype=np.float64)
+            for i in range(width):
+                tab = np.where((v >> i) & 1 == 1, tab * self._powers[lo_bit + i], tab)
+            self._tables.append(tab)
+        if len(self._tables) == 1:  # t <= 16: thresholds per r, looked up
+            self._tab_a, self._tab_d = _fast_thresholds(self._tables[0], self._margin)
+
+    @property
+    def inclusion_probability(self) -> float:
+        """The exact per-unit inclusion probability: q itself (every coin is exact)."""
+        return self.sampling_probability
+
+    # ---- the pieces, exposed for the tests
+
+    def _factor(self, r: np.ndarray) -> np.ndarray:
+        """f(r) ~ (1-q)**r (float64) for r in [0, 2**t): the product of the P_i over the
+        set bits i of r, chunk tables multiplied left to right."""
+        r = np.asarray(r, dtype=np.uint64)
+        f = None
+        for j, tab in enumerate(self._tables):
+            part = tab[((r >> np.uint64(16 * j)) & np.uint64(0xFFFF)).astype(np.intp)]
+            f = part if f is None else f * part
+        return np.ones(r.shape, dtype=np.float64) if f is None else f
+
+    def _thresholds(self, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if len(self._tables) == 1:
+            ri = r.astype(np.intp)
+            return self._tab_a[ri], self._tab_d[ri]
+        return _fast_thresholds(self._factor(r), self._margin)
+
+    def _coins(self, key: bytes, w: np.ndarray, first: int, a, d, s) -> np.ndarray:
+        """Coins "U_i < (1-q)**s_i" for the words w (at positions first + i of the
+        ``pois`` stream): decided by the thresholds (a, d), else exactly (`_exact_coin`)."""
+        win = w < a
+        open_ = ~win & (w <= d)
+        if open_.any():
+            for i in np.flatnonzero(open_).tolist():
+                s_i = s if isinstance(s, int) else int(s[i])
+                win[i] = _exact_coin(self._c, self._b, s_i, int(w[i]), key, first + i)
+        return win
+
+    def _skips(self, key: bytes, stream: _Stream, k: int) -> np.ndarray:
+        """k i.i.d. gaps G ~ Geometric(q) (int64), each replaced by N when it is >= N."""
+        n_units, m, qcap, t = self.num_units, self._m, self._qcap, self._t
+        # Q: Bernoulli(rho) successes before the first failure, in rounds over the pending.
+        big_q = np.empty(k, dtype=np.int64)
+        idx = np.arange(k, dtype=np.int64)
+        j = 0
+        while idx.size and j < qcap:
+            first = stream.cursor
+            go_on = self._coins(key, stream.take(idx.size), first, self._rho_a, self._rho_d, m)
+            big_q[idx[~go_on]] = j
+            idx = idx[go_on]
+            j += 1
+        big_q[idx] = j  # only when j == qcap: G >= N, beyond the last unit
+        beyond = big_q >= qcap
+        # R on {0..m-1}, P(R = r) ~ (1-q)**r: r from t bits, accepted with prob (1-q)**r.
+        r_all = np.zeros(k, dtype=np.int64)
+        if t:
+            idx = np.flatnonzero(~beyond)
+            shift = np.uint64(64 - t)
+            while idx.size:
+                n = idx.size
+                first = stream.cursor
+                w = stream.take(2 * n)
+                r = w[:n] >> shift
+                a, d = self._thresholds(r)
+                keep = self._coins(key, w[n:], first + n, a, d, r)
+                r_all[idx[keep]] = r[keep].astype(np.int64)  # r < 2**63
+                idx = idx[~keep]
+        with np.errstate(over="ignore"):  # overflow only in the discarded (beyond) entries
+            g = r_all if t == 63 else r_all + big_q * np.int64(m)  # t = 63: qcap = 1, Q = 0
+        return np.minimum(np.where(beyond, n_units, g), n_units)
+
+    def sample(self, key: bytes) -> np.ndarray:
+        """Sorted int64 indices of the units included in this step's sample."""
+        key = _check_sample_key(key)
+        n_units, q = self.num_units, self.sampling_probability
+        if q == 1.0:
+            return np.arange(n_units, dtype=np.int64)
+        stream = _Stream(key, self.TAG)
+        parts, last = [], -1  # included positions are -1 + partial sums of (G + 1)
+        while True:
+            mean = int((n_units - 1 - last) * q)  # IEEE product, truncated: deterministic
+            k = min(mean + 6 * math.isqrt(mean) + 16, _SKIP_CHUNK)
+            # partial sums stay below 2N + 1 <= 2**63 up to the first one >= N
+            pos = np.cumsum(self._skips(key, stream, k) + 1) + last
+            out = pos >= n_units
+            if out.any():
+                parts.append(pos[: int(np.argmax(out))])
+                break
+            parts.append(pos)
+            last = int(pos[-1])
+        return np.concatenate(parts)
+
+    def sample_with_info(self, key: bytes) -> tuple[np.ndarray, bool]:
+        """(`sample(key)`, False): the common interface with `TruncatedPoissonSampler`."""
+        return self.sample(key), False
+
+
+# --------------------------------------------------------------------------- Poisson: O(N)
+
+
 def _tie_rule(q: float) -> tuple[int, int, int]:
     """(K, m, r) with q = (K + r / 2**m) / 2**53 exactly, 0 <= r < 2**m.
 
@@ -178,29 +551,27 @@ def _tie_rule(q: float) -> tuple[int, int, int]:
     return a >> m, m, a & ((1 << m) - 1)
 
 
-class PoissonSampler:
-    """Poisson subsampling of `num_units` privacy units at rate q.
+def _reference_uint53(key: bytes, first: int, n: int) -> np.ndarray:
+    """Units first … first + n - 1's 53-bit uniforms: the top 53 bits of the words of the
+    stream (key, ``refp ‖ 0``)."""
+    return _words(key, _TAG_REFERENCE, 0, first, n) >> np.uint64(11)
 
-    Formal guarantee: for a key drawn by `secure_key()` (and SHAKE-256 modelled as an
-    ideal random stream), `sample(key)` includes every unit independently with
-    probability exactly q. This is the sampling `PoissonSampledDpEvent(q, ...)` assumes.
-    Fresh keys give independent draws across steps. Unit i's coin is u_i < q with
-    u_i = (k_i + v_i) * 2**-53, k_i from `uniform_stream(key, N, PURPOSE)` and v_i's bits
-    read, only when k_i == floor(q * 2**53) (probability 2**-53), from a per-unit stream
-    under `TIE_PURPOSE` (see `_tie_rule`; for q < 2**-53 every unit ties, which is exact
-    but costs one hash per unit).
 
-    The batch size |S| ~ Binomial(N, q) is unbounded: memory must be provisioned for
-    the largest batch that can occur; `TruncatedPoissonSampler` caps it.
+class ReferencePoissonSampler:
+    """Poisson subsampling at rate q with one coin per unit: O(N) per step.
 
-    Same key -> same sample, on every machine: this is how workers agree on the draw
-    (rank 0 draws a fresh key per step and broadcasts it). The sample, like the key,
-    is secret (DESIGN §3.7): never log either.
+    The test reference for `PoissonSampler` (same distribution, different draws for the
+    same key; the tests compare them in distribution). Not for training at scale.
+
+    Unit i's coin is u_i < q with u_i = (k_i + v_i) * 2**-53, k_i the top 53 bits of word
+    i of the stream (key, ``refp ‖ 0``) (`uniform_stream(key, N, b"refp")` * 2**53) and
+    v_i's bits read, only when k_i == floor(q * 2**53) (probability 2**-53), from the
+    unit's own stream (key, ``ties ‖ i``) (see `_tie_rule`), so a unit's decision depends
+    on that unit's words only. The inclusion probability is exactly q.
     """
 
-    PURPOSE = b"llmdp.poisson_sampler.v1"
-    TIE_PURPOSE = b"llmdp.poisson_sampler.tie.v1"
-    #: The cap on the batch size: None, Poisson batches are not capped.
+    TAG = _TAG_REFERENCE
+    TIE_TAG = _TAG_TIES
     max_batch_size: int | None = None
 
     def __init__(self, num_units: int, sampling_probability: float):
@@ -217,15 +588,16 @@ class PoissonSampler:
 
     def sample(self, key: bytes) -> np.ndarray:
         """Sorted int64 indices of the units included in this step's sample."""
-        key = _check_key(key)
+        key = _check_sample_key(key)
         parts, ties = [], []
-        for offset, k in _uint53_chunks(key, self.PURPOSE, self.num_units):
+        for offset in range(0, self.num_units, _CHUNK):
+            k = _reference_uint53(key, offset, min(_CHUNK, self.num_units - offset))
             parts.append(np.flatnonzero(k < self._threshold) + offset)
             if self._tie_bits:
                 ties.append(np.flatnonzero(k == self._threshold) + offset)
         indices = np.concatenate(parts).astype(np.int64, copy=False)
         if ties:
-            won = _resolve_ties(key, self.TIE_PURPOSE, np.concatenate(ties), self._tie_bits, self._tie_r)
+            won = _resolve_ties(key, np.concatenate(ties), self._tie_bits, self._tie_r)
             if len(won):
                 indices = np.sort(np.concatenate([indices, won]))
         return indices
@@ -235,70 +607,66 @@ class PoissonSampler:
         return self.sample(key), False
 
 
-def _resolve_ties(key: bytes, purpose: bytes, tied: np.ndarray, m: int, r: int) -> np.ndarray:
+def _resolve_ties(key: bytes, tied: np.ndarray, m: int, r: int) -> np.ndarray:
     """The tied units (k_i == K) whose next m uniform bits V_i satisfy V_i < r.
 
-    V_i is the top m bits of the SHAKE-256 stream keyed by (key, purpose || i), one
-    stream per unit so that the decision of unit i does not depend on which other
-    units tied. Exactly uniform on {0, ..., 2**m - 1}.
+    V_i is the top m bits of the stream (key, ``ties ‖ i``), its words read most
+    significant first: one stream per unit, so that the decision of unit i does not
+    depend on which other units tied. Exactly uniform on {0, ..., 2**m - 1}.
     """
-    nbytes = -(-m // 8)
+    n_words = -(-m // 64)
     won = []
     for i in np.asarray(tied, dtype=np.int64).tolist():
-        stream = _stream_prefix(key, purpose + int(i).to_bytes(8, "big"))
-        v = int.from_bytes(hashlib.shake_256(stream).digest(nbytes), "big") >> (8 * nbytes - m)
-        if v < r:
+        v = 0
+        for w in _words(key, _TAG_TIES, i, 0, n_words).tolist():
+            v = (v << 64) | w
+        if v >> (64 * n_words - m) < r:
             won.append(i)
     return np.asarray(won, dtype=np.int64)
 
 
-def _uniform_subset(key: bytes, purpose: bytes, n: int, size: int) -> np.ndarray:
-    """Sorted positions of a uniformly random `size`-subset of {0, ..., n-1}.
+# --------------------------------------------------------------------------- truncation
 
-    Exactly uniform over all C(n, size) subsets (for an ideal stream): a partial
-    Fisher-Yates shuffle of min(size, n - size) positions (choosing the complement when
-    it is smaller, which is equally uniform), each swap index drawn exactly uniformly on
-    {0, ..., m-1} from 64-bit words w by rejection (accept w >= 2**64 mod m, then
-    w mod m: the accepted range has a multiple of m values). No 2**-53 rounding and no
-    ties are involved.
+
+def _uniform_subset(key: bytes, tag: bytes, n: int, size: int) -> np.ndarray:
+    """Sorted positions (int64) of a uniformly random `size`-subset of {0, ..., n-1}.
+
+    Exactly uniform over all C(n, size) subsets (for an ideal stream), in O(n) time and
+    memory with no Python loop: position i gets word i of the stream (key, ``tag ‖ 0``),
+    the `size` smallest words are kept (`np.argpartition`). The law of the words is
+    invariant under permuting positions, and so is the event E that the size-th and
+    (size+1)-th smallest words differ (then the kept set is well defined); so given E the
+    kept set is uniform. When E fails (probability < n 2**-64) the next n words of the
+    stream are drawn instead.
     """
     if not (0 <= size <= n):
         raise ValueError(f"size must be in [0, n={n}], got size={size}")
-    k = min(size, n - size)
-    perm = np.arange(n, dtype=np.int64)
-    need = k + 8  # a rejection has probability < m / 2**64: spares are plenty
-    words = _uint64_words(key, purpose, need).tolist()
-    pos = 0
-    for i in range(k):
-        m = n - i
-        low = (1 << 64) % m
-        while True:
-            if pos == len(words):  # never in practice; the stream is prefix-consistent
-                need *= 2
-                words = _uint64_words(key, purpose, need).tolist()
-            w = words[pos]
-            pos += 1
-            if w >= low:
-                break
-        j = i + w % m
-        perm[i], perm[j] = perm[j], perm[i]
-    chosen = perm[:k] if k == size else perm[k:]
-    return np.sort(chosen)
+    if size == n:
+        return np.arange(n, dtype=np.int64)
+    if size == 0:
+        return np.empty(0, dtype=np.int64)
+    first = 0
+    while True:
+        w = _words(key, tag, 0, first, n)
+        first += n
+        part = np.argpartition(w, size)  # part[:size]: the size smallest; part[size]: the next
+        if w[part[:size]].max() < w[part[size]]:
+            return np.sort(part[:size]).astype(np.int64, copy=False)
 
 
 class TruncatedPoissonSampler:
     """Poisson subsampling at rate q, capped at `max_batch_size` = B_max units.
 
-    Formal guarantee: for a key drawn by `secure_key()` (and SHAKE-256 modelled as an
+    Formal guarantee: for a key drawn by `secure_key()` (and ChaCha20 modelled as an
     ideal random stream), `sample(key)` is distributed as follows. S is the Poisson
     draw of `PoissonSampler(num_units, q).sample(key)` (every unit independently with
     probability exactly q; the *same* S for the same key). If |S| <= B_max the sample is
     S; otherwise it is a subset of S of size exactly B_max, uniformly random over all
-    C(|S|, B_max) subsets (exactly, not up to a 2**-53 grid: `_uniform_subset`), drawn
-    from the same key under `TRUNCATE_PURPOSE`, independently of which units S holds.
-    This is the sampling `TruncatedSubsampledGaussianDpEvent(num_units, q, B_max, sigma)`
-    assumes, so `num_units` must be the dataset size N of that event (the plan's).
-    Fresh keys give independent draws across steps.
+    C(|S|, B_max) subsets (exactly: `_uniform_subset`), drawn from the same key's stream
+    tagged ``subs``, independently of which units S holds. This is the sampling
+    `TruncatedSubsampledGaussianDpEvent(num_units, q, B_max, sigma)` assumes, so
+    `num_units` must be the dataset size N of that event (the plan's). Fresh keys give
+    independent draws across steps. O(qN + B_max) expected time, independent of N.
 
     The batch has at most B_max units: the caller provisions, and pads its compute to,
     B_max units per step ("pad below it"); units beyond B_max are never processed.
@@ -308,7 +676,7 @@ class TruncatedPoissonSampler:
     data: it may only appear among the metrics the report marks internal.
     """
 
-    TRUNCATE_PURPOSE = b"llmdp.truncated_poisson_sampler.subset.v1"
+    SUBSET_TAG = _TAG_SUBSET
 
     def __init__(self, num_units: int, sampling_probability: float, max_batch_size: int):
         self._poisson = PoissonSampler(num_units, sampling_probability)
@@ -343,7 +711,7 @@ class TruncatedPoissonSampler:
         drawn = self._poisson.sample(key)
         if len(drawn) <= self.max_batch_size:
             return drawn, False
-        keep = _uniform_subset(key, self.TRUNCATE_PURPOSE, len(drawn), self.max_batch_size)
+        keep = _uniform_subset(key, self.SUBSET_TAG, len(drawn), self.max_batch_size)
         return drawn[keep], True
 
 
