@@ -59,8 +59,8 @@ event that the size-th and (size+1)-th smallest words tie; the law is permutatio
 invariant, so given no tie the chosen set is uniform over all C(n, size) subsets.
 
 The SHAKE-256 helpers (`_check_key`, `_stream_prefix`, `_raw_chunks`, `_uint53_chunks`)
-serve other modules (the private tokenizer's and the noise's streams); sampling no longer
-uses them.
+serve the private tokenizer's per-word streams (keyed by arbitrary-length words, which a
+12-byte nonce cannot hold); sampling and the gradient noise no longer use them.
 """
 
 from __future__ import annotations
