@@ -19,6 +19,7 @@ is normal ``e % 8`` of ChaCha20 block ``e // 8``. So
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Sequence
 
@@ -187,16 +188,19 @@ def _pairs_cpu(buf: bytearray, n_pairs: int, std: float, ws: dict) -> torch.Tens
 
 
 _POOL = None
+_POOL_PID = None
 
 
 def _pool():
     """One background thread: OpenSSL (which releases the GIL) makes the next chunk's
-    keystream while torch transforms this one."""
-    global _POOL
-    if _POOL is None:
+    keystream while torch transforms this one. A forked child gets its own (the parent's
+    thread does not exist there)."""
+    global _POOL, _POOL_PID
+    if _POOL is None or _POOL_PID != os.getpid():
         from concurrent.futures import ThreadPoolExecutor
 
         _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmdp-keystream")
+        _POOL_PID = os.getpid()
     return _POOL
 
 

@@ -277,3 +277,35 @@ def test_cuda_noise_matches_cpu_and_slices_are_bit_identical():
     t = torch.zeros(n, dtype=torch.float64, device="cuda")
     noise._add_gaussian_torch(t, key, noise._nonce(4), 0, 2.0)
     assert float(((t - cuda).abs() / cuda.abs().clamp(min=1.0)).max()) < 1e-13
+
+
+_FORK_PROBE = """
+import os, torch
+from llmdp.privacy import noise
+x = torch.zeros(400_000)
+noise.add_gaussian_(x, b"k" * 32, 0, 1.0)  # starts the keystream thread in the parent
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(1)  # libgomp's own pool is not fork-safe; ours must be
+    y = torch.zeros(400_000)
+    noise.add_gaussian_(y, b"k" * 32, 0, 1.0)
+    os._exit(0 if torch.equal(y, x) else 3)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_noise_works_in_a_forked_child():
+    """The background keystream thread does not exist in a forked child: the child gets its
+    own pool instead of waiting forever on the parent's (a deadlock before the fix)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    root = str(Path(__file__).resolve().parents[2])
+    res = subprocess.run([sys.executable, "-c", _FORK_PROBE], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert res.returncode == 0 and res.stdout.split()[-1] == "0", (res.stdout, res.stderr[-2000:])
