@@ -69,6 +69,19 @@ def _tiny_counts(rank: int) -> tuple[int, int, int]:
     return P, lora, P + V * h
 
 
+def test_clipping_benchmark_peak_table():
+    peak = _script("clipping").device_peak_tflops
+    assert peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989
+    assert peak("NVIDIA H100 PCIe", "float16") == 756
+    assert peak("NVIDIA H200", "bfloat16") == 989
+    assert peak("NVIDIA A100-SXM4-80GB", "bfloat16") == 312
+    assert peak("NVIDIA H100 80GB HBM3", "float32") == 67
+    assert peak("NVIDIA A100-SXM4-40GB", "float32") == 19.5
+    assert peak("NVIDIA H100 NVL", "bfloat16") is None  # not in the table: --peak-tflops
+    assert peak("NVIDIA GeForce RTX 4090", "bfloat16") is None
+    assert peak("NVIDIA H100 80GB HBM3", "float64") is None
+
+
 def test_clipping_benchmark_lora_reports_throughput_and_mfu(tmp_path, capsys):
     main = _script("clipping").main
     rank, peak = 2, 0.5
