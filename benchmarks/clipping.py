@@ -1,4 +1,4 @@
-"""Time, throughput, MFU and peak memory of one DP step, per clipping method, on one model, in one run.
+r"""Time, throughput, MFU and peak memory of one DP step, per clipping method, on one model, in one run.
 
     python benchmarks/clipping.py                      # ~20M-parameter Llama, T=256, CPU
     python benchmarks/clipping.py --lora               # the same, LoRA r=16 on every projection
@@ -49,7 +49,9 @@ N = batch·seq tokens; P = the non-embedding parameters plus the LM head (the un
 embedding is a lookup, not a matmul; under LoRA, P counts the frozen base weights);
 P_lora = the adapter parameters; L layers, d hidden size, T sequence length. A weight
 costs 2 FLOPs per token forward, 2 for the input gradient and 2 for the weight gradient; a
-frozen weight needs no weight gradient, hence 4·P under LoRA (the adapters pay the full 6).
+frozen weight needs no weight gradient, hence 4·P under LoRA (the adapters pay the full 6;
+this counts the input gradient of layer 0's q/k/v projections, which autograd skips: under
+1% of F at the default sizes).
 The attention term (QKᵀ and attention·V, forward and backward, not halved for the causal
 mask, as in PaLM's appendix B) is the same whatever is trained. MFU = F / time / peak,
 where peak is the device's dense bf16/fp16 tensor-core peak (float32: its non-tensor-core
