@@ -1,15 +1,63 @@
-"""Time and peak memory of one DP step, per clipping method, on one model, in one run.
+r"""Time, throughput, MFU and peak memory of one DP step, per clipping method, on one model, in one run.
 
     python benchmarks/clipping.py                      # ~20M-parameter Llama, T=256, CPU
+    python benchmarks/clipping.py --lora               # the same, LoRA r=16 on every projection
     python benchmarks/clipping.py --device cuda --hidden 2048 --layers 16 --heads 32 \
         --intermediate 8192 --vocab 128256 --seq 1024 --batch 8 --dtype bfloat16   # ~1B, GPU
 
 Every method runs in its own subprocess (a clean peak-memory high-water mark): a forward
-pass and the backward that leaves in ``p.grad`` what that method produces (the plain
-gradient for ``non-private``; the sum of per-unit clipped gradients for the others).
-Time is the median over ``--steps`` steps after one warm-up step; peak memory is the
-process's peak RSS on CPU (``torch.cuda.max_memory_allocated`` on CUDA). Ratios are
-against ``non-private``. Opacus rows need the ``bench`` extra (``pip install opacus``).
+pass and the backward that leaves what that method produces (the plain gradient for
+``non-private``; the sum of per-unit clipped gradients at C = ``--max-grad-norm``, σ = 0,
+for the others) in ``p.grad``, in llmdp's float32 sums (bf16/fp16 parameters), or, for
+Opake, in the float32 gradient tree its clipping function returns. Every unit here is one
+row, so per-unit and per-example clipping coincide. Time is the median over ``--steps``
+steps after one warm-up step; peak memory is the process's peak RSS on CPU
+(``torch.cuda.max_memory_allocated`` on CUDA). Ratios are against ``non-private``.
+``grad norm`` is the norm of what the last step produced: equal (to rounding) across the
+private rows, which is a check that they compute the same clipped sum.
+
+Methods:
+  non-private          the plain backward of the summed per-unit losses
+  llmdp-*              llmdp's GhostClipper (auto / book-keeping / two-pass / reference)
+  opacus-hooks         Opacus GradSampleModule: per-sample gradients, then clip and sum
+  opacus-ghost         Opacus fast gradient clipping (ghost norms, two backwards)
+  opake-whole-batch    Opake (``opake.api.engine.clipping.clipped_grad``: torch.func
+                       ``vmap(grad)`` of a per-example loss, clipped and summed) over the
+                       whole batch in one vmap, after ``opake.patches.apply_model_patches(
+                       model, kernels=True)``; the per-example loss is the model's own
+                       (mean over the example's target tokens) through Opake's fused
+                       linear-cross-entropy forward (``loss_only=True``: no logits)
+  opake-microbatch     the same, vmapped in chunks of ``--opake-microbatch`` examples
+Opacus and Opake rows need the ``bench`` extra (``pip install -e .[bench]``); a row whose
+library is missing, or that cannot run a configuration, prints why and the run goes on.
+Opake's Triton kernels (RoPE, RMSNorm, SwiGLU, cross-entropy, LoRA, clip-and-sum) need CUDA
+and Triton; elsewhere Opake uses its PyTorch paths (its chunked linear-cross-entropy
+included), which the row notes.
+
+``--lora``: peft LoRA adapters (rank ``--lora-rank``, llmdp's ``apply_lora`` with alpha 16,
+no dropout) on every Linear of the decoder layers (q, k, v, o, gate, up, down projections);
+only the adapters are trainable, for every method.
+
+Throughput and model FLOPs utilization. tokens/s = batch·seq / median step time. Model
+FLOPs per step (the useful work, the same for every method: the clipping's own extra work
+is not counted, so a private row's MFU is the non-private row's divided by its time ratio):
+
+    full fine-tuning:  F = 6·P·N + 12·L·d·T·N
+    LoRA:              F = 4·P·N + 6·P_lora·N + 12·L·d·T·N
+
+N = batch·seq tokens; P = the non-embedding parameters plus the LM head (the untied input
+embedding is a lookup, not a matmul; under LoRA, P counts the frozen base weights);
+P_lora = the adapter parameters; L layers, d hidden size, T sequence length. A weight
+costs 2 FLOPs per token forward, 2 for the input gradient and 2 for the weight gradient; a
+frozen weight needs no weight gradient, hence 4·P under LoRA (the adapters pay the full 6;
+this counts the input gradient of layer 0's q/k/v projections, which autograd skips: under
+1% of F at the default sizes).
+The attention term (QKᵀ and attention·V, forward and backward, not halved for the causal
+mask, as in PaLM's appendix B) is the same whatever is trained. MFU = F / time / peak,
+where peak is the device's dense bf16/fp16 tensor-core peak (float32: its non-tensor-core
+peak) from ``PEAK_TFLOPS`` by ``torch.cuda.get_device_name``, or ``--peak-tflops``; on CPU,
+or on a GPU not in the table, MFU is n/a unless ``--peak-tflops`` is given. The
+non-private row's MFU is the non-private MFU.
 """
 
 from __future__ import annotations
@@ -22,6 +70,10 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 METHODS = [
     "non-private",
@@ -31,7 +83,47 @@ METHODS = [
     "llmdp-reference",
     "opacus-hooks",
     "opacus-ghost",
+    "opake-whole-batch",
+    "opake-microbatch",
 ]
+
+# Every Linear of a Llama decoder layer.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Dense (no sparsity) peaks in TFLOP/s: (substring of torch.cuda.get_device_name, bf16/fp16
+# tensor core, float32 without tensor cores). The first match wins; NVL variants are not
+# listed (pass --peak-tflops).
+PEAK_TFLOPS = [
+    ("H100 PCIe", 756.0, 51.0),
+    ("H100", 989.0, 67.0),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989.0, 67.0),
+    ("A100", 312.0, 19.5),
+]
+
+INSTALL_HINT = "pip install llmdp[bench]"
+
+
+def device_peak_tflops(device_name: str, dtype: str) -> float | None:
+    """The table's peak for this GPU and dtype, or None (not listed, or not a GPU dtype)."""
+    if "NVL" in device_name:
+        return None
+    for key, half, single in PEAK_TFLOPS:
+        if key in device_name:
+            if dtype in ("bfloat16", "float16"):
+                return half
+            if dtype == "float32":
+                return single
+            return None
+    return None
+
+
+def model_flops(*, base_params: int, lora_params: int, layers: int, hidden: int, seq: int,
+                tokens: int, lora: bool) -> int:
+    """Model FLOPs of one forward+backward step (the formula in the module docstring)."""
+    attention = 12 * layers * hidden * seq * tokens
+    if lora:
+        return 4 * base_params * tokens + 6 * lora_params * tokens + attention
+    return 6 * base_params * tokens + attention
 
 
 def build(args):
@@ -46,6 +138,11 @@ def build(args):
         attn_implementation="sdpa" if args.device == "cuda" else "eager",
     )
     model = LlamaForCausalLM(cfg).to(args.device, getattr(torch, args.dtype))
+    if args.lora:
+        from llmdp.config import LoraConfig
+        from llmdp.models import apply_lora
+
+        model = apply_lora(model, LoraConfig(r=args.lora_rank, target_modules=LORA_TARGETS))
     model.train()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(args.device)
@@ -59,17 +156,31 @@ def build(args):
     return model, batch
 
 
-def step_fn(method, model, batch, C):
+class Unsupported(Exception):
+    """This method cannot run this configuration (the row says why)."""
+
+
+def step_fn(method, model, batch, args):
+    """(step, reset, result, note): ``step`` is the timed work; ``reset`` clears what a step
+    leaves (untimed); ``result`` returns the tensors the last step produced."""
     import torch
 
     from llmdp.losses import row_losses
 
+    C = args.max_grad_norm
     params = [p for p in model.parameters() if p.requires_grad]
+
+    def clear_grads():
+        for p in params:
+            p.grad = None
+
+    def grads():
+        return [p.grad for p in params if p.grad is not None]
 
     if method == "non-private":
         def step():
             row_losses(model, batch).sum().backward()
-        return step
+        return step, clear_grads, grads, ""
 
     if method.startswith("llmdp-"):
         from llmdp.clipping import GhostClipper
@@ -82,7 +193,15 @@ def step_fn(method, model, batch, C):
 
         def step():
             clipper.backward(row_losses(model, batch), batch["row_units"])
-        return step
+
+        if sinks is None:
+            return step, clear_grads, grads, ""
+
+        def reset():
+            clear_grads()
+            for s in sinks.values():
+                s.zero_()
+        return step, reset, lambda: list(sinks.values()), ""
 
     if method == "opacus-hooks":
         from opacus import GradSampleModule
@@ -98,7 +217,7 @@ def step_fn(method, model, batch, C):
             for p in params:
                 p.grad = torch.einsum("i,i...->...", f.to(p.dtype), p.grad_sample)
                 p.grad_sample = None
-        return step
+        return step, clear_grads, grads, ""
 
     if method == "opacus-ghost":
         from opacus.grad_sample import GradSampleModuleFastGradientClipping
@@ -118,9 +237,92 @@ def step_fn(method, model, batch, C):
             gsm.disable_hooks()
             (coef.to(losses.dtype) * losses).sum().backward()
             gsm.enable_hooks()
-        return step
+        return step, clear_grads, grads, ""
+
+    if method in ("opake-whole-batch", "opake-microbatch"):
+        return opake_step_fn(method, model, batch, args)
 
     raise ValueError(method)
+
+
+def opake_step_fn(method, model, batch, args):
+    """Opake's per-example DP step, as its DPTrainer builds it (``_apply_opake_model_patches``,
+    ``make_functional(partition_trainable=True)``, ``compute_per_example_loss`` with
+    ``loss_only``, ``clipped_grad``), with σ = 0 and no optimizer."""
+    import torch
+    from opake.api.engine.clipping import clipped_grad
+    from opake.api.engine.device import fused_kernels_available
+    from opake.api.engine.functional import make_functional
+    from opake.patches import apply_model_patches
+
+    # compat: vmap-safety wrappers (batchify, attention, masking); performance: no KV cache
+    # and the conditional fused linear-CE forward; kernels: the Triton kernels, which Opake
+    # itself leaves off when CUDA or Triton is missing.
+    apply_model_patches(model, kernels=True)
+    fmodel, trainable, frozen = make_functional(model, disable_autograd_tracking=True,
+                                                partition_trainable=True)
+    if not trainable:
+        raise Unsupported("no trainable parameters")
+
+    def loss_fn(tr, input_ids, attention_mask, labels):
+        out = fmodel({**frozen, **tr}, input_ids=input_ids, attention_mask=attention_mask,
+                     labels=labels, use_cache=False, loss_only=True)
+        return out["loss"]
+
+    if method == "opake-microbatch":
+        microbatch = args.opake_microbatch
+        if microbatch < 1:
+            raise Unsupported(f"--opake-microbatch must be >= 1, got {microbatch}")
+    else:
+        microbatch = None
+    # Float32 sums for narrower parameters, like llmdp's grad sinks.
+    wide = all(p.dtype.itemsize >= 4 for p in trainable.values())
+    grad_fn, state0 = clipped_grad(
+        loss_fn, argnums=0, batch_argnums=(1, 2, 3), clipping_norm=args.max_grad_norm,
+        microbatch_size=microbatch, dtype=None if wide else torch.float32,
+    )
+    state = {"clip": state0, "grads": None}
+    args_ = (batch["input_ids"], batch["attention_mask"], batch["labels"])
+
+    with torch.no_grad():  # did the loss-only (fused linear-CE) forward run?
+        probe = fmodel({**frozen, **trainable}, input_ids=args_[0][0], attention_mask=args_[1][0],
+                       labels=args_[2][0], use_cache=False, loss_only=True)
+    notes = []
+    if probe.get("logits") is not None:
+        notes.append("fused linear-CE not used (logits materialized)")
+    elif not args_[0].is_cuda:
+        notes.append("chunked linear-CE (PyTorch)")
+    if not fused_kernels_available():
+        notes.append("Triton kernels need CUDA+Triton: off")
+    if microbatch is not None:
+        notes.append(f"microbatch {microbatch}")
+
+    def step():
+        g, state["clip"] = grad_fn(trainable, *args_, state=state["clip"])
+        state["grads"] = g.pytree
+
+    def reset():
+        state["grads"] = None
+        for p in model.parameters():
+            p.grad = None
+
+    return step, reset, lambda: list(state["grads"].values()), "; ".join(notes)
+
+
+def missing(method) -> str | None:
+    """Why this method's library cannot be imported, or None."""
+    lib = {"opacus": "opacus", "opake": "opake"}.get(method.split("-")[0])
+    if lib is None:
+        return None
+    try:
+        if lib == "opake":
+            import opake.api.engine.clipping  # noqa: F401
+            import opake.patches  # noqa: F401
+        else:
+            import opacus  # noqa: F401
+    except ImportError:
+        return f"{lib} not installed ({INSTALL_HINT})"
+    return None
 
 
 def rss_mb() -> float:
@@ -129,15 +331,25 @@ def rss_mb() -> float:
 
 
 def child(args) -> dict:
+    method = args.child
+    why = missing(method)
+    if why:
+        return {"method": method, "error": why}
+
     import torch
 
     torch.set_num_threads(args.threads)
     model, batch = build(args)
     params = [p for p in model.parameters() if p.requires_grad]
     try:
-        step = step_fn(args.child, model, batch, args.max_grad_norm)
+        step, reset, result, note = step_fn(method, model, batch, args)
     except ImportError as e:
-        return {"method": args.child, "error": f"not installed: {e.name}"}
+        return {"method": method, "error": f"not installed: {e.name} ({INSTALL_HINT})"}
+    except Unsupported as e:
+        return {"method": method, "error": str(e)}
+    except Exception as e:  # a library that cannot wrap this model: say why, not where
+        traceback.print_exc()
+        return {"method": method, "error": f"cannot set up: {type(e).__name__}: {first_line(e)}"}
     cuda = args.device == "cuda"
 
     def sync():
@@ -146,23 +358,53 @@ def child(args) -> dict:
 
     base = torch.cuda.memory_allocated() / 2**20 if cuda else rss_mb()
     times = []
-    for i in range(args.steps + 1):
-        for p in params:
-            p.grad = None
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        if i:  # the first step warms caches and allocators
-            times.append(time.perf_counter() - t0)
+    try:
+        for i in range(args.steps + 1):
+            reset()
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            if i:  # the first step warms caches and allocators
+                times.append(time.perf_counter() - t0)
+    except Exception as e:
+        traceback.print_exc()
+        return {"method": method, "error": f"step failed: {type(e).__name__}: {first_line(e)}"}
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    grad_norm = sum(float(t.double().pow(2).sum()) for t in result()) ** 0.5
+
     n_params = sum(p.numel() for p in params)
-    return {"method": args.child, "time_s": statistics.median(times), "peak_mb": peak,
-            "base_mb": base, "params": n_params}
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    tokens = args.batch * args.seq
+    flops = model_flops(
+        base_params=(total - n_params if args.lora else total) - embedding,
+        lora_params=n_params if args.lora else 0,
+        layers=args.layers, hidden=args.hidden, seq=args.seq, tokens=tokens, lora=args.lora,
+    )
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    if args.peak_tflops:
+        peak_tflops, peak_source = args.peak_tflops, "--peak-tflops"
+    else:
+        peak_tflops = device_peak_tflops(device_name, args.dtype) if cuda else None
+        peak_source = f"table ({device_name}, {args.dtype})" if peak_tflops else None
+    t = statistics.median(times)
+    return {
+        "method": method, "time_s": t, "peak_mb": peak, "base_mb": base,
+        "params": n_params, "total_params": total, "tokens": tokens,
+        "tokens_per_s": tokens / t, "flops": flops,
+        "mfu": flops / t / (peak_tflops * 1e12) if peak_tflops else None,
+        "peak_tflops": peak_tflops, "peak_source": peak_source, "device_name": device_name,
+        "grad_norm": grad_norm, "note": note,
+    }
 
 
-def main() -> None:
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--intermediate", type=int, default=688)
@@ -176,20 +418,30 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters only (see above)")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--opake-microbatch", type=int, default=2,
+                    help="examples per vmap chunk of opake-microbatch")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="device peak for MFU, TFLOP/s (default: the table for known GPUs)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
-        return
+        return 0
 
     rows = []
     for m in args.methods.split(","):
-        cleaned = [sys.executable, __file__, "--child", m]
+        cleaned = [sys.executable, os.path.abspath(__file__), "--child", m]
         for key in ("hidden", "intermediate", "layers", "heads", "vocab", "seq", "batch", "steps",
-                    "threads", "device", "dtype", "max_grad_norm"):
-            cleaned += ["--" + key.replace("_", "-"), str(getattr(args, key))]
+                    "threads", "device", "dtype", "max_grad_norm", "lora_rank", "opake_microbatch",
+                    "peak_tflops"):
+            if getattr(args, key) is not None:
+                cleaned += ["--" + key.replace("_", "-"), str(getattr(args, key))]
+        if args.lora:
+            cleaned.append("--lora")
         proc = subprocess.run(cleaned, capture_output=True, text=True)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
         if proc.returncode or not lines:
@@ -199,25 +451,39 @@ def main() -> None:
             rows.append(json.loads(lines[-1]))
         print(f"  done: {m}", file=sys.stderr, flush=True)
 
-    ref = next((r for r in rows if r["method"] == "non-private" and "error" not in r), None)
-    params = next((r["params"] for r in rows if "params" in r), 0)
-    print(f"model: Llama-family, {params / 1e6:.1f}M trainable parameters; hidden={args.hidden}, "
+    ok = [r for r in rows if "error" not in r]
+    ref = next((r for r in ok if r["method"] == "non-private"), None)
+    params = ok[0]["params"] if ok else 0
+    total = ok[0]["total_params"] if ok else 0
+    print(f"model: Llama-family, {params / 1e6:.3g}M trainable parameters of {total / 1e6:.3g}M"
+          f"{f' (LoRA r={args.lora_rank})' if args.lora else ''}; hidden={args.hidden}, "
           f"layers={args.layers}, vocab={args.vocab}; batch={args.batch} units x T={args.seq}; "
           f"{args.device}, {args.dtype}, {args.threads} threads; median of {args.steps} steps")
-    ghost = next((r for r in rows if r["method"] == "opacus-ghost" and "error" not in r), None)
-    print(f"{'method':<20}{'time/step s':>12}{'x non-priv':>11}{'peak MB':>10}{'x non-priv':>11}{'Opacus ghost / this':>21}")
+    if ok:
+        src = ok[0]["peak_source"]
+        print(f"model FLOPs/step {ok[0]['flops'] / 1e9:.1f} G ({'4' if args.lora else '6'}·P·N"
+              f"{' + 6·P_lora·N' if args.lora else ''} + 12·L·d·T·N); MFU against "
+              + (f"{ok[0]['peak_tflops']:g} TFLOP/s, {src}" if src
+                 else "n/a (no known peak: pass --peak-tflops)"))
+    ghost = next((r for r in ok if r["method"] == "opacus-ghost"), None)
+    print(f"{'method':<20}{'time/step s':>12}{'x non-priv':>11}{'tokens/s':>10}{'MFU %':>8}"
+          f"{'peak MB':>9}{'x non-priv':>11}{'Opacus ghost / this':>21}{'grad norm':>11}")
     for r in rows:
         if "error" in r:
-            print(f"{r['method']:<20}  error: {r['error']}")
+            print(f"{r['method']:<20}  {r['error']}")
             continue
         t_ratio = r["time_s"] / ref["time_s"] if ref else float("nan")
         m_ratio = r["peak_mb"] / ref["peak_mb"] if ref else float("nan")
         speed = ghost["time_s"] / r["time_s"] if ghost else float("nan")
-        print(f"{r['method']:<20}{r['time_s']:>12.3f}{t_ratio:>11.2f}{r['peak_mb']:>10.0f}{m_ratio:>11.2f}{speed:>21.2f}")
+        mfu = f"{100 * r['mfu']:.2f}" if r["mfu"] is not None else "n/a"
+        print(f"{r['method']:<20}{r['time_s']:>12.3f}{t_ratio:>11.2f}{r['tokens_per_s']:>10.0f}{mfu:>8}"
+              f"{r['peak_mb']:>9.0f}{m_ratio:>11.2f}{speed:>21.2f}{r['grad_norm']:>11.4g}"
+              + (f"  ({r['note']})" if r["note"] else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

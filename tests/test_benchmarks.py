@@ -44,3 +44,105 @@ def test_sampling_benchmark_draw_only_runs_small(capsys):
     assert runs["poisson_large_n"]["N"] == 1000000 and runs["reference_small_n"]["N"] == 100000
     assert all(r["median_s"] > 0 and r["peak_bytes"] > 0 for r in runs.values())
     assert lines[-1]["reference_over_poisson_s_at_small_n"] > 0
+
+
+# benchmarks/clipping.py on a tiny Llama: every method runs in its own subprocess (~5 s of
+# imports each), so these tests run few methods and one timed step.
+TINY = dict(hidden=32, intermediate=64, layers=2, heads=2, vocab=128, seq=16, batch=4)
+
+
+def _tiny_argv(**extra) -> list[str]:
+    argv = []
+    for key, value in {**TINY, "steps": 1, "threads": 1, **extra}.items():
+        argv += ["--" + key.replace("_", "-"), str(value)]
+    return argv
+
+
+def _tiny_counts(rank: int) -> tuple[int, int, int]:
+    """(P, P_lora, all parameters of the full model) of TINY, from its shapes alone: P =
+    the non-embedding parameters plus the LM head (untied, no biases, as many KV heads as
+    heads); P_lora = rank·(fan-in + fan-out) over the 7 projections of every layer."""
+    h, i, L, V = TINY["hidden"], TINY["intermediate"], TINY["layers"], TINY["vocab"]
+    per_layer = 4 * h * h + 3 * h * i + 2 * h  # q k v o, gate up down, two RMSNorms
+    P = L * per_layer + h + V * h  # + final norm + LM head
+    lora = L * rank * (4 * (h + h) + 2 * (h + i) + (i + h))
+    return P, lora, P + V * h
+
+
+def test_clipping_benchmark_peak_table():
+    peak = _script("clipping").device_peak_tflops
+    assert peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989
+    assert peak("NVIDIA H100 PCIe", "float16") == 756
+    assert peak("NVIDIA H200", "bfloat16") == 989
+    assert peak("NVIDIA A100-SXM4-80GB", "bfloat16") == 312
+    assert peak("NVIDIA H100 80GB HBM3", "float32") == 67
+    assert peak("NVIDIA A100-SXM4-40GB", "float32") == 19.5
+    assert peak("NVIDIA H100 NVL", "bfloat16") is None  # not in the table: --peak-tflops
+    assert peak("NVIDIA GeForce RTX 4090", "bfloat16") is None
+    assert peak("NVIDIA H100 80GB HBM3", "float64") is None
+
+
+def test_clipping_benchmark_lora_reports_throughput_and_mfu(tmp_path, capsys):
+    main = _script("clipping").main
+    rank, peak = 2, 0.5
+    out = tmp_path / "lora.json"
+    assert main(_tiny_argv(lora_rank=rank, peak_tflops=peak, methods="non-private,llmdp-auto",
+                           json=out) + ["--lora"]) == 0
+    table = capsys.readouterr().out
+    assert "tokens/s" in table and "MFU %" in table and "LoRA r=2" in table
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"non-private", "llmdp-auto"}
+    P, P_lora, full = _tiny_counts(rank)
+    B, T, L, d = TINY["batch"], TINY["seq"], TINY["layers"], TINY["hidden"]
+    N = B * T
+    # LoRA: frozen weights cost forward + input gradient (4·P·N), the adapters 6·P_lora·N.
+    flops = 4 * P * N + 6 * P_lora * N + 12 * L * d * T * N
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["params"] == P_lora and r["params"] < full / 10  # adapters only
+        assert r["total_params"] == full + P_lora
+        assert r["tokens"] == N and r["flops"] == flops
+        assert r["tokens_per_s"] == pytest.approx(N / r["time_s"], rel=1e-9)
+        assert r["peak_tflops"] == peak
+        assert r["mfu"] == pytest.approx(flops / r["time_s"] / (peak * 1e12), rel=1e-9)
+        assert f"{100 * r['mfu']:.2f}" in table
+    assert rows["llmdp-auto"]["grad_norm"] > 0
+
+
+def test_clipping_benchmark_full_flops_and_missing_opake(tmp_path, capsys, monkeypatch):
+    """Full fine-tuning uses 6·P·N; opake rows without opake say so and the run goes on."""
+    shadow = tmp_path / "shadow" / "opake"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("hidden by the test", name="opake")\n')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(shadow.parent), ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "full.json"
+    assert _script("clipping").main(_tiny_argv(
+        methods="opake-whole-batch,non-private,opake-microbatch", json=out)) == 0
+    table = capsys.readouterr().out
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    for m in ("opake-whole-batch", "opake-microbatch"):
+        assert rows[m] == {"method": m, "error": "opake not installed (pip install llmdp[bench])"}
+        assert f"{m:<20}  opake not installed (pip install llmdp[bench])" in table
+    r = rows["non-private"]
+    P, _, full = _tiny_counts(0)
+    B, T, L, d = TINY["batch"], TINY["seq"], TINY["layers"], TINY["hidden"]
+    assert r["params"] == r["total_params"] == full
+    assert r["flops"] == 6 * P * B * T + 12 * L * d * T * B * T
+    # on CPU with no --peak-tflops: no MFU, and the table says n/a
+    assert r["mfu"] is None and r["peak_tflops"] is None
+    assert "n/a" in table.split("non-private", 1)[1].splitlines()[0]
+
+
+def test_clipping_benchmark_opake_rows_match_llmdp(tmp_path):
+    """Where Opake is installed, its rows compute llmdp's clipped sum (LoRA, tiny model)."""
+    pytest.importorskip("opake.api.engine.clipping")
+    out = tmp_path / "opake.json"
+    assert _script("clipping").main(_tiny_argv(
+        lora_rank=2, methods="llmdp-auto,opake-whole-batch,opake-microbatch", json=out)
+        + ["--lora"]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all("error" not in r for r in rows.values()), rows
+    ref = rows["llmdp-auto"]["grad_norm"]
+    for m in ("opake-whole-batch", "opake-microbatch"):
+        assert rows[m]["grad_norm"] == pytest.approx(ref, rel=1e-4)
