@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+#: Positions (row x token) per chunk of the cross-entropy: the float32 logits of one
+#: chunk, 2**22 x V, are the most that exists at once (None: no chunking).
+CE_CHUNK_ELEMENTS = 1 << 26
 
 
 def row_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -31,11 +36,44 @@ def row_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
     out = model(input_ids=batch["input_ids"], attention_mask=attention_mask, use_cache=False, **kwargs)
     logits = out.logits[:, :-1, :]
     labels = batch["labels"][:, 1:]
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()  # the loss in at least float32
-    ce = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+    ce = token_cross_entropy(logits, labels)
     denom = batch["num_target_tokens"].to(ce.dtype).clamp(min=1)
     return ce.sum(dim=1) / denom
+
+
+def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # the loss in at least float32
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+
+
+def _in_functorch() -> bool:
+    """Inside a torch.func transform (the reference's per-row grad), which does not support
+    the saved-tensor hooks of checkpointing: the loss is computed unchunked there."""
+    try:
+        return torch._C._functorch.peek_interpreter_stack() is not None
+    except AttributeError:  # an older torch: no such transform in use here
+        return False
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                        chunk_elements: int | None = None) -> torch.Tensor:
+    """Per-token cross-entropy [R, T] in at least float32 (0 where the label is -100).
+
+    Chunked over positions when the logits are large: each chunk is upcast and
+    log-softmaxed on its own under activation checkpointing (recomputed in the backward),
+    so neither a float32 copy of the [R, T, V] logits nor the log-softmax saved for the
+    backward ever exists whole, only one chunk of ``chunk_elements`` at a time. The values
+    are those of the unchunked loss, bit for bit (the same per-position operations)."""
+    R, T, V = logits.shape
+    limit = CE_CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+    flat_logits, flat_labels = logits.reshape(R * T, V), labels.reshape(R * T)
+    if not limit or R * T * V <= limit or not torch.is_grad_enabled() or _in_functorch():
+        return _ce(flat_logits, flat_labels).view(R, T)
+    step = max(1, limit // V)
+    parts = [checkpoint(_ce, flat_logits[s : s + step], flat_labels[s : s + step], use_reentrant=False)
+             for s in range(0, R * T, step)]
+    return torch.cat(parts).view(R, T)
 
 
 def segment_attention(segment_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
