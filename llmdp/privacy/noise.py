@@ -44,7 +44,8 @@ _TWO_PI = 2.0 * math.pi
 _INV_2_53 = 1.0 / float(2**53)
 _TWO_PI_2M53 = _TWO_PI * _INV_2_53
 _MASK53 = (1 << 53) - 1
-_CHUNK_PAIRS = 1 << 16  # CPU: 64 Ki normals per chunk (~1 MiB of float64 work space)
+_CHUNK_PAIRS = 1 << 16  # CPU: 128 Ki normals per chunk (~3 MiB of work space)
+_CHUNK_PAIRS_TORCH = 1 << 20  # the torch-ops keystream elsewhere: larger launches
 assert _CHUNK_PAIRS % 4 == 0  # chunks start on ChaCha20 block boundaries (4 pairs a block)
 
 #: What the generator is, for the privacy report.
@@ -143,6 +144,12 @@ def _nonce(index: int) -> bytes:
     return chacha.stream_nonce(NOISE_TAG, index)
 
 
+def _triton_available() -> bool:
+    from llmdp.privacy import _triton_chacha  # imports Triton: only ever asked on CUDA
+
+    return _triton_chacha.available()
+
+
 def _keystream_cpu(key: bytes, nonce: bytes, p0: int, n_pairs: int, buf: bytearray) -> bytearray:
     """The 16 bytes of each pair p0 … p0 + n_pairs - 1 (p0 % 4 == 0) into ``buf``'s prefix."""
     n_blocks = -(-n_pairs // 4)
@@ -150,29 +157,26 @@ def _keystream_cpu(key: bytes, nonce: bytes, p0: int, n_pairs: int, buf: bytearr
     return buf
 
 
-def _pairs_cpu(buf: bytearray, n_pairs: int, std: float, ws: dict) -> torch.Tensor:
-    """[n_pairs, 2] in ``ws["dtype"]``: std·r·(cos θ, sin θ) of the pairs whose keystream
-    is ``buf``'s prefix, computed in float64.
+def _pairs(words: torch.Tensor, std: float, ws: dict) -> torch.Tensor:
+    """[n, 2] in ``ws["dtype"]``: std·r·(cos θ, sin θ) of n pairs, computed in float64 on
+    ``words``' device. ``words`` [n, 2] int64: the two little-endian 64-bit words of each
+    pair (16 bytes of the stream; 4 pairs a block).
 
-    Pair j is the 64-bit words 2j, 2j + 1 of the stream (16 bytes; 4 pairs a block):
-    k1 = the low 53 bits of the first, s2 = the second read as a signed integer, shifted
-    right by 11 (its top 53 bits, in [-2**52, 2**52)); u1 = (k1 + 1)·2**-53 in (0, 1],
-    θ = 2π·s2·2**-53 in [-π, π).
-    ``ws`` holds reusable work buffers (planar, so the math runs vectorized), so a draw
-    allocates nothing per chunk."""
-    if ws.get("n") != n_pairs:
+    k1 = the low 53 bits of the first word, s2 = the second read as a signed integer,
+    shifted right by 11 (its top 53 bits, in [-2**52, 2**52)); u1 = (k1 + 1)·2**-53 in
+    (0, 1], θ = 2π·s2·2**-53 in [-π, π). ``ws`` holds reusable work buffers (planar, so
+    the math runs vectorized): a draw allocates nothing per chunk."""
+    n = words.shape[0]
+    if ws.get("n") != n:
         dtype = ws["dtype"]
         ws.clear()
-        ws.update(n=n_pairs, dtype=dtype,
-                  k=torch.empty(2, n_pairs, dtype=torch.int64),
-                  f=torch.empty(2, n_pairs, dtype=torch.float64),
-                  c=torch.empty(n_pairs, dtype=torch.float64),
-                  z=torch.empty(n_pairs, 2, dtype=dtype))
-    if sys.byteorder == "little":
-        words = torch.frombuffer(buf, dtype=torch.int64, count=2 * n_pairs)
-    else:  # the stream's 64-bit words are little-endian
-        words = torch.from_numpy(np.frombuffer(buf, dtype="<u8", count=2 * n_pairs).astype(np.int64))
-    words = words.view(n_pairs, 2).t()
+        kw = {"device": words.device}
+        ws.update(n=n, dtype=dtype,
+                  k=torch.empty(2, n, dtype=torch.int64, **kw),
+                  f=torch.empty(2, n, dtype=torch.float64, **kw),
+                  c=torch.empty(n, dtype=torch.float64, **kw),
+                  z=torch.empty(n, 2, dtype=dtype, **kw))
+    words = words.t()
     k, f, c, z = ws["k"], ws["f"], ws["c"], ws["z"]
     torch.bitwise_and(words[0], _MASK53, out=k[0])  # k1: the low 53 bits
     torch.bitwise_right_shift(words[1], 11, out=k[1])  # s2: arithmetic shift, the top 53 bits
@@ -204,23 +208,11 @@ def _pool():
     return _POOL
 
 
-def _add_gaussian_cpu(flat: torch.Tensor, key: bytes, nonce: bytes, offset: int, total: int,
-                      std: float) -> None:
-    """flat += elements [offset, offset + numel) of the noise vector of length ``total``.
-
-    Chunks are the fixed pair ranges [c·P, min((c+1)·P, ⌈total/2⌉)): an element is always
-    computed in the same chunk at the same position, whatever slice is asked for, so slices
-    of one vector are bit-identical to the whole (same torch thread count)."""
-    n = flat.numel()
-    pairs_total = -(-total // 2)
-    first_pair, last_pair = offset // 2, (offset + n - 1) // 2
-    chunks = []
-    for c in range(first_pair // _CHUNK_PAIRS, last_pair // _CHUNK_PAIRS + 1):
-        p0 = c * _CHUNK_PAIRS
-        chunks.append((p0, min(p0 + _CHUNK_PAIRS, pairs_total) - p0))
+def _words_cpu(key: bytes, nonce: bytes, chunks: list[tuple[int, int]]):
+    """The [m, 2] int64 words of each chunk (p0, m), from OpenSSL; the next chunk's
+    keystream is made in the background while the caller transforms this one."""
     size = 64 * -(-max(m for _, m in chunks) // 4)
     bufs = [bytearray(size), bytearray(size) if len(chunks) > 1 else None]
-    ws: dict = {"dtype": flat.dtype}
     pending = None
     for i, (p0, m) in enumerate(chunks):
         buf = pending.result() if pending is not None else _keystream_cpu(key, nonce, p0, m, bufs[0])
@@ -228,7 +220,40 @@ def _add_gaussian_cpu(flat: torch.Tensor, key: bytes, nonce: bytes, offset: int,
         if i + 1 < len(chunks):
             q0, qm = chunks[i + 1]
             pending = _pool().submit(_keystream_cpu, key, nonce, q0, qm, bufs[(i + 1) % 2])
-        z = _pairs_cpu(buf, m, std, ws).view(-1)
+        if sys.byteorder == "little":
+            words = torch.frombuffer(buf, dtype=torch.int64, count=2 * m)
+        else:  # the stream's 64-bit words are little-endian
+            words = torch.from_numpy(np.frombuffer(buf, dtype="<u8", count=2 * m).astype(np.int64))
+        yield words.view(m, 2)
+
+
+def _words_torch(key: bytes, nonce: bytes, chunks: list[tuple[int, int]], device):
+    """The same words from :func:`chacha.chacha20_keystream_torch` on ``device`` (a CUDA
+    machine without Triton; any other device)."""
+    for p0, m in chunks:
+        w = chacha.chacha20_keystream_torch(key, nonce, p0 // 4, 4 * m, device).view(m, 2, 2)
+        yield (w[:, :, 1] << 32) | w[:, :, 0]  # the little-endian 64-bit words, as int64
+
+
+def _add_chunked(flat: torch.Tensor, key: bytes, nonce: bytes, offset: int, total: int,
+                 std: float, chunk_pairs: int) -> None:
+    """flat += elements [offset, offset + numel) of the noise vector of length ``total``.
+
+    Chunks are the fixed pair ranges [c·P, min((c+1)·P, ⌈total/2⌉)): an element is always
+    computed in the same chunk at the same position, whatever slice is asked for, so slices
+    of one vector are bit-identical to the whole (CPU: same torch thread count)."""
+    n = flat.numel()
+    pairs_total = -(-total // 2)
+    first_pair, last_pair = offset // 2, (offset + n - 1) // 2
+    chunks = [(p0, min(p0 + chunk_pairs, pairs_total) - p0)
+              for p0 in range(first_pair - first_pair % chunk_pairs, last_pair + 1, chunk_pairs)]
+    if flat.device.type == "cpu":
+        source = _words_cpu(key, nonce, chunks)
+    else:
+        source = _words_torch(key, nonce, chunks, flat.device)
+    ws: dict = {"dtype": flat.dtype}
+    for (p0, m), words in zip(chunks, source):
+        z = _pairs(words, std, ws).view(-1)
         lo, hi = max(offset, 2 * p0), min(offset + n, 2 * (p0 + m))  # elements of both
         flat[lo - offset : hi - offset] += z[lo - 2 * p0 : hi - 2 * p0]
 
@@ -283,40 +308,16 @@ def add_gaussian_(t: torch.Tensor, key: bytes, index: int, std: float, offset: i
     with torch.no_grad():
         flat = t.view(-1) if t.is_contiguous() else None
         work = flat if flat is not None else t.contiguous().view(-1)
-        if t.device.type == "cuda":
+        if t.device.type == "cuda" and _triton_available():
             from llmdp.privacy import _triton_chacha
 
-            if _triton_chacha.available():
-                _triton_chacha.gauss_add_(work, key, nonce, offset, std)
-            else:
-                _add_gaussian_torch(work, key, nonce, offset, std)
-        elif t.device.type == "cpu":
-            _add_gaussian_cpu(work, key, nonce, offset, total, std)
+            _triton_chacha.gauss_add_(work, key, nonce, offset, std)
         else:
-            _add_gaussian_torch(work, key, nonce, offset, std)
+            chunk = _CHUNK_PAIRS if t.device.type == "cpu" else _CHUNK_PAIRS_TORCH
+            _add_chunked(work, key, nonce, offset, total, std, chunk)
         if flat is None:
             t.copy_(work.view(t.shape))
     return t
-
-
-def _add_gaussian_torch(flat: torch.Tensor, key: bytes, nonce: bytes, offset: int, std: float,
-                        chunk_pairs: int = 1 << 22) -> None:
-    """The torch-ops path (a CUDA machine without Triton; any other device): the keystream
-    from :func:`chacha.chacha20_keystream_torch`, the same transform on ``flat``'s device."""
-    n = flat.numel()
-    first_pair, end_pair = offset // 2, (offset + n - 1) // 2 + 1
-    for p0 in range(first_pair - first_pair % 4, end_pair, chunk_pairs):
-        p1 = min(p0 + chunk_pairs, end_pair)
-        w = chacha.chacha20_keystream_torch(key, nonce, p0 // 4, 4 * (p1 - p0), flat.device)
-        w = w.view(-1, 2, 2)
-        word = (w[:, :, 1] << 32) | w[:, :, 0]  # the little-endian 64-bit words, as int64
-        k1 = (word[:, 0] & _MASK53).to(torch.float64)
-        s2 = (word[:, 1] >> 11).to(torch.float64)
-        r = ((k1 + 1.0) * _INV_2_53).log_().mul_(-2.0 * std * std).sqrt_()
-        theta = s2 * _TWO_PI_2M53
-        z = torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1).view(-1)
-        lo, hi = max(offset, 2 * p0), min(offset + n, 2 * p1)
-        flat[lo - offset : hi - offset] += z[lo - 2 * p0 : hi - 2 * p0].to(flat.dtype)
 
 
 def gaussian_like(
@@ -333,8 +334,7 @@ def gaussian_like(
     ``index`` under ``key`` (:func:`add_gaussian_` added to zeros, so the two agree bit for
     bit). ``dtype`` float32 or float64."""
     out = torch.zeros(torch.Size(shape), dtype=dtype, device=device)
-    if not out.is_floating_point() or out.dtype.itemsize < 4:
-        raise TypeError(f"dtype {dtype}: noise is drawn in float32 or wider")
+    _check_target(out, f"dtype {dtype}")
     return add_gaussian_(out, key, index, std, offset=offset, total=total)
 
 

@@ -129,8 +129,8 @@ def seeded_key(seed: int, step: int, purpose: str) -> bytes:
 
 
 # --------------------------------------------------------------------------- SHAKE-256
-# Kept for the modules that still read SHAKE-256 streams (tokenizer/private.py, noise.py,
-# parallel.py). Sampling reads ChaCha20 words (below).
+# Kept for the private tokenizer's per-word streams (tokenizer/private.py), keyed by
+# words of any length. Sampling and the gradient noise read ChaCha20 words.
 
 
 def _check_key(key) -> bytes:

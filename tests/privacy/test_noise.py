@@ -275,8 +275,19 @@ def test_cuda_noise_matches_cpu_and_slices_are_bit_identical():
     import llmdp.privacy.noise as noise
 
     t = torch.zeros(n, dtype=torch.float64, device="cuda")
-    noise._add_gaussian_torch(t, key, noise._nonce(4), 0, 2.0)
+    noise._add_chunked(t, key, noise._nonce(4), 0, n, 2.0, noise._CHUNK_PAIRS_TORCH)
     assert float(((t - cuda).abs() / cuda.abs().clamp(min=1.0)).max()) < 1e-13
+
+
+def test_torch_ops_words_equal_openssl_words():
+    """The fallback's keystream source (plain torch ops: CUDA without Triton) gives the very
+    words of the CPU source, chunk by chunk, so both feed the one transform the same."""
+    import llmdp.privacy.noise as noise
+
+    key, nonce = seeded_key(5, 0, "words"), noise._nonce(3)
+    chunks = [(0, 5), (8, 4), (64, 37), (1 << 16, 3)]
+    for a, b in zip(noise._words_cpu(key, nonce, chunks), noise._words_torch(key, nonce, chunks, "cpu")):
+        assert a.shape == b.shape and torch.equal(a, b)
 
 
 _FORK_PROBE = """
