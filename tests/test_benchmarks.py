@@ -146,3 +146,14 @@ def test_clipping_benchmark_opake_rows_match_llmdp(tmp_path):
     ref = rows["llmdp-auto"]["grad_norm"]
     for m in ("opake-whole-batch", "opake-microbatch"):
         assert rows[m]["grad_norm"] == pytest.approx(ref, rel=1e-4)
+
+
+def test_contractions_benchmark_runs_small_on_cpu(capsys):
+    """benchmarks/contractions.py: every contraction of a layer is timed and printed as a
+    ratio to the non-private weight-gradient GEMM (tiny shapes here; the GPU run is in
+    BENCHMARKS.md)."""
+    _script("contractions").main(["--device", "cpu", "--dtype", "bfloat16", "--small", "--reps", "1"])
+    out = capsys.readouterr().out
+    for layer in ("attn q/o", "mlp up/gate", "mlp down", "lm head"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(layer))
+        assert line.count("x)") == 3, line

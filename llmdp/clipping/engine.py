@@ -23,9 +23,12 @@ How (``engine="ghost"``, the default):
    Σ_r c_{u(r)} G_rᵀA_r from it as it arrives). ``mode="auto"`` picks book-keeping when
    what it keeps fits comfortably in free memory.
 
-Precision (DESIGN §3.8). The clipped sum is contracted in float32 (float64 for float64
-inputs) from the same A and G the norms were computed from, in both modes, whatever the
-parameter or autocast dtype: pass 2 never backpropagates c_u-scaled losses through
+Precision (DESIGN §3.8). The norms and the clipped sum are contracted from the same A and G,
+as the model produced them, with exact products and float32 sums (float64 for float64
+inputs; ``lowp.py``: tensor cores for bf16/fp16 on CUDA, the clipping factor applied to
+float32 partial sums, never to a half-precision operand), in both modes, whatever the
+parameter or autocast dtype. Under autocast a Linear's input is recorded in the autocast
+dtype, the value its matmul used. Pass 2 never backpropagates c_u-scaled losses through
 low-precision layers (that changes G by rounding, so the added gradient would not be the
 one whose norm was clipped). It is added to ``p.grad`` only when that is float32 or
 wider; half-precision trainable parameters need float32 ``grad_buffers``
@@ -67,7 +70,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from llmdp.clipping.norms import Record, Units, acc_dtype, cross_inner, find_rule
+from llmdp.clipping.norms import LinearRule, Record, Units, acc_dtype, cross_inner, find_rule
 from llmdp.clipping.reference import (
     clip_factors,
     clipped_sum,
@@ -130,6 +133,21 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """Half-precision activations/gradients are upcast to float32 before the clipped sum is
     contracted (clipped sums are formed and accumulated in float32 at least)."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _autocast_input_dtype(module: nn.Module, rule, A: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast cast a Linear/Conv1D input to, if it did (else None)."""
+    if not isinstance(rule, LinearRule) or not A.is_floating_point():
+        return None
+    dev = A.device.type
+    try:
+        if not torch.is_autocast_enabled(dev):
+            return None
+        dt = torch.get_autocast_dtype(dev)
+    except (TypeError, AttributeError, RuntimeError):  # pragma: no cover - torch < 2.4 API
+        return None
+    # autocast casts float32 operands only (float64 ones are left as they are)
+    return dt if dt in (torch.bfloat16, torch.float16) and A.dtype == torch.float32 else None
 
 
 def _available_memory(device: torch.device) -> int:
@@ -300,7 +318,12 @@ class GhostClipper:
         rows = getattr(self, "_rows", None)
         if isinstance(module, nn.Embedding) and rows is not None and output.dim() >= 2 and output.shape[0] == 1 and rows > 1:
             output = output.expand(rows, *output.shape[1:])
-        rec = Record(module, self._rules[module], args[0].detach(), output.numel() * output.element_size())
+        A = args[0].detach()
+        if rec_dtype := _autocast_input_dtype(module, self._rules[module], A):
+            # Under autocast the module multiplied bf16(A), not A: record that (it is the
+            # model's true gradient Gᵀ·bf16(A), half the memory, and tensor-core ready).
+            A = A.to(rec_dtype)
+        rec = Record(module, self._rules[module], A, output.numel() * output.element_size())
         self._records.append(rec)
         used = set()
         for pname in rec.rule.params(module):
@@ -571,12 +594,9 @@ class GhostClipper:
         the kept per-unit gradients); rows with a zero factor contribute exactly zero."""
         rule, mask = rec.rule, self._zero_rows
         if rule.has_clipped_ghost and (rec.ghost or self._phase == "apply"):
+            # A and G stay as the model produced them (bf16 too): the rule contracts them
+            # with exact products and float32 sums, the factors applied in float32 (lowp).
             G, A = rec.G, rec.A
-            up = _compute_dtype(G.dtype)
-            if up is not None:  # bf16/fp16 G (and A): contract the clipped sum in float32
-                G = G.to(up)
-                if A.is_floating_point():
-                    A = A.to(up)
             if mask is not None:
                 # A zero factor times a finite value adds exactly 0, so only non-finite
                 # values in the zero-factor rows need zeroing (0·NaN = NaN). G is the

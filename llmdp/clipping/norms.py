@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmdp.clipping import lowp
+
 ACC = torch.float32  # norms and Gram matrices are accumulated in at least float32
 
 
@@ -96,16 +98,66 @@ def _gram_pair_sum(X: torch.Tensor, Y: torch.Tensor, units: Units) -> torch.Tens
     return _pair_sum_two(X, Y, X, Y, units)
 
 
-def _ghost_cheaper(num_units: int, rows: int, T: int, p: int, d: int) -> bool:
-    """Ghost norm or instantiation, for one layer and one batch.
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What the layer choice needs to know of a device: dense matmul throughput for the
+    contraction dtype (FLOP/s) and memory bandwidth (bytes/s)."""
 
-    Time: instantiating costs what the non-private weight gradient costs (one p×d
-    outer-product sum per unit) and makes norms and the clipped sum cheap; the ghost norm
-    adds T²(p+d) per unit. So instantiate whenever its memory is acceptable: when the
-    per-unit gradients (U·p·d) are no larger than what book-keeping keeps for the layer
-    anyway (its input and output, R·T·(p+d)). Otherwise the ghost norm, whose memory is
-    T² per unit, never p×d."""
-    return num_units * p * d > rows * T * (p + d)
+    flops: float
+    bandwidth: float
+
+
+# Dense bf16/fp16 tensor-core FLOP/s (no sparsity) and HBM bandwidth, from the vendors'
+# data sheets; matched as a substring of torch.cuda.get_device_name().
+_CUDA_SPECS = {
+    "H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "H800": (989e12, 3.35e12),
+    "GH200": (989e12, 4.0e12), "B200": (2250e12, 8.0e12), "A100": (312e12, 2.0e12),
+    "A800": (312e12, 2.0e12), "L40S": (362e12, 0.864e12), "L40": (181e12, 0.864e12),
+    "L4": (121e12, 0.3e12), "A10": (125e12, 0.6e12), "A6000": (155e12, 0.77e12),
+    "4090": (165e12, 1.0e12), "V100": (125e12, 0.9e12), "T4": (65e12, 0.32e12),
+}
+_CUDA_DEFAULT = (300e12, 2.0e12)
+# float32 operands on CUDA run at about 1/15 of the tensor-core rate (SIMT; TF32 is off
+# for the engine's float32 contractions, lowp.py).
+_CUDA_FP32_SLOWDOWN = 15.0
+# CPU: a few cores' float32 matmul rate against one socket's bandwidth.
+_CPU_SPEC = DeviceSpec(flops=2e11, bandwidth=2e10)
+
+
+def device_spec(device: torch.device, dtype: torch.dtype) -> DeviceSpec:
+    if device.type != "cuda":
+        return _CPU_SPEC
+    name = torch.cuda.get_device_name(device)
+    flops, bw = next((v for k, v in _CUDA_SPECS.items() if k in name), _CUDA_DEFAULT)
+    if dtype not in (torch.bfloat16, torch.float16):
+        flops /= _CUDA_FP32_SLOWDOWN
+    return DeviceSpec(flops, bw)
+
+
+def _ghost_cheaper(num_units: int, rows: int, T: int, p: int, d: int,
+                   spec: DeviceSpec | None = None) -> bool:
+    """Ghost norm or instantiation, for one [p x d] layer and one batch (R rows of T
+    positions, U units), from memory first, then time on this device.
+
+    Memory: instantiation keeps U per-unit gradients (U·p·d floats) until the clipped sum
+    (book-keeping); allowed only when that is no larger than what book-keeping keeps for
+    the layer anyway, its input and output (R·T·(p+d)). Otherwise the ghost norm, whose
+    memory is T² per row, never p×d.
+
+    Time, both paths also paying the clipped sum:
+      instantiation  2·R·T·p·d FLOPs (per-row gradients, written in float32), then the
+                     per-unit norms and the weighted sum read them: ≈ 8·(R+U)·p·d bytes;
+      ghost norm     2·R·T²·(p+d) FLOPs (two Gram matrices) + the clipped sum's
+                     2·R·T·p·d FLOPs (a tensor-core GEMM, as in a non-private backward).
+    The cheaper on ``spec`` wins (a GPU's FLOP/byte ratio is ~100-300, so long rows of
+    mid-sized layers go to the ghost norm there and to instantiation on a CPU)."""
+    if num_units * p * d > rows * T * (p + d):
+        return True
+    if spec is None:
+        return False
+    t_inst = 2.0 * rows * T * p * d / spec.flops + 8.0 * (rows + num_units) * p * d / spec.bandwidth
+    t_ghost = (2.0 * rows * T * T * (p + d) + 2.0 * rows * T * p * d) / spec.flops
+    return t_ghost < t_inst
 
 
 # --------------------------------------------------------------------------- records
@@ -162,51 +214,51 @@ class LinearRule(LayerRule):
         if policy != "auto":
             return policy == "ghost"
         G3 = _as_3d(G)
-        return _ghost_cheaper(num_units, G3.shape[0], G3.shape[1], G.shape[-1], A.shape[-1])
+        spec = device_spec(G.device, G.dtype)
+        return _ghost_cheaper(num_units, G3.shape[0], G3.shape[1], G.shape[-1], A.shape[-1], spec)
+
+    # Every contraction goes through ``lowp`` on A and G as the model produced them: exact
+    # products, float32 (float64) sums, on tensor cores for bf16/fp16 on CUDA. The norms
+    # and the clipped sum are so formed from the same values (DESIGN §3.8).
 
     def sq_norms_ghost(self, rec, units):
-        module, dt = rec.module, acc_dtype(rec.G)
-        A3, G3 = _as_3d(rec.A).to(dt), _as_3d(rec.G).to(dt)
+        module = rec.module
+        A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
         out = {}
         if module.weight.requires_grad:
             out["weight"] = _gram_pair_sum(A3, G3, units)
         if module.bias is not None and module.bias.requires_grad:
-            s = G3.sum(1)  # the bias gradient of each row
-            out["bias"] = _bias_sq(s, units)
+            out["bias"] = _bias_sq(_row_sums(G3), units)  # the bias gradient of each row
         return out
 
     def per_unit(self, rec, units):
         module = rec.module
-        # float32 at least: the per-unit gradient whose norm is clipped must be the one the
-        # float32 contraction adds (two-pass, DESIGN §3.8), not a bf16-rounded copy.
-        dt = acc_dtype(rec.G)
-        A3, G3 = _as_3d(rec.A).to(dt), _as_3d(rec.G).to(dt)
+        A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
         out = {}
         if module.weight.requires_grad:
-            eq = "rti,rto->rio" if self.transposed else "rto,rti->roi"
-            out["weight"] = units.rows_to_units(torch.einsum(eq, *( (A3, G3) if self.transposed else (G3, A3))))
+            per_row = lowp.per_row_tn(A3, G3) if self.transposed else lowp.per_row_tn(G3, A3)
+            out["weight"] = units.rows_to_units(per_row)
         if module.bias is not None and module.bias.requires_grad:
-            out["bias"] = units.rows_to_units(G3.sum(1))
+            out["bias"] = units.rows_to_units(_row_sums(G3))
         return out
 
     def clipped_ghost(self, rec, row_factors):
         module = rec.module
         A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
-        f = row_factors.to(G3.dtype)
         out = {}
         if module.weight.requires_grad:
-            # Σ_r c_r G_rᵀA_r: scale the smaller of A and G by the row factors (the LM
-            # head's G is [R, T, V]; a scaled copy of it would cost as much as the logits).
-            A3 = A3.to(G3.dtype)
-            if A3.shape[-1] <= G3.shape[-1]:
-                A3 = A3 * f[:, None, None]
-            else:
-                G3 = G3 * f[:, None, None]
-            A2, G2 = A3.reshape(-1, A3.shape[-1]), G3.reshape(-1, G3.shape[-1])
-            out["weight"] = A2.t() @ G2 if self.transposed else G2.t() @ A2
+            # Σ_r c_r G_rᵀA_r, the factor applied in float32 (never to a bf16 operand).
+            out["weight"] = (lowp.row_scaled_tn(A3, G3, row_factors) if self.transposed
+                             else lowp.row_scaled_tn(G3, A3, row_factors))
         if module.bias is not None and module.bias.requires_grad:
-            out["bias"] = (_as_3d(rec.G).sum(1) * f[:, None]).sum(0)
+            s = _row_sums(G3)
+            out["bias"] = (s * row_factors.to(s.dtype)[:, None]).sum(0)
         return out
+
+
+def _row_sums(G3: torch.Tensor) -> torch.Tensor:
+    """Σ_t G[r, t] per row in float32 (float64): the bias gradient of each row."""
+    return G3.sum(1, dtype=acc_dtype(G3))
 
 
 def _bias_sq(per_row: torch.Tensor, units: Units) -> torch.Tensor:
@@ -220,6 +272,9 @@ class EmbeddingRule(LayerRule):
     has_clipped_ghost = True
 
     def _ids_and_G(self, rec: Record):
+        """Token ids [R, T] and the rows' gradients w.r.t. the gathered table rows, widened
+        to float32 (float64) *before* the scale is applied: the norms, the cross terms and
+        the clipped sum all read these same values (an embedding's G is [R, T, d], small)."""
         module = rec.module
         G = rec.G
         R = G.shape[0]
@@ -227,6 +282,7 @@ class EmbeddingRule(LayerRule):
         if ids.shape[0] != R:  # shared indices, e.g. learned position ids of shape [1, T]
             ids = ids.expand(R, -1)
         G3 = G.reshape(R, ids.shape[1], -1)
+        G3 = G3.to(acc_dtype(G3))
         scale = getattr(module, "embed_scale", None)
         if scale is not None:  # Gemma: y = E[ids] * scale
             G3 = G3 * scale.to(G3.dtype)
@@ -246,7 +302,6 @@ class EmbeddingRule(LayerRule):
         if not rec.module.weight.requires_grad:
             return {}
         ids, G3 = self._ids_and_G(rec)
-        G3 = G3.to(acc_dtype(G3))
         # Σ_{t,s} [id_t = id_s] ⟨G_t, G_s⟩: equal-token mask instead of a one-hot [T, V].
         same = (ids[:, :, None] == ids[:, None, :]).to(G3.dtype)
         diag = (same * torch.bmm(G3, G3.transpose(1, 2))).sum((1, 2))
@@ -263,7 +318,6 @@ class EmbeddingRule(LayerRule):
         if not module.weight.requires_grad:
             return {}
         ids, G3 = self._ids_and_G(rec)
-        G3 = G3.to(acc_dtype(G3))  # float32 at least, as the contraction that is added
         keep = units.keep
         uid = units.unit_of_row[keep].unsqueeze(1).expand(-1, ids.shape[1])
         out = G3.new_zeros((units.num_units, *module.weight.shape))
@@ -338,15 +392,11 @@ def cross_inner(ri: Record, rj: Record, pname_i: str, pname_j: str, units: Units
     if tj is EmbeddingRule and ti is LinearRule and not ri.rule.transposed:
         return _cross_embedding_linear(rj, ri, units)
     if ti is LinearRule and tj is LinearRule and ri.rule.transposed == rj.rule.transposed and pname_i == pname_j == "weight":
-        dt = acc_dtype(ri.G)
-        Ai, Gi = _as_3d(ri.A).to(dt), _as_3d(ri.G).to(dt)
-        Aj, Gj = _as_3d(rj.A).to(dt), _as_3d(rj.G).to(dt)
-        return _pair_sum_two(Ai, Gi, Aj, Gj, units)
+        return _pair_sum_two(_as_3d(ri.A), _as_3d(ri.G), _as_3d(rj.A), _as_3d(rj.G), units)
     if ti is LinearRule and tj is LinearRule and pname_i == pname_j == "bias":
-        dt = acc_dtype(ri.G)
-        bi = units.rows_to_units(_as_3d(ri.G).to(dt).sum(1))
-        bj = units.rows_to_units(_as_3d(rj.G).to(dt).sum(1))
-        return (bi * bj).sum(-1)
+        bi = units.rows_to_units(_row_sums(_as_3d(ri.G)))
+        bj = units.rows_to_units(_row_sums(_as_3d(rj.G)))
+        return (bi * bj.to(bi.dtype)).sum(-1)
     # Anything else: instantiate both (small parameters only reach here).
     gi = ri.rule.per_unit(ri, units)[pname_i]
     gj = rj.rule.per_unit(rj, units)[pname_j]
@@ -354,12 +404,15 @@ def cross_inner(ri: Record, rj: Record, pname_i: str, pname_j: str, units: Units
 
 
 def _pair_sum_two(Ai, Gi, Aj, Gj, units: Units) -> torch.Tensor:
-    """Per unit Σ_{r,r' in u} ⟨A_i,r A_j,r'ᵀ, G_i,r G_j,r'ᵀ⟩."""
-    diag = (torch.bmm(Ai, Aj.transpose(1, 2)) * torch.bmm(Gi, Gj.transpose(1, 2))).sum((1, 2))
+    """Per unit Σ_{r,r' in u} ⟨A_i,r A_j,r'ᵀ, G_i,r G_j,r'ᵀ⟩ (Gram matrices by ``lowp``:
+    exact products, float32 sums, no float32 copy of A or G on tensor cores)."""
+    ga, gg = lowp.gram(Ai, Aj), lowp.gram(Gi, Gj)
+    dt = lowp.acc_dtype(ga, gg)
+    diag = (ga.to(dt) * gg.to(dt)).sum((1, 2))
     out = units.rows_to_units(diag)
     if not units.identity and units.pair_a is not None and units.pair_a.numel():
         a, b = units.pair_a, units.pair_b
-        cross = (torch.bmm(Ai[a], Aj[b].transpose(1, 2)) * torch.bmm(Gi[a], Gj[b].transpose(1, 2))).sum((1, 2))
+        cross = (lowp.gram(Ai[a], Aj[b]).to(dt) * lowp.gram(Gi[a], Gj[b]).to(dt)).sum((1, 2))
         out = out + units.pairs_to_units(cross)
     return out
 
@@ -367,16 +420,14 @@ def _pair_sum_two(Ai, Gi, Aj, Gj, units: Units) -> torch.Tensor:
 def _cross_embedding_linear(re: Record, rl: Record, units: Units) -> torch.Tensor:
     """⟨embedding grad, linear grad⟩ of a tied [V, d] matrix, per unit:
     Σ_t Σ_s G_lin[s, id_t] ⟨G_emb,t, A_lin,s⟩ — a T×T computation, no V×d tensor."""
-    ids, Ge = re.rule._ids_and_G(re)
-    dt = acc_dtype(rl.G)
-    Ge = Ge.to(dt)
-    Al, Gl = _as_3d(rl.A).to(dt), _as_3d(rl.G).to(dt)
+    ids, Ge = re.rule._ids_and_G(re)  # float32 (float64)
+    Al, Gl = _as_3d(rl.A), _as_3d(rl.G)  # as the model produced them (Gl is [R, T, V])
 
     def one(e_ids, ge, al, gl):  # rows of the embedding call, rows of the linear call
-        # P[s, t] = G_lin[s, id_t]; M[s, t] = ⟨A_lin,s, G_emb,t⟩
-        P = torch.gather(gl, 2, e_ids[:, None, :].expand(-1, gl.shape[1], -1))
-        M = torch.bmm(al, ge.transpose(1, 2))
-        return (P * M).sum((1, 2))
+        # P[s, t] = G_lin[s, id_t] (gathered, then widened: [R, T, T]); M[s, t] = ⟨A_lin,s, G_emb,t⟩
+        P = torch.gather(gl, 2, e_ids[:, None, :].expand(-1, gl.shape[1], -1)).to(ge.dtype)
+        M = lowp.bmm(al, ge.transpose(1, 2))
+        return (P * M.to(ge.dtype)).sum((1, 2))
 
     diag = one(ids, Ge, Al, Gl)
     out = units.rows_to_units(diag)

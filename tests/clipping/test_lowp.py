@@ -1,0 +1,170 @@
+"""The engine's contractions (``llmdp.clipping.lowp``, issue 15 items 1 and 4): exact
+products with float32 sums, the clipping factor applied in float32 and never to a
+half-precision operand, bounded float32 copies on the fallback path; the Triton clipped-sum
+kernel in Triton's interpreter; and, on a GPU, the tensor-core paths."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmdp.clipping import lowp
+
+HALVES = [torch.bfloat16, torch.float16]
+
+
+def _data(dtype, R=3, T=37, a=20, b=45, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, T, a, generator=g).to(dtype).to(device)
+    y = torch.randn(R, T, b, generator=g).to(dtype).to(device)
+    f = torch.rand(R, generator=g).to(device)
+    return x, y, f
+
+
+def _fp32_sum_bound(x, y):
+    """A bound on float32 summation error of Σ x·y products: ~K·2⁻²⁴·Σ|x||y| (K terms)."""
+    return (x.shape[0] * x.shape[1]) * 2.0**-24 * torch.einsum("rta,rtb->ab", x.double().abs(), y.double().abs())
+
+
+@pytest.mark.parametrize("dtype", [*HALVES, torch.float32, torch.float64])
+def test_row_scaled_tn_applies_the_factor_exactly(dtype):
+    """Σ_r f_r x_rᵀ y_r equals its float64 value up to float32 summation, for half
+    precision operands too: the old way (scale the smaller bf16 operand, round it back to
+    bf16) is off by ~2⁻⁹ relative per element, which this test rejects."""
+    x, y, f = _data(dtype)
+    ref = torch.einsum("r,rta,rtb->ab", f.double(), x.double(), y.double())
+    out = lowp.row_scaled_tn(x, y, f)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert ((out.double() - ref).abs() <= _fp32_sum_bound(x, y) + 1e-300).all()
+    if dtype in HALVES:  # the rejected construction really is distinguishable here
+        xs = (x.float() * f[:, None, None]).to(dtype)
+        bad = torch.einsum("rta,rtb->ab", xs.double(), y.double())
+        assert ((bad - ref).abs() > _fp32_sum_bound(x, y)).any()
+
+
+@pytest.mark.parametrize("dtype", [*HALVES, torch.float32])
+def test_gram_and_per_row_products_are_exact_with_float32_sums(dtype):
+    x, y, _ = _data(dtype, b=20)
+    g = lowp.gram(x, y)
+    ref = torch.einsum("rta,rsa->rts", x.double(), y.double())
+    bound = x.shape[2] * 2.0**-24 * torch.einsum("rta,rsa->rts", x.double().abs(), y.double().abs())
+    assert g.dtype == torch.float32 and ((g.double() - ref).abs() <= bound).all()
+    p = lowp.per_row_tn(x, y)
+    ref = torch.einsum("rta,rtb->rab", x.double(), y.double())
+    bound = x.shape[1] * 2.0**-24 * torch.einsum("rta,rtb->rab", x.double().abs(), y.double().abs())
+    assert p.dtype == torch.float32 and ((p.double() - ref).abs() <= bound).all()
+
+
+def test_fallback_widens_large_operands_a_slice_at_a_time(monkeypatch):
+    """With a small CHUNK_ELEMENTS the fallback slices the widened operand (the LM head's
+    [R, T, V] gradient is never copied whole to float32) and gives the same values."""
+    x, y, f = _data(torch.bfloat16, a=8, b=300)
+    whole_rs, whole_g = lowp.row_scaled_tn(x, y, f), lowp.gram(y, y)
+    whole_rs_t = lowp.row_scaled_tn(y, x, f)
+    widened = []
+    real_to = torch.Tensor.to
+
+    def spy(t, *a, **k):
+        out = real_to(t, *a, **k)
+        if out.dtype == torch.float32 and t.dtype == torch.bfloat16:
+            widened.append(out.numel())
+        return out
+
+    monkeypatch.setattr(lowp, "CHUNK_ELEMENTS", 3 * 37 * 64)
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    rs, g, rs_t = lowp.row_scaled_tn(x, y, f), lowp.gram(y, y), lowp.row_scaled_tn(y, x, f)
+    monkeypatch.undo()
+    assert max(widened) <= 3 * 37 * 64 < y.numel()
+    torch.testing.assert_close(rs, whole_rs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rs_t, whole_rs_t, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g, whole_g, rtol=1e-6, atol=1e-5)
+
+
+def test_cpu_never_claims_tensor_cores():
+    x, y, _ = _data(torch.bfloat16)
+    assert not lowp.tensor_cores(x, y)
+
+
+# --------------------------------------------------------------------------- Triton, interpreted
+
+_INTERPRETED = textwrap.dedent(
+    """
+    import os, torch
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    from llmdp.clipping import _triton_rowscaled as k
+    assert k.available()
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for dt in (torch.bfloat16, torch.float16):
+        # tile remainders, T = 1 (2-D inputs), one row, rows split into groups, zero factors
+        for R, T, a, b in [(3, 37, 20, 45), (5, 1, 7, 9), (1, 16, 16, 16), (9, 5, 3, 33)]:
+            x = torch.randn(R, T, a, generator=g).to(dt)
+            y = torch.randn(R, T, b, generator=g).to(dt)
+            f = torch.rand(R, generator=g)
+            f[0] = 0.0
+            out = k.row_scaled_tn(x, y, f)
+            assert out.shape == (a, b) and out.dtype == torch.float32
+            ref = torch.einsum("r,rta,rtb->ab", f.double(), x.double(), y.double())
+            bound = R * T * 2.0**-24 * torch.einsum("rta,rtb->ab", x.double().abs(), y.double().abs())
+            assert ((out.double() - ref).abs() <= bound + 1e-30).all(), (dt, R, T, a, b)
+            worst = max(worst, float((out.double() - ref).abs().max()))
+    # non-contiguous operands (a transposed view) are read through their strides
+    x = torch.randn(4, 24, 6, generator=g).bfloat16().transpose(1, 2).contiguous().transpose(1, 2)
+    y = torch.randn(4, 24, 10, generator=g).bfloat16()
+    f = torch.rand(4, generator=g)
+    ref = torch.einsum("r,rta,rtb->ab", f.double(), x.double(), y.double())
+    assert (k.row_scaled_tn(x, y, f).double() - ref).abs().max() < 1e-5
+    print("ok", worst)
+    """
+)
+
+
+def test_triton_clipped_sum_kernel_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", HALVES)
+def test_cuda_half_contractions_run_on_tensor_cores_and_are_exact(dtype):
+    x, y, f = _data(dtype, R=4, T=256, a=192, b=320, device="cuda")
+    assert lowp.tensor_cores(x, y)
+    from llmdp.clipping import _triton_rowscaled
+
+    assert _triton_rowscaled.available()
+    ref = torch.einsum("r,rta,rtb->ab", f.double(), x.double(), y.double())
+    out = lowp.row_scaled_tn(x, y, f)
+    assert ((out.double() - ref).abs() <= _fp32_sum_bound(x, y)).all()
+    g = lowp.gram(x, x)
+    refg = torch.einsum("rta,rsa->rts", x.double(), x.double())
+    boundg = x.shape[2] * 2.0**-24 * torch.einsum("rta,rsa->rts", x.double().abs(), x.double().abs())
+    assert ((g.double() - refg).abs() <= boundg).all()
+
+
+@pytest.mark.gpu
+def test_cuda_float32_contractions_ignore_the_users_tf32_and_restore_it():
+    x, y, f = _data(torch.float32, R=4, T=256, a=192, b=320, device="cuda")
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        out = lowp.row_scaled_tn(x, y, f)
+        g = lowp.gram(x, x)
+        assert torch.backends.cuda.matmul.allow_tf32 is True  # the user's setting is kept
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    ref = torch.einsum("r,rta,rtb->ab", f.double(), x.double(), y.double())
+    assert ((out.double() - ref).abs() <= _fp32_sum_bound(x, y)).all()  # TF32 would be ~1e-3 off
+    refg = torch.einsum("rta,rsa->rts", x.double(), x.double())
+    torch.testing.assert_close(g.double(), refg, rtol=1e-5, atol=1e-4)
