@@ -65,37 +65,39 @@ def main(argv=None):
           f"dtype {a.dtype}, R={R} T={T}; times in ms, ratio to the weight-grad GEMM")
     print(f"{'layer':<12} {'weight-grad':>12} {'clipped-sum':>18} {'widened-fp32':>18} {'gram':>18}")
     for name, (p, d) in shapes.items():
-        G = torch.randn(R, T, p, device=device).to(dt)
-        A = torch.randn(R, T, d, device=device).to(dt)
-        f = torch.rand(R, device=device)
-        G2, A2 = G.reshape(R * T, p), A.reshape(R * T, d)
+        print(_row(name, p, d, R, T, device, dt, a.reps))
 
-        def wgrad():
-            return G2.t() @ A2
 
-        def clipped():
-            return lowp.row_scaled_tn(G, A, f)
+def _row(name, p, d, R, T, device, dt, reps):
+    G = torch.randn(R, T, p, device=device).to(dt)
+    A = torch.randn(R, T, d, device=device).to(dt)
+    f = torch.rand(R, device=device)
+    G2, A2 = G.reshape(R * T, p), A.reshape(R * T, d)
 
-        def widened():
-            with lowp.exact_fp32(device):
-                Af = (A.float() * f[:, None, None]).reshape(R * T, d)
-                return G.float().reshape(R * T, p).t() @ Af
+    def wgrad():
+        return G2.t() @ A2
 
-        def gram():
-            return lowp.gram(G, G), lowp.gram(A, A)
+    def clipped():
+        return lowp.row_scaled_tn(G, A, f)
 
-        base = _time(wgrad, device, a.reps)
-        row = [f"{name:<12} {base * 1e3:>12.2f}"]
-        for fn in (clipped, widened, gram):
-            try:
-                t = _time(fn, device, a.reps)
-                row.append(f"{t * 1e3:>10.2f} ({t / base:4.2f}x)")
-            except torch.OutOfMemoryError:
-                row.append(f"{'out of memory':>18}")
-                torch.cuda.empty_cache()
-        print(" ".join(row))
-        del G, A, G2, A2
+    def widened():
+        with lowp.exact_fp32(device):
+            Af = (A.float() * f[:, None, None]).reshape(R * T, d)
+            return G.float().reshape(R * T, p).t() @ Af
 
+    def gram():
+        return lowp.gram(G, G), lowp.gram(A, A)
+
+    base = _time(wgrad, device, reps)
+    row = [f"{name:<12} {base * 1e3:>12.2f}"]
+    for fn in (clipped, widened, gram):
+        try:
+            t = _time(fn, device, reps)
+            row.append(f"{t * 1e3:>10.2f} ({t / base:4.2f}x)")
+        except torch.OutOfMemoryError:
+            row.append(f"{'out of memory':>18}")
+            torch.cuda.empty_cache()
+    return " ".join(row)
 
 if __name__ == "__main__":
     main()

@@ -703,5 +703,7 @@ def _fingerprint(G: torch.Tensor) -> torch.Tensor:
 
 
 def _sq(g: torch.Tensor) -> torch.Tensor:
-    g2 = g.reshape(g.shape[0], -1).to(acc_dtype(g))
-    return (g2 * g2).sum(1)
+    """Per-unit squared norms of instantiated gradients [U, ...], float32 (float64): one
+    reduction, no squared copy (U·p·d for an instantiated layer)."""
+    g2 = g.reshape(g.shape[0], -1)
+    return torch.linalg.vector_norm(g2, dim=1, dtype=acc_dtype(g)).square()
