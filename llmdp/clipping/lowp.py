@@ -44,12 +44,16 @@ def exact_fp32(device: torch.device):
     if device.type != "cuda":
         yield
         return
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    m = torch.backends.cuda.matmul
+    # torch >= 2.9 has fp32_precision; reading the legacy allow_tf32 after a user set the
+    # new one raises, while the new one reads and restores whatever the user set.
+    name, off = ("fp32_precision", "ieee") if hasattr(m, "fp32_precision") else ("allow_tf32", False)
+    prev = getattr(m, name)
+    setattr(m, name, off)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+        setattr(m, name, prev)
 
 
 def tensor_cores(x: torch.Tensor, y: torch.Tensor) -> bool:

@@ -86,6 +86,26 @@ def test_fallback_widens_large_operands_a_slice_at_a_time(monkeypatch):
     torch.testing.assert_close(g, whole_g, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("api", ["legacy", "new"])
+def test_exact_fp32_switches_tf32_off_and_restores_the_users_setting(monkeypatch, api):
+    """The flag is process-wide: the engine turns TF32 off around its own float32 calls
+    only and gives back exactly what the user set, through whichever API they used (torch
+    refuses to read the legacy flag after the new one was set)."""
+    m = torch.backends.cuda.matmul
+    if api == "new" and not hasattr(m, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision API")
+    name, user = ("fp32_precision", "tf32") if api == "new" else ("allow_tf32", True)
+    prev = getattr(m, name)
+    setattr(m, name, user)
+    try:
+        with lowp.exact_fp32(torch.device("cuda")):
+            inside = m.fp32_precision if hasattr(m, "fp32_precision") else m.allow_tf32
+        assert inside in ("ieee", False)
+        assert getattr(m, name) == user
+    finally:
+        setattr(m, name, prev)
+
+
 def test_cpu_never_claims_tensor_cores():
     x, y, _ = _data(torch.bfloat16)
     assert not lowp.tensor_cores(x, y)
