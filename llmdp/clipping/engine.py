@@ -520,11 +520,12 @@ class GhostClipper:
                 count[pid] = count.get(pid, 0) + 1
         return {pid for pid, c in count.items() if c > 1}
 
-    def _resolve_mode(self) -> str:
+    def _resolve_mode(self, num_units: int = 1) -> str:
         if self.mode != "auto":
             return self.mode
-        # What book-keeping keeps beyond a non-private step: every hooked layer's G.
-        kept = sum(rec.out_bytes for rec in self._records)
+        # What book-keeping keeps beyond a non-private step, at most: every hooked layer's
+        # G, or its float32 per-unit gradients where the layer may be instantiated.
+        kept = sum(_kept_bytes(rec, num_units) for rec in self._records)
         free = _available_memory(self.params[0].device)
         fits = kept < 0.5 * free
         if self.sharded:
@@ -546,7 +547,7 @@ class GhostClipper:
                 "GhostClipper.backward: no forward pass was recorded; call the model with "
                 "gradients enabled between two backward calls"
             )
-        mode = self._resolve_mode()
+        mode = self._resolve_mode(num_units)
         self.last_mode = mode
         units = Units.make(row_units, num_units)
         keep = row_units >= 0
@@ -685,6 +686,21 @@ class GhostClipper:
                 p.grad = g.clone()
             else:
                 p.grad.add_(g)
+
+
+def _kept_bytes(rec: Record, num_units: int) -> int:
+    """An upper bound on what book-keeping keeps for one call until the clipped sum: its
+    output gradient G, or, for a Linear whose per-unit gradients may be instantiated
+    (U·p·d <= R·T·(p+d), norms._ghost_cheaper), those in float32."""
+    if not isinstance(rec.rule, LinearRule) or not rec.A.is_floating_point():
+        return rec.out_bytes
+    d = rec.A.shape[-1]
+    rows = rec.A.shape[0]
+    T = rec.A.numel() // max(1, rows * d)
+    p = rec.module.weight.shape[1 if rec.rule.transposed else 0]
+    if num_units * p * d <= rows * T * (p + d):
+        return max(rec.out_bytes, 4 * num_units * p * d)
+    return rec.out_bytes
 
 
 def _row_mask(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
