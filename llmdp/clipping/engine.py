@@ -214,6 +214,7 @@ class GhostClipper:
         self._fwd_params: dict[tuple[nn.Module, str], torch.Tensor] = {}
         self.last_mode: str | None = None  # the mode the last backward used (auto resolves)
         self._records: list[Record] = []
+        self._casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # autocast inputs
         self._recording = True
         self._phase = "idle"
         self._units: Units | None = None
@@ -322,7 +323,14 @@ class GhostClipper:
         if rec_dtype := _autocast_input_dtype(module, self._rules[module], A):
             # Under autocast the module multiplied bf16(A), not A: record that (it is the
             # model's true gradient Gᵀ·bf16(A), half the memory, and tensor-core ready).
-            A = A.to(rec_dtype)
+            # One cast per input tensor: layers reading the same input (q/k/v) share it,
+            # and with it their input Gram matrix (Units.self_gram).
+            src = args[0]
+            hit = self._casts.get(id(src))
+            if hit is None or hit[0] is not src or hit[1].dtype != rec_dtype:
+                hit = (src, A.to(rec_dtype))
+                self._casts[id(src)] = hit
+            A = hit[1]
         rec = Record(module, self._rules[module], A, output.numel() * output.element_size())
         self._records.append(rec)
         used = set()
@@ -490,6 +498,7 @@ class GhostClipper:
             return self._ghost_backward(unit_losses, row_units, num_units)
         finally:
             self._records.clear()
+            self._casts.clear()
             self._fwd_params.clear()
             self._owned.clear()
             self._rec_params.clear()

@@ -18,7 +18,8 @@ over its rows, so its ghost norm sums ⟨A_r A_r'ᵀ, G_r G_r'ᵀ⟩ over all pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ from torch import nn
 from llmdp.clipping import lowp
 
 ACC = torch.float32  # norms and Gram matrices are accumulated in at least float32
+GRAM_MEMORY = 2  # input Gram matrices remembered at once (Units.self_gram)
 
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -44,6 +46,26 @@ class Units:
     identity: bool  # row r is unit r for every r (no padding): the common fast path
     pair_a: torch.Tensor | None = None  # rows r, r' (r != r') of the same unit
     pair_b: torch.Tensor | None = None
+    # The last few input Gram matrices A Aᵀ, by the input's storage: layers that read the
+    # same input (Llama's q/k/v, gate/up) share one; their output gradients arrive one
+    # after another in the backward, so a short memory suffices.
+    _grams: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    gram_calls: int = 0  # Gram matrices computed (not taken from the memory), for tests
+
+    def self_gram(self, x: torch.Tensor) -> torch.Tensor:
+        """x xᵀ per row ([R, T, a] -> [R, T, T], float32+), shared between the layers that
+        read the same tensor in this backward."""
+        key = (x.data_ptr(), x.device, x.dtype, tuple(x.shape), tuple(x.stride()))
+        hit = self._grams.get(key)
+        if hit is not None:
+            self._grams.move_to_end(key)
+            return hit[1]
+        g = lowp.gram(x, x)
+        self.gram_calls += 1
+        self._grams[key] = (x, g)  # x is kept alive with its Gram: its storage is not reused
+        while len(self._grams) > GRAM_MEMORY:
+            self._grams.popitem(last=False)
+        return g
 
     @staticmethod
     def make(unit_of_row: torch.Tensor, num_units: int) -> Units:
@@ -94,8 +116,9 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gram_pair_sum(X: torch.Tensor, Y: torch.Tensor, units: Units) -> torch.Tensor:
-    """Per unit Σ_{r,r' in u} ⟨X_r X_r'ᵀ, Y_r Y_r'ᵀ⟩ for X [R,T,a], Y [R,T,b] (float32+)."""
-    return _pair_sum_two(X, Y, X, Y, units)
+    """Per unit Σ_{r,r' in u} ⟨X_r X_r'ᵀ, Y_r Y_r'ᵀ⟩ for X [R,T,a] (a layer's input, its
+    Gram matrix shared with the other layers reading it), Y [R,T,b] (float32+)."""
+    return _pair_sum_two(X, Y, X, Y, units, gram_a=units.self_gram(X))
 
 
 @dataclass(frozen=True)
@@ -403,10 +426,11 @@ def cross_inner(ri: Record, rj: Record, pname_i: str, pname_j: str, units: Units
     return (gi.reshape(gi.shape[0], -1).to(acc_dtype(gi)) * gj.reshape(gj.shape[0], -1).to(acc_dtype(gj))).sum(1)
 
 
-def _pair_sum_two(Ai, Gi, Aj, Gj, units: Units) -> torch.Tensor:
+def _pair_sum_two(Ai, Gi, Aj, Gj, units: Units, gram_a: torch.Tensor | None = None) -> torch.Tensor:
     """Per unit Σ_{r,r' in u} ⟨A_i,r A_j,r'ᵀ, G_i,r G_j,r'ᵀ⟩ (Gram matrices by ``lowp``:
     exact products, float32 sums, no float32 copy of A or G on tensor cores)."""
-    ga, gg = lowp.gram(Ai, Aj), lowp.gram(Gi, Gj)
+    ga = gram_a if gram_a is not None else lowp.gram(Ai, Aj)
+    gg = lowp.gram(Gi, Gj)
     dt = lowp.acc_dtype(ga, gg)
     diag = (ga.to(dt) * gg.to(dt)).sum((1, 2))
     out = units.rows_to_units(diag)

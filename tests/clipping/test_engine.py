@@ -499,3 +499,42 @@ def test_auto_mode_counts_instantiated_per_unit_gradients_as_kept(monkeypatch):
     seen["free"] = 4 * kept
     clipper.backward(row_losses(model, batch), batch["row_units"])
     assert clipper.last_mode == "book-keeping"
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp64", "bf16-autocast"])
+def test_layers_reading_one_input_share_its_gram_matrix(monkeypatch, autocast):
+    """q/k/v read one input, gate/up another: with the ghost norm the engine computes each
+    input's Gram matrix once (3 + 2 -> 2 per decoder layer), with unchanged norms."""
+    from llmdp.clipping import norms as nm
+
+    made = []
+    real = nm.Units.make
+
+    def spy(*a, **k):
+        u = real(*a, **k)
+        made.append(u)
+        return u
+
+    model = tiny_llama() if not autocast else tiny_model("llama", vocab_size=V, dtype=torch.float32)
+    batch = make_batch([0, 1, 1, 2])
+
+    def run(memory):
+        monkeypatch.setattr(nm, "GRAM_MEMORY", memory)
+        monkeypatch.setattr(nm.Units, "make", staticmethod(spy))
+        model.zero_grad(set_to_none=True)
+        clipper = GhostClipper(model, 0.05, mode="book-keeping", layer_policy="ghost")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            losses = row_losses(model, batch)
+        norms = clipper.backward(losses, batch["row_units"])
+        clipper.remove_hooks()
+        return norms, made[-1].gram_calls, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    shared, calls, grads = run(2)
+    alone, calls0, grads0 = run(0)
+    layers = model.config.num_hidden_layers
+    linears_per_layer = 7
+    assert calls0 == layers * linears_per_layer + 1  # + the untied LM head
+    assert calls == layers * 4 + 1  # q/k/v share one, gate/up one; o and down their own
+    torch.testing.assert_close(shared, alone, rtol=0, atol=0)
+    for n in grads:
+        torch.testing.assert_close(grads[n], grads0[n], rtol=0, atol=0)
