@@ -24,6 +24,7 @@ is the engine's stated precision (DESIGN §3.8).
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -32,6 +33,7 @@ HALF = (torch.bfloat16, torch.float16)
 CHUNK_ELEMENTS = 1 << 26  # the most elements widened to float32 at once on the fallback path
 
 _OUT_DTYPE_OK: dict[int, bool] = {}  # CUDA device index -> bmm(out_dtype=float32) works
+_TRITON_OK: dict[int | None, bool] = {}  # CUDA device index -> the Triton kernel built and ran
 
 
 def acc_dtype(*ts: torch.Tensor) -> torch.dtype:
@@ -108,11 +110,19 @@ def row_scaled_tn(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Te
 
     The factor multiplies float32 partial sums (Triton, CUDA half precision) or a float32
     copy of the smaller operand (fallback); never a half-precision operand."""
-    if tensor_cores(x, y):
+    if tensor_cores(x, y) and _TRITON_OK.get(x.device.index, True):
         from llmdp.clipping import _triton_rowscaled
 
         if _triton_rowscaled.available():
-            return _triton_rowscaled.row_scaled_tn(x, y, f)
+            try:
+                return _triton_rowscaled.row_scaled_tn(x, y, f)
+            except Exception as e:  # noqa: BLE001 - a kernel that does not build here
+                # Same values either way (the widened path below is exact too): warn once,
+                # keep training, on the slower path, for this process.
+                _TRITON_OK[x.device.index] = False
+                warnings.warn(f"llmdp: the Triton clipped-sum kernel failed on {x.device} "
+                              f"({type(e).__name__}: {e}); using the float32 fallback "
+                              "(exact, slower)", RuntimeWarning, stacklevel=2)
     dt = acc_dtype(x, y)
     R, T, a = x.shape
     b = y.shape[2]

@@ -106,6 +106,32 @@ def test_exact_fp32_switches_tf32_off_and_restores_the_users_setting(monkeypatch
         setattr(m, name, prev)
 
 
+def test_a_triton_kernel_that_fails_warns_once_and_the_exact_fallback_serves(monkeypatch):
+    from llmdp.clipping import _triton_rowscaled
+
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(lowp, "tensor_cores", lambda x, y: True)
+    monkeypatch.setattr(lowp, "_TRITON_OK", {})
+    monkeypatch.setattr(_triton_rowscaled, "available", lambda: True)
+    monkeypatch.setattr(_triton_rowscaled, "row_scaled_tn", broken)
+    x, y, f = _data(torch.bfloat16)
+    ref = torch.einsum("r,rta,rtb->ab", f.double(), x.double(), y.double())
+    with pytest.warns(RuntimeWarning, match="Triton clipped-sum kernel failed"):
+        out = lowp.row_scaled_tn(x, y, f)
+    assert ((out.double() - ref).abs() <= _fp32_sum_bound(x, y)).all()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lowp.row_scaled_tn(x, y, f)  # no second warning, no second try
+    assert len(calls) == 1
+
+
 def test_cpu_never_claims_tensor_cores():
     x, y, _ = _data(torch.bfloat16)
     assert not lowp.tensor_cores(x, y)
