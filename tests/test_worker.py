@@ -199,7 +199,7 @@ def test_learning_rate_schedule(schedule):
 
 
 def test_debug_check_accepts_the_engine_and_catches_a_wrong_one(store, monkeypatch):
-    from llmdp.clipping.norms import LinearRule
+    from llmdp.clipping.rules import LinearRule
     from llmdp.losses import row_losses
     from llmdp.worker import ClippingCheckError, check_against_reference
 

@@ -70,13 +70,15 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from llmdp.clipping.norms import LinearRule, Record, Units, acc_dtype, cross_inner, find_rule
+from llmdp.clipping.cross import cross_inner
+from llmdp.clipping.norms import Record, Units, acc_dtype, find_rule
 from llmdp.clipping.reference import (
     clip_factors,
     clipped_sum,
     per_unit_gradients_autograd,
     unit_ids,
 )
+from llmdp.clipping.rules import LinearRule
 
 ENGINES = ("ghost", "reference")
 MODES = ("auto", "book-keeping", "two-pass")
@@ -279,8 +281,8 @@ class GhostClipper:
                     f"module '{name}' ({type(module).__name__}) has trainable parameters "
                     f"{pnames} that the clipping engine cannot clip per unit. Freeze them "
                     f"(e.g. `for p in model.get_submodule('{name}').parameters(): "
-                    "p.requires_grad_(False)`), train with LoRA, or register a rule in "
-                    "llmdp/clipping/norms.py."
+                    "p.requires_grad_(False)`), train with LoRA, or register a rule with "
+                    "llmdp.clipping.register_rule."
                 )
             self._rules[module] = rule
             for p in own:
@@ -470,32 +472,32 @@ class GhostClipper:
         self._handles.clear()
 
     # ------------------------------------------------------------------ backward
-    def backward(self, unit_losses: torch.Tensor, row_units: torch.Tensor | None = None) -> torch.Tensor:
+    def backward(self, row_losses: torch.Tensor, row_units: torch.Tensor | None = None) -> torch.Tensor:
         """Add the clipped sum of per-unit gradients to ``p.grad``; return per-unit norms.
 
-        ``unit_losses`` has one entry per batch row: a unit's loss is the sum of its rows'
-        entries (the worker makes each entry the row's share of the unit's normalized loss).
+        ``row_losses`` has one entry per batch row: the row's share of its unit's normalized
+        loss, so a unit's loss is the sum of its rows' entries.
         ``row_units[r]`` is the unit of row r (default: row r is unit r); -1 marks padding,
         whose rows contribute exactly nothing.
         """
-        if unit_losses.ndim != 1:
+        if row_losses.ndim != 1:
             raise ValueError(
-                f"unit_losses must be a 1-D tensor with one loss per row, got shape "
-                f"{tuple(unit_losses.shape)}"
+                f"row_losses must be a 1-D tensor with one loss per row, got shape "
+                f"{tuple(row_losses.shape)}"
             )
-        row_units, num_units = unit_ids(row_units, unit_losses.shape[0], unit_losses.device)
+        row_units, num_units = unit_ids(row_units, row_losses.shape[0], row_losses.device)
         try:
             if num_units == 0:
                 if self.sharded and self._records:
-                    self._collective_backward_only(unit_losses)
-                return torch.zeros(0, dtype=torch.float32, device=unit_losses.device)
+                    self._collective_backward_only(row_losses)
+                return torch.zeros(0, dtype=torch.float32, device=row_losses.device)
             if self.engine == "reference":
-                per_unit = per_unit_gradients_autograd(unit_losses, self.params, row_units)
+                per_unit = per_unit_gradients_autograd(row_losses, self.params, row_units)
                 sums, norms = clipped_sum(per_unit, self.max_grad_norm)
                 self.last_nonfinite = int((~torch.isfinite(norms)).sum())
                 self._add_to_grad(zip(self.params, sums))
                 return norms
-            return self._ghost_backward(unit_losses, row_units, num_units)
+            return self._ghost_backward(row_losses, row_units, num_units)
         finally:
             self._records.clear()
             self._casts.clear()

@@ -1,4 +1,4 @@
-"""Registry of per-unit gradient rules, by module type.
+"""Per-unit gradient rules: their interface, the registry by module type, shared helpers.
 
 For every supported module, a *rule* knows, from the module's input A (kept by a forward
 hook) and the gradient G of the loss at its output (seen during the backward pass):
@@ -10,7 +10,10 @@ hook) and the gradient G of the loss at its output (seen during the backward pas
 * ``clipped``    Σ_u c_u · g_u, from the same A and G (book-keeping: no second backward).
 
 Only modules whose output at one row depends on that row alone have rules; anything else
-is refused by the engine (DESIGN §3.6): no silent fallback.
+is refused by the engine (DESIGN §3.6): no silent fallback. The built-in rules live in
+``rules/`` (one file per family: linear, embedding, normalization layers) and register
+themselves with :func:`register_rule`; cross terms between two uses of one parameter are in
+``cross.py``.
 
 Units: ``unit_of_row[r]`` is row r's unit (−1: padding row). A unit's gradient is the sum
 over its rows, so its ghost norm sums ⟨A_r A_r'ᵀ, G_r G_r'ᵀ⟩ over all pairs of its rows.
@@ -19,6 +22,7 @@ over its rows, so its ghost norm sums ⟨A_r A_r'ᵀ, G_r G_r'ᵀ⟩ over all pa
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -225,58 +229,47 @@ class LayerRule:
         raise NotImplementedError
 
 
-class LinearRule(LayerRule):
-    """nn.Linear (weight [out, in]) and, with ``transposed``, HF GPT-2 Conv1D ([in, out])."""
+# --------------------------------------------------------------------------- registry
 
-    has_clipped_ghost = True
+_BY_TYPE: dict[type, LayerRule] = {}
+_BY_MATCH: list[tuple[Callable[[nn.Module], bool], LayerRule]] = []
 
-    def __init__(self, transposed: bool = False):
-        self.transposed = transposed
 
-    def choose_ghost(self, module, A, G, policy, num_units):
-        if policy != "auto":
-            return policy == "ghost"
-        G3 = _as_3d(G)
-        spec = device_spec(G.device, G.dtype)
-        return _ghost_cheaper(num_units, G3.shape[0], G3.shape[1], G.shape[-1], A.shape[-1], spec)
+def register_rule(*module_types: type, match: Callable[[nn.Module], bool] | None = None):
+    """Register a rule (a ``LayerRule`` subclass, instantiated with no arguments, or an
+    instance) for modules of exactly ``module_types`` — by exact type: a subclass may change
+    the forward, as Gemma's scaled embedding does — and/or for the modules ``match``
+    accepts (third-party classes known by name). Usable as a class decorator::
 
-    # Every contraction goes through ``lowp`` on A and G as the model produced them: exact
-    # products, float32 (float64) sums, on tensor cores for bf16/fp16 on CUDA. The norms
-    # and the clipped sum are so formed from the same values (DESIGN §3.8).
+        @register_rule(MyLinear)
+        class MyLinearRule(LayerRule): ...
 
-    def sq_norms_ghost(self, rec, units):
-        module = rec.module
-        A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
-        out = {}
-        if module.weight.requires_grad:
-            out["weight"] = _gram_pair_sum(A3, G3, units)
-        if module.bias is not None and module.bias.requires_grad:
-            out["bias"] = _bias_sq(_row_sums(G3), units)  # the bias gradient of each row
-        return out
+    A later registration for the same type replaces the earlier one."""
+    def add(rule):
+        inst = rule() if isinstance(rule, type) else rule
+        if not isinstance(inst, LayerRule):
+            raise TypeError(f"register_rule: {rule!r} is not a LayerRule")
+        for t in module_types:
+            _BY_TYPE[t] = inst
+        if match is not None:
+            _BY_MATCH.append((match, inst))
+        return rule
+    return add
 
-    def per_unit(self, rec, units):
-        module = rec.module
-        A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
-        out = {}
-        if module.weight.requires_grad:
-            per_row = lowp.per_row_tn(A3, G3) if self.transposed else lowp.per_row_tn(G3, A3)
-            out["weight"] = units.rows_to_units(per_row)
-        if module.bias is not None and module.bias.requires_grad:
-            out["bias"] = units.rows_to_units(_row_sums(G3))
-        return out
 
-    def clipped_ghost(self, rec, row_factors):
-        module = rec.module
-        A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
-        out = {}
-        if module.weight.requires_grad:
-            # Σ_r c_r G_rᵀA_r, the factor applied in float32 (never to a bf16 operand).
-            out["weight"] = (lowp.row_scaled_tn(A3, G3, row_factors) if self.transposed
-                             else lowp.row_scaled_tn(G3, A3, row_factors))
-        if module.bias is not None and module.bias.requires_grad:
-            s = _row_sums(G3)
-            out["bias"] = (s * row_factors.to(s.dtype)[:, None]).sum(0)
-        return out
+def find_rule(module: nn.Module) -> LayerRule | None:
+    """The rule for ``module``'s own parameters, or None if it is not supported: first by
+    exact type, then the registered matchers, most recent first."""
+    rule = _BY_TYPE.get(type(module))
+    if rule is not None:
+        return rule
+    for match, r in reversed(_BY_MATCH):
+        if match(module):
+            return r
+    return None
+
+
+# --------------------------------------------------------------------------- helpers shared by rules
 
 
 def _row_sums(G3: torch.Tensor) -> torch.Tensor:
@@ -287,143 +280,6 @@ def _row_sums(G3: torch.Tensor) -> torch.Tensor:
 def _bias_sq(per_row: torch.Tensor, units: Units) -> torch.Tensor:
     per_unit = units.rows_to_units(per_row)
     return (per_unit * per_unit).sum(-1)
-
-
-class EmbeddingRule(LayerRule):
-    """nn.Embedding (and Gemma's scaled word embedding): y_t = E[id_t] (· scale)."""
-
-    has_clipped_ghost = True
-
-    def _ids_and_G(self, rec: Record):
-        """Token ids [R, T] and the rows' gradients w.r.t. the gathered table rows, widened
-        to float32 (float64) *before* the scale is applied: the norms, the cross terms and
-        the clipped sum all read these same values (an embedding's G is [R, T, d], small)."""
-        module = rec.module
-        G = rec.G
-        R = G.shape[0]
-        ids = rec.A.reshape(rec.A.shape[0], -1)
-        if ids.shape[0] != R:  # shared indices, e.g. learned position ids of shape [1, T]
-            ids = ids.expand(R, -1)
-        G3 = G.reshape(R, ids.shape[1], -1)
-        G3 = G3.to(acc_dtype(G3))
-        scale = getattr(module, "embed_scale", None)
-        if scale is not None:  # Gemma: y = E[ids] * scale
-            G3 = G3 * scale.to(G3.dtype)
-        if module.padding_idx is not None:  # nn.Embedding never updates the padding row
-            G3 = G3.masked_fill((ids == module.padding_idx).unsqueeze(-1), 0)
-        return ids, G3
-
-    def choose_ghost(self, module, A, G, policy, num_units):
-        if policy != "auto":
-            return policy == "ghost"
-        R, T = G.shape[0], G.reshape(G.shape[0], -1, G.shape[-1]).shape[1]
-        V, d = module.weight.shape
-        # Kept anyway: the output gradient [R, T, d] (the input is token ids).
-        return num_units * V * d > R * T * d
-
-    def sq_norms_ghost(self, rec, units):
-        if not rec.module.weight.requires_grad:
-            return {}
-        ids, G3 = self._ids_and_G(rec)
-        # Σ_{t,s} [id_t = id_s] ⟨G_t, G_s⟩: equal-token mask instead of a one-hot [T, V].
-        same = (ids[:, :, None] == ids[:, None, :]).to(G3.dtype)
-        diag = (same * torch.bmm(G3, G3.transpose(1, 2))).sum((1, 2))
-        out = units.rows_to_units(diag)
-        if not units.identity and units.pair_a is not None and units.pair_a.numel():
-            a, b = units.pair_a, units.pair_b
-            same_ab = (ids[a][:, :, None] == ids[b][:, None, :]).to(G3.dtype)
-            cross = (same_ab * torch.bmm(G3[a], G3[b].transpose(1, 2))).sum((1, 2))
-            out = out + units.pairs_to_units(cross)
-        return {"weight": out}
-
-    def per_unit(self, rec, units):
-        module = rec.module
-        if not module.weight.requires_grad:
-            return {}
-        ids, G3 = self._ids_and_G(rec)
-        keep = units.keep
-        uid = units.unit_of_row[keep].unsqueeze(1).expand(-1, ids.shape[1])
-        out = G3.new_zeros((units.num_units, *module.weight.shape))
-        out.index_put_((uid.reshape(-1), ids[keep].reshape(-1)), G3[keep].reshape(-1, G3.shape[-1]),
-                       accumulate=True)
-        return {"weight": out}
-
-    def clipped_ghost(self, rec, row_factors):
-        ids, G3 = self._ids_and_G(rec)
-        Gc = G3 * row_factors.to(G3.dtype)[:, None, None]
-        out = Gc.new_zeros(rec.module.weight.shape)
-        out.index_add_(0, ids.reshape(-1), Gc.reshape(-1, Gc.shape[-1]))
-        return {"weight": out}
-
-
-class RowwiseRule(LayerRule):
-    """Normalization layers (LayerNorm, the RMSNorm variants, GroupNorm): their parameters
-    are d-vectors, so per-unit gradients are small and always instantiated, by a vectorized
-    vector-Jacobian product of the module re-run on each row alone (exact for any such
-    module, whatever its formula: Llama's w·x̂, Gemma's (1+w)·x̂, LayerNorm's w·x̂+b)."""
-
-    def per_unit(self, rec, units):
-        from torch.func import functional_call, vjp, vmap
-
-        module = rec.module
-        params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-        if not params:
-            return {}
-        frozen = {n: p.detach() for n, p in module.named_parameters(recurse=False) if not p.requires_grad}
-
-        def one(a, g):
-            def f(p):
-                return functional_call(module, {**p, **frozen}, (a.unsqueeze(0),))
-
-            _, pullback = vjp(f, params)
-            return pullback(g.unsqueeze(0))[0]
-
-        per_row = vmap(one)(rec.A, rec.G)
-        return {n: units.rows_to_units(per_row[n]) for n in params}
-
-
-_LINEAR, _CONV1D, _EMBEDDING, _ROWWISE = LinearRule(), LinearRule(transposed=True), EmbeddingRule(), RowwiseRule()
-
-
-def find_rule(module: nn.Module) -> LayerRule | None:
-    """The rule for ``module``'s own parameters, or None if it is not supported.
-
-    Matching is by exact type (a subclass may change the forward, as Gemma's scaled
-    embedding does), plus the HF classes whose forward is known.
-    """
-    t = type(module)
-    if t is nn.Linear:
-        return _LINEAR
-    if t is nn.Embedding or (isinstance(module, nn.Embedding) and t.__name__.endswith("ScaledWordEmbedding")):
-        return _EMBEDDING
-    if t.__name__ == "Conv1D" and hasattr(module, "nf"):
-        return _CONV1D
-    if t in (nn.LayerNorm, nn.GroupNorm) or t.__name__.endswith("RMSNorm"):
-        return _ROWWISE
-    return None
-
-
-# --------------------------------------------------------------------------- shared parameters
-
-
-def cross_inner(ri: Record, rj: Record, pname_i: str, pname_j: str, units: Units) -> torch.Tensor:
-    """Per unit ⟨g_i, g_j⟩ for one parameter used by two calls (tied embeddings, a module
-    called twice), without forming a p×d gradient when both are ghost-capable."""
-    ti, tj = type(ri.rule), type(rj.rule)
-    if ti is EmbeddingRule and tj is LinearRule and not rj.rule.transposed:
-        return _cross_embedding_linear(ri, rj, units)
-    if tj is EmbeddingRule and ti is LinearRule and not ri.rule.transposed:
-        return _cross_embedding_linear(rj, ri, units)
-    if ti is LinearRule and tj is LinearRule and ri.rule.transposed == rj.rule.transposed and pname_i == pname_j == "weight":
-        return _pair_sum_two(_as_3d(ri.A), _as_3d(ri.G), _as_3d(rj.A), _as_3d(rj.G), units)
-    if ti is LinearRule and tj is LinearRule and pname_i == pname_j == "bias":
-        bi = units.rows_to_units(_row_sums(_as_3d(ri.G)))
-        bj = units.rows_to_units(_row_sums(_as_3d(rj.G)))
-        return (bi * bj.to(bi.dtype)).sum(-1)
-    # Anything else: instantiate both (small parameters only reach here).
-    gi = ri.rule.per_unit(ri, units)[pname_i]
-    gj = rj.rule.per_unit(rj, units)[pname_j]
-    return (gi.reshape(gi.shape[0], -1).to(acc_dtype(gi)) * gj.reshape(gj.shape[0], -1).to(acc_dtype(gj))).sum(1)
 
 
 def _pair_sum_two(Ai, Gi, Aj, Gj, units: Units, gram_a: torch.Tensor | None = None) -> torch.Tensor:
@@ -438,24 +294,4 @@ def _pair_sum_two(Ai, Gi, Aj, Gj, units: Units, gram_a: torch.Tensor | None = No
         a, b = units.pair_a, units.pair_b
         cross = (lowp.gram(Ai[a], Aj[b]).to(dt) * lowp.gram(Gi[a], Gj[b]).to(dt)).sum((1, 2))
         out = out + units.pairs_to_units(cross)
-    return out
-
-
-def _cross_embedding_linear(re: Record, rl: Record, units: Units) -> torch.Tensor:
-    """⟨embedding grad, linear grad⟩ of a tied [V, d] matrix, per unit:
-    Σ_t Σ_s G_lin[s, id_t] ⟨G_emb,t, A_lin,s⟩ — a T×T computation, no V×d tensor."""
-    ids, Ge = re.rule._ids_and_G(re)  # float32 (float64)
-    Al, Gl = _as_3d(rl.A), _as_3d(rl.G)  # as the model produced them (Gl is [R, T, V])
-
-    def one(e_ids, ge, al, gl):  # rows of the embedding call, rows of the linear call
-        # P[s, t] = G_lin[s, id_t] (gathered, then widened: [R, T, T]); M[s, t] = ⟨A_lin,s, G_emb,t⟩
-        P = torch.gather(gl, 2, e_ids[:, None, :].expand(-1, gl.shape[1], -1)).to(ge.dtype)
-        M = lowp.bmm(al, ge.transpose(1, 2))
-        return (P * M.to(ge.dtype)).sum((1, 2))
-
-    diag = one(ids, Ge, Al, Gl)
-    out = units.rows_to_units(diag)
-    if not units.identity and units.pair_a is not None and units.pair_a.numel():
-        a, b = units.pair_a, units.pair_b
-        out = out + units.pairs_to_units(one(ids[a], Ge[a], Al[b], Gl[b]))
     return out

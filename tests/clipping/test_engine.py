@@ -538,3 +538,42 @@ def test_layers_reading_one_input_share_its_gram_matrix(monkeypatch, autocast):
     torch.testing.assert_close(shared, alone, rtol=0, atol=0)
     for n in grads:
         torch.testing.assert_close(grads[n], grads0[n], rtol=0, atol=0)
+
+
+def test_a_registered_rule_serves_a_new_module_type(monkeypatch):
+    """register_rule (as Opacus' register_grad_sampler): a module type the engine does not
+    know is refused, naming register_rule; once a rule is registered for it, the engine
+    clips it, exactly (here: a Linear subclass, so by exact type it had no rule)."""
+    from llmdp.clipping import norms
+    from llmdp.clipping.rules import LinearRule
+
+    monkeypatch.setattr(norms, "_BY_TYPE", dict(norms._BY_TYPE))
+
+    class MyLinear(torch.nn.Linear):
+        pass
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(MyLinear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2)).double()
+
+    with pytest.raises(UnsupportedModuleError, match="register_rule"):
+        GhostClipper(net(), 1.0)
+    from llmdp.clipping import register_rule
+
+    register_rule(MyLinear)(LinearRule())
+    model = net()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    clipper = GhostClipper(model, 0.1)
+    losses = model(x).pow(2).sum(1)
+    norms_ = clipper.backward(losses)
+    ref = net()
+    from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
+
+    params = list(ref.parameters())
+    ref_sum, ref_norms = clipped_sum(per_unit_gradients_autograd(ref(x).pow(2).sum(1), params,
+                                                                 torch.arange(4)), 0.1)
+    torch.testing.assert_close(norms_, ref_norms, rtol=1e-10, atol=0)
+    for p, r in zip(model.parameters(), ref_sum):
+        torch.testing.assert_close(p.grad, r, rtol=1e-10, atol=1e-14)
+    with pytest.raises(TypeError, match="not a LayerRule"):
+        register_rule(MyLinear)(object())

@@ -1,0 +1,8 @@
+"""The built-in per-unit gradient rules; importing this package registers them
+(``norms.register_rule``)."""
+
+from llmdp.clipping.rules.embedding import EmbeddingRule
+from llmdp.clipping.rules.linear import LinearRule
+from llmdp.clipping.rules.rowwise import RowwiseRule
+
+__all__ = ["EmbeddingRule", "LinearRule", "RowwiseRule"]
