@@ -11,7 +11,7 @@ How (``engine="ghost"``, the default):
 2. one backward pass, asked only for the dummy leaf's gradient, runs every tap with the
    gradient G at that module's output — autograd never forms the unclipped weight
    gradients (their matmuls are skipped: nothing asks for them);
-3. as each G arrives, the layer's rule (``norms.py``) computes each unit's squared norm,
+3. as each G arrives, the layer's rule (``rules/``) computes each unit's squared norm,
    by the ghost identity or from the instantiated per-unit gradient, whichever is
    cheaper for this batch's shapes;
 4. with the norms known, c_u = min(1, C/‖g_u‖), and the clipped sum is formed either
