@@ -104,3 +104,9 @@ class RunLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def cache_root() -> str:
+    """llmdp's cache folder (tokenized unit stores, legacy JSONL ledgers): ``$LLMDP_CACHE``,
+    else ``.cache/llmdp`` under the working directory."""
+    return os.path.abspath(os.environ.get("LLMDP_CACHE", ".cache/llmdp"))

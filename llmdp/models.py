@@ -16,7 +16,6 @@ Pretrained models default to ``"sdpa"`` for speed.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -24,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from llmdp._hf import dtype_kwarg, save_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -155,20 +156,6 @@ def build_tiny_model(out_dir, tiny_cfg, vocab_size, pad_token_id, bos_token_id, 
 # ------------------------------------------------------------------------------- loading
 
 
-def save_kwargs(model) -> dict:
-    """safetensors on transformers 4.x too (5.x always writes them)."""
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-        return {"safe_serialization": True}
-    return {}
-
-
-def _dtype_kwarg() -> str:
-    import transformers
-
-    major = int(transformers.__version__.split(".")[0])
-    return "dtype" if major >= 5 else "torch_dtype"
-
-
 def check_local_path(name_or_path, key: str) -> None:
     """A value that is a local path (absolute, or ./ ../ ~; the recipe loader makes every
     path-like value absolute) must exist: it is never sent to a hub as a model id, where
@@ -239,7 +226,7 @@ def load_model(model_cfg, *, vocab_size: int | None = None, cache_dir) -> tuple[
     dtype_name = getattr(model_cfg, "dtype", "float32")
     if dtype_name not in DTYPES:
         raise ValueError(f"model.dtype={dtype_name!r} is not one of {list(DTYPES)}")
-    load_kwargs = {_dtype_kwarg(): DTYPES[dtype_name]}
+    load_kwargs = {dtype_kwarg(): DTYPES[dtype_name]}
 
     if init == "tiny":
         V = int(vocab_size) if vocab_size is not None else len(tokenizer)

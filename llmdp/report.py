@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from llmdp._allowlist import allow_listed
+
 REPORT_VERSION = 1
 
 # Metrics in metrics.jsonl that are computed on private data without DP. They are useful to
@@ -727,17 +729,6 @@ PUBLISHABLE_LEDGER_RECORD: dict[str, Any] = {
 PUBLISHABLE_NOTE = ("publishable copy: DP outputs and public configuration only. Data statistics, "
                     "metrics computed on private data, loss curves and fingerprints of the data "
                     "stay in the local run directory")
-
-
-def allow_listed(value, spec):
-    """The part of ``value`` that the allow-list ``spec`` names (a deep, JSON-only copy)."""
-    if spec is True or value is None:
-        return json.loads(json.dumps(value))  # a deep, JSON-only copy
-    if isinstance(value, list):
-        return [allow_listed(v, spec) for v in value]
-    if not isinstance(value, dict):
-        return None  # a scalar where the allow-list expects a mapping: not published
-    return {k: allow_listed(value[k], sub) for k, sub in spec.items() if k in value}
 
 
 # A maximal run of 13+ hex digits with a letter and a digit: a hash (decimal numbers have no

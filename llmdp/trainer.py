@@ -16,7 +16,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from llmdp._fs import cache_root
 from llmdp.config import RecipeConfig, config_hash, dump_yaml, to_dict
+from llmdp.privacy.dataset_ledger import open_dataset_ledger
 from llmdp.privacy.plan import composed_epsilon
 
 WORKER_ENV = {
@@ -66,10 +68,6 @@ def _needs_admission(service: dict) -> bool:
         service.get("target_epsilon") is not None and not service.get("allow_exceed_target"))
 
 
-def cache_root() -> str:
-    return os.path.abspath(os.environ.get("LLMDP_CACHE", ".cache/llmdp"))
-
-
 # What a run directory's checkpoints and ledger depend on: resuming under a recipe that
 # changes any of these would mix two different trainings (and two guarantees) in one run.
 _RESUME_KEYS = ("model", "data", "privacy", "optim", "train.expected_batch_size", "train.steps",
@@ -111,31 +109,6 @@ def check_run_dir(run_dir: str, cfg: RecipeConfig) -> None:
             f"directory",
             key="output.name",
         )
-
-
-def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print) -> dict:
-    """Open (and start, if new) the dataset ledger of recipe ``data`` ``d``: its identity
-    (`dataset_identity`), the database (`resolve_location`), and the legacy JSONL ledgers
-    it replaces, imported once. Prints where it is."""
-    from llmdp.data.sources import dataset_identity
-    from llmdp.privacy.ledgerdb import LedgerDB, describe_location, resolve_location
-    from llmdp.privacy.service import open_dataset
-
-    ident = dataset_identity(d)
-    location = resolve_location(ledger_opt)
-    legacy = [os.path.join(cache_root(), "ledgers", f"{sha256[:16]}.jsonl")]
-    if ledger_opt is not None and ledger_opt.endswith(".jsonl"):
-        legacy.append(ledger_opt)
-    db = LedgerDB(location)
-    try:
-        open_dataset(db, ident["dataset_id"], sha256=sha256, source=ident["source"],
-                     name=ident["name"], log=log, legacy_jsonl=legacy)
-    finally:
-        db.close()
-    shown = describe_location(location)
-    log(f"ledger: dataset {ident['dataset_id']!r} in {shown}"
-        + ("" if ident["declared"] else " (data.dataset_id derived from the source)"))
-    return {**ident, "location": location, "shown": shown}
 
 
 def _check_run_ledger(run_dir: str, run_id: str, ledger: dict) -> None:

@@ -38,54 +38,12 @@ from llmdp import parallel
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
 from llmdp.losses import row_losses
+from llmdp.parallel import (
+    _dist_on,
+    broadcast_bytes,
+    broadcast_params,
+)
 from llmdp.privacy import chacha, sampling
-from llmdp.privacy import noise as dp_noise
-
-# --------------------------------------------------------------------------- distributed
-
-
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def broadcast_bytes(data: bytes | None, nbytes: int, device: torch.device) -> bytes:
-    """Rank 0's bytes on every rank. [sync point]"""
-    if not _dist_on():
-        assert data is not None
-        return data
-    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, src=0)
-    return bytes(buf.cpu().tolist())
-
-
-def all_reduce_grads(params: Sequence[torch.Tensor]) -> None:
-    """Sum ``p.grad`` over workers with one flat all-reduce. [sync point, once per step]"""
-    all_reduce_([p.grad for p in params])
-
-
-def all_reduce_(grads: Sequence[torch.Tensor]) -> None:
-    """Sum tensors over workers with one flat all-reduce (in their own dtype, float32 or
-    wider: checked by :func:`privatize_`). [sync point, once per step]"""
-    if not _dist_on():
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset : offset + n].view_as(g))
-        offset += n
-
-
-def broadcast_params(params: Sequence[torch.Tensor]) -> None:
-    """Start every replica from rank 0's parameters (e.g. LoRA's random init). [sync point]"""
-    if not _dist_on():
-        return
-    for p in params:
-        dist.broadcast(p.data, src=0)
-
 
 # --------------------------------------------------------------------------- one step
 
@@ -207,35 +165,6 @@ def check_against_reference(clipper: GhostClipper, losses: torch.Tensor, row_uni
                 f"(relative) > {rtol:g}"
             )
     return norms
-
-
-def privatize_(
-    params: Sequence[torch.Tensor],
-    noise_key: bytes,
-    noise_multiplier: float,
-    max_grad_norm: float,
-    expected_batch_size: float,
-    sinks: Sequence[torch.Tensor] | None = None,
-) -> None:
-    """All-reduce the clipped sums, add N(0, σ²C²I) once, divide by q·N. In place on ``p.grad``,
-    or on ``sinks`` (float32 sums of low-precision parameters), then cast into ``p.grad``:
-    the only rounding to the parameter dtype happens after the noise (DESIGN §3.8)."""
-    grads = [p.grad for p in params] if sinks is None else list(sinks)
-    for i, g in enumerate(grads):
-        if g is None or not g.is_floating_point() or g.dtype.itemsize < 4:
-            raise TypeError(
-                f"clipped sum {i} is {None if g is None else g.dtype}: clipped sums, their "
-                "reduction and the noise must be float32 or wider (DESIGN §3.8); accumulate "
-                "low-precision parameters into llmdp.parallel.make_grad_sinks buffers"
-            )
-    all_reduce_(grads)  # [sync point] nothing but summation touches the clipped sum
-    if noise_multiplier > 0:
-        dp_noise.add_noise_(grads, noise_key, noise_multiplier * max_grad_norm)
-    for g in grads:
-        g.div_(expected_batch_size)
-    if sinks is not None:
-        for p, g in zip(params, grads):
-            p.grad = g.to(p.dtype)  # the update, cast at the end
 
 
 def fixed_micro_steps(plan, max_rows_per_unit: int, world_size: int, physical_batch_size: int) -> int:

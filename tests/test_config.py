@@ -1035,7 +1035,7 @@ def test_warmup_ratio_out_of_range(in_tmp, value):
 
 
 def test_readme_documents_the_cache_and_the_part_of_a_corpus(monkeypatch, tmp_path):
-    from llmdp.trainer import cache_root
+    from llmdp._fs import cache_root
 
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         text = f.read()

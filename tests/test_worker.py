@@ -11,8 +11,9 @@ import torch
 
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
+from llmdp.parallel import privatize_
 from llmdp.privacy import sampling
-from llmdp.worker import accumulate_clipped_sum, privatize_
+from llmdp.worker import accumulate_clipped_sum
 from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
 
 P = 4  # physical batch size

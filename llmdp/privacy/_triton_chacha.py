@@ -23,6 +23,8 @@ import struct
 
 import torch
 
+from llmdp.privacy._rfc8439 import CONSTANTS
+
 try:  # optional: the CUDA fast path (and Triton's interpreter in the tests)
     import triton
     import triton.language as tl
@@ -151,9 +153,7 @@ if triton is not None:
 
 
 def _key_nonce_tensor(key: bytes, nonce: bytes, device) -> torch.Tensor:
-    from llmdp.privacy.chacha import _CONSTANTS
-
-    words = (*struct.unpack("<8I", key), *struct.unpack("<3I", nonce), *_CONSTANTS)
+    words = (*struct.unpack("<8I", key), *struct.unpack("<3I", nonce), *CONSTANTS)
     signed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]
     return torch.tensor(signed, dtype=torch.int32, device=device)
 

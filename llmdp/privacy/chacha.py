@@ -38,6 +38,8 @@ import struct
 import numpy as np
 import torch
 
+from llmdp.privacy._rfc8439 import CONSTANTS  # "expand 32-byte k"
+
 __all__ = [
     "KEY_BYTES",
     "NONCE_BYTES",
@@ -55,7 +57,6 @@ NONCE_BYTES = 12
 BLOCK_WORDS = 16
 BLOCK_BYTES = 64
 MAX_BLOCKS = 1 << 32  # the RFC 8439 block counter is 32 bits: never wrap it
-_CONSTANTS = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k"
 _KDF_TAG = b"kdf:"
 _M32 = 0xFFFFFFFF
 _ZEROS = bytes(1 << 20)  # OpenSSL encrypts zeros: its output is the keystream itself
@@ -163,7 +164,7 @@ def derive_key(key: bytes, label: bytes) -> bytes:
 
 
 def _state_words(key: bytes, nonce: bytes) -> tuple[int, ...]:
-    return (*_CONSTANTS, *struct.unpack("<8I", key), 0, *struct.unpack("<3I", nonce))
+    return (*CONSTANTS, *struct.unpack("<8I", key), 0, *struct.unpack("<3I", nonce))
 
 
 def _rotl(x: torch.Tensor, n: int) -> torch.Tensor:

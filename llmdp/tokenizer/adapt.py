@@ -448,7 +448,7 @@ def build_adapted_model(model_dir, base_tokenizer, new_tokenizer_dir, out_dir) -
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmdp.models import _dtype_kwarg, save_kwargs
+    from llmdp._hf import dtype_kwarg, save_kwargs
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     h = adapted_model_hash(model_dir, base_tokenizer, new_tokenizer_dir)
@@ -459,7 +459,7 @@ def build_adapted_model(model_dir, base_tokenizer, new_tokenizer_dir, out_dir) -
     base_tok = AutoTokenizer.from_pretrained(os.fspath(base_tokenizer))
     new_tok = AutoTokenizer.from_pretrained(os.fspath(new_tokenizer_dir))
     model = AutoModelForCausalLM.from_pretrained(os.fspath(model_dir),
-                                                 **{_dtype_kwarg(): torch.float32})  # 4.x / 5.x name
+                                                 **{dtype_kwarg(): torch.float32})  # 4.x / 5.x name
     stats = adapt_embeddings(model, base_tok, new_tok)
 
     from llmdp._fs import building_dir, install_dir

@@ -148,7 +148,7 @@ PUBLIC_INFO: dict = {
 
 def publishable_tokenizer_info(info: dict) -> dict:
     """The part of a tokenizer's info that its folder may hold (`PUBLIC_INFO`)."""
-    from llmdp.report import allow_listed
+    from llmdp._allowlist import allow_listed
 
     return allow_listed(info, PUBLIC_INFO)
 
@@ -255,9 +255,9 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
         event = tp.tokenizer_event(sigma, k)
         extra = tp.ledger_extra(sigma, tau, k)
         eps = acc.epsilon_with_threshold([(event, 1)], delta, extra["delta_threshold"], p.accountant)
+        from llmdp.privacy.dataset_ledger import open_dataset_ledger
         from llmdp.privacy.ledgerdb import LedgerDB
         from llmdp.privacy.service import live_holds, release_entries_of, split_by_unit
-        from llmdp.trainer import open_dataset_ledger
 
         ledger = open_dataset_ledger(cfg.data, p.ledger, data["sha256"], log=log)
         unit = {"kind": data["unit"], "user_field": data["user_field"]}
@@ -472,7 +472,7 @@ def tokenizer_for_run(model_cfg, data_cfg, *, data_sha256: str, delta: float | N
 
 def ensure_release_recorded(release: dict, ledger: dict, meta: dict) -> bool:
     """Make sure the tokenizer's release is in the run's dataset ledger (``ledger``: from
-    `llmdp.trainer.open_dataset_ledger`; it may not be the ledger the tokenizer wrote to:
+    `llmdp.privacy.dataset_ledger.open_dataset_ledger`; it may not be the ledger the tokenizer wrote to:
     another dataset id, another database): append a copy when no record of its run id is
     there. True if a record was appended."""
     from llmdp.privacy.ledgerdb import LedgerDB

@@ -1,0 +1,37 @@
+"""Opening a dataset's ledger for a run or a tokenizer release: the one place both find it.
+
+The database is ``ledgerdb.resolve_location(privacy.ledger)`` ($LLMDP_HOME/ledger.sqlite by
+default); the dataset's identity is ``data.sources.dataset_identity`` (``data.dataset_id``,
+never the data's bytes). Legacy per-dataset JSONL ledgers are imported once.
+"""
+
+from __future__ import annotations
+
+import os
+
+from llmdp._fs import cache_root
+
+
+def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print) -> dict:
+    """Open (and start, if new) the dataset ledger of recipe ``data`` ``d``: its identity
+    (`dataset_identity`), the database (`resolve_location`), and the legacy JSONL ledgers
+    it replaces, imported once. Prints where it is."""
+    from llmdp.data.sources import dataset_identity
+    from llmdp.privacy.ledgerdb import LedgerDB, describe_location, resolve_location
+    from llmdp.privacy.service import open_dataset
+
+    ident = dataset_identity(d)
+    location = resolve_location(ledger_opt)
+    legacy = [os.path.join(cache_root(), "ledgers", f"{sha256[:16]}.jsonl")]
+    if ledger_opt is not None and ledger_opt.endswith(".jsonl"):
+        legacy.append(ledger_opt)
+    db = LedgerDB(location)
+    try:
+        open_dataset(db, ident["dataset_id"], sha256=sha256, source=ident["source"],
+                     name=ident["name"], log=log, legacy_jsonl=legacy)
+    finally:
+        db.close()
+    shown = describe_location(location)
+    log(f"ledger: dataset {ident['dataset_id']!r} in {shown}"
+        + ("" if ident["declared"] else " (data.dataset_id derived from the source)"))
+    return {**ident, "location": location, "shown": shown}
