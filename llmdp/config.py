@@ -309,7 +309,6 @@ class TrainConfig:
     epochs: float | None = _f(None, gt=0)
     physical_batch_size: int = _f(32, ge=1)  # rows per micro-batch per worker
     checkpoint_every: int = _f(50, ge=1)
-    log_every: int = _f(10, ge=1)
     seed: int = _f(0, ge=0)  # model init / dropout only; NOT a privacy seed
     eval_every: int = _f(0, ge=0)  # 0 = off
     max_failures: int = _f(0, ge=0)  # worker failures Ray Train recovers from (resume from a checkpoint)
