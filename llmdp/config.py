@@ -47,6 +47,7 @@ __all__ = [
     "PrivacyConfig",
     "RecipeConfig",
     "ScalingConfig",
+    "SourceConfig",
     "SyntheticDataConfig",
     "TinyModelConfig",
     "TrainConfig",
@@ -125,12 +126,15 @@ class SyntheticDataConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class SourceConfig:
+    """Where a corpus is and what its records are: the keys shared by a training recipe's
+    and a tokenizer recipe's ``data`` (which extend it), checked by ``_check_source``."""
+
     # The source: exactly one of `path` (local files, a directory of them, or a folder
     # written by datasets' save_to_disk) and `dataset` (a Hub dataset name; needs network).
     path: str | None = _f(
         None, path="always",
-        help="the training corpus: a .jsonl, .json, .parquet, .csv or .txt file, a directory, "
+        help="the corpus: a .jsonl, .json, .parquet, .csv or .txt file, a directory, "
              "or a datasets save_to_disk folder",
     )
     dataset: str | None = _f(None, nonempty=True)
@@ -142,6 +146,25 @@ class DataConfig:
     # content hash is kept as a record). None: derived from the source (the local path,
     # or the Hub name). Declare a new id only for data about other individuals.
     dataset_id: str | None = _f(None, nonempty=True)
+    # What a record is: plain text (`text_field`), a chat (`messages_field`: a list of
+    # {role, content}) or an instruction pair (`prompt_field` + `response_field`). Chats and
+    # instructions train on the response tokens only; a tokenizer reads every text of them.
+    text_field: str = _f("text", nonempty=True)
+    messages_field: str | None = _f(None, nonempty=True)
+    prompt_field: str | None = _f(None, nonempty=True)
+    response_field: str | None = _f(None, nonempty=True)
+    # The privacy unit (what the guarantee protects): a document (one record) or a user
+    # (the records of one `user_field` value). Training adds a packed sequence.
+    unit: str = _f("document", choices=("document", "user"))
+    user_field: str | None = _f(None, nonempty=True)  # user units: the field naming the user
+    # When set, the demo corpus is generated at `path` if the file is missing.
+    synthetic: SyntheticDataConfig | None = None
+
+
+@dataclass(frozen=True)
+class DataConfig(SourceConfig):
+    """The training corpus: a source (:class:`SourceConfig`) and how it becomes rows."""
+
     # Plain-text files (.txt): `file` = each file is ONE record (one document: what a
     # document unit protects); `line` = one record per non-blank line; `paragraph` = one per
     # block of lines separated by a blank line. The report states it.
@@ -150,25 +173,14 @@ class DataConfig:
     # one, ...): `error` stops at the first, naming its file, line and field; `skip` leaves
     # such records out and counts them (internal data statistics: records_skipped).
     on_bad_record: str = _f("error", choices=("error", "skip"))
-    # What a record is: plain text (`text_field`), a chat (`messages_field`: a list of
-    # {role, content}) or an instruction pair (`prompt_field` + `response_field`). Chats and
-    # instructions train on the response tokens only.
-    text_field: str = _f("text", nonempty=True)
-    messages_field: str | None = _f(None, nonempty=True)
-    prompt_field: str | None = _f(None, nonempty=True)
-    response_field: str | None = _f(None, nonempty=True)
     chat_template: str = _f("auto", choices=("auto", "none"))
-    # The privacy unit (what the guarantee protects): a packed sequence of
-    # `sequence_length` tokens, a document, or a user (records grouped by `user_field`).
+    # The privacy unit: a packed sequence of `sequence_length` tokens, a document, or a user.
     unit: str = _f("sequence", choices=("sequence", "document", "user"))
     sequence_length: int = _f(128, ge=8, le=65536)
-    # Used by the unit kinds they name, ignored by the others, so that one recipe can
-    # describe its corpus once and switch `unit` on the command line:
+    # Used by the unit kinds they name (as is user_field), ignored by the others, so that
+    # one recipe can describe its corpus once and switch `unit` on the command line:
     max_rows_per_unit: int | None = _f(None, ge=1)  # document/user contribution bound (a sequence is 1 row)
-    user_field: str | None = _f(None, nonempty=True)  # user units: the field naming the user
     document_masking: bool = False  # sequence/user: no attention across packed documents
-    # When set, the demo corpus is generated at `path` if the file is missing.
-    synthetic: SyntheticDataConfig | None = None
     # For quick runs on part of the corpus: keep each unit independently iff a keyed hash
     # of its own content (a user unit: its user key) is below this fraction (key: a fixed
     # public string). Whether a unit is kept depends on that unit alone, so adding or
@@ -317,26 +329,11 @@ class RecipeConfig:
 
 
 @dataclass(frozen=True)
-class TokenizerDataConfig:
-    """The private corpus, read like `data` of a training recipe. The tokenizer's privacy
-    unit is a document (one record) or a user (all records of one `user_field` value);
-    a training run that uses the tokenizer must use the same unit to compose with it."""
-
-    path: str | None = _f(None, path="always", help="the private corpus (file, directory or save_to_disk folder)")
-    dataset: str | None = _f(None, nonempty=True)
-    dataset_id: str | None = _f(None, nonempty=True)  # the ledger's dataset id (as for training)
-    config_name: str | None = None
-    split: str = _f("train", nonempty=True)
-    format: str = _f("auto", choices=("auto", "jsonl", "json", "parquet", "csv", "text"))
-    # Every text of a record is read: `text_field`, or the contents of `messages_field`,
-    # or `prompt_field` + `response_field`.
-    text_field: str = _f("text", nonempty=True)
-    messages_field: str | None = _f(None, nonempty=True)
-    prompt_field: str | None = _f(None, nonempty=True)
-    response_field: str | None = _f(None, nonempty=True)
-    unit: str = _f("document", choices=("document", "user"))
-    user_field: str | None = _f(None, nonempty=True)
-    synthetic: SyntheticDataConfig | None = None
+class TokenizerDataConfig(SourceConfig):
+    """The private corpus, read like `data` of a training recipe (the same source keys).
+    The tokenizer's privacy unit is a document (one record) or a user (all records of one
+    `user_field` value); a training run that uses the tokenizer must use the same unit to
+    compose with it."""
 
 
 @dataclass(frozen=True)
@@ -429,8 +426,8 @@ def _check_model(m: ModelConfig, prefix: str, base_dir: str) -> ModelConfig:
     return m
 
 
-def _check_source_fields(d, prefix: str) -> None:
-    """Checks a training and a tokenizer recipe's `data` share (same field names)."""
+def _check_source(d: SourceConfig, prefix: str) -> None:
+    """The checks of a :class:`SourceConfig`: a training and a tokenizer recipe's `data`."""
     if (d.path is None) == (d.dataset is None):
         got = "both" if d.path is not None else "neither"
         raise ConfigError(
@@ -491,7 +488,7 @@ def _check_data(d: DataConfig, prefix: str, base_dir: str) -> DataConfig:
             f"{prefix}.max_units",
             key=f"{prefix}.max_units",
         )
-    _check_source_fields(d, prefix)
+    _check_source(d, prefix)
     return d
 
 
@@ -577,7 +574,7 @@ def _check_recipe(r: RecipeConfig, prefix: str, base_dir: str) -> RecipeConfig:
 
 
 def _check_tokenizer_data(d: TokenizerDataConfig, prefix: str, base_dir: str) -> TokenizerDataConfig:
-    _check_source_fields(d, prefix)
+    _check_source(d, prefix)
     if d.unit != "user" and d.user_field is not None:
         raise ConfigError(
             f"{prefix}.user_field: {d.user_field!r} is only used with {prefix}.unit 'user' "
