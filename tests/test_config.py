@@ -904,6 +904,16 @@ def test_unknown_key_in_override_gets_suggestion(in_tmp):
         load_recipe(path, ["optimizer.lr=1"])
 
 
+def test_training_and_tokenizer_data_share_one_source_section():
+    from llmdp.config import SourceConfig, TokenizerDataConfig
+
+    shared = {f.name for f in dataclasses.fields(SourceConfig)}
+    assert shared <= {f.name for f in dataclasses.fields(DataConfig)}
+    assert shared == {f.name for f in dataclasses.fields(TokenizerDataConfig)}
+    # Each keeps its own privacy units and default.
+    assert DataConfig().unit == "sequence" and TokenizerDataConfig().unit == "document"
+
+
 def test_removed_train_log_every_is_an_unknown_key(in_tmp):
     # train.log_every was never read; a recipe that still sets it gets the usual error.
     d = minimal()
