@@ -8,12 +8,15 @@ every default is filled in and every path is absolute.
 
 Validation stops at the first problem and raises one :class:`ConfigError` whose message
 names the full dotted key, the value, and what was expected (type, range, choices), with
-a "did you mean" for mistyped keys. The checks themselves live in :mod:`llmdp._validate`.
+a "did you mean" for mistyped keys. The checks themselves live in :mod:`llmdp._validate`;
+the generic loading (a mapping or a YAML file -> a dataclass, overrides) in
+:mod:`llmdp._config_load`.
 
 The schema is declared once, in the dataclasses below: each field's type drives type
-checking and its ``metadata`` (``choices``, bounds, ``path``) drives the value checks,
-so a new field needs one line here and nothing else. Checks that involve two fields or
-two sections are in the ``_check_*`` functions at the bottom of the schema.
+checking and its ``metadata`` (``choices``, bounds, ``path``; declared with ``_f``)
+drives the value checks, so a new field needs one line here and nothing else. Checks
+that involve two fields or two sections are in the ``_check_*`` functions at the bottom
+of the schema.
 
 Privacy settings (``privacy``) are kept apart from performance settings (``train``,
 ``scaling``): ``train.seed`` seeds model initialization and dropout only; sampling and
@@ -22,32 +25,17 @@ noise use fresh OS entropy unless ``privacy.rng: seeded`` (which the report labe
 
 from __future__ import annotations
 
-import contextvars
-import copy
 import dataclasses
-import functools
-import hashlib
-import json
 import os
 import re
-import types
-import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
-from llmdp._validate import (
-    ConfigError,
-    check_choice,
-    check_exactly_one,
-    check_range,
-    check_type,
-    describe_type,
-    fmt,
-    unknown_key_error,
-)
+from llmdp import _config_load as _load
+from llmdp._config_load import config_hash, dump_yaml, parse_override, to_dict
+from llmdp._config_load import field_spec as _f
+from llmdp._validate import ConfigError, check_exactly_one, fmt
 
 __all__ = [
     "ConfigError",
@@ -59,6 +47,7 @@ __all__ = [
     "PrivacyConfig",
     "RecipeConfig",
     "ScalingConfig",
+    "SourceConfig",
     "SyntheticDataConfig",
     "TinyModelConfig",
     "TrainConfig",
@@ -76,52 +65,6 @@ __all__ = [
     "warmup_steps_for",
     "validate_recipe",
 ]
-
-
-def _f(
-    default: Any = MISSING,
-    *,
-    factory: Any = MISSING,
-    choices: Sequence[Any] | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    items: Mapping[str, float] | None = None,
-    nonempty: bool = False,
-    path: str | None = None,
-    pattern: str | None = None,
-    help: str = "",
-) -> Any:
-    """A dataclass field plus the checks the loader applies to it.
-
-    ``ge/gt/le/lt``: bounds; ``items``: the same bounds for every item of a tuple;
-    ``path``: "always" (resolved to an absolute path) or "maybe" (a local path if it
-    exists or starts with ./ ../ / ~, else kept as a hub id); ``help``: added to the
-    message when a required field is missing.
-    """
-    meta: dict[str, Any] = {}
-    if choices is not None:
-        meta["choices"] = tuple(choices)
-    if ge is not None or gt is not None or le is not None or lt is not None:
-        meta["range"] = _bounds(ge=ge, gt=gt, le=le, lt=lt)
-    if items is not None:
-        meta["items"] = _bounds(**items)
-    if nonempty:
-        meta["nonempty"] = True
-    if path is not None:
-        meta["path"] = path
-    if pattern is not None:
-        meta["pattern"] = pattern
-    if help:
-        meta["help"] = help
-    return field(default=default, default_factory=factory, metadata=meta)
-
-
-def _bounds(ge=None, gt=None, le=None, lt=None) -> tuple:
-    lo, lo_inc = (ge, True) if ge is not None else (gt, False)
-    hi, hi_inc = (le, True) if le is not None else (lt, False)
-    return (lo, hi, lo_inc, hi_inc)
 
 
 # --------------------------------------------------------------------------- schema
@@ -183,12 +126,15 @@ class SyntheticDataConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class SourceConfig:
+    """Where a corpus is and what its records are: the keys shared by a training recipe's
+    and a tokenizer recipe's ``data`` (which extend it), checked by ``_check_source``."""
+
     # The source: exactly one of `path` (local files, a directory of them, or a folder
     # written by datasets' save_to_disk) and `dataset` (a Hub dataset name; needs network).
     path: str | None = _f(
         None, path="always",
-        help="the training corpus: a .jsonl, .json, .parquet, .csv or .txt file, a directory, "
+        help="the corpus: a .jsonl, .json, .parquet, .csv or .txt file, a directory, "
              "or a datasets save_to_disk folder",
     )
     dataset: str | None = _f(None, nonempty=True)
@@ -200,6 +146,25 @@ class DataConfig:
     # content hash is kept as a record). None: derived from the source (the local path,
     # or the Hub name). Declare a new id only for data about other individuals.
     dataset_id: str | None = _f(None, nonempty=True)
+    # What a record is: plain text (`text_field`), a chat (`messages_field`: a list of
+    # {role, content}) or an instruction pair (`prompt_field` + `response_field`). Chats and
+    # instructions train on the response tokens only; a tokenizer reads every text of them.
+    text_field: str = _f("text", nonempty=True)
+    messages_field: str | None = _f(None, nonempty=True)
+    prompt_field: str | None = _f(None, nonempty=True)
+    response_field: str | None = _f(None, nonempty=True)
+    # The privacy unit (what the guarantee protects): a document (one record) or a user
+    # (the records of one `user_field` value). Training adds a packed sequence.
+    unit: str = _f("document", choices=("document", "user"))
+    user_field: str | None = _f(None, nonempty=True)  # user units: the field naming the user
+    # When set, the demo corpus is generated at `path` if the file is missing.
+    synthetic: SyntheticDataConfig | None = None
+
+
+@dataclass(frozen=True)
+class DataConfig(SourceConfig):
+    """The training corpus: a source (:class:`SourceConfig`) and how it becomes rows."""
+
     # Plain-text files (.txt): `file` = each file is ONE record (one document: what a
     # document unit protects); `line` = one record per non-blank line; `paragraph` = one per
     # block of lines separated by a blank line. The report states it.
@@ -208,25 +173,14 @@ class DataConfig:
     # one, ...): `error` stops at the first, naming its file, line and field; `skip` leaves
     # such records out and counts them (internal data statistics: records_skipped).
     on_bad_record: str = _f("error", choices=("error", "skip"))
-    # What a record is: plain text (`text_field`), a chat (`messages_field`: a list of
-    # {role, content}) or an instruction pair (`prompt_field` + `response_field`). Chats and
-    # instructions train on the response tokens only.
-    text_field: str = _f("text", nonempty=True)
-    messages_field: str | None = _f(None, nonempty=True)
-    prompt_field: str | None = _f(None, nonempty=True)
-    response_field: str | None = _f(None, nonempty=True)
     chat_template: str = _f("auto", choices=("auto", "none"))
-    # The privacy unit (what the guarantee protects): a packed sequence of
-    # `sequence_length` tokens, a document, or a user (records grouped by `user_field`).
+    # The privacy unit: a packed sequence of `sequence_length` tokens, a document, or a user.
     unit: str = _f("sequence", choices=("sequence", "document", "user"))
     sequence_length: int = _f(128, ge=8, le=65536)
-    # Used by the unit kinds they name, ignored by the others, so that one recipe can
-    # describe its corpus once and switch `unit` on the command line:
+    # Used by the unit kinds they name (as is user_field), ignored by the others, so that
+    # one recipe can describe its corpus once and switch `unit` on the command line:
     max_rows_per_unit: int | None = _f(None, ge=1)  # document/user contribution bound (a sequence is 1 row)
-    user_field: str | None = _f(None, nonempty=True)  # user units: the field naming the user
     document_masking: bool = False  # sequence/user: no attention across packed documents
-    # When set, the demo corpus is generated at `path` if the file is missing.
-    synthetic: SyntheticDataConfig | None = None
     # For quick runs on part of the corpus: keep each unit independently iff a keyed hash
     # of its own content (a user unit: its user key) is below this fraction (key: a fixed
     # public string). Whether a unit is kept depends on that unit alone, so adding or
@@ -309,7 +263,6 @@ class TrainConfig:
     epochs: float | None = _f(None, gt=0)
     physical_batch_size: int = _f(32, ge=1)  # rows per micro-batch per worker
     checkpoint_every: int = _f(50, ge=1)
-    log_every: int = _f(10, ge=1)
     seed: int = _f(0, ge=0)  # model init / dropout only; NOT a privacy seed
     eval_every: int = _f(0, ge=0)  # 0 = off
     max_failures: int = _f(0, ge=0)  # worker failures Ray Train recovers from (resume from a checkpoint)
@@ -376,26 +329,11 @@ class RecipeConfig:
 
 
 @dataclass(frozen=True)
-class TokenizerDataConfig:
-    """The private corpus, read like `data` of a training recipe. The tokenizer's privacy
-    unit is a document (one record) or a user (all records of one `user_field` value);
-    a training run that uses the tokenizer must use the same unit to compose with it."""
-
-    path: str | None = _f(None, path="always", help="the private corpus (file, directory or save_to_disk folder)")
-    dataset: str | None = _f(None, nonempty=True)
-    dataset_id: str | None = _f(None, nonempty=True)  # the ledger's dataset id (as for training)
-    config_name: str | None = None
-    split: str = _f("train", nonempty=True)
-    format: str = _f("auto", choices=("auto", "jsonl", "json", "parquet", "csv", "text"))
-    # Every text of a record is read: `text_field`, or the contents of `messages_field`,
-    # or `prompt_field` + `response_field`.
-    text_field: str = _f("text", nonempty=True)
-    messages_field: str | None = _f(None, nonempty=True)
-    prompt_field: str | None = _f(None, nonempty=True)
-    response_field: str | None = _f(None, nonempty=True)
-    unit: str = _f("document", choices=("document", "user"))
-    user_field: str | None = _f(None, nonempty=True)
-    synthetic: SyntheticDataConfig | None = None
+class TokenizerDataConfig(SourceConfig):
+    """The private corpus, read like `data` of a training recipe (the same source keys).
+    The tokenizer's privacy unit is a document (one record) or a user (all records of one
+    `user_field` value); a training run that uses the tokenizer must use the same unit to
+    compose with it."""
 
 
 @dataclass(frozen=True)
@@ -488,8 +426,8 @@ def _check_model(m: ModelConfig, prefix: str, base_dir: str) -> ModelConfig:
     return m
 
 
-def _check_source_fields(d, prefix: str) -> None:
-    """Checks a training and a tokenizer recipe's `data` share (same field names)."""
+def _check_source(d: SourceConfig, prefix: str) -> None:
+    """The checks of a :class:`SourceConfig`: a training and a tokenizer recipe's `data`."""
     if (d.path is None) == (d.dataset is None):
         got = "both" if d.path is not None else "neither"
         raise ConfigError(
@@ -550,7 +488,7 @@ def _check_data(d: DataConfig, prefix: str, base_dir: str) -> DataConfig:
             f"{prefix}.max_units",
             key=f"{prefix}.max_units",
         )
-    _check_source_fields(d, prefix)
+    _check_source(d, prefix)
     return d
 
 
@@ -636,7 +574,7 @@ def _check_recipe(r: RecipeConfig, prefix: str, base_dir: str) -> RecipeConfig:
 
 
 def _check_tokenizer_data(d: TokenizerDataConfig, prefix: str, base_dir: str) -> TokenizerDataConfig:
-    _check_source_fields(d, prefix)
+    _check_source(d, prefix)
     if d.unit != "user" and d.user_field is not None:
         raise ConfigError(
             f"{prefix}.user_field: {d.user_field!r} is only used with {prefix}.unit 'user' "
@@ -677,215 +615,10 @@ _CHECKS = {
 }
 
 
-# ------------------------------------------------------------------ generic machinery
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    """(inner type, nullable) for ``X | None``; (tp, False) otherwise."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) != 1:  # pragma: no cover - the schema has no such fields
-            raise TypeError(f"unsupported union {tp!r}")
-        return args[0], True
-    return tp, False
-
-
-def _section_type(tp: Any) -> type | None:
-    inner, _ = _unwrap_optional(tp)
-    return inner if dataclasses.is_dataclass(inner) else None
-
-
-def _schema_keys(cls: type, prefix: str = "") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}.{f.name}" if prefix else f.name
-        keys.append(key)
-        sub = _section_type(_hints(cls)[f.name])
-        if sub is not None:
-            keys.extend(_schema_keys(sub, key))
-    return keys
-
-
-_RECIPE_KEYS: tuple[str, ...] = tuple(_schema_keys(RecipeConfig))
-_TOKENIZER_KEYS: tuple[str, ...] = tuple(_schema_keys(TokenizerRecipeConfig))
-# The "did you mean" candidates for an unknown key: the schema being loaded.
-_KEYS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("_KEYS", default=_RECIPE_KEYS)
-_SECTIONS = [f.name for f in dataclasses.fields(RecipeConfig)]
-
-
-def _describe(tp: Any) -> str:
-    inner, nullable = _unwrap_optional(tp)
-    if dataclasses.is_dataclass(inner):
-        text = "a mapping"
-    elif typing.get_origin(inner) is tuple:
-        args = typing.get_args(inner)
-        if args[-1] is Ellipsis:
-            text = f"a list of {_plural(args[0])}"
-        else:
-            text = f"a list of {len(args)} {_plural(args[0])}"
-    else:
-        return describe_type(inner, nullable=nullable)
-    return text + (" or null" if nullable else "")
-
-
-def _plural(tp: type) -> str:
-    return {int: "integers", float: "numbers", str: "strings", bool: "booleans"}[tp]
-
-
-def _wrong_type(key: str, value: Any, tp: Any) -> ConfigError:
-    return ConfigError(
-        f"{key}: {fmt(value)} has the wrong type ({type(value).__name__}); "
-        f"expected {_describe(tp)}",
-        key=key,
-    )
-
-
-def _coerce(key: str, value: Any, tp: Any, base_dir: str) -> Any:
-    """Check ``value`` against the declared type ``tp``; return it converted."""
-    inner, nullable = _unwrap_optional(tp)
-    if value is None:
-        if nullable:
-            return None
-        if dataclasses.is_dataclass(inner):
-            value = {}  # `scaling:` with everything commented out means the defaults
-        else:
-            raise ConfigError(f"{key}: null is not allowed; expected {_describe(tp)}", key=key)
-
-    if dataclasses.is_dataclass(inner):
-        if not isinstance(value, Mapping):
-            raise _wrong_type(key, value, tp)
-        return _build(inner, value, key, base_dir)
-
-    if typing.get_origin(inner) is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise _wrong_type(key, value, tp)
-        args = typing.get_args(inner)
-        if args[-1] is Ellipsis:
-            item_types = [args[0]] * len(value)
-        else:
-            if len(value) != len(args):
-                raise ConfigError(
-                    f"{key}: {fmt(value)} has {len(value)} items; expected {_describe(tp)}",
-                    key=key,
-                )
-            item_types = list(args)
-        return tuple(
-            _coerce(f"{key}[{i}]", v, t, base_dir)
-            for i, (v, t) in enumerate(zip(value, item_types))
-        )
-
-    out = check_type(key, value, inner, nullable=nullable)
-    if isinstance(out, str) and not out.strip():
-        raise ConfigError(f"{key}: empty string; expected a non-empty string", key=key)
-    return out
-
-
-def _resolve_path(value: str, base_dir: str) -> str:
-    p = os.path.expanduser(value)
-    if not os.path.isabs(p):
-        p = os.path.join(base_dir, p)
-    return os.path.normpath(p)
-
-
-# A Hugging Face Hub id: `name` or `org/name`, letters, digits, '-', '_', '.' (no '--' or
-# '..', at most 96 characters).
-_HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-def _is_local_path(value: str, base_dir: str) -> bool:
-    """Whether a `path="maybe"` value (model.name_or_path, model.tokenizer, ...) is a local
-    path rather than a Hub id. A local path that does not exist is then reported as
-    missing, never looked up on a hub: anything that is not a well-formed Hub id
-    (`org/name`), starts with ./ ../ / ~, contains a backslash, or whose first component
-    is an existing directory (runs/tok when runs/ exists) is a path."""
-    if value in (".", "..") or value.startswith(("./", "../", "/", "~")):
-        return True
-    if os.path.exists(os.path.join(base_dir, value)):
-        return True
-    if "\\" in value or os.sep in value.replace("/", "") or value.endswith("/"):
-        return True
-    if not _HUB_ID.fullmatch(value) or len(value) > 96 or "--" in value or ".." in value:
-        return True
-    head = value.split("/", 1)[0]
-    return "/" in value and os.path.isdir(os.path.join(base_dir, head))
-
-
-def _field_value(key: str, raw: Any, f: dataclasses.Field, tp: Any, base_dir: str) -> Any:
-    value = _coerce(key, raw, tp, base_dir)
-    if value is None:
-        return None
-    meta = f.metadata
-    if "choices" in meta:
-        check_choice(key, value, meta["choices"])
-    if "range" in meta:
-        check_range(key, value, *meta["range"])
-    if "items" in meta:
-        for i, item in enumerate(value):
-            check_range(f"{key}[{i}]", item, *meta["items"])
-    if meta.get("nonempty") and len(value) == 0:
-        raise ConfigError(f"{key}: empty; expected {_describe(tp)} with at least one item", key=key)
-    if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
-        raise ConfigError(
-            f"{key}: {fmt(value)} does not match {meta['pattern']} "
-            f"(letters, digits, '.', '_' and '-' only)",
-            key=key,
-        )
-    if meta.get("path") == "ledger":
-        if value.startswith(("postgresql://", "postgres://")):
-            from urllib.parse import urlsplit
-
-            if urlsplit(value).password is not None:
-                raise ConfigError(
-                    f"{key}: the URL carries a password, which would be written to the run's "
-                    f"config.yaml and plan.json; remove it and give it in PGPASSWORD or "
-                    f"~/.pgpass (e.g. {key}=postgresql://user@host/db)", key=key)
-            return value
-        return _resolve_path(value, base_dir)
-    if meta.get("path") == "always" or (
-        meta.get("path") == "maybe" and _is_local_path(value, base_dir)
-    ):
-        value = _resolve_path(value, base_dir)
-    return value
-
-
-def _build(cls: type, raw: Mapping, prefix: str, base_dir: str) -> Any:
-    """Build dataclass ``cls`` from mapping ``raw``, checking keys in the order written."""
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    values: dict[str, Any] = {}
-    for name, raw_value in raw.items():
-        key = f"{prefix}.{name}" if prefix else str(name)
-        if not isinstance(name, str):
-            raise ConfigError(
-                f"{key}: keys must be strings, got {type(name).__name__} {name!r}", key=key
-            )
-        if name not in fields:
-            raise unknown_key_error(key, _KEYS.get())
-        values[name] = _field_value(key, raw_value, fields[name], hints[name], base_dir)
-    for name, f in fields.items():
-        if name in values:
-            continue
-        key = f"{prefix}.{name}" if prefix else name
-        inner, nullable = _unwrap_optional(hints[name])
-        if dataclasses.is_dataclass(inner) and not nullable:
-            values[name] = _build(inner, {}, key, base_dir)
-        elif f.metadata.get("path") and f.default not in (MISSING, None):
-            # A default path (output.dir: runs) is relative too: resolve it like one given.
-            values[name] = _field_value(key, f.default, f, hints[name], base_dir)
-        elif f.default is MISSING and f.default_factory is MISSING:
-            help_text = f.metadata.get("help")
-            raise ConfigError(f"{key}: required" + (f"; {help_text}" if help_text else ""), key=key)
-    obj = cls(**values)
-    check = _CHECKS.get(cls)
-    return check(obj, prefix, base_dir) if check else obj
-
-
 # ------------------------------------------------------------------------ public API
+# The generic loading (types, field checks, paths, YAML, overrides) is llmdp._config_load.
+
+_SECTIONS = [f.name for f in dataclasses.fields(RecipeConfig)]
 
 
 def recipe_from_dict(
@@ -899,13 +632,7 @@ def recipe_from_dict(
     Relative paths are resolved against ``base_dir`` (default: the current directory).
     ``default_name`` becomes ``output.name`` when the recipe leaves it null.
     """
-    if not isinstance(d, Mapping):
-        raise ConfigError(
-            f"recipe: the top level must be a mapping with the sections {_SECTIONS}; "
-            f"got {type(d).__name__}"
-        )
-    base = os.path.abspath(os.fspath(base_dir)) if base_dir is not None else os.getcwd()
-    cfg = _build(RecipeConfig, d, "", base)
+    cfg = _load.build(RecipeConfig, d, what="recipe", base_dir=base_dir, checks=_CHECKS)
     if cfg.output.name is None and default_name is not None:
         if not re.fullmatch(_RUN_NAME, default_name) or default_name in (".", ".."):
             raise ConfigError(
@@ -922,92 +649,9 @@ def from_dict(d: Mapping[str, Any], *, base_dir: str | os.PathLike | None = None
     return recipe_from_dict(d, base_dir=base_dir)
 
 
-def to_dict(cfg: Any) -> Any:
-    """A plain, YAML- and JSON-able copy: dataclasses become dicts, tuples become lists."""
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, (list, tuple)):
-        return [to_dict(v) for v in cfg]
-    return cfg
-
-
 def validate_recipe(cfg: RecipeConfig) -> RecipeConfig:
     """Re-run every check on a config built in code (e.g. with dataclasses.replace)."""
     return recipe_from_dict(to_dict(cfg))
-
-
-def config_hash(cfg: RecipeConfig) -> str:
-    """sha256 hex digest of the canonical JSON of :func:`to_dict` (sorted keys)."""
-    text = json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def dump_yaml(cfg: RecipeConfig, path: str | os.PathLike) -> None:
-    """Write the resolved config; :func:`load_recipe` on the file gives an equal config."""
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    text = (
-        "# Resolved llmdp recipe: every default filled in, every path absolute.\n"
-        f"# config_hash: {config_hash(cfg)}\n"
-        + yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
-    )
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)  # atomic: a crash never leaves a half-written config.yaml
-
-
-_KEY_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
-    """``"privacy.target_epsilon=4"`` -> ``(("privacy", "target_epsilon"), 4)``.
-
-    The value is read with ``yaml.safe_load``: ``null``, lists and mappings work.
-    """
-    example = "e.g. privacy.target_epsilon=4"
-    if not isinstance(text, str):
-        raise ConfigError(f"override {text!r}: expected a string key=value ({example})")
-    key, sep, raw_value = text.partition("=")
-    if not sep:
-        raise ConfigError(f"override {text!r}: no '='; expected key=value ({example})")
-    key = key.strip()
-    if not key:
-        raise ConfigError(f"override {text!r}: empty key; expected key=value ({example})")
-    parts = tuple(key.split("."))
-    if not all(_KEY_PART.fullmatch(p) for p in parts):
-        raise ConfigError(
-            f"override {text!r}: malformed key {key!r}; expected dotted names such as "
-            f"privacy.target_epsilon",
-            key=key,
-        )
-    try:
-        value = yaml.safe_load(raw_value)
-    except yaml.YAMLError as exc:
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(
-            f"override {text!r}: the value {raw_value!r} is not valid YAML ({problem})", key=key
-        ) from None
-    return parts, value
-
-
-def _check_override_keys(keys: tuple[str, ...], text: str, root: type = None) -> None:
-    cls: type | None = root or RecipeConfig
-    cls_root = cls
-    for i, name in enumerate(keys):
-        dotted = ".".join(keys[: i + 1])
-        if cls is None:
-            raise ConfigError(
-                f"{dotted}: unknown key in override {text!r}; {'.'.join(keys[:i])!r} is a "
-                f"value, not a section",
-                key=dotted,
-            )
-        hints = _hints(cls)
-        if name not in hints:
-            raise unknown_key_error(dotted, _RECIPE_KEYS if cls_root is RecipeConfig else _TOKENIZER_KEYS,
-                                    where=f"in override {text!r}")
-        cls = _section_type(hints[name])
 
 
 def apply_overrides(d: Mapping[str, Any] | None, overrides: Sequence[str],
@@ -1015,73 +659,10 @@ def apply_overrides(d: Mapping[str, Any] | None, overrides: Sequence[str],
     """A copy of the raw recipe ``d`` with each ``key.sub=value`` override set, in order.
 
     Setting a key inside an absent or null section creates it (``model.lora.r=4`` turns
-    LoRA on with r=4 and the other LoRA defaults).
+    LoRA on with r=4 and the other LoRA defaults). ``root``: the recipe's type
+    (default :class:`RecipeConfig`; :class:`TokenizerRecipeConfig` for a tokenizer recipe).
     """
-    if isinstance(overrides, str):
-        overrides = [overrides]
-    out: dict[str, Any] = copy.deepcopy(dict(d)) if d is not None else {}
-    for text in overrides:
-        keys, value = parse_override(text)
-        _check_override_keys(keys, text, root)
-        node = out
-        for i, name in enumerate(keys[:-1]):
-            child = node.get(name)
-            if child is None:
-                child = node[name] = {}
-            elif not isinstance(child, dict):
-                dotted = ".".join(keys[: i + 1])
-                raise ConfigError(
-                    f"{dotted}: {fmt(child)} is not a mapping, so override {text!r} cannot "
-                    f"set a key inside it",
-                    key=dotted,
-                )
-            node = child
-        node[keys[-1]] = value
-    return out
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one, so a
-    second ``privacy:`` section would quietly replace the first)."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
-    seen: dict[str, yaml.Mark] = {}
-    for key_node, _ in node.value:
-        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        if key_node.value in seen:
-            raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"duplicate key {key_node.value!r} (first defined at line "
-                f"{seen[key_node.value].line + 1})",
-                key_node.start_mark,
-            )
-        seen[key_node.value] = key_node.start_mark
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _read_yaml(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror})") from None
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = exc.problem or exc.context or "invalid YAML"
-        raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: YAML syntax error: {exc}") from None
+    return _load.apply_overrides(d, overrides, root or RecipeConfig)
 
 
 def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeConfig:
@@ -1090,13 +671,7 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recip
     Relative paths in the recipe are resolved against the current working directory;
     ``output.name`` defaults to the file's stem (``recipes/tiny.yaml`` -> ``tiny``).
     """
-    given = os.fspath(path)
-    full = os.path.abspath(os.path.expanduser(given))
-    if not os.path.exists(full):
-        raise ConfigError(f"recipe file not found: {given!r} (looked for {full})")
-    if os.path.isdir(full):
-        raise ConfigError(f"recipe path is a directory, not a YAML file: {full}")
-    raw = _read_yaml(full)
+    _, full, raw = _load.read_recipe_file(path, "recipe")
     if raw is None:
         raise ConfigError(f"{full}: the recipe is empty; expected the sections {_SECTIONS}")
     if not isinstance(raw, Mapping):
@@ -1105,8 +680,7 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recip
             f"got {type(raw).__name__} {fmt(raw)}"
         )
     raw = apply_overrides(raw, overrides)
-    stem = os.path.splitext(os.path.basename(full))[0]
-    return recipe_from_dict(raw, base_dir=os.getcwd(), default_name=stem)
+    return recipe_from_dict(raw, base_dir=os.getcwd(), default_name=_load.file_stem(full))
 
 
 def tokenizer_recipe_from_dict(
@@ -1116,18 +690,8 @@ def tokenizer_recipe_from_dict(
     default_name: str | None = None,
 ) -> TokenizerRecipeConfig:
     """Validate a tokenizer recipe (sections data, privacy, tokenizer, output)."""
-    sections = [f.name for f in dataclasses.fields(TokenizerRecipeConfig)]
-    if not isinstance(d, Mapping):
-        raise ConfigError(
-            f"tokenizer recipe: the top level must be a mapping with the sections {sections}; "
-            f"got {type(d).__name__}"
-        )
-    base = os.path.abspath(os.fspath(base_dir)) if base_dir is not None else os.getcwd()
-    token = _KEYS.set(_TOKENIZER_KEYS)
-    try:
-        cfg = _build(TokenizerRecipeConfig, d, "", base)
-    finally:
-        _KEYS.reset(token)
+    cfg = _load.build(TokenizerRecipeConfig, d, what="tokenizer recipe", base_dir=base_dir,
+                      checks=_CHECKS)
     if cfg.output.name is None:
         if default_name is None or not re.fullmatch(_RUN_NAME, default_name) or default_name in (".", ".."):
             raise ConfigError(
@@ -1144,13 +708,7 @@ def load_tokenizer_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()
     Relative paths resolve against the current directory; ``output.name`` defaults to the
     file's stem."""
     sections = [f.name for f in dataclasses.fields(TokenizerRecipeConfig)]
-    given = os.fspath(path)
-    full = os.path.abspath(os.path.expanduser(given))
-    if not os.path.exists(full):
-        raise ConfigError(f"tokenizer recipe file not found: {given!r} (looked for {full})")
-    if os.path.isdir(full):
-        raise ConfigError(f"tokenizer recipe path is a directory, not a YAML file: {full}")
-    raw = _read_yaml(full)
+    given, full, raw = _load.read_recipe_file(path, "tokenizer recipe")
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{full}: expected a mapping with the sections {sections}")
     if "model" in raw or "train" in raw:
@@ -1159,5 +717,4 @@ def load_tokenizer_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()
             f"`llmdp train {given}`. A tokenizer recipe has the sections {sections}"
         )
     raw = apply_overrides(raw, overrides, root=TokenizerRecipeConfig)
-    stem = os.path.splitext(os.path.basename(full))[0]
-    return tokenizer_recipe_from_dict(raw, base_dir=os.getcwd(), default_name=stem)
+    return tokenizer_recipe_from_dict(raw, base_dir=os.getcwd(), default_name=_load.file_stem(full))

@@ -254,10 +254,6 @@ def _scrub(obj, roots: tuple[str, ...] = ()):
     return obj
 
 
-def _fmt(x, spec=".4f"):
-    return "–" if x is None else format(x, spec)
-
-
 def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, license: str | None,
                unverified: list[str], repo_id: str | None = None):
     """The ``huggingface_hub.ModelCard`` of an export, generated from the run's report."""

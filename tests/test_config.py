@@ -93,7 +93,6 @@ train:
   steps: 20
   physical_batch_size: 8
   checkpoint_every: 10
-  log_every: 1
   seed: 7
   eval_every: 5
 scaling:
@@ -173,7 +172,7 @@ def test_full_recipe_loads(in_tmp):
         warmup_steps=2,
         min_lr_ratio=0.1,
     )
-    assert cfg.train == TrainConfig(64, 20, None, 8, 10, 1, 7, 5)
+    assert cfg.train == TrainConfig(64, 20, None, 8, 10, 7, 5)
     assert cfg.scaling == ScalingConfig(num_workers=2, use_gpu=False, cpus_per_worker=0.5)
     assert cfg.output == OutputConfig(dir=str(t / "out"), name="full-demo")
     assert cfg.run_dir == str(t / "out" / "full-demo")
@@ -903,6 +902,25 @@ def test_unknown_key_in_override_gets_suggestion(in_tmp):
         ConfigError, match=r"^optimizer: unknown key in override .*did you mean 'optim'"
     ):
         load_recipe(path, ["optimizer.lr=1"])
+
+
+def test_training_and_tokenizer_data_share_one_source_section():
+    from llmdp.config import SourceConfig, TokenizerDataConfig
+
+    shared = {f.name for f in dataclasses.fields(SourceConfig)}
+    assert shared <= {f.name for f in dataclasses.fields(DataConfig)}
+    assert shared == {f.name for f in dataclasses.fields(TokenizerDataConfig)}
+    # Each keeps its own privacy units and default.
+    assert DataConfig().unit == "sequence" and TokenizerDataConfig().unit == "document"
+
+
+def test_removed_train_log_every_is_an_unknown_key(in_tmp):
+    # train.log_every was never read; a recipe that still sets it gets the usual error.
+    d = minimal()
+    d["train"]["log_every"] = 10
+    with pytest.raises(ConfigError, match=r"^train\.log_every: unknown key") as e:
+        recipe_from_dict(d)
+    assert e.value.key == "train.log_every"
 
 
 def test_override_below_a_value_is_rejected(in_tmp):

@@ -39,7 +39,7 @@ def _run(tmp_path, *, lora: bool, rng: str = "secure", name: str = "run", data=N
                     **({"seed": 3} if rng == "seeded" else {})},
         "optim": {"name": "adamw", "lr": 5e-2, "schedule": "constant"},
         "train": {"expected_batch_size": 8, "steps": 4, "physical_batch_size": 4,
-                  "checkpoint_every": 2, "log_every": 1},
+                  "checkpoint_every": 2},
         "output": {"dir": str(tmp_path / "runs"), "name": name},
     }
     prep = prepare(recipe_from_dict(raw), log=lambda *a: None)

@@ -30,7 +30,7 @@ def _raw(tmp_path, data, name="t", **privacy):
         "privacy": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "delta": 1e-4, **privacy},
         "optim": {"name": "adamw", "lr": 1e-2, "schedule": "constant"},
         "train": {"expected_batch_size": 8, "steps": 6, "physical_batch_size": 4,
-                  "checkpoint_every": 2, "log_every": 1},
+                  "checkpoint_every": 2},
         "output": {"dir": str(tmp_path / "runs"), "name": name},
     }
 

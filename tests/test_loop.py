@@ -24,7 +24,7 @@ def make_recipe(tmp_path, **train):
         "privacy": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "delta": 1e-4},
         "optim": {"name": "adamw", "lr": 1e-2, "schedule": "constant"},
         "train": {"expected_batch_size": 8, "steps": 6, "physical_batch_size": 4,
-                  "checkpoint_every": 2, "log_every": 1, **train},
+                  "checkpoint_every": 2, **train},
         "output": {"dir": str(tmp_path / "runs"), "name": "t"},
     }
     return recipe_from_dict(raw)
