@@ -22,6 +22,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
+from llmdp.choices import ACCOUNTANTS
 from llmdp.privacy.events import dpsgd_step_event, is_truncated
 
 __all__ = [
@@ -37,7 +38,6 @@ __all__ = [
     "check_supported",
 ]
 
-ACCOUNTANTS = ("pld", "rdp")
 
 
 class _DroppedOrderFilter:

@@ -19,6 +19,7 @@ import numpy as np
 from dp_accounting import mechanism_calibration
 from scipy import stats
 
+from llmdp.choices import RELATIONS, SAMPLERS
 from llmdp.privacy import accountant as _acc
 from llmdp.privacy import sampling as _sampling
 from llmdp.privacy.events import dpsgd_step_event
@@ -37,9 +38,7 @@ __all__ = [
     "DEFAULT_TRUNCATION_BUDGET",
 ]
 
-SAMPLERS = ("poisson", "truncated-poisson")
-TRUNCATED = "truncated-poisson"
-RELATIONS = ("add_or_remove_one",)
+TRUNCATED = SAMPLERS[1]
 
 # Calibration tolerance on sigma, relative. Epsilon is smooth in sigma with
 # |d log eps / d log sigma| of order 1-3 in the DP-SGD regime, so 1e-5 relative on sigma
