@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass
 
 import dp_accounting
-import numpy as np
 from dp_accounting import mechanism_calibration
 from scipy import stats
 
+from llmdp._validate import _check_delta, _check_positive, _check_steps, _is_int, _is_number
 from llmdp.choices import RELATIONS, SAMPLERS
 from llmdp.privacy import accountant as _acc
 from llmdp.privacy import sampling as _sampling
@@ -62,14 +61,6 @@ class PlanError(ValueError):
     """An invalid or unreachable DP plan; the message names the field, value and fix."""
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
-
-
 def default_delta(dataset_size: int) -> float:
     """A round power of ten strictly below 1/(10 N): N=6000 -> 1e-5, N=50000 -> 1e-6.
 
@@ -99,33 +90,6 @@ def steps_for_epochs(epochs: float, sampling_probability: float) -> int:
     if abs(x - r) <= 1e-9 * max(1.0, x):
         return max(1, int(r))
     return max(1, math.ceil(x))
-
-
-def _check_delta(delta, dataset_size: int) -> float:
-    if not _is_number(delta) or not (delta > 0):
-        raise PlanError(
-            f"delta must be > 0 (and below 1/N), got delta={delta!r}; "
-            f"use e.g. default_delta({dataset_size}) = {default_delta(dataset_size):g}"
-        )
-    if not (delta < 1.0 / dataset_size):
-        raise PlanError(
-            f"delta must be below 1/N = {1.0 / dataset_size:.6g} (N = dataset_size = {dataset_size}), "
-            f"got delta={delta!r}: a delta that large allows publishing a whole privacy unit. "
-            f"Use a smaller delta, e.g. default_delta({dataset_size}) = {default_delta(dataset_size):g}"
-        )
-    return float(delta)
-
-
-def _check_positive(name: str, value, what: str) -> float:
-    if not _is_number(value) or not (0 < value < math.inf):
-        raise PlanError(f"{name} ({what}) must be a finite number > 0, got {name}={value!r}")
-    return float(value)
-
-
-def _check_steps(steps) -> int:
-    if not _is_int(steps) or steps < 1:
-        raise PlanError(f"steps must be an integer >= 1, got steps={steps!r}")
-    return int(steps)
 
 
 def _check_sampling(dataset_size, expected_batch_size) -> float:
@@ -269,16 +233,19 @@ class DPPlan:
         # Validate here too, so a plan read back from a file (from_dict) is as checked
         # as one built by make_plan.
         _check_sampling(self.dataset_size, self.expected_batch_size)
-        _check_steps(self.steps)
-        _check_positive("noise_multiplier", self.noise_multiplier, "sigma")
-        _check_positive("max_grad_norm", self.max_grad_norm, "the clipping bound C")
-        _check_delta(self.delta, self.dataset_size)
+        _check_steps(self.steps, error=PlanError)
+        _check_positive("noise_multiplier", self.noise_multiplier, "sigma", error=PlanError)
+        _check_positive("max_grad_norm", self.max_grad_norm, "the clipping bound C",
+                        error=PlanError)
+        _check_delta(self.delta, self.dataset_size, default=default_delta(self.dataset_size),
+                     error=PlanError)
         _check_accountant_field(self.accountant)
         _check_sampler_fields(self.sampler, self.accountant, self.dataset_size, self.max_batch_size)
         if self.relation not in RELATIONS:
             raise PlanError(f"relation must be one of {RELATIONS}, got relation={self.relation!r}")
         if self.target_epsilon is not None:
-            _check_positive("target_epsilon", self.target_epsilon, "the privacy budget")
+            _check_positive("target_epsilon", self.target_epsilon, "the privacy budget",
+                            error=PlanError)
         if self.sampler != TRUNCATED:
             for name in ("truncation_cost", "truncation_probability"):
                 if getattr(self, name) is not None:
@@ -499,15 +466,17 @@ class _MemoAccountant(dp_accounting.PrivacyAccountant):
 
 def _check_calibration_args(target_epsilon, delta, sampling_probability, steps, accountant,
                             max_noise_multiplier):
-    target = _check_positive("target_epsilon", target_epsilon, "the privacy budget")
+    target = _check_positive("target_epsilon", target_epsilon, "the privacy budget",
+                             error=PlanError)
     if not _is_number(delta) or not (0 < delta < 1):
         raise PlanError(f"delta must be in (0, 1), got delta={delta!r}")
     if not _is_number(sampling_probability) or not (0 < sampling_probability <= 1):
         raise PlanError(
             f"sampling_probability must be in (0, 1], got sampling_probability={sampling_probability!r}"
         )
-    steps = _check_steps(steps)
-    max_sigma = _check_positive("max_noise_multiplier", max_noise_multiplier, "largest sigma tried")
+    steps = _check_steps(steps, error=PlanError)
+    max_sigma = _check_positive("max_noise_multiplier", max_noise_multiplier,
+                                "largest sigma tried", error=PlanError)
     _check_accountant_field(accountant)
     return target, float(delta), float(sampling_probability), steps, max_sigma
 
@@ -825,10 +794,10 @@ def make_plan(
             f"got {got} (target_epsilon={target_epsilon!r}, noise_multiplier={noise_multiplier!r})"
         )
     q = _check_sampling(dataset_size, expected_batch_size)
-    _check_positive("max_grad_norm", max_grad_norm, "the clipping bound C")
+    _check_positive("max_grad_norm", max_grad_norm, "the clipping bound C", error=PlanError)
     if delta is None:
         delta = default_delta(dataset_size)
-    delta = _check_delta(delta, dataset_size)
+    delta = _check_delta(delta, dataset_size, default=default_delta(dataset_size), error=PlanError)
     _check_accountant_field(accountant)
     cap = _check_sampler_fields(sampler, accountant, dataset_size, max_batch_size)
     if sampler == TRUNCATED and cap is None:
@@ -838,15 +807,16 @@ def make_plan(
                 "max_batch_size, e.g. 0.01 for 1%) must be a finite number > 0, got "
                 f"truncation_budget={truncation_budget!r}"
             )
-    steps = _check_steps(steps) if steps is not None else steps_for_epochs(epochs, q)
+    steps = _check_steps(steps, error=PlanError) if steps is not None else steps_for_epochs(epochs, q)
     sigma = max_sigma = None
     if noise_multiplier is not None:
-        sigma = _check_positive("noise_multiplier", noise_multiplier, "sigma")
+        sigma = _check_positive("noise_multiplier", noise_multiplier, "sigma", error=PlanError)
     else:
-        target_epsilon = _check_positive("target_epsilon", target_epsilon, "the privacy budget")
+        target_epsilon = _check_positive("target_epsilon", target_epsilon, "the privacy budget",
+                                         error=PlanError)
         max_sigma = _check_positive(
             "max_noise_multiplier", max_noise_multiplier, "largest sigma tried"
-        )
+        , error=PlanError)
     cost = None
     if sampler == TRUNCATED:
         sigma, cap, cost = _plan_truncated(

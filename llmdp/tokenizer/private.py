@@ -63,6 +63,7 @@ import dp_accounting
 import numpy as np
 from scipy.stats import norm
 
+from llmdp._validate import _check_positive
 from llmdp.privacy.sampling import _check_key, _uint53_chunks
 
 __all__ = [
@@ -157,12 +158,6 @@ def word_noise(key: bytes, word: str, std: float) -> float:
     u1 = (float(k[0]) + 1.0) * _INV_2_53  # (0, 1]
     u2 = float(k[1]) * _INV_2_53
     return std * math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
-
-
-def _check_positive(name: str, x) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating)) or not (0 < x < math.inf):
-        raise ValueError(f"{name} must be a finite number > 0, got {name}={x!r}")
-    return float(x)
 
 
 def dp_word_counts(
