@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -272,3 +273,54 @@ def unknown_key_error(key: str, candidates: Iterable[str], *, where: str = "") -
     parent, _ = _split(key)
     valid = [c_leaf for c_parent, c_leaf in map(_split, cands) if c_parent == parent]
     return ConfigError(f"{key}: unknown key{context}; expected one of {valid!r}", key=key)
+
+
+# ---- checks of numeric arguments (the privacy plan, the accountant, the tokenizer).
+# Their messages read "<name> must be ..., got <name>=<value>"; `error` is the exception
+# class the caller's users expect (ValueError, or a subclass such as PlanError).
+
+
+def _is_number(x: Any) -> bool:
+    """A real number, not a bool (numpy's bool is not a `numbers.Real`)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_int(x: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_positive(name: str, value: Any, what: str | None = None, *,
+                    error: type[Exception] = ValueError) -> float:
+    """`value` as a float if it is a finite number > 0; `what` says what `name` is."""
+    if not _is_number(value) or not (0 < value < math.inf):
+        label = name if what is None else f"{name} ({what})"
+        raise error(f"{label} must be a finite number > 0, got {name}={value!r}")
+    return float(value)
+
+
+def _check_steps(steps: Any, minimum: int = 1, *, error: type[Exception] = ValueError) -> int:
+    """`steps` as an int if it is an integer >= `minimum`."""
+    if not _is_int(steps) or steps < minimum:
+        raise error(f"steps must be an integer >= {minimum}, got steps={steps!r}")
+    return int(steps)
+
+
+def _check_delta(delta: Any, dataset_size: int | None = None, *,
+                 default: float | None = None, error: type[Exception] = ValueError) -> float:
+    """`delta` as a float if it is in (0, 1), or, with `dataset_size` N, in (0, 1/N)
+    (then `default`, the suggested delta for N, is named in the messages)."""
+    if dataset_size is None:
+        if not _is_number(delta) or not (0.0 < delta < 1.0):
+            raise error(f"delta must be in the open interval (0, 1), got delta={delta!r}")
+        return float(delta)
+    hint = f"default_delta({dataset_size}) = {default:g}"
+    if not _is_number(delta) or not (delta > 0):
+        raise error(f"delta must be > 0 (and below 1/N), got delta={delta!r}; use e.g. {hint}")
+    if not (delta < 1.0 / dataset_size):
+        raise error(
+            f"delta must be below 1/N = {1.0 / dataset_size:.6g} (N = dataset_size = {dataset_size}), "
+            f"got delta={delta!r}: a delta that large allows publishing a whole privacy unit. "
+            f"Use a smaller delta, e.g. {hint}"
+        )
+    return float(delta)

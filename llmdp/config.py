@@ -36,6 +36,7 @@ from llmdp import _config_load as _load
 from llmdp._config_load import config_hash, dump_yaml, parse_override, to_dict
 from llmdp._config_load import field_spec as _f
 from llmdp._validate import ConfigError, check_exactly_one, fmt
+from llmdp.choices import ACCOUNTANTS, MIXED_PRECISION, SAMPLERS, STRATEGIES
 
 __all__ = [
     "ConfigError",
@@ -200,10 +201,10 @@ class PrivacyConfig:
     noise_multiplier: float | None = _f(None, gt=0)
     delta: float | None = _f(None, gt=0, lt=1)  # None: the plan picks a default below 1/N
     max_grad_norm: float = _f(1.0, gt=0)
-    accountant: str = _f("pld", choices=("pld", "rdp"))
+    accountant: str = _f("pld", choices=ACCOUNTANTS)
     # "poisson": exact Poisson sampling; "truncated-poisson": Poisson capped at
     # max_batch_size units (bounded memory), accounted with the truncated event (pld only).
-    sampler: str = _f("poisson", choices=("poisson", "truncated-poisson"))
+    sampler: str = _f("poisson", choices=SAMPLERS)
     max_batch_size: int | None = _f(None, ge=1)  # truncated-poisson cap; None: the plan picks it
     rng: str = _f("secure", choices=("secure", "seeded"))
     seed: int | None = _f(None, ge=0)  # required iff rng == "seeded"
@@ -281,9 +282,9 @@ class ScalingConfig:
     # per logical step; "fsdp": FSDP2 fully_shard over the workers (parameters, gradients
     # and optimizer state sharded; the clipped sum is reduce-scattered, each shard gets
     # its slice of one N(0, sigma^2 C^2 I)).
-    strategy: str = _f("replicated", choices=("replicated", "fsdp"))
+    strategy: str = _f("replicated", choices=STRATEGIES)
     # Compute in bf16 (autocast) over float32 master weights; "none": the model's dtype.
-    mixed_precision: str = _f("none", choices=("none", "bf16"))
+    mixed_precision: str = _f("none", choices=MIXED_PRECISION)
 
 
 _RUN_NAME = r"[A-Za-z0-9._-]+"
@@ -347,7 +348,7 @@ class TokenizerPrivacyConfig:
     max_words_per_unit: int = _f(128, ge=1)
     # Share of delta spent on the threshold (words held by a single unit); rest: Gaussian.
     delta_threshold_fraction: float = _f(0.5, gt=0, lt=1)
-    accountant: str = _f("pld", choices=("pld", "rdp"))
+    accountant: str = _f("pld", choices=ACCOUNTANTS)
     rng: str = _f("secure", choices=("secure", "seeded"))
     seed: int | None = _f(None, ge=0)  # required iff rng == "seeded"
     ledger: str | None = _f(None, path="ledger")  # the ledgers' database (default as for training)

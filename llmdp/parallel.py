@@ -46,13 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmdp.choices import MIXED_PRECISION, STRATEGIES
 from llmdp.privacy import noise as dp_noise
-
-STRATEGIES = ("replicated", "fsdp")
-MIXED_PRECISION = ("none", "bf16")
-
-
-
 
 # --------------------------------------------------------------------------- replicated collectives
 

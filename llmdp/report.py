@@ -82,7 +82,7 @@ def build_report(run_dir: str, failure: str | None = None, interrupted: bool = F
               if name == plan.accountant or not any(is_truncated(e) for e, _ in entries)]
     # Releases this run's model builds on, made before it on the same units (a private
     # tokenizer): composed into the guarantee, thresholds' delta included.
-    from llmdp.privacy.plan import release_entries
+    from llmdp.privacy.prior import release_entries
 
     prior = list(plan_info.get("prior_releases") or [])
     prior_entries, prior_dthr = release_entries(prior)
@@ -486,7 +486,7 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     ``exact=False``: PLD on the coarser display grid (conservative, ~10x faster)."""
     from llmdp.privacy import accountant as acc
     from llmdp.privacy.ledger import Ledger
-    from llmdp.privacy.plan import release_entries
+    from llmdp.privacy.prior import release_entries
 
     entries = Ledger(ledger_path).entries() if os.path.exists(ledger_path) else []
     total = sum(int(c) for _, c in entries)

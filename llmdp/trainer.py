@@ -19,7 +19,7 @@ from typing import Any
 from llmdp._fs import cache_root
 from llmdp.config import RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.privacy.dataset_ledger import open_dataset_ledger
-from llmdp.privacy.plan import composed_epsilon
+from llmdp.privacy.prior import composed_epsilon
 
 WORKER_ENV = {
     # Nothing is downloaded at run time: models and tokenizers are local folders.
@@ -217,7 +217,7 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> PreparedRun:
     )
     prior_releases = [tok_use["release"]] if tok_use["compose"] else []
     if prior_releases:
-        from llmdp.privacy.plan import calibrate_with_prior
+        from llmdp.privacy.prior import calibrate_with_prior
 
         # The model's guarantee covers the tokenizer too: sigma is calibrated so that the
         # composition (tokenizer release + every step) meets privacy.target_epsilon.

@@ -4,6 +4,7 @@ Importable without Ray. `noise` needs torch and is imported lazily, so the CLI's
 `llmdp privacy epsilon|calibrate` does not pay for importing torch.
 """
 
+from llmdp.choices import SAMPLERS
 from llmdp.privacy.accountant import (
     ACCOUNTANTS,
     delta_for_epsilon,
@@ -20,15 +21,12 @@ from llmdp.privacy.events import (
 )
 from llmdp.privacy.ledger import LEDGER_FILENAME, Ledger, LedgerError
 from llmdp.privacy.plan import (
-    SAMPLERS,
     DPPlan,
     PlanError,
     calibrate_noise,
     default_delta,
     make_plan,
     steps_for_epochs,
-    truncation_cost,
-    truncation_probability,
 )
 from llmdp.privacy.sampling import (
     PoissonSampler,
@@ -39,6 +37,7 @@ from llmdp.privacy.sampling import (
     seeded_key,
     uniform_stream,
 )
+from llmdp.privacy.truncation import truncation_cost, truncation_probability
 
 __all__ = [
     "ACCOUNTANTS",

@@ -22,6 +22,8 @@ from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
+from llmdp._validate import _check_delta, _check_steps
+from llmdp.choices import ACCOUNTANTS
 from llmdp.privacy.events import dpsgd_step_event, is_truncated
 
 __all__ = [
@@ -37,7 +39,6 @@ __all__ = [
     "check_supported",
 ]
 
-ACCOUNTANTS = ("pld", "rdp")
 
 
 class _DroppedOrderFilter:
@@ -100,16 +101,6 @@ def _check_accountant(accountant: str) -> str:
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got accountant={accountant!r}")
     return accountant
-
-
-def _check_delta(delta: float) -> float:
-    if (
-        isinstance(delta, bool)
-        or not isinstance(delta, (int, float, np.floating))
-        or not (0.0 < delta < 1.0)
-    ):
-        raise ValueError(f"delta must be in the open interval (0, 1), got delta={delta!r}")
-    return float(delta)
 
 
 def _check_epsilon(eps: float) -> float:
@@ -299,12 +290,6 @@ def _event_for(sampling_probability, noise_multiplier, dataset_size, max_batch_s
     )
 
 
-def _check_steps(steps) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
-        raise ValueError(f"steps must be an integer >= 0, got steps={steps!r}")
-    return int(steps)
-
-
 def epsilon_for(
     sampling_probability: float,
     noise_multiplier: float,
@@ -346,7 +331,7 @@ def _epsilon_cached(
 ) -> float:
     # A pure function of its arguments; PLD takes ~0.1-7 s, and the driver asks the same
     # question several times (plan, log line, report), the planner many more.
-    steps = _check_steps(steps)
+    steps = _check_steps(steps, 0)
     event = _event_for(sampling_probability, noise_multiplier, dataset_size, max_batch_size)
     delta = _check_delta(delta)
     _check_accountant(accountant)

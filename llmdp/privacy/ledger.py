@@ -49,6 +49,7 @@ from pathlib import Path
 
 import dp_accounting
 
+from llmdp._validate import _is_int
 from llmdp.privacy.events import event_from_json
 
 __all__ = ["LEDGER_FILENAME", "GENESIS", "LedgerError", "LedgerDamaged", "Ledger", "canonical", "record_hash",
@@ -89,10 +90,6 @@ def record_hash(record: dict) -> str:
     """SHA-256 (hex) of ``record``'s canonical JSON, without any ``"hash"`` key."""
     body = {k: v for k, v in record.items() if k != "hash"}
     return hashlib.sha256(canonical(body).encode("ascii")).hexdigest()
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_record(rec) -> str | None:

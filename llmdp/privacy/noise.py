@@ -18,8 +18,10 @@ is normal ``e % 8`` of ChaCha20 block ``e // 8``. So
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import struct
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +39,7 @@ __all__ = [
     "NOISE_TAIL",
     "NOISE_METHOD",
     "truncation_delta_per_step",
+    "keyed_normal",
 ]
 
 NOISE_TAG = b"gaus"
@@ -44,6 +47,7 @@ _TWO_PI = 2.0 * math.pi
 _INV_2_53 = 1.0 / float(2**53)
 _TWO_PI_2M53 = _TWO_PI * _INV_2_53
 _MASK53 = (1 << 53) - 1
+_KEYED_DOMAIN = b"llmdp.keyed_normal.v1"
 _CHUNK_PAIRS = 1 << 16  # CPU: 128 Ki normals per chunk (~3 MiB of work space)
 _CHUNK_PAIRS_TORCH = 1 << 20  # the torch-ops keystream elsewhere: larger launches
 assert _CHUNK_PAIRS % 4 == 0  # chunks start on ChaCha20 block boundaries (4 pairs a block)
@@ -354,3 +358,34 @@ def add_noise_(tensors: Sequence[torch.Tensor], key: bytes, std: float,
     for i, t in enumerate(tensors):
         add_gaussian_(t, key, i, std, offset=0 if offsets is None else offsets[i],
                       total=None if totals is None else totals[i])
+
+
+def _label_key(key: bytes, label: bytes) -> bytes:
+    """The 32-byte ChaCha20 key of ``label`` under ``key``: SHA-256 of (domain, the
+    4-byte big-endian length of ``key``, ``key``, ``label``). The length prefix makes the
+    encoding injective, so distinct (key, label) pairs never share an input; labels may
+    have any length, which `chacha.derive_key`'s 8-byte labels do not allow."""
+    if not isinstance(key, (bytes, bytearray)) or not key:
+        raise ValueError(f"key must be non-empty bytes, got {type(key).__name__}")
+    if not isinstance(label, (bytes, bytearray)):
+        raise ValueError(f"label must be bytes, got {type(label).__name__}")
+    return hashlib.sha256(
+        _KEYED_DOMAIN + len(key).to_bytes(4, "big") + bytes(key) + bytes(label)
+    ).digest()
+
+
+def keyed_normal(key: bytes, label: bytes, std: float) -> float:
+    """One N(0, std²) draw, a deterministic function of (key, label) alone: element 0 of
+    noise vector 0 under the per-label key `_label_key(key, label)`, i.e. the first
+    Box-Muller pair of the ChaCha20 stream (that key, nonce ``b"gaus" ‖ 0``), cos branch,
+    in float64: bit for bit ``gaussian_like((1,), _label_key(key, label), 0, std,
+    torch.float64)[0]``, computed without torch. Draws for distinct labels are
+    independent (distinct ChaCha20 keys); same sampler and tail as :func:`add_gaussian_`.
+    """
+    std = _check_std(std)
+    block = bytearray(chacha.BLOCK_BYTES)
+    chacha.keystream_into(_label_key(key, label), _nonce(0), 0, block)
+    w1, w2 = struct.unpack_from("<Qq", block)
+    k1, s2 = w1 & _MASK53, w2 >> 11  # as `_pairs`: low 53 bits; top 53 bits, signed
+    r = math.sqrt(math.log((float(k1) + 1.0) * _INV_2_53) * (-2.0 * std * std))
+    return math.cos(float(s2) * _TWO_PI_2M53) * r

@@ -58,9 +58,8 @@ Subsets (`_uniform_subset`) are exactly uniform: each of the n candidates gets a
 event that the size-th and (size+1)-th smallest words tie; the law is permutation
 invariant, so given no tie the chosen set is uniform over all C(n, size) subsets.
 
-The SHAKE-256 helpers (`_check_key`, `_stream_prefix`, `_raw_chunks`, `_uint53_chunks`)
-serve the private tokenizer's per-word streams (keyed by arbitrary-length words, which a
-12-byte nonce cannot hold); sampling and the gradient noise no longer use them.
+`_check_key` (bytes, at least 16 of them) also checks the private tokenizer's keys; its
+per-word noise is drawn by `llmdp.privacy.noise.keyed_normal`.
 """
 
 from __future__ import annotations
@@ -70,7 +69,6 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -90,7 +88,6 @@ __all__ = [
 KEY_BYTES = 32
 _MIN_KEY_BYTES = 16  # 128 bits: shorter keys are guessable, which would void the guarantee
 _CHUNK = 1 << 20  # words per keystream call of the O(N) draws: bounds memory at 8 MiB
-_STREAM_DOMAIN = b"llmdp.uniform_stream.v1"
 _TWO_53 = float(2**53)
 _TWO_64 = float(2**64)
 _U53 = 2.0**-53  # the unit roundoff of float64 (round to nearest)
@@ -128,9 +125,7 @@ def seeded_key(seed: int, step: int, purpose: str) -> bytes:
     return hashlib.sha256(blob.encode("utf-8")).digest()
 
 
-# --------------------------------------------------------------------------- SHAKE-256
-# Kept for the private tokenizer's per-word streams (tokenizer/private.py), keyed by
-# words of any length. Sampling and the gradient noise read ChaCha20 words.
+# --------------------------------------------------------------------------- keys
 
 
 def _check_key(key) -> bytes:
@@ -139,40 +134,6 @@ def _check_key(key) -> bytes:
     if len(key) < _MIN_KEY_BYTES:
         raise ValueError(f"key must have at least {_MIN_KEY_BYTES} bytes, got {len(key)}")
     return bytes(key)
-
-
-def _stream_prefix(key: bytes, purpose: bytes) -> bytes:
-    """The SHAKE-256 input prefix of the stream (key, purpose): lengths are prefixed so
-    that no two (key, purpose) pairs share an input."""
-    key = _check_key(key)
-    purpose = bytes(purpose)
-    return (
-        _STREAM_DOMAIN
-        + len(key).to_bytes(4, "big")
-        + key
-        + len(purpose).to_bytes(4, "big")
-        + purpose
-    )
-
-
-def _raw_chunks(key: bytes, purpose: bytes, n: int) -> Iterator[tuple[int, np.ndarray]]:
-    """Yield (offset, w) with w[i] uniform 64-bit words (uint64), n in total.
-
-    Chunk j is the SHAKE-256 output for (domain, key, purpose, j). SHAKE output is
-    prefix-consistent, so the first m values do not depend on n >= m.
-    """
-    prefix = _stream_prefix(key, purpose)
-    for j, offset in enumerate(range(0, n, _CHUNK)):
-        m = min(_CHUNK, n - offset)
-        h = hashlib.shake_256(prefix + j.to_bytes(8, "big"))
-        yield offset, np.frombuffer(h.digest(8 * m), dtype="<u8").astype(np.uint64, copy=False)
-
-
-def _uint53_chunks(key: bytes, purpose: bytes, n: int) -> Iterator[tuple[int, np.ndarray]]:
-    """Yield (offset, k) with k[i] uniform integers in [0, 2**53), n in total: the top
-    53 bits of the words of `_raw_chunks`."""
-    for offset, words in _raw_chunks(key, purpose, n):
-        yield offset, words >> np.uint64(11)  # keep the top 53 of 64 random bits
 
 
 # --------------------------------------------------------------------------- ChaCha20 words

@@ -402,7 +402,7 @@ class LedgerService:
         done = sum(int(r["count"]) for r in mine)
         if done + want <= self.total_steps:
             return want  # within the plan: ε <= the planned ε <= the target
-        from llmdp.privacy.plan import release_entries as prior_entries
+        from llmdp.privacy.prior import release_entries as prior_entries
 
         p_entries, p_thr = prior_entries(self.prior)
         base = p_entries + release_entries_of(mine)

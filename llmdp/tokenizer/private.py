@@ -16,9 +16,10 @@ frequency table, and trains SentencePiece on the released table only (post-proce
    keyed hash of the word (BLAKE2b keyed by a subkey of `key`), the first K kept. The
    choice depends only on the unit's own words and the key, never on other units.
 3. **Gaussian noise** (`word_noise`): every word that occurs in some unit gets
-   N(0, sigma^2) added to its count, drawn from SHAKE-256 keyed by (key, word), so one
-   word's noise is a deterministic function of (key, word) alone and independent across
-   words. (Same floating-point Box-Muller sampler and caveats as `llmdp.privacy.noise`.)
+   N(0, sigma^2) added to its count, drawn by `llmdp.privacy.noise.keyed_normal` (ChaCha20
+   under a per-word key derived from (key, word)), so one word's noise is a deterministic
+   function of (key, word) alone and independent across words. (The same floating-point
+   Box-Muller sampler and caveats as the gradient noise.)
 4. **Threshold**: words whose noisy count is > tau are released, with the integer count
    max(1, round(noisy)); everything else is dropped.
 
@@ -63,7 +64,8 @@ import dp_accounting
 import numpy as np
 from scipy.stats import norm
 
-from llmdp.privacy.sampling import _check_key, _uint53_chunks
+from llmdp._validate import _check_positive
+from llmdp.privacy.sampling import _check_key
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -89,7 +91,6 @@ DEFAULT_DELTA_THRESHOLD_FRACTION = 0.5
 
 _ORDER_DOMAIN = b"llmdp.tokenizer.order.v1"
 _NOISE_DOMAIN = b"llmdp.tokenizer.word_noise.v1"
-_INV_2_53 = 1.0 / float(2**53)
 
 
 # ----------------------------------------------------------------------------- words
@@ -150,19 +151,12 @@ def bound_unit_words(words: Iterable[str], max_words_per_unit: int, key: bytes) 
 
 
 def word_noise(key: bytes, word: str, std: float) -> float:
-    """One N(0, std^2) draw, a deterministic function of (key, word) (SHAKE-256 keyed by
-    key, purpose = domain + UTF-8 word; Box-Muller on two 53-bit uniforms)."""
-    purpose = _NOISE_DOMAIN + word.encode("utf-8")
-    (_, k), = _uint53_chunks(key, purpose, 2)
-    u1 = (float(k[0]) + 1.0) * _INV_2_53  # (0, 1]
-    u2 = float(k[1]) * _INV_2_53
-    return std * math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+    """One N(0, std^2) draw, a deterministic function of (key, word):
+    `llmdp.privacy.noise.keyed_normal` with label = domain + UTF-8 word (ChaCha20 under a
+    per-word key; Box-Muller on two 53-bit uniforms)."""
+    from llmdp.privacy.noise import keyed_normal  # torch: only when noise is drawn
 
-
-def _check_positive(name: str, x) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating)) or not (0 < x < math.inf):
-        raise ValueError(f"{name} must be a finite number > 0, got {name}={x!r}")
-    return float(x)
+    return keyed_normal(_check_key(key), _NOISE_DOMAIN + word.encode("utf-8"), std)
 
 
 def dp_word_counts(

@@ -320,3 +320,16 @@ def test_noise_works_in_a_forked_child():
     res = subprocess.run([sys.executable, "-c", _FORK_PROBE], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "PYTHONPATH": root})
     assert res.returncode == 0 and res.stdout.split()[-1] == "0", (res.stdout, res.stderr[-2000:])
+
+
+def test_keyed_normal_is_the_first_draw_of_its_label_key():
+    from llmdp.privacy.noise import _label_key, keyed_normal
+
+    key = seeded_key(0, 1, "noise")
+    for label in (b"", b"a", b"word", "caf\u00e9".encode() * 20):
+        want = gaussian_like((1,), _label_key(key, label), 0, 2.5, dtype=torch.float64)[0]
+        assert keyed_normal(key, label, 2.5) == want.item()
+    assert keyed_normal(key, b"a", 1.0) == keyed_normal(bytearray(key), b"a", 1.0)
+    assert keyed_normal(key, b"a", 1.0) != keyed_normal(key, b"b", 1.0)
+    with pytest.raises(ValueError, match="std must be a finite number > 0"):
+        keyed_normal(key, b"a", 0.0)

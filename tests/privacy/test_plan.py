@@ -8,7 +8,9 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 from scipy import stats
 
+from llmdp.privacy import calibrate as C
 from llmdp.privacy import plan as P
+from llmdp.privacy import truncation as T
 from llmdp.privacy.accountant import RDP_ORDERS
 from llmdp.privacy.plan import DPPlan, PlanError, calibrate_noise, default_delta, make_plan
 
@@ -60,14 +62,14 @@ def test_calibration_is_tight_and_never_above_target(target, delta, q, steps, ki
 def test_calibrate_never_above_target_even_if_brent_lands_above(monkeypatch):
     # Force the root finder to return a sigma slightly too small: the final check must
     # nudge it up until epsilon <= target.
-    real = P._brent
+    real = C.solve
 
-    def sloppy(curve, target, lo, hi, rtol):
-        return real(curve, target, lo, hi, rtol) * (1 - 2e-4)
+    def sloppy(eps, target, lo, hi, **kw):
+        return real(eps, target, lo, hi, **kw) * (1 - 2e-4)
 
-    monkeypatch.setattr(P, "_brent", sloppy)
+    monkeypatch.setattr(C, "solve", sloppy)
     calls = []
-    monkeypatch.setattr(P, "_brent", lambda *a, **k: calls.append(1) or sloppy(*a, **k))
+    monkeypatch.setattr(C, "solve", lambda *a, **k: calls.append(1) or sloppy(*a, **k))
     sigma = calibrate_noise(2.0, 1e-5, 0.01, 300, accountant="rdp")
     assert calls
     assert _direct_epsilon(0.01, sigma, 300, 1e-5, "rdp") <= 2.0
@@ -262,8 +264,8 @@ def _check_auto_cap(p: DPPlan, budget=0.01):
     assert p.truncation_cost == pytest.approx(_direct_cost(p, cap), rel=1e-9, abs=1e-12)
     assert p.truncation_cost < budget
     # ... and the cap is the smallest below budget on the planner's search grid.
-    assert _direct_cost(p, cap, P._SEARCH_INTERVAL) < budget
-    assert _direct_cost(p, cap - 1, P._SEARCH_INTERVAL) >= budget
+    assert _direct_cost(p, cap, C._SEARCH_INTERVAL) < budget
+    assert _direct_cost(p, cap - 1, C._SEARCH_INTERVAL) >= budget
     assert p.truncation_probability == stats.binom.sf(cap, p.dataset_size, p.sampling_probability)
 
 
@@ -324,7 +326,7 @@ def test_reporting_grid_has_the_last_word_on_the_cost(monkeypatch):
     # If the reporting grid puts the searched cap at or above the budget (a knife edge the
     # search grid missed), the plan takes the next cap rather than report cost >= budget.
     base = make_plan(**TRUNC, noise_multiplier=4.0, sampler="truncated-poisson")
-    real = P.truncation_cost
+    real = T.truncation_cost
 
     def edgy(*a, value_discretization_interval=None, **k):
         cost = real(*a, value_discretization_interval=value_discretization_interval, **k)
@@ -332,7 +334,7 @@ def test_reporting_grid_has_the_last_word_on_the_cost(monkeypatch):
             return 0.0101
         return cost
 
-    monkeypatch.setattr(P, "truncation_cost", edgy)
+    monkeypatch.setattr(T, "truncation_cost", edgy)
     p = make_plan(**TRUNC, noise_multiplier=4.0, sampler="truncated-poisson")
     assert p.max_batch_size == base.max_batch_size + 1 and p.truncation_cost < 0.01
 
