@@ -18,24 +18,9 @@ float32 first and multiplied in IEEE float32: the same exact products and float3
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # optional: the CUDA fast path (and Triton's interpreter in the tests)
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means: use the torch path
-    triton = None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
-
-
-def available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or interpreting())
-
+from llmdp._triton import available, interpreting, tl, triton  # noqa: F401 - re-used names
 
 if triton is not None:
 

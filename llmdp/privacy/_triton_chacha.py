@@ -18,28 +18,12 @@ through Triton's interpreter (the tests use this to check the kernels without a 
 from __future__ import annotations
 
 import math
-import os
 import struct
 
 import torch
 
+from llmdp._triton import available, interpreting, tl, triton  # noqa: F401 - re-used names
 from llmdp.privacy._rfc8439 import CONSTANTS
-
-try:  # optional: the CUDA fast path (and Triton's interpreter in the tests)
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means: use the torch path
-    triton = None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
-
-
-def available() -> bool:
-    """Triton is importable (and we are on CUDA, or in Triton's interpreter)."""
-    return triton is not None and (torch.cuda.is_available() or interpreting())
-
 
 if triton is not None:
 

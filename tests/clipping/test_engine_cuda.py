@@ -20,7 +20,15 @@ import torch
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
 from llmdp.losses import row_losses
-from tests.clipping.test_engine import CONFIGS, IDS, _lora, make_batch, reference, tiny_llama
+from tests.clipping.test_engine import (
+    CONFIGS,
+    IDS,
+    _compare,
+    _lora,
+    make_batch,
+    reference,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -32,15 +40,7 @@ def _to(batch):
 
 def _check(model, batch, C, clip):
     ref_norms, ref_sum = reference(model, batch, C)
-    for p in model.parameters():
-        p.grad = None
-    clipper = GhostClipper(model, C, **clip)
-    norms = clipper.backward(row_losses(model, batch), batch["row_units"])
-    clipper.remove_hooks()
-    torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(p.grad, ref_sum[n], rtol=1e-6, atol=1e-12)
+    _compare(model, batch, C, ref_norms, ref_sum, **clip)
 
 
 @pytest.mark.parametrize("clip", CONFIGS[1:], ids=IDS[1:])
