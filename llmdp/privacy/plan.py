@@ -305,8 +305,7 @@ def _check_calibration_args(target_epsilon, delta, sampling_probability, steps, 
                             max_noise_multiplier):
     target = _check_positive("target_epsilon", target_epsilon, "the privacy budget",
                              error=PlanError)
-    if not _is_number(delta) or not (0 < delta < 1):
-        raise PlanError(f"delta must be in (0, 1), got delta={delta!r}")
+    delta = _check_delta(delta, error=PlanError)
     if not _is_number(sampling_probability) or not (0 < sampling_probability <= 1):
         raise PlanError(
             f"sampling_probability must be in (0, 1], got sampling_probability={sampling_probability!r}"

@@ -402,3 +402,12 @@ def test_dpplan_truncated_fields_are_validated():
     p = DPPlan(**kw, sampler="truncated-poisson", max_batch_size=20)
     assert p.truncation_probability == stats.binom.sf(20, 1000, 0.01)
     assert p.truncation_cost is None
+
+
+@pytest.mark.parametrize("delta", [0.0, 1.0, -1e-6, float("nan"), "1e-6"])
+def test_calibrate_noise_refuses_a_bad_delta_with_the_shared_message(delta):
+    """calibrate_noise checks delta with the one shared check (_validate._check_delta)."""
+    from llmdp.privacy.plan import PlanError, calibrate_noise
+
+    with pytest.raises(PlanError, match=r"delta must be in the open interval \(0, 1\), got delta="):
+        calibrate_noise(1.0, delta, 0.01, 10)
