@@ -71,7 +71,7 @@ import torch
 from torch import nn
 
 from llmdp.clipping.cross import cross_inner
-from llmdp.clipping.norms import Record, Units, acc_dtype, find_rule
+from llmdp.clipping.norms import Record, Units, _ghost_cheaper, acc_dtype, find_rule
 from llmdp.clipping.reference import (
     clip_factors,
     clipped_sum,
@@ -709,9 +709,9 @@ def _kept_bytes(rec: Record, num_units: int) -> int:
     rows = rec.A.shape[0]
     T = rec.A.numel() // max(1, rows * d)
     p = rec.module.weight.shape[1 if rec.rule.transposed else 0]
-    if num_units * p * d <= rows * T * (p + d):
-        return max(rec.out_bytes, 4 * num_units * p * d)
-    return rec.out_bytes
+    if _ghost_cheaper(num_units, rows, T, p, d):  # memory alone forces the ghost norm
+        return rec.out_bytes
+    return max(rec.out_bytes, 4 * num_units * p * d)
 
 
 def _row_mask(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

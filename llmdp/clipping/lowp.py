@@ -33,7 +33,7 @@ HALF = (torch.bfloat16, torch.float16)
 CHUNK_ELEMENTS = 1 << 26  # the most elements widened to float32 at once on the fallback path
 
 _OUT_DTYPE_OK: dict[int, bool] = {}  # CUDA device index -> bmm(out_dtype=float32) works
-_TRITON_OK: dict[int | None, bool] = {}  # CUDA device index -> the Triton kernel built and ran
+_TRITON_OK: dict[int, bool] = {}  # CUDA device index -> the Triton kernel built and ran
 
 
 def acc_dtype(*ts: torch.Tensor) -> torch.dtype:
@@ -58,12 +58,19 @@ def exact_fp32(device: torch.device):
         setattr(m, name, prev)
 
 
+def _index(x: torch.Tensor) -> int:
+    """The device index of ``x`` (the current CUDA device for a bare ``cuda``, -1 off CUDA)."""
+    if x.device.index is not None:
+        return x.device.index
+    return torch.cuda.current_device() if x.is_cuda else -1
+
+
 def tensor_cores(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Both operands half precision of one dtype on a CUDA device whose torch has
     ``bmm(out_dtype=float32)``: contract them as they are."""
     if not (x.is_cuda and x.dtype in HALF and y.dtype == x.dtype):
         return False
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    idx = _index(x)
     ok = _OUT_DTYPE_OK.get(idx)
     if ok is None:
         try:
@@ -110,7 +117,7 @@ def row_scaled_tn(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Te
 
     The factor multiplies float32 partial sums (Triton, CUDA half precision) or a float32
     copy of the smaller operand (fallback); never a half-precision operand."""
-    if tensor_cores(x, y) and _TRITON_OK.get(x.device.index, True):
+    if tensor_cores(x, y) and _TRITON_OK.get(_index(x), True):
         from llmdp.clipping import _triton_rowscaled
 
         if _triton_rowscaled.available():
@@ -119,7 +126,7 @@ def row_scaled_tn(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Te
             except Exception as e:  # noqa: BLE001 - a kernel that does not build here
                 # Same values either way (the widened path below is exact too): warn once,
                 # keep training, on the slower path, for this process.
-                _TRITON_OK[x.device.index] = False
+                _TRITON_OK[_index(x)] = False
                 warnings.warn(f"llmdp: the Triton clipped-sum kernel failed on {x.device} "
                               f"({type(e).__name__}: {e}); using the float32 fallback "
                               "(exact, slower)", RuntimeWarning, stacklevel=2)
@@ -127,16 +134,16 @@ def row_scaled_tn(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Te
     R, T, a = x.shape
     b = y.shape[2]
     f = f.to(device=x.device, dtype=dt)
-    x2, y2 = x.reshape(R * T, a), y.reshape(R * T, b)
+    # Scale the smaller operand (a float32 copy of it); widen the larger by column slices.
+    x_small = a <= b
+    small, big = (x, y) if x_small else (y, x)
+    s2 = (small.to(dt) * f[:, None, None]).reshape(R * T, small.shape[2])
+    big2 = big.reshape(R * T, big.shape[2])
+    n = big2.shape[1]
+    step = n if big.dtype == dt else max(1, CHUNK_ELEMENTS // max(1, R * T))
     with exact_fp32(x.device):
-        if a <= b:  # scale the smaller operand (a float32 copy); widen the larger by slices
-            xs = (x.to(dt) * f[:, None, None]).reshape(R * T, a)
-            step = b if y.dtype == dt else max(1, CHUNK_ELEMENTS // max(1, R * T))
-            if step >= b:
-                return xs.t() @ y2.to(dt)
-            return torch.cat([xs.t() @ y2[:, j:j + step].to(dt) for j in range(0, b, step)], 1)
-        ys = (y.to(dt) * f[:, None, None]).reshape(R * T, b)
-        step = a if x.dtype == dt else max(1, CHUNK_ELEMENTS // max(1, R * T))
-        if step >= a:
-            return x2.to(dt).t() @ ys
-        return torch.cat([x2[:, i:i + step].to(dt).t() @ ys for i in range(0, a, step)], 0)
+        parts = []
+        for j in range(0, n, step):
+            sl = big2[:, j:j + step].to(dt)
+            parts.append(s2.t() @ sl if x_small else sl.t() @ s2)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1 if x_small else 0)
