@@ -184,10 +184,10 @@ def step_fn(method, model, batch, args):
 
     if method.startswith("llmdp-"):
         from llmdp.clipping import GhostClipper
-        from llmdp.parallel import make_grad_sinks
+        from llmdp.strategy import Replicated
 
         kind = method[len("llmdp-"):]
-        sinks = make_grad_sinks(model, "replicated")  # float32 sums for bf16 parameters
+        sinks = Replicated().grad_sinks(model)  # float32 sums for bf16 parameters
         clipper = (GhostClipper(model, C, engine="reference", grad_buffers=sinks) if kind == "reference"
                    else GhostClipper(model, C, mode=kind, grad_buffers=sinks))
 

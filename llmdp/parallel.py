@@ -1,52 +1,26 @@
-"""Scaling strategies (``scaling.strategy``): where the model lives and how the clipped sum
-of a logical step is reduced and noised (DESIGN §1, §3.1-3.2).
+"""Collectives and FSDP2 mechanics the scaling strategies are built from (``llmdp.strategy``
+says what each strategy does with them; DESIGN §1, §3.1-3.2).
 
-``replicated``
-    Every worker holds the whole model. The clipping engine adds each micro-step's clipped
-    sum into ``p.grad``; once per logical step one all-reduce sums them over workers, every
-    replica adds the *same* N(0, σ²C²I) (same noise key), and divides by q·N
-    (:func:`privatize_`). Trainable parameters narrower than float32 (bf16
-    full fine-tuning) get float32 sinks instead of ``p.grad``, as ``fsdp`` does
-    (:func:`make_grad_sinks`): summed, all-reduced and noised in float32, then cast.
-
-``fsdp``
-    FSDP2 (``torch.distributed.fsdp.fully_shard``) on a 1-D mesh over all workers: each
-    decoder layer is one FSDP unit, the root holds the rest (embeddings, final norm, head).
-    Parameters, their gradients and the optimizer state are sharded on dim 0 (the last
-    shard may be shorter, or empty). Per-unit norms are computed by each worker on its own
-    micro-batches, as in ``replicated`` (a unit's rows never span two workers). The
-    clipped sum is accumulated *locally* over the micro-steps in full-size buffers (one
-    plain tensor per trainable parameter, float32, or float64 for float64 parameters):
-    nothing is reduced per micro-step. Once per logical step one reduce-scatter gives
-    every rank the cross-worker sum of its own shard; every rank adds to its shard its
-    slice of the one global N(0, σ²C²I), seeked in the secure stream of the step's noise key
-    (``llmdp.privacy.noise``), so each coordinate gets exactly one draw, the very one the
-    replicated strategy adds to it; then ÷ q·N, and the optimizer steps on the sharded
-    parameters.
-
-    Limitation (for now): the full-size local buffers cost one unsharded float32 copy of
-    the trainable parameters per worker, plus a transient padded copy of the same size at
-    the reduce-scatter, so fsdp shards parameters and optimizer state but not the
-    gradient accumulator. Sharded accumulators would need a reduce-scatter per
-    micro-step. With LoRA the buffers are adapter-sized.
-
-Mixed precision (``scaling.mixed_precision: bf16``): ``fsdp`` uses FSDP2's
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` (float32 master weights,
-bf16 compute); ``replicated`` runs the forward under ``torch.autocast(bf16)``. Clipped
-sums, the reduction and the noise stay in float32 (float64 for float64 parameters).
+- replicated collectives: rank 0's bytes and parameters to every rank, one flat
+  all-reduce, small counters summed over workers;
+- :func:`privatize_`: all-reduce the clipped sums, add N(0, σ²C²I) once, ÷ q·N;
+- FSDP2: shard a model's decoder layers (:func:`fully_shard_model`), the dim-0 shard
+  layout (:func:`shard_rows`), the reduce-scatter with each shard's slice of the one global
+  noise (:func:`privatize_sharded_`), and full training state gathered to / loaded from
+  rank 0 (:func:`gather_training_state`, :func:`load_training_state`, :func:`gather_model_state`);
+- :func:`full_size_sinks`: the float32+ buffers the clipping engine accumulates into.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmdp.choices import MIXED_PRECISION, STRATEGIES
 from llmdp.privacy import noise as dp_noise
 
 # --------------------------------------------------------------------------- replicated collectives
@@ -95,6 +69,15 @@ def broadcast_params(params: Sequence[torch.Tensor]) -> None:
         dist.broadcast(p.data, src=0)
 
 
+def sum_over_workers(values: Sequence[int], device: torch.device) -> list[int]:
+    """Sum small integer counters over workers (one tiny all-reduce). [sync point]"""
+    if not _dist_on():
+        return [int(v) for v in values]
+    t = torch.tensor(list(values), dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [int(v) for v in t.tolist()]
+
+
 def privatize_(
     params: Sequence[torch.Tensor],
     noise_key: bytes,
@@ -112,7 +95,7 @@ def privatize_(
             raise TypeError(
                 f"clipped sum {i} is {None if g is None else g.dtype}: clipped sums, their "
                 "reduction and the noise must be float32 or wider (DESIGN §3.8); accumulate "
-                "low-precision parameters into llmdp.parallel.make_grad_sinks buffers"
+                "low-precision parameters into Strategy.grad_sinks buffers (llmdp.strategy)"
             )
     all_reduce_(grads)  # [sync point] nothing but summation touches the clipped sum
     if noise_multiplier > 0:
@@ -124,16 +107,8 @@ def privatize_(
             p.grad = g.to(p.dtype)  # the update, cast at the end
 
 
-def check_strategy(strategy: str, mixed_precision: str = "none") -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"scaling.strategy: {strategy!r} is not one of {list(STRATEGIES)}")
-    if mixed_precision not in MIXED_PRECISION:
-        raise ValueError(
-            f"scaling.mixed_precision: {mixed_precision!r} is not one of {list(MIXED_PRECISION)}"
-        )
-
-
-def _world() -> tuple[int, int]:
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without a process group."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -155,16 +130,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in layers if id(m) not in inner]
 
 
-def prepare_model(
-    model: nn.Module,
-    strategy: str,
-    mixed_precision: str = "none",
-    device: torch.device | str | None = None,
-) -> nn.Module:
-    """Place ``model`` for ``strategy``; the same module object is returned.
+def fully_shard_model(model: nn.Module, mixed_precision: str = "none",
+                      device: torch.device | str | None = None) -> nn.Module:
+    """Shard ``model`` with FSDP2 (the ``fsdp`` strategy); the same module object is returned.
 
-    ``fsdp`` needs an initialized process group (one rank is fine) and every rank must start
-    from the same full weights (broadcast them first). Build the optimizer and the clipping
+    Needs an initialized process group (one rank is fine) and every rank must start from
+    the same full weights (broadcast them first). Build the optimizer and the clipping
     engine *after* this call, on the sharded parameters.
 
     ``reshard_after_forward=True`` (FSDP2's default, the memory-saving choice) is valid for
@@ -174,14 +145,11 @@ def prepare_model(
     DTensor reports with the global shape. Module inputs and output gradients (A, G), which
     it keeps, are activations, not parameters, and are not affected by resharding.
     """
-    check_strategy(strategy, mixed_precision)
-    if device is not None:
-        model = model.to(device)
-    if strategy == "replicated":
-        return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if device is not None:
+        model = model.to(device)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("scaling.strategy: 'fsdp' needs an initialized torch.distributed process group")
     dev = torch.device(device) if device is not None else next(model.parameters()).device
@@ -206,44 +174,17 @@ def prepare_model(
     return model
 
 
-def loss_fn_for(strategy: str, mixed_precision: str, device: torch.device | str,
-                base: Callable | None = None) -> Callable:
-    """The per-row loss function for the strategy: under ``replicated`` + bf16 the forward
-    runs under ``torch.autocast`` (the clipping engine's backward, outside it, keeps norms
-    and clipped sums in float32); ``fsdp`` casts through its mixed-precision policy."""
-    if base is None:
-        from llmdp.losses import row_losses as base
-    check_strategy(strategy, mixed_precision)
-    if mixed_precision != "bf16" or strategy != "replicated":
-        return base
-    device_type = torch.device(device).type
-
-    def autocast_loss(model, batch):
-        with torch.autocast(device_type, dtype=torch.bfloat16):
-            return base(model, batch)
-
-    return autocast_loss
-
-
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     """Clipped sums and noise: float32, or float64 for float64 parameters."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def make_grad_sinks(model: nn.Module, strategy: str) -> dict[str, torch.Tensor] | None:
+def full_size_sinks(model: nn.Module) -> dict[str, torch.Tensor]:
     """One zeroed full-size local buffer per trainable parameter, by name (the clipping
-    engine's ``grad_buffers``), float32 (float64 for float64 parameters): ``fsdp`` always;
-    ``replicated`` when some trainable parameter is narrower than float32 (bf16/fp16 full
-    fine-tuning), so that the clipped sums, their all-reduce and the noise are float32
-    (DESIGN §3.8) and the update is cast to the parameter dtype only at the end.
-    ``replicated`` with float32+ parameters: None (the engine sums into ``p.grad``)."""
-    check_strategy(strategy)
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if strategy == "replicated" and all(p.dtype.itemsize >= 4 for _, p in trainable):
-        return None
+    engine's ``grad_buffers``), float32 (float64 for float64 parameters)."""
     return {
         n: torch.zeros(tuple(p.shape), dtype=sum_dtype(p.dtype), device=p.device)
-        for n, p in trainable
+        for n, p in model.named_parameters() if p.requires_grad
     }
 
 
@@ -281,42 +222,6 @@ def _rows(d0: int, chunk: int, r: int) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- reduce + noise
-
-
-def privatize(
-    params: Sequence[torch.Tensor],
-    buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None,
-    noise_key: bytes,
-    noise_multiplier: float,
-    max_grad_norm: float,
-    expected_batch_size: float,
-    strategy: str,
-    names: Sequence[str] | None = None,
-) -> None:
-    """Sum over workers, + N(0, σ²C²I) once, ÷ q·N; the result is left in ``p.grad``.
-
-    ``replicated``: the clipped sums are in ``p.grad``, or in ``buffers`` (float32 sinks
-    for low-precision parameters, :func:`make_grad_sinks`), reduced and noised there and
-    only then cast into ``p.grad`` (:func:`privatize_`). ``fsdp``: ``buffers`` holds this worker's full-size
-    clipped sums (aligned with ``params``, or a mapping by ``names``); ``params`` are the
-    sharded DTensors, whose ``.grad`` must be None (anything there would be a gradient the
-    clipping engine did not make, counted twice).
-    """
-    check_strategy(strategy)
-    if strategy == "replicated":
-        if isinstance(buffers, Mapping):
-            if names is None:
-                raise ValueError("buffers given by name: pass names aligned with params")
-            buffers = [buffers[n] for n in names]
-        privatize_(params, noise_key, noise_multiplier, max_grad_norm, expected_batch_size, sinks=buffers)
-        return
-    if isinstance(buffers, Mapping):
-        if names is None:
-            raise ValueError("buffers given by name: pass names aligned with params")
-        buffers = [buffers[n] for n in names]
-    if buffers is None or len(buffers) != len(params):
-        raise ValueError("scaling.strategy 'fsdp' needs one full-size buffer per parameter")
-    privatize_sharded_(params, buffers, noise_key, noise_multiplier, max_grad_norm, expected_batch_size)
 
 
 def privatize_sharded_(
@@ -415,7 +320,7 @@ def gather_training_state(
     opts = _full_options(cpu_offload=True)
     msd = get_model_state_dict(model, options=opts)
     osd = get_optimizer_state_dict(model, optimizer, options=opts)
-    if _world()[0] != 0:
+    if world()[0] != 0:
         return None, None
     params = {n: msd[n] for n in trainable}
     return params, osd
@@ -442,14 +347,10 @@ def load_training_state(
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=_full_options())
 
 
-def full_model_state(model: nn.Module, strategy: str) -> dict | None:
-    """For the final export: ``fsdp`` gathers the full model state dict to rank 0's CPU
-    (None on the other ranks; a collective, every rank calls it [sync point]);
-    ``replicated``: None (rank 0 saves its own replica)."""
-    check_strategy(strategy)
-    if strategy == "replicated":
-        return None
+def gather_model_state(model: nn.Module) -> dict | None:
+    """``fsdp``, for the final export: the full model state dict gathered to rank 0's CPU
+    (None on the other ranks). A collective: every rank calls it. [sync point]"""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     sd = get_model_state_dict(model, options=_full_options(cpu_offload=True))
-    return sd if _world()[0] == 0 else None
+    return sd if world()[0] == 0 else None

@@ -5,6 +5,7 @@ Every path handed to workers is absolute (Ray workers chdir into their own folde
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -13,13 +14,13 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from llmdp._fs import cache_root
 from llmdp.config import RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.privacy.dataset_ledger import open_dataset_ledger
-from llmdp.privacy.prior import composed_epsilon
+from llmdp.rundir import RunDir
+from llmdp.runspec import LedgerSpec, RunPaths, RunSpec
 
 WORKER_ENV = {
     # Nothing is downloaded at run time: models and tokenizers are local folders.
@@ -29,43 +30,6 @@ WORKER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
 }
-
-
-@dataclass
-class PreparedRun:
-    cfg: RecipeConfig
-    run_dir: str
-    run_id: str
-    plan: Any  # DPPlan
-    store_dir: str
-    cache_dir: str
-    tokenizer_dir: str | None
-    ledger_meta: dict
-    data_stats: dict
-    ledger_service: dict | None = None  # LedgerService kwargs
-    ledger_actor: str | None = None  # name of the Ray actor serving it, once started
-
-    def worker_config(self) -> dict:
-        return {
-            "recipe": to_dict(self.cfg),
-            "plan": self.plan.to_dict(),
-            "store_dir": self.store_dir,
-            "run_dir": self.run_dir,
-            "cache_dir": self.cache_dir,
-            "tokenizer_dir": self.tokenizer_dir,
-            "run_id": self.run_id,
-            "ledger_meta": self.ledger_meta,
-            "ledger": {"service": self.ledger_service, "actor": self.ledger_actor,
-                       "budget_epsilon": (self.ledger_service or {}).get("budget_epsilon"),
-                       # rank 0 asks the service before every block: a budget, or a target
-                       # that failures may not exceed
-                       "admit": _needs_admission(self.ledger_service or {})},
-        }
-
-
-def _needs_admission(service: dict) -> bool:
-    return service.get("budget_epsilon") is not None or (
-        service.get("target_epsilon") is not None and not service.get("allow_exceed_target"))
 
 
 # What a run directory's checkpoints and ledger depend on: resuming under a recipe that
@@ -125,19 +89,16 @@ def _check_run_ledger(run_dir: str, run_id: str, ledger: dict) -> None:
         raise LedgerError(problems[0])
 
 
-def _checkpoint_step(run_dir: str) -> int:
-    rp = resume_point(run_dir) if os.path.isdir(run_dir) else None
-    step = (rp or {}).get("step", 0)
-    return step if isinstance(step, int) else 0
-
-
-def prepare(cfg: RecipeConfig, log=print, lock=None) -> PreparedRun:
-    """Everything the workers need, built once on the driver: data units, model files, the plan."""
+def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
+    """Everything the workers need, built once on the driver: data units, model files, the
+    plan, the ledger service; returned as one :class:`~llmdp.runspec.RunSpec`, whose record
+    is written to the run directory's plan.json (once)."""
     from llmdp.data.store import UnitSpec, build_store
     from llmdp.models import load_model
     from llmdp.privacy.plan import make_plan
 
     run_dir = os.path.abspath(cfg.run_dir)
+    rd = RunDir(run_dir)
     check_run_dir(run_dir, cfg)
     # runs/<name>/ is created only after every check and the data have passed (below), so a
     # bad recipe or bad data leaves no empty run directory behind.
@@ -222,7 +183,7 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> PreparedRun:
         # The model's guarantee covers the tokenizer too: sigma is calibrated so that the
         # composition (tokenizer release + every step) meets privacy.target_epsilon.
         plan = calibrate_with_prior(plan, prior_releases)
-    run_id = _previous_run_id(run_dir) or uuid.uuid4().hex[:12]  # a re-launch resumes the same run
+    run_id = rd.run_id() or uuid.uuid4().hex[:12]  # a re-launch resumes the same run
     data_stats = dict(store.stats())
     data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
     ledger_meta = {
@@ -240,7 +201,8 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> PreparedRun:
     ledger = open_dataset_ledger(d, cfg.privacy.ledger, source_sha, log=log)
     _check_run_ledger(run_dir, run_id, ledger)  # a resumed run: its ledger.jsonl is whole
     # A resumed run holds (and may need) only the steps after its checkpoint.
-    resumed_at = _checkpoint_step(run_dir)
+    resumed_at = rd.checkpoint_step()
+    resumed_at = resumed_at if isinstance(resumed_at, int) else 0
     service = {
         "location": ledger["location"], "dataset_id": ledger["dataset_id"],
         "run_ledger": os.path.join(run_dir, "ledger.jsonl"),
@@ -261,25 +223,22 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> PreparedRun:
                     "unit": ledger_meta["unit"], "tokenizer": rel["tokenizer"]}):
                 log(f"tokenizer release {rel['release_id']} copied into the dataset ledger "
                     f"{ledger['dataset_id']!r}")
+    tok_dir = cfg.model.tokenizer or cfg.model.name_or_path
+    spec = RunSpec(
+        cfg=cfg, plan=plan, run_id=run_id,
+        paths=RunPaths(run_dir=run_dir, store_dir=os.path.abspath(store.path),
+                       model_cache=os.path.join(cache, "models"),
+                       tokenizer_dir=os.path.abspath(tok_dir) if tok_dir and os.path.isdir(tok_dir) else None),
+        ledger=LedgerSpec(service=service),
+        dataset_ledger={"location": ledger["shown"], "dataset_id": ledger["dataset_id"]},
+        prior_releases=tuple(prior_releases), tokenizer=tok_use, data_stats=data_stats,
+    )
     if cfg.privacy.budget_epsilon is not None:
-        check_budget(service, plan, remaining=plan.steps - resumed_at, resuming=resumed_at > 0, log=log)
+        check_budget(spec.ledger, plan, remaining=plan.steps - resumed_at, resuming=resumed_at > 0, log=log)
     os.makedirs(run_dir, exist_ok=True)
     dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
-    with open(os.path.join(run_dir, "plan.json"), "w", encoding="utf-8") as f:
-        json.dump({"plan": plan.to_dict(), "epsilon_planned": composed_epsilon(plan, prior_releases),
-                   "epsilon_planned_training_only": plan.epsilon(), "run_id": run_id,
-                   "tokenizer": tok_use, "prior_releases": prior_releases,
-                   "data": data_stats,
-                   "dataset_ledger": {"location": ledger["shown"], "dataset_id": ledger["dataset_id"]},
-                   "budget_epsilon": cfg.privacy.budget_epsilon,
-                   "allow_exceed_target_on_failure": cfg.privacy.allow_exceed_target_on_failure},
-                  f, indent=2)
-    tok_dir = cfg.model.tokenizer or cfg.model.name_or_path
-    return PreparedRun(
-        cfg=cfg, run_dir=run_dir, run_id=run_id, plan=plan, store_dir=store.path,
-        cache_dir=os.path.join(cache, "models"), tokenizer_dir=tok_dir if tok_dir and os.path.isdir(tok_dir) else None,
-        ledger_meta=ledger_meta, data_stats=data_stats, ledger_service=service,
-    )
+    rd.write_plan(spec.plan_record())
+    return spec
 
 
 def finished_run(cfg: RecipeConfig) -> dict | None:
@@ -301,65 +260,20 @@ class RunInterrupted(KeyboardInterrupt):
     """The run was interrupted (Ctrl-C, SIGTERM); its report says `status: interrupted`."""
 
 
-def resume_point(run_dir: str) -> dict | None:
-    """Where a re-launch of the run in ``run_dir`` starts: ``{"step": k, "attempt": n}``
-    (k: the step of the latest checkpoint, the one Ray Train restores; n: this launch's
-    attempt, counted like the report's attempts), or None for a fresh run."""
-    from llmdp.export import _latest_checkpoint
-    from llmdp.privacy.ledger import Ledger
-
-    ledger_path = os.path.join(run_dir, "ledger.jsonl")
-    try:
-        records = Ledger(ledger_path).records() if os.path.exists(ledger_path) else []
-    except Exception:  # noqa: BLE001 - a damaged ledger is reported by the report, not here
-        records = []
-    attempts = {r.get("attempt") for r in records if r.get("kind") == "release"}
-    ckpt = _latest_checkpoint(run_dir)
-    if ckpt is None and not attempts:
-        return None
-    step = 0
-    if ckpt is not None:
-        import torch
-
-        try:  # mmap: only the step is read, not the parameters or the optimizer state
-            step = int(torch.load(ckpt, map_location="cpu", mmap=True, weights_only=True)["step"])
-        except Exception:  # noqa: BLE001 - a checkpoint Ray cannot read either fails the run later
-            step = "?"
-    return {"step": step, "attempt": len(attempts) + 1}
-
-
-def _plan_json(run_dir: str) -> dict:
-    with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _previous_run_id(run_dir: str) -> str | None:
-    try:
-        with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
-            return json.load(f).get("run_id")
-    except (OSError, ValueError):
-        return None
-
-
-def _has_checkpoint(run_dir: str) -> bool:
-    d = os.path.join(run_dir, "checkpoints")
-    return os.path.isdir(d) and any(n.startswith("checkpoint_") for n in os.listdir(d))
-
-
-def check_budget(service: dict, plan, *, remaining: int, resuming: bool, log=print) -> dict:
+def check_budget(ledger: LedgerSpec, plan, *, remaining: int, resuming: bool, log=print) -> dict:
     """Hold this run's remaining steps of the dataset's budget, in one transaction with the
     check (`LedgerService.hold`): a run whose plan does not fit in what remains, after the
     releases and what live runs hold, is refused before it starts (a resumed run starts if
     one step fits, and stops before the step that would cross it)."""
-    from llmdp.privacy.service import BudgetError, LedgerService
+    from llmdp.privacy.service import BudgetError
 
-    svc = LedgerService(**service)
+    svc = ledger.open()
     try:
         st = svc.hold(remaining, need=1 if resuming else remaining)
     finally:
         svc.db.close()
     if not st["held"]:
-        holders = [h["run_id"] for h in st["live_holds"] if h["run_id"] != service["run_id"]]
+        holders = [h["run_id"] for h in st["live_holds"] if h["run_id"] != ledger.service["run_id"]]
         raise BudgetError(
             f"privacy.budget_epsilon={st['budget_epsilon']:g}: the dataset ledger "
             f"{st['dataset_id']!r} ({st['ledger']}) has spent ε = {st['epsilon_spent']:.4f} at "
@@ -471,14 +385,12 @@ def run(cfg: RecipeConfig, log=print) -> str:
         lock.release()
 
 
-def _end_hold(prepared: PreparedRun, status: str, log) -> None:
+def _end_hold(spec: RunSpec, status: str, log) -> None:
     """The run's hold on the budget ends with the launch (a resumed run holds anew)."""
-    if (prepared.ledger_service or {}).get("budget_epsilon") is None:
+    if spec.ledger.budget_epsilon is None:
         return
-    from llmdp.privacy.service import LedgerService
-
     try:
-        svc = LedgerService(**prepared.ledger_service)
+        svc = spec.ledger.open()
         svc.end(f"launch ended: {status}")
         svc.db.close()
     except Exception as e:  # noqa: BLE001 - a hold of a dead run is ended by the next user
@@ -495,13 +407,11 @@ def _run_locked(cfg: RecipeConfig, lock, log) -> str:
         f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
         f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
         f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}, planned epsilon="
-        f"{composed_epsilon(plan, _plan_json(prepared.run_dir).get('prior_releases') or []):.4f} "
-        f"({plan.accountant})"
+        f"{prepared.epsilon_planned:.4f} ({plan.accountant})"
     )
-    tok = _plan_json(prepared.run_dir).get("tokenizer") or {}
-    if tok.get("kind") == "private-dp":
-        log(f"tokenizer: {tok['summary']}")
-    resume = resume_point(prepared.run_dir)
+    if prepared.tokenizer.get("kind") == "private-dp":
+        log(f"tokenizer: {prepared.tokenizer['summary']}")
+    resume = RunDir(prepared.run_dir).resume_point()
     if resume is not None:
         log(f"resuming from step {resume['step']} of {plan.steps} (attempt {resume['attempt']})")
     error = None
@@ -570,7 +480,7 @@ def quiet_ray_notices() -> None:
         logger.addFilter(_DropRayAuthNotice())
 
 
-def _fit(prepared: PreparedRun, log) -> None:
+def _fit(prepared: RunSpec, log) -> None:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -607,15 +517,13 @@ def _fit(prepared: PreparedRun, log) -> None:
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(LedgerService).options(
-        name=actor_name, num_cpus=0, scheduling_strategy=here).remote(**prepared.ledger_service)
-    prepared.ledger_actor = actor_name
-    progress = _Progress(os.path.join(prepared.run_dir, "metrics.jsonl"), prepared.plan,
-                         _plan_json(prepared.run_dir).get("prior_releases") or [])
+        name=actor_name, num_cpus=0, scheduling_strategy=here).remote(**prepared.ledger.service)
+    spec = prepared.with_ledger_actor(actor_name)
+    progress = _Progress(spec.paths.metrics, spec.plan, spec.prior_releases)
     progress.start()
     try:
         trainer = TorchTrainer(
-            _ray_entry,
-            train_loop_config=prepared.worker_config(),
+            functools.partial(_ray_entry, spec),  # the run spec, shipped as it is
             scaling_config=ScalingConfig(
                 num_workers=cfg.scaling.num_workers,
                 use_gpu=cfg.scaling.use_gpu,
@@ -643,11 +551,9 @@ def _fit(prepared: PreparedRun, log) -> None:
             ray.shutdown()
 
 
-def _ray_entry(config: dict) -> None:
-    import os as _os
-
+def _ray_entry(spec: RunSpec) -> None:
     for k, v in WORKER_ENV.items():
-        _os.environ.setdefault(k, v)
-    from llmdp.worker import train_loop_per_worker
+        os.environ.setdefault(k, v)
+    from llmdp.worker import train_loop_per_worker  # lazy: the driver does not import torch's loop
 
-    train_loop_per_worker(config)
+    train_loop_per_worker(spec)

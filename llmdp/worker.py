@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -36,14 +37,16 @@ from torch import nn
 
 from llmdp import parallel
 from llmdp.clipping import GhostClipper
+from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
+from llmdp.config import OptimConfig, warmup_steps_for
 from llmdp.data.batching import assign_micro_batches
+from llmdp.data.store import open_store
 from llmdp.losses import row_losses
-from llmdp.parallel import (
-    _dist_on,
-    broadcast_bytes,
-    broadcast_params,
-)
+from llmdp.models import load_model
+from llmdp.parallel import _dist_on, broadcast_bytes
 from llmdp.privacy import chacha, sampling
+from llmdp.runspec import RunPaths, RunSpec
+from llmdp.strategy import Strategy, strategy_for
 
 # --------------------------------------------------------------------------- one step
 
@@ -140,8 +143,6 @@ class ClippingCheckError(RuntimeError):
 def check_against_reference(clipper: GhostClipper, losses: torch.Tensor, row_units) -> torch.Tensor:
     """Run the engine and the slow exact reference on the same forward pass and compare
     per-unit norms and clipped sums; stop the run on a mismatch (DESIGN §3.6)."""
-    from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
-
     per_unit = per_unit_gradients_autograd(losses, clipper.params, row_units, retain_graph=True)
     ref_sums, ref_norms = clipped_sum(per_unit, clipper.max_grad_norm)
     del per_unit
@@ -185,32 +186,21 @@ def fixed_micro_steps(plan, max_rows_per_unit: int, world_size: int, physical_ba
 # --------------------------------------------------------------------------- optimizer
 
 
-def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
-    if optim_cfg["name"] == "adamw":
-        return torch.optim.AdamW(
-            params,
-            lr=optim_cfg["lr"],
-            betas=tuple(optim_cfg["betas"]),
-            eps=optim_cfg["eps"],
-            weight_decay=optim_cfg["weight_decay"],
-        )
-    if optim_cfg["name"] == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=optim_cfg["lr"],
-            momentum=optim_cfg["momentum"],
-            weight_decay=optim_cfg["weight_decay"],
-        )
-    raise ValueError(f"optim.name: {optim_cfg['name']!r} is not one of ['adamw', 'sgd']")
+def build_optimizer(params, optim: OptimConfig) -> torch.optim.Optimizer:
+    if optim.name == "adamw":
+        return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                 weight_decay=optim.weight_decay)
+    if optim.name == "sgd":
+        return torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum,
+                               weight_decay=optim.weight_decay)
+    raise ValueError(f"optim.name: {optim.name!r} is not one of ['adamw', 'sgd']")
 
 
-def lr_lambda(optim_cfg, total_steps: int) -> Callable[[int], float]:
+def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
     """Linear warmup, then constant / cosine / linear decay to ``min_lr_ratio``."""
-    from llmdp.config import warmup_steps_for
-
-    warmup = warmup_steps_for(optim_cfg, total_steps)  # warmup_steps, or warmup_ratio * T
-    floor = float(optim_cfg["min_lr_ratio"])
-    kind = optim_cfg["schedule"]
+    warmup = warmup_steps_for(optim, total_steps)  # warmup_steps, or warmup_ratio * T
+    floor = float(optim.min_lr_ratio)
+    kind = optim.schedule
 
     def f(step: int) -> float:
         if warmup and step < warmup:
@@ -237,10 +227,10 @@ class LocalContext:
         self.reports: list[dict] = []
 
     def get_world_rank(self) -> int:
-        return dist.get_rank() if _dist_on() else 0
+        return parallel.world()[0]
 
     def get_world_size(self) -> int:
-        return dist.get_world_size() if _dist_on() else 1
+        return parallel.world()[1]
 
     def get_checkpoint_dir(self) -> str | None:
         return self.checkpoint_dir
@@ -248,8 +238,6 @@ class LocalContext:
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
         self.reports.append(dict(metrics))
         if checkpoint_dir and self.checkpoint_dir:
-            import shutil
-
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
             shutil.copytree(checkpoint_dir, self.checkpoint_dir)
 
@@ -259,230 +247,240 @@ def _metrics_line(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _save_state(directory: str, params_named, optimizer, scheduler, step: int, extra: dict,
-                full: tuple[dict, dict] | None = None):
-    """``full``: (params, optimizer state) already gathered to full tensors (fsdp)."""
-    params, optim = full if full is not None else (
-        {n: p.detach().cpu() for n, p in params_named}, optimizer.state_dict())
-    torch.save(
-        {
-            "params": params,
-            "optimizer": optim,
-            "scheduler": scheduler.state_dict(),
-            "step": step,
-            **extra,
-        },
-        os.path.join(directory, "state.pt"),
-    )
+@dataclass
+class Training:
+    """One worker's run: what :func:`setup` built, and where the loop stands."""
+
+    spec: RunSpec
+    context: Any
+    rank: int
+    world: int
+    device: torch.device
+    strategy: Strategy
+    model: nn.Module
+    names: list[str]  # trainable parameters, aligned with clipper.params
+    clipper: GhostClipper
+    loss_fn: Callable
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    store: Any
+    sampler: Any
+    min_micro_steps: int
+    start: int = 0  # the first step this launch runs
+    nonfinite_steps: int = 0  # steps that had a unit with a NaN/inf gradient
+    ledger: Any = None  # rank 0: the ledger service (the single writer)
+
+    @property
+    def sinks(self) -> list[torch.Tensor] | None:
+        b = self.clipper.grad_buffers
+        return None if b is None else [b[n] for n in self.names]
 
 
-def train_loop_per_worker(config: dict[str, Any], context=None) -> dict:
-    """The whole job on one worker. ``config`` is plain data built by the driver:
-    ``recipe`` (the resolved recipe dict), ``plan`` (DPPlan.to_dict()), ``store_dir``,
-    ``run_dir``, ``cache_dir``, ``run_id``, ``ledger_meta``. Paths are absolute."""
-    from llmdp.config import recipe_from_dict
-    from llmdp.data.store import open_store
-    from llmdp.models import load_model
-    from llmdp.privacy.plan import DPPlan
-
-    if context is None:
-        context = _ray_context()
+def setup(spec: RunSpec, context) -> Training:
+    """Model, strategy, engine, optimizer, data: identical on every replica."""
+    cfg, plan = spec.cfg, spec.plan
     rank, world = context.get_world_rank(), context.get_world_size()
-    recipe, plan = config["recipe"], DPPlan.from_dict(config["plan"])
-    train_cfg, optim_cfg, priv_cfg = recipe["train"], recipe["optim"], recipe["privacy"]
-    torch.set_num_threads(max(1, int(recipe["scaling"]["cpus_per_worker"])))
-    device = _device(recipe)
-
-    # ---- model, optimizer, data (identical on every replica)
-    torch.manual_seed(int(train_cfg["seed"]))
-    model, _ = load_model(recipe_from_dict(recipe).model, cache_dir=config["cache_dir"])
-    model = model.to(device)
+    torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    device = _device(cfg.scaling.use_gpu)
+    strategy = strategy_for(cfg.scaling.strategy, cfg.scaling.mixed_precision, device)
+    strategy.check(cfg.privacy)
+    torch.manual_seed(int(cfg.train.seed))
+    model, _ = load_model(cfg.model, cache_dir=spec.paths.model_cache)
     model.train()
-    strategy = recipe["scaling"].get("strategy", "replicated")
-    mixed_precision = recipe["scaling"].get("mixed_precision", "none")
-    parallel.check_strategy(strategy, mixed_precision)
-    if strategy == "fsdp" and priv_cfg.get("debug_check"):
-        raise ValueError("privacy.debug_check compares p.grad with the reference engine on the full "
-                         "model; it is not supported with scaling.strategy: 'fsdp' (use 'replicated')")
     # Every worker starts from rank 0's full weights (e.g. LoRA's random init), then fsdp
     # shards them (parameters become DTensors; optimizer and engine are built on those).
-    broadcast_params([p for p in model.parameters() if p.requires_grad])  # [sync point]
-    model = parallel.prepare_model(model, strategy, mixed_precision, device)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
-    # fsdp: the clipped sum accumulates in full-size local buffers (None: in p.grad).
-    grad_sinks = parallel.make_grad_sinks(model, strategy)
-    clipper = GhostClipper(
-        model, plan.max_grad_norm, engine=priv_cfg["clipping"], mode=priv_cfg.get("clipping_mode", "auto"),
-        grad_buffers=grad_sinks,
+    model = strategy.prepare_model(model)  # [sync point]
+    clipper = GhostClipper(model, plan.max_grad_norm, engine=cfg.privacy.clipping,
+                           mode=cfg.privacy.clipping_mode, grad_buffers=strategy.grad_sinks(model))
+    optimizer = build_optimizer(clipper.params, cfg.optim)
+    store = open_store(spec.paths.store_dir)
+    return Training(
+        spec=spec, context=context, rank=rank, world=world, device=device, strategy=strategy,
+        model=model, names=list(clipper.param_names), clipper=clipper,
+        loss_fn=strategy.loss_fn(),  # replicated bf16: autocast
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, plan.steps)),
+        store=store,
+        sampler=plan.make_sampler(store.num_units),  # the sampler the plan was accounted for
+        min_micro_steps=fixed_micro_steps(plan, store.spec.max_rows_per_unit, world,
+                                          cfg.train.physical_batch_size),
     )
-    loss_fn = parallel.loss_fn_for(strategy, mixed_precision, device)  # replicated bf16: autocast
-    optimizer = build_optimizer(params, optim_cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, plan.steps))
-    store = open_store(config["store_dir"])
-    sampler = plan.make_sampler(store.num_units)  # the sampler the plan was accounted for
-    physical = int(train_cfg["physical_batch_size"])
-    min_micro = fixed_micro_steps(plan, store.spec.max_rows_per_unit, world, physical)
-    bucket = bool(train_cfg.get("length_bucketing", True))
 
-    # ---- resume
-    start = 0
-    nonfinite_steps = 0  # steps that had a unit with a NaN/inf gradient (train.max_nonfinite_steps)
-    max_nonfinite = int(train_cfg.get("max_nonfinite_steps", 10))
-    ckpt_dir = context.get_checkpoint_dir()
-    if ckpt_dir and os.path.exists(os.path.join(ckpt_dir, "state.pt")):
-        state = torch.load(os.path.join(ckpt_dir, "state.pt"),
-                           map_location="cpu" if strategy == "fsdp" else device)
-        if state.get("strategy", "replicated") != strategy:
-            raise ValueError(
-                f"the checkpoint in {ckpt_dir} was written with scaling.strategy: "
-                f"{state.get('strategy', 'replicated')!r}; resume it with the same strategy, not {strategy!r}"
-            )
-        if strategy == "fsdp":
-            # Full (gathered) tensors, read by every rank, sharded into place. [sync point]
-            parallel.load_training_state(model, optimizer, state["params"], state["optimizer"])
-        else:
-            with torch.no_grad():
-                for n, p in named:
-                    p.copy_(state["params"][n])
-            optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start = int(state["step"])
-        nonfinite_steps = int(state.get("nonfinite_steps", 0))
 
-    run_dir = config["run_dir"]
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    ledger = None
-    spec = config.get("ledger", {})
-    budgeted = bool(spec.get("admit", spec.get("budget_epsilon") is not None))
-    if rank == 0:
-        # The single writer of the dataset's and the run's ledgers (a Ray actor on the
-        # driver, or in-process without Ray). One attempt per (re)start of the worker
-        # group: re-executed steps are counted again, as they must be.
-        ledger = ledger_client(config)
-        ledger.start_attempt()
-        _metrics_line(metrics_path, {"event": "start", "step": start, "time": time.time(), "world_size": world})
+def resume(run: Training) -> None:
+    """Load the checkpoint Ray Train restored, if any. [sync point under fsdp]"""
+    ckpt_dir = run.context.get_checkpoint_dir()
+    path = os.path.join(ckpt_dir, "state.pt") if ckpt_dir else None
+    if path is None or not os.path.exists(path):
+        return
+    state = torch.load(path, map_location=run.strategy.map_location)
+    written = state.get("strategy", "replicated")
+    if written != run.strategy.name:
+        raise ValueError(
+            f"the checkpoint in {ckpt_dir} was written with scaling.strategy: {written!r}; "
+            f"resume it with the same strategy, not {run.strategy.name!r}")
+    run.strategy.load_training_state(run.model, run.optimizer, state["params"], state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.start = int(state["step"])
+    run.nonfinite_steps = int(state.get("nonfinite_steps", 0))
 
-    checkpoint_every = int(train_cfg["checkpoint_every"])
-    def checkpoint(done: int) -> None:
-        # ray.train.report is a barrier: every worker reaches it at the same steps.
-        with tempfile.TemporaryDirectory() as tmp:
-            ckpt = None
-            # fsdp: gather full parameters and optimizer state to rank 0 (a collective). [sync point]
-            full = parallel.gather_training_state(model, optimizer, [n for n, _ in named]) \
-                if strategy == "fsdp" else None
-            if rank == 0:
-                _save_state(tmp, named, optimizer, scheduler, done,
-                            {"run_id": config["run_id"], "ledger": ledger.position(), "strategy": strategy,
-                             "nonfinite_steps": nonfinite_steps},
-                            full=full)
-                ckpt = tmp
-            context.report({"step": done}, ckpt)
 
-    stopped = None
-    for step in range(start, plan.steps):
-        t0 = time.perf_counter()
-        if budgeted:
-            # Budget / target: rank 0 asks the ledger service; every worker learns the answer. [sync point]
-            ok, why = ledger.admit(step) if ledger is not None else (True, "")
-            if broadcast_bytes(b"\x01" if ok else b"\x00", 1, device) == b"\x00":
-                stopped = {"step": step, "reason": why}
-                break
-        keys = StepKeys.draw(step, priv_cfg["rng"], priv_cfg.get("seed"), device)
-        sample, truncated = sampler.sample_with_info(keys.sample)  # secret: never logged
-        # Every worker computes the same assignment from the same sample; it reads only its own rows.
-        mine = assign_micro_batches(
-            sample, store.unit_row_count, store.unit_max_row_length, world_size=world,
-            physical_batch_size=physical, bucket=bucket, min_micro_steps=min_micro,
-        )[rank]
-        micro = len(mine)
-        stats = accumulate_clipped_sum(
-            model, clipper, store, mine, device, loss_fn=loss_fn,
-            debug_check=bool(priv_cfg.get("debug_check")) and step == start,
-            width="auto" if bucket else None,
-        )
-        if ledger is not None:
-            # Write-ahead: the step's event is durable before any replica applies the update.
-            # The other ranks cannot pass the all-reduce below before rank 0 reaches it.
-            ledger.ensure(step)
-        # replicated: all-reduce of p.grad; fsdp: reduce-scatter of the local buffers, each
-        # shard noised from its own stream. [sync point] Either way: sum, noise once, ÷ q·N.
-        parallel.privatize(params, None if grad_sinks is None else [grad_sinks[n] for n, _ in named],
-                           keys.noise, plan.noise_multiplier, plan.max_grad_norm,
-                           plan.expected_batch_size, strategy)
-        _maybe_inject_fault(step, rank)
-        totals = _sum_over_workers([stats.units, stats.rows, stats.tokens, stats.nonfinite], device)  # [sync point]
-        nonfinite_steps += totals[3] > 0  # every worker counts the same steps
-        optimizer.step()
-        if strategy == "fsdp":
-            optimizer.zero_grad(set_to_none=True)  # the next reduction checks for stray gradients
-        scheduler.step()
-        del sample, mine
-        dt = time.perf_counter() - t0
+def open_ledger(run: Training) -> None:
+    """Rank 0 becomes the client of the run's single ledger writer (a Ray actor on the
+    driver, or in-process without Ray). One attempt per (re)start of the worker group:
+    re-executed steps are counted again, as they must be."""
+    if run.rank != 0:
+        return
+    run.ledger = run.spec.ledger.client()
+    run.ledger.start_attempt()
+    _metrics_line(run.spec.paths.metrics, {"event": "start", "step": run.start, "time": time.time(),
+                                           "world_size": run.world})
 
-        if rank == 0:
-            record = {
-                "step": step + 1,
-                "lr": scheduler.get_last_lr()[0],
-                "step_time_s": dt,
-                # computed on private data without DP: internal (see the report)
-                "train_loss": stats.loss_sum / stats.units if stats.units else None,
-                "worker0_units": stats.units,
-                "worker0_tokens": stats.tokens,
-                "worker0_tokens_per_s": stats.tokens / dt if dt > 0 else None,
-                "worker0_units_per_s": stats.units / dt if dt > 0 else None,
-                "units": totals[0],
-                "rows": totals[1],
-                "tokens": totals[2],
-                "tokens_per_s": totals[2] / dt if dt > 0 else None,
-                "units_per_s": totals[0] / dt if dt > 0 else None,
-                "tokens_per_s_per_worker": totals[2] / dt / world if dt > 0 else None,
-                "units_per_s_per_worker": totals[0] / dt / world if dt > 0 else None,
-                "worker0_clipped_fraction": stats.clipped / stats.units if stats.units else None,
-                "micro_steps": micro,
-                "sample_truncated": bool(truncated),
-                "nonfinite_units": totals[3],  # internal: units whose gradient was NaN/inf
-            }
-            _metrics_line(metrics_path, record)
 
-        done = step + 1 == plan.steps
-        if (step + 1) % checkpoint_every == 0 or done:
-            checkpoint(step + 1)
-        if nonfinite_steps > max_nonfinite and not done:
-            # Those units added nothing (factor 0), so every update stays DP; but a run whose
-            # gradients keep overflowing is not training. Stop cleanly, with the numbers.
-            stopped = {"step": step + 1, "reason": (
-                f"{nonfinite_steps} steps had privacy units whose gradient was not finite "
-                f"(NaN/inf; they contributed nothing), more than train.max_nonfinite_steps="
-                f"{max_nonfinite}. Lower optim.lr, train in float32 (model.dtype), or raise "
-                "train.max_nonfinite_steps.")}
-            break
+def admitted(run: Training, step: int) -> tuple[bool, str]:
+    """Budget / target: rank 0 asks the ledger service before the step; every worker learns
+    the answer. [sync point when the run is budgeted]"""
+    if not run.spec.ledger.admits:
+        return True, ""
+    ok, why = run.ledger.admit(step) if run.ledger is not None else (True, "")
+    return broadcast_bytes(b"\x01" if ok else b"\x00", 1, run.device) == b"\x01", why
 
+
+def dp_step(run: Training, step: int) -> dict:
+    """One logical DP-SGD step (module docstring); returns rank 0's metrics record."""
+    plan, cfg = run.spec.plan, run.spec.cfg
+    t0 = time.perf_counter()
+    keys = StepKeys.draw(step, cfg.privacy.rng, cfg.privacy.seed, run.device)
+    sample, truncated = run.sampler.sample_with_info(keys.sample)  # secret: never logged
+    # Every worker computes the same assignment from the same sample; it reads only its own rows.
+    bucket = cfg.train.length_bucketing
+    mine = assign_micro_batches(
+        sample, run.store.unit_row_count, run.store.unit_max_row_length, world_size=run.world,
+        physical_batch_size=cfg.train.physical_batch_size, bucket=bucket,
+        min_micro_steps=run.min_micro_steps,
+    )[run.rank]
+    micro = len(mine)
+    stats = accumulate_clipped_sum(
+        run.model, run.clipper, run.store, mine, run.device, loss_fn=run.loss_fn,
+        debug_check=cfg.privacy.debug_check and step == run.start,
+        width="auto" if bucket else None,
+    )
+    if run.ledger is not None:
+        # Write-ahead: the step's event is durable before any replica applies the update.
+        # The other ranks cannot pass the reduction below before rank 0 reaches it.
+        run.ledger.ensure(step)
+    # replicated: all-reduce; fsdp: reduce-scatter, each shard noised from its own stream.
+    # [sync point] Either way: sum, noise once, ÷ q·N, left in p.grad.
+    run.strategy.privatize(run.clipper.params, run.sinks, keys.noise, plan.noise_multiplier,
+                           plan.max_grad_norm, plan.expected_batch_size)
+    _maybe_inject_fault(step, run.rank)
+    units, rows, tokens, nonfinite = parallel.sum_over_workers(
+        [stats.units, stats.rows, stats.tokens, stats.nonfinite], run.device)  # [sync point]
+    run.nonfinite_steps += nonfinite > 0  # every worker counts the same steps
+    run.optimizer.step()
+    run.strategy.after_update(run.optimizer)
+    run.scheduler.step()
+    del sample, mine
+    dt = time.perf_counter() - t0
+
+    def rate(n: int) -> float | None:
+        return n / dt if dt > 0 else None
+
+    return {
+        "step": step + 1,
+        "lr": run.scheduler.get_last_lr()[0],
+        "step_time_s": dt,
+        # computed on private data without DP: internal (see the report)
+        "train_loss": stats.loss_sum / stats.units if stats.units else None,
+        "worker0_units": stats.units,
+        "worker0_tokens": stats.tokens,
+        "worker0_tokens_per_s": rate(stats.tokens),
+        "worker0_units_per_s": rate(stats.units),
+        "units": units,
+        "rows": rows,
+        "tokens": tokens,
+        "tokens_per_s": rate(tokens),
+        "units_per_s": rate(units),
+        "tokens_per_s_per_worker": tokens / dt / run.world if dt > 0 else None,
+        "units_per_s_per_worker": units / dt / run.world if dt > 0 else None,
+        "worker0_clipped_fraction": stats.clipped / stats.units if stats.units else None,
+        "micro_steps": micro,
+        "sample_truncated": bool(truncated),
+        "nonfinite_units": nonfinite,  # internal: units whose gradient was NaN/inf
+    }
+
+
+def checkpoint(run: Training, step: int) -> None:
+    """Save the state after ``step`` steps through the context (Ray Train's checkpoint).
+    ``ray.train.report`` is a barrier: every worker reaches it at the same steps."""
+    with tempfile.TemporaryDirectory() as tmp:
+        # fsdp: full parameters and optimizer state gathered to rank 0. [sync point]
+        state = run.strategy.training_state(run.model, run.optimizer, run.names)
+        ckpt = None
+        if run.rank == 0:
+            params, optim = state
+            torch.save({"params": params, "optimizer": optim,
+                        "scheduler": run.scheduler.state_dict(), "step": step,
+                        "run_id": run.spec.run_id, "ledger": run.ledger.position(),
+                        "strategy": run.strategy.name, "nonfinite_steps": run.nonfinite_steps},
+                       os.path.join(tmp, "state.pt"))
+            ckpt = tmp
+        run.context.report({"step": step}, ckpt)
+
+
+def _nonfinite_stop(run: Training, step: int) -> dict | None:
+    """Units with a NaN/inf gradient added nothing (factor 0), so every update stays DP; but
+    a run whose gradients keep overflowing is not training: stop cleanly, with the numbers."""
+    limit = run.spec.cfg.train.max_nonfinite_steps
+    if run.nonfinite_steps <= limit:
+        return None
+    return {"step": step, "reason": (
+        f"{run.nonfinite_steps} steps had privacy units whose gradient was not finite "
+        f"(NaN/inf; they contributed nothing), more than train.max_nonfinite_steps="
+        f"{limit}. Lower optim.lr, train in float32 (model.dtype), or raise "
+        "train.max_nonfinite_steps.")}
+
+
+def finish(run: Training, stopped: dict | None) -> dict:
+    """Save the final model (and, for a run stopped early, its last state)."""
+    every = run.spec.cfg.train.checkpoint_every
+    if stopped is not None and stopped["step"] % every != 0 and stopped["step"] > run.start:
+        # Stopped before step `stopped["step"]`: save what was trained (every update so far
+        # is in the ledger), unless that state was just checkpointed.
+        checkpoint(run, stopped["step"])
+    full = run.strategy.full_model_state(run.model)  # fsdp: gathered to rank 0 [sync point]
+    if run.rank == 0:
+        _save_final_model(run.model, run.spec.paths, state_dict=full)
+        end = {"event": "end", "step": run.spec.plan.steps} if stopped is None else \
+            {"event": "stopped", "step": stopped["step"], "reason": stopped["reason"]}
+        _metrics_line(run.spec.paths.metrics, {**end, "time": time.time()})
     if stopped is not None:
-        # Stopped by the budget before step `stopped["step"]`: save what was trained (every
-        # update so far is in the ledger), unless that state was just checkpointed.
-        if stopped["step"] % checkpoint_every != 0 and stopped["step"] > start:
-            checkpoint(stopped["step"])
-        full = parallel.full_model_state(model, strategy)  # fsdp: gathered to rank 0 [sync point]
-        if rank == 0:
-            _save_final_model(model, config, state_dict=full)
-            _metrics_line(metrics_path, {"event": "stopped", "step": stopped["step"],
-                                         "reason": stopped["reason"], "time": time.time()})
         return {"steps": stopped["step"], "stopped": stopped["reason"]}
-    full = parallel.full_model_state(model, strategy)  # fsdp: gathered to rank 0 [sync point]
-    if rank == 0:
-        _save_final_model(model, config, state_dict=full)
-        _metrics_line(metrics_path, {"event": "end", "step": plan.steps, "time": time.time()})
-    return {"steps": plan.steps}
+    return {"steps": run.spec.plan.steps}
 
 
-def _sum_over_workers(values: list[int], device: torch.device) -> list[int]:
-    """Sum small integer counters over workers (one tiny all-reduce). [sync point]"""
-    if not _dist_on():
-        return [int(v) for v in values]
-    t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return [int(v) for v in t.tolist()]
+def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
+    """The whole job on one worker: set up, resume, run the remaining steps, finish."""
+    run = setup(spec, context if context is not None else _RayContext())
+    resume(run)
+    open_ledger(run)
+    steps, every = spec.plan.steps, spec.cfg.train.checkpoint_every
+    stopped = None
+    for step in range(run.start, steps):
+        ok, why = admitted(run, step)
+        if not ok:
+            stopped = {"step": step, "reason": why}
+            break
+        record = dp_step(run, step)
+        if run.rank == 0:
+            _metrics_line(spec.paths.metrics, record)
+        last = step + 1 == steps
+        if (step + 1) % every == 0 or last:
+            checkpoint(run, step + 1)
+        stopped = None if last else _nonfinite_stop(run, step + 1)
+        if stopped is not None:
+            break
+    return finish(run, stopped)
 
 
 def _maybe_inject_fault(step: int, rank: int) -> None:
@@ -498,55 +496,29 @@ def _maybe_inject_fault(step: int, rank: int) -> None:
         raise RuntimeError(f"injected fault at step {step} on rank {rank} (LLMDP_FAULT)")
 
 
-class _ActorLedger:
-    """The ledger service's methods, called on its Ray actor (blocking: write-ahead)."""
-
-    def __init__(self, name: str):
-        import ray
-
-        self._ray, self._actor = ray, ray.get_actor(name)
-
-    def __getattr__(self, method):
-        remote = getattr(self._actor, method)
-        return lambda *a, **k: self._ray.get(remote.remote(*a, **k))
-
-
-def ledger_client(config: dict):
-    """The run's ledger service: the named Ray actor if the driver made one, else in-process."""
-    from llmdp.privacy.service import LedgerService
-
-    spec = config["ledger"]
-    if spec.get("actor"):
-        return _ActorLedger(spec["actor"])
-    return LedgerService(**spec["service"])
-
-
-def _device(recipe) -> torch.device:
-    if recipe["scaling"]["use_gpu"] and torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local)
+def _device(use_gpu: bool) -> torch.device:
+    if use_gpu and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
-def _save_final_model(model: nn.Module, config: dict, state_dict: dict | None = None) -> None:
+def _save_final_model(model: nn.Module, paths: RunPaths, state_dict: dict | None = None) -> None:
     """``state_dict``: the full (gathered) state of a sharded model (fsdp), saved through
     the model's own ``save_pretrained``."""
-    out = os.path.join(config["run_dir"], "model")
-    os.makedirs(out, exist_ok=True)
+    os.makedirs(paths.model, exist_ok=True)
     extra = {} if state_dict is None else {"state_dict": state_dict}
-    model.save_pretrained(out, safe_serialization=True, **extra)
-    tok_dir = config.get("tokenizer_dir")
-    if tok_dir:
-        from transformers import AutoTokenizer
+    model.save_pretrained(paths.model, safe_serialization=True, **extra)
+    if paths.tokenizer_dir:
+        from transformers import AutoTokenizer  # lazy: only rank 0, once, at the end
 
-        AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out)
+        AutoTokenizer.from_pretrained(paths.tokenizer_dir).save_pretrained(paths.model)
 
 
 class _RayContext:
     """Adapter from Ray Train v2's API to the few calls the loop makes."""
 
     def __init__(self):
-        import ray.train
+        import ray.train  # lazy: the loop runs without Ray (tests, LocalContext)
 
         self._train = ray.train
         self._ctx = ray.train.get_context()
@@ -571,11 +543,7 @@ class _RayContext:
         return self._ckpt_dir
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
-        from ray.train import Checkpoint
+        from ray.train import Checkpoint  # lazy: Ray is imported only under Ray
 
         ckpt = Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
         self._train.report(metrics, checkpoint=ckpt)
-
-
-def _ray_context():
-    return _RayContext()

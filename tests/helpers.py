@@ -254,7 +254,7 @@ def simulate_steps(prepared, steps=None) -> None:
     """Write a prepared run's steps to its ledgers as the ledger service does (no training)."""
     from llmdp.privacy.service import LedgerService
 
-    svc = LedgerService(**prepared.ledger_service)
+    svc = LedgerService(**prepared.ledger.service)
     svc.start_attempt()
     for s in range(prepared.plan.steps if steps is None else steps):
         svc.ensure(s)

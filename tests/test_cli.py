@@ -9,6 +9,7 @@ import dp_accounting
 import pytest
 
 from llmdp.cli import main
+from llmdp.rundir import RunDir
 
 
 def direct_epsilon(q, sigma, steps, delta):
@@ -206,7 +207,7 @@ def _local_fit(interrupt_after: int | None, exc=KeyboardInterrupt):
 
         torch.optim.AdamW.step = step
         try:
-            train_loop_per_worker(prepared.worker_config(), LocalContext(checkpoint_dir=ckpt))
+            train_loop_per_worker(prepared, LocalContext(checkpoint_dir=ckpt))
         finally:
             torch.optim.AdamW.step = real_step
     return fit
@@ -250,17 +251,17 @@ def test_resume_point_counts_attempts_like_the_report(tmp_path, monkeypatch, cap
 
     recipe = _tiny_run_recipe(tmp_path)
     run_dir = str(tmp_path / "runs" / "t")
-    assert trainer.resume_point(run_dir) is None  # nothing there yet
+    assert RunDir(run_dir).resume_point() is None  # nothing there yet
     # Interrupted after 1 step: before the first checkpoint (step 2), after a ledger record.
     monkeypatch.setattr(trainer, "_fit", _local_fit(interrupt_after=1))
     assert _main(["train", recipe]) == 130
-    assert trainer.resume_point(run_dir) == {"step": 0, "attempt": 2}
+    assert RunDir(run_dir).resume_point() == {"step": 0, "attempt": 2}
     monkeypatch.setattr(trainer, "_fit", _local_fit(interrupt_after=2))
     assert _main(["train", recipe]) == 130
     assert "resuming from step 0 of 6 (attempt 2)\n" in capsys.readouterr().out
     report = json.loads(open(os.path.join(run_dir, "privacy_report.json")).read())
     assert report["attempts"] == 2 and report["status"] == "interrupted"
-    assert trainer.resume_point(run_dir) == {"step": 2, "attempt": 3}
+    assert RunDir(run_dir).resume_point() == {"step": 2, "attempt": 3}
 
 
 def _auth_records(emit) -> list[str]:

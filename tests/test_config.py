@@ -1020,7 +1020,7 @@ def test_the_demo_warmup_scales_with_train_steps(monkeypatch, steps, warmup):
     monkeypatch.chdir(REPO)
     cfg = load_recipe("recipes/tiny-cpu.yaml", [f"train.steps={steps}"])
     assert warmup_steps_for(cfg.optim, steps) == warmup
-    f = lr_lambda(to_dict(cfg)["optim"], steps)
+    f = lr_lambda(cfg.optim, steps)
     assert [f(s) for s in range(warmup)] == pytest.approx([(s + 1) / warmup for s in range(warmup)])
     assert f(warmup) == pytest.approx(1.0)  # the peak learning rate is reached before the end
 

@@ -44,7 +44,7 @@ def _run(tmp_path, *, lora: bool, rng: str = "secure", name: str = "run", data=N
     }
     prep = prepare(recipe_from_dict(raw), log=lambda *a: None)
     ckpt = os.path.join(prep.run_dir, "checkpoints", "checkpoint_000000")
-    train_loop_per_worker(prep.worker_config(), LocalContext(checkpoint_dir=ckpt))
+    train_loop_per_worker(prep, LocalContext(checkpoint_dir=ckpt))
     write_report(prep.run_dir)
     return prep.run_dir
 
@@ -342,7 +342,7 @@ def test_recipe_push_to_exports_after_training(tmp_path, hf, monkeypatch):
 
     def local_fit(prepared, log):  # the worker loop in this process instead of Ray
         ckpt = os.path.join(prepared.run_dir, "checkpoints", "checkpoint_000000")
-        train_loop_per_worker(prepared.worker_config(), LocalContext(checkpoint_dir=ckpt))
+        train_loop_per_worker(prepared, LocalContext(checkpoint_dir=ckpt))
 
     monkeypatch.setattr(trainer, "_fit", local_fit)
     data = write_notes(tmp_path / "notes.jsonl", 30)

@@ -108,12 +108,12 @@ def test_default_id_is_the_source_and_lookalikes_warn(tmp_path, monkeypatch):
     (tmp_path / "a").mkdir()
     monkeypatch.chdir(tmp_path / "a")
     prep = _prepare(recipe_from_dict(_raw(tmp_path, "../notes.jsonl")))
-    assert prep.ledger_service["dataset_id"] == "path:" + os.path.realpath(data)
+    assert prep.ledger.service["dataset_id"] == "path:" + os.path.realpath(data)
     copy = tmp_path / "copy.jsonl"
     copy.write_bytes(open(data, "rb").read())
     lines = []
     prep2 = _prepare(recipe_from_dict(_raw(tmp_path, copy, name="t2")), lines)
-    assert prep2.ledger_service["dataset_id"] == "path:" + os.path.realpath(copy)
+    assert prep2.ledger.service["dataset_id"] == "path:" + os.path.realpath(copy)
     warn = [x for x in lines if x.startswith("warning: starting a new ledger")]
     assert warn and "the same content hash" in warn[0] and \
         f"data.dataset_id: path:{os.path.realpath(data)}" in warn[0]
@@ -140,7 +140,7 @@ def test_a_legacy_jsonl_dataset_ledger_is_imported_once(tmp_path, monkeypatch):
     assert any("imported 2 release record(s)" in x for x in lines), lines
     _prepare(recipe_from_dict(_raw(tmp_path, data, name="t2")), lines := [])
     assert not any("imported" in x for x in lines)
-    old = [r for r in _releases(prep.ledger_service["dataset_id"]) if r["run_id"] == "old"]
+    old = [r for r in _releases(prep.ledger.service["dataset_id"]) if r["run_id"] == "old"]
     assert [r["count"] for r in old] == [4, 4] and all(r["imported_from"] == str(legacy) for r in old)
 
 
@@ -194,12 +194,11 @@ def _fail_then_resume(tmp_path, monkeypatch, allow: bool):
     raw["privacy"].pop("noise_multiplier")
     raw["privacy"]["target_epsilon"] = 8.0
     prep = _prepare(recipe_from_dict(raw))
-    wc = prep.worker_config()
     ckpt = str(tmp_path / "ckpt")
     monkeypatch.setenv("LLMDP_FAULT", f"step=3,rank=0,marker={tmp_path / 'fault'}")
     with pytest.raises(RuntimeError, match="injected fault"):
-        train_loop_per_worker(wc, LocalContext(checkpoint_dir=ckpt))
-    out = train_loop_per_worker(wc, LocalContext(checkpoint_dir=ckpt))
+        train_loop_per_worker(prep, LocalContext(checkpoint_dir=ckpt))
+    out = train_loop_per_worker(prep, LocalContext(checkpoint_dir=ckpt))
     return prep, out
 
 
@@ -318,14 +317,14 @@ def test_a_damaged_run_ledger_stops_a_resume_before_any_release(tmp_path, monkey
     path = os.path.join(prep.run_dir, "ledger.jsonl")
     lines = open(path).read().splitlines(keepends=True)
     open(path, "w").write("".join(lines[:-1]))
-    before = dataset_records(None, dataset_id=prep.ledger_service["dataset_id"])
+    before = dataset_records(None, dataset_id=prep.ledger.service["dataset_id"])
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     assert main(["train", str(recipe)]) == 2
     err = capsys.readouterr().err
     assert "lacks 1 of this run's record(s)" in err and "llmdp privacy ledger repair" in err
     assert "Traceback" not in err
-    assert dataset_records(None, dataset_id=prep.ledger_service["dataset_id"]) == before
+    assert dataset_records(None, dataset_id=prep.ledger.service["dataset_id"]) == before
     assert main(["privacy", "ledger", "repair", prep.run_dir]) == 0
     assert Ledger(path).total_count() == 4
     _prepare(recipe_from_dict(raw))  # accepted again

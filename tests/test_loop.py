@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -43,7 +44,6 @@ class Crash(RuntimeError):
 def test_crash_after_ledger_write_leaves_every_applied_step_counted(tmp_path, monkeypatch):
     cfg = make_recipe(tmp_path)
     prep = prepared_config(cfg)
-    wc = prep.worker_config()
     ckpt = str(tmp_path / "ckpt")
     applied = {"n": 0}
     real_step = torch.optim.AdamW.step
@@ -56,13 +56,13 @@ def test_crash_after_ledger_write_leaves_every_applied_step_counted(tmp_path, mo
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step_or_crash)
     with pytest.raises(Crash):
-        train_loop_per_worker(wc, LocalContext(checkpoint_dir=ckpt))
+        train_loop_per_worker(prep, LocalContext(checkpoint_dir=ckpt))
     ledger = Ledger(os.path.join(prep.run_dir, "ledger.jsonl"))
     assert ledger.total_count() >= applied["n"] == 3
 
     # Resume from the last checkpoint (step 2): steps 2..5 run again, fresh randomness.
     monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
-    train_loop_per_worker(wc, LocalContext(checkpoint_dir=ckpt))
+    train_loop_per_worker(prep, LocalContext(checkpoint_dir=ckpt))
     executed = 3 + (6 - 2)
     assert Ledger(os.path.join(prep.run_dir, "ledger.jsonl")).total_count() >= executed
     # Block reservation: lines, not one per step.
@@ -77,7 +77,7 @@ def test_local_loop_writes_metrics_and_a_report_matching_dp_accounting(tmp_path)
 
     cfg = make_recipe(tmp_path)
     prep = prepared_config(cfg)
-    train_loop_per_worker(prep.worker_config(), LocalContext())
+    train_loop_per_worker(prep, LocalContext())
     rep = write_report(prep.run_dir)
     q, T = prep.plan.sampling_probability, prep.plan.steps
     event = dp_accounting.SelfComposedDpEvent(
@@ -129,7 +129,7 @@ def test_user_units_with_truncated_poisson_report_what_ran(tmp_path):
     prep = prepared_config(cfg)
     plan = prep.plan
     assert plan.sampler == "truncated-poisson" and plan.max_batch_size >= plan.expected_batch_size
-    train_loop_per_worker(prep.worker_config(), LocalContext())
+    train_loop_per_worker(prep, LocalContext())
     rep = write_report(prep.run_dir)
     event = dp_accounting.SelfComposedDpEvent(
         dp_accounting.TruncatedSubsampledGaussianDpEvent(
@@ -181,8 +181,8 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
     raw["privacy"]["ledger"] = str(tmp_path / "ledgers.sqlite")  # this test's own database
     first = recipe_from_dict(raw)
     prep = prepared_config(first)
-    train_loop_per_worker(prep.worker_config(), LocalContext())
-    loc, ds = prep.ledger_service["location"], prep.ledger_service["dataset_id"]
+    train_loop_per_worker(prep, LocalContext())
+    loc, ds = prep.ledger.service["location"], prep.ledger.service["dataset_id"]
 
     def total():
         return sum(int(r["count"]) for r in dataset_records(loc, dataset_id=ds) if r["kind"] == "release")
@@ -204,11 +204,11 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
     # The same budget met mid-run (as after failures): stop cleanly before step 4.
     raw["privacy"]["budget_epsilon"] = None
     prep2 = prepared_config(recipe_from_dict(raw))
-    wc = prep2.worker_config()
-    wc["ledger"]["budget_epsilon"] = wc["ledger"]["service"]["budget_epsilon"] = eps(9) * (1 + 1e-9)
-    wc["ledger"]["admit"] = True
+    service = {**prep2.ledger.service, "budget_epsilon": eps(9) * (1 + 1e-9)}
+    spec = dataclasses.replace(prep2, ledger=dataclasses.replace(prep2.ledger, service=service))
+    assert spec.ledger.admits
     ctx = LocalContext(checkpoint_dir=str(tmp_path / "ckpt2"))
-    out = train_loop_per_worker(wc, ctx)
+    out = train_loop_per_worker(spec, ctx)
     assert out["steps"] == 3 and "before step 4 of 6" in out["stopped"]
     assert [r["step"] for r in ctx.reports] == [2, 3]  # the stopped state is checkpointed
     state = torch.load(tmp_path / "ckpt2" / "state.pt", weights_only=False)
@@ -226,7 +226,7 @@ def test_a_finished_run_is_not_run_again(tmp_path, capsys):
 
     cfg = make_recipe(tmp_path)
     prep = prepared_config(cfg)
-    train_loop_per_worker(prep.worker_config(), LocalContext())
+    train_loop_per_worker(prep, LocalContext())
     write_report(prep.run_dir)
     before = Ledger(os.path.join(prep.run_dir, "ledger.jsonl")).total_count()
     lines = []

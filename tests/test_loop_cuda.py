@@ -61,7 +61,7 @@ def test_worker_loop_on_cuda_to_its_report(tmp_path, monkeypatch, strategy, lora
         dist.init_process_group("nccl", rank=0, world_size=1)
         started = True
     try:
-        train_loop_per_worker(prep.worker_config(), LocalContext())
+        train_loop_per_worker(prep, LocalContext())
     finally:
         if started:
             dist.destroy_process_group()

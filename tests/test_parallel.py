@@ -18,6 +18,7 @@ from llmdp import parallel
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
 from llmdp.privacy import noise as dp_noise
+from llmdp.strategy import Fsdp, Replicated, strategy_for
 from llmdp.worker import accumulate_clipped_sum
 from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
 
@@ -44,8 +45,8 @@ def one_step(store, sample, strategy, *, world=1, rank=0, C=C, sigma=0.0, B=B, k
     """One logical DP-SGD step as train_loop_per_worker runs it; returns the model, its
     optimizer and the privatized gradients (gathered to full tensors, by name)."""
     model = model64() if model is None else model
-    model = parallel.prepare_model(model, strategy, mixed, "cpu")
-    sinks = parallel.make_grad_sinks(model, strategy)
+    model = strategy_for(strategy, mixed, "cpu").prepare_model(model)
+    sinks = strategy_for(strategy).grad_sinks(model)
     clipper = GhostClipper(model, C, mode=mode, grad_buffers=sinks)
     params = clipper.params
     opt = (torch.optim.SGD(params, lr=LR) if optimizer == "sgd"
@@ -59,10 +60,10 @@ def step_(model, clipper, opt, store, sample, strategy, world, rank, sigma, key,
     mine = assign_micro_batches(np.asarray(sample, dtype=np.int64), store.unit_row_count,
                                 store.unit_max_row_length, world_size=world, physical_batch_size=2)[rank]
     accumulate_clipped_sum(model, clipper, store, mine, torch.device("cpu"),
-                           loss_fn=parallel.loss_fn_for(strategy, mixed, "cpu"))
+                           loss_fn=strategy_for(strategy, mixed, "cpu").loss_fn())
     sinks = clipper.grad_buffers
-    parallel.privatize(clipper.params, None if sinks is None else [sinks[n] for n in clipper.param_names],
-                       key, sigma, clipper.max_grad_norm, B, strategy)
+    strategy_for(strategy).privatize(clipper.params, None if sinks is None else [sinks[n] for n in clipper.param_names],
+                                     key, sigma, clipper.max_grad_norm, B)
     opt.step()
 
 
@@ -133,8 +134,8 @@ def _checkpoint_round_trip(store, out_dir, world, rank):
                                       optimizer="adamw")
     # Without clearing gradients, the next reduction refuses to add to a stray gradient.
     try:
-        parallel.privatize(clipper.params, [clipper.grad_buffers[n] for n in clipper.param_names],
-                           KEY, 0.5, C, B, "fsdp")
+        Fsdp().privatize(clipper.params, [clipper.grad_buffers[n] for n in clipper.param_names],
+                         KEY, 0.5, C, B)
     except RuntimeError as e:
         out["stray_grad_error"] = str(e)
     opt.zero_grad(set_to_none=True)
@@ -146,8 +147,8 @@ def _checkpoint_round_trip(store, out_dir, world, rank):
         torch.save({"params": params, "optimizer": optim}, path)
     dist.barrier()
     state = torch.load(path)
-    other = parallel.prepare_model(model64(seed=1), "fsdp", "none", "cpu")
-    other_clipper = GhostClipper(other, C, grad_buffers=parallel.make_grad_sinks(other, "fsdp"))
+    other = Fsdp("none", "cpu").prepare_model(model64(seed=1))
+    other_clipper = GhostClipper(other, C, grad_buffers=Fsdp().grad_sinks(other))
     other_opt = torch.optim.AdamW(other_clipper.params, lr=1e-2, weight_decay=0.1)
     out["differs_before"] = any(not torch.equal(a.to_local(), b.to_local())
                                 for a, b in zip(clipper.params, other_clipper.params))
@@ -312,7 +313,7 @@ def test_grad_buffers_receive_exactly_what_p_grad_would(store, kw):
     a = model64()
     GhostClipper(a, 0.05, **kw).backward(row_losses(a, batch), batch["row_units"])
     b = model64()
-    sinks = parallel.make_grad_sinks(b, "fsdp")  # plain full-size buffers; no process group needed
+    sinks = Fsdp().grad_sinks(b)  # plain full-size buffers; no process group needed
     for _ in range(2):  # accumulates, like autograd
         GhostClipper(b, 0.05, grad_buffers=sinks, **kw).backward(row_losses(b, batch), batch["row_units"])
     assert all(p.grad is None for p in b.parameters())
@@ -322,19 +323,19 @@ def test_grad_buffers_receive_exactly_what_p_grad_would(store, kw):
 
 def test_grad_buffers_are_checked():
     m = model64()
-    sinks = parallel.make_grad_sinks(m, "fsdp")
+    sinks = Fsdp().grad_sinks(m)
     sinks.pop("lm_head.weight")
     with pytest.raises(ValueError, match="missing \\['lm_head.weight'\\]"):
         GhostClipper(m, 1.0, grad_buffers=sinks)
-    sinks = parallel.make_grad_sinks(m, "fsdp")
+    sinks = Fsdp().grad_sinks(m)
     sinks["lm_head.weight"] = torch.zeros(3)
     with pytest.raises(ValueError, match="full shape"):
         GhostClipper(m, 1.0, grad_buffers=sinks)
-    assert parallel.make_grad_sinks(m, "replicated") is None
+    assert Replicated().grad_sinks(m) is None
     with pytest.raises(ValueError, match="scaling.strategy: 'tp'"):
-        parallel.check_strategy("tp")
+        strategy_for("tp")
     with pytest.raises(ValueError, match="scaling.mixed_precision: 'fp8'"):
-        parallel.check_strategy("fsdp", "fp8")
+        strategy_for("fsdp", "fp8")
 
 
 def test_shard_rows_layout_is_torch_chunk():
@@ -359,7 +360,7 @@ def test_decoder_layers_are_found():
 # --------------------------------------------------------------------------- the worker loop
 
 
-def _loop_proc(rank, world, port, wc, ckpt_dir, out_dir):
+def _loop_proc(rank, world, port, spec, ckpt_dir, out_dir):
     import torch.distributed as dist
 
     from llmdp.worker import LocalContext, train_loop_per_worker
@@ -368,10 +369,10 @@ def _loop_proc(rank, world, port, wc, ckpt_dir, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        first = train_loop_per_worker(wc, LocalContext(checkpoint_dir=ckpt_dir))
+        first = train_loop_per_worker(spec, LocalContext(checkpoint_dir=ckpt_dir))
         # A second launch resumes from the last checkpoint (every step done: it only loads
         # the full state into the shards and exports again).
-        again = train_loop_per_worker(wc, LocalContext(checkpoint_dir=ckpt_dir))
+        again = train_loop_per_worker(spec, LocalContext(checkpoint_dir=ckpt_dir))
     finally:
         dist.destroy_process_group()
     torch.save({"first": first, "again": again}, os.path.join(out_dir, f"loop{rank}.pt"))
@@ -399,7 +400,7 @@ def test_worker_loop_under_fsdp_checkpoints_resumes_and_exports(tmp_path):
     }
     prep = prepare(recipe_from_dict(raw), log=lambda *a: None)
     ckpt = tmp_path / "ckpt"
-    mp.start_processes(_loop_proc, args=(WORLD, _free_port(), prep.worker_config(), str(ckpt), str(tmp_path)),
+    mp.start_processes(_loop_proc, args=(WORLD, _free_port(), prep, str(ckpt), str(tmp_path)),
                        nprocs=WORLD, join=True, start_method="spawn")
     for r in range(WORLD):
         out = torch.load(tmp_path / f"loop{r}.pt")
@@ -420,9 +421,9 @@ def test_bf16_autocast_with_document_masking(attn):
     from llmdp.losses import row_losses
     from tests.helpers import tiny_llama
 
-    model = parallel.prepare_model(tiny_llama(attn_implementation=attn), "replicated", "bf16",
-                                   torch.device("cpu"))
-    loss_fn = parallel.loss_fn_for("replicated", "bf16", torch.device("cpu"))
+    replicated = Replicated("bf16", torch.device("cpu"))
+    model = replicated.prepare_model(tiny_llama(attn_implementation=attn))
+    loss_fn = replicated.loss_fn()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 60, (2, 16), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),

@@ -13,6 +13,7 @@ from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
 from llmdp.parallel import privatize_
 from llmdp.privacy import sampling
+from llmdp.strategy import Replicated
 from llmdp.worker import accumulate_clipped_sum
 from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
 
@@ -187,9 +188,10 @@ def test_two_workers_give_the_update_of_one(store, tmp_path, sigma):
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
 def test_learning_rate_schedule(schedule):
+    from llmdp.config import OptimConfig
     from llmdp.worker import lr_lambda
 
-    cfg = {"warmup_steps": 4, "min_lr_ratio": 0.1, "schedule": schedule}
+    cfg = OptimConfig(warmup_steps=4, min_lr_ratio=0.1, schedule=schedule)
     f = lr_lambda(cfg, total_steps=24)
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     end = {"constant": 1.0, "cosine": 0.1, "linear": 0.1}[schedule]
@@ -237,13 +239,12 @@ def test_sensitivity_of_the_clipped_sum_at_B_1024(big_store, dtype, device):
     """Issue 12 item 2: ‖f(D) − f(D∖u)‖ ≤ C(1+1e-6), f = this worker's clipped sum before
     noise through the real engine, sinks and micro-step accumulation, measured in float64;
     bf16 trainable parameters (full fine-tuning, replicated) included (was 2.75·C)."""
-    from llmdp import parallel
 
     C, B, physical = 1e-3, 1024, 256
 
     def f(sample):
         model = tiny_llama(vocab_size=TINY_VOCAB, dtype=dtype).to(device)
-        sinks = parallel.make_grad_sinks(model, "replicated")
+        sinks = Replicated().grad_sinks(model)
         clipper = GhostClipper(model, C, grad_buffers=sinks)
         mine = assign_micro_batches(np.asarray(sample, dtype=np.int64), big_store.unit_row_count,
                                     big_store.unit_max_row_length, world_size=1,
@@ -267,11 +268,10 @@ def test_sensitivity_of_the_clipped_sum_at_B_1024(big_store, dtype, device):
 def test_privatize_reduces_and_noises_float32_sinks_and_casts_at_the_end():
     """bf16 parameters: the clipped sums, the noise and the ÷ q·N stay in float32; the
     result is cast to bf16 only once, into p.grad."""
-    from llmdp import parallel
     from llmdp.privacy.noise import gaussian_like
 
     model = tiny_llama(vocab_size=TINY_VOCAB, dtype=torch.bfloat16)
-    sinks = parallel.make_grad_sinks(model, "replicated")
+    sinks = Replicated().grad_sinks(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for n, p in model.named_parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(0)
@@ -279,7 +279,7 @@ def test_privatize_reduces_and_noises_float32_sinks_and_casts_at_the_end():
         sinks[n].copy_(torch.randn(sinks[n].shape, generator=g) * 1e-3)
     want = [(sinks[n].clone() + gaussian_like(sinks[n].shape, b"k" * 32, i, 0.5 * 2.0)) / 7.0
             for i, n in enumerate(names)]
-    parallel.privatize(params, sinks, b"k" * 32, 0.5, 2.0, 7.0, "replicated", names=names)
+    Replicated().privatize(params, sinks, b"k" * 32, 0.5, 2.0, 7.0, names=names)
     for p, w in zip(params, want):
         assert p.grad.dtype == torch.bfloat16
         assert torch.equal(p.grad, w.to(torch.bfloat16))
@@ -312,7 +312,7 @@ def test_nonfinite_units_stop_the_loop_after_max_nonfinite_steps(tmp_path, monke
     monkeypatch.setattr(llmdp.losses, "row_losses", nan_first_row)
     cfg = make_recipe(tmp_path, steps=8, max_nonfinite_steps=2)
     prep = prepared_config(cfg)
-    out = train_loop_per_worker(prep.worker_config(), LocalContext())
+    out = train_loop_per_worker(prep, LocalContext())
     assert out["steps"] == 3
     assert "train.max_nonfinite_steps=2" in out["stopped"] and "not finite" in out["stopped"]
     lines = [json.loads(x) for x in open(os.path.join(prep.run_dir, "metrics.jsonl"))]
@@ -346,7 +346,7 @@ def test_report_states_the_noise_tail_and_its_delta(tmp_path):
     from tests.test_loop import make_recipe, prepared_config
 
     prep = prepared_config(make_recipe(tmp_path, steps=2))
-    train_loop_per_worker(prep.worker_config(), LocalContext())
+    train_loop_per_worker(prep, LocalContext())
     r = write_report(prep.run_dir)
     g = r["noise_generator"]
     assert g["tail_truncation_std"] == NOISE_TAIL

@@ -328,7 +328,7 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
     p = info["privacy"]
     tok_event = dp_accounting.GaussianDpEvent(p["noise_std"] / math.sqrt(p["max_words_per_unit"]))
     d_thr = p["delta_threshold"]
-    ds = prepared.ledger_service["dataset_id"]
+    ds = prepared.ledger.service["dataset_id"]
     assert dataset_entries(None, dataset_id=ds) == [(tok_event, 1)]
     assert threshold_delta(dataset_records(None, dataset_id=ds)) == pytest.approx(d_thr, rel=1e-12)
     from llmdp.tokenizer.train import ensure_release_recorded
@@ -336,7 +336,7 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
     plan_info = json.load(open(os.path.join(prepared.run_dir, "plan.json")))
     # What a re-launch does: the release is there already, nothing is copied again.
     assert not ensure_release_recorded(plan_info["prior_releases"][0], {
-        "location": prepared.ledger_service["location"], "dataset_id": ds}, {})
+        "location": prepared.ledger.service["location"], "dataset_id": ds}, {})
     assert dataset_entries(None, dataset_id=ds) == [(tok_event, 1)]
 
     simulate_steps(prepared)  # the run's steps, as the ledger service writes them
@@ -459,7 +459,7 @@ def test_tokenizer_on_another_source_is_composed_by_default(trained, other_corpu
     assert "model.tokenizer_data: same, the default" in t["note"]
     assert not any("independent" in x for x in report["data_accesses_not_covered"])
     # The release is in this data's ledger (its budget) too.
-    assert (tok_event, 1) in dataset_entries(None, dataset_id=prepared.ledger_service["dataset_id"])
+    assert (tok_event, 1) in dataset_entries(None, dataset_id=prepared.ledger.service["dataset_id"])
 
 
 def test_tokenizer_declared_independent_is_not_composed_and_said_so(trained, other_corpus, tmp_path,
@@ -485,7 +485,7 @@ def test_tokenizer_declared_independent_is_not_composed_and_said_so(trained, oth
     assert "covered by its own guarantee" not in json.dumps(report)
     assert wording in render_markdown(report)
     tok_event, _ = _tok_event(info)
-    assert tok_event not in [e for e, _ in dataset_entries(None, dataset_id=prepared.ledger_service["dataset_id"])]
+    assert tok_event not in [e for e, _ in dataset_entries(None, dataset_id=prepared.ledger.service["dataset_id"])]
 
 
 def test_tokenizer_data_is_validated():
@@ -543,7 +543,7 @@ def test_seeded_tokenizer_run_is_refused_by_export(seeded_tokenizer, corpus, tmp
                            "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1")
     prep = prepare(train_cfg, log=lambda *_: None)
     ckpt = os.path.join(prep.run_dir, "checkpoints", "checkpoint_000000")
-    train_loop_per_worker(prep.worker_config(), LocalContext(checkpoint_dir=ckpt))
+    train_loop_per_worker(prep, LocalContext(checkpoint_dir=ckpt))
     report = write_report(prep.run_dir)
     assert report["status"] == "complete" and report["rng_mode"] == "seeded"
     with pytest.raises(ExportError, match=r"seeded RNG \(the private tokenizer .*privacy\.rng: seeded\)"):

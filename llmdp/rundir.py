@@ -1,0 +1,161 @@
+"""One run directory, read (``runs/<name>/``): the single reader of the files a run leaves.
+
+    config.yaml          the resolved recipe (``trainer.prepare``)
+    plan.json            the plan and what the driver decided: written once, by ``prepare``
+    ledger.jsonl         the run's ledger (the ledger service writes it, write-ahead)
+    metrics.jsonl        per-step metrics (rank 0)
+    checkpoints/         Ray Train's checkpoints (``checkpoint_*/state.pt``)
+    model/               the trained model (``save_pretrained``)
+    privacy_report.*     the report (``llmdp.report``)
+
+The run itself never reads plan.json back: the driver hands the workers a
+:class:`llmdp.runspec.RunSpec`. The report, the export and the CLI read it here.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from functools import cached_property
+from typing import Any
+
+from llmdp.privacy.ledger import Ledger
+from llmdp.privacy.plan import DPPlan
+
+PLAN_JSON = "plan.json"
+
+
+class NotARunDirectory(ValueError):
+    """The folder holds no run (no plan.json)."""
+
+
+class RunDir:
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.path.abspath(os.fspath(path))
+
+    def __repr__(self) -> str:
+        return f"RunDir({self.path!r})"
+
+    def file(self, *names: str) -> str:
+        return os.path.join(self.path, *names)
+
+    @property
+    def plan_path(self) -> str:
+        return self.file(PLAN_JSON)
+
+    @property
+    def ledger_path(self) -> str:
+        return self.file("ledger.jsonl")
+
+    @property
+    def metrics_path(self) -> str:
+        return self.file("metrics.jsonl")
+
+    @property
+    def model_dir(self) -> str:
+        return self.file("model")
+
+    def exists(self) -> bool:
+        return os.path.isfile(self.plan_path)
+
+    def require(self, error: type[Exception] = NotARunDirectory) -> RunDir:
+        """``self``, or ``error`` naming the folder if it holds no run."""
+        if not self.exists():
+            raise error(f"{self.path}: not a run directory (no {PLAN_JSON})")
+        return self
+
+    # ---- plan.json
+
+    @cached_property
+    def info(self) -> dict[str, Any]:
+        """plan.json, read once (``NotARunDirectory`` if there is none)."""
+        self.require()
+        with open(self.plan_path, encoding="utf-8") as f:
+            return json.load(f)
+
+    @property
+    def plan(self) -> DPPlan:
+        return DPPlan.from_dict(self.info["plan"])
+
+    @property
+    def prior_releases(self) -> list[dict]:
+        return list(self.info.get("prior_releases") or [])
+
+    @property
+    def tokenizer(self) -> dict:
+        return dict(self.info.get("tokenizer") or {})
+
+    def run_id(self) -> str | None:
+        """The run's id if plan.json holds one (a re-launch resumes the same run), else None."""
+        try:
+            return self.info.get("run_id")
+        except (OSError, ValueError):
+            return None
+
+    def write_plan(self, record: dict[str, Any]) -> None:
+        """Write plan.json, once. A re-launch of the same run (same recipe, checked by
+        ``trainer.check_run_dir``) computes the same record: the file is left as it is. A
+        record whose plan or earlier releases differ is refused: the directory's
+        checkpoints and ledger were made under the first."""
+        record = json.loads(json.dumps(record))
+        if os.path.exists(self.plan_path):
+            old = self.info
+            changed = [k for k in ("run_id", "prior_releases") if old.get(k) != record.get(k)]
+            if DPPlan.from_dict(old["plan"]) != DPPlan.from_dict(record["plan"]):
+                changed.insert(0, "plan")
+            if changed:
+                raise ValueError(
+                    f"{self.plan_path} holds a different {', '.join(changed)} than this launch "
+                    f"computed; this run directory belongs to another run. Give this run its own "
+                    f"output.name or delete {self.path}")
+            return
+        os.makedirs(self.path, exist_ok=True)
+        tmp = self.plan_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+        os.replace(tmp, self.plan_path)
+        self.__dict__["info"] = record
+
+    # ---- config.yaml
+
+    def config(self) -> dict:
+        """The resolved recipe, as a dict (``FileNotFoundError`` if there is none)."""
+        import yaml  # lazy: only the readers that need the recipe pay for it
+
+        with open(self.file("config.yaml"), encoding="utf-8") as f:
+            return yaml.safe_load(f) or {}
+
+    # ---- checkpoints
+
+    def latest_checkpoint(self) -> str | None:
+        """The newest checkpoint's state.pt (the one Ray Train restores), or None."""
+        found = sorted(glob.glob(self.file("checkpoints", "checkpoint_*", "state.pt")))
+        return found[-1] if found else None
+
+    def checkpoint_step(self) -> int | str:
+        """The step of the latest checkpoint (0 without one; "?" if it cannot be read)."""
+        ckpt = self.latest_checkpoint()
+        if ckpt is None:
+            return 0
+        import torch  # lazy: readers of a run directory do not need torch otherwise
+
+        try:  # mmap: only the step is read, not the parameters or the optimizer state
+            return int(torch.load(ckpt, map_location="cpu", mmap=True, weights_only=True)["step"])
+        except Exception:  # noqa: BLE001 - a checkpoint Ray cannot read either fails the run later
+            return "?"
+
+    def resume_point(self) -> dict | None:
+        """Where a re-launch starts: ``{"step": k, "attempt": n}`` (k: the step of the latest
+        checkpoint, the one Ray Train restores; n: this launch's attempt, counted like the
+        report's attempts), or None for a fresh run."""
+        if not os.path.isdir(self.path):
+            return None
+        try:
+            records = Ledger(self.ledger_path).records() if os.path.exists(self.ledger_path) else []
+        except Exception:  # noqa: BLE001 - a damaged ledger is reported by the report, not here
+            records = []
+        attempts = {r.get("attempt") for r in records if r.get("kind") == "release"}
+        if self.latest_checkpoint() is None and not attempts:
+            return None
+        return {"step": self.checkpoint_step(), "attempt": len(attempts) + 1}

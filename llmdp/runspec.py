@@ -1,0 +1,130 @@
+"""The run spec: everything the driver decided, handed to every worker as one typed value.
+
+``trainer.prepare`` builds a :class:`RunSpec` once (validated recipe, DP plan, ledger
+service, earlier releases, tokenizer, paths); Ray ships it to the workers as it is (it is
+frozen and picklable), and the worker loop reads typed fields: it never re-validates the
+recipe, restates a default, or reads plan.json back. plan.json is the spec's published
+record (:meth:`RunSpec.plan_record`), written once and read by ``llmdp.rundir.RunDir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmdp.config import RecipeConfig
+from llmdp.privacy.plan import DPPlan
+from llmdp.privacy.prior import composed_epsilon
+from llmdp.privacy.service import LedgerService
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Absolute paths (Ray workers chdir into their own folder)."""
+
+    run_dir: str
+    store_dir: str  # the unit store (memory-mapped by every worker)
+    model_cache: str  # where model files are cached (``models.load_model(cache_dir=...)``)
+    tokenizer_dir: str | None = None  # a local tokenizer folder, saved next to the model
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None and not os.path.isabs(v):
+                raise ValueError(f"RunPaths.{f.name}: {v!r} is not an absolute path")
+
+    @property
+    def metrics(self) -> str:
+        return os.path.join(self.run_dir, "metrics.jsonl")
+
+    @property
+    def model(self) -> str:
+        return os.path.join(self.run_dir, "model")
+
+
+class _ActorLedger:
+    """The ledger service's methods, called on its Ray actor (blocking: write-ahead)."""
+
+    def __init__(self, name: str):
+        import ray  # lazy: only a run under Ray has an actor
+
+        self._ray, self._actor = ray, ray.get_actor(name)
+
+    def __getattr__(self, method):
+        remote = getattr(self._actor, method)
+        return lambda *a, **k: self._ray.get(remote.remote(*a, **k))
+
+
+@dataclass(frozen=True)
+class LedgerSpec:
+    """How the run reaches its single ledger writer: ``service`` holds the
+    :class:`~llmdp.privacy.service.LedgerService` arguments; ``actor`` names the Ray actor
+    serving them on the driver, once started (None: rank 0 opens the service in-process)."""
+
+    service: Mapping[str, Any]
+    actor: str | None = None
+
+    @property
+    def budget_epsilon(self) -> float | None:
+        return self.service.get("budget_epsilon")
+
+    @property
+    def admits(self) -> bool:
+        """Rank 0 asks the service before every block of steps: a dataset budget, or a
+        target that failures may not exceed."""
+        s = self.service
+        return s.get("budget_epsilon") is not None or (
+            s.get("target_epsilon") is not None and not s.get("allow_exceed_target"))
+
+    def open(self) -> LedgerService:
+        """A new in-process service (the driver's budget checks, tests)."""
+        return LedgerService(**self.service)
+
+    def client(self):
+        """The run's ledger service: the named Ray actor if the driver made one, else in-process."""
+        return _ActorLedger(self.actor) if self.actor else self.open()
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run, as the driver prepared it (``trainer.prepare``)."""
+
+    cfg: RecipeConfig
+    plan: DPPlan
+    run_id: str
+    paths: RunPaths
+    ledger: LedgerSpec
+    dataset_ledger: Mapping[str, str]  # {"location" (without password), "dataset_id"}
+    prior_releases: tuple[Mapping[str, Any], ...] = ()  # e.g. a private tokenizer's release
+    tokenizer: Mapping[str, Any] = field(default_factory=dict)  # what the tokenizer means for ε
+    data_stats: Mapping[str, Any] = field(default_factory=dict)  # internal: computed on private data
+
+    @property
+    def run_dir(self) -> str:
+        return self.paths.run_dir
+
+    @property
+    def epsilon_planned(self) -> float:
+        """ε of the whole plan composed with the earlier releases."""
+        return composed_epsilon(self.plan, list(self.prior_releases))
+
+    def with_ledger_actor(self, name: str) -> RunSpec:
+        return dataclasses.replace(self, ledger=dataclasses.replace(self.ledger, actor=name))
+
+    def plan_record(self) -> dict[str, Any]:
+        """What plan.json holds."""
+        return {
+            "plan": self.plan.to_dict(),
+            "epsilon_planned": self.epsilon_planned,
+            "epsilon_planned_training_only": self.plan.epsilon(),
+            "run_id": self.run_id,
+            "tokenizer": dict(self.tokenizer),
+            "prior_releases": [dict(r) for r in self.prior_releases],
+            "data": dict(self.data_stats),
+            "dataset_ledger": dict(self.dataset_ledger),
+            "budget_epsilon": self.cfg.privacy.budget_epsilon,
+            "allow_exceed_target_on_failure": self.cfg.privacy.allow_exceed_target_on_failure,
+        }
