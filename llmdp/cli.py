@@ -307,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
             return ledger_main(args)
         if args.privacy_command == "report":
             from llmdp.report import write_report
+            from llmdp.rundir import RunDir
 
-            if not os.path.exists(os.path.join(args.run_dir, "plan.json")):
-                raise ConfigError(f"{args.run_dir}: not a run directory (no plan.json)")
+            RunDir(args.run_dir).require(ConfigError)
             report = write_report(args.run_dir)
             if args.json:
                 print(json.dumps(report))

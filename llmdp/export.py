@@ -41,6 +41,7 @@ import shutil
 from typing import Any
 
 from llmdp._fs import building_dir, replace_dir
+from llmdp.rundir import RunDir
 
 __all__ = ["ExportError", "verify_run", "export_run", "model_card", "push_folder", "HfApi"]
 
@@ -92,9 +93,12 @@ def _config_hash_header(run_dir: str) -> str | None:
     return None
 
 
-def _latest_checkpoint(run_dir: str) -> str | None:
-    found = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "checkpoint_*", "state.pt")))
-    return found[-1] if found else None
+def _plan_info(rd: RunDir) -> dict:
+    """plan.json (``ExportError`` if it is not valid JSON)."""
+    try:
+        return rd.info
+    except ValueError as e:
+        raise ExportError(f"{rd.plan_path}: not valid JSON ({e})") from None
 
 
 def _model_tensors(model_dir: str) -> dict[str, Any]:
@@ -148,8 +152,7 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     if not os.path.isdir(os.path.join(run_dir, "model")):
         raise ExportError(f"{run_dir}: no final model (model/); the run did not finish. Resume it "
                           f"with `llmdp train` and the same recipe and output.name")
-    if not os.path.exists(os.path.join(run_dir, "plan.json")):
-        raise ExportError(f"{run_dir}: not a run directory (no plan.json)")
+    rd = RunDir(run_dir).require(ExportError)
     stored = _read_json(os.path.join(run_dir, "privacy_report.json"))
     has_ledger = os.path.exists(os.path.join(run_dir, "ledger.jsonl"))
     rebuilt = build_report(run_dir) if has_ledger else None
@@ -176,7 +179,7 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
 
     # The run's own seed, or a private tokenizer's (llmdp_tokenizer.json privacy.rng), read
     # from the run's files, not only from the report (which may predate the tokenizer check).
-    seeded_from = seeded_sources(_run_config(run_dir), _read_json(os.path.join(run_dir, "plan.json")) or {})
+    seeded_from = seeded_sources(_run_config(run_dir), _plan_info(rd))
     if report.get("rng_mode") == "seeded" or seeded_from:
         problems.append("a DP release of this model used a seeded RNG ("
                         + ("; ".join(seeded_from) or "privacy.rng: seeded")
@@ -205,7 +208,7 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
         if recs and want and got != want:
             problems.append(f"the ledger's last release was made under config {str(got)[:12]}, not this "
                             f"run's config.yaml ({want[:12]})")
-    ckpt = _latest_checkpoint(run_dir)
+    ckpt = rd.latest_checkpoint()
     if ckpt is None:
         problems.append("no checkpoint to check the final model against")
     else:
@@ -500,8 +503,8 @@ def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
     if os.path.exists(path):
         from llmdp.privacy.ledger import Ledger
 
-        info = _read_json(os.path.join(run_dir, "plan.json")) or {}
-        lines = publishable_ledger(Ledger(path).records(), info.get("prior_releases") or [])
+        prior = _plan_info(RunDir(run_dir)).get("prior_releases") or []
+        lines = publishable_ledger(Ledger(path).records(), prior)
         with open(os.path.join(out, "ledger.jsonl"), "w", encoding="utf-8") as f:
             f.writelines(json.dumps(rec, sort_keys=True) + "\n" for rec in lines)
 

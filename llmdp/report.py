@@ -12,9 +12,8 @@ import os
 import re
 from typing import Any
 
-import yaml
-
 from llmdp._allowlist import allow_listed
+from llmdp.rundir import RunDir
 
 REPORT_VERSION = 1
 
@@ -58,17 +57,15 @@ def _read_jsonl(path: str) -> list[dict]:
 RESUME_HINT = "re-run the same command to resume"
 
 
-def build_report(run_dir: str, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
+def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
     from llmdp.privacy import accountant
     from llmdp.privacy.ledger import Ledger
-    from llmdp.privacy.plan import DPPlan
 
-    run_dir = os.path.abspath(run_dir)
-    with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
-        cfg = yaml.safe_load(f)
-    with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
-        plan_info = json.load(f)
-    plan = DPPlan.from_dict(plan_info["plan"])
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    run_dir = rd.path
+    cfg = rd.config()
+    plan_info = rd.info
+    plan = rd.plan
     ledger_path = os.path.join(run_dir, "ledger.jsonl")
     ledger = Ledger(ledger_path)
     records = ledger.records() if os.path.exists(ledger_path) else []
@@ -504,28 +501,24 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     return steps, acc.epsilon_with_threshold(prior + kept, plan.delta, d_thr, plan.accountant, interval)
 
 
-def epsilon_curve(run_dir: str, points: int = 16) -> list[tuple[int, float]]:
+def epsilon_curve(run_dir: str | RunDir, points: int = 16) -> list[tuple[int, float]]:
     """ε after the first t steps recorded in the run's ledger, at a few t: the curve of the
     plot. Starts at the earlier releases' ε (a private tokenizer's), and its last point is
     the reported ε (same composition, same grid); the others use the display grid."""
-    from llmdp.privacy.plan import DPPlan
-
-    with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
-        info = json.load(f)
-    plan = DPPlan.from_dict(info["plan"])
-    prior = info.get("prior_releases") or []
-    path = os.path.join(run_dir, "ledger.jsonl")
     from llmdp.privacy.ledger import Ledger
 
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    plan, prior, path = rd.plan, rd.prior_releases, rd.ledger_path
     total = sum(int(c) for _, c in Ledger(path).entries()) if os.path.exists(path) else 0
     ts = sorted({max(1, round(total * i / points)) for i in range(1, points + 1)}) if total else []
     return [ledger_epsilon(path, plan, prior, steps=t, exact=(t == total)) for t in [0] + ts]
 
 
 def write_report(run_dir: str, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
-    report = build_report(run_dir, failure=failure, interrupted=interrupted)
+    rd = RunDir(run_dir)  # plan.json and config.yaml read once for the report and its curve
+    report = build_report(rd, failure=failure, interrupted=interrupted)
     try:  # the plot's curve, kept for the publishable report (export renders its PNG from it)
-        report["epsilon_curve"] = [[t, e] for t, e in epsilon_curve(run_dir)]
+        report["epsilon_curve"] = [[t, e] for t, e in epsilon_curve(rd)]
     except Exception as e:  # a curve must never lose a report
         report["plot_error"] = repr(e)
     with open(os.path.join(run_dir, "privacy_report.json"), "w", encoding="utf-8") as f:

@@ -48,9 +48,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from llmdp import parallel
+from llmdp import losses, parallel
 from llmdp.choices import MIXED_PRECISION, STRATEGIES
-from llmdp import losses
 
 
 class Strategy:

@@ -46,7 +46,7 @@ from llmdp.models import load_model
 from llmdp.parallel import _dist_on, broadcast_bytes
 from llmdp.privacy import chacha, sampling
 from llmdp.runspec import RunPaths, RunSpec
-from llmdp.strategy import Strategy, strategy_for
+from llmdp.strategy import Replicated, Strategy, strategy_for
 
 # --------------------------------------------------------------------------- one step
 
@@ -314,7 +314,7 @@ def resume(run: Training) -> None:
     if path is None or not os.path.exists(path):
         return
     state = torch.load(path, map_location=run.strategy.map_location)
-    written = state.get("strategy", "replicated")
+    written = state.get("strategy", Replicated.name)  # checkpoints from before fsdp existed
     if written != run.strategy.name:
         raise ValueError(
             f"the checkpoint in {ckpt_dir} was written with scaling.strategy: {written!r}; "

@@ -6,11 +6,11 @@ ledger is damaged or an argument is wrong (the CLI prints `LedgerError`/`ValueEr
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 from llmdp.privacy.ledger import LEDGER_FILENAME, LedgerError, append_line
+from llmdp.rundir import RunDir
 
 
 def _db(location: str | None, read_only: bool):
@@ -21,11 +21,7 @@ def _db(location: str | None, read_only: bool):
 
 
 def _run_info(run_dir: str) -> tuple[dict, str]:
-    plan = os.path.join(run_dir, "plan.json")
-    if not os.path.exists(plan):
-        raise ValueError(f"{run_dir}: not a run directory (no plan.json)")
-    with open(plan, encoding="utf-8") as f:
-        info = json.load(f)
+    info = RunDir(run_dir).info  # NotARunDirectory (a ValueError) without plan.json
     d = info.get("dataset_ledger")
     if not isinstance(d, dict):
         raise ValueError(f"{run_dir}: a run of an earlier llmdp (its dataset ledger is the JSONL "

@@ -1,0 +1,99 @@
+"""The run spec (issue 16 item 1): `prepare` returns one frozen, picklable RunSpec; Ray ships
+it as it is; the run never reads plan.json back; plan.json is written once and read through
+RunDir."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pickle
+
+import pytest
+
+from llmdp.rundir import NotARunDirectory, RunDir
+from llmdp.runspec import LedgerSpec, RunPaths, RunSpec
+from llmdp.worker import LocalContext, train_loop_per_worker
+from tests.test_loop import make_recipe, prepared_config
+
+
+@pytest.fixture
+def spec(tmp_path) -> RunSpec:
+    return prepared_config(make_recipe(tmp_path, steps=2, checkpoint_every=1))
+
+
+def test_run_spec_round_trips_through_pickle_and_cloudpickle(spec):
+    from ray import cloudpickle
+
+    from llmdp.trainer import _ray_entry
+
+    again = pickle.loads(pickle.dumps(spec))
+    assert again == spec and again is not spec
+    assert again.cfg == spec.cfg and again.plan == spec.plan and again.paths == spec.paths
+    assert dict(again.ledger.service) == dict(spec.ledger.service)
+    # What the driver hands TorchTrainer: the entry point bound to the spec (Ray's cloudpickle).
+    entry = cloudpickle.loads(cloudpickle.dumps(functools.partial(_ray_entry, spec)))
+    assert entry.func is _ray_entry and entry.args == (spec,)
+    with_actor = spec.with_ledger_actor("llmdp-ledger-x")
+    assert pickle.loads(pickle.dumps(with_actor)).ledger.actor == "llmdp-ledger-x"
+
+
+def test_run_spec_is_frozen_and_typed(spec):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.run_id = "other"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.paths.run_dir = "/elsewhere"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.cfg.train.steps = 99  # type: ignore[misc]
+    assert spec.with_ledger_actor("a").ledger.actor == "a" and spec.ledger.actor is None
+    assert all(os.path.isabs(p) for p in (spec.paths.run_dir, spec.paths.store_dir, spec.paths.model_cache))
+    with pytest.raises(ValueError, match="RunPaths.store_dir: 'units' is not an absolute path"):
+        RunPaths(run_dir="/r", store_dir="units", model_cache="/m")
+
+
+def test_ledger_spec_admission_follows_budget_and_target():
+    base = {"budget_epsilon": None, "target_epsilon": None, "allow_exceed_target": False}
+    assert not LedgerSpec(base).admits
+    assert LedgerSpec({**base, "budget_epsilon": 3.0}).admits
+    assert LedgerSpec({**base, "target_epsilon": 3.0}).admits
+    assert not LedgerSpec({**base, "target_epsilon": 3.0, "allow_exceed_target": True}).admits
+
+
+def test_plan_json_is_the_spec_record_written_once(spec, tmp_path):
+    rd = RunDir(spec.run_dir)
+    on_disk = json.loads(open(rd.plan_path).read())
+    assert on_disk == json.loads(json.dumps(spec.plan_record()))
+    assert rd.plan == spec.plan and rd.run_id() == spec.run_id
+    assert rd.prior_releases == list(spec.prior_releases) and rd.tokenizer == dict(spec.tokenizer)
+    before = os.stat(rd.plan_path)
+    again = prepared_config(make_recipe(tmp_path, steps=2, checkpoint_every=1))  # a re-launch
+    after = os.stat(rd.plan_path)
+    assert again.run_id == spec.run_id and again.plan == spec.plan
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not rewritten
+    # A different plan is refused, and the file is left as it was.
+    other = {**spec.plan_record(), "plan": {**spec.plan.to_dict(), "noise_multiplier": 2.0}}
+    with pytest.raises(ValueError, match="holds a different plan"):
+        RunDir(spec.run_dir).write_plan(other)
+    assert json.loads(open(rd.plan_path).read()) == on_disk
+
+
+def test_the_run_never_reads_plan_json_back(spec):
+    """The workers read the spec: a run whose plan.json is gone still trains (plan.json is
+    output, read only by the report, the export and the CLI)."""
+    os.remove(RunDir(spec.run_dir).plan_path)
+    out = train_loop_per_worker(spec, LocalContext())
+    assert out == {"steps": 2}
+    assert os.path.exists(os.path.join(spec.run_dir, "model", "config.json"))
+    assert not RunDir(spec.run_dir).exists()
+
+
+def test_run_dir_reader_names_a_folder_without_a_run(tmp_path):
+    rd = RunDir(tmp_path)
+    assert not rd.exists() and rd.run_id() is None and rd.resume_point() is None
+    with pytest.raises(NotARunDirectory, match=r"not a run directory \(no plan.json\)"):
+        rd.info  # noqa: B018
+    with pytest.raises(KeyError):
+        rd.require(KeyError)
+    (tmp_path / "plan.json").write_text("{not json")
+    assert RunDir(tmp_path).run_id() is None
