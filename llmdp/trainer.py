@@ -10,17 +10,32 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
 from typing import Any
 
-from llmdp._fs import cache_root
-from llmdp.config import RecipeConfig, config_hash, dump_yaml, to_dict
+import yaml
+
+from llmdp._fs import RunLock, cache_root
+from llmdp.config import ConfigError, RecipeConfig, config_hash, dump_yaml, to_dict
+from llmdp.data.sources import source_fingerprint
+from llmdp.data.store import UnitSpec, build_store
+from llmdp.data.synthetic import ensure_clinical_notes
+from llmdp.export import ExportError, export_run
+from llmdp.models import load_model
 from llmdp.privacy.dataset_ledger import open_dataset_ledger
+from llmdp.privacy.events import event_to_json
+from llmdp.privacy.ledger import LedgerError
+from llmdp.privacy.plan import make_plan
+from llmdp.privacy.prior import calibrate_with_prior
+from llmdp.privacy.service import BudgetError, LedgerService, run_ledger_problems
+from llmdp.progress import Progress
+from llmdp.report import RESUME_HINT, write_report
 from llmdp.rundir import RunDir
 from llmdp.runspec import LedgerSpec, RunPaths, RunSpec
+from llmdp.tokenizer.train import ensure_release_recorded, tokenizer_for_run
+from llmdp.worker import train_loop_per_worker
 
 WORKER_ENV = {
     # Nothing is downloaded at run time: models and tokenizers are local folders.
@@ -49,10 +64,6 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def check_run_dir(run_dir: str, cfg: RecipeConfig) -> None:
     """Refuse to reuse a run directory that holds a run of a different recipe."""
-    import yaml
-
-    from llmdp.config import ConfigError
-
     old_path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(old_path):
         return
@@ -81,8 +92,6 @@ def _check_run_ledger(run_dir: str, run_id: str, ledger: dict) -> None:
     path = os.path.join(run_dir, "ledger.jsonl")
     if not os.path.exists(path):
         return
-    from llmdp.privacy.ledger import LedgerError
-    from llmdp.privacy.service import run_ledger_problems
 
     problems = run_ledger_problems(path, run_id, ledger["location"], ledger["dataset_id"])
     if problems:
@@ -93,9 +102,6 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
     """Everything the workers need, built once on the driver: data units, model files, the
     plan, the ledger service; returned as one :class:`~llmdp.runspec.RunSpec`, whose record
     is written to the run directory's plan.json (once)."""
-    from llmdp.data.store import UnitSpec, build_store
-    from llmdp.models import load_model
-    from llmdp.privacy.plan import make_plan
 
     run_dir = os.path.abspath(cfg.run_dir)
     rd = RunDir(run_dir)
@@ -106,15 +112,12 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
     os.makedirs(cache, exist_ok=True)
 
     if cfg.data.synthetic is not None and not os.path.exists(cfg.data.path):
-        from llmdp.data.synthetic import ensure_clinical_notes
 
         log(f"generating {cfg.data.synthetic.num_documents} synthetic private documents -> {cfg.data.path}")
         ensure_clinical_notes(cfg.data.path, cfg.data.synthetic.num_documents, cfg.data.synthetic.seed)
 
     # What the tokenizer means for the guarantee, before anything is built with it: a
     # tokenizer fit on this data without DP is refused; a DP one on this data is composed.
-    from llmdp.data.sources import source_fingerprint
-    from llmdp.tokenizer.train import tokenizer_for_run
 
     d = cfg.data
     source_sha = source_fingerprint(path=d.path, dataset=d.dataset, split=d.split,
@@ -154,7 +157,6 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
     )
     N = store.num_units
     if cfg.train.expected_batch_size > N:
-        from llmdp.config import ConfigError
 
         raise ConfigError(
             f"train.expected_batch_size: {cfg.train.expected_batch_size} is more than the {N} "
@@ -178,7 +180,6 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
     )
     prior_releases = [tok_use["release"]] if tok_use["compose"] else []
     if prior_releases:
-        from llmdp.privacy.prior import calibrate_with_prior
 
         # The model's guarantee covers the tokenizer too: sigma is calibrated so that the
         # composition (tokenizer release + every step) meets privacy.target_epsilon.
@@ -196,7 +197,6 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
         "relation": plan.relation,
         "mechanism": "dp-sgd",
     }
-    from llmdp.privacy.events import event_to_json
 
     ledger = open_dataset_ledger(d, cfg.privacy.ledger, source_sha, log=log)
     _check_run_ledger(run_dir, run_id, ledger)  # a resumed run: its ledger.jsonl is whole
@@ -215,7 +215,6 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
         "lock": lock.info if lock is not None else None,
     }
     if prior_releases:
-        from llmdp.tokenizer.train import ensure_release_recorded
 
         for rel in prior_releases:
             if ensure_release_recorded(rel, ledger, {
@@ -265,7 +264,6 @@ def check_budget(ledger: LedgerSpec, plan, *, remaining: int, resuming: bool, lo
     check (`LedgerService.hold`): a run whose plan does not fit in what remains, after the
     releases and what live runs hold, is refused before it starts (a resumed run starts if
     one step fits, and stops before the step that would cross it)."""
-    from llmdp.privacy.service import BudgetError
 
     svc = ledger.open()
     try:
@@ -288,85 +286,6 @@ def check_budget(ledger: LedgerSpec, plan, *, remaining: int, resuming: bool, lo
     return st
 
 
-class _Progress(threading.Thread):
-    """Rank 0 writes metrics.jsonl; the driver turns it into a progress bar. Its ε is the
-    ledger's (``ledger.jsonl`` next to metrics.jsonl), like the report's: steps re-executed
-    after a failure count again; the last value, computed exactly, is the report's ε."""
-
-    def __init__(self, path: str, plan, prior_releases=(), ledger_path: str | None = None):
-        super().__init__(daemon=True)
-        self.path, self.total, self.plan = path, plan.steps, plan
-        self.ledger_path = ledger_path or os.path.join(os.path.dirname(path), "ledger.jsonl")
-        self.prior = list(prior_releases)  # e.g. the private tokenizer's release: ε starts there
-        self._eps_at = (0, 0.0)  # (step, epsilon): epsilon spent so far, recomputed now and then
-        self._eps_time = 0.0
-        self.stop = threading.Event()
-        self._offset = os.path.getsize(path) if os.path.exists(path) else 0
-
-    def run(self) -> None:
-        from tqdm import tqdm
-
-        bar = tqdm(total=self.total, desc="dp-sgd", unit="step", dynamic_ncols=True, file=sys.stdout)
-        last = {}
-        while not self.stop.is_set():
-            self._poll(bar, last)
-            self.stop.wait(0.5)
-        self._poll(bar, last, final=True)
-        bar.close()
-
-    def _ledger_epsilon(self, exact: bool) -> float:
-        from llmdp.report import ledger_epsilon
-
-        return ledger_epsilon(self.ledger_path, self.plan, self.prior, exact=exact)[1]
-
-    def _poll(self, bar, last, final: bool = False) -> None:
-        self._read_metrics(bar, last)
-        if final:  # the run is over: the ledger's ε, exactly as the report computes it
-            last["eps"] = self._ledger_epsilon(exact=True)
-            bar.set_postfix({**last.get("post", {}), "eps": f"{last['eps']:.2f}"}, refresh=False)
-            bar.refresh()
-
-    def _read_metrics(self, bar, last) -> None:
-        if not os.path.exists(self.path):
-            return
-        with open(self.path, encoding="utf-8") as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        lines = chunk.split("\n")
-        complete, rest = lines[:-1], lines[-1]
-        self._offset += len(chunk.encode()) - len(rest.encode())
-        for line in complete:
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            if rec.get("event") == "start":
-                bar.n = rec["step"]
-                continue
-            if "step" not in rec or "event" in rec:
-                continue
-            bar.n = rec["step"]
-            now = time.monotonic()
-            # PLD costs ~0.5 s of the CPU the workers use: refresh at most every 10% of the run.
-            due = rec["step"] - self._eps_at[0] >= max(1, self.total // 10)
-            if rec["step"] != self._eps_at[0] and ((due and now - self._eps_time > 5) or rec["step"] == self.total):
-                # epsilon of every release in the ledger so far (display grid: conservative)
-                eps = self._ledger_epsilon(exact=False)
-                self._eps_at = (rec["step"], eps)
-                self._eps_time = time.monotonic()
-                last["eps"] = self._eps_at[1]
-            post = {}
-            if rec.get("train_loss") is not None:
-                post["loss"] = f"{rec['train_loss']:.3f}"
-            if "eps" in last:
-                post["eps"] = f"{last['eps']:.2f}"
-            if rec.get("tokens_per_s"):
-                post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
-                post["units/s"] = f"{rec['units_per_s']:.1f}"
-            last["post"] = post
-            bar.set_postfix(post, refresh=False)
-            bar.refresh()
-
-
 def run(cfg: RecipeConfig, log=print) -> str:
     """Run the recipe end to end; returns the run directory. Ctrl-C raises RunInterrupted
     after the report (status: interrupted) is written."""
@@ -376,7 +295,6 @@ def run(cfg: RecipeConfig, log=print) -> str:
             f"ε = {done['epsilon']:.4f} at δ = {done['delta']:.3g}); nothing to do. Give a new "
             f"output.name to train again.")
         return os.path.abspath(cfg.run_dir)
-    from llmdp._fs import RunLock
 
     lock = RunLock(cfg.run_dir)  # one launch per run directory, before anything is written
     try:
@@ -399,7 +317,6 @@ def _end_hold(spec: RunSpec, status: str, log) -> None:
 
 
 def _run_locked(cfg: RecipeConfig, lock, log) -> str:
-    from llmdp.report import RESUME_HINT, write_report
 
     prepared = prepare(cfg, log=log, lock=lock)
     plan = prepared.plan
@@ -443,7 +360,6 @@ def _run_locked(cfg: RecipeConfig, lock, log) -> str:
         raise error
     out = cfg.output
     if out.push_to is not None and report.get("status") == "complete":
-        from llmdp.export import ExportError, export_run
 
         try:
             export_run(prepared.run_dir, os.path.join(prepared.run_dir, "export"), merge=out.merge,
@@ -481,7 +397,7 @@ def quiet_ray_notices() -> None:
 
 
 def _fit(prepared: RunSpec, log) -> None:
-    import ray
+    import ray  # lazy: Ray (and its start-up cost) only where the run goes on Ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -509,7 +425,6 @@ def _fit(prepared: RunSpec, log) -> None:
                 raise
             ray.init(**init)
         started_ray = True
-    from llmdp.privacy.service import LedgerService
 
     # The single ledger writer, on the driver's node, shared by every attempt of the workers.
     actor_name = f"llmdp-ledger-{prepared.run_id}"
@@ -519,7 +434,7 @@ def _fit(prepared: RunSpec, log) -> None:
     actor = ray.remote(LedgerService).options(
         name=actor_name, num_cpus=0, scheduling_strategy=here).remote(**prepared.ledger.service)
     spec = prepared.with_ledger_actor(actor_name)
-    progress = _Progress(spec.paths.metrics, spec.plan, spec.prior_releases)
+    progress = Progress(spec.paths.metrics, spec.plan, spec.prior_releases)
     progress.start()
     try:
         trainer = TorchTrainer(
@@ -554,6 +469,4 @@ def _fit(prepared: RunSpec, log) -> None:
 def _ray_entry(spec: RunSpec) -> None:
     for k, v in WORKER_ENV.items():
         os.environ.setdefault(k, v)
-    from llmdp.worker import train_loop_per_worker  # lazy: the driver does not import torch's loop
-
     train_loop_per_worker(spec)

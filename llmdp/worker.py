@@ -1,4 +1,8 @@
-"""The DP-SGD loop that runs on every worker, readable top to bottom.
+"""The DP-SGD loop that runs on every worker, readable top to bottom:
+:func:`train_loop_per_worker` = :func:`setup` (model, strategy, engine, optimizer, data) ->
+:func:`resume` (the checkpoint Ray Train restored) -> :func:`open_ledger` (rank 0) -> for
+each remaining step: :func:`admitted` (budget) -> :func:`dp_step` -> :func:`checkpoint`
+-> :func:`finish` (the final model).
 
 Per logical step, on every worker in lockstep (DESIGN §1):
 
@@ -14,7 +18,8 @@ Per logical step, on every worker in lockstep (DESIGN §1):
     average   ÷ q·N (the expected batch size, never the realized one)
     update    optimizer + schedule
 
-Nothing here imports Ray: :func:`train_loop_per_worker` takes a ``context`` that the Ray
+The clipped sum is ``llmdp.step``'s; the reduction and the noise are the strategy's
+(``llmdp.strategy``). Nothing here imports Ray: :func:`train_loop_per_worker` takes a ``context`` that the Ray
 trainer (or a test) provides, so the step is runnable and testable on its own.
 """
 
@@ -26,162 +31,23 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from llmdp import parallel
 from llmdp.clipping import GhostClipper
-from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
 from llmdp.config import OptimConfig, warmup_steps_for
 from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import open_store
-from llmdp.losses import row_losses
 from llmdp.models import load_model
-from llmdp.parallel import _dist_on, broadcast_bytes
-from llmdp.privacy import chacha, sampling
+from llmdp.parallel import broadcast_bytes
 from llmdp.runspec import RunPaths, RunSpec
+from llmdp.step import StepKeys, accumulate_clipped_sum, fixed_micro_steps
 from llmdp.strategy import Replicated, Strategy, strategy_for
-
-# --------------------------------------------------------------------------- one step
-
-
-@dataclass
-class StepKeys:
-    """Per-step randomness: the keys of the sample and of the noise, both derived from one
-    32-byte step key through ChaCha20 (``chacha.derive_key``, domain-separated labels)."""
-
-    sample: bytes
-    noise: bytes
-
-    @classmethod
-    def from_step_key(cls, step_key: bytes) -> StepKeys:
-        return cls(chacha.derive_key(step_key, b"sample"), chacha.derive_key(step_key, b"noise"))
-
-    @classmethod
-    def draw(cls, step: int, rng_mode: str, seed: int | None, device: torch.device) -> StepKeys:
-        """Fresh OS entropy on rank 0, broadcast to all; or derived from the seed (seeded mode)."""
-        if rng_mode == "seeded":
-            # Every rank derives the same keys: reproducible, and no guarantee against anyone
-            # who knows the seed (the report says so).
-            return cls.from_step_key(sampling.seeded_key(int(seed), step, "step"))
-        rank0 = not _dist_on() or dist.get_rank() == 0
-        raw = sampling.secure_key() if rank0 else None
-        return cls.from_step_key(broadcast_bytes(raw, 32, device))
-
-
-@dataclass
-class StepStats:
-    """What a worker did in one step. Counts and losses are computed on private data:
-    never published without DP (the report marks them internal)."""
-
-    units: int = 0
-    rows: int = 0
-    tokens: int = 0
-    loss_sum: float = 0.0
-    clipped: int = 0
-    micro_steps: int = 0
-    nonfinite: int = 0  # units whose gradient was NaN/inf (factor 0: they added nothing)
-
-
-def accumulate_clipped_sum(
-    model: nn.Module,
-    clipper: GhostClipper,
-    store,
-    micro_batches: Sequence[np.ndarray],
-    device: torch.device,
-    loss_fn: Callable[[nn.Module, dict], torch.Tensor] = row_losses,
-    debug_check: bool = False,
-    width: int | str | None = "auto",
-) -> StepStats:
-    """Σ_u clip(g_u) over this worker's units, left in ``p.grad`` (zeroed first), or in the
-    clipper's ``grad_buffers`` when it has them (``scaling.strategy: fsdp``).
-
-    ``micro_batches`` is this worker's list from ``assign_micro_batches``: one entry per
-    micro-step, the same count on every worker; an empty entry runs on one masked padding
-    row (contributing exactly zero). ``width`` as in ``UnitStore.rows``.
-    """
-    if clipper.grad_buffers is not None:
-        # fsdp: full-size local buffers, summed over the micro-steps; reduced once per step.
-        for b in clipper.grad_buffers.values():
-            b.zero_()
-    else:
-        for p in clipper.params:
-            p.grad = torch.zeros_like(p)
-    stats = StepStats(micro_steps=len(micro_batches))
-    for m, units in enumerate(micro_batches):
-        batch = store.rows(units, width=width)
-        if batch["input_ids"].shape[0] == 0:
-            batch = store.pad_batch(store.rows(units, width=8 if width == "auto" else width), 1,
-                                    pad_id=store.pad_id)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        losses = loss_fn(model, batch)
-        if debug_check and m == 0:
-            norms = check_against_reference(clipper, losses, batch["row_units"])
-        else:
-            norms = clipper.backward(losses, batch["row_units"])
-        real = batch["row_units"] >= 0
-        stats.units += len(units)
-        stats.rows += int(real.sum())
-        stats.tokens += int(batch["attention_mask"][real].sum())
-        stats.loss_sum += float(losses.detach()[real].sum())
-        finite = torch.isfinite(norms)
-        stats.clipped += int((norms[finite] > clipper.max_grad_norm).sum())
-        stats.nonfinite += int((~finite).sum())
-    return stats
-
-
-class ClippingCheckError(RuntimeError):
-    """The clipping engine disagrees with the exact reference (``--debug``)."""
-
-
-def check_against_reference(clipper: GhostClipper, losses: torch.Tensor, row_units) -> torch.Tensor:
-    """Run the engine and the slow exact reference on the same forward pass and compare
-    per-unit norms and clipped sums; stop the run on a mismatch (DESIGN §3.6)."""
-    per_unit = per_unit_gradients_autograd(losses, clipper.params, row_units, retain_graph=True)
-    ref_sums, ref_norms = clipped_sum(per_unit, clipper.max_grad_norm)
-    del per_unit
-    sinks = clipper.grad_buffers
-    now = (lambda: [p.grad for p in clipper.params]) if sinks is None else \
-        (lambda: [sinks[n] for n in clipper.param_names])
-    before = [g.detach().clone() for g in now()]
-    norms = clipper.backward(losses, row_units)
-    rtol = 1e-6 if losses.dtype == torch.float64 else 2e-3
-    worst = float((norms.double() - ref_norms.double()).abs().max() / ref_norms.double().abs().max().clamp(min=1e-30))
-    if worst > rtol:
-        raise ClippingCheckError(f"per-unit norms differ from the reference by {worst:.3g} (relative) > {rtol:g}")
-    names = {id(p): n for n, p in clipper.model.named_parameters()}
-    for p, g, b, r in zip(clipper.params, now(), before, ref_sums):
-        got = (g - b).double()
-        scale = r.double().abs().max().clamp(min=1e-30)
-        err = float((got - r.double()).abs().max() / scale)
-        if err > rtol:
-            raise ClippingCheckError(
-                f"clipped sum of '{names[id(p)]}' differs from the reference by {err:.3g} "
-                f"(relative) > {rtol:g}"
-            )
-    return norms
-
-
-def fixed_micro_steps(plan, max_rows_per_unit: int, world_size: int, physical_batch_size: int) -> int:
-    """Micro-steps every worker runs at least, every step.
-
-    With truncated Poisson the batch is padded up to B_max units of compute: enough
-    micro-steps for ``max_batch_size`` units of ``max_rows_per_unit`` rows (the public
-    bounds), so memory and step count do not depend on the realized sample. Plain
-    Poisson: 0 (the count follows the sample).
-    """
-    if plan.sampler != "truncated-poisson":
-        return 0
-    per_bin = max(1, physical_batch_size // max(1, int(max_rows_per_unit)))
-    per_worker = -(-int(plan.max_batch_size) // world_size)
-    return -(-per_worker // per_bin)
-
 
 # --------------------------------------------------------------------------- optimizer
 

@@ -499,8 +499,8 @@ def test_curve_and_progress_count_the_ledger_not_completed_steps(full_run, tmp_p
     from llmdp.privacy.ledger import Ledger
     from llmdp.privacy.plan import DPPlan
     from llmdp.privacy.service import LedgerService
+    from llmdp.progress import Progress
     from llmdp.report import epsilon_curve, write_report
-    from llmdp.trainer import _Progress
 
     run = _copy(full_run, tmp_path, "re-executed", own_ledger=True)
     path = os.path.join(run, "ledger.jsonl")
@@ -524,7 +524,7 @@ def test_curve_and_progress_count_the_ledger_not_completed_steps(full_run, tmp_p
     assert all(a[1] <= b[1] for a, b in zip(curve, curve[1:]))
     assert report["epsilon_curve"][-1] == [plan.steps + 2, report["epsilon"]]
 
-    progress = _Progress(os.path.join(run, "metrics.jsonl"), plan, info.get("prior_releases") or [])
+    progress = Progress(os.path.join(run, "metrics.jsonl"), plan, info.get("prior_releases") or [])
     progress._offset = 0  # replay the whole metrics file
     bar, shown = tqdm(total=plan.steps, disable=True), {}
     progress._read_metrics(bar, shown)

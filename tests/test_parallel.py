@@ -18,8 +18,8 @@ from llmdp import parallel
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
 from llmdp.privacy import noise as dp_noise
+from llmdp.step import accumulate_clipped_sum
 from llmdp.strategy import Fsdp, Replicated, strategy_for
-from llmdp.worker import accumulate_clipped_sum
 from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
 
 WORLD = 2

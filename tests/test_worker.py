@@ -13,8 +13,8 @@ from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
 from llmdp.parallel import privatize_
 from llmdp.privacy import sampling
+from llmdp.step import accumulate_clipped_sum
 from llmdp.strategy import Replicated
-from llmdp.worker import accumulate_clipped_sum
 from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
 
 P = 4  # physical batch size
@@ -204,7 +204,7 @@ def test_learning_rate_schedule(schedule):
 def test_debug_check_accepts_the_engine_and_catches_a_wrong_one(store, monkeypatch):
     from llmdp.clipping.rules import LinearRule
     from llmdp.losses import row_losses
-    from llmdp.worker import ClippingCheckError, check_against_reference
+    from llmdp.step import ClippingCheckError, check_against_reference
 
     batch = store.rows([0, 1, 2])
     model = model64()

@@ -1,0 +1,92 @@
+"""The driver's progress bar: rank 0 writes metrics.jsonl, the driver follows it (DESIGN §1).
+
+The bar's ε is the ledger's, like the report's: steps re-executed after a failure count
+again, and the last value, computed exactly, is the report's ε.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+from tqdm import tqdm
+
+from llmdp.report import ledger_epsilon
+
+
+class Progress(threading.Thread):
+    """Rank 0 writes metrics.jsonl; the driver turns it into a progress bar. Its ε is the
+    ledger's (``ledger.jsonl`` next to metrics.jsonl), like the report's: steps re-executed
+    after a failure count again; the last value, computed exactly, is the report's ε."""
+
+    def __init__(self, path: str, plan, prior_releases=(), ledger_path: str | None = None):
+        super().__init__(daemon=True)
+        self.path, self.total, self.plan = path, plan.steps, plan
+        self.ledger_path = ledger_path or os.path.join(os.path.dirname(path), "ledger.jsonl")
+        self.prior = list(prior_releases)  # e.g. the private tokenizer's release: ε starts there
+        self._eps_at = (0, 0.0)  # (step, epsilon): epsilon spent so far, recomputed now and then
+        self._eps_time = 0.0
+        self.stop = threading.Event()
+        self._offset = os.path.getsize(path) if os.path.exists(path) else 0
+
+    def run(self) -> None:
+        bar = tqdm(total=self.total, desc="dp-sgd", unit="step", dynamic_ncols=True, file=sys.stdout)
+        last = {}
+        while not self.stop.is_set():
+            self._poll(bar, last)
+            self.stop.wait(0.5)
+        self._poll(bar, last, final=True)
+        bar.close()
+
+    def _ledger_epsilon(self, exact: bool) -> float:
+        return ledger_epsilon(self.ledger_path, self.plan, self.prior, exact=exact)[1]
+
+    def _poll(self, bar, last, final: bool = False) -> None:
+        self._read_metrics(bar, last)
+        if final:  # the run is over: the ledger's ε, exactly as the report computes it
+            last["eps"] = self._ledger_epsilon(exact=True)
+            bar.set_postfix({**last.get("post", {}), "eps": f"{last['eps']:.2f}"}, refresh=False)
+            bar.refresh()
+
+    def _read_metrics(self, bar, last) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        lines = chunk.split("\n")
+        complete, rest = lines[:-1], lines[-1]
+        self._offset += len(chunk.encode()) - len(rest.encode())
+        for line in complete:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if rec.get("event") == "start":
+                bar.n = rec["step"]
+                continue
+            if "step" not in rec or "event" in rec:
+                continue
+            bar.n = rec["step"]
+            now = time.monotonic()
+            # PLD costs ~0.5 s of the CPU the workers use: refresh at most every 10% of the run.
+            due = rec["step"] - self._eps_at[0] >= max(1, self.total // 10)
+            if rec["step"] != self._eps_at[0] and ((due and now - self._eps_time > 5) or rec["step"] == self.total):
+                # epsilon of every release in the ledger so far (display grid: conservative)
+                eps = self._ledger_epsilon(exact=False)
+                self._eps_at = (rec["step"], eps)
+                self._eps_time = time.monotonic()
+                last["eps"] = self._eps_at[1]
+            post = {}
+            if rec.get("train_loss") is not None:
+                post["loss"] = f"{rec['train_loss']:.3f}"
+            if "eps" in last:
+                post["eps"] = f"{last['eps']:.2f}"
+            if rec.get("tokens_per_s"):
+                post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
+                post["units/s"] = f"{rec['units_per_s']:.1f}"
+            last["post"] = post
+            bar.set_postfix(post, refresh=False)
+            bar.refresh()
