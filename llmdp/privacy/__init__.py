@@ -19,6 +19,7 @@ from llmdp.privacy.events import (
     event_to_json,
     is_truncated,
 )
+from llmdp.privacy.keys import secure_key, seeded_key
 from llmdp.privacy.ledger import LEDGER_FILENAME, Ledger, LedgerError
 from llmdp.privacy.plan import (
     DPPlan,
@@ -28,13 +29,11 @@ from llmdp.privacy.plan import (
     make_plan,
     steps_for_epochs,
 )
+from llmdp.privacy.reference_sampler import ReferencePoissonSampler
 from llmdp.privacy.sampling import (
     PoissonSampler,
-    ReferencePoissonSampler,
     TruncatedPoissonSampler,
     make_sampler,
-    secure_key,
-    seeded_key,
     uniform_stream,
 )
 from llmdp.privacy.truncation import truncation_cost, truncation_probability

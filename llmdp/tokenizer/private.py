@@ -46,7 +46,7 @@ mechanism), so the ledger records the Gaussian event and stores delta_threshold 
 record's ``extra`` (`ledger_extra`): **a report must use `accountant.epsilon_with_threshold`
 with `Ledger.delta_threshold()` over such a ledger, never the plain epsilon.**
 
-Seeded keys (`llmdp.privacy.sampling.seeded_key`) are for tests only (DESIGN §3.7); a real
+Seeded keys (`llmdp.privacy.keys.seeded_key`) are for tests only (DESIGN §3.7); a real
 run uses `secure_key()`.
 """
 
@@ -65,7 +65,7 @@ import numpy as np
 from scipy.stats import norm
 
 from llmdp._validate import _check_positive
-from llmdp.privacy.sampling import _check_key
+from llmdp.privacy.keys import _check_key
 
 __all__ = [
     "SPECIAL_TOKENS",

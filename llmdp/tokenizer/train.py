@@ -210,8 +210,8 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
     """Run a tokenizer recipe end to end; returns the folder's ``llmdp_tokenizer.json``."""
     from llmdp.privacy import accountant as acc
     from llmdp.privacy.events import event_to_json
+    from llmdp.privacy.keys import secure_key, seeded_key
     from llmdp.privacy.plan import default_delta
-    from llmdp.privacy.sampling import secure_key, seeded_key
     from llmdp.privacy.service import BudgetError
     from llmdp.tokenizer import private as tp
 

@@ -13,8 +13,8 @@ from dp_accounting.pld import PLDAccountant
 from llmdp.privacy.accountant import epsilon, epsilon_with_threshold
 from llmdp.privacy.accountant import threshold_delta as combined_threshold_delta
 from llmdp.privacy.events import dpsgd_step_event, event_to_json
+from llmdp.privacy.keys import seeded_key
 from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.sampling import seeded_key
 from llmdp.tokenizer.private import (
     SPECIAL_TOKENS,
     bound_unit_words,
