@@ -1,6 +1,6 @@
 """Opening a dataset's ledger for a run or a tokenizer release: the one place both find it.
 
-The database is ``ledgerdb.resolve_location(privacy.ledger)`` ($LLMDP_HOME/ledger.sqlite by
+The database is ``ledger_location.resolve_location(privacy.ledger)`` ($LLMDP_HOME/ledger.sqlite by
 default); the dataset's identity is ``data.sources.dataset_identity`` (``data.dataset_id``,
 never the data's bytes). Legacy per-dataset JSONL ledgers are imported once.
 """
@@ -17,7 +17,8 @@ def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print) -> di
     (`dataset_identity`), the database (`resolve_location`), and the legacy JSONL ledgers
     it replaces, imported once. Prints where it is."""
     from llmdp.data.sources import dataset_identity
-    from llmdp.privacy.ledgerdb import LedgerDB, describe_location, resolve_location
+    from llmdp.privacy.ledger_location import describe_location, resolve_location
+    from llmdp.privacy.ledgerdb import LedgerDB
     from llmdp.privacy.service import open_dataset
 
     ident = dataset_identity(d)

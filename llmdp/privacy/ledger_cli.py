@@ -14,7 +14,8 @@ from llmdp.privacy.ledger import LEDGER_FILENAME, LedgerError, append_line
 
 
 def _db(location: str | None, read_only: bool):
-    from llmdp.privacy.ledgerdb import LedgerDB, resolve_location
+    from llmdp.privacy.ledger_location import resolve_location
+    from llmdp.privacy.ledgerdb import LedgerDB
 
     loc = resolve_location(location)
     return LedgerDB(loc, read_only=read_only)
@@ -49,7 +50,7 @@ def _summary(ledger: str, st) -> str:
 def verify_run(run_dir: str, location: str | None = None) -> list[str]:
     """Problems of a run's ledger.jsonl, checked on its own and against its dataset ledger
     (raises `LedgerError` if the dataset ledger itself is damaged)."""
-    from llmdp.privacy.ledgerdb import resolve_location
+    from llmdp.privacy.ledger_location import resolve_location
     from llmdp.privacy.service import run_ledger_problems
 
     info, loc = _run_info(run_dir)

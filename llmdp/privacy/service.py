@@ -140,8 +140,6 @@ def steps_within_budget(entries, event, budget: float, delta: float, accountant:
     return lo
 
 
-
-
 # ---------------------------------------------------------------------------- holds
 # A run with a budget *holds* the ε of its remaining planned steps from its start: a "hold"
 # record (steps, event, unit, and the run's lock file), ended by "hold_end". Admitting a
@@ -353,7 +351,7 @@ class LedgerService:
         return self.db.records(self.dataset_id)
 
     def status(self, records=None) -> dict:
-        from llmdp.privacy.ledgerdb import describe_location
+        from llmdp.privacy.ledger_location import describe_location
 
         return budget_status(self.records() if records is None else records, self.budget,
                              self.delta, self.accountant, self.meta,
