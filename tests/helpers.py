@@ -246,7 +246,7 @@ def dataset_records(location, data_path=None, dataset_id=None) -> list[dict]:
 
 
 def dataset_entries(location, data_path=None, dataset_id=None):
-    from llmdp.privacy.service import release_entries_of
+    from llmdp.privacy.budget import release_entries_of
 
     return release_entries_of(dataset_records(location, data_path, dataset_id))
 

@@ -35,7 +35,7 @@ def _run_info(run_dir: str) -> tuple[dict, str]:
 
 
 def _summary(ledger: str, st) -> str:
-    from llmdp.privacy.service import live_holds
+    from llmdp.privacy.budget import live_holds
 
     recs = st.records
     rel = [r for r in recs if r["kind"] == "release"]
@@ -116,7 +116,7 @@ def main(args) -> int:
               f"record(s) excused and no longer counted (acknowledged loss, recorded)")
         return 0
     if cmd == "end-hold":
-        from llmdp.privacy.service import holder_alive, live_holds
+        from llmdp.privacy.budget import holder_alive, live_holds
 
         db = _db(args.ledger, read_only=False)
         try:

@@ -255,9 +255,9 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
         event = tp.tokenizer_event(sigma, k)
         extra = tp.ledger_extra(sigma, tau, k)
         eps = acc.epsilon_with_threshold([(event, 1)], delta, extra["delta_threshold"], p.accountant)
+        from llmdp.privacy.budget import live_holds, release_entries_of, split_by_unit
         from llmdp.privacy.dataset_ledger import open_dataset_ledger
         from llmdp.privacy.ledgerdb import LedgerDB
-        from llmdp.privacy.service import live_holds, release_entries_of, split_by_unit
 
         ledger = open_dataset_ledger(cfg.data, p.ledger, data["sha256"], log=log)
         unit = {"kind": data["unit"], "user_field": data["user_field"]}
@@ -270,7 +270,7 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
             # (DESIGN §3.5): the release is durable before any noisy count exists.
             with db.transaction(ledger["dataset_id"], full=True) as tx:
                 if p.budget_epsilon is not None:
-                    from llmdp.privacy.service import hold_entries
+                    from llmdp.privacy.budget import hold_entries
 
                     # The budget is per privacy unit: releases for other units are not composed.
                     same, _ = split_by_unit(tx.records, unit)
