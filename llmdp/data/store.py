@@ -311,8 +311,9 @@ def build_store(
     keep each unit independently by a keyed hash of its own content (see
     ``llmdp.data.units.build_units``).
     """
+    from llmdp.data.files import record_location
     from llmdp.data.formats import RecordEncoder
-    from llmdp.data.sources import load_records, record_location, source_fingerprint
+    from llmdp.data.sources import load_records, source_fingerprint
 
     if data_path is not None:
         data_path = os.path.abspath(os.fspath(data_path))
