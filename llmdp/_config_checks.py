@@ -18,7 +18,7 @@ import dataclasses
 from llmdp._validate import ConfigError, check_exactly_one
 
 
-def _check_tiny(t, prefix: str, base_dir: str):
+def check_tiny(t, prefix: str, base_dir: str):
     """``model.tiny``, a `TinyModelConfig`: the heads divide the sizes."""
     if t.hidden_size % t.num_heads:
         raise ConfigError(
@@ -35,7 +35,7 @@ def _check_tiny(t, prefix: str, base_dir: str):
     return t
 
 
-def _check_model(m, prefix: str, base_dir: str):
+def check_model(m, prefix: str, base_dir: str):
     """``model``, a `ModelConfig`: what init needs; ``tokenizer`` defaults to the model."""
     if m.init == "pretrained" and m.name_or_path is None:
         raise ConfigError(
@@ -94,7 +94,7 @@ def _check_source(d, prefix: str) -> None:
         )
 
 
-def _check_data(d, prefix: str, base_dir: str):
+def check_data(d, prefix: str, base_dir: str):
     """A training recipe's ``data``, a `DataConfig`: record shape, unit bound, source."""
     if d.messages_field is not None and d.prompt_field is not None:
         raise ConfigError(
@@ -147,7 +147,7 @@ def _check_rng_seed(p, prefix: str) -> None:
         )
 
 
-def _check_privacy(p, prefix: str, base_dir: str):
+def check_privacy(p, prefix: str, base_dir: str):
     """``privacy``, a `PrivacyConfig`: one of ε / σ, rng and seed, sampler and accountant."""
     check_exactly_one(
         {
@@ -173,13 +173,13 @@ def _check_privacy(p, prefix: str, base_dir: str):
     return p
 
 
-def _check_train(t, prefix: str, base_dir: str):
+def check_train(t, prefix: str, base_dir: str):
     """``train``, a `TrainConfig`: exactly one of steps / epochs."""
     check_exactly_one({f"{prefix}.steps": t.steps, f"{prefix}.epochs": t.epochs})
     return t
 
 
-def _check_output(o, prefix: str, base_dir: str):
+def check_output(o, prefix: str, base_dir: str):
     """``output``, an `OutputConfig`: a run name that stays inside ``output.dir``."""
     if o.name in (".", ".."):
         raise ConfigError(
@@ -189,7 +189,7 @@ def _check_output(o, prefix: str, base_dir: str):
     return o
 
 
-def _check_recipe(r, prefix: str, base_dir: str):
+def check_recipe(r, prefix: str, base_dir: str):
     """A `RecipeConfig`: the checks across sections (warmup, positions, rows per unit)."""
     if r.train.steps is not None and r.optim.warmup_steps >= r.train.steps:
         raise ConfigError(
@@ -216,7 +216,7 @@ def _check_recipe(r, prefix: str, base_dir: str):
     return r
 
 
-def _check_tokenizer_data(d, prefix: str, base_dir: str):
+def check_tokenizer_data(d, prefix: str, base_dir: str):
     """A tokenizer recipe's ``data``, a `TokenizerDataConfig`."""
     _check_source(d, prefix)
     if d.unit != "user" and d.user_field is not None:
@@ -228,7 +228,7 @@ def _check_tokenizer_data(d, prefix: str, base_dir: str):
     return d
 
 
-def _check_tokenizer_privacy(p, prefix: str, base_dir: str):
+def check_tokenizer_privacy(p, prefix: str, base_dir: str):
     """A tokenizer recipe's ``privacy``, a `TokenizerPrivacyConfig`."""
     if p.dp and p.target_epsilon is None:
         raise ConfigError(

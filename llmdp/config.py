@@ -9,13 +9,13 @@ every default is filled in and every path is absolute.
 Validation stops at the first problem and raises one :class:`ConfigError` whose message
 names the full dotted key, the value, and what was expected (type, range, choices), with
 a "did you mean" for mistyped keys. The checks themselves live in :mod:`llmdp._validate`;
-the generic loading (a mapping or a YAML file -> a dataclass, overrides) in
-:mod:`llmdp._config_load`.
+the generic loading (a mapping -> a dataclass) in :mod:`llmdp._config_load`, YAML files
+and overrides in :mod:`llmdp._config_yaml`.
 
 The schema is declared once, in the dataclasses below: each field's type drives type
 checking and its ``metadata`` (``choices``, bounds, ``path``; declared with ``_f``)
 drives the value checks, so a new field needs one line here and nothing else. Checks
-that involve two fields or two sections are the ``_check_*`` functions of
+that involve two fields or two sections are the ``check_*`` functions of
 :mod:`llmdp._config_checks`, one per dataclass (``_CHECKS`` below says which).
 
 Privacy settings (``privacy``) are kept apart from performance settings (``train``,
@@ -32,20 +32,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llmdp import _config_checks as _checks
 from llmdp import _config_load as _load
-from llmdp._config_checks import (
-    _check_data,
-    _check_model,
-    _check_output,
-    _check_privacy,
-    _check_recipe,
-    _check_tiny,
-    _check_tokenizer_data,
-    _check_tokenizer_privacy,
-    _check_train,
-)
-from llmdp._config_load import config_hash, dump_yaml, parse_override, to_dict
+from llmdp import _config_yaml as _yaml
 from llmdp._config_load import field_spec as _f
+from llmdp._config_yaml import config_hash, dump_yaml, parse_override, to_dict
 from llmdp._validate import ConfigError, fmt
 from llmdp.choices import ACCOUNTANTS, MIXED_PRECISION, SAMPLERS, STRATEGIES
 
@@ -396,20 +387,21 @@ class TokenizerRecipeConfig:
 # llmdp._config_checks: run on each instance of these types as it is built.
 
 _CHECKS = {
-    TinyModelConfig: _check_tiny,
-    ModelConfig: _check_model,
-    DataConfig: _check_data,
-    PrivacyConfig: _check_privacy,
-    TrainConfig: _check_train,
-    OutputConfig: _check_output,
-    RecipeConfig: _check_recipe,
-    TokenizerDataConfig: _check_tokenizer_data,
-    TokenizerPrivacyConfig: _check_tokenizer_privacy,
+    TinyModelConfig: _checks.check_tiny,
+    ModelConfig: _checks.check_model,
+    DataConfig: _checks.check_data,
+    PrivacyConfig: _checks.check_privacy,
+    TrainConfig: _checks.check_train,
+    OutputConfig: _checks.check_output,
+    RecipeConfig: _checks.check_recipe,
+    TokenizerDataConfig: _checks.check_tokenizer_data,
+    TokenizerPrivacyConfig: _checks.check_tokenizer_privacy,
 }
 
 
 # ------------------------------------------------------------------------ public API
-# The generic loading (types, field checks, paths, YAML, overrides) is llmdp._config_load.
+# The generic loading (types, field checks, paths) is llmdp._config_load; YAML files and
+# overrides are llmdp._config_yaml.
 
 _SECTIONS = [f.name for f in dataclasses.fields(RecipeConfig)]
 
@@ -455,7 +447,7 @@ def apply_overrides(d: Mapping[str, Any] | None, overrides: Sequence[str],
     LoRA on with r=4 and the other LoRA defaults). ``root``: the recipe's type
     (default :class:`RecipeConfig`; :class:`TokenizerRecipeConfig` for a tokenizer recipe).
     """
-    return _load.apply_overrides(d, overrides, root or RecipeConfig)
+    return _yaml.apply_overrides(d, overrides, root or RecipeConfig)
 
 
 def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeConfig:
@@ -464,7 +456,7 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recip
     Relative paths in the recipe are resolved against the current working directory;
     ``output.name`` defaults to the file's stem (``recipes/tiny.yaml`` -> ``tiny``).
     """
-    _, full, raw = _load.read_recipe_file(path, "recipe")
+    _, full, raw = _yaml.read_recipe_file(path, "recipe")
     if raw is None:
         raise ConfigError(f"{full}: the recipe is empty; expected the sections {_SECTIONS}")
     if not isinstance(raw, Mapping):
@@ -473,7 +465,7 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recip
             f"got {type(raw).__name__} {fmt(raw)}"
         )
     raw = apply_overrides(raw, overrides)
-    return recipe_from_dict(raw, base_dir=os.getcwd(), default_name=_load.file_stem(full))
+    return recipe_from_dict(raw, base_dir=os.getcwd(), default_name=_yaml.file_stem(full))
 
 
 def tokenizer_recipe_from_dict(
@@ -501,7 +493,7 @@ def load_tokenizer_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()
     Relative paths resolve against the current directory; ``output.name`` defaults to the
     file's stem."""
     sections = [f.name for f in dataclasses.fields(TokenizerRecipeConfig)]
-    given, full, raw = _load.read_recipe_file(path, "tokenizer recipe")
+    given, full, raw = _yaml.read_recipe_file(path, "tokenizer recipe")
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{full}: expected a mapping with the sections {sections}")
     if "model" in raw or "train" in raw:
@@ -510,4 +502,4 @@ def load_tokenizer_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()
             f"`llmdp train {given}`. A tokenizer recipe has the sections {sections}"
         )
     raw = apply_overrides(raw, overrides, root=TokenizerRecipeConfig)
-    return tokenizer_recipe_from_dict(raw, base_dir=os.getcwd(), default_name=_load.file_stem(full))
+    return tokenizer_recipe_from_dict(raw, base_dir=os.getcwd(), default_name=_yaml.file_stem(full))
