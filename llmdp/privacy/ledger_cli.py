@@ -10,13 +10,14 @@ import json
 import os
 import time
 
+from llmdp.privacy.budget import holder_alive, live_holds
 from llmdp.privacy.ledger import LEDGER_FILENAME, LedgerError, append_line
+from llmdp.privacy.ledger_location import resolve_location
+from llmdp.privacy.ledgerdb import LedgerDB
+from llmdp.privacy.service import run_ledger_problems
 
 
 def _db(location: str | None, read_only: bool):
-    from llmdp.privacy.ledger_location import resolve_location
-    from llmdp.privacy.ledgerdb import LedgerDB
-
     loc = resolve_location(location)
     return LedgerDB(loc, read_only=read_only)
 
@@ -35,8 +36,6 @@ def _run_info(run_dir: str) -> tuple[dict, str]:
 
 
 def _summary(ledger: str, st) -> str:
-    from llmdp.privacy.budget import live_holds
-
     recs = st.records
     rel = [r for r in recs if r["kind"] == "release"]
     runs = {r.get("run_id") for r in rel}
@@ -50,9 +49,6 @@ def _summary(ledger: str, st) -> str:
 def verify_run(run_dir: str, location: str | None = None) -> list[str]:
     """Problems of a run's ledger.jsonl, checked on its own and against its dataset ledger
     (raises `LedgerError` if the dataset ledger itself is damaged)."""
-    from llmdp.privacy.ledger_location import resolve_location
-    from llmdp.privacy.service import run_ledger_problems
-
     info, loc = _run_info(run_dir)
     return run_ledger_problems(os.path.join(run_dir, LEDGER_FILENAME), info.get("run_id"),
                                resolve_location(location or loc), info["dataset_ledger"]["dataset_id"])
@@ -116,8 +112,6 @@ def main(args) -> int:
               f"record(s) excused and no longer counted (acknowledged loss, recorded)")
         return 0
     if cmd == "end-hold":
-        from llmdp.privacy.budget import holder_alive, live_holds
-
         db = _db(args.ledger, read_only=False)
         try:
             with db.transaction(args.dataset, full=True) as tx:

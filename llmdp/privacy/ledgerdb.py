@@ -36,6 +36,7 @@ from llmdp.privacy.ledger import (
     LedgerError,
     canonical,
     check_record,
+    make_dirs,
     now,
 )
 
@@ -156,8 +157,6 @@ class LedgerDB:
                 raise LedgerError(f"the ledger database {self.location} does not exist (was "
                                   f"LLMDP_HOME or privacy.ledger different when the run was made?)")
             if not self.read_only:
-                from llmdp.privacy.ledger import make_dirs
-
                 make_dirs(os.path.dirname(self.location) or ".")
             try:
                 self._conn = sqlite3.connect(self.location, timeout=300, isolation_level=None,

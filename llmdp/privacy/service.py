@@ -26,6 +26,7 @@ import os
 import time
 
 from llmdp.privacy import accountant as _acc
+from llmdp.privacy import ledger as _ledger  # append_line looked up at each call (tests patch it)
 
 # budget_status: re-exported for llmdp.report, which imports it from here.
 from llmdp.privacy.budget import (
@@ -40,7 +41,10 @@ from llmdp.privacy.budget import (
     unit_key,
 )
 from llmdp.privacy.events import event_from_json
-from llmdp.privacy.ledger import LedgerError
+from llmdp.privacy.ledger import RUN_REPAIR_HINT, Ledger, LedgerError
+from llmdp.privacy.ledger_location import describe_location
+from llmdp.privacy.ledgerdb import LedgerDB
+from llmdp.privacy.prior import release_entries as prior_entries
 
 __all__ = ["BudgetError", "LedgerService", "budget_status", "cross_check", "open_dataset",
            "run_ledger_problems"]
@@ -131,8 +135,6 @@ class LedgerService:
                  accountant: str, budget_epsilon: float | None = None,
                  target_epsilon: float | None = None, prior_releases=(),
                  allow_exceed_target: bool = False, lock: dict | None = None):
-        from llmdp.privacy.ledgerdb import LedgerDB
-
         self.location, self.dataset_id = location, dataset_id
         self.run_ledger = os.path.abspath(run_ledger)
         self.run_id, self.meta = run_id, dict(meta)
@@ -160,8 +162,6 @@ class LedgerService:
         return self.db.records(self.dataset_id)
 
     def status(self, records=None) -> dict:
-        from llmdp.privacy.ledger_location import describe_location
-
         return budget_status(self.records() if records is None else records, self.budget,
                              self.delta, self.accountant, self.meta,
                              describe_location(self.location), self.dataset_id)
@@ -209,7 +209,6 @@ class LedgerService:
         done = sum(int(r["count"]) for r in mine)
         if done + want <= self.total_steps:
             return want  # within the plan: ε <= the planned ε <= the target
-        from llmdp.privacy.prior import release_entries as prior_entries
 
         p_entries, p_thr = prior_entries(self.prior)
         base = p_entries + release_entries_of(mine)
@@ -245,17 +244,13 @@ class LedgerService:
 
     # ------------------------------------------------------------------ writing
     def _append_run_line(self, rec: dict) -> None:
-        from llmdp.privacy.ledger import append_line
-
         # Inside the database transaction, before it commits: a crash in between leaves a
         # line the database lacks (detected), never a release the run's file lacks.
-        append_line(self.run_ledger, rec)
+        _ledger.append_line(self.run_ledger, rec)
 
     def position(self) -> dict:
         """Where the ledgers stand (stored in every checkpoint): this attempt, the end of its
         last reserved block, and this run's records (count, last hash) in ledger.jsonl."""
-        from llmdp.privacy.ledger import Ledger
-
         recs = Ledger(self.run_ledger).records() if os.path.exists(self.run_ledger) else []
         return {
             "attempt": self.attempt,
@@ -336,8 +331,6 @@ def cross_check(run_records: list[dict], dataset_records: list[dict], run_id: st
     verified): every line of the run's file must be the dataset ledger's record of the same
     seq and hash, and every record of the run in the dataset ledger must be in the file (a
     deleted last line leaves a valid run chain; the dataset ledger still has it)."""
-    from llmdp.privacy.ledger import RUN_REPAIR_HINT
-
     if not run_records or "hash" not in run_records[0]:
         return []  # a legacy run ledger: nothing to compare by hash
     by_hash = {r["hash"]: r for r in dataset_records}
@@ -363,9 +356,6 @@ def run_ledger_problems(run_ledger: str, run_id: str, location: str, dataset_id:
     """Problems of a run's ``ledger.jsonl``, read on its own and cross-checked against its
     dataset ledger (`cross_check`). The dataset ledger is read first and must be intact (a
     run's file is repaired from it): its damage raises `LedgerError`."""
-    from llmdp.privacy.ledger import Ledger
-    from llmdp.privacy.ledgerdb import LedgerDB
-
     db = LedgerDB(location, read_only=True)
     try:
         records = db.records(dataset_id)
