@@ -32,6 +32,8 @@ import pyarrow as pa
 import torch
 
 from llmdp.data.encode import ON_BAD_RECORD, check_records, encode_records
+from llmdp.data.files import record_location
+from llmdp.data.formats import RecordEncoder
 from llmdp.data.units import (
     UnitArrays,
     UnitSpec,
@@ -309,9 +311,7 @@ def build_store(
     keep each unit independently by a keyed hash of its own content (see
     ``llmdp.data.units.build_units``).
     """
-    from llmdp.data.files import record_location
-    from llmdp.data.formats import RecordEncoder
-    from llmdp.data.sources import load_records, source_fingerprint
+    from llmdp.data.sources import load_records, source_fingerprint  # lazy: imports datasets
 
     if data_path is not None:
         data_path = os.path.abspath(os.fspath(data_path))
