@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llmdp.data.batching import assign_micro_batches  # noqa: E402
 from llmdp.data.store import open_store, write_store  # noqa: E402
 from llmdp.data.units import UnitArrays, UnitSpec  # noqa: E402
-from llmdp.privacy import sampling  # noqa: E402
+from llmdp.privacy import keys, reference_sampler, sampling  # noqa: E402
 
 
 def synthetic_store(directory: str, num_units: int, L: int = 128, seed: int = 0):
@@ -70,16 +70,16 @@ def synthetic_store(directory: str, num_units: int, L: int = 128, seed: int = 0)
 def _time_draws(sampler, repeats: int) -> dict:
     """Median seconds of `repeats` draws (after one warm-up), the sampled units of the
     last, and the peak traced memory (bytes) of one more draw under tracemalloc."""
-    sampler.sample(sampling.secure_key())  # warm-up: imports, OpenSSL, page faults
+    sampler.sample(keys.secure_key())  # warm-up: imports, OpenSSL, page faults
     secs = []
     for _ in range(repeats):
-        key = sampling.secure_key()
+        key = keys.secure_key()
         t0 = time.perf_counter()
         sample = sampler.sample(key)
         secs.append(time.perf_counter() - t0)
     tracemalloc.start()
     try:
-        sampler.sample(sampling.secure_key())
+        sampler.sample(keys.secure_key())
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -96,7 +96,7 @@ def draw_benchmark(args) -> int:
     rows = {}
     for name, cls, n in (("poisson_large_n", sampling.PoissonSampler, n_big),
                          ("poisson_small_n", sampling.PoissonSampler, n_ref),
-                         ("reference_small_n", sampling.ReferencePoissonSampler, n_ref)):
+                         ("reference_small_n", reference_sampler.ReferencePoissonSampler, n_ref)):
         rec = {"sampler": cls.__name__, "N": n, "q": q, "B": n * q, **_time_draws(cls(n, q), args.repeats)}
         rows[name] = rec
         print(json.dumps({"run": name, **{k: round(v, 6) if isinstance(v, float) else v
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     totals = []
     for rep in range(args.repeats + 1):  # the first repetition warms the page cache
         t = [time.perf_counter()]
-        sample = sampler.sample(sampling.secure_key())
+        sample = sampler.sample(keys.secure_key())
         t.append(time.perf_counter())
         plan = assign_micro_batches(sample, store.unit_row_count, store.unit_max_row_length,
                                     world_size=args.workers, physical_batch_size=args.physical)

@@ -1,4 +1,9 @@
-"""`llmdp train|privacy|tokenizer|export|submit ...`: the command line."""
+"""`llmdp train|privacy|tokenizer|export|submit ...`: the command line.
+
+Each subcommand imports its modules when it runs (the imports inside the functions below
+are deliberate): `llmdp --help` or `llmdp privacy epsilon` must not pay for torch,
+transformers and Ray, which `train` and `export` load.
+"""
 
 from __future__ import annotations
 

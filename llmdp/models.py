@@ -24,7 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmdp._fs import building_dir, install_dir
 from llmdp._hf import dtype_kwarg, save_kwargs
+from llmdp._validate import ConfigError
+from llmdp.tokenizer.adapt import adapted_model_hash, build_adapted_model
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +143,6 @@ def build_tiny_model(out_dir, tiny_cfg, vocab_size, pad_token_id, bos_token_id, 
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=TINY_ATTN_IMPLEMENTATION, dtype=torch.float32
         )
-    from llmdp._fs import building_dir, install_dir
 
     with building_dir(out_dir, ".tmp-tiny-") as tmp:
         model.save_pretrained(tmp, **save_kwargs(model))
@@ -160,8 +162,6 @@ def check_local_path(name_or_path, key: str) -> None:
     """A value that is a local path (absolute, or ./ ../ ~; the recipe loader makes every
     path-like value absolute) must exist: it is never sent to a hub as a model id, where
     it would be retried against the network and fail with a long traceback."""
-    from llmdp.config import ConfigError
-
     value = os.fspath(name_or_path)
     if (os.path.isabs(value) or value.startswith(("./", "../", "~"))) \
             and not os.path.exists(os.path.expanduser(value)):
@@ -180,8 +180,6 @@ def load_tokenizer(name_or_path, key: str = "model.tokenizer"):
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     except OSError as e:  # not a local folder, and not a Hub id that could be fetched
-        from llmdp.config import ConfigError
-
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
             f"{key}: {name_or_path!r} is neither a tokenizer folder (none at "
@@ -242,8 +240,6 @@ def load_model(model_cfg, *, vocab_size: int | None = None, cache_dir) -> tuple[
         attn = getattr(model_cfg, "attn_implementation", None) or PRETRAINED_ATTN_IMPLEMENTATION
         base_tok = getattr(model_cfg, "base_tokenizer", None)
         if base_tok is not None:  # adapt the embeddings to model.tokenizer (built once)
-            from llmdp.tokenizer.adapt import adapted_model_hash, build_adapted_model
-
             h = adapted_model_hash(path, base_tok, tok_src)
             path, adaptation = build_adapted_model(
                 path, base_tok, tok_src,

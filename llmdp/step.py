@@ -27,7 +27,7 @@ from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
 from llmdp.losses import row_losses
 from llmdp.parallel import _dist_on, broadcast_bytes
-from llmdp.privacy import chacha, sampling
+from llmdp.privacy import chacha, keys
 
 
 @dataclass
@@ -48,9 +48,9 @@ class StepKeys:
         if rng_mode == "seeded":
             # Every rank derives the same keys: reproducible, and no guarantee against anyone
             # who knows the seed (the report says so).
-            return cls.from_step_key(sampling.seeded_key(int(seed), step, "step"))
+            return cls.from_step_key(keys.seeded_key(int(seed), step, "step"))
         rank0 = not _dist_on() or dist.get_rank() == 0
-        raw = sampling.secure_key() if rank0 else None
+        raw = keys.secure_key() if rank0 else None
         return cls.from_step_key(broadcast_bytes(raw, 32, device))
 
 

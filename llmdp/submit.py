@@ -48,6 +48,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import llmdp
 from llmdp.config import ConfigError, RecipeConfig, load_recipe
 
 __all__ = [
@@ -262,7 +263,7 @@ def _path_warnings(cfg: RecipeConfig, root: str, env_vars: dict[str, str]) -> li
 
 
 def _parse_env(items: Sequence[str]) -> dict[str, str]:
-    from llmdp.trainer import WORKER_ENV
+    from llmdp.trainer import WORKER_ENV  # lazy: llmdp.trainer imports torch
 
     env: dict[str, str] = {}
     for item in items:
@@ -325,8 +326,6 @@ def build_submission(
 
     runtime_env: dict[str, Any] = {"working_dir": root, "excludes": list(EXCLUDES)}
     if not os.path.isfile(os.path.join(root, "llmdp", "__init__.py")):
-        import llmdp
-
         runtime_env["py_modules"] = [os.path.dirname(os.path.abspath(llmdp.__file__))]
     if pip:
         runtime_env["pip"] = {"packages": dependencies(root), "pip_check": False}

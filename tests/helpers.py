@@ -234,7 +234,8 @@ def dataset_records(location, data_path=None, dataset_id=None) -> list[dict]:
     local ``data_path``) in the database at ``location`` (None: the default)."""
     import os as _os
 
-    from llmdp.privacy.ledgerdb import LedgerDB, resolve_location
+    from llmdp.privacy.ledger_location import resolve_location
+    from llmdp.privacy.ledgerdb import LedgerDB
 
     ds = dataset_id or "path:" + _os.path.realpath(str(data_path))
     db = LedgerDB(resolve_location(None if location is None else str(location)))
@@ -245,7 +246,7 @@ def dataset_records(location, data_path=None, dataset_id=None) -> list[dict]:
 
 
 def dataset_entries(location, data_path=None, dataset_id=None):
-    from llmdp.privacy.service import release_entries_of
+    from llmdp.privacy.budget import release_entries_of
 
     return release_entries_of(dataset_records(location, data_path, dataset_id))
 

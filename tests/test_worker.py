@@ -12,7 +12,7 @@ import torch
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
 from llmdp.parallel import privatize_
-from llmdp.privacy import sampling
+from llmdp.privacy import keys
 from llmdp.step import accumulate_clipped_sum
 from llmdp.strategy import Replicated
 from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
@@ -122,7 +122,7 @@ def test_multi_row_units_same_update_for_any_micro_batching(tmp_path):
 
 def test_empty_sample_is_a_noise_only_step_with_std_sigma_C_over_qN(store):
     sigma, C, B = 1.3, 0.7, 20.0
-    grads, stats = private_grad(model64(), store, [], C=C, sigma=sigma, B=B, key=sampling.secure_key())
+    grads, stats = private_grad(model64(), store, [], C=C, sigma=sigma, B=B, key=keys.secure_key())
     assert stats.micro_steps == 0 and stats.units == 0
     x = flat(grads)
     n = x.numel()
@@ -136,7 +136,7 @@ def test_empty_sample_is_a_noise_only_step_with_std_sigma_C_over_qN(store):
 
 
 def test_noise_is_added_once_and_identically_for_the_same_key(store):
-    key = sampling.secure_key()
+    key = keys.secure_key()
     a, _ = private_grad(model64(), store, [1, 2], C=0.1, sigma=0.8, B=4.0, key=key)
     b, _ = private_grad(model64(), store, [1, 2], C=0.1, sigma=0.8, B=4.0, key=key)
     c, _ = private_grad(model64(), store, [1, 2], C=0.1, sigma=0.0, B=4.0, key=key)

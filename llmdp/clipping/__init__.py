@@ -1,6 +1,7 @@
 """Per-unit gradient clipping (DESIGN §3.1, §4)."""
 
-from llmdp.clipping.engine import ENGINES, GhostClipper, UnsupportedModuleError, check_model
+from llmdp.clipping.audit import UnsupportedModuleError, check_model
+from llmdp.clipping.engine import ENGINES, GhostClipper
 from llmdp.clipping.norms import LayerRule, find_rule, register_rule
 
 __all__ = ["ENGINES", "GhostClipper", "LayerRule", "UnsupportedModuleError", "check_model",

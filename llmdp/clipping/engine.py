@@ -60,18 +60,31 @@ backward only shapes and flags are read, which the sharded DTensor reports globa
 So FSDP2's default ``reshard_after_forward=True`` is valid. Every rank must issue the same
 collectives: with sharded parameters an all-padding micro-batch still runs its backward
 pass(es) (on a zero loss), and ``mode="auto"`` takes one decision for all ranks.
+
+Around the engine: what it refuses and how it finds it (`check_model`, uses the hooks
+cannot see, modules never reached) is ``audit.py``; what book-keeping keeps, how ``auto``
+chooses and the two-pass fingerprint, ``modes.py``; forming each call's part of the
+clipped sum and adding it to ``p.grad`` or the buffers, ``accumulate.py``.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
+from llmdp.clipping.accumulate import (
+    _is_dtensor,
+    add_to_buffers,
+    add_to_grad,
+    check_buffers,
+    contribution,
+)
+from llmdp.clipping.audit import UnsupportedModuleError, UseAudit, check_coverage, check_model
 from llmdp.clipping.cross import cross_inner
-from llmdp.clipping.norms import Record, Units, _ghost_cheaper, acc_dtype, find_rule
+from llmdp.clipping.modes import MODES, _fingerprint, resolve_mode
+from llmdp.clipping.norms import Record, Units, acc_dtype, find_rule
 from llmdp.clipping.reference import (
     clip_factors,
     clipped_sum,
@@ -81,32 +94,7 @@ from llmdp.clipping.reference import (
 from llmdp.clipping.rules import LinearRule
 
 ENGINES = ("ghost", "reference")
-MODES = ("auto", "book-keeping", "two-pass")
 LAYER_POLICIES = ("auto", "ghost", "instantiate")
-
-
-class UnsupportedModuleError(ValueError):
-    """A trainable module the clipping engine cannot clip per unit (DESIGN §3.6)."""
-
-
-# Modules whose output for one example depends on other examples of the batch: their
-# per-example gradients are not defined, so DP-SGD with them is refused, not approximated.
-_CROSS_EXAMPLE = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
-
-
-def check_model(model: nn.Module) -> None:
-    """Refuse modules that mix examples of a batch (BatchNorm and friends), by path and type."""
-    for name, module in model.named_modules():
-        if isinstance(module, _CROSS_EXAMPLE) and (
-            module.training or any(p.requires_grad for p in module.parameters(recurse=False))
-        ):
-            raise UnsupportedModuleError(
-                f"module '{name}' ({type(module).__name__}) mixes examples of a batch, so a "
-                "unit's gradient is not its own; DP-SGD cannot clip it. Replace it with "
-                "GroupNorm/LayerNorm, or freeze it and put it in eval mode."
-            )
-    if not any(p.requires_grad for p in model.parameters()):
-        raise UnsupportedModuleError("the model has no trainable parameter")
 
 
 class _Tap(torch.autograd.Function):
@@ -123,20 +111,6 @@ class _Tap(torch.autograd.Function):
         return g, None, None, None
 
 
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(t, DTensor)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype | None:
-    """Half-precision activations/gradients are upcast to float32 before the clipped sum is
-    contracted (clipped sums are formed and accumulated in float32 at least)."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
-
-
 def _autocast_input_dtype(module: nn.Module, rule, A: torch.Tensor) -> torch.dtype | None:
     """The dtype autocast cast a Linear/Conv1D input to, if it did (else None)."""
     if not isinstance(rule, LinearRule) or not A.is_floating_point():
@@ -150,20 +124,6 @@ def _autocast_input_dtype(module: nn.Module, rule, A: torch.Tensor) -> torch.dty
         return None
     # autocast casts float32 operands only (float64 ones are left as they are)
     return dt if dt in (torch.bfloat16, torch.float16) and A.dtype == torch.float32 else None
-
-
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
 class GhostClipper:
@@ -209,11 +169,10 @@ class GhostClipper:
         self.param_names = [n for n, _ in named]
         self._name_of = {id(p): n for n, p in named}
         self.sharded = any(_is_dtensor(p) for p in self.params)
-        self.grad_buffers = self._check_buffers(named, grad_buffers, engine)
+        self.grad_buffers = check_buffers(named, grad_buffers, engine, self.sharded)
         # (module, parameter name) -> id of the parameter registered at construction (stable
         # under FSDP2, which swaps unsharded parameters in and out around forward/backward).
         self._pids: dict[tuple[nn.Module, str], int] = {}
-        self._fwd_params: dict[tuple[nn.Module, str], torch.Tensor] = {}
         self.last_mode: str | None = None  # the mode the last backward used (auto resolves)
         self._records: list[Record] = []
         self._casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # autocast inputs
@@ -222,10 +181,7 @@ class GhostClipper:
         self._units: Units | None = None
         self._keep_G = False
         self._shared: set[int] = set()  # parameters with several uses in this micro-batch
-        # The autograd nodes of each recorded call (node -> record indices) and the
-        # parameter tensors each call used: to find uses the hooks did not see.
-        self._owned: dict[object, set[int]] = {}
-        self._rec_params: list[set[int]] = []
+        self._audit = UseAudit()  # each recorded call's own nodes: uses the hooks did not see
         self._factors = self._row_factors = self._zero_rows = None
         self.last_nonfinite = 0  # units with a non-finite gradient norm in the last backward
         self._handles = []
@@ -233,35 +189,6 @@ class GhostClipper:
         self._anchor = None
         if engine == "ghost":
             self._install_hooks()
-
-    def _check_buffers(self, named, grad_buffers, engine):
-        if grad_buffers is None:
-            if self.sharded:
-                raise ValueError(
-                    "the trainable parameters are sharded (FSDP2 DTensors): pass grad_buffers="
-                    "{name: full-size tensor} so the clipped sum has somewhere to accumulate "
-                    "(llmdp.parallel.make_grad_sinks)"
-                )
-            return None
-        if self.sharded and engine != "ghost":
-            raise ValueError(
-                f"clipping engine {engine!r} cannot run on sharded (FSDP) parameters; "
-                "use engine='ghost' (privacy.clipping) or scaling.strategy='replicated'"
-            )
-        names = [n for n, _ in named]
-        missing = [n for n in names if n not in grad_buffers]
-        extra = [n for n in grad_buffers if n not in set(names)]
-        if missing or extra:
-            raise ValueError(f"grad_buffers must have one tensor per trainable parameter: "
-                             f"missing {missing[:5]}, unknown {extra[:5]}")
-        for n, p in named:
-            b = grad_buffers[n]
-            if _is_dtensor(b) or tuple(b.shape) != tuple(p.shape) or not b.is_floating_point():
-                raise ValueError(
-                    f"grad_buffers[{n!r}] must be a plain floating tensor of the parameter's "
-                    f"full shape {tuple(p.shape)}, got {type(b).__name__} {tuple(b.shape)}"
-                )
-        return dict(grad_buffers)
 
     def _pid(self, module: nn.Module, pname: str) -> int:
         pid = self._pids.get((module, pname))
@@ -335,88 +262,16 @@ class GhostClipper:
             A = hit[1]
         rec = Record(module, self._rules[module], A, output.numel() * output.element_size())
         self._records.append(rec)
-        used = set()
-        for pname in rec.rule.params(module):
-            # The parameter tensors this call used (FSDP2: the unsharded ones).
-            t = getattr(module, pname)
-            self._fwd_params[(module, pname)] = t
-            used.add(id(t))
-        self._rec_params.append(used)
-        self._own_subgraph(output, args[0], len(self._records) - 1)
+        # The parameter tensors this call used (FSDP2: the unsharded ones), and its nodes.
+        self._audit.record(module, rec.rule.params(module), output, args[0], len(self._records) - 1)
         return _Tap.apply(output, self._anchor, self, rec)
 
-    def _own_subgraph(self, output: torch.Tensor, inp, index: int) -> None:
-        """Mark the autograd nodes between this call's output and its input as the call's
-        own: an edge into them (or into its parameters) from anywhere else is a use of the
-        parameters that the hooks did not record (checked in ``_check_uses``)."""
-        stop = inp.grad_fn if isinstance(inp, torch.Tensor) else None
-        todo = [output.grad_fn] if output.grad_fn is not None else []
-        while todo:
-            node = todo.pop()
-            if node is stop or hasattr(node, "variable"):
-                continue
-            mine = self._owned.setdefault(node, set())
-            if index in mine:
-                continue
-            mine.add(index)
-            todo.extend(n for n, _ in node.next_functions if n is not None)
-
     def _check_uses(self, total: torch.Tensor) -> None:
-        """Walk the loss's autograd graph; refuse a trainable parameter reached by an op
-        that no recorded call owns (e.g. ``F.linear(x, module.weight)`` outside the
-        module): its gradient would be trained without being in its unit's norm (two-pass)
-        or silently dropped (book-keeping). DESIGN §3.8."""
-        if total.grad_fn is None:
-            return
+        """Refuse a trainable parameter used outside the calls the hooks recorded (audit.py)."""
         names = {i: n for i, n in self._name_of.items()}
-        for (module, pname), t in self._fwd_params.items():
+        for (module, pname), t in self._audit.fwd_params.items():
             names[id(t)] = self._name_of.get(self._pid(module, pname), pname)
-        tap = _Tap._backward_cls
-        bad: set[str] = set()
-        seen = {total.grad_fn}
-        todo = [total.grad_fn]
-        while todo:
-            node = todo.pop()
-            src = self._owned.get(node)
-            for nxt, _ in node.next_functions:
-                if nxt is None:
-                    continue
-                if hasattr(nxt, "variable"):  # a leaf: a parameter (or the anchor, an input)
-                    v = id(nxt.variable)
-                    if v in names and not (src and any(v in self._rec_params[i] for i in src)):
-                        bad.add(names[v])
-                    continue
-                dst = self._owned.get(nxt)
-                if dst is not None and not isinstance(node, tap) and not (src and src & dst):
-                    bad.update(self._params_below(nxt, dst, names))
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        if bad:
-            raise UnsupportedModuleError(
-                f"trainable parameter(s) {sorted(bad)} are used in the forward pass outside a "
-                "call of the module that owns them (e.g. a functional F.linear(x, module.weight), "
-                "or the tensor read by another module): the clipping engine cannot see that use, "
-                "so the unit's gradient would not be clipped as a whole. Call the owning module "
-                "instead, freeze the parameter (requires_grad_(False)), or use "
-                "privacy.clipping: reference."
-            )
-
-    def _params_below(self, node, recs: set[int], names: dict[int, str]) -> set[str]:
-        """Names of the parameters reached from ``node`` inside the calls ``recs`` own (e.g.
-        the weight behind a cast that autocast's cache shares with an outside use)."""
-        out, seen, todo = set(), {node}, [node]
-        while todo:
-            for nxt, _ in todo.pop().next_functions:
-                if nxt is None or nxt in seen:
-                    continue
-                seen.add(nxt)
-                if hasattr(nxt, "variable"):
-                    if id(nxt.variable) in names:
-                        out.add(names[id(nxt.variable)])
-                elif self._owned.get(nxt, set()) & recs:
-                    todo.append(nxt)
-        return out or {names.get(v, "?") for i in recs for v in self._rec_params[i]}
+        self._audit.check(total, names, _Tap._backward_cls)
 
     def _on_output_grad(self, rec: Record, G: torch.Tensor) -> None:
         """Runs inside the backward pass, once per recorded call, as soon as G is known."""
@@ -501,9 +356,7 @@ class GhostClipper:
         finally:
             self._records.clear()
             self._casts.clear()
-            self._fwd_params.clear()
-            self._owned.clear()
-            self._rec_params.clear()
+            self._audit.clear()
             self._factors = self._row_factors = self._zero_rows = None
             self._phase = "idle"
             self._units = None
@@ -532,24 +385,7 @@ class GhostClipper:
         return {pid for pid, c in count.items() if c > 1}
 
     def _resolve_mode(self, num_units: int = 1) -> str:
-        if self.mode != "auto":
-            return self.mode
-        # What book-keeping keeps beyond a non-private step, at most: every hooked layer's
-        # G, or its float32 per-unit gradients where the layer may be instantiated.
-        kept = sum(_kept_bytes(rec, num_units) for rec in self._records)
-        free = _available_memory(self.params[0].device)
-        fits = kept < 0.5 * free
-        if self.sharded:
-            # Two-pass runs a second backward, with FSDP2 all-gathers in it: every rank must
-            # take the same decision (book-keeping only if it fits on all). [sync point]
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                p = next(p for p in self.params if _is_dtensor(p))
-                flag = torch.tensor([0.0 if fits else 1.0], device=p.device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=p.device_mesh.get_group())
-                fits = bool(flag.item() == 0.0)
-        return "book-keeping" if fits else "two-pass"
+        return resolve_mode(self.mode, self._records, num_units, self.params, self.sharded)
 
     def _ghost_backward(self, row_losses, row_units, num_units) -> torch.Tensor:
         records = list(self._records)
@@ -575,7 +411,7 @@ class GhostClipper:
             self._recording = True
             self._phase = "idle"
         seen = [r for r in records if r.sqn is not None]
-        self._check_coverage(seen)
+        check_coverage(self.model, self._rules, seen)
         norms = self._norms(seen, units)
         factors = clip_factors(norms, self.max_grad_norm)  # 0 for a non-finite norm
         self.last_nonfinite = int((~torch.isfinite(norms)).sum())
@@ -602,57 +438,14 @@ class GhostClipper:
         return norms
 
     def _contribution(self, rec: Record, units: Units) -> dict[str, torch.Tensor]:
-        """Σ_u c_u·g_u for this call's parameters, in float32 or wider, from A and G (or
-        the kept per-unit gradients); rows with a zero factor contribute exactly zero."""
-        rule, mask = rec.rule, self._zero_rows
-        if rule.has_clipped_ghost and (rec.ghost or self._phase == "apply"):
-            # A and G stay as the model produced them (bf16 too): the rule contracts them
-            # with exact products and float32 sums, the factors applied in float32 (lowp).
-            G, A = rec.G, rec.A
-            if mask is not None:
-                # A zero factor times a finite value adds exactly 0, so only non-finite
-                # values in the zero-factor rows need zeroing (0·NaN = NaN). G is the
-                # largest tensor of the step (the LM head's [R, T, V]): it is copied only
-                # when one of those rows of it is not finite.
-                if not bool(torch.isfinite(G[mask]).all()):
-                    G = G.masked_fill(_row_mask(mask, G), 0)
-                if (A.is_floating_point() and A.shape[0] == G.shape[0]
-                        and not bool(torch.isfinite(A[mask]).all())):
-                    A = A.masked_fill(_row_mask(mask, A), 0)
-            rec.G, rec.A = G, A
-            return rule.clipped_ghost(rec, self._row_factors)
-        per_unit = rec.per_unit if rec.per_unit is not None else rule.per_unit(rec, units)
-        out = {}
-        for n, g in per_unit.items():
-            up = _compute_dtype(g.dtype)
-            g = g if up is None else g.to(up)
-            f = self._factors.to(g.dtype)
-            zero = f == 0
-            if bool(zero.any()) and not bool(torch.isfinite(g[zero]).all()):
-                g = torch.where(_row_mask(zero, g), 0, g)  # 0·NaN would be NaN
-            out[n] = torch.einsum("u,u...->...", f, g)
-        return out
+        ghost = rec.ghost or self._phase == "apply"  # pass 2 brings G: contract it
+        return contribution(rec, units, self._factors, self._row_factors, self._zero_rows, ghost)
 
     def _add_parts(self, parts: list[tuple[Record, dict[str, torch.Tensor]]]) -> None:
         if self.grad_buffers is not None:
             self._add_to_buffers((self._pid(rec.module, n), g) for rec, d in parts for n, g in d.items())
         else:
             self._add_to_grad((getattr(rec.module, n), g) for rec, d in parts for n, g in d.items())
-
-    def _check_coverage(self, seen: list[Record]) -> None:
-        """Every hooked module must have been seen with its output gradient: a trainable
-        parameter the engine did not see would be trained without being clipped, or not
-        at all (DESIGN §3.6: no silent fallback)."""
-        reached = {id(r.module) for r in seen}
-        missing = [n for n, m in self.model.named_modules() if m in self._rules and id(m) not in reached]
-        if missing:
-            raise UnsupportedModuleError(
-                f"trainable modules {missing[:5]}{' ...' if len(missing) > 5 else ''} took part "
-                "in no recorded forward/backward of this batch. Reentrant activation "
-                "checkpointing hides them from the engine: use "
-                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
-                "False}); a module the model never calls must be frozen (requires_grad_(False))."
-            )
 
     def _norms(self, records: list[Record], units: Units) -> torch.Tensor:
         sq = None
@@ -673,60 +466,13 @@ class GhostClipper:
         return sq.clamp(min=0).sqrt()
 
     def _add_to_buffers(self, contributions) -> None:
-        """Add (stable parameter id, clipped-sum part) pairs into the caller's buffers."""
-        with torch.no_grad():
-            for pid, g in contributions:
-                buf = self.grad_buffers[self._name_of[pid]]
-                buf.add_(g.to(buf.dtype))
+        add_to_buffers(self.grad_buffers, self._name_of, contributions)
 
     def _add_to_grad(self, contributions) -> None:
         if self.grad_buffers is not None:  # the reference engine, into the buffers
             self._add_to_buffers((id(p), g) for p, g in contributions)
             return
-        for p, g in contributions:
-            if p.dtype.itemsize < 4 or not p.dtype.is_floating_point:
-                # A bf16/fp16 .grad would round the clipped sum (each unit's share of it
-                # could exceed C): DESIGN §3.8. Sum into float32 buffers instead.
-                raise TypeError(
-                    f"parameter '{self._name_of.get(id(p), '?')}' is {p.dtype}: the clipped sum "
-                    "must be accumulated in float32 or wider; pass grad_buffers="
-                    "llmdp.parallel.make_grad_sinks(model, strategy) (float32 sinks)"
-                )
-            g = g.to(p.dtype)
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.add_(g)
-
-
-def _kept_bytes(rec: Record, num_units: int) -> int:
-    """An upper bound on what book-keeping keeps for one call until the clipped sum: its
-    output gradient G, or, for a Linear whose per-unit gradients may be instantiated
-    (U·p·d <= R·T·(p+d), norms._ghost_cheaper), those in float32."""
-    if not isinstance(rec.rule, LinearRule) or not rec.A.is_floating_point():
-        return rec.out_bytes
-    d = rec.A.shape[-1]
-    rows = rec.A.shape[0]
-    T = rec.A.numel() // max(1, rows * d)
-    p = rec.module.weight.shape[1 if rec.rule.transposed else 0]
-    if _ghost_cheaper(num_units, rows, T, p, d):  # memory alone forces the ghost norm
-        return rec.out_bytes
-    return max(rec.out_bytes, 4 * num_units * p * d)
-
-
-def _row_mask(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """A [R] boolean mask shaped to broadcast over ``t`` [R, ...]."""
-    return mask.view(-1, *([1] * (t.dim() - 1)))
-
-
-def _fingerprint(G: torch.Tensor) -> torch.Tensor:
-    """Per row (Σ G², Σ G) in float32: pass 2 must see pass 1's G bit for bit (any
-    rounding difference changes these). Non-finite values map to sentinels so that a
-    NaN row compares equal to itself."""
-    g = G.detach().reshape(G.shape[0], -1)
-    dt = acc_dtype(g)
-    fp = torch.stack([torch.linalg.vector_norm(g, dim=1, dtype=dt), g.sum(1, dtype=dt)], 1)
-    return torch.nan_to_num(fp, nan=-1.0, posinf=-2.0, neginf=-3.0)
+        add_to_grad(self._name_of, contributions)
 
 
 def _sq(g: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Privacy core: events, plan, accountant, ledger, sampling and noise.
 
-Importable without Ray. `noise` needs torch and is imported lazily, so the CLI's
-`llmdp privacy epsilon|calibrate` does not pay for importing torch.
+Importable without Ray. It imports torch: the ChaCha20 keystream behind sampling and
+noise (`chacha`) is computed with torch.
 """
 
 from llmdp.choices import SAMPLERS
@@ -12,6 +12,7 @@ from llmdp.privacy.accountant import (
     epsilon_estimate,
     epsilon_for,
 )
+from llmdp.privacy.chacha import chacha20_keystream
 from llmdp.privacy.events import (
     compose,
     dpsgd_step_event,
@@ -19,7 +20,9 @@ from llmdp.privacy.events import (
     event_to_json,
     is_truncated,
 )
+from llmdp.privacy.keys import secure_key, seeded_key
 from llmdp.privacy.ledger import LEDGER_FILENAME, Ledger, LedgerError
+from llmdp.privacy.noise import add_gaussian_, add_noise_, gaussian_like
 from llmdp.privacy.plan import (
     DPPlan,
     PlanError,
@@ -28,13 +31,11 @@ from llmdp.privacy.plan import (
     make_plan,
     steps_for_epochs,
 )
+from llmdp.privacy.reference_sampler import ReferencePoissonSampler
 from llmdp.privacy.sampling import (
     PoissonSampler,
-    ReferencePoissonSampler,
     TruncatedPoissonSampler,
     make_sampler,
-    secure_key,
-    seeded_key,
     uniform_stream,
 )
 from llmdp.privacy.truncation import truncation_cost, truncation_probability
@@ -75,10 +76,3 @@ __all__ = [
     "uniform_stream",
 ]
 
-
-def __getattr__(name):
-    if name in ("gaussian_like", "add_noise_", "add_gaussian_", "chacha20_keystream"):
-        from llmdp.privacy import noise
-
-        return getattr(noise, name)
-    raise AttributeError(f"module 'llmdp.privacy' has no attribute {name!r}")

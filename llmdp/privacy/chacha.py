@@ -241,7 +241,7 @@ def chacha20_keystream(key: bytes, nonce: bytes, counter: int, n_words: int, dev
         w = np.frombuffer(buf, dtype="<u4")[:n_words].astype(np.int64)
         return torch.from_numpy(w)
     if device.type == "cuda":
-        from llmdp.privacy import _triton_chacha
+        from llmdp.privacy import _triton_chacha  # lazy: imports Triton, only ever asked on CUDA
 
         if _triton_chacha.available():
             return _triton_chacha.keystream(key, nonce, counter, n_words, device)

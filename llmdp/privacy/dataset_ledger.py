@@ -1,6 +1,6 @@
 """Opening a dataset's ledger for a run or a tokenizer release: the one place both find it.
 
-The database is ``ledgerdb.resolve_location(privacy.ledger)`` ($LLMDP_HOME/ledger.sqlite by
+The database is ``ledger_location.resolve_location(privacy.ledger)`` ($LLMDP_HOME/ledger.sqlite by
 default); the dataset's identity is ``data.sources.dataset_identity`` (``data.dataset_id``,
 never the data's bytes). Legacy per-dataset JSONL ledgers are imported once.
 """
@@ -10,15 +10,16 @@ from __future__ import annotations
 import os
 
 from llmdp._fs import cache_root
+from llmdp.privacy.ledger_location import describe_location, resolve_location
+from llmdp.privacy.ledgerdb import LedgerDB
+from llmdp.privacy.service import open_dataset
 
 
 def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print) -> dict:
     """Open (and start, if new) the dataset ledger of recipe ``data`` ``d``: its identity
     (`dataset_identity`), the database (`resolve_location`), and the legacy JSONL ledgers
     it replaces, imported once. Prints where it is."""
-    from llmdp.data.sources import dataset_identity
-    from llmdp.privacy.ledgerdb import LedgerDB, describe_location, resolve_location
-    from llmdp.privacy.service import open_dataset
+    from llmdp.data.sources import dataset_identity  # lazy: llmdp.data.sources imports datasets
 
     ident = dataset_identity(d)
     location = resolve_location(ledger_opt)

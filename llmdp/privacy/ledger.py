@@ -50,6 +50,7 @@ from pathlib import Path
 import dp_accounting
 
 from llmdp._validate import _is_int
+from llmdp.privacy.accountant import threshold_delta
 from llmdp.privacy.events import event_from_json
 
 __all__ = ["LEDGER_FILENAME", "GENESIS", "LedgerError", "LedgerDamaged", "Ledger", "canonical", "record_hash",
@@ -315,8 +316,6 @@ class Ledger:
 
     def delta_threshold(self) -> float:
         """Combined delta of the thresholds of thresholded releases (private tokenizers)."""
-        from llmdp.privacy.accountant import threshold_delta
-
         return threshold_delta(r for r in self.records() if r["kind"] == _RELEASE_KIND)
 
     def total_count(self, run_id: str | None = None) -> int:

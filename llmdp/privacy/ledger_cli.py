@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 import time
 
+from llmdp.privacy.budget import holder_alive, live_holds
 from llmdp.privacy.ledger import LEDGER_FILENAME, LedgerError, append_line
+from llmdp.privacy.ledger_location import resolve_location
+from llmdp.privacy.ledgerdb import LedgerDB
+from llmdp.privacy.service import run_ledger_problems
 from llmdp.rundir import RunDir
 
 
 def _db(location: str | None, read_only: bool):
-    from llmdp.privacy.ledgerdb import LedgerDB, resolve_location
-
     loc = resolve_location(location)
     return LedgerDB(loc, read_only=read_only)
 
@@ -30,8 +32,6 @@ def _run_info(run_dir: str) -> tuple[dict, str]:
 
 
 def _summary(ledger: str, st) -> str:
-    from llmdp.privacy.service import live_holds
-
     recs = st.records
     rel = [r for r in recs if r["kind"] == "release"]
     runs = {r.get("run_id") for r in rel}
@@ -45,9 +45,6 @@ def _summary(ledger: str, st) -> str:
 def verify_run(run_dir: str, location: str | None = None) -> list[str]:
     """Problems of a run's ledger.jsonl, checked on its own and against its dataset ledger
     (raises `LedgerError` if the dataset ledger itself is damaged)."""
-    from llmdp.privacy.ledgerdb import resolve_location
-    from llmdp.privacy.service import run_ledger_problems
-
     info, loc = _run_info(run_dir)
     return run_ledger_problems(os.path.join(run_dir, LEDGER_FILENAME), info.get("run_id"),
                                resolve_location(location or loc), info["dataset_ledger"]["dataset_id"])
@@ -111,8 +108,6 @@ def main(args) -> int:
               f"record(s) excused and no longer counted (acknowledged loss, recorded)")
         return 0
     if cmd == "end-hold":
-        from llmdp.privacy.service import holder_alive, live_holds
-
         db = _db(args.ledger, read_only=False)
         try:
             with db.transaction(args.dataset, full=True) as tx:

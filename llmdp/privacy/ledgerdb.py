@@ -1,13 +1,9 @@
 """The dataset ledgers' database: SQLite (WAL mode, the embedded default) or PostgreSQL.
 
 One database holds the ledgers of many datasets, one hash chain per dataset id
-(`llmdp.privacy.ledger`). Where it is (`resolve_location`):
-
-- ``privacy.ledger: postgresql://user@host/db`` -> PostgreSQL (driver ``psycopg``; the
-  password comes from ``PGPASSWORD`` or ``~/.pgpass``, never from the recipe);
-- ``privacy.ledger: /path/ledger.sqlite`` -> that SQLite file;
-- otherwise ``$LLMDP_HOME/ledger.sqlite`` (`llmdp_home`: default under the user's data
-  directory), the same file whatever the working directory.
+(`llmdp.privacy.ledger`). Where it is: `llmdp.privacy.ledger_location.resolve_location`
+(``privacy.ledger``: a SQLite path or a ``postgresql://`` URL; default
+``$LLMDP_HOME/ledger.sqlite``).
 
 Writes happen in `LedgerDB.transaction`: an exclusive lock on the ledger (SQLite: ``BEGIN
 IMMEDIATE``; PostgreSQL: ``SELECT ... FOR UPDATE`` of the ledger's head row) during which
@@ -15,12 +11,12 @@ the caller reads the verified records, decides (e.g. checks the budget) and appe
 the budget and reserve the next block" is therefore one transaction, whatever the number
 of concurrent runs.
 
-Tamper evidence: `verify_rows` checks every record's hash, every link of the chain and the
-head (the last record's seq and hash, kept in a table of its own, so a deleted last record
-is seen too). A damaged ledger raises `LedgerError`; `LedgerDB.repair` with
-``acknowledge_loss`` is the only way past it, and appends a ``repair`` record naming each
-damaged record (by a fingerprint of what was found), so that exactly that damage is excused
-from then on, and nothing else.
+Tamper evidence: every read verifies the chain (`llmdp.privacy.ledger_verify.verify_rows`:
+every record's hash, every link of the chain and the head, the last record's seq and hash,
+kept in a table of its own, so a deleted last record is seen too). A damaged ledger raises
+`LedgerError`; `LedgerDB.repair` with ``acknowledge_loss`` is the only way past it, and
+appends a ``repair`` record naming each damaged record (by a fingerprint of what was found),
+so that exactly that damage is excused from then on, and nothing else.
 """
 
 from __future__ import annotations
@@ -28,27 +24,39 @@ from __future__ import annotations
 import contextlib
 import getpass
 import hashlib
-import json
 import os
 import socket
 import sqlite3
 import time
-from dataclasses import dataclass, field
-from urllib.parse import urlsplit, urlunsplit
 
 from llmdp.privacy.ledger import (
     GENESIS,
     RECORD_VERSION,
     Ledger,
-    LedgerDamaged,
     LedgerError,
     canonical,
     check_record,
+    make_dirs,
     now,
 )
 
-__all__ = ["LedgerDB", "VerifiedLedger", "llmdp_home", "default_location", "resolve_location",
-           "describe_location", "verify_rows", "DAMAGE_HINT", "is_url"]
+# resolve_location: re-exported for llmdp.report, which imports it from here.
+from llmdp.privacy.ledger_location import (
+    default_location,
+    describe_location,
+    is_url,
+    resolve_location,
+)
+from llmdp.privacy.ledger_verify import (
+    VerifiedLedger,
+    _damage_list,
+    _excused,
+    _last_good,
+    _self_valid,
+    verify_rows,
+)
+
+__all__ = ["LedgerDB", "resolve_location"]
 
 SCHEMA_VERSION = 1
 _SCHEMA = (
@@ -58,55 +66,6 @@ _SCHEMA = (
     "hash TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS llmdp_schema (version INTEGER NOT NULL)",
 )
-
-
-def llmdp_home() -> str:
-    """``$LLMDP_HOME``, else the user's data directory: ``$XDG_DATA_HOME/llmdp`` or
-    ``~/.local/share/llmdp`` (``~/Library/Application Support/llmdp`` on macOS)."""
-    home = os.environ.get("LLMDP_HOME")
-    if home:
-        return os.path.abspath(os.path.expanduser(home))
-    import sys
-
-    if sys.platform == "darwin":
-        base = os.path.expanduser("~/Library/Application Support")
-    else:
-        base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
-    return os.path.join(base, "llmdp")
-
-
-def default_location() -> str:
-    return os.path.join(llmdp_home(), "ledger.sqlite")
-
-
-def is_url(location: str) -> bool:
-    return location.startswith(("postgresql://", "postgres://"))
-
-
-def resolve_location(ledger: str | None) -> str:
-    """The database of ``privacy.ledger`` (None: the per-user default)."""
-    if ledger is None or ledger.endswith(".jsonl"):
-        return default_location()  # a .jsonl is a legacy ledger, imported into the default
-    return ledger if is_url(ledger) else os.path.abspath(os.path.expanduser(ledger))
-
-
-def describe_location(location: str) -> str:
-    """The location without a password (for messages, reports and plan.json)."""
-    if not is_url(location):
-        return location
-    parts = urlsplit(location)
-    if parts.password is None:
-        return location
-    netloc = parts.netloc.split("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}" if user else netloc))
-
-
-DAMAGE_HINT = (
-    "Nothing that reads this ledger proceeds. Choices: restore the database from a backup; "
-    "or `llmdp privacy ledger repair {ledger_arg}--acknowledge-loss` to go on without the "
-    "damaged record(s): their releases are then no longer counted (the ε reported for this "
-    "dataset may under-state what was spent), and the repair itself is recorded in the ledger.")
 
 
 def _set_wal(conn, wait_s: float = 300.0) -> None:
@@ -126,121 +85,6 @@ def _set_wal(conn, wait_s: float = 300.0) -> None:
                 raise
         time.sleep(pause)
         pause = min(0.5, pause * 2)
-
-
-def _damage_fingerprint(row) -> str:
-    if row is None:
-        return "missing"
-    return hashlib.sha256((str(row[1]) + "\0" + str(row[2])).encode("utf-8", "replace")).hexdigest()
-
-
-@dataclass
-class VerifiedLedger:
-    """The verified records of one ledger (damage excused by repairs left out)."""
-
-    ledger: str
-    records: list[dict] = field(default_factory=list)  # in seq order, each with "hash"
-    head_seq: int = 0
-    head_hash: str = GENESIS
-    excused: int = 0  # damaged records excused by repairs (their releases are not counted)
-
-    def last_of_run(self, run_id: str) -> dict | None:
-        for rec in reversed(self.records):
-            if rec.get("run_id") == run_id:
-                return rec
-        return None
-
-
-def verify_rows(ledger: str, rows: list[tuple], head: tuple | None, where: str,
-                hint_arg: str = "") -> VerifiedLedger:
-    """Check one ledger's rows ``(seq, body, hash)`` and its head ``(seq, hash)``.
-
-    Returns the verified records; raises `LedgerError` naming every damaged record that no
-    repair record excuses (an edited body, a hash that does not link, a missing seq, rows
-    after the head, a head that is not the last record)."""
-    by_seq = {int(r[0]): r for r in rows}
-    parsed: dict[int, dict] = {}
-    bad: dict[int, str] = {}
-    for seq, row in by_seq.items():
-        rec, why = _check_row(ledger, seq, row)
-        if why is not None:
-            bad[seq] = f"record {seq} {why}" if why.startswith("is ") else f"record {seq}: {why}"
-        else:
-            parsed[seq] = rec
-    # Repairs (records that verify on their own) excuse exactly the damage they list.
-    excused_rows: dict[int, str] = {}
-    excused_links: dict[int, str] = {}
-    for rec in parsed.values():
-        if rec["kind"] == "repair":
-            for d in rec.get("excused") or []:
-                if d.get("link") is not None:
-                    excused_links[int(d["seq"])] = d["link"]
-                else:
-                    excused_rows[int(d["seq"])] = d.get("fingerprint")
-    head_seq, head_hash = (int(head[0]), head[1]) if head is not None else (0, GENESIS)
-    last = max([head_seq, *by_seq.keys()], default=0)
-    problems: list[str] = []
-    out = VerifiedLedger(ledger=ledger, head_seq=head_seq, head_hash=head_hash)
-    expected: str | None = GENESIS
-    last_good: tuple[int, str] = (0, GENESIS)
-    after_damage = False
-    for seq in range(1, last + 1):
-        row = by_seq.get(seq)
-        rec = parsed.get(seq)
-        if seq in excused_rows and excused_rows[seq] == _damage_fingerprint(row):
-            out.excused += 1  # exactly the damage a repair acknowledged: not counted
-            expected = None  # unknown: the next record's link must be excused too
-            after_damage = False
-            continue
-        if seq in excused_rows:  # a repair excused something else than what is there now
-            problems.append(bad.get(seq) or (f"record {seq} is missing (deleted)" if row is None else
-                            f"record {seq} is not the damaged record a repair excused: it "
-                            f"changed since (edited, or put back)"))
-            expected = None
-            after_damage = True
-            continue
-        if rec is not None and head_seq == seq and head_hash != rec["hash"] and seq == last:
-            problems.append(f"record {seq}, the last, is not the record the ledger's head "
-                            f"names (hash {head_hash[:12]}): it was edited")
-            expected = None
-            after_damage = True
-            continue
-        if rec is not None and (rec["prev"] == expected or excused_links.get(seq) == rec["prev"]):
-            out.records.append(rec)
-            expected = rec["hash"]
-            last_good = (seq, rec["hash"])
-            continue
-        if row is None:
-            problems.append(f"record {seq} is missing (deleted)")
-        elif seq in bad:
-            problems.append(bad[seq])
-        elif expected is None and after_damage:
-            pass  # its link cannot be checked past the damage named before it
-        elif expected is None:
-            problems.append(f"record {seq} follows a record a repair excused, but its link is "
-                            f"not excused (inserted or edited since)")
-        else:
-            problems.append(f"record {seq} does not link to record {seq - 1} (one of the two "
-                            f"was edited, or a record was deleted or inserted)")
-        expected = None
-        after_damage = True
-    if not problems and (head_seq, head_hash) != last_good:
-        if head_seq > last_good[0]:
-            problems.append(f"the ledger's head says {head_seq} records but the last one is "
-                            f"{last_good[0]}: the last record(s) were deleted")
-        elif head is None and by_seq:
-            problems.append("the ledger has records but no head (written by something else "
-                            "than llmdp)")
-        else:
-            problems.append(f"the ledger's head (record {head_seq}, hash {head_hash[:12]}) is not "
-                            f"its last record {last_good[0]}: a record was edited or inserted")
-    if problems:
-        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
-        if after_damage or len(problems) > 1:
-            shown += " (records after a damaged one cannot be checked until it is repaired)"
-        raise LedgerDamaged(f"the dataset ledger {ledger!r} in {where} is damaged: {shown}. "
-                          + DAMAGE_HINT.format(ledger_arg=hint_arg))
-    return out
 
 
 class _Tx:
@@ -313,8 +157,6 @@ class LedgerDB:
                 raise LedgerError(f"the ledger database {self.location} does not exist (was "
                                   f"LLMDP_HOME or privacy.ledger different when the run was made?)")
             if not self.read_only:
-                from llmdp.privacy.ledger import make_dirs
-
                 make_dirs(os.path.dirname(self.location) or ".")
             try:
                 self._conn = sqlite3.connect(self.location, timeout=300, isolation_level=None,
@@ -636,88 +478,4 @@ class LedgerDB:
                            "imported_from": real, "original_time": r.get("time")})
         return len(releases)
 
-
-def _damage_list(ledger: str, rows, head) -> list[dict]:
-    """Every damaged record (by seq, with the fingerprint of what is there) and every link
-    that must be excused, as a repair record lists them."""
-    by_seq = {int(r[0]): r for r in rows}
-    last = max([int(head[0]) if head else 0, *by_seq.keys()], default=0)
-    # Records a repair excused (as `verify_rows`): damage, the same or changed since.
-    excused_rows = {int(d["seq"]) for d in _excused(ledger, rows) if d.get("link") is None}
-    out: list[dict] = []
-    expected: str | None = GENESIS
-    for seq in range(1, last + 1):
-        row = by_seq.get(seq)
-        rec = None if seq in excused_rows else _self_valid(ledger, seq, row)
-        if rec is not None and head is not None and seq > int(head[0]):
-            rec = None  # after the head: llmdp writes a record and the head together (inserted)
-        if rec is not None and head is not None and int(head[0]) == seq == last and head[1] != rec["hash"]:
-            rec = None  # the last record is not the one the head names: edited
-        if rec is not None and rec["prev"] == expected:
-            expected = rec["hash"]
-            continue
-        if rec is not None and expected is None:
-            out.append({"seq": seq, "link": rec["prev"]})  # a good record after damage
-            expected = rec["hash"]
-            continue
-        if rec is not None:  # a good record that does not link to the good one before it:
-            # that one is not what this record linked to (edited, its hash recomputed; or this
-            # record's link was edited, and then the next link breaks too): not counted either
-            out.append({"seq": seq - 1, "fingerprint": _damage_fingerprint(by_seq.get(seq - 1))})
-            out.append({"seq": seq, "link": rec["prev"]})
-            expected = rec["hash"]
-            continue
-        out.append({"seq": seq, "fingerprint": _damage_fingerprint(row)})
-        expected = None
-    return out
-
-
-def _excused(ledger: str, rows) -> list[dict]:
-    """What the repair records among ``rows`` excuse already."""
-    out: list[dict] = []
-    for r in rows:
-        rec = _self_valid(ledger, int(r[0]), r)
-        if rec is not None and rec["kind"] == "repair":
-            out += rec.get("excused") or []
-    return out
-
-
-def _check_row(ledger: str, seq: int, row) -> tuple[dict | None, str | None]:
-    """(the record with its "hash", None) if the row ``(seq, body, hash)`` is a well-formed
-    record of ``ledger`` at ``seq`` whose body matches its hash, else (None, why)."""
-    body, h = row[1], row[2]
-    try:
-        rec = json.loads(body)
-    except (TypeError, ValueError):
-        return None, f"is not JSON (garbage; first bytes {str(body)[:40]!r})"
-    why = check_record(rec)
-    if why is None and canonical(rec) != body:
-        why = "not in canonical form (edited)"
-    if why is None and rec["seq"] != seq:
-        why = f"its body says seq {rec['seq']} (moved or edited)"
-    if why is None and rec["ledger"] != ledger:
-        why = f"its body names ledger {rec['ledger']!r} (copied from another ledger)"
-    if why is None and hashlib.sha256(body.encode("ascii")).hexdigest() != h:
-        why = "its content no longer matches its hash (edited)"
-    if why is not None:
-        return None, why
-    rec["hash"] = h
-    return rec, None
-
-
-def _self_valid(ledger: str, seq: int, row) -> dict | None:
-    return None if row is None else _check_row(ledger, seq, row)[0]
-
-
-def _last_good(ledger: str, rows, excuses) -> tuple[int, str]:
-    bad = {d["seq"] for d in excuses if d.get("link") is None}
-    best = (0, GENESIS)
-    for r in sorted(rows, key=lambda r: int(r[0])):
-        seq = int(r[0])
-        if seq in bad:
-            continue
-        rec = _self_valid(ledger, seq, r)
-        if rec is not None:
-            best = (seq, rec["hash"])
-    return best
 

@@ -149,7 +149,7 @@ def _nonce(index: int) -> bytes:
 
 
 def _triton_available() -> bool:
-    from llmdp.privacy import _triton_chacha  # imports Triton: only ever asked on CUDA
+    from llmdp.privacy import _triton_chacha  # lazy: imports Triton, only ever asked on CUDA
 
     return _triton_chacha.available()
 
@@ -313,7 +313,7 @@ def add_gaussian_(t: torch.Tensor, key: bytes, index: int, std: float, offset: i
         flat = t.view(-1) if t.is_contiguous() else None
         work = flat if flat is not None else t.contiguous().view(-1)
         if t.device.type == "cuda" and _triton_available():
-            from llmdp.privacy import _triton_chacha
+            from llmdp.privacy import _triton_chacha  # lazy: imports Triton (CUDA only)
 
             _triton_chacha.gauss_add_(work, key, nonce, offset, std)
         else:

@@ -14,6 +14,7 @@ from llmdp.privacy.calibrate import (
     calibrate_sigma,
     knobs_message,
 )
+from llmdp.privacy.events import event_from_json
 from llmdp.privacy.truncation import truncation_cost
 
 __all__ = ["calibrate_with_prior", "composed_epsilon", "release_entries"]
@@ -22,8 +23,6 @@ __all__ = ["calibrate_with_prior", "composed_epsilon", "release_entries"]
 def release_entries(releases) -> tuple[list, float]:
     """(entries, delta_threshold) of earlier releases a run builds on (``plan.json``
     ``prior_releases``: dicts with ``event`` JSON, ``count`` and ``extra``)."""
-    from llmdp.privacy.events import event_from_json
-
     releases = list(releases)
     return ([(event_from_json(r["event"]), int(r["count"])) for r in releases],
             _acc.threshold_delta(releases))

@@ -5,8 +5,9 @@ DESIGN §3.3: the sampler must be exactly what the accountant assumes.
 * `PoissonSampler` is the sampling of `PoissonSampledDpEvent(q, ...)`: at every step,
   every privacy unit is included independently with probability q. It draws the sample in
   O(B) expected time and memory (B = qN, the expected batch size), whatever N is.
-* `ReferencePoissonSampler` draws the same distribution the obvious way, one coin per
-  unit (O(N) per step). It is the test reference for `PoissonSampler`, not used in training.
+* `ReferencePoissonSampler` (`llmdp.privacy.reference_sampler`) draws the same
+  distribution the obvious way, one coin per unit (O(N) per step). It is the test
+  reference for `PoissonSampler`, not used in training.
 * `TruncatedPoissonSampler` is the sampling of
   `TruncatedSubsampledGaussianDpEvent(N + 1, q, B_max, ...)` for a sampler over N units
   (dp-accounting's size is that of the dataset holding the added unit): the same Poisson
@@ -58,39 +59,35 @@ Subsets (`_uniform_subset`) are exactly uniform: each of the n candidates gets a
 event that the size-th and (size+1)-th smallest words tie; the law is permutation
 invariant, so given no tie the chosen set is uniform over all C(n, size) subsets.
 
-`_check_key` (bytes, at least 16 of them) also checks the private tokenizer's keys; its
-per-word noise is drawn by `llmdp.privacy.noise.keyed_normal`.
+Keys (`secure_key`, `seeded_key`, their checks) are `llmdp.privacy.keys`; the rigorous
+arithmetic on (1-q)**s behind the coins is `llmdp.privacy._dyadic`.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import math
-import os
 
 import numpy as np
 
 from llmdp.privacy import chacha
+from llmdp.privacy._dyadic import (
+    _fast_thresholds,
+    _margin,
+    _nearest_powers,
+    _one_minus,
+    _power_bounds,
+)
+from llmdp.privacy.keys import _check_sample_key
 
 __all__ = [
-    "KEY_BYTES",
-    "secure_key",
-    "seeded_key",
     "uniform_stream",
     "PoissonSampler",
-    "ReferencePoissonSampler",
     "TruncatedPoissonSampler",
     "make_sampler",
 ]
 
-KEY_BYTES = 32
-_MIN_KEY_BYTES = 16  # 128 bits: shorter keys are guessable, which would void the guarantee
 _CHUNK = 1 << 20  # words per keystream call of the O(N) draws: bounds memory at 8 MiB
 _TWO_53 = float(2**53)
-_TWO_64 = float(2**64)
-_U53 = 2.0**-53  # the unit roundoff of float64 (round to nearest)
 _MAX_UNITS = 1 << 62  # partial sums of the gaps stay below 2**63 (int64)
 _SKIP_CHUNK = 1 << 18  # gaps drawn per round: bounds the working memory at a few MiB
 
@@ -103,56 +100,7 @@ _TAG_TIES = b"ties"
 _TAG_UNIFORM = b"unif"
 
 
-def secure_key() -> bytes:
-    """32 bytes of fresh OS entropy (`os.urandom`): the key of one step's randomness."""
-    return os.urandom(KEY_BYTES)
-
-
-def seeded_key(seed: int, step: int, purpose: str) -> bytes:
-    """SHA-256 of the canonical encoding of (seed, step, purpose).
-
-    For tests and reproducible runs ONLY: anyone who knows `seed` can recompute every
-    sample and every noise vector, so such a run carries no DP guarantee against
-    anyone who knows the seed (DESIGN §3.7); its report must say so.
-    """
-    for name, value in (("seed", seed), ("step", step)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"{name} must be an integer, got {name}={value!r}")
-    if not isinstance(purpose, str):
-        raise ValueError(f"purpose must be a string, got purpose={purpose!r}")
-    # JSON of a list of (int, int, str) is an unambiguous, injective encoding.
-    blob = json.dumps(["llmdp.seeded_key.v1", int(seed), int(step), purpose], separators=(",", ":"))
-    return hashlib.sha256(blob.encode("utf-8")).digest()
-
-
-# --------------------------------------------------------------------------- keys
-
-
-def _check_key(key) -> bytes:
-    if not isinstance(key, (bytes, bytearray)):
-        raise ValueError(f"key must be bytes (e.g. secure_key()), got {type(key).__name__}")
-    if len(key) < _MIN_KEY_BYTES:
-        raise ValueError(f"key must have at least {_MIN_KEY_BYTES} bytes, got {len(key)}")
-    return bytes(key)
-
-
 # --------------------------------------------------------------------------- ChaCha20 words
-
-
-def _check_sample_key(key) -> bytes:
-    """The 32-byte sample key, or one ValueError that names the length and the fix."""
-    if not isinstance(key, (bytes, bytearray)):
-        raise ValueError(
-            f"a sampling key is {KEY_BYTES} bytes, got {type(key).__name__}: pass the step's "
-            "sample key, chacha.derive_key(step_key, b'sample') (or secure_key() / seeded_key())"
-        )
-    if len(key) != KEY_BYTES:
-        raise ValueError(
-            f"a sampling key is {KEY_BYTES} bytes (a ChaCha20 key), got a {len(key)}-byte key: "
-            "pass the step's sample key, chacha.derive_key(step_key, b'sample') "
-            "(or secure_key() / seeded_key()), not a shorter or longer one"
-        )
-    return bytes(key)
 
 
 def _words(key: bytes, tag: bytes, index: int, first: int, n: int) -> np.ndarray:
@@ -220,97 +168,6 @@ def _check_q(sampling_probability) -> float:
 
 
 # --------------------------------------------------------------------------- exact coins
-
-
-def _one_minus(q: float) -> tuple[int, int]:
-    """(c, b) with 1 - q = c / 2**b exactly (q is a binary float: q = a / 2**b)."""
-    a, den = q.as_integer_ratio()
-    return den - a, den.bit_length() - 1
-
-
-def _ceil_shift(x: int, k: int) -> int:
-    """ceil(x / 2**k) for x >= 0."""
-    return -((-x) >> k)
-
-
-@functools.lru_cache(maxsize=4096)
-def _power_bounds(c: int, b: int, s: int, prec: int) -> tuple[int, int]:
-    """(lo, hi) with lo / 2**prec <= (c / 2**b)**s <= hi / 2**prec, rigorously.
-
-    Binary powering on fixed-point integers (value X / 2**prec), rounding every product
-    down for `lo` and up for `hi`: all quantities are >= 0, so products of lower bounds are
-    lower bounds. The width shrinks as `prec` grows (about s 2**-prec relative).
-    """
-    if prec >= b:
-        base_lo = base_hi = c << (prec - b)
-    else:
-        base_lo, base_hi = c >> (b - prec), _ceil_shift(c, b - prec)
-    lo = hi = 1 << prec
-    while s:
-        if s & 1:
-            lo = (lo * base_lo) >> prec
-            hi = _ceil_shift(hi * base_hi, prec)
-        s >>= 1
-        if s:
-            base_lo = (base_lo * base_lo) >> prec
-            base_hi = _ceil_shift(base_hi * base_hi, prec)
-    return lo, hi
-
-
-def _nearest_powers(c: int, b: int, t: int) -> list[float]:
-    """[P_0, ..., P_t]: P_i is the float64 nearest to (c / 2**b)**(2**i) (ties to even).
-
-    Integer bounds lo <= x <= hi by repeated squaring with directed rounding; when lo and
-    hi round to the same float, so does x (rounding is monotone). Python's int / int is
-    correctly rounded. If they differ the precision doubles: the bounds close in on x, and
-    an x that is a float64 midpoint has few enough bits to be computed exactly.
-    """
-    prec = 2 * (b + t) + 128
-    while prec <= 1 << 22:
-        one = 1 << prec
-        lo = hi = c << (prec - b)  # exact: prec > b
-        out = []
-        for i in range(t + 1):
-            if i:
-                lo, hi = (lo * lo) >> prec, _ceil_shift(hi * hi, prec)
-            f_lo, f_hi = lo / one, hi / one
-            if f_lo != f_hi:
-                break
-            out.append(f_lo)
-        else:
-            return out
-        prec *= 2
-    raise RuntimeError(f"could not round (1-q)**(2**i) to float64 for 1-q = {c}/2**{b}")  # pragma: no cover
-
-
-def _margin(t: int) -> float:
-    """4 (t + 2) 2**-53: twice a rigorous bound on the relative error of f.
-
-    f is a product of at most t + 1 of the P_i (each within relative 2**-53 of its exact
-    value) with at most t correctly rounded multiplications (relative error <= 2**-53
-    each; no underflow: every partial product is >= min(1/4, 1 - q) >= 2**-53), so
-    |f / p - 1| <= (1 + 2**-53)**(2t + 1) - 1 < (2t + 2) 2**-53 <= margin / 2. The other
-    half covers the roundings of f (1 ± margin) in `_fast_thresholds`."""
-    return 4 * (t + 2) * _U53
-
-
-def _fast_thresholds(f: np.ndarray, margin: float) -> tuple[np.ndarray, np.ndarray]:
-    """(A, D), uint64 arrays: for the coin "U < p" with |f / p - 1| <= margin / 2 (see
-    `_margin`) and U's first 64 bits W, W < A proves U < p and W > D proves U >= p.
-
-    fl(f (1 - margin)) <= p (1 + margin/2)(1 - margin)(1 + 2**-53) <= p since margin >=
-    8 2**-53, and likewise fl(f (1 + margin)) >= p. So
-    A = floor(f (1 - margin) 2**64) <= p 2**64, so W < A gives U < (W + 1) / 2**64 <= p.
-    D = ceil(f (1 + margin) 2**64) - 1, so W > D gives U >= W / 2**64 >= p; when that
-    ceiling is 2**64 or more, D = 2**64 - 1 and W > D never holds. f <= 1, so
-    f (1 - margin) < 1 and the casts are exact (floats >= 2**53 are integers).
-    """
-    lo = f * (1.0 - margin)
-    hi = f * (1.0 + margin)
-    a = (lo * _TWO_64).astype(np.uint64)  # truncation = floor (lo >= 0)
-    c = np.ceil(hi * _TWO_64)
-    d = np.where(c >= _TWO_64, 0.0, c).astype(np.uint64) - np.uint64(1)  # 0 - 1 wraps to 2**64 - 1
-    return a, d
 
 
 def _exact_coin(c: int, b: int, s: int, w: int, key: bytes, position: int) -> bool:
@@ -492,98 +349,6 @@ class PoissonSampler:
     def sample_with_info(self, key: bytes) -> tuple[np.ndarray, bool]:
         """(`sample(key)`, False): the common interface with `TruncatedPoissonSampler`."""
         return self.sample(key), False
-
-
-# --------------------------------------------------------------------------- Poisson: O(N)
-
-
-def _tie_rule(q: float) -> tuple[int, int, int]:
-    """(K, m, r) with q = (K + r / 2**m) / 2**53 exactly, 0 <= r < 2**m.
-
-    A unit with 53-bit uniform k is in the sample iff u < q, u = (k + v) / 2**53 with v a
-    further uniform in [0, 1): iff k < K, or k == K and v < r / 2**m, i.e. the next m
-    bits of v, as an integer V, satisfy V < r (exact: r / 2**m is a dyadic rational).
-    """
-    a, den = q.as_integer_ratio()  # q = a / den exactly, den a power of two (q is a binary float)
-    b = den.bit_length() - 1
-    if b <= 53:
-        return a << (53 - b), 0, 0
-    m = b - 53
-    return a >> m, m, a & ((1 << m) - 1)
-
-
-def _reference_uint53(key: bytes, first: int, n: int) -> np.ndarray:
-    """Units first … first + n - 1's 53-bit uniforms: the top 53 bits of the words of the
-    stream (key, ``refp ‖ 0``)."""
-    return _words(key, _TAG_REFERENCE, 0, first, n) >> np.uint64(11)
-
-
-class ReferencePoissonSampler:
-    """Poisson subsampling at rate q with one coin per unit: O(N) per step.
-
-    The test reference for `PoissonSampler` (same distribution, different draws for the
-    same key; the tests compare them in distribution). Not for training at scale.
-
-    Unit i's coin is u_i < q with u_i = (k_i + v_i) * 2**-53, k_i the top 53 bits of word
-    i of the stream (key, ``refp ‖ 0``) (`uniform_stream(key, N, b"refp")` * 2**53) and
-    v_i's bits read, only when k_i == floor(q * 2**53) (probability 2**-53), from the
-    unit's own stream (key, ``ties ‖ i``) (see `_tie_rule`), so a unit's decision depends
-    on that unit's words only. The inclusion probability is exactly q.
-    """
-
-    TAG = _TAG_REFERENCE
-    TIE_TAG = _TAG_TIES
-    max_batch_size: int | None = None
-
-    def __init__(self, num_units: int, sampling_probability: float):
-        self.num_units = _check_num_units(num_units)
-        self.sampling_probability = _check_q(sampling_probability)
-        self._k, self._tie_bits, self._tie_r = _tie_rule(self.sampling_probability)
-        # K <= 2**53, exact in uint64; k < 2**53 so q = 1 (K = 2**53) includes everyone.
-        self._threshold = np.uint64(self._k)
-
-    @property
-    def inclusion_probability(self) -> float:
-        """The exact per-unit inclusion probability: q itself (ties resolved exactly)."""
-        return self.sampling_probability
-
-    def sample(self, key: bytes) -> np.ndarray:
-        """Sorted int64 indices of the units included in this step's sample."""
-        key = _check_sample_key(key)
-        parts, ties = [], []
-        for offset in range(0, self.num_units, _CHUNK):
-            k = _reference_uint53(key, offset, min(_CHUNK, self.num_units - offset))
-            parts.append(np.flatnonzero(k < self._threshold) + offset)
-            if self._tie_bits:
-                ties.append(np.flatnonzero(k == self._threshold) + offset)
-        indices = np.concatenate(parts).astype(np.int64, copy=False)
-        if ties:
-            won = _resolve_ties(key, np.concatenate(ties), self._tie_bits, self._tie_r)
-            if len(won):
-                indices = np.sort(np.concatenate([indices, won]))
-        return indices
-
-    def sample_with_info(self, key: bytes) -> tuple[np.ndarray, bool]:
-        """(`sample(key)`, False): the common interface with `TruncatedPoissonSampler`."""
-        return self.sample(key), False
-
-
-def _resolve_ties(key: bytes, tied: np.ndarray, m: int, r: int) -> np.ndarray:
-    """The tied units (k_i == K) whose next m uniform bits V_i satisfy V_i < r.
-
-    V_i is the top m bits of the stream (key, ``ties ‖ i``), its words read most
-    significant first: one stream per unit, so that the decision of unit i does not
-    depend on which other units tied. Exactly uniform on {0, ..., 2**m - 1}.
-    """
-    n_words = -(-m // 64)
-    won = []
-    for i in np.asarray(tied, dtype=np.int64).tolist():
-        v = 0
-        for w in _words(key, _TAG_TIES, i, 0, n_words).tolist():
-            v = (v << 64) | w
-        if v >> (64 * n_words - m) < r:
-            won.append(i)
-    return np.asarray(won, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------- truncation

@@ -27,6 +27,9 @@ import shutil
 
 import torch
 
+from llmdp._fs import building_dir, install_dir
+from llmdp._hf import dtype_kwarg, save_kwargs
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -448,8 +451,6 @@ def build_adapted_model(model_dir, base_tokenizer, new_tokenizer_dir, out_dir) -
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmdp._hf import dtype_kwarg, save_kwargs
-
     out_dir = os.path.abspath(os.fspath(out_dir))
     h = adapted_model_hash(model_dir, base_tokenizer, new_tokenizer_dir)
     marker = _read_adapted_marker(out_dir)
@@ -461,8 +462,6 @@ def build_adapted_model(model_dir, base_tokenizer, new_tokenizer_dir, out_dir) -
     model = AutoModelForCausalLM.from_pretrained(os.fspath(model_dir),
                                                  **{dtype_kwarg(): torch.float32})  # 4.x / 5.x name
     stats = adapt_embeddings(model, base_tok, new_tok)
-
-    from llmdp._fs import building_dir, install_dir
 
     with building_dir(out_dir, ".tmp-adapted-") as tmp:
         model.save_pretrained(tmp, **save_kwargs(model))

@@ -46,7 +46,7 @@ mechanism), so the ledger records the Gaussian event and stores delta_threshold 
 record's ``extra`` (`ledger_extra`): **a report must use `accountant.epsilon_with_threshold`
 with `Ledger.delta_threshold()` over such a ledger, never the plain epsilon.**
 
-Seeded keys (`llmdp.privacy.sampling.seeded_key`) are for tests only (DESIGN §3.7); a real
+Seeded keys (`llmdp.privacy.keys.seeded_key`) are for tests only (DESIGN §3.7); a real
 run uses `secure_key()`.
 """
 
@@ -64,8 +64,12 @@ import dp_accounting
 import numpy as np
 from scipy.stats import norm
 
+from llmdp._fs import building_dir, replace_dir
 from llmdp._validate import _check_positive
-from llmdp.privacy.sampling import _check_key
+from llmdp.privacy.accountant import epsilon
+from llmdp.privacy.keys import _check_key
+from llmdp.privacy.noise import keyed_normal
+from llmdp.tokenizer.public import _make_portable
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -154,8 +158,6 @@ def word_noise(key: bytes, word: str, std: float) -> float:
     """One N(0, std^2) draw, a deterministic function of (key, word):
     `llmdp.privacy.noise.keyed_normal` with label = domain + UTF-8 word (ChaCha20 under a
     per-word key; Box-Muller on two 53-bit uniforms)."""
-    from llmdp.privacy.noise import keyed_normal  # torch: only when noise is drawn
-
     return keyed_normal(_check_key(key), _NOISE_DOMAIN + word.encode("utf-8"), std)
 
 
@@ -247,8 +249,6 @@ def calibrate_tokenizer_noise(
     (dp-accounting via `llmdp.privacy.accountant`), sigma = z * sqrt(K),
     tau = 1 + sigma * Phi_bar^{-1}(delta_threshold / K).
     """
-    from llmdp.privacy.accountant import epsilon
-
     k = _check_k(max_words_per_unit)
     eps_t = _check_positive("target_epsilon", target_epsilon)
     delta = float(target_delta)
@@ -354,7 +354,6 @@ def train_sentencepiece_from_counts(
         raise ValueError(f"model_type must be 'unigram' or 'bpe', got {model_type!r}")
     if not counts:
         raise ValueError("counts is empty: nothing was released (lower tau / raise epsilon?)")
-    from llmdp._fs import building_dir, replace_dir
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     with building_dir(out_dir, ".tmp-private-tokenizer-") as tmp:
@@ -452,9 +451,3 @@ def _hf_tokenizer(model_file: str):
         pad_token=SPECIAL_TOKENS[2], unk_token=SPECIAL_TOKENS[3],
         clean_up_tokenization_spaces=False,
     )
-
-
-def _make_portable(folder: str, fast) -> None:
-    from llmdp.tokenizer.public import _make_portable as make_portable
-
-    make_portable(folder, fast)

@@ -33,7 +33,9 @@ import uuid
 from collections import Counter
 from collections.abc import Mapping
 
+from llmdp._allowlist import allow_listed
 from llmdp.config import ConfigError, TokenizerRecipeConfig, config_hash, dump_yaml, to_dict
+from llmdp.data.synthetic import ensure_clinical_notes
 
 __all__ = [
     "INFO_FILE",
@@ -82,13 +84,12 @@ def _columns(d) -> dict[str, str]:
 def corpus_units(cfg: TokenizerRecipeConfig) -> tuple[list[list[str]], dict]:
     """The words of every privacy unit of the recipe's corpus, and facts about it
     (source fingerprint, number of records and units)."""
+    # lazy: datasets and torch; this module stays light (llmdp.report reads tokenizer info here)
     from llmdp.data.sources import load_records, source_fingerprint
     from llmdp.tokenizer.private import pre_tokenize
 
     d = cfg.data
     if d.synthetic is not None and not os.path.exists(d.path):
-        from llmdp.data.synthetic import ensure_clinical_notes
-
         ensure_clinical_notes(d.path, d.synthetic.num_documents, d.synthetic.seed)
     source = dict(path=d.path, dataset=d.dataset, split=d.split, config_name=d.config_name,
                   format=d.format)
@@ -148,8 +149,6 @@ PUBLIC_INFO: dict = {
 
 def publishable_tokenizer_info(info: dict) -> dict:
     """The part of a tokenizer's info that its folder may hold (`PUBLIC_INFO`)."""
-    from llmdp._allowlist import allow_listed
-
     return allow_listed(info, PUBLIC_INFO)
 
 
@@ -208,10 +207,14 @@ def _check_out_dir(cfg: TokenizerRecipeConfig) -> dict | None:
 
 def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
     """Run a tokenizer recipe end to end; returns the folder's ``llmdp_tokenizer.json``."""
+    # lazy: llmdp.privacy imports torch; this module stays light (llmdp.report imports it)
     from llmdp.privacy import accountant as acc
+    from llmdp.privacy.budget import hold_entries, live_holds, release_entries_of, split_by_unit
+    from llmdp.privacy.dataset_ledger import open_dataset_ledger
     from llmdp.privacy.events import event_to_json
+    from llmdp.privacy.keys import secure_key, seeded_key
+    from llmdp.privacy.ledgerdb import LedgerDB
     from llmdp.privacy.plan import default_delta
-    from llmdp.privacy.sampling import secure_key, seeded_key
     from llmdp.privacy.service import BudgetError
     from llmdp.tokenizer import private as tp
 
@@ -255,10 +258,6 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
         event = tp.tokenizer_event(sigma, k)
         extra = tp.ledger_extra(sigma, tau, k)
         eps = acc.epsilon_with_threshold([(event, 1)], delta, extra["delta_threshold"], p.accountant)
-        from llmdp.privacy.dataset_ledger import open_dataset_ledger
-        from llmdp.privacy.ledgerdb import LedgerDB
-        from llmdp.privacy.service import live_holds, release_entries_of, split_by_unit
-
         ledger = open_dataset_ledger(cfg.data, p.ledger, data["sha256"], log=log)
         unit = {"kind": data["unit"], "user_field": data["user_field"]}
         release_id = uuid.uuid4().hex[:12]
@@ -270,8 +269,6 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
             # (DESIGN §3.5): the release is durable before any noisy count exists.
             with db.transaction(ledger["dataset_id"], full=True) as tx:
                 if p.budget_epsilon is not None:
-                    from llmdp.privacy.service import hold_entries
-
                     # The budget is per privacy unit: releases for other units are not composed.
                     same, _ = split_by_unit(tx.records, unit)
                     entries = release_entries_of(same) + hold_entries(live_holds(tx.records), unit)
@@ -475,7 +472,7 @@ def ensure_release_recorded(release: dict, ledger: dict, meta: dict) -> bool:
     `llmdp.privacy.dataset_ledger.open_dataset_ledger`; it may not be the ledger the tokenizer wrote to:
     another dataset id, another database): append a copy when no record of its run id is
     there. True if a record was appended."""
-    from llmdp.privacy.ledgerdb import LedgerDB
+    from llmdp.privacy.ledgerdb import LedgerDB  # lazy: llmdp.privacy imports torch
 
     db = LedgerDB(ledger["location"])
     try:

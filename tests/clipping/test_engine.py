@@ -477,7 +477,7 @@ def test_auto_mode_counts_instantiated_per_unit_gradients_as_kept(monkeypatch):
     """Book-keeping keeps, per Linear that may be instantiated, its float32 per-unit
     gradients (U·p·d·4 bytes), not just its output gradient: auto must count them when it
     decides whether book-keeping fits (with 8 units here they outweigh the G's)."""
-    from llmdp.clipping import engine as eng
+    from llmdp.clipping import modes
 
     model = tiny_llama()
     batch = make_batch(list(range(8)))
@@ -486,11 +486,11 @@ def test_auto_mode_counts_instantiated_per_unit_gradients_as_kept(monkeypatch):
     def fake_free(device):
         return seen["free"]
 
-    monkeypatch.setattr(eng, "_available_memory", fake_free)
+    monkeypatch.setattr(modes, "_available_memory", fake_free)
     clipper = GhostClipper(model, 1.0, mode="auto")
     losses = row_losses(model, batch)
     g_only = sum(r.out_bytes for r in clipper._records)
-    kept = sum(eng._kept_bytes(r, 8) for r in clipper._records)
+    kept = sum(modes._kept_bytes(r, 8) for r in clipper._records)
     assert kept > g_only
     # Free memory between 2·(G's only) and 2·kept: only the full count picks two-pass.
     seen["free"] = (2 * g_only + 2 * kept) // 2

@@ -8,13 +8,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llmdp.data import sources
+from llmdp.data import files
+from llmdp.data.files import record_location, resolve_format
 from llmdp.data.sources import (
     fingerprint_file,
     load_records,
     load_texts,
-    record_location,
-    resolve_format,
     source_fingerprint,
 )
 
@@ -183,7 +182,7 @@ def test_load_records_saved_dataset(tmp_path):
     with pytest.raises(ValueError, match=r"data\.format='jsonl' does not apply.*save_to_disk"):
         load_records(path=tmp_path / "saved", format="jsonl")
     with pytest.raises(ValueError, match=r"save_to_disk"):  # not a directory of data files
-        sources.data_files(tmp_path / "saved")
+        files.data_files(tmp_path / "saved")
 
 
 def _save_dict(path):

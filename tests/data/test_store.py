@@ -259,9 +259,9 @@ def test_chat_records_train_on_responses_only(tmp_path):
 
 def test_parallel_tokenization_builds_the_same_units(tmp_path, tok):
     """num_proc > 1 (a datasets.map pool) and one process give identical stores."""
+    from llmdp.data.encode import encode_records
     from llmdp.data.formats import RecordEncoder
     from llmdp.data.sources import load_records
-    from llmdp.data.store import encode_records
 
     data = write_notes(tmp_path / "n.jsonl", num_documents=50, seed=4)
     spec = UnitSpec("user", L, max_rows_per_unit=3, user_field="user_id")

@@ -37,10 +37,11 @@ import dp_accounting
 import pytest
 
 from llmdp.privacy.accountant import RDP_ORDERS
+from llmdp.privacy.budget import live_holds
 from llmdp.privacy.events import dpsgd_step_event, event_to_json
 from llmdp.privacy.ledger import Ledger, LedgerError
 from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.service import cross_check, live_holds
+from llmdp.privacy.service import cross_check
 
 PROCESSES = 8
 STEPS = 50  # each process's planned steps (one reservation each: block_size=1)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from llmdp.privacy.keys import seeded_key
 from llmdp.privacy.noise import add_noise_, gaussian_like
-from llmdp.privacy.sampling import seeded_key
 
 N = 1_000_000
 STD = 2.5

@@ -18,15 +18,16 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+from llmdp.privacy import _dyadic as D
 from llmdp.privacy import chacha
+from llmdp.privacy import reference_sampler as R
 from llmdp.privacy import sampling as S
+from llmdp.privacy.keys import secure_key, seeded_key
+from llmdp.privacy.reference_sampler import ReferencePoissonSampler
 from llmdp.privacy.sampling import (
     PoissonSampler,
-    ReferencePoissonSampler,
     TruncatedPoissonSampler,
     make_sampler,
-    secure_key,
-    seeded_key,
     uniform_stream,
 )
 
@@ -226,11 +227,11 @@ def test_float_bounds_bracket_the_power_for_large_t(q):
     a, d = s._thresholds(r_arr)
     prec = 4000
     for r, fr, ar, dr in zip(rs, f.tolist(), a.tolist(), d.tolist()):
-        lo, hi = S._power_bounds(s._c, s._b, r, prec)
+        lo, hi = D._power_bounds(s._c, s._b, r, prec)
         assert Fraction(fr) * (1 - Fraction(s._margin) / 2) <= Fraction(lo, 2**prec)
         assert Fraction(hi, 2**prec) <= Fraction(fr) * (1 + Fraction(s._margin) / 2)
         assert ar * 2 ** (prec - 64) <= lo and hi <= (dr + 1) * 2 ** (prec - 64)
-    lo, hi = S._power_bounds(s._c, s._b, s._m, prec)
+    lo, hi = D._power_bounds(s._c, s._b, s._m, prec)
     assert int(s._rho_a) * 2 ** (prec - 64) <= lo and hi <= (int(s._rho_d) + 1) * 2 ** (prec - 64)
 
 
@@ -238,11 +239,11 @@ def test_integer_power_bounds_bracket_the_fraction():
     rng = random.Random(2)
     for _ in range(200):
         q = rng.choice([rng.random(), 2.0 ** -rng.uniform(0, 60), rng.randrange(1, 1024) / 1024])
-        c, b = S._one_minus(q)
+        c, b = D._one_minus(q)
         assert Fraction(c, 2**b) == 1 - Fraction(q)
         s = rng.randrange(0, 600)
         prec = rng.choice([8, 64, 200, 1000])
-        lo, hi = S._power_bounds(c, b, s, prec)
+        lo, hi = D._power_bounds(c, b, s, prec)
         p = Fraction(c, 2**b) ** s
         assert Fraction(lo, 2**prec) <= p <= Fraction(hi, 2**prec), (q, s, prec)
 
@@ -255,7 +256,7 @@ def test_exact_coin_matches_the_fraction_comparison():
     checked = 0
     for trial in range(300):
         q = rng.choice([rng.random(), 2.0 ** -rng.uniform(0, 30), 0.5, 0.25])
-        c, b = S._one_minus(q)
+        c, b = D._one_minus(q)
         s = rng.randrange(0, 300)
         p = Fraction(c, 2**b) ** s
         w0 = min(int(p * 2**64), 2**64 - 1)
@@ -425,7 +426,7 @@ def test_reference_is_threshold_of_the_uniform_stream_across_chunks():
     key = seeded_key(7, 0, "chunks")
     u = uniform_stream(key, n, ReferencePoissonSampler.TAG)
     # u < K / 2**53 (no unit of this key ties the threshold K: probability ~n * 2**-53)
-    k_thr = S._tie_rule(0.003)[0]
+    k_thr = R._tie_rule(0.003)[0]
     assert not np.any(u * 2.0**53 == k_thr)
     expected = np.flatnonzero(u * 2.0**53 < k_thr)
     assert np.array_equal(sampler.sample(key), expected)
@@ -437,7 +438,7 @@ def test_inclusion_probability_is_exactly_q():
         assert PoissonSampler(10, q).inclusion_probability == q
         assert ReferencePoissonSampler(10, q).inclusion_probability == q
         # The tie rule splits q exactly: q = (K + r / 2**m) / 2**53.
-        k, m, r = S._tie_rule(q)
+        k, m, r = R._tie_rule(q)
         assert 0 <= r < 2**m
         assert Fraction(q) == (k + Fraction(r, 2**m)) / 2**53
 
@@ -447,8 +448,8 @@ def test_ties_are_resolved_with_the_exact_remainder(monkeypatch, q):
     # Force every unit's 53-bit uniform onto the threshold K (probability 2**-53 each in
     # reality): each is then included with probability exactly frac(q * 2**53) = r / 2**m.
     n = 4000
-    k_thr, m, r = S._tie_rule(q)
-    monkeypatch.setattr(S, "_reference_uint53", lambda key, first, count: np.full(count, k_thr, dtype=np.uint64))
+    k_thr, m, r = R._tie_rule(q)
+    monkeypatch.setattr(R, "_reference_uint53", lambda key, first, count: np.full(count, k_thr, dtype=np.uint64))
     sampler = ReferencePoissonSampler(n, q)
     key = seeded_key(5, 0, "ties")
     got = sampler.sample(key)
@@ -462,7 +463,7 @@ def test_ties_are_resolved_with_the_exact_remainder(monkeypatch, q):
     # A unit's tie is decided by its own stream (ties ‖ i): the same whoever else tied.
     if len(got):
         i = int(got[0])
-        assert np.array_equal(S._resolve_ties(key, np.array([i]), m, r), [i])
+        assert np.array_equal(R._resolve_ties(key, np.array([i]), m, r), [i])
 
 
 def test_uniform_stream_properties():

@@ -16,18 +16,11 @@ import dp_accounting
 import pytest
 
 from llmdp.privacy.accountant import RDP_ORDERS
+from llmdp.privacy.budget import NOT_COMPOSED, budget_status, steps_within_budget, unit_key
 from llmdp.privacy.events import dpsgd_step_event, event_to_json
 from llmdp.privacy.ledger import Ledger
 from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.service import (
-    NOT_COMPOSED,
-    BudgetError,
-    LedgerService,
-    budget_status,
-    cross_check,
-    steps_within_budget,
-    unit_key,
-)
+from llmdp.privacy.service import BudgetError, LedgerService, cross_check
 
 Q, SIGMA, DELTA = 0.01, 1.0, 1e-5
 EV = dpsgd_step_event(Q, SIGMA)  # a DP-SGD step

@@ -13,8 +13,8 @@ from dp_accounting.pld import PLDAccountant
 from llmdp.privacy.accountant import epsilon, epsilon_with_threshold
 from llmdp.privacy.accountant import threshold_delta as combined_threshold_delta
 from llmdp.privacy.events import dpsgd_step_event, event_to_json
+from llmdp.privacy.keys import seeded_key
 from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.sampling import seeded_key
 from llmdp.tokenizer.private import (
     SPECIAL_TOKENS,
     bound_unit_words,
@@ -195,7 +195,7 @@ def test_tokenizer_plus_dpsgd_composes_in_one_ledger(tmp_path, calibrated):
                     "run_id": "tok", "extra": ledger_extra(sigma, tau, K)})
     db.append("d", {"kind": "release", "event": event_to_json(dpsgd_step_event(q, noise)),
                     "count": steps, "run_id": "r"})
-    from llmdp.privacy.service import release_entries_of
+    from llmdp.privacy.budget import release_entries_of
 
     records = db.records("d")
     entries = release_entries_of(records)

@@ -15,7 +15,7 @@ from dp_accounting.rdp import RdpAccountant
 
 from llmdp.config import ConfigError, load_recipe, load_tokenizer_recipe, tokenizer_recipe_from_dict
 from llmdp.privacy.accountant import threshold_delta
-from llmdp.privacy.sampling import seeded_key
+from llmdp.privacy.keys import seeded_key
 from llmdp.tokenizer import private as tp
 from llmdp.tokenizer.train import corpus_units, record_texts, tokenizer_for_run, train_tokenizer
 from tests.helpers import dataset_entries, dataset_records, simulate_steps, write_notes

@@ -1,0 +1,247 @@
+"""The checks of a recipe that involve two fields or two sections (:mod:`llmdp.config`).
+
+A single field's checks (type, choices, bounds, paths) are declared with the field, in the
+schema's dataclasses; what only a combination of fields can get wrong is checked here: one
+function per dataclass, which `llmdp._config_load.build` calls on each instance it builds
+(after its fields), with the instance, its dotted prefix (for the messages) and the
+directory relative paths resolve against. Each returns the instance, possibly completed
+(e.g. ``model.tokenizer`` defaults to ``model.name_or_path``), or raises one
+:class:`~llmdp._validate.ConfigError` naming the key to change. Which function checks which
+dataclass is ``llmdp.config._CHECKS``; the functions read attributes only, so nothing here
+imports the schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llmdp._validate import ConfigError, check_exactly_one
+
+
+def check_tiny(t, prefix: str, base_dir: str):
+    """``model.tiny``, a `TinyModelConfig`: the heads divide the sizes."""
+    if t.hidden_size % t.num_heads:
+        raise ConfigError(
+            f"{prefix}.hidden_size: {t.hidden_size} is not divisible by "
+            f"{prefix}.num_heads ({t.num_heads})",
+            key=f"{prefix}.hidden_size",
+        )
+    if t.num_heads % t.num_kv_heads:
+        raise ConfigError(
+            f"{prefix}.num_kv_heads: {t.num_kv_heads} does not divide "
+            f"{prefix}.num_heads ({t.num_heads})",
+            key=f"{prefix}.num_kv_heads",
+        )
+    return t
+
+
+def check_model(m, prefix: str, base_dir: str):
+    """``model``, a `ModelConfig`: what init needs; ``tokenizer`` defaults to the model."""
+    if m.init == "pretrained" and m.name_or_path is None:
+        raise ConfigError(
+            f"{prefix}.name_or_path: required when {prefix}.init is 'pretrained' (a hub id "
+            f"or a local model directory); or set {prefix}.init: tiny to build a small "
+            f"model from {prefix}.tiny",
+            key=f"{prefix}.name_or_path",
+        )
+    if m.init == "tiny" and m.tokenizer is None:
+        raise ConfigError(
+            f"{prefix}.tokenizer: required when {prefix}.init is 'tiny' (a model built "
+            f"from a config has no tokenizer of its own); give a hub id or a local "
+            f"tokenizer directory",
+            key=f"{prefix}.tokenizer",
+        )
+    if m.base_tokenizer is not None and m.init != "pretrained":
+        raise ConfigError(
+            f"{prefix}.base_tokenizer: {m.base_tokenizer!r} adapts a pretrained model to "
+            f"{prefix}.tokenizer, but {prefix}.init is {m.init!r} (a model built from a config "
+            f"is sized to its tokenizer already); remove it",
+            key=f"{prefix}.base_tokenizer",
+        )
+    if m.tokenizer is None:
+        m = dataclasses.replace(m, tokenizer=m.name_or_path)
+    return m
+
+
+def _check_source(d, prefix: str) -> None:
+    """The checks of a `SourceConfig`: a training and a tokenizer recipe's `data`."""
+    if (d.path is None) == (d.dataset is None):
+        got = "both" if d.path is not None else "neither"
+        raise ConfigError(
+            f"{prefix}.path / {prefix}.dataset: give exactly one data source, got {got} "
+            f"(path={d.path!r}, dataset={d.dataset!r}); path is a local file or folder, "
+            f"dataset a Hub dataset name",
+            key=f"{prefix}.path",
+        )
+    if (d.prompt_field is None) != (d.response_field is None):
+        missing = "response_field" if d.response_field is None else "prompt_field"
+        raise ConfigError(
+            f"{prefix}.{missing}: instruction records need both {prefix}.prompt_field and "
+            f"{prefix}.response_field (got prompt_field={d.prompt_field!r}, "
+            f"response_field={d.response_field!r})",
+            key=f"{prefix}.{missing}",
+        )
+    if d.unit == "user" and d.user_field is None:
+        raise ConfigError(
+            f"{prefix}.user_field: required with {prefix}.unit 'user': the record field that "
+            f"identifies the user (e.g. user_field: user_id)",
+            key=f"{prefix}.user_field",
+        )
+    if d.synthetic is not None and d.path is None:
+        raise ConfigError(
+            f"{prefix}.synthetic: needs {prefix}.path (where the synthetic corpus is written)",
+            key=f"{prefix}.synthetic",
+        )
+
+
+def check_data(d, prefix: str, base_dir: str):
+    """A training recipe's ``data``, a `DataConfig`: record shape, unit bound, source."""
+    if d.messages_field is not None and d.prompt_field is not None:
+        raise ConfigError(
+            f"{prefix}.messages_field: {d.messages_field!r} and {prefix}.prompt_field "
+            f"{d.prompt_field!r} both set; a record is either a chat (messages_field) or an "
+            f"instruction pair (prompt_field + response_field)",
+            key=f"{prefix}.messages_field",
+        )
+    if d.unit != "sequence" and d.max_rows_per_unit is None:
+        raise ConfigError(
+            f"{prefix}.max_rows_per_unit: required with {prefix}.unit {d.unit!r}: the contribution "
+            f"bound, in rows of {prefix}.sequence_length tokens, of one {d.unit} (longer ones are "
+            f"truncated), e.g. max_rows_per_unit: 4",
+            key=f"{prefix}.max_rows_per_unit",
+        )
+    if d.unit == "document" and d.document_masking:
+        raise ConfigError(
+            f"{prefix}.document_masking: true has no effect with {prefix}.unit 'document' "
+            f"(a document unit is never packed with another document); remove it",
+            key=f"{prefix}.document_masking",
+        )
+    if d.max_units is not None:
+        raise ConfigError(
+            f"{prefix}.max_units: {d.max_units!r} is no longer supported: keeping the first "
+            f"max_units units lets one added unit evict another, so the guarantee relative to "
+            f"the corpus would be replace-one, not the add/remove-one it is accounted under. "
+            f"For a quick run on part of the corpus set {prefix}.unit_fraction (e.g. 0.1: each "
+            f"unit kept independently, by a keyed hash of its own content) and remove "
+            f"{prefix}.max_units",
+            key=f"{prefix}.max_units",
+        )
+    _check_source(d, prefix)
+    return d
+
+
+def _check_rng_seed(p, prefix: str) -> None:
+    """``rng`` and ``seed`` of a `PrivacyConfig` or a `TokenizerPrivacyConfig`."""
+    if p.rng == "seeded" and p.seed is None:
+        raise ConfigError(
+            f"{prefix}.seed: required when {prefix}.rng is 'seeded'",
+            key=f"{prefix}.seed",
+        )
+    if p.rng == "secure" and p.seed is not None:
+        raise ConfigError(
+            f"{prefix}.seed: {p.seed!r} is given but {prefix}.rng is 'secure', which draws "
+            f"sampling and noise from fresh OS entropy; set {prefix}.seed: null, or set "
+            f"{prefix}.rng: seeded for a reproducible run (whose report then carries no "
+            f"guarantee against anyone who knows the seed)",
+            key=f"{prefix}.seed",
+        )
+
+
+def check_privacy(p, prefix: str, base_dir: str):
+    """``privacy``, a `PrivacyConfig`: one of ε / σ, rng and seed, sampler and accountant."""
+    check_exactly_one(
+        {
+            f"{prefix}.target_epsilon": p.target_epsilon,
+            f"{prefix}.noise_multiplier": p.noise_multiplier,
+        }
+    )
+    _check_rng_seed(p, prefix)
+    if p.max_batch_size is not None and p.sampler != "truncated-poisson":
+        raise ConfigError(
+            f"{prefix}.max_batch_size: {p.max_batch_size} is only used with {prefix}.sampler "
+            f"'truncated-poisson' (sampler is {p.sampler!r}); remove it or set "
+            f"sampler: truncated-poisson",
+            key=f"{prefix}.max_batch_size",
+        )
+    if p.sampler == "truncated-poisson" and p.accountant != "pld":
+        raise ConfigError(
+            f"{prefix}.accountant: {p.accountant!r} cannot account {prefix}.sampler "
+            f"'truncated-poisson' (dp-accounting supports the truncated event only in its PLD "
+            f"accountant); set accountant: pld or sampler: poisson",
+            key=f"{prefix}.accountant",
+        )
+    return p
+
+
+def check_train(t, prefix: str, base_dir: str):
+    """``train``, a `TrainConfig`: exactly one of steps / epochs."""
+    check_exactly_one({f"{prefix}.steps": t.steps, f"{prefix}.epochs": t.epochs})
+    return t
+
+
+def check_output(o, prefix: str, base_dir: str):
+    """``output``, an `OutputConfig`: a run name that stays inside ``output.dir``."""
+    if o.name in (".", ".."):
+        raise ConfigError(
+            f"{prefix}.name: {o.name!r} is not a run name; it would point outside {prefix}.dir",
+            key=f"{prefix}.name",
+        )
+    return o
+
+
+def check_recipe(r, prefix: str, base_dir: str):
+    """A `RecipeConfig`: the checks across sections (warmup, positions, rows per unit)."""
+    if r.train.steps is not None and r.optim.warmup_steps >= r.train.steps:
+        raise ConfigError(
+            f"optim.warmup_steps: {r.optim.warmup_steps} must be less than train.steps "
+            f"({r.train.steps}); lower optim.warmup_steps, or set optim.warmup_steps=0 and "
+            f"optim.warmup_ratio (e.g. 0.2) so that warmup scales with train.steps",
+            key="optim.warmup_steps",
+        )
+    if r.model.init == "tiny" and r.model.tiny.max_position_embeddings < r.data.sequence_length:
+        raise ConfigError(
+            f"model.tiny.max_position_embeddings: {r.model.tiny.max_position_embeddings} is "
+            f"less than data.sequence_length ({r.data.sequence_length}); the model could "
+            f"not embed positions that far",
+            key="model.tiny.max_position_embeddings",
+        )
+    rows = 1 if r.data.unit == "sequence" else r.data.max_rows_per_unit
+    if rows > r.train.physical_batch_size:
+        raise ConfigError(
+            f"train.physical_batch_size: {r.train.physical_batch_size} is less than "
+            f"data.max_rows_per_unit ({rows}); a unit's rows are clipped together, so they must "
+            f"fit in one micro-batch: raise physical_batch_size or lower max_rows_per_unit",
+            key="train.physical_batch_size",
+        )
+    return r
+
+
+def check_tokenizer_data(d, prefix: str, base_dir: str):
+    """A tokenizer recipe's ``data``, a `TokenizerDataConfig`."""
+    _check_source(d, prefix)
+    if d.unit != "user" and d.user_field is not None:
+        raise ConfigError(
+            f"{prefix}.user_field: {d.user_field!r} is only used with {prefix}.unit 'user' "
+            f"(unit is {d.unit!r}); remove it or set unit: user",
+            key=f"{prefix}.user_field",
+        )
+    return d
+
+
+def check_tokenizer_privacy(p, prefix: str, base_dir: str):
+    """A tokenizer recipe's ``privacy``, a `TokenizerPrivacyConfig`."""
+    if p.dp and p.target_epsilon is None:
+        raise ConfigError(
+            f"{prefix}.target_epsilon: required when {prefix}.dp is true: the epsilon of this "
+            f"tokenizer release (noise and threshold are calibrated to it), e.g. "
+            f"target_epsilon: 1.0",
+            key=f"{prefix}.target_epsilon",
+        )
+    if not p.dp and p.target_epsilon is not None:
+        raise ConfigError(
+            f"{prefix}.target_epsilon: {p.target_epsilon!r} is given but {prefix}.dp is false "
+            f"(exact counts, no guarantee); remove one of them",
+            key=f"{prefix}.target_epsilon",
+        )
+    _check_rng_seed(p, prefix)
+    return p

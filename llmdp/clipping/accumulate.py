@@ -1,0 +1,136 @@
+"""The clipped sum: each recorded call's part of it, and where it is added.
+
+`contribution` forms Σ_u c_u·g_u for one call's parameters once the clipping factors are
+known: contracted from the call's input A and output gradient G where the layer's rule can
+(the factors applied to float32 partial sums, ``lowp``), else from its per-unit gradients
+upcast to float32. Rows whose factor is 0 (padding, units with a non-finite gradient) are
+zeroed first where they hold a non-finite value, so that they add exactly nothing.
+
+DESIGN §3.8: the clipped sum is accumulated in float32 or wider. It is added to ``p.grad``
+only when the parameter is float32 or wider (`add_to_grad`); half-precision trainable
+parameters, and parameters sharded by FSDP2 (DTensors, whose ``.grad`` the engine never
+asks autograd for), need ``grad_buffers`` (`check_buffers`, `add_to_buffers`): one plain,
+full-size floating tensor per trainable parameter name (``llmdp.parallel.make_grad_sinks``),
+which the caller reduces once per logical step."""
+
+from __future__ import annotations
+
+import torch
+
+from llmdp.clipping.norms import Record, Units
+
+__all__ = ["contribution", "check_buffers", "add_to_buffers", "add_to_grad"]
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def check_buffers(named, grad_buffers, engine: str, sharded: bool):
+    """``grad_buffers`` checked against the trainable parameters ``named`` ((name,
+    parameter) pairs): a dict, or None when there are none (refused for sharded ones)."""
+    if grad_buffers is None:
+        if sharded:
+            raise ValueError(
+                "the trainable parameters are sharded (FSDP2 DTensors): pass grad_buffers="
+                "{name: full-size tensor} so the clipped sum has somewhere to accumulate "
+                "(llmdp.parallel.make_grad_sinks)"
+            )
+        return None
+    if sharded and engine != "ghost":
+        raise ValueError(
+            f"clipping engine {engine!r} cannot run on sharded (FSDP) parameters; "
+            "use engine='ghost' (privacy.clipping) or scaling.strategy='replicated'"
+        )
+    names = [n for n, _ in named]
+    missing = [n for n in names if n not in grad_buffers]
+    extra = [n for n in grad_buffers if n not in set(names)]
+    if missing or extra:
+        raise ValueError(f"grad_buffers must have one tensor per trainable parameter: "
+                         f"missing {missing[:5]}, unknown {extra[:5]}")
+    for n, p in named:
+        b = grad_buffers[n]
+        if _is_dtensor(b) or tuple(b.shape) != tuple(p.shape) or not b.is_floating_point():
+            raise ValueError(
+                f"grad_buffers[{n!r}] must be a plain floating tensor of the parameter's "
+                f"full shape {tuple(p.shape)}, got {type(b).__name__} {tuple(b.shape)}"
+            )
+    return dict(grad_buffers)
+
+
+def add_to_buffers(buffers, name_of: dict[int, str], contributions) -> None:
+    """Add (stable parameter id, clipped-sum part) pairs into the caller's buffers."""
+    with torch.no_grad():
+        for pid, g in contributions:
+            buf = buffers[name_of[pid]]
+            buf.add_(g.to(buf.dtype))
+
+
+def add_to_grad(name_of: dict[int, str], contributions) -> None:
+    """Add (parameter, clipped-sum part) pairs to ``p.grad``: float32 or wider only."""
+    for p, g in contributions:
+        if p.dtype.itemsize < 4 or not p.dtype.is_floating_point:
+            # A bf16/fp16 .grad would round the clipped sum (each unit's share of it
+            # could exceed C): DESIGN §3.8. Sum into float32 buffers instead.
+            raise TypeError(
+                f"parameter '{name_of.get(id(p), '?')}' is {p.dtype}: the clipped sum "
+                "must be accumulated in float32 or wider; pass grad_buffers="
+                "llmdp.parallel.make_grad_sinks(model, strategy) (float32 sinks)"
+            )
+        g = g.to(p.dtype)
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.add_(g)
+
+
+def contribution(rec: Record, units: Units, factors: torch.Tensor, row_factors: torch.Tensor,
+                 zero_rows: torch.Tensor | None, ghost: bool) -> dict[str, torch.Tensor]:
+    """Σ_u c_u·g_u for this call's parameters, in float32 or wider, from A and G (or
+    the kept per-unit gradients); rows with a zero factor contribute exactly zero.
+    ``factors``: c_u per unit; ``row_factors``: c_{u(r)} per row; ``zero_rows``: the
+    rows whose factor is 0 (None: none); ``ghost``: contract A and G where the rule
+    can (the call's norm was a ghost norm, or pass 2 brought G again)."""
+    rule, mask = rec.rule, zero_rows
+    if rule.has_clipped_ghost and ghost:
+        # A and G stay as the model produced them (bf16 too): the rule contracts them
+        # with exact products and float32 sums, the factors applied in float32 (lowp).
+        G, A = rec.G, rec.A
+        if mask is not None:
+            # A zero factor times a finite value adds exactly 0, so only non-finite
+            # values in the zero-factor rows need zeroing (0·NaN = NaN). G is the
+            # largest tensor of the step (the LM head's [R, T, V]): it is copied only
+            # when one of those rows of it is not finite.
+            if not bool(torch.isfinite(G[mask]).all()):
+                G = G.masked_fill(_row_mask(mask, G), 0)
+            if (A.is_floating_point() and A.shape[0] == G.shape[0]
+                    and not bool(torch.isfinite(A[mask]).all())):
+                A = A.masked_fill(_row_mask(mask, A), 0)
+        rec.G, rec.A = G, A
+        return rule.clipped_ghost(rec, row_factors)
+    per_unit = rec.per_unit if rec.per_unit is not None else rule.per_unit(rec, units)
+    out = {}
+    for n, g in per_unit.items():
+        up = _compute_dtype(g.dtype)
+        g = g if up is None else g.to(up)
+        f = factors.to(g.dtype)
+        zero = f == 0
+        if bool(zero.any()) and not bool(torch.isfinite(g[zero]).all()):
+            g = torch.where(_row_mask(zero, g), 0, g)  # 0·NaN would be NaN
+        out[n] = torch.einsum("u,u...->...", f, g)
+    return out
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """Half-precision activations/gradients are upcast to float32 before the clipped sum is
+    contracted (clipped sums are formed and accumulated in float32 at least)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _row_mask(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A [R] boolean mask shaped to broadcast over ``t`` [R, ...]."""
+    return mask.view(-1, *([1] * (t.dim() - 1)))

@@ -1,0 +1,163 @@
+"""What the clipping engine refuses, and how it finds it (DESIGN §3.6, §3.8).
+
+Nothing is clipped silently wrong: each case below raises `UnsupportedModuleError` naming
+the module or parameter and what to do instead.
+
+* `check_model`: a module that mixes the examples of a batch (BatchNorm and friends): a
+  unit's gradient is not its own, so DP-SGD cannot clip it. (A trainable module without a
+  clipping rule is refused when the engine installs its hooks.)
+* `UseAudit`: a trainable parameter used where the hooks cannot see it (a functional
+  ``F.linear(x, module.weight)`` outside the module, or the tensor read by another
+  module). Each recorded call marks the autograd nodes between its output and its input,
+  and the parameter tensors it used, as its own; a walk of the loss's autograd graph then
+  finds any edge into a parameter, or into a call's nodes, from outside that call.
+* `check_coverage`: a hooked module that took part in no recorded forward/backward of the
+  batch (reentrant activation checkpointing hides modules from the hooks).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["UnsupportedModuleError", "check_model", "UseAudit", "check_coverage"]
+
+
+class UnsupportedModuleError(ValueError):
+    """A trainable module the clipping engine cannot clip per unit (DESIGN §3.6)."""
+
+
+# Modules whose output for one example depends on other examples of the batch: their
+# per-example gradients are not defined, so DP-SGD with them is refused, not approximated.
+_CROSS_EXAMPLE = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse modules that mix examples of a batch (BatchNorm and friends), by path and type."""
+    for name, module in model.named_modules():
+        if isinstance(module, _CROSS_EXAMPLE) and (
+            module.training or any(p.requires_grad for p in module.parameters(recurse=False))
+        ):
+            raise UnsupportedModuleError(
+                f"module '{name}' ({type(module).__name__}) mixes examples of a batch, so a "
+                "unit's gradient is not its own; DP-SGD cannot clip it. Replace it with "
+                "GroupNorm/LayerNorm, or freeze it and put it in eval mode."
+            )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UnsupportedModuleError("the model has no trainable parameter")
+
+
+class UseAudit:
+    """The autograd nodes and parameter tensors of each recorded call of one micro-batch,
+    to find uses of trainable parameters that the hooks did not record."""
+
+    def __init__(self):
+        # The autograd nodes of each recorded call (node -> record indices) and the
+        # parameter tensors each call used: to find uses the hooks did not see.
+        self.owned: dict[object, set[int]] = {}
+        self.rec_params: list[set[int]] = []
+        # (module, parameter name) -> the tensor the call used (FSDP2: the unsharded one).
+        self.fwd_params: dict[tuple[nn.Module, str], torch.Tensor] = {}
+
+    def clear(self) -> None:
+        self.owned.clear()
+        self.rec_params.clear()
+        self.fwd_params.clear()
+
+    def record(self, module: nn.Module, pnames, output: torch.Tensor, inp, index: int) -> None:
+        """Recorded call ``index`` of ``module``: the parameter tensors it used (by name)
+        and the autograd nodes between its ``output`` and its input ``inp``."""
+        used = set()
+        for pname in pnames:
+            t = getattr(module, pname)
+            self.fwd_params[(module, pname)] = t
+            used.add(id(t))
+        self.rec_params.append(used)
+        self.own_subgraph(output, inp, index)
+
+    def own_subgraph(self, output: torch.Tensor, inp, index: int) -> None:
+        """Mark the autograd nodes between this call's output and its input as the call's
+        own: an edge into them (or into its parameters) from anywhere else is a use of the
+        parameters that the hooks did not record (checked in ``check``)."""
+        stop = inp.grad_fn if isinstance(inp, torch.Tensor) else None
+        todo = [output.grad_fn] if output.grad_fn is not None else []
+        while todo:
+            node = todo.pop()
+            if node is stop or hasattr(node, "variable"):
+                continue
+            mine = self.owned.setdefault(node, set())
+            if index in mine:
+                continue
+            mine.add(index)
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+
+    def check(self, total: torch.Tensor, names: dict[int, str], tap) -> None:
+        """Walk the loss's autograd graph; refuse a trainable parameter reached by an op
+        that no recorded call owns (e.g. ``F.linear(x, module.weight)`` outside the
+        module): its gradient would be trained without being in its unit's norm (two-pass)
+        or silently dropped (book-keeping). DESIGN §3.8. ``names``: tensor id -> parameter
+        name; ``tap``: the autograd node class of the engine's taps."""
+        if total.grad_fn is None:
+            return
+        bad: set[str] = set()
+        seen = {total.grad_fn}
+        todo = [total.grad_fn]
+        while todo:
+            node = todo.pop()
+            src = self.owned.get(node)
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                if hasattr(nxt, "variable"):  # a leaf: a parameter (or the anchor, an input)
+                    v = id(nxt.variable)
+                    if v in names and not (src and any(v in self.rec_params[i] for i in src)):
+                        bad.add(names[v])
+                    continue
+                dst = self.owned.get(nxt)
+                if dst is not None and not isinstance(node, tap) and not (src and src & dst):
+                    bad.update(self.params_below(nxt, dst, names))
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        if bad:
+            raise UnsupportedModuleError(
+                f"trainable parameter(s) {sorted(bad)} are used in the forward pass outside a "
+                "call of the module that owns them (e.g. a functional F.linear(x, module.weight), "
+                "or the tensor read by another module): the clipping engine cannot see that use, "
+                "so the unit's gradient would not be clipped as a whole. Call the owning module "
+                "instead, freeze the parameter (requires_grad_(False)), or use "
+                "privacy.clipping: reference."
+            )
+
+    def params_below(self, node, recs: set[int], names: dict[int, str]) -> set[str]:
+        """Names of the parameters reached from ``node`` inside the calls ``recs`` own (e.g.
+        the weight behind a cast that autocast's cache shares with an outside use)."""
+        out, seen, todo = set(), {node}, [node]
+        while todo:
+            for nxt, _ in todo.pop().next_functions:
+                if nxt is None or nxt in seen:
+                    continue
+                seen.add(nxt)
+                if hasattr(nxt, "variable"):
+                    if id(nxt.variable) in names:
+                        out.add(names[id(nxt.variable)])
+                elif self.owned.get(nxt, set()) & recs:
+                    todo.append(nxt)
+        return out or {names.get(v, "?") for i in recs for v in self.rec_params[i]}
+
+
+def check_coverage(model: nn.Module, hooked, seen) -> None:
+    """Every hooked module (``hooked``: a container of modules) must have been seen with its
+    output gradient (``seen``: the records reached): a trainable parameter the engine did not
+    see would be trained without being clipped, or not at all (DESIGN §3.6: no silent
+    fallback)."""
+    reached = {id(r.module) for r in seen}
+    missing = [n for n, m in model.named_modules() if m in hooked and id(m) not in reached]
+    if missing:
+        raise UnsupportedModuleError(
+            f"trainable modules {missing[:5]}{' ...' if len(missing) > 5 else ''} took part "
+            "in no recorded forward/backward of this batch. Reentrant activation "
+            "checkpointing hides them from the engine: use "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+            "False}); a module the model never calls must be frozen (requires_grad_(False))."
+        )

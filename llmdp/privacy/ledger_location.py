@@ -1,0 +1,59 @@
+"""Where the ledgers' database is: a SQLite file or a PostgreSQL URL (`resolve_location`).
+
+- ``privacy.ledger: postgresql://user@host/db`` -> PostgreSQL (driver ``psycopg``; the
+  password comes from ``PGPASSWORD`` or ``~/.pgpass``, never from the recipe);
+- ``privacy.ledger: /path/ledger.sqlite`` -> that SQLite file;
+- otherwise ``$LLMDP_HOME/ledger.sqlite`` (`llmdp_home`: default under the user's data
+  directory), the same file whatever the working directory.
+
+`describe_location` is the location as messages, reports and plan.json show it (a URL's
+password masked). The database itself is `llmdp.privacy.ledgerdb`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = ["llmdp_home", "default_location", "is_url", "resolve_location", "describe_location"]
+
+
+def llmdp_home() -> str:
+    """``$LLMDP_HOME``, else the user's data directory: ``$XDG_DATA_HOME/llmdp`` or
+    ``~/.local/share/llmdp`` (``~/Library/Application Support/llmdp`` on macOS)."""
+    home = os.environ.get("LLMDP_HOME")
+    if home:
+        return os.path.abspath(os.path.expanduser(home))
+    if sys.platform == "darwin":
+        base = os.path.expanduser("~/Library/Application Support")
+    else:
+        base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return os.path.join(base, "llmdp")
+
+
+def default_location() -> str:
+    return os.path.join(llmdp_home(), "ledger.sqlite")
+
+
+def is_url(location: str) -> bool:
+    return location.startswith(("postgresql://", "postgres://"))
+
+
+def resolve_location(ledger: str | None) -> str:
+    """The database of ``privacy.ledger`` (None: the per-user default)."""
+    if ledger is None or ledger.endswith(".jsonl"):
+        return default_location()  # a .jsonl is a legacy ledger, imported into the default
+    return ledger if is_url(ledger) else os.path.abspath(os.path.expanduser(ledger))
+
+
+def describe_location(location: str) -> str:
+    """The location without a password (for messages, reports and plan.json)."""
+    if not is_url(location):
+        return location
+    parts = urlsplit(location)
+    if parts.password is None:
+        return location
+    netloc = parts.netloc.split("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}" if user else netloc))
