@@ -10,7 +10,7 @@ The folder (`export_run`):
   in (``merge_and_unload``); a full fine-tune is exported as full weights. safetensors only;
 - the tokenizer;
 - the publishable ``privacy_report.json`` / ``.md`` / ``.png`` and ``ledger.jsonl``
-  (`llmdp.report.publishable_report` / `publishable_ledger`: allow-lists of DP outputs and
+  (`llmdp.publish.publishable_report` / `publishable_ledger`: allow-lists of DP outputs and
   public configuration; no data statistics, internal metrics, loss curve or data hash;
   local paths replaced by their last component). The run directory keeps the full ones;
 - ``README.md``: a model card whose YAML metadata (license, base_model, library_name,
@@ -479,9 +479,10 @@ def _saved_dtype(model_dir: str):
 
 
 def _publishable(run_dir: str, report: dict) -> dict:
-    """The publishable report of the run (`llmdp.report.publishable_report`), with the
+    """The publishable report of the run (`llmdp.publish.publishable_report`), with the
     ledger's ε curve (computed now when the stored report has none)."""
-    from llmdp.report import epsilon_curve, publishable_report
+    from llmdp.publish import publishable_report
+    from llmdp.report import epsilon_curve
 
     full = dict(report)
     if not full.get("epsilon_curve") and os.path.exists(os.path.join(run_dir, "ledger.jsonl")):
@@ -491,8 +492,9 @@ def _publishable(run_dir: str, report: dict) -> dict:
 
 def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
     """privacy_report.json / .md / .png and ledger.jsonl of the export, from `pub` and the
-    run's ledger through the allow-lists of llmdp.report; nothing is copied as is."""
-    from llmdp.report import plot_publishable, publishable_ledger, render_markdown
+    run's ledger through the allow-lists of llmdp.publish; nothing is copied as is."""
+    from llmdp.publish import publishable_ledger
+    from llmdp.report import plot_publishable, render_markdown
 
     with open(os.path.join(out, "privacy_report.json"), "w", encoding="utf-8") as f:
         json.dump(pub, f, indent=2)
