@@ -494,7 +494,7 @@ def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
     """privacy_report.json / .md / .png and ledger.jsonl of the export, from `pub` and the
     run's ledger through the allow-lists of llmdp.publish; nothing is copied as is."""
     from llmdp.publish import publishable_ledger
-    from llmdp.report import plot_publishable, render_markdown
+    from llmdp.report_render import plot_publishable, render_markdown
 
     with open(os.path.join(out, "privacy_report.json"), "w", encoding="utf-8") as f:
         json.dump(pub, f, indent=2)
