@@ -15,8 +15,16 @@ import json
 import os
 from typing import Any
 
+from llmdp.privacy import accountant
+from llmdp.privacy.events import is_truncated
+from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError
+from llmdp.privacy.ledgerdb import LedgerDB, resolve_location
+from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
+from llmdp.privacy.prior import release_entries
+from llmdp.privacy.service import budget_status, cross_check
 from llmdp.report_render import _epsilon_panel, render_markdown
 from llmdp.rundir import RunDir
+from llmdp.tokenizer.train import read_tokenizer_info
 
 REPORT_VERSION = 1
 
@@ -61,9 +69,6 @@ RESUME_HINT = "re-run the same command to resume"
 
 
 def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
-    from llmdp.privacy import accountant
-    from llmdp.privacy.ledger import Ledger
-
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     run_dir = rd.path
     cfg = rd.config()
@@ -74,7 +79,6 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     records = ledger.records() if os.path.exists(ledger_path) else []
     entries = ledger.entries() if records else []
     delta = plan.delta
-    from llmdp.privacy.events import is_truncated
 
     # Every accountant that supports every recorded event (RDP cannot account truncated
     # Poisson: it is left out rather than approximated).
@@ -82,8 +86,6 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
               if name == plan.accountant or not any(is_truncated(e) for e, _ in entries)]
     # Releases this run's model builds on, made before it on the same units (a private
     # tokenizer): composed into the guarantee, thresholds' delta included.
-    from llmdp.privacy.prior import release_entries
-
     prior = list(plan_info.get("prior_releases") or [])
     prior_entries, prior_dthr = release_entries(prior)
     eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta, prior_dthr, name)
@@ -279,8 +281,6 @@ def seeded_sources(cfg: dict, plan_info: dict) -> list[str]:
     if tok.get("kind") == "private-dp":
         rng = tok.get("rng")
         if rng is None:  # a plan.json written before the tokenizer's rng was carried
-            from llmdp.tokenizer.train import read_tokenizer_info
-
             try:
                 rng = ((read_tokenizer_info(tok.get("path")) or {}).get("privacy") or {}).get("rng")
             except Exception:
@@ -306,8 +306,6 @@ def _noise_generator(plan, trainable: int | None, steps: int) -> dict:
     its tail truncation (with the δ it adds, llmdp.privacy.noise.truncation_delta_per_step),
     its float32 rounding (not quantified), and that the accountant assumes a continuous
     Gaussian (issue 14)."""
-    from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
-
     per_step = (truncation_delta_per_step(int(trainable), plan.noise_multiplier)
                 if trainable and plan.noise_multiplier > 0 else None)
     return {
@@ -371,10 +369,6 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
         return {"ledger": info, "error": "a JSONL dataset ledger of an earlier llmdp: not "
                 "cross-checked (it is imported into the ledgers' database by the next run on "
                 "this data)"}
-    from llmdp.privacy.ledger import LedgerDamaged, LedgerError
-    from llmdp.privacy.ledgerdb import LedgerDB, resolve_location
-    from llmdp.privacy.service import budget_status, cross_check
-
     location = info["location"]
     db = LedgerDB(resolve_location(location), read_only=True)
     try:
@@ -397,7 +391,7 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
 
 
 def _describe_records(data_cfg: dict) -> str:
-    from llmdp.data.sources import describe_records
+    from llmdp.data.sources import describe_records  # lazy: it imports `datasets` (~1 s)
 
     return describe_records(data_cfg)
 
@@ -444,10 +438,6 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     report's ε when all are taken and ``exact``. The ledger, not the completed steps: steps
     re-executed after a failure were released twice, and write-ahead blocks count too.
     ``exact=False``: PLD on the coarser display grid (conservative, ~10x faster)."""
-    from llmdp.privacy import accountant as acc
-    from llmdp.privacy.ledger import Ledger
-    from llmdp.privacy.prior import release_entries
-
     entries = Ledger(ledger_path).entries() if os.path.exists(ledger_path) else []
     total = sum(int(c) for _, c in entries)
     steps = total if steps is None else min(int(steps), total)
@@ -460,16 +450,14 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     prior, d_thr = release_entries(list(prior_releases))
     if not prior and not kept:
         return steps, 0.0
-    interval = None if exact or plan.accountant != "pld" else acc.PLD_DISPLAY_DISCRETIZATION_INTERVAL
-    return steps, acc.epsilon_with_threshold(prior + kept, plan.delta, d_thr, plan.accountant, interval)
+    interval = None if exact or plan.accountant != "pld" else accountant.PLD_DISPLAY_DISCRETIZATION_INTERVAL
+    return steps, accountant.epsilon_with_threshold(prior + kept, plan.delta, d_thr, plan.accountant, interval)
 
 
 def epsilon_curve(run_dir: str | RunDir, points: int = 16) -> list[tuple[int, float]]:
     """ε after the first t steps recorded in the run's ledger, at a few t: the curve of the
     plot. Starts at the earlier releases' ε (a private tokenizer's), and its last point is
     the reported ε (same composition, same grid); the others use the display grid."""
-    from llmdp.privacy.ledger import Ledger
-
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     plan, prior, path = rd.plan, rd.prior_releases, rd.ledger_path
     total = sum(int(c) for _, c in Ledger(path).entries()) if os.path.exists(path) else 0
@@ -497,10 +485,10 @@ def write_report(run_dir: str, failure: str | None = None, interrupted: bool = F
 
 def plot(run_dir: str, report: dict) -> str:
     """The local run's plot: ε spent (from the ledger) and the internal training loss."""
-    import matplotlib
+    import matplotlib  # lazy: only drawing needs matplotlib (slow to import)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
     curve = report.get("epsilon_curve") or epsilon_curve(run_dir)
     metrics = [m for m in _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))

@@ -163,10 +163,10 @@ def _epsilon_panel(ax, curve, report: dict) -> None:
 def plot_publishable(r: dict, out: str) -> str:
     """The publishable plot: ε spent against the steps of the ledger, drawn from the
     publishable report's ``epsilon_curve`` alone (no loss curve, nothing internal)."""
-    import matplotlib
+    import matplotlib  # lazy: only drawing needs matplotlib (slow to import)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
     fig, ax = plt.subplots(1, 1, figsize=(5, 3.6))
     _epsilon_panel(ax, r.get("epsilon_curve") or [], r)
