@@ -40,8 +40,16 @@ import os
 import shutil
 from typing import Any
 
+import torch
+import yaml
+from safetensors import safe_open
+
 from llmdp._fs import building_dir, replace_dir
 from llmdp.card import model_card
+from llmdp.privacy.ledger import Ledger
+from llmdp.publish import publishable_ledger, publishable_report
+from llmdp.report import build_report, epsilon_curve, seeded_sources
+from llmdp.report_render import plot_publishable, render_markdown
 from llmdp.rundir import RunDir
 
 __all__ = ["ExportError", "verify_run", "export_run", "push_folder", "HfApi"]
@@ -58,7 +66,7 @@ class ExportError(RuntimeError):
 
 
 def HfApi(*args, **kwargs):  # noqa: N802 - patched in tests; the real class otherwise
-    from huggingface_hub import HfApi as _HfApi
+    from huggingface_hub import HfApi as _HfApi  # lazy: slow to import; only publishing needs it
 
     return _HfApi(*args, **kwargs)
 
@@ -77,8 +85,6 @@ def _read_json(path: str) -> dict | None:
 
 
 def _run_config(run_dir: str) -> dict:
-    import yaml
-
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
         raise ExportError(f"{run_dir}: not a run directory (no config.yaml)")
@@ -104,8 +110,6 @@ def _plan_info(rd: RunDir) -> dict:
 
 def _model_tensors(model_dir: str) -> dict[str, Any]:
     """Every tensor of the saved model (full weights or adapter), by file key (lazy)."""
-    from safetensors import safe_open
-
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     out: dict[str, Any] = {}
     for path in files:
@@ -116,8 +120,6 @@ def _model_tensors(model_dir: str) -> dict[str, Any]:
 
 
 def _load_tensor(ref):
-    from safetensors import safe_open
-
     path, key = ref
     with safe_open(path, framework="pt") as f:
         return f.get_tensor(key)
@@ -125,8 +127,6 @@ def _load_tensor(ref):
 
 def _check_weights(model_dir: str, params: dict) -> list[str]:
     """The trained parameters of the checkpoint, found in the saved model and equal."""
-    import torch
-
     saved = _model_tensors(model_dir)
     if not saved:
         return [f"{model_dir} holds no safetensors weights"]
@@ -146,8 +146,6 @@ def _check_weights(model_dir: str, params: dict) -> list[str]:
 def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     """(problems, report): every reason not to publish the run as is (empty: verified),
     and the report to state (the stored one, or rebuilt from the ledger when missing)."""
-    from llmdp.report import build_report
-
     run_dir = os.path.abspath(run_dir)
     problems: list[str] = []
     if not os.path.isdir(os.path.join(run_dir, "model")):
@@ -176,8 +174,6 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     if report.get("status") not in ("complete", "stopped"):
         problems.append(f"the run's status is {report.get('status')!r}, not complete"
                         + (f" ({report.get('failure')})" if report.get("failure") else ""))
-    from llmdp.report import seeded_sources
-
     # The run's own seed, or a private tokenizer's (llmdp_tokenizer.json privacy.rng), read
     # from the run's files, not only from the report (which may predate the tokenizer check).
     seeded_from = seeded_sources(_run_config(run_dir), _plan_info(rd))
@@ -196,8 +192,6 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
             problems.append(f"the run's releases could not be cross-checked against the dataset "
                             f"ledger {d.get('dataset_id', '')!r} ({d.get('ledger')}): {d['error']}")
     if has_ledger:
-        from llmdp.privacy.ledger import Ledger
-
         ledger_file = Ledger(os.path.join(run_dir, "ledger.jsonl"))
         all_recs = ledger_file.records()
         if ledger_file.legacy:
@@ -213,8 +207,6 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     if ckpt is None:
         problems.append("no checkpoint to check the final model against")
     else:
-        import torch
-
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
         if state.get("run_id") != report.get("run_id"):
             problems.append(f"the last checkpoint belongs to run {state.get('run_id')!r}, not "
@@ -330,8 +322,8 @@ def _write_model(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model: 
             os.remove(os.path.join(out, "README.md"))  # peft's template card; ours replaces it
         _scrub_config_json(os.path.join(out, "adapter_config.json"), base_model)
         return "adapter"
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from peft import PeftModel  # lazy: peft and transformers are heavy; only --merge loads a model
+    from transformers import AutoModelForCausalLM  # lazy: as above
 
     if not local_base or not os.path.isdir(local_base):
         if not _is_hub_id(local_base):
@@ -346,8 +338,6 @@ def _write_model(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model: 
 
 
 def _saved_dtype(model_dir: str):
-    import torch
-
     cfg = _read_json(os.path.join(model_dir, "config.json")) or {}
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return getattr(torch, str(name), torch.float32)
@@ -356,9 +346,6 @@ def _saved_dtype(model_dir: str):
 def _publishable(run_dir: str, report: dict) -> dict:
     """The publishable report of the run (`llmdp.publish.publishable_report`), with the
     ledger's ε curve (computed now when the stored report has none)."""
-    from llmdp.publish import publishable_report
-    from llmdp.report import epsilon_curve
-
     full = dict(report)
     if not full.get("epsilon_curve") and os.path.exists(os.path.join(run_dir, "ledger.jsonl")):
         full["epsilon_curve"] = [[t, e] for t, e in epsilon_curve(run_dir)]
@@ -368,9 +355,6 @@ def _publishable(run_dir: str, report: dict) -> dict:
 def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
     """privacy_report.json / .md / .png and ledger.jsonl of the export, from `pub` and the
     run's ledger through the allow-lists of llmdp.publish; nothing is copied as is."""
-    from llmdp.publish import publishable_ledger
-    from llmdp.report_render import plot_publishable, render_markdown
-
     with open(os.path.join(out, "privacy_report.json"), "w", encoding="utf-8") as f:
         json.dump(pub, f, indent=2)
     with open(os.path.join(out, "privacy_report.md"), "w", encoding="utf-8") as f:
@@ -378,8 +362,6 @@ def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
     plot_publishable(pub, os.path.join(out, "privacy_report.png"))
     path = os.path.join(run_dir, "ledger.jsonl")
     if os.path.exists(path):
-        from llmdp.privacy.ledger import Ledger
-
         prior = _plan_info(RunDir(run_dir)).get("prior_releases") or []
         lines = publishable_ledger(Ledger(path).records(), prior)
         with open(os.path.join(out, "ledger.jsonl"), "w", encoding="utf-8") as f:
@@ -475,6 +457,8 @@ def export_run(
 def push_folder(folder: str, repo_id: str, *, private: bool = False, log=print) -> str:
     """``create_repo`` (if missing) then ``upload_folder``; returns the commit URL. Raises
     ExportError when offline, unauthenticated or on any Hub error; the folder is kept."""
+    # lazy: huggingface_hub is slow to import and only publishing needs it; read at call time,
+    # so that the token and HF_HUB_OFFLINE are the current ones (tests patch both)
     from huggingface_hub import get_token
     from huggingface_hub.constants import HF_HUB_OFFLINE
 
