@@ -10,12 +10,12 @@ The folder (`export_run`):
   in (``merge_and_unload``); a full fine-tune is exported as full weights. safetensors only;
 - the tokenizer;
 - the publishable ``privacy_report.json`` / ``.md`` / ``.png`` and ``ledger.jsonl``
-  (`llmdp.report.publishable_report` / `publishable_ledger`: allow-lists of DP outputs and
+  (`llmdp.publish.publishable_report` / `publishable_ledger`: allow-lists of DP outputs and
   public configuration; no data statistics, internal metrics, loss curve or data hash;
   local paths replaced by their last component). The run directory keeps the full ones;
 - ``README.md``: a model card whose YAML metadata (license, base_model, library_name,
   tags, datasets when public, and a ``differential_privacy`` block) and privacy section are
-  generated from the publishable report (`model_card`);
+  generated from the publishable report (`llmdp.card.model_card`);
 - ``llmdp_export.json``: what was exported and whether the run was verified.
 
 Before anything is written the run is verified (`verify_run`): its ledger and report exist
@@ -40,10 +40,19 @@ import os
 import shutil
 from typing import Any
 
+import torch
+import yaml
+from safetensors import safe_open
+
 from llmdp._fs import building_dir, replace_dir
+from llmdp.card import model_card
+from llmdp.privacy.ledger import Ledger
+from llmdp.publish import publishable_ledger, publishable_report
+from llmdp.report import build_report, epsilon_curve, seeded_sources
+from llmdp.report_render import plot_publishable, render_markdown
 from llmdp.rundir import RunDir
 
-__all__ = ["ExportError", "verify_run", "export_run", "model_card", "push_folder", "HfApi"]
+__all__ = ["ExportError", "verify_run", "export_run", "push_folder", "HfApi"]
 
 EXPORT_INFO = "llmdp_export.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -57,7 +66,7 @@ class ExportError(RuntimeError):
 
 
 def HfApi(*args, **kwargs):  # noqa: N802 - patched in tests; the real class otherwise
-    from huggingface_hub import HfApi as _HfApi
+    from huggingface_hub import HfApi as _HfApi  # lazy: slow to import; only publishing needs it
 
     return _HfApi(*args, **kwargs)
 
@@ -76,8 +85,6 @@ def _read_json(path: str) -> dict | None:
 
 
 def _run_config(run_dir: str) -> dict:
-    import yaml
-
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
         raise ExportError(f"{run_dir}: not a run directory (no config.yaml)")
@@ -103,8 +110,6 @@ def _plan_info(rd: RunDir) -> dict:
 
 def _model_tensors(model_dir: str) -> dict[str, Any]:
     """Every tensor of the saved model (full weights or adapter), by file key (lazy)."""
-    from safetensors import safe_open
-
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     out: dict[str, Any] = {}
     for path in files:
@@ -115,8 +120,6 @@ def _model_tensors(model_dir: str) -> dict[str, Any]:
 
 
 def _load_tensor(ref):
-    from safetensors import safe_open
-
     path, key = ref
     with safe_open(path, framework="pt") as f:
         return f.get_tensor(key)
@@ -124,8 +127,6 @@ def _load_tensor(ref):
 
 def _check_weights(model_dir: str, params: dict) -> list[str]:
     """The trained parameters of the checkpoint, found in the saved model and equal."""
-    import torch
-
     saved = _model_tensors(model_dir)
     if not saved:
         return [f"{model_dir} holds no safetensors weights"]
@@ -145,8 +146,6 @@ def _check_weights(model_dir: str, params: dict) -> list[str]:
 def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     """(problems, report): every reason not to publish the run as is (empty: verified),
     and the report to state (the stored one, or rebuilt from the ledger when missing)."""
-    from llmdp.report import build_report
-
     run_dir = os.path.abspath(run_dir)
     problems: list[str] = []
     if not os.path.isdir(os.path.join(run_dir, "model")):
@@ -175,8 +174,6 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     if report.get("status") not in ("complete", "stopped"):
         problems.append(f"the run's status is {report.get('status')!r}, not complete"
                         + (f" ({report.get('failure')})" if report.get("failure") else ""))
-    from llmdp.report import seeded_sources
-
     # The run's own seed, or a private tokenizer's (llmdp_tokenizer.json privacy.rng), read
     # from the run's files, not only from the report (which may predate the tokenizer check).
     seeded_from = seeded_sources(_run_config(run_dir), _plan_info(rd))
@@ -195,8 +192,6 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
             problems.append(f"the run's releases could not be cross-checked against the dataset "
                             f"ledger {d.get('dataset_id', '')!r} ({d.get('ledger')}): {d['error']}")
     if has_ledger:
-        from llmdp.privacy.ledger import Ledger
-
         ledger_file = Ledger(os.path.join(run_dir, "ledger.jsonl"))
         all_recs = ledger_file.records()
         if ledger_file.legacy:
@@ -212,8 +207,6 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     if ckpt is None:
         problems.append("no checkpoint to check the final model against")
     else:
-        import torch
-
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
         if state.get("run_id") != report.get("run_id"):
             problems.append(f"the last checkpoint belongs to run {state.get('run_id')!r}, not "
@@ -234,7 +227,7 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     return problems, report
 
 
-# ----------------------------------------------------------------------------- the card
+# ----------------------------------------------------------------------------- local paths, Hub ids
 
 
 def _is_hub_id(name) -> bool:
@@ -255,132 +248,6 @@ def _scrub(obj, roots: tuple[str, ...] = ()):
             if r and r in obj:
                 obj = obj.replace(r, "<local>")
     return obj
-
-
-def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, license: str | None,
-               unverified: list[str], repo_id: str | None = None):
-    """The ``huggingface_hub.ModelCard`` of an export, generated from the run's report."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    data_cfg, model_cfg = cfg["data"], cfg["model"]
-    tags = ["differential-privacy", "dp-sgd", "llmdp", "text-generation"]
-    if fmt == "adapter":
-        tags += ["lora", "peft"]
-    if (report.get("tokenizer") or {}).get("composed_into_guarantee"):
-        tags.append("private-tokenizer")
-    dp = {
-        "epsilon": report["epsilon"], "delta": report["delta"], "accountant": report["accountant"],
-        "epsilon_by_accountant": report["epsilon_by_accountant"], "unit": report["unit"],
-        "adjacency": report["adjacency"], "noise_multiplier": report["noise_multiplier"],
-        "sampling_probability": report["sampling_probability"], "steps": report["steps"],
-        "dataset_size": report["dataset_size"], "max_grad_norm": report["max_grad_norm"],
-        "rng": report.get("rng_mode"), "verified": not unverified,
-    }
-    card_data = ModelCardData(
-        license=license or "other",
-        base_model=base_model,
-        library_name="peft" if fmt == "adapter" else "transformers",
-        tags=tags,
-        datasets=[data_cfg["dataset"]] if data_cfg.get("dataset") else None,
-        pipeline_tag="text-generation",
-        differential_privacy=dp,
-    )
-    name = repo_id or cfg["output"]["name"]
-    eps = report["epsilon_by_accountant"]
-    s = report["sampling"]
-    lines = [f"# {name}", ""]
-    if unverified:
-        lines += ["> **UNVERIFIED EXPORT.** Published with `--allow-unverified`; these checks failed, "
-                  "so the guarantee below may not hold for these weights:", ">"]
-        lines += [f"> - {p}" for p in unverified] + [""]
-    what = {"adapter": f"a LoRA adapter (PEFT) for `{base_model}`",
-            "merged": "full weights (a LoRA adapter merged into its base)" + (
-                f", base `{base_model}`" if base_model else ""),
-            "full": "full weights" + (f", fine-tuned from `{base_model}`" if base_model else
-                                      ", trained from a randomly initialized model")}[fmt]
-    lines += [
-        f"A causal language model trained with **differential privacy** (DP-SGD) by llmdp on "
-        f"private data: {what}.",
-        "",
-        "## Privacy",
-        "",
-        f"**Guarantee: ({report['epsilon']:.4f}, {report['delta']:.3g})-differential privacy** with "
-        f"respect to {report['adjacency']}, accounted with {report['accountant'].upper()} ("
-        + "; ".join(f"{k.upper()}: ε = {v:.4f}" for k, v in eps.items()) + ").",
-        "",
-        "| item | value |",
-        "| --- | --- |",
-        f"| ε at δ | {report['epsilon']:.4f} at δ = {report['delta']:.3g} |",
-        f"| Unit of privacy | {report['unit']}: {report['unit_description']} |",
-        f"| Contribution bound | {report['contribution_bound']} |",
-        f"| Adjacency | {report['adjacency']} |",
-        f"| DP setting | {report['dp_setting']} |",
-        f"| What the guarantee covers | {report['mechanism_output']} |",
-        f"| Accounting | {report['accountant'].upper()}; " + ", ".join(
-            f"{k.upper()} ε = {v:.4f}" for k, v in eps.items()) + " |",
-        f"| Sampling | {s['assumed']}; used: {s['used']} |",
-        f"| Dataset size N / expected batch q·N | {report['dataset_size']} units / "
-        f"{report['expected_batch_size']:g} units (q = {report['sampling_probability']:.6g}) |",
-        f"| Steps T | {report['steps']} in the ledger ({report['steps_completed']} completed) |",
-        f"| Noise multiplier σ / clipping norm C | {report['noise_multiplier']:.6g} / {report['max_grad_norm']:g} "
-        f"({report['clipping']}) |",
-        f"| RNG | {report.get('rng_mode')}" + (f": {report['rng_warning']}" if report.get("rng_warning") else
-                                               " (fresh OS entropy for sampling and noise)") + " |",
-        f"| Tokenizer | {(report.get('tokenizer') or {}).get('note', '–')} |",
-        f"| Status | {report['status']}" + (f" ({report['stopped']})" if report.get("stopped") else "") + " |",
-        "",
-        "### Covered by the guarantee",
-        "",
-        *[f"- {x}" for x in report["data_accesses_covered"]],
-        "",
-        "### Not covered",
-        "",
-        *[f"- {x}" for x in report["data_accesses_not_covered"]],
-        "- anything about the private data that the base model or public data already reveal",
-        "",
-        "### Releases (the ledger)",
-        "",
-        "| run | count | mechanism |",
-        "| --- | ---: | --- |",
-        *[f"| {r['run_id']} | {r['count']} | {r['mechanism']} |" for r in report["ledger"]["releases"]],
-        "",
-        "The files `privacy_report.json`, `privacy_report.md`, `privacy_report.png` and `ledger.jsonl` "
-        "hold the publishable report and the ledger it was computed from (every (event, count) release; "
-        "anyone can recompute ε from it with dp-accounting). They carry DP outputs and public "
-        "configuration only: statistics and metrics computed on the private data without DP, and "
-        "fingerprints of that data, are not published.",
-        "",
-        "## Use",
-        "",
-        "```python",
-    ]
-    ref = repo_id or "PATH_OR_REPO"
-    if fmt == "adapter":
-        lines += ["from peft import PeftModel",
-                  "from transformers import AutoModelForCausalLM, AutoTokenizer",
-                  f"base = AutoModelForCausalLM.from_pretrained({base_model!r})",
-                  f"model = PeftModel.from_pretrained(base, {ref!r})",
-                  f"tokenizer = AutoTokenizer.from_pretrained({ref!r})"]
-    else:
-        lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer",
-                  f"model = AutoModelForCausalLM.from_pretrained({ref!r})",
-                  f"tokenizer = AutoTokenizer.from_pretrained({ref!r})"]
-    lora = model_cfg.get("lora")
-    optim = cfg["optim"]
-    lines += [
-        "```",
-        "",
-        "## Training",
-        "",
-        f"- model: {'LoRA r=' + str(lora['r']) + ' on ' + ', '.join(lora['target_modules']) if lora else 'full fine-tuning'}"
-        f"; dtype {model_cfg.get('dtype')}",
-        f"- data: {data_cfg.get('dataset') or 'a private corpus (not published)'}; unit "
-        f"{data_cfg['unit']}, sequences of {data_cfg['sequence_length']} tokens",
-        f"- optimizer: {optim['name']}, lr {optim['lr']:g}, schedule {optim['schedule']}",
-        f"- steps: {report['steps_completed']}, expected batch {report['expected_batch_size']:g} units",
-        "",
-    ]
-    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
 
 # ----------------------------------------------------------------------------- the folder
@@ -455,8 +322,8 @@ def _write_model(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model: 
             os.remove(os.path.join(out, "README.md"))  # peft's template card; ours replaces it
         _scrub_config_json(os.path.join(out, "adapter_config.json"), base_model)
         return "adapter"
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from peft import PeftModel  # lazy: peft and transformers are heavy; only --merge loads a model
+    from transformers import AutoModelForCausalLM  # lazy: as above
 
     if not local_base or not os.path.isdir(local_base):
         if not _is_hub_id(local_base):
@@ -471,18 +338,14 @@ def _write_model(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model: 
 
 
 def _saved_dtype(model_dir: str):
-    import torch
-
     cfg = _read_json(os.path.join(model_dir, "config.json")) or {}
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return getattr(torch, str(name), torch.float32)
 
 
 def _publishable(run_dir: str, report: dict) -> dict:
-    """The publishable report of the run (`llmdp.report.publishable_report`), with the
+    """The publishable report of the run (`llmdp.publish.publishable_report`), with the
     ledger's ε curve (computed now when the stored report has none)."""
-    from llmdp.report import epsilon_curve, publishable_report
-
     full = dict(report)
     if not full.get("epsilon_curve") and os.path.exists(os.path.join(run_dir, "ledger.jsonl")):
         full["epsilon_curve"] = [[t, e] for t, e in epsilon_curve(run_dir)]
@@ -491,9 +354,7 @@ def _publishable(run_dir: str, report: dict) -> dict:
 
 def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
     """privacy_report.json / .md / .png and ledger.jsonl of the export, from `pub` and the
-    run's ledger through the allow-lists of llmdp.report; nothing is copied as is."""
-    from llmdp.report import plot_publishable, publishable_ledger, render_markdown
-
+    run's ledger through the allow-lists of llmdp.publish; nothing is copied as is."""
     with open(os.path.join(out, "privacy_report.json"), "w", encoding="utf-8") as f:
         json.dump(pub, f, indent=2)
     with open(os.path.join(out, "privacy_report.md"), "w", encoding="utf-8") as f:
@@ -501,8 +362,6 @@ def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
     plot_publishable(pub, os.path.join(out, "privacy_report.png"))
     path = os.path.join(run_dir, "ledger.jsonl")
     if os.path.exists(path):
-        from llmdp.privacy.ledger import Ledger
-
         prior = _plan_info(RunDir(run_dir)).get("prior_releases") or []
         lines = publishable_ledger(Ledger(path).records(), prior)
         with open(os.path.join(out, "ledger.jsonl"), "w", encoding="utf-8") as f:
@@ -598,6 +457,8 @@ def export_run(
 def push_folder(folder: str, repo_id: str, *, private: bool = False, log=print) -> str:
     """``create_repo`` (if missing) then ``upload_folder``; returns the commit URL. Raises
     ExportError when offline, unauthenticated or on any Hub error; the folder is kept."""
+    # lazy: huggingface_hub is slow to import and only publishing needs it; read at call time,
+    # so that the token and HF_HUB_OFFLINE are the current ones (tests patch both)
     from huggingface_hub import get_token
     from huggingface_hub.constants import HF_HUB_OFFLINE
 

@@ -3,17 +3,28 @@
 Everything is recomputed from the durable artifacts of the run directory: the ledger (what
 was released), the resolved config and plan (how), and metrics.jsonl (what happened). The
 ε reported is the composition of *every* release in the ledger, not the plan's promise.
+
+This module builds the report (`build_report`) and writes the run's local files
+(`write_report`: privacy_report.json / .md / .png). Its Markdown and the ε panel of its plots
+are rendered by `llmdp.report_render`; what of it may be published is `llmdp.publish`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Any
 
-from llmdp._allowlist import allow_listed
+from llmdp.privacy import accountant
+from llmdp.privacy.events import is_truncated
+from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError
+from llmdp.privacy.ledgerdb import LedgerDB, resolve_location
+from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
+from llmdp.privacy.prior import release_entries
+from llmdp.privacy.service import budget_status, cross_check
+from llmdp.report_render import _epsilon_panel, render_markdown
 from llmdp.rundir import RunDir
+from llmdp.tokenizer.train import read_tokenizer_info
 
 REPORT_VERSION = 1
 
@@ -58,9 +69,6 @@ RESUME_HINT = "re-run the same command to resume"
 
 
 def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
-    from llmdp.privacy import accountant
-    from llmdp.privacy.ledger import Ledger
-
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     run_dir = rd.path
     cfg = rd.config()
@@ -71,7 +79,6 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     records = ledger.records() if os.path.exists(ledger_path) else []
     entries = ledger.entries() if records else []
     delta = plan.delta
-    from llmdp.privacy.events import is_truncated
 
     # Every accountant that supports every recorded event (RDP cannot account truncated
     # Poisson: it is left out rather than approximated).
@@ -79,8 +86,6 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
               if name == plan.accountant or not any(is_truncated(e) for e, _ in entries)]
     # Releases this run's model builds on, made before it on the same units (a private
     # tokenizer): composed into the guarantee, thresholds' delta included.
-    from llmdp.privacy.prior import release_entries
-
     prior = list(plan_info.get("prior_releases") or [])
     prior_entries, prior_dthr = release_entries(prior)
     eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta, prior_dthr, name)
@@ -276,8 +281,6 @@ def seeded_sources(cfg: dict, plan_info: dict) -> list[str]:
     if tok.get("kind") == "private-dp":
         rng = tok.get("rng")
         if rng is None:  # a plan.json written before the tokenizer's rng was carried
-            from llmdp.tokenizer.train import read_tokenizer_info
-
             try:
                 rng = ((read_tokenizer_info(tok.get("path")) or {}).get("privacy") or {}).get("rng")
             except Exception:
@@ -303,8 +306,6 @@ def _noise_generator(plan, trainable: int | None, steps: int) -> dict:
     its tail truncation (with the δ it adds, llmdp.privacy.noise.truncation_delta_per_step),
     its float32 rounding (not quantified), and that the accountant assumes a continuous
     Gaussian (issue 14)."""
-    from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
-
     per_step = (truncation_delta_per_step(int(trainable), plan.noise_multiplier)
                 if trainable and plan.noise_multiplier > 0 else None)
     return {
@@ -318,18 +319,6 @@ def _noise_generator(plan, trainable: int | None, steps: int) -> dict:
         "accountant_assumes": "an exact continuous Gaussian; the generator is a floating-point "
                               "approximation of it (truncated tail, float grid)",
     }
-
-
-def _noise_line(r: dict) -> list[str]:
-    g = r.get("noise_generator")
-    if not g:
-        return []
-    d = ("not computed (trainable parameter count unknown)" if g["truncation_delta_per_step"] is None
-         else f"≤ {g['truncation_delta_per_step']:.3g} per step, ≤ {g['truncation_delta_run']:.3g} over "
-              f"the {r['steps']} ledger steps, not included in δ above")
-    return [f"| Noise generator | {g.get('method', 'Box-Muller')}: |z| ≤ {g['tail_truncation_std']:.4f}·σC "
-            f"per coordinate (truncated tail: δ added {d}); draws rounded to float32 (not accounted); "
-            "the accountant assumes an exact continuous Gaussian |"]
 
 
 def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
@@ -380,10 +369,6 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
         return {"ledger": info, "error": "a JSONL dataset ledger of an earlier llmdp: not "
                 "cross-checked (it is imported into the ledgers' database by the next run on "
                 "this data)"}
-    from llmdp.privacy.ledger import LedgerDamaged, LedgerError
-    from llmdp.privacy.ledgerdb import LedgerDB, resolve_location
-    from llmdp.privacy.service import budget_status, cross_check
-
     location = info["location"]
     db = LedgerDB(resolve_location(location), read_only=True)
     try:
@@ -405,36 +390,8 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
     return out
 
 
-def _truncation_rows(r: dict) -> list[str]:
-    s = r["sampling"]
-    if "max_batch_size" not in s:
-        return []
-    prob = s["truncation_probability_per_step"]
-    cost = s["truncation_epsilon_cost"]
-    return [
-        f"| Truncation cap B_max | {s['max_batch_size']} units; per-step truncation probability "
-        f"{prob:.3g}; ε cost of truncation {100 * cost:.3g}% |" if prob is not None and cost is not None
-        else f"| Truncation cap B_max | {s['max_batch_size']} units |",
-    ] + ([f"| Steps truncated (internal) | {s['steps_truncated']} |"] if "steps_truncated" in s else [])
-
-
-def _dataset_rows(r: dict) -> list[str]:
-    d = r.get("dataset_ledger")
-    if not d or "epsilon_spent" not in d:
-        return []
-    budget = (f"; budget ε = {d['budget_epsilon']:g}, remaining {d['epsilon_remaining']:.4f}"
-              if d.get("budget_epsilon") is not None else "; no budget set")
-    other = d.get("not_composed") or []
-    listed = "; ".join(f"{x['run_id']} ({x['mechanism']}, {x['count']} release(s), unit {x['unit']}): "
-                       f"{x['status']}" for x in other)
-    return [f"| Dataset ledger (releases on this data for this run's unit, {d.get('unit')}) | ε = "
-            f"{d['epsilon_spent']:.4f} at δ = {d['delta']:.3g}{budget} |"] + (
-        [f"| Dataset ledger, other privacy units | {listed}; an ε for one unit definition is no "
-         f"guarantee for another, and no group-privacy conversion is made |"] if other else [])
-
-
 def _describe_records(data_cfg: dict) -> str:
-    from llmdp.data.sources import describe_records
+    from llmdp.data.sources import describe_records  # lazy: it imports `datasets` (~1 s)
 
     return describe_records(data_cfg)
 
@@ -481,10 +438,6 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     report's ε when all are taken and ``exact``. The ledger, not the completed steps: steps
     re-executed after a failure were released twice, and write-ahead blocks count too.
     ``exact=False``: PLD on the coarser display grid (conservative, ~10x faster)."""
-    from llmdp.privacy import accountant as acc
-    from llmdp.privacy.ledger import Ledger
-    from llmdp.privacy.prior import release_entries
-
     entries = Ledger(ledger_path).entries() if os.path.exists(ledger_path) else []
     total = sum(int(c) for _, c in entries)
     steps = total if steps is None else min(int(steps), total)
@@ -497,16 +450,14 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     prior, d_thr = release_entries(list(prior_releases))
     if not prior and not kept:
         return steps, 0.0
-    interval = None if exact or plan.accountant != "pld" else acc.PLD_DISPLAY_DISCRETIZATION_INTERVAL
-    return steps, acc.epsilon_with_threshold(prior + kept, plan.delta, d_thr, plan.accountant, interval)
+    interval = None if exact or plan.accountant != "pld" else accountant.PLD_DISPLAY_DISCRETIZATION_INTERVAL
+    return steps, accountant.epsilon_with_threshold(prior + kept, plan.delta, d_thr, plan.accountant, interval)
 
 
 def epsilon_curve(run_dir: str | RunDir, points: int = 16) -> list[tuple[int, float]]:
     """ε after the first t steps recorded in the run's ledger, at a few t: the curve of the
     plot. Starts at the earlier releases' ε (a private tokenizer's), and its last point is
     the reported ε (same composition, same grid); the others use the display grid."""
-    from llmdp.privacy.ledger import Ledger
-
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     plan, prior, path = rd.plan, rd.prior_releases, rd.ledger_path
     total = sum(int(c) for _, c in Ledger(path).entries()) if os.path.exists(path) else 0
@@ -532,23 +483,12 @@ def write_report(run_dir: str, failure: str | None = None, interrupted: bool = F
     return report
 
 
-def _epsilon_panel(ax, curve, report: dict) -> None:
-    ax.plot([t for t, _ in curve], [e for _, e in curve], color="tab:red")
-    ax.set_xlabel("steps recorded in the ledger")
-    ax.set_ylabel(f"epsilon at delta={report['delta']:.0e} ({report['accountant']})")
-    ax.set_title("privacy spent")
-    ax.grid(alpha=0.3)
-    if report.get("target_epsilon"):
-        ax.axhline(report["target_epsilon"], ls="--", color="gray", label="target")
-        ax.legend()
-
-
 def plot(run_dir: str, report: dict) -> str:
     """The local run's plot: ε spent (from the ledger) and the internal training loss."""
-    import matplotlib
+    import matplotlib  # lazy: only drawing needs matplotlib (slow to import)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
     curve = report.get("epsilon_curve") or epsilon_curve(run_dir)
     metrics = [m for m in _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -568,235 +508,6 @@ def plot(run_dir: str, report: dict) -> str:
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     out = os.path.join(run_dir, "privacy_report.png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
-
-
-def render_markdown(r: dict) -> str:
-    """Markdown of a report: the full local one, or a publishable one (`publishable_report`),
-    whose internal sections are absent and so are not rendered."""
-    eps = r["epsilon_by_accountant"]
-    s = r["sampling"]
-    tok = r.get("tokenizer") or {}
-    pub = bool(r.get("publishable"))
-    lines = ([f"**Warning: {r['exceeds_target']}.**", ""] if r.get("exceeds_target") else []) + [
-        "# Privacy report",
-        "",
-        f"**Guarantee:** (ε = {r['epsilon']:.4f}, δ = {r['delta']:.3g})-differential privacy "
-        f"with respect to {r['adjacency']}, accounted with {r['accountant'].upper()} "
-        "(" + "; ".join(f"{k.upper()}: ε = {v:.4f}" for k, v in eps.items()) + ").",
-        "",
-    ]
-    if pub:
-        lines += [f"> This is the {PUBLISHABLE_NOTE}.", ""]
-    if r.get("rng_warning"):
-        lines += [f"> **Warning:** {r['rng_warning']}", ""]
-    if r.get("status") != "complete":
-        lines += [f"> Run status: **{r.get('status')}**" + (f" ({r['failure']})" if r.get("failure") else "")
-                  + (f" ({r['stopped']})" if r.get("stopped") else "")
-                  + (f" ({r['resume']})" if r.get("resume") else "")
-                  + ". The ε above covers every step recorded in the ledger.", ""]
-    others = ", ".join(k.upper() for k in eps if k != r["accountant"])
-    lines += [
-        "## Checklist (How to DP-fy ML, §5.3.3)",
-        "",
-        "| item | value |",
-        "| --- | --- |",
-        f"| DP setting | {r['dp_setting']} |",
-        f"| Unit of privacy | {r['unit']}: {r['unit_description']} |",
-        *([f"| Records | {r['records']} |"] if r.get("records") else []),
-        f"| Unit size / contribution bound | {r['contribution_bound']} |",
-        f"| Adjacency | {r['adjacency']} |",
-        f"| Mechanism output | {r['mechanism_output']} |",
-        f"| Accounting | {r['accountant'].upper()} (reported); also computed: "
-        f"{others or 'none (truncated Poisson is accounted by PLD only)'}; δ = {r['delta']:.3g} "
-        f"(< 1/N = {1 / r['dataset_size']:.3g}) |",
-        f"| ε at δ | {r['epsilon']:.4f} (target {r['target_epsilon'] if r.get('target_epsilon') is not None else 'none: σ given'})"
-        + (f"; training alone {r['epsilon_training_only']:.4f}, composed with the private tokenizer's release"
-           if tok.get("composed_into_guarantee") else "") + " |",
-        f"| Sampling assumed | {s['assumed']} |",
-        f"| Sampling used | {s['used']}; honoured: {'yes' if s.get('honoured') else 'NO'} ({s.get('note', '')}) |",
-        f"| Sampling probability q | {r['sampling_probability']:.6g} |",
-        f"| Expected batch size q·N | {r['expected_batch_size']:g} units |",
-        f"| Dataset size N | {r['dataset_size']} units |",
-        *_truncation_rows(r),
-        f"| Noise multiplier σ | {r['noise_multiplier']:.6g} |",
-        *_noise_line(r),
-        f"| Clipping norm C | {r['max_grad_norm']:g} ({r['clipping']}) |",
-        f"| Steps T (ledger) | {r['steps']} (planned {r['steps_planned']}, completed {r['steps_completed']}; "
-        f"{r['attempts']} attempt(s), {r['steps_lost_to_failures']} step(s) lost to failures and re-executed) |",
-        *_dataset_rows(r),
-        f"| Noise std per coordinate of the averaged gradient | σC/(qN) = {r['noise_std_per_coordinate']:.4g} |",
-        f"| RNG mode | {r['rng_mode']} |",
-        f"| Tokenizer | {tok.get('note', '–')} |",
-        "",
-        "## Data accesses covered",
-        "",
-        *[f"- {x}" for x in r["data_accesses_covered"]],
-        "",
-        "## Not covered by this guarantee",
-        "",
-        *[f"- {x}" for x in r["data_accesses_not_covered"]],
-        "",
-    ]
-    if "internal_metrics" in r:
-        lines += [
-            "## Metrics computed on private data without DP (internal: do not publish)",
-            "",
-            *[f"- `{k}`: {v}" for k, v in r["internal_metrics"].items()],
-            "",
-            "Data statistics (internal): " + ", ".join(
-                f"{k}={v}" for k, v in r["data_statistics"].items()
-                if k not in ("computed_on_private_data", "note")) + ".",
-            "",
-        ]
-    ledger = r["ledger"]
-    lines += [
-        "## Ledger",
-        "",
-        (f"{ledger['lines']} line(s) in `ledger.jsonl`" if "lines" in ledger else "`ledger.jsonl` holds")
-        + (" plus the tokenizer's release (recorded in the dataset ledger)" if tok.get(
-            "composed_into_guarantee") and "lines" in ledger else "") + "; every DP release, composed above:",
-        "",
-        "| run | attempt | first step | count | mechanism |",
-        "| --- | --- | --- | --- | --- |",
-        *[f"| {x['run_id']} | {x.get('attempt') or '-'} | {x['first_step'] if x.get('first_step') is not None else '-'} "
-          f"| {x['count']} | {x['mechanism']} |" for x in ledger["releases"]],
-        "",
-        "![epsilon spent](privacy_report.png)" if pub else "![epsilon and loss](privacy_report.png)",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- what is published
-#
-# DESIGN §3.9: an export (or anything meant for publication) holds DP releases and public
-# configuration only. The publishable report and ledger are derived from the local ones by
-# ALLOW-lists: a key not named here (a new internal metric, a data statistic, a hash) stays
-# out by default. `True` keeps the value (strings still pass `_redact_hashes`); a dict keeps
-# only the keys it names (applied to every item of a list).
-
-_PUBLIC_UNIT = {"kind": True, "description": True, "sequence_length": True, "max_rows_per_unit": True,
-                "max_tokens_per_unit": True, "document_masking": True, "user_field": True}
-
-PUBLISHABLE_REPORT: dict[str, Any] = {
-    "report_version": True, "run_id": True, "status": True, "stopped": True, "resume": True,
-    # the guarantee
-    "epsilon": True, "delta": True, "accountant": True, "epsilon_by_accountant": True,
-    "epsilon_training_only": True, "delta_threshold_of_earlier_releases": True,
-    "target_epsilon": True, "epsilon_planned": True, "dp_setting": True, "unit": True,
-    "unit_description": True, "unit_size": _PUBLIC_UNIT, "records": True, "contribution_bound": True,
-    "adjacency": True, "mechanism_output": True, "data_accesses_covered": True,
-    "data_accesses_not_covered": True,
-    "tokenizer": {"kind": True, "composed_into_guarantee": True, "model_vocabulary": True,
-                  "vocab_size": True, "vocab_adaptation": True, "trained_by_this_run": True,
-                  "tokenizer_data": True, "composition": True, "rng": True, "note": True},
-    # the mechanism's numbers (N is used by the accountant and published as is)
-    "steps": True, "steps_planned": True, "steps_completed": True, "attempts": True,
-    "steps_lost_to_failures": True, "exceeds_target": True,
-    "dataset_ledger": {"epsilon_spent": True, "budget_epsilon": True, "epsilon_remaining": True,
-                       "delta": True, "accountant": True, "unit": True},
-    "noise_multiplier": True, "sampling_probability": True, "expected_batch_size": True,
-    "dataset_size": True, "max_grad_norm": True, "noise_std_per_coordinate": True,
-    "noise_generator": True, "clipping": True, "normalization": True,
-    "sampling": {"assumed": True, "used": True, "honoured": True, "max_batch_size": True,
-                 "truncation_probability_per_step": True, "truncation_epsilon_cost": True,
-                 "note": True},
-    "rng_mode": True, "rng_warning": True, "rng_seeded_sources": True,
-    "ledger": {"path": True, "releases": {"run_id": True, "attempt": True, "first_step": True,
-                                          "count": True, "event": True, "mechanism": True,
-                                          "epsilon_alone": True, "delta_threshold": True}},
-    "epsilon_curve": True,  # ε of ledger prefixes: a function of the releases only
-}
-
-PUBLISHABLE_LEDGER_RECORD: dict[str, Any] = {
-    "kind": True, "event": True, "count": True, "first_step": True, "run_id": True, "attempt": True,
-    "extra": {"mechanism": True, "noise_std": True, "threshold": True, "max_words_per_unit": True,
-              "delta_threshold": True},
-    "meta": {"mechanism": True, "unit": _PUBLIC_UNIT, "rng": True, "sampler": True,
-             "relation": True, "dataset_size": True},
-}
-
-PUBLISHABLE_NOTE = ("publishable copy: DP outputs and public configuration only. Data statistics, "
-                    "metrics computed on private data, loss curves and fingerprints of the data "
-                    "stay in the local run directory")
-
-
-# A maximal run of 13+ hex digits with a letter and a digit: a hash (decimal numbers have no
-# letter; llmdp's run and release ids have 12 digits).
-_HEX_RUN = re.compile(r"(?<![0-9a-fA-F])(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{13,}"
-                      r"(?![0-9a-fA-F])")
-
-
-def _redact_hashes(obj, secrets: tuple[str, ...]):
-    """Strings with every hex run of 13+ digits (a hash, never an llmdp run or release id,
-    which have 12) and every 12+ prefix of a known data hash replaced by ``<hash>``."""
-    if isinstance(obj, dict):
-        return {k: _redact_hashes(v, secrets) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_redact_hashes(v, secrets) for v in obj]
-    if isinstance(obj, str):
-        obj = _HEX_RUN.sub("<hash>", obj)
-        for s in secrets:
-            if len(s) >= 12 and s[:12] in obj:
-                obj = obj.replace(s[:12], "<hash>")
-    return obj
-
-
-def _data_hashes(report: dict) -> tuple[str, ...]:
-    """Hashes of the private data a full report may carry (the store's fingerprint, the
-    source hash that names the dataset ledger file)."""
-    out = [report.get("dataset_fingerprint")]
-    d = report.get("dataset_ledger") or {}
-    if d.get("ledger"):
-        out.append(os.path.splitext(os.path.basename(str(d["ledger"])))[0])
-    out += [os.path.splitext(os.path.basename(str(r.get("recorded_in"))))[0]
-            for r in (report.get("ledger") or {}).get("releases", []) if r.get("recorded_in")]
-    # Only hex digests (a legacy ledger file was named by the source's hash; a database
-    # location names no data).
-    return tuple(h for h in out if isinstance(h, str) and re.fullmatch(r"[0-9a-f]{12,}", h))
-
-
-def publishable_report(report: dict) -> dict[str, Any]:
-    """The report that may leave the machine, derived from the full local one by the
-    `PUBLISHABLE_REPORT` allow-list; hashes are redacted from its texts."""
-    pub = _redact_hashes(allow_listed(report, PUBLISHABLE_REPORT), _data_hashes(report))
-    pub["publishable"] = True
-    pub["withheld"] = PUBLISHABLE_NOTE
-    return pub
-
-
-def publishable_ledger(records, prior_releases=(), secrets: tuple[str, ...] = ()) -> list[dict]:
-    """The releases of a ledger that may be published: (event, count), unit, δ_thr, run and
-    release ids (`PUBLISHABLE_LEDGER_RECORD`), preceded by the earlier releases the run's
-    guarantee composes (a private tokenizer's), so that ε can be recomputed from it alone.
-    No fingerprint, config hash, path or time."""
-    prior = [{"kind": "release", "event": r.get("event"), "count": r.get("count", 1),
-              "first_step": 0, "run_id": r.get("run_id"), "attempt": None,
-              "extra": r.get("extra"), "meta": {"mechanism": r.get("mechanism", "private-tokenizer"),
-                                                "unit": {"kind": r.get("unit")}}}
-             for r in prior_releases]
-    records = list(records)
-    secrets = tuple(secrets) + tuple((r.get("meta") or {}).get("dataset_fingerprint") or ""
-                                     for r in records)
-    out = [allow_listed(r, PUBLISHABLE_LEDGER_RECORD) for r in prior + records
-           if r.get("kind") == "release"]
-    return _redact_hashes(out, secrets)
-
-
-def plot_publishable(r: dict, out: str) -> str:
-    """The publishable plot: ε spent against the steps of the ledger, drawn from the
-    publishable report's ``epsilon_curve`` alone (no loss curve, nothing internal)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 1, figsize=(5, 3.6))
-    _epsilon_panel(ax, r.get("epsilon_curve") or [], r)
-    fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

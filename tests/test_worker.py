@@ -341,7 +341,8 @@ def test_report_states_the_noise_tail_and_its_delta(tmp_path):
     """Issue 12 item 8c: the report (JSON and Markdown) carries the generator's tail and
     the δ it adds, computed from the run's trainable parameter count and σ."""
     from llmdp.privacy.noise import NOISE_TAIL, truncation_delta_per_step
-    from llmdp.report import render_markdown, write_report
+    from llmdp.report import write_report
+    from llmdp.report_render import render_markdown
     from llmdp.worker import LocalContext, train_loop_per_worker
     from tests.test_loop import make_recipe, prepared_config
 

@@ -365,7 +365,7 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
     # The dataset ledger (budget) holds the tokenizer's release and the steps, accounted
     # with the threshold's delta: the same composition as the run's.
     assert report["dataset_ledger"]["epsilon_spent"] == pytest.approx(want, rel=1e-9)
-    from llmdp.report import render_markdown
+    from llmdp.report_render import render_markdown
 
     md = render_markdown(report)
     assert "private-tokenizer" in md and "training alone" in md
@@ -464,7 +464,7 @@ def test_tokenizer_on_another_source_is_composed_by_default(trained, other_corpu
 
 def test_tokenizer_declared_independent_is_not_composed_and_said_so(trained, other_corpus, tmp_path,
                                                                      monkeypatch):
-    from llmdp.report import render_markdown
+    from llmdp.report_render import render_markdown
 
     tmp, cfg, info = trained
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
@@ -504,7 +504,7 @@ def seeded_tokenizer(tmp_path_factory, corpus):
 def test_seeded_tokenizer_release_is_labelled_seeded(seeded_tokenizer, corpus, tmp_path, monkeypatch):
     """Issue 12 item 4: a run on a secure RNG with a seeded private tokenizer is reported
     as seeded, with the warning, not "RNG: secure"."""
-    from llmdp.report import render_markdown
+    from llmdp.report_render import render_markdown
 
     tmp, cfg, info = seeded_tokenizer
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
