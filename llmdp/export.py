@@ -48,9 +48,10 @@ from llmdp._fs import building_dir, replace_dir
 from llmdp.card import model_card
 from llmdp.privacy.ledger import Ledger
 from llmdp.publish import publishable_ledger, publishable_report
-from llmdp.report import build_report, epsilon_curve, seeded_sources
+from llmdp.report import build_report, seeded_sources
 from llmdp.report_render import plot_publishable, render_markdown
 from llmdp.rundir import RunDir
+from llmdp.spent import epsilon_curve
 
 __all__ = ["ExportError", "verify_run", "export_run", "push_folder", "HfApi"]
 

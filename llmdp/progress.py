@@ -14,7 +14,7 @@ import time
 
 from tqdm import tqdm
 
-from llmdp.report import ledger_epsilon
+from llmdp.spent import ledger_epsilon
 
 
 class Progress(threading.Thread):

@@ -500,7 +500,8 @@ def test_curve_and_progress_count_the_ledger_not_completed_steps(full_run, tmp_p
     from llmdp.privacy.plan import DPPlan
     from llmdp.privacy.service import LedgerService
     from llmdp.progress import Progress
-    from llmdp.report import epsilon_curve, write_report
+    from llmdp.report import write_report
+    from llmdp.spent import epsilon_curve
 
     run = _copy(full_run, tmp_path, "re-executed", own_ledger=True)
     path = os.path.join(run, "ledger.jsonl")

@@ -223,8 +223,9 @@ def test_failures_stop_the_run_at_its_target(tmp_path, monkeypatch):
 
 
 def test_allowed_failures_finish_and_the_report_says_so_first(tmp_path, monkeypatch):
-    from llmdp.report import build_report, epsilon_curve
+    from llmdp.report import build_report
     from llmdp.report_render import render_markdown
+    from llmdp.spent import epsilon_curve
 
     prep, out = _fail_then_resume(tmp_path, monkeypatch, allow=True)
     plan = prep.plan

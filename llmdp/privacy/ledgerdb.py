@@ -39,13 +39,10 @@ from llmdp.privacy.ledger import (
     make_dirs,
     now,
 )
-
-# resolve_location: re-exported for llmdp.report, which imports it from here.
 from llmdp.privacy.ledger_location import (
     default_location,
     describe_location,
     is_url,
-    resolve_location,
 )
 from llmdp.privacy.ledger_verify import (
     VerifiedLedger,
@@ -56,7 +53,7 @@ from llmdp.privacy.ledger_verify import (
     verify_rows,
 )
 
-__all__ = ["LedgerDB", "resolve_location"]
+__all__ = ["LedgerDB"]
 
 SCHEMA_VERSION = 1
 _SCHEMA = (

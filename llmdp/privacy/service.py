@@ -27,8 +27,6 @@ import time
 
 from llmdp.privacy import accountant as _acc
 from llmdp.privacy import ledger as _ledger  # append_line looked up at each call (tests patch it)
-
-# budget_status: re-exported for llmdp.report, which imports it from here.
 from llmdp.privacy.budget import (
     _UNKNOWN_UNIT,
     budget_status,
@@ -46,7 +44,7 @@ from llmdp.privacy.ledger_location import describe_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.prior import release_entries as prior_entries
 
-__all__ = ["BudgetError", "LedgerService", "budget_status", "cross_check", "open_dataset",
+__all__ = ["BudgetError", "LedgerService", "cross_check", "open_dataset",
            "run_ledger_problems"]
 
 
