@@ -42,11 +42,6 @@ def broadcast_bytes(data: bytes | None, nbytes: int, device: torch.device) -> by
     return bytes(buf.cpu().tolist())
 
 
-def all_reduce_grads(params: Sequence[torch.Tensor]) -> None:
-    """Sum ``p.grad`` over workers with one flat all-reduce. [sync point, once per step]"""
-    all_reduce_([p.grad for p in params])
-
-
 def all_reduce_(grads: Sequence[torch.Tensor]) -> None:
     """Sum tensors over workers with one flat all-reduce (in their own dtype, float32 or
     wider: checked by :func:`privatize_`). [sync point, once per step]"""

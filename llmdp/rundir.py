@@ -48,14 +48,6 @@ class RunDir:
     def ledger_path(self) -> str:
         return self.file("ledger.jsonl")
 
-    @property
-    def metrics_path(self) -> str:
-        return self.file("metrics.jsonl")
-
-    @property
-    def model_dir(self) -> str:
-        return self.file("model")
-
     def exists(self) -> bool:
         return os.path.isfile(self.plan_path)
 
@@ -81,10 +73,6 @@ class RunDir:
     @property
     def prior_releases(self) -> list[dict]:
         return list(self.info.get("prior_releases") or [])
-
-    @property
-    def tokenizer(self) -> dict:
-        return dict(self.info.get("tokenizer") or {})
 
     def run_id(self) -> str | None:
         """The run's id if plan.json holds one (a re-launch resumes the same run), else None."""

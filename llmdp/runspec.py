@@ -10,6 +10,7 @@ record (:meth:`RunSpec.plan_record`), written once and read by ``llmdp.rundir.Ru
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ class RunSpec:
     def run_dir(self) -> str:
         return self.paths.run_dir
 
-    @property
+    @functools.cached_property  # computed once (a PLD), for the log line and plan.json
     def epsilon_planned(self) -> float:
         """ε of the whole plan composed with the earlier releases."""
         return composed_epsilon(self.plan, list(self.prior_releases))

@@ -196,7 +196,7 @@ class Fsdp(Strategy):
     name = "fsdp"
 
     def check(self, privacy: Any) -> None:
-        if getattr(privacy, "debug_check", False):
+        if privacy.debug_check:
             raise ValueError("privacy.debug_check compares p.grad with the reference engine on the full "
                              "model; it is not supported with scaling.strategy: 'fsdp' (use 'replicated')")
 

@@ -65,7 +65,7 @@ def test_plan_json_is_the_spec_record_written_once(spec, tmp_path):
     on_disk = json.loads(open(rd.plan_path).read())
     assert on_disk == json.loads(json.dumps(spec.plan_record()))
     assert rd.plan == spec.plan and rd.run_id() == spec.run_id
-    assert rd.prior_releases == list(spec.prior_releases) and rd.tokenizer == dict(spec.tokenizer)
+    assert rd.prior_releases == list(spec.prior_releases) and rd.info["tokenizer"] == json.loads(json.dumps(dict(spec.tokenizer)))
     before = os.stat(rd.plan_path)
     again = prepared_config(make_recipe(tmp_path, steps=2, checkpoint_every=1))  # a re-launch
     after = os.stat(rd.plan_path)
