@@ -148,13 +148,21 @@ def _check_rng_seed(p, prefix: str) -> None:
 
 
 def check_privacy(p, prefix: str, base_dir: str):
-    """``privacy``, a `PrivacyConfig`: one of ε / σ, rng and seed, sampler and accountant."""
-    check_exactly_one(
-        {
-            f"{prefix}.target_epsilon": p.target_epsilon,
-            f"{prefix}.noise_multiplier": p.noise_multiplier,
-        }
-    )
+    """``privacy``, a `PrivacyConfig`: one of ε / σ (unless dp is false), rng and seed,
+    sampler and accountant."""
+    if p.dp:
+        check_exactly_one(
+            {
+                f"{prefix}.target_epsilon": p.target_epsilon,
+                f"{prefix}.noise_multiplier": p.noise_multiplier,
+            }
+        )
+    elif p.budget_epsilon is not None:
+        raise ConfigError(
+            f"{prefix}.budget_epsilon: {p.budget_epsilon:g} is set but {prefix}.dp is false: a "
+            f"non-private baseline spends no budget and is recorded in no ledger; remove one",
+            key=f"{prefix}.budget_epsilon",
+        )
     _check_rng_seed(p, prefix)
     if p.max_batch_size is not None and p.sampler != "truncated-poisson":
         raise ConfigError(
@@ -171,6 +179,71 @@ def check_privacy(p, prefix: str, base_dir: str):
             key=f"{prefix}.accountant",
         )
     return p
+
+
+def check_eval_data(e, prefix: str, base_dir: str):
+    """``data.eval``, an `EvalDataConfig`: a held-out fraction or a declared source."""
+    source = e.path is not None or e.dataset is not None
+    if e.path is not None and e.dataset is not None:
+        raise ConfigError(
+            f"{prefix}.path / {prefix}.dataset: give one evaluation source, not both "
+            f"(path={e.path!r}, dataset={e.dataset!r})", key=f"{prefix}.path")
+    if (e.fraction is None) == (not source):
+        got = "both" if source else "neither"
+        raise ConfigError(
+            f"{prefix}.fraction / {prefix}.path: held-out data is either a fraction of the "
+            f"private corpus held out by privacy unit (e.g. {prefix}.fraction: 0.05) or a "
+            f"separate source ({prefix}.path or {prefix}.dataset, with {prefix}.public); got {got}",
+            key=f"{prefix}.fraction")
+    if source and e.public is None:
+        raise ConfigError(
+            f"{prefix}.public: required with a separate evaluation source: true if the data is "
+            f"public (its metrics are published as they are), false if it is private (about the "
+            f"same individuals as data; metrics internal unless released with DP)",
+            key=f"{prefix}.public")
+    if e.fraction is not None and e.public is not None:
+        raise ConfigError(
+            f"{prefix}.public: {e.public!r} is only for a separate source; units held out of the "
+            f"private corpus ({prefix}.fraction) are private; remove it", key=f"{prefix}.public")
+    return e
+
+
+def check_eval(e, prefix: str, base_dir: str):
+    """``eval``, an `EvalConfig`: at most one of ε / σ; steps only with a DP evaluation."""
+    if e.epsilon is not None and e.noise_multiplier is not None:
+        check_exactly_one({f"{prefix}.epsilon": e.epsilon,
+                           f"{prefix}.noise_multiplier": e.noise_multiplier})
+    if e.steps and e.epsilon is None and e.noise_multiplier is None:
+        raise ConfigError(
+            f"{prefix}.steps: {list(e.steps)} asks for DP evaluations, but neither "
+            f"{prefix}.epsilon nor {prefix}.noise_multiplier is set; set one (e.g. "
+            f"{prefix}.epsilon: 0.5) or remove {prefix}.steps", key=f"{prefix}.steps")
+    if len(set(e.steps)) != len(e.steps):
+        raise ConfigError(f"{prefix}.steps: {list(e.steps)} repeats a step; list each once",
+                          key=f"{prefix}.steps")
+    if any(not p.strip() for p in e.prompts):
+        raise ConfigError(f"{prefix}.prompts: an empty prompt; give non-empty strings",
+                          key=f"{prefix}.prompts")
+    return e
+
+
+def check_sweep(s, prefix: str, base_dir: str):
+    """``sweep``, a `SweepConfig`: grid entries are key=values; random needs its mean."""
+    for i, g in enumerate(s.grid):
+        key, eq, values = g.partition("=")
+        if not eq or not key.strip() or not values.strip():
+            raise ConfigError(
+                f"{prefix}.grid[{i}]: {g!r} is not key=v1,v2,... (e.g. 'optim.lr=1e-3,3e-3')",
+                key=f"{prefix}.grid")
+    if s.trials == "random" and s.mean_trials is None:
+        raise ConfigError(
+            f"{prefix}.mean_trials: required with {prefix}.trials 'random' (the expected number "
+            f"of trials, e.g. 4)", key=f"{prefix}.mean_trials")
+    if s.trials == "grid" and s.mean_trials is not None:
+        raise ConfigError(
+            f"{prefix}.mean_trials: {s.mean_trials:g} is only used with {prefix}.trials "
+            f"'random'; remove it or set trials: random", key=f"{prefix}.mean_trials")
+    return s
 
 
 def check_train(t, prefix: str, base_dir: str):
@@ -205,6 +278,7 @@ def check_recipe(r, prefix: str, base_dir: str):
             f"not embed positions that far",
             key="model.tiny.max_position_embeddings",
         )
+    _check_eval_recipe(r)
     rows = 1 if r.data.unit == "sequence" else r.data.max_rows_per_unit
     if rows > r.train.physical_batch_size:
         raise ConfigError(
@@ -214,6 +288,33 @@ def check_recipe(r, prefix: str, base_dir: str):
             key="train.physical_batch_size",
         )
     return r
+
+
+def _check_eval_recipe(r) -> None:
+    """What the evaluation needs from the other sections."""
+    held = r.data.eval
+    dp_eval = r.eval.epsilon is not None or r.eval.noise_multiplier is not None
+    if r.train.eval_every and held is None:
+        raise ConfigError(
+            f"train.eval_every: {r.train.eval_every} needs held-out data: set data.eval.fraction "
+            f"(e.g. 0.05) or a separate source (data.eval.path and data.eval.public), or set "
+            f"train.eval_every: 0", key="train.eval_every")
+    if dp_eval and held is None:
+        raise ConfigError(
+            "eval.epsilon / eval.noise_multiplier: a DP evaluation needs held-out data: set "
+            "data.eval.fraction (e.g. 0.05) or data.eval.path with data.eval.public: false",
+            key="eval.epsilon")
+    if dp_eval and held is not None and held.public:
+        raise ConfigError(
+            "eval.epsilon / eval.noise_multiplier: data.eval is declared public, whose metrics "
+            "are published as they are; no DP release is needed: remove them",
+            key="eval.epsilon")
+    if r.train.steps is not None:
+        late = [s for s in r.eval.steps if s > r.train.steps]
+        if late:
+            raise ConfigError(
+                f"eval.steps: {late} beyond train.steps ({r.train.steps}); list steps of the run "
+                f"(the final DP evaluation happens anyway)", key="eval.steps")
 
 
 def check_tokenizer_data(d, prefix: str, base_dir: str):

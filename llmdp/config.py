@@ -43,6 +43,9 @@ from llmdp.choices import ACCOUNTANTS, MIXED_PRECISION, SAMPLERS, STRATEGIES
 __all__ = [
     "ConfigError",
     "DataConfig",
+    "EvalConfig",
+    "EvalDataConfig",
+    "SweepConfig",
     "LoraConfig",
     "ModelConfig",
     "OptimConfig",
@@ -165,6 +168,33 @@ class SourceConfig:
 
 
 @dataclass(frozen=True)
+class EvalDataConfig:
+    """Held-out data (``data.eval``): a fraction of the private corpus held out by privacy
+    unit, or a separate source declared public or private."""
+
+    # Hold out each unit of the private corpus independently iff a keyed hash of its own
+    # content (a user unit: its user key) is below this fraction: disjoint from the training
+    # units, the same split at every launch, and adding or removing a unit never moves
+    # another. Training's N, q and accounting cover the training units only.
+    fraction: float | None = _f(None, gt=0, lt=1)
+    split_key: str = _f("llmdp.eval_split.v1", nonempty=True)  # the split's hash key (public)
+    # Or a separate source, read with data's record keys (text_field, messages_field, ...)
+    # and cut into the same units: exactly one of path / dataset, and `public` declared.
+    path: str | None = _f(None, path="always")
+    dataset: str | None = _f(None, nonempty=True)
+    config_name: str | None = None
+    split: str = _f("validation", nonempty=True)
+    format: str = _f("auto", choices=("auto", "jsonl", "json", "parquet", "csv", "text"))
+    # true: public data (its metrics are published as they are); false: private data about
+    # the same individuals as `data` (metrics internal unless released with DP, composed
+    # into this run's and its dataset's ledger).
+    public: bool | None = None
+    # Evaluate on the held-out units with the smallest split hashes, at most this many
+    # (quicker evaluations; the selection depends on each unit's own content). None: all.
+    max_units: int | None = _f(None, ge=1)
+
+
+@dataclass(frozen=True)
 class DataConfig(SourceConfig):
     """The training corpus: a source (:class:`SourceConfig`) and how it becomes rows."""
 
@@ -194,10 +224,15 @@ class DataConfig(SourceConfig):
     # (replace-one, not the add/remove-one the run is accounted under). Use unit_fraction.
     max_units: int | None = None
     num_proc: int | None = _f(None, ge=1)  # tokenizer processes (None: by corpus size)
+    eval: EvalDataConfig | None = None  # held-out data (None: no evaluation)
 
 
 @dataclass(frozen=True)
 class PrivacyConfig:
+    # false: a NON-PRIVATE baseline of the same recipe (no clipping, no noise), for
+    # comparison only: labelled as such everywhere, recorded in no ledger, never exported.
+    # target_epsilon / noise_multiplier are then ignored.
+    dp: bool = True
     # Exactly one of target_epsilon / noise_multiplier.
     target_epsilon: float | None = _f(None, gt=0)
     noise_multiplier: float | None = _f(None, gt=0)
@@ -267,7 +302,9 @@ class TrainConfig:
     physical_batch_size: int = _f(32, ge=1)  # rows per micro-batch per worker
     checkpoint_every: int = _f(50, ge=1)
     seed: int = _f(0, ge=0)  # model init / dropout only; NOT a privacy seed
-    eval_every: int = _f(0, ge=0)  # 0 = off
+    # Evaluate on data.eval every this many steps (0: only before the first step and after
+    # the last). Internal metrics on private held-out data; see the `eval` section for DP.
+    eval_every: int = _f(0, ge=0)
     max_failures: int = _f(0, ge=0)  # worker failures Ray Train recovers from (resume from a checkpoint)
     length_bucketing: bool = True  # group rows of similar length; pad each micro-batch to its longest
     # Steps with a unit whose gradient is NaN/inf (that unit adds nothing) before the run
@@ -287,6 +324,47 @@ class ScalingConfig:
     strategy: str = _f("replicated", choices=STRATEGIES)
     # Compute in bf16 (autocast) over float32 master weights; "none": the model's dtype.
     mixed_precision: str = _f("none", choices=MIXED_PRECISION)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What is released about the model's quality (``eval``): DP evaluation on private
+    held-out data, and generations from public prompts."""
+
+    # DP evaluation (after the last step, and after each of `steps`): per-unit loss and
+    # token accuracy clipped to [0, loss_bound] and [0, 1], summed with one Gaussian noise
+    # multiplier for the aggregates released together (loss, accuracy, and the count when
+    # noised). Exactly one of epsilon (all DP eval releases together, at privacy.delta; a
+    # part of privacy.target_epsilon: training's sigma is calibrated for the rest) and
+    # noise_multiplier, or neither (no DP evaluation).
+    epsilon: float | None = _f(None, gt=0)
+    noise_multiplier: float | None = _f(None, gt=0)
+    steps: tuple[int, ...] = _f((), items={"ge": 1})  # also release a DP eval after these steps
+    loss_bound: float | None = _f(None, gt=0)  # None: ln(vocabulary size), a uniform predictor's loss
+    # "noised": the number of evaluated units is a noised aggregate too (nothing released
+    # without DP); "public": it is published as is, like N (the report lists it as not covered).
+    count: str = _f("noised", choices=("noised", "public"))
+    # Public prompts: greedy and sampled continuations of the final model (post-processing
+    # of a DP model) in the report and the model card.
+    prompts: tuple[str, ...] = ()
+    max_new_tokens: int = _f(32, ge=1, le=4096)
+    temperature: float = _f(0.8, gt=0)  # the sampled continuation
+    top_p: float = _f(0.95, gt=0, le=1)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """Accounted hyper-parameter tuning (``llmdp sweep``): every trial is a DP run recorded
+    in the dataset's ledger, and the selection reads only DP evaluation metrics."""
+
+    # "key=v1,v2,..." per swept key (the values read as YAML), e.g. "optim.lr=1e-3,3e-3".
+    grid: tuple[str, ...] = ()
+    # "grid": every combination, once (cost: the composition of all trials, PLD).
+    # "random": Papernot-Steinke: a random number of trials K (mean `mean_trials`), each a
+    # uniformly random grid point; the best one's cost is RepeatAndSelectDpEvent (RDP).
+    trials: str = _f("grid", choices=("grid", "random"))
+    mean_trials: float | None = _f(None, gt=0)
+    distribution: str = _f("poisson", choices=("poisson", "geometric"))  # of K (random)
 
 
 _RUN_NAME = r"[A-Za-z0-9._-]+"
@@ -314,6 +392,8 @@ class RecipeConfig:
     train: TrainConfig
     scaling: ScalingConfig
     output: OutputConfig
+    eval: EvalConfig = _f(factory=EvalConfig)
+    sweep: SweepConfig | None = None
 
     @property
     def run_dir(self) -> str:
@@ -390,6 +470,9 @@ _CHECKS = {
     TinyModelConfig: _checks.check_tiny,
     ModelConfig: _checks.check_model,
     DataConfig: _checks.check_data,
+    EvalDataConfig: _checks.check_eval_data,
+    EvalConfig: _checks.check_eval,
+    SweepConfig: _checks.check_sweep,
     PrivacyConfig: _checks.check_privacy,
     TrainConfig: _checks.check_train,
     OutputConfig: _checks.check_output,

@@ -94,7 +94,7 @@ train:
   physical_batch_size: 8
   checkpoint_every: 10
   seed: 7
-  eval_every: 5
+  eval_every: 0
 scaling:
   num_workers: 2
   use_gpu: false
