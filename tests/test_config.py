@@ -15,6 +15,7 @@ from llmdp import _validate as v
 from llmdp.config import (
     ConfigError,
     DataConfig,
+    EvalDataConfig,
     LoraConfig,
     ModelConfig,
     OptimConfig,
@@ -69,6 +70,8 @@ data:
     num_documents: 200
     seed: 1
   unit_fraction: 0.5
+  eval:
+    fraction: 0.1
 privacy:
   target_epsilon: 8
   delta: 1.0e-6
@@ -94,7 +97,7 @@ train:
   physical_batch_size: 8
   checkpoint_every: 10
   seed: 7
-  eval_every: 0
+  eval_every: 5
 scaling:
   num_workers: 2
   use_gpu: false
@@ -150,6 +153,7 @@ def test_full_recipe_loads(in_tmp):
         unit="sequence",
         sequence_length=64,
         synthetic=SyntheticDataConfig("clinical_notes", 200, 1),
+        eval=EvalDataConfig(fraction=0.1),
         unit_fraction=0.5,
     )
     assert cfg.privacy == PrivacyConfig(
@@ -483,11 +487,11 @@ BAD = [
     # (id, dotted key, value, substrings the message must contain)
     (
         "unknown-section",
-        "evaluation",
+        "evaluations",
         {"x": 1},
         [
-            "evaluation: unknown key; expected one of ['model', 'data', 'privacy', 'optim', "
-            "'train', 'scaling', 'output']"
+            "evaluations: unknown key; expected one of ['model', 'data', 'privacy', 'optim', "
+            "'train', 'scaling', 'output', 'eval', 'sweep']"
         ],
     ),
     ("typo-top-level", "Privacy", {}, ["Privacy: unknown key; did you mean 'privacy'?"]),
