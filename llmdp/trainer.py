@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -98,19 +99,37 @@ def _check_run_ledger(run_dir: str, run_id: str, ledger: dict) -> None:
         raise LedgerError(problems[0])
 
 
-def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
-    """Everything the workers need, built once on the driver: data units, model files, the
-    plan, the ledger service; returned as one :class:`~llmdp.runspec.RunSpec`, whose record
-    is written to the run directory's plan.json (once)."""
+@dataclass
+class Planned:
+    """What planning a recipe decides (`plan_run`), before anything is written to a run
+    directory or a ledger: the units, the DP plan, the earlier releases it composes with."""
 
-    run_dir = os.path.abspath(cfg.run_dir)
-    rd = RunDir(run_dir)
-    check_run_dir(run_dir, cfg)
-    # runs/<name>/ is created only after every check and the data have passed (below), so a
-    # bad recipe or bad data leaves no empty run directory behind.
+    cfg: RecipeConfig
+    plan: Any  # DPPlan
+    store: Any  # the training units (UnitStore)
+    unit_spec: UnitSpec
+    source_sha: str
+    tok_use: dict
+    prior_releases: list
+    data_stats: dict
+    eval_store: Any = None  # the held-out units (UnitStore), or None
+    eval_plan: Any = None  # the DP evaluation's plan (llmdp.evaluation.dp.DpEvalPlan), or None
+
+    def entries(self) -> list:
+        """(event, count) of every release the run will make if it completes: the earlier
+        releases it builds on, its DP evaluations and its steps (what a sweep composes)."""
+        from llmdp.privacy.prior import release_entries
+
+        prior, _ = release_entries(self.prior_releases)
+        evals = self.eval_plan.entries() if self.eval_plan is not None else []
+        return prior + evals + [(self.plan.step_event(), self.plan.steps)]
+
+
+def plan_run(cfg: RecipeConfig, log=print) -> Planned:
+    """Data units, model facts and the DP plan of ``cfg`` (shared caches only: nothing is
+    written to the run directory or to a ledger)."""
     cache = cache_root()
     os.makedirs(cache, exist_ok=True)
-
     if cfg.data.synthetic is not None and not os.path.exists(cfg.data.path):
 
         log(f"generating {cfg.data.synthetic.num_documents} synthetic private documents -> {cfg.data.path}")
@@ -184,9 +203,29 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
         # The model's guarantee covers the tokenizer too: sigma is calibrated so that the
         # composition (tokenizer release + every step) meets privacy.target_epsilon.
         plan = calibrate_with_prior(plan, prior_releases)
-    run_id = rd.run_id() or uuid.uuid4().hex[:12]  # a re-launch resumes the same run
     data_stats = dict(store.stats())
     data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
+    return Planned(cfg=cfg, plan=plan, store=store, unit_spec=spec, source_sha=source_sha,
+                   tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats)
+
+
+def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
+    """Everything the workers need, built once on the driver: data units, model files, the
+    plan, the ledger service; returned as one :class:`~llmdp.runspec.RunSpec`, whose record
+    is written to the run directory's plan.json (once)."""
+
+    run_dir = os.path.abspath(cfg.run_dir)
+    rd = RunDir(run_dir)
+    check_run_dir(run_dir, cfg)
+    # runs/<name>/ is created only after every check and the data have passed (below), so a
+    # bad recipe or bad data leaves no empty run directory behind.
+    cache = cache_root()
+    planned = plan_run(cfg, log)
+    plan, store, spec, d = planned.plan, planned.store, planned.unit_spec, cfg.data
+    source_sha, tok_use = planned.source_sha, planned.tok_use
+    prior_releases, data_stats = planned.prior_releases, planned.data_stats
+    N = store.num_units
+    run_id = rd.run_id() or uuid.uuid4().hex[:12]  # a re-launch resumes the same run
     ledger_meta = {
         "config_hash": config_hash(cfg),
         "unit": {**spec.to_dict(), "description": spec.describe()},
