@@ -1,0 +1,200 @@
+"""What a sweep costs (`llmdp sweep`, `llmdp.sweep`): pure accounting over (event, count)
+releases with dp-accounting, and the budget check made before any trial runs.
+
+(a) `sweep_cost` ``composition``: every trial's releases and, once, the earlier releases they
+    all build on (a private tokenizer), composed with the recipe's accountant.
+(b) `sweep_cost` ``repeat_and_select`` (random trials): Papernot & Steinke (ICLR 2022),
+    ``RepeatAndSelectDpEvent(one trial's releases, mean, shape)`` with dp-accounting's RDP
+    accountant, composed with the earlier releases: a bound on the selected trial's output
+    only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from dp_accounting import dp_event
+
+from llmdp._validate import ConfigError
+from llmdp.privacy import accountant as _acc
+from llmdp.privacy.budget import (
+    hold_entries,
+    holder_alive,
+    live_holds,
+    release_entries_of,
+    split_by_unit,
+    unit_key,
+)
+from llmdp.privacy.dataset_ledger import open_dataset_ledger
+from llmdp.privacy.events import compose, event_to_json, is_truncated
+from llmdp.privacy.ledgerdb import LedgerDB
+from llmdp.privacy.prior import release_entries
+from llmdp.privacy.service import BudgetError
+
+__all__ = ["COVERS_COMPOSITION", "COVERS_RANDOM", "sweep_cost", "check_sweep_budget",
+           "own_entries", "unique_priors", "merge_entries", "event_key"]
+
+COVERS_COMPOSITION = ("every trial's model and DP evaluations (all trials composed; the earlier "
+                      "releases they build on counted once)")
+COVERS_RANDOM = ("ONLY the selected trial's output (its model and its DP evaluation); the other "
+                 "trials' models must not be released. The dataset ledger records every trial "
+                 "and its budgets compose them all (conservative)")
+
+
+def event_key(event) -> str:
+    """An event's canonical JSON: equal events, equal keys."""
+    return json.dumps(event_to_json(event), sort_keys=True)
+
+
+def merge_entries(entries) -> list:
+    """Identical events merged into one (event, count) (composition is commutative)."""
+    events, counts = {}, {}
+    for e, c in entries:
+        k = event_key(e)
+        events.setdefault(k, e)
+        counts[k] = counts.get(k, 0) + int(c)
+    return [(events[k], counts[k]) for k in events if counts[k]]
+
+
+def _upper(entry_lists) -> list:
+    """Per event, the largest count of any list: a composition that dominates each (RDP is
+    additive and >= 0 per event). Equal lists give that list."""
+    events, counts = {}, {}
+    for entries in entry_lists:
+        for e, c in merge_entries(entries):
+            k = event_key(e)
+            events.setdefault(k, e)
+            counts[k] = max(counts.get(k, 0), c)
+    return [(events[k], counts[k]) for k in events]
+
+
+def sweep_cost(trial_entries, prior_entries, delta: float, accountant: str = "pld",
+               random: tuple[float, float] | None = None, *, prior_delta_threshold: float = 0.0,
+               planned_trial=None) -> dict:
+    """What a sweep's trials cost together, at ``delta``.
+
+    ``trial_entries``: per trial, its (event, count) releases (without the earlier ones);
+    ``prior_entries``: the earlier releases they all build on (counted once; their
+    thresholds' δ: ``prior_delta_threshold``). (a) ``composition``: all of them composed with
+    ``accountant``. (b) ``random=(mean, shape)``: ε of ``RepeatAndSelectDpEvent(one trial,
+    mean, shape)`` composed with the earlier releases, RDP; one trial = per event the
+    largest count among the trials (and ``planned_trial``, a trial's planned releases), which
+    is every trial's releases when they are equal.
+    """
+    prior = list(prior_entries)
+    everything = merge_entries(prior + [e for t in trial_entries for e in t])
+    out = {
+        "delta": float(delta),
+        "composition": {
+            "epsilon": _acc.epsilon_with_threshold(everything, delta, prior_delta_threshold,
+                                                   accountant),
+            "accountant": accountant, "trials": len(trial_entries), "covers": COVERS_COMPOSITION},
+        "repeat_and_select": None,
+    }
+    if random is None:
+        return out
+    mean, shape = float(random[0]), float(random[1])
+    one = _upper(list(trial_entries) + ([planned_trial] if planned_trial else []))
+    if not one:
+        raise ValueError("sweep_cost: random trials need one trial's releases (trial_entries or "
+                         "planned_trial)")
+    if any(is_truncated(e) for e, _ in one):
+        raise ConfigError(
+            "sweep.trials: random is bounded with dp-accounting's RDP accountant "
+            "(RepeatAndSelectDpEvent), which cannot account truncated Poisson sampling "
+            "(privacy.sampler: truncated-poisson); use privacy.sampler: poisson or trials: grid",
+            key="sweep.trials")
+    event = dp_event.RepeatAndSelectDpEvent(compose(one), mean, shape)
+    out["repeat_and_select"] = {
+        "epsilon": _acc.epsilon_with_threshold(prior + [(event, 1)], delta,
+                                               prior_delta_threshold, "rdp"),
+        "accountant": "rdp", "mean_trials": mean, "shape": shape,
+        "distribution": "poisson" if math.isinf(shape) else "geometric" if shape == 1 else f"shape {shape:g}",
+        "reference": "Papernot & Steinke, Hyperparameter tuning with Renyi differential privacy "
+                     "(ICLR 2022)",
+        "covers": COVERS_RANDOM,
+    }
+    return out
+
+
+def own_entries(planned) -> list:
+    """A planned trial's releases without the earlier ones it builds on."""
+    left = {}
+    for e, c in release_entries(planned.prior_releases)[0]:
+        left[event_key(e)] = left.get(event_key(e), 0) + c
+    out = []
+    for e, c in merge_entries(planned.entries()):
+        drop = min(c, left.get(event_key(e), 0))
+        left[event_key(e)] = left.get(event_key(e), 0) - drop
+        if c - drop:
+            out.append((e, c - drop))
+    return out
+
+
+def unique_priors(release_lists) -> list[dict]:
+    """The earlier releases of several trials (plan.json ``prior_releases``), each once (by
+    release id): every trial that builds on a private tokenizer builds on the same release."""
+    seen, out = set(), []
+    for rels in release_lists:
+        for r in rels:
+            k = r.get("release_id") or r.get("run_id") or json.dumps(r.get("event"), sort_keys=True)
+            if k not in seen:
+                seen.add(k)
+                out.append(r)
+    return out
+
+
+def check_sweep_budget(cfgs: list, planned: list, log=print) -> dict | None:
+    """Refuse (`BudgetError`) a sweep whose trials still to run do not fit in
+    ``privacy.budget_epsilon`` (the smallest of the trials') with what the dataset ledger has
+    spent for their unit and what live runs hold; None without a budget."""
+    budgets = [c.privacy.budget_epsilon for c in cfgs if c.privacy.budget_epsilon is not None]
+    if not cfgs or not budgets:
+        return None
+    budget = min(budgets)
+    ledger = open_dataset_ledger(cfgs[0].data, cfgs[0].privacy.ledger, planned[0].source_sha, log=log)
+    db = LedgerDB(ledger["location"])
+    try:
+        records = db.records(ledger["dataset_id"])
+    finally:
+        db.close()
+    holds = {rid: h for rid, h in live_holds(records).items() if holder_alive(h["hold"].get("lock"))}
+    groups: dict[str, list] = {}
+    for c, p in zip(cfgs, planned):
+        meta = {"unit": {**p.unit_spec.to_dict(), "description": p.unit_spec.describe()}}
+        groups.setdefault(unit_key(meta), []).append((c, p, meta))
+    out = {}
+    for unit, members in groups.items():
+        meta = members[0][2]
+        same, _ = split_by_unit(records, meta)
+        recorded = {r.get("run_id") for r in records}
+        missing = [r for r in unique_priors([p.prior_releases for _, p, _ in members])
+                   if r.get("run_id") not in recorded]  # earlier releases not in this ledger yet
+        trials = [e for _, p, _ in members for e in own_entries(p)]
+        delta = min(p.plan.delta for _, p, _ in members)
+        acc = members[0][0].privacy.accountant
+        entries = (release_entries_of(same) + hold_entries(holds, meta)
+                   + release_entries(missing)[0] + trials)
+        total = _acc.epsilon_with_threshold(merge_entries(entries), delta,
+                                            _acc.threshold_delta(same + missing), acc)
+        spent = _acc.epsilon_with_threshold(release_entries_of(same), delta,
+                                            _acc.threshold_delta(same), acc)
+        held = hold_entries(holds, meta)
+        holders = sorted(rid for rid, h in holds.items() if unit_key(h["hold"].get("meta")) == unit)
+        out[unit] = {"budget_epsilon": budget, "epsilon_spent": spent, "epsilon_with_sweep": total,
+                     "trials_to_run": len(members), "delta": delta, "accountant": acc,
+                     "live_holds": holders}
+        if total > budget:
+            raise BudgetError(
+                f"privacy.budget_epsilon={budget:g}: the sweep does not fit. The dataset ledger "
+                f"{ledger['dataset_id']!r} ({ledger['shown']}) has spent ε = {spent:.4f} at δ = "
+                f"{delta:.3g} for the privacy unit {unit!r}"
+                + (f", live run(s) {', '.join(holders)} hold {sum(c for _, c in held)} more "
+                   f"step(s)" if held else "")
+                + f"; with the {len(members)} trial(s) still to run it would be ε = {total:.4f} > "
+                f"{budget:g}. No trial was run. Fewer trials (a smaller grid or --mean-trials), a "
+                f"smaller privacy.target_epsilon per trial, or a larger budget")
+        log(f"sweep budget: ε spent = {spent:.4f}; with the {len(members)} trial(s) to run "
+            f"ε = {total:.4f} <= {budget:g}")
+    return out
