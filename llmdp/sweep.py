@@ -1,0 +1,367 @@
+"""Accounted hyper-parameter tuning: `llmdp sweep RECIPE [--grid key=v1,v2 ...]`.
+
+Every trial is an ordinary DP run (`trainer.run`) named ``<output.name>-trial-<i>`` in
+``output.dir``, recorded in the dataset's ledger like any run (the same data, the same
+``data.dataset_id``: the ledger composes the trials, and every budget counts them). Trials
+are chosen by `llmdp.sweep_grid` (every grid point, or a Papernot-Steinke random search);
+the selection reads only the trials' DP evaluations (the last ``evaluation.dp`` entry of
+each report: the lowest DP eval loss), never a metric computed without DP.
+
+What the sweep costs (`sweep_cost`), in ``<output.dir>/<output.name>-sweep/sweep.json``:
+
+(a) always: the composition of every trial's recorded releases (each trial's
+    ``ledger.jsonl``) and, once, the earlier releases they build on (a private tokenizer:
+    ``plan.json``'s ``prior_releases``, the same release for every trial), at the recipe's
+    δ with its accountant. It covers every trial's model and DP evaluations.
+(b) random trials: Papernot & Steinke's bound, ``RepeatAndSelectDpEvent(one trial's
+    releases, μ, shape)`` with dp-accounting's RDP accountant (composed with the earlier
+    releases). It covers only the selected trial's output (its model and its DP
+    evaluation): the other trials' models must not be released. It needs every trial to
+    make the same releases: a random sweep whose grid changes them is refused.
+
+Before any trial runs, a recipe with ``privacy.budget_epsilon`` is checked: what the dataset
+ledger has spent for the unit, what live runs hold, and every trial still to run, composed,
+must fit, else `BudgetError` (each trial's run still holds its own steps, as any run does).
+A random sweep's draw (K and the grid points) is written to sweep.json before that check
+and before the first trial: re-running the same command resumes the same draw, and a
+finished trial is not run again (`trainer.run` says "already complete").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+from llmdp._config_yaml import apply_overrides, to_dict
+from llmdp._validate import ConfigError
+from llmdp.sweep_cost import (
+    check_sweep_budget,
+    event_key,
+    merge_entries,
+    own_entries,
+    sweep_cost,
+    unique_priors,
+)
+from llmdp.sweep_grid import SweepSpec, draw_random_trials, resolve_sweep
+
+__all__ = ["SWEEP_JSON", "SWEEP_MD", "sweep_cost", "select_trial", "check_sweep_budget",
+           "run_sweep", "render_markdown"]  # sweep_cost, check_sweep_budget: llmdp.sweep_cost
+
+SWEEP_JSON, SWEEP_MD = "sweep.json", "sweep.md"
+SWEEP_VERSION = 1
+
+
+def _last_dp_eval(report: dict | None) -> dict | None:
+    """The last DP evaluation of a report (``evaluation.dp[-1]``), or None."""
+    ev = (report or {}).get("evaluation") or {}
+    dp = ev.get("dp") if isinstance(ev, dict) else None
+    return dp[-1] if isinstance(dp, list) and dp and isinstance(dp[-1], dict) else None
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def select_trial(rows: list[dict]) -> dict | None:
+    """The trial with the lowest DP eval loss (``row["dp_eval"]["loss"]``; ties: the first);
+    None if no trial has one. Reads nothing else: internal metrics are never selected on."""
+    ok = [r for r in rows if _finite((r.get("dp_eval") or {}).get("loss"))]
+    return min(ok, key=lambda r: (r["dp_eval"]["loss"], r["trial"])) if ok else None
+
+
+# ---------------------------------------------------------------------- planning
+def _trial_config(cfg, point, name: str, label: str):
+    from llmdp.config import recipe_from_dict
+
+    base = to_dict(cfg)
+    base["sweep"] = None
+    try:
+        return recipe_from_dict(apply_overrides(base, [*point, f"output.name={name}"]),
+                                base_dir=os.getcwd())
+    except ConfigError as e:
+        raise ConfigError(f"{label}: {e}", key=e.key) from None
+
+
+def _describe(point) -> str:
+    return ", ".join(point) or "the recipe as it is"
+
+
+def _check_trials(cfgs: list, points: list) -> None:
+    """Every trial: a DP run with a DP evaluation, on one dataset ledger."""
+    from llmdp.data.sources import dataset_identity
+    from llmdp.privacy.ledger_location import resolve_location
+
+    for c, p in zip(cfgs, points):
+        where = "the recipe" if not p else f"the grid point ({_describe(p)})"
+        if not c.privacy.dp:
+            raise ConfigError(
+                f"privacy.dp: false in {where}: a sweep's trials are DP runs (selected by their DP "
+                f"evaluation, recorded in the dataset ledger); a non-private baseline is a "
+                f"separate `llmdp train` run", key="privacy.dp")
+        if c.eval.epsilon is None and c.eval.noise_multiplier is None:
+            raise ConfigError(
+                f"eval.epsilon: not set in {where}: a sweep selects its trial by a DP evaluation "
+                f"(selecting on metrics computed without DP would leak the held-out data), so "
+                f"every trial needs one: set eval.epsilon (e.g. eval.epsilon=0.5) or "
+                f"eval.noise_multiplier, and held-out data (e.g. data.eval.fraction=0.05)",
+                key="eval.epsilon")
+    where = {(dataset_identity(c.data)["dataset_id"], resolve_location(c.privacy.ledger))
+             for c in cfgs}
+    if len(where) > 1:
+        raise ConfigError(
+            f"sweep.grid: the trials would be recorded in different dataset ledgers ({sorted(where)}); "
+            f"a sweep's trials are on one dataset: do not sweep data sources, data.dataset_id or "
+            f"privacy.ledger", key="sweep.grid")
+
+
+def _plan_all(cfgs: list, points: list, plan_trial, log) -> list:
+    """plan_trial per grid point; points that differ only in what cannot change the plan
+    (optim, scaling, output) share one plan."""
+    memo, out = {}, []
+    for c, p in zip(cfgs, points):
+        d = to_dict(c)
+        key = json.dumps({k: v for k, v in d.items() if k not in ("optim", "scaling", "output", "sweep")},
+                         sort_keys=True, default=str)
+        if key not in memo:
+            log(f"sweep: planning {_describe(p)}")
+            memo[key] = plan_trial(c, log=log)
+        out.append(memo[key])
+    return out
+
+
+def _check_same_releases(planned: list, points: list) -> None:
+    def sig(p):
+        return sorted((event_key(e), c) for e, c in merge_entries(p.entries()))
+
+    first = sig(planned[0])
+    for p, pt in zip(planned[1:], points[1:]):
+        if sig(p) != first:
+            def desc(x):
+                pl = x.plan
+                return (f"q={pl.sampling_probability:.4g}, σ={pl.noise_multiplier:.4g}, "
+                        f"T={pl.steps}, {sum(c for _, c in x.entries())} release(s)")
+
+            raise ConfigError(
+                f"sweep.trials: random (Papernot-Steinke) bounds the selected trial with ONE "
+                f"trial's privacy loss, so every grid point must make the same DP releases; "
+                f"{_describe(points[0])} ({desc(planned[0])}) and {_describe(pt)} ({desc(p)}) "
+                f"differ. Sweep only keys that leave the privacy unchanged (optim.*, ...), or use "
+                f"trials: grid (cost: the composition of all trials)", key="sweep.trials")
+
+
+# ---------------------------------------------------------------------- state
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _resumed_draw(state: dict | None, spec: SweepSpec, points: list, path: str):
+    """The trials' grid points of an earlier launch of this sweep (None: a new sweep); a
+    sweep.json of another grid is refused."""
+    if state is None:
+        return None
+    if state.get("spec") != json.loads(json.dumps(spec.to_dict())) or \
+            state.get("points") != [list(p) for p in points]:
+        raise ConfigError(
+            f"{path} belongs to a sweep with another grid or trials setting ({state.get('spec')}); "
+            f"its trials (and a random sweep's draw) are that sweep's. Give this sweep its own "
+            f"output.name", key="output.name")
+    return state.get("trial_points")
+
+
+def _trial_row(i: int, point, cfg, point_index: int) -> dict:
+    from llmdp.rundir import RunDir
+
+    rd = RunDir(cfg.run_dir)
+    report = _read_json(rd.file("privacy_report.json"))
+    dp = _last_dp_eval(report)
+    keep = ("step", "loss", "loss_std", "accuracy", "accuracy_std", "count", "noise_multiplier")
+    return {"trial": i, "name": cfg.output.name, "point": point_index, "overrides": list(point),
+            "run_dir": rd.path, "status": (report or {}).get("status", "not run"),
+            "epsilon": (report or {}).get("epsilon"), "delta": (report or {}).get("delta"),
+            "dp_eval": None if dp is None else {k: dp.get(k) for k in keep if k in dp}}
+
+
+def _recorded(cfg, planned) -> tuple[list, list]:
+    """(this trial's releases in its ledger.jsonl, the earlier releases in its plan.json)."""
+    from llmdp.privacy.ledger import Ledger
+    from llmdp.rundir import RunDir
+
+    rd = RunDir(cfg.run_dir)
+    entries = Ledger(rd.ledger_path).entries() if os.path.exists(rd.ledger_path) else []
+    return entries, (rd.prior_releases if rd.exists() else list(planned.prior_releases))
+
+
+# ---------------------------------------------------------------------- the sweep
+def run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | None = None,
+              distribution: str | None = None, log=print, run_trial=None, plan_trial=None,
+              rng=None) -> dict:
+    """Run the sweep of recipe ``cfg`` (its ``sweep`` section with the command line's
+    ``grid`` entries and flags); returns sweep.json's content. ``run_trial(cfg, log=)`` (the
+    run of one trial: `trainer.run`), ``plan_trial(cfg, log=)`` (`trainer.plan_run`) and
+    ``rng`` (the random draw: OS entropy) are injectable for tests."""
+    from llmdp._fs import RunLock
+    from llmdp.trainer import plan_run, run
+
+    run_trial = run_trial or run
+    plan_trial = plan_trial or plan_run
+    spec = resolve_sweep(cfg.sweep, grid, trials, mean_trials, distribution)
+    sweep_dir = os.path.abspath(os.path.join(cfg.output.dir, f"{cfg.output.name}-sweep"))
+    lock = RunLock(sweep_dir)  # one launch per sweep (its draw and its trials)
+    try:
+        return _run_locked(cfg, spec, sweep_dir, log, run_trial, plan_trial, rng)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial, rng) -> dict:
+    from llmdp.privacy.prior import release_entries
+    from llmdp.trainer import finished_run
+
+    points = spec.points()
+    name = cfg.output.name
+    point_cfgs = [_trial_config(cfg, p, f"{name}-trial-{j}", f"the grid point ({_describe(p)})")
+                  for j, p in enumerate(points)]
+    _check_trials(point_cfgs, points)
+    planned = _plan_all(point_cfgs, points, plan_trial, log)
+    random = spec.trials == "random"
+    if random:
+        _check_same_releases(planned, points)
+    path = os.path.join(sweep_dir, SWEEP_JSON)
+    earlier = _read_json(path)
+    drawn = _resumed_draw(earlier, spec, points, path)
+    state = {"sweep_version": SWEEP_VERSION, "name": name, "sweep_dir": sweep_dir,
+             "spec": spec.to_dict(), "points": [list(p) for p in points]}
+    if drawn is None:
+        if random:
+            drawn = draw_random_trials(spec.mean_trials, spec.distribution, len(points), rng)
+            state["draw"] = {"K": len(drawn), "entropy": "OS (random.SystemRandom)" if rng is None
+                             else "an injected generator (tests only: no guarantee)"}
+        else:
+            drawn = list(range(len(points)))
+    else:
+        state["draw"] = earlier.get("draw")
+        log(f"sweep: resuming {sweep_dir} ({len(drawn)} trial(s))")
+    state["trial_points"] = drawn
+    state["status"] = "planned"
+    _write_json(path, state)  # the draw is durable before the budget check and any trial
+    if random:
+        log(f"sweep: random search drew K = {len(drawn)} trial(s) (mean {spec.mean_trials:g}, "
+            f"{spec.distribution})" + ("; nothing to run, nothing selected" if not drawn else ""))
+
+    tcfgs = [dataclasses.replace(point_cfgs[j], output=dataclasses.replace(
+        point_cfgs[j].output, name=f"{name}-trial-{i}")) for i, j in enumerate(drawn)]
+    tplanned = [planned[j] for j in drawn]
+    todo = [k for k, c in enumerate(tcfgs) if finished_run(c) is None]
+    state["budget"] = check_sweep_budget([tcfgs[k] for k in todo], [tplanned[k] for k in todo], log)
+
+    delta = min(p.plan.delta for p in planned)
+    accountant = cfg.privacy.accountant
+    prior = unique_priors([p.prior_releases for p in (tplanned or planned[:1])])
+    prior_entries, prior_thr = release_entries(prior)
+    rs = (spec.mean_trials, spec.shape) if random else None
+    state["cost_planned"] = sweep_cost([own_entries(p) for p in tplanned], prior_entries, delta,
+                                       accountant, rs, prior_delta_threshold=prior_thr,
+                                       planned_trial=own_entries(planned[0]))
+    state["status"] = "running"
+    _write_json(path, state)
+    rows: list[dict] = []
+    try:
+        for i, (j, c) in enumerate(zip(drawn, tcfgs)):
+            log(f"sweep: trial {i + 1} of {len(tcfgs)}: {c.output.name} ({_describe(points[j])})")
+            run_trial(c, log=log)
+            rows.append(_trial_row(i, points[j], c, j))
+            state["trials"] = rows
+            _write_json(path, state)
+    except BaseException as e:
+        state["status"] = f"stopped at trial {len(rows)}: {type(e).__name__}: {e}"
+        state["trials"] = rows + [_trial_row(k, points[drawn[k]], tcfgs[k], drawn[k])
+                                  for k in range(len(rows), len(tcfgs))]
+        _write_json(path, state)
+        raise
+    recorded = [_recorded(c, p) for c, p in zip(tcfgs, tplanned)]
+    prior = unique_priors([r for _, r in recorded] or [prior])
+    prior_entries, prior_thr = release_entries(prior)
+    state["cost"] = sweep_cost([e for e, _ in recorded], prior_entries, delta, accountant, rs,
+                               prior_delta_threshold=prior_thr,
+                               planned_trial=own_entries(planned[0]))
+    state["earlier_releases"] = [{k: r.get(k) for k in ("release_id", "run_id", "epsilon")}
+                                 for r in prior]
+    state["selected"] = select_trial(rows)
+    state["selection"] = "the lowest DP evaluation loss (the last evaluation.dp entry of each report)"
+    state["status"] = "complete"
+    _write_json(path, state)
+    with open(os.path.join(sweep_dir, SWEEP_MD), "w", encoding="utf-8") as f:
+        f.write(render_markdown(state))
+    sel = state["selected"]
+    log(f"sweep: {len(rows)} trial(s); selected: "
+        + (f"{sel['name']} ({_describe(sel['overrides'])}), DP eval loss {sel['dp_eval']['loss']:.4f}"
+           if sel else "none (no trial has a DP evaluation)"))
+    log(_cost_line(state["cost"], random))
+    log(f"sweep: {os.path.join(sweep_dir, SWEEP_MD)}")
+    return state
+
+
+def _cost_line(cost: dict, random: bool) -> str:
+    a = cost["composition"]
+    line = (f"sweep cost (a) all trials composed: ε = {a['epsilon']:.4f} at δ = {cost['delta']:.3g} "
+            f"({a['accountant']})")
+    b = cost.get("repeat_and_select")
+    if random and b:
+        line += (f"; (b) random search (Papernot-Steinke, your choice): ε = {b['epsilon']:.4f} "
+                 f"({b['accountant']}), covering ONLY the selected trial's output")
+    return line
+
+
+def _fmt(x, spec: str = ".4f") -> str:
+    return format(x, spec) if _finite(x) else "–"
+
+
+def render_markdown(state: dict) -> str:
+    """sweep.md: the trials, the selection and the cost."""
+    spec = state["spec"]
+    rows = state.get("trials") or []
+    cost = state.get("cost") or state.get("cost_planned") or {}
+    random = spec["trials"] == "random"
+    how = (f"random search: K = {len(state.get('trial_points') or [])} trial(s) drawn "
+           f"({spec['distribution']}, mean {spec['mean_trials']:g}), each a uniform grid point"
+           if random else f"grid: every one of {len(state['points'])} point(s)")
+    out = [f"# Sweep {state['name']}", "", f"Trials: {how}. Selection: {state.get('selection', '–')}.",
+           "", "| trial | overrides | run | status | ε alone (δ) | DP eval loss ± std |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        dp = r.get("dp_eval") or {}
+        out.append(f"| {r['trial']} | {_describe(r['overrides'])} | {r['run_dir']} | {r['status']} | "
+                   f"{_fmt(r.get('epsilon'))} ({_fmt(r.get('delta'), '.3g')}) | "
+                   f"{_fmt(dp.get('loss'))} ± {_fmt(dp.get('loss_std'))} |")
+    sel = state.get("selected")
+    out += ["", "**Selected:** " + (f"trial {sel['trial']} ({_describe(sel['overrides'])}), "
+                                     f"{sel['run_dir']}" if sel else "none"), ""]
+    if cost:
+        a = cost["composition"]
+        out += ["## Privacy cost of the sweep", "",
+                f"- (a) every trial composed: ε = {a['epsilon']:.4f} at δ = {cost['delta']:.3g} "
+                f"({a['accountant'].upper()}); covers {a['covers']}."]
+        b = cost.get("repeat_and_select")
+        if b:
+            out.append(f"- (b) random search, the bound you chose (trials: random): ε = "
+                       f"{b['epsilon']:.4f} at δ = {cost['delta']:.3g} (RDP, RepeatAndSelectDpEvent, "
+                       f"K {b['distribution']} of mean {b['mean_trials']:g}; {b['reference']}); covers "
+                       f"{b['covers']}.")
+        out.append("")
+    return "\n".join(out)
