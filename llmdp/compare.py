@@ -1,0 +1,159 @@
+"""`llmdp compare RUN_A RUN_B ... [--out FILE.png]`: runs side by side, and the
+privacy-utility curve (evaluation loss against ε).
+
+Everything is read from each run's ``privacy_report.json``: ε at δ (or NON-PRIVATE for a
+baseline: ``"dp": false``), the final held-out evaluation (``evaluation.internal``, computed
+without DP on private held-out data: internal, for the trainer's eyes only; or
+``evaluation.public`` on public data) and the final DP evaluation (``evaluation.dp``: a DP
+release, with its noise's standard deviation). A run without a section shows "–" there. The
+table and the plot are local outputs (they hold internal metrics): not for publication.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from llmdp._validate import ConfigError
+
+__all__ = ["load_run", "format_table", "plot", "compare"]
+
+DASH = "–"
+
+
+def _last(section) -> dict | None:
+    return section[-1] if isinstance(section, list) and section and isinstance(section[-1], dict) else None
+
+
+def _num(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def load_run(path: str) -> dict:
+    """One run's row: its privacy and its final metrics (None where the report has none)."""
+    from llmdp.rundir import RunDir  # lazy: the privacy package imports torch
+
+    rd = RunDir(path).require(ConfigError)
+    report_path = rd.file("privacy_report.json")
+    try:
+        with open(report_path, encoding="utf-8") as f:
+            report = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{rd.path}: no privacy_report.json (the run never wrote its report); "
+                          f"`llmdp privacy report {path}` builds it") from None
+    except ValueError as e:
+        raise ConfigError(f"{report_path}: not a JSON report ({e})") from None
+    ev = report.get("evaluation")
+    ev = ev if isinstance(ev, dict) else {}
+    held, source = _last(ev.get("internal")), "internal"
+    if held is None:
+        held, source = _last(ev.get("public")), "public"
+    dp = _last(ev.get("dp"))
+    private = report.get("dp") is not False
+    return {
+        "run": os.path.basename(rd.path), "path": rd.path, "dp": private,
+        "epsilon": _num(report.get("epsilon")) if private else None,
+        "delta": _num(report.get("delta")) if private else None,
+        "heldout": None if held is None else {
+            "source": source, "loss": _num(held.get("loss")), "accuracy": _num(held.get("accuracy")),
+            "perplexity": _num(held.get("perplexity")), "step": held.get("step")},
+        "dp_eval": None if dp is None else {
+            "loss": _num(dp.get("loss")), "loss_std": _num(dp.get("loss_std")),
+            "accuracy": _num(dp.get("accuracy")), "accuracy_std": _num(dp.get("accuracy_std")),
+            "step": dp.get("step")},
+        "steps": report.get("steps_completed", report.get("steps")),
+        "status": report.get("status"),
+    }
+
+
+def _f(x, spec: str = ".4f") -> str:
+    return DASH if x is None else format(x, spec)
+
+
+def _pm(x, std) -> str:
+    return DASH if x is None else f"{x:.4f} ± {_f(std)}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The runs as an aligned text table."""
+    head = ["run", "privacy", "ε (δ)", "held-out loss", "held-out accuracy",
+            "DP eval loss ± std", "DP accuracy ± std", "steps"]
+    body = []
+    for r in rows:
+        h, d = r["heldout"] or {}, r["dp_eval"] or {}
+        src = f" ({h['source']})" if h.get("loss") is not None else ""
+        body.append([
+            r["run"], "DP" if r["dp"] else "NON-PRIVATE",
+            f"{_f(r['epsilon'])} ({_f(r['delta'], '.3g')})" if r["dp"] else DASH,
+            _f(h.get("loss")) + src, _f(h.get("accuracy")),
+            _pm(d.get("loss"), d.get("loss_std")), _pm(d.get("accuracy"), d.get("accuracy_std")),
+            DASH if r["steps"] is None else str(r["steps"])])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    line = "  ".join("-" * w for w in widths)
+    return "\n".join(["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
+                      for row in [head]] + [line] + [
+        "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in body])
+
+
+def plot(rows: list[dict], out: str) -> str:
+    """Evaluation loss against ε (one point per DP run: held-out loss, DP eval loss with its
+    std); each non-private run is a horizontal dashed line labelled NON-PRIVATE."""
+    import matplotlib  # lazy: only drawing needs matplotlib (slow to import)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    dp_rows = sorted((r for r in rows if r["dp"] and r["epsilon"] is not None),
+                     key=lambda r: r["epsilon"])
+    drawn = False
+    held = [(r["epsilon"], r["heldout"]["loss"], r) for r in dp_rows
+            if r["heldout"] and r["heldout"]["loss"] is not None]
+    if held:
+        sources = sorted({r["heldout"]["source"] for _, _, r in held})
+        ax.plot([x for x, _, _ in held], [y for _, y, _ in held], "o-",
+                label=f"held-out loss ({', '.join(sources)})")
+        drawn = True
+    dpe = [(r["epsilon"], r["dp_eval"]["loss"], r["dp_eval"]["loss_std"] or 0.0, r) for r in dp_rows
+           if r["dp_eval"] and r["dp_eval"]["loss"] is not None]
+    if dpe:
+        ax.errorbar([x for x, *_ in dpe], [y for _, y, *_ in dpe], yerr=[s for _, _, s, _ in dpe],
+                    fmt="s--", capsize=3, label="DP eval loss ± std")
+        drawn = True
+    for x, y, r in held + [(x, y, r) for x, y, _, r in dpe]:
+        ax.annotate(r["run"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for r in rows:
+        if not r["dp"] and r["heldout"] and r["heldout"]["loss"] is not None:
+            ax.axhline(r["heldout"]["loss"], ls="--", color="0.4",
+                       label=f"NON-PRIVATE ({r['run']}, {r['heldout']['source']})")
+            drawn = True
+    if not drawn:
+        ax.text(0.5, 0.5, "no evaluation metrics in these runs", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_xlabel("ε (at each run's δ)")
+    ax.set_ylabel("evaluation loss")
+    ax.set_title("privacy-utility (local: held-out metrics are internal)")
+    if drawn:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def compare(paths, out: str | None = None, log=print) -> list[dict]:
+    """Print the table of the runs at ``paths`` (and plot to ``out``); returns the rows."""
+    rows = [load_run(p) for p in paths]
+    names = [r["run"] for r in rows]
+    for r in rows:
+        if names.count(r["run"]) > 1:
+            r["run"] = os.path.relpath(r["path"])
+    log(format_table(rows))
+    missing = [r["run"] for r in rows if r["heldout"] is None and r["dp_eval"] is None]
+    if missing:
+        log(f"no evaluation metrics in {', '.join(missing)} (listed with {DASH})")
+    if out is not None:
+        log(f"plot: {plot(rows, out)}")
+    return rows
