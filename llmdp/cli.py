@@ -1,4 +1,4 @@
-"""`llmdp train|privacy|tokenizer|export|submit ...`: the command line.
+"""`llmdp train|sweep|compare|privacy|tokenizer|export|submit ...`: the command line.
 
 Each subcommand imports its modules when it runs (the imports inside the functions below
 are deliberate): `llmdp --help` or `llmdp privacy epsilon` must not pay for torch,
@@ -42,6 +42,34 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=4")
     t.add_argument("--debug", action="store_true",
                    help="check the clipping engine against the exact reference on the first step")
+
+    sw = sub.add_parser(
+        "sweep",
+        help="accounted hyper-parameter tuning: every trial a DP run in the dataset ledger, "
+             "selected by its DP evaluation: llmdp sweep RECIPE --grid optim.lr=1e-3,3e-3",
+        description="Run one DP trial per grid point (or a Papernot-Steinke random search), "
+                    "select the trial with the lowest DP evaluation loss, and state what the "
+                    "sweep cost (<output.dir>/<output.name>-sweep/sweep.json and sweep.md). "
+                    "Re-running the same command resumes it.")
+    sw.add_argument("recipe")
+    sw.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=200")
+    sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                    help="a swept key and its values, read as YAML (repeatable; replaces the "
+                         "recipe's sweep.grid entry for that key)")
+    sw.add_argument("--trials", choices=["grid", "random"], default=None,
+                    help="grid: every combination; random: K ~ --distribution of mean "
+                         "--mean-trials trials, each a uniformly random grid point")
+    sw.add_argument("--mean-trials", type=float, default=None, metavar="M",
+                    help="random: the expected number of trials (>= 1)")
+    sw.add_argument("--distribution", choices=["poisson", "geometric"], default=None,
+                    help="random: the distribution of the number of trials (default poisson)")
+
+    cp = sub.add_parser(
+        "compare", help="runs side by side and the privacy-utility plot: llmdp compare RUN_A "
+                        "RUN_B ... [--out FILE.png]")
+    cp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    cp.add_argument("--out", default=None, metavar="FILE.png",
+                    help="also plot evaluation loss against ε to this PNG")
 
     priv = sub.add_parser("privacy", help="accounting: epsilon, calibrate, report")
     psub = priv.add_subparsers(dest="privacy_command", required=True)
@@ -256,7 +284,7 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "submit" and all("=" in e and not e.startswith("-") for e in extra):
+    if extra and args.command in ("submit", "sweep") and all("=" in e and not e.startswith("-") for e in extra):
         # argparse stops filling a positional list at the first option: `submit R --address A
         # k=v` leaves k=v over. Overrides may come anywhere, in the order written.
         args.overrides = list(args.overrides) + extra
@@ -278,6 +306,20 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_recipe(args.recipe, overrides)
             _quiet_libraries()
             run(cfg)
+            return 0
+        if args.command == "sweep":
+            from llmdp.config import load_recipe
+            from llmdp.sweep import run_sweep
+
+            cfg = load_recipe(args.recipe, args.overrides)
+            _quiet_libraries()
+            run_sweep(cfg, args.grid, trials=args.trials, mean_trials=args.mean_trials,
+                      distribution=args.distribution)
+            return 0
+        if args.command == "compare":
+            from llmdp.compare import compare
+
+            compare(args.run_dirs, out=args.out)
             return 0
         if args.command == "tokenizer":
             from llmdp.config import load_tokenizer_recipe
