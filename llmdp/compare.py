@@ -96,9 +96,11 @@ def format_table(rows: list[dict]) -> str:
         "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in body])
 
 
-def plot(rows: list[dict], out: str) -> str:
+def plot(rows: list[dict], out: str) -> dict:
     """Evaluation loss against ε (one point per DP run: held-out loss, DP eval loss with its
-    std); each non-private run is a horizontal dashed line labelled NON-PRIVATE."""
+    std); each non-private run is a horizontal dashed line labelled NON-PRIVATE. Returns what
+    was drawn: ``{"heldout": [(ε, loss, run)], "dp_eval": [(ε, loss, std, run)],
+    "non_private": [(loss, label)], "path": out}``."""
     import matplotlib  # lazy: only drawing needs matplotlib (slow to import)
 
     matplotlib.use("Agg")
@@ -108,6 +110,7 @@ def plot(rows: list[dict], out: str) -> str:
     dp_rows = sorted((r for r in rows if r["dp"] and r["epsilon"] is not None),
                      key=lambda r: r["epsilon"])
     drawn = False
+    baselines = []
     held = [(r["epsilon"], r["heldout"]["loss"], r) for r in dp_rows
             if r["heldout"] and r["heldout"]["loss"] is not None]
     if held:
@@ -121,12 +124,19 @@ def plot(rows: list[dict], out: str) -> str:
         ax.errorbar([x for x, *_ in dpe], [y for _, y, *_ in dpe], yerr=[s for _, _, s, _ in dpe],
                     fmt="s--", capsize=3, label="DP eval loss ± std")
         drawn = True
+    named = set()
     for x, y, r in held + [(x, y, r) for x, y, _, r in dpe]:
-        ax.annotate(r["run"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        if r["path"] not in named:  # each run named once
+            named.add(r["path"])
+            ax.annotate(r["run"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     for r in rows:
         if not r["dp"] and r["heldout"] and r["heldout"]["loss"] is not None:
-            ax.axhline(r["heldout"]["loss"], ls="--", color="0.4",
-                       label=f"NON-PRIVATE ({r['run']}, {r['heldout']['source']})")
+            label = f"NON-PRIVATE ({r['run']}, {r['heldout']['source']})"
+            ax.axhline(r["heldout"]["loss"], ls="--", color="0.4", label=label)
+            ax.annotate("NON-PRIVATE", (1.0, r["heldout"]["loss"]), xycoords=("axes fraction", "data"),
+                        textcoords="offset points", xytext=(-4, 3), ha="right", fontsize=7,
+                        color="0.3")
+            baselines.append((r["heldout"]["loss"], label))
             drawn = True
     if not drawn:
         ax.text(0.5, 0.5, "no evaluation metrics in these runs", ha="center", va="center",
@@ -140,7 +150,9 @@ def plot(rows: list[dict], out: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
-    return out
+    return {"heldout": [(x, y, r["run"]) for x, y, r in held],
+            "dp_eval": [(x, y, sd, r["run"]) for x, y, sd, r in dpe],
+            "non_private": baselines, "path": out}
 
 
 def compare(paths, out: str | None = None, log=print) -> list[dict]:
@@ -155,5 +167,5 @@ def compare(paths, out: str | None = None, log=print) -> list[dict]:
     if missing:
         log(f"no evaluation metrics in {', '.join(missing)} (listed with {DASH})")
     if out is not None:
-        log(f"plot: {plot(rows, out)}")
+        log(f"plot: {plot(rows, out)['path']}")
     return rows

@@ -1,0 +1,97 @@
+"""`llmdp compare`: the table and the privacy-utility plot, from hand-written reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmdp.cli import main
+from llmdp.compare import compare, plot
+
+
+def _run(root, name, report):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "plan.json").write_text(json.dumps({"run_id": name, "plan": {}}))
+    if report is not None:
+        (d / "privacy_report.json").write_text(json.dumps(report))
+    return d
+
+
+def _internal(step, loss, acc):
+    return {"step": step, "loss": loss, "perplexity": 2.718281828 ** loss, "accuracy": acc,
+            "units": 40}
+
+
+DP_LOW = {"dp": True, "epsilon": 1.0, "delta": 1e-5, "steps_completed": 6, "status": "complete",
+          "evaluation": {"internal": [_internal(3, 3.9, 0.10), _internal(6, 3.25, 0.21)],
+                         "dp": [{"step": 3, "loss": 4.0, "loss_std": 0.2, "accuracy": 0.1,
+                                 "accuracy_std": 0.02, "count": 40.2, "noise_multiplier": 3.0},
+                                {"step": 6, "loss": 3.4, "loss_std": 0.125, "accuracy": 0.19,
+                                 "accuracy_std": 0.015, "count": 39.1, "noise_multiplier": 3.0}]}}
+DP_HIGH = {"epsilon": 8.0, "delta": 1e-5, "steps_completed": 6, "status": "complete",
+           "evaluation": {"internal": [_internal(6, 2.75, 0.3)],
+                          "dp": [{"step": 6, "loss": 2.8, "loss_std": 0.0625, "accuracy": 0.29,
+                                  "accuracy_std": 0.01}]}}
+BASELINE = {"dp": False, "epsilon": None, "delta": None, "steps_completed": 6, "status": "complete",
+            "evaluation": {"internal": [_internal(6, 2.125, 0.4)]}}
+NO_EVAL = {"dp": True, "epsilon": 4.0, "delta": 1e-5, "steps_completed": 5, "status": "complete"}
+
+
+@pytest.fixture
+def runs(tmp_path):
+    return [_run(tmp_path, "dp-low", DP_LOW), _run(tmp_path, "dp-high", DP_HIGH),
+            _run(tmp_path, "baseline", BASELINE), _run(tmp_path, "no-eval", NO_EVAL)]
+
+
+def test_table_lists_each_run_with_its_final_metrics(runs, capsys):
+    assert main(["compare", *map(str, runs)]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.split() and ln.split()[0] in
+             ("dp-low", "dp-high", "baseline", "no-eval")}
+    low = lines["dp-low"]
+    # the final entries (step 6), not the first ones
+    assert "1.0000 (1e-05)" in low and "3.2500 (internal)" in low and "0.2100" in low
+    assert "3.4000 ± 0.1250" in low and "0.1900 ± 0.0150" in low and "3.9000" not in low
+    assert "8.0000 (1e-05)" in lines["dp-high"] and "2.8000 ± 0.0625" in lines["dp-high"]
+    base = lines["baseline"]
+    assert "NON-PRIVATE" in base and "2.1250 (internal)" in base and "(1e-05)" not in base
+    assert base.split()[1] == "NON-PRIVATE" and lines["dp-low"].split()[1] == "DP"
+    # a run without evaluation metrics is still listed, with dashes
+    assert lines["no-eval"].count("–") >= 4 and "4.0000 (1e-05)" in lines["no-eval"]
+    assert "no evaluation metrics in no-eval" in out
+
+
+def test_plot_draws_the_curve_and_a_non_private_line(runs, tmp_path):
+    rows = compare(runs, log=lambda *a: None)
+    drawn = plot(rows, str(tmp_path / "pu.png"))
+    assert [(e, loss) for e, loss, _ in drawn["heldout"]] == [(1.0, 3.25), (8.0, 2.75)]
+    assert [(e, loss, sd) for e, loss, sd, _ in drawn["dp_eval"]] == [(1.0, 3.4, 0.125),
+                                                                      (8.0, 2.8, 0.0625)]
+    assert len(drawn["non_private"]) == 1
+    loss, label = drawn["non_private"][0]
+    assert loss == 2.125 and label.startswith("NON-PRIVATE (baseline")
+    png = (tmp_path / "pu.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_cli_writes_the_png(runs, tmp_path, capsys):
+    out = tmp_path / "plots" / "curve.png"
+    assert main(["compare", *map(str, runs), "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert f"plot: {out}" in capsys.readouterr().out
+
+
+def test_a_folder_that_is_not_a_run_is_a_clear_error(tmp_path, runs, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["compare", str(runs[0]), str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llmdp: error: ") and "not a run directory" in err and "empty" in err
+
+
+def test_a_run_without_a_report_is_a_clear_error(tmp_path, capsys):
+    d = _run(tmp_path, "crashed", None)
+    assert main(["compare", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "no privacy_report.json" in err and "llmdp privacy report" in err
