@@ -34,7 +34,7 @@ import json
 import math
 import os
 
-from llmdp._config_yaml import apply_overrides, to_dict
+from llmdp._config_yaml import to_dict
 from llmdp._validate import ConfigError
 from llmdp.sweep_cost import (
     check_sweep_budget,
@@ -73,7 +73,7 @@ def select_trial(rows: list[dict]) -> dict | None:
 
 # ---------------------------------------------------------------------- planning
 def _trial_config(cfg, point, name: str, label: str):
-    from llmdp.config import recipe_from_dict
+    from llmdp.config import apply_overrides, recipe_from_dict
 
     base = to_dict(cfg)
     base["sweep"] = None
@@ -93,16 +93,19 @@ def _check_trials(cfgs: list, points: list) -> None:
     from llmdp.data.sources import dataset_identity
     from llmdp.privacy.ledger_location import resolve_location
 
+    def where(p, prefix: str) -> str:  # the grid point if it sets that key, else the recipe
+        return (f"the grid point ({_describe(p)})"
+                if any(o.split("=", 1)[0].startswith(prefix) for o in p) else "the recipe")
+
     for c, p in zip(cfgs, points):
-        where = "the recipe" if not p else f"the grid point ({_describe(p)})"
         if not c.privacy.dp:
             raise ConfigError(
-                f"privacy.dp: false in {where}: a sweep's trials are DP runs (selected by their DP "
+                f"privacy.dp: false in {where(p, 'privacy.dp')}: a sweep's trials are DP runs (selected by their DP "
                 f"evaluation, recorded in the dataset ledger); a non-private baseline is a "
                 f"separate `llmdp train` run", key="privacy.dp")
         if c.eval.epsilon is None and c.eval.noise_multiplier is None:
             raise ConfigError(
-                f"eval.epsilon: not set in {where}: a sweep selects its trial by a DP evaluation "
+                f"eval.epsilon: not set in {where(p, 'eval.')}: a sweep selects its trial by a DP evaluation "
                 f"(selecting on metrics computed without DP would leak the held-out data), so "
                 f"every trial needs one: set eval.epsilon (e.g. eval.epsilon=0.5) or "
                 f"eval.noise_multiplier, and held-out data (e.g. data.eval.fraction=0.05)",
@@ -160,11 +163,22 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
+def _jsonable(x):
+    """Strict JSON: a non-finite number (an ε of inf, a NaN loss) becomes its name."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
 def _write_json(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, default=str)
+        json.dump(_jsonable(obj), f, indent=2, default=str, allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -281,6 +295,7 @@ def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial
     state["status"] = "running"
     _write_json(path, state)
     rows: list[dict] = []
+    state["trials"] = rows
     try:
         for i, (j, c) in enumerate(zip(drawn, tcfgs)):
             log(f"sweep: trial {i + 1} of {len(tcfgs)}: {c.output.name} ({_describe(points[j])})")

@@ -109,7 +109,7 @@ def sweep_cost(trial_entries, prior_entries, delta: float, accountant: str = "pl
     out["repeat_and_select"] = {
         "epsilon": _acc.epsilon_with_threshold(prior + [(event, 1)], delta,
                                                prior_delta_threshold, "rdp"),
-        "accountant": "rdp", "mean_trials": mean, "shape": shape,
+        "accountant": "rdp", "mean_trials": mean, "shape": shape if math.isfinite(shape) else "inf",
         "distribution": "poisson" if math.isinf(shape) else "geometric" if shape == 1 else f"shape {shape:g}",
         "reference": "Papernot & Steinke, Hyperparameter tuning with Renyi differential privacy "
                      "(ICLR 2022)",
