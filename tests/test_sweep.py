@@ -1,0 +1,406 @@
+"""`llmdp sweep`: the grid, the random draw, the sweep's cost against dp-accounting called
+directly, the budget refusal before any trial, and the selection by DP evaluation only.
+
+Trials are run by an injected runner that writes a report (no Ray); planning is the real
+`trainer.plan_run` on a tiny model. The end-to-end test on Ray is marked slow."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import random
+
+import dp_accounting
+import pytest
+import yaml
+from dp_accounting import dp_event
+
+from llmdp.cli import main
+from llmdp.config import ConfigError, SweepConfig, recipe_from_dict
+from llmdp.privacy.accountant import RDP_ORDERS
+from llmdp.privacy.events import event_to_json
+from llmdp.privacy.service import BudgetError, LedgerService
+from llmdp.sweep import SWEEP_JSON, run_sweep, select_trial
+from llmdp.sweep_cost import sweep_cost
+from llmdp.sweep_grid import draw_random_trials, resolve_sweep
+from tests.helpers import tiny_tokenizer_dir, write_notes
+
+REL = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+DELTA = 1e-4
+
+
+def raw_recipe(tmp_path, **sections):
+    notes = tmp_path / "notes.jsonl"
+    if not notes.exists():
+        write_notes(notes, 30)
+    raw = {
+        "model": {"init": "tiny", "tokenizer": tiny_tokenizer_dir(),
+                  "tiny": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                           "intermediate_size": 32, "max_position_embeddings": 64}},
+        "data": {"path": str(notes), "sequence_length": 24, "dataset_id": "notes",
+                 "eval": {"fraction": 0.2}},
+        "privacy": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "delta": DELTA,
+                    "ledger": str(tmp_path / "ledger.sqlite")},
+        "eval": {"noise_multiplier": 4.0},
+        "optim": {"name": "adamw", "lr": 1e-2, "schedule": "constant"},
+        "train": {"expected_batch_size": 8, "steps": 6, "physical_batch_size": 4,
+                  "checkpoint_every": 2},
+        "output": {"dir": str(tmp_path / "runs"), "name": "sw"},
+    }
+    for name, values in sections.items():
+        if values is None:
+            raw.pop(name, None)
+        else:
+            raw[name] = {**raw.get(name, {}), **values}
+    return raw
+
+
+def recipe(tmp_path, **sections):
+    return recipe_from_dict(raw_recipe(tmp_path, **sections))
+
+
+UNIT = {"unit": {"kind": "sequence", "sequence_length": 24, "max_rows_per_unit": 1,
+                 "document_masking": False, "user_field": None}}
+TRIAL_STEP = dp_accounting.PoissonSampledDpEvent(0.03, dp_accounting.GaussianDpEvent(1.2))
+
+
+class FakeTrials:
+    """A trial runner without Ray: it records its releases in the dataset ledger and the
+    trial's ledger.jsonl through a `LedgerService` (6 steps of ``TRIAL_STEP``), writes
+    plan.json (with ``prior`` as its earlier releases), the report with its evaluation
+    sections, model/, and records every call; a finished trial is not run again (like
+    `trainer.run`). ``metrics[lr] = (internal loss, DP eval loss)``."""
+
+    def __init__(self, metrics: dict | None = None, prior: list | None = None):
+        self.metrics = metrics or {}
+        self.prior = prior or []
+        self.calls: list[tuple[str, float]] = []
+
+    def __call__(self, cfg, log=print):
+        assert cfg.sweep is None
+        self.calls.append((cfg.output.name, cfg.optim.lr))
+        d = pathlib.Path(cfg.run_dir)
+        if (d / "privacy_report.json").exists():
+            return str(d)  # already complete
+        internal, dp = self.metrics.get(cfg.optim.lr, (2.0, 2.0))
+        (d / "model").mkdir(parents=True, exist_ok=True)
+        svc = LedgerService(location=cfg.privacy.ledger, dataset_id=cfg.data.dataset_id,
+                            run_ledger=str(d / "ledger.jsonl"), run_id=cfg.output.name, meta=UNIT,
+                            block_size=6, total_steps=6, event_json=event_to_json(TRIAL_STEP),
+                            delta=DELTA, accountant="pld")
+        svc.ensure(0)
+        svc.db.close()
+        (d / "plan.json").write_text(json.dumps({"run_id": cfg.output.name, "plan": {},
+                                                 "prior_releases": self.prior}))
+        (d / "privacy_report.json").write_text(json.dumps({
+            "status": "complete", "epsilon": 1.5, "delta": DELTA, "steps_completed": 6,
+            "evaluation": {
+                "internal": [{"step": 6, "loss": internal, "perplexity": math.exp(internal),
+                              "accuracy": 0.5, "units": 10}],
+                "dp": [{"step": 3, "loss": 0.0, "loss_std": 0.1},  # not the last: never read
+                       {"step": 6, "loss": dp, "loss_std": 0.1, "accuracy": 0.4,
+                        "accuracy_std": 0.02, "count": 10.3, "noise_multiplier": 4.0}]}}))
+        return str(d)
+
+
+def never(*a, **k):
+    raise AssertionError("must not be called")
+
+
+# ---------------------------------------------------------------------- the grid
+def test_grid_is_the_cartesian_product_of_values_read_as_yaml():
+    spec = resolve_sweep(None, ["optim.lr=0.001,0.5", "eval.steps=[1,2],[3]",
+                                "privacy.clipping_mode='two-pass',auto"])
+    assert [a.values for a in spec.axes] == [(0.001, 0.5), ([1, 2], [3]), ("two-pass", "auto")]
+    points = spec.points()
+    assert len(points) == 8 and len(set(points)) == 8
+    assert points[0] == ("optim.lr=0.001", "eval.steps=[1,2]", "privacy.clipping_mode='two-pass'")
+    assert points[-1] == ("optim.lr=0.5", "eval.steps=[3]", "privacy.clipping_mode=auto")
+    assert points[1] == ("optim.lr=0.001", "eval.steps=[1,2]", "privacy.clipping_mode=auto")
+
+
+def test_command_line_entries_replace_the_recipes_entry_for_their_key():
+    section = SweepConfig(grid=("optim.lr=1,2", "train.steps=4,5"))
+    spec = resolve_sweep(section, ["optim.lr=3", "optim.weight_decay=0,0.1"])
+    assert [(a.key, a.values) for a in spec.axes] == [
+        ("optim.lr", (3,)), ("train.steps", (4, 5)), ("optim.weight_decay", (0, 0.1))]
+    assert spec.axes[0].where == "--grid 'optim.lr=3'" and spec.axes[1].where == "sweep.grid[1]"
+    assert len(spec.points()) == 4
+
+
+@pytest.mark.parametrize("entry,words", [
+    ("optim.lr", ["--grid 'optim.lr'", "key=v1,v2"]),
+    ("optim.lr=", ["--grid 'optim.lr='", "key=v1,v2"]),
+    ("optim.lr=1,,2", ["--grid 'optim.lr=1,,2'", "empty value"]),
+    ("optim.nope=1,2", ["--grid 'optim.nope=1,2'", "optim.nope"]),
+    ("output.name=a,b", ["--grid 'output.name=a,b'", "cannot be swept"]),
+    ("optim.lr=0.1,0.1", ["--grid 'optim.lr=0.1,0.1'", "listed twice"]),
+    ("optim.lr=[1,2", ["--grid 'optim.lr=[1,2'", "not valid YAML"]),
+])
+def test_bad_grid_entries_name_the_flag(entry, words):
+    with pytest.raises(ConfigError) as e:
+        resolve_sweep(None, [entry])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_bad_sweep_settings_name_the_key_or_the_flag():
+    with pytest.raises(ConfigError, match=r"sweep\.grid\[1\].*listed twice"):
+        resolve_sweep(SweepConfig(grid=("optim.lr=1,2", "train.steps=3,3")))
+    with pytest.raises(ConfigError, match="--trials random needs --mean-trials"):
+        resolve_sweep(None, ["optim.lr=1,2"], trials="random")
+    with pytest.raises(ConfigError, match="--mean-trials 0.5.*>= 1"):
+        resolve_sweep(None, ["optim.lr=1,2"], trials="random", mean_trials=0.5)
+    with pytest.raises(ConfigError, match="--mean-trials 3: only used with random"):
+        resolve_sweep(None, ["optim.lr=1,2"], mean_trials=3)
+    with pytest.raises(ConfigError, match="no grid to try"):
+        resolve_sweep(None, [])
+    # a random search of one configuration (repetitions) is allowed
+    assert resolve_sweep(None, [], trials="random", mean_trials=2).points() == [()]
+
+
+def test_a_bad_value_names_its_grid_point_before_anything_runs(tmp_path):
+    cfg = recipe(tmp_path)
+    with pytest.raises(ConfigError, match=r"grid point \(optim.lr=-1\).*optim.lr"):
+        run_sweep(cfg, ["optim.lr=0.1,-1"], log=lambda *a: None, run_trial=never, plan_trial=never)
+
+
+def test_every_trial_needs_a_dp_evaluation(tmp_path):
+    with pytest.raises(ConfigError, match="eval.epsilon: not set in the recipe.*DP evaluation"):
+        run_sweep(recipe(tmp_path, eval=None), ["optim.lr=0.1,0.2"], log=lambda *a: None,
+                  run_trial=never, plan_trial=never)
+    # one grid point that switches it off is named
+    cfg = recipe(tmp_path, eval={"epsilon": 0.5, "noise_multiplier": None})
+    with pytest.raises(ConfigError, match=r"grid point \(eval.epsilon=null\)"):
+        run_sweep(cfg, ["eval.epsilon=0.5,null"], log=lambda *a: None, run_trial=never,
+                  plan_trial=never)
+    with pytest.raises(ConfigError, match="privacy.dp: false"):
+        run_sweep(recipe(tmp_path), ["privacy.dp=true,false"], log=lambda *a: None,
+                  run_trial=never, plan_trial=never)
+
+
+def test_cli_errors_name_the_flag(tmp_path, capsys):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw_recipe(tmp_path)))
+    assert main(["sweep", str(path), "--grid", "optim.nope=1,2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llmdp: error: --grid 'optim.nope=1,2'") and "optim.nope" in err
+    assert main(["sweep", str(path), "--grid", "optim.lr=1,2", "--trials", "random"]) == 2
+    assert "--mean-trials" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the cost
+STEP = dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1))
+EVAL = dp_accounting.GaussianDpEvent(6.0)
+TOKENIZER = dp_accounting.GaussianDpEvent(4.0)
+
+
+def pld_epsilon(event, delta=DELTA):
+    acc = dp_accounting.pld.PLDAccountant(REL, value_discretization_interval=1e-4)
+    return acc.compose(event).get_epsilon(delta)
+
+
+def test_composition_equals_dp_accounting_with_earlier_releases_once():
+    trials = [[(STEP, 50), (EVAL, 1)], [(STEP, 50), (EVAL, 1)], [(STEP, 30), (EVAL, 1)]]
+    cost = sweep_cost(trials, [(TOKENIZER, 1)], DELTA, "pld")
+    direct = pld_epsilon(dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(STEP, 130), dp_accounting.SelfComposedDpEvent(EVAL, 3),
+        TOKENIZER]))
+    assert cost["composition"]["epsilon"] == pytest.approx(direct, rel=1e-6)
+    assert cost["repeat_and_select"] is None and cost["composition"]["trials"] == 3
+    # the tokenizer once, not per trial: composing it three times is measurably larger
+    per_trial = pld_epsilon(dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(STEP, 130), dp_accounting.SelfComposedDpEvent(EVAL, 3),
+        dp_accounting.SelfComposedDpEvent(TOKENIZER, 3)]))
+    assert per_trial > direct * 1.01
+    # and every trial counts: two trials are measurably cheaper
+    assert sweep_cost(trials[:2], [(TOKENIZER, 1)], DELTA)["composition"]["epsilon"] < direct / 1.01
+
+
+def test_composition_with_a_thresholded_earlier_release():
+    d_thr = 1e-6
+    cost = sweep_cost([[(STEP, 50)]] * 2, [(TOKENIZER, 1)], DELTA, "pld",
+                      prior_delta_threshold=d_thr)
+    event = dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(STEP, 100), TOKENIZER])
+    direct = pld_epsilon(event, DELTA - d_thr) - math.log1p(-d_thr)
+    assert cost["composition"]["epsilon"] == pytest.approx(direct, rel=1e-6)
+
+
+@pytest.mark.parametrize("shape", [math.inf, 1.0])
+def test_random_search_equals_rdp_repeat_and_select(shape):
+    one = [(STEP, 50), (EVAL, 1)]
+    cost = sweep_cost([one, one], [(TOKENIZER, 1)], DELTA, "pld", random=(3.0, shape))
+    rs = cost["repeat_and_select"]
+    acc = dp_accounting.rdp.RdpAccountant(orders=RDP_ORDERS, neighboring_relation=REL)
+    acc.compose(TOKENIZER)
+    acc.compose(dp_event.RepeatAndSelectDpEvent(dp_accounting.ComposedDpEvent(
+        [dp_accounting.SelfComposedDpEvent(STEP, 50), dp_accounting.SelfComposedDpEvent(EVAL, 1)]),
+        3.0, shape))
+    assert rs["epsilon"] == pytest.approx(acc.get_epsilon(DELTA), rel=1e-6)
+    assert rs["accountant"] == "rdp" and "ONLY the selected trial" in rs["covers"]
+    assert rs["distribution"] == ("poisson" if math.isinf(shape) else "geometric")
+    other = sweep_cost([one], [(TOKENIZER, 1)], DELTA, random=(3.0, 1.0 if math.isinf(shape) else math.inf))
+    assert abs(other["repeat_and_select"]["epsilon"] - rs["epsilon"]) > 1e-3  # the shape matters
+
+
+def test_random_search_of_trials_with_truncated_sampling_is_refused():
+    trunc = dp_accounting.TruncatedSubsampledGaussianDpEvent(1001, 0.02, 40, 1.1)
+    with pytest.raises(ConfigError, match="truncated"):
+        sweep_cost([[(trunc, 10)]], [], DELTA, "pld", random=(2.0, math.inf))
+    assert sweep_cost([[(trunc, 10)]], [], DELTA, "pld")["composition"]["epsilon"] > 0
+
+
+def test_random_sweep_whose_grid_changes_the_releases_is_refused(tmp_path):
+    cfg = recipe(tmp_path)
+    runner = FakeTrials()
+    with pytest.raises(ConfigError, match=r"same DP releases.*train.steps=4.*train.steps=6"):
+        run_sweep(cfg, ["train.steps=4,6"], trials="random", mean_trials=2, log=lambda *a: None,
+                  run_trial=runner, rng=random.Random(0))
+    assert runner.calls == []
+    assert not (tmp_path / "runs" / "sw-sweep" / SWEEP_JSON).exists()
+
+
+# ---------------------------------------------------------------------- budget
+def test_budget_refusal_happens_before_any_trial(tmp_path):
+    cfg_raw = raw_recipe(tmp_path)
+    # Earlier releases on the same dataset and unit, written by a ledger service.
+    earlier = dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(0.9))
+    svc = LedgerService(location=cfg_raw["privacy"]["ledger"], dataset_id="notes",
+                        run_ledger=str(tmp_path / "earlier" / "ledger.jsonl"), run_id="earlier",
+                        meta=UNIT, block_size=40, total_steps=40,
+                        event_json=event_to_json(earlier), delta=DELTA, accountant="pld")
+    svc.ensure(0)
+    svc.db.close()
+    spent = pld_epsilon(dp_accounting.SelfComposedDpEvent(earlier, 40))
+
+    runner = FakeTrials()
+    tight = recipe(tmp_path, privacy={"budget_epsilon": spent * 1.001})
+    with pytest.raises(BudgetError) as e:
+        run_sweep(tight, ["optim.lr=0.01,0.02"], log=lambda *a: None, run_trial=runner)
+    msg = str(e.value)
+    assert runner.calls == [] and "No trial was run" in msg
+    assert f"ε = {spent:.4f}" in msg and "2 trial(s)" in msg and f"{spent * 1.001:g}" in msg
+    assert not (tmp_path / "runs" / "sw-trial-0").exists()
+
+    # The same sweep with room for it starts its trials (the refusal above was the budget's).
+    roomy = recipe(tmp_path, privacy={"budget_epsilon": spent + 20})
+    state = run_sweep(roomy, ["optim.lr=0.01,0.02"], log=lambda *a: None, run_trial=runner)
+    assert [n for n, _ in runner.calls] == ["sw-trial-0", "sw-trial-1"]
+    (b,) = state["budget"].values()
+    assert b["epsilon_spent"] == pytest.approx(spent, rel=1e-9)
+    assert spent < b["epsilon_with_sweep"] <= spent + 20
+
+
+# ---------------------------------------------------------------------- selection
+def test_selection_reads_only_the_dp_evaluation(tmp_path):
+    # lr 0.01 has the best internal (non-DP) loss, lr 0.02 the best DP eval loss.
+    runner = FakeTrials({0.01: (1.0, 3.0), 0.02: (2.0, 2.5), 0.03: (1.5, 2.9)})
+    state = run_sweep(recipe(tmp_path), ["optim.lr=0.01,0.02,0.03"], log=lambda *a: None,
+                      run_trial=runner)
+    assert runner.calls == [("sw-trial-0", 0.01), ("sw-trial-1", 0.02), ("sw-trial-2", 0.03)]
+    sel = state["selected"]
+    assert sel["name"] == "sw-trial-1" and sel["overrides"] == ["optim.lr=0.02"]
+    assert sel["dp_eval"]["loss"] == 2.5 and sel["dp_eval"]["loss_std"] == 0.1
+    saved = json.loads((tmp_path / "runs" / "sw-sweep" / SWEEP_JSON).read_text())
+    assert saved["selected"]["name"] == "sw-trial-1" and saved["status"] == "complete"
+    assert [t["epsilon"] for t in saved["trials"]] == [1.5] * 3
+    md = (tmp_path / "runs" / "sw-sweep" / "sweep.md").read_text()
+    assert "**Selected:** trial 1 (optim.lr=0.02)" in md and "2.5000 ± 0.1000" in md
+    assert "(a) every trial composed" in md and "(b)" not in md
+
+
+def test_the_cost_composes_every_trials_ledger_and_the_tokenizer_once(tmp_path):
+    d_thr = 1e-7
+    tokenizer = {"event": event_to_json(TOKENIZER), "count": 1, "release_id": "tok1",
+                 "run_id": "tokenizer-tok1", "extra": {"delta_threshold": d_thr}}
+    runner = FakeTrials(prior=[tokenizer])  # every trial builds on the same private tokenizer
+    state = run_sweep(recipe(tmp_path), ["optim.lr=0.01,0.02,0.03"], log=lambda *a: None,
+                      run_trial=runner)
+    event = dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(TRIAL_STEP, 18),
+                                           TOKENIZER])
+    direct = pld_epsilon(event, DELTA - d_thr) - math.log1p(-d_thr)
+    assert state["cost"]["composition"]["epsilon"] == pytest.approx(direct, rel=1e-6)
+    assert state["cost"]["delta"] == DELTA
+    assert [r["release_id"] for r in state["earlier_releases"]] == ["tok1"]
+
+
+def test_select_trial_skips_trials_without_a_dp_evaluation():
+    rows = [{"trial": 0, "dp_eval": None}, {"trial": 1, "dp_eval": {"loss": float("nan")}},
+            {"trial": 2, "dp_eval": {"loss": 3.0}}, {"trial": 3, "dp_eval": {"loss": 3.0}}]
+    assert select_trial(rows)["trial"] == 2
+    assert select_trial(rows[:2]) is None
+
+
+# ---------------------------------------------------------------------- random draw
+def test_the_draw_is_reproducible_only_with_an_injected_generator(monkeypatch):
+    a = [draw_random_trials(3, "poisson", 5, random.Random(s)) for s in range(20)]
+    assert a == [draw_random_trials(3, "poisson", 5, random.Random(s)) for s in range(20)]
+    made = []
+
+    class Recording(random.Random):
+        def __init__(self, *args):
+            made.append(args)
+            super().__init__(1)
+
+    monkeypatch.setattr("llmdp.sweep_grid._random.SystemRandom", Recording)
+    draw_random_trials(3, "geometric", 5)
+    assert made == [()]  # no seed: OS entropy (SystemRandom)
+
+
+@pytest.mark.parametrize("dist", ["poisson", "geometric"])
+def test_the_number_of_trials_has_the_accounted_distribution(dist):
+    # 4000 draws of K with mean 3: the sample mean's std is sqrt(3/4000) = 0.027 (Poisson)
+    # and sqrt(6/4000) = 0.039 (geometric); tolerances are > 5 of them.
+    rng = random.Random(12345)
+    ks = [len(draw_random_trials(3, dist, 4, rng)) for _ in range(4000)]
+    assert sum(ks) / len(ks) == pytest.approx(3.0, abs=0.2)
+    if dist == "poisson":  # P(K = 0) = e^-3 = 0.0498 (std of the frequency 0.0034)
+        assert ks.count(0) / len(ks) == pytest.approx(math.exp(-3), abs=0.02)
+    else:  # geometric on 1, 2, ...: P(K = 1) = 1/3 (std 0.0075)
+        assert min(ks) == 1 and ks.count(1) / len(ks) == pytest.approx(1 / 3, abs=0.04)
+    points = [p for _ in range(500) for p in draw_random_trials(3, dist, 4, rng)]
+    for j in range(4):  # uniform grid points: 1/4 each (std < 0.011)
+        assert points.count(j) / len(points) == pytest.approx(0.25, abs=0.06)
+
+
+class Exploding(random.Random):
+    def random(self):
+        raise AssertionError("a resumed sweep must not draw again")
+
+    def expovariate(self, *a):
+        raise AssertionError("a resumed sweep must not draw again")
+
+
+def test_the_draw_is_persisted_and_a_rerun_resumes_it(tmp_path):
+    cfg = recipe(tmp_path)
+    grid = ["optim.lr=0.01,0.02,0.03"]
+    runner = FakeTrials()
+    first = run_sweep(cfg, grid, trials="random", mean_trials=3, distribution="geometric",
+                      log=lambda *a: None, run_trial=runner, rng=random.Random(4))
+    k = first["draw"]["K"]
+    assert k == len(first["trial_points"]) >= 1 and "tests only" in first["draw"]["entropy"]
+    assert [n for n, _ in runner.calls] == [f"sw-trial-{i}" for i in range(k)]
+    lrs = [0.01, 0.02, 0.03]
+    assert [lr for _, lr in runner.calls] == [lrs[j] for j in first["trial_points"]]
+    rs = first["cost"]["repeat_and_select"]
+    assert rs["mean_trials"] == 3 and rs["shape"] == 1.0 and rs["epsilon"] > 0
+
+    runner.calls.clear()
+    again = run_sweep(cfg, grid, trials="random", mean_trials=3, distribution="geometric",
+                      log=lambda *a: None, run_trial=runner, rng=Exploding())
+    assert again["trial_points"] == first["trial_points"] and again["draw"] == first["draw"]
+    assert [n for n, _ in runner.calls] == [f"sw-trial-{i}" for i in range(k)]
+
+    with pytest.raises(ConfigError, match="another grid"):
+        run_sweep(cfg, ["optim.lr=0.01,0.02"], trials="random", mean_trials=3,
+                  distribution="geometric", log=lambda *a: None, run_trial=never, rng=Exploding())
+
+
+def test_a_poisson_draw_of_no_trial_runs_nothing(tmp_path):
+    seed = next(s for s in range(100) if not draw_random_trials(1, "poisson", 2, random.Random(s)))
+    state = run_sweep(recipe(tmp_path), ["optim.lr=0.01,0.02"], trials="random", mean_trials=1,
+                      log=lambda *a: None, run_trial=never, rng=random.Random(seed))
+    assert state["draw"]["K"] == 0 and state["trials"] == [] and state["trial_points"] == []
+    assert state["selected"] is None and state["cost"]["composition"]["epsilon"] == 0.0
+    assert state["cost"]["repeat_and_select"]["epsilon"] > 0
