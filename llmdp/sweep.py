@@ -292,6 +292,7 @@ def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial
     state["cost_planned"] = sweep_cost([own_entries(p) for p in tplanned], prior_entries, delta,
                                        accountant, rs, prior_delta_threshold=prior_thr,
                                        planned_trial=own_entries(planned[0]))
+    log("planned " + _cost_line(state["cost_planned"], random))
     state["status"] = "running"
     _write_json(path, state)
     rows: list[dict] = []

@@ -404,3 +404,57 @@ def test_a_poisson_draw_of_no_trial_runs_nothing(tmp_path):
     assert state["draw"]["K"] == 0 and state["trials"] == [] and state["trial_points"] == []
     assert state["selected"] is None and state["cost"]["composition"]["epsilon"] == 0.0
     assert state["cost"]["repeat_and_select"]["epsilon"] > 0
+
+
+# ---------------------------------------------------------------------- end to end (Ray)
+E2E_RECIPE = """
+model:
+  init: tiny
+  tokenizer: {tok}
+  tiny: {{hidden_size: 16, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 32,
+         max_position_embeddings: 64}}
+data: {{path: notes.jsonl, sequence_length: 32, eval: {{fraction: 0.2}}}}
+privacy: {{target_epsilon: 4.0, max_grad_norm: 0.5}}
+eval: {{epsilon: 0.5}}
+optim: {{name: sgd, lr: 0.5, schedule: constant}}
+train: {{expected_batch_size: 12, steps: 4, physical_batch_size: 4, checkpoint_every: 2}}
+scaling: {{num_workers: 1}}
+output: {{dir: runs, name: e2e}}
+"""
+
+
+@pytest.mark.slow
+def test_sweep_of_two_trials_on_ray(tmp_path, monkeypatch, capsys):
+    """`llmdp sweep` with two tiny trials through the real trainer: each a DP run with a DP
+    evaluation, the selection by DP eval loss, the cost equal to dp-accounting on the two
+    ledgers, and a re-run that runs nothing again. (Needs the held-out evaluation.)"""
+    import ray
+
+    from llmdp.privacy.ledger import Ledger
+
+    monkeypatch.chdir(tmp_path)
+    write_notes(tmp_path / "notes.jsonl", 80)
+    (tmp_path / "r.yaml").write_text(E2E_RECIPE.format(tok=tiny_tokenizer_dir()))
+    argv = ["sweep", "r.yaml", "--grid", "optim.lr=0.2,0.5"]
+    assert main(argv) == 0
+    assert not ray.is_initialized()  # every trial shut down the Ray it started
+    state = json.loads((tmp_path / "runs" / "e2e-sweep" / SWEEP_JSON).read_text())
+    assert state["status"] == "complete" and len(state["trials"]) == 2
+    losses = []
+    acc = dp_accounting.pld.PLDAccountant(REL)
+    for i, t in enumerate(state["trials"]):
+        run_dir = tmp_path / "runs" / f"e2e-trial-{i}"
+        report = json.loads((run_dir / "privacy_report.json").read_text())
+        assert t["run_dir"] == str(run_dir) and report["status"] == "complete"
+        assert t["dp_eval"]["loss"] == report["evaluation"]["dp"][-1]["loss"]
+        losses.append(t["dp_eval"]["loss"])
+        for event, count in Ledger(run_dir / "ledger.jsonl").entries():
+            acc.compose(dp_accounting.SelfComposedDpEvent(event, count))
+    assert state["selected"]["trial"] == losses.index(min(losses))
+    cost = state["cost"]
+    assert cost["composition"]["epsilon"] == pytest.approx(acc.get_epsilon(cost["delta"]), rel=1e-6)
+    assert (tmp_path / "runs" / "e2e-sweep" / "sweep.md").exists()
+
+    capsys.readouterr()
+    assert main(argv) == 0  # resumed: both trials already complete
+    assert capsys.readouterr().out.count("already complete") == 2
