@@ -458,3 +458,22 @@ def test_sweep_of_two_trials_on_ray(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(argv) == 0  # resumed: both trials already complete
     assert capsys.readouterr().out.count("already complete") == 2
+
+
+def test_the_readme_sweep_commands_parse(monkeypatch):
+    import os
+    import shlex
+
+    from llmdp.cli import build_parser
+    from llmdp.config import load_recipe
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(repo)
+    text = open(os.path.join(repo, "README.md"), encoding="utf-8").read()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("llmdp sweep ")]
+    assert len(lines) >= 2
+    for line in lines:
+        args = build_parser().parse_args(shlex.split(line)[1:])
+        cfg = load_recipe(args.recipe, args.overrides)
+        spec = resolve_sweep(cfg.sweep, args.grid, args.trials, args.mean_trials, args.distribution)
+        assert spec.points()
