@@ -100,13 +100,13 @@ def _check_trials(cfgs: list, points: list) -> None:
     for c, p in zip(cfgs, points):
         if not c.privacy.dp:
             raise ConfigError(
-                f"privacy.dp: false in {where(p, 'privacy.dp')}: a sweep's trials are DP runs (selected by their DP "
-                f"evaluation, recorded in the dataset ledger); a non-private baseline is a "
-                f"separate `llmdp train` run", key="privacy.dp")
+                f"privacy.dp: false in {where(p, 'privacy.dp')}: a sweep's trials are DP runs "
+                f"(selected by their DP evaluation, recorded in the dataset ledger); a "
+                f"non-private baseline is a separate `llmdp train` run", key="privacy.dp")
         if c.eval.epsilon is None and c.eval.noise_multiplier is None:
             raise ConfigError(
-                f"eval.epsilon: not set in {where(p, 'eval.')}: a sweep selects its trial by a DP evaluation "
-                f"(selecting on metrics computed without DP would leak the held-out data), so "
+                f"eval.epsilon: not set in {where(p, 'eval.')}: a sweep selects its trial by a DP "
+                f"evaluation (selecting on metrics computed without DP would leak the held-out data), so "
                 f"every trial needs one: set eval.epsilon (e.g. eval.epsilon=0.5) or "
                 f"eval.noise_multiplier, and held-out data (e.g. data.eval.fraction=0.05)",
                 key="eval.epsilon")
