@@ -18,7 +18,7 @@ from typing import Any
 from llmdp.privacy import accountant
 from llmdp.privacy.budget import budget_status
 from llmdp.privacy.events import is_truncated
-from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError
+from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError, step_count
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
@@ -94,7 +94,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta, prior_dthr, name)
            for name in usable}
     eps_training = accountant.epsilon(entries, delta, plan.accountant) if prior else eps[plan.accountant]
-    ledger_steps = sum(int(r["count"]) for r in records if r.get("kind") == "release")
+    ledger_steps = step_count(records)  # DP evaluations are releases, not steps
 
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     step_records = [m for m in metrics if "event" not in m and "step" in m]
