@@ -167,5 +167,5 @@ def release(sums, plan: DpEvalPlan, key: bytes, step: int) -> dict:
         "count_std": plan.noise_std if plan.count == "noised" else 0.0,
         "noise_multiplier": plan.noise_multiplier,
         "loss_bound": L,
-        "event": "GaussianDpEvent",
+        "mechanism": "GaussianDpEvent",
     }
