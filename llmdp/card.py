@@ -13,6 +13,8 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
     """The ``huggingface_hub.ModelCard`` of an export, generated from the run's report."""
     from huggingface_hub import ModelCard, ModelCardData  # lazy: huggingface_hub is slow to import
 
+    from llmdp.report_render import evaluation_markdown
+
     data_cfg, model_cfg = cfg["data"], cfg["model"]
     tags = ["differential-privacy", "dp-sgd", "llmdp", "text-generation"]
     if fmt == "adapter":
@@ -35,6 +37,7 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         datasets=[data_cfg["dataset"]] if data_cfg.get("dataset") else None,
         pipeline_tag="text-generation",
         differential_privacy=dp,
+        **_eval_results(report.get("evaluation"), repo_id or cfg["output"]["name"], report),
     )
     name = repo_id or cfg["output"]["name"]
     eps = report["epsilon_by_accountant"]
@@ -101,6 +104,7 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         "configuration only: statistics and metrics computed on the private data without DP, and "
         "fingerprints of that data, are not published.",
         "",
+        *evaluation_markdown(report.get("evaluation")),
         "## Use",
         "",
         "```python",
@@ -132,3 +136,28 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         "",
     ]
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+def _eval_results(ev: dict | None, model_name: str, report: dict) -> dict:
+    """The card's ``model-index`` (Hugging Face format): the last DP evaluation and the
+    last metrics on public held-out data, the only evaluations that may be published."""
+    from huggingface_hub import EvalResult  # lazy: huggingface_hub is slow to import
+
+    if not ev:
+        return {}
+    results = []
+    dp = (ev.get("dp") or [])[-1:]
+    for m in dp:
+        name = f"held-out private units, released with DP (ε = {report['epsilon']:.3g} for the whole run)"
+        for metric, value in (("loss", m["loss"]), ("perplexity", m["perplexity"]),
+                              ("accuracy", m["accuracy"])):
+            results.append(EvalResult(task_type="text-generation", dataset_type="private",
+                                      dataset_name=name, metric_type=metric, metric_value=value,
+                                      metric_name=f"DP {metric} (after step {m['step']})"))
+    for m in (ev.get("public") or [])[-1:]:
+        for metric in ("loss", "perplexity", "accuracy"):
+            results.append(EvalResult(task_type="text-generation", dataset_type="public",
+                                      dataset_name="held-out public data", metric_type=metric,
+                                      metric_value=m[metric],
+                                      metric_name=f"{metric} (after step {m['step']})"))
+    return {"eval_results": results, "model_name": model_name} if results else {}

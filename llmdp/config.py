@@ -183,7 +183,7 @@ class EvalDataConfig:
     path: str | None = _f(None, path="always")
     dataset: str | None = _f(None, nonempty=True)
     config_name: str | None = None
-    split: str = _f("validation", nonempty=True)
+    split: str = _f("train", nonempty=True)  # a Hub dataset's split, e.g. validation
     format: str = _f("auto", choices=("auto", "jsonl", "json", "parquet", "csv", "text"))
     # true: public data (its metrics are published as they are); false: private data about
     # the same individuals as `data` (metrics internal unless released with DP, composed

@@ -19,6 +19,28 @@ def row_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
     the sum over its own target tokens divided by the unit's target-token count, so that
     the unit's loss is the sum of its rows' entries. Padding tokens (label -100) add 0.
     """
+    _, ce, _ = _forward(model, batch)
+    denom = batch["num_target_tokens"].to(ce.dtype).clamp(min=1)
+    return ce.sum(dim=1) / denom
+
+
+def row_eval_stats(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per row [R, 4], in float64: the row's share of its unit's normalized loss (as
+    :func:`row_losses`), its share of the unit's token accuracy (correct next-token
+    predictions, argmax, over the unit's target tokens), the sum of its tokens'
+    cross-entropy and its own number of target tokens. Summed over a unit's rows: the
+    unit's loss and accuracy; over all rows: the token-level NLL and count (perplexity)."""
+    logits, ce, labels = _forward(model, batch)
+    target = labels != -100
+    correct = (logits.argmax(dim=-1) == labels) & target
+    denom = batch["num_target_tokens"].to(torch.float64).clamp(min=1)
+    ce_sum = ce.to(torch.float64).sum(dim=1)
+    return torch.stack([ce_sum / denom, correct.sum(dim=1).to(torch.float64) / denom, ce_sum,
+                        target.sum(dim=1).to(torch.float64)], dim=1)
+
+
+def _forward(model: nn.Module, batch: dict[str, torch.Tensor]):
+    """(shifted logits, per-token cross-entropy [R, T-1], shifted labels)."""
     attention_mask = batch["attention_mask"]
     # A row whose every position is masked (a padding row) would make attention softmax
     # over nothing; let it attend to its own pad tokens instead. Its labels are all -100
@@ -36,9 +58,7 @@ def row_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
     out = model(input_ids=batch["input_ids"], attention_mask=attention_mask, use_cache=False, **kwargs)
     logits = out.logits[:, :-1, :]
     labels = batch["labels"][:, 1:]
-    ce = token_cross_entropy(logits, labels)
-    denom = batch["num_target_tokens"].to(ce.dtype).clamp(min=1)
-    return ce.sum(dim=1) / denom
+    return logits, token_cross_entropy(logits, labels), labels
 
 
 def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,15 @@ def sum_over_workers(values: Sequence[int], device: torch.device) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def sum_floats_over_workers(values: Sequence[float], device: torch.device) -> list[float]:
+    """Sum a few float64 values over workers (one tiny all-reduce). [sync point]"""
+    if not _dist_on():
+        return [float(v) for v in values]
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [float(v) for v in t.tolist()]
+
+
 def privatize_(
     params: Sequence[torch.Tensor],
     noise_key: bytes,

@@ -64,6 +64,9 @@ class Progress(threading.Thread):
             if not line.strip():
                 continue
             rec = json.loads(line)
+            if rec.get("event") == "eval" and rec.get("loss") is not None:
+                last["eval"] = rec["loss"]  # held-out loss (internal on private data)
+                continue
             if rec.get("event") == "start":
                 bar.n = rec["step"]
                 continue
@@ -82,6 +85,8 @@ class Progress(threading.Thread):
             post = {}
             if rec.get("train_loss") is not None:
                 post["loss"] = f"{rec['train_loss']:.3f}"
+            if "eval" in last:
+                post["eval"] = f"{last['eval']:.3f}"
             if "eps" in last:
                 post["eps"] = f"{last['eps']:.2f}"
             if rec.get("tokens_per_s"):

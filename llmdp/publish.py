@@ -50,10 +50,15 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
                                           "count": True, "event": True, "mechanism": True,
                                           "epsilon_alone": True, "delta_threshold": True}},
     "epsilon_curve": True,  # ε of ledger prefixes: a function of the releases only
+    # DP evaluations, metrics on public held-out data, generations from public prompts (the
+    # held-out metrics on private data, `internal`, stay out)
+    "evaluation": {"data": True, "dp": True, "dp_plan": True, "public": True, "generations": True,
+                   "generation_settings": True},
 }
 
 PUBLISHABLE_LEDGER_RECORD: dict[str, Any] = {
-    "kind": True, "event": True, "count": True, "first_step": True, "run_id": True, "attempt": True,
+    "kind": True, "event": True, "count": True, "first_step": True, "eval_step": True, "run_id": True,
+    "attempt": True,
     "extra": {"mechanism": True, "noise_std": True, "threshold": True, "max_words_per_unit": True,
               "delta_threshold": True},
     "meta": {"mechanism": True, "unit": _PUBLIC_UNIT, "rng": True, "sampler": True,

@@ -18,7 +18,7 @@ from typing import Any
 from llmdp.privacy import accountant
 from llmdp.privacy.budget import budget_status
 from llmdp.privacy.events import is_truncated
-from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError
+from llmdp.privacy.ledger import EVAL_MECHANISM, Ledger, LedgerDamaged, LedgerError, step_count
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
@@ -50,6 +50,9 @@ INTERNAL_METRICS = {
     "step_time_s": "wall time of the step (grows with the realized sample size)",
     "nonfinite_units": "units whose gradient was not finite in the step (given no weight; the run "
     "stops after train.max_nonfinite_steps such steps)",
+    "eval (held-out loss, perplexity, accuracy, units, tokens)": "metrics of the model on the "
+    "private held-out units, computed without DP (the `evaluation.internal` section; the DP "
+    "evaluation is the publishable one)",
 }
 
 
@@ -94,7 +97,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta, prior_dthr, name)
            for name in usable}
     eps_training = accountant.epsilon(entries, delta, plan.accountant) if prior else eps[plan.accountant]
-    ledger_steps = sum(int(r["count"]) for r in records if r.get("kind") == "release")
+    ledger_steps = step_count(records)  # DP evaluations are releases, not steps
 
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     step_records = [m for m in metrics if "event" not in m and "step" in m]
@@ -196,7 +199,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         ] + [
             "this run's DP-SGD training steps on the private corpus, as recorded in the ledger "
             f"({ledger_steps} steps over {len(attempts)} attempt(s))",
-        ],
+        ] + _dp_eval_covered(plan_info, records),
         "data_accesses_not_covered": [
             "the choice of hyper-parameters (C, learning rate, batch size, steps) if it was "
             "tuned on this private data: that tuning is not accounted",
@@ -206,6 +209,9 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             "dataset statistics used to plan the run (N, number of units) are published as is",
             "metrics computed on the private data without DP (internal: listed in the local "
             "report, never published)",
+            *(["the number of held-out units used by the DP evaluation (eval.count: public): "
+               "published as is, like N"]
+              if (plan_info.get("dp_eval") or {}).get("count") == "public" else []),
         ],
         "tokenizer": _tokenizer_section(cfg, plan_info),
         # ---- the mechanism's numbers
@@ -247,11 +253,65 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             "torn_lines": getattr(ledger, "torn_lines", 0),
             "releases": releases,
         },
+        "evaluation": _evaluation_section(run_dir, plan_info, metrics, records),
         "internal_metrics": INTERNAL_METRICS,
         "config_hash": last_meta.get("config_hash"),
         "dataset_fingerprint": last_meta.get("dataset_fingerprint"),
     }
     return report
+
+
+def _evaluation_section(run_dir: str, plan_info: dict, metrics: list[dict],
+                        records: list[dict]) -> dict | None:
+    """Held-out metrics (internal on private data, publishable on public data), the DP
+    evaluations (publishable) and the generations from public prompts (publishable)."""
+    kind = plan_info.get("eval_data")
+    gens_path = os.path.join(run_dir, "generations.json")
+    gens = None
+    if os.path.exists(gens_path):
+        with open(gens_path, encoding="utf-8") as f:
+            gens = json.load(f)
+    if kind is None and gens is None:
+        return None
+    keep = ("step", "loss", "perplexity", "accuracy", "units", "tokens")
+    held = [{k: m.get(k) for k in keep} for m in metrics if m.get("event") == "eval"]
+    dp = [{k: v for k, v in m.items() if k not in ("event", "time")}
+          for m in metrics if m.get("event") == "dp_eval" and "refused" not in m]
+    plan = plan_info.get("dp_eval")
+    out = {
+        "data": kind,
+        "internal": held if kind == "private" else [],
+        "public": held if kind == "public" else [],
+        "dp": dp,
+        "dp_refused": [m["refused"] for m in metrics if m.get("event") == "dp_eval" and "refused" in m],
+        "dp_plan": None if plan is None else {
+            "noise_multiplier": plan["noise_multiplier"], "releases_planned": plan["releases"],
+            "releases_recorded": sum(1 for r in records if r.get("kind") == "release"
+                                     and (r.get("meta") or {}).get("mechanism") == EVAL_MECHANISM),
+            "epsilon_alone": plan.get("epsilon_alone"), "target_epsilon": plan.get("target_epsilon"),
+            "loss_bound": plan["loss_bound"], "count": plan["count"], "steps": plan.get("steps"),
+            "aggregates": ["loss", "accuracy"] + (["count"] if plan["count"] == "noised" else []),
+            "mechanism": "per-unit loss clipped to [0, loss_bound] and token accuracy in [0, 1], "
+            "each scaled to [0, 1]" + (", and a count of 1 per unit" if plan["count"] == "noised" else "")
+            + "; summed; one Gaussian noise of std noise_multiplier x sqrt(aggregates) per scaled "
+            "sum (L2 sensitivity sqrt(aggregates)); means are post-processing",
+        },
+        "generations": (gens or {}).get("generations") or [],
+        "generation_settings": (gens or {}).get("settings"),
+    }
+    return out
+
+
+def _dp_eval_covered(plan_info: dict, records: list[dict]) -> list[str]:
+    plan = plan_info.get("dp_eval")
+    n = sum(1 for r in records if r.get("kind") == "release"
+            and (r.get("meta") or {}).get("mechanism") == EVAL_MECHANISM)
+    if not plan or not n:
+        return []
+    return [f"this run's DP evaluations of held-out loss and accuracy ({n} release(s) recorded, "
+            f"Gaussian noise multiplier {plan['noise_multiplier']:.4g}; ε = "
+            f"{plan.get('epsilon_alone') or float('nan'):.4f} for the {plan['releases']} planned, "
+            "alone), composed above"]
 
 
 def _exceeds(eps: float, plan, plan_info: dict, steps: int, completed: int, attempts: int) -> str | None:
@@ -470,10 +530,21 @@ def plot(run_dir: str, report: dict) -> str:
         ax2.plot(steps, loss, alpha=0.35, color="tab:blue")
         k = max(1, len(loss) // 20)
         smooth = [sum(loss[max(0, i - k + 1): i + 1]) / len(loss[max(0, i - k + 1): i + 1]) for i in range(len(loss))]
-        ax2.plot(steps, smooth, color="tab:blue")
+        ax2.plot(steps, smooth, color="tab:blue", label="train (internal)")
+    ev = report.get("evaluation") or {}
+    held = ev.get("internal") or ev.get("public") or []
+    if held:
+        ax2.plot([m["step"] for m in held], [m["loss"] for m in held], "o-", color="tab:green",
+                 label="held-out" + (" (internal)" if ev.get("internal") else " (public data)"))
+    if ev.get("dp"):
+        ax2.errorbar([m["step"] for m in ev["dp"]], [m["loss"] for m in ev["dp"]],
+                     yerr=[m["loss_std"] for m in ev["dp"]], fmt="s", color="tab:red",
+                     capsize=3, label="held-out, DP release (± std)")
+    if held or ev.get("dp"):
+        ax2.legend(fontsize=8)
     ax2.set_xlabel("step")
-    ax2.set_ylabel("train loss (internal, not DP)")
-    ax2.set_title("training loss")
+    ax2.set_ylabel("loss (normalized per unit)")
+    ax2.set_title("training and held-out loss")
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     out = os.path.join(run_dir, "privacy_report.png")

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmdp.config import RecipeConfig
+from llmdp.evaluation.dp import DpEvalPlan
+from llmdp.privacy.events import event_to_json
 from llmdp.privacy.plan import DPPlan
 from llmdp.privacy.prior import composed_epsilon
 from llmdp.privacy.service import LedgerService
@@ -30,6 +32,7 @@ class RunPaths:
     store_dir: str  # the unit store (memory-mapped by every worker)
     model_cache: str  # where model files are cached (``models.load_model(cache_dir=...)``)
     tokenizer_dir: str | None = None  # a local tokenizer folder, saved next to the model
+    eval_store_dir: str | None = None  # the held-out units (None: no evaluation)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -102,6 +105,7 @@ class RunSpec:
     prior_releases: tuple[Mapping[str, Any], ...] = ()  # e.g. a private tokenizer's release
     tokenizer: Mapping[str, Any] = field(default_factory=dict)  # what the tokenizer means for ε
     data_stats: Mapping[str, Any] = field(default_factory=dict)  # internal: computed on private data
+    eval_plan: DpEvalPlan | None = None  # the DP evaluations (None: none)
 
     @property
     def run_dir(self) -> str:
@@ -109,8 +113,23 @@ class RunSpec:
 
     @functools.cached_property  # computed once (a PLD), for the log line and plan.json
     def epsilon_planned(self) -> float:
-        """ε of the whole plan composed with the earlier releases."""
-        return composed_epsilon(self.plan, list(self.prior_releases))
+        """ε of the whole plan (its steps and DP evaluations) composed with the earlier
+        releases."""
+        return composed_epsilon(self.plan, list(self.prior_releases) + self.planned_evals())
+
+    def planned_evals(self) -> list[dict]:
+        """The DP evaluations as releases to compose (``prior_releases``' shape)."""
+        if self.eval_plan is None:
+            return []
+        return [{"event": event_to_json(self.eval_plan.event()), "count": self.eval_plan.releases}]
+
+    @property
+    def eval_data(self) -> str | None:
+        """"private" or "public" held-out data; None without evaluation."""
+        ev = self.cfg.data.eval
+        if ev is None:
+            return None
+        return "public" if ev.public else "private"
 
     def with_ledger_actor(self, name: str) -> RunSpec:
         return dataclasses.replace(self, ledger=dataclasses.replace(self.ledger, actor=name))
@@ -121,6 +140,9 @@ class RunSpec:
             "plan": self.plan.to_dict(),
             "epsilon_planned": self.epsilon_planned,
             "epsilon_planned_training_only": self.plan.epsilon(),
+            "dp_eval": None if self.eval_plan is None else {
+                **self.eval_plan.to_dict(), "epsilon_alone": self.eval_plan.epsilon()},
+            "eval_data": self.eval_data,
             "run_id": self.run_id,
             "tokenizer": dict(self.tokenizer),
             "prior_releases": [dict(r) for r in self.prior_releases],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -23,6 +24,8 @@ from llmdp.config import ConfigError, RecipeConfig, config_hash, dump_yaml, to_d
 from llmdp.data.sources import source_fingerprint
 from llmdp.data.store import UnitSpec, build_store
 from llmdp.data.synthetic import ensure_clinical_notes
+from llmdp.data.units import Holdout
+from llmdp.evaluation.dp import plan_dp_eval
 from llmdp.export import ExportError, export_run
 from llmdp.models import load_model
 from llmdp.privacy.dataset_ledger import open_dataset_ledger
@@ -154,26 +157,32 @@ def plan_run(cfg: RecipeConfig, log=print) -> Planned:
                     max_rows_per_unit=1 if d.unit == "sequence" else d.max_rows_per_unit,
                     document_masking=d.document_masking,
                     user_field=d.user_field if d.unit == "user" else None)
+    ev = d.eval
+    holdout = None if ev is None or ev.fraction is None else \
+        Holdout(fraction=ev.fraction, key=ev.split_key, max_units=ev.max_units)
+    source_args = dict(
+        text_field=d.text_field, messages_field=d.messages_field, prompt_field=d.prompt_field,
+        response_field=d.response_field, chat_template=d.chat_template, num_proc=d.num_proc,
+        on_bad_record=d.on_bad_record)
+    units_dir = os.path.join(cache, "units")
     store = build_store(
-        os.path.join(cache, "units"),
-        tokenizer=tokenizer,
-        spec=spec,
-        data_path=d.path,
-        dataset=d.dataset,
-        data_format=d.format,
-        split=d.split,
-        config_name=d.config_name,
-        text_field=d.text_field,
-        messages_field=d.messages_field,
-        prompt_field=d.prompt_field,
-        response_field=d.response_field,
-        chat_template=d.chat_template,
-        unit_fraction=d.unit_fraction,
-        num_proc=d.num_proc,
-        source_sha256=source_sha,
-        text_split=d.text_split,
-        on_bad_record=d.on_bad_record,
-    )
+        units_dir, tokenizer=tokenizer, spec=spec, data_path=d.path, dataset=d.dataset,
+        data_format=d.format, split=d.split, config_name=d.config_name,
+        unit_fraction=d.unit_fraction, source_sha256=source_sha, text_split=d.text_split,
+        holdout=holdout, **source_args)
+    eval_store = None
+    if holdout is not None:  # built with the training part, from the same corpus
+        eval_store = build_store(
+            units_dir, tokenizer=tokenizer, spec=spec, data_path=d.path, dataset=d.dataset,
+            data_format=d.format, split=d.split, config_name=d.config_name,
+            unit_fraction=d.unit_fraction, source_sha256=source_sha, text_split=d.text_split,
+            holdout=holdout, part="eval", **source_args)
+    elif ev is not None:  # a separate source: every unit is evaluated (up to max_units)
+        eval_store = build_store(
+            units_dir, tokenizer=tokenizer, spec=spec, data_path=ev.path, dataset=ev.dataset,
+            data_format=ev.format, split=ev.split, config_name=ev.config_name,
+            text_split=d.text_split, part="eval",
+            holdout=Holdout(fraction=1.0, key=ev.split_key, max_units=ev.max_units), **source_args)
     N = store.num_units
     if cfg.train.expected_batch_size > N:
 
@@ -198,15 +207,36 @@ def plan_run(cfg: RecipeConfig, log=print) -> Planned:
         max_batch_size=cfg.privacy.max_batch_size,
     )
     prior_releases = [tok_use["release"]] if tok_use["compose"] else []
-    if prior_releases:
-
-        # The model's guarantee covers the tokenizer too: sigma is calibrated so that the
-        # composition (tokenizer release + every step) meets privacy.target_epsilon.
-        plan = calibrate_with_prior(plan, prior_releases)
+    eval_plan = _dp_eval_plan(cfg, plan, len(tokenizer)) if eval_store is not None else None
+    if prior_releases or eval_plan is not None:
+        # The model's guarantee covers the tokenizer and the DP evaluations too: sigma is
+        # calibrated so that the composition (tokenizer release + DP evaluations + every
+        # step) meets privacy.target_epsilon.
+        planned_evals = [] if eval_plan is None else [
+            {"event": event_to_json(eval_plan.event()), "count": eval_plan.releases}]
+        plan = calibrate_with_prior(plan, prior_releases + planned_evals)
     data_stats = dict(store.stats())
     data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
+    if eval_store is not None:
+        data_stats["eval_units"] = eval_store.num_units
     return Planned(cfg=cfg, plan=plan, store=store, unit_spec=spec, source_sha=source_sha,
-                   tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats)
+                   tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats,
+                   eval_store=eval_store, eval_plan=eval_plan)
+
+
+def _dp_eval_plan(cfg: RecipeConfig, plan, vocab_size: int):
+    """The DP evaluations' plan (``eval.epsilon`` / ``eval.noise_multiplier``), or None."""
+    e = cfg.eval
+    if e.epsilon is None and e.noise_multiplier is None:
+        return None
+    if e.epsilon is not None and plan.target_epsilon is not None and e.epsilon >= plan.target_epsilon:
+        raise ConfigError(
+            f"eval.epsilon: {e.epsilon:g} is not below privacy.target_epsilon "
+            f"({plan.target_epsilon:g}), which covers the DP evaluations and the training "
+            f"together; lower eval.epsilon (e.g. to a tenth of the target)", key="eval.epsilon")
+    return plan_dp_eval(epsilon=e.epsilon, noise_multiplier=e.noise_multiplier, steps=e.steps,
+                        total_steps=plan.steps, delta=plan.delta, accountant=plan.accountant,
+                        loss_bound=e.loss_bound or math.log(max(2, vocab_size)), count=e.count)
 
 
 def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
@@ -252,6 +282,8 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
         "target_epsilon": plan.target_epsilon, "prior_releases": prior_releases,
         "allow_exceed_target": cfg.privacy.allow_exceed_target_on_failure,
         "lock": lock.info if lock is not None else None,
+        "eval_event_json": None if planned.eval_plan is None else event_to_json(planned.eval_plan.event()),
+        "eval_releases": 0 if planned.eval_plan is None else planned.eval_plan.releases,
     }
     if prior_releases:
 
@@ -266,10 +298,12 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
         cfg=cfg, plan=plan, run_id=run_id,
         paths=RunPaths(run_dir=run_dir, store_dir=os.path.abspath(store.path),
                        model_cache=os.path.join(cache, "models"),
-                       tokenizer_dir=os.path.abspath(tok_dir) if tok_dir and os.path.isdir(tok_dir) else None),
+                       tokenizer_dir=os.path.abspath(tok_dir) if tok_dir and os.path.isdir(tok_dir) else None,
+                       eval_store_dir=None if planned.eval_store is None else os.path.abspath(planned.eval_store.path)),
         ledger=LedgerSpec(service=service),
         dataset_ledger={"location": ledger["shown"], "dataset_id": ledger["dataset_id"]},
         prior_releases=tuple(prior_releases), tokenizer=tok_use, data_stats=data_stats,
+        eval_plan=planned.eval_plan,
     )
     if cfg.privacy.budget_epsilon is not None:
         check_budget(spec.ledger, plan, remaining=plan.steps - resumed_at, resuming=resumed_at > 0, log=log)

@@ -43,6 +43,8 @@ from llmdp.clipping import GhostClipper
 from llmdp.config import OptimConfig, warmup_steps_for
 from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import open_store
+from llmdp.evaluation import loop as evaluation
+from llmdp.losses import row_eval_stats
 from llmdp.models import load_model
 from llmdp.parallel import broadcast_bytes
 from llmdp.runspec import RunPaths, RunSpec
@@ -135,6 +137,9 @@ class Training:
     start: int = 0  # the first step this launch runs
     nonfinite_steps: int = 0  # steps that had a unit with a NaN/inf gradient
     ledger: Any = None  # rank 0: the ledger service (the single writer)
+    eval_store: Any = None  # the held-out units (None: no evaluation)
+    eval_fn: Callable | None = None  # per-row evaluation statistics, in the run's precision
+    tokenizer: Any = None
 
     @property
     def sinks(self) -> list[torch.Tensor] | None:
@@ -151,7 +156,7 @@ def setup(spec: RunSpec, context) -> Training:
     strategy = strategy_for(cfg.scaling.strategy, cfg.scaling.mixed_precision, device)
     strategy.check(cfg.privacy)
     torch.manual_seed(int(cfg.train.seed))
-    model, _ = load_model(cfg.model, cache_dir=spec.paths.model_cache)
+    model, tokenizer = load_model(cfg.model, cache_dir=spec.paths.model_cache)
     model.train()
     # Every worker starts from rank 0's full weights (e.g. LoRA's random init), then fsdp
     # shards them (parameters become DTensors; optimizer and engine are built on those).
@@ -170,6 +175,9 @@ def setup(spec: RunSpec, context) -> Training:
         sampler=plan.make_sampler(store.num_units),  # the sampler the plan was accounted for
         min_micro_steps=fixed_micro_steps(plan, store.spec.max_rows_per_unit, world,
                                           cfg.train.physical_batch_size),
+        eval_store=open_store(spec.paths.eval_store_dir) if spec.paths.eval_store_dir else None,
+        eval_fn=strategy.loss_fn(row_eval_stats),
+        tokenizer=tokenizer,
     )
 
 
@@ -314,9 +322,13 @@ def finish(run: Training, stopped: dict | None) -> dict:
         # Stopped before step `stopped["step"]`: save what was trained (every update so far
         # is in the ledger), unless that state was just checkpointed.
         checkpoint(run, stopped["step"])
+    done = run.spec.plan.steps if stopped is None else stopped["step"]
+    if done > run.start or stopped is None:  # the final model's held-out and DP evaluation
+        evaluation.evaluate_held_out(run, done, final=True, write=_writer(run))  # [sync point]
     full = run.strategy.full_model_state(run.model)  # fsdp: gathered to rank 0 [sync point]
     if run.rank == 0:
         _save_final_model(run.model, run.spec.paths, state_dict=full)
+        _generations(run)
         end = {"event": "end", "step": run.spec.plan.steps} if stopped is None else \
             {"event": "stopped", "step": stopped["step"], "reason": stopped["reason"]}
         _metrics_line(run.spec.paths.metrics, {**end, "time": time.time()})
@@ -325,11 +337,36 @@ def finish(run: Training, stopped: dict | None) -> dict:
     return {"steps": run.spec.plan.steps}
 
 
+def _writer(run: Training) -> Callable[[dict], None]:
+    return lambda record: _metrics_line(run.spec.paths.metrics, record)
+
+
+def _generations(run: Training) -> None:
+    """Continuations of ``eval.prompts`` from the final model (rank 0; replicated only)."""
+    e = run.spec.cfg.eval
+    if not e.prompts:
+        return
+    path = os.path.join(run.spec.run_dir, "generations.json")
+    settings = {"max_new_tokens": e.max_new_tokens, "temperature": e.temperature,
+                "top_p": e.top_p, "seed": run.spec.cfg.train.seed}
+    if run.world > 1 and run.strategy.name != Replicated.name:
+        evaluation.write_generations(path, [], {**settings, "skipped": (
+            f"generations need the whole model on one worker; scaling.strategy "
+            f"{run.strategy.name!r} shards it: generate from the exported model instead")})
+        return
+    gens = evaluation.generate_from_prompts(
+        run.model, run.tokenizer, e.prompts, max_new_tokens=e.max_new_tokens,
+        temperature=e.temperature, top_p=e.top_p, seed=run.spec.cfg.train.seed, device=run.device)
+    evaluation.write_generations(path, gens, settings)
+
+
 def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
     """The whole job on one worker: set up, resume, run the remaining steps, finish."""
     run = setup(spec, context if context is not None else _RayContext())
     resume(run)
     open_ledger(run)
+    if run.start == 0:  # the model before training: the baseline every evaluation compares to
+        evaluation.evaluate_held_out(run, 0, write=_writer(run))  # [sync point]
     steps, every = spec.plan.steps, spec.cfg.train.checkpoint_every
     stopped = None
     for step in range(run.start, steps):
@@ -340,6 +377,8 @@ def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
         record = dp_step(run, step)
         if run.rank == 0:
             _metrics_line(spec.paths.metrics, record)
+        if evaluation.due(spec, step + 1):
+            evaluation.evaluate_held_out(run, step + 1, write=_writer(run))  # [sync point]
         last = step + 1 == steps
         if (step + 1) % every == 0 or last:
             checkpoint(run, step + 1)

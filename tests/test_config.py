@@ -1083,7 +1083,7 @@ def test_readme_demo_figures_match_the_data_preparation(tmp_path):
 
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         text = " ".join(f.read().split())
-    m = re.search(r"packs the 5,000 notes into N = ([\d,]+) units of 128 tokens, samples "
+    m = re.search(r"packs the 5,000 notes into N = ([\d,]+) training units of 128 tokens, samples "
                   r"B = 256 units per step \(q = ([\d.]+)\) for T = 50 steps, calibrates "
                   r"σ = ([\d.]+) for ε = 8 at δ = ([\de.-]+)", text)
     assert m, "the README's demo paragraph changed; update this test with it"

@@ -35,11 +35,13 @@ from llmdp.data.encode import ON_BAD_RECORD, check_records, encode_records
 from llmdp.data.files import record_location
 from llmdp.data.formats import RecordEncoder
 from llmdp.data.units import (
+    Holdout,
     UnitArrays,
     UnitSpec,
     _ranges,
     build_units,
     special_ids,
+    split_units,
     tokenizer_fingerprint,
 )
 
@@ -228,8 +230,9 @@ def open_store(store_dir) -> UnitStore:
 
 
 def store_fingerprint(*, source_sha256: str, source: dict, encoding: str, tokenizer_sha256: str,
-                      spec: UnitSpec, unit_fraction: float | None) -> str:
-    payload = {
+                      spec: UnitSpec, unit_fraction: float | None,
+                      holdout: Holdout | None = None, part: str = "train") -> str:
+    payload: dict = {
         "format_version": FORMAT_VERSION,
         "source_sha256": source_sha256,
         "source": source,
@@ -238,6 +241,8 @@ def store_fingerprint(*, source_sha256: str, source: dict, encoding: str, tokeni
         "spec": spec.to_dict(),
         "unit_fraction": unit_fraction,
     }
+    if holdout is not None:  # (absent otherwise: stores built before held-out data keep their id)
+        payload["holdout"] = {**holdout.to_dict(), "part": part}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -296,6 +301,7 @@ def build_store(
     response_field: str | None = None, chat_template: str = "auto",
     unit_fraction: float | None = None, num_proc: int | None = None, progress: bool = True,
     source_sha256: str | None = None, text_split: str = "file", on_bad_record: str = "error",
+    holdout: Holdout | None = None, part: str = "train",
 ) -> UnitStore:
     """Build (or reuse) the unit store for this data source, encoding, tokenizer and spec.
 
@@ -309,7 +315,9 @@ def build_store(
     and field; ``"skip"`` leaves malformed records out and counts them (internal
     statistics ``records_skipped``, ``records_skipped_by_field``). ``unit_fraction``:
     keep each unit independently by a keyed hash of its own content (see
-    ``llmdp.data.units.build_units``).
+    ``llmdp.data.units.build_units``). ``holdout``: split the units into a training and an
+    evaluation part (`llmdp.data.units.Holdout`), both written in one build; ``part``
+    ("train" or "eval") is the one returned.
     """
     from llmdp.data.sources import load_records, source_fingerprint  # lazy: imports datasets
 
@@ -327,12 +335,21 @@ def build_store(
                             prompt_field=prompt_field, response_field=response_field,
                             chat_template=chat_template)
     tok_sha = tokenizer_fingerprint(tokenizer)
-    fp = store_fingerprint(source_sha256=src_sha, source=source, encoding=encoder.fingerprint(),
-                           tokenizer_sha256=tok_sha, spec=spec, unit_fraction=unit_fraction)
+    if part not in ("train", "eval") or (part == "eval" and holdout is None):
+        raise ValueError(f"part: {part!r}; expected 'train', or 'eval' with a holdout")
+    # A separate evaluation source is a holdout of fraction 1: every unit is evaluated.
+    parts = (("eval",) if holdout.fraction >= 1 else ("train", "eval")) if holdout is not None \
+        else ("train",)
+    if part not in parts:
+        raise ValueError(f"part: {part!r} is not built with holdout {holdout}")
+    fps = {p: store_fingerprint(source_sha256=src_sha, source=source,
+                                encoding=encoder.fingerprint(), tokenizer_sha256=tok_sha,
+                                spec=spec, unit_fraction=unit_fraction, holdout=holdout, part=p)
+           for p in parts}
     cache_dir = os.path.abspath(os.fspath(cache_dir))
-    final = os.path.join(cache_dir, fp)
-    if os.path.isfile(os.path.join(final, "meta.json")):
-        return open_store(final)
+    finals = {p: os.path.join(cache_dir, fp) for p, fp in fps.items()}
+    if all(os.path.isfile(os.path.join(f, "meta.json")) for f in finals.values()):
+        return open_store(finals[part])
 
     columns = dict(encoder.column_fields)
     if spec.kind == "user":
@@ -355,19 +372,38 @@ def build_store(
     per_record = cs[corpus.offsets[1:]] - cs[corpus.offsets[:-1]]
     units.counts = {**units.counts, "records_without_target": int((per_record == 0).sum()),
                     **skipped}
-    meta = {
-        "fingerprint": fp,
-        "sequence_length": spec.sequence_length,
-        "pad_id": pad_id,
-        "eos_id": eos_id,
-        "spec": spec.to_dict(),
-        "unit_fraction": unit_fraction,
-        "data": {**source, "sha256": src_sha, "encoding": encoder.describe()},
-        "tokenizer_sha256": tok_sha,
-    }
+    built = dict(zip(("train", "eval"), split_units(units, holdout))) if holdout is not None \
+        else {"train": units}
+    for p in parts:
+        if built[p].num_units == 0:
+            raise ValueError(
+                f"{where}: the {'evaluation' if p == 'eval' else 'training'} part of the split "
+                f"(data.eval.fraction={holdout.fraction:g}) holds no privacy unit; "
+                + ("raise data.eval.fraction" if p == "eval" else "lower data.eval.fraction"))
+        meta = {
+            "fingerprint": fps[p],
+            "sequence_length": spec.sequence_length,
+            "pad_id": pad_id,
+            "eos_id": eos_id,
+            "spec": spec.to_dict(),
+            "unit_fraction": unit_fraction,
+            "data": {**source, "sha256": src_sha, "encoding": encoder.describe()},
+            "tokenizer_sha256": tok_sha,
+        }
+        if holdout is not None:
+            meta["holdout"] = {**holdout.to_dict(), "part": p}
+        _write_atomically(cache_dir, finals[p], built[p], meta)
+        log.info("built unit store %s: %d %s units (%s)", finals[p], built[p].num_units, spec.kind, p)
+    return open_store(finals[part])
 
+
+def _write_atomically(cache_dir: str, final: str, units: UnitArrays, meta: dict) -> None:
+    """Write a store into a temporary directory and rename it into place (the first of
+    concurrent builders wins; readers never see a half-written store)."""
+    if os.path.isfile(os.path.join(final, "meta.json")):
+        return
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{fp[:12]}-", dir=cache_dir)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)[:12]}-", dir=cache_dir)
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the store is read by other processes
         write_store(tmp, units, meta)
@@ -380,8 +416,6 @@ def build_store(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("built unit store %s: %d %s units", final, units.num_units, spec.kind)
-    return open_store(final)
 
 
 def as_indices(unit_indices: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:

@@ -19,10 +19,11 @@ import os
 
 from llmdp.privacy import accountant as _acc
 from llmdp.privacy.events import event_from_json
-from llmdp.privacy.ledger import release_entries
+from llmdp.privacy.ledger import is_step_release, release_entries
 
 __all__ = ["NOT_COMPOSED", "unit_key", "split_by_unit", "release_entries_of", "unit_epsilon",
-           "not_composed", "steps_within_budget", "live_holds", "hold_entries", "holder_alive",
+           "not_composed", "steps_within_budget", "live_holds", "hold_entries", "unused_hold_entries",
+           "holder_alive",
            "budget_status"]
 
 # How a release for another privacy unit is listed next to a unit's "ε spent".
@@ -133,32 +134,46 @@ def steps_within_budget(entries, event, budget: float, delta: float, accountant:
 
 
 def live_holds(records) -> dict[str, dict]:
-    """run_id -> {"hold": record, "used": releases of that run since the hold} for the
-    holds not ended."""
+    """run_id -> {"hold": record, "used": steps released by that run since the hold,
+    "evals_used": its DP evaluations since} for the holds not ended."""
     holds: dict[str, dict] = {}
     for r in records:
         rid = r.get("run_id")
         if r.get("kind") == "hold":
-            holds[rid] = {"hold": r, "used": 0}
+            holds[rid] = {"hold": r, "used": 0, "evals_used": 0}
         elif r.get("kind") == "hold_end":
             holds.pop(r.get("hold_of", rid), None)
         elif r.get("kind") == "release" and rid in holds:
-            holds[rid]["used"] += int(r.get("count") or 0)
+            if is_step_release(r):
+                holds[rid]["used"] += int(r.get("count") or 0)
+            else:
+                holds[rid]["evals_used"] += int(r.get("count") or 0)
     return holds
 
 
+def unused_hold_entries(h: dict) -> list:
+    """``(event, unused count)`` of one live hold: its steps, and its DP evaluations (a hold
+    also covers the run's planned evaluations: ``eval_event`` × ``eval_releases``)."""
+    rec = h["hold"]
+    out = []
+    unused = int(rec["steps"]) - h["used"]
+    if unused > 0:
+        out.append((event_from_json(rec["event"]), unused))
+    evals = int(rec.get("eval_releases") or 0) - h.get("evals_used", 0)
+    if rec.get("eval_event") and evals > 0:
+        out.append((event_from_json(rec["eval_event"]), evals))
+    return out
+
+
 def hold_entries(holds: dict[str, dict], unit, exclude: str | None = None) -> list:
-    """``(event, unused steps)`` of the live holds for ``unit``'s definition (except
-    ``exclude``'s run)."""
+    """``(event, unused count)`` of the live holds for ``unit``'s definition (except
+    ``exclude``'s run): their unused steps and DP evaluations."""
     key = unit_key(unit)
     out = []
     for rid, h in holds.items():
-        rec = h["hold"]
-        if rid == exclude or unit_key(rec.get("meta")) != key:
+        if rid == exclude or unit_key(h["hold"].get("meta")) != key:
             continue
-        unused = int(rec["steps"]) - h["used"]
-        if unused > 0:
-            out.append((event_from_json(rec["event"]), unused))
+        out += unused_hold_entries(h)
     return out
 
 
@@ -208,7 +223,6 @@ def budget_status(records, budget: float | None, delta: float, accountant: str, 
     spent = unit_epsilon(records, unit, delta, accountant)
     same, _ = split_by_unit(records, unit)
     holds = live_holds(records)
-    held = hold_entries(holds, unit)
     return {"ledger": location, "dataset_id": dataset_id, "unit": unit_key(unit),
             "epsilon_spent": spent, "budget_epsilon": budget,
             "epsilon_remaining": None if budget is None else max(0.0, budget - spent),
@@ -218,6 +232,8 @@ def budget_status(records, budget: float | None, delta: float, accountant: str, 
             "live_holds": [{"run_id": rid, "steps_unused": int(h["hold"]["steps"]) - h["used"]}
                            for rid, h in holds.items()
                            if unit_key(h["hold"].get("meta")) == unit_key(unit)],
-            "held_steps": sum(c for _, c in held),
+            "held_steps": sum(int(h["hold"]["steps"]) - h["used"] for rid, h in holds.items()
+                              if unit_key(h["hold"].get("meta")) == unit_key(unit)
+                              and int(h["hold"]["steps"]) > h["used"]),
             "composition": "releases for this privacy unit only: an ε for one unit definition "
                            "is no guarantee for another (no group-privacy conversion is made)"}

@@ -54,7 +54,8 @@ from llmdp.privacy.accountant import threshold_delta
 from llmdp.privacy.events import event_from_json
 
 __all__ = ["LEDGER_FILENAME", "GENESIS", "LedgerError", "LedgerDamaged", "Ledger", "canonical", "record_hash",
-           "append_line", "release_entries", "check_record", "now"]
+           "append_line", "release_entries", "check_record", "now", "is_step_release",
+           "step_count", "EVAL_MECHANISM"]
 
 LEDGER_FILENAME = "ledger.jsonl"
 GENESIS = "0" * 64
@@ -62,6 +63,20 @@ RECORD_VERSION = 2
 _RELEASE_KIND = "release"
 # What a record may be (anything else is not a record llmdp wrote).
 KINDS = ("dataset", "data_version", "release", "hold", "hold_end", "import", "repair", "note")
+# A run's releases are its DP-SGD steps (``meta.mechanism`` "dp-sgd", or absent: every run
+# before DP evaluations) and its DP evaluations ("dp-eval", count 1 each).
+EVAL_MECHANISM = "dp-eval"
+
+
+def is_step_release(rec: dict) -> bool:
+    """Whether ``rec`` is a release of training steps (not a DP evaluation, not a tokenizer)."""
+    return (rec.get("kind") == _RELEASE_KIND
+            and (rec.get("meta") or {}).get("mechanism", "dp-sgd") == "dp-sgd")
+
+
+def step_count(records) -> int:
+    """Training steps released by ``records`` (DP evaluations are not steps)."""
+    return sum(int(r.get("count") or 0) for r in records if is_step_release(r))
 
 
 class LedgerError(RuntimeError):

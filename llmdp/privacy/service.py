@@ -37,9 +37,17 @@ from llmdp.privacy.budget import (
     split_by_unit,
     steps_within_budget,
     unit_key,
+    unused_hold_entries,
 )
 from llmdp.privacy.events import event_from_json
-from llmdp.privacy.ledger import RUN_REPAIR_HINT, Ledger, LedgerError
+from llmdp.privacy.ledger import (
+    EVAL_MECHANISM,
+    RUN_REPAIR_HINT,
+    Ledger,
+    LedgerError,
+    is_step_release,
+    step_count,
+)
 from llmdp.privacy.ledger_location import describe_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.prior import release_entries as prior_entries
@@ -132,7 +140,8 @@ class LedgerService:
                  block_size: int, total_steps: int, event_json: dict, delta: float,
                  accountant: str, budget_epsilon: float | None = None,
                  target_epsilon: float | None = None, prior_releases=(),
-                 allow_exceed_target: bool = False, lock: dict | None = None):
+                 allow_exceed_target: bool = False, lock: dict | None = None,
+                 eval_event_json: dict | None = None, eval_releases: int = 0):
         self.location, self.dataset_id = location, dataset_id
         self.run_ledger = os.path.abspath(run_ledger)
         self.run_id, self.meta = run_id, dict(meta)
@@ -144,6 +153,11 @@ class LedgerService:
         self.prior = list(prior_releases)
         self.allow_exceed_target = bool(allow_exceed_target)
         self.lock = lock
+        # The run's DP evaluations (llmdp.evaluation.dp): `eval_releases` planned releases of
+        # `eval_event_json` each, part of the plan that privacy.target_epsilon covers.
+        self.eval_event_json = eval_event_json
+        self.eval_event = event_from_json(eval_event_json) if eval_event_json else None
+        self.eval_releases = int(eval_releases) if eval_event_json else 0
         if budget_epsilon is not None and unit_key(self.meta) == _UNKNOWN_UNIT:
             raise ValueError(
                 f"privacy.budget_epsilon={budget_epsilon:g} needs the run's privacy unit in the ledger "
@@ -188,9 +202,13 @@ class LedgerService:
                 holds.pop(rid)
         same, _ = split_by_unit(recs, self.meta)
         base = release_entries_of(same) + hold_entries(holds, self.meta, exclude=self.run_id)
+        if hold and self.eval_event is not None and self._evals_left(recs):
+            base += [(self.eval_event, self._evals_left(recs))]  # held with the steps
         if mine is not None and not hold:
             # The part of the request inside the hold is admitted; the rest must fit anew.
             inside = max(0, int(mine["hold"]["steps"]) - mine["used"])
+            base += [(e, c) for e, c in unused_hold_entries(mine) if e is not None and c
+                     and e != self.event]  # the hold's evaluations stay reserved
             base += [(self.event, inside)] if inside else []
             return inside + steps_within_budget(base, self.event, self.budget, self.delta,
                                                 self.accountant, want - inside,
@@ -204,14 +222,83 @@ class LedgerService:
         if self.target is None or self.allow_exceed_target or want <= 0:
             return want
         mine = [r for r in self._mine(records) if r.get("kind") == "release"]
-        done = sum(int(r["count"]) for r in mine)
-        if done + want <= self.total_steps:
+        done = step_count(mine)
+        if done + want <= self.total_steps and self._evals_within_plan(mine):
             return want  # within the plan: ε <= the planned ε <= the target
 
         p_entries, p_thr = prior_entries(self.prior)
         base = p_entries + release_entries_of(mine)
+        if self.eval_event is not None and self._evals_left(records):
+            base += [(self.eval_event, self._evals_left(records))]  # room for the evaluations
         return steps_within_budget(base, self.event, self.target, self.delta, self.accountant,
                                    want, p_thr)
+
+    # ------------------------------------------------------------------ DP evaluations
+    def _evals_done(self, records) -> int:
+        return sum(int(r.get("count") or 0) for r in self._mine(records)
+                   if r.get("kind") == "release" and not is_step_release(r))
+
+    def _evals_left(self, records) -> int:
+        return max(0, self.eval_releases - self._evals_done(records))
+
+    def _evals_within_plan(self, mine) -> bool:
+        return self._evals_done(mine) <= self.eval_releases
+
+    def _eval_hold(self, records) -> dict:
+        """What a budget hold adds for the run's planned DP evaluations not yet released."""
+        if self.eval_event is None:
+            return {}
+        return {"eval_event": self.eval_event_json, "eval_releases": self._evals_left(records)}
+
+    def _eval_refusal(self, tx) -> str | None:
+        """Why one more DP evaluation may not be released now (None: it may)."""
+        recs = tx.records
+        mine = [r for r in self._mine(recs) if r.get("kind") == "release"]
+        one = [(self.eval_event, 1)]
+        if self.target is not None and not self.allow_exceed_target and not (
+                self._evals_done(recs) < self.eval_releases and step_count(mine) <= self.total_steps):
+            p_entries, p_thr = prior_entries(self.prior)
+            eps = _acc.epsilon_with_threshold(p_entries + release_entries_of(mine) + one,
+                                              self.delta, p_thr, self.accountant)
+            if eps > self.target:
+                return (f"privacy.target_epsilon={self.target:g}: this DP evaluation would take "
+                        f"the run's ε to {eps:.4f} (failures re-executed steps or evaluations); "
+                        f"it was not released. Set privacy.allow_exceed_target_on_failure: true "
+                        f"to release it anyway")
+        if self.budget is not None:
+            holds = live_holds(recs)
+            h = holds.get(self.run_id)
+            if h is not None and h.get("evals_used", 0) < int(h["hold"].get("eval_releases") or 0):
+                return None  # inside this run's hold
+            same, _ = split_by_unit(recs, self.meta)
+            base = release_entries_of(same) + hold_entries(holds, self.meta, exclude=self.run_id)
+            if h is not None:
+                base += [(e, c) for e, c in unused_hold_entries(h) if e == self.event]
+            eps = _acc.epsilon_with_threshold(base + one, self.delta, _acc.threshold_delta(same),
+                                              self.accountant)
+            if eps > self.budget:
+                return (f"privacy.budget_epsilon={self.budget:g}: this DP evaluation would take "
+                        f"the dataset ledger {self.dataset_id!r} to ε = {eps:.4f}; it was not "
+                        f"released")
+        return None
+
+    def release_eval(self, step: int) -> tuple[bool, str]:
+        """Write-ahead: one DP evaluation (after ``step`` steps) durable in both ledgers
+        before its noisy value is computed: ``(True, "")``; or ``(False, why)`` when the
+        target or the budget would be crossed (nothing is recorded)."""
+        if self.eval_event is None:
+            raise LedgerError("release_eval: this run plans no DP evaluation")
+        if self.attempt is None:
+            self.start_attempt()
+        with self.db.transaction(self.dataset_id) as tx:
+            why = self._eval_refusal(tx)
+            if why is None:
+                rec = tx.append({"kind": "release", "event": self.eval_event_json, "count": 1,
+                                 "first_step": None, "eval_step": int(step), "run_id": self.run_id,
+                                 "attempt": self.attempt,
+                                 "meta": {**self.meta, "mechanism": EVAL_MECHANISM}})
+                self._append_run_line(rec)
+        return (why is None), why or ""
 
     def hold(self, steps: int, need: int | None = None) -> dict:
         """Hold ``steps`` (this run's remaining planned steps) of the budget, or as many as
@@ -226,7 +313,7 @@ class LedgerService:
             if held:
                 rec = tx.append({"kind": "hold", "run_id": self.run_id, "steps": int(held),
                                  "event": self.event_json, "meta": self.meta, "lock": self.lock,
-                                 "budget_epsilon": self.budget})
+                                 "budget_epsilon": self.budget, **self._eval_hold(tx.records)})
                 self._append_run_line(rec)
             records = list(tx.records)
         return {**self.status(records), "held": held, "fit": fit}
@@ -253,7 +340,7 @@ class LedgerService:
         return {
             "attempt": self.attempt,
             "reserved_until": max((b for _, b in self._reserved), default=0),
-            "run_steps_recorded": sum(int(r["count"]) for r in recs if r.get("kind") == "release"),
+            "run_steps_recorded": step_count(recs),
             "run_records": len(recs),
             "run_last_hash": recs[-1].get("hash") if recs else None,
             "dataset_id": self.dataset_id,
@@ -278,7 +365,7 @@ class LedgerService:
                 + f"; one more step of this run would cross it. The run stopped before step "
                 f"{step + 1} of {self.total_steps} and saved its state; raise "
                 f"privacy.budget_epsilon or train on data with budget left")
-        done = sum(int(r["count"]) for r in self._mine(records) if r.get("kind") == "release")
+        done = step_count(self._mine(records))
         return (
             f"privacy.target_epsilon={self.target:g} reached: failures made this run re-execute "
             f"steps ({done} steps in its ledger for {step} completed), and one more step would "

@@ -1,0 +1,296 @@
+"""Held-out evaluation, DP evaluation, generations (issue: know what the model is worth)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+
+from llmdp.config import ConfigError, recipe_from_dict
+from llmdp.data.units import Holdout, split_units
+from llmdp.evaluation import dp as dp_eval
+from llmdp.evaluation.metrics import evaluate
+from llmdp.privacy import keys
+from llmdp.privacy.ledger import EVAL_MECHANISM, Ledger, is_step_release
+from llmdp.worker import LocalContext, train_loop_per_worker
+from tests.helpers import dataset_records, tiny_tokenizer_dir, write_notes
+
+
+def eval_recipe(tmp_path, *, eval_data=None, evaluation=None, **train):
+    data = write_notes(tmp_path / "notes.jsonl", 60)
+    raw = {
+        "model": {"init": "tiny", "tokenizer": tiny_tokenizer_dir(), "dtype": "float64",
+                  "tiny": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                           "intermediate_size": 32, "max_position_embeddings": 64}},
+        "data": {"path": str(data), "sequence_length": 24,
+                 "eval": eval_data if eval_data is not None else {"fraction": 0.2}},
+        "privacy": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "delta": 1e-4,
+                    "ledger": str(tmp_path / "ledger.sqlite")},
+        "optim": {"name": "adamw", "lr": 1e-2, "schedule": "constant"},
+        "train": {"expected_batch_size": 8, "steps": 6, "physical_batch_size": 4,
+                  "checkpoint_every": 2, **train},
+        "eval": evaluation if evaluation is not None else {},
+        "output": {"dir": str(tmp_path / "runs"), "name": "t"},
+    }
+    return recipe_from_dict(raw)
+
+
+def prepared(cfg):
+    from llmdp.trainer import prepare
+
+    return prepare(cfg, log=lambda *a: None)
+
+
+def unit_contents(store) -> list[bytes]:
+    out = []
+    for u in range(store.num_units):
+        b = store.rows([u], width=None)
+        out.append(b["input_ids"].numpy().tobytes() + b["labels"].numpy().tobytes())
+    return out
+
+
+# ----------------------------------------------------------------------------- the split
+
+
+def test_held_out_units_are_disjoint_from_training_and_stable_across_launches(tmp_path):
+    cfg = eval_recipe(tmp_path)
+    a = prepared(cfg)
+    train, held = unit_contents(open_(a.paths.store_dir)), unit_contents(open_(a.paths.eval_store_dir))
+    assert held and train
+    assert not set(train) & set(held)
+    # N and q cover the training units only.
+    assert a.plan.dataset_size == len(train)
+    # A re-launch (resume) plans the same split: the same stores, the same N.
+    b = prepared(cfg)
+    assert (b.paths.store_dir, b.paths.eval_store_dir) == (a.paths.store_dir, a.paths.eval_store_dir)
+    assert unit_contents(open_(b.paths.eval_store_dir)) == held
+    plan = json.load(open(os.path.join(a.run_dir, "plan.json")))
+    assert plan["eval_data"] == "private" and plan["data"]["eval_units"] == len(held)
+
+
+def open_(path):
+    from llmdp.data.store import open_store
+
+    return open_store(path)
+
+
+
+
+def test_split_is_by_keyed_content_hash_and_neighbour_stable():
+    from llmdp.data.units import UnitArrays, select_units
+
+    rng = np.random.default_rng(0)
+    n = 400
+    lens = rng.integers(4, 12, size=n)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    tokens = rng.integers(0, 1000, size=int(offsets[-1])).astype(np.int32)
+    units = UnitArrays(tokens, np.ones_like(tokens, dtype=np.uint8), offsets,
+                       np.arange(n, dtype=np.int64), np.ones(n, dtype=np.int32))
+    h = Holdout(fraction=0.25, key="k1")
+    train, ev = split_units(units, h)
+    assert train.num_units + ev.num_units == n and 0.15 * n < ev.num_units < 0.35 * n
+
+    def rows(u):
+        return {u.tokens[u.row_offsets[i]:u.row_offsets[i + 1]].tobytes() for i in range(u.num_rows)}
+
+    assert not rows(train) & rows(ev)
+    # D minus one unit: every other unit lands on the same side.
+    for drop in (0, 7, n - 1):
+        keep = np.delete(np.arange(n), drop)
+        t2, e2 = split_units(select_units(units, keep), h)
+        gone = units.tokens[units.row_offsets[drop]:units.row_offsets[drop + 1]].tobytes()
+        assert rows(t2) == rows(train) - {gone} and rows(e2) == rows(ev) - {gone}
+    # Another key, another split.
+    _, ev_other = split_units(units, Holdout(fraction=0.25, key="k2"))
+    assert rows(ev_other) != rows(ev)
+    # max_units: the held-out units with the smallest hashes, a subset of the same split.
+    _, ev_cap = split_units(units, Holdout(fraction=0.25, key="k1", max_units=10))
+    assert ev_cap.num_units == 10 and rows(ev_cap) <= rows(ev)
+
+
+# ----------------------------------------------------------------------------- the metric
+
+
+def test_eval_loss_and_accuracy_equal_a_direct_computation(tmp_path):
+    from llmdp.models import load_model
+    from llmdp.runspec import RunSpec  # noqa: F401
+
+    cfg = eval_recipe(tmp_path)
+    spec = prepared(cfg)
+    store = open_(spec.paths.eval_store_dir)
+    model, _ = load_model(cfg.model, cache_dir=spec.paths.model_cache)
+    assert next(model.parameters()).dtype == torch.float64
+    metrics, mine = evaluate(model, store, torch.device("cpu"), 0, 1, 4)
+    # Direct: each unit on its own, full-width rows, log-softmax by hand.
+    losses, accs, nll, tokens = [], [], 0.0, 0
+    with torch.no_grad():
+        for u in range(store.num_units):
+            b = store.rows([u], width=None)
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            lp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
+            labels = b["labels"][:, 1:]
+            m = labels != -100
+            tok_nll = -lp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)[m]
+            correct = (logits[:, :-1].argmax(-1) == labels)[m]
+            losses.append(float(tok_nll.mean()))
+            accs.append(float(correct.double().mean()))
+            nll += float(tok_nll.sum())
+            tokens += int(m.sum())
+    assert metrics["units"] == store.num_units and metrics["tokens"] == tokens
+    assert metrics["loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+    assert metrics["accuracy"] == pytest.approx(np.mean(accs), rel=1e-6, abs=1e-12)
+    assert metrics["perplexity"] == pytest.approx(math.exp(nll / tokens), rel=1e-6)
+    assert sorted(mine["loss"]) == pytest.approx(sorted(losses), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- DP evaluation
+
+
+def _plan(count="public", z=2.0, L=8.0):
+    return dp_eval.DpEvalPlan(noise_multiplier=z, releases=1, loss_bound=L, count=count,
+                              delta=1e-5, accountant="pld", steps=(10,))
+
+
+@pytest.mark.parametrize("count", ["public", "noised"])
+def test_released_values_have_the_stated_noise(count):
+    plan = _plan(count)
+    n, L = 500, plan.loss_bound
+    sums = np.array([n * 3.0 / L, n * 0.4, n], dtype=np.float64)  # mean loss 3, accuracy 0.4
+    M = 3000
+    draws = [dp_eval.release(sums, plan, keys.seeded_key(7, i, "eval"), 10) for i in range(M)]
+    loss = np.array([d["loss"] for d in draws])
+    acc = np.array([d["accuracy"] for d in draws])
+    k = 2 if count == "public" else 3
+    assert plan.sensitivity == pytest.approx(math.sqrt(k))
+    sd_loss = plan.noise_multiplier * math.sqrt(k) * L / n  # σ·(range)/count per aggregate
+    sd_acc = plan.noise_multiplier * math.sqrt(k) * 1.0 / n
+    assert draws[0]["loss_std"] == pytest.approx(sd_loss, rel=0.05)
+    if count == "public":
+        assert draws[0]["loss_std"] == pytest.approx(sd_loss) and {d["count"] for d in draws} == {n}
+        se = 4 / math.sqrt(2 * (M - 1))  # 4 standard errors of a sample std, relative
+        assert abs(loss.std(ddof=1) / sd_loss - 1) < se
+        assert abs(acc.std(ddof=1) / sd_acc - 1) < se
+        assert abs(loss.mean() - 3.0) < 4 * sd_loss / math.sqrt(M)
+        assert abs(acc.mean() - 0.4) < 4 * sd_acc / math.sqrt(M)
+    else:
+        cnt = np.array([d["count"] for d in draws])
+        sd_cnt = plan.noise_multiplier * math.sqrt(3)
+        assert abs(cnt.std(ddof=1) / sd_cnt - 1) < 4 / math.sqrt(2 * (M - 1))
+        assert abs(cnt.mean() - n) < 4 * sd_cnt / math.sqrt(M)
+        # The ratio's spread is the numerator's (count noise is second order here).
+        assert abs(loss.std(ddof=1) / sd_loss - 1) < 0.1
+    # Reproducible only with the key: another key gives other values.
+    again = dp_eval.release(sums, plan, keys.seeded_key(7, 0, "eval"), 10)
+    assert again["loss"] == draws[0]["loss"]
+    assert dp_eval.release(sums, plan, keys.seeded_key(8, 0, "eval"), 10)["loss"] != draws[0]["loss"]
+
+
+def test_dp_eval_sums_change_by_at_most_the_sensitivity_between_neighbours():
+    rng = np.random.default_rng(1)
+    L = 5.0
+    loss = np.concatenate([rng.uniform(0, 12, 50), [np.nan, np.inf, 1e9, -3.0]])
+    acc = rng.uniform(0, 1, loss.size)
+    acc[-2] = 1.0  # loss 1e9 (clipped to L) and accuracy 1: the extreme unit
+    full = dp_eval.normalized_sums(loss, acc, L)
+    for k in (2, 3):  # eval.count public: loss, accuracy; noised: and the count
+        worst = 0.0
+        for u in range(loss.size):
+            less = dp_eval.normalized_sums(np.delete(loss, u), np.delete(acc, u), L)
+            d = (full - less)[:k]
+            worst = max(worst, float(np.linalg.norm(d)))
+        assert worst == pytest.approx(math.sqrt(k), rel=1e-12)  # reached, never exceeded
+
+
+def test_eval_calibration_equals_dp_accounting():
+    plan = dp_eval.plan_dp_eval(epsilon=0.7, noise_multiplier=None, steps=(3, 9), total_steps=12,
+                                loss_bound=6.0, count="noised", delta=1e-5, accountant="pld")
+    assert plan.steps == (3, 9, 12) and plan.releases == 3
+    acc = dp_accounting.pld.PLDAccountant()
+    acc.compose(dp_accounting.GaussianDpEvent(plan.noise_multiplier), 3)
+    eps = acc.get_epsilon(1e-5)
+    assert eps <= 0.7 and eps == pytest.approx(0.7, rel=2e-3)
+    with pytest.raises(ValueError, match="eval.epsilon"):
+        dp_eval.plan_dp_eval(epsilon=500.0, noise_multiplier=None, steps=(), total_steps=5,
+                             loss_bound=6.0, count="noised", delta=1e-5, accountant="pld")
+
+
+# ----------------------------------------------------------------------------- the whole run
+
+
+def test_run_records_exactly_the_declared_eval_events_and_reports_their_composition(tmp_path):
+    from llmdp.publish import publishable_report
+    from llmdp.report import write_report
+
+    cfg = eval_recipe(tmp_path, eval_every=2,
+                      evaluation={"noise_multiplier": 3.0, "steps": [4], "prompts": ["Chief complaint:"],
+                                  "max_new_tokens": 5})
+    spec = prepared(cfg)
+    assert spec.eval_plan.steps == (4, 6) and spec.eval_plan.releases == 2
+    train_loop_per_worker(spec, LocalContext(checkpoint_dir=str(tmp_path / "ckpt")))
+    recs = Ledger(os.path.join(spec.run_dir, "ledger.jsonl")).records()
+    evals = [r for r in recs if r["kind"] == "release" and not is_step_release(r)]
+    assert [r["eval_step"] for r in evals] == [4, 6]
+    assert all(r["count"] == 1 and r["meta"]["mechanism"] == EVAL_MECHANISM for r in evals)
+    assert all(r["event"]["class_name"] == "GaussianDpEvent" and r["event"]["noise_multiplier"] == 3.0
+               for r in evals)
+    assert sum(r["count"] for r in recs if is_step_release(r)) == 6
+    # The dataset ledger holds the same records.
+    ds = {r["hash"] for r in dataset_records(tmp_path / "ledger.sqlite", cfg.data.path)}
+    assert {r["hash"] for r in evals} <= ds
+
+    metrics = [json.loads(x) for x in open(spec.paths.metrics)]
+    held = [m for m in metrics if m.get("event") == "eval"]
+    assert [m["step"] for m in held] == [0, 2, 4, 6]
+    dp = [m for m in metrics if m.get("event") == "dp_eval"]
+    assert [m["step"] for m in dp] == [4, 6] and all("loss" in m for m in dp)
+
+    report = write_report(spec.run_dir)
+    acc = dp_accounting.pld.PLDAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(spec.plan.sampling_probability,
+                                                    dp_accounting.GaussianDpEvent(1.0)), 6)
+    acc.compose(dp_accounting.GaussianDpEvent(3.0), 2)
+    assert report["epsilon"] == pytest.approx(acc.get_epsilon(1e-4), rel=1e-6)
+    assert report["steps"] == 6
+    ev = report["evaluation"]
+    assert [m["step"] for m in ev["internal"]] == [0, 2, 4, 6] and [m["step"] for m in ev["dp"]] == [4, 6]
+    assert ev["dp_plan"]["releases_recorded"] == 2
+    assert len(ev["generations"]) == 1 and ev["generations"][0]["prompt"] == "Chief complaint:"
+    md = open(os.path.join(spec.run_dir, "privacy_report.md")).read()
+    assert "DP evaluation on held-out units" in md and "Generations from public prompts" in md
+    # Published: the DP evaluation and the generations, never the internal held-out metrics.
+    pub = publishable_report(report)
+    assert "internal" not in pub["evaluation"] and pub["evaluation"]["dp"] == ev["dp"]
+
+
+def test_public_eval_source_is_published_and_needs_no_dp(tmp_path):
+    public = write_notes(tmp_path / "public.jsonl", 12, seed=5)
+    cfg = eval_recipe(tmp_path, eval_data={"path": str(public), "public": True, "max_units": 20})
+    spec = prepared(cfg)
+    assert spec.eval_plan is None and open_(spec.paths.eval_store_dir).num_units == 20
+    with pytest.raises(ConfigError, match="declared public"):
+        eval_recipe(tmp_path, eval_data={"path": str(public), "public": True},
+                    evaluation={"epsilon": 0.5})
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"train": {"eval_every": 5}}, "train.eval_every: 5 needs held-out data"),
+    ({"eval": {"epsilon": 1.0}}, "a DP evaluation needs held-out data"),
+    ({"data": {"eval": {"fraction": 0.1, "path": "x.jsonl"}}}, "data.eval.fraction / data.eval.path"),
+    ({"data": {"eval": {"path": "x.jsonl"}}}, "data.eval.public: required"),
+    ({"data": {"eval": {"fraction": 0.1, "public": True}}}, "only for a separate source"),
+    ({"data": {"eval": {"fraction": 0.1}}, "eval": {"steps": [3]}}, "neither eval.epsilon"),
+    ({"data": {"eval": {"fraction": 0.1}}, "eval": {"epsilon": 1, "steps": [99]}}, "beyond train.steps"),
+    ({"data": {"eval": {"fraction": 1.5}}}, "data.eval.fraction"),
+])
+def test_eval_config_errors_name_the_key(tmp_path, raw, match):
+    base = {"model": {"init": "tiny", "tokenizer": "./tok"}, "data": {"path": "d.jsonl"},
+            "privacy": {"noise_multiplier": 1.0}, "train": {"steps": 10}}
+    for section, values in raw.items():
+        base[section] = {**base.get(section, {}), **values}
+    with pytest.raises(ConfigError, match=match):
+        recipe_from_dict(base, base_dir=str(tmp_path))
