@@ -21,6 +21,11 @@ that involve two fields or two sections are the ``check_*`` functions of
 Privacy settings (``privacy``) are kept apart from performance settings (``train``,
 ``scaling``): ``train.seed`` seeds model initialization and dropout only; sampling and
 noise use fresh OS entropy unless ``privacy.rng: seeded`` (which the report labels).
+
+Why one file: this is the schema, every recipe key with its default, type and bounds
+beside its one-line meaning; a reader looks up any key here, and the "did you mean" and
+the documentation of the keys follow the order written. The logic lives elsewhere
+(``_config_checks``, ``_config_load``, ``_config_yaml``).
 """
 
 from __future__ import annotations

@@ -15,10 +15,11 @@ import json
 import os
 from typing import Any
 
+from llmdp.evaluation.report import dp_eval_covered, evaluation_section
 from llmdp.privacy import accountant
 from llmdp.privacy.budget import budget_status
 from llmdp.privacy.events import is_truncated
-from llmdp.privacy.ledger import EVAL_MECHANISM, Ledger, LedgerDamaged, LedgerError, step_count
+from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError, step_count
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
@@ -199,7 +200,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         ] + [
             "this run's DP-SGD training steps on the private corpus, as recorded in the ledger "
             f"({ledger_steps} steps over {len(attempts)} attempt(s))",
-        ] + _dp_eval_covered(plan_info, records),
+        ] + dp_eval_covered(plan_info, records),
         "data_accesses_not_covered": [
             "the choice of hyper-parameters (C, learning rate, batch size, steps) if it was "
             "tuned on this private data: that tuning is not accounted",
@@ -253,65 +254,12 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             "torn_lines": getattr(ledger, "torn_lines", 0),
             "releases": releases,
         },
-        "evaluation": _evaluation_section(run_dir, plan_info, metrics, records),
+        "evaluation": evaluation_section(run_dir, plan_info, metrics, records),
         "internal_metrics": INTERNAL_METRICS,
         "config_hash": last_meta.get("config_hash"),
         "dataset_fingerprint": last_meta.get("dataset_fingerprint"),
     }
     return report
-
-
-def _evaluation_section(run_dir: str, plan_info: dict, metrics: list[dict],
-                        records: list[dict]) -> dict | None:
-    """Held-out metrics (internal on private data, publishable on public data), the DP
-    evaluations (publishable) and the generations from public prompts (publishable)."""
-    kind = plan_info.get("eval_data")
-    gens_path = os.path.join(run_dir, "generations.json")
-    gens = None
-    if os.path.exists(gens_path):
-        with open(gens_path, encoding="utf-8") as f:
-            gens = json.load(f)
-    if kind is None and gens is None:
-        return None
-    keep = ("step", "loss", "perplexity", "accuracy", "units", "tokens")
-    held = [{k: m.get(k) for k in keep} for m in metrics if m.get("event") == "eval"]
-    dp = [{k: v for k, v in m.items() if k not in ("event", "time")}
-          for m in metrics if m.get("event") == "dp_eval" and "refused" not in m]
-    plan = plan_info.get("dp_eval")
-    out = {
-        "data": kind,
-        "internal": held if kind == "private" else [],
-        "public": held if kind == "public" else [],
-        "dp": dp,
-        "dp_refused": [m["refused"] for m in metrics if m.get("event") == "dp_eval" and "refused" in m],
-        "dp_plan": None if plan is None else {
-            "noise_multiplier": plan["noise_multiplier"], "releases_planned": plan["releases"],
-            "releases_recorded": sum(1 for r in records if r.get("kind") == "release"
-                                     and (r.get("meta") or {}).get("mechanism") == EVAL_MECHANISM),
-            "epsilon_alone": plan.get("epsilon_alone"), "target_epsilon": plan.get("target_epsilon"),
-            "loss_bound": plan["loss_bound"], "count": plan["count"], "steps": plan.get("steps"),
-            "aggregates": ["loss", "accuracy"] + (["count"] if plan["count"] == "noised" else []),
-            "mechanism": "per-unit loss clipped to [0, loss_bound] and token accuracy in [0, 1], "
-            "each scaled to [0, 1]" + (", and a count of 1 per unit" if plan["count"] == "noised" else "")
-            + "; summed; one Gaussian noise of std noise_multiplier x sqrt(aggregates) per scaled "
-            "sum (L2 sensitivity sqrt(aggregates)); means are post-processing",
-        },
-        "generations": (gens or {}).get("generations") or [],
-        "generation_settings": (gens or {}).get("settings"),
-    }
-    return out
-
-
-def _dp_eval_covered(plan_info: dict, records: list[dict]) -> list[str]:
-    plan = plan_info.get("dp_eval")
-    n = sum(1 for r in records if r.get("kind") == "release"
-            and (r.get("meta") or {}).get("mechanism") == EVAL_MECHANISM)
-    if not plan or not n:
-        return []
-    return [f"this run's DP evaluations of held-out loss and accuracy ({n} release(s) recorded, "
-            f"Gaussian noise multiplier {plan['noise_multiplier']:.4g}; ε = "
-            f"{plan.get('epsilon_alone') or float('nan'):.4f} for the {plan['releases']} planned, "
-            "alone), composed above"]
 
 
 def _exceeds(eps: float, plan, plan_info: dict, steps: int, completed: int, attempts: int) -> str | None:

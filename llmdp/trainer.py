@@ -21,10 +21,10 @@ import yaml
 
 from llmdp._fs import RunLock, cache_root
 from llmdp.config import ConfigError, RecipeConfig, config_hash, dump_yaml, to_dict
+from llmdp.data.holdout import Holdout
 from llmdp.data.sources import source_fingerprint
 from llmdp.data.store import UnitSpec, build_store
 from llmdp.data.synthetic import ensure_clinical_notes
-from llmdp.data.units import Holdout
 from llmdp.evaluation.dp import plan_dp_eval
 from llmdp.export import ExportError, export_run
 from llmdp.models import load_model

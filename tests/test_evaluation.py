@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmdp.config import ConfigError, recipe_from_dict
-from llmdp.data.units import Holdout, split_units
+from llmdp.data.holdout import Holdout, split_units
 from llmdp.evaluation import dp as dp_eval
 from llmdp.evaluation.metrics import evaluate
 from llmdp.privacy import keys

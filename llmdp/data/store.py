@@ -34,14 +34,13 @@ import torch
 from llmdp.data.encode import ON_BAD_RECORD, check_records, encode_records
 from llmdp.data.files import record_location
 from llmdp.data.formats import RecordEncoder
+from llmdp.data.holdout import Holdout, split_units
 from llmdp.data.units import (
-    Holdout,
     UnitArrays,
     UnitSpec,
     _ranges,
     build_units,
     special_ids,
-    split_units,
     tokenizer_fingerprint,
 )
 
