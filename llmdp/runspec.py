@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmdp.baseline import NON_PRIVATE
 from llmdp.config import RecipeConfig
 from llmdp.privacy.plan import DPPlan
 from llmdp.privacy.prior import composed_epsilon
@@ -97,8 +99,10 @@ class RunSpec:
     plan: DPPlan
     run_id: str
     paths: RunPaths
-    ledger: LedgerSpec
-    dataset_ledger: Mapping[str, str]  # {"location" (without password), "dataset_id"}
+    # None for a NON-PRIVATE baseline (privacy.dp: false; ``dp`` False): it opens no ledger
+    # and every ledger call is skipped.
+    ledger: LedgerSpec | None
+    dataset_ledger: Mapping[str, str] | None  # {"location" (without password), "dataset_id"}
     prior_releases: tuple[Mapping[str, Any], ...] = ()  # e.g. a private tokenizer's release
     tokenizer: Mapping[str, Any] = field(default_factory=dict)  # what the tokenizer means for ε
     data_stats: Mapping[str, Any] = field(default_factory=dict)  # internal: computed on private data
@@ -107,25 +111,37 @@ class RunSpec:
     def run_dir(self) -> str:
         return self.paths.run_dir
 
+    @property
+    def dp(self) -> bool:
+        """False for a NON-PRIVATE baseline (privacy.dp: false): no clipping, no noise, no
+        ledger, labelled NON-PRIVATE everywhere (``llmdp.baseline``)."""
+        return self.plan.dp
+
     @functools.cached_property  # computed once (a PLD), for the log line and plan.json
     def epsilon_planned(self) -> float:
-        """ε of the whole plan composed with the earlier releases."""
+        """ε of the whole plan composed with the earlier releases (inf for a baseline: no
+        guarantee, and no accountant is asked)."""
+        if not self.dp:
+            return math.inf
         return composed_epsilon(self.plan, list(self.prior_releases))
 
     def with_ledger_actor(self, name: str) -> RunSpec:
+        if self.ledger is None:  # a baseline has no ledger service
+            return self
         return dataclasses.replace(self, ledger=dataclasses.replace(self.ledger, actor=name))
 
     def plan_record(self) -> dict[str, Any]:
-        """What plan.json holds."""
+        """What plan.json holds (a baseline's: ``"privacy": "NON-PRIVATE"``, no ε, no ledger)."""
         return {
+            **({} if self.dp else {"privacy": NON_PRIVATE}),
             "plan": self.plan.to_dict(),
-            "epsilon_planned": self.epsilon_planned,
-            "epsilon_planned_training_only": self.plan.epsilon(),
+            "epsilon_planned": self.epsilon_planned if self.dp else None,
+            "epsilon_planned_training_only": self.plan.epsilon() if self.dp else None,
             "run_id": self.run_id,
             "tokenizer": dict(self.tokenizer),
             "prior_releases": [dict(r) for r in self.prior_releases],
             "data": dict(self.data_stats),
-            "dataset_ledger": dict(self.dataset_ledger),
+            "dataset_ledger": None if self.dataset_ledger is None else dict(self.dataset_ledger),
             "budget_epsilon": self.cfg.privacy.budget_epsilon,
             "allow_exceed_target_on_failure": self.cfg.privacy.allow_exceed_target_on_failure,
         }
