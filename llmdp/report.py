@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+from llmdp.baseline import baseline_report
 from llmdp.privacy import accountant
 from llmdp.privacy.budget import budget_status
 from llmdp.privacy.events import is_truncated
@@ -77,6 +78,10 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     cfg = rd.config()
     plan_info = rd.info
     plan = rd.plan
+    if not plan.dp:  # a NON-PRIVATE baseline: no ledger, no ε (llmdp.baseline)
+        return {"report_version": REPORT_VERSION, **baseline_report(
+            rd, _read_jsonl(os.path.join(run_dir, "metrics.jsonl")), failure=failure,
+            interrupted=interrupted, resume_hint=RESUME_HINT, internal_metrics=INTERNAL_METRICS)}
     ledger_path = os.path.join(run_dir, "ledger.jsonl")
     ledger = Ledger(ledger_path)
     records = ledger.records() if os.path.exists(ledger_path) else []
@@ -464,6 +469,8 @@ def plot(run_dir: str, report: dict) -> str:
                if "event" not in m and m.get("train_loss") is not None]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     _epsilon_panel(ax1, curve, report)
+    if report.get("dp") is False:
+        fig.suptitle("NON-PRIVATE BASELINE: no privacy guarantee", color="tab:red")
     if metrics:
         steps = [m["step"] for m in metrics]
         loss = [m["train_loss"] for m in metrics]
@@ -473,7 +480,7 @@ def plot(run_dir: str, report: dict) -> str:
         ax2.plot(steps, smooth, color="tab:blue")
     ax2.set_xlabel("step")
     ax2.set_ylabel("train loss (internal, not DP)")
-    ax2.set_title("training loss")
+    ax2.set_title("training loss" if report.get("dp", True) else "training loss (NON-PRIVATE)")
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     out = os.path.join(run_dir, "privacy_report.png")
