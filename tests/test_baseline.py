@@ -66,10 +66,11 @@ def test_a_baseline_plan_has_no_noise_no_epsilon_and_no_event():
     assert q.clip_bound == 1.0
     with pytest.raises(PlanError, match="adds no noise"):
         make_plan(**kw, noise_multiplier=1.0, dp=False)
-    with pytest.raises(PlanError, match="adds no noise"):
-        DPPlan.from_dict({**d, "noise_multiplier": 1.0})
-    with pytest.raises(PlanError, match="has no ε"):
-        DPPlan.from_dict({**d, "target_epsilon": 2.0})
+    for bad in ({"noise_multiplier": 1.0}, {"target_epsilon": 2.0}):
+        with pytest.raises(PlanError, match=r"non-private plan \(dp=False\).*no noise \(0\) and no ε"):
+            DPPlan.from_dict({**d, **bad})
+    with pytest.raises(PlanError, match="dp must be true or false"):
+        DPPlan.from_dict({**d, "dp": "no"})
     with pytest.raises(PlanError, match="max_batch_size is required"):
         make_plan(**kw, sampler="truncated-poisson", dp=False)
     t = make_plan(**kw, sampler="truncated-poisson", max_batch_size=20, dp=False)

@@ -152,12 +152,9 @@ class DPPlan:
     (P(Binomial(N, q) > B_max): how often a step drops units; derived, filled in if
     None). For "poisson" the three are None.
 
-    `dp=False` is the plan of a NON-PRIVATE baseline (``privacy.dp: false``, `llmdp.baseline`):
-    the same sampling, steps and normalization, with noise_multiplier 0, no target and no
-    truncation cost; nothing is clipped (`clip_bound` is inf; `max_grad_norm` keeps the
-    recipe's C, not applied), `epsilon()` is inf and there is no DP event (`step_event`
-    raises). `to_dict` writes ``dp`` only when it is False, so a DP plan's record is what it
-    was before the field existed.
+    `dp=False`: a NON-PRIVATE baseline (`llmdp.baseline`): the same sampling and steps, σ = 0,
+    no target or truncation cost, `clip_bound` inf (`max_grad_norm` keeps the recipe's C, not
+    applied), `epsilon()` inf, no DP event. `to_dict` writes ``dp`` only when False.
     """
 
     dataset_size: int
@@ -184,8 +181,11 @@ class DPPlan:
             raise PlanError(f"dp must be true or false, got dp={self.dp!r}")
         if self.dp:
             _check_positive("noise_multiplier", self.noise_multiplier, "sigma", error=PlanError)
-        else:
-            _check_baseline_fields(self)
+        elif self.noise_multiplier != 0 or self.target_epsilon is not None or self.truncation_cost is not None:
+            raise PlanError(
+                f"noise_multiplier={self.noise_multiplier!r}, target_epsilon={self.target_epsilon!r}, "
+                f"truncation_cost={self.truncation_cost!r} in a non-private plan (dp=False): a "
+                "NON-PRIVATE baseline has no noise (0) and no ε (None)")
         _check_positive("max_grad_norm", self.max_grad_norm, "the clipping bound C",
                         error=PlanError)
         _check_delta(self.delta, self.dataset_size, default=default_delta(self.dataset_size),
@@ -335,19 +335,6 @@ _NO_EVENT = (
     "so it has no DP event to account, compose or record in a ledger")
 
 
-def _check_baseline_fields(plan: DPPlan) -> None:
-    """What a non-private plan (dp=False) must not carry: noise, a target, an ε cost."""
-    if plan.noise_multiplier != 0:
-        raise PlanError(
-            f"noise_multiplier={plan.noise_multiplier!r} in a non-private plan (dp=False): a "
-            "NON-PRIVATE baseline adds no noise; its noise_multiplier is 0")
-    for name in ("target_epsilon", "truncation_cost"):
-        if getattr(plan, name) is not None:
-            raise PlanError(
-                f"{name}={getattr(plan, name)!r} in a non-private plan (dp=False): a NON-PRIVATE "
-                "baseline has no ε; remove it")
-
-
 def _check_calibration_args(target_epsilon, delta, sampling_probability, steps, accountant,
                             max_noise_multiplier):
     target = _check_positive("target_epsilon", target_epsilon, "the privacy budget",
@@ -432,20 +419,19 @@ def make_plan(
     plan's cost, epsilon and sigma are on the reporting grid. Takes seconds to tens of
     seconds (PLD of the truncated event): ~20 s for N=15000, B=256, T=50 on 2 cores.
 
-    `dp=False`: the plan of a NON-PRIVATE baseline (neither `target_epsilon` nor
-    `noise_multiplier`; σ = 0, nothing calibrated); truncated Poisson then needs its cap
-    `max_batch_size` (there is no ε cost to choose it by).
+    `dp=False`: a NON-PRIVATE baseline's plan (no target, no σ; truncated Poisson needs its cap).
     """
-    if not dp:
-        return _baseline_plan(dataset_size, expected_batch_size, max_grad_norm, steps, epochs,
-                              delta, target_epsilon, noise_multiplier, accountant, sampler,
-                              max_batch_size)
     if (steps is None) == (epochs is None):
         got = "both" if steps is not None else "neither"
         raise PlanError(
             f"pass exactly one of steps= or epochs=, got {got} (steps={steps!r}, epochs={epochs!r})"
         )
-    if (target_epsilon is None) == (noise_multiplier is None):
+    if not dp and (target_epsilon is not None or noise_multiplier is not None):
+        raise PlanError(
+            "a non-private plan (dp=False) takes neither target_epsilon= nor noise_multiplier= "
+            f"(got target_epsilon={target_epsilon!r}, noise_multiplier={noise_multiplier!r}): a "
+            "NON-PRIVATE baseline adds no noise")
+    if dp and (target_epsilon is None) == (noise_multiplier is None):
         got = "both" if target_epsilon is not None else "neither"
         raise PlanError(
             "pass exactly one of target_epsilon= (calibrate sigma) or noise_multiplier= (fixed sigma), "
@@ -458,6 +444,11 @@ def make_plan(
     delta = _check_delta(delta, dataset_size, default=default_delta(dataset_size), error=PlanError)
     _check_accountant_field(accountant)
     cap = _check_sampler_fields(sampler, accountant, dataset_size, max_batch_size)
+    if sampler == TRUNCATED and cap is None and not dp:
+        raise PlanError(
+            f"privacy.max_batch_size is required with privacy.sampler={TRUNCATED!r} and "
+            "privacy.dp: false: the cap is otherwise chosen by its ε cost, which a NON-PRIVATE "
+            "baseline does not have; set it to the DP run's cap (its report's max_batch_size)")
     if sampler == TRUNCATED and cap is None:
         if not _is_number(truncation_budget) or not (0 < truncation_budget < math.inf):
             raise PlanError(
@@ -466,6 +457,11 @@ def make_plan(
                 f"truncation_budget={truncation_budget!r}"
             )
     steps = _check_steps(steps, error=PlanError) if steps is not None else steps_for_epochs(epochs, q)
+    if not dp:  # the same sampling and steps, no noise: nothing to calibrate
+        return DPPlan(dataset_size=int(dataset_size), expected_batch_size=float(expected_batch_size),
+                      steps=steps, noise_multiplier=0.0, max_grad_norm=float(max_grad_norm),
+                      delta=delta, accountant=accountant, sampler=sampler, max_batch_size=cap,
+                      dp=False)
     sigma = max_sigma = None
     if noise_multiplier is not None:
         sigma = _check_positive("noise_multiplier", noise_multiplier, "sigma", error=PlanError)
@@ -511,39 +507,3 @@ def make_plan(
         truncation_cost=None if cost is None else float(cost),
     )
 
-
-def _baseline_plan(dataset_size, expected_batch_size, max_grad_norm, steps, epochs, delta,
-                   target_epsilon, noise_multiplier, accountant, sampler, max_batch_size) -> DPPlan:
-    """`make_plan(dp=False)`: the same sampling and steps as the DP recipe, no noise, no ε."""
-    if (steps is None) == (epochs is None):
-        got = "both" if steps is not None else "neither"
-        raise PlanError(
-            f"pass exactly one of steps= or epochs=, got {got} (steps={steps!r}, epochs={epochs!r})"
-        )
-    if target_epsilon is not None or noise_multiplier is not None:
-        raise PlanError(
-            "a non-private plan (dp=False) takes neither target_epsilon= nor noise_multiplier= "
-            f"(got target_epsilon={target_epsilon!r}, noise_multiplier={noise_multiplier!r}): a "
-            "NON-PRIVATE baseline adds no noise")
-    q = _check_sampling(dataset_size, expected_batch_size)
-    _check_accountant_field(accountant)
-    cap = _check_sampler_fields(sampler, accountant, dataset_size, max_batch_size)
-    if sampler == TRUNCATED and cap is None:
-        raise PlanError(
-            f"privacy.max_batch_size is required with privacy.sampler={TRUNCATED!r} and "
-            "privacy.dp: false: the cap is otherwise chosen by its ε cost, which a NON-PRIVATE "
-            "baseline does not have; set it to the DP run's cap (its report's max_batch_size)")
-    if delta is None:
-        delta = default_delta(dataset_size)
-    return DPPlan(
-        dataset_size=int(dataset_size),
-        expected_batch_size=float(expected_batch_size),
-        steps=_check_steps(steps, error=PlanError) if steps is not None else steps_for_epochs(epochs, q),
-        noise_multiplier=0.0,
-        max_grad_norm=float(max_grad_norm),
-        delta=delta,
-        accountant=accountant,
-        sampler=sampler,
-        max_batch_size=cap,
-        dp=False,
-    )
