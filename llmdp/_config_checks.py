@@ -163,6 +163,14 @@ def check_privacy(p, prefix: str, base_dir: str):
             f"non-private baseline spends no budget and is recorded in no ledger; remove one",
             key=f"{prefix}.budget_epsilon",
         )
+    elif p.sampler == "truncated-poisson" and p.max_batch_size is None:
+        raise ConfigError(
+            f"{prefix}.max_batch_size: required with {prefix}.sampler 'truncated-poisson' when "
+            f"{prefix}.dp is false: the cap is otherwise chosen by its ε cost, which a "
+            f"non-private baseline does not have; set it to the DP run's cap (its report's "
+            f"max_batch_size)",
+            key=f"{prefix}.max_batch_size",
+        )
     _check_rng_seed(p, prefix)
     if p.max_batch_size is not None and p.sampler != "truncated-poisson":
         raise ConfigError(
@@ -279,6 +287,7 @@ def check_recipe(r, prefix: str, base_dir: str):
             key="model.tiny.max_position_embeddings",
         )
     _check_eval_recipe(r)
+    _check_baseline_recipe(r)
     rows = 1 if r.data.unit == "sequence" else r.data.max_rows_per_unit
     if rows > r.train.physical_batch_size:
         raise ConfigError(
@@ -288,6 +297,25 @@ def check_recipe(r, prefix: str, base_dir: str):
             key="train.physical_batch_size",
         )
     return r
+
+
+def _check_baseline_recipe(r) -> None:
+    """A NON-PRIVATE baseline (privacy.dp: false) is for comparison only: never published,
+    and it records nothing in any ledger."""
+    if r.privacy.dp:
+        return
+    if r.output.push_to is not None:
+        raise ConfigError(
+            f"output.push_to: {r.output.push_to!r} with privacy.dp: false: a NON-PRIVATE "
+            f"baseline (no clipping, no noise, no privacy guarantee) is for comparison only and "
+            f"is never exported or published; remove output.push_to, or train with privacy.dp: "
+            f"true", key="output.push_to")
+    if r.eval.epsilon is not None or r.eval.noise_multiplier is not None:
+        raise ConfigError(
+            "eval.epsilon / eval.noise_multiplier with privacy.dp: false: a DP evaluation is a "
+            "release recorded in the dataset ledger, and a NON-PRIVATE baseline records nothing "
+            "in any ledger; remove them (the baseline's metrics are internal)",
+            key="eval.epsilon")
 
 
 def _check_eval_recipe(r) -> None:

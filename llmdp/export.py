@@ -45,6 +45,7 @@ import yaml
 from safetensors import safe_open
 
 from llmdp._fs import building_dir, replace_dir
+from llmdp.baseline import NON_PRIVATE
 from llmdp.card import model_card
 from llmdp.privacy.ledger import Ledger
 from llmdp.publish import publishable_ledger, publishable_report
@@ -144,10 +145,32 @@ def _check_weights(model_dir: str, params: dict) -> list[str]:
     return []
 
 
+def _refuse_baseline(run_dir: str) -> None:
+    """A NON-PRIVATE baseline (privacy.dp: false) is never exported, verified or not."""
+    cfg = _read_yaml(os.path.join(run_dir, "config.yaml"))
+    info = _read_json(os.path.join(run_dir, "plan.json")) or {}
+    if ((cfg.get("privacy") or {}).get("dp") is False or (info.get("plan") or {}).get("dp") is False
+            or info.get("privacy") == NON_PRIVATE):
+        raise ExportError(
+            f"{run_dir} is a NON-PRIVATE baseline (privacy.dp: false): it was trained without "
+            f"clipping or noise, carries no privacy guarantee and cannot be exported, not even "
+            f"with --allow-unverified. It is for comparison only; to publish a model, train the "
+            f"recipe with privacy.dp: true")
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        return {}
+
+
 def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     """(problems, report): every reason not to publish the run as is (empty: verified),
     and the report to state (the stored one, or rebuilt from the ledger when missing)."""
     run_dir = os.path.abspath(run_dir)
+    _refuse_baseline(run_dir)
     problems: list[str] = []
     if not os.path.isdir(os.path.join(run_dir, "model")):
         raise ExportError(f"{run_dir}: no final model (model/); the run did not finish. Resume it "

@@ -14,6 +14,7 @@ import time
 
 from tqdm import tqdm
 
+from llmdp.baseline import NON_PRIVATE
 from llmdp.spent import ledger_epsilon
 
 
@@ -25,6 +26,7 @@ class Progress(threading.Thread):
     def __init__(self, path: str, plan, prior_releases=(), ledger_path: str | None = None):
         super().__init__(daemon=True)
         self.path, self.total, self.plan = path, plan.steps, plan
+        self.dp = plan.dp  # False: a NON-PRIVATE baseline: labelled so, no ε to show
         self.ledger_path = ledger_path or os.path.join(os.path.dirname(path), "ledger.jsonl")
         self.prior = list(prior_releases)  # e.g. the private tokenizer's release: ε starts there
         self._eps_at = (0, 0.0)  # (step, epsilon): epsilon spent so far, recomputed now and then
@@ -33,7 +35,7 @@ class Progress(threading.Thread):
         self._offset = os.path.getsize(path) if os.path.exists(path) else 0
 
     def run(self) -> None:
-        bar = tqdm(total=self.total, desc="dp-sgd", unit="step", dynamic_ncols=True, file=sys.stdout)
+        bar = tqdm(total=self.total, desc="dp-sgd" if self.dp else NON_PRIVATE, unit="step", dynamic_ncols=True, file=sys.stdout)
         last = {}
         while not self.stop.is_set():
             self._poll(bar, last)
@@ -46,7 +48,7 @@ class Progress(threading.Thread):
 
     def _poll(self, bar, last, final: bool = False) -> None:
         self._read_metrics(bar, last)
-        if final:  # the run is over: the ledger's ε, exactly as the report computes it
+        if final and self.dp:  # the run is over: the ledger's ε, exactly as the report computes it
             last["eps"] = self._ledger_epsilon(exact=True)
             bar.set_postfix({**last.get("post", {}), "eps": f"{last['eps']:.2f}"}, refresh=False)
             bar.refresh()
@@ -76,7 +78,7 @@ class Progress(threading.Thread):
             now = time.monotonic()
             # PLD costs ~0.5 s of the CPU the workers use: refresh at most every 10% of the run.
             due = rec["step"] - self._eps_at[0] >= max(1, self.total // 10)
-            if rec["step"] != self._eps_at[0] and ((due and now - self._eps_time > 5) or rec["step"] == self.total):
+            if self.dp and rec["step"] != self._eps_at[0] and ((due and now - self._eps_time > 5) or rec["step"] == self.total):
                 # epsilon of every release in the ledger so far (display grid: conservative)
                 eps = self._ledger_epsilon(exact=False)
                 self._eps_at = (rec["step"], eps)

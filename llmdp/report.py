@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+from llmdp.baseline import baseline_report
 from llmdp.evaluation.report import dp_eval_covered, evaluation_section
 from llmdp.privacy import accountant
 from llmdp.privacy.budget import budget_status
@@ -81,6 +82,12 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     cfg = rd.config()
     plan_info = rd.info
     plan = rd.plan
+    if not plan.dp:  # a NON-PRIVATE baseline: no ledger, no ε (llmdp.baseline)
+        metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+        return {"report_version": REPORT_VERSION, **baseline_report(
+            rd, metrics, failure=failure, interrupted=interrupted, resume_hint=RESUME_HINT,
+            internal_metrics=INTERNAL_METRICS),
+            "evaluation": evaluation_section(run_dir, plan_info, metrics, [])}
     ledger_path = os.path.join(run_dir, "ledger.jsonl")
     ledger = Ledger(ledger_path)
     records = ledger.records() if os.path.exists(ledger_path) else []
@@ -472,6 +479,8 @@ def plot(run_dir: str, report: dict) -> str:
                if "event" not in m and m.get("train_loss") is not None]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     _epsilon_panel(ax1, curve, report)
+    if report.get("dp") is False:
+        fig.suptitle("NON-PRIVATE BASELINE: no privacy guarantee", color="tab:red")
     if metrics:
         steps = [m["step"] for m in metrics]
         loss = [m["train_loss"] for m in metrics]
@@ -492,7 +501,8 @@ def plot(run_dir: str, report: dict) -> str:
         ax2.legend(fontsize=8)
     ax2.set_xlabel("step")
     ax2.set_ylabel("loss (normalized per unit)")
-    ax2.set_title("training and held-out loss")
+    ax2.set_title("training and held-out loss" if report.get("dp", True)
+                  else "training and held-out loss (NON-PRIVATE)")
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     out = os.path.join(run_dir, "privacy_report.png")

@@ -9,12 +9,15 @@ local plot, which adds the internal loss curve, is `llmdp.report.plot`. Both dra
 
 from __future__ import annotations
 
+from llmdp.baseline import baseline_panel, render_baseline_markdown
 from llmdp.publish import PUBLISHABLE_NOTE
 
 
 def render_markdown(r: dict) -> str:
     """Markdown of a report: the full local one, or a publishable one (`publishable_report`),
     whose internal sections are absent and so are not rendered."""
+    if r.get("dp") is False:  # a NON-PRIVATE baseline: no guarantee to state
+        return render_baseline_markdown(r)
     eps = r["epsilon_by_accountant"]
     s = r["sampling"]
     tok = r.get("tokenizer") or {}
@@ -202,6 +205,9 @@ def _dataset_rows(r: dict) -> list[str]:
 
 
 def _epsilon_panel(ax, curve, report: dict) -> None:
+    if report.get("dp") is False:  # a NON-PRIVATE baseline: no ε to draw
+        baseline_panel(ax)
+        return
     ax.plot([t for t, _ in curve], [e for _, e in curve], color="tab:red")
     ax.set_xlabel("steps recorded in the ledger")
     ax.set_ylabel(f"epsilon at delta={report['delta']:.0e} ({report['accountant']})")

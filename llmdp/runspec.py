@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmdp.baseline import NON_PRIVATE
 from llmdp.config import RecipeConfig
 from llmdp.evaluation.dp import DpEvalPlan
 from llmdp.privacy.events import event_to_json
@@ -100,8 +102,10 @@ class RunSpec:
     plan: DPPlan
     run_id: str
     paths: RunPaths
-    ledger: LedgerSpec
-    dataset_ledger: Mapping[str, str]  # {"location" (without password), "dataset_id"}
+    # None for a NON-PRIVATE baseline (privacy.dp: false; ``dp`` False): it opens no ledger
+    # and every ledger call is skipped.
+    ledger: LedgerSpec | None
+    dataset_ledger: Mapping[str, str] | None  # {"location" (without password), "dataset_id"}
     prior_releases: tuple[Mapping[str, Any], ...] = ()  # e.g. a private tokenizer's release
     tokenizer: Mapping[str, Any] = field(default_factory=dict)  # what the tokenizer means for ε
     data_stats: Mapping[str, Any] = field(default_factory=dict)  # internal: computed on private data
@@ -111,10 +115,18 @@ class RunSpec:
     def run_dir(self) -> str:
         return self.paths.run_dir
 
+    @property
+    def dp(self) -> bool:
+        """False for a NON-PRIVATE baseline (privacy.dp: false): no clipping, no noise, no
+        ledger, labelled NON-PRIVATE everywhere (``llmdp.baseline``)."""
+        return self.plan.dp
+
     @functools.cached_property  # computed once (a PLD), for the log line and plan.json
     def epsilon_planned(self) -> float:
         """ε of the whole plan (its steps and DP evaluations) composed with the earlier
-        releases."""
+        releases (inf for a baseline: no guarantee, and no accountant is asked)."""
+        if not self.dp:
+            return math.inf
         return composed_epsilon(self.plan, list(self.prior_releases) + self.planned_evals())
 
     def planned_evals(self) -> list[dict]:
@@ -132,14 +144,17 @@ class RunSpec:
         return "public" if ev.public else "private"
 
     def with_ledger_actor(self, name: str) -> RunSpec:
+        if self.ledger is None:  # a baseline has no ledger service
+            return self
         return dataclasses.replace(self, ledger=dataclasses.replace(self.ledger, actor=name))
 
     def plan_record(self) -> dict[str, Any]:
-        """What plan.json holds."""
+        """What plan.json holds (a baseline's: ``"privacy": "NON-PRIVATE"``, no ε, no ledger)."""
         return {
+            **({} if self.dp else {"privacy": NON_PRIVATE}),
             "plan": self.plan.to_dict(),
-            "epsilon_planned": self.epsilon_planned,
-            "epsilon_planned_training_only": self.plan.epsilon(),
+            "epsilon_planned": self.epsilon_planned if self.dp else None,
+            "epsilon_planned_training_only": self.plan.epsilon() if self.dp else None,
             "dp_eval": None if self.eval_plan is None else {
                 **self.eval_plan.to_dict(), "epsilon_alone": self.eval_plan.epsilon()},
             "eval_data": self.eval_data,
@@ -147,7 +162,7 @@ class RunSpec:
             "tokenizer": dict(self.tokenizer),
             "prior_releases": [dict(r) for r in self.prior_releases],
             "data": dict(self.data_stats),
-            "dataset_ledger": dict(self.dataset_ledger),
+            "dataset_ledger": None if self.dataset_ledger is None else dict(self.dataset_ledger),
             "budget_epsilon": self.cfg.privacy.budget_epsilon,
             "allow_exceed_target_on_failure": self.cfg.privacy.allow_exceed_target_on_failure,
         }

@@ -49,9 +49,12 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
 def epsilon_curve(run_dir: str | RunDir, points: int = 16) -> list[tuple[int, float]]:
     """ε after the first t steps recorded in the run's ledger, at a few t: the curve of the
     plot. Starts at the earlier releases' ε (a private tokenizer's), and its last point is
-    the reported ε (same composition, same grid); the others use the display grid."""
+    the reported ε (same composition, same grid); the others use the display grid. Empty
+    for a NON-PRIVATE baseline."""
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     plan, prior, path = rd.plan, rd.prior_releases, rd.ledger_path
+    if not plan.dp:  # a NON-PRIVATE baseline spends no ε: it has no curve
+        return []
     total = step_count(Ledger(path).records()) if os.path.exists(path) else 0
     ts = sorted({max(1, round(total * i / points)) for i in range(1, points + 1)}) if total else []
     return [ledger_epsilon(path, plan, prior, steps=t, exact=(t == total)) for t in [0] + ts]

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from llmdp._fs import RunLock, cache_root
+from llmdp.baseline import BANNER
 from llmdp.config import ConfigError, RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.data.holdout import Holdout
 from llmdp.data.sources import source_fingerprint
@@ -73,6 +74,7 @@ def check_run_dir(run_dir: str, cfg: RecipeConfig) -> None:
         return
     with open(old_path, encoding="utf-8") as f:
         old = _flatten(json.loads(json.dumps(yaml.safe_load(f) or {})))
+    old.setdefault("privacy.dp", True)  # written before privacy.dp existed: a DP run
     new = _flatten(json.loads(json.dumps(to_dict(cfg))))
     # A key the old config lacks is a field added to the schema since: not a change.
     changed = sorted(k for k in old
@@ -192,6 +194,7 @@ def plan_run(cfg: RecipeConfig, log=print) -> Planned:
             f"(a sampling probability q = B/N of at most 1)",
             key="train.expected_batch_size",
         )
+    priv = cfg.privacy  # privacy.dp false: a NON-PRIVATE baseline; σ is not calibrated
     plan = make_plan(
         dataset_size=N,
         expected_batch_size=cfg.train.expected_batch_size,
@@ -199,15 +202,17 @@ def plan_run(cfg: RecipeConfig, log=print) -> Planned:
         steps=cfg.train.steps,
         epochs=cfg.train.epochs,
         delta=cfg.privacy.delta,
-        target_epsilon=cfg.privacy.target_epsilon,
-        noise_multiplier=cfg.privacy.noise_multiplier,
+        target_epsilon=priv.target_epsilon if priv.dp else None,
+        noise_multiplier=priv.noise_multiplier if priv.dp else None,
         accountant=cfg.privacy.accountant,
         max_noise_multiplier=cfg.privacy.max_noise_multiplier,
         sampler=cfg.privacy.sampler,
         max_batch_size=cfg.privacy.max_batch_size,
+        dp=priv.dp,
     )
-    prior_releases = [tok_use["release"]] if tok_use["compose"] else []
-    eval_plan = _dp_eval_plan(cfg, plan, len(tokenizer)) if eval_store is not None else None
+    prior_releases = [tok_use["release"]] if tok_use["compose"] and priv.dp else []
+    eval_plan = _dp_eval_plan(cfg, plan, len(tokenizer)) if eval_store is not None and priv.dp \
+        else None
     if prior_releases or eval_plan is not None:
         # The model's guarantee covers the tokenizer and the DP evaluations too: sigma is
         # calibrated so that the composition (tokenizer release + DP evaluations + every
@@ -267,12 +272,14 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
         "mechanism": "dp-sgd",
     }
 
-    ledger = open_dataset_ledger(d, cfg.privacy.ledger, source_sha, log=log)
-    _check_run_ledger(run_dir, run_id, ledger)  # a resumed run: its ledger.jsonl is whole
+    # A NON-PRIVATE baseline (privacy.dp: false) opens no ledger and records nothing.
+    ledger = open_dataset_ledger(d, cfg.privacy.ledger, source_sha, log=log) if plan.dp else None
+    if ledger is not None:
+        _check_run_ledger(run_dir, run_id, ledger)  # a resumed run: its ledger.jsonl is whole
     # A resumed run holds (and may need) only the steps after its checkpoint.
     resumed_at = rd.checkpoint_step()
     resumed_at = resumed_at if isinstance(resumed_at, int) else 0
-    service = {
+    service = None if ledger is None else {
         "location": ledger["location"], "dataset_id": ledger["dataset_id"],
         "run_ledger": os.path.join(run_dir, "ledger.jsonl"),
         "run_id": run_id, "meta": ledger_meta,
@@ -300,8 +307,9 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
                        model_cache=os.path.join(cache, "models"),
                        tokenizer_dir=os.path.abspath(tok_dir) if tok_dir and os.path.isdir(tok_dir) else None,
                        eval_store_dir=None if planned.eval_store is None else os.path.abspath(planned.eval_store.path)),
-        ledger=LedgerSpec(service=service),
-        dataset_ledger={"location": ledger["shown"], "dataset_id": ledger["dataset_id"]},
+        ledger=None if service is None else LedgerSpec(service=service),
+        dataset_ledger=None if ledger is None else {"location": ledger["shown"],
+                                                    "dataset_id": ledger["dataset_id"]},
         prior_releases=tuple(prior_releases), tokenizer=tok_use, data_stats=data_stats,
         eval_plan=planned.eval_plan,
     )
@@ -364,9 +372,10 @@ def run(cfg: RecipeConfig, log=print) -> str:
     after the report (status: interrupted) is written."""
     done = finished_run(cfg)
     if done is not None:
+        eps = (f"ε = {done['epsilon']:.4f} at δ = {done['delta']:.3g}" if done["epsilon"] is not None
+               else "a NON-PRIVATE baseline, no ε")
         log(f"run {cfg.run_dir} is already complete ({done['steps']} of {done['steps']} steps, "
-            f"ε = {done['epsilon']:.4f} at δ = {done['delta']:.3g}); nothing to do. Give a new "
-            f"output.name to train again.")
+            f"{eps}); nothing to do. Give a new output.name to train again.")
         return os.path.abspath(cfg.run_dir)
 
     lock = RunLock(cfg.run_dir)  # one launch per run directory, before anything is written
@@ -378,7 +387,7 @@ def run(cfg: RecipeConfig, log=print) -> str:
 
 def _end_hold(spec: RunSpec, status: str, log) -> None:
     """The run's hold on the budget ends with the launch (a resumed run holds anew)."""
-    if spec.ledger.budget_epsilon is None:
+    if spec.ledger is None or spec.ledger.budget_epsilon is None:
         return
     try:
         svc = spec.ledger.open()
@@ -393,13 +402,15 @@ def _run_locked(cfg: RecipeConfig, lock, log) -> str:
 
     prepared = prepare(cfg, log=log, lock=lock)
     plan = prepared.plan
-    log(
-        f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
-        f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
-        f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}, planned epsilon="
-        f"{prepared.epsilon_planned:.4f} ({plan.accountant})"
-    )
-    if prepared.tokenizer.get("kind") == "private-dp":
+    if not prepared.dp:
+        log(f"{BANNER}. plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
+            f"B={plan.expected_batch_size:g}, T={plan.steps}; no clipping, no noise, no ledger")
+    else:
+        log(f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
+            f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
+            f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}, planned epsilon="
+            f"{prepared.epsilon_planned:.4f} ({plan.accountant})")
+    if prepared.dp and prepared.tokenizer.get("kind") == "private-dp":
         log(f"tokenizer: {prepared.tokenizer['summary']}")
     resume = RunDir(prepared.run_dir).resume_point()
     if resume is not None:
@@ -424,7 +435,10 @@ def _run_locked(cfg: RecipeConfig, lock, log) -> str:
         log(f"stopped early: {report['stopped']}")
     log(f"run directory: {prepared.run_dir}")
     log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
-    log(f"epsilon = {report['epsilon']:.4f} at delta = {report['delta']:.3g} ({report['accountant']})")
+    if report.get("dp") is False:
+        log(f"{BANNER} (no epsilon)")
+    else:
+        log(f"epsilon = {report['epsilon']:.4f} at delta = {report['delta']:.3g} ({report['accountant']})")
     if interrupted:
         raise RunInterrupted(
             f"interrupted after step {report['steps_completed']} of {plan.steps}; "
@@ -504,7 +518,7 @@ def _fit(prepared: RunSpec, log) -> None:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(LedgerService).options(
+    actor = None if prepared.ledger is None else ray.remote(LedgerService).options(  # baseline: none
         name=actor_name, num_cpus=0, scheduling_strategy=here).remote(**prepared.ledger.service)
     spec = prepared.with_ledger_actor(actor_name)
     progress = Progress(spec.paths.metrics, spec.plan, spec.prior_releases)
@@ -534,7 +548,8 @@ def _fit(prepared: RunSpec, log) -> None:
     finally:
         progress.stop.set()
         progress.join(timeout=5)
-        ray.kill(actor)
+        if actor is not None:
+            ray.kill(actor)
         if started_ray:
             ray.shutdown()
 

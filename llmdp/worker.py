@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from llmdp import parallel
+from llmdp.baseline import NON_PRIVATE
 from llmdp.clipping import GhostClipper
 from llmdp.config import OptimConfig, warmup_steps_for
 from llmdp.data.batching import assign_micro_batches
@@ -110,6 +111,11 @@ class LocalContext:
             shutil.copytree(checkpoint_dir, self.checkpoint_dir)
 
 
+def _label(spec: RunSpec) -> dict:
+    """What marks a NON-PRIVATE baseline's metrics records (nothing for a DP run)."""
+    return {} if spec.dp else {"privacy": NON_PRIVATE}
+
+
 def _metrics_line(path: str, record: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
@@ -161,7 +167,8 @@ def setup(spec: RunSpec, context) -> Training:
     # Every worker starts from rank 0's full weights (e.g. LoRA's random init), then fsdp
     # shards them (parameters become DTensors; optimizer and engine are built on those).
     model = strategy.prepare_model(model)  # [sync point]
-    clipper = GhostClipper(model, plan.max_grad_norm, engine=cfg.privacy.clipping,
+    # clip_bound: C, or inf for a NON-PRIVATE baseline (every factor 1: nothing is clipped)
+    clipper = GhostClipper(model, plan.clip_bound, engine=cfg.privacy.clipping,
                            mode=cfg.privacy.clipping_mode, grad_buffers=strategy.grad_sinks(model))
     optimizer = build_optimizer(clipper.params, cfg.optim)
     store = open_store(spec.paths.store_dir)
@@ -202,19 +209,21 @@ def resume(run: Training) -> None:
 def open_ledger(run: Training) -> None:
     """Rank 0 becomes the client of the run's single ledger writer (a Ray actor on the
     driver, or in-process without Ray). One attempt per (re)start of the worker group:
-    re-executed steps are counted again, as they must be."""
+    re-executed steps are counted again, as they must be. A NON-PRIVATE baseline has no
+    ledger (``spec.ledger`` None): ``run.ledger`` stays None and every ledger call is skipped."""
     if run.rank != 0:
         return
-    run.ledger = run.spec.ledger.client()
-    run.ledger.start_attempt()
+    if run.spec.ledger is not None:
+        run.ledger = run.spec.ledger.client()
+        run.ledger.start_attempt()
     _metrics_line(run.spec.paths.metrics, {"event": "start", "step": run.start, "time": time.time(),
-                                           "world_size": run.world})
+                                           "world_size": run.world, **_label(run.spec)})
 
 
 def admitted(run: Training, step: int) -> tuple[bool, str]:
     """Budget / target: rank 0 asks the ledger service before the step; every worker learns
     the answer. [sync point when the run is budgeted]"""
-    if not run.spec.ledger.admits:
+    if run.spec.ledger is None or not run.spec.ledger.admits:
         return True, ""
     ok, why = run.ledger.admit(step) if run.ledger is not None else (True, "")
     return broadcast_bytes(b"\x01" if ok else b"\x00", 1, run.device) == b"\x01", why
@@ -261,6 +270,7 @@ def dp_step(run: Training, step: int) -> dict:
         return n / dt if dt > 0 else None
 
     return {
+        **_label(run.spec),
         "step": step + 1,
         "lr": run.scheduler.get_last_lr()[0],
         "step_time_s": dt,
@@ -295,7 +305,8 @@ def checkpoint(run: Training, step: int) -> None:
             params, optim = state
             torch.save({"params": params, "optimizer": optim,
                         "scheduler": run.scheduler.state_dict(), "step": step,
-                        "run_id": run.spec.run_id, "ledger": run.ledger.position(),
+                        "run_id": run.spec.run_id,
+                        "ledger": run.ledger.position() if run.ledger is not None else None,
                         "strategy": run.strategy.name, "nonfinite_steps": run.nonfinite_steps},
                        os.path.join(tmp, "state.pt"))
             ckpt = tmp

@@ -151,6 +151,10 @@ class DPPlan:
     the cap costs in epsilon; None if not computed) and `truncation_probability`
     (P(Binomial(N, q) > B_max): how often a step drops units; derived, filled in if
     None). For "poisson" the three are None.
+
+    `dp=False`: a NON-PRIVATE baseline (`llmdp.baseline`): the same sampling and steps, σ = 0,
+    no target or truncation cost, `clip_bound` inf (`max_grad_norm` keeps the recipe's C, not
+    applied), `epsilon()` inf, no DP event. `to_dict` writes ``dp`` only when False.
     """
 
     dataset_size: int
@@ -166,13 +170,22 @@ class DPPlan:
     max_batch_size: int | None = None
     truncation_cost: float | None = None
     truncation_probability: float | None = None
+    dp: bool = True
 
     def __post_init__(self):
         # Validate here too, so a plan read back from a file (from_dict) is as checked
         # as one built by make_plan.
         _check_sampling(self.dataset_size, self.expected_batch_size)
         _check_steps(self.steps, error=PlanError)
-        _check_positive("noise_multiplier", self.noise_multiplier, "sigma", error=PlanError)
+        if not isinstance(self.dp, bool):
+            raise PlanError(f"dp must be true or false, got dp={self.dp!r}")
+        if self.dp:
+            _check_positive("noise_multiplier", self.noise_multiplier, "sigma", error=PlanError)
+        elif self.noise_multiplier != 0 or self.target_epsilon is not None or self.truncation_cost is not None:
+            raise PlanError(
+                f"noise_multiplier={self.noise_multiplier!r}, target_epsilon={self.target_epsilon!r}, "
+                f"truncation_cost={self.truncation_cost!r} in a non-private plan (dp=False): a "
+                "NON-PRIVATE baseline has no noise (0) and no ε (None)")
         _check_positive("max_grad_norm", self.max_grad_norm, "the clipping bound C",
                         error=PlanError)
         _check_delta(self.delta, self.dataset_size, default=default_delta(self.dataset_size),
@@ -233,6 +246,12 @@ class DPPlan:
         )
 
     @property
+    def clip_bound(self) -> float:
+        """The bound the clipping engine applies: C, or inf for a non-private plan (every
+        factor is then exactly 1: the engine sums the unclipped unit gradients)."""
+        return self.max_grad_norm if self.dp else math.inf
+
+    @property
     def truncated(self) -> bool:
         """Whether the plan uses truncated Poisson sampling (a cap `max_batch_size`)."""
         return self.sampler == TRUNCATED
@@ -244,6 +263,8 @@ class DPPlan:
 
     def step_event(self) -> dp_accounting.DpEvent:
         """The event of one step: Poisson, or truncated Poisson (`max_batch_size`)."""
+        if not self.dp:
+            raise PlanError(_NO_EVENT)
         return dpsgd_step_event(
             self.sampling_probability, self.noise_multiplier, **self._event_kwargs()
         )
@@ -265,7 +286,10 @@ class DPPlan:
         )
 
     def epsilon(self, steps: int | None = None, accountant: str | None = None) -> float:
-        """Epsilon at `self.delta` after `steps` steps (default: all T planned steps)."""
+        """Epsilon at `self.delta` after `steps` steps (default: all T planned steps); inf for
+        a non-private plan (no guarantee)."""
+        if not self.dp:
+            return math.inf
         steps = self.steps if steps is None else steps
         return _acc.epsilon_for(
             self.sampling_probability,
@@ -278,7 +302,9 @@ class DPPlan:
 
     def epsilon_estimate(self, steps: int | None = None) -> float:
         """A fast, conservative PLD epsilon after `steps` steps, for display only
-        (`accountant.epsilon_estimate` of this plan's event)."""
+        (`accountant.epsilon_estimate` of this plan's event); inf for a non-private plan."""
+        if not self.dp:
+            return math.inf
         steps = self.steps if steps is None else steps
         return _acc.epsilon_estimate(
             self.sampling_probability,
@@ -289,7 +315,10 @@ class DPPlan:
         )
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["dp"]:
+            del d["dp"]  # a DP plan's record is as before the field existed (from_dict: True)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> DPPlan:
@@ -299,6 +328,11 @@ class DPPlan:
         if unknown:
             raise PlanError(f"unknown DPPlan field(s) {unknown}; known fields are {sorted(names)}")
         return cls(**d)
+
+
+_NO_EVENT = (
+    "this is the plan of a NON-PRIVATE baseline (privacy.dp: false): it makes no DP release, "
+    "so it has no DP event to account, compose or record in a ledger")
 
 
 def _check_calibration_args(target_epsilon, delta, sampling_probability, steps, accountant,
@@ -369,6 +403,7 @@ def make_plan(
     sampler: str = "poisson",
     max_batch_size: int | None = None,
     truncation_budget: float = DEFAULT_TRUNCATION_BUDGET,
+    dp: bool = True,
 ) -> DPPlan:
     """Validate the inputs and build a `DPPlan`, calibrating sigma if a target is given.
 
@@ -383,13 +418,20 @@ def make_plan(
     `max_batch_size` is used as is, whatever its cost; the plan carries the cost. The
     plan's cost, epsilon and sigma are on the reporting grid. Takes seconds to tens of
     seconds (PLD of the truncated event): ~20 s for N=15000, B=256, T=50 on 2 cores.
+
+    `dp=False`: a NON-PRIVATE baseline's plan (no target, no σ; truncated Poisson needs its cap).
     """
     if (steps is None) == (epochs is None):
         got = "both" if steps is not None else "neither"
         raise PlanError(
             f"pass exactly one of steps= or epochs=, got {got} (steps={steps!r}, epochs={epochs!r})"
         )
-    if (target_epsilon is None) == (noise_multiplier is None):
+    if not dp and (target_epsilon is not None or noise_multiplier is not None):
+        raise PlanError(
+            "a non-private plan (dp=False) takes neither target_epsilon= nor noise_multiplier= "
+            f"(got target_epsilon={target_epsilon!r}, noise_multiplier={noise_multiplier!r}): a "
+            "NON-PRIVATE baseline adds no noise")
+    if dp and (target_epsilon is None) == (noise_multiplier is None):
         got = "both" if target_epsilon is not None else "neither"
         raise PlanError(
             "pass exactly one of target_epsilon= (calibrate sigma) or noise_multiplier= (fixed sigma), "
@@ -402,6 +444,11 @@ def make_plan(
     delta = _check_delta(delta, dataset_size, default=default_delta(dataset_size), error=PlanError)
     _check_accountant_field(accountant)
     cap = _check_sampler_fields(sampler, accountant, dataset_size, max_batch_size)
+    if sampler == TRUNCATED and cap is None and not dp:
+        raise PlanError(
+            f"privacy.max_batch_size is required with privacy.sampler={TRUNCATED!r} and "
+            "privacy.dp: false: the cap is otherwise chosen by its ε cost, which a NON-PRIVATE "
+            "baseline does not have; set it to the DP run's cap (its report's max_batch_size)")
     if sampler == TRUNCATED and cap is None:
         if not _is_number(truncation_budget) or not (0 < truncation_budget < math.inf):
             raise PlanError(
@@ -410,6 +457,11 @@ def make_plan(
                 f"truncation_budget={truncation_budget!r}"
             )
     steps = _check_steps(steps, error=PlanError) if steps is not None else steps_for_epochs(epochs, q)
+    if not dp:  # the same sampling and steps, no noise: nothing to calibrate
+        return DPPlan(dataset_size=int(dataset_size), expected_batch_size=float(expected_batch_size),
+                      steps=steps, noise_multiplier=0.0, max_grad_norm=float(max_grad_norm),
+                      delta=delta, accountant=accountant, sampler=sampler, max_batch_size=cap,
+                      dp=False)
     sigma = max_sigma = None
     if noise_multiplier is not None:
         sigma = _check_positive("noise_multiplier", noise_multiplier, "sigma", error=PlanError)
@@ -454,3 +506,4 @@ def make_plan(
         max_batch_size=cap,
         truncation_cost=None if cost is None else float(cost),
     )
+
