@@ -52,9 +52,8 @@ INTERNAL_METRICS = {
     "step_time_s": "wall time of the step (grows with the realized sample size)",
     "nonfinite_units": "units whose gradient was not finite in the step (given no weight; the run "
     "stops after train.max_nonfinite_steps such steps)",
-    "eval (held-out loss, perplexity, accuracy, units, tokens)": "metrics of the model on the "
-    "private held-out units, computed without DP (the `evaluation.internal` section; the DP "
-    "evaluation is the publishable one)",
+    "eval (held-out loss, perplexity, accuracy, units, tokens)": "the model's metrics on the "
+    "private held-out units without DP (`evaluation.internal`; the DP evaluation is publishable)",
 }
 
 

@@ -227,10 +227,11 @@ def run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | N
               rng=None) -> dict:
     """Run the sweep of recipe ``cfg`` (its ``sweep`` section with the command line's
     ``grid`` entries and flags); returns sweep.json's content. ``run_trial(cfg, log=)`` (the
-    run of one trial: `trainer.run`), ``plan_trial(cfg, log=)`` (`trainer.plan_run`) and
+    run of one trial: `trainer.run`), ``plan_trial(cfg, log=)`` (`planning.plan_run`) and
     ``rng`` (the random draw: OS entropy) are injectable for tests."""
     from llmdp._fs import RunLock
-    from llmdp.trainer import plan_run, run
+    from llmdp.planning import plan_run
+    from llmdp.trainer import run
 
     run_trial = run_trial or run
     plan_trial = plan_trial or plan_run

@@ -2,7 +2,7 @@
 directly, the budget refusal before any trial, and the selection by DP evaluation only.
 
 Trials are run by an injected runner that writes a report (no Ray); planning is the real
-`trainer.plan_run` on a tiny model. The end-to-end test on Ray is marked slow."""
+`planning.plan_run` on a tiny model. The end-to-end test on Ray is marked slow."""
 
 from __future__ import annotations
 
