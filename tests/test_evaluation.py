@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmdp.config import ConfigError, recipe_from_dict
+from llmdp.config import ConfigError, recipe_from_dict, to_dict
 from llmdp.data.holdout import Holdout, split_units
 from llmdp.evaluation import dp as dp_eval
 from llmdp.evaluation.metrics import evaluate
@@ -294,3 +294,23 @@ def test_eval_config_errors_name_the_key(tmp_path, raw, match):
         base[section] = {**base.get(section, {}), **values}
     with pytest.raises(ConfigError, match=match):
         recipe_from_dict(base, base_dir=str(tmp_path))
+
+
+def test_a_baseline_evaluates_held_out_data_without_any_release(tmp_path):
+    """privacy.dp false runs the DP recipe as it is: the DP evaluation is ignored, the
+    held-out metrics are computed (internal), nothing is recorded in any ledger."""
+    from llmdp.report import write_report
+
+    cfg = eval_recipe(tmp_path, evaluation={"epsilon": 0.5})
+    cfg = recipe_from_dict({**to_dict(cfg),
+                            "privacy": {"dp": False, "delta": 1e-4,
+                                        "ledger": str(tmp_path / "ledger.sqlite")}})
+    spec = prepared(cfg)
+    assert spec.eval_plan is None and spec.paths.eval_store_dir is not None
+    train_loop_per_worker(spec, LocalContext())
+    assert not os.path.exists(os.path.join(spec.run_dir, "ledger.jsonl"))
+    report = write_report(spec.run_dir)
+    ev = report["evaluation"]
+    assert [m["step"] for m in ev["internal"]] == [0, 6] and ev["dp"] == []
+    metrics = [json.loads(x) for x in open(spec.paths.metrics)]
+    assert all(m.get("privacy") == "NON-PRIVATE" for m in metrics if m.get("event") == "eval")
