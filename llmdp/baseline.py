@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from llmdp.evaluation.report import evaluation_markdown
+
 NON_PRIVATE = "NON-PRIVATE"
 BANNER = ("NON-PRIVATE BASELINE: trained without clipping or noise; no privacy guarantee; "
           "for comparison only")
@@ -142,8 +144,6 @@ def render_baseline_markdown(r: dict) -> str:
         f"| RNG mode | {r['rng_mode']} |",
         "",
     ]
-    from llmdp.report_render import evaluation_markdown  # lazy: report_render imports publish
-
     lines += evaluation_markdown(r.get("evaluation"))
     if "internal_metrics" in r:
         lines += [

@@ -7,13 +7,13 @@ lists, at the top, the checks that failed.
 
 from __future__ import annotations
 
+from llmdp.evaluation.report import evaluation_markdown
+
 
 def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, license: str | None,
                unverified: list[str], repo_id: str | None = None):
     """The ``huggingface_hub.ModelCard`` of an export, generated from the run's report."""
     from huggingface_hub import ModelCard, ModelCardData  # lazy: huggingface_hub is slow to import
-
-    from llmdp.report_render import evaluation_markdown
 
     data_cfg, model_cfg = cfg["data"], cfg["model"]
     tags = ["differential-privacy", "dp-sgd", "llmdp", "text-generation"]

@@ -10,6 +10,7 @@ local plot, which adds the internal loss curve, is `llmdp.report.plot`. Both dra
 from __future__ import annotations
 
 from llmdp.baseline import baseline_panel, render_baseline_markdown
+from llmdp.evaluation.report import evaluation_markdown
 from llmdp.publish import PUBLISHABLE_NOTE
 
 
@@ -111,57 +112,6 @@ def render_markdown(r: dict) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def evaluation_markdown(ev: dict | None, heading: str = "##") -> list[str]:
-    """The evaluation section: DP evaluations (publishable), held-out metrics (internal on
-    private data; absent from a publishable report), generations."""
-    if not ev:
-        return []
-    lines = [f"{heading} Evaluation", ""]
-    plan = ev.get("dp_plan")
-    if ev.get("dp"):
-        lines += [
-            "DP evaluation on held-out units (publishable: released with DP, composed into ε above"
-            + (f"; noise multiplier {plan['noise_multiplier']:.4g}, loss clipped to "
-               f"[0, {plan['loss_bound']:.4g}], count {plan['count']}" if plan else "") + "):",
-            "",
-            "| after step | loss ± std | perplexity | token accuracy ± std | units |",
-            "| ---: | --- | ---: | --- | ---: |",
-            *[f"| {m['step']} | {m['loss']:.4f} ± {m['loss_std']:.4f} | {m['perplexity']:.2f} | "
-              f"{m['accuracy']:.4f} ± {m['accuracy_std']:.4f} | {m['count']:.0f}"
-              + (" (noised)" if m.get("count_kind") == "noised" else "") + " |" for m in ev["dp"]],
-            "",
-        ]
-    for why in ev.get("dp_refused") or []:
-        lines += [f"> DP evaluation not released: {why}", ""]
-    for key, what in (("public", "Held-out metrics on public data (publishable)"),
-                      ("internal", "Held-out metrics on private data, without DP (internal: do not publish)")):
-        rows = ev.get(key) or []
-        if rows:
-            lines += [f"{what}:", "", "| after step | loss | perplexity | token accuracy | units |",
-                      "| ---: | ---: | ---: | ---: | ---: |",
-                      *[f"| {m['step']} | {m['loss']:.4f} | {m['perplexity']:.2f} | "
-                        f"{m['accuracy']:.4f} | {m['units']} |" for m in rows], ""]
-    gens = ev.get("generations") or []
-    settings = ev.get("generation_settings") or {}
-    if settings.get("skipped"):
-        lines += [f"Generations: {settings['skipped']}.", ""]
-    if gens:
-        lines += [f"Generations from public prompts (greedy, and sampled at temperature "
-                  f"{settings.get('temperature')}, top-p {settings.get('top_p')}, seed "
-                  f"{settings.get('seed')}; at most {settings.get('max_new_tokens')} new tokens):", ""]
-        for g in gens:
-            lines += [f"- **{_md(g['prompt'])}** → greedy: {_md(g['greedy'])!s} · sampled: "
-                      f"{_md(g['sampled'])}"]
-        lines += [""]
-    return lines
-
-
-def _md(text: str) -> str:
-    """A generated string on one Markdown line, as code (nothing in it is rendered)."""
-    one = " ".join(str(text).split()).replace("`", "'")
-    return f"`{one}`" if one else "(empty)"
 
 
 def _noise_line(r: dict) -> list[str]:

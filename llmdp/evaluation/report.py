@@ -1,6 +1,7 @@
 """The evaluation section of a run's privacy report (``llmdp.report.build_report``): held-out
 metrics (internal on private data, publishable on public data), the DP evaluations and
-their plan, the generations; and the line the DP evaluations add to "covered"."""
+their plan, the generations; the line the DP evaluations add to "covered"; and the
+section's Markdown (report, baseline report, model card)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 
 from llmdp.privacy.ledger import EVAL_MECHANISM
 
-__all__ = ["evaluation_section", "dp_eval_covered"]
+__all__ = ["evaluation_section", "dp_eval_covered", "evaluation_markdown"]
 
 
 def evaluation_section(run_dir: str, plan_info: dict, metrics: list[dict],
@@ -63,3 +64,54 @@ def dp_eval_covered(plan_info: dict, records: list[dict]) -> list[str]:
             f"Gaussian noise multiplier {plan['noise_multiplier']:.4g}; ε = "
             f"{plan.get('epsilon_alone') or float('nan'):.4f} for the {plan['releases']} planned, "
             "alone), composed above"]
+
+
+def evaluation_markdown(ev: dict | None, heading: str = "##") -> list[str]:
+    """The evaluation section: DP evaluations (publishable), held-out metrics (internal on
+    private data; absent from a publishable report), generations."""
+    if not ev:
+        return []
+    lines = [f"{heading} Evaluation", ""]
+    plan = ev.get("dp_plan")
+    if ev.get("dp"):
+        lines += [
+            "DP evaluation on held-out units (publishable: released with DP, composed into ε above"
+            + (f"; noise multiplier {plan['noise_multiplier']:.4g}, loss clipped to "
+               f"[0, {plan['loss_bound']:.4g}], count {plan['count']}" if plan else "") + "):",
+            "",
+            "| after step | loss ± std | perplexity | token accuracy ± std | units |",
+            "| ---: | --- | ---: | --- | ---: |",
+            *[f"| {m['step']} | {m['loss']:.4f} ± {m['loss_std']:.4f} | {m['perplexity']:.2f} | "
+              f"{m['accuracy']:.4f} ± {m['accuracy_std']:.4f} | {m['count']:.0f}"
+              + (" (noised)" if m.get("count_kind") == "noised" else "") + " |" for m in ev["dp"]],
+            "",
+        ]
+    for why in ev.get("dp_refused") or []:
+        lines += [f"> DP evaluation not released: {why}", ""]
+    for key, what in (("public", "Held-out metrics on public data (publishable)"),
+                      ("internal", "Held-out metrics on private data, without DP (internal: do not publish)")):
+        rows = ev.get(key) or []
+        if rows:
+            lines += [f"{what}:", "", "| after step | loss | perplexity | token accuracy | units |",
+                      "| ---: | ---: | ---: | ---: | ---: |",
+                      *[f"| {m['step']} | {m['loss']:.4f} | {m['perplexity']:.2f} | "
+                        f"{m['accuracy']:.4f} | {m['units']} |" for m in rows], ""]
+    gens = ev.get("generations") or []
+    settings = ev.get("generation_settings") or {}
+    if settings.get("skipped"):
+        lines += [f"Generations: {settings['skipped']}.", ""]
+    if gens:
+        lines += [f"Generations from public prompts (greedy, and sampled at temperature "
+                  f"{settings.get('temperature')}, top-p {settings.get('top_p')}, seed "
+                  f"{settings.get('seed')}; at most {settings.get('max_new_tokens')} new tokens):", ""]
+        for g in gens:
+            lines += [f"- **{_md(g['prompt'])}** → greedy: {_md(g['greedy'])!s} · sampled: "
+                      f"{_md(g['sampled'])}"]
+        lines += [""]
+    return lines
+
+
+def _md(text: str) -> str:
+    """A generated string on one Markdown line, as code (nothing in it is rendered)."""
+    one = " ".join(str(text).split()).replace("`", "'")
+    return f"`{one}`" if one else "(empty)"
