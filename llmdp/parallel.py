@@ -64,22 +64,22 @@ def broadcast_params(params: Sequence[torch.Tensor]) -> None:
         dist.broadcast(p.data, src=0)
 
 
+def _sum_small(values: Sequence, dtype: torch.dtype, cast, device: torch.device) -> list:
+    if not _dist_on():
+        return [cast(v) for v in values]
+    t = torch.tensor(list(values), dtype=dtype, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [cast(v) for v in t.tolist()]
+
+
 def sum_over_workers(values: Sequence[int], device: torch.device) -> list[int]:
     """Sum small integer counters over workers (one tiny all-reduce). [sync point]"""
-    if not _dist_on():
-        return [int(v) for v in values]
-    t = torch.tensor(list(values), dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return [int(v) for v in t.tolist()]
+    return _sum_small(values, torch.int64, int, device)
 
 
 def sum_floats_over_workers(values: Sequence[float], device: torch.device) -> list[float]:
     """Sum a few float64 values over workers (one tiny all-reduce). [sync point]"""
-    if not _dist_on():
-        return [float(v) for v in values]
-    t = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return [float(v) for v in t.tolist()]
+    return _sum_small(values, torch.float64, float, device)
 
 
 def privatize_(
