@@ -42,16 +42,13 @@ def _config_hash(run_dir: str) -> str | None:
     return None
 
 
-def baseline_report(rd, metrics: list[dict], *, failure: str | None, interrupted: bool,
-                    resume_hint: str, internal_metrics: dict) -> dict[str, Any]:
+def baseline_report(rd, metrics: list[dict], state: dict, *, internal_metrics: dict) -> dict[str, Any]:
     """The report of a baseline run (``rd``: its `llmdp.rundir.RunDir`; ``metrics``: its
-    metrics.jsonl records): status, steps and the recipe's facts; no ε, no ledger."""
+    metrics.jsonl records; ``state``: where it stands, `llmdp.report.run_state`): status,
+    steps and the recipe's facts; no ε, no ledger."""
     cfg, info, plan = rd.config(), rd.info, rd.plan
-    step_records = [m for m in metrics if "event" not in m and "step" in m]
-    completed = max((m["step"] for m in step_records), default=0)
-    stop = next((m for m in reversed(metrics) if m.get("event") == "stopped"), None)
-    last = next((m for m in reversed(metrics) if m.get("event") in ("interrupted", "start")), None)
-    interrupted = interrupted or (last is not None and last["event"] == "interrupted")
+    state = dict(state)
+    completed = state.pop("completed")
     data_cfg, train, priv = cfg["data"], cfg.get("train") or {}, cfg.get("privacy") or {}
     stats = dict(info.get("data") or {})
     return {
@@ -59,12 +56,7 @@ def baseline_report(rd, metrics: list[dict], *, failure: str | None, interrupted
         "dp": False,
         "banner": BANNER,
         "run_id": info.get("run_id"),
-        "status": "failed" if failure else ("interrupted" if interrupted else
-                                            "complete" if completed >= plan.steps else
-                                            "stopped" if stop else "incomplete"),
-        "failure": failure,
-        "resume": resume_hint if interrupted and not failure else None,
-        "stopped": stop["reason"] if stop else None,
+        **state,  # status, failure, resume, stopped
         # ---- no guarantee
         "epsilon": None,
         "delta": None,

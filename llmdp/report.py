@@ -27,7 +27,7 @@ from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_s
 from llmdp.privacy.prior import release_entries
 from llmdp.privacy.service import cross_check
 from llmdp.report_render import _epsilon_panel, render_markdown
-from llmdp.rundir import RunDir
+from llmdp.rundir import RunDir, run_state
 from llmdp.spent import epsilon_curve
 from llmdp.tokenizer.train import read_tokenizer_info
 
@@ -72,9 +72,6 @@ def _read_jsonl(path: str) -> list[dict]:
     return out
 
 
-RESUME_HINT = "re-run the same command to resume"
-
-
 def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     run_dir = rd.path
@@ -84,7 +81,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     if not plan.dp:  # a NON-PRIVATE baseline: no ledger, no ε (llmdp.baseline)
         metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
         return {"report_version": REPORT_VERSION, **baseline_report(
-            rd, metrics, failure=failure, interrupted=interrupted, resume_hint=RESUME_HINT,
+            rd, metrics, run_state(metrics, plan.steps, failure, interrupted),
             internal_metrics=INTERNAL_METRICS),
             "evaluation": evaluation_section(run_dir, plan_info, metrics, [])}
     ledger_path = os.path.join(run_dir, "ledger.jsonl")
@@ -107,12 +104,8 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     ledger_steps = step_count(records)  # DP evaluations are releases, not steps
 
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    step_records = [m for m in metrics if "event" not in m and "step" in m]
-    completed = max((m["step"] for m in step_records), default=0)
-    stop = next((m for m in reversed(metrics) if m.get("event") == "stopped"), None)
-    # Interrupted (Ctrl-C, SIGTERM) if the driver said so after the latest (re)start.
-    last = next((m for m in reversed(metrics) if m.get("event") in ("interrupted", "start")), None)
-    interrupted = interrupted or (last is not None and last["event"] == "interrupted")
+    state = run_state(metrics, plan.steps, failure, interrupted)
+    completed = state.pop("completed")
     attempts = sorted({r.get("attempt") for r in records if r.get("kind") == "release"})
     priv = cfg["privacy"]
     # Every DP release behind this model that drew its randomness from a fixed seed: the
@@ -130,7 +123,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     rows_cap = int(unit_meta.get("max_rows_per_unit") or data_cfg.get("max_rows_per_unit") or 1)
     seq_len = int(unit_meta.get("sequence_length") or data_cfg["sequence_length"])
     data_stats = dict(plan_info.get("data") or {})
-    truncated_steps = sum(1 for m in step_records if m.get("sample_truncated"))
+    truncated_steps = sum(1 for m in metrics if "event" not in m and m.get("sample_truncated"))
     releases = [
         {
             "run_id": r.get("run_id"),
@@ -160,12 +153,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
         "run_id": plan_info.get("run_id"),
-        "status": "failed" if failure else ("interrupted" if interrupted else
-                                            "complete" if completed >= plan.steps else
-                                            "stopped" if stop else "incomplete"),
-        "failure": failure,
-        "resume": RESUME_HINT if interrupted and not failure else None,
-        "stopped": stop["reason"] if stop else None,
+        **state,  # status, failure, resume, stopped
         # ---- the guarantee
         "epsilon": eps[plan.accountant],
         "delta": delta,

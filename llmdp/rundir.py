@@ -147,3 +147,27 @@ class RunDir:
         if self.latest_checkpoint() is None and not attempts:
             return None
         return {"step": self.checkpoint_step(), "attempt": len(attempts) + 1}
+
+
+RESUME_HINT = "re-run the same command to resume"
+
+
+def run_state(metrics: list[dict], steps_planned: int, failure: str | None,
+              interrupted: bool) -> dict[str, Any]:
+    """Where a run stands, from its metrics.jsonl records: the steps completed and the
+    report's ``status`` / ``failure`` / ``resume`` / ``stopped`` fields (a DP run's report
+    and a baseline's alike)."""
+    completed = max((m["step"] for m in metrics if "event" not in m and "step" in m), default=0)
+    stop = next((m for m in reversed(metrics) if m.get("event") == "stopped"), None)
+    # Interrupted (Ctrl-C, SIGTERM) if the driver said so after the latest (re)start.
+    last = next((m for m in reversed(metrics) if m.get("event") in ("interrupted", "start")), None)
+    interrupted = interrupted or (last is not None and last["event"] == "interrupted")
+    return {
+        "completed": completed,
+        "status": "failed" if failure else ("interrupted" if interrupted else
+                                            "complete" if completed >= steps_planned else
+                                            "stopped" if stop else "incomplete"),
+        "failure": failure,
+        "resume": RESUME_HINT if interrupted and not failure else None,
+        "stopped": stop["reason"] if stop else None,
+    }

@@ -27,8 +27,8 @@ from llmdp.privacy.events import event_to_json
 from llmdp.privacy.ledger import LedgerError
 from llmdp.privacy.service import BudgetError, LedgerService, run_ledger_problems
 from llmdp.progress import Progress
-from llmdp.report import RESUME_HINT, write_report
-from llmdp.rundir import RunDir
+from llmdp.report import write_report
+from llmdp.rundir import RESUME_HINT, RunDir
 from llmdp.runspec import LedgerSpec, RunPaths, RunSpec
 from llmdp.tokenizer.train import ensure_release_recorded
 from llmdp.worker import train_loop_per_worker

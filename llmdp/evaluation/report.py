@@ -105,7 +105,7 @@ def evaluation_markdown(ev: dict | None, heading: str = "##") -> list[str]:
                   f"{settings.get('temperature')}, top-p {settings.get('top_p')}, seed "
                   f"{settings.get('seed')}; at most {settings.get('max_new_tokens')} new tokens):", ""]
         for g in gens:
-            lines += [f"- **{_md(g['prompt'])}** → greedy: {_md(g['greedy'])!s} · sampled: "
+            lines += [f"- **{_md(g['prompt'])}** → greedy: {_md(g['greedy'])} · sampled: "
                       f"{_md(g['sampled'])}"]
         lines += [""]
     return lines

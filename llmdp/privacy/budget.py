@@ -222,18 +222,16 @@ def budget_status(records, budget: float | None, delta: float, accountant: str, 
     releases for other units, listed as not composed."""
     spent = unit_epsilon(records, unit, delta, accountant)
     same, _ = split_by_unit(records, unit)
-    holds = live_holds(records)
+    live = [{"run_id": rid, "steps_unused": int(h["hold"]["steps"]) - h["used"]}
+            for rid, h in live_holds(records).items()
+            if unit_key(h["hold"].get("meta")) == unit_key(unit)]
     return {"ledger": location, "dataset_id": dataset_id, "unit": unit_key(unit),
             "epsilon_spent": spent, "budget_epsilon": budget,
             "epsilon_remaining": None if budget is None else max(0.0, budget - spent),
             "over_budget": budget is not None and spent > budget,
             "delta": delta, "accountant": accountant,
             "releases_composed": len(same), "not_composed": not_composed(records, unit),
-            "live_holds": [{"run_id": rid, "steps_unused": int(h["hold"]["steps"]) - h["used"]}
-                           for rid, h in holds.items()
-                           if unit_key(h["hold"].get("meta")) == unit_key(unit)],
-            "held_steps": sum(int(h["hold"]["steps"]) - h["used"] for rid, h in holds.items()
-                              if unit_key(h["hold"].get("meta")) == unit_key(unit)
-                              and int(h["hold"]["steps"]) > h["used"]),
+            "live_holds": live,
+            "held_steps": sum(max(0, h["steps_unused"]) for h in live),
             "composition": "releases for this privacy unit only: an ε for one unit definition "
                            "is no guarantee for another (no group-privacy conversion is made)"}

@@ -207,8 +207,8 @@ class LedgerService:
         if mine is not None and not hold:
             # The part of the request inside the hold is admitted; the rest must fit anew.
             inside = max(0, int(mine["hold"]["steps"]) - mine["used"])
-            base += [(e, c) for e, c in unused_hold_entries(mine) if e is not None and c
-                     and e != self.event]  # the hold's evaluations stay reserved
+            base += [(e, c) for e, c in unused_hold_entries(mine)
+                     if e != self.event]  # the hold's evaluations stay reserved
             base += [(self.event, inside)] if inside else []
             return inside + steps_within_budget(base, self.event, self.budget, self.delta,
                                                 self.accountant, want - inside,
