@@ -127,6 +127,15 @@ def check_data(d, prefix: str, base_dir: str):
             key=f"{prefix}.max_units",
         )
     _check_source(d, prefix)
+    if d.preprocess == "ray":
+        from llmdp.data.chunks import supported_source  # lazy: reads the corpus's file list
+
+        why = supported_source(d.path, d.format) if d.dataset is None else \
+            "data.dataset (a Hub dataset) is read in one process"
+        if why is not None:
+            raise ConfigError(
+                f"{prefix}.preprocess: 'ray' cannot build this corpus: {why}; set "
+                f"{prefix}.preprocess: local (or auto)", key=f"{prefix}.preprocess")
     return d
 
 

@@ -229,6 +229,17 @@ class DataConfig(SourceConfig):
     # (replace-one, not the add/remove-one the run is accounted under). Use unit_fraction.
     max_units: int | None = None
     num_proc: int | None = _f(None, ge=1)  # tokenizer processes (None: by corpus size)
+    # How the unit store is built: `local` in this process; `ray` on Ray Data, for corpora
+    # beyond one machine's RAM (the cluster's workers read record-aligned chunks, tokenize
+    # them and write the store in shards; the driver never holds the corpus; sequence rows
+    # are packed within a shard); `auto`: ray for JSON-lines / Parquet / text files of at
+    # least 1 GiB, else local.
+    preprocess: str = _f("auto", choices=("auto", "local", "ray"))
+    # preprocess ray: the memory, in MiB, one task may use for the data it holds (the text
+    # per task is sized from it; each worker process also holds Ray, pyarrow and the
+    # tokenizer, ~0.2 GiB), and how many tasks run at once (None: one per cluster CPU).
+    preprocess_memory_mb: float = _f(1024, ge=1)
+    preprocess_workers: int | None = _f(None, ge=1)
     eval: EvalDataConfig | None = None  # held-out data (None: no evaluation)
 
 

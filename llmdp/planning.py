@@ -53,6 +53,32 @@ class Planned:
         return prior + evals + [(self.plan.step_event(), self.plan.steps)]
 
 
+# data.preprocess auto: corpora of at least this many bytes are built on Ray Data.
+AUTO_RAY_BYTES = 1 << 30
+
+
+def store_builder(d, path, dataset, data_format: str, log=print):
+    """The function that builds the unit store of this source: `build_store` in this
+    process, or `llmdp.data.sharded.build_store_sharded` on Ray Data (``data.preprocess``;
+    ``auto``: Ray Data for a supported local corpus of at least AUTO_RAY_BYTES)."""
+    from llmdp.data import chunks
+
+    mode = d.preprocess
+    if mode == "auto":
+        big = dataset is None and chunks.supported_source(path, data_format) is None and \
+            chunks.total_bytes(path) >= AUTO_RAY_BYTES
+        mode = "ray" if big else "local"
+    if mode == "local" or dataset is not None or chunks.supported_source(path, data_format):
+        return build_store  # (a separate evaluation source Ray Data cannot read: in-process)
+    from llmdp.data.sharded import build_store_sharded  # lazy: Ray Data only where used
+
+    def build(cache_dir, *, dataset=None, split=None, config_name=None, num_proc=None, **kw):
+        return build_store_sharded(cache_dir, memory_mb=d.preprocess_memory_mb,
+                                   workers=d.preprocess_workers, log_fn=log, **kw)
+
+    return build
+
+
 def plan_run(cfg: RecipeConfig, log=print) -> Planned:
     """Data units, model facts and the DP plan of ``cfg`` (shared caches only: nothing is
     written to the run directory or to a ledger)."""
@@ -90,20 +116,21 @@ def plan_run(cfg: RecipeConfig, log=print) -> Planned:
         response_field=d.response_field, chat_template=d.chat_template, num_proc=d.num_proc,
         on_bad_record=d.on_bad_record)
     units_dir = os.path.join(cache, "units")
-    store = build_store(
+    build = store_builder(d, d.path, d.dataset, d.format, log)
+    store = build(
         units_dir, tokenizer=tokenizer, spec=spec, data_path=d.path, dataset=d.dataset,
         data_format=d.format, split=d.split, config_name=d.config_name,
         unit_fraction=d.unit_fraction, source_sha256=source_sha, text_split=d.text_split,
         holdout=holdout, **source_args)
     eval_store = None
     if holdout is not None:  # built with the training part, from the same corpus
-        eval_store = build_store(
+        eval_store = build(
             units_dir, tokenizer=tokenizer, spec=spec, data_path=d.path, dataset=d.dataset,
             data_format=d.format, split=d.split, config_name=d.config_name,
             unit_fraction=d.unit_fraction, source_sha256=source_sha, text_split=d.text_split,
             holdout=holdout, part="eval", **source_args)
     elif ev is not None:  # a separate source: every unit is evaluated (up to max_units)
-        eval_store = build_store(
+        eval_store = store_builder(d, ev.path, ev.dataset, ev.format, log)(
             units_dir, tokenizer=tokenizer, spec=spec, data_path=ev.path, dataset=ev.dataset,
             data_format=ev.format, split=ev.split, config_name=ev.config_name,
             text_split=d.text_split, part="eval",

@@ -167,6 +167,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         "artifacts are the model checkpoints and the final model",
         "unit": unit_kind,
         "unit_description": unit_desc,
+        "unit_formation": unit_meta.get("formation"),  # a store built on Ray Data
         "records": _describe_records(data_cfg),
         "unit_size": {
             "sequence_length": seq_len,

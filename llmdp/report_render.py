@@ -48,6 +48,7 @@ def render_markdown(r: dict) -> str:
         "| --- | --- |",
         f"| DP setting | {r['dp_setting']} |",
         f"| Unit of privacy | {r['unit']}: {r['unit_description']} |",
+        *([f"| Unit formation | {r['unit_formation']} |"] if r.get("unit_formation") else []),
         *([f"| Records | {r['records']} |"] if r.get("records") else []),
         f"| Unit size / contribution bound | {r['contribution_bound']} |",
         f"| Adjacency | {r['adjacency']} |",

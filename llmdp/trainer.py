@@ -114,7 +114,8 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
     run_id = rd.run_id() or uuid.uuid4().hex[:12]  # a re-launch resumes the same run
     ledger_meta = {
         "config_hash": config_hash(cfg),
-        "unit": {**spec.to_dict(), "description": spec.describe()},
+        "unit": {**spec.to_dict(), "description": spec.describe(),
+                 **({"formation": store.formation()} if store.formation() else {})},
         "dataset_fingerprint": store.fingerprint,
         "dataset_size": N,
         "rng": cfg.privacy.rng,

@@ -16,7 +16,7 @@ import numpy as np
 from llmdp._validate import ConfigError
 from llmdp.data.units import EncodedCorpus, UnitSpec
 
-__all__ = ["ON_BAD_RECORD", "check_records", "encode_records"]
+__all__ = ["ON_BAD_RECORD", "bad_record_error", "batch_problems", "check_records", "encode_records"]
 
 ON_BAD_RECORD = ("error", "skip")
 _TOKENIZE_BATCH = 1000
@@ -40,17 +40,10 @@ def check_records(ds, encoder, spec: UnitSpec, on_bad_record: str, locate) -> tu
     base = 0
     for batch in view.iter(batch_size=_TOKENIZE_BATCH):
         n = len(next(iter(batch.values()))) if batch else 0
-        problems = encoder.record_problems(batch)
-        if user:
-            problems += [(k, f"data.user_field={user!r}", "is missing or empty")
-                         for k, u in enumerate(batch[user]) if _no_user(u)]
-        for k, field_name, why in sorted(problems):
+        for k, field_name, why in batch_problems(batch, encoder, user):
             i = base + k
             if on_bad_record == "error":
-                raise ConfigError(
-                    f"{locate(i)}: {field_name} {why}. Fix or remove that record, or set "
-                    f"data.on_bad_record=skip to leave malformed records out (they are counted "
-                    f"in the run's internal data statistics)", key="data.on_bad_record")
+                raise bad_record_error(locate(i), field_name, why)
             if i not in bad:
                 bad[i] = why
                 kinds[field_name] = kinds.get(field_name, 0) + 1
@@ -67,6 +60,29 @@ def check_records(ds, encoder, spec: UnitSpec, on_bad_record: str, locate) -> tu
                 f"the data or data.text_field / data.messages_field", key="data.on_bad_record")
         ds = ds.select(keep)
     return ds, counts
+
+
+def batch_problems(batch, encoder, user: str | None) -> list[tuple[int, str, str]]:
+    """``[(k, field, what is wrong)]`` of a dict-of-columns batch, sorted: what the encoder
+    refuses, and a missing user key (``user``: the user field of user units, else None)."""
+    problems = encoder.record_problems(batch)
+    if user:
+        problems += [(k, f"data.user_field={user!r}", "is missing or empty")
+                     for k, u in enumerate(batch.get(user) or [None] * _batch_len(batch))
+                     if _no_user(u)]
+    return sorted(problems)
+
+
+def _batch_len(batch) -> int:
+    return len(next(iter(batch.values()))) if batch else 0
+
+
+def bad_record_error(location: str, field_name: str, why: str) -> ConfigError:
+    """The message that stops a build at a malformed record (``data.on_bad_record: error``)."""
+    return ConfigError(
+        f"{location}: {field_name} {why}. Fix or remove that record, or set "
+        f"data.on_bad_record=skip to leave malformed records out (they are counted "
+        f"in the run's internal data statistics)", key="data.on_bad_record")
 
 
 def _no_user(u) -> bool:

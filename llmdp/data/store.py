@@ -26,10 +26,10 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from llmdp.data.encode import ON_BAD_RECORD, check_records, encode_records
 from llmdp.data.files import record_location
@@ -43,6 +43,9 @@ from llmdp.data.units import (
     special_ids,
     tokenizer_fingerprint,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["UnitSpec", "UnitStore", "build_store", "open_store", "store_fingerprint", "write_store"]
 
@@ -79,28 +82,39 @@ class UnitStore:
         self.pad_id: int = int(self.meta["pad_id"])
         self.eos_id: int = int(self.meta["eos_id"])
         self.spec = UnitSpec(**self.meta["spec"])
-        self._rows_per_batch = int(self.meta["rows_per_batch"])
         self._open()
 
     def _open(self) -> None:
-        units = _read_ipc(os.path.join(self.path, "units.arrow"))
-        col = {name: _np(units.column(name)) for name in units.column_names}
+        # A store built in one process has one rows/units file pair; one built on Ray Data
+        # (llmdp.data.sharded) one pair per shard, listed in meta.json. Units are numbered
+        # shard after shard; a shard may use only the first `num_units` units of its file.
+        shards = self.meta.get("shards") or [{"rows": "rows.arrow", "units": "units.arrow",
+                                              "num_units": self.num_units}]
+        cols: dict[str, list[np.ndarray]] = {}
+        self._batches = []  # per record batch: {column: (offsets, values)} numpy views
+        batch_start = [0]
+        for shard in shards:
+            units = _read_ipc(os.path.join(self.path, shard["units"]))
+            used = int(shard["num_units"])
+            for name in units.column_names:
+                cols.setdefault(name, []).append(_np(units.column(name))[:used])
+            row0 = batch_start[-1]
+            if used and row0:  # rows are numbered across shards
+                cols["row_start"][-1] = cols["row_start"][-1] + row0
+            reader = pa.ipc.open_file(pa.memory_map(os.path.join(self.path, shard["rows"]), "r"))
+            for b in range(reader.num_record_batches):
+                batch = reader.get_batch(b)
+                self._batches.append({name: (_np(batch.column(name).offsets),
+                                             _np(batch.column(name).values))
+                                      for name in batch.schema.names})
+                batch_start.append(batch_start[-1] + batch.num_rows)
+        col = {k: v[0] if len(v) == 1 else np.concatenate(v) for k, v in cols.items()}
         self.unit_row_start: np.ndarray = col["row_start"]
         self.unit_row_count: np.ndarray = col["row_count"]
         self.unit_target_tokens: np.ndarray = col["num_target_tokens"]
         self.unit_max_row_length: np.ndarray = col["max_row_length"]
-        if self.unit_row_start.size != self.num_units:
-            raise ValueError(f"unit store {self.path!r} is inconsistent with its meta.json")
-        source = pa.memory_map(os.path.join(self.path, "rows.arrow"), "r")
-        reader = pa.ipc.open_file(source)
-        self._batches = []  # per record batch: {column: (offsets, values)} numpy views
-        n = 0
-        for b in range(reader.num_record_batches):
-            batch = reader.get_batch(b)
-            self._batches.append({name: (_np(batch.column(name).offsets), _np(batch.column(name).values))
-                                  for name in batch.schema.names})
-            n += batch.num_rows
-        if n != self.num_rows:
+        self._batch_start = np.asarray(batch_start, dtype=np.int64)
+        if self.unit_row_start.size != self.num_units or batch_start[-1] != self.num_rows:
             raise ValueError(f"unit store {self.path!r} is inconsistent with its meta.json")
         self.has_segments = "segment_ids" in (self._batches[0] if self._batches else {})
 
@@ -124,7 +138,8 @@ class UnitStore:
         length = np.zeros(R, dtype=np.int64)
         if R == 0:
             return out, length
-        b_of, local = np.divmod(rows, self._rows_per_batch)
+        b_of = np.searchsorted(self._batch_start, rows, side="right") - 1
+        local = rows - self._batch_start[b_of]
         pos = np.arange(width, dtype=np.int64)[None, :]
         for b in np.unique(b_of):
             sel = np.flatnonzero(b_of == b)
@@ -151,6 +166,8 @@ class UnitStore:
         With document masking, ``segment_ids`` [R, width]: the document of each token within
         its row (-1 at padding).
         """
+        import torch  # lazy: building a store (llmdp.data.sharded's tasks) needs no torch
+
         idx = as_indices(unit_indices)
         if idx.size and (idx.min() < 0 or idx.max() >= self.num_units):
             raise IndexError(f"unit index out of range [0, {self.num_units})")
@@ -191,6 +208,8 @@ class UnitStore:
         labels -100, row_units -1 (no unit: contributes exactly zero), num_target_tokens 1
         (so a per-unit mean never divides by zero), segment_ids -1.
         """
+        import torch  # lazy: see rows()
+
         R, L = batch["input_ids"].shape
         if num_rows < R:
             raise ValueError(f"pad_batch: batch has {R} rows, more than num_rows={num_rows}")
@@ -207,6 +226,23 @@ class UnitStore:
             pad = torch.full(shape, fill[key], dtype=value.dtype, device=value.device)
             out[key] = torch.cat([value, pad], dim=0)
         return out
+
+    def formation(self) -> str | None:
+        """How a store built on Ray Data formed its units (public: it depends on the chunk
+        plan, not on any record), or None for a store built in one process."""
+        pre = self.meta.get("preprocess")
+        if not pre:
+            return None
+        n = int(pre["shards"])
+        head = f"built on Ray Data in {n} shard{'s' if n != 1 else ''}"
+        if self.spec.kind == "sequence":
+            return (f"{head}: rows are packed within a shard, so no row spans two shards and "
+                    f"up to {n - 1} more rows are shorter than {self.sequence_length} tokens "
+                    "than in one packing of the whole corpus")
+        if self.spec.kind == "document":
+            return f"{head}: a document is never split across shards (same units as one process)"
+        return (f"{head}: records were shuffled by user key, so each user's records formed one "
+                "unit as in one process")
 
     def stats(self) -> dict:
         """Counts computed on the private data: the report must mark them internal."""
@@ -230,7 +266,8 @@ def open_store(store_dir) -> UnitStore:
 
 def store_fingerprint(*, source_sha256: str, source: dict, encoding: str, tokenizer_sha256: str,
                       spec: UnitSpec, unit_fraction: float | None,
-                      holdout: Holdout | None = None, part: str = "train") -> str:
+                      holdout: Holdout | None = None, part: str = "train",
+                      layout: dict | None = None) -> str:
     payload: dict = {
         "format_version": FORMAT_VERSION,
         "source_sha256": source_sha256,
@@ -242,6 +279,8 @@ def store_fingerprint(*, source_sha256: str, source: dict, encoding: str, tokeni
     }
     if holdout is not None:  # (absent otherwise: stores built before held-out data keep their id)
         payload["holdout"] = {**holdout.to_dict(), "part": part}
+    if layout is not None:  # a sharded build (llmdp.data.sharded): its chunking decides units
+        payload["layout"] = layout
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -255,42 +294,58 @@ def write_store(directory, units: UnitArrays, meta: dict) -> None:
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     L = int(meta["sequence_length"])
-    rows_per_batch = max(1, _BATCH_TOKENS // L)
-    fields = [("input_ids", pa.int32(), units.tokens), ("target", pa.uint8(), units.target)]
-    if units.segments is not None:
-        fields.append(("segment_ids", pa.int32(), units.segments))
-    schema = pa.schema([(name, pa.large_list(t)) for name, t, _ in fields])
-    offs = units.row_offsets
-    with pa.OSFile(os.path.join(directory, "rows.arrow"), "wb") as sink, \
-            pa.ipc.new_file(sink, schema) as writer:
-        for r0 in range(0, units.num_rows, rows_per_batch):
-            r1 = min(r0 + rows_per_batch, units.num_rows)
-            o = offs[r0 : r1 + 1]
-            local = pa.array(o - o[0], type=pa.int64())
-            arrays = [pa.LargeListArray.from_arrays(local, pa.array(vals[o[0] : o[-1]], type=t))
-                      for _, t, vals in fields]
-            writer.write_batch(pa.record_batch(arrays, schema=schema))
-    table = pa.table({
-        "row_start": pa.array(units.row_start, type=pa.int64()),
-        "row_count": pa.array(units.row_count, type=pa.int32()),
-        "num_target_tokens": pa.array(units.unit_target_tokens(), type=pa.int64()),
-        "max_row_length": pa.array(units.unit_max_row_length(), type=pa.int32()),
-    })
-    with pa.OSFile(os.path.join(directory, "units.arrow"), "wb") as sink, \
-            pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
+    write_unit_files(directory, units, L, rows="rows.arrow", units_file="units.arrow")
     meta = dict(meta)
     meta.update({
         "format_version": FORMAT_VERSION,
         "num_units": units.num_units,
         "num_rows": units.num_rows,
-        "rows_per_batch": rows_per_batch,
+        "rows_per_batch": rows_per_batch(L),
         "counts": {**units.counts, "num_units": units.num_units, "num_rows": units.num_rows,
                    "sequence_length": L},
     })
     with open(os.path.join(directory, "meta.json"), "w") as f:  # written last
         json.dump(meta, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def rows_per_batch(sequence_length: int) -> int:
+    """Rows per Arrow record batch of a store's rows file (about 64 MiB of int32 tokens)."""
+    return max(1, _BATCH_TOKENS // int(sequence_length))
+
+
+def write_unit_files(directory: str, units: UnitArrays, sequence_length: int, *, rows: str,
+                     units_file: str, extra_unit_columns: dict | None = None) -> None:
+    """Write ``units`` as a rows file and a units file (names ``rows``, ``units_file``) in
+    ``directory``: one pair for a store built in one process, one per shard otherwise.
+    ``extra_unit_columns``: more per-unit columns (name: (pyarrow type, values))."""
+    per_batch = rows_per_batch(sequence_length)
+    fields = [("input_ids", pa.int32(), units.tokens), ("target", pa.uint8(), units.target)]
+    if units.segments is not None:
+        fields.append(("segment_ids", pa.int32(), units.segments))
+    schema = pa.schema([(name, pa.large_list(t)) for name, t, _ in fields])
+    offs = units.row_offsets
+    with pa.OSFile(os.path.join(directory, rows), "wb") as sink, \
+            pa.ipc.new_file(sink, schema) as writer:
+        for r0 in range(0, units.num_rows, per_batch):
+            r1 = min(r0 + per_batch, units.num_rows)
+            o = offs[r0 : r1 + 1]
+            local = pa.array(o - o[0], type=pa.int64())
+            arrays = [pa.LargeListArray.from_arrays(local, pa.array(vals[o[0] : o[-1]], type=t))
+                      for _, t, vals in fields]
+            writer.write_batch(pa.record_batch(arrays, schema=schema))
+    columns = {
+        "row_start": pa.array(units.row_start, type=pa.int64()),
+        "row_count": pa.array(units.row_count, type=pa.int32()),
+        "num_target_tokens": pa.array(units.unit_target_tokens(), type=pa.int64()),
+        "max_row_length": pa.array(units.unit_max_row_length(), type=pa.int32()),
+    }
+    for name, (t, values) in (extra_unit_columns or {}).items():
+        columns[name] = pa.array(values, type=t)
+    table = pa.table(columns)
+    with pa.OSFile(os.path.join(directory, units_file), "wb") as sink, \
+            pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
 
 
 def build_store(
@@ -419,6 +474,6 @@ def _write_atomically(cache_dir: str, final: str, units: UnitArrays, meta: dict)
 
 def as_indices(unit_indices: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
     """Unit indices as an int64 numpy vector (helper for samplers and tests)."""
-    if isinstance(unit_indices, torch.Tensor):
+    if hasattr(unit_indices, "detach"):  # a torch.Tensor
         unit_indices = unit_indices.detach().cpu().numpy()
     return np.asarray(unit_indices, dtype=np.int64).reshape(-1)

@@ -261,7 +261,7 @@ def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     out = np.ones(total, dtype=np.int64)
     out[first] = starts - np.concatenate([[0], starts[:-1] + lens[:-1] - 1])
     out[0] = starts[0]
-    return np.cumsum(out)
+    return np.cumsum(out, out=out)  # in place: one int64 per element, not two
 
 
 def _rows_from_streams(stream_start, stream_len, L: int, max_rows: int | None):
@@ -321,7 +321,7 @@ def select_units(units: UnitArrays, keep: np.ndarray) -> UnitArrays:
     seg = None if units.segments is None else units.segments[flat]
     return UnitArrays(units.tokens[flat], units.target[flat],
                       np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
-                      np.concatenate([[0], np.cumsum(rc)[:-1]]).astype(np.int64),
+                      (np.cumsum(rc) - rc).astype(np.int64),  # (empty when keep is)
                       rc.astype(np.int32), seg, dict(units.counts))
 
 
@@ -374,14 +374,18 @@ def _build_units(corpus: EncodedCorpus, spec: UnitSpec, fraction: float | None) 
     L = spec.sequence_length
     D = corpus.num_records
     doc_len = np.diff(corpus.offsets)
-    doc_of_token = np.repeat(np.arange(D, dtype=np.int64), doc_len)
     counts: dict = {"num_records": D, "kind": spec.kind}
 
     if spec.kind == "sequence":
         total = corpus.tokens.size
         begin, end, _ = _rows_from_streams([0], [total], L, None)
         owner = np.arange(begin.size)
-        counts["records_used"] = int(doc_of_token[end[-1] - 1] + 1) if begin.size else 0
+        # the record of the last token used: the number of records with a token before it
+        counts["records_used"] = int(np.searchsorted(corpus.offsets, end[-1] - 1, side="right")) \
+            if begin.size else 0
+        # (the record of each token is materialized only for document masking)
+        doc_of_token = np.repeat(np.arange(D, dtype=np.int64), doc_len) \
+            if spec.document_masking else None
         return _finish(corpus.tokens, corpus.target, doc_of_token, begin, end, owner,
                        spec.document_masking, counts)
 
@@ -393,7 +397,7 @@ def _build_units(corpus: EncodedCorpus, spec: UnitSpec, fraction: float | None) 
         counts["records_truncated"] = int((lens > cap).sum())
         counts["tokens_truncated"] = int(np.maximum(lens - cap, 0).sum())
         counts["records_used"] = D
-        return _finish(corpus.tokens, corpus.target, doc_of_token, begin, end, owner, False, counts)
+        return _finish(corpus.tokens, corpus.target, None, begin, end, owner, False, counts)
 
     # ---- user units
     if corpus.users is None:
@@ -439,7 +443,8 @@ def _build_units(corpus: EncodedCorpus, spec: UnitSpec, fraction: float | None) 
         "records_used": int((kept > 0).sum()),
     })
     # Segments with document masking: the position of each token's record in the user's order.
-    doc_rank_of_token = np.repeat(np.arange(order.size, dtype=np.int64), kept)
+    doc_rank_of_token = np.repeat(np.arange(order.size, dtype=np.int64), kept) \
+        if spec.document_masking else None
     tokens = corpus.tokens[gather]
     target = corpus.target[gather]
     return _finish(tokens, target, doc_rank_of_token, begin, end, owner, spec.document_masking, counts)
