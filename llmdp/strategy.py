@@ -32,6 +32,20 @@ and loaded (DESIGN §1, §3.1-3.2). The worker loop (``llmdp.worker``) holds one
     gradient accumulator. Sharded accumulators would need a reduce-scatter per
     micro-step. With LoRA the buffers are adapter-sized.
 
+Checkpoints and the final model (``llmdp.checkpoints``, ``llmdp.hf_save``):
+
+- ``replicated``: rank 0 writes the full state (``state.pt``) and saves the final model
+  with its own ``save_pretrained``.
+- ``fsdp``: nothing is gathered for a checkpoint: every rank writes its own shards of
+  the trainable parameters and of the optimizer state with ``torch.distributed.checkpoint``
+  (DCP) into its own folder, rank 0 adds ``state.json`` (step, run id, ledger position,
+  scheduler), and every rank reports its folder (Ray Train merges them into one). DCP
+  reshards on load: a checkpoint written on W workers resumes on any other number. The
+  final model is gathered once, streaming: tensor by tensor (every rank in each
+  ``full_tensor()``), rank 0 writing safetensors shards of bounded size and their index,
+  so that it never holds more than one shard. A PEFT model's adapter is small: its final
+  save still gathers the state dict to rank 0 (as does transformers 4.x).
+
 Mixed precision (``scaling.mixed_precision: bf16``): ``fsdp`` uses FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` (float32 master weights,
 bf16 compute); ``replicated`` runs the forward under ``torch.autocast(bf16)``. Clipped
