@@ -71,9 +71,22 @@ class _Sampler(threading.Thread):
         return max(self.peak, _status_kb("VmRSS"))
 
 
+def _trim() -> None:
+    """Give freed heap memory back to the OS (glibc), so that the RSS before a save counts
+    live memory only (the unsharded model freed after sharding would otherwise be reused
+    without showing as an increase)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_increase(fn) -> tuple[int, float, str]:
     """(bytes of peak RSS over the RSS before ``fn()``, seconds, how it was measured)."""
     gc.collect()
+    _trim()
     before = _status_kb("VmRSS")
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -191,16 +204,19 @@ def table(results: list[dict]) -> str:
             r = best[(w, path)]
             one = best[(worlds[0], path)]["rank0_peak_increase_bytes"]
             grew = r["rank0_peak_increase_bytes"]
-            lines.append(f"| {w} | {path} | {grew / 2**20:.0f} | {grew / state:.2f} | "
-                         f"{grew / one if one > 0 else float('nan'):.2f} | {r['rank0_bytes_written'] / 2**20:.0f} | "
-                         f"{r['seconds']:.2f} |")
+            lines.append(f"| {w} | {path} | {grew / 2**20:.1f} | {grew / state:.3f} | {_ratio(grew, one)} | "
+                         f"{r['rank0_bytes_written'] / 2**20:.0f} | {r['seconds']:.2f} |")
     lines.append("")
     lines.append("| workers | dcp ÷ full (rank 0 peak increase) |")
     lines.append("| ---: | ---: |")
     for w in worlds:
         full = best[(w, "full")]["rank0_peak_increase_bytes"]
-        lines.append(f"| {w} | {best[(w, 'dcp')]['rank0_peak_increase_bytes'] / full:.3f} |")
+        lines.append(f"| {w} | {_ratio(best[(w, 'dcp')]['rank0_peak_increase_bytes'], full, 3)} |")
     return "\n".join(lines)
+
+
+def _ratio(a: float, b: float, digits: int = 2) -> str:
+    return f"{a / b:.{digits}f}" if b > 0 else "—"
 
 
 def main(argv=None) -> int:

@@ -452,10 +452,13 @@ class _RayContext:
         if self._ckpt is None:
             return None
         if self._ckpt_dir is None:
-            # A fresh folder per worker: with Ray's default (shared per node) folder, a second
-            # worker on the node can find it already created and read a state.pt that the
-            # first is still copying (seen as a torch.load unpickling error on resume).
-            self._ckpt_dir = self._ckpt.to_directory(
+            # Stored on a filesystem this worker sees: read it where it is (an fsdp
+            # checkpoint holds every rank's shards; W copies of it would cost W times its
+            # size on disk). Elsewhere, a fresh folder per worker: with Ray's default (shared
+            # per node) folder, a second worker on the node can find it already created and
+            # read a state.pt that the first is still copying.
+            local = type(self._ckpt.filesystem).__name__ == "LocalFileSystem" and os.path.isdir(self._ckpt.path)
+            self._ckpt_dir = self._ckpt.path if local else self._ckpt.to_directory(
                 tempfile.mkdtemp(prefix=f"llmdp-ckpt-rank{self.get_world_rank()}-"))
         return self._ckpt_dir
 

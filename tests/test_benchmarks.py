@@ -191,6 +191,8 @@ def test_checkpoint_benchmark_table_ratios():
             for w, p, b in [(1, "full", 1200 * 2**20), (1, "dcp", 600 * 2**20), (2, "full", 1200 * 2**20),
                             (2, "dcp", 300 * 2**20), (2, "dcp", 100 * 2**20)]]
     text = table(rows)
-    assert "| 2 | dcp | 300 | 0.25 | 0.50 | 300 | 1.00 |" in text  # the larger of two repeats
-    assert "| 1 | full | 1200 | 1.00 | 1.00 |" in text
+    assert "| 2 | dcp | 300.0 | 0.250 | 0.50 | 300 | 1.00 |" in text  # the larger of two repeats
+    assert "| 1 | full | 1200.0 | 1.000 | 1.00 |" in text
     assert "| 2 | 0.250 |" in text and "| 1 | 0.500 |" in text
+    zero = [dict(r, rank0_peak_increase_bytes=0) if r["world"] == 1 else r for r in rows]
+    assert "| 1 | 0.0 |" not in table(zero) and "| 1 | — |" in table(zero)  # no division by zero
