@@ -5,7 +5,8 @@ files; rank 0 also runs the world-size-1 parts, in process groups of its own, be
 after the pair's. The tests below read the files.
 
 - the round trip: what every rank wrote (no gather) loads, into a differently initialized
-  model, as exactly the saved parameters and optimizer state;
+  model, as exactly the saved parameters and optimizer state (and so does fsdp's full
+  ``state.pt`` of before);
 - resuming on another world size: 4 seeded steps with a checkpoint at step 2, on 2 workers
   and on 1; each resumed from the other's step-2 checkpoint; all four final models agree
   (the noise is keyed per coordinate, the sample per step: only float summation order
@@ -173,13 +174,25 @@ def _round_trip(rank, store_dir, out):
     got_meta = Fsdp().load_checkpoint(other, oopt, oc.param_names, merged)
     loaded = _shards_and_state(oc, oopt)
     regathered, regathered_optim = parallel.gather_training_state(other, oopt, names)
+    # fsdp's full format from before (rank 0's state.pt of gathered tensors) still loads.
+    legacy = os.path.join(out, "rt", "legacy")
+    if rank == 0:
+        os.makedirs(legacy)
+        checkpoints.write_full(legacy, gathered, gathered_optim, {**meta, "strategy": "fsdp"})
+    parallel.barrier()
+    third = Fsdp("none", "cpu").prepare_model(model64(seed=2))
+    tc = GhostClipper(third, 0.05, grad_buffers=Fsdp().grad_sinks(third))
+    topt = torch.optim.AdamW(tc.params, lr=1e-2, weight_decay=0.1)
+    legacy_meta = Fsdp().load_checkpoint(third, topt, tc.param_names, legacy)
+    legacy_loaded = _shards_and_state(tc, topt)
     # One more identical step on both: identical parameters.
     for m, c, o in ((model, clipper, opt), (other, oc, oopt)):
         step_(m, c, o, store, S1, "fsdp", WORLD, rank, 0.5, b"2" * 32, 9.0)
     next_equal = all(torch.equal(full(a), full(b)) for a, b in zip(clipper.params, oc.params))
     return {"saved": saved, "loaded": loaded, "differs_before": differs_before, "meta": got_meta,
             "files": sorted(os.listdir(mine)), "gathered": (gathered, gathered_optim),
-            "regathered": (regathered, regathered_optim), "next_equal": next_equal}
+            "regathered": (regathered, regathered_optim), "next_equal": next_equal,
+            "legacy_loaded": legacy_loaded, "legacy_format": legacy_meta["format"]}
 
 
 def _final_models(rank, out):
@@ -237,6 +250,8 @@ def test_sharded_round_trip_restores_params_and_optimizer_state(runs):
         for k, v in rt["saved"].items():
             assert torch.equal(rt["loaded"][k], v), (r, k)
         assert rt["meta"]["step"] == 1 and rt["meta"]["strategy"] == "fsdp"
+        assert rt["legacy_format"] == "full" and set(rt["legacy_loaded"]) == set(rt["saved"])
+        assert all(torch.equal(rt["legacy_loaded"][k], v) for k, v in rt["saved"].items()), r
     # The same, as full tensors: the gathered state before saving and after loading.
     params, optim = runs["res"][0]["round_trip"]["gathered"]
     params2, optim2 = runs["res"][0]["round_trip"]["regathered"]
