@@ -38,12 +38,11 @@ import glob
 import json
 import os
 import shutil
-from typing import Any
 
 import torch
 import yaml
-from safetensors import safe_open
 
+from llmdp import checkpoints
 from llmdp._fs import building_dir, replace_dir
 from llmdp.baseline import NON_PRIVATE
 from llmdp.card import model_card
@@ -108,41 +107,6 @@ def _plan_info(rd: RunDir) -> dict:
         return rd.info
     except ValueError as e:
         raise ExportError(f"{rd.plan_path}: not valid JSON ({e})") from None
-
-
-def _model_tensors(model_dir: str) -> dict[str, Any]:
-    """Every tensor of the saved model (full weights or adapter), by file key (lazy)."""
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    out: dict[str, Any] = {}
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for k in f.keys():
-                out[k] = (path, k)
-    return out
-
-
-def _load_tensor(ref):
-    path, key = ref
-    with safe_open(path, framework="pt") as f:
-        return f.get_tensor(key)
-
-
-def _check_weights(model_dir: str, params: dict) -> list[str]:
-    """The trained parameters of the checkpoint, found in the saved model and equal."""
-    saved = _model_tensors(model_dir)
-    if not saved:
-        return [f"{model_dir} holds no safetensors weights"]
-    for name, value in params.items():
-        # peft names adapter weights `...lora_A.default.weight` in memory, `...lora_A.weight` on disk.
-        candidates = [name, name.replace(".default.", "."), name.replace("._orig_mod.", ".")]
-        key = next((c for c in candidates if c in saved), None)
-        if key is None:
-            return [f"the final model lacks the checkpoint's parameter {name!r}: model/ and the last "
-                    f"checkpoint are not the same training"]
-        if not torch.equal(_load_tensor(saved[key]).to(value.dtype), value):
-            return [f"the final model's {name!r} differs from the last checkpoint's: model/ is not the "
-                    f"model whose steps the ledger covers"]
-    return []
 
 
 def _refuse_baseline(run_dir: str) -> None:
@@ -231,14 +195,17 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     if ckpt is None:
         problems.append("no checkpoint to check the final model against")
     else:
-        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        try:
+            state = checkpoints.read_meta(ckpt)
+        except Exception as e:  # noqa: BLE001 - a damaged checkpoint is a reason not to verify
+            return [*problems, checkpoints.unreadable(e)], report
         if state.get("run_id") != report.get("run_id"):
             problems.append(f"the last checkpoint belongs to run {state.get('run_id')!r}, not "
                             f"{report.get('run_id')!r}")
         if int(state.get("step", -1)) != int(report.get("steps_completed", -2)):
             problems.append(f"the last checkpoint is at step {state.get('step')}, the report at "
                             f"{report.get('steps_completed')} completed steps")
-        problems += _check_weights(os.path.join(run_dir, "model"), state["params"])
+        problems += checkpoints.check_model(ckpt, os.path.join(run_dir, "model"))
         pos = state.get("ledger") or {}
         if has_ledger and pos.get("run_last_hash"):
             # The checkpoint knows how far the run's ledger had come: its last record must

@@ -6,8 +6,12 @@ says what each strategy does with them; DESIGN §1, §3.1-3.2).
 - :func:`privatize_`: all-reduce the clipped sums, add N(0, σ²C²I) once, ÷ q·N;
 - FSDP2: shard a model's decoder layers (:func:`fully_shard_model`), the dim-0 shard
   layout (:func:`shard_rows`), the reduce-scatter with each shard's slice of the one global
-  noise (:func:`privatize_sharded_`), and full training state gathered to / loaded from
-  rank 0 (:func:`gather_training_state`, :func:`load_training_state`, :func:`gather_model_state`);
+  noise (:func:`privatize_sharded_`), the sharded training state written and read by every
+  rank with ``torch.distributed.checkpoint`` (:func:`save_sharded_state`,
+  :func:`load_sharded_state`: nothing gathered, any world size on load), and the full state
+  gathered to / loaded from rank 0 (:func:`gather_training_state`, :func:`load_training_state`:
+  fsdp checkpoints from before the sharded format; :func:`gather_model_state`: a PEFT
+  model's final save);
 - :func:`full_size_sinks`: the float32+ buffers the clipping engine accumulates into.
 """
 
@@ -109,6 +113,12 @@ def privatize_(
     if sinks is not None:
         for p, g in zip(params, grads):
             p.grad = g.to(p.dtype)  # the update, cast at the end
+
+
+def barrier() -> None:
+    """Wait for every worker (nothing without a process group). [sync point]"""
+    if _dist_on():
+        dist.barrier()
 
 
 def world() -> tuple[int, int]:
@@ -358,3 +368,46 @@ def gather_model_state(model: nn.Module) -> dict | None:
 
     sd = get_model_state_dict(model, options=_full_options(cpu_offload=True))
     return sd if world()[0] == 0 else None
+
+
+def _sharded_templates(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: Sequence[str]):
+    """This rank's shards of the trainable parameters and of the optimizer state (DTensors,
+    no copy, nothing gathered), as DCP saves them and loads into them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    missing = sorted(set(trainable) - set(msd))
+    if missing:
+        raise ValueError(f"the model's state dict lacks trainable parameters {missing[:5]}")
+    # By trainable name, as the full format: a tied weight (the LM head) once, under its
+    # first name, as named_parameters() lists it.
+    return {"model": {n: msd[n] for n in trainable}, "optim": osd}
+
+
+def save_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: Sequence[str],
+                       folder: str) -> None:
+    """``fsdp``: every rank writes its own shards of the trainable parameters and of the
+    optimizer state into ``folder`` with ``torch.distributed.checkpoint`` (rank 0 also
+    the ``.metadata`` index); nothing is gathered. ``folder`` may differ between ranks
+    (each rank's local folder; Ray Train merges them). A collective. [sync point]"""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_templates(model, optimizer, trainable),
+             storage_writer=dcp.FileSystemWriter(folder))
+
+
+def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: Sequence[str],
+                       folder: str) -> None:
+    """``fsdp``: load a :func:`save_sharded_state` checkpoint (written on any number of
+    ranks: DCP reads the pieces of this rank's shards) into the sharded model and
+    optimizer. A collective. [sync point]"""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    # The optimizer's template: get_state_dict initializes an empty optimizer state with a
+    # zero-lr step on zero gradients (and clears them), so that there is a shard to load into.
+    state = _sharded_templates(model, optimizer, trainable)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
+    # strict=False: the frozen parameters are not in the checkpoint (the model was built with them).
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))

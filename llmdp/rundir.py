@@ -4,7 +4,8 @@
     plan.json            the plan and what the driver decided: written once, by ``prepare``
     ledger.jsonl         the run's ledger (the ledger service writes it, write-ahead)
     metrics.jsonl        per-step metrics (rank 0)
-    checkpoints/         Ray Train's checkpoints (``checkpoint_*/state.pt``)
+    checkpoints/         Ray Train's checkpoints (``checkpoint_*/``: ``state.pt``, or
+                         ``state.json`` + DCP shards; ``llmdp.checkpoints``)
     model/               the trained model (``save_pretrained``)
     privacy_report.*     the report (``llmdp.report``)
 
@@ -20,6 +21,7 @@ import os
 from functools import cached_property
 from typing import Any
 
+from llmdp import checkpoints
 from llmdp.privacy.ledger import Ledger
 from llmdp.privacy.plan import DPPlan
 
@@ -117,8 +119,10 @@ class RunDir:
     # ---- checkpoints
 
     def latest_checkpoint(self) -> str | None:
-        """The newest checkpoint's state.pt (the one Ray Train restores), or None."""
-        found = sorted(glob.glob(self.file("checkpoints", "checkpoint_*", "state.pt")))
+        """The newest checkpoint folder (the one Ray Train restores; either format of
+        ``llmdp.checkpoints``), or None."""
+        found = sorted({os.path.dirname(p) for name in (checkpoints.FULL, checkpoints.META)
+                        for p in glob.glob(self.file("checkpoints", "checkpoint_*", name))})
         return found[-1] if found else None
 
     def checkpoint_step(self) -> int | str:
@@ -126,10 +130,8 @@ class RunDir:
         ckpt = self.latest_checkpoint()
         if ckpt is None:
             return 0
-        import torch  # lazy: readers of a run directory do not need torch otherwise
-
-        try:  # mmap: only the step is read, not the parameters or the optimizer state
-            return int(torch.load(ckpt, map_location="cpu", mmap=True, weights_only=True)["step"])
+        try:  # the meta only: not the parameters or the optimizer state
+            return int(checkpoints.read_meta(ckpt)["step"])
         except Exception:  # noqa: BLE001 - a checkpoint Ray cannot read either fails the run later
             return "?"
 

@@ -32,6 +32,20 @@ and loaded (DESIGN §1, §3.1-3.2). The worker loop (``llmdp.worker``) holds one
     gradient accumulator. Sharded accumulators would need a reduce-scatter per
     micro-step. With LoRA the buffers are adapter-sized.
 
+Checkpoints and the final model (``llmdp.checkpoints``, ``llmdp.hf_save``):
+
+- ``replicated``: rank 0 writes the full state (``state.pt``) and saves the final model
+  with its own ``save_pretrained``.
+- ``fsdp``: nothing is gathered for a checkpoint: every rank writes its own shards of
+  the trainable parameters and of the optimizer state with ``torch.distributed.checkpoint``
+  (DCP) into its own folder, rank 0 adds ``state.json`` (step, run id, ledger position,
+  scheduler), and every rank reports its folder (Ray Train merges them into one). DCP
+  reshards on load: a checkpoint written on W workers resumes on any other number. The
+  final model is gathered once, streaming: tensor by tensor (every rank in each
+  ``full_tensor()``), rank 0 writing safetensors shards of bounded size and their index,
+  so that it never holds more than one shard. A PEFT model's adapter is small: its final
+  save still gathers the state dict to rank 0 (as does transformers 4.x).
+
 Mixed precision (``scaling.mixed_precision: bf16``): ``fsdp`` uses FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` (float32 master weights,
 bf16 compute); ``replicated`` runs the forward under ``torch.autocast(bf16)``. Clipped
@@ -42,13 +56,14 @@ The collectives and the FSDP2 mechanics the strategies use live in ``llmdp.paral
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from llmdp import losses, parallel
+from llmdp import checkpoints, hf_save, losses, parallel
 from llmdp.choices import MIXED_PRECISION, STRATEGIES
 
 
@@ -120,7 +135,7 @@ class Strategy:
 
     @property
     def map_location(self) -> torch.device:
-        """Where a checkpoint's tensors are loaded before :meth:`load_training_state`."""
+        """Where a full checkpoint's tensors are loaded before :meth:`load_training_state`."""
         return self.device
 
     def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -134,10 +149,39 @@ class Strategy:
         """Load what :meth:`training_state` returned (read by every rank). [sync point]"""
         raise NotImplementedError
 
-    def full_model_state(self, model: nn.Module) -> dict | None:
-        """The state dict the final model is saved from, on rank 0, or None: rank 0 saves its
-        own module. [sync point]"""
-        return None
+    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        names: Sequence[str], folder: str, meta: dict) -> bool:
+        """Write this rank's part of a training checkpoint into ``folder`` (a fresh local
+        folder of this rank): the trainable parameters ``names``, the optimizer state, and
+        ``meta`` (step, run id, ledger position, scheduler: ``llmdp.checkpoints``; rank 0's
+        is written). Returns whether this rank reports ``folder`` to Ray Train, which
+        merges the folders reported at one step into one checkpoint. Here the full format:
+        the state gathered to rank 0, which writes ``state.pt``. [sync point]"""
+        state = self.training_state(model, optimizer, names)
+        if state is None:
+            return False
+        checkpoints.write_full(folder, *state, {**meta, "strategy": self.name})
+        return True
+
+    def load_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        names: Sequence[str], folder: str) -> dict:
+        """Load the checkpoint in ``folder`` into ``model`` and ``optimizer`` and return its
+        meta; a checkpoint of another strategy is refused. [sync point]"""
+        meta = checkpoints.read_meta(folder)
+        checkpoints.check_strategy(meta, self.name, folder)
+        if meta["format"] != "full":
+            raise ValueError(f"the checkpoint in {folder} is in the {meta['format']!r} format, "
+                             f"which scaling.strategy {self.name!r} does not write")
+        state = checkpoints.read_full(folder, self.map_location)
+        self.load_training_state(model, optimizer, state["params"], state["optimizer"])
+        return meta
+
+    def save_model(self, model: nn.Module, folder: str) -> None:
+        """Write the final model in Hugging Face format (weights, config) into ``folder``;
+        rank 0 writes. Here rank 0 saves its own whole module. [sync point]"""
+        if parallel.world()[0] == 0:
+            os.makedirs(folder, exist_ok=True)
+            model.save_pretrained(folder, safe_serialization=True)
 
 
 def _aligned(sinks, names):
@@ -225,8 +269,38 @@ class Fsdp(Strategy):
     def load_training_state(self, model, optimizer, params, optimizer_state) -> None:
         parallel.load_training_state(model, optimizer, params, optimizer_state)
 
-    def full_model_state(self, model: nn.Module) -> dict | None:
-        return parallel.gather_model_state(model)
+    def save_checkpoint(self, model, optimizer, names, folder, meta) -> bool:
+        """The sharded format: every rank writes its own shards (DCP), nothing is gathered;
+        rank 0 adds ``state.json``. Every rank reports its folder. [sync point]"""
+        parallel.save_sharded_state(model, optimizer, names, folder)
+        if parallel.world()[0] == 0:
+            checkpoints.write_meta(folder, {**meta, "strategy": self.name})
+        return True
+
+    def load_checkpoint(self, model, optimizer, names, folder) -> dict:
+        """A sharded checkpoint written on any number of workers (DCP reshards), or a full
+        one (written by fsdp before the sharded format). [sync point]"""
+        meta = checkpoints.read_meta(folder)
+        checkpoints.check_strategy(meta, self.name, folder)
+        if meta["format"] != checkpoints.SHARDED:
+            return super().load_checkpoint(model, optimizer, names, folder)
+        parallel.load_sharded_state(model, optimizer, names, folder)
+        return meta
+
+    def save_model(self, model: nn.Module, folder: str) -> None:
+        """Gathered once, streaming (``llmdp.hf_save``): tensor by tensor, rank 0 writing
+        shards of bounded size. A PEFT model (its adapter is small) and a model whose saved
+        weights are not its own tensors renamed: the full state dict gathered to rank 0,
+        saved by the model's ``save_pretrained``. [sync point]"""
+        rank = parallel.world()[0]
+        plan = None if hasattr(model, "peft_config") else hf_save.save_plan(model)
+        if plan is not None:
+            hf_save.save_streaming(model, folder, plan, rank=rank)
+            return
+        full = parallel.gather_model_state(model)
+        if rank == 0:
+            os.makedirs(folder, exist_ok=True)
+            model.save_pretrained(folder, safe_serialization=True, state_dict=full)
 
 
 _BY_NAME: dict[str, type[Strategy]] = {cls.name: cls for cls in (Replicated, Fsdp)}

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmdp import parallel
+from llmdp import checkpoints, parallel
 from llmdp.baseline import NON_PRIVATE
 from llmdp.clipping import GhostClipper
 from llmdp.config import OptimConfig, warmup_steps_for
@@ -105,10 +105,28 @@ class LocalContext:
         return self.checkpoint_dir
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        """Like Ray Train: the folders the ranks report at one step become one checkpoint
+        folder, which replaces the previous one. [sync point when there are several ranks]"""
         self.reports.append(dict(metrics))
-        if checkpoint_dir and self.checkpoint_dir:
-            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
-            shutil.copytree(checkpoint_dir, self.checkpoint_dir)
+        if not self.checkpoint_dir:
+            return
+        target = os.path.normpath(self.checkpoint_dir)
+        staging = target + ".incoming"
+        rank = parallel.world()[0]
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        parallel.barrier()
+        if checkpoint_dir:
+            shutil.copytree(checkpoint_dir, staging, dirs_exist_ok=True)
+        parallel.barrier()
+        if rank == 0:
+            if os.listdir(staging):
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(staging, target)
+            else:
+                os.rmdir(staging)
+        parallel.barrier()
 
 
 def _label(spec: RunSpec) -> dict:
@@ -189,18 +207,12 @@ def setup(spec: RunSpec, context) -> Training:
 
 
 def resume(run: Training) -> None:
-    """Load the checkpoint Ray Train restored, if any. [sync point under fsdp]"""
+    """Load the checkpoint Ray Train restored, if any (either format, ``llmdp.checkpoints``;
+    a sharded one written on any number of workers). [sync point under fsdp]"""
     ckpt_dir = run.context.get_checkpoint_dir()
-    path = os.path.join(ckpt_dir, "state.pt") if ckpt_dir else None
-    if path is None or not os.path.exists(path):
+    if not ckpt_dir or checkpoints.state_file(ckpt_dir) is None:
         return
-    state = torch.load(path, map_location=run.strategy.map_location)
-    written = state.get("strategy", Replicated.name)  # checkpoints from before fsdp existed
-    if written != run.strategy.name:
-        raise ValueError(
-            f"the checkpoint in {ckpt_dir} was written with scaling.strategy: {written!r}; "
-            f"resume it with the same strategy, not {run.strategy.name!r}")
-    run.strategy.load_training_state(run.model, run.optimizer, state["params"], state["optimizer"])
+    state = run.strategy.load_checkpoint(run.model, run.optimizer, run.names, ckpt_dir)
     run.scheduler.load_state_dict(state["scheduler"])
     run.start = int(state["step"])
     run.nonfinite_steps = int(state.get("nonfinite_steps", 0))
@@ -297,20 +309,13 @@ def dp_step(run: Training, step: int) -> dict:
 def checkpoint(run: Training, step: int) -> None:
     """Save the state after ``step`` steps through the context (Ray Train's checkpoint).
     ``ray.train.report`` is a barrier: every worker reaches it at the same steps."""
+    meta = {"scheduler": run.scheduler.state_dict(), "step": step, "run_id": run.spec.run_id,
+            "ledger": run.ledger.position() if run.ledger is not None else None,
+            "nonfinite_steps": run.nonfinite_steps}
     with tempfile.TemporaryDirectory() as tmp:
-        # fsdp: full parameters and optimizer state gathered to rank 0. [sync point]
-        state = run.strategy.training_state(run.model, run.optimizer, run.names)
-        ckpt = None
-        if run.rank == 0:
-            params, optim = state
-            torch.save({"params": params, "optimizer": optim,
-                        "scheduler": run.scheduler.state_dict(), "step": step,
-                        "run_id": run.spec.run_id,
-                        "ledger": run.ledger.position() if run.ledger is not None else None,
-                        "strategy": run.strategy.name, "nonfinite_steps": run.nonfinite_steps},
-                       os.path.join(tmp, "state.pt"))
-            ckpt = tmp
-        run.context.report({"step": step}, ckpt)
+        # replicated: rank 0 writes the full state; fsdp: every rank its own shards. [sync point]
+        mine = run.strategy.save_checkpoint(run.model, run.optimizer, run.names, tmp, meta)
+        run.context.report({"step": step}, tmp if mine else None)
 
 
 def _nonfinite_stop(run: Training, step: int) -> dict | None:
@@ -336,9 +341,9 @@ def finish(run: Training, stopped: dict | None) -> dict:
     done = run.spec.plan.steps if stopped is None else stopped["step"]
     if done > run.start or stopped is None:  # the final model's held-out and DP evaluation
         evaluation.evaluate_held_out(run, done, final=True, write=_writer(run))  # [sync point]
-    full = run.strategy.full_model_state(run.model)  # fsdp: gathered to rank 0 [sync point]
+    run.strategy.save_model(run.model, run.spec.paths.model)  # fsdp: streamed, tensor by tensor [sync point]
     if run.rank == 0:
-        _save_final_model(run.model, run.spec.paths, state_dict=full)
+        _save_tokenizer(run.spec.paths)
         _generations(run)
         end = {"event": "end", "step": run.spec.plan.steps} if stopped is None else \
             {"event": "stopped", "step": stopped["step"], "reason": stopped["reason"]}
@@ -418,12 +423,8 @@ def _device(use_gpu: bool) -> torch.device:
     return torch.device("cpu")
 
 
-def _save_final_model(model: nn.Module, paths: RunPaths, state_dict: dict | None = None) -> None:
-    """``state_dict``: the full (gathered) state of a sharded model (fsdp), saved through
-    the model's own ``save_pretrained``."""
-    os.makedirs(paths.model, exist_ok=True)
-    extra = {} if state_dict is None else {"state_dict": state_dict}
-    model.save_pretrained(paths.model, safe_serialization=True, **extra)
+def _save_tokenizer(paths: RunPaths) -> None:
+    """The run's tokenizer beside the final model (rank 0)."""
     if paths.tokenizer_dir:
         from transformers import AutoTokenizer  # lazy: only rank 0, once, at the end
 
@@ -451,10 +452,13 @@ class _RayContext:
         if self._ckpt is None:
             return None
         if self._ckpt_dir is None:
-            # A fresh folder per worker: with Ray's default (shared per node) folder, a second
-            # worker on the node can find it already created and read a state.pt that the
-            # first is still copying (seen as a torch.load unpickling error on resume).
-            self._ckpt_dir = self._ckpt.to_directory(
+            # Stored on a filesystem this worker sees: read it where it is (an fsdp
+            # checkpoint holds every rank's shards; W copies of it would cost W times its
+            # size on disk). Elsewhere, a fresh folder per worker: with Ray's default (shared
+            # per node) folder, a second worker on the node can find it already created and
+            # read a state.pt that the first is still copying.
+            local = type(self._ckpt.filesystem).__name__ == "LocalFileSystem" and os.path.isdir(self._ckpt.path)
+            self._ckpt_dir = self._ckpt.path if local else self._ckpt.to_directory(
                 tempfile.mkdtemp(prefix=f"llmdp-ckpt-rank{self.get_world_rank()}-"))
         return self._ckpt_dir
 

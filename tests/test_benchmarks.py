@@ -157,3 +157,42 @@ def test_contractions_benchmark_runs_small_on_cpu(capsys):
     for layer in ("attn q/o", "mlp up/gate", "mlp down", "lm head"):
         line = next(ln for ln in out.splitlines() if ln.startswith(layer))
         assert line.count("x)") == 3, line
+
+
+def test_checkpoint_benchmark_runs_small(tmp_path):
+    """benchmarks/checkpoint.py on a tiny Llama, 1 and 2 gloo processes (a script run: its
+    workers are spawned from it); every (world size, path) row is there and consistent."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.json"
+    argv = [sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint.py"), "--hidden", "32",
+            "--intermediate", "64", "--layers", "2", "--heads", "2", "--vocab", "128",
+            "--worlds", "1,2", "--repeats", "1", "--dir", str(tmp_path), "--json", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.load(open(out))
+    assert sorted((r["world"], r["path"]) for r in rows) == [(1, "dcp"), (1, "full"), (2, "dcp"), (2, "full")]
+    h, i, L, V = 32, 64, 2, 128
+    params = 2 * V * h + L * (4 * h * h + 3 * h * i + 2 * h) + h
+    for r in rows:
+        assert r["params"] == params and r["state_bytes"] == 12 * params
+        assert r["rank0_bytes_written"] > 0 and r["measured_by"] in ("VmHWM", "sampled VmRSS")
+    # Rank 0 writes the whole state on the full path; only its shards (and the index) on dcp.
+    full2 = next(r for r in rows if r["world"] == 2 and r["path"] == "full")
+    assert full2["rank0_bytes_written"] > full2["state_bytes"]
+    assert "| 2 | dcp |" in done.stdout and "dcp ÷ full" in done.stdout
+
+
+def test_checkpoint_benchmark_table_ratios():
+    table = _script("checkpoint").table
+    rows = [{"world": w, "path": p, "rank0_peak_increase_bytes": b, "seconds": 1.0,
+             "rank0_bytes_written": b, "state_bytes": 1200 * 2**20}
+            for w, p, b in [(1, "full", 1200 * 2**20), (1, "dcp", 600 * 2**20), (2, "full", 1200 * 2**20),
+                            (2, "dcp", 300 * 2**20), (2, "dcp", 100 * 2**20)]]
+    text = table(rows)
+    assert "| 2 | dcp | 300.0 | 0.250 | 0.50 | 300 | 1.00 |" in text  # the larger of two repeats
+    assert "| 1 | full | 1200.0 | 1.000 | 1.00 |" in text
+    assert "| 2 | 0.250 |" in text and "| 1 | 0.500 |" in text
+    zero = [dict(r, rank0_peak_increase_bytes=0) if r["world"] == 1 else r for r in rows]
+    assert "| 1 | 0.0 |" not in table(zero) and "| 1 | — |" in table(zero)  # no division by zero

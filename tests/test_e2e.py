@@ -84,10 +84,16 @@ def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys, unit):
     assert model.config.num_hidden_layers == 1
 
 
-def test_a_failed_worker_resumes_and_every_executed_step_is_counted(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("strategy", ["replicated", "fsdp"])
+def test_a_failed_worker_resumes_and_every_executed_step_is_counted(tmp_path, monkeypatch, capsys,
+                                                                      strategy):
     """Worker 1 raises at step 5 (after the ledger write); Ray restarts the group from the
     step-3 checkpoint; the run finishes, the ledger counts every executed step, the report
-    says what the failure cost, and a second launch does nothing."""
+    says what the failure cost, and a second launch does nothing. Under fsdp the checkpoint
+    is sharded: both workers' folders land in one Ray checkpoint, which the restarted group
+    loads, and the export's check reads."""
+    from llmdp import checkpoints
+    from llmdp.export import verify_run
     from llmdp.privacy.ledger import Ledger
 
     monkeypatch.chdir(tmp_path)
@@ -98,10 +104,16 @@ def test_a_failed_worker_resumes_and_every_executed_step_is_counted(tmp_path, mo
     # The failure re-executes steps; the user allowed ε past the target for it (else the run
     # stops at the target: tests/test_ledger_runs.py).
     argv = ["train", "r.yaml", "train.max_failures=1", "output.name=faulty",
-            "privacy.allow_exceed_target_on_failure=true"]
+            "privacy.allow_exceed_target_on_failure=true", f"scaling.strategy={strategy}"]
     assert main(argv) == 0
     assert marker.exists(), "the fault was injected"
     run_dir = tmp_path / "runs" / "faulty"
+    from llmdp.rundir import RunDir
+
+    last = RunDir(run_dir).latest_checkpoint()
+    assert checkpoints.read_meta(last)["step"] == 6
+    if strategy == "fsdp":
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", checkpoints.META} <= set(os.listdir(last))
     starts = [json.loads(x) for x in open(run_dir / "metrics.jsonl") if '"start"' in x]
     assert [s["step"] for s in starts] == [0, 3]  # resumed from the last checkpoint
     ledger = Ledger(run_dir / "ledger.jsonl")
@@ -118,6 +130,9 @@ def test_a_failed_worker_resumes_and_every_executed_step_is_counted(tmp_path, mo
         rep["sampling_probability"], dp_accounting.GaussianDpEvent(rep["noise_multiplier"])), 9)
     acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     assert rep["epsilon"] == pytest.approx(acc.compose(event).get_epsilon(rep["delta"]), rel=1e-6)
+    # the final model is the last checkpoint's (the only complaint: the failure's extra steps)
+    problems, _ = verify_run(str(run_dir))
+    assert not any("checkpoint" in p for p in problems), problems
 
     monkeypatch.delenv("LLMDP_FAULT")
     assert main(argv) == 0

@@ -21,7 +21,8 @@ from llmdp.strategy import Fsdp, Replicated, Strategy, strategy_for
 from tests.helpers import TINY_VOCAB, tiny_llama
 
 INTERFACE = ("check", "prepare_model", "grad_sinks", "loss_fn", "privatize", "after_update",
-             "map_location", "training_state", "load_training_state", "full_model_state")
+             "map_location", "training_state", "load_training_state", "save_checkpoint",
+             "load_checkpoint", "save_model")
 
 
 def test_every_configured_strategy_has_its_class():
@@ -116,7 +117,6 @@ def test_fsdp_refuses_what_it_cannot_honour():
         Fsdp().prepare_model(tiny_llama(vocab_size=TINY_VOCAB))
     assert Fsdp(device="cpu").map_location == torch.device("cpu")
     assert Replicated(device="cpu").map_location == torch.device("cpu")
-    assert Replicated().full_model_state(tiny_llama(vocab_size=TINY_VOCAB)) is None
 
 
 def test_fsdp_clears_gradients_after_the_update():
