@@ -72,7 +72,7 @@ def _reset_peak() -> int:
 
 
 def build_once(corpus: str, cache: str, *, cap_mb: float, workers: int, unit: str,
-               sequence_length: int = 128) -> dict:
+               sequence_length: int = 128, vocab_size: int | None = None) -> dict:
     """One build on Ray Data (Ray started for it, outside the timed part); measurements."""
     import ray
 
@@ -81,7 +81,7 @@ def build_once(corpus: str, cache: str, *, cap_mb: float, workers: int, unit: st
     from llmdp.data.units import UnitSpec
     from tests.helpers import tiny_tokenizer
 
-    tok = tiny_tokenizer()
+    tok = tiny_tokenizer() if vocab_size is None else tiny_tokenizer(vocab_size=vocab_size)
     spec = UnitSpec(kind=unit, sequence_length=sequence_length,
                     max_rows_per_unit=1 if unit == "sequence" else 4,
                     user_field="user_id" if unit == "user" else None)
@@ -106,7 +106,7 @@ def build_once(corpus: str, cache: str, *, cap_mb: float, workers: int, unit: st
         meta = json.load(f)
     counts = meta["counts"]
     shutil.rmtree(path, ignore_errors=True)
-    return {"unit": unit, "workers": workers, "cap_mb": cap_mb, "seconds": dt,
+    return {"unit": unit, "workers": workers, "vocab": len(tok), "cap_mb": cap_mb, "seconds": dt,
             "records": counts["num_records"], "records_per_s": counts["num_records"] / dt,
             "units": meta["num_units"], "chunks": stats["chunks"], "tasks": stats["tasks"],
             "chunk_mb": stats["chunk_bytes"] / MiB,
@@ -121,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cap-mb", type=float, default=500)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--unit", default="document", choices=("sequence", "document", "user"))
+    ap.add_argument("--vocab", type=int, default=8192,
+                    help="vocabulary of the BPE tokenizer trained for the run (the tests' tiny "
+                         "one has 300: about one token per 1.3 characters, the memory worst case)")
     ap.add_argument("--dir", default=None, help="where the corpus and the store go (default: a temp dir)")
     ap.add_argument("--check", action="store_true", help="fail if an absolute peak RSS exceeds the cap")
     ap.add_argument("--check-data", action="store_true",
@@ -135,7 +138,7 @@ def main(argv=None) -> int:
     rows, ok = [], True
     for w in args.workers:
         r = build_once(corpus, os.path.join(work, "units"), cap_mb=args.cap_mb, workers=w,
-                       unit=args.unit)
+                       unit=args.unit, vocab_size=args.vocab)
         print(json.dumps(r), flush=True)
         rows.append(r)
         if args.check:

@@ -231,9 +231,14 @@ class UnitArrays:
 
     def unit_target_tokens(self) -> np.ndarray:
         """Target tokens per unit after the shift (a row's first token is never a target)."""
-        cs = np.concatenate([[0], np.cumsum(self.target, dtype=np.int64)])
         s, e = self.row_offsets[:-1], self.row_offsets[1:]
-        per_row = cs[e] - cs[np.minimum(s + 1, e)]
+        per_row = np.zeros(s.size, dtype=np.int64)
+        ne = e > s
+        if ne.any():
+            # Rows abut (row_offsets is cumulative): a reduceat over the non-empty rows'
+            # starts sums each row; minus its first token. No per-token int64 temporary.
+            first = s[ne]
+            per_row[ne] = np.add.reduceat(self.target, first, dtype=np.int64) - self.target[first]
         return _sum_by_unit(per_row, self.row_start, self.row_count)
 
     def unit_max_row_length(self) -> np.ndarray:
@@ -255,13 +260,15 @@ def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     total = int(lens.sum())
     if total == 0:
         return np.empty(0, np.int64)
+    # int32 where every index fits: half the memory of the largest temporary of unit building
+    dt = np.int32 if int(np.max(np.asarray(ends, dtype=np.int64))) < 2**31 else np.int64
     keep = lens > 0
     starts, lens = starts[keep], lens[keep]
     first = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    out = np.ones(total, dtype=np.int64)
+    out = np.ones(total, dtype=dt)
     out[first] = starts - np.concatenate([[0], starts[:-1] + lens[:-1] - 1])
     out[0] = starts[0]
-    return np.cumsum(out, out=out)  # in place: one int64 per element, not two
+    return np.cumsum(out, out=out)  # in place: one index per element, not two
 
 
 def _rows_from_streams(stream_start, stream_len, L: int, max_rows: int | None):
