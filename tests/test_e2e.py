@@ -29,10 +29,12 @@ output: {{dir: runs, name: e2e}}
 
 
 # The second run takes the most involved path: user units of several rows with document
-# masking, sampled by truncated Poisson.
+# masking, sampled by truncated Poisson, its unit store built on Ray Data (a shuffle by user
+# key over several shards).
 USER_UNITS = ["data.unit=user", "data.user_field=user_id", "data.max_rows_per_unit=2",
               "data.document_masking=true", "privacy.sampler=truncated-poisson",
-              "train.expected_batch_size=6"]
+              "train.expected_batch_size=6", "data.preprocess=ray",
+              "data.preprocess_memory_mb=2", "data.preprocess_workers=2"]
 
 
 @pytest.mark.parametrize("unit", ["sequence", "user"])
@@ -56,6 +58,8 @@ def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys, unit):
     assert rep["steps"] == 6 and rep["status"] == "complete" and rep["unit"] == unit
     if unit == "user":
         assert rep["unit_size"]["max_rows_per_unit"] == 2 and rep["unit_size"]["document_masking"]
+        assert "built on Ray Data in" in rep["unit_formation"]
+        assert "Unit formation" in open(run_dir / "privacy_report.md").read()
         assert rep["dataset_size"] == rep["data_statistics"]["num_users"]
         step = dp_accounting.TruncatedSubsampledGaussianDpEvent(
             rep["dataset_size"] + 1, rep["sampling_probability"], rep["sampling"]["max_batch_size"],

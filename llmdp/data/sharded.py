@@ -2,13 +2,15 @@
 
 The in-process builder (`llmdp.data.store.build_store`) holds the encoded corpus in one
 process. This one never does: the driver cuts the corpus into record-aligned chunks
-(`llmdp.data.chunks.plan_chunks`, about ``data.preprocess_memory_mb / EXPANSION`` bytes
-of text each) and Ray Data runs one task per chunk on the cluster's workers (an actor pool
-of ``data.preprocess_workers``, one CPU each). A task reads its chunk, finds malformed
-records (``data.on_bad_record``), tokenizes, forms the units and writes them as one *shard*
-of the store (a rows file and a units file, the in-process store's layout, one pair per
-shard); the driver only sees each shard's counts and writes ``meta.json`` listing the
-shards. Memory per task is bounded by the chunk size, whatever the corpus size.
+(`llmdp.data.chunks.plan_chunks`, about ``(data.preprocess_memory_mb - TASK_FIXED_MB) /
+EXPANSION`` bytes of text each) and Ray Data runs the chunks on the cluster's workers (an
+actor pool of ``data.preprocess_workers``, one CPU each; a task takes a few chunks, one
+after the other). Per chunk, a task reads it, finds malformed records
+(``data.on_bad_record``), tokenizes, forms the units and writes them as one *shard* of the
+store (a rows file and a units file, the in-process store's layout, one pair per shard);
+the driver only merges counts and keeps one small entry per shard, then writes
+``meta.json`` listing the shards. A task's memory is bounded by the chunk size, whatever
+the corpus size; each task measures its peak RSS (returned in ``stats``).
 
 Unit formation across shards:
 
@@ -36,6 +38,11 @@ units with the smallest hashes) is settled by the driver from each shard's small
 hashes: a shard's evaluation units are written in hash order and the store uses a prefix
 of each. The store is addressed by a fingerprint that also covers the chunking, and is
 reused like the in-process one; both parts are renamed into place only when complete.
+
+Why one file: the tasks and the driver are the two halves of one protocol (the job file,
+the task list, the shard entries each task returns, the shard file names, the partition
+files of the user shuffle, the evaluation prefixes): apart, each half would have to be
+read against the other to be checked.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def _both(tmp_path, tok, notes, spec, *, part="train", **kw):
     local = build_store(tmp_path / "c", tokenizer=tok, spec=spec, data_path=notes, progress=False,
                         part=part, **kw)
     ray_ = build_store_sharded(tmp_path / "c", tokenizer=tok, spec=spec, data_path=notes,
-                               memory_mb=1.3, workers=2, part=part, log_fn=lambda m: None, **kw)
+                               memory_mb=2.0, workers=2, part=part, log_fn=lambda m: None, **kw)
     return local, ray_
 
 
@@ -159,13 +159,13 @@ def test_sequence_units_are_packed_per_shard(tmp_path, tok, notes, ray_session):
     assert one.meta["preprocess"]["shards"] == 1 and _units(one) == _units(local)
     # several shards: each shard packed alone = the in-process packing of that chunk's records
     many = build_store_sharded(tmp_path / "c", tokenizer=tok, spec=spec, data_path=notes,
-                               memory_mb=1.3, workers=2, log_fn=lambda m: None)
+                               memory_mb=2.0, workers=2, log_fn=lambda m: None)
     from llmdp.data.formats import RecordEncoder
     from llmdp.data.sharded import _encode, _Job
 
     job = _Job(RecordEncoder(tok), spec, None, None, "error", "file", ("train",), {})
     want = []
-    for ch in plan_chunks(notes, "auto", "file", chunk_bytes_for(1.3)):
+    for ch in plan_chunks(notes, "auto", "file", chunk_bytes_for(2.0)):
         batch, _ = read_chunk(ch, ["text"], "file")
         u = build_units(_encode(job, batch), spec)
         for k in range(u.num_units):
@@ -205,12 +205,12 @@ def test_malformed_records_stop_with_file_and_line_or_are_skipped(tmp_path, tok,
     spec = KINDS["document"]
     with pytest.raises(ConfigError, match=rf"{bad}:151: data.text_field='text' .*on_bad_record=skip"):
         build_store_sharded(tmp_path / "c", tokenizer=tok, spec=spec, data_path=str(bad),
-                            memory_mb=1.3, workers=2, log_fn=lambda m: None)
+                            memory_mb=2.0, workers=2, log_fn=lambda m: None)
     assert not any(n.startswith(".tmp-") for n in os.listdir(tmp_path / "c"))  # cleaned up
     skip_local = build_store(tmp_path / "c", tokenizer=tok, spec=spec, data_path=str(bad),
                              on_bad_record="skip", progress=False)
     skip_ray = build_store_sharded(tmp_path / "c", tokenizer=tok, spec=spec, data_path=str(bad),
-                                   on_bad_record="skip", memory_mb=1.3, workers=2,
+                                   on_bad_record="skip", memory_mb=2.0, workers=2,
                                    log_fn=lambda m: None)
     assert _units(skip_local) == _units(skip_ray)
     assert skip_ray.stats()["records_skipped"] == 1 == skip_local.stats()["records_skipped"]
@@ -239,3 +239,56 @@ def test_memory_stays_under_the_cap_for_a_corpus_20_times_larger(tmp_path, ray_s
     # the 80 MiB corpus never passes through it (benchmarks/preprocess.py checks the driver
     # against a 500 MiB cap on a 2 GiB corpus).
     assert r["driver_over_base_mb"] <= 16, r
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+def _recipe(tmp_path, data_path, **data):
+    from llmdp.config import recipe_from_dict
+    from tests.helpers import tiny_tokenizer_dir
+
+    return recipe_from_dict({
+        "model": {"init": "tiny", "tokenizer": tiny_tokenizer_dir(),
+                  "tiny": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                           "intermediate_size": 32, "max_position_embeddings": 64}},
+        "data": {"path": str(data_path), "sequence_length": 24, **data},
+        "privacy": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "delta": 1e-4},
+        "train": {"expected_batch_size": 8, "steps": 2},
+        "output": {"dir": str(tmp_path / "runs"), "name": "t"},
+    })
+
+
+def test_preprocess_ray_on_a_source_it_cannot_read_is_refused_by_name(tmp_path):
+    csv = tmp_path / "notes.csv"
+    csv.write_text("text\nhello there\n")
+    with pytest.raises(ConfigError, match=r"data.preprocess: 'ray' cannot build this corpus: csv "
+                                          r"files are read in one process.*data.preprocess: local"):
+        _recipe(tmp_path, csv, preprocess="ray")
+    assert _recipe(tmp_path, csv, preprocess="auto").data.preprocess == "auto"
+    with pytest.raises(ConfigError, match="data.preprocess"):
+        _recipe(tmp_path, csv, preprocess="spark")
+
+
+def test_auto_picks_ray_data_for_a_large_corpus_only(tmp_path, notes, monkeypatch):
+    from llmdp import planning
+    from llmdp.data.store import build_store
+
+    d = _recipe(tmp_path, notes).data
+    assert planning.store_builder(d, d.path, None, d.format) is build_store
+    monkeypatch.setattr(planning, "AUTO_RAY_BYTES", os.path.getsize(notes))
+    seen = {}
+    monkeypatch.setattr("llmdp.data.sharded.build_store_sharded",
+                        lambda cache, **kw: seen.update(kw) or "built")
+    assert planning.store_builder(d, d.path, None, d.format)("c", dataset=None, split="train",
+                                                             config_name=None, num_proc=None,
+                                                             tokenizer=None) == "built"
+    assert seen["memory_mb"] == 1024 and seen["workers"] is None
+    forced = _recipe(tmp_path, notes, preprocess="ray", preprocess_memory_mb=64,
+                     preprocess_workers=3).data
+    monkeypatch.setattr(planning, "AUTO_RAY_BYTES", 1 << 40)
+    planning.store_builder(forced, forced.path, None, forced.format)("c", tokenizer=None)
+    assert (seen["memory_mb"], seen["workers"]) == (64, 3)
+    local = _recipe(tmp_path, notes, preprocess="local").data
+    monkeypatch.setattr(planning, "AUTO_RAY_BYTES", 0)
+    assert planning.store_builder(local, local.path, None, local.format) is build_store
