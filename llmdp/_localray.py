@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 RECORD = "local_ray.json"  # in the run directory, while a local Ray of this run lives
 _POLL_S = 0.5  # how often the watchdog looks for new Ray processes
@@ -85,8 +86,16 @@ def kill_recorded(processes: list[list]) -> list[int]:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(procs, timeout=_KILL_WAIT_S)
+    _wait_gone(procs)
     return [p.pid for p in procs]
+
+
+def _wait_gone(procs) -> None:
+    """Until each of ``procs`` is gone or a zombie (whose parent, often init, reaps it), at
+    most ``_KILL_WAIT_S``."""
+    deadline = time.monotonic() + _KILL_WAIT_S
+    while any(_key(p) is not None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------ the driver side
@@ -181,7 +190,7 @@ def reap_leftovers(run_dir: str, log=print) -> list[int]:
         return []  # its driver still runs (an older llmdp without the run lock?): not ours
     watchdog = rec.get("watchdog")
     if watchdog and (w := _alive(int(watchdog[0]), float(watchdog[1]))) is not None:
-        _psutil().wait_procs([w], timeout=_KILL_WAIT_S)  # it is ending them right now
+        _wait_gone([w])  # it is ending them right now
     killed = kill_recorded(rec.get("processes") or [])
     if killed:
         log(f"ended {len(killed)} Ray process(es) left by an earlier launch of this run "

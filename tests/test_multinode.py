@@ -1,10 +1,13 @@
 """Lost nodes and lost drivers (issue 18, part 3), on Ray on this machine.
 
 - A simulated multi-node cluster (`ray.cluster_utils.Cluster`): a head node with no CPU (the
-  driver, its ledger actor and Ray Train's controller) and two 1-CPU worker nodes, so the
-  two workers land on different nodes. A worker hangs after the ledger write of step 5; its
-  whole node is killed; a replacement node joins; the run resumes from the step-3
-  checkpoint and completes, and every executed step is in the ledger.
+  driver, its ledger actor and Ray Train's controller) and three 1-CPU worker nodes, so the
+  two workers land on different nodes and one node stands by. A worker hangs after the
+  ledger write of step 5; its whole node is killed; the restarted worker group runs on the
+  survivor and the standby node, resumes from the step-3 checkpoint and completes, and
+  every executed step is in the ledger. (The standby node is there from the start: Ray's
+  `Cluster.add_node` installs a SIGTERM handler, so it cannot be called from the thread that
+  kills the node while the main thread runs the training.)
 - `llmdp train` (the CLI, its own local Ray) SIGKILLed while a worker hangs at step 5, then
   launched again: no Ray process of the killed driver survives it, the relaunch resumes
   from the checkpoint and completes with every executed step counted, its budget hold
@@ -118,7 +121,7 @@ def _check_the_resumed_run(run_dir: Path, capsys) -> dict:
 
 @pytest.fixture
 def cluster(monkeypatch):
-    """Head (0 CPUs) + two 1-CPU worker nodes; always shut down. Ray's temp dir is this
+    """Head (0 CPUs) + three 1-CPU worker nodes; always shut down. Ray's temp dir is this
     test's own: the cluster's address file there is found by no other `ray.init()` on the
     machine (short: Unix socket paths are limited)."""
     import ray
@@ -129,7 +132,7 @@ def cluster(monkeypatch):
     c = None
     try:
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-        for _ in range(2):
+        for _ in range(3):
             c.add_node(num_cpus=1)
         c.wait_for_nodes()
         yield c
@@ -148,7 +151,7 @@ def _workers():
     return sorted(found, key=lambda a: a["StartTime"])
 
 
-def test_a_killed_node_resumes_on_a_replacement_node_and_counts_every_step(
+def test_a_killed_node_resumes_on_a_standby_node_and_counts_every_step(
         cluster, tmp_path, monkeypatch, capsys):
     import ray
 
@@ -165,33 +168,40 @@ def test_a_killed_node_resumes_on_a_replacement_node_and_counts_every_step(
     stop, lost = threading.Event(), {}
 
     def kill_the_hung_workers_node():
-        if not _wait_for("the hang and a registered checkpoint",
-                         lambda: marker.exists() and _checkpoint_registered(run_dir), stop):
-            return
-        pid = json.loads(marker.read_text())["pid"]
-        node_id = next(a["Address"]["NodeID"] for a in _workers() if a["Pid"] == pid)
-        node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
-        cluster.remove_node(node, allow_graceful=False)  # the whole node: raylet, workers
-        lost["node"] = node_id
-        lost["replacement"] = cluster.add_node(num_cpus=1).node_id  # room for the restart
+        try:
+            if not _wait_for("the hang and a registered checkpoint",
+                             lambda: marker.exists() and _checkpoint_registered(run_dir), stop):
+                return
+            pid = json.loads(marker.read_text())["pid"]
+            node_id = next(a["Address"]["NodeID"] for a in _workers() if a["Pid"] == pid)
+            node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+            cluster.remove_node(node, allow_graceful=False)  # the whole node: raylet, workers
+            lost["node"] = node_id
+        except BaseException as e:  # noqa: BLE001 - reported below; the run is aborted
+            lost["error"] = e
+            os.kill(os.getpid(), signal.SIGINT)  # Ray Train's handler aborts the hung run
 
     killer = threading.Thread(target=kill_the_hung_workers_node, daemon=True)
     killer.start()
     try:
-        assert main(["train", "r.yaml"]) == 0
+        rc = main(["train", "r.yaml"])
+    except KeyboardInterrupt:  # aborted by the thread (not pytest's own Ctrl-C: reported below)
+        rc = None
     finally:
         stop.set()
         killer.join(timeout=60)
-    assert lost.get("node"), "the node was killed mid-run"
+    assert "error" not in lost, lost.get("error")
+    assert rc == 0 and lost.get("node"), "the node was killed mid-run, and the run completed"
 
     workers = _workers()
     assert len(workers) == 4  # two attempts of two workers
     first = [w["Address"]["NodeID"] for w in workers[:2]]
     second = [w["Address"]["NodeID"] for w in workers[2:]]
     # each attempt's workers on two different worker nodes; the lost one hosted a first-attempt
-    # worker, and the restart ran on the survivor and the replacement
+    # worker, and the restart ran on the survivor and the standby node
+    standby = {n.node_id for n in cluster.worker_nodes} - set(first)
     assert len(set(first)) == 2 and head not in first and lost["node"] in first
-    assert set(second) == (set(first) - {lost["node"]}) | {lost["replacement"]}
+    assert len(standby) == 1 and set(second) == (set(first) - {lost["node"]}) | standby
     _check_the_resumed_run(run_dir, capsys)
 
 
