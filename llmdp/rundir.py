@@ -4,7 +4,10 @@
     plan.json            the plan and what the driver decided: written once, by ``prepare``
     ledger.jsonl         the run's ledger (the ledger service writes it, write-ahead)
     metrics.jsonl        per-step metrics (rank 0)
-    checkpoints/         Ray Train's checkpoints (``checkpoint_*/state.pt``)
+    checkpoints/         Ray Train's checkpoints (``checkpoint_*/state.pt``) and its record of
+                         them (``checkpoint_manager_snapshot.json``)
+    local_ray.json       while a local Ray started by the run lives: its processes
+                         (``llmdp._localray``; a relaunch ends what a dead launch left)
     model/               the trained model (``save_pretrained``)
     privacy_report.*     the report (``llmdp.report``)
 
@@ -24,6 +27,7 @@ from llmdp.privacy.ledger import Ledger
 from llmdp.privacy.plan import DPPlan
 
 PLAN_JSON = "plan.json"
+RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of its checkpoints
 
 
 class NotARunDirectory(ValueError):
@@ -117,7 +121,20 @@ class RunDir:
     # ---- checkpoints
 
     def latest_checkpoint(self) -> str | None:
-        """The newest checkpoint's state.pt (the one Ray Train restores), or None."""
+        """The state.pt of the checkpoint Ray Train restores, or None: the latest one its
+        controller registered (``checkpoint_manager_snapshot.json``; none registered: None),
+        else (no snapshot) the newest folder.
+        A driver killed between a worker's upload and the registration leaves a newer
+        folder that Ray Train does not resume from."""
+        try:
+            with open(self.file("checkpoints", RAY_TRAIN_SNAPSHOT), encoding="utf-8") as f:
+                snapshot = json.load(f)
+        except (OSError, ValueError):
+            snapshot = None  # none (a run written without Ray Train), or unreadable
+        if isinstance(snapshot, dict):
+            latest = (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+            path = self.file("checkpoints", latest, "state.pt") if latest else None
+            return path if path and os.path.exists(path) else None
         found = sorted(glob.glob(self.file("checkpoints", "checkpoint_*", "state.pt")))
         return found[-1] if found else None
 

@@ -8,7 +8,7 @@
   every executed step is in the ledger. (The standby node is there from the start: Ray's
   `Cluster.add_node` installs a SIGTERM handler, so it cannot be called from the thread that
   kills the node while the main thread runs the training.)
-- `llmdp train` (the CLI, its own local Ray) SIGKILLed while a worker hangs at step 5, then
+- `llmdp train` (the CLI, its own local Ray) SIGKILLed while its worker hangs at step 5, then
   launched again: no Ray process of the killed driver survives it, the relaunch resumes
   from the checkpoint and completes with every executed step counted, its budget hold
   replaces the dead launch's, and no Ray process of the relaunch survives it either.
@@ -232,7 +232,7 @@ def _remember_descendants(pid: int, seen: dict[int, tuple[float, str]]) -> None:
         return
     for k in kids:
         try:
-            seen.setdefault(k.pid, (k.create_time(), k.name()))
+            seen.setdefault(k.pid, (k.create_time(), " ".join(k.cmdline())[:80] or k.name()))
         except psutil.Error:
             pass
 
@@ -249,9 +249,10 @@ def _gone_within_grace(procs, grace_s: float = 20.0) -> list[str]:
 def _launch(tmp_path: Path, env: dict, seen: dict, until=None) -> subprocess.Popen:
     """`llmdp train r.yaml` as its own process; remembers every process under it (every Ray
     process it starts) until it exits or ``until()`` holds."""
-    # With a budget: the relaunch holds its remaining steps again.
+    # With a budget: the relaunch holds its remaining steps again. One worker: the driver is
+    # what this test loses.
     proc = subprocess.Popen([sys.executable, "-m", "llmdp.cli", "train", "r.yaml",
-                             "privacy.budget_epsilon=50"], cwd=tmp_path,
+                             "privacy.budget_epsilon=50", "scaling.num_workers=1"], cwd=tmp_path,
                             env=env, stdout=open(tmp_path / "driver.log", "a"),
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + GUARD_S
