@@ -5,7 +5,10 @@
     ledger.jsonl         the run's ledger (the ledger service writes it, write-ahead)
     metrics.jsonl        per-step metrics (rank 0)
     checkpoints/         Ray Train's checkpoints (``checkpoint_*/``: ``state.pt``, or
-                         ``state.json`` + DCP shards; ``llmdp.checkpoints``)
+                         ``state.json`` + DCP shards; ``llmdp.checkpoints``) and its record
+                         of them (``checkpoint_manager_snapshot.json``)
+    local_ray.json       while a local Ray started by the run lives: its processes
+                         (``llmdp._localray``; a relaunch ends what a dead launch left)
     model/               the trained model (``save_pretrained``)
     privacy_report.*     the report (``llmdp.report``)
 
@@ -26,6 +29,7 @@ from llmdp.privacy.ledger import Ledger
 from llmdp.privacy.plan import DPPlan
 
 PLAN_JSON = "plan.json"
+RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of its checkpoints
 
 
 class NotARunDirectory(ValueError):
@@ -119,8 +123,24 @@ class RunDir:
     # ---- checkpoints
 
     def latest_checkpoint(self) -> str | None:
-        """The newest checkpoint folder (the one Ray Train restores; either format of
-        ``llmdp.checkpoints``), or None."""
+        """The checkpoint folder Ray Train restores (either format of
+        ``llmdp.checkpoints``), or None: the latest one its controller registered
+        (``checkpoint_manager_snapshot.json``; none registered: None), else (no snapshot)
+        the newest folder. A driver killed between a worker's upload and the registration
+        leaves a newer folder that Ray Train does not resume from."""
+        def is_checkpoint(folder: str) -> bool:
+            return any(os.path.exists(os.path.join(folder, name))
+                       for name in (checkpoints.FULL, checkpoints.META))
+
+        try:
+            with open(self.file("checkpoints", RAY_TRAIN_SNAPSHOT), encoding="utf-8") as f:
+                snapshot = json.load(f)
+        except (OSError, ValueError):
+            snapshot = None  # none (a run written without Ray Train), or unreadable
+        if isinstance(snapshot, dict):
+            latest = (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+            folder = self.file("checkpoints", latest) if latest else None
+            return folder if folder and is_checkpoint(folder) else None
         found = sorted({os.path.dirname(p) for name in (checkpoints.FULL, checkpoints.META)
                         for p in glob.glob(self.file("checkpoints", "checkpoint_*", name))})
         return found[-1] if found else None

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from llmdp import _localray
 from llmdp._fs import RunLock, cache_root
 from llmdp.baseline import BANNER
 from llmdp.config import ConfigError, RecipeConfig, config_hash, dump_yaml, to_dict
@@ -342,6 +343,7 @@ def _fit(prepared: RunSpec, log) -> None:
 
     cfg = prepared.cfg
     started_ray = False
+    local = None
     if not ray.is_initialized():
         num_cpus = max(os.cpu_count() or 1, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 1)
         init = dict(
@@ -355,14 +357,9 @@ def _fit(prepared: RunSpec, log) -> None:
             configure_logging=True,
         )
         quiet_ray_notices()
-        try:
-            ray.init(num_cpus=num_cpus, **init)  # a local Ray sized for the workers
-        except ValueError as e:
-            # A driver on a cluster node (a Ray job, `ray start`, SLURM symmetric-run, KubeRay)
-            # joins that cluster, whose resources are its own: Ray refuses num_cpus there.
-            if "existing cluster" not in str(e):
-                raise
-            ray.init(**init)
+        # A local Ray sized for the workers, watched so that none of its processes outlives
+        # this driver (even SIGKILLed); or, on a cluster node, that cluster (local is None).
+        local = _localray.start(prepared.run_dir, log=log, num_cpus=num_cpus, **init)
         started_ray = True
 
     # The single ledger writer, on the driver's node, shared by every attempt of the workers.
@@ -404,6 +401,8 @@ def _fit(prepared: RunSpec, log) -> None:
             ray.kill(actor)
         if started_ray:
             ray.shutdown()
+        if local is not None:
+            local.stop()  # after the shutdown: ends what is left of that Ray (agents)
 
 
 def _ray_entry(spec: RunSpec) -> None:

@@ -405,15 +405,21 @@ def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
 
 
 def _maybe_inject_fault(step: int, rank: int) -> None:
-    """Test hook: ``LLMDP_FAULT=step=K,rank=R,marker=PATH`` makes worker R raise once at
-    0-based step K (after the ledger write, before the update), as a lost node would."""
+    """Test hook: ``LLMDP_FAULT=step=K,rank=R,marker=PATH[,action=hang]`` makes worker R, once,
+    at 0-based step K (after the ledger write, before the update) raise, as a lost worker
+    would; with ``action=hang`` it writes its pid to the marker and hangs there until it is
+    killed (a test kills its node, or the driver, at that point)."""
     spec = os.environ.get("LLMDP_FAULT")
     if not spec:
         return
     f = dict(item.split("=", 1) for item in spec.split(","))
     if int(f["step"]) == step and int(f.get("rank", 0)) == rank and not os.path.exists(f["marker"]):
-        with open(f["marker"], "w") as fh:
-            fh.write(f"failed at step {step} on rank {rank}\n")
+        hang = f.get("action") == "hang"
+        with open(f["marker"] + ".tmp", "w") as fh:
+            fh.write(json.dumps({"pid": os.getpid(), "step": step, "rank": rank, "hang": hang}))
+        os.replace(f["marker"] + ".tmp", f["marker"])
+        while hang:
+            time.sleep(1.0)
         raise RuntimeError(f"injected fault at step {step} on rank {rank} (LLMDP_FAULT)")
 
 

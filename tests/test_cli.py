@@ -285,7 +285,7 @@ def _auth_records(emit) -> list[str]:
     return seen
 
 
-def test_fit_hides_rays_token_auth_notice_before_ray_init(monkeypatch):
+def test_fit_hides_rays_token_auth_notice_before_ray_init(monkeypatch, tmp_path):
     """What a local `ray.init` logs (Ray 2.5x) never reaches the user; Ray's warning that
     authentication is *disabled* still does."""
     from types import SimpleNamespace
@@ -305,7 +305,7 @@ def test_fit_hides_rays_token_auth_notice_before_ray_init(monkeypatch):
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", fake_init)
-    prepared = SimpleNamespace(cfg=SimpleNamespace(
+    prepared = SimpleNamespace(run_dir=str(tmp_path), cfg=SimpleNamespace(
         scaling=SimpleNamespace(num_workers=1, cpus_per_worker=1)))
     with pytest.raises(Started):
         trainer._fit(prepared, print)

@@ -97,3 +97,22 @@ def test_run_dir_reader_names_a_folder_without_a_run(tmp_path):
         rd.require(KeyError)
     (tmp_path / "plan.json").write_text("{not json")
     assert RunDir(tmp_path).run_id() is None
+
+
+def test_the_checkpoint_ray_train_restores_is_the_one_its_snapshot_names(tmp_path):
+    """A driver killed between a worker's upload of a checkpoint and its registration by
+    Ray Train's controller leaves a newer folder than the one Ray Train resumes from."""
+    import torch
+
+    rd = RunDir(tmp_path)
+    for name, step in (("checkpoint_2026-01-01_00-00-01.0", 3), ("checkpoint_2026-01-01_00-00-02.0", 6)):
+        os.makedirs(tmp_path / "checkpoints" / name)
+        torch.save({"step": step}, tmp_path / "checkpoints" / name / "state.pt")
+    assert rd.checkpoint_step() == 6  # no snapshot (a run written without Ray): the newest
+    snapshot = tmp_path / "checkpoints" / "checkpoint_manager_snapshot.json"
+    snapshot.write_text(json.dumps({"latest_checkpoint_result": {
+        "checkpoint_dir_name": "checkpoint_2026-01-01_00-00-01.0", "metrics": {"step": 3}}}))
+    assert rd.checkpoint_step() == 3
+    assert rd.latest_checkpoint().endswith("checkpoint_2026-01-01_00-00-01.0")
+    snapshot.write_text(json.dumps({"latest_checkpoint_result": None}))  # nothing registered
+    assert rd.latest_checkpoint() is None and rd.checkpoint_step() == 0
