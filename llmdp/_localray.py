@@ -28,6 +28,7 @@ start``ed nodes) starts no watchdog and touches none of the cluster's processes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
@@ -96,6 +97,29 @@ def _wait_gone(procs) -> None:
     deadline = time.monotonic() + _KILL_WAIT_S
     while any(_key(p) is not None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+# Ray's module that logs, on every local `ray.init`, "Token authentication is enabled for
+# this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out ...": a notice about Ray's own
+# default (a local cluster that llmdp starts and stops), nothing a user of llmdp acts on.
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+_RAY_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropRayAuthNotice(logging.Filter):
+    """Drops that one record; every other Ray warning (the security warning "Token
+    authentication is disabled" included) still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_RAY_AUTH_NOTICE)
+
+
+def quiet_ray_notices() -> None:
+    """Hide Ray's token-authentication notice from llmdp's users (idempotent). A filter on
+    Ray's logger, not RAY_AUTH_MODE: the authentication mode stays Ray's choice."""
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    if not any(isinstance(f, _DropRayAuthNotice) for f in logger.filters):
+        logger.addFilter(_DropRayAuthNotice())
 
 
 # ------------------------------------------------------------------------ the driver side

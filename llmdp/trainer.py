@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import signal
 import threading
@@ -313,29 +312,6 @@ def _run_locked(cfg: RecipeConfig, lock, log) -> str:
     return prepared.run_dir
 
 
-# Ray's module that logs, on every local `ray.init`, "Token authentication is enabled for
-# this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out ...": a notice about Ray's own
-# default (a local cluster that llmdp starts and stops), nothing a user of llmdp acts on.
-_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
-_RAY_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
-
-
-class _DropRayAuthNotice(logging.Filter):
-    """Drops that one record; every other Ray warning (the security warning "Token
-    authentication is disabled" included) still shows."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(_RAY_AUTH_NOTICE)
-
-
-def quiet_ray_notices() -> None:
-    """Hide Ray's token-authentication notice from llmdp's users (idempotent). A filter on
-    Ray's logger, not RAY_AUTH_MODE: the authentication mode stays Ray's choice."""
-    logger = logging.getLogger(_RAY_AUTH_LOGGER)
-    if not any(isinstance(f, _DropRayAuthNotice) for f in logger.filters):
-        logger.addFilter(_DropRayAuthNotice())
-
-
 def _fit(prepared: RunSpec, log) -> None:
     import ray  # lazy: Ray (and its start-up cost) only where the run goes on Ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -356,7 +332,7 @@ def _fit(prepared: RunSpec, log) -> None:
                                                        if k == "LLMDP_FAULT"}}},
             configure_logging=True,
         )
-        quiet_ray_notices()
+        _localray.quiet_ray_notices()
         # A local Ray sized for the workers, watched so that none of its processes outlives
         # this driver (even SIGKILLed); or, on a cluster node, that cluster (local is None).
         local = _localray.start(prepared.run_dir, log=log, num_cpus=num_cpus, **init)

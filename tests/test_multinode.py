@@ -2,7 +2,8 @@
 
 - A simulated multi-node cluster (`ray.cluster_utils.Cluster`): a head node with no CPU (the
   driver, its ledger actor and Ray Train's controller) and three 1-CPU worker nodes, so the
-  two workers land on different nodes and one node stands by. A worker hangs after the
+  two workers land on different nodes and one node stands by. The run is fsdp: its
+  checkpoints are sharded (DCP), written by each worker on its node. A worker hangs after the
   ledger write of step 5; its whole node is killed; the restarted worker group runs on the
   survivor and the standby node, resumes from the step-3 checkpoint and completes, and
   every executed step is in the ledger. (The standby node is there from the start: Ray's
@@ -184,7 +185,9 @@ def test_a_killed_node_resumes_on_a_standby_node_and_counts_every_step(
     killer = threading.Thread(target=kill_the_hung_workers_node, daemon=True)
     killer.start()
     try:
-        rc = main(["train", "r.yaml"])
+        # fsdp: the checkpoint is sharded (each worker writes its shards on its own node,
+        # Ray Train gathers the folders into one), and the restarted group reshards it.
+        rc = main(["train", "r.yaml", "scaling.strategy=fsdp"])
     except KeyboardInterrupt:  # aborted by the thread (not pytest's own Ctrl-C: reported below)
         rc = None
     finally:
@@ -203,6 +206,15 @@ def test_a_killed_node_resumes_on_a_standby_node_and_counts_every_step(
     assert len(set(first)) == 2 and head not in first and lost["node"] in first
     assert len(standby) == 1 and set(second) == (set(first) - {lost["node"]}) | standby
     _check_the_resumed_run(run_dir, capsys)
+    from llmdp import checkpoints
+    from llmdp.export import verify_run
+    from llmdp.rundir import RunDir
+
+    last = RunDir(run_dir).latest_checkpoint()
+    assert checkpoints.read_meta(last)["step"] == 6
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", checkpoints.META} <= set(os.listdir(last))
+    problems, _ = verify_run(str(run_dir))  # the final model is the last checkpoint's
+    assert not any("checkpoint" in p for p in problems), problems
 
 
 # --------------------------------------------------------------------------- a lost driver

@@ -419,21 +419,20 @@ def _run(job_file: str, items: list[dict], workers: int, log_fn, what: str) -> t
     return counts, shards, memory
 
 
-def _ensure_ray(workers: int):
-    """A local Ray for the build when none is running (shut down by the caller)."""
+def _ensure_ray(workers: int, workdir: str, log_fn):
+    """A local Ray for the build when none is running, watched like the training's
+    (`llmdp._localray`: none of its processes outlives a killed driver); the caller stops
+    it. None when Ray runs already (or the driver joined a cluster)."""
     import ray
 
+    from llmdp import _localray
+
     if ray.is_initialized():
-        return False
-    init = dict(include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-                configure_logging=True)
-    try:
-        ray.init(num_cpus=max(workers, 1), **init)
-    except ValueError as e:
-        if "existing cluster" not in str(e):
-            raise
-        ray.init(**init)
-    return True
+        return None
+    _localray.quiet_ray_notices()
+    local = _localray.start(workdir, log=log_fn, num_cpus=max(workers, 1), include_dashboard=False,
+                            logging_level="WARNING", log_to_driver=False, configure_logging=True)
+    return local or True
 
 
 def build_store_sharded(cache_dir, **kwargs) -> UnitStore:
@@ -487,10 +486,12 @@ def build_sharded(
         return finals[part]
 
     chunks = plan_chunks(data_path, data_format, text_split, cbytes)
-    started = _ensure_ray(workers or os.cpu_count() or 1)
     os.makedirs(cache_dir, exist_ok=True)
     tmp = {p: tempfile.mkdtemp(prefix=f".tmp-{fps[p][:12]}-", dir=cache_dir) for p in parts}
+    started = None
+    watch = tempfile.mkdtemp(prefix=".tmp-ray-", dir=cache_dir)  # the local Ray's record
     try:
+        started = _ensure_ray(workers or os.cpu_count() or 1, watch, log_fn)
         import ray
 
         if workers is None:
@@ -524,12 +525,14 @@ def build_sharded(
         _finish(finals, tmp, parts, shards, counts, holdout, spec, tokenizer, fps, source, src_sha,
                 encoder, tok_sha, unit_fraction, data_path, layout, len(chunks))
     finally:
-        for t in tmp.values():
-            shutil.rmtree(t, ignore_errors=True)
         if started:
             import ray
 
             ray.shutdown()
+            if started is not True:
+                started.stop()  # the watchdog ends what is left of this Ray
+        for t in [*tmp.values(), watch]:
+            shutil.rmtree(t, ignore_errors=True)
     return finals[part]
 
 
