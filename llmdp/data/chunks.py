@@ -27,7 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmdp._validate import ConfigError
-from llmdp.data.files import _ext, _json_type, data_files, resolve_format, saved_dataset_kind
+from llmdp.data.files import (
+    _ext,
+    _json_type,
+    data_files,
+    json_line_record,
+    resolve_format,
+    saved_dataset_kind,
+)
 
 __all__ = ["Chunk", "plan_chunks", "read_chunk", "supported_source", "total_bytes"]
 
@@ -167,18 +174,7 @@ def read_chunk(chunk: Chunk, columns: list[str], text_split: str) -> tuple[dict[
         for n, text in lines:
             if not text.strip():
                 continue
-            try:
-                rec = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ConfigError(
-                    f"data.path: {_at(chunk, first_line, n)}: not valid JSON ({e.msg}; column "
-                    f"{e.colno}); each line of a JSON-lines file is one JSON object: fix or remove "
-                    "that line", key="data.path") from None
-            if not isinstance(rec, dict):
-                raise ConfigError(
-                    f"data.path: {_at(chunk, first_line, n)}: a JSON {_json_type(rec)}, not an "
-                    "object; each line of a JSON-lines file is one record {\"field\": value, ...}: "
-                    "fix or remove that line", key="data.path")
+            rec = json_line_record(text, lambda n=n: _at(chunk, first_line, n))
             recs.append(rec)
             where.append(n)
         return {c: [r.get(c) for r in recs] for c in columns}, _locations(chunk, first_line, where)

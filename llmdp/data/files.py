@@ -191,23 +191,30 @@ def _json_lines_records(path: str):
     """(line number, record) of each non-blank line of a JSON-lines file; a line that is
     not a JSON object stops with the file and the line."""
     for n, text in _decoded_lines(path):
-        if not text.strip():
-            continue
-        try:
-            rec = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"data.path: {path}:{n}: not valid JSON ({e.msg}; column {e.colno}); each line "
-                f"of a JSON-lines file is one JSON object: fix or remove that line",
-                key="data.path",
-            ) from None
-        if not isinstance(rec, dict):
-            raise ConfigError(
-                f"data.path: {path}:{n}: a JSON {_json_type(rec)}, not an object; each line of a "
-                f"JSON-lines file is one record {{\"field\": value, ...}}: fix or remove that line",
-                key="data.path",
-            )
-        yield n, rec
+        if text.strip():
+            yield n, json_line_record(text, f"{path}:{n}")
+
+
+def json_line_record(text: str, where) -> dict:
+    """One line of a JSON-lines file as its record; a line that is not a JSON object stops
+    with ``where`` (``file:line``, or a function giving it: only a message needs it)."""
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        where = where() if callable(where) else where
+        raise ConfigError(
+            f"data.path: {where}: not valid JSON ({e.msg}; column {e.colno}); each line "
+            f"of a JSON-lines file is one JSON object: fix or remove that line",
+            key="data.path",
+        ) from None
+    if not isinstance(rec, dict):
+        where = where() if callable(where) else where
+        raise ConfigError(
+            f"data.path: {where}: a JSON {_json_type(rec)}, not an object; each line of a "
+            f"JSON-lines file is one record {{\"field\": value, ...}}: fix or remove that line",
+            key="data.path",
+        )
+    return rec
 
 
 def _whole_json(path: str):
