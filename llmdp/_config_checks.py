@@ -87,6 +87,16 @@ def _check_source(d, prefix: str) -> None:
             f"identifies the user (e.g. user_field: user_id)",
             key=f"{prefix}.user_field",
         )
+    if d.path is not None and "://" in d.path:
+        mode = getattr(d, "preprocess", None)
+        if mode not in ("ray", "auto") or d.synthetic is not None:
+            why = ("a training recipe's data.preprocess: ray (or auto) reads it"
+                   if mode is None else f"{prefix}.preprocess: {mode!r} reads local files")
+            raise ConfigError(
+                f"{prefix}.path: {d.path!r} is a URI; only the unit store built on Ray Data "
+                f"reads files through pyarrow's filesystems, and {why}: set "
+                f"{prefix}.preprocess: ray, or copy the corpus to local storage",
+                key=f"{prefix}.path")
     if d.synthetic is not None and d.path is None:
         raise ConfigError(
             f"{prefix}.synthetic: needs {prefix}.path (where the synthetic corpus is written)",
@@ -127,7 +137,7 @@ def check_data(d, prefix: str, base_dir: str):
             key=f"{prefix}.max_units",
         )
     _check_source(d, prefix)
-    if d.preprocess == "ray":
+    if d.preprocess == "ray" or (d.path is not None and "://" in d.path):
         from llmdp.data.chunks import supported_source  # lazy: reads the corpus's file list
 
         why = supported_source(d.path, d.format) if d.dataset is None else \

@@ -291,6 +291,8 @@ def _field_value(key: str, raw: Any, f: dataclasses.Field, tp: Any, ctx: _Ctx) -
                     f"~/.pgpass (e.g. {key}=postgresql://user@host/db)", key=key)
             return value
         return _resolve_path(value, ctx.base_dir)
+    if meta.get("path") == "always" and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value):
+        return value  # a URI (data.path on a pyarrow filesystem): not a local path
     if meta.get("path") == "always" or (
         meta.get("path") == "maybe" and _is_local_path(value, ctx.base_dir)
     ):

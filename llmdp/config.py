@@ -146,7 +146,8 @@ class SourceConfig:
     path: str | None = _f(
         None, path="always",
         help="the corpus: a .jsonl, .json, .parquet, .csv or .txt file, a directory, "
-             "or a datasets save_to_disk folder",
+             "a datasets save_to_disk folder, or (data.preprocess ray) a URI of a pyarrow "
+             "filesystem: s3://, gs://, hdfs://, file://",
     )
     dataset: str | None = _f(None, nonempty=True)
     config_name: str | None = None

@@ -66,7 +66,7 @@ def store_builder(d, path, dataset, data_format: str, log=print):
     mode = d.preprocess
     if mode == "auto":
         big = dataset is None and chunks.supported_source(path, data_format) is None and \
-            chunks.total_bytes(path) >= AUTO_RAY_BYTES
+            (chunks.is_uri(path) or chunks.total_bytes(path) >= AUTO_RAY_BYTES)
         mode = "ray" if big else "local"
     if mode == "local" or dataset is not None or chunks.supported_source(path, data_format):
         return build_store  # (a separate evaluation source Ray Data cannot read: in-process)

@@ -15,19 +15,26 @@ record; a UTF-8 byte-order mark at a file's start is dropped). Each record carri
 (``file:line``, ``file (row k)``) for messages; line numbers are counted only when a
 message needs one. Planning reads a few bytes around each cut, never the whole corpus.
 
-Files are local (or on a filesystem mounted on every node: the tasks read them by path).
+``data.path`` is a local path (on storage every node sees: tasks read the files by path) or
+a URI of any filesystem pyarrow supports (``s3://bucket/corpus/``, ``gs://...``,
+``hdfs://...``, ``file:///...``): the files are then listed, read and fingerprinted through
+``pyarrow.fs`` (`open_file`, `list_files`, `fingerprint_uri`), by the driver and the tasks.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmdp._validate import ConfigError
 from llmdp.data.files import (
+    _BUILDERS,
+    _EXTENSIONS,
     _ext,
     _json_type,
     data_files,
@@ -58,13 +65,99 @@ class Chunk:
     first_row: int = 0  # Parquet: the file's row number of the chunk's first record
 
 
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_uri(path) -> bool:
+    """Whether ``data.path`` names a file or folder by URI (a pyarrow filesystem)."""
+    return isinstance(path, str) and bool(_URI.match(path))
+
+
+def _fs(uri: str):
+    import pyarrow.fs
+
+    try:
+        return pyarrow.fs.FileSystem.from_uri(uri)
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors vary by filesystem
+        raise ConfigError(f"data.path={uri!r}: pyarrow cannot open this filesystem ({e})",
+                          key="data.path") from None
+
+
+def list_files(path) -> list[str]:
+    """The data files behind ``data.path`` (`llmdp.data.files.data_files`, or for a URI the
+    file itself or a folder's data files, recursively, hidden ones and unknown extensions
+    left out, sorted), as paths or URIs."""
+    if not is_uri(path):
+        return data_files(path)
+    import pyarrow.fs
+
+    fs, root = _fs(path)
+    scheme = path.split("://", 1)[0]
+    info = fs.get_file_info(root)
+    if info.type == pyarrow.fs.FileType.NotFound:
+        raise ConfigError(f"data.path={path!r} does not exist", key="data.path")
+    if info.type == pyarrow.fs.FileType.File:
+        return [path]
+    found = fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True))
+    files = sorted(f"{scheme}://{i.path}" for i in found
+                   if i.type == pyarrow.fs.FileType.File and _ext(i.base_name) in _EXTENSIONS
+                   and not any(part.startswith(".") for part in
+                               i.path[len(root.rstrip("/")) + 1:].split("/")))
+    if not files:
+        raise ConfigError(f"data.path={path!r} is a folder with no data files (extensions "
+                          f"{sorted(_EXTENSIONS)})", key="data.path")
+    return files
+
+
+def open_file(file: str):
+    """A seekable binary file: a local one, or through its pyarrow filesystem."""
+    if not is_uri(file):
+        return open(file, "rb")
+    fs, p = _fs(file)
+    return fs.open_input_file(p)
+
+
+def _size(file: str) -> int:
+    if not is_uri(file):
+        return os.path.getsize(file)
+    fs, p = _fs(file)
+    return int(fs.get_file_info(p).size)
+
+
+def _format(path, data_format: str) -> str:
+    if not is_uri(path):
+        return resolve_format(path, data_format)
+    if data_format and data_format != "auto":
+        return resolve_format(path, data_format)
+    found = {_EXTENSIONS.get(_ext(f)) for f in list_files(path)}
+    if None in found or len(found) != 1:
+        raise ConfigError(f"data.path={path!r}: cannot infer one format from the files' "
+                          f"extensions; set data.format to one of {sorted(_BUILDERS)}",
+                          key="data.format")
+    return found.pop()
+
+
+def fingerprint_uri(path: str) -> str:
+    """sha256 (hex) of the bytes of every data file behind a URI, with their names relative
+    to it (as `llmdp.data.sources.fingerprint_file` does for local files), read in blocks."""
+    h = hashlib.sha256()
+    base = path.rstrip("/")
+    for f in list_files(path):
+        h.update((f[len(base):].lstrip("/") or os.path.basename(f)).encode() + b"\0")
+        with open_file(f) as src:
+            while block := src.read(1 << 22):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
 def supported_source(path, data_format: str = "auto") -> str | None:
     """Why ``data.path`` cannot be built on Ray Data (None: it can)."""
     if path is None:
         return "data.dataset (a Hub dataset) is read in one process"
-    if saved_dataset_kind(path) is not None:
+    if not is_uri(path) and saved_dataset_kind(path) is not None:
         return "a datasets save_to_disk folder is read in one process"
-    builder = resolve_format(path, data_format)
+    builder = _format(path, data_format)
     if builder not in SHARDED_BUILDERS:
         return f"{builder} files are read in one process (Ray Data reads JSON lines, Parquet and text)"
     return None
@@ -72,24 +165,24 @@ def supported_source(path, data_format: str = "auto") -> str | None:
 
 def total_bytes(path) -> int:
     """Bytes of the corpus files behind ``data.path``."""
-    return sum(os.path.getsize(f) for f in data_files(path))
+    return sum(_size(f) for f in list_files(path))
 
 
 def plan_chunks(path, data_format: str, text_split: str, chunk_bytes: int) -> list[Chunk]:
     """The chunks of the corpus at ``path``, about ``chunk_bytes`` each, in source order."""
-    builder = resolve_format(path, data_format)
+    builder = _format(path, data_format)
     if builder not in SHARDED_BUILDERS:
         raise ConfigError(f"data.path={os.fspath(path)!r}: {supported_source(path, data_format)}; "
                           "set data.preprocess: local", key="data.preprocess")
     chunk_bytes = max(1, int(chunk_bytes))
     out: list[Chunk] = []
-    for f in data_files(path):
+    for f in list_files(path):
         if builder == "parquet":
             out.extend(_parquet_chunks(f, len(out), chunk_bytes))
             continue
         whole = f.endswith(".gz") or (builder == "text" and text_split == "file") or \
             (builder == "json" and _is_json_document(f))
-        size = os.path.getsize(f)
+        size = _size(f)
         if whole or size <= chunk_bytes:
             out.append(Chunk(len(out), f, builder, 0, size, whole=whole))
             continue
@@ -106,14 +199,14 @@ def _is_json_document(path: str) -> bool:
     """A ``.json`` file holding one JSON array or object (read whole), not JSON lines."""
     if _ext(path) != ".json":
         return False
-    with open(path, "rb") as f:
+    with open_file(path) as f:
         head = f.read(_SCAN).lstrip(b"\xef\xbb\xbf \t\r\n")
     if head.startswith(b"["):
         return True
     if not head.startswith(b"{"):
         return False
-    with open(path, "rb") as f:  # one object over several lines is a document, not JSON lines
-        first = f.readline().decode("utf-8", "replace").lstrip("\ufeff")
+    with open_file(path) as f:  # one object over several lines is a document, not JSON lines
+        first = _readline(f).decode("utf-8", "replace").lstrip("\ufeff")
     try:
         json.loads(first)
         return False
@@ -121,20 +214,33 @@ def _is_json_document(path: str) -> bool:
         return True
 
 
+def _readline(f) -> bytes:
+    """The rest of the current line, its newline included (pyarrow's files have no readline)."""
+    start, out = f.tell(), b""
+    while block := f.read(_SCAN):
+        i = block.find(b"\n")
+        if i >= 0:
+            out += block[: i + 1]
+            f.seek(start + len(out))
+            return out
+        out += block
+    return out
+
+
 def _boundary(path: str, at: int, blank_line: bool) -> int:
     """The first record boundary at or after byte ``at``: just after a newline (or, for
     paragraphs, just after a blank line)."""
-    with open(path, "rb") as f:
+    with open_file(path) as f:
         f.seek(max(0, at - 1))
         if f.read(1) == b"\n" and not blank_line:
             return at
         f.seek(at)
-        f.readline()  # the rest of the line
+        _readline(f)  # the rest of the line
         pos = f.tell()
         if not blank_line:
             return pos
         while True:  # a blank line ends a paragraph
-            line = f.readline()
+            line = _readline(f)
             if not line:
                 return pos
             pos = f.tell()
@@ -145,7 +251,8 @@ def _boundary(path: str, at: int, blank_line: bool) -> int:
 def _parquet_chunks(path: str, first_index: int, chunk_bytes: int) -> list[Chunk]:
     import pyarrow.parquet as pq
 
-    meta = pq.ParquetFile(path).metadata
+    with open_file(path) as src:
+        meta = pq.ParquetFile(src).metadata
     out, g0, size, row0, rows = [], 0, 0, 0, 0
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
@@ -186,10 +293,10 @@ def _lines(chunk: Chunk) -> tuple[list[tuple[int, str]], object]:
     """(local line index from 0, text without its newline) of the chunk's bytes, and a
     function giving the file's line number of a local line index (counted on demand)."""
     if chunk.whole and chunk.file.endswith(".gz"):
-        with gzip.open(chunk.file, "rb") as f:
+        with open_file(chunk.file) as src, gzip.GzipFile(fileobj=src) as f:
             raw = f.read()
     else:
-        with open(chunk.file, "rb") as f:
+        with open_file(chunk.file) as f:
             f.seek(chunk.start)
             raw = f.read(chunk.end - chunk.start)
     lines_before = _LinesBefore(chunk)
@@ -224,7 +331,7 @@ class _LinesBefore:
         if self.base is None:
             self.base = 0
             if self.chunk.start and not self.chunk.whole:
-                with open(self.chunk.file, "rb") as f:
+                with open_file(self.chunk.file) as f:
                     left = self.chunk.start
                     while left > 0:
                         block = f.read(min(left, 1 << 22))
@@ -268,7 +375,18 @@ def _text_records(lines: list[tuple[int, str]], text_split: str) -> tuple[list[s
 def _read_json_document(chunk: Chunk, columns: list[str]) -> tuple[dict[str, list], Locate]:
     from llmdp.data.files import _json_records  # names the line of a broken array
 
-    found = _json_records(chunk.file)
+    if is_uri(chunk.file):
+        with open_file(chunk.file) as f:
+            text = f.read().decode("utf-8").lstrip("\ufeff")
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"data.path: {chunk.file}:{e.lineno}: not valid JSON ({e.msg}; "
+                              f"column {e.colno})", key="data.path") from None
+        doc = doc if isinstance(doc, list) else [doc]
+        found = [(f"{chunk.file} (record {i} of the JSON array)", r) for i, r in enumerate(doc)]
+    else:
+        found = _json_records(chunk.file)
     recs = [r for _, r in found]
     for loc, r in found:
         if not isinstance(r, dict):
@@ -281,15 +399,16 @@ def _read_json_document(chunk: Chunk, columns: list[str]) -> tuple[dict[str, lis
 def _read_parquet(chunk: Chunk, columns: list[str]) -> tuple[dict[str, list], Locate]:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(chunk.file)
-    names = pf.schema_arrow.names
-    missing = [c for c in columns if c not in names]
-    if missing:
-        raise ConfigError(f"data.path: {chunk.file}: no column {missing[0]!r} (columns: {names}); "
-                          "check data.text_field / data.messages_field / data.user_field",
-                          key="data.path")
-    table = pf.read_row_groups(list(range(chunk.start, chunk.end)), columns=columns) \
-        if chunk.end > chunk.start else pf.schema_arrow.empty_table().select(columns)
+    with open_file(chunk.file) as src:
+        pf = pq.ParquetFile(src)
+        names = pf.schema_arrow.names
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise ConfigError(f"data.path: {chunk.file}: no column {missing[0]!r} (columns: "
+                              f"{names}); check data.text_field / data.messages_field / "
+                              "data.user_field", key="data.path")
+        table = pf.read_row_groups(list(range(chunk.start, chunk.end)), columns=columns) \
+            if chunk.end > chunk.start else pf.schema_arrow.empty_table().select(columns)
     batch = table.to_pydict()
     del table
     return batch, lambda i: f"{chunk.file} (row {chunk.first_row + i})"

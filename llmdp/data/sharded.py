@@ -61,7 +61,7 @@ import numpy as np
 import pyarrow as pa
 
 from llmdp._validate import ConfigError
-from llmdp.data.chunks import Chunk, plan_chunks, read_chunk
+from llmdp.data.chunks import Chunk, is_uri, plan_chunks, read_chunk
 from llmdp.data.encode import ON_BAD_RECORD, bad_record_error, batch_problems
 from llmdp.data.formats import RecordEncoder
 from llmdp.data.holdout import Holdout, split_hash, split_units
@@ -460,7 +460,8 @@ def build_sharded(
     from llmdp.data.sources import source_fingerprint  # lazy: imports datasets
 
     log_fn = log_fn or log.info
-    data_path = os.path.abspath(os.fspath(data_path))
+    if not is_uri(data_path):
+        data_path = os.path.abspath(os.fspath(data_path))
     if on_bad_record not in ON_BAD_RECORD:
         raise ValueError(f"data.on_bad_record: {on_bad_record!r} is not one of {list(ON_BAD_RECORD)}")
     source = {"path": data_path, "dataset": None, "format": data_format, "split": "train",

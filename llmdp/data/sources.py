@@ -351,6 +351,10 @@ def source_fingerprint(
         payload = {"dataset": dataset, "config_name": config_name, "split": split,
                    "fingerprint": ds._fingerprint}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    if isinstance(path, str) and "://" in path:  # a pyarrow filesystem (Ray Data builds)
+        from llmdp.data.chunks import fingerprint_uri  # lazy: only for URIs
+
+        return fingerprint_uri(path)
     path = os.path.abspath(os.fspath(path))
     kind = saved_dataset_kind(path)
     if kind is not None:
@@ -408,7 +412,9 @@ def dataset_identity(d) -> dict:
     from the source, never from its bytes: ``path:<real path>`` of local data (the same
     file from any working directory, edited or not, is one dataset), ``hub:<name>[/<config>]``
     of a Hub dataset. ``name``: the file or dataset name, for "looks like" warnings."""
-    if d.path is not None:
+    if d.path is not None and "://" in d.path:  # a URI: the dataset is named by it
+        source, name = f"uri:{d.path.rstrip('/')}", d.path.rstrip("/").rsplit("/", 1)[-1]
+    elif d.path is not None:
         real = os.path.realpath(os.fspath(d.path))
         source, name = f"path:{real}", os.path.basename(real.rstrip(os.sep))
     else:

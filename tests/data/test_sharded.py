@@ -75,6 +75,8 @@ def test_jsonl_and_parquet_chunks_hold_the_in_process_records(tmp_path, notes):
     pq.write_table(table, tmp_path / "n.parquet", row_group_size=17)
     chunks, got = _all_chunks(str(tmp_path / "n.parquet"), "auto", "file", cols, 2000)
     assert len(chunks) > 3 and got == want
+    chunks, got = _all_chunks(f"file://{tmp_path}/n.parquet", "auto", "file", cols, 2000)
+    assert len(chunks) > 3 and got == want  # through pyarrow's filesystem
 
 
 def test_a_bad_line_is_named_with_its_file_and_line(tmp_path, notes):
@@ -292,3 +294,51 @@ def test_auto_picks_ray_data_for_a_large_corpus_only(tmp_path, notes, monkeypatc
     local = _recipe(tmp_path, notes, preprocess="local").data
     monkeypatch.setattr(planning, "AUTO_RAY_BYTES", 0)
     assert planning.store_builder(local, local.path, None, local.format) is build_store
+
+
+# ----------------------------------------------------------------------------- URIs
+
+
+def test_a_corpus_named_by_uri_is_read_through_pyarrow_like_a_local_one(tmp_path, notes):
+    from llmdp.data.chunks import fingerprint_uri, is_uri, list_files
+    from llmdp.data.sources import dataset_identity, source_fingerprint
+
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    lines = open(notes).read().splitlines(keepends=True)
+    (d / "a.jsonl").write_text("".join(lines[:70]))
+    (d / "sub" / "b.jsonl").write_text("".join(lines[70:]))
+    (d / ".hidden.jsonl").write_text(lines[0])
+    (d / "README.md").write_text("not data")
+    uri = f"file://{d}"
+    assert is_uri(uri) and not is_uri(str(d))
+    assert list_files(uri) == [f"file://{d}/a.jsonl", f"file://{d}/sub/b.jsonl"]
+    cols = ["text", "user_id"]
+    _, local = _all_chunks(str(d), "auto", "file", cols, 3000)
+    chunks, remote = _all_chunks(uri, "auto", "file", cols, 3000)
+    assert len(chunks) > 10 and remote == local
+    assert len(remote["text"]) == len(lines)
+    sha = source_fingerprint(path=uri)
+    assert sha == fingerprint_uri(uri) and len(sha) == 64
+    (d / "a.jsonl").write_text("".join(lines[:69]))
+    assert source_fingerprint(path=uri) != sha  # the content is hashed, not the name
+    cfg = _recipe(tmp_path, uri)
+    assert cfg.data.path == uri  # not resolved as a local path
+    assert dataset_identity(cfg.data)["source"] == f"uri:{uri}"
+    with pytest.raises(ConfigError, match=r"data.path: .* is a URI.*data.preprocess: 'local'"):
+        _recipe(tmp_path, uri, preprocess="local")
+    with pytest.raises(ConfigError, match="does not exist"):
+        _recipe(tmp_path, f"file://{tmp_path}/nowhere", preprocess="ray")
+
+
+@pytest.mark.slow
+def test_ray_data_builds_the_same_store_from_a_uri(tmp_path, tok, notes, ray_session):
+    from llmdp.data.sharded import build_store_sharded
+
+    spec = KINDS["document"]
+    local = build_store_sharded(tmp_path / "c", tokenizer=tok, spec=spec, data_path=notes,
+                                memory_mb=2.0, workers=2, log_fn=lambda m: None)
+    remote = build_store_sharded(tmp_path / "c", tokenizer=tok, spec=spec, data_path=f"file://{notes}",
+                                 memory_mb=2.0, workers=2, log_fn=lambda m: None)
+    assert remote.meta["data"]["path"] == f"file://{notes}"
+    assert _units(remote) == _units(local) and remote.stats() == local.stats()
