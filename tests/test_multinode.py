@@ -49,7 +49,7 @@ model:
   tiny: {{hidden_size: 16, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 32,
          max_position_embeddings: 64}}
 data: {{path: notes.jsonl, sequence_length: 32}}
-privacy: {{target_epsilon: 4.0, max_grad_norm: 0.5, allow_exceed_target_on_failure: true}}
+privacy: {{noise_multiplier: 1.0, max_grad_norm: 0.5}}  # (sigma given: no calibration per launch)
 optim: {{name: sgd, lr: 0.5, schedule: constant}}
 train: {{expected_batch_size: 12, steps: 6, physical_batch_size: 4, checkpoint_every: 3,
          max_failures: 1}}

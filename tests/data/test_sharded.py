@@ -145,6 +145,14 @@ def test_ray_data_forms_the_same_units_as_one_process(tmp_path, tok, notes, ray_
         assert a != b and sorted(a) == sorted(b)
     assert ray_.stats() == local.stats()
     assert "shards" in ray_.formation() and local.formation() is None
+    if kind == "document":  # the same corpus named by URI: read through pyarrow's filesystem
+        from llmdp.data.sharded import build_store_sharded
+
+        remote = build_store_sharded(tmp_path / "c", tokenizer=tok, spec=KINDS[kind],
+                                     data_path=f"file://{notes}", memory_mb=2.0, workers=2,
+                                     log_fn=lambda m: None)
+        assert remote.meta["data"]["path"] == f"file://{notes}"
+        assert _units(remote) == b and remote.stats() == ray_.stats()
 
 
 @pytest.mark.slow
@@ -329,16 +337,3 @@ def test_a_corpus_named_by_uri_is_read_through_pyarrow_like_a_local_one(tmp_path
         _recipe(tmp_path, uri, preprocess="local")
     with pytest.raises(ConfigError, match="does not exist"):
         _recipe(tmp_path, f"file://{tmp_path}/nowhere", preprocess="ray")
-
-
-@pytest.mark.slow
-def test_ray_data_builds_the_same_store_from_a_uri(tmp_path, tok, notes, ray_session):
-    from llmdp.data.sharded import build_store_sharded
-
-    spec = KINDS["document"]
-    local = build_store_sharded(tmp_path / "c", tokenizer=tok, spec=spec, data_path=notes,
-                                memory_mb=2.0, workers=2, log_fn=lambda m: None)
-    remote = build_store_sharded(tmp_path / "c", tokenizer=tok, spec=spec, data_path=f"file://{notes}",
-                                 memory_mb=2.0, workers=2, log_fn=lambda m: None)
-    assert remote.meta["data"]["path"] == f"file://{notes}"
-    assert _units(remote) == _units(local) and remote.stats() == local.stats()
