@@ -239,7 +239,7 @@ class DataConfig(SourceConfig):
     # preprocess ray: the memory, in MiB, one task may use for the data it holds (the text
     # per task is sized from it; each worker process also holds Ray, pyarrow and the
     # tokenizer, ~0.2 GiB), and how many tasks run at once (None: one per cluster CPU).
-    preprocess_memory_mb: float = _f(1024.0, ge=2)
+    preprocess_memory_mb: float = _f(1024.0, ge=3)
     preprocess_workers: int | None = _f(None, ge=1)
     eval: EvalDataConfig | None = None  # held-out data (None: no evaluation)
 

@@ -92,7 +92,7 @@ log = logging.getLogger(__name__)
 # Arrow buffers at once), with a margin; measured by benchmarks/preprocess.py.
 EXPANSION = 48
 # Memory a task holds whatever its chunk (Ray Data's per-call buffers, the tokenizer's state).
-TASK_FIXED_MB = 1.5
+TASK_FIXED_MB = 2.5
 _ENCODE_BATCH = 1000
 
 
