@@ -57,26 +57,12 @@ def write_corpus(path: str, megabytes: float, seed: int = 0, users: int = 5000) 
     return {"bytes": written, "records": records}
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
-
-
 def build_once(corpus: str, cache: str, *, cap_mb: float, workers: int, unit: str,
                sequence_length: int = 128, vocab_size: int | None = None) -> dict:
     """One build on Ray Data (Ray started for it, outside the timed part); measurements."""
     import ray
 
-    from llmdp.data.sharded import build_sharded
+    from llmdp.data.sharded import _reset_peak, _status, build_sharded
     from llmdp.data.sources import source_fingerprint
     from llmdp.data.units import UnitSpec
     from tests.helpers import tiny_tokenizer

@@ -16,7 +16,7 @@ import numpy as np
 from llmdp._validate import ConfigError
 from llmdp.data.units import EncodedCorpus, UnitSpec
 
-__all__ = ["ON_BAD_RECORD", "bad_record_error", "batch_problems", "check_records", "encode_records"]
+__all__ = ["ON_BAD_RECORD", "BadRecords", "bad_record_error", "batch_problems", "check_records", "encode_records"]
 
 ON_BAD_RECORD = ("error", "skip")
 _TOKENIZE_BATCH = 1000
@@ -34,23 +34,13 @@ def check_records(ds, encoder, spec: UnitSpec, on_bad_record: str, locate) -> tu
     """
     user = spec.user_field if spec.kind == "user" else None
     cols = [c for c in dict.fromkeys(encoder.columns + ([user] if user else [])) if c in ds.column_names]
-    bad: dict[int, str] = {}
-    kinds: dict[str, int] = {}
+    found = BadRecords(on_bad_record, locate)
     view = ds.select_columns(cols) if cols else ds
     base = 0
     for batch in view.iter(batch_size=_TOKENIZE_BATCH):
-        n = len(next(iter(batch.values()))) if batch else 0
-        for k, field_name, why in batch_problems(batch, encoder, user):
-            i = base + k
-            if on_bad_record == "error":
-                raise bad_record_error(locate(i), field_name, why)
-            if i not in bad:
-                bad[i] = why
-                kinds[field_name] = kinds.get(field_name, 0) + 1
-        base += n
-    counts = {"records_skipped": len(bad)}
-    if kinds:
-        counts["records_skipped_by_field"] = kinds
+        found.add(batch_problems(batch, encoder, user), base)
+        base += _batch_len(batch)
+    bad, kinds, counts = found.bad, found.kinds, found.counts()
     if bad:
         keep = [i for i in range(len(ds)) if i not in bad]
         if not keep:
@@ -60,6 +50,33 @@ def check_records(ds, encoder, spec: UnitSpec, on_bad_record: str, locate) -> tu
                 f"the data or data.text_field / data.messages_field", key="data.on_bad_record")
         ds = ds.select(keep)
     return ds, counts
+
+
+class BadRecords:
+    """The malformed records met so far, by record index (``data.on_bad_record``: ``error``
+    raises at the first, naming ``locate(i)``; ``skip`` collects them)."""
+
+    def __init__(self, on_bad_record: str, locate):
+        self.on_bad_record, self.locate = on_bad_record, locate
+        self.bad: dict[int, str] = {}
+        self.kinds: dict[str, int] = {}
+
+    def add(self, problems, base: int = 0) -> None:
+        """``problems`` of `batch_problems` for a batch whose first record is ``base``."""
+        for k, field_name, why in problems:
+            i = base + k
+            if self.on_bad_record == "error":
+                raise bad_record_error(self.locate(i), field_name, why)
+            if i not in self.bad:
+                self.bad[i] = why
+                self.kinds[field_name] = self.kinds.get(field_name, 0) + 1
+
+    def counts(self) -> dict:
+        """Counts computed on private data (internal statistics)."""
+        out: dict = {"records_skipped": len(self.bad)}
+        if self.kinds:
+            out["records_skipped_by_field"] = dict(self.kinds)
+        return out
 
 
 def batch_problems(batch, encoder, user: str | None) -> list[tuple[int, str, str]]:

@@ -62,7 +62,7 @@ import pyarrow as pa
 
 from llmdp._validate import ConfigError
 from llmdp.data.chunks import Chunk, is_uri, plan_chunks, read_chunk
-from llmdp.data.encode import ON_BAD_RECORD, bad_record_error, batch_problems
+from llmdp.data.encode import ON_BAD_RECORD, BadRecords, batch_problems
 from llmdp.data.formats import RecordEncoder
 from llmdp.data.holdout import Holdout, split_hash, split_units
 from llmdp.data.store import (
@@ -154,22 +154,12 @@ def _records(job: _Job, chunk: Chunk) -> tuple[dict, dict]:
     """The chunk's well-formed records, and the counts of the malformed ones left out."""
     batch, locate = read_chunk(chunk, job.columns, job.text_split)
     user = job.spec.user_field if job.spec.kind == "user" else None
-    problems = batch_problems(batch, job.encoder, user)
-    bad: dict[int, str] = {}
-    kinds: dict[str, int] = {}
-    for k, field_name, why in problems:
-        if job.on_bad_record == "error":
-            raise bad_record_error(locate(k), field_name, why)
-        if k not in bad:
-            bad[k] = why
-            kinds[field_name] = kinds.get(field_name, 0) + 1
-    counts: dict = {"records_skipped": len(bad)}
-    if kinds:
-        counts["records_skipped_by_field"] = kinds
-    if bad:
-        keep = [i for i in range(len(next(iter(batch.values()), []))) if i not in bad]
+    found = BadRecords(job.on_bad_record, locate)
+    found.add(batch_problems(batch, job.encoder, user))
+    if found.bad:
+        keep = [i for i in range(len(next(iter(batch.values()), []))) if i not in found.bad]
         batch = {c: [v[i] for i in keep] for c, v in batch.items()}
-    return batch, counts
+    return batch, found.counts()
 
 
 def _encode(job: _Job, batch: dict, text_bytes: int = 1 << 18) -> EncodedCorpus:
@@ -200,11 +190,6 @@ def _encode(job: _Job, batch: dict, text_bytes: int = 1 << 18) -> EncodedCorpus:
 
 def _shard_files(index: int) -> dict:
     return {"rows": f"rows-{index:06d}.arrow", "units_file": f"units-{index:06d}.arrow"}
-
-
-def _without_target(corpus: EncodedCorpus) -> int:
-    cs = np.concatenate([[0], np.cumsum(corpus.target, dtype=np.int64)])
-    return int(((cs[corpus.offsets[1:]] - cs[corpus.offsets[:-1]]) == 0).sum())
 
 
 def _write_shard(job: _Job, index: int, corpus: EncodedCorpus, counts: dict) -> dict:
@@ -297,7 +282,7 @@ class _Task:
         batch, counts = _records(self.job, chunk)
         corpus = _encode(self.job, batch, max(1 << 14, self.job.chunk_bytes // 16))
         del batch
-        counts["records_without_target"] = _without_target(corpus)
+        counts["records_without_target"] = corpus.records_without_target()
         if self.job.spec.kind == "user":
             return _scatter_users(self.job, chunk.index, corpus, counts)
         return _write_shard(self.job, chunk.index, corpus, counts)

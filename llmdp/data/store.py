@@ -422,9 +422,7 @@ def build_store(
             f"token to train on (check data.text_field / data.messages_field / data.response_field)"
         )
     eos_id, pad_id = special_ids(tokenizer)
-    cs = np.concatenate([[0], np.cumsum(corpus.target, dtype=np.int64)])
-    per_record = cs[corpus.offsets[1:]] - cs[corpus.offsets[:-1]]
-    units.counts = {**units.counts, "records_without_target": int((per_record == 0).sum()),
+    units.counts = {**units.counts, "records_without_target": corpus.records_without_target(),
                     **skipped}
     built = dict(zip(("train", "eval"), split_units(units, holdout))) if holdout is not None \
         else {"train": units}

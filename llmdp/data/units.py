@@ -183,6 +183,17 @@ class EncodedCorpus:
     def num_records(self) -> int:
         return int(self.offsets.size - 1)
 
+    def records_without_target(self) -> int:
+        """Records with no training target token (internal statistics)."""
+        if self.num_records == 0:
+            return 0
+        starts = self.offsets[:-1]
+        ne = self.offsets[1:] > starts
+        per = np.zeros(self.num_records, np.int64)
+        if ne.any():  # records abut: one reduceat over the non-empty ones
+            per[ne] = np.add.reduceat(self.target, starts[ne], dtype=np.int64)
+        return int((per == 0).sum())
+
     @staticmethod
     def from_records(records: Iterable[tuple[np.ndarray, np.ndarray]], users=None) -> EncodedCorpus:
         ids, tgt, lens = [], [], [0]
