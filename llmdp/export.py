@@ -120,6 +120,11 @@ def _refuse_baseline(run_dir: str) -> None:
             f"clipping or noise, carries no privacy guarantee and cannot be exported, not even "
             f"with --allow-unverified. It is for comparison only; to publish a model, train the "
             f"recipe with privacy.dp: true")
+    if info.get("planted"):
+        raise ExportError(
+            f"{run_dir} was trained with a planted bug ({info['planted']}, the test-only switch "
+            f"LLMDP_TEST_PLANT): its mechanism was broken on purpose, it carries no privacy "
+            f"guarantee and cannot be exported, not even with --allow-unverified")
 
 
 def _read_yaml(path: str) -> dict:

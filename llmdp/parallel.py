@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmdp.audit import plant
 from llmdp.privacy import noise as dp_noise
 
 # --------------------------------------------------------------------------- replicated collectives
@@ -105,7 +106,9 @@ def privatize_(
                 "reduction and the noise must be float32 or wider (DESIGN §3.8); accumulate "
                 "low-precision parameters into Strategy.grad_sinks buffers (llmdp.strategy)"
             )
+    _planted_sum(grads)  # test-only (llmdp.audit.plant): nothing unless a test plants a bug
     all_reduce_(grads)  # [sync point] nothing but summation touches the clipped sum
+    noise_multiplier = _planted_noise(noise_multiplier)
     if noise_multiplier > 0:
         dp_noise.add_noise_(grads, noise_key, noise_multiplier * max_grad_norm)
     for g in grads:
@@ -261,6 +264,8 @@ def privatize_sharded_(
             )
     if not params:
         return
+    _planted_sum(buffers)  # test-only (llmdp.audit.plant)
+    noise_multiplier = _planted_noise(noise_multiplier)
     mesh = params[0].device_mesh
     group, world = mesh.get_group(), mesh.size()
     layouts = [shard_rows(p) for p in params]
@@ -305,6 +310,19 @@ def privatize_sharded_(
         g.div_(expected_batch_size)
         p.grad = DTensor.from_local(g.to(p.dtype), p.device_mesh, p.placements, run_check=False,
                                     shape=p.shape, stride=p.stride())
+
+
+def _planted_sum(sums: Sequence[torch.Tensor]) -> None:
+    """Test-only planted bug ``bf16-sum`` (``LLMDP_TEST_PLANT``, never a recipe): each clipped
+    sum rounded to bfloat16 before the reduction. Nothing otherwise."""
+    if plant.on("bf16-sum"):
+        for g in sums:
+            g.copy_(g.to(torch.bfloat16))
+
+
+def _planted_noise(noise_multiplier: float) -> float:
+    """Test-only planted bug ``noise-off``: σ = 0. The real σ otherwise."""
+    return 0.0 if plant.on("noise-off") else noise_multiplier
 
 
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:

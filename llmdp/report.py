@@ -222,6 +222,8 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             "kind": unit_kind, "sequence_length": seq_len, "user_field": data_cfg.get("user_field"),
             "document_masking": bool(data_cfg.get("document_masking"))}, records,
             plan_info.get("run_id")),
+        # a test switched a planted bug on (llmdp.audit.plant): no guarantee at all
+        "planted": plan_info.get("planted"),
         "exceeds_target": _exceeds(eps[plan.accountant], plan, plan_info, ledger_steps, completed,
                                    len(attempts)),
         "noise_multiplier": plan.noise_multiplier,

@@ -23,7 +23,10 @@ def render_markdown(r: dict) -> str:
     s = r["sampling"]
     tok = r.get("tokenizer") or {}
     pub = bool(r.get("publishable"))
-    lines = ([f"**Warning: {r['exceeds_target']}.**", ""] if r.get("exceeds_target") else []) + [
+    lines = ([f"**Warning: a planted bug ({r['planted']}, a test-only switch) broke the mechanism "
+               "in this run: it carries NO privacy guarantee; the numbers below are what it "
+               "claimed.**", ""] if r.get("planted") else [])
+    lines += ([f"**Warning: {r['exceeds_target']}.**", ""] if r.get("exceeds_target") else []) + [
         "# Privacy report",
         "",
         f"**Guarantee:** (ε = {r['epsilon']:.4f}, δ = {r['delta']:.3g})-differential privacy "

@@ -150,8 +150,14 @@ class RunSpec:
 
     def plan_record(self) -> dict[str, Any]:
         """What plan.json holds (a baseline's: ``"privacy": "NON-PRIVATE"``, no ε, no ledger)."""
+        from llmdp.audit import plant  # the test-only planted bug, if one is switched on
+
+        planted = plant.active()
         return {
             **({} if self.dp else {"privacy": NON_PRIVATE}),
+            # A test switched a planted bug on (LLMDP_TEST_PLANT, never a recipe): the run
+            # carries no guarantee; the report says so first and export refuses it.
+            **({"planted": planted} if planted else {}),
             "plan": self.plan.to_dict(),
             "epsilon_planned": self.epsilon_planned if self.dp else None,
             "epsilon_planned_training_only": self.plan.epsilon() if self.dp else None,

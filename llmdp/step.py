@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmdp.audit import plant
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
 from llmdp.losses import row_losses
@@ -112,6 +113,13 @@ def accumulate_clipped_sum(
         finite = torch.isfinite(norms)
         stats.clipped += int((norms[finite] > clipper.max_grad_norm).sum())
         stats.nonfinite += int((~finite).sum())
+    if plant.on("extra-micro-step") and stats.tokens % 2 == 1:
+        # Test-only planted bug (``LLMDP_TEST_PLANT``, never a recipe): control flow that
+        # depends on the data. One more micro-step, on one padding row.
+        pad = store.pad_batch(store.rows(np.empty(0, np.int64), width=8), 1, pad_id=store.pad_id)
+        pad = {k: v.to(device) for k, v in pad.items()}
+        clipper.backward(loss_fn(model, pad), pad["row_units"])
+        stats.micro_steps += 1
     return stats
 
 

@@ -329,7 +329,7 @@ def _fit(prepared: RunSpec, log) -> None:
             # (LLMDP_VERBOSE=1 shows them). A failing worker's traceback is still raised here.
             log_to_driver=os.environ.get("LLMDP_VERBOSE", "0") == "1",
             runtime_env={"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
-                                                       if k == "LLMDP_FAULT"}}},
+                                                       if k in ("LLMDP_FAULT", "LLMDP_TEST_PLANT")}}},
             configure_logging=True,
         )
         _localray.quiet_ray_notices()

@@ -74,6 +74,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from llmdp.audit import plant
 from llmdp.clipping.accumulate import (
     _is_dtensor,
     add_to_buffers,
@@ -414,6 +415,7 @@ class GhostClipper:
         check_coverage(self.model, self._rules, seen)
         norms = self._norms(seen, units)
         factors = clip_factors(norms, self.max_grad_norm)  # 0 for a non-finite norm
+        factors = _planted_factors(factors, norms)  # test-only (llmdp.audit.plant): unchanged
         self.last_nonfinite = int((~torch.isfinite(norms)).sum())
         self._factors = factors
         self._row_factors = units.row_factors(factors)
@@ -480,3 +482,14 @@ def _sq(g: torch.Tensor) -> torch.Tensor:
     reduction, no squared copy (U·p·d for an instantiated layer)."""
     g2 = g.reshape(g.shape[0], -1)
     return torch.linalg.vector_norm(g2, dim=1, dtype=acc_dtype(g)).square()
+
+
+def _planted_factors(factors: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """The factors, unchanged unless a test switched on a planted bug (``LLMDP_TEST_PLANT``,
+    never a recipe): ``clip-scale`` makes every factor 1.01× too large, ``clip-off`` sets
+    every finite unit's factor to 1."""
+    if plant.on("clip-scale"):
+        return factors * 1.01
+    if plant.on("clip-off"):
+        return torch.where(torch.isfinite(norms), torch.ones_like(factors), factors)
+    return factors

@@ -445,6 +445,10 @@ def make_sampler(
     num_units: int, sampling_probability: float, max_batch_size: int | None = None
 ) -> PoissonSampler | TruncatedPoissonSampler:
     """`PoissonSampler` if `max_batch_size` is None, else `TruncatedPoissonSampler`."""
+    from llmdp.audit import plant  # the test-only switch (LLMDP_TEST_PLANT), never a recipe
+
+    if plant.on("fixed-batches"):  # a planted bug for the auditor's self-test
+        return plant.FixedBatches(num_units, sampling_probability)
     if max_batch_size is None:
         return PoissonSampler(num_units, sampling_probability)
     return TruncatedPoissonSampler(num_units, sampling_probability, max_batch_size)
