@@ -7,6 +7,7 @@ lists, at the top, the checks that failed.
 
 from __future__ import annotations
 
+from llmdp.audit.section import audit_markdown
 from llmdp.evaluation.report import evaluation_markdown
 
 
@@ -105,6 +106,7 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         "fingerprints of that data, are not published.",
         "",
         *evaluation_markdown(report.get("evaluation")),
+        *audit_markdown(report.get("empirical_audit")),
         "## Use",
         "",
         "```python",

@@ -1,4 +1,4 @@
-"""`llmdp train|sweep|compare|privacy|tokenizer|export|submit ...`: the command line.
+"""`llmdp train|audit|sweep|compare|privacy|tokenizer|export|submit ...`: the command line.
 
 Each subcommand imports its modules when it runs (the imports inside the functions below
 are deliberate): `llmdp --help` or `llmdp privacy epsilon` must not pay for torch,
@@ -42,6 +42,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=4")
     t.add_argument("--debug", action="store_true",
                    help="check the clipping engine against the exact reference on the first step")
+
+    au = sub.add_parser(
+        "audit",
+        help="empirical privacy audit: llmdp audit RECIPE [key.sub=value ...]",
+        description="Train the recipe once more (<output.name>-audit) with canaries, each "
+                    "included by a secret keyed coin, score them against the final model and "
+                    "report an empirical lower bound on ε (Steinke, Nasr and Jagielski 2023) "
+                    "beside the guarantee's ε: audit.json, audit.md and the privacy report's "
+                    "'Empirical audit' section. The audit run's DP releases go into the dataset "
+                    "ledger like any run's. Re-running the same command resumes it.")
+    au.add_argument("recipe")
+    au.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=4")
+    au.add_argument("--canaries", type=int, default=1000, metavar="M",
+                    help="number of canaries (default 1000), half included on average")
+    au.add_argument("--record-fraction", type=float, default=0.5, metavar="F",
+                    help="fraction of natural-looking synthetic records; the rest random tokens")
+    au.add_argument("--scores", choices=["both", "black-box", "white-box"], default="both",
+                    help="black-box: loss reduction; white-box: gradient probe of the update")
+    au.add_argument("--confidence", type=float, default=0.95,
+                    help="the lower bound holds with this probability (default 0.95)")
 
     sw = sub.add_parser(
         "sweep",
@@ -307,6 +327,16 @@ def main(argv: list[str] | None = None) -> int:
             _quiet_libraries()
             run(cfg)
             return 0
+        if args.command == "audit":
+            from llmdp.audit.run import AuditSettings, run_audit
+            from llmdp.config import load_recipe
+
+            settings = AuditSettings(canaries=args.canaries, record_fraction=args.record_fraction,
+                                     scores=args.scores, confidence=args.confidence)
+            cfg = load_recipe(args.recipe, args.overrides)
+            _quiet_libraries()
+            result = run_audit(cfg, settings)
+            return 3 if result["violation"] else 0
         if args.command == "sweep":
             from llmdp.config import load_recipe
             from llmdp.sweep import run_sweep

@@ -79,9 +79,11 @@ def store_builder(d, path, dataset, data_format: str, log=print):
     return build
 
 
-def plan_run(cfg: RecipeConfig, log=print) -> Planned:
+def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
     """Data units, model facts and the DP plan of ``cfg`` (shared caches only: nothing is
-    written to the run directory or to a ledger)."""
+    written to the run directory or to a ledger). ``augment(store, tokenizer) -> store``
+    (``llmdp audit``) returns the training store with the canaries its keyed coins
+    included, as units of their own; N, q and σ are then planned for that store."""
     cache = cache_root()
     os.makedirs(cache, exist_ok=True)
     if cfg.data.synthetic is not None and not os.path.exists(cfg.data.path):
@@ -122,6 +124,8 @@ def plan_run(cfg: RecipeConfig, log=print) -> Planned:
         data_format=d.format, split=d.split, config_name=d.config_name,
         unit_fraction=d.unit_fraction, source_sha256=source_sha, text_split=d.text_split,
         holdout=holdout, **source_args)
+    if augment is not None:
+        store = augment(store, tokenizer)
     eval_store = None
     if holdout is not None:  # built with the training part, from the same corpus
         eval_store = build(

@@ -52,6 +52,9 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
     "epsilon_curve": True,  # ε of ledger prefixes: a function of the releases only
     # DP evaluations, metrics on public held-out data, generations from public prompts (the
     # held-out metrics on private data, `internal`, stay out)
+    # `llmdp audit`: aggregate numbers about canaries scored against the DP model; no canary,
+    # coin, score or key (those stay in the run's audit/ folder)
+    "empirical_audit": True,
     "evaluation": {"data": True, "dp": True, "dp_plan": True, "public": True, "generations": True,
                    "generation_settings": True},
 }

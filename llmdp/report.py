@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+from llmdp.audit.section import audit_section
 from llmdp.baseline import baseline_report
 from llmdp.evaluation.report import dp_eval_covered, evaluation_section
 from llmdp.privacy import accountant
@@ -252,6 +253,8 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             "releases": releases,
         },
         "evaluation": evaluation_section(run_dir, plan_info, metrics, records),
+        # `llmdp audit`'s lower bound beside the guarantee (aggregate numbers only)
+        "empirical_audit": audit_section(run_dir),
         "internal_metrics": INTERNAL_METRICS,
         "config_hash": last_meta.get("config_hash"),
         "dataset_fingerprint": last_meta.get("dataset_fingerprint"),

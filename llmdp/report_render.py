@@ -9,6 +9,7 @@ local plot, which adds the internal loss curve, is `llmdp.report.plot`. Both dra
 
 from __future__ import annotations
 
+from llmdp.audit.section import audit_markdown
 from llmdp.baseline import baseline_panel, render_baseline_markdown
 from llmdp.evaluation.report import evaluation_markdown
 from llmdp.publish import PUBLISHABLE_NOTE
@@ -99,6 +100,7 @@ def render_markdown(r: dict) -> str:
             "",
         ]
     lines += evaluation_markdown(r.get("evaluation"))
+    lines += audit_markdown(r.get("empirical_audit"))
     ledger = r["ledger"]
     lines += [
         "## Ledger",

@@ -95,7 +95,7 @@ def _check_run_ledger(run_dir: str, run_id: str, ledger: dict) -> None:
         raise LedgerError(problems[0])
 
 
-def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
+def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
     """Everything the workers need, built once on the driver: data units, model files, the
     plan, the ledger service; returned as one :class:`~llmdp.runspec.RunSpec`, whose record
     is written to the run directory's plan.json (once)."""
@@ -106,7 +106,7 @@ def prepare(cfg: RecipeConfig, log=print, lock=None) -> RunSpec:
     # runs/<name>/ is created only after every check and the data have passed (below), so a
     # bad recipe or bad data leaves no empty run directory behind.
     cache = cache_root()
-    planned = plan_run(cfg, log)
+    planned = plan_run(cfg, log, augment=augment)  # augment: llmdp audit's canaries
     plan, store, spec, d = planned.plan, planned.store, planned.unit_spec, cfg.data
     source_sha, tok_use = planned.source_sha, planned.tok_use
     prior_releases, data_stats = planned.prior_releases, planned.data_stats
@@ -219,7 +219,7 @@ def check_budget(ledger: LedgerSpec, plan, *, remaining: int, resuming: bool, lo
     return st
 
 
-def run(cfg: RecipeConfig, log=print) -> str:
+def run(cfg: RecipeConfig, log=print, augment=None) -> str:
     """Run the recipe end to end; returns the run directory. Ctrl-C raises RunInterrupted
     after the report (status: interrupted) is written."""
     done = finished_run(cfg)
@@ -232,7 +232,7 @@ def run(cfg: RecipeConfig, log=print) -> str:
 
     lock = RunLock(cfg.run_dir)  # one launch per run directory, before anything is written
     try:
-        return _run_locked(cfg, lock, log)
+        return _run_locked(cfg, lock, log, augment)
     finally:
         lock.release()
 
@@ -250,9 +250,9 @@ def _end_hold(spec: RunSpec, status: str, log) -> None:
             f"this dataset ends it (this launch's lock is free)")
 
 
-def _run_locked(cfg: RecipeConfig, lock, log) -> str:
+def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
 
-    prepared = prepare(cfg, log=log, lock=lock)
+    prepared = prepare(cfg, log=log, lock=lock, augment=augment)
     plan = prepared.plan
     if not prepared.dp:
         log(f"{BANNER}. plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "

@@ -1,0 +1,218 @@
+"""``llmdp audit RECIPE [key=value ...]``: an empirical lower bound on ε from one run
+(issue 19, items 1–3).
+
+The audit run is the recipe itself (same model, data, plan rules, steps, workers) in a run
+directory of its own, ``<output.name>-audit``, trained on the private units plus the
+canaries whose secret keyed coin came up heads (``llmdp.audit.canaries``). Its DP
+releases go into the dataset's ledger like any run's: it trains on the private data. N,
+q and σ are planned for the augmented store, so the audit measures the mechanism the
+recipe would run, at the recipe's ε.
+
+After training, each canary is scored against the final model (``llmdp.audit.scores``:
+black-box loss reduction, white-box gradient probe) and the one-run bound of Steinke,
+Nasr and Jagielski (2023) turns the guesses on the most confident canaries into an ε
+lower bound at the stated confidence (``llmdp.audit.estimate``). With both scores each is
+tested at β/2 (a union bound), so the larger of the two is a valid bound at 1 − β.
+
+Files. Public (``audit.json``, ``audit.md``, and the "Empirical audit" section of the
+privacy report and of an export's model card): aggregate numbers only. Secret, in
+``audit/`` (never published, never exported): the key (0600), the canaries with their
+coins, the canary stores, the per-canary scores. The same command again resumes an
+interrupted audit run with the same key, or re-scores a finished one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmdp.audit import canaries as cn
+from llmdp.audit.section import audit_line, render_audit
+
+SCORES = ("both", "black-box", "white-box")
+AUDIT_VERSION = 1
+METHOD = ("one-run audit (Steinke, Nasr and Jagielski, NeurIPS 2023): guesses on the most "
+          "and least confident canaries, abstaining on the rest; a union bound over the "
+          "abstention settings and the scores tried")
+
+__all__ = ["AuditSettings", "audit_run_dir", "run_audit", "summarize"]
+
+
+@dataclass(frozen=True)
+class AuditSettings:
+    """What ``llmdp audit`` adds to the recipe (public)."""
+
+    canaries: int = 1000
+    record_fraction: float = 0.5  # the rest are random-token canaries
+    scores: str = "both"
+    confidence: float = 0.95  # the bound holds with this probability (1 − β)
+
+    def __post_init__(self):
+        if isinstance(self.canaries, bool) or not isinstance(self.canaries, int) or self.canaries < 2:
+            raise ValueError(f"--canaries: {self.canaries!r} is not an integer >= 2; use a few "
+                             "hundred to a few thousand")
+        if not 0.0 <= float(self.record_fraction) <= 1.0:
+            raise ValueError(f"--record-fraction: {self.record_fraction!r} is not in [0, 1]")
+        if self.scores not in SCORES:
+            raise ValueError(f"--scores: {self.scores!r} is not one of {list(SCORES)}")
+        if not 0.5 <= float(self.confidence) < 1.0:
+            raise ValueError(f"--confidence: {self.confidence!r} is not in [0.5, 1); e.g. 0.95")
+
+
+def audit_config(cfg):
+    """The audit run's recipe: the recipe, in ``<output.name>-audit``, never pushed."""
+    return dataclasses.replace(cfg, output=dataclasses.replace(
+        cfg.output, name=f"{cfg.output.name}-audit", push_to=None))
+
+
+def audit_run_dir(cfg) -> str:
+    return os.path.abspath(audit_config(cfg).run_dir)
+
+
+def _secret_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "audit")
+
+
+def _prepare_canaries(cfg, settings: AuditSettings, run_dir: str, log) -> cn.Canaries:
+    """The audit's key and canaries: made once (OS entropy), reused by a re-launch."""
+    from llmdp.config import ConfigError
+    from llmdp.models import load_tokenizer
+
+    secret = _secret_dir(run_dir)
+    os.makedirs(secret, exist_ok=True)
+    os.chmod(secret, 0o700)
+    key_path, can_path = os.path.join(secret, "key"), os.path.join(secret, "canaries.jsonl")
+    set_path = os.path.join(secret, "settings.json")
+    want = {"canaries": settings.canaries, "record_fraction": settings.record_fraction,
+            "sequence_length": cfg.data.sequence_length}
+    if os.path.exists(set_path):
+        with open(set_path, encoding="utf-8") as f:
+            had = json.load(f)
+        if had != want:
+            raise ConfigError(
+                f"{run_dir} holds an audit with {had}, not {want}: give this audit its own "
+                f"output.name, or delete that directory", key="output.name")
+        log(f"audit: resuming with the key in {key_path}")
+        return cn.load_canaries(can_path)
+    tok = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path)
+    key = cn.new_key()
+    canaries = cn.make_canaries(key, settings.canaries, tok, cfg.data.sequence_length,
+                                settings.record_fraction)
+    cn.write_key(key_path, key)
+    cn.write_canaries(can_path, canaries)
+    with open(set_path, "w", encoding="utf-8") as f:  # last: its presence means "made"
+        json.dump(want, f)
+    return canaries
+
+
+def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict:
+    """Train the audit run, score the canaries, write ``audit.json`` / ``audit.md`` and the
+    report's section; returns audit.json's content."""
+    from llmdp import trainer
+    from llmdp._fs import cache_root
+    from llmdp.audit import plant
+    from llmdp.config import ConfigError
+    from llmdp.report import write_report
+    from llmdp.rundir import RunDir
+
+    if not cfg.privacy.dp:
+        raise ConfigError("privacy.dp: false: a NON-PRIVATE baseline has no ε to audit; audit "
+                          "the DP recipe", key="privacy.dp")
+    t0 = time.time()
+    acfg = audit_config(cfg)
+    run_dir = os.path.abspath(acfg.run_dir)
+    canaries = _prepare_canaries(acfg, settings, run_dir, log)
+    secret = _secret_dir(run_dir)
+    log(f"audit: {canaries.m} canaries ({canaries.kinds.count('record')} synthetic records, "
+        f"{canaries.kinds.count('random')} random-token), each included by a secret keyed coin; "
+        f"run directory {run_dir}")
+
+    def augment(store, tokenizer):
+        # The training store: the private units, then the included canaries (one shard);
+        # and every canary alone, which the scores are computed on.
+        tag = store.fingerprint[:16]
+        cn.augmented_store(store, canaries, os.path.join(secret, f"store-all-{tag}"), which="all")
+        return cn.augmented_store(store, canaries, os.path.join(secret, f"store-train-{tag}"))
+
+    trainer.run(acfg, log=log, augment=augment)
+    t_train = time.time() - t0
+    rd = RunDir(run_dir)
+    with open(os.path.join(run_dir, "privacy_report.json"), encoding="utf-8") as f:
+        report = json.load(f)
+    if report.get("status") != "complete":
+        raise RuntimeError(f"the audit run {run_dir} did not complete (status "
+                           f"{report.get('status')!r}); run the same command again to resume it")
+    all_dirs = sorted(d for d in os.listdir(secret) if d.startswith("store-all-"))
+    if len(all_dirs) != 1:
+        raise RuntimeError(f"{secret}: expected one canary store, found {all_dirs}")
+    from llmdp.audit import scores as sc
+    from llmdp.data.store import open_store
+
+    store = open_store(os.path.join(secret, all_dirs[0]))
+    models = os.path.join(cache_root(), "models")
+    ckpt = rd.latest_checkpoint
+    ckpt = ckpt() if callable(ckpt) else ckpt
+    initial, final = sc.initial_model(acfg, models), sc.final_model(acfg, models, ckpt)
+    kinds = ["black-box", "white-box"] if settings.scores == "both" else [settings.scores]
+    per = {}
+    for kind in kinds:
+        s = sc.black_box_scores(initial, final, store) if kind == "black-box" else \
+            sc.white_box_scores(initial, final, store)
+        per[kind] = s
+    np.savez(os.path.join(secret, "scores.npz"), included=canaries.included, **{
+        k.replace("-", "_"): v for k, v in per.items()})
+    t_score = time.time() - t0 - t_train
+    result = summarize(per, canaries, report, settings, {"train": t_train, "score": t_score,
+                                                         "total": time.time() - t0})
+    result["planted"] = plant.active()
+    with open(os.path.join(run_dir, "audit.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(run_dir, "audit.md"), "w", encoding="utf-8") as f:
+        f.write(render_audit(result))
+    write_report(run_dir)  # the report's "Empirical audit" section
+    log(audit_line(result))
+    return result
+
+
+def summarize(per: dict, canaries: cn.Canaries, report: dict, settings: AuditSettings,
+              times: dict) -> dict:
+    """audit.json: the bounds and the attack's quality, aggregate numbers only."""
+    from llmdp.audit import estimate
+
+    beta = 1.0 - float(settings.confidence)
+    beta_each = beta / len(per)  # a union bound over the scores tried
+    delta = float(report["delta"])
+    eps_claimed = float(report["epsilon"])
+    eps_train = float(report.get("epsilon_training_only") or eps_claimed)
+    out_scores = {}
+    for kind, s in per.items():
+        b = estimate.audit_bound(s, canaries.included, delta, beta=beta_each)
+        out_scores[kind] = {
+            **{k: (float(v) if isinstance(v, (float, np.floating)) else v)
+               for k, v in dataclasses.asdict(b).items()},
+            "tpr_at_fpr": {str(f): estimate.tpr_at_fpr(s, canaries.included, f) for f in (0.01, 0.1)},
+        }
+    best = max(out_scores.values(), key=lambda b: b["epsilon_lower_bound"])
+    lb = float(best["epsilon_lower_bound"])
+    return {
+        "audit_version": AUDIT_VERSION,
+        "method": METHOD,
+        "confidence": float(settings.confidence),
+        "canaries": canaries.m,
+        "canary_kinds": {k: canaries.kinds.count(k) for k in cn.KINDS},
+        "canaries_included": int(canaries.included.sum()),
+        "delta": delta,
+        "epsilon_claimed": eps_claimed,
+        "epsilon_training": eps_train,
+        "empirical_epsilon_lower_bound": lb,
+        "ratio_to_training_epsilon": lb / eps_train if eps_train > 0 else None,
+        "violation": lb > eps_train,
+        "scores": out_scores,
+        "time_s": {k: round(float(v), 1) for k, v in times.items()},
+        "settings": dataclasses.asdict(settings),
+    }

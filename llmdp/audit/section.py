@@ -1,0 +1,75 @@
+"""The "Empirical audit" section: read from a run's ``audit.json`` (written by
+``llmdp audit``), rendered in ``audit.md``, the privacy report and the model card.
+Aggregate numbers only (no canary, coin, score or key): publishable."""
+
+from __future__ import annotations
+
+import json
+import os
+
+__all__ = ["audit_line", "audit_markdown", "audit_section", "render_audit"]
+
+# What the report (and so an export) carries of audit.json.
+SECTION_KEYS = ("audit_version", "method", "confidence", "canaries", "canary_kinds",
+                "canaries_included", "delta", "epsilon_claimed", "epsilon_training",
+                "empirical_epsilon_lower_bound", "ratio_to_training_epsilon", "violation",
+                "scores", "time_s", "settings", "planted")
+
+
+def audit_section(run_dir: str) -> dict | None:
+    """The run's empirical audit (audit.json's public keys), or None without one."""
+    path = os.path.join(run_dir, "audit.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            r = json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        return {"error": f"audit.json is not valid JSON ({e})"}
+    return {k: r[k] for k in SECTION_KEYS if k in r}
+
+
+def audit_line(r: dict) -> str:
+    head = (f"empirical audit: ε ≥ {r['empirical_epsilon_lower_bound']:.3f} with "
+            f"{100 * r['confidence']:.0f}% confidence ({r['canaries']} canaries), against the "
+            f"guarantee's ε = {r['epsilon_training']:.4f} for the training steps at δ = "
+            f"{r['delta']:.3g} (ratio {r['ratio_to_training_epsilon']:.3f})")
+    if r["violation"]:
+        head += (". VIOLATION: the empirical lower bound exceeds the claimed ε: the mechanism "
+                 "does not give the guarantee it reports")
+    return head
+
+
+def render_audit(r: dict) -> str:
+    """audit.md: the section alone."""
+    return "\n".join(audit_markdown(r))
+
+
+def audit_markdown(r: dict | None) -> list[str]:
+    """The "Empirical audit" section's lines (none without an audit)."""
+    if not r:
+        return []
+    if "error" in r:
+        return ["## Empirical audit", "", r["error"], ""]
+    lines = ["## Empirical audit", ""]
+    if r.get("planted"):
+        lines += [f"**A planted bug ({r['planted']}) was switched on for this audit "
+                  "(the auditor's self-test).**", ""]
+    lines += [
+        audit_line(r) + ".", "",
+        f"Method: {r['method']}. {r['canaries']} canaries "
+        f"({r['canary_kinds'].get('record', 0)} synthetic records, "
+        f"{r['canary_kinds'].get('random', 0)} random-token), each one privacy unit, each "
+        "included in training with probability 1/2 by a secret keyed coin. An empirical "
+        "lower bound can only show that ε is at least this large; it never certifies the "
+        "guarantee.", "",
+        "| score | ε lower bound | guesses | correct | TPR at FPR 1% | TPR at FPR 10% |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind, b in r["scores"].items():
+        t = b.get("tpr_at_fpr", {})
+        lines.append(f"| {kind} | {b['epsilon_lower_bound']:.3f} | {b['r']} | {b['v']} | "
+                     f"{t.get('0.01', float('nan')):.3f} | {t.get('0.1', float('nan')):.3f} |")
+    lines += ["", f"Time: {r['time_s'].get('total', 0):.0f} s "
+              f"(training {r['time_s'].get('train', 0):.0f} s, scores {r['time_s'].get('score', 0):.0f} s).", ""]
+    return lines
