@@ -141,3 +141,25 @@ def test_fixed_batches_plant_replaces_sampling(monkeypatch):
     assert all(b.size == 10 for b in batches)
     assert np.array_equal(np.sort(np.concatenate(batches)), np.arange(100))  # one pass: a partition
     assert np.array_equal(s.sample(os.urandom(32)), batches[0])  # then again, whatever the key
+
+
+def test_bad_audit_arguments_get_one_clear_message(tmp_path, monkeypatch, capsys):
+    from llmdp.cli import main
+    from tests.helpers import tiny_tokenizer_dir, write_notes
+
+    monkeypatch.chdir(tmp_path)
+    write_notes(tmp_path / "notes.jsonl", 5)
+    (tmp_path / "r.yaml").write_text(
+        f"model: {{init: tiny, tokenizer: {tiny_tokenizer_dir()}}}\n"
+        "data: {path: notes.jsonl, sequence_length: 16}\n"
+        "privacy: {noise_multiplier: 1.0, max_grad_norm: 1.0, delta: 1.0e-5}\n"
+        "optim: {name: sgd, lr: 0.1}\ntrain: {expected_batch_size: 4, steps: 2}\n")
+    for argv, expected in (
+            (["--canaries", "1"], "--canaries: 1 is not an integer >= 2"),
+            (["--confidence", "1.5"], "--confidence: 1.5 is not in [0.5, 1)"),
+            (["--record-fraction", "2"], "--record-fraction: 2.0 is not in [0, 1]"),
+            (["privacy.dp=false"], "privacy.dp: false")):
+        assert main(["audit", "r.yaml", *argv]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists()  # nothing was started
