@@ -32,8 +32,8 @@ def audit_section(run_dir: str) -> dict | None:
 def audit_line(r: dict) -> str:
     head = (f"empirical audit: ε ≥ {r['empirical_epsilon_lower_bound']:.3f} with "
             f"{100 * r['confidence']:.0f}% confidence ({r['canaries']} canaries), against the "
-            f"guarantee's ε = {r['epsilon_training']:.4f} for the training steps at δ = "
-            f"{r['delta']:.3g} (ratio {r['ratio_to_training_epsilon']:.3f})")
+            f"run's guarantee ε = {r['epsilon_training']:.4f} at δ = {r['delta']:.3g} (ratio "
+            f"{r['ratio_to_training_epsilon']:.3f})")
     if r["violation"]:
         head += (". VIOLATION: the empirical lower bound exceeds the claimed ε: the mechanism "
                  "does not give the guarantee it reports")
