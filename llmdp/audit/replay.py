@@ -103,6 +103,8 @@ class WithoutUnit:
         return self.base.rows(self.keep[as_indices(unit_indices)], width=width)
 
     def __getattr__(self, name: str) -> Any:  # pad_id, sequence_length, spec, ...
+        if name == "base":  # not yet set (unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.base, name)
 
 
@@ -116,6 +118,7 @@ class Side:
     collectives: list[tuple]  # (name, shapes/dtypes ...) in call order
     ledger: list[dict]  # the records written, without the volatile fields
     sums: torch.Tensor | None  # float64, the full pre-noise sum (None: no noise was added)
+    metrics: dict = field(default_factory=dict)  # dp_step's record (internal statistics)
 
 
 @dataclass
@@ -303,7 +306,7 @@ def _side(factory: Callable[[], Any], spec: RunSpec, unit: int | None, steps: in
             physical_batch_size=spec.cfg.train.physical_batch_size,
             bucket=spec.cfg.train.length_bucketing, min_micro_steps=run.min_micro_steps)[run.rank])
         with _recording(run.model) as rec:
-            dp_step(run, step)
+            metrics = dp_step(run, step)
         pieces = rec["noised"][0] if rec["noised"] else []
         if parallel.world()[1] > 1:
             gathered: list = [None] * parallel.world()[1]
@@ -316,7 +319,7 @@ def _side(factory: Callable[[], Any], spec: RunSpec, unit: int | None, steps: in
             micro_steps=rec["forwards"], predicted_micro_steps=predicted,
             collectives=rec["collectives"],
             ledger=[{k: v for k, v in r.items() if k not in _LEDGER_VOLATILE} for r in new],
-            sums=_assemble(gathered)))
+            sums=_assemble(gathered), metrics=metrics))
     return run, out
 
 
@@ -341,7 +344,7 @@ def replay(spec_or_factory: RunSpec | Callable[[], Any], remove: int, steps: int
     else:
         factory = spec_or_factory
     if spec is None:
-        spec = factory().spec
+        spec = factory().spec  # one training more; pass spec= to save it
     if spec.cfg.privacy.rng != "seeded":
         raise ReplayError("the replay needs privacy.rng: seeded (both sides draw the same keys)")
     if spec.plan.noise_multiplier <= 0:

@@ -7,7 +7,7 @@ The matrix (pairwise over the axes, not their product; ``CASES``): model familie
 LoRA; float32 and bfloat16 parameters; bf16 mixed precision; book-keeping and two-pass
 clipping; ghost and instantiate layer policies; activation checkpointing; sequence,
 document and user units; Poisson and truncated Poisson; replicated and fsdp (2 gloo
-processes, one spawned pair for all fsdp cases).
+processes, one spawned pair for all fsdp cases and a 2-worker replicated one).
 
 C = 1e-3: every unit's gradient is far above C, so every removed unit is clipped and
 contributes exactly C (``expect_clipped``: ‖Δ‖ ≥ C(1 − 1e-3), the bound is not vacuous),
@@ -81,6 +81,8 @@ CASES = {
     "llama-doc-trunc-last": dict(family="llama", unit="document", mode="book-keeping",
                                  policy="instantiate", sampler="truncated-poisson", q="last",
                                  records=47),
+    "pair-gpt2-replicated-seq": dict(family="gpt2", unit="sequence", mode="two-pass",
+                                     workers=2),
     "fsdp-llama-doc-trunc": dict(family="llama", unit="document", mode="two-pass",
                                  sampler="truncated-poisson", strategy="fsdp"),
     "fsdp-qwen2-lora-mixed-seq": dict(family="qwen2", lora=True, mixed="bf16", unit="sequence",
@@ -94,14 +96,14 @@ SLOW = {"llama-tied-lora-doc-trunc", "llama-doc-trunc-last"}  # the longest (mea
 
 def _raw(tmp: str, name: str, case: dict, batch: int, max_batch: int | None) -> dict:
     unit = case.get("unit", "sequence")
-    records = case.get("records", 8 if unit == "sequence" else 40)
+    records = case.get("records", 8 if unit == "sequence" else 32)
     data = {"path": _corpus(os.path.join(tmp, f"corpus-{unit}-{records}.jsonl"), records),
             "sequence_length": SEQ, "unit": unit}
     if unit != "sequence":
         data["max_rows_per_unit"] = 3
     if unit == "user":
         data["user_field"] = "user_id"
-    fsdp = case.get("strategy") == "fsdp"
+    pair = case.get("strategy") == "fsdp" or case.get("workers") == 2
     from tests.helpers import tiny_tokenizer_dir
 
     return {
@@ -119,9 +121,9 @@ def _raw(tmp: str, name: str, case: dict, batch: int, max_batch: int | None) -> 
                     "sampler": case.get("sampler", "poisson"),
                     **({"max_batch_size": max_batch} if max_batch else {})},
         "optim": {"name": "sgd", "lr": 1e-2, "schedule": "constant"},
-        "train": {"expected_batch_size": batch, "steps": 1, "physical_batch_size": PHYSICAL,
+        "train": {"expected_batch_size": batch, "steps": 2, "physical_batch_size": PHYSICAL,
                   "checkpoint_every": 1},
-        "scaling": {"num_workers": 2 if fsdp else 1, "strategy": case.get("strategy", "replicated"),
+        "scaling": {"num_workers": 2 if pair else 1, "strategy": case.get("strategy", "replicated"),
                     "mixed_precision": case.get("mixed", "none")},
         "output": {"dir": os.path.join(tmp, "runs"), "name": name},
     }
@@ -177,6 +179,18 @@ def _units(spec) -> dict[str, int]:
     return out
 
 
+def _not_vacuous(res: ReplayResult, what: str) -> None:
+    """What makes a passing verdict mean something: the sum over D is many times C (a
+    rounding of it would show), every unit was clipped (the removed one contributes
+    exactly C), the step's reduction, noise and ledger record were seen."""
+    d, _ = res.steps[0]
+    assert res.full_norms[0] > 5, f"{what}: {res}"
+    assert d.metrics["worker0_clipped_fraction"] == 1.0, f"{what}: {d.metrics}"
+    ops = {c[0] for c in d.collectives}
+    assert {"parallel.sum_over_workers", "noise.add_noise_"} <= ops, ops
+    assert [r["kind"] for r in d.ledger] == ["release"], d.ledger
+
+
 def _check(spec, name: str) -> dict[str, ReplayResult]:
     policy = CASES[name].get("policy")
     return {k: replay(spec, u, layer_policy=policy, expect_clipped=True)
@@ -186,7 +200,8 @@ def _check(spec, name: str) -> dict[str, ReplayResult]:
 # --------------------------------------------------------------------------- replicated
 
 
-REPLICATED = [n for n in CASES if CASES[n].get("strategy") != "fsdp"]
+# In one process; the others run in one spawned pair of gloo processes (below).
+REPLICATED = [n for n in CASES if CASES[n].get("strategy") != "fsdp" and not CASES[n].get("workers")]
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
@@ -196,14 +211,23 @@ def test_replicated_case_passes(tmp_path, name):
     results = _check(spec, name)
     for what, res in results.items():
         assert res.ok, f"{name} / {what}: {res}"
-        # Not vacuous: the sum over D is many times C, so a rounding of it would show.
-        assert res.full_norms[0] > 5, f"{name} / {what}: {res}"
+        _not_vacuous(res, f"{name} / {what}")
     store = open_store(spec.paths.store_dir)
     if spec.cfg.data.unit != "sequence" and spec.plan.sampling_probability == 1:
         assert store.unit_row_count[results["longest"].unit] == 3  # data.max_rows_per_unit
     if spec.cfg.data.unit == "document" and spec.plan.sampling_probability == 1:
         short = store.rows([results["shortest"].unit])
         assert int(short["attention_mask"].sum()) < SEQ // 2  # mostly padding
+
+
+def test_two_steps_from_the_same_parameters(tmp_path):
+    """Step 2 compares the sums at D's parameters after its first (noised) update."""
+    name = "qwen2-mixed-doc-trunc"
+    spec = _spec(str(tmp_path), name)
+    res = replay(spec, _units(spec)["boundary"], steps=2, layer_policy=CASES[name].get("policy"),
+                 expect_clipped=True)
+    assert res.ok and len(res.ratios) == 2, str(res)
+    assert res.steps[0][0].ledger and res.steps[0][0].ledger == res.steps[0][1].ledger
 
 
 def test_the_last_unit_leaves_every_other_coin_in_place_only_at_some_n_and_q(tmp_path):
@@ -266,15 +290,17 @@ def test_a_planted_bug_fails_the_replay(tmp_path, monkeypatch, plant_name, case)
             assert any("sensitivity" in v for v in res.violations), str(res)
 
 
-# --------------------------------------------------------------------------- fsdp
+# --------------------------------------------------------------------------- two workers
 
 
-FSDP = [n for n in CASES if CASES[n].get("strategy") == "fsdp"]
+PAIR = [n for n in CASES if n not in REPLICATED]
 
 
 def _summary(res: ReplayResult) -> dict:
+    d, _ = res.steps[0]
     return {"ok": res.ok, "text": str(res), "ratios": res.ratios, "full_norms": res.full_norms,
-            "violations": res.violations}
+            "violations": res.violations, "ops": sorted({c[0] for c in d.collectives}),
+            "clipped": d.metrics["worker0_clipped_fraction"], "ledger": d.ledger}
 
 
 def _fsdp_proc(rank, port, jobs, out):
@@ -306,23 +332,33 @@ def _spawn(jobs, out) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fsdp_verdicts(tmp_path_factory):
+def pair_verdicts(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("fsdp"))
     jobs = []
-    for name in FSDP:
+    for name in PAIR:
         spec = _spec(tmp, name)
-        jobs += [(f"{name}/{k}", spec, u, CASES[name].get("policy")) for k, u in _units(spec).items()]
+        # One unit a case (each fsdp replay costs ~5 s on 2 cores): the micro-step boundary,
+        # or at q < 1 the last unit; the longest and shortest are replayed replicated.
+        k, u = next(iter(_units(spec).items()))
+        jobs.append((f"{name}/{k}", spec, u, CASES[name].get("policy")))
     return _spawn(jobs, tmp)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FSDP)
-def test_fsdp_case_passes(fsdp_verdicts, name):
-    mine = {k: v for k, v in fsdp_verdicts.items() if k.startswith(name + "/")}
+@pytest.mark.parametrize("name", PAIR)
+def test_two_worker_case_passes(pair_verdicts, name):
+    mine = {k: v for k, v in pair_verdicts.items() if k.startswith(name + "/")}
     assert mine
     for key, v in mine.items():
         assert v["ok"], f"{key}: {v['text']}"
-        assert v["full_norms"][0] > 5, f"{key}: {v['text']}"
+        assert v["full_norms"][0] > 5 and v["clipped"] == 1.0, f"{key}: {v['text']}"
+        # fsdp: the parameters' all-gathers and the sums' reduce-scatter were seen;
+        # replicated: the sums' all-reduce
+        seen = {"dist.all_gather_single", "parallel.privatize_sharded_",
+                "dist.reduce_scatter_single"} if CASES[name].get("strategy") == "fsdp" else \
+            {"parallel.privatize_", "parallel.all_reduce_", "dist.all_reduce"}
+        assert seen <= set(v["ops"]), v["ops"]
+        assert [r["kind"] for r in v["ledger"]] == ["release"], v["ledger"]
 
 
 @pytest.mark.slow
@@ -332,7 +368,7 @@ def test_bf16_sum_fails_the_replay_under_fsdp(tmp_path, monkeypatch):
     name = "fsdp-llama-doc-trunc"
     spec = _spec(str(tmp_path), name)
     monkeypatch.setenv(plant.ENV, "bf16-sum")  # the spawned processes inherit it
-    verdicts = _spawn([(k, spec, u, CASES[name].get("policy")) for k, u in _units(spec).items()],
+    verdicts = _spawn([("boundary", spec, _units(spec)["boundary"], CASES[name].get("policy"))],
                       str(tmp_path))
     for k, v in verdicts.items():
         print(f"bf16-sum under fsdp, {k}: {v['text']}")
