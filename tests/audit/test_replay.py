@@ -210,6 +210,7 @@ def test_replicated_case_passes(tmp_path, name):
     spec = _spec(str(tmp_path), name)
     results = _check(spec, name)
     for what, res in results.items():
+        print(f"{name} / {what}: {res}")  # with -s: the measured ‖Δ‖/C
         assert res.ok, f"{name} / {what}: {res}"
         _not_vacuous(res, f"{name} / {what}")
     store = open_store(spec.paths.store_dir)
@@ -350,6 +351,7 @@ def test_two_worker_case_passes(pair_verdicts, name):
     mine = {k: v for k, v in pair_verdicts.items() if k.startswith(name + "/")}
     assert mine
     for key, v in mine.items():
+        print(f"{key}: {v['text']}")
         assert v["ok"], f"{key}: {v['text']}"
         assert v["full_norms"][0] > 5 and v["clipped"] == 1.0, f"{key}: {v['text']}"
         # fsdp: the parameters' all-gathers and the sums' reduce-scatter were seen;
