@@ -185,6 +185,7 @@ def _not_vacuous(res: ReplayResult, what: str) -> None:
     exactly C), the step's reduction, noise and ledger record were seen."""
     d, _ = res.steps[0]
     assert res.full_norms[0] > 5, f"{what}: {res}"
+    assert not res.notes, f"{what}: {res}"  # every check was made
     assert d.metrics["worker0_clipped_fraction"] == 1.0, f"{what}: {d.metrics}"
     ops = {c[0] for c in d.collectives}
     assert {"parallel.sum_over_workers", "noise.add_noise_"} <= ops, ops
@@ -300,7 +301,7 @@ PAIR = [n for n in CASES if n not in REPLICATED]
 def _summary(res: ReplayResult) -> dict:
     d, _ = res.steps[0]
     return {"ok": res.ok, "text": str(res), "ratios": res.ratios, "full_norms": res.full_norms,
-            "violations": res.violations, "ops": sorted({c[0] for c in d.collectives}),
+            "violations": res.violations, "notes": res.notes, "ops": sorted({c[0] for c in d.collectives}),
             "clipped": d.metrics["worker0_clipped_fraction"], "ledger": d.ledger}
 
 
@@ -354,6 +355,7 @@ def test_two_worker_case_passes(pair_verdicts, name):
         print(f"{key}: {v['text']}")
         assert v["ok"], f"{key}: {v['text']}"
         assert v["full_norms"][0] > 5 and v["clipped"] == 1.0, f"{key}: {v['text']}"
+        assert not v["notes"], f"{key}: {v['text']}"  # every check was made
         # fsdp: the parameters' all-gathers and the sums' reduce-scatter were seen;
         # replicated: the sums' all-reduce
         seen = {"dist.all_gather_single", "parallel.privatize_sharded_",
