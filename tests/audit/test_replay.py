@@ -75,7 +75,7 @@ CASES = {
     "qwen2-mixed-doc-trunc": dict(family="qwen2", mixed="bf16", unit="document",
                                   mode="two-pass", policy="ghost",
                                   sampler="truncated-poisson"),
-    "gemma-lora-bf16-seq-last": dict(family="gemma", lora=True, dtype="bfloat16",
+    "gemma-lora-bf16-seq-last": dict(family="gemma", tied=True, lora=True, dtype="bfloat16",
                                      unit="sequence", policy="ghost", checkpointing=True,
                                      q="last", records=7),
     "llama-doc-trunc-last": dict(family="llama", unit="document", mode="book-keeping",
@@ -87,7 +87,7 @@ CASES = {
                                  sampler="truncated-poisson", strategy="fsdp"),
     "fsdp-qwen2-lora-mixed-seq": dict(family="qwen2", lora=True, mixed="bf16", unit="sequence",
                                       mode="book-keeping", strategy="fsdp"),
-    "fsdp-gemma-user-ckpt-last": dict(family="gemma", unit="user", checkpointing=True,
+    "fsdp-gemma-user-ckpt-last": dict(family="gemma", tied=True, unit="user", checkpointing=True,
                                       policy="instantiate", strategy="fsdp", q="last",
                                       records=46),
 }
