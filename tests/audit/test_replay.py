@@ -1,0 +1,381 @@
+"""Grey-box neighbour replay (issue 19, item 0; ``llmdp.audit.replay``): the real DP step
+on D and on D∖{u}, same randomness. Every case of the matrix passes with no plant; each
+planted bug is caught by the check it breaks.
+
+The matrix (pairwise over the axes, not their product; ``CASES``): model families tied
+(llama with tied embeddings, gemma) and untied (llama, gpt2, qwen2); full fine-tuning and
+LoRA; float32 and bfloat16 parameters; bf16 mixed precision; book-keeping and two-pass
+clipping; ghost and instantiate layer policies; activation checkpointing; sequence,
+document and user units; Poisson and truncated Poisson; replicated and fsdp (2 gloo
+processes, one spawned pair for all fsdp cases and a 2-worker replicated one).
+
+C = 1e-3: every unit's gradient is far above C, so every removed unit is clipped and
+contributes exactly C (``expect_clipped``: ‖Δ‖ ≥ C(1 − 1e-3), the bound is not vacuous),
+and the sum over D is many times C, so rounding on it would show.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from llmdp.audit.replay import (
+    ReplayResult,
+    aligned,
+    aligned_draw,
+    replay,
+    sampled_seed,
+    with_seed,
+)
+from llmdp.data.batching import assign_micro_batches
+from llmdp.data.store import open_store
+from llmdp.step import StepKeys
+
+C = 1e-3
+SEQ = 24
+PHYSICAL = 6  # rows per micro-step: 2 document units of 3 rows, or 6 sequences
+# Character lengths of the records, cycled: short records are padding-heavy units, long
+# ones fill data.max_rows_per_unit rows.
+LENGTHS = (12, 400, 60, 900, 25, 150, 700, 40)
+
+
+def _corpus(path: str, n: int) -> str:
+    """``n`` records of varied length cut from the synthetic notes, with a user field
+    (users of 1 to 3 records)."""
+    from tests.helpers import write_notes
+
+    if os.path.exists(path):
+        return path
+    src = path + ".notes.jsonl"
+    write_notes(src, 40)
+    with open(src) as f:
+        notes = [json.loads(line)["text"] for line in f]
+    with open(path, "w") as f:
+        for i in range(n):
+            text = (notes[i % 40] * 3)[: LENGTHS[i % len(LENGTHS)]]
+            f.write(json.dumps({"text": text, "user_id": f"user{(i * 7) % (n // 2)}"}) + "\n")
+    return path
+
+
+# name: family, tied, lora, dtype, mixed, mode, policy, checkpointing, unit, sampler,
+#       strategy, q ("1": every unit; "last": q < 1, the last unit removed), records (the
+#       corpus size: at q < 1 one where some B ≈ N/2 keeps the other coins in place)
+CASES = {
+    "llama-seq-bk-ghost": dict(family="llama", unit="sequence", mode="book-keeping",
+                               policy="ghost"),
+    "llama-tied-lora-doc-trunc": dict(family="llama", tied=True, lora=True, unit="document",
+                                      mode="two-pass", policy="instantiate",
+                                      sampler="truncated-poisson"),
+    "gpt2-bf16-user-ckpt": dict(family="gpt2", dtype="bfloat16", unit="user",
+                                mode="book-keeping", policy="instantiate", checkpointing=True),
+    "qwen2-mixed-doc-trunc": dict(family="qwen2", mixed="bf16", unit="document",
+                                  mode="two-pass", policy="ghost",
+                                  sampler="truncated-poisson"),
+    "gemma-lora-bf16-seq-last": dict(family="gemma", tied=True, lora=True, dtype="bfloat16",
+                                     unit="sequence", policy="ghost", checkpointing=True,
+                                     q="last", records=7),
+    "llama-doc-trunc-last": dict(family="llama", unit="document", mode="book-keeping",
+                                 policy="instantiate", sampler="truncated-poisson", q="last",
+                                 records=47),
+    "pair-gpt2-replicated-seq": dict(family="gpt2", unit="sequence", mode="two-pass",
+                                     workers=2),
+    "fsdp-llama-doc-trunc": dict(family="llama", unit="document", mode="two-pass",
+                                 sampler="truncated-poisson", strategy="fsdp"),
+    "fsdp-qwen2-lora-mixed-seq": dict(family="qwen2", lora=True, mixed="bf16", unit="sequence",
+                                      mode="book-keeping", strategy="fsdp"),
+    "fsdp-gemma-user-ckpt-last": dict(family="gemma", tied=True, unit="user", checkpointing=True,
+                                      policy="instantiate", strategy="fsdp", q="last",
+                                      records=46),
+}
+SLOW = {"llama-tied-lora-doc-trunc", "llama-doc-trunc-last"}  # the longest (measured)
+
+
+def _raw(tmp: str, name: str, case: dict, batch: int, max_batch: int | None) -> dict:
+    unit = case.get("unit", "sequence")
+    records = case.get("records", 8 if unit == "sequence" else 32)
+    data = {"path": _corpus(os.path.join(tmp, f"corpus-{unit}-{records}.jsonl"), records),
+            "sequence_length": SEQ, "unit": unit}
+    if unit != "sequence":
+        data["max_rows_per_unit"] = 3
+    if unit == "user":
+        data["user_field"] = "user_id"
+    pair = case.get("strategy") == "fsdp" or case.get("workers") == 2
+    from tests.helpers import tiny_tokenizer_dir
+
+    return {
+        "model": {"init": "tiny", "tokenizer": tiny_tokenizer_dir(),
+                  "dtype": case.get("dtype", "float32"),
+                  "gradient_checkpointing": case.get("checkpointing", False),
+                  **({"lora": {"r": 2, "alpha": 4.0}} if case.get("lora") else {}),
+                  "tiny": {"family": case.get("family", "llama"), "hidden_size": 16,
+                           "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
+                           "intermediate_size": 32, "max_position_embeddings": 64,
+                           "tie_word_embeddings": case.get("tied", False)}},
+        "data": data,
+        "privacy": {"noise_multiplier": 1.0, "max_grad_norm": C, "delta": 1e-4,
+                    "rng": "seeded", "seed": 0, "clipping_mode": case.get("mode", "auto"),
+                    "sampler": case.get("sampler", "poisson"),
+                    **({"max_batch_size": max_batch} if max_batch else {})},
+        "optim": {"name": "sgd", "lr": 1e-2, "schedule": "constant"},
+        "train": {"expected_batch_size": batch, "steps": 2, "physical_batch_size": PHYSICAL,
+                  "checkpoint_every": 1},
+        "scaling": {"num_workers": 2 if pair else 1, "strategy": case.get("strategy", "replicated"),
+                    "mixed_precision": case.get("mixed", "none")},
+        "output": {"dir": os.path.join(tmp, "runs"), "name": name},
+    }
+
+
+def _spec(tmp: str, name: str):
+    """The case's RunSpec (``trainer.prepare``) at q = 1, or at q ≈ 1/2 with a seed whose
+    first step samples the last unit."""
+    from llmdp.config import recipe_from_dict
+    from llmdp.trainer import prepare
+
+    case = CASES[name]
+    # A first plan learns N (the store is built once and cached for the second).
+    probe = prepare(recipe_from_dict(_raw(tmp, name + "-probe", case, 2, None)), log=lambda *a: None)
+    n = open_store(probe.paths.store_dir).num_units
+    last = case.get("q") == "last"
+    batch = _aligned_batch(n) if last else n
+    trunc = case.get("sampler") == "truncated-poisson"
+    max_batch = (min(n, batch + 4) if last else n) if trunc else None
+    spec = prepare(recipe_from_dict(_raw(tmp, name, case, batch, max_batch)), log=lambda *a: None)
+    if last:
+        assert spec.plan.sampling_probability == batch / n < 1
+        spec = with_seed(spec, sampled_seed(spec, n - 1))
+    return spec
+
+
+def _aligned_batch(n: int) -> int:
+    """The expected batch size B nearest N/2 at which removing the last of N units moves
+    no other unit's coin on the real sampler (``aligned_draw``; far from every B does)."""
+    from llmdp.privacy.keys import seeded_key
+
+    for b in sorted(range(2, n - 1), key=lambda b: (abs(b - n / 2), b)):
+        if all(aligned_draw(n, b / n, None, n - 1, seeded_key(0, s, "test")) for s in range(8)):
+            return b
+    raise AssertionError(f"no aligned expected batch size for N={n}")
+
+
+def _units(spec) -> dict[str, int]:
+    """The worst-case units to remove: one on a micro-step boundary (the first unit of
+    micro-step 1), the longest (most rows), the most padding-heavy (fewest target tokens);
+    at q < 1 only the last unit."""
+    store = open_store(spec.paths.store_dir)
+    n = store.num_units
+    if spec.plan.sampling_probability < 1:
+        return {"last": n - 1}
+    world = spec.cfg.scaling.num_workers
+    plan = assign_micro_batches(np.arange(n), store.unit_row_count, store.unit_max_row_length,
+                                world_size=world, physical_batch_size=PHYSICAL)
+    out = {"boundary": int(plan[0][1][0])}
+    if spec.cfg.data.unit != "sequence":
+        out["longest"] = int(np.argmax(store.unit_row_count))
+        out["shortest"] = int(np.argmin(store.unit_target_tokens))
+    return out
+
+
+def _not_vacuous(res: ReplayResult, what: str) -> None:
+    """What makes a passing verdict mean something: the sum over D is many times C (a
+    rounding of it would show), every unit was clipped (the removed one contributes
+    exactly C), the step's reduction, noise and ledger record were seen."""
+    d, _ = res.steps[0]
+    assert res.full_norms[0] > 5, f"{what}: {res}"
+    assert not res.notes, f"{what}: {res}"  # every check was made
+    assert d.metrics["worker0_clipped_fraction"] == 1.0, f"{what}: {d.metrics}"
+    ops = {c[0] for c in d.collectives}
+    assert {"parallel.sum_over_workers", "noise.add_noise_"} <= ops, ops
+    assert [r["kind"] for r in d.ledger] == ["release"], d.ledger
+
+
+def _check(spec, name: str) -> dict[str, ReplayResult]:
+    policy = CASES[name].get("policy")
+    return {k: replay(spec, u, layer_policy=policy, expect_clipped=True)
+            for k, u in _units(spec).items()}
+
+
+# --------------------------------------------------------------------------- replicated
+
+
+# In one process; the others run in one spawned pair of gloo processes (below).
+REPLICATED = [n for n in CASES if CASES[n].get("strategy") != "fsdp" and not CASES[n].get("workers")]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+                                  for n in REPLICATED])
+def test_replicated_case_passes(tmp_path, name):
+    spec = _spec(str(tmp_path), name)
+    results = _check(spec, name)
+    for what, res in results.items():
+        print(f"{name} / {what}: {res}")  # with -s: the measured ‖Δ‖/C
+        assert res.ok, f"{name} / {what}: {res}"
+        _not_vacuous(res, f"{name} / {what}")
+    store = open_store(spec.paths.store_dir)
+    if spec.cfg.data.unit != "sequence" and spec.plan.sampling_probability == 1:
+        assert store.unit_row_count[results["longest"].unit] == 3  # data.max_rows_per_unit
+    if spec.cfg.data.unit == "document" and spec.plan.sampling_probability == 1:
+        short = store.rows([results["shortest"].unit])
+        assert int(short["attention_mask"].sum()) < SEQ // 2  # mostly padding
+
+
+def test_two_steps_from_the_same_parameters(tmp_path):
+    """Step 2 compares the sums at D's parameters after its first (noised) update."""
+    name = "qwen2-mixed-doc-trunc"
+    spec = _spec(str(tmp_path), name)
+    res = replay(spec, _units(spec)["boundary"], steps=2, layer_policy=CASES[name].get("policy"),
+                 expect_clipped=True)
+    assert res.ok and len(res.ratios) == 2, str(res)
+    assert res.steps[0][0].ledger and res.steps[0][0].ledger == res.steps[0][1].ledger
+
+
+def test_the_last_unit_leaves_every_other_coin_in_place_only_at_some_n_and_q(tmp_path):
+    """q < 1: at the case's N and q, removing the last unit moves no other unit's coin on
+    the real samplers, and the chosen seed samples it; removing the first unit is refused
+    (indices shift). At q = B/N exactly the coins move (the skip walk's chunk size follows
+    ⌊N·q⌋): the replay cannot use such a pair, and says so."""
+    from llmdp.audit.replay import ReplayError
+    from llmdp.privacy.keys import seeded_key
+
+    assert not any(aligned_draw(40, 0.5, None, 39, seeded_key(0, s, "test")) for s in range(8))
+    spec = _spec(str(tmp_path), "llama-doc-trunc-last")
+    n = int(spec.plan.dataset_size)
+    assert spec.plan.sampling_probability < 1
+    for seed in range(20):  # every draw D does not truncate (a truncated one subsamples anew)
+        s = with_seed(spec, seed)
+        key = StepKeys.draw(0, "seeded", seed, torch.device("cpu")).sample
+        if not s.plan.make_sampler().sample_with_info(key)[1]:
+            assert aligned(s, n - 1), seed
+    res = replay(spec, n - 1, layer_policy="instantiate", expect_clipped=True)
+    assert res.ok, str(res)
+    assert n - 1 in res.steps[0][0].sample
+    assert 0 < len(res.steps[0][1].sample) == len(res.steps[0][0].sample) - 1
+    if not aligned(spec, 0):
+        with pytest.raises(ReplayError, match="not D's without unit 0"):
+            replay(spec, 0)
+
+
+# --------------------------------------------------------------------------- plants
+
+
+def _odd_unit(spec) -> int:
+    """A unit with an odd number of tokens: removing it flips the parity of the share."""
+    store = open_store(spec.paths.store_dir)
+    for u in range(store.num_units):
+        if int(store.rows([u])["attention_mask"].sum()) % 2:
+            return u
+    raise AssertionError("no unit with an odd token count")
+
+
+@pytest.mark.parametrize("plant_name,case", [("clip-scale", "llama-seq-bk-ghost"),
+                                             ("bf16-sum", "llama-seq-bk-ghost"),
+                                             ("extra-micro-step", "llama-tied-lora-doc-trunc")])
+def test_a_planted_bug_fails_the_replay(tmp_path, monkeypatch, plant_name, case):
+    from llmdp.audit import plant
+
+    spec = _spec(str(tmp_path), case)
+    unit = _odd_unit(spec) if plant_name == "extra-micro-step" else _units(spec)["boundary"]
+    monkeypatch.setenv(plant.ENV, plant_name)
+    res = replay(spec, unit, layer_policy=CASES[case].get("policy"), expect_clipped=True)
+    print(f"{plant_name}: {res}")
+    assert not res.ok
+    if plant_name == "extra-micro-step":
+        assert any(v.startswith("(b)") and "micro-steps" in v for v in res.violations), str(res)
+        assert not any(v.startswith("(a)") for v in res.violations), str(res)
+    else:
+        assert any(v.startswith("(a)") for v in res.violations), str(res)
+        if plant_name == "clip-scale":
+            assert res.ratios[0] == pytest.approx(1.01, rel=1e-4)
+            assert any("sensitivity" in v for v in res.violations), str(res)
+
+
+# --------------------------------------------------------------------------- two workers
+
+
+PAIR = [n for n in CASES if n not in REPLICATED]
+
+
+def _summary(res: ReplayResult) -> dict:
+    d, _ = res.steps[0]
+    return {"ok": res.ok, "text": str(res), "ratios": res.ratios, "full_norms": res.full_norms,
+            "violations": res.violations, "notes": res.notes, "ops": sorted({c[0] for c in d.collectives}),
+            "clipped": d.metrics["worker0_clipped_fraction"], "ledger": d.ledger}
+
+
+def _fsdp_proc(rank, port, jobs, out):
+    """One of the 2 gloo processes: every job's replay, rank 0 writes the verdicts."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        verdicts = {}
+        for key, spec, unit, policy in jobs:
+            verdicts[key] = _summary(replay(spec, unit, layer_policy=policy, expect_clipped=True))
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(os.path.join(out, "verdicts.json"), "w") as f:
+            json.dump(verdicts, f)
+
+
+def _spawn(jobs, out) -> dict:
+    import torch.multiprocessing as mp
+
+    from tests.test_checkpoint_dcp import _ports
+
+    mp.start_processes(_fsdp_proc, args=(_ports(1)[0], jobs, out), nprocs=2, join=True,
+                       start_method="spawn")
+    with open(os.path.join(out, "verdicts.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def pair_verdicts(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("fsdp"))
+    jobs = []
+    for name in PAIR:
+        spec = _spec(tmp, name)
+        # One unit a case (each fsdp replay costs ~5 s on 2 cores): the micro-step boundary,
+        # or at q < 1 the last unit; the longest and shortest are replayed replicated.
+        k, u = next(iter(_units(spec).items()))
+        jobs.append((f"{name}/{k}", spec, u, CASES[name].get("policy")))
+    return _spawn(jobs, tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PAIR)
+def test_two_worker_case_passes(pair_verdicts, name):
+    mine = {k: v for k, v in pair_verdicts.items() if k.startswith(name + "/")}
+    assert mine
+    for key, v in mine.items():
+        print(f"{key}: {v['text']}")
+        assert v["ok"], f"{key}: {v['text']}"
+        assert v["full_norms"][0] > 5 and v["clipped"] == 1.0, f"{key}: {v['text']}"
+        assert not v["notes"], f"{key}: {v['text']}"  # every check was made
+        # fsdp: the parameters' all-gathers and the sums' reduce-scatter were seen;
+        # replicated: the sums' all-reduce
+        seen = {"dist.all_gather_single", "parallel.privatize_sharded_",
+                "dist.reduce_scatter_single"} if CASES[name].get("strategy") == "fsdp" else \
+            {"parallel.privatize_", "parallel.all_reduce_", "dist.all_reduce"}
+        assert seen <= set(v["ops"]), v["ops"]
+        assert [r["kind"] for r in v["ledger"]] == ["release"], v["ledger"]
+
+
+@pytest.mark.slow
+def test_bf16_sum_fails_the_replay_under_fsdp(tmp_path, monkeypatch):
+    from llmdp.audit import plant
+
+    name = "fsdp-llama-doc-trunc"
+    spec = _spec(str(tmp_path), name)
+    monkeypatch.setenv(plant.ENV, "bf16-sum")  # the spawned processes inherit it
+    verdicts = _spawn([("boundary", spec, _units(spec)["boundary"], CASES[name].get("policy"))],
+                      str(tmp_path))
+    for k, v in verdicts.items():
+        print(f"bf16-sum under fsdp, {k}: {v['text']}")
+        # The rounded sums differ by C plus a rounding error: above or below C, never C.
+        assert not v["ok"]
+        assert any(x.startswith("(a)") for x in v["violations"]), v["text"]
