@@ -155,9 +155,8 @@ def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict
 
     store = open_store(os.path.join(secret, all_dirs[0]))
     models = os.path.join(cache_root(), "models")
-    ckpt = rd.latest_checkpoint
-    ckpt = ckpt() if callable(ckpt) else ckpt
-    initial, final = sc.initial_model(acfg, models), sc.final_model(acfg, models, ckpt)
+    initial = sc.initial_model(acfg, models)
+    final = sc.final_model(acfg, models, rd.latest_checkpoint())
     kinds = ["black-box", "white-box"] if settings.scores == "both" else [settings.scores]
     per = {}
     for kind in kinds:

@@ -59,17 +59,14 @@ def final_model(cfg, cache_dir: str, checkpoint_dir: str) -> nn.Module:
     return model
 
 
-@torch.no_grad()
 def unit_losses(model: nn.Module, store, batch_units: int = 32) -> np.ndarray:
-    """Every unit's normalized loss (float64), in store order."""
-    out = np.zeros(store.num_units, dtype=np.float64)
-    for lo in range(0, store.num_units, batch_units):
-        idx = np.arange(lo, min(lo + batch_units, store.num_units))
-        batch = store.rows(idx, width="auto")
-        rows = row_losses(model, batch).double()
-        per_unit = torch.zeros(idx.size, dtype=torch.float64).index_add_(0, batch["row_units"], rows)
-        out[idx] = per_unit.numpy()
-    return out
+    """Every unit's normalized loss (float64), in store order: the held-out evaluation's
+    per-unit statistics (``evaluation.metrics.unit_stats``) over consecutive batches."""
+    from llmdp.evaluation.metrics import unit_stats
+
+    batches = [np.arange(lo, min(lo + batch_units, store.num_units))
+               for lo in range(0, store.num_units, batch_units)]
+    return unit_stats(model, store, batches, torch.device("cpu"))["loss"]
 
 
 def black_box_scores(initial: nn.Module, final: nn.Module, store) -> np.ndarray:

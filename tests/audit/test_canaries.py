@@ -163,3 +163,21 @@ def test_bad_audit_arguments_get_one_clear_message(tmp_path, monkeypatch, capsys
         err = capsys.readouterr().err
         assert expected in err and "Traceback" not in err, err
     assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+def test_unit_losses_are_each_units_normalized_loss(tmp_path):
+    """The score's loss of unit u is the loss the run trains on: the sum of its rows'
+    ``row_losses`` entries, computed on that unit alone."""
+    import torch
+
+    from llmdp.audit.scores import unit_losses
+    from llmdp.losses import row_losses
+    from tests.helpers import TINY_VOCAB, tiny_llama
+
+    store = tiny_store(tmp_path / "cache", num_documents=6, sequence_length=24)
+    model = tiny_llama(vocab_size=TINY_VOCAB, dtype=torch.float64).eval()
+    got = unit_losses(model, store, batch_units=5)
+    assert got.shape == (store.num_units,)
+    with torch.no_grad():
+        want = [float(row_losses(model, store.rows([u])).sum()) for u in range(store.num_units)]
+    np.testing.assert_allclose(got, want, rtol=1e-10)
