@@ -324,8 +324,9 @@ class TrainConfig:
     eval_every: int = _f(0, ge=0)
     max_failures: int = _f(0, ge=0)  # worker failures Ray Train recovers from (resume from a checkpoint)
     length_bucketing: bool = True  # group rows of similar length; pad each micro-batch to its longest
-    # Steps with a unit whose gradient is NaN/inf (that unit adds nothing) before the run
-    # stops: more than this many stops it, with a message. 0 = stop at the first.
+    # Steps with a unit whose gradient is NaN/inf (that unit adds nothing) before the
+    # operator is warned (console and metrics.jsonl, internal). The run never stops on it:
+    # the count is a statistic of private data without DP (DESIGN §3 invariant 11).
     max_nonfinite_steps: int = _f(10, ge=0)
 
 

@@ -167,6 +167,10 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     if report.get("status") not in ("complete", "stopped"):
         problems.append(f"the run's status is {report.get('status')!r}, not complete"
                         + (f" ({report.get('failure')})" if report.get("failure") else ""))
+    if report.get("status") == "stopped" and report.get("stop_cause") != "ledger":
+        problems.append(f"the run stopped early ({report.get('stopped')}) on something other than "
+                        "its ledger: its length depends on a statistic of private data that no DP "
+                        "release accounts, so publishing it would leak that statistic")
     # The run's own seed, or a private tokenizer's (llmdp_tokenizer.json privacy.rng), read
     # from the run's files, not only from the report (which may predate the tokenizer check).
     seeded_from = seeded_sources(_run_config(run_dir), _plan_info(rd))

@@ -51,8 +51,8 @@ INTERNAL_METRICS = {
     "data_statistics": "counts of records, rows, tokens, truncated documents and capped users "
     "(N, the number of units, is used by the accountant and published as is)",
     "step_time_s": "wall time of the step (grows with the realized sample size)",
-    "nonfinite_units": "units whose gradient was not finite in the step (given no weight; the run "
-    "stops after train.max_nonfinite_steps such steps)",
+    "nonfinite_units": "units whose gradient was not finite in the step (given no weight; a "
+    "warning after train.max_nonfinite_steps such steps; the run never stops on it)",
     "eval (held-out loss, perplexity, accuracy, units, tokens)": "the model's metrics on the "
     "private held-out units without DP (`evaluation.internal`; the DP evaluation is publishable)",
 }

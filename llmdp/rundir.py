@@ -192,4 +192,8 @@ def run_state(metrics: list[dict], steps_planned: int, failure: str | None,
         "failure": failure,
         "resume": RESUME_HINT if interrupted and not failure else None,
         "stopped": stop["reason"] if stop else None,
+        # "ledger": a budget or target-ε stop, a function of the recorded releases only.
+        # Anything else (an older version's stop on a count of non-finite units) made the
+        # run's length depend on private data without DP: export refuses it.
+        "stop_cause": (stop.get("cause") if stop else None),
     }

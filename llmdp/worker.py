@@ -29,6 +29,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -159,7 +160,8 @@ class Training:
     sampler: Any
     min_micro_steps: int
     start: int = 0  # the first step this launch runs
-    nonfinite_steps: int = 0  # steps that had a unit with a NaN/inf gradient
+    nonfinite_steps: int = 0  # steps that had a unit with a NaN/inf gradient (internal)
+    nonfinite_warned: bool = False
     ledger: Any = None  # rank 0: the ledger service (the single writer)
     eval_store: Any = None  # the held-out units (None: no evaluation)
     eval_fn: Callable | None = None  # per-row evaluation statistics, in the run's precision
@@ -318,17 +320,23 @@ def checkpoint(run: Training, step: int) -> None:
         run.context.report({"step": step}, tmp if mine else None)
 
 
-def _nonfinite_stop(run: Training, step: int) -> dict | None:
-    """Units with a NaN/inf gradient added nothing (factor 0), so every update stays DP; but
-    a run whose gradients keep overflowing is not training: stop cleanly, with the numbers."""
+def _warn_nonfinite(run: Training) -> None:
+    """Units with a NaN/inf gradient added nothing (factor 0), so every update stays DP.
+    How many steps had one is a count over private data without DP: it may warn the
+    operator (rank 0's console and the internal metrics.jsonl, both internal) but never
+    changes what the run does or publishes (DESIGN §3 invariant 11): the run never stops
+    on it, so its length, status and report are the same with or without such units."""
     limit = run.spec.cfg.train.max_nonfinite_steps
-    if run.nonfinite_steps <= limit:
-        return None
-    return {"step": step, "reason": (
-        f"{run.nonfinite_steps} steps had privacy units whose gradient was not finite "
-        f"(NaN/inf; they contributed nothing), more than train.max_nonfinite_steps="
-        f"{limit}. Lower optim.lr, train in float32 (model.dtype), or raise "
-        "train.max_nonfinite_steps.")}
+    if run.rank != 0 or run.nonfinite_warned or run.nonfinite_steps <= limit:
+        return
+    run.nonfinite_warned = True
+    msg = (f"{run.nonfinite_steps} steps had privacy units whose gradient was not finite "
+           f"(NaN/inf; they contributed nothing), more than train.max_nonfinite_steps={limit}. "
+           "The run goes on (stopping on a count of private data would publish it); consider "
+           "a lower optim.lr or float32 (model.dtype). Internal: not in the published report.")
+    _metrics_line(run.spec.paths.metrics, {"event": "warning", "internal": True, "message": msg,
+                                           "time": time.time()})
+    print(f"llmdp: warning (internal): {msg}", file=sys.stderr, flush=True)
 
 
 def finish(run: Training, stopped: dict | None) -> dict:
@@ -346,7 +354,8 @@ def finish(run: Training, stopped: dict | None) -> dict:
         _save_tokenizer(run.spec.paths)
         _generations(run)
         end = {"event": "end", "step": run.spec.plan.steps} if stopped is None else \
-            {"event": "stopped", "step": stopped["step"], "reason": stopped["reason"]}
+            {"event": "stopped", "step": stopped["step"], "reason": stopped["reason"],
+             "cause": stopped.get("cause")}
         _metrics_line(run.spec.paths.metrics, {**end, "time": time.time()})
     if stopped is not None:
         return {"steps": stopped["step"], "stopped": stopped["reason"]}
@@ -388,7 +397,8 @@ def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
     for step in range(run.start, steps):
         ok, why = admitted(run, step)
         if not ok:
-            stopped = {"step": step, "reason": why}
+            # A ledger decision (budget, target ε): a function of the recorded releases only.
+            stopped = {"step": step, "reason": why, "cause": "ledger"}
             break
         record = dp_step(run, step)
         if run.rank == 0:
@@ -398,9 +408,7 @@ def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
         last = step + 1 == steps
         if (step + 1) % every == 0 or last:
             checkpoint(run, step + 1)
-        stopped = None if last else _nonfinite_stop(run, step + 1)
-        if stopped is not None:
-            break
+        _warn_nonfinite(run)
     return finish(run, stopped)
 
 

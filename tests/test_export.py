@@ -305,6 +305,21 @@ def test_refusals_name_the_problem(full_run, tmp_path):
                                           "the report at 3"):
         export_run(run, tmp_path / "e5", **quiet)
 
+    # Issue 29 item 3: a run an older version stopped on its count of non-finite units
+    # (its length depends on private data without DP) is refused; a ledger stop is not.
+    for cause, refused in ((None, True), ("ledger", False)):
+        run = _copy(full_run, tmp_path, f"stopped-{cause}")
+        lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+        lines = [x for x in lines if x.get("step") != 4 and x.get("event") != "end"]
+        lines.append({"event": "stopped", "step": 3, "reason": "3 steps had privacy units whose "
+                      "gradient was not finite, more than train.max_nonfinite_steps=2",
+                      **({"cause": cause} if cause else {})})
+        open(os.path.join(run, "metrics.jsonl"), "w").write("".join(json.dumps(x) + "\n" for x in lines))
+        assert write_report(run)["status"] == "stopped"
+        with pytest.raises(ExportError) as err:
+            export_run(run, tmp_path / f"e-stopped-{cause}", **quiet)
+        assert ("stopped early" in str(err.value) and "statistic of private data" in str(err.value)) is refused
+
     run = _copy(full_run, tmp_path, "no-model")
     shutil.rmtree(os.path.join(run, "model"))
     with pytest.raises(ExportError, match="no final model"):

@@ -244,7 +244,9 @@ def _remember_descendants(pid: int, seen: dict[int, tuple[float, str]]) -> None:
         return
     for k in kids:
         try:
-            seen.setdefault(k.pid, (k.create_time(), " ".join(k.cmdline())[:80] or k.name()))
+            # The process name and its whole command line, never cut: under a long checkout
+            # path the executable's path alone is longer than any fixed prefix.
+            seen.setdefault(k.pid, (k.create_time(), " ".join([k.name(), *k.cmdline()])))
         except psutil.Error:
             pass
 
@@ -296,7 +298,7 @@ def test_a_sigkilled_driver_leaves_no_ray_process_and_its_relaunch_resumes(tmp_p
         driver = _launch(tmp_path, env, first,
                          until=lambda: marker.exists() and _checkpoint_registered(run_dir))
         assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
-        assert any("raylet" in name for _, name in first.values())
+        assert any("raylet" in name for _, name in first.values()), sorted(n for _, n in first.values())
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
         survivors = _gone_within_grace(first)

@@ -290,15 +290,9 @@ def test_privatize_reduces_and_noises_float32_sinks_and_casts_at_the_end():
         privatize_(params, b"k" * 32, 0.5, 2.0, 7.0)
 
 
-def test_nonfinite_units_stop_the_loop_after_max_nonfinite_steps(tmp_path, monkeypatch):
-    """Issue 12 item 8b: every step has a unit whose loss (hence gradient) is NaN. Each is
-    dropped (the parameters stay finite) and counted; the run stops, with a message, at
-    the first step that makes the count exceed train.max_nonfinite_steps."""
-    import json
-
+def _nan_first_row(monkeypatch):
+    """Every micro-batch's first real row gets a NaN loss (hence a NaN gradient)."""
     import llmdp.losses
-    from llmdp.worker import LocalContext, train_loop_per_worker
-    from tests.test_loop import make_recipe, prepared_config
 
     real = llmdp.losses.row_losses
 
@@ -310,18 +304,51 @@ def test_nonfinite_units_stop_the_loop_after_max_nonfinite_steps(tmp_path, monke
         return torch.where(bad, losses * float("nan"), losses)
 
     monkeypatch.setattr(llmdp.losses, "row_losses", nan_first_row)
-    cfg = make_recipe(tmp_path, steps=8, max_nonfinite_steps=2)
-    prep = prepared_config(cfg)
-    out = train_loop_per_worker(prep, LocalContext())
-    assert out["steps"] == 3
-    assert "train.max_nonfinite_steps=2" in out["stopped"] and "not finite" in out["stopped"]
-    lines = [json.loads(x) for x in open(os.path.join(prep.run_dir, "metrics.jsonl"))]
-    steps = [x for x in lines if "nonfinite_units" in x]
-    assert len(steps) == 3 and all(x["nonfinite_units"] >= 1 for x in steps)
-    from safetensors.torch import load_file
 
-    saved = load_file(os.path.join(prep.run_dir, "model", "model.safetensors"))
-    assert all(torch.isfinite(t).all() for t in saved.values())  # nothing non-finite leaked
+
+def test_nonfinite_units_never_stop_the_run_nor_change_what_is_published(tmp_path, monkeypatch):
+    """Issue 29 item 3. A unit with a NaN gradient gets factor 0 and is counted internally;
+    the count is a statistic of private data without DP, so it may warn (internal) but must
+    not change the run's length, status or published report. Neighbour comparison: the
+    same recipe with and without non-finite units publishes the same shape."""
+    import json
+
+    from llmdp.publish import publishable_report
+    from llmdp.report import write_report
+    from llmdp.worker import LocalContext, train_loop_per_worker
+    from tests.test_loop import make_recipe, prepared_config
+
+    published = {}
+    for name in ("clean", "nan"):
+        with monkeypatch.context() as m:
+            if name == "nan":
+                _nan_first_row(m)
+            cfg = make_recipe(tmp_path / name, steps=8, max_nonfinite_steps=2)
+            prep = prepared_config(cfg)
+            out = train_loop_per_worker(prep, LocalContext())
+        assert out == {"steps": 8}  # never stopped early
+        lines = [json.loads(x) for x in open(os.path.join(prep.run_dir, "metrics.jsonl"))]
+        steps = [x for x in lines if "nonfinite_units" in x]
+        warned = [x for x in lines if x.get("event") == "warning"]
+        if name == "nan":
+            # every step with a sampled unit had one NaN unit (an empty sample has none)
+            assert all(x["nonfinite_units"] >= 1 for x in steps if x["units"] > 0)
+            had = sum(x["units"] > 0 for x in steps)
+            assert len(warned) == (1 if had > 2 else 0)
+            assert all(x["internal"] and "max_nonfinite_steps=2" in x["message"] for x in warned)
+        else:
+            assert all(x["nonfinite_units"] == 0 for x in steps) and not warned
+        r = write_report(prep.run_dir)
+        assert r["status"] == "complete" and r["steps_completed"] == 8 and r["stopped"] is None
+        pub = publishable_report(r)
+        assert "finite" not in json.dumps(pub)
+        published[name] = pub
+        from safetensors.torch import load_file
+
+        saved = load_file(os.path.join(prep.run_dir, "model", "model.safetensors"))
+        assert all(torch.isfinite(t).all() for t in saved.values())  # nothing non-finite leaked
+    shape = ("status", "stopped", "steps_completed", "steps", "stop_cause")
+    assert {k: published["clean"].get(k) for k in shape} == {k: published["nan"].get(k) for k in shape}
 
 
 @pytest.mark.parametrize("value,why", [(-1, "out of range"), ("ten", "wrong type"), (2.5, "wrong type")])
