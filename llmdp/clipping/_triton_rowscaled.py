@@ -60,6 +60,14 @@ if triton is not None:
                  mask=mask_a[:, None] & mask_b[None, :])
 
 
+def error_count(R: int, T: int) -> int:
+    """Roundings any product goes through in the kernel (the clipped sum's bound,
+    ``lowp.row_scaled_bound``): at most T in its row's float32 dot chain (``part``), one
+    for c_r·part, at most R in the tile's accumulator, at most R in the sum of the row
+    groups. With the tensor cores' truncating accumulation this is γ_n(2⁻²²), ``lowp``."""
+    return T + 2 * R + 2
+
+
 def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     """Σ_r f_r X_rᵀ Y_r as a float32 [a, b] tensor (X [R, T, a], Y [R, T, b], same half
     dtype; f [R])."""

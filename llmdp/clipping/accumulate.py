@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from llmdp.clipping.norms import Record, Units
+from llmdp.clipping.norms import Record, Units, exact_slices
 
 __all__ = ["contribution", "check_buffers", "add_to_buffers", "add_to_grad"]
 
@@ -96,6 +96,31 @@ def contribution(rec: Record, units: Units, factors: torch.Tensor, row_factors: 
     rows whose factor is 0 (None: none); ``ghost``: contract A and G where the rule
     can (the call's norm was a ghost norm, or pass 2 brought G again)."""
     rule, mask = rec.rule, zero_rows
+    exact = rec.exact.tolist() if rec.exact is not None else []
+    if exact:
+        # Units recomputed exactly (norms module docstring, 4): their part comes from their
+        # float64 gradient below, not from the contraction (their factor is 0 there).
+        unit_factors = factors
+        factors = factors.clone()
+        factors[torch.tensor(exact, device=factors.device)] = 0
+        row_factors = units.row_factors(factors)
+    out = _contract(rec, units, factors, row_factors, mask, ghost)
+    for u in exact:
+        c = float(unit_factors[u])
+        if c == 0:
+            continue
+        rows = units.rows_of(u)
+        for n, part in out.items():
+            if rec.exact_shared and n in rec.exact_shared:
+                continue  # summed over the parameter's uses and added by the engine
+            for j0, j1, g in exact_slices(rule, rec, n, rows):
+                part[j0:j1] += (g * c).to(part.dtype)
+    return out
+
+
+def _contract(rec: Record, units: Units, factors: torch.Tensor, row_factors: torch.Tensor,
+              mask: torch.Tensor | None, ghost: bool) -> dict[str, torch.Tensor]:
+    rule = rec.rule
     if rule.has_clipped_ghost and ghost:
         # A and G stay as the model produced them (bf16 too): the rule contracts them
         # with exact products and float32 sums, the factors applied in float32 (lowp).

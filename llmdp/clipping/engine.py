@@ -70,11 +70,13 @@ clipped sum and adding it to ``p.grad`` or the buffers, ``accumulate.py``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from llmdp.audit import plant
+from llmdp.clipping import norms as nb
 from llmdp.clipping.accumulate import (
     _is_dtensor,
     add_to_buffers,
@@ -84,10 +86,10 @@ from llmdp.clipping.accumulate import (
 )
 from llmdp.clipping.audit import UnsupportedModuleError, UseAudit, check_coverage, check_model
 from llmdp.clipping.cross import cross_inner
+from llmdp.clipping.lowp import U64, gamma
 from llmdp.clipping.modes import MODES, _fingerprint, resolve_mode
-from llmdp.clipping.norms import Record, Units, acc_dtype, find_rule
+from llmdp.clipping.norms import Record, Sq, Units, find_rule
 from llmdp.clipping.reference import (
-    clip_factors,
     clipped_sum,
     per_unit_gradients_autograd,
     unit_ids,
@@ -96,6 +98,19 @@ from llmdp.clipping.rules import LinearRule
 
 ENGINES = ("ghost", "reference")
 LAYER_POLICIES = ("auto", "ghost", "instantiate")
+
+
+@dataclass(frozen=True)
+class NormStats:
+    """What the rounding bounds did in the last backward (``GhostClipper.last_norm_stats``;
+    computed on private data: internal, never published). ``fallbacks``: (call, unit)
+    pairs recomputed as the exact float64 gradient because the bound was more than
+    ``norms.FALLBACK`` of the unit's norm; ``bound_max``: the largest share of a used norm
+    that is rounding bound, 1 − √S_u/ν_u, after the fallbacks (``norms`` module docstring)."""
+
+    units: int = 0
+    fallbacks: int = 0
+    bound_max: float = 0.0
 
 
 class _Tap(torch.autograd.Function):
@@ -169,6 +184,7 @@ class GhostClipper:
         self.params = [p for _, p in named]
         self.param_names = [n for n, _ in named]
         self._name_of = {id(p): n for n, p in named}
+        self._param_of = {id(p): p for _, p in named}
         self.sharded = any(_is_dtensor(p) for p in self.params)
         self.grad_buffers = check_buffers(named, grad_buffers, engine, self.sharded)
         # (module, parameter name) -> id of the parameter registered at construction (stable
@@ -185,6 +201,8 @@ class GhostClipper:
         self._audit = UseAudit()  # each recorded call's own nodes: uses the hooks did not see
         self._factors = self._row_factors = self._zero_rows = None
         self.last_nonfinite = 0  # units with a non-finite gradient norm in the last backward
+        self.last_norm_stats = NormStats()  # the rounding bounds' fallbacks (internal)
+        self._fallbacks = 0
         self._handles = []
         self._rules = {}
         self._anchor = None
@@ -288,10 +306,15 @@ class GhostClipper:
         rec.ghost = rule.choose_ghost(rec.module, rec.A, G, self.layer_policy, units.num_units)
         shared = any(self._pid(rec.module, n) in self._shared for n in rule.params(rec.module))
         if rec.ghost:
-            rec.sqn = rule.sq_norms_ghost(rec, units)
+            rec.sqn = _checked(rule, rule.sq_norms_ghost(rec, units))
+            if not shared and rule.has_exact:
+                # A call whose bound is a real part of its norm is recomputed exactly for
+                # those units now, while G is here (a shared parameter's calls: in _norms).
+                self._fallback_call(rec, units)
         else:
-            rec.per_unit = rule.per_unit(rec, units)
-            rec.sqn = {n: _sq(g) for n, g in rec.per_unit.items()}
+            inst = rule.instantiate(rec, units)
+            rec.per_unit = {n: h for n, (h, _) in inst.items()}
+            rec.sqn = _checked(rule, {n: sq for n, (_, sq) in inst.items()})
         if not self._keep_G:
             # two-pass: pass 2 brings the same G again; keep A and G's fingerprint only
             # (G too, until the cross terms are taken, if the parameter has other uses).
@@ -319,7 +342,7 @@ class GhostClipper:
             )
         rec.G = G
         parts = self._contribution(rec, self._units)
-        rec.G = rec.A = None
+        rec.G = rec.A = rec.exact = rec.exact_shared = None
         self._add_parts([(rec, parts)])
 
     def remove_hooks(self) -> None:
@@ -398,6 +421,8 @@ class GhostClipper:
         mode = self._resolve_mode(num_units)
         self.last_mode = mode
         units = Units.make(row_units, num_units)
+        self._fallbacks = 0
+        self._exact_totals = []
         keep = row_units >= 0
         total = row_losses[keep].sum()
         self._shared = self._multi_use(records)
@@ -413,11 +438,17 @@ class GhostClipper:
             self._phase = "idle"
         seen = [r for r in records if r.sqn is not None]
         check_coverage(self.model, self._rules, seen)
-        norms = self._norms(seen, units)
-        factors = clip_factors(norms, self.max_grad_norm)  # 0 for a non-finite norm
+        nu, value = self._norms(seen, units)
+        factors = nb.factors(nu, value, self.max_grad_norm)  # 0 for a non-finite norm
+        norms = nb.round_up_to(nu, self._norm_dtype())  # never below the used norm
         factors = _planted_factors(factors, norms)  # test-only (llmdp.audit.plant): unchanged
-        self.last_nonfinite = int((~torch.isfinite(norms)).sum())
+        self.last_nonfinite = int((~torch.isfinite(nu)).sum())
+        finite = torch.isfinite(nu)
+        self.last_norm_stats = NormStats(
+            units=units.num_units, fallbacks=self._fallbacks,
+            bound_max=float(nb.rho(value[finite], nu[finite]).max()) if bool(finite.any()) else 0.0)
         self._factors = factors
+        self._add_exact_totals(factors, units)  # while every use's G is still here
         self._row_factors = units.row_factors(factors)
         # Rows that add nothing (padding, units with a non-finite gradient) are zeroed
         # before any contraction: a 0 factor alone would leave 0·NaN = NaN in the sum.
@@ -449,23 +480,200 @@ class GhostClipper:
         else:
             self._add_to_grad((getattr(rec.module, n), g) for rec, d in parts for n, g in d.items())
 
-    def _norms(self, records: list[Record], units: Units) -> torch.Tensor:
-        sq = None
+    def _norm_dtype(self) -> torch.dtype:
+        """The returned norms' dtype: float64 for a float64 model, float32 otherwise."""
+        return torch.float64 if self.params and self.params[0].dtype == torch.float64 else torch.float32
+
+    def _sink_u(self, pid: int) -> float:
+        """Unit roundoff of the sink parameter ``pid``'s clipped sum is added to."""
+        if self.grad_buffers is not None:
+            b = self.grad_buffers.get(self._name_of.get(pid, ""))
+            if b is not None:
+                return nb.roundoff(b.dtype)
+        p = self._param_of.get(pid)
+        return nb.roundoff(p.dtype) if p is not None else nb.U32
+
+    def _fallback_call(self, rec: Record, units: Units) -> None:
+        """Recompute exactly, for the units whose bound is more than FALLBACK of this call's
+        own norm, every parameter of this call (norms module docstring, 4)."""
+        value = err = dsq = None
+        for n, sq in rec.sqn.items():
+            d = nb.deviation(sq, self._sink_u(self._pid(rec.module, n)))
+            value = sq.value if value is None else value + sq.value
+            err = sq.err if err is None else err + sq.err
+            dsq = d * d if dsq is None else dsq + d * d
+        if value is None:
+            return
+        k = len(rec.sqn) + 2
+        err = nb.up(err, k) + gamma(k, U64) * nb.up(value.abs(), k)
+        nu = nb.used_norm(value, err, nb.up(dsq, k))
+        bad = (nb.rho(value, nu) > nb.FALLBACK) & torch.isfinite(value) & torch.isfinite(nu)
+        for u in bad.nonzero(as_tuple=True)[0].tolist():
+            for n in list(rec.sqn):
+                v, e, d = self._exact_param([(rec, n)], u, units)
+                idx = torch.tensor([u], device=value.device)
+                rec.sqn[n] = rec.sqn[n].at(idx, value=v, err=e, dev=d, rel=torch.zeros(1, dtype=torch.float64))
+            _mark_exact(rec, u)
+            self._fallbacks += 1
+
+    def _exact_param(self, uses: list[tuple[Record, str]], u: int, units: Units,
+                     together: bool = False) -> tuple[torch.Tensor, ...]:
+        """(value, err, dev) of one parameter's gradient for unit ``u``, summed over its
+        ``uses``, from each use's exact float64 gradient (``LayerRule.exact``), a slice at a
+        time (norms module docstring, 4). dev covers the recomputation at the clipped sum
+        (any float64 evaluation of use i is within ε_i = γ·N_i of g_i), the sum over uses,
+        and four float32 roundings (c·g̃, its cast, its add to the call's part, to the sink)
+        of what is added: the sum over uses once (``together``: a shared parameter, whose
+        uses may cancel), or each use's part."""
+        rows = units.rows_of(u)
+        dev_ = rows.device
+        total = torch.zeros((), dtype=torch.float64, device=dev_)
+        per_use = [torch.zeros((), dtype=torch.float64, device=dev_) for _ in uses]
+        rec0, n0 = uses[0]
+        numel = getattr(rec0.module, n0).numel()
+        slices = [nb.exact_slices(rec.rule, rec, n, rows) for rec, n in uses]
+        for parts in zip(*slices):
+            tot = None
+            for i, (_, _, part) in enumerate(parts):
+                per_use[i] += (part * part).sum()
+                tot = part if tot is None else tot + part
+            total += (tot * tot).sum()
+        k = len(uses)
+        value = total
+        err = nb.up(total, 2) * gamma(numel + 2, U64)
+        norms = [nb.up(torch.sqrt(s), numel + 4) for s in per_use]
+        eps = [nb.up(rec.sqn[n].mag[u] * gamma(nb.exact_count(rec), U64), 1) for rec, n in uses]
+        base = nb.up(sum(2 * e for e in eps) + gamma(k, U64) * sum(norms), 2 * k + 4)
+        if together:
+            dev = base + gamma(4, nb.U32) * (nb.up(torch.sqrt(value + err), 2) + base)
+        else:
+            dev = base + sum(gamma(4, nb.U32) * (m + 2 * e) for e, m in zip(eps, norms))
+        dev = nb.up(dev, 2 * k + 4)
+        return value.reshape(1), err.reshape(1), dev.reshape(1)
+
+    def _add_exact_totals(self, factors: torch.Tensor, units: Units) -> None:
+        """Add c_u·Σ_i g̃_i (float64, cast once) for every shared parameter recomputed
+        exactly for unit u (``_fallback_shared``): the sum over its uses is formed before
+        any float32 rounding, so uses that cancel (a tied embedding and head) cancel
+        exactly; the calls' own parts leave u out (``Record.exact_shared``)."""
+        for pid, uses, u in self._exact_totals:
+            c = float(factors[u])
+            if c == 0:
+                continue
+            rows = units.rows_of(u)
+            name = self._name_of[pid]
+            for parts in zip(*[nb.exact_slices(r.rule, r, n, rows) for r, n in uses]):
+                j0, j1 = parts[0][0], parts[0][1]
+                tot = sum(part for _, _, part in parts)
+                self._add_slice(pid, name, uses[0][0], uses[0][1], j0, j1, tot * c)
+        self._exact_totals = []
+
+    def _add_slice(self, pid: int, name: str, rec: Record, pname: str, j0: int, j1: int,
+                   g: torch.Tensor) -> None:
+        with torch.no_grad():
+            if self.grad_buffers is not None:
+                buf = self.grad_buffers[name]
+                buf[j0:j1].add_(g.to(buf.dtype))
+                return
+            p = getattr(rec.module, pname)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad[j0:j1].add_(g.to(p.dtype))
+
+    def _norms(self, records: list[Record], units: Units) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ν, S): the norm used for clipping and the computed squared norm, per unit, in
+        float64 (norms module docstring, 3), after the fallbacks of shared parameters."""
         uses: dict[int, list[tuple[Record, str]]] = {}
         for rec in records:
-            for n, s in rec.sqn.items():
-                sq = s.to(torch.float64 if s.dtype == torch.float64 else torch.float32) if sq is None else sq + s
-                pid = self._pid(rec.module, n)
-                if pid in self._shared:
-                    uses.setdefault(pid, []).append((rec, n))
-        for use in uses.values():
-            for i in range(len(use)):
-                for j in range(i + 1, len(use)):
-                    (ri, ni), (rj, nj) = use[i], use[j]
-                    sq = sq + 2 * cross_inner(ri, rj, ni, nj, units).to(sq.dtype)
-        if sq is None:  # no trainable parameter was reached by this batch
-            sq = torch.zeros(units.num_units, device=self.params[0].device)
-        return sq.clamp(min=0).sqrt()
+            for n in rec.sqn:
+                uses.setdefault(self._pid(rec.module, n), []).append((rec, n))
+        U = units.num_units
+        device = self.params[0].device if self.params else units.unit_of_row.device
+        if not uses:  # no trainable parameter was reached by this batch
+            z = torch.zeros(U, dtype=torch.float64, device=device)
+            return z, z
+        per_param = {pid: self._combine(u, units) for pid, u in uses.items()}
+        self._fallback_shared(uses, per_param, units)
+        K = len(per_param) + 2
+        value = sum(v for v, _, _ in per_param.values())
+        err = nb.up(sum(e for _, e, _ in per_param.values()), K)
+        err = err + gamma(K, U64) * nb.up(sum(v.abs() for v, _, _ in per_param.values()), K)
+        dsq = nb.up(sum(d * d for _, _, d in per_param.values()), 2 * K)
+        return nb.used_norm(value, err, dsq), value
+
+    def _combine(self, uses: list[tuple[Record, str]], units: Units) -> tuple[torch.Tensor, ...]:
+        """(value, err, δ) of one parameter over its uses: Σ_i value_i + 2Σ_{i<j} ⟨h_i, h_j⟩,
+        their bounds (the cross terms' own, and the difference between the vectors a cross
+        term reads and those the uses' norms measured: ≤ dev_i·‖h_j‖ + (‖h_i‖ + dev_i)·dev_j),
+        and δ_P = Σ_i dev_i + rel_i·(‖h_i‖ + dev_i)."""
+        pid = self._pid(uses[0][0].module, uses[0][1])
+        sink_u = self._sink_u(pid)
+        sqs = [rec.sqn[n] for rec, n in uses]
+        if len(uses) == 1:
+            s = sqs[0]
+            return s.value, s.err, nb.deviation(s, sink_u)
+        value = sum(s.value for s in sqs)
+        err = sum(s.err for s in sqs)
+        absv = sum(s.value.abs() for s in sqs)
+        norm = [torch.sqrt(torch.clamp(s.value + s.err, min=0)) for s in sqs]
+        for i in range(len(uses)):
+            for j in range(i + 1, len(uses)):
+                (ri, ni), (rj, nj) = uses[i], uses[j]
+                c, ce = cross_inner(ri, rj, ni, nj, units)
+                mismatch = sqs[i].dev * norm[j] + (norm[i] + sqs[i].dev) * sqs[j].dev
+                value = value + 2 * c
+                err = err + 2 * (ce + mismatch)
+                absv = absv + 2 * c.abs()
+        k = len(uses) * len(uses) + 2
+        err = nb.up(err, k) + gamma(k, U64) * nb.up(absv, k)
+        delta = nb.up(sum(nb.deviation(s, sink_u) for s in sqs), len(uses) + 2)
+        return value, err, delta
+
+    def _fallback_shared(self, uses, per_param, units: Units) -> None:
+        """A shared parameter whose bound is more than FALLBACK of its norm, for some unit:
+        every call using it — and, in turn, every parameter of those calls and their other
+        uses — is recomputed exactly for that unit (norms module docstring, 4). Calls whose
+        rule cannot (``has_exact`` False) keep their bound: it is valid, only larger."""
+        for pid in [p for p, us in uses.items() if len(us) > 1]:
+            value, err, delta = per_param[pid]
+            nu = nb.used_norm(value, err, delta * delta)
+            bad = (nb.rho(value, nu) > nb.FALLBACK) & torch.isfinite(value) & torch.isfinite(nu)
+            for u in bad.nonzero(as_tuple=True)[0].tolist():
+                recs, pids = self._closure(pid, uses)
+                if any(not r.rule.has_exact or r.G is None for r in recs):
+                    continue
+                if any(u in _exact_units(r) for r in recs):
+                    continue  # already recomputed, with another shared parameter
+                for q in pids:
+                    shared = len(uses[q]) > 1
+                    v, e, d = self._exact_param(uses[q], u, units, together=shared)
+                    d = nb.up(d + gamma(1, self._sink_u(q)) * (torch.sqrt(v + e) + d), 4)
+                    pv, pe, pd = per_param[q]
+                    per_param[q] = (_set(pv, u, v), _set(pe, u, e), _set(pd, u, d))
+                    if shared:
+                        self._exact_totals.append((q, uses[q], u))
+                        for r, n in uses[q]:
+                            r.exact_shared = (r.exact_shared or set()) | {n}
+                for r in recs:
+                    _mark_exact(r, u)
+                    self._fallbacks += 1
+
+    def _closure(self, pid: int, uses) -> tuple[list[Record], list[int]]:
+        """The calls using ``pid``, and the parameters of those calls, closed under 'a call
+        of a parameter of a call in the set'."""
+        recs: list[Record] = []
+        pids: list[int] = []
+        todo = [pid]
+        while todo:
+            q = todo.pop()
+            if q in pids:
+                continue
+            pids.append(q)
+            for r, _ in uses[q]:
+                if not any(r is x for x in recs):
+                    recs.append(r)
+                    todo.extend(self._pid(r.module, n) for n in r.sqn)
+        return recs, pids
 
     def _add_to_buffers(self, contributions) -> None:
         add_to_buffers(self.grad_buffers, self._name_of, contributions)
@@ -477,11 +685,31 @@ class GhostClipper:
         add_to_grad(self._name_of, contributions)
 
 
-def _sq(g: torch.Tensor) -> torch.Tensor:
-    """Per-unit squared norms of instantiated gradients [U, ...], float32 (float64): one
-    reduction, no squared copy (U·p·d for an instantiated layer)."""
-    g2 = g.reshape(g.shape[0], -1)
-    return torch.linalg.vector_norm(g2, dim=1, dtype=acc_dtype(g)).square()
+def _checked(rule, sqn: dict) -> dict[str, Sq]:
+    """A rule's norms must carry their rounding bounds (norms.Sq), never a bare tensor."""
+    for n, v in sqn.items():
+        if not isinstance(v, Sq):
+            raise TypeError(
+                f"clipping rule {type(rule).__name__} returned a {type(v).__name__} for the norm "
+                f"of '{n}': a rule must return llmdp.clipping.norms.Sq (the value and its rounding "
+                "bounds, norms.py) so that the norm used for clipping is never below the true one"
+            )
+    return sqn
+
+
+def _exact_units(rec: Record) -> set[int]:
+    return set() if rec.exact is None else set(rec.exact.tolist())
+
+
+def _mark_exact(rec: Record, u: int) -> None:
+    t = torch.tensor([u], dtype=torch.long)
+    rec.exact = t if rec.exact is None else torch.cat([rec.exact, t])
+
+
+def _set(t: torch.Tensor, u: int, v: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t[u] = v.reshape(()).to(t.dtype)
+    return t
 
 
 def _planted_factors(factors: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:

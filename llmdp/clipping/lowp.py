@@ -1,43 +1,75 @@
-"""The clipping engine's contractions: exact products, float32 (float64) sums, tensor cores.
+"""The clipping engine's contractions, and the rounding error each one can make.
 
-Every contraction of the engine (Gram matrices of the ghost norm, per-row gradients when a
-layer is instantiated, the clipped sum Σ_r c_r G_rᵀA_r) takes the layer's input A and
-output gradient G *as the model produced them* and returns float32 (float64 for float64
-inputs):
+Every contraction of the engine takes a layer's input A and output gradient G *as the
+model produced them* (bf16, fp16, float32 or float64; under autocast, what the matmul
+read) and has a stated error bound, which the engine adds to the norms it clips with
+(``norms.py``, DESIGN §3.8):
 
-* **bf16/fp16 on CUDA**: the operands go to the tensor cores as they are, with float32
-  accumulation (``torch.bmm(..., out_dtype=torch.float32)``) — never a float32 copy of
-  them, never a float32 SIMT GEMM. The clipped sum runs in a Triton kernel
-  (``_triton_rowscaled``) that multiplies each row's float32 partial sum by its factor:
-  the operands are never scaled and rounded back to bf16.
-* **anything else** (CPU, float32 models, mixed dtypes, no Triton): the operands are
-  widened to float32 — exact for bf16/fp16 — and contracted with TF32 *off* (switched off
-  for the engine's own calls only and restored, whatever the user set for the model): a
-  TF32 contraction would round float32 operands to 10 mantissa bits. Large operands are
-  widened a slice at a time (``CHUNK_ELEMENTS``), so e.g. the LM head's [R, T, V] output
-  gradient is never copied whole to float32.
+* **the norm side** (Gram matrices of the ghost norm, per-row gradients when a layer is
+  instantiated, the cross terms): the operands are widened to float64 — exact for every
+  floating input dtype, and a product of two widened float32 (or narrower) values is exact
+  in float64 (24 + 24 significant bits ≤ 53) — and contracted in float64 (``bmm``,
+  ``gram``, ``per_row_tn``, ``row_norms``). A dot product of n such terms, summed in any
+  order, is within γ_n(2⁻⁵³)·Σ|terms| of its exact value (Higham, *Accuracy and
+  Stability of Numerical Algorithms*, §3.1; γ_n(u) = n·u/(1 − n·u)). On CUDA these are
+  float64 GEMMs (the FP64 tensor cores of A100/H100-class GPUs, at about their float32
+  SIMT rate; the layer choice counts them at the device's float64 rate, ``norms.py``).
+  float32 Gram matrices are not used: their worst-case error at a hidden size of 4,096 is
+  ≈ 2.4·10⁻⁴ of |A||A|ᵀ per entry, which on any real sequence length is more than the
+  norm itself can afford (``norms.py`` has the numbers).
+* **the clipped sum** Σ_r c_r G_rᵀA_r (``row_scaled_tn``):
+  - bf16/fp16 on CUDA: the operands go to the tensor cores as they are, with float32
+    accumulation, in a Triton kernel (``_triton_rowscaled``) that multiplies each row's
+    float32 partial sum by its factor (never a half-precision operand). Its error is
+    bounded with the tensor cores' measured arithmetic (exact products, each block of
+    products aligned to its largest term and truncated: Fasi, Higham, Mikaitis, Pranesh,
+    "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021; Khattak & Mikaitis 2025),
+    taken as γ_n with u = 2⁻²² (four times float32's unit roundoff), n = T + 2R + 2;
+  - anything else (CPU, float32 models, mixed dtypes, no Triton): widened to float64,
+    one float64 GEMM over the R·T positions, cast to float32 at the end (float64 for
+    float64 inputs): γ_{RT+2}(2⁻⁵³) plus one relative rounding of the result.
+  ``row_scaled_bound`` says which bound applies to the path ``row_scaled_tn`` will take.
 
-So the norms and the clipped sum are formed from the same values (the model's A and G)
-with exact products; they differ only by float32 summation order (relative ~1e-7), which
-is the engine's stated precision (DESIGN §3.8).
+Large operands are widened a slice at a time (``CHUNK_ELEMENTS``), so e.g. the LM head's
+[R, T, V] output gradient is never copied whole to float64. Float32 contractions anywhere
+in the engine run with TF32 off (``exact_fp32``), whatever the user set for the model.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager
 
 import torch
 
 HALF = (torch.bfloat16, torch.float16)
-CHUNK_ELEMENTS = 1 << 26  # the most elements widened to float32 at once on the fallback path
+CHUNK_ELEMENTS = 1 << 25  # the most elements widened to float64 at once (256 MiB)
+
+U64 = 2.0**-53  # unit roundoff of float64 (round to nearest)
+U32 = 2.0**-24  # unit roundoff of float32 (round to nearest)
+UTC = 2.0**-22  # tensor-core float32 accumulation (truncating block FMA): 4·U32, see above
 
 _OUT_DTYPE_OK: dict[int, bool] = {}  # CUDA device index -> bmm(out_dtype=float32) works
 _TRITON_OK: dict[int, bool] = {}  # CUDA device index -> the Triton kernel built and ran
 
 
-def acc_dtype(*ts: torch.Tensor) -> torch.dtype:
+def gamma(n: int | float, u: float) -> float:
+    """γ_n(u) = n·u/(1 − n·u), rounded up (inf when n·u ≥ 1/2: no useful bound). The
+    relative error of n successive roundings, or of a sum of n + 1 terms in any order,
+    is at most γ_n."""
+    nu = float(n) * u
+    if not nu < 0.5:
+        return math.inf
+    return nu / (1.0 - nu) * (1.0 + 2.0**-50)  # three float64 roundings, upward
+
+
+def result_dtype(*ts: torch.Tensor) -> torch.dtype:
+    """The dtype the engine's results have: float64 if an operand is, else float32."""
     return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+acc_dtype = result_dtype  # the name older callers use
 
 
 @contextmanager
@@ -83,67 +115,102 @@ def tensor_cores(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x [B, m, k] @ y [B, k, n] -> [B, m, n] in float32 (float64), exact products.
-    On the fallback path the k dimension is widened a slice at a time."""
-    if tensor_cores(x, y):
-        return torch.bmm(x, y, out_dtype=torch.float32)
-    dt = acc_dtype(x, y)
+    """x [B, m, k] @ y [B, k, n] -> [B, m, n] in float64: exact products, float64 sums
+    (each entry within γ_k(2⁻⁵³)·Σ|x||y|, γ_{k+1} for float64 operands). The k dimension
+    is widened a slice at a time."""
+    dt = torch.float64
     B, m, k = x.shape
     n = y.shape[2]
     widen = (x.dtype != dt) or (y.dtype != dt)
     step = k if not widen else max(1, CHUNK_ELEMENTS // max(1, B * max(m, n)))
-    with exact_fp32(x.device):
-        if step >= k:
-            return torch.bmm(x.to(dt), y.to(dt))
-        out = None
-        for k0 in range(0, k, step):
-            part = torch.bmm(x[:, :, k0:k0 + step].to(dt), y[:, k0:k0 + step].to(dt))
-            out = part if out is None else out.add_(part)
-        return out
+    if step >= k:
+        return torch.bmm(x.to(dt), y.to(dt))
+    out = None
+    for k0 in range(0, k, step):
+        part = torch.bmm(x[:, :, k0:k0 + step].to(dt), y[:, k0:k0 + step].to(dt))
+        out = part if out is None else out.add_(part)
+    return out
 
 
 def gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x [R, T, a], y [R, S, a] -> x yᵀ [R, T, S] (float32/float64)."""
+    """x [R, T, a], y [R, S, a] -> x yᵀ [R, T, S] in float64."""
     return bmm(x, y.transpose(1, 2))
 
 
 def per_row_tn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x [R, T, a], y [R, T, b] -> x_rᵀ y_r for every row, [R, a, b] (float32/float64)."""
+    """x [R, T, a], y [R, T, b] -> x_rᵀ y_r for every row, [R, a, b] in float64."""
     return bmm(x.transpose(1, 2), y)
 
 
-def row_scaled_tn(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """Σ_r f_r · x_rᵀ y_r for x [R, T, a], y [R, T, b], f [R]: [a, b] in float32/float64.
+def row_norms(x: torch.Tensor) -> torch.Tensor:
+    """‖x[..., :]‖ over the last dimension, in float64 (widened a slice at a time):
+    within γ_{k+2}(2⁻⁵³) of the exact norm, relatively (k squares, their sum, the root)."""
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    if x.dtype == torch.float64 or x.numel() <= CHUNK_ELEMENTS:
+        return torch.linalg.vector_norm(x.to(torch.float64), dim=-1)
+    rows = max(1, x.numel() // k)
+    step = max(1, CHUNK_ELEMENTS // rows)
+    sq = torch.zeros(lead, dtype=torch.float64, device=x.device)
+    for k0 in range(0, k, step):
+        part = x[..., k0:k0 + step].to(torch.float64)
+        sq.add_((part * part).sum(-1))
+    return sq.sqrt()
 
-    The factor multiplies float32 partial sums (Triton, CUDA half precision) or a float32
-    copy of the smaller operand (fallback); never a half-precision operand."""
-    if tensor_cores(x, y) and _TRITON_OK.get(_index(x), True):
+
+def _triton_path(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if not (tensor_cores(x, y) and _TRITON_OK.get(_index(x), True)):
+        return False
+    from llmdp.clipping import _triton_rowscaled
+
+    return _triton_rowscaled.available()
+
+
+def row_scaled_bound(x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+    """(u, n): the absolute error of ``row_scaled_tn(x, y, f)`` is at most
+    γ_n(u)·Σ_r |f_r|·|x_r|ᵀ|y_r| entrywise, on the path it will take (the result's final
+    rounding to float32, and the factor's, are relative roundings the caller counts).
+    If the Triton kernel fails and the float64 path serves instead, its error is smaller."""
+    R, T = x.shape[0], x.shape[1]
+    if _triton_path(x, y):
         from llmdp.clipping import _triton_rowscaled
 
-        if _triton_rowscaled.available():
-            try:
-                return _triton_rowscaled.row_scaled_tn(x, y, f)
-            except Exception as e:  # noqa: BLE001 - a kernel that does not build here
-                # Same values either way (the widened path below is exact too): warn once,
-                # keep training, on the slower path, for this process.
-                _TRITON_OK[_index(x)] = False
-                warnings.warn(f"llmdp: the Triton clipped-sum kernel failed on {x.device} "
-                              f"({type(e).__name__}: {e}); using the float32 fallback "
-                              "(exact, slower)", RuntimeWarning, stacklevel=2)
-    dt = acc_dtype(x, y)
+        return UTC, _triton_rowscaled.error_count(R, T)
+    return U64, R * T + 2
+
+
+def row_scaled_tn(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """Σ_r f_r · x_rᵀ y_r for x [R, T, a], y [R, T, b], f [R]: [a, b] in float32 (float64
+    for float64 operands), within ``row_scaled_bound`` of its exact value.
+
+    The factor multiplies float32 partial sums (Triton, CUDA half precision) or a float64
+    copy of the smaller operand (elsewhere); never a half-precision operand."""
+    if _triton_path(x, y):
+        from llmdp.clipping import _triton_rowscaled
+
+        try:
+            return _triton_rowscaled.row_scaled_tn(x, y, f)
+        except Exception as e:  # noqa: BLE001 - a kernel that does not build here
+            # The float64 path below has a smaller error than the bound the norms were
+            # given for this one: warn once, keep training on it, for this process.
+            _TRITON_OK[_index(x)] = False
+            warnings.warn(f"llmdp: the Triton clipped-sum kernel failed on {x.device} "
+                          f"({type(e).__name__}: {e}); using the float64 fallback "
+                          "(exact products, slower)", RuntimeWarning, stacklevel=2)
+    out_dt = result_dtype(x, y)
+    dt = torch.float64
     R, T, a = x.shape
     b = y.shape[2]
     f = f.to(device=x.device, dtype=dt)
-    # Scale the smaller operand (a float32 copy of it); widen the larger by column slices.
+    # Scale the smaller operand (a float64 copy of it); widen the larger by column slices.
     x_small = a <= b
     small, big = (x, y) if x_small else (y, x)
     s2 = (small.to(dt) * f[:, None, None]).reshape(R * T, small.shape[2])
     big2 = big.reshape(R * T, big.shape[2])
     n = big2.shape[1]
     step = n if big.dtype == dt else max(1, CHUNK_ELEMENTS // max(1, R * T))
-    with exact_fp32(x.device):
-        parts = []
-        for j in range(0, n, step):
-            sl = big2[:, j:j + step].to(dt)
-            parts.append(s2.t() @ sl if x_small else sl.t() @ s2)
+    parts = []
+    for j in range(0, n, step):
+        sl = big2[:, j:j + step].to(dt)
+        parts.append((s2.t() @ sl if x_small else sl.t() @ s2).to(out_dt))
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1 if x_small else 0)

@@ -1,13 +1,16 @@
-"""Per-unit gradient rules: their interface, the registry by module type, shared helpers.
+"""Per-unit gradient rules: their interface, the registry by module type, shared helpers,
+and the rounding-error bounds that make the norm used for clipping never too small.
 
 For every supported module, a *rule* knows, from the module's input A (kept by a forward
 hook) and the gradient G of the loss at its output (seen during the backward pass):
 
-* ``sq_norms``   each unit's squared gradient norm for the module's own parameters,
-  either by the **ghost** identity ‖Σ_t G_t A_tᵀ‖² = ⟨A Aᵀ, G Gᵀ⟩ over the unit's tokens
-  (O(T²(p+d)) per unit, never forming the p×d gradient) or by **instantiating** the
-  unit's gradient (O(p·d) per unit, then reused for the clipped sum);
-* ``clipped``    Σ_u c_u · g_u, from the same A and G (book-keeping: no second backward).
+* ``sq_norms_ghost``  each unit's squared gradient norm for the module's own parameters
+  by the **ghost** identity ‖Σ_t G_t A_tᵀ‖² = ⟨A Aᵀ, G Gᵀ⟩ over the unit's tokens
+  (O(T²(p+d)) per unit, never forming the p×d gradient), with its error bounds (`Sq`);
+* ``instantiate``     or each unit's gradient itself (O(p·d) per unit, then reused for the
+  clipped sum), with the bounds of its norm;
+* ``clipped_ghost``   Σ_u c_u · g_u, from the same A and G (book-keeping: no second backward);
+* ``exact``           one unit's gradient in float64, a slice at a time (the fallback below).
 
 Only modules whose output at one row depends on that row alone have rules; anything else
 is refused by the engine (DESIGN §3.6): no silent fallback. The built-in rules live in
@@ -17,25 +20,231 @@ themselves with :func:`register_rule`; cross terms between two uses of one param
 
 Units: ``unit_of_row[r]`` is row r's unit (−1: padding row). A unit's gradient is the sum
 over its rows, so its ghost norm sums ⟨A_r A_r'ᵀ, G_r G_r'ᵀ⟩ over all pairs of its rows.
+
+The norm used for clipping is never below the true norm (DESIGN §3.8)
+------------------------------------------------------------------------
+The exact per-unit gradient g_u is the one A and G define (as the model produced them);
+what the engine adds for unit u is a_u, formed in floating point. Clipping needs a number
+ν_u with ‖g_u‖ ≤ ν_u and ‖a_u‖ ≤ c_u·ν_u for c_u = min(1, C/ν_u): then ‖a_u‖ ≤ C, not only
+in tests. The float32 ghost norm had neither: ⟨AAᵀ, GGᵀ⟩ is a sum of T² terms, and when
+the unit's inputs share a large component (a "massive activation" channel) while its
+output gradients cancel across positions, the terms are huge and the result their small
+difference, lost to rounding — down to a negative number, which was clamped to 0 (factor
+1: a contribution of 85,524·C was measured). Now:
+
+1. *Everything on the norm side is float64 with a bound.* Operands are widened to float64
+   (exact), products of float32-or-narrower values are exact in float64, and a dot
+   product or sum of n terms, in any order, is within γ_n·Σ|terms| of the exact value,
+   γ_n = n·u/(1 − n·u), u = 2⁻⁵³ (``lowp.gamma``). For the ghost norm of a Linear,
+   ã_ts = fl(A_t·A_s), b̃_ts = fl(G_t·G_s) satisfy |ã − a| ≤ γ_{d+1}·|A_t|·|A_s|,
+   |b̃ − b| ≤ γ_{p+1}·|G_t|·|G_s|; the T×T products and their two-step sum (over s, then
+   over t: height T + S, not T·S), then over a unit's row pairs, add γ_h, so
+
+       |Ŝ_u − ‖g_u‖²| ≤ γ_{d+p+h+4} · Σ_{t,s} (|A_t|·|A_s|)(|G_t|·|G_s|) ≤ γ_{d+p+h+4} · N_u²,
+
+   N_u = Σ_t ‖A_t‖·‖G_t‖ over the unit's positions (Cauchy–Schwarz; N_u ≥ ‖|G|ᵀ|A|‖, the
+   norm of the entrywise magnitudes, and is computed with a relative bound and rounded
+   up). The bias (‖Σ_t G_t‖²), the embedding (⟨[id_t = id_s], G Gᵀ⟩, N = Σ_t ‖G_t‖), the
+   cross terms between two uses of one parameter (|err| ≤ γ·N_i·N_j), and the norms of
+   instantiated per-unit gradients (float64 products and sums, stored in float32: one
+   relative rounding, bounded) all follow the same pattern. Each call and parameter
+   returns `Sq` = (value, err, dev, rel) per unit.
+2. *The clipped sum's own error is bounded too.* The sum is formed by a different
+   contraction (``lowp.row_scaled_tn``: float64 elsewhere, bf16 tensor cores with
+   float32 accumulation on CUDA), whose error for unit u is, entrywise, at most
+   γ_n(u_path)·c_u·|G_u|ᵀ|A_u|, so at most γ_n·c_u·N_u in norm: that is ``dev``. After it
+   come relative roundings (the factor's cast, the result's cast to float32, a sum over
+   units for instantiated layers, the add into the float32 sink): each multiplies each
+   entry of the unit's part by (1 + θ), |θ| ≤ γ_k: that is ``rel`` (the sink's is added
+   by the engine). For parameter P with uses i (a tied embedding and LM head, a module
+   called twice): δ_P = Σ_i dev_i + rel_i·(‖h_i‖ + dev_i), where h_i is the vector whose
+   norm ``value`` measures (g_i itself for a ghost norm; the stored gradient when
+   instantiated, with dev_i ≥ ‖h_i − g_i‖).
+3. *The norm used.* With S_u = Σ_P value, E_u = Σ_P err (+ the float64 summation's own
+   γ·Σ|value|), and δ_P as above,
+
+       ν_u = √(S_u + E_u)↑ + √(Σ_P δ_P²)↑        (↑: rounded toward +∞)
+
+   By Minkowski, ‖a_u‖/c_u ≤ √(Σ_P (‖h_P‖ + δ_P)²) ≤ ‖h_u‖ + ‖δ‖ ≤ ν_u, and ‖g_u‖ ≤ ν_u
+   likewise. S_u + E_u ≥ ‖h_u‖² ≥ 0 by construction: a negative value is a bug, and is
+   raised as one, never clamped. The factor is c_u = C/ν_u rounded toward 0 (``factors``)
+   when ν_u > C, else 1; so ‖a_u‖ ≤ C.
+4. *Fallback to exact instantiation.* When the bound is a real part of the norm —
+   ρ_u = 1 − √S_u/ν_u > ``FALLBACK`` = 1 % — the call (or, for a shared parameter, every
+   call using it) is recomputed for that unit as its exact float64 gradient, a slice at
+   a time (``LayerRule.exact``), and the clipped sum takes that unit's part from it
+   (c_u·g̃_u, cast to float32, added), not from the contraction; the bound is then
+   γ_{RT}(2⁻⁵³)·N_u plus four relative float32 roundings of ‖g̃_u‖. Why 1 %: below it, the
+   bound costs a clipped unit at most 1 % of its contribution (a 1 % shorter step in its
+   direction, far inside the noise and any learning-rate tuning); above it, the float64
+   gradient (2·T·p·d FLOPs per unit at the float64 rate) is the cheaper loss. With float64
+   norms, ρ is ~10⁻¹² on ordinary data; it passes 1 % only under heavy cancellation
+   (the construction above at |a₀| = 1000), or on CUDA's bf16 tensor-core clipped sum at
+   long rows (its bound grows like T^{3/2}·2⁻²²·N/‖g‖√T: ≈ 1 % near T ≈ 1,000 for
+   random-like data). The engine counts fallbacks (``GhostClipper.last_norm_stats``).
+
+What is not covered: the float32 sums over *other* units. Removing unit u changes how
+the other units' parts round in the shared float32 sink (by at most float32's relative
+precision of their sum); that is the same for every float32 DP-SGD implementation and is
+far below the noise, but it is not part of the bound above.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from llmdp.clipping import lowp
+from llmdp.clipping.lowp import U32, U64, gamma
 
-ACC = torch.float32  # norms and Gram matrices are accumulated in at least float32
 GRAM_MEMORY = 2  # input Gram matrices remembered at once (Units.self_gram)
+FALLBACK = 1e-2  # ρ_u above which a unit's call is recomputed exactly (module docstring, 4)
+F64 = torch.float64
 
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else ACC
+    """The dtype of the engine's results for operands like ``t``: float64 for float64,
+    float32 otherwise (norms are float64 whatever the operands)."""
+    return lowp.result_dtype(t)
+
+
+def roundoff(dtype: torch.dtype) -> float:
+    """Unit roundoff of a result stored in ``dtype`` (float32 for anything narrower)."""
+    return U64 if dtype == torch.float64 else U32
+
+
+# --------------------------------------------------------------------------- bounds
+
+
+@dataclass(frozen=True)
+class Sq:
+    """One call's squared gradient norm for one parameter, per unit, with its bounds (all
+    [U] float64; module docstring, 1–2):
+
+    * ``value``: the computed ‖h_u‖², h_u the vector measured (g_u itself for a ghost
+      norm; the stored per-unit gradient when instantiated);
+    * ``err``:   |value − ‖h_u‖²| ≤ err;
+    * ``dev``:   ‖h_u − g_u‖ plus the clipped sum's absolute error for the unit (both in
+      units of c_u), before the relative roundings;
+    * ``rel``:   γ of the relative roundings of the unit's part after that, but for the
+      sink's own add (the engine's);
+    * ``mag``:   N_u, an upper bound on ‖|G_u|ᵀ|A_u|‖ (cross terms and the fallback use it).
+    """
+
+    value: torch.Tensor
+    err: torch.Tensor
+    dev: torch.Tensor
+    rel: torch.Tensor
+    mag: torch.Tensor
+
+    def at(self, units: torch.Tensor, **new: torch.Tensor) -> Sq:
+        """A copy with the given fields replaced at ``units``."""
+        out = {}
+        for k in ("value", "err", "dev", "rel", "mag"):
+            t = getattr(self, k)
+            if k in new:
+                t = t.clone()
+                t[units] = new[k].to(t.dtype)
+            out[k] = t
+        return Sq(**out)
+
+
+def up(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x·(1 + γ_n), rounded up: an upper bound on a nonnegative quantity computed with n
+    float64 roundings (the multiplication's own counted)."""
+    return x * (1.0 + gamma(n + 1, U64))
+
+
+def sq_bound(value: torch.Tensor, err: torch.Tensor, dev: torch.Tensor,
+             rel: float | torch.Tensor, mag: torch.Tensor) -> Sq:
+    rel_t = rel if isinstance(rel, torch.Tensor) else torch.full_like(value, float(rel))
+    return Sq(value, err, dev, rel_t, mag)
+
+
+def sq_of_instantiated(h: torch.Tensor, inst_dev: torch.Tensor, stored_u: float,
+                       rel: float, mag: torch.Tensor | None = None) -> Sq:
+    """The bounds of a per-unit gradient ``h`` [U, ...] that the clipped sum scales as it is:
+    value = ‖h‖² in float64 (k squares and their sum: γ_{k+2}); dev = ‖h − g‖ ≤
+    ``inst_dev`` (the float64 computation's error) + ``stored_u``·‖g̃‖ (the rounding of
+    storing it in h's dtype, ≤ stored_u/(1 − stored_u)·‖h‖)."""
+    U = h.shape[0]
+    h2 = h.reshape(U, -1)
+    k = h2.shape[1]
+    if h2.dtype == F64:
+        value = (h2 * h2).sum(1)
+    else:  # a float32 (or narrower) value squares exactly in float64; sum in chunks
+        value = torch.zeros(U, dtype=F64, device=h.device)
+        step = max(1, lowp.CHUNK_ELEMENTS // max(1, U))
+        for j in range(0, k, step):
+            part = h2[:, j:j + step].to(F64)
+            value += (part * part).sum(1)
+    err = value * gamma(k + 2, U64)
+    norm_up = up(torch.sqrt(value + err), 2)
+    dev = up(inst_dev + (stored_u / (1.0 - stored_u)) * norm_up, 3) if stored_u else inst_dev
+    return sq_bound(value, err, dev, rel, mag if mag is not None else norm_up)
+
+
+def deviation(s: Sq, sink_u: float) -> torch.Tensor:
+    """dev + rel'·(‖h‖ + dev), rel' = the call's relative roundings and the sink's add:
+    this call's share of δ_P (module docstring, 2), rounded up."""
+    g_sink = gamma(1, sink_u)
+    rel = s.rel + g_sink + s.rel * g_sink
+    norm = torch.sqrt(torch.clamp(s.value + s.err, min=0))
+    return up(s.dev + rel * (norm + s.dev), 6)
+
+
+def rho(value: torch.Tensor, nu: torch.Tensor) -> torch.Tensor:
+    """The part of ν that is bound, 1 − √value/ν, in [0, 1] (0 where ν = 0)."""
+    root = torch.sqrt(torch.clamp(value, min=0))
+    safe = torch.where(nu > 0, nu, torch.ones_like(nu))
+    r = torch.where(nu > 0, 1 - root / safe, torch.zeros_like(nu))
+    return torch.clamp(torch.nan_to_num(r, nan=0.0), 0, 1)
+
+
+def used_norm(value: torch.Tensor, err: torch.Tensor, delta_sq: torch.Tensor, what: str = "") -> torch.Tensor:
+    """ν = √(value + err)↑ + √(Σ δ²)↑ (module docstring, 3), for [U] float64 inputs whose
+    own float64 sums are already in ``err`` (and rounded up in ``delta_sq``). A negative
+    value + err breaks the bound's construction: a bug, raised, never clamped."""
+    s = value + err
+    finite = torch.isfinite(s)
+    if bool((s[finite] < 0).any()):
+        worst = float(s[finite].min())
+        raise RuntimeError(
+            f"clipping engine bug: a squared norm plus its rounding bound is negative "
+            f"({worst:.3g}{', ' + what if what else ''}); the bound must make it >= 0. "
+            "Please report this with the model and batch shapes."
+        )
+    inf = torch.tensor(math.inf, dtype=F64, device=s.device)
+    root = torch.nextafter(torch.sqrt(s), inf)
+    dev = torch.nextafter(torch.sqrt(delta_sq), inf)
+    return torch.nextafter(root + dev, inf)
+
+
+def factors(nu: torch.Tensor, value: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """c_u = min(1, C/ν_u), the quotient rounded toward 0 (so c_u·ν_u ≤ C exactly); 0 for a
+    unit whose computed norm is not finite (NaN/inf gradient), or whose bound is not
+    (its contribution cannot be bounded: it adds nothing)."""
+    finite = torch.isfinite(value) & torch.isfinite(nu)
+    safe = torch.where(finite & (nu > 0), nu, torch.ones_like(nu))
+    # a true division (a Python number over a tensor is a reciprocal and a product: two
+    # roundings), then one step toward 0: q ≤ C/ν exactly
+    q = torch.nextafter(torch.div(torch.full_like(safe, max_grad_norm), safe), torch.zeros_like(safe))
+    f = torch.where(nu > max_grad_norm, q, torch.ones_like(nu))
+    return torch.where(finite, f, torch.zeros_like(f))
+
+
+def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float64) in ``dtype``, never below it."""
+    if dtype == F64:
+        return x
+    y = x.to(dtype)
+    below = y.to(F64) < x
+    return torch.where(below, torch.nextafter(y, torch.full_like(y, math.inf)), y)
 
 
 # --------------------------------------------------------------------------- units
@@ -50,26 +259,40 @@ class Units:
     identity: bool  # row r is unit r for every r (no padding): the common fast path
     pair_a: torch.Tensor | None = None  # rows r, r' (r != r') of the same unit
     pair_b: torch.Tensor | None = None
-    # The last few input Gram matrices A Aᵀ, by the input's storage: layers that read the
-    # same input (Llama's q/k/v, gate/up) share one; their output gradients arrive one
-    # after another in the backward, so a short memory suffices.
+    max_rows: int = 1  # the most rows one unit has (bounds count its row pairs)
+    # The last few input Gram matrices A Aᵀ (float64) and row norms ‖A_t‖, by the input's
+    # storage: layers that read the same input (Llama's q/k/v, gate/up) share them; their
+    # output gradients arrive one after another in the backward, so a short memory suffices.
     _grams: OrderedDict = field(default_factory=OrderedDict, repr=False)
     gram_calls: int = 0  # Gram matrices computed (not taken from the memory), for tests
 
-    def self_gram(self, x: torch.Tensor) -> torch.Tensor:
-        """x xᵀ per row ([R, T, a] -> [R, T, T], float32+), shared between the layers that
-        read the same tensor in this backward."""
+    def _entry(self, x: torch.Tensor) -> dict:
         key = (x.data_ptr(), x.device, x.dtype, tuple(x.shape), tuple(x.stride()))
         hit = self._grams.get(key)
         if hit is not None:
             self._grams.move_to_end(key)
-            return hit[1]
-        g = lowp.gram(x, x)
-        self.gram_calls += 1
-        self._grams[key] = (x, g)  # x is kept alive with its Gram: its storage is not reused
+            return hit
+        hit = {"x": x}  # x is kept alive with its Gram: its storage is not reused
+        self._grams[key] = hit
         while len(self._grams) > GRAM_MEMORY:
             self._grams.popitem(last=False)
-        return g
+        return hit
+
+    def self_gram(self, x: torch.Tensor) -> torch.Tensor:
+        """x xᵀ per row ([R, T, a] -> [R, T, T], float64), shared between the layers that
+        read the same tensor in this backward."""
+        e = self._entry(x)
+        if "gram" not in e:
+            e["gram"] = lowp.gram(x, x)
+            self.gram_calls += 1
+        return e["gram"]
+
+    def self_norms(self, x: torch.Tensor) -> torch.Tensor:
+        """‖x[r, t]‖ ([R, T, a] -> [R, T], float64), shared like ``self_gram``."""
+        e = self._entry(x)
+        if "norms" not in e:
+            e["norms"] = lowp.row_norms(x)
+        return e["norms"]
 
     @staticmethod
     def make(unit_of_row: torch.Tensor, num_units: int) -> Units:
@@ -83,11 +306,18 @@ class Units:
             same.fill_diagonal_(False)
             a, b = same.nonzero(as_tuple=True)
             u.pair_a, u.pair_b = a, b
+            keep = unit_of_row >= 0
+            if bool(keep.any()):
+                u.max_rows = int(torch.bincount(unit_of_row[keep]).max())
         return u
 
     @property
     def keep(self) -> torch.Tensor:
         return self.unit_of_row >= 0
+
+    def rows_of(self, unit: int) -> torch.Tensor:
+        """The batch rows of one unit."""
+        return (self.unit_of_row == unit).nonzero(as_tuple=True)[0]
 
     def rows_to_units(self, per_row: torch.Tensor) -> torch.Tensor:
         """Sum a per-row quantity [R, ...] into units [U, ...]; padding rows dropped."""
@@ -111,6 +341,15 @@ class Units:
         f[self.keep] = unit_factors[self.unit_of_row[self.keep]]
         return f
 
+    @property
+    def has_pairs(self) -> bool:
+        return not self.identity and self.pair_a is not None and bool(self.pair_a.numel())
+
+    def pair_count(self, T: int, S: int) -> int:
+        """Roundings any term of a pair sum goes through (module docstring, 1): the T×S
+        sum in two steps, the unit's row pairs, the diagonal's add, the product."""
+        return T + S + self.max_rows * self.max_rows + 4
+
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
     """[R, in] -> [R, 1, in]; [R, T, ..., in] -> [R, T', in]."""
@@ -119,46 +358,103 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-def _gram_pair_sum(X: torch.Tensor, Y: torch.Tensor, units: Units) -> torch.Tensor:
-    """Per unit Σ_{r,r' in u} ⟨X_r X_r'ᵀ, Y_r Y_r'ᵀ⟩ for X [R,T,a] (a layer's input, its
-    Gram matrix shared with the other layers reading it), Y [R,T,b] (float32+)."""
-    return _pair_sum_two(X, Y, X, Y, units, gram_a=units.self_gram(X))
+def _pair_sums(ga: torch.Tensor, gg: torch.Tensor) -> torch.Tensor:
+    """Σ_{t,s} ga[r,t,s]·gg[r,t,s] per row, summed over s and then t (height T + S)."""
+    return (ga * gg).sum(2).sum(1)
+
+
+def _pair_sum_two(Ai, Gi, Aj, Gj, units: Units, gram_a: torch.Tensor | None = None,
+                  mags: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per unit Σ_{r,r' in u} ⟨A_i,r A_j,r'ᵀ, G_i,r G_j,r'ᵀ⟩ in float64, and its bound
+    γ_n·N_i·N_j (module docstring, 1): (value, err). ``mags``: (N_i, N_j) if known."""
+    ga = gram_a if gram_a is not None else lowp.gram(Ai, Aj)
+    gg = lowp.gram(Gi, Gj)
+    out = units.rows_to_units(_pair_sums(ga, gg))
+    if units.has_pairs:
+        a, b = units.pair_a, units.pair_b
+        out = out + units.pairs_to_units(_pair_sums(lowp.gram(Ai[a], Aj[b]), lowp.gram(Gi[a], Gj[b])))
+    n = Ai.shape[-1] + Gi.shape[-1] + 2 + units.pair_count(Ai.shape[1], Aj.shape[1])
+    if mags is not None:
+        mi, mj = mags
+    else:
+        mi = linear_mag(Ai, Gi, units)
+        mj = mi if (Aj is Ai and Gj is Gi) else linear_mag(Aj, Gj, units)
+    return out, up(mi * mj, 1) * gamma(n, U64)
+
+
+def linear_mag(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = None) -> torch.Tensor:
+    """N_u = Σ_{r in u, t} ‖A_rt‖·‖G_rt‖, rounded up ([U] float64): N_u ≥ ‖|G_u|ᵀ|A_u|‖."""
+    na = units.self_norms(A3) if units is not None and A3.dtype.is_floating_point else lowp.row_norms(A3)
+    per_row = (na * lowp.row_norms(G3)).sum(1)
+    n = A3.shape[-1] + G3.shape[-1] + A3.shape[1] + 8
+    if units is None:
+        return up(per_row, n)
+    return up(units.rows_to_units(per_row), n + units.max_rows)
+
+
+def rows_mag(G3: torch.Tensor, units: Units) -> torch.Tensor:
+    """Σ_{r in u, t} ‖G_rt‖ rounded up: the magnitude of a bias or an embedding gradient."""
+    per_row = lowp.row_norms(G3).sum(1)
+    return up(units.rows_to_units(per_row), G3.shape[-1] + G3.shape[1] + units.max_rows + 4)
+
+
+def _row_sums(G3: torch.Tensor) -> torch.Tensor:
+    """Σ_t G[r, t] per row in float64: the bias gradient of each row."""
+    return G3.sum(1, dtype=F64)
+
+
+def _bias_sq(G3: torch.Tensor, units: Units) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """‖Σ_{r in u, t} G_rt‖² per unit in float64: (value, err, N). Each entry of the
+    per-unit sum is within γ_{T+K}·m of its exact value (m the entries' magnitudes), its
+    square within γ_{2(T+K)+1}·m², the sum over p within γ_p more: err ≤ γ·N²."""
+    per_unit = units.rows_to_units(_row_sums(G3))
+    value = (per_unit * per_unit).sum(-1)
+    mag = rows_mag(G3, units)
+    n = 2 * (G3.shape[1] + units.max_rows) + G3.shape[-1] + 4
+    return value, up(mag * mag, 1) * gamma(n, U64), mag
+
+
+# --------------------------------------------------------------------------- layer choice
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """What the layer choice needs to know of a device: dense matmul throughput for the
-    contraction dtype (FLOP/s) and memory bandwidth (bytes/s)."""
+    """What the layer choice needs to know of a device: the clipped sum's matmul
+    throughput for the contraction dtype (FLOP/s), float64 throughput (the norm side is
+    float64, ``lowp``), and memory bandwidth (bytes/s)."""
 
     flops: float
     bandwidth: float
+    fp64: float
 
 
-# Dense bf16/fp16 tensor-core FLOP/s (no sparsity) and HBM bandwidth, from the vendors'
-# data sheets; matched as a substring of torch.cuda.get_device_name().
+# Dense bf16/fp16 tensor-core FLOP/s (no sparsity), HBM bandwidth, and dense float64 FLOP/s
+# (FP64 tensor cores where the chip has them), from the vendors' data sheets; matched as a
+# substring of torch.cuda.get_device_name().
 _CUDA_SPECS = {
-    "H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "H800": (989e12, 3.35e12),
-    "GH200": (989e12, 4.0e12), "B200": (2250e12, 8.0e12), "A100": (312e12, 2.0e12),
-    "A800": (312e12, 2.0e12), "L40S": (362e12, 0.864e12), "L40": (181e12, 0.864e12),
-    "L4": (121e12, 0.3e12), "A10": (125e12, 0.6e12), "A6000": (155e12, 0.77e12),
-    "4090": (165e12, 1.0e12), "V100": (125e12, 0.9e12), "T4": (65e12, 0.32e12),
+    "H200": (989e12, 4.8e12, 67e12), "H100": (989e12, 3.35e12, 67e12),
+    "H800": (989e12, 3.35e12, 67e12), "GH200": (989e12, 4.0e12, 67e12),
+    "B200": (2250e12, 8.0e12, 40e12), "A100": (312e12, 2.0e12, 19.5e12),
+    "A800": (312e12, 2.0e12, 19.5e12), "L40S": (362e12, 0.864e12, 1.4e12),
+    "L40": (181e12, 0.864e12, 1.4e12), "L4": (121e12, 0.3e12, 0.49e12),
+    "A10": (125e12, 0.6e12, 0.98e12), "A6000": (155e12, 0.77e12, 1.2e12),
+    "4090": (165e12, 1.0e12, 1.3e12), "V100": (125e12, 0.9e12, 7.8e12),
+    "T4": (65e12, 0.32e12, 0.25e12),
 }
-_CUDA_DEFAULT = (300e12, 2.0e12)
-# float32 operands on CUDA run at about 1/15 of the tensor-core rate (SIMT; TF32 is off
-# for the engine's float32 contractions, lowp.py).
-_CUDA_FP32_SLOWDOWN = 15.0
-# CPU: a few cores' float32 matmul rate against one socket's bandwidth.
-_CPU_SPEC = DeviceSpec(flops=2e11, bandwidth=2e10)
+_CUDA_DEFAULT = (300e12, 2.0e12, 1.0e12)
+# CPU: a few cores' float64 matmul rate (about half the float32 one) against one socket's
+# bandwidth; on CPU every contraction of the engine is float64.
+_CPU_SPEC = DeviceSpec(flops=1e11, bandwidth=2e10, fp64=1e11)
 
 
 def device_spec(device: torch.device, dtype: torch.dtype) -> DeviceSpec:
     if device.type != "cuda":
         return _CPU_SPEC
     name = torch.cuda.get_device_name(device)
-    flops, bw = next((v for k, v in _CUDA_SPECS.items() if k in name), _CUDA_DEFAULT)
+    flops, bw, fp64 = next((v for k, v in _CUDA_SPECS.items() if k in name), _CUDA_DEFAULT)
     if dtype not in (torch.bfloat16, torch.float16):
-        flops /= _CUDA_FP32_SLOWDOWN
-    return DeviceSpec(flops, bw)
+        flops = fp64  # the clipped sum of non-half operands is a float64 GEMM (lowp)
+    return DeviceSpec(flops, bw, fp64)
 
 
 def _ghost_cheaper(num_units: int, rows: int, T: int, p: int, d: int,
@@ -172,18 +468,18 @@ def _ghost_cheaper(num_units: int, rows: int, T: int, p: int, d: int,
     memory is T² per row, never p×d.
 
     Time, both paths also paying the clipped sum:
-      instantiation  2·R·T·p·d FLOPs (per-row gradients, written in float32), then the
-                     per-unit norms and the weighted sum read them: ≈ 8·(R+U)·p·d bytes;
-      ghost norm     2·R·T²·(p+d) FLOPs (two Gram matrices) + the clipped sum's
-                     2·R·T·p·d FLOPs (a tensor-core GEMM, as in a non-private backward).
+      instantiation  2·R·T·p·d float64 FLOPs (per-row gradients), then the per-unit norms
+                     and the weighted sum read them: ≈ 12·(R+U)·p·d bytes;
+      ghost norm     2·R·T²·(p+d) float64 FLOPs (two Gram matrices) + the clipped sum's
+                     2·R·T·p·d FLOPs (tensor cores for bf16/fp16 on CUDA, else float64).
     The cheaper on ``spec`` wins (a GPU's FLOP/byte ratio is ~100-300, so long rows of
     mid-sized layers go to the ghost norm there and to instantiation on a CPU)."""
     if num_units * p * d > rows * T * (p + d):
         return True
     if spec is None:
         return False
-    t_inst = 2.0 * rows * T * p * d / spec.flops + 8.0 * (rows + num_units) * p * d / spec.bandwidth
-    t_ghost = (2.0 * rows * T * T * (p + d) + 2.0 * rows * T * p * d) / spec.flops
+    t_inst = 2.0 * rows * T * p * d / spec.fp64 + 12.0 * (rows + num_units) * p * d / spec.bandwidth
+    t_ghost = 2.0 * rows * T * T * (p + d) / spec.fp64 + 2.0 * rows * T * p * d / spec.flops
     return t_ghost < t_inst
 
 
@@ -194,24 +490,37 @@ class Record:
     """One call of one hooked module in one micro-batch: its input, and later its output
     gradient or its per-unit gradients."""
 
-    __slots__ = ("module", "rule", "A", "G", "per_unit", "ghost", "sqn", "out_bytes", "fp")
+    __slots__ = ("module", "rule", "A", "G", "per_unit", "ghost", "sqn", "out_bytes", "fp", "exact",
+                 "exact_shared")
 
     def __init__(self, module: nn.Module, rule: LayerRule, A: torch.Tensor, out_bytes: int = 0):
         self.module, self.rule, self.A = module, rule, A
         self.G: torch.Tensor | None = None
         self.per_unit: dict[str, torch.Tensor] | None = None
         self.ghost: bool = False
-        self.sqn: dict[str, torch.Tensor] | None = None  # per-unit squared norms, per parameter
+        self.sqn: dict[str, Sq] | None = None  # per-unit squared norms and bounds, per parameter
         self.out_bytes = out_bytes  # size of the module output, hence of G
         self.fp: torch.Tensor | None = None  # two-pass: pass 1's fingerprint of G, per row
+        # Units whose part of this call is recomputed exactly (module docstring, 4): their
+        # norm and their part of the clipped sum come from LayerRule.exact.
+        self.exact: torch.Tensor | None = None
+        # Of those, the parameters whose exact part the engine adds itself, summed over the
+        # parameter's uses (a shared parameter: its uses' parts may cancel).
+        self.exact_shared: set[str] | None = None
 
 
 class LayerRule:
     """Interface of a rule. ``params`` are the module's own trainable parameter names.
     ``has_clipped_ghost``: the rule forms Σ_r c_{u(r)}·(row r's gradient) from A and G
-    directly (one contraction, no per-unit tensor)."""
+    directly (one contraction, no per-unit tensor). ``has_exact``: it can form one unit's
+    gradient in float64 (``exact``), so the engine can fall back to it (module docstring, 4).
+
+    A rule with a ghost norm returns, for each parameter, an `Sq` (the value and its
+    rounding bounds); the default ``instantiate`` wraps ``per_unit`` (whose tensors are
+    then the vectors measured and scaled: their norm is taken in float64)."""
 
     has_clipped_ghost = False
+    has_exact = False
 
     def params(self, module) -> list[str]:
         return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -219,14 +528,49 @@ class LayerRule:
     def choose_ghost(self, module, A, G, policy: str, num_units: int) -> bool:
         return False
 
-    def sq_norms_ghost(self, rec: Record, units: Units) -> dict[str, torch.Tensor]:
+    def sq_norms_ghost(self, rec: Record, units: Units) -> dict[str, Sq]:
         raise NotImplementedError
 
     def per_unit(self, rec: Record, units: Units) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def instantiate(self, rec: Record, units: Units) -> dict[str, tuple[torch.Tensor, Sq]]:
+        """Per-unit gradients [U, ...] and the bounds of their norms. The sum over units
+        in the clipped sum is one float32 (float64) contraction of U terms: γ_{U+2}."""
+        out = {}
+        for n, g in self.per_unit(rec, units).items():
+            U = g.shape[0]
+            zero = torch.zeros(U, dtype=F64, device=g.device)
+            out[n] = (g, sq_of_instantiated(g, zero, 0.0, gamma(U + 2, roundoff(g.dtype))))
+        return out
+
     def clipped_ghost(self, rec: Record, row_factors: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def exact(self, rec: Record, name: str, rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (of the parameter's first dimension) of the gradient of
+        parameter ``name`` from batch rows ``rows`` alone, in float64: exact products,
+        float64 sums, so within γ_{R·T+4}(2⁻⁵³)·N of the exact value in norm."""
+        raise NotImplementedError
+
+
+def exact_slices(rule: LayerRule, rec: Record, name: str, rows: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(start, stop, float64 slice) of one unit's exact gradient, a bounded slice at a time."""
+    p = getattr(rec.module, name)
+    first = p.shape[0] if p.dim() else 1
+    cols = max(1, p.numel() // max(1, first))
+    step = max(1, lowp.CHUNK_ELEMENTS // cols)
+    for j in range(0, first, step):
+        stop = min(first, j + step)
+        yield j, stop, rule.exact(rec, name, rows, j, stop)
+
+
+def exact_count(rec: Record) -> int:
+    """The roundings of ``exact`` for any call: its sums run over at most the batch's R·T
+    positions (float64), plus the widening-free products and the unit's rows."""
+    G = rec.G
+    positions = G.numel() // max(1, G.shape[-1]) if G is not None else 1
+    return positions + 8
 
 
 # --------------------------------------------------------------------------- registry
@@ -267,31 +611,3 @@ def find_rule(module: nn.Module) -> LayerRule | None:
         if match(module):
             return r
     return None
-
-
-# --------------------------------------------------------------------------- helpers shared by rules
-
-
-def _row_sums(G3: torch.Tensor) -> torch.Tensor:
-    """Σ_t G[r, t] per row in float32 (float64): the bias gradient of each row."""
-    return G3.sum(1, dtype=acc_dtype(G3))
-
-
-def _bias_sq(per_row: torch.Tensor, units: Units) -> torch.Tensor:
-    per_unit = units.rows_to_units(per_row)
-    return (per_unit * per_unit).sum(-1)
-
-
-def _pair_sum_two(Ai, Gi, Aj, Gj, units: Units, gram_a: torch.Tensor | None = None) -> torch.Tensor:
-    """Per unit Σ_{r,r' in u} ⟨A_i,r A_j,r'ᵀ, G_i,r G_j,r'ᵀ⟩ (Gram matrices by ``lowp``:
-    exact products, float32 sums, no float32 copy of A or G on tensor cores)."""
-    ga = gram_a if gram_a is not None else lowp.gram(Ai, Aj)
-    gg = lowp.gram(Gi, Gj)
-    dt = lowp.acc_dtype(ga, gg)
-    diag = (ga.to(dt) * gg.to(dt)).sum((1, 2))
-    out = units.rows_to_units(diag)
-    if not units.identity and units.pair_a is not None and units.pair_a.numel():
-        a, b = units.pair_a, units.pair_b
-        cross = (lowp.gram(Ai[a], Aj[b]).to(dt) * lowp.gram(Gi[a], Gj[b]).to(dt)).sum((1, 2))
-        out = out + units.pairs_to_units(cross)
-    return out

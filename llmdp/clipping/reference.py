@@ -129,20 +129,33 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
 def clipped_sum(
     per_unit: Sequence[torch.Tensor], max_grad_norm: float
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Flat clipping over all parameters: returns (Σ_u min(1, C/‖g_u‖)·g_u, per-unit norms)."""
+    """Flat clipping over all parameters: returns (Σ_u c_u·g_u, per-unit norms), with the
+    norms taken in float64 and the factors from the norm used for clipping (never below
+    ‖g_u‖ nor below what is added for u: ``norms`` module docstring; the per-unit
+    gradients are the vectors measured and scaled). Sums in float32, or float64 for
+    float64 gradients."""
+    from llmdp.clipping import norms as nb
+    from llmdp.clipping.lowp import U64, gamma
+
     if not per_unit or per_unit[0].shape[0] == 0:
         return [g.new_zeros(g.shape[1:]) for g in per_unit], torch.zeros(0)
     acc_dtype = torch.float64 if per_unit[0].dtype == torch.float64 else torch.float32
-    sq = None
+    U = per_unit[0].shape[0]
+    u_out = nb.roundoff(acc_dtype)
+    value = err = dsq = None
     for g in per_unit:
-        s = g.reshape(g.shape[0], -1).to(acc_dtype)
-        s = (s * s).sum(1)
-        sq = s if sq is None else sq + s
-    norms = sq.sqrt()
-    factors = clip_factors(norms, max_grad_norm)
+        zero = torch.zeros(U, dtype=torch.float64, device=g.device)
+        sq = nb.sq_of_instantiated(g, zero, 0.0, gamma(U + 2, u_out))
+        d = nb.deviation(sq, u_out)
+        value = sq.value if value is None else value + sq.value
+        err = sq.err if err is None else err + sq.err
+        dsq = d * d if dsq is None else dsq + d * d
+    k = len(per_unit) + 2
+    nu = nb.used_norm(value, nb.up(err, k) + gamma(k, U64) * nb.up(value.abs(), k), nb.up(dsq, 2 * k))
+    factors = nb.factors(nu, value, max_grad_norm).to(acc_dtype)
     # Sums in float32 or wider; a unit with factor 0 (non-finite) is zeroed, not multiplied.
     zero = factors == 0
     sums = [torch.einsum("u,u...->...", factors,
                          torch.where(zero.view(-1, *([1] * (g.dim() - 1))), 0, g.to(acc_dtype)))
             for g in per_unit]
-    return sums, norms
+    return sums, nb.round_up_to(nu, acc_dtype)

@@ -5,6 +5,7 @@ kernel in Triton's interpreter; and, on a GPU, the tensor-core paths."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -42,28 +43,48 @@ def test_row_scaled_tn_applies_the_factor_exactly(dtype):
     out = lowp.row_scaled_tn(x, y, f)
     assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert ((out.double() - ref).abs() <= _fp32_sum_bound(x, y) + 1e-300).all()
+    # The bound the engine adds for this path, and the result's one relative rounding.
+    u, n = lowp.row_scaled_bound(x, y)
+    mag = torch.einsum("r,rta,rtb->ab", f.double(), x.double().abs(), y.double().abs())
+    last = 0.0 if dtype == torch.float64 else lowp.U32
+    claimed = lowp.gamma(n, u) * mag * (1 + last) + last * ref.abs()
+    ref_err = lowp.gamma(x.shape[0] * x.shape[1] + 3, lowp.U64) * mag  # ref's own float64 sum
+    assert ((out.double() - ref).abs() <= claimed + ref_err + 1e-300).all()
     if dtype in HALVES:  # the rejected construction really is distinguishable here
         xs = (x.float() * f[:, None, None]).to(dtype)
         bad = torch.einsum("rta,rtb->ab", xs.double(), y.double())
         assert ((bad - ref).abs() > _fp32_sum_bound(x, y)).any()
 
 
+def _fsum_last(products: torch.Tensor) -> torch.Tensor:
+    """Σ over the last axis of exact float64 products, correctly rounded (math.fsum): the
+    exact value of a contraction of float32-or-narrower operands, to float64's last bit."""
+    flat = products.reshape(-1, products.shape[-1]).tolist()
+    return torch.tensor([math.fsum(v) for v in flat], dtype=torch.float64).reshape(products.shape[:-1])
+
+
 @pytest.mark.parametrize("dtype", [*HALVES, torch.float32])
-def test_gram_and_per_row_products_are_exact_with_float32_sums(dtype):
-    x, y, _ = _data(dtype, b=20)
+def test_gram_and_per_row_products_are_exact_with_float64_sums(dtype):
+    """The norm side is float64: within γ_k(2⁻⁵³)·Σ|x||y| of the exact value (the bound
+    the engine adds, ``norms`` module docstring) — far inside what float32 sums could do."""
+    x, y, _ = _data(dtype, R=2, T=9, b=20)
     g = lowp.gram(x, y)
-    ref = torch.einsum("rta,rsa->rts", x.double(), y.double())
-    bound = x.shape[2] * 2.0**-24 * torch.einsum("rta,rsa->rts", x.double().abs(), y.double().abs())
-    assert g.dtype == torch.float32 and ((g.double() - ref).abs() <= bound).all()
+    ref = _fsum_last(x.double()[:, :, None, :] * y.double()[:, None, :, :])
+    bound = lowp.gamma(x.shape[2], lowp.U64) * torch.einsum("rta,rsa->rts", x.double().abs(), y.double().abs())
+    assert g.dtype == torch.float64 and ((g - ref).abs() <= bound).all()
     p = lowp.per_row_tn(x, y)
-    ref = torch.einsum("rta,rtb->rab", x.double(), y.double())
-    bound = x.shape[1] * 2.0**-24 * torch.einsum("rta,rtb->rab", x.double().abs(), y.double().abs())
-    assert p.dtype == torch.float32 and ((p.double() - ref).abs() <= bound).all()
+    ref = _fsum_last((x.double()[:, :, :, None] * y.double()[:, :, None, :]).permute(0, 2, 3, 1))
+    bound = lowp.gamma(x.shape[1], lowp.U64) * torch.einsum("rta,rtb->rab", x.double().abs(), y.double().abs())
+    assert p.dtype == torch.float64 and ((p - ref).abs() <= bound).all()
+    n = lowp.row_norms(x)
+    refn = torch.tensor([[math.sqrt(math.fsum(v * v for v in row)) for row in r] for r in x.double().tolist()],
+                        dtype=torch.float64)
+    assert ((n - refn).abs() <= lowp.gamma(x.shape[2] + 2, lowp.U64) * refn).all()
 
 
 def test_fallback_widens_large_operands_a_slice_at_a_time(monkeypatch):
     """With a small CHUNK_ELEMENTS the fallback slices the widened operand (the LM head's
-    [R, T, V] gradient is never copied whole to float32) and gives the same values."""
+    [R, T, V] gradient is never copied whole to float64) and gives the same values."""
     x, y, f = _data(torch.bfloat16, a=8, b=300)
     whole_rs, whole_g = lowp.row_scaled_tn(x, y, f), lowp.gram(y, y)
     whole_rs_t = lowp.row_scaled_tn(y, x, f)
@@ -72,7 +93,7 @@ def test_fallback_widens_large_operands_a_slice_at_a_time(monkeypatch):
 
     def spy(t, *a, **k):
         out = real_to(t, *a, **k)
-        if out.dtype == torch.float32 and t.dtype == torch.bfloat16:
+        if out.dtype == torch.float64 and t.dtype == torch.bfloat16:
             widened.append(out.numel())
         return out
 
@@ -144,6 +165,7 @@ _INTERPRETED = textwrap.dedent(
     import os, torch
     assert os.environ["TRITON_INTERPRET"] == "1"
     from llmdp.clipping import _triton_rowscaled as k
+    from llmdp.clipping import lowp
     assert k.available()
     g = torch.Generator().manual_seed(0)
     worst = 0.0
@@ -159,6 +181,10 @@ _INTERPRETED = textwrap.dedent(
             ref = torch.einsum("r,rta,rtb->ab", f.double(), x.double(), y.double())
             bound = R * T * 2.0**-24 * torch.einsum("rta,rtb->ab", x.double().abs(), y.double().abs())
             assert ((out.double() - ref).abs() <= bound + 1e-30).all(), (dt, R, T, a, b)
+            # the bound the engine adds to the norms for this path (lowp.row_scaled_bound)
+            claimed = lowp.gamma(k.error_count(R, T), lowp.UTC) * torch.einsum(
+                "r,rta,rtb->ab", f.double(), x.double().abs(), y.double().abs())
+            assert ((out.double() - ref).abs() <= claimed + 1e-30).all(), (dt, R, T, a, b)
             worst = max(worst, float((out.double() - ref).abs().max()))
     # non-contiguous operands (a transposed view) are read through their strides
     x = torch.randn(4, 24, 6, generator=g).bfloat16().transpose(1, 2).contiguous().transpose(1, 2)
@@ -193,6 +219,10 @@ def test_cuda_half_contractions_run_on_tensor_cores_and_are_exact(dtype):
     ref = torch.einsum("r,rta,rtb->ab", f.double(), x.double(), y.double())
     out = lowp.row_scaled_tn(x, y, f)
     assert ((out.double() - ref).abs() <= _fp32_sum_bound(x, y)).all()
+    u, n = lowp.row_scaled_bound(x, y)  # the bound the norms are given for this path
+    assert u == lowp.UTC
+    claimed = lowp.gamma(n, u) * torch.einsum("r,rta,rtb->ab", f.double(), x.double().abs(), y.double().abs())
+    assert ((out.double() - ref).abs() <= claimed).all()
     g = lowp.gram(x, x)
     refg = torch.einsum("rta,rsa->rts", x.double(), x.double())
     boundg = x.shape[2] * 2.0**-24 * torch.einsum("rta,rsa->rts", x.double().abs(), x.double().abs())

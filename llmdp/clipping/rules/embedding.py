@@ -5,11 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmdp.clipping.lowp import U32, U64, gamma
 from llmdp.clipping.norms import (
+    F64,
     LayerRule,
     Record,
+    _pair_sums,
     acc_dtype,
     register_rule,
+    roundoff,
+    rows_mag,
+    sq_bound,
+    sq_of_instantiated,
+    up,
 )
 
 
@@ -17,11 +25,13 @@ class EmbeddingRule(LayerRule):
     """nn.Embedding (and Gemma's scaled word embedding): y_t = E[id_t] (· scale)."""
 
     has_clipped_ghost = True
+    has_exact = True
 
-    def _ids_and_G(self, rec: Record):
+    def _ids_and_G(self, rec: Record, dtype: torch.dtype | None = None, rows: torch.Tensor | None = None):
         """Token ids [R, T] and the rows' gradients w.r.t. the gathered table rows, widened
-        to float32 (float64) *before* the scale is applied: the norms, the cross terms and
-        the clipped sum all read these same values (an embedding's G is [R, T, d], small)."""
+        to ``dtype`` (default float32, float64 for float64 G) *before* the scale is applied
+        (an embedding's G is [R, T, d], small). The norms read them in float64 (the scale's
+        product exact), the clipped sum in float32, whose rounding its bound counts."""
         module = rec.module
         G = rec.G
         R = G.shape[0]
@@ -29,10 +39,12 @@ class EmbeddingRule(LayerRule):
         if ids.shape[0] != R:  # shared indices, e.g. learned position ids of shape [1, T]
             ids = ids.expand(R, -1)
         G3 = G.reshape(R, ids.shape[1], -1)
-        G3 = G3.to(acc_dtype(G3))
+        if rows is not None:
+            ids, G3 = ids[rows], G3[rows]
+        G3 = G3.to(dtype or acc_dtype(G3))
         scale = getattr(module, "embed_scale", None)
         if scale is not None:  # Gemma: y = E[ids] * scale
-            G3 = G3 * scale.to(G3.dtype)
+            G3 = G3 * torch.as_tensor(scale).to(device=G3.device, dtype=G3.dtype)
         if module.padding_idx is not None:  # nn.Embedding never updates the padding row
             G3 = G3.masked_fill((ids == module.padding_idx).unsqueeze(-1), 0)
         return ids, G3
@@ -48,29 +60,44 @@ class EmbeddingRule(LayerRule):
     def sq_norms_ghost(self, rec, units):
         if not rec.module.weight.requires_grad:
             return {}
-        ids, G3 = self._ids_and_G(rec)
+        ids, G3 = self._ids_and_G(rec, F64)
         # Σ_{t,s} [id_t = id_s] ⟨G_t, G_s⟩: equal-token mask instead of a one-hot [T, V].
-        same = (ids[:, :, None] == ids[:, None, :]).to(G3.dtype)
-        diag = (same * torch.bmm(G3, G3.transpose(1, 2))).sum((1, 2))
-        out = units.rows_to_units(diag)
-        if not units.identity and units.pair_a is not None and units.pair_a.numel():
+        same = (ids[:, :, None] == ids[:, None, :]).to(F64)
+        out = units.rows_to_units(_pair_sums(same, torch.bmm(G3, G3.transpose(1, 2))))
+        if units.has_pairs:
             a, b = units.pair_a, units.pair_b
-            same_ab = (ids[a][:, :, None] == ids[b][:, None, :]).to(G3.dtype)
-            cross = (same_ab * torch.bmm(G3[a], G3[b].transpose(1, 2))).sum((1, 2))
-            out = out + units.pairs_to_units(cross)
-        return {"weight": out}
+            same_ab = (ids[a][:, :, None] == ids[b][:, None, :]).to(F64)
+            out = out + units.pairs_to_units(_pair_sums(same_ab, torch.bmm(G3[a], G3[b].transpose(1, 2))))
+        T, d = G3.shape[1], G3.shape[2]
+        mag = rows_mag(G3, units)  # Σ_t ‖G_t‖ ≥ the gradient's entrywise magnitudes, in norm
+        err = up(mag * mag, 1) * gamma(d + 2 + units.pair_count(T, T), U64)
+        # The clipped sum: G·scale and ·c_r in float32 (float64), then index_add, whose
+        # longest chain is the most frequent token's count: within γ_{count+3}·c·N.
+        count = int(torch.bincount(ids.reshape(-1)).max()) if ids.numel() else 0
+        res_u = roundoff(acc_dtype(rec.G))
+        dev = up(mag * gamma(count + 3, res_u), 1)
+        return {"weight": sq_bound(value=out, err=err, dev=dev, rel=0.0, mag=mag)}
 
-    def per_unit(self, rec, units):
+    def instantiate(self, rec, units):
         module = rec.module
         if not module.weight.requires_grad:
             return {}
-        ids, G3 = self._ids_and_G(rec)
+        ids, G3 = self._ids_and_G(rec, F64)
         keep = units.keep
         uid = units.unit_of_row[keep].unsqueeze(1).expand(-1, ids.shape[1])
         out = G3.new_zeros((units.num_units, *module.weight.shape))
         out.index_put_((uid.reshape(-1), ids[keep].reshape(-1)), G3[keep].reshape(-1, G3.shape[-1]),
                        accumulate=True)
-        return {"weight": out}
+        store = acc_dtype(rec.G)
+        h = out.to(store)
+        del out
+        mag = rows_mag(G3, units)
+        inst_dev = up(mag * gamma(G3.shape[0] * G3.shape[1] + 2, U64), 1)
+        rel = gamma(units.num_units + 2, roundoff(store))
+        return {"weight": (h, sq_of_instantiated(h, inst_dev, 0.0 if store == F64 else U32, rel, mag))}
+
+    def per_unit(self, rec, units):
+        return {n: h for n, (h, _) in self.instantiate(rec, units).items()}
 
     def clipped_ghost(self, rec, row_factors):
         ids, G3 = self._ids_and_G(rec)
@@ -78,6 +105,12 @@ class EmbeddingRule(LayerRule):
         out = Gc.new_zeros(rec.module.weight.shape)
         out.index_add_(0, ids.reshape(-1), Gc.reshape(-1, Gc.shape[-1]))
         return {"weight": out}
+
+    def exact(self, rec, name, rows, start, stop):
+        ids, G3 = self._ids_and_G(rec, F64, rows=rows)
+        m = (ids >= start) & (ids < stop)
+        out = G3.new_zeros((stop - start, G3.shape[-1]))
+        return out.index_add_(0, ids[m] - start, G3[m])
 
 
 def _is_scaled_embedding(module: nn.Module) -> bool:  # Gemma: y = E[ids] * embed_scale

@@ -5,15 +5,23 @@ from __future__ import annotations
 from torch import nn
 
 from llmdp.clipping import lowp
+from llmdp.clipping.lowp import U32, U64, gamma
 from llmdp.clipping.norms import (
+    F64,
     LayerRule,
     _as_3d,
     _bias_sq,
     _ghost_cheaper,
-    _gram_pair_sum,
+    _pair_sum_two,
     _row_sums,
     device_spec,
+    linear_mag,
     register_rule,
+    roundoff,
+    rows_mag,
+    sq_bound,
+    sq_of_instantiated,
+    up,
 )
 
 
@@ -21,6 +29,7 @@ class LinearRule(LayerRule):
     """nn.Linear (weight [out, in]) and, with ``transposed``, HF GPT-2 Conv1D ([in, out])."""
 
     has_clipped_ghost = True
+    has_exact = True
 
     def __init__(self, transposed: bool = False):
         self.transposed = transposed
@@ -32,43 +41,76 @@ class LinearRule(LayerRule):
         spec = device_spec(G.device, G.dtype)
         return _ghost_cheaper(num_units, G3.shape[0], G3.shape[1], G.shape[-1], A.shape[-1], spec)
 
-    # Every contraction goes through ``lowp`` on A and G as the model produced them: exact
-    # products, float32 (float64) sums, on tensor cores for bf16/fp16 on CUDA. The norms
-    # and the clipped sum are so formed from the same values (DESIGN §3.8).
+    # Every contraction goes through ``lowp`` on A and G as the model produced them: the
+    # norms in float64 (exact products), the clipped sum on tensor cores (bf16/fp16 on
+    # CUDA) or in float64; each with its bound (norms.py, DESIGN §3.8).
+
+    def _clipped_operands(self, A3, G3):
+        return (A3, G3) if self.transposed else (G3, A3)
 
     def sq_norms_ghost(self, rec, units):
         module = rec.module
         A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
+        res_u = roundoff(lowp.result_dtype(A3, G3))
         out = {}
         if module.weight.requires_grad:
-            out["weight"] = _gram_pair_sum(A3, G3, units)
+            mag = linear_mag(A3, G3, units)
+            value, err = _pair_sum_two(A3, G3, A3, G3, units, gram_a=units.self_gram(A3), mags=(mag, mag))
+            u, n = lowp.row_scaled_bound(*self._clipped_operands(A3, G3))
+            # the clipped sum's own error; then the factor's and the result's roundings
+            out["weight"] = sq_bound(value, err, up(mag * gamma(n, u), 1), gamma(2, res_u), mag)
         if module.bias is not None and module.bias.requires_grad:
-            out["bias"] = _bias_sq(_row_sums(G3), units)  # the bias gradient of each row
+            value, err, mag = _bias_sq(G3, units)  # the bias gradient of each row
+            n = G3.shape[1] + 2 * G3.shape[0] + 2  # float64 row sums, x factor, sum over rows
+            out["bias"] = sq_bound(value, err, up(mag * gamma(n, U64), 1), gamma(1, res_u), mag)
         return out
 
-    def per_unit(self, rec, units):
+    def instantiate(self, rec, units):
+        """Per-unit gradients formed in float64 (exact products), stored in float32 (float64
+        for float64 operands): the stored vector is what the clipped sum scales."""
         module = rec.module
         A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
+        store = lowp.result_dtype(A3, G3)
+        stored_u = 0.0 if store == F64 else U32
+        rel = gamma(units.num_units + 2, roundoff(store))
+        n = G3.shape[1] + units.max_rows + 2
         out = {}
         if module.weight.requires_grad:
             per_row = lowp.per_row_tn(A3, G3) if self.transposed else lowp.per_row_tn(G3, A3)
-            out["weight"] = units.rows_to_units(per_row)
+            h = units.rows_to_units(per_row).to(store)
+            del per_row
+            mag = linear_mag(A3, G3, units)
+            out["weight"] = (h, sq_of_instantiated(h, up(mag * gamma(n, U64), 1), stored_u, rel, mag))
         if module.bias is not None and module.bias.requires_grad:
-            out["bias"] = units.rows_to_units(_row_sums(G3))
+            h = units.rows_to_units(_row_sums(G3)).to(store)
+            mag = rows_mag(G3, units)
+            out["bias"] = (h, sq_of_instantiated(h, up(mag * gamma(n, U64), 1), stored_u, rel, mag))
         return out
+
+    def per_unit(self, rec, units):
+        return {n: h for n, (h, _) in self.instantiate(rec, units).items()}
 
     def clipped_ghost(self, rec, row_factors):
         module = rec.module
         A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
         out = {}
         if module.weight.requires_grad:
-            # Σ_r c_r G_rᵀA_r, the factor applied in float32 (never to a bf16 operand).
-            out["weight"] = (lowp.row_scaled_tn(A3, G3, row_factors) if self.transposed
-                             else lowp.row_scaled_tn(G3, A3, row_factors))
+            # Σ_r c_r G_rᵀA_r, the factor applied in float32 partial sums or float64 (never
+            # to a bf16 operand).
+            out["weight"] = lowp.row_scaled_tn(*self._clipped_operands(A3, G3), row_factors)
         if module.bias is not None and module.bias.requires_grad:
             s = _row_sums(G3)
             out["bias"] = (s * row_factors.to(s.dtype)[:, None]).sum(0)
         return out
+
+    def exact(self, rec, name, rows, start, stop):
+        A3, G3 = _as_3d(rec.A)[rows], _as_3d(rec.G)[rows]
+        if name == "bias":
+            return G3[..., start:stop].to(F64).sum((0, 1))
+        Af, Gf = A3.reshape(-1, A3.shape[-1]), G3.reshape(-1, G3.shape[-1])
+        if self.transposed:  # Conv1D: weight [in, out], rows of it follow the input
+            return lowp.bmm(Af[:, start:stop].t().unsqueeze(0), Gf.unsqueeze(0))[0]
+        return lowp.bmm(Gf[:, start:stop].t().unsqueeze(0), Af.unsqueeze(0))[0]
 
 
 def _is_conv1d(module: nn.Module) -> bool:  # HF GPT-2's Conv1D: y = x @ W + b, W [in, out]
