@@ -53,6 +53,10 @@ INTERNAL_METRICS = {
     "step_time_s": "wall time of the step (grows with the realized sample size)",
     "nonfinite_units": "units whose gradient was not finite in the step (given no weight; a "
     "warning after train.max_nonfinite_steps such steps; the run never stops on it)",
+    "worker0_norm_fallbacks / worker0_norm_bound_max": "rank 0's clipping-norm rounding "
+    "bounds: (layer call, unit) pairs recomputed as the exact float64 gradient because the "
+    "bound was over 1 % of the unit's norm, and the largest share of a used norm that was "
+    "bound (DESIGN §3.8)",
     "eval (held-out loss, perplexity, accuracy, units, tokens)": "the model's metrics on the "
     "private held-out units without DP (`evaluation.internal`; the DP evaluation is publishable)",
 }

@@ -67,6 +67,10 @@ class StepStats:
     clipped: int = 0
     micro_steps: int = 0
     nonfinite: int = 0  # units whose gradient was NaN/inf (factor 0: they added nothing)
+    # the clipping engine's rounding bounds (GhostClipper.last_norm_stats): (call, unit)
+    # pairs recomputed exactly, and the largest share of a used norm that was bound
+    norm_fallbacks: int = 0
+    norm_bound_max: float = 0.0
 
 
 def accumulate_clipped_sum(
@@ -113,6 +117,9 @@ def accumulate_clipped_sum(
         finite = torch.isfinite(norms)
         stats.clipped += int((norms[finite] > clipper.max_grad_norm).sum())
         stats.nonfinite += int((~finite).sum())
+        ns = clipper.last_norm_stats
+        stats.norm_fallbacks += ns.fallbacks
+        stats.norm_bound_max = max(stats.norm_bound_max, ns.bound_max)
     if plant.on("extra-micro-step") and stats.tokens % 2 == 1:
         # Test-only planted bug (``LLMDP_TEST_PLANT``, never a recipe): control flow that
         # depends on the data. One more micro-step, on one padding row.

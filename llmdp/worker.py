@@ -305,6 +305,9 @@ def dp_step(run: Training, step: int) -> dict:
         "micro_steps": micro,
         "sample_truncated": bool(truncated),
         "nonfinite_units": nonfinite,  # internal: units whose gradient was NaN/inf
+        # internal: the clipping norms' rounding bounds on rank 0 (clipping/norms.py)
+        "worker0_norm_fallbacks": stats.norm_fallbacks,
+        "worker0_norm_bound_max": stats.norm_bound_max,
     }
 
 

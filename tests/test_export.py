@@ -386,7 +386,8 @@ def test_recipe_push_to_exports_after_training(tmp_path, hf, monkeypatch):
 # Names of metrics and statistics computed on the private data without DP, and of hashes of
 # it: none may appear in a published file (DESIGN §3.9).
 INTERNAL_NAMES = ("train_loss", "worker0_units", "worker0_tokens", "tokens_per_s", "units_per_s",
-                  "worker0_clipped_fraction", "micro_steps", "sample_truncated", "step_time_s",
+                  "worker0_clipped_fraction", "worker0_norm_fallbacks", "worker0_norm_bound_max",
+                  "micro_steps", "sample_truncated", "step_time_s",
                   "data_statistics", "steps_truncated", "dataset_fingerprint", "internal_metrics",
                   "sha256", "num_records", "num_units", "training loss")
 _VOCAB_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "spm.model", "tokenizer.model")

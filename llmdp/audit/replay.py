@@ -65,7 +65,7 @@ from llmdp.runspec import RunSpec
 from llmdp.step import StepKeys
 
 __all__ = ["ReplayError", "ReplayResult", "Side", "WithoutUnit", "aligned", "aligned_draw", "replay",
-           "sampled_seed", "with_seed"]
+           "sampled_seed", "with_model", "with_seed"]
 
 # The torch.distributed calls a step may issue (FSDP2 all-gathers parameters and the
 # strategy reduces the sums through these; names absent from this torch are skipped).
@@ -158,6 +158,34 @@ def with_seed(spec: RunSpec, seed: int) -> RunSpec:
         raise ReplayError("the replay needs privacy.rng: seeded (both sides draw the same keys)")
     cfg = dataclasses.replace(spec.cfg, privacy=dataclasses.replace(spec.cfg.privacy, seed=int(seed)))
     return dataclasses.replace(spec, cfg=cfg)
+
+
+def with_model(spec: RunSpec, build: Callable[[int], torch.nn.Module]) -> Callable[[], Any]:
+    """A training factory for :func:`replay`: the real ``worker.setup`` of ``spec`` (its
+    data, sampler, strategy, noise, ledger), with the model replaced by ``build(vocab_size)``
+    (the recipe's model's vocabulary) and the engine, optimizer and schedule rebuilt on it
+    as ``setup`` builds them. For constructions no recipe expresses — e.g. weights that
+    make the clipping norm a small difference of huge terms (issue 29 item 1). The model
+    takes ``input_ids``/``attention_mask`` and returns an object with ``.logits``."""
+    from llmdp.clipping import GhostClipper
+    from llmdp.worker import LocalContext, build_optimizer, lr_lambda, setup
+
+    def factory():
+        run = setup(spec, LocalContext())
+        cfg, plan = spec.cfg, spec.plan
+        vocab = int(run.model.get_input_embeddings().weight.shape[0])
+        run.clipper.remove_hooks()
+        model = build(vocab).to(run.device)
+        model.train()
+        clipper = GhostClipper(model, plan.clip_bound, engine=cfg.privacy.clipping,
+                               mode=cfg.privacy.clipping_mode,
+                               grad_buffers=run.strategy.grad_sinks(model))
+        optimizer = build_optimizer(clipper.params, cfg.optim)
+        return dataclasses.replace(
+            run, model=model, clipper=clipper, names=list(clipper.param_names), optimizer=optimizer,
+            scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, plan.steps)))
+
+    return factory
 
 
 def _neighbour_sampler(spec: RunSpec):

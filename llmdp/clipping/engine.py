@@ -1,8 +1,10 @@
 """Per-unit clipping behind the ``GhostClipper`` contract (DESIGN §4).
 
 ``GhostClipper(model, max_grad_norm).backward(row_losses, row_units)`` returns the per-unit
-gradient norms before clipping and *adds* Σ_u min(1, C/‖g_u‖)·g_u to ``p.grad`` of every
-trainable parameter, like autograd accumulation.
+gradient norms before clipping — the norms ν_u used for clipping, never below the true
+‖g_u‖ (their rounding bounds added, ``norms`` module docstring) — and *adds*
+Σ_u min(1, C/ν_u)·g_u to ``p.grad`` of every trainable parameter, like autograd
+accumulation; what it adds for a unit has norm ≤ C.
 
 How (``engine="ghost"``, the default):
 
@@ -13,8 +15,10 @@ How (``engine="ghost"``, the default):
    gradients (their matmuls are skipped: nothing asks for them);
 3. as each G arrives, the layer's rule (``rules/``) computes each unit's squared norm,
    by the ghost identity or from the instantiated per-unit gradient, whichever is
-   cheaper for this batch's shapes;
-4. with the norms known, c_u = min(1, C/‖g_u‖), and the clipped sum is formed either
+   cheaper for this batch's shapes, in float64 with its rounding bounds; a unit whose
+   bound is more than 1 % of its norm is recomputed there as its exact float64 gradient
+   (``norms`` module docstring, 4; counted in ``last_norm_stats``);
+4. with the norms known, c_u = min(1, C/ν_u) (rounded toward 0), and the clipped sum is formed either
    from what was kept (``mode="book-keeping"``: Σ_r c_{u(r)} G_rᵀA_r per layer, one
    backward in all, but every G is kept until the norms are known) or by a second,
    identical backward (``mode="two-pass"``: G is dropped as soon as its norm is taken;
@@ -24,10 +28,12 @@ How (``engine="ghost"``, the default):
    what it keeps fits comfortably in free memory.
 
 Precision (DESIGN §3.8). The norms and the clipped sum are contracted from the same A and G,
-as the model produced them, with exact products and float32 sums (float64 for float64
-inputs; ``lowp.py``: tensor cores for bf16/fp16 on CUDA, the clipping factor applied to
-float32 partial sums, never to a half-precision operand), in both modes, whatever the
-parameter or autocast dtype. Under autocast a Linear's input is recorded in the autocast
+as the model produced them, with exact products: the norms in float64, the clipped sum in
+float64 (cast to float32 at the end) or, for bf16/fp16 on CUDA, on tensor cores with
+float32 partial sums that the clipping factor multiplies (never a half-precision operand;
+``lowp.py``), in both modes, whatever the parameter or autocast dtype. Every one of these
+contractions has a stated error bound, and the norm used for clipping includes them all
+(``norms`` module docstring): rounding can make it larger, never smaller. Under autocast a Linear's input is recorded in the autocast
 dtype, the value its matmul used. Pass 2 never backpropagates c_u-scaled losses through
 low-precision layers (that changes G by rounding, so the added gradient would not be the
 one whose norm was clipped). It is added to ``p.grad`` only when that is float32 or

@@ -92,6 +92,14 @@ CASES = {
                                       records=46),
 }
 SLOW = {"llama-tied-lora-doc-trunc", "llama-doc-trunc-last"}  # the longest (measured)
+# Issue 29 item 1: the model replaced by _MassiveDifference (``with_model``); the recipe
+# gives the data, the sampler and the mode. ``big``: the massive channel's value (1e8
+# makes even the float64 bound exceed 1 % of the norm: the exact fallback serves).
+MASSIVE = {
+    "massive-seq-bk": dict(family="llama", unit="sequence", mode="book-keeping", big=1e4),
+    "massive-doc-two-pass-trunc": dict(family="llama", unit="document", mode="two-pass",
+                                       sampler="truncated-poisson", big=1e8),
+}
 
 
 def _raw(tmp: str, name: str, case: dict, batch: int, max_batch: int | None) -> dict:
@@ -135,7 +143,7 @@ def _spec(tmp: str, name: str):
     from llmdp.config import recipe_from_dict
     from llmdp.trainer import prepare
 
-    case = CASES[name]
+    case = CASES[name] if name in CASES else MASSIVE[name]
     # A first plan learns N (the store is built once and cached for the second).
     probe = prepare(recipe_from_dict(_raw(tmp, name + "-probe", case, 2, None)), log=lambda *a: None)
     n = open_store(probe.paths.store_dir).num_units
@@ -256,6 +264,57 @@ def test_the_last_unit_leaves_every_other_coin_in_place_only_at_some_n_and_q(tmp
     if not aligned(spec, 0):
         with pytest.raises(ReplayError, match="not D's without unit 0"):
             replay(spec, 0)
+
+
+# --------------------------------------------------------------------------- massive activation
+
+
+class _MassiveDifference(torch.nn.Module):
+    """A tiny causal LM whose trainable layer's clipping norm is a small difference of huge
+    terms (issue 29 item 1): its input has a channel that is ``big`` at every position (a
+    frozen embedding whose column 0 is ``big``: a "massive activation"), and its output
+    gradient sums to exactly zero over each row's positions (the next step outputs
+    h_t − h_{t−1}), so the big channel cancels in g = Σ_t G_t A_tᵀ while ⟨AAᵀ, GGᵀ⟩ is a
+    sum of ~big² terms. Rows stay independent."""
+
+    def __init__(self, vocab: int, d: int = 16, big: float = 1e4):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.mix = torch.nn.Linear(d, d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+            self.embed.weight[:, 0] = big
+        self.embed.requires_grad_(False)
+        self.head.requires_grad_(False)
+
+    def forward(self, input_ids, attention_mask=None, **_):
+        from types import SimpleNamespace
+
+        h = self.mix(self.embed(input_ids))
+        y = torch.cat([torch.zeros_like(h[:, :1]), h[:, 1:] - h[:, :-1]], 1)
+        return SimpleNamespace(logits=self.head(y))
+
+
+@pytest.mark.parametrize("policy", ["ghost", "instantiate"])
+@pytest.mark.parametrize("name", list(MASSIVE))
+def test_massive_activation_with_cancelling_gradients(tmp_path, name, policy):
+    """The removed unit adds at most C(1 + 1e-6) — and, clipped, at least C(1 − 1e-3) —
+    through the real step, with a layer whose float32 ghost norm cancelled to garbage
+    (before the fix: ‖Δ‖/C far from 1 on these cases)."""
+    from llmdp.audit.replay import with_model
+
+    spec = _spec(str(tmp_path), name)
+    factory = with_model(spec, lambda vocab: _MassiveDifference(vocab, big=MASSIVE[name]["big"]))
+    for what, unit in _units(spec).items():
+        res = replay(factory, unit, spec=spec, layer_policy=policy, expect_clipped=True)
+        print(f"{name} / {policy} / {what}: {res}")
+        assert res.ok, f"{name} / {what}: {res}"
+        _not_vacuous(res, f"{name} / {what}")
+        fallbacks = res.steps[0][0].metrics["worker0_norm_fallbacks"]
+        assert (fallbacks > 0) == (policy == "ghost" and MASSIVE[name]["big"] >= 1e8), fallbacks
 
 
 # --------------------------------------------------------------------------- plants
