@@ -582,6 +582,8 @@ class GhostClipper:
                 buf[j0:j1].add_(g.to(buf.dtype))
                 return
             p = getattr(rec.module, pname)
+            if p.dtype.itemsize < 4:  # as add_to_grad: never a half-precision .grad
+                add_to_grad(self._name_of, [(p, g)])  # raises, naming the fix
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad[j0:j1].add_(g.to(p.dtype))
