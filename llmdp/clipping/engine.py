@@ -28,9 +28,9 @@ How (``engine="ghost"``, the default):
    what it keeps fits comfortably in free memory.
 
 Precision (DESIGN §3.8). The norms and the clipped sum are contracted from the same A and G,
-as the model produced them, with exact products: the norms in float64, the clipped sum in
-float64 (cast to float32 at the end) or, for bf16/fp16 on CUDA, on tensor cores with
-float32 partial sums that the clipping factor multiplies (never a half-precision operand;
+as the model produced them, with exact products: Gram matrices in float64, per-row
+gradients and the clipped sum in float32 (on CUDA's tensor cores for bf16/fp16, with
+float32 partial sums that the clipping factor multiplies, never a half-precision operand;
 ``lowp.py``), in both modes, whatever the parameter or autocast dtype. Every one of these
 contractions has a stated error bound, and the norm used for clipping includes them all
 (``norms`` module docstring): rounding can make it larger, never smaller. Under autocast a Linear's input is recorded in the autocast
@@ -321,6 +321,8 @@ class GhostClipper:
             inst = rule.instantiate(rec, units)
             rec.per_unit = {n: h for n, (h, _) in inst.items()}
             rec.sqn = _checked(rule, {n: sq for n, (_, sq) in inst.items()})
+            if not shared and rule.has_exact:  # float32 per-row gradients have a bound too
+                self._fallback_call(rec, units)
         if not self._keep_G:
             # two-pass: pass 2 brings the same G again; keep A and G's fingerprint only
             # (G too, until the cross terms are taken, if the parameter has other uses).
@@ -331,8 +333,10 @@ class GhostClipper:
             return
         if shared:
             return  # cross terms with the other uses need A and G
-        if not rec.ghost:
-            rec.G, rec.A = None, None  # book-keeping, instantiated: the per-unit gradients are kept
+        if not rec.ghost and rec.exact is None:
+            # book-keeping, instantiated: the per-unit gradients are kept (A and G too when
+            # a unit's part is to be recomputed exactly at the clipped sum)
+            rec.G, rec.A = None, None
 
     def _apply_second_pass(self, rec: Record, G: torch.Tensor) -> None:
         """Two-pass, pass 2: the same backward brings G again; form and add this call's

@@ -5,18 +5,18 @@ model produced them* (bf16, fp16, float32 or float64; under autocast, what the m
 read) and has a stated error bound, which the engine adds to the norms it clips with
 (``norms.py``, DESIGN §3.8):
 
-* **the norm side** (Gram matrices of the ghost norm, per-row gradients when a layer is
-  instantiated, the cross terms): the operands are widened to float64 — exact for every
+* **the Gram side** (Gram matrices of the ghost norm, the cross terms, the norms of
+  instantiated gradients): the operands are widened to float64 — exact for every
   floating input dtype, and a product of two widened float32 (or narrower) values is exact
   in float64 (24 + 24 significant bits ≤ 53) — and contracted in float64 (``bmm``,
-  ``gram``, ``per_row_tn``, ``row_norms``). A dot product of n such terms, summed in any
+  ``gram``, ``row_norms``). A dot product of n such terms, summed in any
   order, is within γ_n(2⁻⁵³)·Σ|terms| of its exact value (Higham, *Accuracy and
   Stability of Numerical Algorithms*, §3.1; γ_n(u) = n·u/(1 − n·u)). On CUDA these are
   float64 GEMMs (the FP64 tensor cores of A100/H100-class GPUs, at about their float32
-  SIMT rate; the layer choice counts them at the device's float64 rate, ``norms.py``).
-  float32 Gram matrices are not used: their worst-case error at a hidden size of 4,096 is
-  ≈ 2.4·10⁻⁴ of |A||A|ᵀ per entry, which on any real sequence length is more than the
-  norm itself can afford (``norms.py`` has the numbers).
+  SIMT rate, ~1/15 of bf16; the layer choice counts them at the device's float64 rate,
+  ``norms.device_spec``). float32 Gram matrices are not used: their worst-case error at a
+  hidden size of 4,096 is ≈ 2.4·10⁻⁴ of |A||A|ᵀ per entry, more than 1 % of the norm on
+  any real sequence (``norms`` module docstring, 4).
 * **the clipped sum** Σ_r c_r G_rᵀA_r (``row_scaled_tn``):
   - bf16/fp16 on CUDA: the operands go to the tensor cores as they are, with float32
     accumulation, in a Triton kernel (``_triton_rowscaled``) that multiplies each row's
@@ -25,14 +25,20 @@ read) and has a stated error bound, which the engine adds to the norms it clips 
     products aligned to its largest term and truncated: Fasi, Higham, Mikaitis, Pranesh,
     "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021; Khattak & Mikaitis 2025),
     taken as γ_n with u = 2⁻²² (four times float32's unit roundoff), n = T + 2R + 2;
-  - anything else (CPU, float32 models, mixed dtypes, no Triton): widened to float64,
-    one float64 GEMM over the R·T positions, cast to float32 at the end (float64 for
-    float64 inputs): γ_{RT+2}(2⁻⁵³) plus one relative rounding of the result.
+  - anything else (CPU, float32 models, mixed dtypes, no Triton): widened to float32
+    (exact), float32 GEMMs over groups of rows of about ``ROW_GROUP_POSITIONS`` positions,
+    their results summed in float64 and cast to float32 once: γ_{g+3}(2⁻²⁴) for a group of
+    g positions (one float64 GEMM for float64 inputs: γ_{RT+2}(2⁻⁵³)), plus one relative
+    rounding of the result.
   ``row_scaled_bound`` says which bound applies to the path ``row_scaled_tn`` will take.
+* **instantiated per-row gradients** (``per_row_tn``, then reused for the clipped sum):
+  float32 accumulation (tensor cores for bf16/fp16 on CUDA), bounded by γ_{T+1}(u) per
+  entry (``fast_bound``), u = 2⁻²⁴ or 2⁻²² (2⁻⁵³ for float64 operands); the engine adds
+  that bound and recomputes a unit in float64 where it is a real part of the norm.
 
 Large operands are widened a slice at a time (``CHUNK_ELEMENTS``), so e.g. the LM head's
-[R, T, V] output gradient is never copied whole to float64. Float32 contractions anywhere
-in the engine run with TF32 off (``exact_fp32``), whatever the user set for the model.
+[R, T, V] output gradient is never copied whole to float64. Float32 contractions run in
+IEEE float32 (``exact_fp32``: TF32 and oneDNN's reduced modes off), whatever the user set.
 """
 
 from __future__ import annotations
@@ -74,9 +80,20 @@ acc_dtype = result_dtype  # the name older callers use
 
 @contextmanager
 def exact_fp32(device: torch.device):
-    """TF32 off for the engine's float32 contractions on CUDA, restored afterwards."""
+    """IEEE float32 for the engine's float32 contractions, restored afterwards: TF32 off on
+    CUDA; on CPU, oneDNN's reduced-precision float32 modes (bf16/TF32 inside a float32
+    matmul, which ``torch.set_float32_matmul_precision`` can switch on) off."""
     if device.type != "cuda":
-        yield
+        m = getattr(torch.backends.mkldnn, "matmul", None)
+        if m is None or not hasattr(m, "fp32_precision"):
+            yield
+            return
+        prev = m.fp32_precision
+        m.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            m.fp32_precision = prev
         return
     m = torch.backends.cuda.matmul
     # torch >= 2.9 has fp32_precision; reading the legacy allow_tf32 after a user set the
@@ -137,9 +154,41 @@ def gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return bmm(x, y.transpose(1, 2))
 
 
+def bmm_fast(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x [B, m, k] @ y [B, k, n] -> [B, m, n] in float32 (float64 for float64 operands):
+    bf16/fp16 on CUDA on tensor cores with float32 accumulation, else widened to float32
+    (exact) and contracted with TF32 (and oneDNN's reduced float32 modes) off. Each entry
+    is within ``fast_bound``'s γ_n(u)·Σ|x||y| of its exact value."""
+    if tensor_cores(x, y):
+        return torch.bmm(x, y, out_dtype=torch.float32)
+    dt = result_dtype(x, y)
+    B, m, k = x.shape
+    n = y.shape[2]
+    widen = (x.dtype != dt) or (y.dtype != dt)
+    step = k if not widen else max(1, CHUNK_ELEMENTS // max(1, B * max(m, n)))
+    with exact_fp32(x.device):
+        if step >= k:
+            return torch.bmm(x.to(dt), y.to(dt))
+        out = None
+        for k0 in range(0, k, step):
+            part = torch.bmm(x[:, :, k0:k0 + step].to(dt), y[:, k0:k0 + step].to(dt))
+            out = part if out is None else out.add_(part)
+        return out
+
+
+def fast_bound(x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[float, int]:
+    """(u, n) for ``bmm_fast`` over a contraction of length k: tensor cores (u = 2⁻²²),
+    IEEE float32 or float64; n = k + 1 (the products' rounding, the sum's chain)."""
+    if tensor_cores(x, y):
+        return UTC, k + 1
+    return (U64 if result_dtype(x, y) == torch.float64 else U32), k + 1
+
+
 def per_row_tn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x [R, T, a], y [R, T, b] -> x_rᵀ y_r for every row, [R, a, b] in float64."""
-    return bmm(x.transpose(1, 2), y)
+    """x [R, T, a], y [R, T, b] -> x_rᵀ y_r for every row, [R, a, b] in float32 (float64
+    for float64 operands): an instantiated layer's per-row gradients, whose error
+    (``fast_bound`` over T) the engine bounds and adds (``rules/linear.py``)."""
+    return bmm_fast(x.transpose(1, 2), y)
 
 
 def row_norms(x: torch.Tensor) -> torch.Tensor:
@@ -176,7 +225,18 @@ def row_scaled_bound(x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
         from llmdp.clipping import _triton_rowscaled
 
         return UTC, _triton_rowscaled.error_count(R, T)
-    return U64, R * T + 2
+    if result_dtype(x, y) == torch.float64:
+        return U64, R * T + 2
+    # float32 over one group of rows (the scaled operand's rounding, the products, the
+    # chain), then float64 across groups: below one more float32 rounding for R < 2²⁸
+    return U32, _rows_per_group(T) * T + 3
+
+
+ROW_GROUP_POSITIONS = 256  # positions per float32 GEMM of the clipped sum (then float64)
+
+
+def _rows_per_group(T: int) -> int:
+    return max(1, ROW_GROUP_POSITIONS // max(1, T))
 
 
 def row_scaled_tn(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
@@ -197,20 +257,33 @@ def row_scaled_tn(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Te
             warnings.warn(f"llmdp: the Triton clipped-sum kernel failed on {x.device} "
                           f"({type(e).__name__}: {e}); using the float64 fallback "
                           "(exact products, slower)", RuntimeWarning, stacklevel=2)
-    out_dt = result_dtype(x, y)
-    dt = torch.float64
+    dt = result_dtype(x, y)
     R, T, a = x.shape
     b = y.shape[2]
     f = f.to(device=x.device, dtype=dt)
-    # Scale the smaller operand (a float64 copy of it); widen the larger by column slices.
+    # Scale the smaller operand (a float32 copy of it); widen the larger by column slices.
     x_small = a <= b
     small, big = (x, y) if x_small else (y, x)
     s2 = (small.to(dt) * f[:, None, None]).reshape(R * T, small.shape[2])
     big2 = big.reshape(R * T, big.shape[2])
     n = big2.shape[1]
     step = n if big.dtype == dt else max(1, CHUNK_ELEMENTS // max(1, R * T))
+    if dt == torch.float64:
+        with exact_fp32(x.device):
+            parts = [(s2.t() @ sl if x_small else sl.t() @ s2)
+                     for sl in (big2[:, j:j + step].to(dt) for j in range(0, n, step))]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1 if x_small else 0)
+    # float32 GEMMs over groups of rows (≈ ROW_GROUP_POSITIONS positions each), summed in
+    # float64: the float32 chain of any product is one group long (``row_scaled_bound``).
+    g = _rows_per_group(T) * T
     parts = []
-    for j in range(0, n, step):
-        sl = big2[:, j:j + step].to(dt)
-        parts.append((s2.t() @ sl if x_small else sl.t() @ s2).to(out_dt))
+    with exact_fp32(x.device):
+        for j in range(0, n, step):
+            sl = big2[:, j:j + step].to(dt)
+            acc = None
+            for p0 in range(0, R * T, g):
+                a_, b_ = s2[p0:p0 + g], sl[p0:p0 + g]
+                part = (a_.t() @ b_ if x_small else b_.t() @ a_).to(torch.float64)
+                acc = part if acc is None else acc.add_(part)
+            parts.append(acc.to(torch.float32))
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1 if x_small else 0)

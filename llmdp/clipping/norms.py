@@ -46,13 +46,15 @@ difference, lost to rounding — down to a negative number, which was clamped to
    norm of the entrywise magnitudes, and is computed with a relative bound and rounded
    up). The bias (‖Σ_t G_t‖²), the embedding (⟨[id_t = id_s], G Gᵀ⟩, N = Σ_t ‖G_t‖), the
    cross terms between two uses of one parameter (|err| ≤ γ·N_i·N_j), and the norms of
-   instantiated per-unit gradients (float64 products and sums, stored in float32: one
-   relative rounding, bounded) all follow the same pattern. Each call and parameter
-   returns `Sq` = (value, err, dev, rel) per unit.
+   instantiated per-unit gradients (their float64 sum of squares) all follow the same
+   pattern. Each call and parameter returns `Sq` = (value, err, dev, rel) per unit.
 2. *The clipped sum's own error is bounded too.* The sum is formed by a different
-   contraction (``lowp.row_scaled_tn``: float64 elsewhere, bf16 tensor cores with
-   float32 accumulation on CUDA), whose error for unit u is, entrywise, at most
-   γ_n(u_path)·c_u·|G_u|ᵀ|A_u|, so at most γ_n·c_u·N_u in norm: that is ``dev``. After it
+   contraction (``lowp.row_scaled_tn``: float32 over groups of ~256 positions summed in
+   float64, or bf16 tensor cores with float32 accumulation on CUDA), whose error for unit
+   u is, entrywise, at most γ_n(u_path)·c_u·|G_u|ᵀ|A_u|, so at most γ_n·c_u·N_u in norm:
+   that is ``dev``. An instantiated layer's per-unit gradient h (float32 per-row
+   contractions, ``lowp.per_row_tn``; what its clipped sum scales) is within γ_{T+K+1}·N_u
+   of g_u: that too is in ``dev``, and its norm is measured on h itself. After it
    come relative roundings (the factor's cast, the result's cast to float32, a sum over
    units for instantiated layers, the add into the float32 sink): each multiplies each
    entry of the unit's part by (1 + θ), |θ| ≤ γ_k: that is ``rel`` (the sink's is added
@@ -77,11 +79,14 @@ difference, lost to rounding — down to a negative number, which was clamped to
    γ_{RT}(2⁻⁵³)·N_u plus four relative float32 roundings of ‖g̃_u‖. Why 1 %: below it, the
    bound costs a clipped unit at most 1 % of its contribution (a 1 % shorter step in its
    direction, far inside the noise and any learning-rate tuning); above it, the float64
-   gradient (2·T·p·d FLOPs per unit at the float64 rate) is the cheaper loss. With float64
-   norms, ρ is ~10⁻¹² on ordinary data; it passes 1 % only under heavy cancellation
-   (the construction above at |a₀| = 1000), or on CUDA's bf16 tensor-core clipped sum at
-   long rows (its bound grows like T^{3/2}·2⁻²²·N/‖g‖√T: ≈ 1 % near T ≈ 1,000 for
-   random-like data). The engine counts fallbacks (``GhostClipper.last_norm_stats``).
+   gradient (2·T·p·d FLOPs per unit at the float64 rate) is the cheaper loss. The Gram
+   matrices are float64 because there the cancellation lives: a float32 Gram's bound,
+   γ_d(2⁻²⁴)·N² ≈ 2.4·10⁻⁴·N² at d = 4,096, is more than 1 % of ‖g‖² as soon as
+   N²/‖g‖² > 40, i.e. on any sequence. The float32 contractions' bounds grow like
+   n·2⁻²⁴·N_u/‖g_u‖ (n ≈ 256 positions on CPU, T + 2R on CUDA's tensor cores at 2⁻²²),
+   N/‖g‖ ≈ 1.5·√T on random-like data: ρ ≈ 4·10⁻⁴ at T = 256; a fallback needs
+   N/‖g‖ ≳ 700 (CPU) — a massive activation that cancels — or, on CUDA, T ≳ 1,000. The
+   engine counts fallbacks (``GhostClipper.last_norm_stats``).
 
 What is not covered: the float32 sums over *other* units. Removing unit u changes how
 the other units' parts round in the shared float32 sink (by at most float32's relative
@@ -169,21 +174,16 @@ def sq_bound(value: torch.Tensor, err: torch.Tensor, dev: torch.Tensor,
 def sq_of_instantiated(h: torch.Tensor, inst_dev: torch.Tensor, stored_u: float,
                        rel: float, mag: torch.Tensor | None = None) -> Sq:
     """The bounds of a per-unit gradient ``h`` [U, ...] that the clipped sum scales as it is:
-    value = ‖h‖² in float64 (k squares and their sum: γ_{k+2}); dev = ‖h − g‖ ≤
-    ``inst_dev`` (the float64 computation's error) + ``stored_u``·‖g̃‖ (the rounding of
-    storing it in h's dtype, ≤ stored_u/(1 − stored_u)·‖h‖)."""
+    value = ‖h‖² in float64 (γ_{k+4}); dev = ‖h − g‖ ≤ ``inst_dev`` (the error of the
+    computation that formed it) + ``stored_u``·‖g̃‖ (the rounding of storing a wider
+    result in h's dtype, ≤ stored_u/(1 − stored_u)·‖h‖)."""
     U = h.shape[0]
     h2 = h.reshape(U, -1)
     k = h2.shape[1]
-    if h2.dtype == F64:
-        value = (h2 * h2).sum(1)
-    else:  # a float32 (or narrower) value squares exactly in float64; sum in chunks
-        value = torch.zeros(U, dtype=F64, device=h.device)
-        step = max(1, lowp.CHUNK_ELEMENTS // max(1, U))
-        for j in range(0, k, step):
-            part = h2[:, j:j + step].to(F64)
-            value += (part * part).sum(1)
-    err = value * gamma(k + 2, U64)
+    # float64 accumulation (the input cast to float64: its squares, the sum, the root, the
+    # square back: k + 4 roundings at most)
+    value = torch.linalg.vector_norm(h2, dim=1, dtype=F64).square()
+    err = value * gamma(k + 4, U64)
     norm_up = up(torch.sqrt(value + err), 2)
     dev = up(inst_dev + (stored_u / (1.0 - stored_u)) * norm_up, 3) if stored_u else inst_dev
     return sq_bound(value, err, dev, rel, mag if mag is not None else norm_up)
@@ -419,9 +419,9 @@ def _bias_sq(G3: torch.Tensor, units: Units) -> tuple[torch.Tensor, torch.Tensor
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """What the layer choice needs to know of a device: the clipped sum's matmul
-    throughput for the contraction dtype (FLOP/s), float64 throughput (the norm side is
-    float64, ``lowp``), and memory bandwidth (bytes/s)."""
+    """What the layer choice needs to know of a device: dense matmul throughput for the
+    contraction dtype (FLOP/s), float64 throughput (the Gram matrices are float64,
+    ``lowp``), and memory bandwidth (bytes/s)."""
 
     flops: float
     bandwidth: float
@@ -442,9 +442,11 @@ _CUDA_SPECS = {
     "T4": (65e12, 0.32e12, 0.25e12),
 }
 _CUDA_DEFAULT = (300e12, 2.0e12, 1.0e12)
-# CPU: a few cores' float64 matmul rate (about half the float32 one) against one socket's
-# bandwidth; on CPU every contraction of the engine is float64.
-_CPU_SPEC = DeviceSpec(flops=1e11, bandwidth=2e10, fp64=1e11)
+# float32 operands on CUDA run at about 1/15 of the tensor-core rate (SIMT; TF32 is off
+# for the engine's float32 contractions, lowp.py).
+_CUDA_FP32_SLOWDOWN = 15.0
+# CPU: a few cores' float32 matmul rate (float64: half) against one socket's bandwidth.
+_CPU_SPEC = DeviceSpec(flops=2e11, bandwidth=2e10, fp64=1e11)
 
 
 def device_spec(device: torch.device, dtype: torch.dtype) -> DeviceSpec:
@@ -453,7 +455,7 @@ def device_spec(device: torch.device, dtype: torch.dtype) -> DeviceSpec:
     name = torch.cuda.get_device_name(device)
     flops, bw, fp64 = next((v for k, v in _CUDA_SPECS.items() if k in name), _CUDA_DEFAULT)
     if dtype not in (torch.bfloat16, torch.float16):
-        flops = fp64  # the clipped sum of non-half operands is a float64 GEMM (lowp)
+        flops /= _CUDA_FP32_SLOWDOWN
     return DeviceSpec(flops, bw, fp64)
 
 
@@ -468,17 +470,18 @@ def _ghost_cheaper(num_units: int, rows: int, T: int, p: int, d: int,
     memory is T² per row, never p×d.
 
     Time, both paths also paying the clipped sum:
-      instantiation  2·R·T·p·d float64 FLOPs (per-row gradients), then the per-unit norms
-                     and the weighted sum read them: ≈ 12·(R+U)·p·d bytes;
-      ghost norm     2·R·T²·(p+d) float64 FLOPs (two Gram matrices) + the clipped sum's
-                     2·R·T·p·d FLOPs (tensor cores for bf16/fp16 on CUDA, else float64).
+      instantiation  2·R·T·p·d FLOPs (per-row gradients, written in float32), then the
+                     per-unit norms and the weighted sum read them: ≈ 8·(R+U)·p·d bytes;
+      ghost norm     2·R·T²·(p+d) float64 FLOPs (two Gram matrices, ``lowp``) + the
+                     clipped sum's 2·R·T·p·d FLOPs (a tensor-core GEMM for bf16/fp16 on
+                     CUDA, as in a non-private backward).
     The cheaper on ``spec`` wins (a GPU's FLOP/byte ratio is ~100-300, so long rows of
     mid-sized layers go to the ghost norm there and to instantiation on a CPU)."""
     if num_units * p * d > rows * T * (p + d):
         return True
     if spec is None:
         return False
-    t_inst = 2.0 * rows * T * p * d / spec.fp64 + 12.0 * (rows + num_units) * p * d / spec.bandwidth
+    t_inst = 2.0 * rows * T * p * d / spec.flops + 8.0 * (rows + num_units) * p * d / spec.bandwidth
     t_ghost = 2.0 * rows * T * T * (p + d) / spec.fp64 + 2.0 * rows * T * p * d / spec.flops
     return t_ghost < t_inst
 

@@ -102,12 +102,14 @@ def test_massive_activation_unit_adds_at_most_C(T, big, dtype, policy, mode):
 
 @pytest.mark.parametrize("policy", ["ghost", "auto"])
 def test_a_large_layer_under_the_engines_defaults(policy):
-    """A 1024x1024 layer at T = 512 (the issue's 4096x4096 case, scaled to this machine):
-    the cost model picks the ghost norm itself (memory), big = 1000 adds ≤ C. It added
-    1,792,081·C at 4096x4096 before the fix."""
-    lin = nn.Linear(1024, 1024, bias=False)
-    A, G = _massive(512, 1024, 1024, 1000.0, torch.float32, seed=1)
-    sinks = {"weight": torch.zeros(1024, 1024)}
+    """A 2048x2048 layer at T = 512 (the issue's 4096x4096 case, halved for time): the
+    cost model picks the ghost norm itself (memory: U·p·d > R·T·(p+d)), big = 1000 adds
+    ≤ C. It added 9.1·10⁸·C at 4096x4096 before the fix (benchmarks/massive_activation.py)."""
+    n = 2048
+    assert norms._ghost_cheaper(1, 1, 512, n, n, norms.device_spec(torch.device("cpu"), torch.float32))
+    lin = nn.Linear(n, n, bias=False)
+    A, G = _massive(512, n, n, 1000.0, torch.float32, seed=1)
+    sinks = {"weight": torch.zeros(n, n)}
     clipper = GhostClipper(lin, C, layer_policy=policy, grad_buffers=sinks)  # mode auto
     n = clipper.backward((lin(A[None]) * G[None]).sum((1, 2)), torch.tensor([0]))
     assert clipper._records == [] and clipper.last_mode in ("book-keeping", "two-pass")
@@ -136,7 +138,7 @@ def test_the_fallback_recomputes_the_unit_exactly_and_says_so():
 
     added, n, clipper = run([0, 1, 2])
     assert clipper.last_norm_stats.fallbacks == 1
-    assert clipper.last_norm_stats.bound_max < 1e-6  # after it, the bound is float32 rounding only
+    assert clipper.last_norm_stats.bound_max < norms.FALLBACK  # after it, every unit is under it
     others, _, clipper2 = run([1, 2])
     assert clipper2.last_norm_stats.fallbacks == 0
     true = _true_norm([(A, G)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmdp.clipping.lowp import U32, U64, gamma
+from llmdp.clipping.lowp import U64, gamma
 from llmdp.clipping.norms import (
     F64,
     LayerRule,
@@ -79,22 +79,23 @@ class EmbeddingRule(LayerRule):
         return {"weight": sq_bound(value=out, err=err, dev=dev, rel=0.0, mag=mag)}
 
     def instantiate(self, rec, units):
+        """Per-unit gradients accumulated in float32 (float64 for float64 G): each entry a
+        chain of at most ``count`` adds of G·scale terms, within γ_{count+2}·N of g (the
+        bound the norm carries; ``count`` the most frequent token's)."""
         module = rec.module
         if not module.weight.requires_grad:
             return {}
-        ids, G3 = self._ids_and_G(rec, F64)
+        ids, G3 = self._ids_and_G(rec)
         keep = units.keep
         uid = units.unit_of_row[keep].unsqueeze(1).expand(-1, ids.shape[1])
-        out = G3.new_zeros((units.num_units, *module.weight.shape))
-        out.index_put_((uid.reshape(-1), ids[keep].reshape(-1)), G3[keep].reshape(-1, G3.shape[-1]),
-                       accumulate=True)
-        store = acc_dtype(rec.G)
-        h = out.to(store)
-        del out
-        mag = rows_mag(G3, units)
-        inst_dev = up(mag * gamma(G3.shape[0] * G3.shape[1] + 2, U64), 1)
-        rel = gamma(units.num_units + 2, roundoff(store))
-        return {"weight": (h, sq_of_instantiated(h, inst_dev, 0.0 if store == F64 else U32, rel, mag))}
+        h = G3.new_zeros((units.num_units, *module.weight.shape))
+        h.index_put_((uid.reshape(-1), ids[keep].reshape(-1)), G3[keep].reshape(-1, G3.shape[-1]),
+                     accumulate=True)
+        count = int(torch.bincount(ids.reshape(-1)).max()) if ids.numel() else 0
+        mag = rows_mag(self._ids_and_G(rec, F64)[1], units)
+        inst_dev = up(mag * gamma(count + 2, roundoff(h.dtype)), 1)
+        rel = gamma(units.num_units + 2, roundoff(h.dtype))
+        return {"weight": (h, sq_of_instantiated(h, inst_dev, 0.0, rel, mag))}
 
     def per_unit(self, rec, units):
         return {n: h for n, (h, _) in self.instantiate(rec, units).items()}

@@ -66,25 +66,27 @@ class LinearRule(LayerRule):
         return out
 
     def instantiate(self, rec, units):
-        """Per-unit gradients formed in float64 (exact products), stored in float32 (float64
-        for float64 operands): the stored vector is what the clipped sum scales."""
+        """Per-unit gradients from per-row float32 contractions (tensor cores for bf16/fp16
+        on CUDA; float64 for float64 operands), each entry within γ_{T+K+1}(u)·|G|ᵀ|A| of
+        its exact value (``lowp.fast_bound``; K: the unit's rows), so ‖h − g‖ ≤ γ·N: the
+        bound the norm carries. The stored vector is what the clipped sum scales."""
         module = rec.module
         A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
         store = lowp.result_dtype(A3, G3)
-        stored_u = 0.0 if store == F64 else U32
         rel = gamma(units.num_units + 2, roundoff(store))
-        n = G3.shape[1] + units.max_rows + 2
         out = {}
         if module.weight.requires_grad:
-            per_row = lowp.per_row_tn(A3, G3) if self.transposed else lowp.per_row_tn(G3, A3)
-            h = units.rows_to_units(per_row).to(store)
-            del per_row
+            x, y = (A3, G3) if self.transposed else (G3, A3)
+            u, n = lowp.fast_bound(x, y, G3.shape[1])
+            h = units.rows_to_units(lowp.per_row_tn(x, y))
             mag = linear_mag(A3, G3, units)
-            out["weight"] = (h, sq_of_instantiated(h, up(mag * gamma(n, U64), 1), stored_u, rel, mag))
+            dev = up(mag * gamma(n + units.max_rows + 1, u), 1)
+            out["weight"] = (h, sq_of_instantiated(h, dev, 0.0, rel, mag))
         if module.bias is not None and module.bias.requires_grad:
             h = units.rows_to_units(_row_sums(G3)).to(store)
             mag = rows_mag(G3, units)
-            out["bias"] = (h, sq_of_instantiated(h, up(mag * gamma(n, U64), 1), stored_u, rel, mag))
+            dev = up(mag * gamma(G3.shape[1] + units.max_rows + 2, U64), 1)
+            out["bias"] = (h, sq_of_instantiated(h, dev, 0.0 if store == F64 else U32, rel, mag))
         return out
 
     def per_unit(self, rec, units):
