@@ -5,10 +5,11 @@ intermediate 8192, vocabulary 128,256) and a batch of R rows of T positions, tim
 
 * ``weight-grad``   Gᵀ·A in the model's dtype (what a non-private backward computes);
 * ``clipped-sum``   Σ_r c_r G_rᵀA_r as the engine forms it (``lowp.row_scaled_tn``: the
-                    Triton kernel for bf16/fp16 on CUDA, widened float32 elsewhere);
+                    Triton kernel for bf16/fp16 on CUDA, elsewhere widened float32 GEMMs
+                    over groups of rows summed in float64);
 * ``widened-fp32``  the previous engine's way: widen both operands to float32, scale the
                     smaller one, one float32 GEMM (SIMT on CUDA);
-* ``gram``          the ghost norm's two Gram matrices (``lowp.gram``) for comparison;
+* ``gram``          the ghost norm's two Gram matrices (``lowp.gram``, float64) for comparison;
 
 and prints each as a ratio to ``weight-grad``. Run on a GPU:
 

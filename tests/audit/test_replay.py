@@ -94,7 +94,7 @@ CASES = {
 SLOW = {"llama-tied-lora-doc-trunc", "llama-doc-trunc-last"}  # the longest (measured)
 # Issue 29 item 1: the model replaced by _MassiveDifference (``with_model``); the recipe
 # gives the data, the sampler and the mode. ``big``: the massive channel's value (1e8
-# makes even the float64 bound exceed 1 % of the norm: the exact fallback serves).
+# makes even the float64 Gram's bound exceed 1 % of the norm).
 MASSIVE = {
     "massive-seq-bk": dict(family="llama", unit="sequence", mode="book-keeping", big=1e4),
     "massive-doc-two-pass-trunc": dict(family="llama", unit="document", mode="two-pass",
@@ -313,8 +313,9 @@ def test_massive_activation_with_cancelling_gradients(tmp_path, name, policy):
         print(f"{name} / {policy} / {what}: {res}")
         assert res.ok, f"{name} / {what}: {res}"
         _not_vacuous(res, f"{name} / {what}")
-        fallbacks = res.steps[0][0].metrics["worker0_norm_fallbacks"]
-        assert (fallbacks > 0) == (policy == "ghost" and MASSIVE[name]["big"] >= 1e8), fallbacks
+        # The float32 contractions' bounds are a real part of these norms: the exact float64
+        # fallback served (and is counted, internally).
+        assert res.steps[0][0].metrics["worker0_norm_fallbacks"] > 0, res.steps[0][0].metrics
 
 
 # --------------------------------------------------------------------------- plants
