@@ -93,7 +93,8 @@ class EmbeddingRule(LayerRule):
                      accumulate=True)
         count = int(torch.bincount(ids.reshape(-1)).max()) if ids.numel() else 0
         mag = rows_mag(self._ids_and_G(rec, F64)[1], units)
-        inst_dev = up(mag * gamma(count + 2, roundoff(h.dtype)), 1)
+        # h's own error, and (two-pass forms the sum from G again) clipped_ghost's
+        inst_dev = up(mag * (gamma(count + 2, roundoff(h.dtype)) + gamma(count + 3, roundoff(h.dtype))), 2)
         rel = gamma(units.num_units + 2, roundoff(h.dtype))
         return {"weight": (h, sq_of_instantiated(h, inst_dev, 0.0, rel, mag))}
 

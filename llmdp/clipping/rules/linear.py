@@ -75,17 +75,22 @@ class LinearRule(LayerRule):
         store = lowp.result_dtype(A3, G3)
         rel = gamma(units.num_units + 2, roundoff(store))
         out = {}
+        # Two-pass forms the clipped sum from A and G again (``clipped_ghost``), not from h:
+        # that contraction's error is in dev too (it is the delivery's; book-keeping scales
+        # h, whose relative roundings are ``rel``), with one more relative rounding.
+        rel = max(rel, gamma(2, roundoff(store)))
         if module.weight.requires_grad:
             x, y = (A3, G3) if self.transposed else (G3, A3)
             u, n = lowp.fast_bound(x, y, G3.shape[1])
             h = units.rows_to_units(lowp.per_row_tn(x, y))
             mag = linear_mag(A3, G3, units)
-            dev = up(mag * gamma(n + units.max_rows + 1, u), 1)
+            uc, nc = lowp.row_scaled_bound(*self._clipped_operands(A3, G3))
+            dev = up(mag * (gamma(n + units.max_rows + 1, u) + gamma(nc, uc)), 2)
             out["weight"] = (h, sq_of_instantiated(h, dev, 0.0, rel, mag))
         if module.bias is not None and module.bias.requires_grad:
             h = units.rows_to_units(_row_sums(G3)).to(store)
             mag = rows_mag(G3, units)
-            dev = up(mag * gamma(G3.shape[1] + units.max_rows + 2, U64), 1)
+            dev = up(mag * gamma(2 * G3.shape[1] + 2 * G3.shape[0] + 4, U64), 1)
             out["bias"] = (h, sq_of_instantiated(h, dev, 0.0 if store == F64 else U32, rel, mag))
         return out
 
