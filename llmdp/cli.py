@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
     lg = psub.add_parser(
-        "ledger", help="the dataset ledgers: list, verify, repair, import",
+        "ledger", help="the dataset ledgers: list, verify, repair, end-hold, import, set-budget",
         description="Dataset ledgers live in one database: $LLMDP_HOME/ledger.sqlite by default "
                     "(LLMDP_HOME defaults to the user's data directory), or --ledger (a SQLite "
                     "file or a postgresql:// URL, as privacy.ledger in a recipe).")
@@ -131,6 +131,30 @@ def build_parser() -> argparse.ArgumentParser:
     le.add_argument("--dataset", required=True, metavar="ID")
     le.add_argument("--reason", default="")
     _loc(le)
+    lb = lsub.add_parser(
+        "set-budget", help="set or change a dataset's privacy budget (ε, δ, accountant, privacy "
+        "unit), recorded in its ledger: the budget every release on that data is checked against",
+        description="A budget belongs to the dataset: every release on it (every run, whatever "
+                    "its recipe says, every DP evaluation, every private tokenizer) is checked "
+                    "against it. Set here, or by the first run with privacy.budget_epsilon; "
+                    "changed only here (recorded: who, when, old -> new). A budget below what "
+                    "is spent is refused.")
+    # Strings, checked by the command: a bad value is one message (exit 2).
+    lb.add_argument("--dataset", default=None, metavar="ID")
+    lb.add_argument("--epsilon", default=None, metavar="E")
+    lb.add_argument("--delta", default=None, metavar="D",
+                    help="required for a first budget; default: the recorded one")
+    lb.add_argument("--accountant", default=None, metavar="pld|rdp",
+                    help="default: the recorded one, else pld")
+    lb.add_argument("--unit", default=None, metavar="document|user|sequence",
+                    help="the privacy unit; default: the recorded one, else that of the ledger's releases")
+    lb.add_argument("--user-field", default=None, metavar="F")
+    lb.add_argument("--sequence-length", default=None, metavar="L")
+    lb.add_argument("--document-masking", action="store_true")
+    lb.add_argument("--reason", default="", help="why (recorded with the budget)")
+    lb.add_argument("--create", action="store_true",
+                    help="start the dataset's ledger with this budget (no run on it yet)")
+    _loc(lb)
     li = lsub.add_parser("import", help="import a JSONL dataset ledger of an earlier llmdp, once")
     li.add_argument("file")
     li.add_argument("--dataset", required=True, metavar="ID", help="the data.dataset_id it belongs to")

@@ -198,6 +198,10 @@ class EvalDataConfig:
     # Evaluate on the held-out units with the smallest split hashes, at most this many
     # (quicker evaluations; the selection depends on each unit's own content). None: all.
     max_units: int | None = _f(None, ge=1)
+    # A separate private source is a dataset of its own, with its own ledger (its DP
+    # evaluations are recorded there too, and checked against its budget): its identity
+    # there, as data.dataset_id for the training data. None: derived from the source.
+    dataset_id: str | None = _f(None, nonempty=True)
 
 
 @dataclass(frozen=True)

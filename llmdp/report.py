@@ -19,7 +19,7 @@ from llmdp.audit.section import audit_section
 from llmdp.baseline import baseline_report
 from llmdp.evaluation.report import dp_eval_covered, evaluation_section
 from llmdp.privacy import accountant
-from llmdp.privacy.budget import budget_status
+from llmdp.privacy.budget import budget_status, recorded_budget
 from llmdp.privacy.events import is_truncated
 from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError, step_count
 from llmdp.privacy.ledger_location import resolve_location
@@ -395,8 +395,16 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
     problems = cross_check(run_records, records, run_id) if run_id else []
     if problems:
         raise LedgerError(problems[0])
-    out = budget_status(records, plan_info.get("budget_epsilon"), plan.delta, plan.accountant, unit,
-                        location, info["dataset_id"])
+    # The dataset's budget is its ledger's (whatever the run's recipe said): ε spent and what
+    # remains are stated at that budget's δ, by its accountant.
+    b = recorded_budget(records)
+    if b is None:
+        out = budget_status(records, plan_info.get("budget_epsilon"), plan.delta, plan.accountant,
+                            unit, location, info["dataset_id"])
+    else:
+        out = budget_status(records, b.epsilon, b.delta, b.accountant, unit, location,
+                            info["dataset_id"])
+        out["budget"] = b.describe()
     out["cross_checked"] = True
     return out
 

@@ -79,11 +79,11 @@ class LedgerSpec:
 
     @property
     def admits(self) -> bool:
-        """Rank 0 asks the service before every block of steps: a dataset budget, or a
-        target that failures may not exceed."""
-        s = self.service
-        return s.get("budget_epsilon") is not None or (
-            s.get("target_epsilon") is not None and not s.get("allow_exceed_target"))
+        """Rank 0 asks the service before every block of steps, whatever the recipe says:
+        the dataset's budget is in its ledger (recorded maybe by another run, or by
+        ``llmdp privacy ledger set-budget`` while this one runs), not in the recipe; a run
+        stops cleanly before a step the budget (or the target after failures) refuses."""
+        return True
 
     def open(self) -> LedgerService:
         """A new in-process service (the driver's budget checks, tests)."""
@@ -143,6 +143,10 @@ class RunSpec:
             return None
         return "public" if ev.public else "private"
 
+    def _eval_ledger(self) -> dict | None:
+        e = None if self.ledger is None else self.ledger.service.get("eval_ledger")
+        return None if not e else {"location": e.get("location"), "dataset_id": e["dataset_id"]}
+
     def with_ledger_actor(self, name: str) -> RunSpec:
         if self.ledger is None:  # a baseline has no ledger service
             return self
@@ -169,6 +173,9 @@ class RunSpec:
             "prior_releases": [dict(r) for r in self.prior_releases],
             "data": dict(self.data_stats),
             "dataset_ledger": None if self.dataset_ledger is None else dict(self.dataset_ledger),
+            # A separate private evaluation source's own ledger: its DP evaluations are
+            # recorded there too (None: none, or the training data's ledger holds them).
+            "eval_dataset_ledger": self._eval_ledger(),
             "budget_epsilon": self.cfg.privacy.budget_epsilon,
             "allow_exceed_target_on_failure": self.cfg.privacy.allow_exceed_target_on_failure,
         }

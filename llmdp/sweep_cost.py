@@ -19,9 +19,13 @@ from dp_accounting import dp_event
 from llmdp._validate import ConfigError
 from llmdp.privacy import accountant as _acc
 from llmdp.privacy.budget import (
+    DatasetBudget,
+    budget_refusal,
     hold_entries,
     holder_alive,
     live_holds,
+    recipe_mismatch,
+    recorded_budget,
     release_entries_of,
     split_by_unit,
     unit_key,
@@ -145,20 +149,43 @@ def unique_priors(release_lists) -> list[dict]:
     return out
 
 
-def check_sweep_budget(cfgs: list, planned: list, log=print) -> dict | None:
-    """Refuse (`BudgetError`) a sweep whose trials still to run do not fit in
-    ``privacy.budget_epsilon`` (the smallest of the trials') with what the dataset ledger has
-    spent for their unit and what live runs hold; None without a budget."""
-    budgets = [c.privacy.budget_epsilon for c in cfgs if c.privacy.budget_epsilon is not None]
-    if not cfgs or not budgets:
+def _recorded_budget_of(cfg) -> DatasetBudget | None:
+    """The recorded budget of ``cfg``'s dataset, read without starting its ledger."""
+    import os
+
+    from llmdp.data.sources import dataset_identity  # lazy: it imports datasets
+    from llmdp.privacy.ledger_location import is_url, resolve_location
+
+    location = resolve_location(cfg.privacy.ledger)
+    if not is_url(location) and not os.path.exists(location):
         return None
-    budget = min(budgets)
+    db = LedgerDB(location, read_only=True)
+    try:
+        return recorded_budget(db.records(dataset_identity(cfg.data)["dataset_id"]))
+    finally:
+        db.close()
+
+
+def check_sweep_budget(cfgs: list, planned: list, log=print) -> dict | None:
+    """Refuse (`BudgetError`) a sweep whose trials still to run do not fit in the dataset's
+    budget (recorded in its ledger, whatever the recipes say; without one, the trials'
+    ``privacy.budget_epsilon``, the smallest) with what the dataset ledger has spent for their
+    unit and what live runs hold; None without a budget. A trial recipe stating another
+    budget than the recorded one, or another privacy unit, is refused here already (each
+    trial's launch would be)."""
+    if not cfgs:
+        return None
+    budgets = [c.privacy.budget_epsilon for c in cfgs if c.privacy.budget_epsilon is not None]
+    if not budgets and _recorded_budget_of(cfgs[0]) is None:
+        return None
     ledger = open_dataset_ledger(cfgs[0].data, cfgs[0].privacy.ledger, planned[0].source_sha, log=log)
     db = LedgerDB(ledger["location"])
     try:
         records = db.records(ledger["dataset_id"])
     finally:
         db.close()
+    ds_budget = recorded_budget(records)
+    budget = ds_budget.epsilon if ds_budget is not None else min(budgets)
     holds = {rid: h for rid, h in live_holds(records).items() if holder_alive(h["hold"].get("lock"))}
     groups: dict[str, list] = {}
     for c, p in zip(cfgs, planned):
@@ -174,6 +201,17 @@ def check_sweep_budget(cfgs: list, planned: list, log=print) -> dict | None:
         trials = [e for _, p, _ in members for e in own_entries(p)]
         delta = min(p.plan.delta for _, p, _ in members)
         acc = members[0][0].privacy.accountant
+        if ds_budget is not None:  # the dataset's budget: its δ, its accountant, its unit
+            for c, p, m in members:
+                mine = None if c.privacy.budget_epsilon is None else DatasetBudget(
+                    c.privacy.budget_epsilon, p.plan.delta, c.privacy.accountant, m["unit"])
+                why = (recipe_mismatch(records, mine, dataset_id=ledger["dataset_id"],
+                                       where=ledger["shown"])
+                       or budget_refusal(records, m, recipe=None, dataset_id=ledger["dataset_id"],
+                                         where=ledger["shown"])[1])
+                if why:
+                    raise BudgetError(f"{why}. No trial was run")
+            delta, acc = ds_budget.delta, ds_budget.accountant
         entries = (release_entries_of(same) + hold_entries(holds, meta)
                    + release_entries(missing)[0] + trials)
         total = _acc.epsilon_with_threshold(merge_entries(entries), delta,
@@ -187,7 +225,9 @@ def check_sweep_budget(cfgs: list, planned: list, log=print) -> dict | None:
                      "live_holds": holders}
         if total > budget:
             raise BudgetError(
-                f"privacy.budget_epsilon={budget:g}: the sweep does not fit. The dataset ledger "
+                (f"privacy.budget_epsilon={budget:g}" if ds_budget is None else
+                 f"the dataset's budget ε = {budget:g} (recorded in its ledger)")
+                + f": the sweep does not fit. The dataset ledger "
                 f"{ledger['dataset_id']!r} ({ledger['shown']}) has spent ε = {spent:.4f} at δ = "
                 f"{delta:.3g} for the privacy unit {unit!r}"
                 + (f", live run(s) {', '.join(holders)} hold {sum(c for _, c in held)} more "

@@ -128,6 +128,8 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
     ledger = open_dataset_ledger(d, cfg.privacy.ledger, source_sha, log=log) if plan.dp else None
     if ledger is not None:
         _check_run_ledger(run_dir, run_id, ledger)  # a resumed run: its ledger.jsonl is whole
+    eval_ledger = None if ledger is None or planned.eval_plan is None else \
+        _eval_source_ledger(cfg, planned.eval_store, ledger, log)
     # A resumed run holds (and may need) only the steps after its checkpoint.
     resumed_at = rd.checkpoint_step()
     resumed_at = resumed_at if isinstance(resumed_at, int) else 0
@@ -143,6 +145,7 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         "lock": lock.info if lock is not None else None,
         "eval_event_json": None if planned.eval_plan is None else event_to_json(planned.eval_plan.event()),
         "eval_releases": 0 if planned.eval_plan is None else planned.eval_plan.releases,
+        "eval_ledger": eval_ledger,
     }
     if prior_releases:
 
@@ -165,12 +168,40 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         prior_releases=tuple(prior_releases), tokenizer=tok_use, data_stats=data_stats,
         eval_plan=planned.eval_plan,
     )
-    if cfg.privacy.budget_epsilon is not None:
+    if spec.ledger is not None:
+        # Every DP run, whatever its recipe says: the dataset's budget (its ledger's) applies.
         check_budget(spec.ledger, plan, remaining=plan.steps - resumed_at, resuming=resumed_at > 0, log=log)
     os.makedirs(run_dir, exist_ok=True)
     dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     rd.write_plan(spec.plan_record())
     return spec
+
+
+def _eval_source_ledger(cfg: RecipeConfig, eval_store, ledger: dict, log) -> dict | None:
+    """The own dataset ledger of a separate private evaluation source (``data.eval.path`` or
+    ``data.eval.dataset`` with ``public: false``): data about individuals, so every DP
+    evaluation on it is a release on *that* dataset too, recorded (and checked against its
+    budget) in its ledger besides the training data's; a later run on it starts from what
+    these evaluations spent. None for held-out units of the corpus (``data.eval.fraction``:
+    the training data's ledger holds them) and when the source is the training dataset."""
+    from types import SimpleNamespace
+
+    from llmdp.data.sources import source_fingerprint
+
+    ev = cfg.data.eval
+    if ev is None or ev.fraction is not None or ev.public is not False:
+        return None
+    sha = source_fingerprint(path=ev.path, dataset=ev.dataset, split=ev.split,
+                             config_name=ev.config_name, format=ev.format)
+    src = SimpleNamespace(path=ev.path, dataset=ev.dataset, config_name=ev.config_name,
+                          dataset_id=ev.dataset_id)
+    opened = open_dataset_ledger(src, cfg.privacy.ledger, sha, recipe_legacy=False,
+                                 log=lambda m: log(f"evaluation source {m}" if m.startswith("ledger:") else m))
+    if opened["dataset_id"] == ledger["dataset_id"]:
+        return None
+    return {"dataset_id": opened["dataset_id"], "location": opened["shown"],
+            "meta": {"dataset_fingerprint": eval_store.fingerprint,
+                     "dataset_size": eval_store.num_units}}
 
 
 def finished_run(cfg: RecipeConfig) -> dict | None:
@@ -196,26 +227,46 @@ def check_budget(ledger: LedgerSpec, plan, *, remaining: int, resuming: bool, lo
     """Hold this run's remaining steps of the dataset's budget, in one transaction with the
     check (`LedgerService.hold`): a run whose plan does not fit in what remains, after the
     releases and what live runs hold, is refused before it starts (a resumed run starts if
-    one step fits, and stops before the step that would cross it)."""
+    one step fits, and stops before the step that would cross it). The budget is the
+    dataset's, recorded in its ledger, whatever the recipe says: a recipe without
+    ``privacy.budget_epsilon`` on a budgeted dataset is checked against (and holds) it; a
+    recipe that states another budget, or a run for another privacy unit, is refused
+    (`BudgetError`). The first budgeted run records its recipe's budget. A separate private
+    evaluation source's own ledger is checked for the run's DP evaluations too."""
 
     svc = ledger.open()
     try:
         st = svc.hold(remaining, need=1 if resuming else remaining)
+        ev = svc.check_eval_source()
     finally:
         svc.db.close()
+    if ev is not None and ev.get("budget_epsilon") is not None:
+        log(f"evaluation source: its dataset ledger {ev['dataset_id']!r} has spent ε = "
+            f"{ev['epsilon_spent']:.4f} of its budget {ev['budget_epsilon']:g}; this run's DP "
+            f"evaluations are recorded and checked there too")
+    elif ev is not None:
+        log(f"evaluation source: this run's DP evaluations are recorded in its own dataset "
+            f"ledger {ev['dataset_id']!r} too")
+    if st["budget"] is None:
+        return st  # no budget on this dataset, none in the recipe: nothing held
     if not st["held"]:
         holders = [h["run_id"] for h in st["live_holds"] if h["run_id"] != ledger.service["run_id"]]
         raise BudgetError(
-            f"privacy.budget_epsilon={st['budget_epsilon']:g}: the dataset ledger "
+            f"{st['budget_label']}: the dataset ledger "
             f"{st['dataset_id']!r} ({st['ledger']}) has spent ε = {st['epsilon_spent']:.4f} at "
-            f"δ = {plan.delta:.3g} for the privacy unit {st.get('unit')!r}"
+            f"δ = {st['delta']:.3g} for the privacy unit {st.get('unit')!r}"
             + (f", and the live run(s) {', '.join(holders)} hold {st['held_steps']} more step(s)"
                if holders else "")
             + f"; this plan needs ε = {plan.epsilon():.4f} for T = {plan.steps} steps and only "
             f"{st['fit']} of its {remaining} remaining steps fit. Lower privacy.target_epsilon / "
-            f"train.steps, raise the budget, or wait for the other run(s) to end")
-    log(f"budget: ε spent on this dataset = {st['epsilon_spent']:.4f} of {st['budget_epsilon']:g}; "
-        f"this run holds its {st['held']} remaining step(s)")
+            f"train.steps, raise the dataset's budget (`llmdp privacy ledger set-budget --dataset "
+            f"{st['dataset_id']} --epsilon ...`, recorded), or wait for the other run(s) to end")
+    whose = ("the dataset's budget, recorded in its ledger: this recipe sets no "
+             "privacy.budget_epsilon" if ledger.budget_epsilon is None else
+             "the dataset's budget, recorded in its ledger" if st["budget_recorded"] else
+             "privacy.budget_epsilon")
+    log(f"budget: ε spent on this dataset = {st['epsilon_spent']:.4f} of {st['budget_epsilon']:g} "
+        f"at δ = {st['delta']:.3g} ({whose}); this run holds its {st['held']} remaining step(s)")
     return st
 
 
@@ -239,7 +290,7 @@ def run(cfg: RecipeConfig, log=print, augment=None) -> str:
 
 def _end_hold(spec: RunSpec, status: str, log) -> None:
     """The run's hold on the budget ends with the launch (a resumed run holds anew)."""
-    if spec.ledger is None or spec.ledger.budget_epsilon is None:
+    if spec.ledger is None:
         return
     try:
         svc = spec.ledger.open()

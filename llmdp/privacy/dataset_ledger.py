@@ -15,16 +15,19 @@ from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.service import open_dataset
 
 
-def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print) -> dict:
+def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print,
+                        recipe_legacy: bool = True) -> dict:
     """Open (and start, if new) the dataset ledger of recipe ``data`` ``d``: its identity
     (`dataset_identity`), the database (`resolve_location`), and the legacy JSONL ledgers
-    it replaces, imported once. Prints where it is."""
+    it replaces, imported once. Prints where it is. ``recipe_legacy``: a legacy JSONL
+    ``privacy.ledger`` is this data's (False for another source of the recipe, e.g. a
+    separate evaluation source: that file is the training data's ledger)."""
     from llmdp.data.sources import dataset_identity  # lazy: llmdp.data.sources imports datasets
 
     ident = dataset_identity(d)
     location = resolve_location(ledger_opt)
     legacy = [os.path.join(cache_root(), "ledgers", f"{sha256[:16]}.jsonl")]
-    if ledger_opt is not None and ledger_opt.endswith(".jsonl"):
+    if recipe_legacy and ledger_opt is not None and ledger_opt.endswith(".jsonl"):
         legacy.append(ledger_opt)
     db = LedgerDB(location)
     try:

@@ -209,13 +209,24 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
     """Run a tokenizer recipe end to end; returns the folder's ``llmdp_tokenizer.json``."""
     # lazy: llmdp.privacy imports torch; this module stays light (llmdp.report imports it)
     from llmdp.privacy import accountant as acc
-    from llmdp.privacy.budget import hold_entries, live_holds, release_entries_of, split_by_unit
+    from llmdp.privacy.budget import (
+        BUDGET_KIND,
+        SET_BUDGET_CMD,
+        DatasetBudget,
+        budget_label,
+        budget_record,
+        budget_refusal,
+        dataset_epsilon,
+        recipe_mismatch,
+        steps_fit,
+        unit_epsilon,
+    )
     from llmdp.privacy.dataset_ledger import open_dataset_ledger
     from llmdp.privacy.events import event_to_json
     from llmdp.privacy.keys import secure_key, seeded_key
     from llmdp.privacy.ledgerdb import LedgerDB
     from llmdp.privacy.plan import default_delta
-    from llmdp.privacy.service import BudgetError
+    from llmdp.privacy.service import BudgetError, who
     from llmdp.tokenizer import private as tp
 
     done = _check_out_dir(cfg)
@@ -268,21 +279,34 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
             # Check the budget and record the release in one transaction; write-ahead
             # (DESIGN §3.5): the release is durable before any noisy count exists.
             with db.transaction(ledger["dataset_id"], full=True) as tx:
-                if p.budget_epsilon is not None:
-                    # The budget is per privacy unit: releases for other units are not composed.
-                    same, _ = split_by_unit(tx.records, unit)
-                    entries = release_entries_of(same) + hold_entries(live_holds(tx.records), unit)
-                    d_thr = acc.threshold_delta(same + [{"extra": extra}])
-                    spent = acc.epsilon_with_threshold(release_entries_of(same), delta,
-                                                       acc.threshold_delta(same), p.accountant)
-                    after = acc.epsilon_with_threshold(entries + [(event, 1)], delta, d_thr, p.accountant)
-                    if after > p.budget_epsilon:
+                # The dataset's budget (its ledger's), whatever this recipe says; the first
+                # budgeted release records its recipe's (llmdp.privacy.budget).
+                recipe = None if p.budget_epsilon is None else DatasetBudget(
+                    float(p.budget_epsilon), float(delta), p.accountant, unit)
+                ds_id = ledger["dataset_id"]
+                why = recipe_mismatch(tx.records, recipe, dataset_id=ds_id, where=ledger["shown"])
+                budget, refused = budget_refusal(tx.records, {"unit": unit}, recipe=recipe,
+                                                 dataset_id=ds_id, where=ledger["shown"])
+                if why or refused:
+                    raise BudgetError(why or refused)
+                if budget is not None:
+                    thr = extra["delta_threshold"]
+                    if steps_fit(tx.records, budget, event, 1, extra_threshold=thr) < 1:
+                        spent = unit_epsilon(tx.records, budget.unit, budget.delta, budget.accountant)
+                        after = dataset_epsilon(tx.records, budget, extra=[(event, 1)],
+                                                extra_threshold=thr)
                         raise BudgetError(
-                            f"privacy.budget_epsilon={p.budget_epsilon:g}: the dataset ledger "
-                            f"{ledger['dataset_id']!r} ({ledger['shown']}) has spent ε = {spent:.4f} "
-                            f"at δ = {delta:.3g}; with what live runs hold and this tokenizer "
+                            f"{budget_label(budget, recipe)}: the dataset ledger {ds_id!r} "
+                            f"({ledger['shown']}) has spent ε = {spent:.4f} at δ = "
+                            f"{budget.delta:.3g}; with what live runs hold and this tokenizer "
                             f"(ε_tok = {eps:.4f}) it would be {after:.4f}. Lower "
-                            f"privacy.target_epsilon or raise the budget")
+                            f"privacy.target_epsilon or raise the dataset's budget "
+                            f"(`{SET_BUDGET_CMD} --dataset {ds_id} --epsilon ...`, recorded)")
+                    if budget_record(tx.records) is None:
+                        tx.append({"kind": BUDGET_KIND, **budget.to_record(), "previous": None,
+                                   "set_by": f"tokenizer release {release_id} (privacy.budget_epsilon, "
+                                             f"the first budgeted release on this dataset)",
+                                   "by": who(), "reason": ""})
                 rec = tx.append({"kind": "release", "event": event_to_json(event), "count": 1,
                                  "first_step": 0, "run_id": f"tokenizer-{release_id}",
                                  "attempt": "1", "meta": meta, "extra": extra})
