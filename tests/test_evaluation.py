@@ -277,6 +277,85 @@ def test_public_eval_source_is_published_and_needs_no_dp(tmp_path):
                     evaluation={"epsilon": 0.5})
 
 
+def test_dp_evaluations_on_a_private_eval_source_are_in_its_own_ledger(tmp_path):
+    """Issue 29 item 4: a separate private evaluation source (data.eval.path, public: false)
+    is data about individuals with its own dataset ledger. Each DP evaluation is recorded
+    there too (its budget checked), and once in the training data's ledger and the run's
+    ledger.jsonl (the run's report composes it once); a later budgeted run on the evaluation
+    file starts from what the evaluations spent, not from 0; a budget on the evaluation file
+    that the planned evaluations do not fit refuses the launch."""
+    from llmdp.privacy.budget import unit_epsilon
+    from llmdp.privacy.service import BudgetError
+    from llmdp.report import write_report
+
+    private = write_notes(tmp_path / "eval_notes.jsonl", 20, seed=7)
+    cfg = eval_recipe(tmp_path, eval_data={"path": str(private), "public": False},
+                      evaluation={"noise_multiplier": 3.0, "steps": [4]})
+    spec = prepared(cfg)
+    assert spec.eval_plan.releases == 2
+    train_loop_per_worker(spec, LocalContext(checkpoint_dir=str(tmp_path / "ckpt")))
+    loc = tmp_path / "ledger.sqlite"
+    on_eval = dataset_records(loc, private)
+    assert on_eval[0]["kind"] == "dataset"  # the evaluation file's own ledger
+    evals = [r for r in on_eval if r["kind"] == "release"]
+    assert [r["eval_step"] for r in evals] == [4, 6]
+    assert all(r["count"] == 1 and r["meta"]["mechanism"] == EVAL_MECHANISM
+               and r["event"] == {"module_name": "dp_accounting.dp_event",
+                                  "class_name": "GaussianDpEvent", "noise_multiplier": 3.0}
+               and r["run_id"] == spec.run_id
+               and r["meta"]["dataset_size"] == spec.data_stats["eval_units"] for r in evals)
+    # The training data's ledger and the run's ledger.jsonl: each evaluation once, naming its
+    # record in the evaluation source's ledger.
+    on_train = [r for r in dataset_records(loc, cfg.data.path)
+                if r["kind"] == "release" and not is_step_release(r)]
+    assert [r["also_recorded_in"]["hash"] for r in on_train] == [r["hash"] for r in evals]
+    run = [r for r in Ledger(os.path.join(spec.run_dir, "ledger.jsonl")).records()
+           if r["kind"] == "release" and not is_step_release(r)]
+    assert [r["hash"] for r in run] == [r["hash"] for r in on_train]
+    report = write_report(spec.run_dir)
+    acc = dp_accounting.pld.PLDAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(spec.plan.sampling_probability,
+                                                    dp_accounting.GaussianDpEvent(1.0)), 6)
+    acc.compose(dp_accounting.GaussianDpEvent(3.0), 2)
+    assert report["epsilon"] == pytest.approx(acc.get_epsilon(1e-4), rel=1e-6)
+    assert report["evaluation"]["dp_plan"]["releases_recorded"] == 2
+    # The evaluation source's ledger shows its ε: the two evaluations (dp-accounting).
+    eps_eval = dp_accounting.pld.PLDAccountant().compose(
+        dp_accounting.GaussianDpEvent(3.0), 2).get_epsilon(1e-4)
+    assert unit_epsilon(on_eval, evals[0]["meta"], 1e-4, "pld") == pytest.approx(eps_eval, rel=1e-6)
+    assert eps_eval > 0.1
+
+    # A later budgeted run on the evaluation file starts from that ε.
+    raw = to_dict(eval_recipe(tmp_path))
+    raw["data"] = {"path": str(private), "sequence_length": 24}
+    raw["train"]["expected_batch_size"] = 4
+    raw["privacy"]["budget_epsilon"] = 50.0
+    raw["output"]["name"] = "on-eval"
+    lines = []
+    from llmdp.trainer import prepare
+
+    on_eval_run = prepare(recipe_from_dict(raw), log=lines.append)
+    said = [x for x in lines if x.startswith("budget: ")]
+    assert said and said[0].startswith(f"budget: ε spent on this dataset = {eps_eval:.4f} of 50"), said
+
+    # With the evaluation file's budget just above what is spent (that run ended), a run whose
+    # DP evaluations do not fit in it is refused at launch, naming the evaluation source.
+    on_eval_run.ledger.open().end("ended")
+    from llmdp.cli import main
+
+    assert main(["privacy", "ledger", "set-budget", "--dataset", "path:" + os.path.realpath(private),
+                 "--epsilon", f"{eps_eval * 1.01:.6f}", "--ledger", str(loc)]) == 0
+    again = eval_recipe(tmp_path, eval_data={"path": str(private), "public": False},
+                        evaluation={"noise_multiplier": 3.0, "steps": [2, 4]})
+    again = recipe_from_dict({**to_dict(again), "output": {**to_dict(again)["output"], "name": "t2"}})
+    before = dataset_records(loc, private)
+    with pytest.raises(BudgetError, match=r"the evaluation source \(data.eval\) has its own dataset "
+                                          r"ledger .*with the budget ε = [0-9.]+ at δ = 0.0001.*"
+                                          r"3 DP evaluation\(s\) would take it to ε = "):
+        prepared(again)
+    assert dataset_records(loc, private) == before
+
+
 @pytest.mark.parametrize("raw, match", [
     ({"train": {"eval_every": 5}}, "train.eval_every: 5 needs held-out data"),
     ({"eval": {"epsilon": 1.0}}, "a DP evaluation needs held-out data"),

@@ -364,8 +364,7 @@ class LedgerService:
         """Why one more DP evaluation may not be released on the evaluation source's own
         ledger (None: it may): that dataset's recorded budget, if it has one."""
         eid = self.eval_ledger["dataset_id"]
-        budget, why = budget_refusal(records, self.eval_ledger.get("meta") or self.meta,
-                                     recipe=None, dataset_id=eid,
+        budget, why = budget_refusal(records, self._eval_meta(), recipe=None, dataset_id=eid,
                                      where=describe_location(self.location))
         if why is not None:
             return f"the evaluation source's ledger: {why}"
@@ -376,6 +375,12 @@ class LedgerService:
                 f"this DP evaluation would take it to ε = {eps:.4f} (with what live runs hold); "
                 f"it was not released")
 
+    def _eval_meta(self) -> dict:
+        """The meta of a DP evaluation's record in the evaluation source's ledger: this run's
+        (its unit: the evaluation units are cut like the training units) with that data's
+        fingerprint and size."""
+        return {**self.meta, **(self.eval_ledger.get("meta") or {}), "mechanism": EVAL_MECHANISM}
+
     def check_eval_source(self) -> dict | None:
         """At launch: the evaluation source's own ledger (if any) has room in its budget for
         this run's DP evaluations not yet recorded there, else `BudgetError` (nothing is
@@ -383,7 +388,7 @@ class LedgerService:
         if self.eval_ledger is None:
             return None
         eid = self.eval_ledger["dataset_id"]
-        meta = self.eval_ledger.get("meta") or self.meta
+        meta = self._eval_meta()
         records = self.db.records(eid)
         done = sum(int(r.get("count") or 0) for r in records
                    if r.get("kind") == "release" and r.get("run_id") == self.run_id)
@@ -432,8 +437,7 @@ class LedgerService:
                         "kind": "release", "event": self.eval_event_json, "count": 1,
                         "first_step": None, "eval_step": int(step), "run_id": self.run_id,
                         "attempt": self.attempt, "training_dataset_id": self.dataset_id,
-                        "meta": {**self.meta, **(self.eval_ledger.get("meta") or {}),
-                                 "mechanism": EVAL_MECHANISM}})
+                        "meta": self._eval_meta()})
             if why is not None:
                 return False, why
             also = {"also_recorded_in": {"dataset_id": eid, "seq": erec["seq"], "hash": erec["hash"]}}
