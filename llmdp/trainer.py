@@ -263,8 +263,8 @@ def check_budget(ledger: LedgerSpec, plan, *, remaining: int, resuming: bool, lo
             f"{st['dataset_id']} --epsilon ...`, recorded), or wait for the other run(s) to end")
     whose = ("the dataset's budget, recorded in its ledger: this recipe sets no "
              "privacy.budget_epsilon" if ledger.budget_epsilon is None else
-             "the dataset's budget, recorded in its ledger" if st["budget_recorded"] else
-             "privacy.budget_epsilon")
+             "privacy.budget_epsilon, now recorded as the dataset's budget" if st["budget_set_now"]
+             else "the dataset's budget, recorded in its ledger, as this recipe states")
     log(f"budget: ε spent on this dataset = {st['epsilon_spent']:.4f} of {st['budget_epsilon']:g} "
         f"at δ = {st['delta']:.3g} ({whose}); this run holds its {st['held']} remaining step(s)")
     return st

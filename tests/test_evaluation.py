@@ -365,6 +365,8 @@ def test_dp_evaluations_on_a_private_eval_source_are_in_its_own_ledger(tmp_path)
     ({"data": {"eval": {"fraction": 0.1}}, "eval": {"steps": [3]}}, "neither eval.epsilon"),
     ({"data": {"eval": {"fraction": 0.1}}, "eval": {"epsilon": 1, "steps": [99]}}, "beyond train.steps"),
     ({"data": {"eval": {"fraction": 1.5}}}, "data.eval.fraction"),
+    ({"data": {"eval": {"fraction": 0.1, "dataset_id": "x"}}}, "data.eval.dataset_id: 'x' names"),
+    ({"data": {"eval": {"path": "x.jsonl", "public": True, "dataset_id": "x"}}}, "public data has none"),
 ])
 def test_eval_config_errors_name_the_key(tmp_path, raw, match):
     base = {"model": {"init": "tiny", "tokenizer": "./tok"}, "data": {"path": "d.jsonl"},

@@ -144,6 +144,58 @@ def test_a_legacy_jsonl_dataset_ledger_is_imported_once(tmp_path, monkeypatch):
     assert [r["count"] for r in old] == [4, 4] and all(r["imported_from"] == str(legacy) for r in old)
 
 
+# ------------------------------------------------------------------ a budget belongs to the dataset
+
+
+def test_the_budget_is_the_datasets_whatever_the_recipe_says(tmp_path, monkeypatch):
+    """Issue 29 items 2 and 7 through `trainer.prepare`: the first budgeted launch records its
+    budget in the dataset ledger; a recipe without a budget is checked against it and holds
+    (its log line says whose budget); a recipe with another ε, δ or accountant is refused,
+    naming both budgets and the command that changes it; a run for another privacy unit is
+    refused, naming both units. A refusal records nothing and leaves no run directory."""
+    from llmdp.privacy.service import BudgetError
+
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
+    data = write_notes(tmp_path / "notes.jsonl", 30)
+    lines = []
+    a = _prepare(recipe_from_dict(_raw(tmp_path, data, name="a", budget_epsilon=50.0)), lines)
+    ds = a.ledger.service["dataset_id"]
+    assert any(x.startswith("budget: ε spent on this dataset = 0.0000 of 50 at δ = 0.0001 "
+                            "(privacy.budget_epsilon, now recorded as the dataset's budget)")
+               for x in lines), lines
+    (budget,) = [r for r in dataset_records(None, dataset_id=ds) if r["kind"] == "budget"]
+    assert (budget["epsilon"], budget["delta"], budget["accountant"]) == (50.0, 1e-4, "pld")
+    assert budget["unit_key"] == "a sequence of 24 tokens (packed across document boundaries)"
+    assert f"run {a.run_id}" in budget["set_by"]
+    lines = []
+    b = _prepare(recipe_from_dict(_raw(tmp_path, data, name="b")), lines)
+    assert any("(the dataset's budget, recorded in its ledger: this recipe sets no "
+               "privacy.budget_epsilon); this run holds its 6 remaining step(s)" in x for x in lines), lines
+    assert [r["run_id"] for r in dataset_records(None, dataset_id=ds) if r["kind"] == "hold"] == \
+        [a.run_id, b.run_id]
+    before = dataset_records(None, dataset_id=ds)
+    for change, differ in (({"budget_epsilon": 60.0}, "ε"),
+                           ({"budget_epsilon": 50.0, "delta": 1e-3}, "δ"),
+                           ({"budget_epsilon": 50.0, "accountant": "rdp"}, "accountant")):
+        with pytest.raises(BudgetError) as e:
+            _prepare(recipe_from_dict(_raw(tmp_path, data, name="c", **change)))
+        msg = str(e.value)
+        assert msg.startswith(f"privacy.budget_epsilon={change['budget_epsilon']:g} (at privacy.delta")
+        assert f"is not the budget of the dataset ledger {ds!r}" in msg
+        assert "that is ε = 50 at δ = 0.0001 (pld) for the privacy unit 'a sequence of 24" in msg
+        assert f"(they differ in {differ})" in msg and "llmdp privacy ledger set-budget --dataset" in msg
+        assert not (tmp_path / "runs" / "c").exists()
+    raw = _raw(tmp_path, data, name="d")
+    raw["data"]["sequence_length"] = 23
+    with pytest.raises(BudgetError) as e:
+        _prepare(recipe_from_dict(raw))
+    msg = str(e.value)
+    assert "a privacy budget for the privacy unit 'a sequence of 24 tokens" in msg
+    assert "this release is for the privacy unit 'a sequence of 23 tokens" in msg
+    assert not (tmp_path / "runs" / "d").exists()
+    assert dataset_records(None, dataset_id=ds) == before
+
+
 # ------------------------------------------------------------------ one launch per run directory
 
 

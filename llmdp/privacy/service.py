@@ -472,6 +472,7 @@ class LedgerService:
             if why is not None:
                 raise BudgetError(why)
             fit, held = int(steps), 0
+            set_now = budget is not None and budget_record(tx.records) is None
             if budget is not None:
                 fit = self._budget_allows(tx, int(steps), hold=True)
                 held = fit if fit >= max(1, need) else 0
@@ -483,7 +484,8 @@ class LedgerService:
                                  **self._eval_hold(tx.records)})
                 self._append_run_line(rec)
             records = list(tx.records)
-        return {**self.status(records), "held": held, "fit": fit}
+        return {**self.status(records), "held": held, "fit": fit,
+                "budget_set_now": bool(held and set_now)}
 
     def end(self, reason: str = "run ended") -> None:
         """End this run's hold (if any): what it did not use goes back to the budget."""

@@ -155,6 +155,34 @@ def test_budget_refuses_before_recording(tmp_path, corpus):
     assert not (tmp_path / "tokenizers" / "tok").exists()
 
 
+def test_the_datasets_budget_checks_a_tokenizer_whatever_its_recipe_says(tmp_path, corpus):
+    """Issue 29 item 2: a private tokenizer's release is checked against the dataset's budget
+    (its ledger's): without a budget in its recipe it is refused when it does not fit; with
+    another budget, or for another privacy unit, it is refused naming both."""
+    from llmdp.cli import main
+    from llmdp.privacy.service import BudgetError
+
+    db, ds = str(tmp_path / "ledger.sqlite"), "path:" + os.path.realpath(corpus)
+
+    def set_budget(*args):
+        assert main(["privacy", "ledger", "set-budget", "--dataset", ds, "--ledger", db, "--create",
+                     "--epsilon", "3", "--delta", "1e-4", *args]) == 0
+
+    set_budget("--unit", "document")
+    with pytest.raises(BudgetError, match=r"the dataset's budget ε = 3 \(recorded in its ledger; this "
+                                          r"recipe sets no privacy.budget_epsilon\).*it would be"):
+        _train(tmp_path, corpus)
+    with pytest.raises(BudgetError, match=r"privacy.budget_epsilon=10 .*is not the budget of the "
+                                          r"dataset ledger .*ε = 3 at δ = 0.0001 \(pld\)"):
+        _train(tmp_path, corpus, budget_epsilon=10.0)
+    set_budget("--unit", "user", "--user-field", "user_id")  # no release yet: the unit may change
+    with pytest.raises(BudgetError, match=r"budget for the privacy unit \"user \(records sharing "
+                                          r"'user_id'\)\".*this release is for the privacy unit 'document'"):
+        _train(tmp_path, corpus)
+    assert dataset_entries(tmp_path / "ledger.sqlite", corpus) == []
+    assert not (tmp_path / "tokenizers" / "tok").exists()
+
+
 def test_user_units_group_records(tmp_path, corpus):
     cfg = tokenizer_recipe_from_dict({**_recipe(tmp_path, corpus),
                                       "data": {"path": str(corpus), "unit": "user", "user_field": "user_id"}})
