@@ -184,8 +184,6 @@ def _eval_source_ledger(cfg: RecipeConfig, eval_store, ledger: dict, log) -> dic
     budget) in its ledger besides the training data's; a later run on it starts from what
     these evaluations spent. None for held-out units of the corpus (``data.eval.fraction``:
     the training data's ledger holds them) and when the source is the training dataset."""
-    from types import SimpleNamespace
-
     from llmdp.data.sources import source_fingerprint
 
     ev = cfg.data.eval
@@ -193,9 +191,8 @@ def _eval_source_ledger(cfg: RecipeConfig, eval_store, ledger: dict, log) -> dic
         return None
     sha = source_fingerprint(path=ev.path, dataset=ev.dataset, split=ev.split,
                              config_name=ev.config_name, format=ev.format)
-    src = SimpleNamespace(path=ev.path, dataset=ev.dataset, config_name=ev.config_name,
-                          dataset_id=ev.dataset_id)
-    opened = open_dataset_ledger(src, cfg.privacy.ledger, sha, recipe_legacy=False,
+    # `ev` names its source as data does (path / dataset, config_name, dataset_id).
+    opened = open_dataset_ledger(ev, cfg.privacy.ledger, sha, recipe_legacy=False,
                                  log=lambda m: log(f"evaluation source {m}" if m.startswith("ledger:") else m))
     if opened["dataset_id"] == ledger["dataset_id"]:
         return None
