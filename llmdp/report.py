@@ -395,16 +395,11 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
     problems = cross_check(run_records, records, run_id) if run_id else []
     if problems:
         raise LedgerError(problems[0])
-    # The dataset's budget is its ledger's (whatever the run's recipe said): ε spent and what
-    # remains are stated at that budget's δ, by its accountant.
-    b = recorded_budget(records)
-    if b is None:
-        out = budget_status(records, plan_info.get("budget_epsilon"), plan.delta, plan.accountant,
-                            unit, location, info["dataset_id"])
-    else:
-        out = budget_status(records, b.epsilon, b.delta, b.accountant, unit, location,
-                            info["dataset_id"])
-        out["budget"] = b.describe()
+    b = recorded_budget(records)  # the dataset's, whatever the recipe said: at its δ
+    out = budget_status(records, plan_info.get("budget_epsilon"), plan.delta, plan.accountant, unit,
+                        location, info["dataset_id"]) if b is None else \
+        {**budget_status(records, b.epsilon, b.delta, b.accountant, unit, location,
+                         info["dataset_id"]), "budget": b.describe()}
     out["cross_checked"] = True
     return out
 

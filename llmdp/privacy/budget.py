@@ -36,7 +36,8 @@ __all__ = ["NOT_COMPOSED", "unit_key", "split_by_unit", "release_entries_of", "u
            "not_composed", "steps_within_budget", "live_holds", "hold_entries", "unused_hold_entries",
            "holder_alive",
            "budget_status", "BUDGET_KIND", "DatasetBudget", "recorded_budget", "budget_record",
-           "budget_refusal", "recipe_mismatch", "budget_label", "steps_fit", "dataset_epsilon", "SET_BUDGET_CMD"]
+           "budget_refusal", "recipe_mismatch", "budget_label", "check_release", "first_budget_record",
+           "who", "steps_fit", "dataset_epsilon", "SET_BUDGET_CMD"]
 
 # How a release for another privacy unit is listed next to a unit's "ε spent".
 NOT_COMPOSED = "not composed: different privacy unit"
@@ -454,3 +455,43 @@ def steps_fit(records, budget: DatasetBudget, event, want: int, *, exclude: str 
     thr = 1.0 - (1.0 - _acc.threshold_delta(same)) * (1.0 - float(extra_threshold))
     return steps_within_budget(_merged(base), event, budget.epsilon, budget.delta,
                                budget.accountant, want, thr)
+
+
+def who() -> str:
+    """user@host, recorded with what a person (or a run) set: a budget, a repair."""
+    import getpass
+    import socket
+
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+def first_budget_record(budget: DatasetBudget, set_by: str) -> dict:
+    """The ``budget`` record the first budgeted release on a dataset writes, in its own
+    transaction (its recipe's budget). Not a record of any run (``run_id`` None)."""
+    return {"kind": BUDGET_KIND, **budget.to_record(), "previous": None, "set_by": set_by,
+            "by": who(), "reason": "", "run_id": None}
+
+
+def check_release(records, unit, event, *, recipe: DatasetBudget | None, dataset_id: str,
+                  where: str | None = None, extra_threshold: float = 0.0,
+                  what: str = "this release") -> tuple[DatasetBudget | None, str | None]:
+    """One release (``event``, once) for ``unit`` on a dataset, checked as every release is:
+    the recipe's stated budget against the recorded one (`recipe_mismatch`), the unit
+    (`budget_refusal`), and ε(releases + live holds + it) <= the budget (`steps_fit`).
+    Returns (the budget to record with it: the recipe's when the dataset has none yet, else
+    None; why it is refused, or None)."""
+    why = recipe_mismatch(records, recipe, dataset_id=dataset_id, where=where)
+    budget, refused = budget_refusal(records, unit, recipe=recipe, dataset_id=dataset_id, where=where)
+    if why or refused:
+        return None, why or refused
+    if budget is None:
+        return None, None
+    if steps_fit(records, budget, event, 1, extra_threshold=extra_threshold) < 1:
+        spent = unit_epsilon(records, budget.unit, budget.delta, budget.accountant)
+        after = dataset_epsilon(records, budget, extra=[(event, 1)], extra_threshold=extra_threshold)
+        return None, (
+            f"{budget_label(budget, recipe)}: {_ledger_name(dataset_id, where)} has spent ε = "
+            f"{spent:.4f} at δ = {budget.delta:.3g}; with what live runs hold and {what} it would "
+            f"be {after:.4f}. Lower privacy.target_epsilon or raise the dataset's budget "
+            f"(`{SET_BUDGET_CMD} --dataset {dataset_id} --epsilon ...`, recorded)")
+    return (budget if budget_record(records) is None else None), None

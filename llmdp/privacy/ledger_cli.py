@@ -24,11 +24,12 @@ from llmdp.privacy.budget import (
     split_by_unit,
     unit_epsilon,
     unit_key,
+    who,
 )
 from llmdp.privacy.ledger import LEDGER_FILENAME, LedgerError, append_line
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.service import run_ledger_problems, who
+from llmdp.privacy.service import run_ledger_problems
 from llmdp.rundir import RunDir
 
 

@@ -23,7 +23,13 @@ and each DP evaluation, inside a run's own hold too. A launch whose recipe state
 budget, and a release for another privacy unit, are refused.
 
 "ε spent" is per privacy unit definition; the arithmetic (ε spent, holds, how many steps
-fit) is pure functions over ledger records, in `llmdp.privacy.budget`.
+fit) is pure functions over ledger records, in `llmdp.privacy.budget` (and, for a separate
+evaluation source's ledger, `llmdp.privacy.eval_source`).
+
+Why one file of about 600 lines: it is mostly one class, `LedgerService`, the single writer,
+whose methods are each one transaction in which a check and the record it admits must be
+read together (a hold, a block, a DP evaluation), and whose write-ahead order between the
+database and ``ledger.jsonl`` is one contract; the pure arithmetic is already elsewhere.
 """
 
 from __future__ import annotations
@@ -32,10 +38,10 @@ import os
 import time
 
 from llmdp.privacy import accountant as _acc
+from llmdp.privacy import eval_source as _eval_source
 from llmdp.privacy import ledger as _ledger  # append_line looked up at each call (tests patch it)
 from llmdp.privacy.budget import (
     _UNKNOWN_UNIT,
-    BUDGET_KIND,
     SET_BUDGET_CMD,
     DatasetBudget,
     budget_label,
@@ -43,6 +49,7 @@ from llmdp.privacy.budget import (
     budget_refusal,
     budget_status,
     dataset_epsilon,
+    first_budget_record,
     holder_alive,
     live_holds,
     recipe_mismatch,
@@ -67,19 +74,12 @@ from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.prior import release_entries as prior_entries
 
 __all__ = ["BudgetError", "LedgerService", "cross_check", "open_dataset",
-           "run_ledger_problems", "who"]
+           "run_ledger_problems"]
 
 
 class BudgetError(RuntimeError):
     """The dataset's privacy budget does not allow what was asked."""
 
-
-def who() -> str:
-    """user@host, recorded with what a person (or a run) set: a budget, a repair."""
-    import getpass
-    import socket
-
-    return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, log=print,
@@ -251,9 +251,7 @@ class LedgerService:
         transaction of that release (a no-op once a budget is recorded). Not a record of the
         run (run_id None): the run's chain and ledger.jsonl hold its releases only."""
         if budget_record(tx.records) is None:
-            tx.append({"kind": BUDGET_KIND, **budget.to_record(), "previous": None,
-                       "set_by": f"run {self.run_id} (privacy.budget_epsilon, the first budgeted "
-                                 f"release on this dataset)", "by": who(), "reason": ""})
+            tx.append(first_budget_record(budget, f"run {self.run_id} (privacy.budget_epsilon)"))
 
     def _end_dead_holds(self, tx) -> None:
         """End the holds of runs that died (their lock file is free), in this transaction."""
@@ -360,55 +358,23 @@ class LedgerService:
                         f"{budget.delta:.3g} (with what live runs hold); it was not released")
         return None
 
-    def _eval_source_refusal(self, records) -> str | None:
-        """Why one more DP evaluation may not be released on the evaluation source's own
-        ledger (None: it may): that dataset's recorded budget, if it has one."""
-        eid = self.eval_ledger["dataset_id"]
-        budget, why = budget_refusal(records, self._eval_meta(), recipe=None, dataset_id=eid,
-                                     where=describe_location(self.location))
-        if why is not None:
-            return f"the evaluation source's ledger: {why}"
-        if budget is None or steps_fit(records, budget, self.eval_event, 1) >= 1:
-            return None
-        eps = dataset_epsilon(records, budget, extra=[(self.eval_event, 1)])
-        return (f"the evaluation source's dataset ledger {eid!r} has the budget {budget.describe()}; "
-                f"this DP evaluation would take it to ε = {eps:.4f} (with what live runs hold); "
-                f"it was not released")
-
-    def _eval_meta(self) -> dict:
-        """The meta of a DP evaluation's record in the evaluation source's ledger: this run's
-        (its unit: the evaluation units are cut like the training units) with that data's
-        fingerprint and size."""
-        return {**self.meta, **(self.eval_ledger.get("meta") or {}), "mechanism": EVAL_MECHANISM}
-
     def check_eval_source(self) -> dict | None:
         """At launch: the evaluation source's own ledger (if any) has room in its budget for
-        this run's DP evaluations not yet recorded there, else `BudgetError` (nothing is
-        held there: each release is checked again when it is made). Returns its status."""
+        this run's DP evaluations not yet recorded there (`eval_source.launch_refusal`), else
+        `BudgetError`. Returns its status."""
         if self.eval_ledger is None:
             return None
         eid = self.eval_ledger["dataset_id"]
-        meta = self._eval_meta()
         records = self.db.records(eid)
         done = sum(int(r.get("count") or 0) for r in records
                    if r.get("kind") == "release" and r.get("run_id") == self.run_id)
-        left = max(0, self.eval_releases - done)
-        where = describe_location(self.location)
-        budget, why = budget_refusal(records, meta, recipe=None, dataset_id=eid, where=where)
+        status, why = _eval_source.launch_refusal(
+            records, meta=_eval_source.eval_meta(self.meta, self.eval_ledger), event=self.eval_event,
+            left=max(0, self.eval_releases - done), dataset_id=eid,
+            where=describe_location(self.location), delta=self.delta, accountant=self.accountant)
         if why is not None:
-            raise BudgetError(f"the evaluation source's ledger (data.eval): {why}")
-        if budget is None:
-            return budget_status(records, None, self.delta, self.accountant, meta, where, eid)
-        if left and steps_fit(records, budget, self.eval_event, left) < left:
-            eps = dataset_epsilon(records, budget, extra=[(self.eval_event, left)])
-            raise BudgetError(
-                f"the evaluation source (data.eval) has its own dataset ledger {eid!r} ({where}) "
-                f"with the budget {budget.describe()}: this run's {left} DP evaluation(s) would "
-                f"take it to ε = {eps:.4f} (with what live runs hold). Lower the number of DP "
-                f"evaluations (eval.steps) or raise eval.noise_multiplier / lower eval.epsilon, "
-                f"or raise that dataset's budget (`{SET_BUDGET_CMD} --dataset {eid} ...`)")
-        return budget_status(records, budget.epsilon, budget.delta, budget.accountant, meta,
-                             where, eid)
+            raise BudgetError(why)
+        return status
 
     def release_eval(self, step: int) -> tuple[bool, str]:
         """Write-ahead: one DP evaluation (after ``step`` steps) durable in both ledgers
@@ -430,14 +396,16 @@ class LedgerService:
             if why is not None:
                 return False, why
             eid = self.eval_ledger["dataset_id"]
+            meta = _eval_source.eval_meta(self.meta, self.eval_ledger)
             with self.db.transaction(eid) as etx:
-                why = self._eval_source_refusal(etx.records)
+                why = _eval_source.release_refusal(etx.records, meta=meta, event=self.eval_event,
+                                                   dataset_id=eid, where=describe_location(self.location))
                 if why is None:
                     erec = etx.append({
                         "kind": "release", "event": self.eval_event_json, "count": 1,
                         "first_step": None, "eval_step": int(step), "run_id": self.run_id,
                         "attempt": self.attempt, "training_dataset_id": self.dataset_id,
-                        "meta": self._eval_meta()})
+                        "meta": meta})
             if why is not None:
                 return False, why
             also = {"also_recorded_in": {"dataset_id": eid, "seq": erec["seq"], "hash": erec["hash"]}}

@@ -209,24 +209,13 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
     """Run a tokenizer recipe end to end; returns the folder's ``llmdp_tokenizer.json``."""
     # lazy: llmdp.privacy imports torch; this module stays light (llmdp.report imports it)
     from llmdp.privacy import accountant as acc
-    from llmdp.privacy.budget import (
-        BUDGET_KIND,
-        SET_BUDGET_CMD,
-        DatasetBudget,
-        budget_label,
-        budget_record,
-        budget_refusal,
-        dataset_epsilon,
-        recipe_mismatch,
-        steps_fit,
-        unit_epsilon,
-    )
+    from llmdp.privacy.budget import DatasetBudget, check_release, first_budget_record
     from llmdp.privacy.dataset_ledger import open_dataset_ledger
     from llmdp.privacy.events import event_to_json
     from llmdp.privacy.keys import secure_key, seeded_key
     from llmdp.privacy.ledgerdb import LedgerDB
     from llmdp.privacy.plan import default_delta
-    from llmdp.privacy.service import BudgetError, who
+    from llmdp.privacy.service import BudgetError
     from llmdp.tokenizer import private as tp
 
     done = _check_out_dir(cfg)
@@ -283,30 +272,15 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
                 # budgeted release records its recipe's (llmdp.privacy.budget).
                 recipe = None if p.budget_epsilon is None else DatasetBudget(
                     float(p.budget_epsilon), float(delta), p.accountant, unit)
-                ds_id = ledger["dataset_id"]
-                why = recipe_mismatch(tx.records, recipe, dataset_id=ds_id, where=ledger["shown"])
-                budget, refused = budget_refusal(tx.records, {"unit": unit}, recipe=recipe,
-                                                 dataset_id=ds_id, where=ledger["shown"])
-                if why or refused:
-                    raise BudgetError(why or refused)
-                if budget is not None:
-                    thr = extra["delta_threshold"]
-                    if steps_fit(tx.records, budget, event, 1, extra_threshold=thr) < 1:
-                        spent = unit_epsilon(tx.records, budget.unit, budget.delta, budget.accountant)
-                        after = dataset_epsilon(tx.records, budget, extra=[(event, 1)],
-                                                extra_threshold=thr)
-                        raise BudgetError(
-                            f"{budget_label(budget, recipe)}: the dataset ledger {ds_id!r} "
-                            f"({ledger['shown']}) has spent ε = {spent:.4f} at δ = "
-                            f"{budget.delta:.3g}; with what live runs hold and this tokenizer "
-                            f"(ε_tok = {eps:.4f}) it would be {after:.4f}. Lower "
-                            f"privacy.target_epsilon or raise the dataset's budget "
-                            f"(`{SET_BUDGET_CMD} --dataset {ds_id} --epsilon ...`, recorded)")
-                    if budget_record(tx.records) is None:
-                        tx.append({"kind": BUDGET_KIND, **budget.to_record(), "previous": None,
-                                   "set_by": f"tokenizer release {release_id} (privacy.budget_epsilon, "
-                                             f"the first budgeted release on this dataset)",
-                                   "by": who(), "reason": ""})
+                first, why = check_release(
+                    tx.records, {"unit": unit}, event, recipe=recipe, dataset_id=ledger["dataset_id"],
+                    where=ledger["shown"], extra_threshold=extra["delta_threshold"],
+                    what=f"this tokenizer (ε_tok = {eps:.4f})")
+                if why is not None:
+                    raise BudgetError(why)
+                if first is not None:
+                    tx.append(first_budget_record(first, f"tokenizer release {release_id} "
+                                                         f"(privacy.budget_epsilon)"))
                 rec = tx.append({"kind": "release", "event": event_to_json(event), "count": 1,
                                  "first_step": 0, "run_id": f"tokenizer-{release_id}",
                                  "attempt": "1", "meta": meta, "extra": extra})
