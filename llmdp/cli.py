@@ -304,9 +304,10 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command in ("submit", "sweep") and all("=" in e and not e.startswith("-") for e in extra):
-        # argparse stops filling a positional list at the first option: `submit R --address A
-        # k=v` leaves k=v over. Overrides may come anywhere, in the order written.
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        # argparse stops filling a positional list at the first option: `train R --debug k=v`
+        # or `audit R --canaries 100 k=v` leaves k=v over. Every command that takes overrides
+        # takes them anywhere after its recipe, in the order written.
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
