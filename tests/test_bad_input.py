@@ -77,6 +77,32 @@ def test_empty_jsonl(workdir, capsys):
     assert str(data) in err and "data.path" in err and "no records" in err, err
 
 
+@pytest.mark.parametrize("ext,content", [(".txt", "a note about the visit\n"),
+                                         (".jsonl", json.dumps(GOOD[0]) + "\n")])
+@pytest.mark.parametrize("blank", ["", "  \n\n"])
+def test_an_empty_file_in_a_folder_is_named(workdir, capsys, ext, content, blank):
+    """Issue 30 item 11: a folder's empty (or blank) file stops the run, naming the file,
+    as an empty single file does; it is never skipped silently."""
+    folder = workdir / "notes"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"n{i}{ext}").write_text(content)
+    (folder / f"zz-empty{ext}").write_text(blank)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes"}))
+    assert f"zz-empty{ext}" in err and "no records" in err, err
+
+
+def test_plan_chunks_names_an_empty_file(tmp_path):
+    """The same on the Ray Data path's chunk planner."""
+    from llmdp.config import ConfigError
+    from llmdp.data.chunks import plan_chunks
+
+    (tmp_path / "a.txt").write_text("one note\n")
+    (tmp_path / "b.txt").write_text("\n \n")
+    with pytest.raises(ConfigError, match="b.txt holds no data"):
+        plan_chunks(str(tmp_path), "auto", "file", 1 << 20)
+
+
 def test_malformed_jsonl_line_names_the_right_line(workdir, capsys):
     lines = [json.dumps(r) for r in GOOD]
     lines.insert(3, '{"text": "unterminated')  # line 4

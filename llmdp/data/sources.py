@@ -51,6 +51,7 @@ from llmdp.data.files import (
     _diagnose_json,
     _no_records,
     _read_text_files,
+    check_not_blank,
     data_files,
     resolve_format,
     saved_dataset_kind,
@@ -83,12 +84,14 @@ def _quiet_logger(name: str):
 def _load_local(path: str, files: list[str], builder: str, text_split: str) -> datasets.Dataset:
     where = f"data.path={path!r}"
     if builder == "text":
-        texts, _ = _read_text_files(files, text_split)
+        texts, _ = _read_text_files(files, text_split, where)
         if not texts:
             raise _no_records(where, files)
         return datasets.Dataset.from_dict({"text": texts})
     for f in files if builder in ("json", "csv") else ():
         _check_utf8(f)
+    if builder in ("json", "csv"):
+        check_not_blank(files, where)
     try:
         # datasets logs each failed parse attempt with its traceback; the message below
         # says what is wrong (file and line), so its log is silenced for this call.
