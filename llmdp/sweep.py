@@ -241,7 +241,7 @@ def run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | N
     try:
         return _run_locked(cfg, spec, sweep_dir, log, run_trial, plan_trial, rng)
     finally:
-        lock.release()
+        lock.release(remove=not os.path.isdir(sweep_dir))  # a refused sweep leaves no lock file
 
 
 def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial, rng) -> dict:

@@ -234,7 +234,9 @@ def run(cfg: RecipeConfig, log=print, augment=None) -> str:
     try:
         return _run_locked(cfg, lock, log, augment)
     finally:
-        lock.release()
+        # A launch refused before it created the run directory (bad input, budget) leaves
+        # no lock file behind; a run directory keeps its lock file beside it.
+        lock.release(remove=not os.path.isdir(cfg.run_dir))
 
 
 def _end_hold(spec: RunSpec, status: str, log) -> None:

@@ -51,6 +51,8 @@ def train_fails(workdir, capsys, recipe: str, *overrides: str) -> str:
     assert err.count("\n") == 1, err
     name = os.path.splitext(os.path.basename(recipe))[0]
     assert not os.path.exists(workdir / "runs" / name), os.listdir(workdir / "runs")
+    # Issue 30 item 12: a refused launch leaves no lock file either.
+    assert not os.path.exists(workdir / "runs" / f".{name}.lock"), os.listdir(workdir / "runs")
     ledgers = workdir / "cache" / "ledgers"
     assert not ledgers.exists() or not any(
         p.stat().st_size for p in ledgers.iterdir()), list(ledgers.iterdir())

@@ -331,3 +331,35 @@ def test_a_damaged_run_ledger_stops_a_resume_before_any_release(tmp_path, monkey
     assert main(["privacy", "ledger", "repair", prep.run_dir]) == 0
     assert Ledger(path).total_count() == 4
     _prepare(recipe_from_dict(raw))  # accepted again
+
+
+def test_a_removed_lock_file_cannot_be_held_twice(tmp_path, monkeypatch):
+    """Issue 30 item 12: `RunLock.release(remove=True)` deletes the file while holding it. A
+    launch that opened the old file just before and flocks it after the removal must not
+    think it holds the run: it re-checks the name and takes the new file, and a third
+    launch is then refused."""
+    import fcntl
+
+    from llmdp._fs import RunDirInUse, RunLock
+
+    run_dir = str(tmp_path / "runs" / "t")
+    first = RunLock(run_dir)
+    real = fcntl.flock
+    fired = []
+
+    def flock_after_removal(fd, op):
+        if not fired:  # the contender's first flock: the holder removes and releases first
+            fired.append(fd)
+            first.release(remove=True)
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_removal)
+    second = RunLock(run_dir)
+    monkeypatch.setattr(fcntl, "flock", real)
+    assert os.path.exists(second.path)
+    assert os.stat(second.path).st_ino == os.fstat(second._fd).st_ino
+    with pytest.raises(RunDirInUse):
+        RunLock(run_dir)
+    second.release(remove=True)
+    assert not os.path.exists(second.path)
+    RunLock(run_dir).release()
