@@ -274,3 +274,15 @@ def test_hub_ids_stay_ids_and_paths_become_paths(workdir, value, is_path):
     cfg = load_recipe(write_recipe(workdir, {"path": "ok.jsonl"}), [f"model.tokenizer={value}"])
     expected = os.path.normpath(os.path.join(workdir, value)) if is_path else value
     assert cfg.model.tokenizer == expected
+
+
+@pytest.mark.parametrize("home", ["", "sub", "sub/deeper"])
+def test_an_llmdp_home_that_cannot_be_created_is_named(workdir, capsys, monkeypatch, home):
+    """Issue 30 item 5: LLMDP_HOME that cannot be created (under a file, say) gets one
+    message naming it and the fix, not a FileNotFoundError / NotADirectoryError traceback."""
+    (workdir / "file").write_text("not a folder")
+    write_lines(workdir / "notes.jsonl", GOOD)
+    bad = workdir / "file" / home if home else workdir / "file"  # the file itself, or under it
+    monkeypatch.setenv("LLMDP_HOME", str(bad))
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes.jsonl"}))
+    assert "LLMDP_HOME" in err and str(bad) in err, err

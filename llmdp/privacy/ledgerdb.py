@@ -154,7 +154,13 @@ class LedgerDB:
                 raise LedgerError(f"the ledger database {self.location} does not exist (was "
                                   f"LLMDP_HOME or privacy.ledger different when the run was made?)")
             if not self.read_only:
-                make_dirs(os.path.dirname(self.location) or ".")
+                folder = os.path.dirname(self.location) or "."
+                try:
+                    make_dirs(folder)
+                except OSError as e:
+                    raise LedgerError(_unusable_folder(folder, e)) from None
+                if not os.path.isdir(folder):
+                    raise LedgerError(_unusable_folder(folder, NotADirectoryError("not a folder")))
             try:
                 self._conn = sqlite3.connect(self.location, timeout=300, isolation_level=None,
                                              check_same_thread=False)
@@ -476,3 +482,14 @@ class LedgerDB:
         return len(releases)
 
 
+
+
+def _unusable_folder(folder: str, e: OSError) -> str:
+    from llmdp.privacy.ledger_location import default_location
+
+    which = ("LLMDP_HOME" if os.path.join(folder, "ledger.sqlite") == default_location()
+             else "privacy.ledger")
+    why = e.strerror or str(e)
+    return (f"{which}: the ledgers' folder {folder} cannot be created or used ({why}); set "
+            f"{which} to a folder you can write (it is created if missing), e.g. "
+            f"LLMDP_HOME=~/.local/share/llmdp")
