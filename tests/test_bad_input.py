@@ -258,7 +258,7 @@ def test_unknown_bare_tokenizer_name_is_one_message(workdir, capsys):
     write_lines(workdir / "ok.jsonl", GOOD)
     err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "ok.jsonl"}),
                       "model.tokenizer=no-such-tokenizer-xyz")
-    assert "model.tokenizer: 'no-such-tokenizer-xyz' is neither a tokenizer folder" in err, err
+    assert "model.tokenizer: 'no-such-tokenizer-xyz' is not a local folder and not in the Hugging Face cache" in err, err
 
 
 @pytest.mark.parametrize("value,is_path", [
@@ -286,3 +286,29 @@ def test_an_llmdp_home_that_cannot_be_created_is_named(workdir, capsys, monkeypa
     monkeypatch.setenv("LLMDP_HOME", str(bad))
     err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes.jsonl"}))
     assert "LLMDP_HOME" in err and str(bad) in err, err
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_an_uncached_hub_model_offline_gets_one_message_at_once(workdir, capsys, monkeypatch, offline):
+    """Issue 30 item 4: `model.name_or_path=meta-llama/Llama-3.2-1B` on an air-gapped machine
+    (offline mode, or a Hub that cannot be reached) stops at once with one message saying
+    how to bring the model over: no minute of retries, no transformers OSError traceback."""
+    import time
+
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(hub_constants, "ENDPOINT", "http://127.0.0.1:9")  # refused at once
+    monkeypatch.setenv("HF_HUB_CACHE", str(workdir / "hf-cache"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(workdir / "hf-cache"))
+    write_lines(workdir / "notes.jsonl", GOOD)
+    recipe = write_recipe(workdir, {"path": "notes.jsonl"})
+    raw = json.loads(open(recipe).read())
+    raw["model"] = {"init": "pretrained", "name_or_path": "meta-llama/Llama-3.2-1B"}
+    open(recipe, "w").write(json.dumps(raw))
+    t0 = time.monotonic()
+    err = train_fails(workdir, capsys, recipe)
+    assert time.monotonic() - t0 < 30  # not a minute of retries (it takes about a second)
+    assert "model.name_or_path: 'meta-llama/Llama-3.2-1B' is not a local folder" in err, err
+    assert ("offline mode is on" if offline else "the Hub cannot be reached") in err, err
+    assert "hf download meta-llama/Llama-3.2-1B --local-dir DIR" in err, err

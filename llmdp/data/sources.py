@@ -186,15 +186,9 @@ def _offline_flags() -> bool:
 
 
 def _is_connection_error(exc: BaseException) -> bool:
-    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+    from llmdp._hf import is_connection_error
 
-    if isinstance(exc, (ConnectionError, OfflineModeIsEnabled, LocalEntryNotFoundError, TimeoutError)):
-        return True
-    try:
-        import httpx
-    except ImportError:  # pragma: no cover - huggingface_hub depends on httpx
-        return False
-    return isinstance(exc, (httpx.TransportError,))
+    return is_connection_error(exc)
 
 
 def _hub_name(dataset, config_name, split) -> str:
