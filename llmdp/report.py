@@ -117,9 +117,11 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     # The run's meta, from its last release (a hold or hold_end record carries no unit).
     last_meta = next((r["meta"] for r in reversed(records)
                       if r.get("kind") == "release" and r.get("meta")), {})
-    unit_meta = last_meta.get("unit") or {}
+    # Before any release (a run stopped at step 0), plan.json states the unit; a run of an
+    # older version without it is described from its recipe.
+    unit_meta = last_meta.get("unit") or plan_info.get("unit") or {}
     data_cfg = cfg["data"]
-    unit_desc = unit_meta.get("description") or f"a sequence of {data_cfg['sequence_length']} tokens"
+    unit_desc = unit_meta.get("description") or _describe_unit_from_recipe(data_cfg)
     unit_kind = unit_meta.get("kind") or data_cfg["unit"]
     rows_cap = int(unit_meta.get("max_rows_per_unit") or data_cfg.get("max_rows_per_unit") or 1)
     seq_len = int(unit_meta.get("sequence_length") or data_cfg["sequence_length"])
@@ -399,6 +401,20 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
                         location, info["dataset_id"])
     out["cross_checked"] = True
     return out
+
+
+def _describe_unit_from_recipe(data_cfg: dict) -> str:
+    """The unit's description from the recipe's data section (as planning builds it)."""
+    from llmdp.data.units import UnitSpec
+
+    kind = data_cfg.get("unit") or "sequence"
+    try:
+        return UnitSpec(kind=kind, sequence_length=int(data_cfg["sequence_length"]),
+                        max_rows_per_unit=1 if kind == "sequence" else int(data_cfg.get("max_rows_per_unit") or 1),
+                        document_masking=bool(data_cfg.get("document_masking")),
+                        user_field=data_cfg.get("user_field") if kind == "user" else None).describe()
+    except (ValueError, TypeError, KeyError):
+        return f"a {kind} unit (data.unit={kind!r})"
 
 
 def _describe_records(data_cfg: dict) -> str:

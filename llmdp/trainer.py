@@ -163,7 +163,7 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         dataset_ledger=None if ledger is None else {"location": ledger["shown"],
                                                     "dataset_id": ledger["dataset_id"]},
         prior_releases=tuple(prior_releases), tokenizer=tok_use, data_stats=data_stats,
-        eval_plan=planned.eval_plan,
+        eval_plan=planned.eval_plan, unit=ledger_meta["unit"],
     )
     if cfg.privacy.budget_epsilon is not None:
         check_budget(spec.ledger, plan, remaining=plan.steps - resumed_at, resuming=resumed_at > 0, log=log)

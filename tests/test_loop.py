@@ -233,3 +233,21 @@ def test_a_finished_run_is_not_run_again(tmp_path, capsys):
     assert run(cfg, log=lines.append) == prep.run_dir  # no Ray started: nothing to do
     assert "already complete (6 of 6 steps" in lines[0] and "nothing to do" in lines[0]
     assert Ledger(os.path.join(prep.run_dir, "ledger.jsonl")).total_count() == before
+
+
+@pytest.mark.parametrize("unit", ["document", "user"])
+def test_a_run_stopped_before_its_first_release_reports_its_own_unit(tmp_path, unit):
+    """Issue 30 item 6: a document (user) run interrupted at step 0 has no release yet; its
+    report still names its unit, not "a sequence of N tokens"."""
+    from llmdp.report import write_report
+
+    overrides = {"unit": unit, "max_rows_per_unit": 2, **({"user_field": "user_id"} if unit == "user" else {})}
+    cfg = make_recipe(tmp_path)
+    cfg = type(cfg)(**{**cfg.__dict__, "data": type(cfg.data)(**{**cfg.data.__dict__, **overrides}),
+                       "train": type(cfg.train)(**{**cfg.train.__dict__, "expected_batch_size": 2})})
+    prep = prepared_config(cfg)
+    rep = write_report(prep.run_dir, interrupted=True)
+    assert rep["status"] == "interrupted" and rep["steps_completed"] == 0
+    assert rep["unit"] == unit
+    assert rep["unit_description"].startswith("a document" if unit == "document" else "a user")
+    assert "sequence of" not in rep["adjacency"]
