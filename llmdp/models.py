@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -287,7 +288,12 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, cfg)
+        with warnings.catch_warnings():
+            # peft asks transformers 5.x for `is_gradient_checkpointing`, which warns of its
+            # own deprecation on every LoRA run; nothing for the user to act on.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                    category=FutureWarning)
+            return get_peft_model(model, cfg)
     except ValueError as exc:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                          if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})

@@ -99,6 +99,10 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
                                     config_name=d.config_name, format=d.format)
     tok_use = tokenizer_for_run(cfg.model, d, data_sha256=source_sha, delta=cfg.privacy.delta)
 
+    if cfg.model.init == "tiny" and cfg.model.lora is not None:
+        log("warning: model.lora on model.init: tiny trains adapters on a RANDOMLY initialised "
+            "base model: useful to test the pipeline, not to fine-tune; set model.name_or_path "
+            "to a pretrained model (model.init: pretrained)")
     model, tokenizer = load_model(cfg.model, cache_dir=os.path.join(cache, "models"))
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)

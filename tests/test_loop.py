@@ -251,3 +251,24 @@ def test_a_run_stopped_before_its_first_release_reports_its_own_unit(tmp_path, u
     assert rep["unit"] == unit
     assert rep["unit_description"].startswith("a document" if unit == "document" else "a user")
     assert "sequence of" not in rep["adjacency"]
+
+
+def test_a_lora_run_on_a_tiny_base_says_so_and_warns_of_nothing_else(tmp_path):
+    """Issue 30 item 10: LoRA on a randomly initialised `init: tiny` base is said (it is a
+    pipeline test, not a fine-tune), and a LoRA run shows no transformers FutureWarning."""
+    import warnings
+
+    from llmdp.config import LoraConfig
+    from llmdp.trainer import prepare
+    from llmdp.worker import LocalContext, train_loop_per_worker
+
+    cfg = make_recipe(tmp_path, steps=2)
+    cfg = type(cfg)(**{**cfg.__dict__, "model": type(cfg.model)(**{
+        **cfg.model.__dict__, "lora": LoraConfig(r=2, target_modules=("q_proj", "v_proj"))})})
+    lines = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prep = prepare(cfg, log=lines.append)
+        train_loop_per_worker(prep, LocalContext())
+    assert any("model.lora on model.init: tiny" in x and "RANDOMLY" in x for x in lines), lines
+    assert not [str(w.message) for w in caught if "gradient_checkpointing" in str(w.message)]
