@@ -182,9 +182,34 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
     data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
     if eval_store is not None:
         data_stats["eval_units"] = eval_store.num_units
+    if eval_plan is not None:
+        _check_dp_eval_noise(cfg, eval_plan, eval_store.num_units, log)
     return Planned(cfg=cfg, plan=plan, store=store, unit_spec=spec, source_sha=source_sha,
                    tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats,
                    eval_store=eval_store, eval_plan=eval_plan)
+
+
+def _check_dp_eval_noise(cfg: RecipeConfig, eval_plan, units: int, log) -> None:
+    """State each DP metric's expected noise std (the operator's console: internal) and
+    refuse a plan whose releases would be mostly noise, unless ``eval.allow_noisy``."""
+    from llmdp.evaluation.dp import NOISY_EVAL_FRACTION
+
+    sd = eval_plan.expected_std(units)
+    log(f"DP evaluation: {eval_plan.releases} release(s), noise multiplier "
+        f"{eval_plan.noise_multiplier:.3g}; expected std: loss ± {sd['loss']:.3g} (of [0, "
+        f"{eval_plan.loss_bound:.3g}]), accuracy ± {sd['accuracy']:.3g} (of [0, 1]), "
+        f"{sd['fraction_of_range']:.1%} of each range")
+    if sd["fraction_of_range"] <= NOISY_EVAL_FRACTION or cfg.eval.allow_noisy:
+        return
+    need = math.ceil(eval_plan.noise_std / NOISY_EVAL_FRACTION)
+    raise ConfigError(
+        f"eval: the DP evaluation would be mostly noise: with {units} held-out unit(s) its "
+        f"std is ± {sd['loss']:.3g} on a loss in [0, {eval_plan.loss_bound:.3g}] and ± "
+        f"{sd['accuracy']:.3g} on an accuracy in [0, 1] ({sd['fraction_of_range']:.0%} of each "
+        f"range; at most {NOISY_EVAL_FRACTION:.0%} is allowed). Hold out at least {need} units "
+        f"(data.eval.fraction, or a larger data.eval source), release fewer DP evaluations "
+        f"(eval.steps), raise eval.epsilon, or set eval.allow_noisy: true to release it anyway",
+        key="eval.epsilon")
 
 
 def _dp_eval_plan(cfg: RecipeConfig, plan, vocab_size: int):

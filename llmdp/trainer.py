@@ -287,6 +287,12 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
                           interrupted=interrupted)
     if report.get("stopped"):
         log(f"stopped early: {report['stopped']}")
+    dp_evals = ((report.get("evaluation") or {}).get("dp") or [])
+    if dp_evals:
+        m = dp_evals[-1]
+        log(f"DP evaluation after step {m['step']} (released with DP, publishable): loss "
+            f"{m['loss']:.4f} ± {m['loss_std']:.4f}, token accuracy {m['accuracy']:.4f} ± "
+            f"{m['accuracy_std']:.4f} (± the std of its noise)")
     log(f"run directory: {prepared.run_dir}")
     log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
     if report.get("dp") is False:
