@@ -153,6 +153,8 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
             key="train.expected_batch_size",
         )
     priv = cfg.privacy  # privacy.dp false: a NON-PRIVATE baseline; σ is not calibrated
+    if priv.dp and cfg.privacy.delta is None:
+        _default_delta_or_refuse(N, spec.kind, log)
     plan = make_plan(
         dataset_size=N,
         expected_batch_size=cfg.train.expected_batch_size,
@@ -187,6 +189,26 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
     return Planned(cfg=cfg, plan=plan, store=store, unit_spec=spec, source_sha=source_sha,
                    tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats,
                    eval_store=eval_store, eval_plan=eval_plan)
+
+
+# The smallest corpus for which llmdp picks δ itself (a power of ten below 1/(10 N): 1e-4 at
+# N = 100). Below it a default δ would be 1e-3 or larger, a guarantee that allows one unit in
+# a thousand to be published in the clear: the user must choose δ knowingly (privacy.delta).
+MIN_UNITS_FOR_DEFAULT_DELTA = 100
+
+
+def _default_delta_or_refuse(n: int, kind: str, log) -> None:
+    from llmdp.privacy.plan import default_delta
+
+    if n < MIN_UNITS_FOR_DEFAULT_DELTA:
+        raise ConfigError(
+            f"privacy.delta: not set, and the corpus has only N = {n} {kind} unit(s), fewer than "
+            f"{MIN_UNITS_FOR_DEFAULT_DELTA}: llmdp picks δ itself only from N = "
+            f"{MIN_UNITS_FOR_DEFAULT_DELTA} on (δ would be {default_delta(n):g} here, far too "
+            f"weak to state by default). Add data, or set privacy.delta yourself, well below "
+            f"1/N = {1 / n:.3g}", key="privacy.delta")
+    log(f"privacy.delta not set: δ = {default_delta(n):g} (the largest power of ten below "
+        f"1/(10 N) for N = {n} {kind} units); set privacy.delta to choose it")
 
 
 def _check_dp_eval_noise(cfg: RecipeConfig, eval_plan, units: int, log) -> None:

@@ -312,3 +312,28 @@ def test_an_uncached_hub_model_offline_gets_one_message_at_once(workdir, capsys,
     assert "model.name_or_path: 'meta-llama/Llama-3.2-1B' is not a local folder" in err, err
     assert ("offline mode is on" if offline else "the Hub cannot be reached") in err, err
     assert "hf download meta-llama/Llama-3.2-1B --local-dir DIR" in err, err
+
+
+def test_a_tiny_corpus_needs_an_explicit_delta(workdir, capsys):
+    """Issue 30 item 9: with privacy.delta unset, a corpus of a few units is refused (a
+    default δ would be 1e-3 or more), naming N, the minimum and the fix."""
+    write_lines(workdir / "notes.jsonl", GOOD)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes.jsonl"}),
+                      "privacy.delta=null")
+    assert "privacy.delta: not set" in err and "sequence unit(s), fewer than 100" in err, err
+    assert "set privacy.delta yourself" in err, err
+
+
+def test_a_default_delta_is_said(tmp_path):
+    """Issue 30 item 9: the δ llmdp picks is stated at launch with the N it came from."""
+    from llmdp.trainer import prepare
+    from tests.test_loop import make_recipe
+
+    cfg = make_recipe(tmp_path)
+    cfg = type(cfg)(**{**cfg.__dict__, "privacy": type(cfg.privacy)(**{**cfg.privacy.__dict__, "delta": None})})
+    lines = []
+    spec = prepare(cfg, log=lines.append)
+    n = spec.plan.dataset_size
+    assert n >= 100
+    assert any(f"privacy.delta not set: δ = {spec.plan.delta:g}" in x and f"N = {n} sequence units" in x
+               for x in lines), lines
