@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from llmdp.audit.section import audit_markdown
 from llmdp.evaluation.report import evaluation_markdown
+from llmdp.report_render import plain_guarantee
 
 
 def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, license: str | None,
@@ -58,6 +59,8 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         f"private data: {what}.",
         "",
         "## Privacy",
+        "",
+        plain_guarantee(report),
         "",
         f"**Guarantee: ({report['epsilon']:.4f}, {report['delta']:.3g})-differential privacy** with "
         f"respect to {report['adjacency']}, accounted with {report['accountant'].upper()} ("

@@ -188,6 +188,9 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             **{k: v for k, v in data_stats.items() if not k.startswith("parameters_")},
         },
         "adjacency": "add-or-remove one privacy unit (" + unit_desc + ")",
+        # Internal (names fields of the private records): a unit smaller than the person the
+        # records seem to be about protects that person only through group privacy.
+        "unit_warning": _unit_warning(unit_kind, seq_len, data_stats.get("person_like_fields")),
         "mechanism_output": "every intermediate model (all T noisy updates); the final model "
         "and every checkpoint are covered",
         "data_accesses_covered": [
@@ -401,6 +404,17 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
                         location, info["dataset_id"])
     out["cross_checked"] = True
     return out
+
+
+def _unit_warning(kind: str, seq_len: int, fields) -> str | None:
+    if kind == "user" or not fields:
+        return None
+    what = f"one {seq_len}-token passage" if kind == "sequence" else "one document"
+    names = ", ".join(repr(f) for f in fields)
+    return (f"the unit protects {what}, not a person: the records carry {names}, which looks "
+            f"like it names a person (a patient, a user). Someone with k units in the data is "
+            f"protected only by group privacy (about k·ε). To protect each person, train with "
+            f"data.unit: user and data.user_field: {fields[0]}")
 
 
 def _describe_unit_from_recipe(data_cfg: dict) -> str:

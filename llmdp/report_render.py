@@ -15,6 +15,29 @@ from llmdp.evaluation.report import evaluation_markdown
 from llmdp.publish import PUBLISHABLE_NOTE
 
 
+def plain_guarantee(r: dict) -> str:
+    """The guarantee in one plain sentence for a non-specialist, before the precise one."""
+    import math
+
+    eps, delta = r["epsilon"], r["delta"]
+    size = r.get("unit_size") or {}
+    kind = r.get("unit")
+    if kind == "sequence":
+        what = f"any one {size.get('sequence_length', '?')}-token passage"
+    elif kind == "document":
+        what = "any one document"
+    elif kind == "user":
+        what = f"any one user (all records sharing {size.get('user_field')!r})"
+    else:
+        what = "any one privacy unit"
+    how = "almost nothing" if eps <= 1 else "little" if eps <= 4 else "a bounded amount"
+    factor = math.exp(eps) if eps < 700 else math.inf
+    return (f"In plain words: a person who sees this model learns {how} about whether {what} "
+            f"was in the training data: anything they conclude is at most {factor:,.3g} times "
+            f"(e^ε, ε = {eps:.2f}) more likely with it than without it, except with probability "
+            f"δ = {delta:.3g}. The smaller ε, the stronger the protection.")
+
+
 def render_markdown(r: dict) -> str:
     """Markdown of a report: the full local one, or a publishable one (`publishable_report`),
     whose internal sections are absent and so are not rendered."""
@@ -30,6 +53,8 @@ def render_markdown(r: dict) -> str:
     lines += ([f"**Warning: {r['exceeds_target']}.**", ""] if r.get("exceeds_target") else []) + [
         "# Privacy report",
         "",
+        plain_guarantee(r),
+        "",
         f"**Guarantee:** (ε = {r['epsilon']:.4f}, δ = {r['delta']:.3g})-differential privacy "
         f"with respect to {r['adjacency']}, accounted with {r['accountant'].upper()} "
         "(" + "; ".join(f"{k.upper()}: ε = {v:.4f}" for k, v in eps.items()) + ").",
@@ -37,6 +62,8 @@ def render_markdown(r: dict) -> str:
     ]
     if pub:
         lines += [f"> This is the {PUBLISHABLE_NOTE}.", ""]
+    if r.get("unit_warning"):
+        lines += [f"> **Unit warning (internal):** {r['unit_warning']}.", ""]
     if r.get("rng_warning"):
         lines += [f"> **Warning:** {r['rng_warning']}", ""]
     if r.get("status") != "complete":

@@ -272,3 +272,34 @@ def test_a_lora_run_on_a_tiny_base_says_so_and_warns_of_nothing_else(tmp_path):
         train_loop_per_worker(prep, LocalContext())
     assert any("model.lora on model.init: tiny" in x and "RANDOMLY" in x for x in lines), lines
     assert not [str(w.message) for w in caught if "gradient_checkpointing" in str(w.message)]
+
+
+def test_the_report_opens_with_a_plain_sentence_and_warns_of_a_unit_smaller_than_a_person(tmp_path):
+    """Issue 30 item 14: the report (and card) open with a plain-language sentence; a
+    sequence run on records that carry a person field (the notes' user_id) says, in the
+    internal report only, that the unit does not protect that person."""
+    from llmdp.card import model_card
+    from llmdp.publish import publishable_report
+    from llmdp.report import write_report
+    from llmdp.report_render import render_markdown
+    from llmdp.worker import LocalContext, train_loop_per_worker
+
+    cfg = make_recipe(tmp_path, steps=2)
+    prep = prepared_config(cfg)
+    train_loop_per_worker(prep, LocalContext())
+    rep = write_report(prep.run_dir)
+    md = render_markdown(rep).splitlines()
+    body = [x for x in md if x.strip()]
+    assert body[0] == "# Privacy report"
+    assert body[1].startswith("In plain words: a person who sees this model learns ")
+    assert "whether any one 24-token passage was in the training data" in body[1]
+    assert "'user_id'" in rep["unit_warning"] and "not a person" in rep["unit_warning"]
+    assert any(x.startswith("> **Unit warning (internal):**") for x in md)
+    pub = publishable_report(rep)
+    assert "unit_warning" not in pub and "Unit warning" not in render_markdown(pub)
+    assert render_markdown(pub).splitlines()[2].startswith("In plain words")
+    import yaml
+
+    card = model_card(pub, yaml.safe_load(open(os.path.join(prep.run_dir, "config.yaml"))),
+                      fmt="full", base_model=None, license=None, unverified=[])
+    assert "In plain words: a person who sees this model" in str(card)
