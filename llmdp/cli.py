@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--out", default=None, metavar="FILE.png",
                     help="also plot evaluation loss against ε to this PNG")
 
-    priv = sub.add_parser("privacy", help="accounting: epsilon, calibrate, report")
+    priv = sub.add_parser("privacy", help="accounting and dataset ledgers: epsilon, calibrate, report, ledger")
     psub = priv.add_subparsers(dest="privacy_command", required=True)
     _add_plan_args(psub.add_parser("epsilon", help="epsilon of a DP-SGD plan"), sigma=True)
     _add_plan_args(psub.add_parser("calibrate", help="noise multiplier for a target epsilon"), sigma=False)

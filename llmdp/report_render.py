@@ -132,9 +132,10 @@ def render_markdown(r: dict) -> str:
     lines += [
         "## Ledger",
         "",
-        (f"{ledger['lines']} line(s) in `ledger.jsonl`" if "lines" in ledger else "`ledger.jsonl` holds")
+        (f"{ledger['lines']} line(s) in `ledger.jsonl`" if "lines" in ledger else
+         f"`ledger.jsonl` holds {len(ledger['releases'])} release record(s)")
         + (" plus the tokenizer's release (recorded in the dataset ledger)" if tok.get(
-            "composed_into_guarantee") and "lines" in ledger else "") + "; every DP release, composed above:",
+            "composed_into_guarantee") and "lines" in ledger else "") + ": every DP release, composed above:",
         "",
         "| run | attempt | first step | count | mechanism |",
         "| --- | --- | --- | --- | --- |",
@@ -179,7 +180,9 @@ def _dataset_rows(r: dict) -> list[str]:
     budget = (f"; budget ε = {d['budget_epsilon']:g}, remaining {d['epsilon_remaining']:.4f}"
               if d.get("budget_epsilon") is not None else "; no budget set")
     other = d.get("not_composed") or []
-    listed = "; ".join(f"{x['run_id']} ({x['mechanism']}, {x['count']} release(s), unit {x['unit']}): "
+    # A dp-sgd record counts steps (a block of k steps is one record of count k).
+    listed = "; ".join(f"{x['run_id']} ({x['mechanism']}, {x['count']} "
+                       f"{'step(s)' if x['mechanism'] == 'dp-sgd' else 'release(s)'}, unit {x['unit']}): "
                        f"{x['status']}" for x in other)
     return [f"| Dataset ledger (releases on this data for this run's unit, {d.get('unit')}) | ε = "
             f"{d['epsilon_spent']:.4f} at δ = {d['delta']:.3g}{budget} |"] + (

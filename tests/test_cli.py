@@ -334,3 +334,12 @@ def test_overrides_may_follow_flags(argv, command, monkeypatch):
     monkeypatch.setattr(llmdp.config, "load_recipe", fake_load)
     assert main(argv) == 2
     assert seen["overrides"][:2] == ["output.name=x", "train.steps=3"]
+
+
+def test_top_level_help_lists_every_privacy_command(capsys):
+    """Issue 30 item 13: `llmdp --help` named epsilon, calibrate and report, not ledger."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    entry = " ".join(out[out.index("\n    privacy "):].split("\n    tokenizer")[0].split())
+    assert all(c in entry for c in ("epsilon", "calibrate", "report", "ledger")), entry

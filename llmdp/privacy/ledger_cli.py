@@ -10,7 +10,7 @@ import os
 import time
 
 from llmdp.privacy.budget import holder_alive, live_holds
-from llmdp.privacy.ledger import LEDGER_FILENAME, LedgerError, append_line
+from llmdp.privacy.ledger import LEDGER_FILENAME, LedgerError, append_line, is_step_release
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.service import run_ledger_problems
@@ -36,8 +36,12 @@ def _summary(ledger: str, st) -> str:
     rel = [r for r in recs if r["kind"] == "release"]
     runs = {r.get("run_id") for r in rel}
     holds = live_holds(recs)
-    return (f"{ledger}: intact, {len(recs)} record(s), {len(rel)} release(s) "
-            f"({sum(int(r['count']) for r in rel)} step(s)) by {len(runs)} run(s)"
+    steps = sum(int(r["count"]) for r in rel if is_step_release(r))
+    others = sum(int(r["count"]) for r in rel if not is_step_release(r))
+    return (f"{ledger}: intact, {len(recs)} record(s), {len(rel)} release record(s) "
+            f"({steps} training step(s)"
+            + (f", {others} other release(s): DP evaluations, tokenizers" if others else "")
+            + f") by {len(runs)} run(s)"
             + (f", {st.excused} damaged record(s) excused by repairs" if st.excused else "")
             + (f", live hold(s): {', '.join(holds)}" if holds else ""))
 

@@ -82,8 +82,8 @@ def test_list_and_verify(tmp_path, run_dir, capsys):
     assert rc == 0 and err == ""
     assert out.splitlines() == [
         f"ledgers in {db(tmp_path)}: 2",
-        f"  {DS}: intact, 5 record(s), 5 release(s) (10 step(s)) by 1 run(s)",
-        "  other: intact, 1 record(s), 0 release(s) (0 step(s)) by 0 run(s)"]
+        f"  {DS}: intact, 5 record(s), 5 release record(s) (10 training step(s)) by 1 run(s)",
+        "  other: intact, 1 record(s), 0 release record(s) (0 training step(s)) by 0 run(s)"]
     rc, out, err = ledger(["verify", "--ledger", db(tmp_path)], capsys)
     assert rc == 0 and err == "" and len(out.splitlines()) == 2
     rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
@@ -131,7 +131,7 @@ def test_repair_needs_acknowledge_loss(tmp_path, run_dir, capsys):
     assert [d["seq"] for d in rec["excused"] if "fingerprint" in d] == [3]
     rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
     assert (rc, err) == (0, "")
-    assert out.strip() == (f"{DS}: intact, 5 record(s), 4 release(s) (8 step(s)) by 1 run(s), 1 "
+    assert out.strip() == (f"{DS}: intact, 5 record(s), 4 release record(s) (8 training step(s)) by 1 run(s), 1 "
                            f"damaged record(s) excused by repairs")
 
 
@@ -254,3 +254,23 @@ def test_a_run_ledger_is_rewritten_after_a_repair_of_its_dataset_ledger(tmp_path
     path.write_bytes(b"\n".join(raw))
     rc, _, err = ledger(["verify", str(run_dir)], capsys)
     assert rc == 2 and "line 2 (dataset record 4): it does not link to the line before it" in err
+
+
+def test_a_dp_evaluation_is_not_counted_as_a_step(tmp_path, capsys):
+    """Issue 30 item 13: `ledger list` / `verify` counted a DP evaluation as a training step
+    ("51 step(s)" for 50 steps and one evaluation)."""
+    from llmdp.privacy.events import event_to_json as ej
+
+    import dp_accounting
+
+    svc = LedgerService(
+        location=db(tmp_path), dataset_id=DS, run_ledger=str(tmp_path / "run" / "ledger.jsonl"),
+        run_id="run", meta=META, block_size=2, total_steps=4, event_json=EVJ, delta=1e-5,
+        accountant="rdp", eval_event_json=ej(dp_accounting.GaussianDpEvent(5.0)), eval_releases=1)
+    svc.start_attempt()
+    for step in range(4):
+        svc.ensure(step)
+    assert svc.release_eval(4) == (True, "")
+    svc.db.close()
+    rc, out, _ = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
+    assert rc == 0 and "(4 training step(s), 1 other release(s): DP evaluations, tokenizers)" in out, out
