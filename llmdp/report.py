@@ -19,9 +19,9 @@ from llmdp.audit.section import audit_section
 from llmdp.baseline import baseline_report
 from llmdp.evaluation.report import dp_eval_covered, evaluation_section
 from llmdp.privacy import accountant
-from llmdp.privacy.budget import budget_status
+from llmdp.privacy.budget import budget_status, release_entries_of
 from llmdp.privacy.events import is_truncated
-from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError, step_count
+from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError, is_step_release, step_count
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
@@ -101,7 +101,11 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     prior_entries, prior_dthr = release_entries(prior)
     eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta, prior_dthr, name)
            for name in usable}
-    eps_training = accountant.epsilon(entries, delta, plan.accountant) if prior else eps[plan.accountant]
+    # The training steps alone (as plan.json's epsilon_planned_training_only): neither an
+    # earlier release it builds on (a private tokenizer) nor its DP evaluations.
+    step_records = [r for r in records if r.get("kind") == "release" and is_step_release(r)]
+    eps_training = (accountant.epsilon(release_entries_of(step_records), delta, plan.accountant)
+                    if step_records else 0.0)
     ledger_steps = step_count(records)  # DP evaluations are releases, not steps
 
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))

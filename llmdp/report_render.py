@@ -88,8 +88,11 @@ def render_markdown(r: dict) -> str:
         f"{others or 'none (truncated Poisson is accounted by PLD only)'}; δ = {r['delta']:.3g} "
         f"(< 1/N = {1 / r['dataset_size']:.3g}) |",
         f"| ε at δ | {r['epsilon']:.4f} (target {r['target_epsilon'] if r.get('target_epsilon') is not None else 'none: σ given'})"
-        + (f"; training alone {r['epsilon_training_only']:.4f}, composed with the private tokenizer's release"
-           if tok.get("composed_into_guarantee") else "") + " |",
+        + (f"; training steps alone {r['epsilon_training_only']:.4f}"
+           + (", composed with the private tokenizer's release" if tok.get("composed_into_guarantee") else "")
+           + (" and the DP evaluations" if (r.get("evaluation") or {}).get("dp") else "")
+           if r.get("epsilon_training_only") is not None and (
+               tok.get("composed_into_guarantee") or (r.get("evaluation") or {}).get("dp")) else "") + " |",
         f"| Sampling assumed | {s['assumed']} |",
         f"| Sampling used | {s['used']}; honoured: {'yes' if s.get('honoured') else 'NO'} ({s.get('note', '')}) |",
         f"| Sampling probability q | {r['sampling_probability']:.6g} |",

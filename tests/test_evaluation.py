@@ -389,3 +389,25 @@ def test_the_console_ends_with_the_dp_evaluation(tmp_path, monkeypatch):
     want = (f"DP evaluation after step 6 (released with DP, publishable): loss {m['loss']:.4f} ± "
             f"{m['loss_std']:.4f}, token accuracy {m['accuracy']:.4f} ± {m['accuracy_std']:.4f}")
     assert any(x.startswith(want) for x in lines), lines
+
+
+def test_epsilon_training_only_is_the_steps_alone_as_planned(tmp_path):
+    """Issue 30 item 13: privacy_report.json's epsilon_training_only counted the DP
+    evaluations while plan.json's epsilon_planned_training_only does not; both are the
+    training steps alone (dp-accounting on the step releases, called directly)."""
+    from llmdp.privacy.events import event_from_json
+    from llmdp.report import write_report
+
+    cfg = eval_recipe(tmp_path, evaluation={"noise_multiplier": 3.0})
+    spec = prepared(cfg)
+    train_loop_per_worker(spec, LocalContext(checkpoint_dir=str(tmp_path / "ckpt")))
+    rep = write_report(spec.run_dir)
+    plan = json.load(open(os.path.join(spec.run_dir, "plan.json")))
+    recs = Ledger(os.path.join(spec.run_dir, "ledger.jsonl")).records()
+    steps = [r for r in recs if r["kind"] == "release" and is_step_release(r)]
+    events = [dp_accounting.SelfComposedDpEvent(event_from_json(r["event"]), r["count"]) for r in steps]
+    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    want = acc.compose(dp_accounting.ComposedDpEvent(events)).get_epsilon(rep["delta"])
+    assert rep["epsilon_training_only"] == pytest.approx(want, rel=1e-9)
+    assert rep["epsilon_training_only"] == pytest.approx(plan["epsilon_planned_training_only"], rel=1e-9)
+    assert rep["epsilon"] > rep["epsilon_training_only"]

@@ -368,7 +368,7 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
     from llmdp.report_render import render_markdown
 
     md = render_markdown(report)
-    assert "private-tokenizer" in md and "training alone" in md
+    assert "private-tokenizer" in md and "training steps alone" in md
     shutil.rmtree(prepared.run_dir)
 
 
@@ -521,7 +521,8 @@ def test_seeded_tokenizer_release_is_labelled_seeded(seeded_tokenizer, corpus, t
     # Declared independent (not composed) changes nothing: the vocabulary is in the model.
     ind = _train_cfg(cfg.out_dir, write_notes(tmp_path / "o.jsonl", 50, seed=3), tmp_path,
                      "privacy.noise_multiplier=1.5", "privacy.target_epsilon=null",
-                     "model.tokenizer_data=independent", "output.name=ind")
+                     "model.tokenizer_data=independent", "output.name=ind",
+                     "privacy.delta=1e-3")  # 50 documents: δ must be given (N < 100)
     _, report = _report_after_steps(ind)
     assert report["rng_mode"] == "seeded" and "private tokenizer" in report["rng_warning"]
 
