@@ -20,6 +20,23 @@ def dtype_kwarg() -> str:
     return "dtype" if major >= 5 else "torch_dtype"
 
 
+def quiet_peft():
+    """A context in which peft's use of transformers 5.x's deprecated
+    ``is_gradient_checkpointing`` does not warn (a FutureWarning on every LoRA model built
+    or loaded; nothing for the user to act on)."""
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def ctx():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                    category=FutureWarning)
+            yield
+
+    return ctx()
+
+
 def is_connection_error(exc: BaseException) -> bool:
     """Whether ``exc`` says the Hub could not be reached (offline mode, DNS, refused, timeout),
     whichever HTTP client ``huggingface_hub`` uses (httpx, or httpx2 in later versions)."""

@@ -123,7 +123,7 @@ def plot(rows: list[dict], out: str) -> dict:
         groups.setdefault((r.get("dataset"), r["delta"]), []).append(r)
     several = len(groups) > 1
     held, dpe, yerr = [], [], []
-    for gi, ((dataset, delta), members) in enumerate(groups.items()):
+    for (dataset, delta), members in groups.items():
         tag = f" [{_short(dataset)}, δ={delta:.3g}]" if several else ""
         h = [(r["epsilon"], r["heldout"]["loss"], r) for r in members
              if r["heldout"] and r["heldout"]["loss"] is not None]
@@ -146,7 +146,7 @@ def plot(rows: list[dict], out: str) -> dict:
             yerr += err
             drawn = True
     named = set()
-    for i, (x, y, r) in enumerate(held + [(x, y, r) for x, y, _, r in dpe]):
+    for x, y, r in held + [(x, y, r) for x, y, _, r in dpe]:
         if r["path"] not in named:  # each run named once, labels staggered
             named.add(r["path"])
             ax.annotate(r["run"], (x, y), textcoords="offset points",

@@ -19,14 +19,13 @@ import hashlib
 import json
 import logging
 import os
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from llmdp._fs import building_dir, install_dir
-from llmdp._hf import check_hub_model, dtype_kwarg, save_kwargs
+from llmdp._hf import check_hub_model, dtype_kwarg, quiet_peft, save_kwargs
 from llmdp._validate import ConfigError
 from llmdp.tokenizer.adapt import adapted_model_hash, build_adapted_model
 
@@ -288,11 +287,7 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     try:
-        with warnings.catch_warnings():
-            # peft asks transformers 5.x for `is_gradient_checkpointing`, which warns of its
-            # own deprecation on every LoRA run; nothing for the user to act on.
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
-                                    category=FutureWarning)
+        with quiet_peft():
             return get_peft_model(model, cfg)
     except ValueError as exc:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()

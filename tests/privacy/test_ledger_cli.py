@@ -259,9 +259,9 @@ def test_a_run_ledger_is_rewritten_after_a_repair_of_its_dataset_ledger(tmp_path
 def test_a_dp_evaluation_is_not_counted_as_a_step(tmp_path, capsys):
     """Issue 30 item 13: `ledger list` / `verify` counted a DP evaluation as a training step
     ("51 step(s)" for 50 steps and one evaluation)."""
-    from llmdp.privacy.events import event_to_json as ej
-
     import dp_accounting
+
+    from llmdp.privacy.events import event_to_json as ej
 
     svc = LedgerService(
         location=db(tmp_path), dataset_id=DS, run_ledger=str(tmp_path / "run" / "ledger.jsonl"),
