@@ -6,6 +6,7 @@ with it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from llmdp.data.synthetic import ensure_clinical_notes
 from llmdp.evaluation.dp import plan_dp_eval
 from llmdp.models import load_model
 from llmdp.privacy.events import event_to_json
-from llmdp.privacy.plan import make_plan
+from llmdp.privacy.plan import check_noise_tail, make_plan
 from llmdp.privacy.prior import calibrate_with_prior
 from llmdp.tokenizer.train import tokenizer_for_run
 
@@ -169,17 +170,21 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
         sampler=cfg.privacy.sampler,
         max_batch_size=cfg.privacy.max_batch_size,
         dp=priv.dp,
+        # the noise coordinates of a step: the generator's tails are folded into δ
+        noise_coordinates=n_train if priv.dp else None,
     )
     prior_releases = [tok_use["release"]] if tok_use["compose"] and priv.dp else []
     eval_plan = _dp_eval_plan(cfg, plan, len(tokenizer)) if eval_store is not None and priv.dp \
         else None
+    if eval_plan is not None:  # their noise tails are folded into δ with the steps'
+        plan = dataclasses.replace(plan, eval_noise=eval_plan.noise())
     if prior_releases or eval_plan is not None:
         # The model's guarantee covers the tokenizer and the DP evaluations too: sigma is
         # calibrated so that the composition (tokenizer release + DP evaluations + every
         # step) meets privacy.target_epsilon.
         planned_evals = [] if eval_plan is None else [
             {"event": event_to_json(eval_plan.event()), "count": eval_plan.releases}]
-        plan = calibrate_with_prior(plan, prior_releases + planned_evals)
+        plan = check_noise_tail(calibrate_with_prior(plan, prior_releases + planned_evals))
     data_stats = dict(store.stats())
     data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
     if eval_store is not None:

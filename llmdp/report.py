@@ -12,6 +12,7 @@ are rendered by `llmdp.report_render`; what of it may be published is `llmdp.pub
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -29,7 +30,7 @@ from llmdp.privacy.prior import release_entries
 from llmdp.privacy.service import cross_check
 from llmdp.report_render import _epsilon_panel, render_markdown
 from llmdp.rundir import RunDir, run_state
-from llmdp.spent import epsilon_curve
+from llmdp.spent import epsilon_curve, ledger_noise_tail
 from llmdp.tokenizer.train import read_tokenizer_info
 
 REPORT_VERSION = 1
@@ -89,7 +90,12 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     ledger = Ledger(ledger_path)
     records = ledger.records() if os.path.exists(ledger_path) else []
     entries = ledger.entries() if records else []
-    delta = plan.delta
+    delta = plan.delta  # the published δ
+    # The noise generator's truncated tails over what the ledger released are part of the
+    # published δ: every ε below is computed at what is left of it (a plan of an earlier
+    # llmdp does not fold them in: δ is the accountant's, as it was).
+    tail = ledger_noise_tail(plan, records)
+    delta_acc = delta if tail is None else tail.accountant_delta(delta)
 
     # Every accountant that supports every recorded event (RDP cannot account truncated
     # Poisson: it is left out rather than approximated).
@@ -99,13 +105,14 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     # tokenizer): composed into the guarantee, thresholds' delta included.
     prior = list(plan_info.get("prior_releases") or [])
     prior_entries, prior_dthr = release_entries(prior)
-    eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta, prior_dthr, name)
-           for name in usable}
+    left = delta_acc > prior_dthr  # else the tails (and thresholds) spend all of δ: ε is inf
+    eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta_acc, prior_dthr, name)
+           if left else math.inf for name in usable}
     # The training steps alone (as plan.json's epsilon_planned_training_only): neither an
     # earlier release it builds on (a private tokenizer) nor its DP evaluations.
     step_records = [r for r in records if r.get("kind") == "release" and is_step_release(r)]
-    eps_training = (accountant.epsilon(release_entries_of(step_records), delta, plan.accountant)
-                    if step_records else 0.0)
+    eps_training = ((accountant.epsilon(release_entries_of(step_records), delta_acc, plan.accountant)
+                     if delta_acc > 0 else math.inf) if step_records else 0.0)
     ledger_steps = step_count(records)  # DP evaluations are releases, not steps
 
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -163,7 +170,9 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         **state,  # status, failure, resume, stopped
         # ---- the guarantee
         "epsilon": eps[plan.accountant],
-        "delta": delta,
+        "delta": delta,  # the published δ: the accountant's and the noise tails' together
+        "delta_accountant": delta_acc,
+        "delta_noise_tail": None if tail is None else delta - delta_acc,
         "accountant": plan.accountant,
         "epsilon_by_accountant": eps,
         "epsilon_training_only": eps_training,
@@ -243,7 +252,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         "max_grad_norm": plan.max_grad_norm,
         "noise_std_per_coordinate": plan.noise_std,
         "noise_generator": _noise_generator(plan, (plan_info.get("data") or {}).get("parameters_trainable"),
-                                            ledger_steps),
+                                            ledger_steps, tail),
         "clipping": "flat: each unit's gradient over all trainable parameters clipped to L2 <= C",
         "normalization": "noisy sum divided by the expected batch size q*N",
         "sampling": _sampling_section(plan, seeded, truncated_steps, completed),
@@ -321,24 +330,45 @@ def _tokenizer_not_covered(plan_info: dict) -> list[str]:
             "share individuals, the ε add up"]
 
 
-def _noise_generator(plan, trainable: int | None, steps: int) -> dict:
-    """What the noise generator adds beyond the accountant's exact Gaussian (issue 12, 8c):
-    its tail truncation (with the δ it adds, llmdp.privacy.noise.truncation_delta_per_step),
-    its float32 rounding (not quantified), and that the accountant assumes a continuous
+def _noise_generator(plan, trainable: int | None, steps: int, tail=None) -> dict:
+    """What the noise generator adds beyond the accountant's exact Gaussian (issue 12, 8c;
+    issue 29, 8): its tail truncation, with the δ it adds (`llmdp.privacy.noise_tail`:
+    folded into the published δ for a plan that knows its noise coordinates, ``tail`` from
+    the ledger's releases; stated beside δ, not in it, for a plan of an earlier llmdp), its
+    float32 rounding (not quantified), and that the accountant assumes a continuous
     Gaussian (issue 14)."""
     per_step = (truncation_delta_per_step(int(trainable), plan.noise_multiplier)
                 if trainable and plan.noise_multiplier > 0 else None)
-    return {
+    out = {
         "method": NOISE_METHOD,
         "tail_truncation_std": NOISE_TAIL,
         "trainable_parameters": trainable,
         "truncation_delta_per_step": per_step,
         "truncation_delta_run": None if per_step is None else min(1.0, per_step * steps),
+        "included_in_delta": tail is not None,
         "float32_rounding": "each draw is rounded to float32 and added to a float32 sum; "
                             "this floating-point effect is not covered by the accountant",
         "accountant_assumes": "an exact continuous Gaussian; the generator is a floating-point "
                               "approximation of it (truncated tail, float grid)",
     }
+    if tail is None:
+        out["note"] = ("a plan of an earlier llmdp (plan.json without noise_coordinates): the "
+                       "tails' δ is stated here and NOT included in δ, which is the accountant's")
+        return out
+    delta = plan.delta
+    out.update({
+        # δ = δ_accountant / Z + Σ count·η  (llmdp.privacy.noise_tail), per kind of release
+        "truncation_delta_releases": [
+            {"releases": what, "count": count, "coordinates": coords, "noise_multiplier": sigma,
+             "delta": eta} for what, count, coords, sigma, eta in tail.parts],
+        "truncation_delta_total": tail.eta,
+        "kept_mass_at_least": 1.0 - tail.lost_mass,
+        "delta_noise_tail": tail.delta(delta),
+        "delta_accountant": tail.accountant_delta(delta),
+        "note": "included in δ: δ = δ_accountant / Z + Σ count·η, Z >= 1 - Σ count·k·2**-53 "
+                "the mass the truncation keeps; every ε is computed at δ_accountant",
+    })
+    return out
 
 
 def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
@@ -404,8 +434,9 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
     problems = cross_check(run_records, records, run_id) if run_id else []
     if problems:
         raise LedgerError(problems[0])
-    out = budget_status(records, plan_info.get("budget_epsilon"), plan.delta, plan.accountant, unit,
-                        location, info["dataset_id"])
+    # At the δ the ledger service checks budgets at (this run's planned δ_accountant).
+    out = budget_status(records, plan_info.get("budget_epsilon"), plan.accountant_delta,
+                        plan.accountant, unit, location, info["dataset_id"])
     out["cross_checked"] = True
     return out
 

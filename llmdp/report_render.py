@@ -57,7 +57,8 @@ def render_markdown(r: dict) -> str:
         "",
         f"**Guarantee:** (ε = {r['epsilon']:.4f}, δ = {r['delta']:.3g})-differential privacy "
         f"with respect to {r['adjacency']}, accounted with {r['accountant'].upper()} "
-        "(" + "; ".join(f"{k.upper()}: ε = {v:.4f}" for k, v in eps.items()) + ").",
+        "(" + "; ".join(f"{k.upper()}: ε = {v:.4f}" for k, v in eps.items()) + ")"
+        + _delta_split(r) + ".",
         "",
     ]
     if pub:
@@ -86,7 +87,7 @@ def render_markdown(r: dict) -> str:
         f"| Mechanism output | {r['mechanism_output']} |",
         f"| Accounting | {r['accountant'].upper()} (reported); also computed: "
         f"{others or 'none (truncated Poisson is accounted by PLD only)'}; δ = {r['delta']:.3g} "
-        f"(< 1/N = {1 / r['dataset_size']:.3g}) |",
+        f"(< 1/N = {1 / r['dataset_size']:.3g}){_delta_split(r, short=True)} |",
         f"| ε at δ | {r['epsilon']:.4f} (target {r['target_epsilon'] if r.get('target_epsilon') is not None else 'none: σ given'})"
         + (f"; training steps alone {r['epsilon_training_only']:.4f}"
            + (", composed with the private tokenizer's release" if tok.get("composed_into_guarantee") else "")
@@ -151,13 +152,34 @@ def render_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _delta_split(r: dict, short: bool = False) -> str:
+    """How δ splits into the accountant's and the noise generator's tails (issue 29, 8)."""
+    tail = r.get("delta_noise_tail")
+    if tail is None:
+        return "" if short or not r.get("noise_generator") else (
+            "; δ is the accountant's: the noise generator's truncated tails are not included "
+            "(a plan of an earlier llmdp; see the noise generator row)")
+    return (f" = {r['delta_accountant']:.6g} (accountant) + {tail:.3g} (the noise generator's "
+            "truncated tails)" if short else
+            f"; δ includes the noise generator's truncated tails ({tail:.3g}): every ε is "
+            f"computed at the accountant's δ = {r['delta_accountant']:.6g}")
+
+
 def _noise_line(r: dict) -> list[str]:
     g = r.get("noise_generator")
     if not g:
         return []
-    d = ("not computed (trainable parameter count unknown)" if g["truncation_delta_per_step"] is None
-         else f"≤ {g['truncation_delta_per_step']:.3g} per step, ≤ {g['truncation_delta_run']:.3g} over "
-              f"the {r['steps']} ledger steps, not included in δ above")
+    if g.get("included_in_delta"):
+        d = ("; ".join(f"{x['releases']}: {x['count']} × ≤ {x['delta'] / x['count']:.3g}"
+                       for x in g["truncation_delta_releases"] if x["count"])
+             + f"; {g['delta_noise_tail']:.3g} in all over the ledger's releases (kept mass "
+               f"Z ≥ 1 - {1 - g['kept_mass_at_least']:.3g}), included in δ above")
+    elif g["truncation_delta_per_step"] is None:
+        d = "not computed (trainable parameter count unknown)"
+    else:
+        d = (f"≤ {g['truncation_delta_per_step']:.3g} per step, ≤ {g['truncation_delta_run']:.3g} "
+             f"over the {r['steps']} ledger steps, not included in δ above (a plan of an "
+             f"earlier llmdp)")
     return [f"| Noise generator | {g.get('method', 'Box-Muller')}: |z| ≤ {g['tail_truncation_std']:.4f}·σC "
             f"per coordinate (truncated tail: δ added {d}); draws rounded to float32 (not accounted); "
             "the accountant assumes an exact continuous Gaussian |"]

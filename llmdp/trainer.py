@@ -136,7 +136,8 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         "run_ledger": os.path.join(run_dir, "ledger.jsonl"),
         "run_id": run_id, "meta": ledger_meta,
         "block_size": int(cfg.train.checkpoint_every), "total_steps": plan.steps,
-        "event_json": event_to_json(plan.step_event()), "delta": plan.delta,
+        # the δ every ε of this run is accounted at: privacy.delta less the noise tails
+        "event_json": event_to_json(plan.step_event()), "delta": plan.accountant_delta,
         "accountant": plan.accountant, "budget_epsilon": cfg.privacy.budget_epsilon,
         "target_epsilon": plan.target_epsilon, "prior_releases": prior_releases,
         "allow_exceed_target": cfg.privacy.allow_exceed_target_on_failure,
@@ -171,6 +172,12 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
     dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     rd.write_plan(spec.plan_record())
     return spec
+
+
+def _tail_note(plan) -> str:
+    """The noise tails' share of δ, for the plan's log line (empty when not folded in)."""
+    tail = plan.noise_tail_delta
+    return "" if tail is None else f" (noise tails {tail:.2g}, accountant {plan.accountant_delta:.3g})"
 
 
 def finished_run(cfg: RecipeConfig) -> dict | None:
@@ -208,7 +215,7 @@ def check_budget(ledger: LedgerSpec, plan, *, remaining: int, resuming: bool, lo
         raise BudgetError(
             f"privacy.budget_epsilon={st['budget_epsilon']:g}: the dataset ledger "
             f"{st['dataset_id']!r} ({st['ledger']}) has spent ε = {st['epsilon_spent']:.4f} at "
-            f"δ = {plan.delta:.3g} for the privacy unit {st.get('unit')!r}"
+            f"δ = {plan.accountant_delta:.3g} for the privacy unit {st.get('unit')!r}"
             + (f", and the live run(s) {', '.join(holders)} hold {st['held_steps']} more step(s)"
                if holders else "")
             + f"; this plan needs ε = {plan.epsilon():.4f} for T = {plan.steps} steps and only "
@@ -262,7 +269,7 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
     else:
         log(f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
             f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
-            f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}, planned epsilon="
+            f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}{_tail_note(plan)}, planned epsilon="
             f"{prepared.epsilon_planned:.4f} ({plan.accountant})")
     if prepared.dp and prepared.tokenizer.get("kind") == "private-dp":
         log(f"tokenizer: {prepared.tokenizer['summary']}")

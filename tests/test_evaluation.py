@@ -407,7 +407,7 @@ def test_epsilon_training_only_is_the_steps_alone_as_planned(tmp_path):
     steps = [r for r in recs if r["kind"] == "release" and is_step_release(r)]
     events = [dp_accounting.SelfComposedDpEvent(event_from_json(r["event"]), r["count"]) for r in steps]
     acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    want = acc.compose(dp_accounting.ComposedDpEvent(events)).get_epsilon(rep["delta"])
+    want = acc.compose(dp_accounting.ComposedDpEvent(events)).get_epsilon(rep["delta_accountant"])
     assert rep["epsilon_training_only"] == pytest.approx(want, rel=1e-9)
     assert rep["epsilon_training_only"] == pytest.approx(plan["epsilon_planned_training_only"], rel=1e-9)
     assert rep["epsilon"] > rep["epsilon_training_only"]

@@ -483,7 +483,8 @@ def test_export_and_private_tokenizer_publish_no_private_statistics_or_hashes(tm
     assert sum(r["count"] for r in recs[1:]) == full["steps"]
     pub = json.load(open(out / "privacy_report.json"))
     eps = accountant.epsilon_with_threshold([(event_from_json(r["event"]), r["count"]) for r in recs],
-                                            pub["delta"], accountant.threshold_delta(recs), pub["accountant"])
+                                            pub["delta_accountant"], accountant.threshold_delta(recs),
+                                            pub["accountant"])
     assert eps == pytest.approx(pub["epsilon"], rel=1e-9) and pub["epsilon"] == full["epsilon"]
     assert pub["epsilon_curve"][-1][1] == full["epsilon"]
     # The private tokenizer's facts stay beside its folder, for training runs on this machine.

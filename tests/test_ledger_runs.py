@@ -91,7 +91,7 @@ def test_two_working_directories_and_an_edited_record_charge_one_budget(tmp_path
     for r in recs:
         if r["kind"] == "release":
             acc.compose(event_from_json(r["event"]), r["count"])
-    want = acc.get_epsilon(prep.plan.delta)
+    want = acc.get_epsilon(prep.plan.accountant_delta)  # δ less the noise tails
     from llmdp.report import build_report
 
     rep = build_report(prep.run_dir)
@@ -218,7 +218,7 @@ def test_failures_stop_the_run_at_its_target(tmp_path, monkeypatch):
     assert rep["exceeds_target"] is None
     acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     assert rep["epsilon"] == pytest.approx(
-        acc.compose(plan.step_event(), plan.steps).get_epsilon(plan.delta), rel=1e-9)
+        acc.compose(plan.step_event(), plan.steps).get_epsilon(plan.accountant_delta), rel=1e-9)
     assert "Run status: **stopped**" in render_markdown(rep)
 
 
@@ -274,7 +274,7 @@ def test_two_concurrent_runs_under_a_budget_that_fits_one(tmp_path):
     info = json.load(open(tmp_path / "probe" / "p" / "plan.json"))
     p = DPPlan.from_dict(info["plan"])
     acc = lambda k: dp_accounting.pld.PLDAccountant(  # noqa: E731
-        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(p.step_event(), k).get_epsilon(p.delta)
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(p.step_event(), k).get_epsilon(p.accountant_delta)
     budget = (acc(6) + acc(12)) / 2
     for raw in recipes:
         raw["privacy"]["budget_epsilon"] = budget

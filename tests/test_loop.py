@@ -136,7 +136,7 @@ def test_user_units_with_truncated_poisson_report_what_ran(tmp_path):
             plan.dataset_size + 1, plan.sampling_probability, plan.max_batch_size, plan.noise_multiplier),
         plan.steps)
     acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    assert rep["epsilon"] == pytest.approx(acc.compose(event).get_epsilon(plan.delta), rel=1e-6)
+    assert rep["epsilon"] == pytest.approx(acc.compose(event).get_epsilon(rep["delta_accountant"]), rel=1e-6)
     assert rep["unit"] == "user" and "'user_id'" in rep["unit_description"]
     assert rep["unit_size"]["max_rows_per_unit"] == 3
     assert "at most 3 row(s) of 24 tokens" in rep["contribution_bound"]
@@ -192,7 +192,7 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
 
     def eps(k):
         acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-        return acc.compose(ev, k).get_epsilon(prep.plan.delta)
+        return acc.compose(ev, k).get_epsilon(prep.plan.accountant_delta)  # δ less the noise tails
 
     raw = to_dict(first)
     raw["output"]["name"] = "second"

@@ -92,6 +92,12 @@ class DpEvalPlan:
         rel = self.noise_std / n
         return {"loss": self.loss_bound * rel, "accuracy": rel, "fraction_of_range": rel}
 
+    def noise(self) -> tuple[int, int, float]:
+        """(releases, noise coordinates per release, noise multiplier relative to the L2
+        sensitivity): what the generator's truncated tails cost these releases
+        (`DPPlan.eval_noise`; each coordinate is one `keyed_normal` draw)."""
+        return (self.releases, len(self.aggregates), self.noise_multiplier)
+
     def epsilon(self) -> float:
         """ε at δ of all the run's DP evaluations alone."""
         return _acc.epsilon(self.entries(), self.delta, self.accountant)
