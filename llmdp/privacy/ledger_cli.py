@@ -87,6 +87,8 @@ def main(args) -> int:
                     damaged.append(str(e))
             if damaged:
                 raise LedgerError("\n".join(damaged))
+            print(f"checked against the head log {db.heads.path} and the run ledgers the "
+                  f"records name (`llmdp.privacy.anchors`)")
         finally:
             db.close()
         return 0

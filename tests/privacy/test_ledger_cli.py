@@ -85,7 +85,8 @@ def test_list_and_verify(tmp_path, run_dir, capsys):
         f"  {DS}: intact, 5 record(s), 5 release(s) (10 step(s)) by 1 run(s)",
         "  other: intact, 1 record(s), 0 release(s) (0 step(s)) by 0 run(s)"]
     rc, out, err = ledger(["verify", "--ledger", db(tmp_path)], capsys)
-    assert rc == 0 and err == "" and len(out.splitlines()) == 2
+    assert rc == 0 and err == "" and len(out.splitlines()) == 3
+    assert out.splitlines()[-1].startswith("checked against the head log ")
     rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
     assert (rc, err) == (0, "") and out.startswith(f"{DS}: intact, 5 record(s)")
     # Damaged: verify fails with the message on stderr; list says which one is damaged.
