@@ -144,13 +144,14 @@ class HeadLog:
         return set(self._claims)
 
 
-def named_run_ledgers(records) -> dict[str, str]:
-    """{run ledger path: run id} of the records that name their run's ledger.jsonl."""
-    out: dict[str, str] = {}
+def named_run_ledgers(records) -> dict[str, set[str]]:
+    """{run ledger path: the run ids whose records name it} (a run directory reused by a
+    later run names one path for two runs)."""
+    out: dict[str, set[str]] = {}
     for r in records:
         path = r.get("run_ledger")
         if isinstance(path, str) and r.get("run_id") is not None:
-            out.setdefault(path, r["run_id"])
+            out.setdefault(path, set()).add(r["run_id"])
     return out
 
 
@@ -182,11 +183,12 @@ class RunFiles:
         self._cache[path] = (key, recs)
         return recs
 
-    def claims(self, ledger: str, named: dict[str, str]) -> list[Claim]:
+    def claims(self, ledger: str, named: dict[str, set[str]]) -> list[Claim]:
         out: list[Claim] = []
-        for path, run_id in named.items():
+        for path, run_ids in named.items():
             recs = self._records(path)
-            if not recs or any(r.get("run_id") != run_id or r.get("ledger") != ledger for r in recs):
+            if not recs or recs[0].get("run_id") not in run_ids or any(
+                    r.get("ledger") != ledger for r in recs):
                 continue
             for i, r in enumerate(recs[:-1], 1):  # the last line may never have committed
                 out.append(Claim(ledger, int(r["seq"]), r["hash"], f"{path} line {i}"))

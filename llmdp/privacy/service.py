@@ -80,13 +80,17 @@ def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, lo
     Returns {"dataset_id" (the ledger opened), "new": bool, "versions": n, "similar": [...]}."""
     if not declared:
         dataset_id = _derived_ledger(db, dataset_id, log)
-    similar = []
+    # Looked for before the transaction when the ledger is new (it may list folders: not
+    # while holding the database's write lock); a hint read, so no lock is needed.
+    similar = (None if dataset_id in db.ledgers() else
+               _similar_ledgers(db, dataset_id, sha256, name, members, source))
     with db.transaction(dataset_id, full=True) as tx:
         recs = tx.records
         known = [r for r in recs if r["kind"] in ("dataset", "data_version")]
         out = {"dataset_id": dataset_id, "new": not known, "versions": len(known), "similar": []}
         if not known:
-            similar = _similar_ledgers(db, dataset_id, sha256, name, members, source)
+            if similar is None:
+                similar = _similar_ledgers(db, dataset_id, sha256, name, members, source)
             blocking = [s for s in similar if s["blocks"]]
             if blocking and not declared:
                 raise _lookalike_refusal(dataset_id, blocking)
@@ -98,6 +102,7 @@ def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, lo
                 f"({len(known)} earlier version(s)); it is charged to the same budget. If it holds "
                 f"different individuals, declare a new data.dataset_id")
             out["versions"] += 1
+    similar = similar if out["new"] else []
     for s in similar:
         log(f"warning: starting a new ledger for dataset {dataset_id!r}, but the ledger "
             f"{s['ledger']!r} holds data that looks like it ({s['why']}). If they are the same "
