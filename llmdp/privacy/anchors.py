@@ -228,9 +228,9 @@ def claim_problems(claims, records, head_seq: int) -> list[str]:
     if beyond:
         top = max(beyond, key=lambda c: c.seq)
         if head_seq == 0:
-            out.append(f"{top.where} says it had {top.seq} record(s) (the last with hash "
-                       f"{top.hash[:12]}), but the database has none: its records and its head "
-                       f"were deleted")
+            out.append(f"{top.where} says record {top.seq} (hash {top.hash[:12]}) was "
+                       f"committed, but the database has none of this ledger's records: its "
+                       f"records and its head were deleted")
         else:
             out.append(f"{top.where} says record {top.seq} (hash {top.hash[:12]}) was committed, "
                        f"but the ledger ends at record {head_seq}: its last "

@@ -25,7 +25,7 @@ import pytest
 from llmdp.cli import main
 from llmdp.privacy.anchors import head_log_path
 from llmdp.privacy.events import dpsgd_step_event, event_to_json
-from llmdp.privacy.ledger import LedgerDamaged
+from llmdp.privacy.ledger import Ledger, LedgerDamaged
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.service import LedgerService, open_dataset
 from tests.privacy.test_ledger_stress import postgres_url  # noqa: F401 - the fixture
@@ -160,7 +160,7 @@ def test_a_deleted_ledger_is_detected(backend, request, tmp_path, capsys):
     rc, out, err = _verify(location, capsys)
     assert rc == 2
     assert f"the dataset ledger {ds!r}" in err
-    assert "says it had 12 record(s)" in err and "the database has none" in err
+    assert "says record 12" in err and "the database has none of this ledger's records" in err
     rc, out, err = _verify(location, capsys, "--dataset", ds)
     assert rc == 2 and "its records and its head were deleted" in err
     svc = _service(location, ds, tmp_path, "again", budget=100.0)
@@ -178,7 +178,7 @@ def test_a_deleted_database_file_is_detected(tmp_path, capsys):
     assert rc == 2 and "does not exist, but its head log" in err and "'ds'" in err
     # A run that would recreate it is refused on that ledger.
     svc = _service(location, "ds", tmp_path, "again", budget=100.0)
-    with pytest.raises(LedgerDamaged, match="the database has none"):
+    with pytest.raises(LedgerDamaged, match="the database has none of this ledger's records"):
         svc.hold(5)
 
 
@@ -294,3 +294,16 @@ def test_a_repair_acknowledges_the_lost_records_and_only_those(tmp_path, capsys)
     _truncate(location, "ds", 10)
     rc, out, err = _verify(location, capsys, "--dataset", "ds")
     assert rc == 2 and "its last 3 record(s) were deleted" in err
+
+
+def test_a_runs_records_name_its_ledger_file_which_is_never_published(tmp_path):
+    from llmdp.publish import publishable_ledger
+
+    location = str(tmp_path / "ledger.sqlite")
+    _ten_releases(location, "ds", tmp_path).db.close()
+    path = str(tmp_path / "run" / "ledger.jsonl")
+    recs = LedgerDB(location, read_only=True).records("ds")
+    assert [r.get("run_ledger") for r in recs] == [None] + [path] * 11  # the dataset record: no run
+    lines = Ledger(path).records()
+    assert lines == recs[1:]
+    assert all("run_ledger" not in r and path not in json.dumps(r) for r in publishable_ledger(lines))
