@@ -14,10 +14,14 @@ Two copies outside the database make that visible:
   transaction behind the database, never ahead of it: every line names a record the
   database committed.
 - **The runs' ledger.jsonl files** (`RunFiles`), named by the ``run_ledger`` field of the
-  records a run's ledger service writes: every line but the last was committed (the next
-  line's ``run_prev`` is the hash of the run's last record *in the database* when that next
-  record was written); the last line may be a write whose transaction never committed (a
-  crash), so it proves nothing.
+  records a run's ledger service writes, each with ``txn``: the seq of the first record its
+  transaction appended (the ledger's head + 1 when the transaction began, under its lock).
+  A line is written inside its transaction, before the commit, so a crash can leave lines
+  whose transaction never committed: the file's last lines. A line whose seq is below a
+  *later* line's ``txn`` was committed: that later transaction began with the ledger's head
+  past it, and the file's run chain, whose links (``run_prev``) each transaction takes from
+  the database, ties that later line back to this one. Only such lines are claims; the
+  others prove nothing.
 
 Each such line is a *claim* (ledger, seq, hash). `claim_problems` checks the claims against
 the verified ledger: a claim holds when the ledger's record ``seq`` has that hash (the hash
@@ -190,8 +194,13 @@ class RunFiles:
             if not recs or recs[0].get("run_id") not in run_ids or any(
                     r.get("ledger") != ledger for r in recs):
                 continue
-            for i, r in enumerate(recs[:-1], 1):  # the last line may never have committed
-                out.append(Claim(ledger, int(r["seq"]), r["hash"], f"{path} line {i}"))
+            later = 0  # the largest txn of the lines after this one
+            for i in range(len(recs), 0, -1):
+                r = recs[i - 1]
+                if later > int(r["seq"]):  # a later transaction began after it committed
+                    out.append(Claim(ledger, int(r["seq"]), r["hash"], f"{path} line {i}"))
+                txn = r.get("txn")
+                later = max(later, int(txn)) if isinstance(txn, int) else later
         return out
 
 

@@ -100,6 +100,7 @@ class _Tx:
     def __init__(self, db: LedgerDB, cur, ledger: str, state: VerifiedLedger):
         self.db, self.cur, self.ledger, self.state = db, cur, ledger, state
         self.appended = 0
+        self.first_seq = state.head_seq + 1
 
     @property
     def records(self) -> list[dict]:
@@ -115,6 +116,7 @@ class _Tx:
         rec.setdefault("run_id", None)
         if rec["run_id"] in self.db.run_ledgers:  # the run's ledger.jsonl: an anchor (anchors.py)
             rec.setdefault("run_ledger", self.db.run_ledgers[rec["run_id"]])
+            rec.setdefault("txn", self.first_seq)  # the transaction's first record
         if "run_prev" not in rec:
             last = st.last_of_run(rec["run_id"]) if rec["run_id"] is not None else None
             rec["run_prev"] = None if last is None else last["hash"]

@@ -307,3 +307,27 @@ def test_a_runs_records_name_its_ledger_file_which_is_never_published(tmp_path):
     lines = Ledger(path).records()
     assert lines == recs[1:]
     assert all("run_ledger" not in r and path not in json.dumps(r) for r in publishable_ledger(lines))
+
+
+def test_uncommitted_lines_of_one_transaction_prove_nothing(tmp_path, capsys):
+    """A transaction that writes two lines of one run to its ledger.jsonl and never commits
+    (a crash): neither line is a claim (the first is not the last line, but no later
+    transaction came after it), so the honest ledger verifies; a later committed line of
+    the run would make them claims, and is what proves a truncation."""
+    from llmdp.privacy.ledger import append_line
+
+    location = str(tmp_path / "ledger.sqlite")
+    _ten_releases(location, "ds", tmp_path).db.close()
+    os.remove(head_log_path(location))  # only the run file speaks
+    path = str(tmp_path / "run" / "ledger.jsonl")
+    db = LedgerDB(location)
+    db.run_ledgers["run"] = path
+    with pytest.raises(RuntimeError, match="crash"):
+        with db.transaction("ds") as tx:
+            for _ in range(2):
+                append_line(path, tx.append({"kind": "note", "run_id": "run"}))
+            raise RuntimeError("crash before the commit")
+    lines = Ledger(path).records()
+    assert [r["seq"] for r in lines[-2:]] == [13, 14] and lines[-1]["txn"] == 13
+    rc, out, err = _verify(location, capsys, "--dataset", "ds")
+    assert (rc, err) == (0, ""), err
