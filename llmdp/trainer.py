@@ -133,6 +133,7 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
     resumed_at = resumed_at if isinstance(resumed_at, int) else 0
     service = None if ledger is None else {
         "location": ledger["location"], "dataset_id": ledger["dataset_id"],
+        "head_log": ledger["head_log"],
         "run_ledger": os.path.join(run_dir, "ledger.jsonl"),
         "run_id": run_id, "meta": ledger_meta,
         "block_size": int(cfg.train.checkpoint_every), "total_steps": plan.steps,

@@ -99,10 +99,11 @@ def test_two_working_directories_and_an_edited_record_charge_one_budget(tmp_path
     assert rep["dataset_ledger"]["dataset_id"] == "clinic-notes-2026"
 
 
-def test_default_id_is_the_source_and_lookalikes_warn(tmp_path, monkeypatch):
+def test_default_id_is_the_source_and_lookalikes_are_refused(tmp_path, monkeypatch):
     """Without a declared id the ledger is the source's real path (any working directory);
-    a copy of the data under another name starts a new ledger with a warning naming the
-    ledger whose data it looks like, and how to share one budget."""
+    a copy of the data under another name would start a new ledger for the same
+    individuals: refused (issue 29 item 5; it was a warning), naming the ledger whose data
+    it looks like and how to share one budget. Declared, it runs (with the warning)."""
     monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
     data = write_notes(tmp_path / "notes.jsonl", 30)
     (tmp_path / "a").mkdir()
@@ -111,12 +112,58 @@ def test_default_id_is_the_source_and_lookalikes_warn(tmp_path, monkeypatch):
     assert prep.ledger.service["dataset_id"] == "path:" + os.path.realpath(data)
     copy = tmp_path / "copy.jsonl"
     copy.write_bytes(open(data, "rb").read())
+    from llmdp._validate import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _prepare(recipe_from_dict(_raw(tmp_path, copy, name="t2")))
+    assert "the same content hash" in str(e.value)
+    assert f"set data.dataset_id: path:{os.path.realpath(data)}" in str(e.value)
+    assert not (tmp_path / "runs" / "t2").exists()
+    raw = _raw(tmp_path, copy, name="t2")
+    raw["data"]["dataset_id"] = "copy-of-notes"
     lines = []
-    prep2 = _prepare(recipe_from_dict(_raw(tmp_path, copy, name="t2")), lines)
-    assert prep2.ledger.service["dataset_id"] == "path:" + os.path.realpath(copy)
+    prep2 = _prepare(recipe_from_dict(raw), lines)
+    assert prep2.ledger.service["dataset_id"] == "copy-of-notes"
     warn = [x for x in lines if x.startswith("warning: starting a new ledger")]
     assert warn and "the same content hash" in warn[0] and \
         f"data.dataset_id: path:{os.path.realpath(data)}" in warn[0]
+
+
+def test_a_file_and_its_folder_charge_one_budget(tmp_path, monkeypatch):
+    """Issue 29 item 5 through two real runs: a run on ``data/sub/notes.jsonl``, then one
+    on the folder ``data/sub`` (holding only that file) was a second ledger at ε = 0. Now
+    the folder run is refused, naming the file's ledger; declaring that ledger's id, its
+    steps are charged to the same budget, which counts both runs (dp-accounting)."""
+    from llmdp._validate import ConfigError
+    from llmdp.privacy.events import event_from_json
+
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
+    sub = tmp_path / "data" / "sub"
+    sub.mkdir(parents=True)
+    data = write_notes(sub / "notes.jsonl", 30)
+    first = _prepare(recipe_from_dict(_raw(tmp_path, data, name="file", budget_epsilon=50.0)))
+    simulate_steps(first)
+    ds = "path:" + os.path.realpath(data)
+    assert first.ledger.service["dataset_id"] == ds
+    with pytest.raises(ConfigError) as e:
+        _prepare(recipe_from_dict(_raw(tmp_path, sub, name="folder", budget_epsilon=50.0)))
+    assert f"the ledger(s) {ds!r} (overlapping sources: it reads the file {os.path.realpath(data)}" in str(e.value)
+    assert f"set data.dataset_id: {ds}" in str(e.value)
+    raw = _raw(tmp_path, sub, name="folder", budget_epsilon=50.0)
+    raw["data"]["dataset_id"] = ds
+    second = _prepare(recipe_from_dict(raw))
+    simulate_steps(second)
+    recs = dataset_records(None, dataset_id=ds)
+    assert {r["run_id"] for r in recs if r["kind"] == "release"} == {first.run_id, second.run_id}
+    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    for r in recs:
+        if r["kind"] == "release":
+            acc.compose(event_from_json(r["event"]), r["count"])
+    from llmdp.report import build_report
+
+    rep = build_report(second.run_dir)
+    assert rep["dataset_ledger"]["epsilon_spent"] == pytest.approx(acc.get_epsilon(second.plan.delta), rel=1e-9)
+    assert sum(r["count"] for r in recs if r["kind"] == "release") == 12
 
 
 def test_a_legacy_jsonl_dataset_ledger_is_imported_once(tmp_path, monkeypatch):

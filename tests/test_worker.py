@@ -323,6 +323,9 @@ def test_nonfinite_units_never_stop_the_run_nor_change_what_is_published(tmp_pat
         with monkeypatch.context() as m:
             if name == "nan":
                 _nan_first_row(m)
+            # Each side its own ledgers: the same corpus in two folders is one dataset, and
+            # a second ledger for it would be refused (issue 29 item 5).
+            m.setenv("LLMDP_HOME", str(tmp_path / name / "home"))
             cfg = make_recipe(tmp_path / name, steps=8, max_nonfinite_steps=2)
             prep = prepared_config(cfg)
             out = train_loop_per_worker(prep, LocalContext())

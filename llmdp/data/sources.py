@@ -405,17 +405,22 @@ def describe_records(data_cfg: Mapping) -> str:
 
 def dataset_identity(d) -> dict:
     """The ledger identity of a recipe's ``data`` (a training or tokenizer recipe):
-    ``{"dataset_id", "source", "name"}``. ``data.dataset_id`` when declared; else derived
-    from the source, never from its bytes: ``path:<real path>`` of local data (the same
-    file from any working directory, edited or not, is one dataset), ``hub:<name>[/<config>]``
-    of a Hub dataset. ``name``: the file or dataset name, for "looks like" warnings."""
+    ``{"dataset_id", "source", "name", "declared"}``. ``data.dataset_id`` when declared
+    (verbatim); else derived from the source, never from its bytes, one id whatever its
+    spelling (`llmdp.privacy.dataset_ids`): ``path:<real path>`` of local data (the same file
+    from any working directory, edited or not, through a symlink or a ``file://`` URI, is
+    one dataset), ``hub:<name>[/<config>]`` of a Hub dataset (lower-cased: Hub ids are
+    case-insensitive), ``uri:<normalized URI>`` of other filesystems. ``name``: the file
+    or dataset name, for "looks like" messages."""
+    from llmdp.privacy.dataset_ids import hub_id, path_id, uri_id
+
     if d.path is not None and "://" in d.path:  # a URI: the dataset is named by it
-        source, name = f"uri:{d.path.rstrip('/')}", d.path.rstrip("/").rsplit("/", 1)[-1]
+        source = uri_id(d.path)
+        name = source.rstrip("/").rsplit("/", 1)[-1]
     elif d.path is not None:
-        real = os.path.realpath(os.fspath(d.path))
-        source, name = f"path:{real}", os.path.basename(real.rstrip(os.sep))
+        source = path_id(d.path)
+        name = os.path.basename(source.rstrip(os.sep))
     else:
-        source = f"hub:{d.dataset}" + (f"/{d.config_name}" if d.config_name else "")
-        name = d.dataset
+        source, name = hub_id(d.dataset, d.config_name), d.dataset
     return {"dataset_id": d.dataset_id or source, "source": source, "name": name,
             "declared": d.dataset_id is not None}

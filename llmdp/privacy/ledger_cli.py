@@ -91,6 +91,8 @@ def main(args) -> int:
                     damaged.append(str(e))
             if damaged:
                 raise LedgerError("\n".join(damaged))
+            print(f"checked against the head log {db.heads.path} and the runs' ledger.jsonl "
+                  f"files the records name")
         finally:
             db.close()
         return 0

@@ -85,7 +85,8 @@ def test_list_and_verify(tmp_path, run_dir, capsys):
         f"  {DS}: intact, 5 record(s), 5 release record(s) (10 training step(s)) by 1 run(s)",
         "  other: intact, 1 record(s), 0 release record(s) (0 training step(s)) by 0 run(s)"]
     rc, out, err = ledger(["verify", "--ledger", db(tmp_path)], capsys)
-    assert rc == 0 and err == "" and len(out.splitlines()) == 2
+    assert rc == 0 and err == "" and len(out.splitlines()) == 3
+    assert out.splitlines()[-1].startswith("checked against the head log ")
     rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
     assert (rc, err) == (0, "") and out.startswith(f"{DS}: intact, 5 record(s)")
     # Damaged: verify fails with the message on stderr; list says which one is damaged.
@@ -131,8 +132,8 @@ def test_repair_needs_acknowledge_loss(tmp_path, run_dir, capsys):
     assert [d["seq"] for d in rec["excused"] if "fingerprint" in d] == [3]
     rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
     assert (rc, err) == (0, "")
-    assert out.strip() == (f"{DS}: intact, 5 record(s), 4 release record(s) (8 training step(s)) by 1 run(s), 1 "
-                           f"damaged record(s) excused by repairs")
+    assert out.splitlines()[0] == (f"{DS}: intact, 5 record(s), 4 release record(s) (8 training "
+                                   f"step(s)) by 1 run(s), 1 damaged record(s) excused by repairs")
 
 
 def test_repair_needs_a_run_dir_or_a_dataset(tmp_path, capsys):
