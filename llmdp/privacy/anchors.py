@@ -122,7 +122,7 @@ class HeadLog:
                     self._offset, self._lines, self._ino = 0, 0, st.st_ino  # replaced or shrunk
                 f.seek(self._offset)
                 data = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no log yet (or no LLMDP_HOME: said when opening the database)
             return
         end = data.rfind(b"\n") + 1  # a line being appended (no newline yet) is read next time
         for raw in data[:end].split(b"\n")[:-1]:

@@ -191,3 +191,21 @@ def test_the_same_name_with_other_content_only_warns(tmp_path):
     lines = []
     _open(tmp_path, data(path=two), sha=source_fingerprint(path=two), lines=lines)
     assert any("the same source name 'notes.jsonl', other content" in x for x in lines), lines
+
+
+def test_the_demo_in_two_clones_shares_one_ledger(tmp_path):
+    """Data llmdp generates (`data.synthetic`) is named by its generator spec: the same demo
+    notes in two checkouts (same bytes, two paths) are one dataset, not a look-alike that
+    refuses the second clone's `make demo`. Another spec is another dataset."""
+    from llmdp.config import SyntheticDataConfig
+
+    ids = []
+    for clone, seed in (("a", 0), ("b", 0), ("c", 1)):
+        path = tmp_path / clone / "clinical_notes.jsonl"
+        path.parent.mkdir()
+        write_notes(path, 20, seed=seed)
+        d = SimpleNamespace(**vars(data(path=path)), synthetic=SyntheticDataConfig(num_documents=20, seed=seed))
+        ids.append(_open(tmp_path, d, sha=source_fingerprint(path=str(path)))["dataset_id"])
+    assert ids[0] == ids[1] == "synthetic:clinical_notes:n=20:seed=0"
+    assert ids[2] == "synthetic:clinical_notes:n=20:seed=1"
+    assert sorted(_ledgers(tmp_path)) == sorted(set(ids))
