@@ -366,6 +366,9 @@ class EvalConfig:
     # "noised": the number of evaluated units is a noised aggregate too (nothing released
     # without DP); "public": it is published as is, like N (the report lists it as not covered).
     count: str = _f("noised", choices=("noised", "public"))
+    # Release DP evaluations even when their expected noise std exceeds NOISY_EVAL_FRACTION
+    # (llmdp.evaluation.dp) of the metric's range: such a release says next to nothing.
+    allow_noisy: bool = False
     # Public prompts: greedy and sampled continuations of the final model (post-processing
     # of a DP model) in the report and the model card.
     prompts: tuple[str, ...] = ()

@@ -110,6 +110,7 @@ class RunSpec:
     tokenizer: Mapping[str, Any] = field(default_factory=dict)  # what the tokenizer means for ε
     data_stats: Mapping[str, Any] = field(default_factory=dict)  # internal: computed on private data
     eval_plan: DpEvalPlan | None = None  # the DP evaluations (None: none)
+    unit: Mapping[str, Any] = field(default_factory=dict)  # the privacy unit (kind, description, ...)
 
     @property
     def run_dir(self) -> str:
@@ -169,6 +170,9 @@ class RunSpec:
                 **self.eval_plan.to_dict(), "epsilon_alone": self.eval_plan.epsilon()},
             "eval_data": self.eval_data,
             "run_id": self.run_id,
+            # The privacy unit, so that a report written before any release (a run stopped
+            # at step 0) states the run's own unit, not a default.
+            "unit": dict(self.unit),
             "tokenizer": dict(self.tokenizer),
             "prior_releases": [dict(r) for r in self.prior_releases],
             "data": dict(self.data_stats),

@@ -135,10 +135,13 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
     resumed_at = resumed_at if isinstance(resumed_at, int) else 0
     service = None if ledger is None else {
         "location": ledger["location"], "dataset_id": ledger["dataset_id"],
+        "head_log": ledger["head_log"],
         "run_ledger": os.path.join(run_dir, "ledger.jsonl"),
         "run_id": run_id, "meta": ledger_meta,
         "block_size": int(cfg.train.checkpoint_every), "total_steps": plan.steps,
+        # the δ every ε of this run is accounted at: privacy.delta less the noise tails
         "event_json": event_to_json(plan.step_event()), "delta": plan.delta,
+        "accountant_delta": plan.accountant_delta,
         "accountant": plan.accountant, "budget_epsilon": cfg.privacy.budget_epsilon,
         "target_epsilon": plan.target_epsilon, "prior_releases": prior_releases,
         "allow_exceed_target": cfg.privacy.allow_exceed_target_on_failure,
@@ -166,7 +169,7 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         dataset_ledger=None if ledger is None else {"location": ledger["shown"],
                                                     "dataset_id": ledger["dataset_id"]},
         prior_releases=tuple(prior_releases), tokenizer=tok_use, data_stats=data_stats,
-        eval_plan=planned.eval_plan,
+        eval_plan=planned.eval_plan, unit=ledger_meta["unit"],
     )
     if spec.ledger is not None:
         # Every DP run, whatever its recipe says: the dataset's budget (its ledger's) applies.
@@ -199,6 +202,12 @@ def _eval_source_ledger(cfg: RecipeConfig, eval_store, ledger: dict, log) -> dic
     return {"dataset_id": opened["dataset_id"], "location": opened["shown"],
             "meta": {"dataset_fingerprint": eval_store.fingerprint,
                      "dataset_size": eval_store.num_units}}
+
+
+def _tail_note(plan) -> str:
+    """The noise tails' share of δ, for the plan's log line (empty when not folded in)."""
+    tail = plan.noise_tail_delta
+    return "" if tail is None else f" (noise tails {tail:.2g}, accountant {plan.accountant_delta:.3g})"
 
 
 def finished_run(cfg: RecipeConfig) -> dict | None:
@@ -282,7 +291,9 @@ def run(cfg: RecipeConfig, log=print, augment=None) -> str:
     try:
         return _run_locked(cfg, lock, log, augment)
     finally:
-        lock.release()
+        # A launch refused before it created the run directory (bad input, budget) leaves
+        # no lock file behind; a run directory keeps its lock file beside it.
+        lock.release(remove=not os.path.isdir(cfg.run_dir))
 
 
 def _end_hold(spec: RunSpec, status: str, log) -> None:
@@ -308,7 +319,7 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
     else:
         log(f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
             f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
-            f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}, planned epsilon="
+            f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}{_tail_note(plan)}, planned epsilon="
             f"{prepared.epsilon_planned:.4f} ({plan.accountant})")
     if prepared.dp and prepared.tokenizer.get("kind") == "private-dp":
         log(f"tokenizer: {prepared.tokenizer['summary']}")
@@ -333,6 +344,12 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
                           interrupted=interrupted)
     if report.get("stopped"):
         log(f"stopped early: {report['stopped']}")
+    dp_evals = ((report.get("evaluation") or {}).get("dp") or [])
+    if dp_evals:
+        m = dp_evals[-1]
+        log(f"DP evaluation after step {m['step']} (released with DP, publishable): loss "
+            f"{m['loss']:.4f} ± {m['loss_std']:.4f}, token accuracy {m['accuracy']:.4f} ± "
+            f"{m['accuracy_std']:.4f} (± the std of its noise)")
     log(f"run directory: {prepared.run_dir}")
     log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
     if report.get("dp") is False:

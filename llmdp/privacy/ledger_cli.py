@@ -26,7 +26,7 @@ from llmdp.privacy.budget import (
     unit_key,
     who,
 )
-from llmdp.privacy.ledger import LEDGER_FILENAME, LedgerError, append_line
+from llmdp.privacy.ledger import LEDGER_FILENAME, LedgerError, append_line, is_step_release
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.service import run_ledger_problems
@@ -53,8 +53,12 @@ def _summary(ledger: str, st) -> str:
     runs = {r.get("run_id") for r in rel}
     holds = live_holds(recs)
     budget = recorded_budget(recs)
-    return (f"{ledger}: intact, {len(recs)} record(s), {len(rel)} release(s) "
-            f"({sum(int(r['count']) for r in rel)} step(s)) by {len(runs)} run(s)"
+    steps = sum(int(r["count"]) for r in rel if is_step_release(r))
+    others = sum(int(r["count"]) for r in rel if not is_step_release(r))
+    return (f"{ledger}: intact, {len(recs)} record(s), {len(rel)} release record(s) "
+            f"({steps} training step(s)"
+            + (f", {others} other release(s): DP evaluations, tokenizers" if others else "")
+            + f") by {len(runs)} run(s)"
             + (f", {st.excused} damaged record(s) excused by repairs" if st.excused else "")
             + (f", live hold(s): {', '.join(holds)}" if holds else "")
             + (f", budget {budget.describe()}, ε spent "
@@ -107,6 +111,8 @@ def main(args) -> int:
                     damaged.append(str(e))
             if damaged:
                 raise LedgerError("\n".join(damaged))
+            print(f"checked against the head log {db.heads.path} and the runs' ledger.jsonl "
+                  f"files the records name")
         finally:
             db.close()
         return 0

@@ -34,6 +34,7 @@ database and ``ledger.jsonl`` is one contract; the pure arithmetic is already el
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -83,20 +84,39 @@ class BudgetError(RuntimeError):
 
 
 def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, log=print,
-                 legacy_jsonl: list[str] = ()) -> dict:
+                 legacy_jsonl: list[str] = (), declared: bool = True,
+                 members: frozenset[str] = frozenset()) -> dict:
     """Make sure ``dataset_id``'s ledger exists and knows this content hash: a new ledger
     starts with a "dataset" record; a new hash of known data is a "data_version" record
     (the same budget: a modified copy of the data is the same individuals unless the user
-    declares a new ``data.dataset_id``). Warns when a new ledger's data looks like another
-    ledger's (the same content hash, or the same source name with another hash). Legacy
-    JSONL ledgers are imported once. Returns {"new": bool, "versions": n, "similar": [...]}."""
-    similar = []
+    declares a new ``data.dataset_id``). Legacy JSONL ledgers are imported once.
+
+    A derived id (``declared`` False, `llmdp.privacy.dataset_ids`) is looked up by its
+    spelling: a ledger started under an earlier spelling of the same source (e.g.
+    ``hub:OrgName/Notes`` for ``hub:orgname/notes``) *is* this dataset's ledger and is kept;
+    two such ledgers are refused (`ConfigError`, naming them). A new ledger whose data looks
+    like another ledger's (`_similar_ledgers`: the same content hash, or files in common
+    with it, ``members``: the real paths of the local files it reads) is refused unless
+    ``data.dataset_id`` is declared (then a warning): one dataset, one budget. The same
+    source name with other content is a warning only.
+
+    Returns {"dataset_id" (the ledger opened), "new": bool, "versions": n, "similar": [...]}."""
+    if not declared:
+        dataset_id = _derived_ledger(db, dataset_id, log)
+    # Looked for before the transaction when the ledger is new (it may list folders: not
+    # while holding the database's write lock); a hint read, so no lock is needed.
+    similar = (None if dataset_id in db.ledgers() else
+               _similar_ledgers(db, dataset_id, sha256, name, members, source))
     with db.transaction(dataset_id, full=True) as tx:
         recs = tx.records
         known = [r for r in recs if r["kind"] in ("dataset", "data_version")]
-        out = {"new": not known, "versions": len(known), "similar": []}
+        out = {"dataset_id": dataset_id, "new": not known, "versions": len(known), "similar": []}
         if not known:
-            similar = _similar_ledgers(db, dataset_id, sha256, name)
+            if similar is None:
+                similar = _similar_ledgers(db, dataset_id, sha256, name, members, source)
+            blocking = [s for s in similar if s["blocks"]]
+            if blocking and not declared:
+                raise _lookalike_refusal(dataset_id, blocking)
             tx.append({"kind": "dataset", "dataset_id": dataset_id, "sha256": sha256,
                        "source": source, "name": name, "similar_to": [s["ledger"] for s in similar]})
         elif sha256 not in {r.get("sha256") for r in known}:
@@ -105,6 +125,7 @@ def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, lo
                 f"({len(known)} earlier version(s)); it is charged to the same budget. If it holds "
                 f"different individuals, declare a new data.dataset_id")
             out["versions"] += 1
+    similar = similar if out["new"] else []
     for s in similar:
         log(f"warning: starting a new ledger for dataset {dataset_id!r}, but the ledger "
             f"{s['ledger']!r} holds data that looks like it ({s['why']}). If they are the same "
@@ -119,30 +140,81 @@ def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, lo
     return out
 
 
-def _similar_ledgers(db, dataset_id: str, sha256: str, name: str) -> list[dict]:
-    """Other ledgers whose dataset records have this content hash or this source name
-    (read without verification: a hint only)."""
+def _derived_ledger(db, dataset_id: str, log) -> str:
+    """The ledger of a derived id: the one whose stored id is a spelling of it
+    (`dataset_ids.canonical_id`), kept under its stored id; ``dataset_id`` when none is."""
+    from llmdp._validate import ConfigError
+    from llmdp.privacy.dataset_ids import canonical_id
+
+    same = [i for i in db.ledgers() if i == dataset_id or canonical_id(i) == dataset_id]
+    if len(same) > 1:
+        shown = ", ".join(repr(i) for i in same)
+        raise ConfigError(
+            f"the data's dataset ledger is {dataset_id!r}, but {len(same)} ledgers in "
+            f"{db.where} are spellings of it ({shown}), started by an earlier llmdp that did "
+            f"not normalize dataset ids: the releases on this data are split between them, and "
+            f"a budget on one does not count the others'. Set data.dataset_id to one of them "
+            f"to go on with that ledger, knowing that the others' releases are not counted in "
+            f"it (`llmdp privacy ledger verify --dataset ID` shows each one's releases)",
+            key="data.dataset_id")
+    if same and same[0] != dataset_id:
+        log(f"note: the dataset ledger of this data was started as {same[0]!r} (an earlier "
+            f"spelling of {dataset_id!r}); it stays that ledger")
+        return same[0]
+    return dataset_id
+
+
+def _lookalike_refusal(dataset_id: str, similar: list[dict]):
+    from llmdp._validate import ConfigError
+
+    first = similar[0]["ledger"]
+    shown = "; ".join(f"{s['ledger']!r} ({s['why']})" for s in similar)
+    others = (" (the other ledger(s) named keep their releases apart: only one of them can be "
+              "declared)" if len(similar) > 1 else "")
+    return ConfigError(
+        f"this data would start a new dataset ledger {dataset_id!r}, but its data looks like "
+        f"the data of the ledger(s) {shown}. One dataset must have one ledger, or its budget "
+        f"does not count every release on it. If they hold the same individuals, set "
+        f"data.dataset_id: {first} so that this run is charged to that ledger{others}; if this "
+        f"data is about other individuals, declare a new data.dataset_id for it",
+        key="data.dataset_id")
+
+
+def _similar_ledgers(db, dataset_id: str, sha256: str, name: str,
+                     members: frozenset[str] = frozenset(), source: str | None = None) -> list[dict]:
+    """Other ledgers whose data looks like this one's (read without verification: their
+    records are checked whenever they are used). ``blocks``: the same content hash, or
+    overlapping sources (`dataset_ids.overlap`: files in common, a URI or Hub id inside the
+    other); else the same source name with other content (a hint only)."""
     import json as _json
 
-    out = []
+    from llmdp.privacy.dataset_ids import canonical_id, overlap
+
     conn = db._connect()
     cur = conn.cursor()
     db._exec(cur, "SELECT ledger, body FROM llmdp_records WHERE ledger <> ? AND "
                   "(body LIKE ? OR body LIKE ?)", (dataset_id, '%"kind":"dataset"%',
                                                     '%"kind":"data_version"%'))
-    seen: dict[str, str] = {}
+    seen: dict[str, tuple[str, bool]] = {}
     for ledger, body in cur.fetchall():
         try:
             rec = _json.loads(body)
         except ValueError:
             continue
         if rec.get("sha256") == sha256:
-            seen[ledger] = "the same content hash"
+            seen[ledger] = ("the same content hash", True)
         elif name and rec.get("name") == name and ledger not in seen:
-            seen[ledger] = f"the same source name {name!r}, other content"
-    for ledger, why in seen.items():
-        out.append({"ledger": ledger, "why": why})
-    return out
+            seen[ledger] = (f"the same source name {name!r}, other content", False)
+    mine = canonical_id(source or dataset_id)
+    for ledger in db.ledgers():
+        if ledger == dataset_id or (ledger in seen and seen[ledger][1]):
+            continue
+        other = canonical_id(ledger)
+        why = "the same source" if other == mine else overlap(mine, members, other)
+        if why is not None:
+            seen[ledger] = (f"overlapping sources: {why}", True)
+    return [{"ledger": ledger, "why": why, "blocks": blocks}
+            for ledger, (why, blocks) in seen.items()]
 
 
 class LedgerService:
@@ -172,7 +244,8 @@ class LedgerService:
                  target_epsilon: float | None = None, prior_releases=(),
                  allow_exceed_target: bool = False, lock: dict | None = None,
                  eval_event_json: dict | None = None, eval_releases: int = 0,
-                 eval_ledger: dict | None = None):
+                 eval_ledger: dict | None = None, head_log: str | None = None,
+                 accountant_delta: float | None = None):
         self.location, self.dataset_id = location, dataset_id
         self.run_ledger = os.path.abspath(run_ledger)
         self.run_id, self.meta = run_id, dict(meta)
@@ -180,6 +253,10 @@ class LedgerService:
         self.event_json = event_json
         self.event = event_from_json(event_json)
         self.delta, self.accountant, self.budget = float(delta), accountant, budget_epsilon
+        # δ is the published δ (a budget's identity); ε is composed at the accountant's δ, less
+        # the noise generator's truncated tails of this run (`llmdp.privacy.noise_tail`).
+        self.acc_delta = float(delta if accountant_delta is None else accountant_delta)
+        self.tail = max(0.0, self.delta - self.acc_delta)
         self.target = target_epsilon
         self.prior = list(prior_releases)
         self.allow_exceed_target = bool(allow_exceed_target)
@@ -198,7 +275,11 @@ class LedgerService:
                 f"privacy.budget_epsilon={budget_epsilon:g} needs the run's privacy unit in the ledger "
                 f"meta (meta['unit'] with its 'kind'), got meta={self.meta!r}: a budget is per unit "
                 f"definition")
-        self.db = LedgerDB(location)
+        # head_log: resolved on the driver (`dataset_ledger.open_dataset_ledger`), so that a
+        # Ray actor with another $LLMDP_HOME anchors to the same log. Every record of this
+        # run names its ledger.jsonl (an anchor too: `llmdp.privacy.anchors`).
+        self.db = LedgerDB(location, head_log=head_log)
+        self.db.run_ledgers[run_id] = self.run_ledger
         self._reserved: list[tuple[int, int]] = []  # this attempt's blocks [start, end)
         self._stopped: str | None = None
         self._refused: str | None = None  # why the dataset's budget refuses this run's releases
@@ -217,10 +298,10 @@ class LedgerService:
         b = recorded_budget(records) or self._recipe_budget()
         where = describe_location(self.location)
         if b is None:
-            st = budget_status(records, None, self.delta, self.accountant, self.meta, where,
+            st = budget_status(records, None, self.acc_delta, self.accountant, self.meta, where,
                                self.dataset_id)
         else:
-            st = budget_status(records, b.epsilon, b.delta, b.accountant, self.meta, where,
+            st = budget_status(records, b.epsilon, b.delta - self.tail, b.accountant, self.meta, where,
                                self.dataset_id)
         return {**st, "budget": None if b is None else b.to_record(),
                 "budget_recorded": recorded is not None,
@@ -239,6 +320,10 @@ class LedgerService:
 
     def _budget_label(self, b: DatasetBudget) -> str:
         return budget_label(b, self._recipe_budget())
+
+    def _composed(self, budget: DatasetBudget) -> DatasetBudget:
+        """The budget as compositions use it: ε at its δ less this run's noise tails."""
+        return dataclasses.replace(budget, delta=budget.delta - self.tail) if self.tail else budget
 
     def _in_force(self, tx) -> tuple[DatasetBudget | None, str | None]:
         """The budget this run's releases are checked against now, and why they may not be
@@ -292,7 +377,7 @@ class LedgerService:
             mine = live_holds(recs).get(self.run_id)
             if mine is not None:  # the hold's evaluations stay reserved
                 extra += unused_hold_entries(mine, steps=False)
-        return steps_fit(recs, budget, self.event, want, exclude=self.run_id, extra=extra)
+        return steps_fit(recs, self._composed(budget), self.event, want, exclude=self.run_id, extra=extra)
 
     def _target_allows(self, records, want: int) -> int:
         """Steps of ``want`` that keep this run's ε within privacy.target_epsilon (unless
@@ -308,7 +393,7 @@ class LedgerService:
         base = p_entries + release_entries_of(mine)
         if self.eval_event is not None and self._evals_left(records):
             base += [(self.eval_event, self._evals_left(records))]  # room for the evaluations
-        return steps_within_budget(base, self.event, self.target, self.delta, self.accountant,
+        return steps_within_budget(base, self.event, self.target, self.acc_delta, self.accountant,
                                    want, p_thr)
 
     # ------------------------------------------------------------------ DP evaluations
@@ -337,7 +422,7 @@ class LedgerService:
                 self._evals_done(recs) < self.eval_releases and step_count(mine) <= self.total_steps):
             p_entries, p_thr = prior_entries(self.prior)
             eps = _acc.epsilon_with_threshold(p_entries + release_entries_of(mine) + one,
-                                              self.delta, p_thr, self.accountant)
+                                              self.acc_delta, p_thr, self.accountant)
             if eps > self.target:
                 return (f"privacy.target_epsilon={self.target:g}: this DP evaluation would take "
                         f"the run's ε to {eps:.4f} (failures re-executed steps or evaluations); "
@@ -351,8 +436,9 @@ class LedgerService:
             # the hold's unused steps stay reserved.
             h = live_holds(recs).get(self.run_id)
             extra = unused_hold_entries(h, evals=False) if h is not None else []
-            if steps_fit(recs, budget, self.eval_event, 1, exclude=self.run_id, extra=extra) < 1:
-                eps = dataset_epsilon(recs, budget, exclude=self.run_id, extra=extra + one)
+            if steps_fit(recs, self._composed(budget), self.eval_event, 1, exclude=self.run_id,
+                         extra=extra) < 1:
+                eps = dataset_epsilon(recs, self._composed(budget), exclude=self.run_id, extra=extra + one)
                 return (f"{self._budget_label(budget)}: this DP evaluation would take "
                         f"the dataset ledger {self.dataset_id!r} to ε = {eps:.4f} at δ = "
                         f"{budget.delta:.3g} (with what live runs hold); it was not released")
@@ -371,7 +457,7 @@ class LedgerService:
         status, why = _eval_source.launch_refusal(
             records, meta=_eval_source.eval_meta(self.meta, self.eval_ledger), event=self.eval_event,
             left=max(0, self.eval_releases - done), dataset_id=eid,
-            where=describe_location(self.location), delta=self.delta, accountant=self.accountant)
+            where=describe_location(self.location), delta=self.acc_delta, accountant=self.accountant)
         if why is not None:
             raise BudgetError(why)
         return status

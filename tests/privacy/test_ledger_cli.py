@@ -82,10 +82,11 @@ def test_list_and_verify(tmp_path, run_dir, capsys):
     assert rc == 0 and err == ""
     assert out.splitlines() == [
         f"ledgers in {db(tmp_path)}: 2",
-        f"  {DS}: intact, 5 record(s), 5 release(s) (10 step(s)) by 1 run(s)",
-        "  other: intact, 1 record(s), 0 release(s) (0 step(s)) by 0 run(s)"]
+        f"  {DS}: intact, 5 record(s), 5 release record(s) (10 training step(s)) by 1 run(s)",
+        "  other: intact, 1 record(s), 0 release record(s) (0 training step(s)) by 0 run(s)"]
     rc, out, err = ledger(["verify", "--ledger", db(tmp_path)], capsys)
-    assert rc == 0 and err == "" and len(out.splitlines()) == 2
+    assert rc == 0 and err == "" and len(out.splitlines()) == 3
+    assert out.splitlines()[-1].startswith("checked against the head log ")
     rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
     assert (rc, err) == (0, "") and out.startswith(f"{DS}: intact, 5 record(s)")
     # Damaged: verify fails with the message on stderr; list says which one is damaged.
@@ -131,8 +132,8 @@ def test_repair_needs_acknowledge_loss(tmp_path, run_dir, capsys):
     assert [d["seq"] for d in rec["excused"] if "fingerprint" in d] == [3]
     rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
     assert (rc, err) == (0, "")
-    assert out.strip() == (f"{DS}: intact, 5 record(s), 4 release(s) (8 step(s)) by 1 run(s), 1 "
-                           f"damaged record(s) excused by repairs")
+    assert out.splitlines()[0] == (f"{DS}: intact, 5 record(s), 4 release record(s) (8 training "
+                                   f"step(s)) by 1 run(s), 1 damaged record(s) excused by repairs")
 
 
 def test_repair_needs_a_run_dir_or_a_dataset(tmp_path, capsys):
@@ -379,3 +380,23 @@ def test_set_budget_needs_a_dataset(tmp_path, capsys):
     rc, _, err = ledger(["set-budget", "--epsilon", "2", "--ledger", db(tmp_path)], capsys)
     assert rc == 2 and err.startswith("llmdp: error: ") and "give --dataset ID" in err
     assert err.count("\n") == 1
+
+
+def test_a_dp_evaluation_is_not_counted_as_a_step(tmp_path, capsys):
+    """Issue 30 item 13: `ledger list` / `verify` counted a DP evaluation as a training step
+    ("51 step(s)" for 50 steps and one evaluation)."""
+    import dp_accounting
+
+    from llmdp.privacy.events import event_to_json as ej
+
+    svc = LedgerService(
+        location=db(tmp_path), dataset_id=DS, run_ledger=str(tmp_path / "run" / "ledger.jsonl"),
+        run_id="run", meta=META, block_size=2, total_steps=4, event_json=EVJ, delta=1e-5,
+        accountant="rdp", eval_event_json=ej(dp_accounting.GaussianDpEvent(5.0)), eval_releases=1)
+    svc.start_attempt()
+    for step in range(4):
+        svc.ensure(step)
+    assert svc.release_eval(4) == (True, "")
+    svc.db.close()
+    rc, out, _ = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
+    assert rc == 0 and "(4 training step(s), 1 other release(s): DP evaluations, tokenizers)" in out, out

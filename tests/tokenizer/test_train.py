@@ -378,13 +378,13 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
         return acc.get_epsilon(delta - d_thr) - math.log1p(-d_thr)
 
     rel = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-    want = direct(PLDAccountant(rel), plan.noise_multiplier, plan.delta)
+    want = direct(PLDAccountant(rel), plan.noise_multiplier, plan.accountant_delta)
     assert report["epsilon"] == pytest.approx(want, rel=1e-9)
     assert report["epsilon_by_accountant"]["rdp"] == pytest.approx(
-        direct(RdpAccountant(), plan.noise_multiplier, plan.delta), rel=1e-9)
+        direct(RdpAccountant(), plan.noise_multiplier, plan.accountant_delta), rel=1e-9)
     assert report["epsilon"] <= 6.0 + 1e-9
     # sigma is the smallest (to the calibration's tolerance) that meets the target
-    assert direct(PLDAccountant(rel), plan.noise_multiplier * (1 - 3e-3), plan.delta) > 6.0
+    assert direct(PLDAccountant(rel), plan.noise_multiplier * (1 - 3e-3), plan.accountant_delta) > 6.0
     assert report["epsilon_training_only"] < report["epsilon"]
     assert report["tokenizer"]["kind"] == "private-dp" and report["tokenizer"]["composed_into_guarantee"]
     assert "trained from scratch" in report["tokenizer"]["model_vocabulary"]
@@ -396,7 +396,7 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
     from llmdp.report_render import render_markdown
 
     md = render_markdown(report)
-    assert "private-tokenizer" in md and "training alone" in md
+    assert "private-tokenizer" in md and "training steps alone" in md
     shutil.rmtree(prepared.run_dir)
 
 
@@ -476,10 +476,11 @@ def test_tokenizer_on_another_source_is_composed_by_default(trained, other_corpu
     tok_event, d_thr = _tok_event(info)
     acc = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     acc.compose(dp_accounting.ComposedDpEvent([tok_event, _training_event(plan)]))
-    assert report["epsilon"] == pytest.approx(acc.get_epsilon(plan.delta - d_thr) - math.log1p(-d_thr), rel=1e-9)
+    assert report["epsilon"] == pytest.approx(
+        acc.get_epsilon(plan.accountant_delta - d_thr) - math.log1p(-d_thr), rel=1e-9)
     acc = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     assert report["epsilon_training_only"] == pytest.approx(
-        acc.compose(_training_event(plan)).get_epsilon(plan.delta), rel=1e-9)
+        acc.compose(_training_event(plan)).get_epsilon(plan.accountant_delta), rel=1e-9)
     assert report["epsilon"] > report["epsilon_training_only"]
     t = report["tokenizer"]
     assert t["composed_into_guarantee"] and t["tokenizer_data"] == "same"
@@ -502,7 +503,7 @@ def test_tokenizer_declared_independent_is_not_composed_and_said_so(trained, oth
                    "privacy.target_epsilon=null", "model.tokenizer_data=independent"))
     plan = prepared.plan
     acc = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    alone = acc.compose(_training_event(plan)).get_epsilon(plan.delta)
+    alone = acc.compose(_training_event(plan)).get_epsilon(plan.accountant_delta)
     assert report["epsilon"] == pytest.approx(alone, rel=1e-9)
     wording = ("not composed: declared independent by model.tokenizer_data; if the two sources "
                "share individuals, the ε add up")
@@ -549,7 +550,8 @@ def test_seeded_tokenizer_release_is_labelled_seeded(seeded_tokenizer, corpus, t
     # Declared independent (not composed) changes nothing: the vocabulary is in the model.
     ind = _train_cfg(cfg.out_dir, write_notes(tmp_path / "o.jsonl", 50, seed=3), tmp_path,
                      "privacy.noise_multiplier=1.5", "privacy.target_epsilon=null",
-                     "model.tokenizer_data=independent", "output.name=ind")
+                     "model.tokenizer_data=independent", "output.name=ind",
+                     "privacy.delta=1e-3")  # 50 documents: δ must be given (N < 100)
     _, report = _report_after_steps(ind)
     assert report["rng_mode"] == "seeded" and "private tokenizer" in report["rng_warning"]
 
