@@ -114,9 +114,9 @@ def test_truncation_with_the_head_moved_back_is_detected(backend, request, tmp_p
     svc = _ten_releases(location, ds, tmp_path)
     recs = LedgerDB(location, read_only=True).records(ds)
     releases = sum(r["count"] for r in recs if r["kind"] == "release")
-    assert releases == 10 and len(recs) == 12  # dataset, hold, 10 releases
+    assert releases == 10 and len(recs) == 13  # dataset, budget, hold, 10 releases
     eps_before = _direct_eps(10)
-    keep = 7  # the dataset record, the hold and 5 releases: 5 steps left
+    keep = 8  # the dataset and budget records, the hold and 5 releases: 5 steps left
     _truncate(location, ds, keep)
     # The database alone still verifies: exactly the defect of the issue.
     from llmdp.privacy.ledger_verify import verify_rows
@@ -131,7 +131,7 @@ def test_truncation_with_the_head_moved_back_is_detected(backend, request, tmp_p
     rc, out, err = _verify(location, capsys, "--dataset", ds)
     assert rc == 2, out
     assert f"the dataset ledger {ds!r}" in err and "is damaged" in err
-    assert "says record 12" in err and "the ledger ends at record 7" in err
+    assert "says record 13" in err and "the ledger ends at record 8" in err
     assert "its last 5 record(s) were deleted and its head moved back" in err
     assert "head log" in err
     # The running service's next budget check (its transaction) refuses.
@@ -160,7 +160,7 @@ def test_a_deleted_ledger_is_detected(backend, request, tmp_path, capsys):
     rc, out, err = _verify(location, capsys)
     assert rc == 2
     assert f"the dataset ledger {ds!r}" in err
-    assert "says record 12" in err and "the database has none of this ledger's records" in err
+    assert "says record 13" in err and "the database has none of this ledger's records" in err
     rc, out, err = _verify(location, capsys, "--dataset", ds)
     assert rc == 2 and "its records and its head were deleted" in err
     svc = _service(location, ds, tmp_path, "again", budget=100.0)
@@ -187,12 +187,13 @@ def test_run_ledgers_show_truncation_when_the_head_log_is_gone_too(tmp_path, cap
     records, each line but the last proven committed (the next one links to it)."""
     location = str(tmp_path / "ledger.sqlite")
     _ten_releases(location, "ds", tmp_path).db.close()
-    _truncate(location, "ds", 7)
+    _truncate(location, "ds", 8)
     os.remove(head_log_path(location))
     rc, out, err = _verify(location, capsys, "--dataset", "ds")
     assert rc == 2
-    # Lines 1..11 hold records 2..12 (the hold, then the releases); line 11 is the last.
-    assert f"{tmp_path / 'run' / 'ledger.jsonl'} line 10 says record 11" in err
+    # Lines 1..11 hold records 3..13 (the hold, then the releases; the budget record is
+    # the dataset's, not the run's); line 11 is the last.
+    assert f"{tmp_path / 'run' / 'ledger.jsonl'} line 10 says record 12" in err
     assert "its last 4 record(s) were deleted" in err
 
 
@@ -206,9 +207,9 @@ def test_a_runs_last_line_alone_proves_nothing(tmp_path, capsys):
     log = head_log_path(location)
     with open(log, "rb") as f:
         kept = f.read()
-    _truncate(location, "ds", 11)
+    _truncate(location, "ds", 12)
     rc, out, err = _verify(location, capsys, "--dataset", "ds")
-    assert rc == 2 and "says record 12" in err and "its last 1 record(s) were deleted" in err
+    assert rc == 2 and "says record 13" in err and "its last 1 record(s) were deleted" in err
     os.remove(log)
     rc, out, err = _verify(location, capsys, "--dataset", "ds")
     assert (rc, err) == (0, ""), err
@@ -239,17 +240,17 @@ def test_a_crash_between_the_commit_and_the_head_log_leaves_an_honest_ledger(tmp
     assert proc.returncode == 9
     db = LedgerDB(location, read_only=True)
     recs = db.records("ds")  # intact
-    assert recs[-1]["seq"] == 13 and recs[-1]["first_step"] == 10
+    assert recs[-1]["seq"] == 14 and recs[-1]["first_step"] == 10
     with open(head_log_path(location)) as f:
         logged = [json.loads(line) for line in f]
-    assert max(e["seq"] for e in logged) == 12  # behind by the crashed transaction
+    assert max(e["seq"] for e in logged) == 13  # behind by the crashed transaction
     rc, out, err = _verify(location, capsys, "--dataset", "ds")
-    assert (rc, err) == (0, "") and out.startswith("ds: intact, 13 record(s)")
+    assert (rc, err) == (0, "") and out.startswith("ds: intact, 14 record(s)")
     svc = _service(location, "ds", tmp_path, "run", total=20, budget=100.0)
     svc.start_attempt()
     svc.ensure(11)
     with open(head_log_path(location)) as f:
-        assert json.loads(f.readlines()[-1])["seq"] == 14
+        assert json.loads(f.readlines()[-1])["seq"] == 15
     svc.db.close()
 
 
@@ -269,7 +270,7 @@ def test_a_rolled_back_transaction_writes_no_head_log_line(tmp_path):
 def test_a_repair_acknowledges_the_lost_records_and_only_those(tmp_path, capsys):
     location = str(tmp_path / "ledger.sqlite")
     _ten_releases(location, "ds", tmp_path).db.close()
-    _truncate(location, "ds", 7)
+    _truncate(location, "ds", 8)
     rc = main(["privacy", "ledger", "repair", "--ledger", location, "--dataset", "ds"])
     assert rc == 2  # refused without --acknowledge-loss
     capsys.readouterr()
@@ -280,8 +281,8 @@ def test_a_repair_acknowledges_the_lost_records_and_only_those(tmp_path, capsys)
     db = LedgerDB(location, read_only=True)
     st = db.read("ds")
     rep = st.records[-1]
-    assert rep["kind"] == "repair" and rep["seq"] == 8 and rep["records_lost"] == 5
-    assert {(c["seq"]) for c in rep["lost"]} >= {12}
+    assert rep["kind"] == "repair" and rep["seq"] == 9 and rep["records_lost"] == 5
+    assert {(c["seq"]) for c in rep["lost"]} >= {13}
     assert sum(r["count"] for r in st.records if r["kind"] == "release") == 5
     # Appends go on; the same kind of damage again is detected again.
     svc = _service(location, "ds", tmp_path, "later", budget=100.0)
@@ -291,7 +292,7 @@ def test_a_repair_acknowledges_the_lost_records_and_only_those(tmp_path, capsys)
         svc.ensure(step)
     svc.db.close()
     assert _verify(location, capsys, "--dataset", "ds")[0] == 0
-    _truncate(location, "ds", 10)
+    _truncate(location, "ds", 11)
     rc, out, err = _verify(location, capsys, "--dataset", "ds")
     assert rc == 2 and "its last 3 record(s) were deleted" in err
 
@@ -303,9 +304,10 @@ def test_a_runs_records_name_its_ledger_file_which_is_never_published(tmp_path):
     _ten_releases(location, "ds", tmp_path).db.close()
     path = str(tmp_path / "run" / "ledger.jsonl")
     recs = LedgerDB(location, read_only=True).records("ds")
-    assert [r.get("run_ledger") for r in recs] == [None] + [path] * 11  # the dataset record: no run
+    # the dataset and budget records are no run's
+    assert [r.get("run_ledger") for r in recs] == [None, None] + [path] * 11
     lines = Ledger(path).records()
-    assert lines == recs[1:]
+    assert lines == recs[2:]
     assert all("run_ledger" not in r and path not in json.dumps(r) for r in publishable_ledger(lines))
 
 
@@ -328,6 +330,6 @@ def test_uncommitted_lines_of_one_transaction_prove_nothing(tmp_path, capsys):
                 append_line(path, tx.append({"kind": "note", "run_id": "run"}))
             raise RuntimeError("crash before the commit")
     lines = Ledger(path).records()
-    assert [r["seq"] for r in lines[-2:]] == [13, 14] and lines[-1]["txn"] == 13
+    assert [r["seq"] for r in lines[-2:]] == [14, 15] and lines[-1]["txn"] == 14
     rc, out, err = _verify(location, capsys, "--dataset", "ds")
     assert (rc, err) == (0, ""), err

@@ -274,7 +274,7 @@ def test_report_composes_the_runs_unit_and_lists_the_others(tmp_path):
     assert r["epsilon"] == pytest.approx(eps, rel=1e-9)
     md = render_markdown(r)
     assert "this run's unit, user (records sharing 'user_id')" in md
-    assert "seq-run (dp-sgd, 30 release(s), unit a sequence of 24 tokens" in md
+    assert "seq-run (dp-sgd, 30 step(s), unit a sequence of 24 tokens" in md
     assert "not composed: different privacy unit" in md
 
 
