@@ -228,6 +228,12 @@ def check_eval_data(e, prefix: str, base_dir: str):
             f"public (its metrics are published as they are), false if it is private (about the "
             f"same individuals as data; metrics internal unless released with DP)",
             key=f"{prefix}.public")
+    if e.dataset_id is not None and not (source and e.public is False):
+        raise ConfigError(
+            f"{prefix}.dataset_id: {e.dataset_id!r} names the dataset ledger of a separate private "
+            f"evaluation source ({prefix}.path or {prefix}.dataset with {prefix}.public: false); "
+            f"held-out units of the corpus are in data.dataset_id's ledger, and public data has "
+            f"none: remove it", key=f"{prefix}.dataset_id")
     if e.fraction is not None and e.public is not None:
         raise ConfigError(
             f"{prefix}.public: {e.public!r} is only for a separate source; units held out of the "

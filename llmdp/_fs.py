@@ -72,9 +72,23 @@ class RunLock:
         run_dir = os.path.abspath(run_dir)
         self.path = os.path.join(os.path.dirname(run_dir), f".{os.path.basename(run_dir)}.lock")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        while True:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                break
+            # A holder may have removed the file (`release(remove=True)`) between our open and
+            # our flock: then we hold a lock on a name nobody sees; take the new file instead.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(self._fd)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held already: a no-op
         except BlockingIOError:
             try:
                 holder = json.loads(os.pread(self._fd, 4096, 0).decode() or "{}")
@@ -94,8 +108,16 @@ class RunLock:
         os.pwrite(self._fd, json.dumps(self.info).encode(), 0)
         os.fsync(self._fd)
 
-    def release(self) -> None:
+    def release(self, remove: bool = False) -> None:
+        """Drop the lock; ``remove``: also delete the file (a launch refused before it wrote
+        anything leaves nothing behind). Removed while still held, so that no other launch
+        can hold a lock on the old file then (it re-checks the name after its flock)."""
         if self._fd is not None:
+            if remove:
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
             os.close(self._fd)  # drops the flock
             self._fd = None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from llmdp.audit.section import audit_markdown
 from llmdp.evaluation.report import evaluation_markdown
+from llmdp.report_render import plain_guarantee
 
 
 def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, license: str | None,
@@ -58,6 +59,8 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         f"private data: {what}.",
         "",
         "## Privacy",
+        "",
+        plain_guarantee(report),
         "",
         f"**Guarantee: ({report['epsilon']:.4f}, {report['delta']:.3g})-differential privacy** with "
         f"respect to {report['adjacency']}, accounted with {report['accountant'].upper()} ("
@@ -140,6 +143,14 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
 
+def _dp_metrics_with_std(m: dict) -> list[tuple[str, float, float]]:
+    """(metric, value, std of its DP noise) of one DP evaluation release; perplexity's std is
+    the loss std carried through exp (delta method: exp(loss)·std(loss))."""
+    return [("loss", m["loss"], m["loss_std"]),
+            ("perplexity", m["perplexity"], m["perplexity"] * m["loss_std"]),
+            ("accuracy", m["accuracy"], m["accuracy_std"])]
+
+
 def _eval_results(ev: dict | None, model_name: str, report: dict) -> dict:
     """The card's ``model-index`` (Hugging Face format): the last DP evaluation and the
     last metrics on public held-out data, the only evaluations that may be published."""
@@ -151,11 +162,14 @@ def _eval_results(ev: dict | None, model_name: str, report: dict) -> dict:
     dp = (ev.get("dp") or [])[-1:]
     for m in dp:
         name = f"held-out private units, released with DP (ε = {report['epsilon']:.3g} for the whole run)"
-        for metric, value in (("loss", m["loss"]), ("perplexity", m["perplexity"]),
-                              ("accuracy", m["accuracy"])):
+        for metric, value, std in _dp_metrics_with_std(m):
+            # A DP metric is never published without the std of its noise: in the name
+            # (what the Hub shows) and as a metric argument (what tools read).
             results.append(EvalResult(task_type="text-generation", dataset_type="private",
                                       dataset_name=name, metric_type=metric, metric_value=value,
-                                      metric_name=f"DP {metric} (after step {m['step']})"))
+                                      metric_name=f"DP {metric} ± {std:.3g} (std of the DP noise; "
+                                                  f"after step {m['step']})",
+                                      metric_args={"dp_noise_std": std}))
     for m in (ev.get("public") or [])[-1:]:
         for metric in ("loss", "perplexity", "accuracy"):
             results.append(EvalResult(task_type="text-generation", dataset_type="public",

@@ -25,6 +25,10 @@ def _add_plan_args(p: argparse.ArgumentParser, sigma: bool) -> None:
         p.add_argument("--target-epsilon", type=float, required=True)
     p.add_argument("--delta", type=float, default=None, help="default: a power of ten below 1/(10N)")
     p.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    p.add_argument("--parameters", type=int, default=None, metavar="D",
+                   help="trainable parameters (the noise coordinates of a step): the noise "
+                        "generator's truncated tails are then included in --delta, as `llmdp "
+                        "train` does; without it they are not")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -69,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
              "selected by its DP evaluation: llmdp sweep RECIPE --grid optim.lr=1e-3,3e-3",
         description="Run one DP trial per grid point (or a Papernot-Steinke random search), "
                     "select the trial with the lowest DP evaluation loss, and state what the "
-                    "sweep cost (<output.dir>/<output.name>-sweep/sweep.json and sweep.md). "
+                    "sweep cost (<output.dir>/<output.name>-sweep/sweep.json and sweep.md; a "
+                    "random search keeps the number of trials, every trial and bound (a) in "
+                    "sweep.internal.json/.md, not for publication under its bound (b)). "
                     "Re-running the same command resumes it.")
     sw.add_argument("recipe")
     sw.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=200")
@@ -91,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--out", default=None, metavar="FILE.png",
                     help="also plot evaluation loss against ε to this PNG")
 
-    priv = sub.add_parser("privacy", help="accounting: epsilon, calibrate, report")
+    priv = sub.add_parser("privacy", help="accounting and dataset ledgers: epsilon, calibrate, report, ledger")
     psub = priv.add_subparsers(dest="privacy_command", required=True)
     _add_plan_args(psub.add_parser("epsilon", help="epsilon of a DP-SGD plan"), sigma=True)
     _add_plan_args(psub.add_parser("calibrate", help="noise multiplier for a target epsilon"), sigma=False)
@@ -99,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
     lg = psub.add_parser(
-        "ledger", help="the dataset ledgers: list, verify, repair, import",
+        "ledger", help="the dataset ledgers: list, verify, repair, end-hold, import, set-budget",
         description="Dataset ledgers live in one database: $LLMDP_HOME/ledger.sqlite by default "
                     "(LLMDP_HOME defaults to the user's data directory), or --ledger (a SQLite "
                     "file or a postgresql:// URL, as privacy.ledger in a recipe).")
@@ -131,6 +137,30 @@ def build_parser() -> argparse.ArgumentParser:
     le.add_argument("--dataset", required=True, metavar="ID")
     le.add_argument("--reason", default="")
     _loc(le)
+    lb = lsub.add_parser(
+        "set-budget", help="set or change a dataset's privacy budget (ε, δ, accountant, privacy "
+        "unit), recorded in its ledger: the budget every release on that data is checked against",
+        description="A budget belongs to the dataset: every release on it (every run, whatever "
+                    "its recipe says, every DP evaluation, every private tokenizer) is checked "
+                    "against it. Set here, or by the first run with privacy.budget_epsilon; "
+                    "changed only here (recorded: who, when, old -> new). A budget below what "
+                    "is spent is refused.")
+    # Strings, checked by the command: a bad value is one message (exit 2).
+    lb.add_argument("--dataset", default=None, metavar="ID")
+    lb.add_argument("--epsilon", default=None, metavar="E")
+    lb.add_argument("--delta", default=None, metavar="D",
+                    help="required for a first budget; default: the recorded one")
+    lb.add_argument("--accountant", default=None, metavar="pld|rdp",
+                    help="default: the recorded one, else pld")
+    lb.add_argument("--unit", default=None, metavar="document|user|sequence",
+                    help="the privacy unit; default: the recorded one, else that of the ledger's releases")
+    lb.add_argument("--user-field", default=None, metavar="F")
+    lb.add_argument("--sequence-length", default=None, metavar="L")
+    lb.add_argument("--document-masking", action="store_true")
+    lb.add_argument("--reason", default="", help="why (recorded with the budget)")
+    lb.add_argument("--create", action="store_true",
+                    help="start the dataset's ledger with this budget (no run on it yet)")
+    _loc(lb)
     li = lsub.add_parser("import", help="import a JSONL dataset ledger of an earlier llmdp, once")
     li.add_argument("file")
     li.add_argument("--dataset", required=True, metavar="ID", help="the data.dataset_id it belongs to")
@@ -221,6 +251,9 @@ def _check_plan_flags(a, *, calibrate: bool) -> None:
         raise FlagError(f"--steps {a.steps}: the number of DP-SGD steps must be at least 1")
     if a.epochs is not None:
         finite_positive("--epochs", a.epochs, "the number of epochs")
+    if a.parameters is not None and a.parameters < 1:
+        raise FlagError(f"--parameters {a.parameters}: the number of trainable parameters must "
+                        "be at least 1 (or leave --parameters out)")
     if calibrate:
         finite_positive("--target-epsilon", a.target_epsilon, "the target epsilon")
     else:
@@ -237,7 +270,7 @@ def _check_plan_flags(a, *, calibrate: bool) -> None:
 
 
 def _plan_from_args(a, *, calibrate: bool):
-    from llmdp.privacy.plan import PlanError, default_delta, make_plan
+    from llmdp.privacy.plan import NoiseTailError, PlanError, default_delta, make_plan, tail_message
 
     _check_plan_flags(a, calibrate=calibrate)
     kw = dict(
@@ -248,13 +281,22 @@ def _plan_from_args(a, *, calibrate: bool):
         epochs=a.epochs,
         delta=a.delta,
         accountant=a.accountant,
+        noise_coordinates=a.parameters,
     )
-    if not calibrate:
-        return make_plan(noise_multiplier=a.noise_multiplier, **kw)
     max_sigma = 100.0
     try:
+        if not calibrate:
+            return make_plan(noise_multiplier=a.noise_multiplier, **kw)
         return make_plan(target_epsilon=a.target_epsilon, max_noise_multiplier=max_sigma, **kw)
+    except NoiseTailError as e:
+        more = "a larger --noise-multiplier" if not calibrate else "a smaller --target-epsilon"
+        raise FlagError(
+            f"--parameters {a.parameters}: {tail_message(e.share, e.delta, e.detail)}. Fix: fewer "
+            f"trainable parameters (LoRA), fewer --steps/--epochs, {more}, or a larger --delta "
+            f"(still below 1/N)") from None
     except PlanError:
+        if not calibrate:
+            raise
         # Every flag was checked above: the target cannot be met. Say so in flags.
         try:
             floor = f"epsilon = {make_plan(noise_multiplier=max_sigma, **kw).epsilon():.4g}"
@@ -275,6 +317,11 @@ def _print_plan(plan, a, extra: dict) -> None:
     out = {
         "epsilon": plan.epsilon(),
         "delta": plan.delta,
+        # the split of δ: the accountant's and the noise tails' (null: --parameters not given,
+        # the tails are not included)
+        "delta_accountant": plan.accountant_delta,
+        "delta_noise_tail": plan.noise_tail_delta,
+        "parameters": plan.noise_coordinates,
         "noise_multiplier": plan.noise_multiplier,
         "sampling_probability": plan.sampling_probability,
         "steps": plan.steps,
@@ -304,9 +351,10 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command in ("submit", "sweep") and all("=" in e and not e.startswith("-") for e in extra):
-        # argparse stops filling a positional list at the first option: `submit R --address A
-        # k=v` leaves k=v over. Overrides may come anywhere, in the order written.
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        # argparse stops filling a positional list at the first option: `train R --debug k=v`
+        # or `audit R --canaries 100 k=v` leaves k=v over. Every command that takes overrides
+        # takes them anywhere after its recipe, in the order written.
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

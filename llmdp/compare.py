@@ -61,7 +61,10 @@ def load_run(path: str) -> dict:
         "dp_eval": None if dp is None else {
             "loss": _num(dp.get("loss")), "loss_std": _num(dp.get("loss_std")),
             "accuracy": _num(dp.get("accuracy")), "accuracy_std": _num(dp.get("accuracy_std")),
-            "step": dp.get("step")},
+            "loss_bound": _num(dp.get("loss_bound")), "step": dp.get("step")},
+        # Runs are joined by a line only on the same dataset and δ (their ε are comparable).
+        "dataset": (report.get("dataset_ledger") or {}).get("dataset_id")
+        or report.get("dataset_fingerprint"),
         "steps": report.get("steps_completed", report.get("steps")),
         "status": report.get("status"),
     }
@@ -100,7 +103,9 @@ def plot(rows: list[dict], out: str) -> dict:
     """Evaluation loss against ε (one point per DP run: held-out loss, DP eval loss with its
     std); each non-private run is a horizontal dashed line labelled NON-PRIVATE. Returns what
     was drawn: ``{"heldout": [(ε, loss, run)], "dp_eval": [(ε, loss, std, run)],
-    "non_private": [(loss, label)], "path": out}``."""
+    "dp_eval_bars": [(below, above)], "groups": [[dataset, δ]], "non_private": [(loss,
+    label)], "path": out}``. Runs on different datasets or at different δ are separate
+    curves; error bars stay inside the loss's range [0, L]."""
     import matplotlib  # lazy: only drawing needs matplotlib (slow to import)
 
     matplotlib.use("Agg")
@@ -111,24 +116,41 @@ def plot(rows: list[dict], out: str) -> dict:
                      key=lambda r: r["epsilon"])
     drawn = False
     baselines = []
-    held = [(r["epsilon"], r["heldout"]["loss"], r) for r in dp_rows
-            if r["heldout"] and r["heldout"]["loss"] is not None]
-    if held:
-        sources = sorted({r["heldout"]["source"] for _, _, r in held})
-        ax.plot([x for x, _, _ in held], [y for _, y, _ in held], "o-",
-                label=f"held-out loss ({', '.join(sources)})")
-        drawn = True
-    dpe = [(r["epsilon"], r["dp_eval"]["loss"], r["dp_eval"]["loss_std"] or 0.0, r) for r in dp_rows
-           if r["dp_eval"] and r["dp_eval"]["loss"] is not None]
-    if dpe:
-        ax.errorbar([x for x, *_ in dpe], [y for _, y, *_ in dpe], yerr=[s for _, _, s, _ in dpe],
-                    fmt="s--", capsize=3, label="DP eval loss ± std")
-        drawn = True
+    # One curve per (dataset, δ): ε of runs on other data or at another δ are not points of
+    # one privacy-utility curve.
+    groups: dict = {}
+    for r in dp_rows:
+        groups.setdefault((r.get("dataset"), r["delta"]), []).append(r)
+    several = len(groups) > 1
+    held, dpe, yerr = [], [], []
+    for (dataset, delta), members in groups.items():
+        tag = f" [{_short(dataset)}, δ={delta:.3g}]" if several else ""
+        h = [(r["epsilon"], r["heldout"]["loss"], r) for r in members
+             if r["heldout"] and r["heldout"]["loss"] is not None]
+        if h:
+            sources = sorted({r["heldout"]["source"] for _, _, r in h})
+            ax.plot([x for x, _, _ in h], [y for _, y, _ in h], "o-",
+                    label=f"held-out loss ({', '.join(sources)}){tag}")
+            held += h
+            drawn = True
+        d = [(r["epsilon"], r["dp_eval"]["loss"], r["dp_eval"]["loss_std"] or 0.0, r) for r in members
+             if r["dp_eval"] and r["dp_eval"]["loss"] is not None]
+        if d:
+            # The bars stop at the loss's range [0, L]: a released loss never leaves it, and
+            # a bar below 0 would draw a value the metric cannot take.
+            err = [_clipped_bar(y, sd, r["dp_eval"].get("loss_bound")) for _, y, sd, r in d]
+            ax.errorbar([x for x, *_ in d], [y for _, y, *_ in d],
+                        yerr=[[lo for lo, _ in err], [hi for _, hi in err]],
+                        fmt="s--", capsize=3, label=f"DP eval loss ± std{tag}")
+            dpe += d
+            yerr += err
+            drawn = True
     named = set()
     for x, y, r in held + [(x, y, r) for x, y, _, r in dpe]:
-        if r["path"] not in named:  # each run named once
+        if r["path"] not in named:  # each run named once, labels staggered
             named.add(r["path"])
-            ax.annotate(r["run"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(r["run"], (x, y), textcoords="offset points",
+                        xytext=(4, 4 + 9 * (len(named) % 3)), fontsize=7)
     for r in rows:
         if not r["dp"] and r["heldout"] and r["heldout"]["loss"] is not None:
             label = f"NON-PRIVATE ({r['run']}, {r['heldout']['source']})"
@@ -152,7 +174,21 @@ def plot(rows: list[dict], out: str) -> dict:
     plt.close(fig)
     return {"heldout": [(x, y, r["run"]) for x, y, r in held],
             "dp_eval": [(x, y, sd, r["run"]) for x, y, sd, r in dpe],
+            "dp_eval_bars": yerr, "groups": [list(k) for k in groups],
             "non_private": baselines, "path": out}
+
+
+def _clipped_bar(y: float, sd: float, bound: float | None) -> tuple[float, float]:
+    """(below, above) of a ± sd bar at y, kept inside [0, bound]."""
+    lo = min(sd, max(0.0, y))
+    hi = sd if bound is None else min(sd, max(0.0, bound - y))
+    return lo, hi
+
+
+def _short(dataset: str | None) -> str:
+    if not dataset:
+        return "dataset ?"
+    return dataset if len(dataset) <= 28 else "…" + dataset[-27:]
 
 
 def compare(paths, out: str | None = None, log=print) -> list[dict]:

@@ -198,6 +198,10 @@ class EvalDataConfig:
     # Evaluate on the held-out units with the smallest split hashes, at most this many
     # (quicker evaluations; the selection depends on each unit's own content). None: all.
     max_units: int | None = _f(None, ge=1)
+    # A separate private source is a dataset of its own, with its own ledger (its DP
+    # evaluations are recorded there too, and checked against its budget): its identity
+    # there, as data.dataset_id for the training data. None: derived from the source.
+    dataset_id: str | None = _f(None, nonempty=True)
 
 
 @dataclass(frozen=True)
@@ -362,6 +366,9 @@ class EvalConfig:
     # "noised": the number of evaluated units is a noised aggregate too (nothing released
     # without DP); "public": it is published as is, like N (the report lists it as not covered).
     count: str = _f("noised", choices=("noised", "public"))
+    # Release DP evaluations even when their expected noise std exceeds NOISY_EVAL_FRACTION
+    # (llmdp.evaluation.dp) of the metric's range: such a release says next to nothing.
+    allow_noisy: bool = False
     # Public prompts: greedy and sampled continuations of the final model (post-processing
     # of a DP model) in the report and the model card.
     prompts: tuple[str, ...] = ()

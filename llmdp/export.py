@@ -331,7 +331,10 @@ def _write_model(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model: 
                               f"rebuild it (re-run the recipe's preparation) or export the adapter")
     log(f"merging the adapter into {os.path.basename(str(local_base))}")
     base = AutoModelForCausalLM.from_pretrained(local_base, dtype=_saved_dtype(local_base))
-    merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
+    from llmdp._hf import quiet_peft
+
+    with quiet_peft():
+        merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
     merged.save_pretrained(out)
     _scrub_config_json(os.path.join(out, "config.json"), base_model)
     return "merged"

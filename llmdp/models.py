@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from llmdp._fs import building_dir, install_dir
-from llmdp._hf import dtype_kwarg, save_kwargs
+from llmdp._hf import check_hub_model, dtype_kwarg, quiet_peft, save_kwargs
 from llmdp._validate import ConfigError
 from llmdp.tokenizer.adapt import adapted_model_hash, build_adapted_model
 
@@ -161,7 +161,8 @@ def build_tiny_model(out_dir, tiny_cfg, vocab_size, pad_token_id, bos_token_id, 
 def check_local_path(name_or_path, key: str) -> None:
     """A value that is a local path (absolute, or ./ ../ ~; the recipe loader makes every
     path-like value absolute) must exist: it is never sent to a hub as a model id, where
-    it would be retried against the network and fail with a long traceback."""
+    it would be retried against the network and fail with a long traceback. Anything else
+    that is not an existing folder is a Hub id: cached, or reachable (``check_hub_model``)."""
     value = os.fspath(name_or_path)
     if (os.path.isabs(value) or value.startswith(("./", "../", "~"))) \
             and not os.path.exists(os.path.expanduser(value)):
@@ -170,6 +171,8 @@ def check_local_path(name_or_path, key: str) -> None:
             f"Hugging Face Hub); fix the path, create it first, or give a Hub id like org/name",
             key=key,
         )
+    if not os.path.exists(os.path.expanduser(value)):
+        check_hub_model(value, key)
 
 
 def load_tokenizer(name_or_path, key: str = "model.tokenizer"):
@@ -215,10 +218,10 @@ def load_model(model_cfg, *, vocab_size: int | None = None, cache_dir) -> tuple[
     tok_src = getattr(model_cfg, "tokenizer", None) or model_cfg.name_or_path
     if tok_src is None:
         raise ValueError("model.tokenizer: required when model.init is 'tiny'")
-    tokenizer = load_tokenizer(tok_src, "model.tokenizer" if getattr(model_cfg, "tokenizer", None)
-                               else "model.name_or_path")
     if init == "pretrained" and model_cfg.name_or_path is not None:
-        check_local_path(model_cfg.name_or_path, "model.name_or_path")
+        check_local_path(model_cfg.name_or_path, "model.name_or_path")  # before its tokenizer
+    own = getattr(model_cfg, "tokenizer", None) not in (None, model_cfg.name_or_path)
+    tokenizer = load_tokenizer(tok_src, "model.tokenizer" if own else "model.name_or_path")
     if getattr(model_cfg, "base_tokenizer", None) is not None:
         check_local_path(model_cfg.base_tokenizer, "model.base_tokenizer")
     dtype_name = getattr(model_cfg, "dtype", "float32")
@@ -284,7 +287,8 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, cfg)
+        with quiet_peft():
+            return get_peft_model(model, cfg)
     except ValueError as exc:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                          if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})

@@ -6,6 +6,7 @@ with it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from llmdp.data.synthetic import ensure_clinical_notes
 from llmdp.evaluation.dp import plan_dp_eval
 from llmdp.models import load_model
 from llmdp.privacy.events import event_to_json
-from llmdp.privacy.plan import make_plan
+from llmdp.privacy.plan import check_noise_tail, make_plan
 from llmdp.privacy.prior import calibrate_with_prior
 from llmdp.tokenizer.train import tokenizer_for_run
 
@@ -99,6 +100,10 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
                                     config_name=d.config_name, format=d.format)
     tok_use = tokenizer_for_run(cfg.model, d, data_sha256=source_sha, delta=cfg.privacy.delta)
 
+    if cfg.model.init == "tiny" and cfg.model.lora is not None:
+        log("warning: model.lora on model.init: tiny trains adapters on a RANDOMLY initialised "
+            "base model: useful to test the pipeline, not to fine-tune; set model.name_or_path "
+            "to a pretrained model (model.init: pretrained)")
     model, tokenizer = load_model(cfg.model, cache_dir=os.path.join(cache, "models"))
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -149,6 +154,8 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
             key="train.expected_batch_size",
         )
     priv = cfg.privacy  # privacy.dp false: a NON-PRIVATE baseline; σ is not calibrated
+    if priv.dp and cfg.privacy.delta is None:
+        _default_delta_or_refuse(N, spec.kind, log)
     plan = make_plan(
         dataset_size=N,
         expected_batch_size=cfg.train.expected_batch_size,
@@ -163,24 +170,73 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
         sampler=cfg.privacy.sampler,
         max_batch_size=cfg.privacy.max_batch_size,
         dp=priv.dp,
+        # the noise coordinates of a step: the generator's tails are folded into δ
+        noise_coordinates=n_train if priv.dp else None,
     )
     prior_releases = [tok_use["release"]] if tok_use["compose"] and priv.dp else []
     eval_plan = _dp_eval_plan(cfg, plan, len(tokenizer)) if eval_store is not None and priv.dp \
         else None
+    if eval_plan is not None:  # their noise tails are folded into δ with the steps'
+        plan = dataclasses.replace(plan, eval_noise=eval_plan.noise())
     if prior_releases or eval_plan is not None:
         # The model's guarantee covers the tokenizer and the DP evaluations too: sigma is
         # calibrated so that the composition (tokenizer release + DP evaluations + every
         # step) meets privacy.target_epsilon.
         planned_evals = [] if eval_plan is None else [
             {"event": event_to_json(eval_plan.event()), "count": eval_plan.releases}]
-        plan = calibrate_with_prior(plan, prior_releases + planned_evals)
+        plan = check_noise_tail(calibrate_with_prior(plan, prior_releases + planned_evals))
     data_stats = dict(store.stats())
     data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
     if eval_store is not None:
         data_stats["eval_units"] = eval_store.num_units
+    if eval_plan is not None:
+        _check_dp_eval_noise(cfg, eval_plan, eval_store.num_units, log)
     return Planned(cfg=cfg, plan=plan, store=store, unit_spec=spec, source_sha=source_sha,
                    tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats,
                    eval_store=eval_store, eval_plan=eval_plan)
+
+
+# The smallest corpus for which llmdp picks δ itself (a power of ten below 1/(10 N): 1e-4 at
+# N = 100). Below it a default δ would be 1e-3 or larger, a guarantee that allows one unit in
+# a thousand to be published in the clear: the user must choose δ knowingly (privacy.delta).
+MIN_UNITS_FOR_DEFAULT_DELTA = 100
+
+
+def _default_delta_or_refuse(n: int, kind: str, log) -> None:
+    from llmdp.privacy.plan import default_delta
+
+    if n < MIN_UNITS_FOR_DEFAULT_DELTA:
+        raise ConfigError(
+            f"privacy.delta: not set, and the corpus has only N = {n} {kind} unit(s), fewer than "
+            f"{MIN_UNITS_FOR_DEFAULT_DELTA}: llmdp picks δ itself only from N = "
+            f"{MIN_UNITS_FOR_DEFAULT_DELTA} on (δ would be {default_delta(n):g} here, far too "
+            f"weak to state by default). Add data, or set privacy.delta yourself, well below "
+            f"1/N = {1 / n:.3g}", key="privacy.delta")
+    log(f"privacy.delta not set: δ = {default_delta(n):g} (the largest power of ten below "
+        f"1/(10 N) for N = {n} {kind} units); set privacy.delta to choose it")
+
+
+def _check_dp_eval_noise(cfg: RecipeConfig, eval_plan, units: int, log) -> None:
+    """State each DP metric's expected noise std (the operator's console: internal) and
+    refuse a plan whose releases would be mostly noise, unless ``eval.allow_noisy``."""
+    from llmdp.evaluation.dp import NOISY_EVAL_FRACTION
+
+    sd = eval_plan.expected_std(units)
+    log(f"DP evaluation: {eval_plan.releases} release(s), noise multiplier "
+        f"{eval_plan.noise_multiplier:.3g}; expected std: loss ± {sd['loss']:.3g} (of [0, "
+        f"{eval_plan.loss_bound:.3g}]), accuracy ± {sd['accuracy']:.3g} (of [0, 1]), "
+        f"{sd['fraction_of_range']:.1%} of each range")
+    if sd["fraction_of_range"] <= NOISY_EVAL_FRACTION or cfg.eval.allow_noisy:
+        return
+    need = math.ceil(eval_plan.noise_std / NOISY_EVAL_FRACTION)
+    raise ConfigError(
+        f"eval: the DP evaluation would be mostly noise: with {units} held-out unit(s) its "
+        f"std is ± {sd['loss']:.3g} on a loss in [0, {eval_plan.loss_bound:.3g}] and ± "
+        f"{sd['accuracy']:.3g} on an accuracy in [0, 1] ({sd['fraction_of_range']:.0%} of each "
+        f"range; at most {NOISY_EVAL_FRACTION:.0%} is allowed). Hold out at least {need} units "
+        f"(data.eval.fraction, or a larger data.eval source), release fewer DP evaluations "
+        f"(eval.steps), raise eval.epsilon, or set eval.allow_noisy: true to release it anyway",
+        key="eval.epsilon")
 
 
 def _dp_eval_plan(cfg: RecipeConfig, plan, vocab_size: int):

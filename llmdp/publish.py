@@ -25,7 +25,8 @@ _PUBLIC_UNIT = {"kind": True, "description": True, "sequence_length": True, "max
 PUBLISHABLE_REPORT: dict[str, Any] = {
     "report_version": True, "run_id": True, "status": True, "stopped": True, "resume": True,
     # the guarantee
-    "epsilon": True, "delta": True, "accountant": True, "epsilon_by_accountant": True,
+    "epsilon": True, "delta": True, "delta_accountant": True, "delta_noise_tail": True,
+    "accountant": True, "epsilon_by_accountant": True,
     "epsilon_training_only": True, "delta_threshold_of_earlier_releases": True,
     "target_epsilon": True, "epsilon_planned": True, "dp_setting": True, "unit": True,
     "unit_description": True, "unit_size": _PUBLIC_UNIT, "records": True, "contribution_bound": True,

@@ -7,11 +7,16 @@ was released), the resolved config and plan (how), and metrics.jsonl (what happe
 This module builds the report (`build_report`) and writes the run's local files
 (`write_report`: privacy_report.json / .md / .png). Its Markdown and the ε panel of its plots
 are rendered by `llmdp.report_render`; what of it may be published is `llmdp.publish`.
+
+Why one file of about 570 lines: `build_report` reads a run's files once and answers the
+checklist in one pass; its helpers each fill one field from what it read. Rendering
+(`report_render`), the publishable subset (`publish`) and the evaluation section live apart.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -19,9 +24,9 @@ from llmdp.audit.section import audit_section
 from llmdp.baseline import baseline_report
 from llmdp.evaluation.report import dp_eval_covered, evaluation_section
 from llmdp.privacy import accountant
-from llmdp.privacy.budget import budget_status
+from llmdp.privacy.budget import budget_status, recorded_budget, release_entries_of
 from llmdp.privacy.events import is_truncated
-from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError, step_count
+from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError, is_step_release, step_count
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
@@ -29,7 +34,7 @@ from llmdp.privacy.prior import release_entries
 from llmdp.privacy.service import cross_check
 from llmdp.report_render import _epsilon_panel, render_markdown
 from llmdp.rundir import RunDir, run_state
-from llmdp.spent import epsilon_curve
+from llmdp.spent import epsilon_curve, ledger_noise_tail
 from llmdp.tokenizer.train import read_tokenizer_info
 
 REPORT_VERSION = 1
@@ -93,7 +98,12 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     ledger = Ledger(ledger_path)
     records = ledger.records() if os.path.exists(ledger_path) else []
     entries = ledger.entries() if records else []
-    delta = plan.delta
+    delta = plan.delta  # the published δ
+    # The noise generator's truncated tails over what the ledger released are part of the
+    # published δ: every ε below is computed at what is left of it (a plan of an earlier
+    # llmdp does not fold them in: δ is the accountant's, as it was).
+    tail = ledger_noise_tail(plan, records)
+    delta_acc = delta if tail is None else tail.accountant_delta(delta)
 
     # Every accountant that supports every recorded event (RDP cannot account truncated
     # Poisson: it is left out rather than approximated).
@@ -103,9 +113,14 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     # tokenizer): composed into the guarantee, thresholds' delta included.
     prior = list(plan_info.get("prior_releases") or [])
     prior_entries, prior_dthr = release_entries(prior)
-    eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta, prior_dthr, name)
-           for name in usable}
-    eps_training = accountant.epsilon(entries, delta, plan.accountant) if prior else eps[plan.accountant]
+    left = delta_acc > prior_dthr  # else the tails (and thresholds) spend all of δ: ε is inf
+    eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta_acc, prior_dthr, name)
+           if left else math.inf for name in usable}
+    # The training steps alone (as plan.json's epsilon_planned_training_only): neither an
+    # earlier release it builds on (a private tokenizer) nor its DP evaluations.
+    step_records = [r for r in records if r.get("kind") == "release" and is_step_release(r)]
+    eps_training = ((accountant.epsilon(release_entries_of(step_records), delta_acc, plan.accountant)
+                     if delta_acc > 0 else math.inf) if step_records else 0.0)
     ledger_steps = step_count(records)  # DP evaluations are releases, not steps
 
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -121,9 +136,11 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     # The run's meta, from its last release (a hold or hold_end record carries no unit).
     last_meta = next((r["meta"] for r in reversed(records)
                       if r.get("kind") == "release" and r.get("meta")), {})
-    unit_meta = last_meta.get("unit") or {}
+    # Before any release (a run stopped at step 0), plan.json states the unit; a run of an
+    # older version without it is described from its recipe.
+    unit_meta = last_meta.get("unit") or plan_info.get("unit") or {}
     data_cfg = cfg["data"]
-    unit_desc = unit_meta.get("description") or f"a sequence of {data_cfg['sequence_length']} tokens"
+    unit_desc = unit_meta.get("description") or _describe_unit_from_recipe(data_cfg)
     unit_kind = unit_meta.get("kind") or data_cfg["unit"]
     rows_cap = int(unit_meta.get("max_rows_per_unit") or data_cfg.get("max_rows_per_unit") or 1)
     seq_len = int(unit_meta.get("sequence_length") or data_cfg["sequence_length"])
@@ -161,7 +178,9 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         **state,  # status, failure, resume, stopped
         # ---- the guarantee
         "epsilon": eps[plan.accountant],
-        "delta": delta,
+        "delta": delta,  # the published δ: the accountant's and the noise tails' together
+        "delta_accountant": delta_acc,
+        "delta_noise_tail": None if tail is None else delta - delta_acc,
         "accountant": plan.accountant,
         "epsilon_by_accountant": eps,
         "epsilon_training_only": eps_training,
@@ -190,6 +209,9 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             **{k: v for k, v in data_stats.items() if not k.startswith("parameters_")},
         },
         "adjacency": "add-or-remove one privacy unit (" + unit_desc + ")",
+        # Internal (names fields of the private records): a unit smaller than the person the
+        # records seem to be about protects that person only through group privacy.
+        "unit_warning": _unit_warning(unit_kind, seq_len, data_stats.get("person_like_fields")),
         "mechanism_output": "every intermediate model (all T noisy updates); the final model "
         "and every checkpoint are covered",
         "data_accesses_covered": [
@@ -238,7 +260,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         "max_grad_norm": plan.max_grad_norm,
         "noise_std_per_coordinate": plan.noise_std,
         "noise_generator": _noise_generator(plan, (plan_info.get("data") or {}).get("parameters_trainable"),
-                                            ledger_steps),
+                                            ledger_steps, tail),
         "clipping": "flat: each unit's gradient over all trainable parameters clipped to L2 <= C",
         "normalization": "noisy sum divided by the expected batch size q*N",
         "sampling": _sampling_section(plan, seeded, truncated_steps, completed),
@@ -316,24 +338,45 @@ def _tokenizer_not_covered(plan_info: dict) -> list[str]:
             "share individuals, the ε add up"]
 
 
-def _noise_generator(plan, trainable: int | None, steps: int) -> dict:
-    """What the noise generator adds beyond the accountant's exact Gaussian (issue 12, 8c):
-    its tail truncation (with the δ it adds, llmdp.privacy.noise.truncation_delta_per_step),
-    its float32 rounding (not quantified), and that the accountant assumes a continuous
+def _noise_generator(plan, trainable: int | None, steps: int, tail=None) -> dict:
+    """What the noise generator adds beyond the accountant's exact Gaussian (issue 12, 8c;
+    issue 29, 8): its tail truncation, with the δ it adds (`llmdp.privacy.noise_tail`:
+    folded into the published δ for a plan that knows its noise coordinates, ``tail`` from
+    the ledger's releases; stated beside δ, not in it, for a plan of an earlier llmdp), its
+    float32 rounding (not quantified), and that the accountant assumes a continuous
     Gaussian (issue 14)."""
     per_step = (truncation_delta_per_step(int(trainable), plan.noise_multiplier)
                 if trainable and plan.noise_multiplier > 0 else None)
-    return {
+    out = {
         "method": NOISE_METHOD,
         "tail_truncation_std": NOISE_TAIL,
         "trainable_parameters": trainable,
         "truncation_delta_per_step": per_step,
         "truncation_delta_run": None if per_step is None else min(1.0, per_step * steps),
+        "included_in_delta": tail is not None,
         "float32_rounding": "each draw is rounded to float32 and added to a float32 sum; "
                             "this floating-point effect is not covered by the accountant",
         "accountant_assumes": "an exact continuous Gaussian; the generator is a floating-point "
                               "approximation of it (truncated tail, float grid)",
     }
+    if tail is None:
+        out["note"] = ("a plan of an earlier llmdp (plan.json without noise_coordinates): the "
+                       "tails' δ is stated here and NOT included in δ, which is the accountant's")
+        return out
+    delta = plan.delta
+    out.update({
+        # δ = δ_accountant / Z + Σ count·η  (llmdp.privacy.noise_tail), per kind of release
+        "truncation_delta_releases": [
+            {"releases": what, "count": count, "coordinates": coords, "noise_multiplier": sigma,
+             "delta": eta} for what, count, coords, sigma, eta in tail.parts],
+        "truncation_delta_total": tail.eta,
+        "kept_mass_at_least": 1.0 - tail.lost_mass,
+        "delta_noise_tail": tail.delta(delta),
+        "delta_accountant": tail.accountant_delta(delta),
+        "note": "included in δ: δ = δ_accountant / Z + Σ count·η, Z >= 1 - Σ count·k·2**-53 "
+                "the mass the truncation keeps; every ε is computed at δ_accountant",
+    })
+    return out
 
 
 def _tokenizer_section(cfg: dict, plan_info: dict) -> dict:
@@ -399,10 +442,41 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
     problems = cross_check(run_records, records, run_id) if run_id else []
     if problems:
         raise LedgerError(problems[0])
-    out = budget_status(records, plan_info.get("budget_epsilon"), plan.delta, plan.accountant, unit,
-                        location, info["dataset_id"])
+    # The dataset's budget, whatever the recipe said, at its δ less this run's noise tails
+    # (as the ledger service checks it); without one, at this run's accountant δ.
+    tail = max(0.0, plan.delta - plan.accountant_delta)
+    b = recorded_budget(records)
+    out = budget_status(records, plan_info.get("budget_epsilon"), plan.accountant_delta, plan.accountant,
+                        unit, location, info["dataset_id"]) if b is None else \
+        {**budget_status(records, b.epsilon, b.delta - tail, b.accountant, unit, location,
+                         info["dataset_id"]), "budget": b.describe()}
     out["cross_checked"] = True
     return out
+
+
+def _unit_warning(kind: str, seq_len: int, fields) -> str | None:
+    if kind == "user" or not fields:
+        return None
+    what = f"one {seq_len}-token passage" if kind == "sequence" else "one document"
+    names = ", ".join(repr(f) for f in fields)
+    return (f"the unit protects {what}, not a person: the records carry {names}, which looks "
+            f"like it names a person (a patient, a user). Someone with k units in the data is "
+            f"protected only by group privacy (about k·ε). To protect each person, train with "
+            f"data.unit: user and data.user_field: {fields[0]}")
+
+
+def _describe_unit_from_recipe(data_cfg: dict) -> str:
+    """The unit's description from the recipe's data section (as planning builds it)."""
+    from llmdp.data.units import UnitSpec
+
+    kind = data_cfg.get("unit") or "sequence"
+    try:
+        return UnitSpec(kind=kind, sequence_length=int(data_cfg["sequence_length"]),
+                        max_rows_per_unit=1 if kind == "sequence" else int(data_cfg.get("max_rows_per_unit") or 1),
+                        document_masking=bool(data_cfg.get("document_masking")),
+                        user_field=data_cfg.get("user_field") if kind == "user" else None).describe()
+    except (ValueError, TypeError, KeyError):
+        return f"a {kind} unit (data.unit={kind!r})"
 
 
 def _describe_records(data_cfg: dict) -> str:

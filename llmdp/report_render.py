@@ -15,6 +15,29 @@ from llmdp.evaluation.report import evaluation_markdown
 from llmdp.publish import PUBLISHABLE_NOTE
 
 
+def plain_guarantee(r: dict) -> str:
+    """The guarantee in one plain sentence for a non-specialist, before the precise one."""
+    import math
+
+    eps, delta = r["epsilon"], r["delta"]
+    size = r.get("unit_size") or {}
+    kind = r.get("unit")
+    if kind == "sequence":
+        what = f"any one {size.get('sequence_length', '?')}-token passage"
+    elif kind == "document":
+        what = "any one document"
+    elif kind == "user":
+        what = f"any one user (all records sharing {size.get('user_field')!r})"
+    else:
+        what = "any one privacy unit"
+    how = "almost nothing" if eps <= 1 else "little" if eps <= 4 else "a bounded amount"
+    factor = math.exp(eps) if eps < 700 else math.inf
+    return (f"In plain words: a person who sees this model learns {how} about whether {what} "
+            f"was in the training data: anything they conclude is at most {factor:,.3g} times "
+            f"(e^ε, ε = {eps:.2f}) more likely with it than without it, except with probability "
+            f"δ = {delta:.3g}. The smaller ε, the stronger the protection.")
+
+
 def render_markdown(r: dict) -> str:
     """Markdown of a report: the full local one, or a publishable one (`publishable_report`),
     whose internal sections are absent and so are not rendered."""
@@ -30,13 +53,18 @@ def render_markdown(r: dict) -> str:
     lines += ([f"**Warning: {r['exceeds_target']}.**", ""] if r.get("exceeds_target") else []) + [
         "# Privacy report",
         "",
+        plain_guarantee(r),
+        "",
         f"**Guarantee:** (ε = {r['epsilon']:.4f}, δ = {r['delta']:.3g})-differential privacy "
         f"with respect to {r['adjacency']}, accounted with {r['accountant'].upper()} "
-        "(" + "; ".join(f"{k.upper()}: ε = {v:.4f}" for k, v in eps.items()) + ").",
+        "(" + "; ".join(f"{k.upper()}: ε = {v:.4f}" for k, v in eps.items()) + ")"
+        + _delta_split(r) + ".",
         "",
     ]
     if pub:
         lines += [f"> This is the {PUBLISHABLE_NOTE}.", ""]
+    if r.get("unit_warning"):
+        lines += [f"> **Unit warning (internal):** {r['unit_warning']}.", ""]
     if r.get("rng_warning"):
         lines += [f"> **Warning:** {r['rng_warning']}", ""]
     if r.get("status") != "complete":
@@ -59,10 +87,13 @@ def render_markdown(r: dict) -> str:
         f"| Mechanism output | {r['mechanism_output']} |",
         f"| Accounting | {r['accountant'].upper()} (reported); also computed: "
         f"{others or 'none (truncated Poisson is accounted by PLD only)'}; δ = {r['delta']:.3g} "
-        f"(< 1/N = {1 / r['dataset_size']:.3g}) |",
+        f"(< 1/N = {1 / r['dataset_size']:.3g}){_delta_split(r, short=True)} |",
         f"| ε at δ | {r['epsilon']:.4f} (target {r['target_epsilon'] if r.get('target_epsilon') is not None else 'none: σ given'})"
-        + (f"; training alone {r['epsilon_training_only']:.4f}, composed with the private tokenizer's release"
-           if tok.get("composed_into_guarantee") else "") + " |",
+        + (f"; training steps alone {r['epsilon_training_only']:.4f}"
+           + (", composed with the private tokenizer's release" if tok.get("composed_into_guarantee") else "")
+           + (" and the DP evaluations" if (r.get("evaluation") or {}).get("dp") else "")
+           if r.get("epsilon_training_only") is not None and (
+               tok.get("composed_into_guarantee") or (r.get("evaluation") or {}).get("dp")) else "") + " |",
         f"| Sampling assumed | {s['assumed']} |",
         f"| Sampling used | {s['used']}; honoured: {'yes' if s.get('honoured') else 'NO'} ({s.get('note', '')}) |",
         f"| Sampling probability q | {r['sampling_probability']:.6g} |",
@@ -105,9 +136,10 @@ def render_markdown(r: dict) -> str:
     lines += [
         "## Ledger",
         "",
-        (f"{ledger['lines']} line(s) in `ledger.jsonl`" if "lines" in ledger else "`ledger.jsonl` holds")
+        (f"{ledger['lines']} line(s) in `ledger.jsonl`" if "lines" in ledger else
+         f"`ledger.jsonl` holds {len(ledger['releases'])} release record(s)")
         + (" plus the tokenizer's release (recorded in the dataset ledger)" if tok.get(
-            "composed_into_guarantee") and "lines" in ledger else "") + "; every DP release, composed above:",
+            "composed_into_guarantee") and "lines" in ledger else "") + ": every DP release, composed above:",
         "",
         "| run | attempt | first step | count | mechanism |",
         "| --- | --- | --- | --- | --- |",
@@ -120,13 +152,34 @@ def render_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _delta_split(r: dict, short: bool = False) -> str:
+    """How δ splits into the accountant's and the noise generator's tails (issue 29, 8)."""
+    tail = r.get("delta_noise_tail")
+    if tail is None:
+        return "" if short or not r.get("noise_generator") else (
+            "; δ is the accountant's: the noise generator's truncated tails are not included "
+            "(a plan of an earlier llmdp; see the noise generator row)")
+    return (f" = {r['delta_accountant']:.6g} (accountant) + {tail:.3g} (the noise generator's "
+            "truncated tails)" if short else
+            f"; δ includes the noise generator's truncated tails ({tail:.3g}): every ε is "
+            f"computed at the accountant's δ = {r['delta_accountant']:.6g}")
+
+
 def _noise_line(r: dict) -> list[str]:
     g = r.get("noise_generator")
     if not g:
         return []
-    d = ("not computed (trainable parameter count unknown)" if g["truncation_delta_per_step"] is None
-         else f"≤ {g['truncation_delta_per_step']:.3g} per step, ≤ {g['truncation_delta_run']:.3g} over "
-              f"the {r['steps']} ledger steps, not included in δ above")
+    if g.get("included_in_delta"):
+        d = ("; ".join(f"{x['releases']}: {x['count']} × ≤ {x['delta'] / x['count']:.3g}"
+                       for x in g["truncation_delta_releases"] if x["count"])
+             + f"; {g['delta_noise_tail']:.3g} in all over the ledger's releases (kept mass "
+               f"Z ≥ 1 - {1 - g['kept_mass_at_least']:.3g}), included in δ above")
+    elif g["truncation_delta_per_step"] is None:
+        d = "not computed (trainable parameter count unknown)"
+    else:
+        d = (f"≤ {g['truncation_delta_per_step']:.3g} per step, ≤ {g['truncation_delta_run']:.3g} "
+             f"over the {r['steps']} ledger steps, not included in δ above (a plan of an "
+             f"earlier llmdp)")
     return [f"| Noise generator | {g.get('method', 'Box-Muller')}: |z| ≤ {g['tail_truncation_std']:.4f}·σC "
             f"per coordinate (truncated tail: δ added {d}); draws rounded to float32 (not accounted); "
             "the accountant assumes an exact continuous Gaussian |"]
@@ -152,7 +205,9 @@ def _dataset_rows(r: dict) -> list[str]:
     budget = (f"; budget ε = {d['budget_epsilon']:g}, remaining {d['epsilon_remaining']:.4f}"
               if d.get("budget_epsilon") is not None else "; no budget set")
     other = d.get("not_composed") or []
-    listed = "; ".join(f"{x['run_id']} ({x['mechanism']}, {x['count']} release(s), unit {x['unit']}): "
+    # A dp-sgd record counts steps (a block of k steps is one record of count k).
+    listed = "; ".join(f"{x['run_id']} ({x['mechanism']}, {x['count']} "
+                       f"{'step(s)' if x['mechanism'] == 'dp-sgd' else 'release(s)'}, unit {x['unit']}): "
                        f"{x['status']}" for x in other)
     return [f"| Dataset ledger (releases on this data for this run's unit, {d.get('unit')}) | ε = "
             f"{d['epsilon_spent']:.4f} at δ = {d['delta']:.3g}{budget} |"] + (

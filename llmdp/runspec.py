@@ -79,11 +79,11 @@ class LedgerSpec:
 
     @property
     def admits(self) -> bool:
-        """Rank 0 asks the service before every block of steps: a dataset budget, or a
-        target that failures may not exceed."""
-        s = self.service
-        return s.get("budget_epsilon") is not None or (
-            s.get("target_epsilon") is not None and not s.get("allow_exceed_target"))
+        """Rank 0 asks the service before every block of steps, whatever the recipe says:
+        the dataset's budget is in its ledger (recorded maybe by another run, or by
+        ``llmdp privacy ledger set-budget`` while this one runs), not in the recipe; a run
+        stops cleanly before a step the budget (or the target after failures) refuses."""
+        return True
 
     def open(self) -> LedgerService:
         """A new in-process service (the driver's budget checks, tests)."""
@@ -110,6 +110,7 @@ class RunSpec:
     tokenizer: Mapping[str, Any] = field(default_factory=dict)  # what the tokenizer means for ε
     data_stats: Mapping[str, Any] = field(default_factory=dict)  # internal: computed on private data
     eval_plan: DpEvalPlan | None = None  # the DP evaluations (None: none)
+    unit: Mapping[str, Any] = field(default_factory=dict)  # the privacy unit (kind, description, ...)
 
     @property
     def run_dir(self) -> str:
@@ -143,6 +144,10 @@ class RunSpec:
             return None
         return "public" if ev.public else "private"
 
+    def _eval_ledger(self) -> dict | None:
+        e = None if self.ledger is None else self.ledger.service.get("eval_ledger")
+        return None if not e else {"location": e.get("location"), "dataset_id": e["dataset_id"]}
+
     def with_ledger_actor(self, name: str) -> RunSpec:
         if self.ledger is None:  # a baseline has no ledger service
             return self
@@ -165,10 +170,16 @@ class RunSpec:
                 **self.eval_plan.to_dict(), "epsilon_alone": self.eval_plan.epsilon()},
             "eval_data": self.eval_data,
             "run_id": self.run_id,
+            # The privacy unit, so that a report written before any release (a run stopped
+            # at step 0) states the run's own unit, not a default.
+            "unit": dict(self.unit),
             "tokenizer": dict(self.tokenizer),
             "prior_releases": [dict(r) for r in self.prior_releases],
             "data": dict(self.data_stats),
             "dataset_ledger": None if self.dataset_ledger is None else dict(self.dataset_ledger),
+            # A separate private evaluation source's own ledger: its DP evaluations are
+            # recorded there too (None: none, or the training data's ledger holds them).
+            "eval_dataset_ledger": self._eval_ledger(),
             "budget_epsilon": self.cfg.privacy.budget_epsilon,
             "allow_exceed_target_on_failure": self.cfg.privacy.allow_exceed_target_on_failure,
         }

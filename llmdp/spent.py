@@ -7,12 +7,39 @@ released twice; write-ahead blocks count too).
 
 from __future__ import annotations
 
+import math
 import os
 
 from llmdp.privacy import accountant
-from llmdp.privacy.ledger import Ledger, is_step_release, release_entries, step_count
+from llmdp.privacy.ledger import (
+    EVAL_MECHANISM,
+    Ledger,
+    is_step_release,
+    release_entries,
+    step_count,
+)
 from llmdp.privacy.prior import release_entries as prior_release_entries
 from llmdp.rundir import RunDir
+
+
+def ledger_noise_tail(plan, releases):
+    """The noise generator's tails (`llmdp.privacy.noise_tail.NoiseTail`) of the releases a
+    run's ledger records (``releases``: its records): its steps at the plan's noise
+    coordinates and σ, its DP evaluations at the plan's ``eval_noise``. The ledger's counts,
+    not the plan's: steps re-executed after a failure were released, and drew noise, twice.
+    None when the plan does not fold the tails into δ (a plan.json of an earlier llmdp)."""
+    if plan.noise_tail() is None:
+        return None
+    evals = sum(int(r.get("count") or 0) for r in releases
+                if r.get("kind") == "release" and (r.get("meta") or {}).get("mechanism") == EVAL_MECHANISM)
+    return plan.noise_tail(steps=step_count(releases), eval_releases=evals)
+
+
+def accountant_delta(plan, releases) -> float:
+    """The δ the ε of these ledger releases is computed at: the plan's published δ less
+    their noise tails (`ledger_noise_tail`); the plan's δ itself when not folded in."""
+    tail = ledger_noise_tail(plan, releases)
+    return plan.delta if tail is None else tail.accountant_delta(plan.delta)
 
 
 def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None = None,
@@ -22,6 +49,8 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     DP evaluations after the last step included), at the plan's δ with its accountant: the
     report's ε when all are taken and ``exact``. The ledger, not the completed steps: steps
     re-executed after a failure were released twice, and write-ahead blocks count too.
+    The δ is the plan's published δ less the noise tails of the releases taken
+    (`accountant_delta`): the last point of the curve is the report's (ε, δ).
     ``exact=False``: PLD on the coarser display grid (conservative, ~10x faster)."""
     records = Ledger(ledger_path).records() if os.path.exists(ledger_path) else []
     releases = [r for r in records if r.get("kind") == "release" and r.get("count")]
@@ -43,7 +72,10 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     if not prior and not entries:
         return steps, 0.0
     interval = None if exact or plan.accountant != "pld" else accountant.PLD_DISPLAY_DISCRETIZATION_INTERVAL
-    return steps, accountant.epsilon_with_threshold(prior + entries, plan.delta, d_thr, plan.accountant, interval)
+    delta = accountant_delta(plan, kept)
+    if delta <= d_thr:
+        return steps, math.inf  # the noise tails (and thresholds) spend all of δ
+    return steps, accountant.epsilon_with_threshold(prior + entries, delta, d_thr, plan.accountant, interval)
 
 
 def epsilon_curve(run_dir: str | RunDir, points: int = 16) -> list[tuple[int, float]]:

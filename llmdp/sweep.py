@@ -1,13 +1,15 @@
 """Accounted hyper-parameter tuning: `llmdp sweep RECIPE [--grid key=v1,v2 ...]`.
 
-Every trial is an ordinary DP run (`trainer.run`) named ``<output.name>-trial-<i>`` in
+Every trial is an ordinary DP run (`trainer.run`) named ``<output.name>-trial-<i>`` (a
+random search: ``<output.name>-trial-<random id>``, a name that does not reveal K) in
 ``output.dir``, recorded in the dataset's ledger like any run (the same data, the same
 ``data.dataset_id``: the ledger composes the trials, and every budget counts them). Trials
 are chosen by `llmdp.sweep_grid` (every grid point, or a Papernot-Steinke random search);
 the selection reads only the trials' DP evaluations (the last ``evaluation.dp`` entry of
 each report: the lowest DP eval loss), never a metric computed without DP.
 
-What the sweep costs (`sweep_cost`), in ``<output.dir>/<output.name>-sweep/sweep.json``:
+What the sweep costs (`sweep_cost`), in ``<output.dir>/<output.name>-sweep/sweep.json`` (a
+random search: ``sweep.internal.json``, see below):
 
 (a) always: the composition of every trial's recorded releases (each trial's
     ``ledger.jsonl``) and, once, the earlier releases they build on (a private tokenizer:
@@ -22,9 +24,22 @@ What the sweep costs (`sweep_cost`), in ``<output.dir>/<output.name>-sweep/sweep
 Before any trial runs, a recipe with ``privacy.budget_epsilon`` is checked: what the dataset
 ledger has spent for the unit, what live runs hold, and every trial still to run, composed,
 must fit, else `BudgetError` (each trial's run still holds its own steps, as any run does).
-A random sweep's draw (K and the grid points) is written to sweep.json before that check
-and before the first trial: re-running the same command resumes the same draw, and a
-finished trial is not run again (`trainer.run` says "already complete").
+A random sweep's draw (K, the grid points and the trials' names) is written to
+sweep.internal.json before that check and before the first trial: re-running the same
+command resumes the same draw, and a finished trial is not run again (`trainer.run` says
+"already complete").
+
+What may be published (`publication`). (b) holds only with K hidden, so a random search
+splits its output: sweep.md and sweep.json are the publishable part (the selected trial
+and (b): the same content whatever K was drawn), sweep.internal.md and .json hold
+everything else (K, every trial, (a), the budget figures), marked internal, and the console
+never prints K. (a) holds for every K: under (a) everything may be published, and when
+(a) is the smaller ε, sweep.internal.md says it is the better statement. A grid sweep has no
+K: its sweep.md and sweep.json hold everything, publishable under (a).
+
+Why one file of about 590 lines: a sweep's launch, resume, selection and the split of its
+files into publishable and internal parts follow one contract (what a random search may
+publish under bound (b)); the grid, the draw and the cost live in `sweep_grid`/`sweep_cost`.
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ import dataclasses
 import json
 import math
 import os
+import secrets
 
 from llmdp._config_yaml import to_dict
 from llmdp._validate import ConfigError
@@ -46,11 +62,19 @@ from llmdp.sweep_cost import (
 )
 from llmdp.sweep_grid import SweepSpec, draw_random_trials, resolve_sweep
 
-__all__ = ["SWEEP_JSON", "SWEEP_MD", "sweep_cost", "select_trial", "check_sweep_budget",
-           "run_sweep", "render_markdown"]  # sweep_cost, check_sweep_budget: llmdp.sweep_cost
+__all__ = ["SWEEP_JSON", "SWEEP_MD", "SWEEP_INTERNAL_JSON", "SWEEP_INTERNAL_MD", "sweep_cost",
+           "select_trial", "check_sweep_budget", "run_sweep", "render_markdown",
+           "render_public_markdown", "publishable_state", "publication"]  # sweep_cost, check_sweep_budget: llmdp.sweep_cost
 
 SWEEP_JSON, SWEEP_MD = "sweep.json", "sweep.md"
+# A random search's internal part: K, every trial, bound (a). Bound (b) assumes K hidden.
+SWEEP_INTERNAL_JSON, SWEEP_INTERNAL_MD = "sweep.internal.json", "sweep.internal.md"
 SWEEP_VERSION = 1
+INTERNAL_NOTE = ("INTERNAL, not for publication under bound (b): this file reveals K, the "
+                 "number of trials drawn, which bound (b) assumes "
+                 "hidden (it holds for the selected trial's output only while K is secret: "
+                 "published beside K, that output's ε is much larger). Publishable under (b): "
+                 f"{SWEEP_MD} and {SWEEP_JSON}. Everything may be published only under bound (a).")
 
 
 def _last_dp_eval(report: dict | None) -> dict | None:
@@ -211,14 +235,18 @@ def _trial_row(i: int, point, cfg, point_index: int) -> dict:
             "dp_eval": None if dp is None else {k: dp.get(k) for k in keep if k in dp}}
 
 
-def _recorded(cfg, planned) -> tuple[list, list]:
-    """(this trial's releases in its ledger.jsonl, the earlier releases in its plan.json)."""
+def _recorded(cfg, planned) -> tuple[list, list, object]:
+    """(this trial's releases in its ledger.jsonl, the earlier releases in its plan.json, the
+    noise tails of its recorded releases at its plan's noise: `spent.ledger_noise_tail`)."""
     from llmdp.privacy.ledger import Ledger
     from llmdp.rundir import RunDir
+    from llmdp.spent import ledger_noise_tail
 
     rd = RunDir(cfg.run_dir)
-    entries = Ledger(rd.ledger_path).entries() if os.path.exists(rd.ledger_path) else []
-    return entries, (rd.prior_releases if rd.exists() else list(planned.prior_releases))
+    ledger = Ledger(rd.ledger_path) if os.path.exists(rd.ledger_path) else None
+    entries = ledger.entries() if ledger is not None else []
+    tail = ledger_noise_tail(planned.plan, ledger.records() if ledger is not None else [])
+    return entries, (rd.prior_releases if rd.exists() else list(planned.prior_releases)), tail
 
 
 # ---------------------------------------------------------------------- the sweep
@@ -226,9 +254,11 @@ def run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | N
               distribution: str | None = None, log=print, run_trial=None, plan_trial=None,
               rng=None) -> dict:
     """Run the sweep of recipe ``cfg`` (its ``sweep`` section with the command line's
-    ``grid`` entries and flags); returns sweep.json's content. ``run_trial(cfg, log=)`` (the
-    run of one trial: `trainer.run`), ``plan_trial(cfg, log=)`` (`planning.plan_run`) and
-    ``rng`` (the random draw: OS entropy) are injectable for tests."""
+    ``grid`` entries and flags); returns its whole state (sweep.json's content for a grid
+    sweep; sweep.internal.json's for a random one, whose publishable part is under
+    ``"publishable"``). ``run_trial(cfg, log=)`` (the run of one trial: `trainer.run`),
+    ``plan_trial(cfg, log=)`` (`planning.plan_run`) and ``rng`` (the random draw and the
+    trials' names: OS entropy) are injectable for tests."""
     from llmdp._fs import RunLock
     from llmdp.planning import plan_run
     from llmdp.trainer import run
@@ -241,7 +271,31 @@ def run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | N
     try:
         return _run_locked(cfg, spec, sweep_dir, log, run_trial, plan_trial, rng)
     finally:
-        lock.release()
+        lock.release(remove=not os.path.isdir(sweep_dir))  # a refused sweep leaves no lock file
+
+
+def _trial_names(name: str, k: int, rng) -> list[str]:
+    """K trial names ``<name>-trial-<8 hex digits>`` from OS entropy (``rng``: an injected
+    generator, tests only), distinct: unlike ``-trial-<i>``, a name says nothing about how
+    many trials were drawn."""
+    out: list[str] = []
+    while len(out) < k:
+        tag = secrets.token_hex(4) if rng is None else f"{rng.getrandbits(32):08x}"
+        if f"{name}-trial-{tag}" not in out:
+            out.append(f"{name}-trial-{tag}")
+    return out
+
+
+def _read_state(sweep_dir: str, random: bool) -> dict | None:
+    """The state an earlier launch of this sweep wrote: a random sweep's in
+    sweep.internal.json (an earlier llmdp kept it in sweep.json, with K: read there too)."""
+    if random:
+        state = _read_json(os.path.join(sweep_dir, SWEEP_INTERNAL_JSON))
+        if state is not None:
+            return state
+        old = _read_json(os.path.join(sweep_dir, SWEEP_JSON))
+        return old if old is not None and "publishable" not in old else None
+    return _read_json(os.path.join(sweep_dir, SWEEP_JSON))
 
 
 def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial, rng) -> dict:
@@ -257,33 +311,44 @@ def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial
     random = spec.trials == "random"
     if random:
         _check_same_releases(planned, points)
-    path = os.path.join(sweep_dir, SWEEP_JSON)
-    earlier = _read_json(path)
+    # A random search's state (K, the trials, bound (a)) is internal: bound (b) holds only
+    # with K hidden. A grid sweep's is all publishable under bound (a).
+    path = os.path.join(sweep_dir, SWEEP_INTERNAL_JSON if random else SWEEP_JSON)
+    earlier = _read_state(sweep_dir, random)
     drawn = _resumed_draw(earlier, spec, points, path)
     state = {"sweep_version": SWEEP_VERSION, "name": name, "sweep_dir": sweep_dir,
              "spec": spec.to_dict(), "points": [list(p) for p in points]}
+    if random:
+        state["internal"] = INTERNAL_NOTE
     if drawn is None:
         if random:
             drawn = draw_random_trials(spec.mean_trials, spec.distribution, len(points), rng)
+            names = _trial_names(name, len(drawn), rng)
             state["draw"] = {"K": len(drawn), "entropy": "OS (random.SystemRandom)" if rng is None
                              else "an injected generator (tests only: no guarantee)"}
         else:
             drawn = list(range(len(points)))
+            names = [f"{name}-trial-{i}" for i in drawn]
     else:
         state["draw"] = earlier.get("draw")
-        log(f"sweep: resuming {sweep_dir} ({len(drawn)} trial(s))")
+        # (a random sweep of an earlier llmdp named its trials -trial-<i>: kept, to resume)
+        names = earlier.get("trial_names") or [f"{name}-trial-{i}" for i in range(len(drawn))]
+        log(f"sweep: resuming {sweep_dir}" + ("" if random else f" ({len(drawn)} trial(s))"))
     state["trial_points"] = drawn
+    state["trial_names"] = names
     state["status"] = "planned"
     _write_json(path, state)  # the draw is durable before the budget check and any trial
     if random:
-        log(f"sweep: random search drew K = {len(drawn)} trial(s) (mean {spec.mean_trials:g}, "
-            f"{spec.distribution})" + ("; nothing to run, nothing selected" if not drawn else ""))
+        log(f"sweep: random search ({spec.distribution}, mean {spec.mean_trials:g}): the number "
+            f"of trials K and their grid points are internal ({path}); bound (b) holds only "
+            f"with K hidden, so it is never printed")
 
     tcfgs = [dataclasses.replace(point_cfgs[j], output=dataclasses.replace(
-        point_cfgs[j].output, name=f"{name}-trial-{i}")) for i, j in enumerate(drawn)]
+        point_cfgs[j].output, name=names[i])) for i, j in enumerate(drawn)]
     tplanned = [planned[j] for j in drawn]
     todo = [k for k, c in enumerate(tcfgs) if finished_run(c) is None]
-    state["budget"] = check_sweep_budget([tcfgs[k] for k in todo], [tplanned[k] for k in todo], log)
+    state["budget"] = check_sweep_budget([tcfgs[k] for k in todo], [tplanned[k] for k in todo],
+                                         log, hide_count=random)
 
     delta = min(p.plan.delta for p in planned)
     accountant = cfg.privacy.accountant
@@ -292,7 +357,9 @@ def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial
     rs = (spec.mean_trials, spec.shape) if random else None
     state["cost_planned"] = sweep_cost([own_entries(p) for p in tplanned], prior_entries, delta,
                                        accountant, rs, prior_delta_threshold=prior_thr,
-                                       planned_trial=own_entries(planned[0]))
+                                       planned_trial=own_entries(planned[0]),
+                                       trial_tails=[p.plan.noise_tail() for p in tplanned],
+                                       planned_tail=planned[0].plan.noise_tail())
     log("planned " + _cost_line(state["cost_planned"], random))
     state["status"] = "running"
     _write_json(path, state)
@@ -300,7 +367,8 @@ def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial
     state["trials"] = rows
     try:
         for i, (j, c) in enumerate(zip(drawn, tcfgs)):
-            log(f"sweep: trial {i + 1} of {len(tcfgs)}: {c.output.name} ({_describe(points[j])})")
+            log(f"sweep: trial {c.output.name} ({_describe(points[j])})" if random else
+                f"sweep: trial {i + 1} of {len(tcfgs)}: {c.output.name} ({_describe(points[j])})")
             run_trial(c, log=log)
             rows.append(_trial_row(i, points[j], c, j))
             state["trials"] = rows
@@ -312,45 +380,111 @@ def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial
         _write_json(path, state)
         raise
     recorded = [_recorded(c, p) for c, p in zip(tcfgs, tplanned)]
-    prior = unique_priors([r for _, r in recorded] or [prior])
+    prior = unique_priors([r for _, r, _ in recorded] or [prior])
     prior_entries, prior_thr = release_entries(prior)
-    state["cost"] = sweep_cost([e for e, _ in recorded], prior_entries, delta, accountant, rs,
+    state["cost"] = sweep_cost([e for e, _, _ in recorded], prior_entries, delta, accountant, rs,
                                prior_delta_threshold=prior_thr,
-                               planned_trial=own_entries(planned[0]))
+                               planned_trial=own_entries(planned[0]),
+                               trial_tails=[t for _, _, t in recorded],
+                               planned_tail=planned[0].plan.noise_tail())
     state["earlier_releases"] = [{k: r.get(k) for k in ("release_id", "run_id", "epsilon")}
                                  for r in prior]
     state["selected"] = select_trial(rows)
     state["selection"] = "the lowest DP evaluation loss (the last evaluation.dp entry of each report)"
+    state["publication"] = publication(state)
     state["status"] = "complete"
+    if random:
+        state["publishable"] = publishable_state(state)
     _write_json(path, state)
-    with open(os.path.join(sweep_dir, SWEEP_MD), "w", encoding="utf-8") as f:
+    md = os.path.join(sweep_dir, SWEEP_INTERNAL_MD if random else SWEEP_MD)
+    with open(md, "w", encoding="utf-8") as f:
         f.write(render_markdown(state))
+    if random:  # the publishable part: the selected trial and bound (b), nothing about K
+        _write_json(os.path.join(sweep_dir, SWEEP_JSON), state["publishable"])
+        with open(os.path.join(sweep_dir, SWEEP_MD), "w", encoding="utf-8") as f:
+            f.write(render_public_markdown(state["publishable"]))
     sel = state["selected"]
-    log(f"sweep: {len(rows)} trial(s); selected: "
+    log("sweep: " + ("" if random else f"{len(rows)} trial(s); ") + "selected: "
         + (f"{sel['name']} ({_describe(sel['overrides'])}), DP eval loss {sel['dp_eval']['loss']:.4f}"
            if sel else "none (no trial has a DP evaluation)"))
     log(_cost_line(state["cost"], random))
-    log(f"sweep: {os.path.join(sweep_dir, SWEEP_MD)}")
+    if random:
+        log(f"sweep: publishable under bound (b): {os.path.join(sweep_dir, SWEEP_MD)} and "
+            f"{SWEEP_JSON}; INTERNAL, not for publication (K, every trial, bound (a) and which "
+            f"bound is the better statement): {os.path.join(sweep_dir, SWEEP_INTERNAL_MD)} and "
+            f"{SWEEP_INTERNAL_JSON}")
+    else:
+        log(f"sweep: {os.path.join(sweep_dir, SWEEP_MD)}")
     return state
 
 
+def publication(state: dict) -> dict:
+    """Which files may be published under which bound (sweep.json ``publication``).
+
+    Grid trials: bound (a) covers every trial's model and DP evaluations: everything. Random
+    trials: bound (b) covers only the selected trial's output, with the number of trials K
+    hidden; so under (b) only sweep.md and sweep.json (the selected trial and (b), nothing
+    that reveals K). Bound (a) holds for every K (K is drawn independently of the data), so a
+    random sweep may instead be published under (a), and then everything may be; when (a) is
+    the smaller ε here, it is the better statement (`a_is_better`)."""
+    cost = state.get("cost") or state.get("cost_planned") or {}
+    a = (cost.get("composition") or {}).get("epsilon")
+    b = (cost.get("repeat_and_select") or {}).get("epsilon")
+    if state["spec"]["trials"] != "random":
+        return {"bound": "a", "publishable": [SWEEP_JSON, SWEEP_MD, "every trial's run directory"],
+                "internal": []}
+    better = _finite(a) and _finite(b) and a <= b
+    return {"bound": "b",
+            "publishable": [SWEEP_JSON, SWEEP_MD, "the selected trial's model and its DP evaluation"],
+            "internal": [SWEEP_INTERNAL_JSON, SWEEP_INTERNAL_MD, "every other trial's run directory",
+                         "the selected trial's own privacy report (its ε is the trial's alone and "
+                         "its dataset-ledger section composes every trial: it reveals K)"],
+            "a_is_better": bool(better),
+            "under_a": "every file (K included) may be published, with bound (a)"}
+
+
+def publishable_state(state: dict) -> dict:
+    """sweep.json of a random search: the selected trial and bound (b), nothing that reveals
+    the number of trials K (no count, no per-trial rows, no trial index, no bound (a), no
+    budget figures: each depends on K). Its shape is the same whatever K was drawn."""
+    sel = state.get("selected")
+    cost = state.get("cost") or {}
+    return {"sweep_version": state["sweep_version"], "name": state["name"], "publishable": True,
+            "bound": "b", "spec": state["spec"], "points": state["points"],
+            "selection": state.get("selection"),
+            "selected": None if sel is None else {
+                k: sel.get(k) for k in ("name", "run_dir", "point", "overrides", "dp_eval")},
+            "cost": {"delta": cost.get("delta"), "repeat_and_select": cost.get("repeat_and_select")},
+            "publication": {k: v for k, v in state["publication"].items()
+                            if k in ("bound", "publishable", "internal", "under_a")},
+            "status": state.get("status")}
+
+
 def _cost_line(cost: dict, random: bool) -> str:
-    a = cost["composition"]
-    line = (f"sweep cost (a) all trials composed: ε = {a['epsilon']:.4f} at δ = {cost['delta']:.3g} "
-            f"({a['accountant']})")
     b = cost.get("repeat_and_select")
-    if random and b:
-        line += (f"; (b) random search (Papernot-Steinke, your choice): ε = {b['epsilon']:.4f} "
-                 f"({b['accountant']}), covering ONLY the selected trial's output")
-    return line
+    if random and b:  # (a) composes the K trials: its value reveals K, never printed
+        return (f"sweep cost (b) random search (Papernot-Steinke): ε = {b['epsilon']:.4f} at δ = "
+                f"{cost['delta']:.3g} ({b['accountant']}), covering ONLY the selected trial's "
+                f"output, with K hidden; (a) is in {SWEEP_INTERNAL_MD} (internal)")
+    a = cost["composition"]
+    return (f"sweep cost (a) all trials composed: ε = {a['epsilon']:.4f} at δ = {cost['delta']:.3g} "
+            f"({a['accountant']})")
 
 
 def _fmt(x, spec: str = ".4f") -> str:
     return format(x, spec) if _finite(x) else "–"
 
 
+def _delta_note(cost: dict, bound: str) -> str:
+    d = (cost.get(bound) or {}).get("delta_accountant")
+    if d is None or d == cost.get("delta"):
+        return ""
+    return f"; δ includes the noise generator's truncated tails (the accountant's δ: {d:.6g})"
+
+
 def render_markdown(state: dict) -> str:
-    """sweep.md: the trials, the selection and the cost."""
+    """sweep.md of a grid sweep (all publishable under bound (a)); sweep.internal.md of a
+    random one (INTERNAL: it reveals K; its publishable part is `render_public_markdown`)."""
     spec = state["spec"]
     rows = state.get("trials") or []
     cost = state.get("cost") or state.get("cost_planned") or {}
@@ -358,9 +492,12 @@ def render_markdown(state: dict) -> str:
     how = (f"random search: K = {len(state.get('trial_points') or [])} trial(s) drawn "
            f"({spec['distribution']}, mean {spec['mean_trials']:g}), each a uniform grid point"
            if random else f"grid: every one of {len(state['points'])} point(s)")
-    out = [f"# Sweep {state['name']}", "", f"Trials: {how}. Selection: {state.get('selection', '–')}.",
-           "", "| trial | overrides | run | status | ε alone (δ) | DP eval loss ± std |",
-           "| --- | --- | --- | --- | --- | --- |"]
+    out = [f"# Sweep {state['name']}" + (" (INTERNAL)" if random else ""), ""]
+    if random:
+        out += [f"> **{INTERNAL_NOTE}**", ""]
+    out += [f"Trials: {how}. Selection: {state.get('selection', '–')}.",
+            "", "| trial | overrides | run | status | ε alone (δ) | DP eval loss ± std |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         dp = r.get("dp_eval") or {}
         out.append(f"| {r['trial']} | {_describe(r['overrides'])} | {r['run_dir']} | {r['status']} | "
@@ -373,12 +510,80 @@ def render_markdown(state: dict) -> str:
         a = cost["composition"]
         out += ["## Privacy cost of the sweep", "",
                 f"- (a) every trial composed: ε = {a['epsilon']:.4f} at δ = {cost['delta']:.3g} "
-                f"({a['accountant'].upper()}); covers {a['covers']}."]
+                f"({a['accountant'].upper()}){_delta_note(cost, 'composition')}; covers "
+                f"{a['covers']}."]
         b = cost.get("repeat_and_select")
         if b:
-            out.append(f"- (b) random search, the bound you chose (trials: random): ε = "
+            out.append(f"- (b) random search (trials: random): ε = "
                        f"{b['epsilon']:.4f} at δ = {cost['delta']:.3g} (RDP, RepeatAndSelectDpEvent, "
-                       f"K {b['distribution']} of mean {b['mean_trials']:g}; {b['reference']}); covers "
+                       f"K {b['distribution']} of mean {b['mean_trials']:g}; {b['reference']})"
+                       f"{_delta_note(cost, 'repeat_and_select')}; with K hidden, it covers "
                        f"{b['covers']}.")
         out.append("")
+    out += _publication_lines(state)
+    return "\n".join(out)
+
+
+def _publication_lines(state: dict) -> list[str]:
+    pub = state.get("publication") or publication(state)
+    if pub["bound"] == "a":
+        return ["## What may be published", "",
+                "Bound (a) covers every trial's model and DP evaluations: everything here may be "
+                "published (this file, sweep.json, every trial's run directory), with (a).", ""]
+    cost = state.get("cost") or {}
+    a = (cost.get("composition") or {}).get("epsilon")
+    b = (cost.get("repeat_and_select") or {}).get("epsilon")
+    out = ["## What may be published", ""]
+    if pub.get("a_is_better"):
+        out += [f"**(a) is the better statement here**: ε = {_fmt(a)} for every trial's output, "
+                f"K included, against ε = {_fmt(b)} for the selected trial's output alone under "
+                f"(b). Publish under (a): then every file may be published (this one, "
+                f"{SWEEP_INTERNAL_JSON}, {SWEEP_MD}, {SWEEP_JSON}, every trial's run directory). "
+                "Choosing (a) because K came out small is sound ((a) holds for every K, and K is "
+                "drawn independently of the data); but a (b) statement made only when (a) came out "
+                "worse would tell readers that K was large, which (b) does not cover: decide on (b) "
+                "before the draw, or use (a).", ""]
+    else:
+        out += [f"(b) is the smaller ε here ({_fmt(b)}, against {_fmt(a)} under (a))." if
+                _finite(a) and _finite(b) else "", ""]
+    out += [f"- Under (b): publish only {SWEEP_MD} and {SWEEP_JSON} (the selected trial and (b)) "
+            "and the selected trial's model and DP evaluation. Keep internal: "
+            + "; ".join(pub["internal"]) + ".",
+            f"- Under (a): {pub['under_a']}.", ""]
+    return out
+
+
+def render_public_markdown(pub: dict) -> str:
+    """sweep.md of a random search: publishable under bound (b). The same lines whatever
+    K was drawn (no count, no per-trial lines, no trial index, no bound (a))."""
+    spec = pub["spec"]
+    grid = "; ".join(f"{a['key']} in {{{', '.join(a['values'])}}}" for a in spec["grid"]) or "–"
+    sel = pub.get("selected")
+    b = (pub.get("cost") or {}).get("repeat_and_select") or {}
+    out = [f"# Sweep {pub['name']}", "",
+           f"Trials: random search (Papernot & Steinke) over the grid {grid}: the number of "
+           f"trials K is drawn from a {spec['distribution']} distribution of mean "
+           f"{spec['mean_trials']:g} and kept secret (the bound below assumes it hidden), each "
+           f"trial a uniformly random grid point. Selection: {pub.get('selection', '–')}.", ""]
+    if sel:
+        dp = sel.get("dp_eval") or {}
+        acc = (f"; token accuracy {_fmt(dp.get('accuracy'))} ± {_fmt(dp.get('accuracy_std'))}"
+               if dp.get("accuracy") is not None else "")
+        out.append(f"**Selected:** {_describe(sel['overrides'])}: `{sel['name']}` ({sel['run_dir']}); "
+                   f"DP evaluation loss {_fmt(dp.get('loss'))} ± {_fmt(dp.get('loss_std'))}{acc}.")
+    else:
+        out.append("**Selected:** none (no trial, or no trial with a DP evaluation).")
+    out.append("")
+    if b:
+        cost = pub["cost"]
+        out += ["## Privacy", "",
+                f"(ε = {b['epsilon']:.4f}, δ = {cost['delta']:.3g}) for the selected trial's output "
+                f"(its model and its DP evaluation), with K hidden: Papernot & Steinke's "
+                f"repeat-and-select bound, dp-accounting's RepeatAndSelectDpEvent under RDP "
+                f"(K {b['distribution']} of mean {b['mean_trials']:g}; {b['reference']})"
+                f"{_delta_note(cost, 'repeat_and_select')}. It does not cover the other trials' "
+                "models, nor the number of trials.", ""]
+    out += ["## What may be published", "",
+            f"This file, {SWEEP_JSON}, and the selected trial's model and DP evaluation, with the "
+            f"bound above. Not: " + "; ".join(pub["publication"]["internal"]) + ".", ""]
     return "\n".join(out)

@@ -128,21 +128,27 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
     ledger = open_dataset_ledger(d, cfg.privacy.ledger, source_sha, log=log) if plan.dp else None
     if ledger is not None:
         _check_run_ledger(run_dir, run_id, ledger)  # a resumed run: its ledger.jsonl is whole
+    eval_ledger = None if ledger is None or planned.eval_plan is None else \
+        _eval_source_ledger(cfg, planned.eval_store, ledger, log)
     # A resumed run holds (and may need) only the steps after its checkpoint.
     resumed_at = rd.checkpoint_step()
     resumed_at = resumed_at if isinstance(resumed_at, int) else 0
     service = None if ledger is None else {
         "location": ledger["location"], "dataset_id": ledger["dataset_id"],
+        "head_log": ledger["head_log"],
         "run_ledger": os.path.join(run_dir, "ledger.jsonl"),
         "run_id": run_id, "meta": ledger_meta,
         "block_size": int(cfg.train.checkpoint_every), "total_steps": plan.steps,
+        # the δ every ε of this run is accounted at: privacy.delta less the noise tails
         "event_json": event_to_json(plan.step_event()), "delta": plan.delta,
+        "accountant_delta": plan.accountant_delta,
         "accountant": plan.accountant, "budget_epsilon": cfg.privacy.budget_epsilon,
         "target_epsilon": plan.target_epsilon, "prior_releases": prior_releases,
         "allow_exceed_target": cfg.privacy.allow_exceed_target_on_failure,
         "lock": lock.info if lock is not None else None,
         "eval_event_json": None if planned.eval_plan is None else event_to_json(planned.eval_plan.event()),
         "eval_releases": 0 if planned.eval_plan is None else planned.eval_plan.releases,
+        "eval_ledger": eval_ledger,
     }
     if prior_releases:
 
@@ -163,14 +169,45 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         dataset_ledger=None if ledger is None else {"location": ledger["shown"],
                                                     "dataset_id": ledger["dataset_id"]},
         prior_releases=tuple(prior_releases), tokenizer=tok_use, data_stats=data_stats,
-        eval_plan=planned.eval_plan,
+        eval_plan=planned.eval_plan, unit=ledger_meta["unit"],
     )
-    if cfg.privacy.budget_epsilon is not None:
+    if spec.ledger is not None:
+        # Every DP run, whatever its recipe says: the dataset's budget (its ledger's) applies.
         check_budget(spec.ledger, plan, remaining=plan.steps - resumed_at, resuming=resumed_at > 0, log=log)
     os.makedirs(run_dir, exist_ok=True)
     dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     rd.write_plan(spec.plan_record())
     return spec
+
+
+def _eval_source_ledger(cfg: RecipeConfig, eval_store, ledger: dict, log) -> dict | None:
+    """The own dataset ledger of a separate private evaluation source (``data.eval.path`` or
+    ``data.eval.dataset`` with ``public: false``): data about individuals, so every DP
+    evaluation on it is a release on *that* dataset too, recorded (and checked against its
+    budget) in its ledger besides the training data's; a later run on it starts from what
+    these evaluations spent. None for held-out units of the corpus (``data.eval.fraction``:
+    the training data's ledger holds them) and when the source is the training dataset."""
+    from llmdp.data.sources import source_fingerprint
+
+    ev = cfg.data.eval
+    if ev is None or ev.fraction is not None or ev.public is not False:
+        return None
+    sha = source_fingerprint(path=ev.path, dataset=ev.dataset, split=ev.split,
+                             config_name=ev.config_name, format=ev.format)
+    # `ev` names its source as data does (path / dataset, config_name, dataset_id).
+    opened = open_dataset_ledger(ev, cfg.privacy.ledger, sha, recipe_legacy=False,
+                                 log=lambda m: log(f"evaluation source {m}" if m.startswith("ledger:") else m))
+    if opened["dataset_id"] == ledger["dataset_id"]:
+        return None
+    return {"dataset_id": opened["dataset_id"], "location": opened["shown"],
+            "meta": {"dataset_fingerprint": eval_store.fingerprint,
+                     "dataset_size": eval_store.num_units}}
+
+
+def _tail_note(plan) -> str:
+    """The noise tails' share of δ, for the plan's log line (empty when not folded in)."""
+    tail = plan.noise_tail_delta
+    return "" if tail is None else f" (noise tails {tail:.2g}, accountant {plan.accountant_delta:.3g})"
 
 
 def finished_run(cfg: RecipeConfig) -> dict | None:
@@ -196,26 +233,46 @@ def check_budget(ledger: LedgerSpec, plan, *, remaining: int, resuming: bool, lo
     """Hold this run's remaining steps of the dataset's budget, in one transaction with the
     check (`LedgerService.hold`): a run whose plan does not fit in what remains, after the
     releases and what live runs hold, is refused before it starts (a resumed run starts if
-    one step fits, and stops before the step that would cross it)."""
+    one step fits, and stops before the step that would cross it). The budget is the
+    dataset's, recorded in its ledger, whatever the recipe says: a recipe without
+    ``privacy.budget_epsilon`` on a budgeted dataset is checked against (and holds) it; a
+    recipe that states another budget, or a run for another privacy unit, is refused
+    (`BudgetError`). The first budgeted run records its recipe's budget. A separate private
+    evaluation source's own ledger is checked for the run's DP evaluations too."""
 
     svc = ledger.open()
     try:
         st = svc.hold(remaining, need=1 if resuming else remaining)
+        ev = svc.check_eval_source()
     finally:
         svc.db.close()
+    if ev is not None and ev.get("budget_epsilon") is not None:
+        log(f"evaluation source: its dataset ledger {ev['dataset_id']!r} has spent ε = "
+            f"{ev['epsilon_spent']:.4f} of its budget {ev['budget_epsilon']:g}; this run's DP "
+            f"evaluations are recorded and checked there too")
+    elif ev is not None:
+        log(f"evaluation source: this run's DP evaluations are recorded in its own dataset "
+            f"ledger {ev['dataset_id']!r} too")
+    if st["budget"] is None:
+        return st  # no budget on this dataset, none in the recipe: nothing held
     if not st["held"]:
         holders = [h["run_id"] for h in st["live_holds"] if h["run_id"] != ledger.service["run_id"]]
         raise BudgetError(
-            f"privacy.budget_epsilon={st['budget_epsilon']:g}: the dataset ledger "
+            f"{st['budget_label']}: the dataset ledger "
             f"{st['dataset_id']!r} ({st['ledger']}) has spent ε = {st['epsilon_spent']:.4f} at "
-            f"δ = {plan.delta:.3g} for the privacy unit {st.get('unit')!r}"
+            f"δ = {st['delta']:.3g} for the privacy unit {st.get('unit')!r}"
             + (f", and the live run(s) {', '.join(holders)} hold {st['held_steps']} more step(s)"
                if holders else "")
             + f"; this plan needs ε = {plan.epsilon():.4f} for T = {plan.steps} steps and only "
             f"{st['fit']} of its {remaining} remaining steps fit. Lower privacy.target_epsilon / "
-            f"train.steps, raise the budget, or wait for the other run(s) to end")
-    log(f"budget: ε spent on this dataset = {st['epsilon_spent']:.4f} of {st['budget_epsilon']:g}; "
-        f"this run holds its {st['held']} remaining step(s)")
+            f"train.steps, raise the dataset's budget (`llmdp privacy ledger set-budget --dataset "
+            f"{st['dataset_id']} --epsilon ...`, recorded), or wait for the other run(s) to end")
+    whose = ("the dataset's budget, recorded in its ledger: this recipe sets no "
+             "privacy.budget_epsilon" if ledger.budget_epsilon is None else
+             "privacy.budget_epsilon, now recorded as the dataset's budget" if st["budget_set_now"]
+             else "the dataset's budget, recorded in its ledger, as this recipe states")
+    log(f"budget: ε spent on this dataset = {st['epsilon_spent']:.4f} of {st['budget_epsilon']:g} "
+        f"at δ = {st['delta']:.3g} ({whose}); this run holds its {st['held']} remaining step(s)")
     return st
 
 
@@ -234,12 +291,14 @@ def run(cfg: RecipeConfig, log=print, augment=None) -> str:
     try:
         return _run_locked(cfg, lock, log, augment)
     finally:
-        lock.release()
+        # A launch refused before it created the run directory (bad input, budget) leaves
+        # no lock file behind; a run directory keeps its lock file beside it.
+        lock.release(remove=not os.path.isdir(cfg.run_dir))
 
 
 def _end_hold(spec: RunSpec, status: str, log) -> None:
     """The run's hold on the budget ends with the launch (a resumed run holds anew)."""
-    if spec.ledger is None or spec.ledger.budget_epsilon is None:
+    if spec.ledger is None:
         return
     try:
         svc = spec.ledger.open()
@@ -260,7 +319,7 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
     else:
         log(f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
             f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
-            f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}, planned epsilon="
+            f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}{_tail_note(plan)}, planned epsilon="
             f"{prepared.epsilon_planned:.4f} ({plan.accountant})")
     if prepared.dp and prepared.tokenizer.get("kind") == "private-dp":
         log(f"tokenizer: {prepared.tokenizer['summary']}")
@@ -285,6 +344,12 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
                           interrupted=interrupted)
     if report.get("stopped"):
         log(f"stopped early: {report['stopped']}")
+    dp_evals = ((report.get("evaluation") or {}).get("dp") or [])
+    if dp_evals:
+        m = dp_evals[-1]
+        log(f"DP evaluation after step {m['step']} (released with DP, publishable): loss "
+            f"{m['loss']:.4f} ± {m['loss_std']:.4f}, token accuracy {m['accuracy']:.4f} ± "
+            f"{m['accuracy_std']:.4f} (± the std of its noise)")
     log(f"run directory: {prepared.run_dir}")
     log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
     if report.get("dp") is False:

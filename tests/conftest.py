@@ -16,6 +16,23 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _module_llmdp_home(tmp_path_factory):
+    """Each test module its own ledgers' database and head log ($LLMDP_HOME), for its
+    module-scoped fixtures: the generated corpora are the same bytes in every module, and a
+    new ledger whose data has another ledger's content hash is refused (issue 29 item 5),
+    as it would be for a user."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMDP_HOME", str(tmp_path_factory.mktemp("llmdp-home")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _own_llmdp_home(_module_llmdp_home, tmp_path_factory, monkeypatch):
+    """... and each test its own (see `_module_llmdp_home`)."""
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path_factory.mktemp("llmdp-home")))
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

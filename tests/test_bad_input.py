@@ -51,6 +51,8 @@ def train_fails(workdir, capsys, recipe: str, *overrides: str) -> str:
     assert err.count("\n") == 1, err
     name = os.path.splitext(os.path.basename(recipe))[0]
     assert not os.path.exists(workdir / "runs" / name), os.listdir(workdir / "runs")
+    # Issue 30 item 12: a refused launch leaves no lock file either.
+    assert not os.path.exists(workdir / "runs" / f".{name}.lock"), os.listdir(workdir / "runs")
     ledgers = workdir / "cache" / "ledgers"
     assert not ledgers.exists() or not any(
         p.stat().st_size for p in ledgers.iterdir()), list(ledgers.iterdir())
@@ -75,6 +77,32 @@ def test_empty_jsonl(workdir, capsys):
     data.write_text("")
     err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "empty.jsonl"}))
     assert str(data) in err and "data.path" in err and "no records" in err, err
+
+
+@pytest.mark.parametrize("ext,content", [(".txt", "a note about the visit\n"),
+                                         (".jsonl", json.dumps(GOOD[0]) + "\n")])
+@pytest.mark.parametrize("blank", ["", "  \n\n"])
+def test_an_empty_file_in_a_folder_is_named(workdir, capsys, ext, content, blank):
+    """Issue 30 item 11: a folder's empty (or blank) file stops the run, naming the file,
+    as an empty single file does; it is never skipped silently."""
+    folder = workdir / "notes"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"n{i}{ext}").write_text(content)
+    (folder / f"zz-empty{ext}").write_text(blank)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes"}))
+    assert f"zz-empty{ext}" in err and "no records" in err, err
+
+
+def test_plan_chunks_names_an_empty_file(tmp_path):
+    """The same on the Ray Data path's chunk planner."""
+    from llmdp.config import ConfigError
+    from llmdp.data.chunks import plan_chunks
+
+    (tmp_path / "a.txt").write_text("one note\n")
+    (tmp_path / "b.txt").write_text("\n \n")
+    with pytest.raises(ConfigError, match="b.txt holds no data"):
+        plan_chunks(str(tmp_path), "auto", "file", 1 << 20)
 
 
 def test_malformed_jsonl_line_names_the_right_line(workdir, capsys):
@@ -230,7 +258,7 @@ def test_unknown_bare_tokenizer_name_is_one_message(workdir, capsys):
     write_lines(workdir / "ok.jsonl", GOOD)
     err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "ok.jsonl"}),
                       "model.tokenizer=no-such-tokenizer-xyz")
-    assert "model.tokenizer: 'no-such-tokenizer-xyz' is neither a tokenizer folder" in err, err
+    assert "model.tokenizer: 'no-such-tokenizer-xyz' is not a local folder and not in the Hugging Face cache" in err, err
 
 
 @pytest.mark.parametrize("value,is_path", [
@@ -246,3 +274,66 @@ def test_hub_ids_stay_ids_and_paths_become_paths(workdir, value, is_path):
     cfg = load_recipe(write_recipe(workdir, {"path": "ok.jsonl"}), [f"model.tokenizer={value}"])
     expected = os.path.normpath(os.path.join(workdir, value)) if is_path else value
     assert cfg.model.tokenizer == expected
+
+
+@pytest.mark.parametrize("home", ["", "sub", "sub/deeper"])
+def test_an_llmdp_home_that_cannot_be_created_is_named(workdir, capsys, monkeypatch, home):
+    """Issue 30 item 5: LLMDP_HOME that cannot be created (under a file, say) gets one
+    message naming it and the fix, not a FileNotFoundError / NotADirectoryError traceback."""
+    (workdir / "file").write_text("not a folder")
+    write_lines(workdir / "notes.jsonl", GOOD)
+    bad = workdir / "file" / home if home else workdir / "file"  # the file itself, or under it
+    monkeypatch.setenv("LLMDP_HOME", str(bad))
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes.jsonl"}))
+    assert "LLMDP_HOME" in err and str(bad) in err, err
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_an_uncached_hub_model_offline_gets_one_message_at_once(workdir, capsys, monkeypatch, offline):
+    """Issue 30 item 4: `model.name_or_path=meta-llama/Llama-3.2-1B` on an air-gapped machine
+    (offline mode, or a Hub that cannot be reached) stops at once with one message saying
+    how to bring the model over: no minute of retries, no transformers OSError traceback."""
+    import time
+
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(hub_constants, "ENDPOINT", "http://127.0.0.1:9")  # refused at once
+    monkeypatch.setenv("HF_HUB_CACHE", str(workdir / "hf-cache"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(workdir / "hf-cache"))
+    write_lines(workdir / "notes.jsonl", GOOD)
+    recipe = write_recipe(workdir, {"path": "notes.jsonl"})
+    raw = json.loads(open(recipe).read())
+    raw["model"] = {"init": "pretrained", "name_or_path": "meta-llama/Llama-3.2-1B"}
+    open(recipe, "w").write(json.dumps(raw))
+    t0 = time.monotonic()
+    err = train_fails(workdir, capsys, recipe)
+    assert time.monotonic() - t0 < 30  # not a minute of retries (it takes about a second)
+    assert "model.name_or_path: 'meta-llama/Llama-3.2-1B' is not a local folder" in err, err
+    assert ("offline mode is on" if offline else "the Hub cannot be reached") in err, err
+    assert "hf download meta-llama/Llama-3.2-1B --local-dir DIR" in err, err
+
+
+def test_a_tiny_corpus_needs_an_explicit_delta(workdir, capsys):
+    """Issue 30 item 9: with privacy.delta unset, a corpus of a few units is refused (a
+    default δ would be 1e-3 or more), naming N, the minimum and the fix."""
+    write_lines(workdir / "notes.jsonl", GOOD)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes.jsonl"}),
+                      "privacy.delta=null")
+    assert "privacy.delta: not set" in err and "sequence unit(s), fewer than 100" in err, err
+    assert "set privacy.delta yourself" in err, err
+
+
+def test_a_default_delta_is_said(tmp_path):
+    """Issue 30 item 9: the δ llmdp picks is stated at launch with the N it came from."""
+    from llmdp.trainer import prepare
+    from tests.test_loop import make_recipe
+
+    cfg = make_recipe(tmp_path)
+    cfg = type(cfg)(**{**cfg.__dict__, "privacy": type(cfg.privacy)(**{**cfg.privacy.__dict__, "delta": None})})
+    lines = []
+    spec = prepare(cfg, log=lines.append)
+    n = spec.plan.dataset_size
+    assert n >= 100
+    assert any(f"privacy.delta not set: δ = {spec.plan.delta:g}" in x and f"N = {n} sequence units" in x
+               for x in lines), lines

@@ -312,3 +312,34 @@ def test_fit_hides_rays_token_auth_notice_before_ray_init(monkeypatch, tmp_path)
     assert seen == []
     disabled = _auth_records(lambda auth: auth._warn_token_auth_disabled())
     assert len(disabled) == 1 and "Token authentication is disabled" in disabled[0]
+
+
+@pytest.mark.parametrize("argv,command", [
+    (["train", "r.yaml", "--debug", "output.name=x", "train.steps=3"], "train"),
+    (["audit", "r.yaml", "--canaries", "100", "output.name=x", "train.steps=3"], "audit"),
+    (["train", "r.yaml", "output.name=x", "--debug", "train.steps=3"], "train"),
+])
+def test_overrides_may_follow_flags(argv, command, monkeypatch):
+    """Issue 30 item 8: `llmdp train notes.yaml --debug output.name=x` and `llmdp audit
+    notes.yaml --canaries 100 data.path=...` take the overrides (argparse alone leaves them
+    over as unrecognized arguments)."""
+    import llmdp.config
+
+    seen = {}
+
+    def fake_load(path, overrides):
+        seen["overrides"] = list(overrides)
+        raise llmdp.config.ConfigError("stop here")
+
+    monkeypatch.setattr(llmdp.config, "load_recipe", fake_load)
+    assert main(argv) == 2
+    assert seen["overrides"][:2] == ["output.name=x", "train.steps=3"]
+
+
+def test_top_level_help_lists_every_privacy_command(capsys):
+    """Issue 30 item 13: `llmdp --help` named epsilon, calibrate and report, not ledger."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    entry = " ".join(out[out.index("\n    privacy "):].split("\n    tokenizer")[0].split())
+    assert all(c in entry for c in ("epsilon", "calibrate", "report", "ledger")), entry

@@ -95,3 +95,24 @@ def test_a_run_without_a_report_is_a_clear_error(tmp_path, capsys):
     assert main(["compare", str(d)]) == 2
     err = capsys.readouterr().err
     assert "no privacy_report.json" in err and "llmdp privacy report" in err
+
+
+def test_error_bars_stay_in_the_metric_range_and_datasets_are_not_joined(tmp_path):
+    """Issue 30 items 3 and 13: a noisy DP loss near 0 gets a bar that stops at 0 (not at a
+    loss of -2.4); runs on different datasets or at different δ are separate curves."""
+    def dp_run(eps, loss, sd, dataset, delta=1e-5):
+        return {"dp": True, "epsilon": eps, "delta": delta, "steps_completed": 6,
+                "status": "complete", "dataset_ledger": {"dataset_id": dataset},
+                "evaluation": {"dp": [{"step": 6, "loss": loss, "loss_std": sd, "accuracy": 0.5,
+                                       "accuracy_std": 0.1, "loss_bound": 8.0}]}}
+
+    runs = [_run(tmp_path, "a1", dp_run(1.0, 1.2, 3.6, "path:/d/a")),
+            _run(tmp_path, "a2", dp_run(4.0, 7.0, 3.0, "path:/d/a")),
+            _run(tmp_path, "b1", dp_run(2.0, 5.0, 0.5, "path:/d/b")),
+            _run(tmp_path, "a3", dp_run(3.0, 4.0, 0.2, "path:/d/a", delta=1e-6))]
+    rows = compare(runs, log=lambda *a: None)
+    drawn = plot(rows, str(tmp_path / "pu.png"))
+    bars = dict(zip([run for *_, run in drawn["dp_eval"]], drawn["dp_eval_bars"]))
+    assert bars["a1"] == (1.2, 3.6) and bars["a2"] == (3.0, 1.0) and bars["b1"] == (0.5, 0.5)
+    assert sorted(map(tuple, drawn["groups"])) == [("path:/d/a", 1e-6), ("path:/d/a", 1e-5),
+                                                    ("path:/d/b", 1e-5)]

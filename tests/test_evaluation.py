@@ -277,6 +277,85 @@ def test_public_eval_source_is_published_and_needs_no_dp(tmp_path):
                     evaluation={"epsilon": 0.5})
 
 
+def test_dp_evaluations_on_a_private_eval_source_are_in_its_own_ledger(tmp_path):
+    """Issue 29 item 4: a separate private evaluation source (data.eval.path, public: false)
+    is data about individuals with its own dataset ledger. Each DP evaluation is recorded
+    there too (its budget checked), and once in the training data's ledger and the run's
+    ledger.jsonl (the run's report composes it once); a later budgeted run on the evaluation
+    file starts from what the evaluations spent, not from 0; a budget on the evaluation file
+    that the planned evaluations do not fit refuses the launch."""
+    from llmdp.privacy.budget import unit_epsilon
+    from llmdp.privacy.service import BudgetError
+    from llmdp.report import write_report
+
+    private = write_notes(tmp_path / "eval_notes.jsonl", 20, seed=7)
+    cfg = eval_recipe(tmp_path, eval_data={"path": str(private), "public": False},
+                      evaluation={"noise_multiplier": 3.0, "steps": [4]})
+    spec = prepared(cfg)
+    assert spec.eval_plan.releases == 2
+    train_loop_per_worker(spec, LocalContext(checkpoint_dir=str(tmp_path / "ckpt")))
+    loc = tmp_path / "ledger.sqlite"
+    on_eval = dataset_records(loc, private)
+    assert on_eval[0]["kind"] == "dataset"  # the evaluation file's own ledger
+    evals = [r for r in on_eval if r["kind"] == "release"]
+    assert [r["eval_step"] for r in evals] == [4, 6]
+    assert all(r["count"] == 1 and r["meta"]["mechanism"] == EVAL_MECHANISM
+               and r["event"] == {"module_name": "dp_accounting.dp_event",
+                                  "class_name": "GaussianDpEvent", "noise_multiplier": 3.0}
+               and r["run_id"] == spec.run_id
+               and r["meta"]["dataset_size"] == spec.data_stats["eval_units"] for r in evals)
+    # The training data's ledger and the run's ledger.jsonl: each evaluation once, naming its
+    # record in the evaluation source's ledger.
+    on_train = [r for r in dataset_records(loc, cfg.data.path)
+                if r["kind"] == "release" and not is_step_release(r)]
+    assert [r["also_recorded_in"]["hash"] for r in on_train] == [r["hash"] for r in evals]
+    run = [r for r in Ledger(os.path.join(spec.run_dir, "ledger.jsonl")).records()
+           if r["kind"] == "release" and not is_step_release(r)]
+    assert [r["hash"] for r in run] == [r["hash"] for r in on_train]
+    report = write_report(spec.run_dir)
+    acc = dp_accounting.pld.PLDAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(spec.plan.sampling_probability,
+                                                    dp_accounting.GaussianDpEvent(1.0)), 6)
+    acc.compose(dp_accounting.GaussianDpEvent(3.0), 2)
+    assert report["epsilon"] == pytest.approx(acc.get_epsilon(1e-4), rel=1e-6)
+    assert report["evaluation"]["dp_plan"]["releases_recorded"] == 2
+    # The evaluation source's ledger shows its ε: the two evaluations (dp-accounting).
+    eps_eval = dp_accounting.pld.PLDAccountant().compose(
+        dp_accounting.GaussianDpEvent(3.0), 2).get_epsilon(1e-4)
+    assert unit_epsilon(on_eval, evals[0]["meta"], 1e-4, "pld") == pytest.approx(eps_eval, rel=1e-6)
+    assert eps_eval > 0.1
+
+    # A later budgeted run on the evaluation file starts from that ε.
+    raw = to_dict(eval_recipe(tmp_path))
+    raw["data"] = {"path": str(private), "sequence_length": 24}
+    raw["train"]["expected_batch_size"] = 4
+    raw["privacy"]["budget_epsilon"] = 50.0
+    raw["output"]["name"] = "on-eval"
+    lines = []
+    from llmdp.trainer import prepare
+
+    on_eval_run = prepare(recipe_from_dict(raw), log=lines.append)
+    said = [x for x in lines if x.startswith("budget: ")]
+    assert said and said[0].startswith(f"budget: ε spent on this dataset = {eps_eval:.4f} of 50"), said
+
+    # With the evaluation file's budget just above what is spent (that run ended), a run whose
+    # DP evaluations do not fit in it is refused at launch, naming the evaluation source.
+    on_eval_run.ledger.open().end("ended")
+    from llmdp.cli import main
+
+    assert main(["privacy", "ledger", "set-budget", "--dataset", "path:" + os.path.realpath(private),
+                 "--epsilon", f"{eps_eval * 1.01:.6f}", "--ledger", str(loc)]) == 0
+    again = eval_recipe(tmp_path, eval_data={"path": str(private), "public": False},
+                        evaluation={"noise_multiplier": 3.0, "steps": [2, 4]})
+    again = recipe_from_dict({**to_dict(again), "output": {**to_dict(again)["output"], "name": "t2"}})
+    before = dataset_records(loc, private)
+    with pytest.raises(BudgetError, match=r"the evaluation source \(data.eval\) has its own dataset "
+                                          r"ledger .*with the budget ε = [0-9.]+ at δ = 0.0001.*"
+                                          r"3 DP evaluation\(s\) would take it to ε = "):
+        prepared(again)
+    assert dataset_records(loc, private) == before
+
+
 @pytest.mark.parametrize("raw, match", [
     ({"train": {"eval_every": 5}}, "train.eval_every: 5 needs held-out data"),
     ({"eval": {"epsilon": 1.0}}, "a DP evaluation needs held-out data"),
@@ -286,6 +365,8 @@ def test_public_eval_source_is_published_and_needs_no_dp(tmp_path):
     ({"data": {"eval": {"fraction": 0.1}}, "eval": {"steps": [3]}}, "neither eval.epsilon"),
     ({"data": {"eval": {"fraction": 0.1}}, "eval": {"epsilon": 1, "steps": [99]}}, "beyond train.steps"),
     ({"data": {"eval": {"fraction": 1.5}}}, "data.eval.fraction"),
+    ({"data": {"eval": {"fraction": 0.1, "dataset_id": "x"}}}, "data.eval.dataset_id: 'x' names"),
+    ({"data": {"eval": {"path": "x.jsonl", "public": True, "dataset_id": "x"}}}, "public data has none"),
 ])
 def test_eval_config_errors_name_the_key(tmp_path, raw, match):
     base = {"model": {"init": "tiny", "tokenizer": "./tok"}, "data": {"path": "d.jsonl"},
@@ -314,3 +395,100 @@ def test_a_baseline_evaluates_held_out_data_without_any_release(tmp_path):
     assert [m["step"] for m in ev["internal"]] == [0, 6] and ev["dp"] == []
     metrics = [json.loads(x) for x in open(spec.paths.metrics)]
     assert all(m.get("privacy") == "NON-PRIVATE" for m in metrics if m.get("event") == "eval")
+
+
+def test_expected_std_is_the_std_the_releases_have():
+    """Issue 30 item 3: the std stated at plan time is the spread of the released metrics
+    (Monte Carlo over keys, count public: no second-order count noise)."""
+    plan = _plan("public", z=1.5, L=6.0)
+    n = 400
+    sd = plan.expected_std(n)
+    sums = np.array([n * 2.5 / plan.loss_bound, n * 0.5, n], dtype=np.float64)
+    M = 2000
+    draws = [dp_eval.release(sums, plan, keys.seeded_key(11, i, "eval"), 10) for i in range(M)]
+    se = 4 / math.sqrt(2 * (M - 1))
+    assert abs(np.std([d["loss"] for d in draws], ddof=1) / sd["loss"] - 1) < se
+    assert abs(np.std([d["accuracy"] for d in draws], ddof=1) / sd["accuracy"] - 1) < se
+    assert sd["fraction_of_range"] == pytest.approx(sd["accuracy"]) == pytest.approx(sd["loss"] / 6.0)
+
+
+def test_a_dp_evaluation_that_would_be_mostly_noise_is_refused_at_plan_time(tmp_path):
+    """Issue 30 item 3: a small held-out set whose DP release's std dwarfs the metric's
+    range is refused, naming the numbers and the fixes; eval.allow_noisy releases it."""
+    evaluation = {"noise_multiplier": 40.0}
+    cfg = eval_recipe(tmp_path, evaluation=evaluation)
+    with pytest.raises(ConfigError, match=r"(?s)eval: the DP evaluation would be mostly noise: "
+                                          r"with \d+ held-out unit.*Hold out at least \d+ units.*"
+                                          r"eval.allow_noisy: true"):
+        prepared(cfg)
+    lines = []
+    cfg = eval_recipe(tmp_path, evaluation={**evaluation, "allow_noisy": True})
+    from llmdp.trainer import prepare
+
+    spec = prepare(cfg, log=lines.append)
+    units = open_(spec.paths.eval_store_dir).num_units
+    want = spec.eval_plan.expected_std(units)
+    assert want["fraction_of_range"] > dp_eval.NOISY_EVAL_FRACTION
+    assert any(f"accuracy ± {want['accuracy']:.3g}" in x for x in lines), lines
+
+
+def test_dp_metrics_are_published_with_their_std_everywhere():
+    """Issue 30 items 3 and 13: the card's model-index carries each DP metric's noise std (in
+    its name and as a metric argument), the markdown table has a std for every DP column,
+    and a whitespace-only generation is shown as such, not as "(empty)"."""
+    from llmdp.card import _eval_results
+    from llmdp.evaluation.report import evaluation_markdown
+
+    m = {"step": 50, "loss": 5.5, "perplexity": math.exp(5.5), "accuracy": 0.2, "count": 700.0,
+         "count_kind": "noised", "loss_std": 0.13, "accuracy_std": 0.016}
+    ev = {"dp": [m], "generations": [{"prompt": "Chief complaint:", "greedy": "\n  ", "sampled": ""}],
+          "generation_settings": {"temperature": 0.8, "top_p": 0.95, "seed": 0, "max_new_tokens": 8}}
+    res = _eval_results(ev, "m", {"epsilon": 8.0})["eval_results"]
+    by = {r.metric_type: r for r in res}
+    assert by["loss"].metric_args == {"dp_noise_std": 0.13} and "± 0.13" in by["loss"].metric_name
+    assert by["accuracy"].metric_args == {"dp_noise_std": 0.016}
+    assert by["perplexity"].metric_args["dp_noise_std"] == pytest.approx(math.exp(5.5) * 0.13)
+    md = "\n".join(evaluation_markdown(ev))
+    row = next(x for x in md.splitlines() if x.startswith("| 50 |"))
+    assert row.count("±") == 3, row
+    assert "greedy: (whitespace only: `'\\n  '`)" in md and "sampled: (empty)" in md, md
+
+
+def test_the_console_ends_with_the_dp_evaluation(tmp_path, monkeypatch):
+    """Issue 30 items 3 and 13: `llmdp train` prints the last DP evaluation with its std
+    (the report's numbers), not only the internal held-out loss. The worker loop runs
+    in-process here (Ray's launch is the e2e tests' business)."""
+    import llmdp.trainer
+
+    monkeypatch.setattr(llmdp.trainer, "_fit", lambda prepared, log: train_loop_per_worker(
+        prepared, LocalContext(checkpoint_dir=str(tmp_path / "ckpt"))))
+    cfg = eval_recipe(tmp_path, evaluation={"noise_multiplier": 3.0})
+    lines = []
+    run_dir = llmdp.trainer.run(cfg, log=lines.append)
+    rep = json.load(open(os.path.join(run_dir, "privacy_report.json")))
+    m = rep["evaluation"]["dp"][-1]
+    want = (f"DP evaluation after step 6 (released with DP, publishable): loss {m['loss']:.4f} ± "
+            f"{m['loss_std']:.4f}, token accuracy {m['accuracy']:.4f} ± {m['accuracy_std']:.4f}")
+    assert any(x.startswith(want) for x in lines), lines
+
+
+def test_epsilon_training_only_is_the_steps_alone_as_planned(tmp_path):
+    """Issue 30 item 13: privacy_report.json's epsilon_training_only counted the DP
+    evaluations while plan.json's epsilon_planned_training_only does not; both are the
+    training steps alone (dp-accounting on the step releases, called directly)."""
+    from llmdp.privacy.events import event_from_json
+    from llmdp.report import write_report
+
+    cfg = eval_recipe(tmp_path, evaluation={"noise_multiplier": 3.0})
+    spec = prepared(cfg)
+    train_loop_per_worker(spec, LocalContext(checkpoint_dir=str(tmp_path / "ckpt")))
+    rep = write_report(spec.run_dir)
+    plan = json.load(open(os.path.join(spec.run_dir, "plan.json")))
+    recs = Ledger(os.path.join(spec.run_dir, "ledger.jsonl")).records()
+    steps = [r for r in recs if r["kind"] == "release" and is_step_release(r)]
+    events = [dp_accounting.SelfComposedDpEvent(event_from_json(r["event"]), r["count"]) for r in steps]
+    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    want = acc.compose(dp_accounting.ComposedDpEvent(events)).get_epsilon(rep["delta_accountant"])
+    assert rep["epsilon_training_only"] == pytest.approx(want, rel=1e-9)
+    assert rep["epsilon_training_only"] == pytest.approx(plan["epsilon_planned_training_only"], rel=1e-9)
+    assert rep["epsilon"] > rep["epsilon_training_only"]

@@ -91,7 +91,7 @@ def test_two_working_directories_and_an_edited_record_charge_one_budget(tmp_path
     for r in recs:
         if r["kind"] == "release":
             acc.compose(event_from_json(r["event"]), r["count"])
-    want = acc.get_epsilon(prep.plan.delta)
+    want = acc.get_epsilon(prep.plan.accountant_delta)  # δ less the noise tails
     from llmdp.report import build_report
 
     rep = build_report(prep.run_dir)
@@ -99,10 +99,11 @@ def test_two_working_directories_and_an_edited_record_charge_one_budget(tmp_path
     assert rep["dataset_ledger"]["dataset_id"] == "clinic-notes-2026"
 
 
-def test_default_id_is_the_source_and_lookalikes_warn(tmp_path, monkeypatch):
+def test_default_id_is_the_source_and_lookalikes_are_refused(tmp_path, monkeypatch):
     """Without a declared id the ledger is the source's real path (any working directory);
-    a copy of the data under another name starts a new ledger with a warning naming the
-    ledger whose data it looks like, and how to share one budget."""
+    a copy of the data under another name would start a new ledger for the same
+    individuals: refused (issue 29 item 5; it was a warning), naming the ledger whose data
+    it looks like and how to share one budget. Declared, it runs (with the warning)."""
     monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
     data = write_notes(tmp_path / "notes.jsonl", 30)
     (tmp_path / "a").mkdir()
@@ -111,12 +112,59 @@ def test_default_id_is_the_source_and_lookalikes_warn(tmp_path, monkeypatch):
     assert prep.ledger.service["dataset_id"] == "path:" + os.path.realpath(data)
     copy = tmp_path / "copy.jsonl"
     copy.write_bytes(open(data, "rb").read())
+    from llmdp._validate import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _prepare(recipe_from_dict(_raw(tmp_path, copy, name="t2")))
+    assert "the same content hash" in str(e.value)
+    assert f"set data.dataset_id: path:{os.path.realpath(data)}" in str(e.value)
+    assert not (tmp_path / "runs" / "t2").exists()
+    raw = _raw(tmp_path, copy, name="t2")
+    raw["data"]["dataset_id"] = "copy-of-notes"
     lines = []
-    prep2 = _prepare(recipe_from_dict(_raw(tmp_path, copy, name="t2")), lines)
-    assert prep2.ledger.service["dataset_id"] == "path:" + os.path.realpath(copy)
+    prep2 = _prepare(recipe_from_dict(raw), lines)
+    assert prep2.ledger.service["dataset_id"] == "copy-of-notes"
     warn = [x for x in lines if x.startswith("warning: starting a new ledger")]
     assert warn and "the same content hash" in warn[0] and \
         f"data.dataset_id: path:{os.path.realpath(data)}" in warn[0]
+
+
+def test_a_file_and_its_folder_charge_one_budget(tmp_path, monkeypatch):
+    """Issue 29 item 5 through two real runs: a run on ``data/sub/notes.jsonl``, then one
+    on the folder ``data/sub`` (holding only that file) was a second ledger at ε = 0. Now
+    the folder run is refused, naming the file's ledger; declaring that ledger's id, its
+    steps are charged to the same budget, which counts both runs (dp-accounting)."""
+    from llmdp._validate import ConfigError
+    from llmdp.privacy.events import event_from_json
+
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
+    sub = tmp_path / "data" / "sub"
+    sub.mkdir(parents=True)
+    data = write_notes(sub / "notes.jsonl", 30)
+    first = _prepare(recipe_from_dict(_raw(tmp_path, data, name="file", budget_epsilon=50.0)))
+    simulate_steps(first)
+    ds = "path:" + os.path.realpath(data)
+    assert first.ledger.service["dataset_id"] == ds
+    with pytest.raises(ConfigError) as e:
+        _prepare(recipe_from_dict(_raw(tmp_path, sub, name="folder", budget_epsilon=50.0)))
+    assert f"the ledger(s) {ds!r} (overlapping sources: it reads the file {os.path.realpath(data)}" in str(e.value)
+    assert f"set data.dataset_id: {ds}" in str(e.value)
+    raw = _raw(tmp_path, sub, name="folder", budget_epsilon=50.0)
+    raw["data"]["dataset_id"] = ds
+    second = _prepare(recipe_from_dict(raw))
+    simulate_steps(second)
+    recs = dataset_records(None, dataset_id=ds)
+    assert {r["run_id"] for r in recs if r["kind"] == "release"} == {first.run_id, second.run_id}
+    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    for r in recs:
+        if r["kind"] == "release":
+            acc.compose(event_from_json(r["event"]), r["count"])
+    from llmdp.report import build_report
+
+    rep = build_report(second.run_dir)
+    # at the dataset budget's δ less the run's noise tails (the accountant's δ)
+    assert rep["dataset_ledger"]["epsilon_spent"] == pytest.approx(acc.get_epsilon(second.plan.accountant_delta), rel=1e-9)
+    assert sum(r["count"] for r in recs if r["kind"] == "release") == 12
 
 
 def test_a_legacy_jsonl_dataset_ledger_is_imported_once(tmp_path, monkeypatch):
@@ -142,6 +190,58 @@ def test_a_legacy_jsonl_dataset_ledger_is_imported_once(tmp_path, monkeypatch):
     assert not any("imported" in x for x in lines)
     old = [r for r in _releases(prep.ledger.service["dataset_id"]) if r["run_id"] == "old"]
     assert [r["count"] for r in old] == [4, 4] and all(r["imported_from"] == str(legacy) for r in old)
+
+
+# ------------------------------------------------------------------ a budget belongs to the dataset
+
+
+def test_the_budget_is_the_datasets_whatever_the_recipe_says(tmp_path, monkeypatch):
+    """Issue 29 items 2 and 7 through `trainer.prepare`: the first budgeted launch records its
+    budget in the dataset ledger; a recipe without a budget is checked against it and holds
+    (its log line says whose budget); a recipe with another ε, δ or accountant is refused,
+    naming both budgets and the command that changes it; a run for another privacy unit is
+    refused, naming both units. A refusal records nothing and leaves no run directory."""
+    from llmdp.privacy.service import BudgetError
+
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
+    data = write_notes(tmp_path / "notes.jsonl", 30)
+    lines = []
+    a = _prepare(recipe_from_dict(_raw(tmp_path, data, name="a", budget_epsilon=50.0)), lines)
+    ds = a.ledger.service["dataset_id"]
+    assert any(x.startswith("budget: ε spent on this dataset = 0.0000 of 50 at δ = 0.0001 "
+                            "(privacy.budget_epsilon, now recorded as the dataset's budget)")
+               for x in lines), lines
+    (budget,) = [r for r in dataset_records(None, dataset_id=ds) if r["kind"] == "budget"]
+    assert (budget["epsilon"], budget["delta"], budget["accountant"]) == (50.0, 1e-4, "pld")
+    assert budget["unit_key"] == "a sequence of 24 tokens (packed across document boundaries)"
+    assert f"run {a.run_id}" in budget["set_by"]
+    lines = []
+    b = _prepare(recipe_from_dict(_raw(tmp_path, data, name="b")), lines)
+    assert any("(the dataset's budget, recorded in its ledger: this recipe sets no "
+               "privacy.budget_epsilon); this run holds its 6 remaining step(s)" in x for x in lines), lines
+    assert [r["run_id"] for r in dataset_records(None, dataset_id=ds) if r["kind"] == "hold"] == \
+        [a.run_id, b.run_id]
+    before = dataset_records(None, dataset_id=ds)
+    for change, differ in (({"budget_epsilon": 60.0}, "ε"),
+                           ({"budget_epsilon": 50.0, "delta": 1e-3}, "δ"),
+                           ({"budget_epsilon": 50.0, "accountant": "rdp"}, "accountant")):
+        with pytest.raises(BudgetError) as e:
+            _prepare(recipe_from_dict(_raw(tmp_path, data, name="c", **change)))
+        msg = str(e.value)
+        assert msg.startswith(f"privacy.budget_epsilon={change['budget_epsilon']:g} (at privacy.delta")
+        assert f"is not the budget of the dataset ledger {ds!r}" in msg
+        assert "that is ε = 50 at δ = 0.0001 (pld) for the privacy unit 'a sequence of 24" in msg
+        assert f"(they differ in {differ})" in msg and "llmdp privacy ledger set-budget --dataset" in msg
+        assert not (tmp_path / "runs" / "c").exists()
+    raw = _raw(tmp_path, data, name="d")
+    raw["data"]["sequence_length"] = 23
+    with pytest.raises(BudgetError) as e:
+        _prepare(recipe_from_dict(raw))
+    msg = str(e.value)
+    assert "a privacy budget for the privacy unit 'a sequence of 24 tokens" in msg
+    assert "this release is for the privacy unit 'a sequence of 23 tokens" in msg
+    assert not (tmp_path / "runs" / "d").exists()
+    assert dataset_records(None, dataset_id=ds) == before
 
 
 # ------------------------------------------------------------------ one launch per run directory
@@ -218,7 +318,7 @@ def test_failures_stop_the_run_at_its_target(tmp_path, monkeypatch):
     assert rep["exceeds_target"] is None
     acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     assert rep["epsilon"] == pytest.approx(
-        acc.compose(plan.step_event(), plan.steps).get_epsilon(plan.delta), rel=1e-9)
+        acc.compose(plan.step_event(), plan.steps).get_epsilon(plan.accountant_delta), rel=1e-9)
     assert "Run status: **stopped**" in render_markdown(rep)
 
 
@@ -274,7 +374,7 @@ def test_two_concurrent_runs_under_a_budget_that_fits_one(tmp_path):
     info = json.load(open(tmp_path / "probe" / "p" / "plan.json"))
     p = DPPlan.from_dict(info["plan"])
     acc = lambda k: dp_accounting.pld.PLDAccountant(  # noqa: E731
-        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(p.step_event(), k).get_epsilon(p.delta)
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(p.step_event(), k).get_epsilon(p.accountant_delta)
     budget = (acc(6) + acc(12)) / 2
     for raw in recipes:
         raw["privacy"]["budget_epsilon"] = budget
@@ -331,3 +431,35 @@ def test_a_damaged_run_ledger_stops_a_resume_before_any_release(tmp_path, monkey
     assert main(["privacy", "ledger", "repair", prep.run_dir]) == 0
     assert Ledger(path).total_count() == 4
     _prepare(recipe_from_dict(raw))  # accepted again
+
+
+def test_a_removed_lock_file_cannot_be_held_twice(tmp_path, monkeypatch):
+    """Issue 30 item 12: `RunLock.release(remove=True)` deletes the file while holding it. A
+    launch that opened the old file just before and flocks it after the removal must not
+    think it holds the run: it re-checks the name and takes the new file, and a third
+    launch is then refused."""
+    import fcntl
+
+    from llmdp._fs import RunDirInUse, RunLock
+
+    run_dir = str(tmp_path / "runs" / "t")
+    first = RunLock(run_dir)
+    real = fcntl.flock
+    fired = []
+
+    def flock_after_removal(fd, op):
+        if not fired:  # the contender's first flock: the holder removes and releases first
+            fired.append(fd)
+            first.release(remove=True)
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_removal)
+    second = RunLock(run_dir)
+    monkeypatch.setattr(fcntl, "flock", real)
+    assert os.path.exists(second.path)
+    assert os.stat(second.path).st_ino == os.fstat(second._fd).st_ino
+    with pytest.raises(RunDirInUse):
+        RunLock(run_dir)
+    second.release(remove=True)
+    assert not os.path.exists(second.path)
+    RunLock(run_dir).release()

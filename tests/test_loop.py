@@ -136,7 +136,7 @@ def test_user_units_with_truncated_poisson_report_what_ran(tmp_path):
             plan.dataset_size + 1, plan.sampling_probability, plan.max_batch_size, plan.noise_multiplier),
         plan.steps)
     acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    assert rep["epsilon"] == pytest.approx(acc.compose(event).get_epsilon(plan.delta), rel=1e-6)
+    assert rep["epsilon"] == pytest.approx(acc.compose(event).get_epsilon(rep["delta_accountant"]), rel=1e-6)
     assert rep["unit"] == "user" and "'user_id'" in rep["unit_description"]
     assert rep["unit_size"]["max_rows_per_unit"] == 3
     assert "at most 3 row(s) of 24 tokens" in rep["contribution_bound"]
@@ -192,7 +192,7 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
 
     def eps(k):
         acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-        return acc.compose(ev, k).get_epsilon(prep.plan.delta)
+        return acc.compose(ev, k).get_epsilon(prep.plan.accountant_delta)  # δ less the noise tails
 
     raw = to_dict(first)
     raw["output"]["name"] = "second"
@@ -233,3 +233,73 @@ def test_a_finished_run_is_not_run_again(tmp_path, capsys):
     assert run(cfg, log=lines.append) == prep.run_dir  # no Ray started: nothing to do
     assert "already complete (6 of 6 steps" in lines[0] and "nothing to do" in lines[0]
     assert Ledger(os.path.join(prep.run_dir, "ledger.jsonl")).total_count() == before
+
+
+@pytest.mark.parametrize("unit", ["document", "user"])
+def test_a_run_stopped_before_its_first_release_reports_its_own_unit(tmp_path, unit):
+    """Issue 30 item 6: a document (user) run interrupted at step 0 has no release yet; its
+    report still names its unit, not "a sequence of N tokens"."""
+    from llmdp.report import write_report
+
+    overrides = {"unit": unit, "max_rows_per_unit": 2, **({"user_field": "user_id"} if unit == "user" else {})}
+    cfg = make_recipe(tmp_path)
+    cfg = type(cfg)(**{**cfg.__dict__, "data": type(cfg.data)(**{**cfg.data.__dict__, **overrides}),
+                       "train": type(cfg.train)(**{**cfg.train.__dict__, "expected_batch_size": 2})})
+    prep = prepared_config(cfg)
+    rep = write_report(prep.run_dir, interrupted=True)
+    assert rep["status"] == "interrupted" and rep["steps_completed"] == 0
+    assert rep["unit"] == unit
+    assert rep["unit_description"].startswith("a document" if unit == "document" else "a user")
+    assert "sequence of" not in rep["adjacency"]
+
+
+def test_a_lora_run_on_a_tiny_base_says_so_and_warns_of_nothing_else(tmp_path):
+    """Issue 30 item 10: LoRA on a randomly initialised `init: tiny` base is said (it is a
+    pipeline test, not a fine-tune), and a LoRA run shows no transformers FutureWarning."""
+    import warnings
+
+    from llmdp.config import LoraConfig
+    from llmdp.trainer import prepare
+    from llmdp.worker import LocalContext, train_loop_per_worker
+
+    cfg = make_recipe(tmp_path, steps=2)
+    cfg = type(cfg)(**{**cfg.__dict__, "model": type(cfg.model)(**{
+        **cfg.model.__dict__, "lora": LoraConfig(r=2, target_modules=("q_proj", "v_proj"))})})
+    lines = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prep = prepare(cfg, log=lines.append)
+        train_loop_per_worker(prep, LocalContext())
+    assert any("model.lora on model.init: tiny" in x and "RANDOMLY" in x for x in lines), lines
+    assert not [str(w.message) for w in caught if "gradient_checkpointing" in str(w.message)]
+
+
+def test_the_report_opens_with_a_plain_sentence_and_warns_of_a_unit_smaller_than_a_person(tmp_path):
+    """Issue 30 item 14: the report (and card) open with a plain-language sentence; a
+    sequence run on records that carry a person field (the notes' user_id) says, in the
+    internal report only, that the unit does not protect that person."""
+    from llmdp.card import model_card
+    from llmdp.publish import publishable_report
+    from llmdp.report import write_report
+    from llmdp.report_render import render_markdown
+    from llmdp.worker import LocalContext, train_loop_per_worker
+
+    cfg = make_recipe(tmp_path, steps=2)
+    prep = prepared_config(cfg)
+    train_loop_per_worker(prep, LocalContext())
+    rep = write_report(prep.run_dir)
+    md = render_markdown(rep).splitlines()
+    body = [x for x in md if x.strip()]
+    assert body[0] == "# Privacy report"
+    assert body[1].startswith("In plain words: a person who sees this model learns ")
+    assert "whether any one 24-token passage was in the training data" in body[1]
+    assert "'user_id'" in rep["unit_warning"] and "not a person" in rep["unit_warning"]
+    assert any(x.startswith("> **Unit warning (internal):**") for x in md)
+    pub = publishable_report(rep)
+    assert "unit_warning" not in pub and "Unit warning" not in render_markdown(pub)
+    assert render_markdown(pub).splitlines()[2].startswith("In plain words")
+    import yaml
+
+    card = model_card(pub, yaml.safe_load(open(os.path.join(prep.run_dir, "config.yaml"))),
+                      fmt="full", base_model=None, license=None, unverified=[])
+    assert "In plain words: a person who sees this model" in str(card)

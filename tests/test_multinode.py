@@ -112,7 +112,7 @@ def _check_the_resumed_run(run_dir: Path, capsys) -> dict:
     event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
         rep["sampling_probability"], dp_accounting.GaussianDpEvent(rep["noise_multiplier"])), total)
     acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    assert rep["epsilon"] == pytest.approx(acc.compose(event).get_epsilon(rep["delta"]), rel=1e-6)
+    assert rep["epsilon"] == pytest.approx(acc.compose(event).get_epsilon(rep["delta_accountant"]), rel=1e-6)
     assert (run_dir / "model").is_dir()
     return rep
 

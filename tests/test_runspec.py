@@ -52,12 +52,13 @@ def test_run_spec_is_frozen_and_typed(spec):
         RunPaths(run_dir="/r", store_dir="units", model_cache="/m")
 
 
-def test_ledger_spec_admission_follows_budget_and_target():
+def test_every_dp_run_asks_its_ledger_before_each_block():
+    """The dataset's budget is in its ledger, not in the recipe (issue 29 item 2): a run with
+    no budget and no target asks too (the dataset may be budgeted, now or while it runs)."""
     base = {"budget_epsilon": None, "target_epsilon": None, "allow_exceed_target": False}
-    assert not LedgerSpec(base).admits
+    assert LedgerSpec(base).admits
     assert LedgerSpec({**base, "budget_epsilon": 3.0}).admits
-    assert LedgerSpec({**base, "target_epsilon": 3.0}).admits
-    assert not LedgerSpec({**base, "target_epsilon": 3.0, "allow_exceed_target": True}).admits
+    assert LedgerSpec({**base, "target_epsilon": 3.0, "allow_exceed_target": True}).admits
 
 
 def test_plan_json_is_the_spec_record_written_once(spec, tmp_path):

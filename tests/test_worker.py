@@ -323,6 +323,9 @@ def test_nonfinite_units_never_stop_the_run_nor_change_what_is_published(tmp_pat
         with monkeypatch.context() as m:
             if name == "nan":
                 _nan_first_row(m)
+            # Each side its own ledgers: the same corpus in two folders is one dataset, and
+            # a second ledger for it would be refused (issue 29 item 5).
+            m.setenv("LLMDP_HOME", str(tmp_path / name / "home"))
             cfg = make_recipe(tmp_path / name, steps=8, max_nonfinite_steps=2)
             prep = prepared_config(cfg)
             out = train_loop_per_worker(prep, LocalContext())
@@ -387,3 +390,63 @@ def test_report_states_the_noise_tail_and_its_delta(tmp_path):
     # Issue 14: the generator and the accountant's continuous-Gaussian assumption are stated.
     assert "ChaCha20 (RFC 8439)" in g["method"] and "ChaCha20 (RFC 8439)" in md
     assert "continuous Gaussian" in g["accountant_assumes"] and "exact continuous Gaussian" in md
+
+
+def test_report_delta_is_the_accountants_plus_the_noise_tails(tmp_path):
+    """Issue 29 item 8: the headline δ is δ_accountant + the noise generator's tails over the
+    ledger's releases, ε is dp-accounting at δ_accountant = (δ - T·η)·(1 - T·k·2**-53), and
+    the report shows the split (σ = 0.3 makes the tails ~5% of δ: visible in ε). A plan.json
+    of an earlier llmdp (no noise_coordinates) is still read, as before, and says so."""
+    import json
+
+    import dp_accounting
+
+    from llmdp._config_yaml import to_dict
+    from llmdp.config import recipe_from_dict
+    from llmdp.privacy.noise import truncation_delta_per_step
+    from llmdp.report import build_report, write_report
+    from llmdp.report_render import render_markdown
+    from llmdp.worker import LocalContext, train_loop_per_worker
+    from tests.test_loop import make_recipe, prepared_config
+
+    raw = to_dict(make_recipe(tmp_path, steps=2))
+    raw["privacy"]["noise_multiplier"] = 0.3
+    prep = prepared_config(recipe_from_dict(raw))
+    train_loop_per_worker(prep, LocalContext())
+    r = write_report(prep.run_dir)
+    k, sigma, steps = r["noise_generator"]["trainable_parameters"], r["noise_multiplier"], r["steps"]
+    assert k == prep.plan.noise_coordinates and steps == 2
+    want = (1e-4 - steps * truncation_delta_per_step(k, sigma)) * (1 - steps * k / 2.0**53)
+    assert r["delta"] == 1e-4 and r["delta_accountant"] == pytest.approx(want, rel=1e-12)
+    assert r["delta_accountant"] + r["delta_noise_tail"] == pytest.approx(r["delta"], rel=1e-14)
+    assert 0.01 < r["delta_noise_tail"] / r["delta"] < 0.1
+
+    def direct(delta):
+        acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        acc.compose(dp_accounting.PoissonSampledDpEvent(
+            r["sampling_probability"], dp_accounting.GaussianDpEvent(sigma)), steps)
+        return acc.get_epsilon(delta)
+
+    assert r["epsilon"] == pytest.approx(direct(want), rel=1e-6)
+    assert direct(1e-4) < r["epsilon"] * (1 - 1e-4)  # at δ itself ε would be understated
+    assert r["epsilon_curve"][-1][1] == r["epsilon"]  # the curve: the same δ_accountant
+    g = r["noise_generator"]
+    assert g["included_in_delta"] and g["delta_noise_tail"] == r["delta_noise_tail"]
+    md = render_markdown(r)
+    assert "δ includes the noise generator's truncated tails" in md and "included in δ above" in md
+    assert "(accountant) +" in md
+
+    # A plan.json written before the field existed: read, δ is the accountant's, as before.
+    path = os.path.join(prep.run_dir, "plan.json")
+    info = json.load(open(path))
+    info["plan"].pop("noise_coordinates")
+    info["plan"].pop("eval_noise")
+    json.dump(info, open(path, "w"))
+    old = build_report(prep.run_dir)
+    assert old["delta"] == old["delta_accountant"] == 1e-4 and old["delta_noise_tail"] is None
+    assert old["epsilon"] == pytest.approx(direct(1e-4), rel=1e-6)
+    assert not old["noise_generator"]["included_in_delta"]
+    assert "earlier llmdp" in old["noise_generator"]["note"]
+    md = render_markdown(old)
+    assert "not included in δ above (a plan of an earlier llmdp)" in md
+    assert "the noise generator's truncated tails are not included" in md

@@ -79,7 +79,7 @@ _PARALLEL_OPS = ("privatize_", "privatize_sharded_", "all_reduce_", "sum_over_wo
                  "sum_floats_over_workers", "broadcast_bytes", "barrier", "_reduce_scatter")
 # Ledger fields that name the run or the moment, not the release.
 _LEDGER_VOLATILE = frozenset({"time", "hash", "prev", "prev_hash", "run_prev", "seq", "run_id", "attempt",
-                              "dataset_id"})
+                              "dataset_id", "run_ledger", "txn"})
 
 
 class ReplayError(RuntimeError):

@@ -205,9 +205,8 @@ def summarize(per: dict, canaries: cn.Canaries, report: dict, settings: AuditSet
     beta_each = beta / len(per)  # a union bound over the scores tried
     delta = float(report["delta"])
     eps_claimed = float(report["epsilon"])
-    # The run's own releases (its steps and DP evaluations; a private tokenizer's earlier
-    # release excluded: the canaries were not in its data). Conservative for the canaries,
-    # which the DP evaluations never read.
+    # The run's training steps (a private tokenizer's earlier release and the DP
+    # evaluations excluded: the canaries are training units, which neither reads).
     eps_train = float(report.get("epsilon_training_only") or eps_claimed)
     out_scores = {}
     for kind, raw in per.items():

@@ -180,6 +180,10 @@ def plan_chunks(path, data_format: str, text_split: str, chunk_bytes: int) -> li
         if builder == "parquet":
             out.extend(_parquet_chunks(f, len(out), chunk_bytes))
             continue
+        if not f.endswith(".gz") and not _has_content(f):
+            raise ConfigError(f"data.path={os.fspath(path)!r}: no records: {f} holds no data (empty, "
+                              "or blank lines only); point data.path at the corpus, or fill the "
+                              "file", key="data.path")
         whole = f.endswith(".gz") or (builder == "text" and text_split == "file") or \
             (builder == "json" and _is_json_document(f))
         size = _size(f)
@@ -193,6 +197,15 @@ def plan_chunks(path, data_format: str, text_split: str, chunk_bytes: int) -> li
             out.append(Chunk(len(out), f, builder, start, end))
             start = end
     return out
+
+
+def _has_content(path: str) -> bool:
+    """Whether the file holds anything but whitespace (read up to its first such byte)."""
+    with open_file(path) as f:
+        while block := f.read(_SCAN):
+            if block.strip():
+                return True
+    return False
 
 
 def _is_json_document(path: str) -> bool:

@@ -178,13 +178,32 @@ def _text_records(path: str, text_split: str) -> list[tuple[int, str]]:
     return out
 
 
-def _read_text_files(files: list[str], text_split: str) -> tuple[list[str], list[tuple[str, int]]]:
-    texts, where = [], []
+def _read_text_files(files: list[str], text_split: str,
+                     where: str = "data.path") -> tuple[list[str], list[tuple[str, int]]]:
+    """Every record of the text files; a file with none (empty, or blank lines only) stops
+    with its name, in a folder as alone: a file that was meant to hold a document and does
+    not is a mistake to fix, not something to skip silently."""
+    texts, found = [], []
     for f in files:
-        for n, t in _text_records(f, text_split):
+        records = _text_records(f, text_split)
+        if not records:
+            raise _no_records(where, [f])
+        for n, t in records:
             texts.append(t)
-            where.append((f, n))
-    return texts, where
+            found.append((f, n))
+    return texts, found
+
+
+def check_not_blank(files: list[str], where: str = "data.path") -> None:
+    """Stop at the first file that is empty or holds only whitespace (JSON-lines, JSON and
+    CSV files of a folder: ``datasets`` would read such a file as no rows, silently)."""
+    for f in files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 16):
+                if chunk.strip():
+                    break
+            else:
+                raise _no_records(where, [f])
 
 
 def _json_lines_records(path: str):

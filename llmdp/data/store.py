@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -259,6 +260,17 @@ def _read_ipc(path: str) -> pa.Table:
     return pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
 
 
+_PERSONISH = re.compile(r"(^|_)(user|patient|person|customer|client|member|subject|account|"
+                        r"author|sender|email|mrn|employee)(_|id|$)", re.IGNORECASE)
+
+
+def person_like_fields(columns) -> list[str]:
+    """Record fields whose name suggests they identify a person (``user_id``, ``patient_id``,
+    ``author``, ...): with a smaller unit than a user, that person is protected only through
+    group privacy, and the report says so."""
+    return [c for c in columns if _PERSONISH.search(str(c))]
+
+
 def open_store(store_dir) -> UnitStore:
     """Open a built store (any process; the files are memory-mapped read-only)."""
     return UnitStore(store_dir)
@@ -412,6 +424,7 @@ def build_store(
                       config_name=config_name, columns=columns, text_split=text_split)
     locate = record_location(path=data_path, dataset=dataset, format=data_format,
                              text_split=text_split, split=split)
+    person_fields = person_like_fields(ds.column_names) if spec.kind != "user" else []
     ds, skipped = check_records(ds, encoder, spec, on_bad_record, locate)
     corpus = encode_records(ds, encoder, spec, num_proc=num_proc, progress=progress)
     units = build_units(corpus, spec, unit_fraction=unit_fraction)
@@ -423,7 +436,7 @@ def build_store(
         )
     eos_id, pad_id = special_ids(tokenizer)
     units.counts = {**units.counts, "records_without_target": corpus.records_without_target(),
-                    **skipped}
+                    **skipped, **({"person_like_fields": person_fields} if person_fields else {})}
     built = dict(zip(("train", "eval"), split_units(units, holdout))) if holdout is not None \
         else {"train": units}
     for p in parts:

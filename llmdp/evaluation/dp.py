@@ -32,6 +32,11 @@ from llmdp.privacy.noise import keyed_normal
 __all__ = ["DpEvalPlan", "plan_dp_eval", "noisy_sums", "release", "normalized_sums"]
 
 AGGREGATES = ("loss", "accuracy", "count")
+# A DP evaluation whose expected noise std exceeds this fraction of its metric's range
+# (loss: [0, L]; accuracy: [0, 1]) is refused at plan time unless eval.allow_noisy: a
+# release whose std is a twentieth of everything the metric can say tells little, and a
+# selection or a card built on it is built on noise.
+NOISY_EVAL_FRACTION = 0.05
 _MIN_Z = 0.2  # the smallest noise multiplier eval.epsilon is calibrated to (PLD grid size)
 
 
@@ -78,6 +83,20 @@ class DpEvalPlan:
 
     def entries(self) -> list:
         return [(self.event(), self.releases)]
+
+    def expected_std(self, units: int) -> dict[str, float]:
+        """The noise std each released metric will have with ``units`` evaluated units (the
+        count's own noise ignored): loss L·s/n, accuracy s/n, and both as a fraction of their
+        metric's range (the same number: s/n)."""
+        n = max(1, int(units))
+        rel = self.noise_std / n
+        return {"loss": self.loss_bound * rel, "accuracy": rel, "fraction_of_range": rel}
+
+    def noise(self) -> tuple[int, int, float]:
+        """(releases, noise coordinates per release, noise multiplier relative to the L2
+        sensitivity): what the generator's truncated tails cost these releases
+        (`DPPlan.eval_noise`; each coordinate is one `keyed_normal` draw)."""
+        return (self.releases, len(self.aggregates), self.noise_multiplier)
 
     def epsilon(self) -> float:
         """ε at δ of all the run's DP evaluations alone."""

@@ -79,9 +79,11 @@ def evaluation_markdown(ev: dict | None, heading: str = "##") -> list[str]:
             + (f"; noise multiplier {plan['noise_multiplier']:.4g}, loss clipped to "
                f"[0, {plan['loss_bound']:.4g}], count {plan['count']}" if plan else "") + "):",
             "",
-            "| after step | loss ± std | perplexity | token accuracy ± std | units |",
-            "| ---: | --- | ---: | --- | ---: |",
-            *[f"| {m['step']} | {m['loss']:.4f} ± {m['loss_std']:.4f} | {m['perplexity']:.2f} | "
+            "| after step | loss ± std | perplexity ± std | token accuracy ± std | units |",
+            "| ---: | --- | --- | --- | ---: |",
+            # perplexity's std: the loss std through exp (delta method)
+            *[f"| {m['step']} | {m['loss']:.4f} ± {m['loss_std']:.4f} | {m['perplexity']:.2f} ± "
+              f"{m['perplexity'] * m['loss_std']:.2f} | "
               f"{m['accuracy']:.4f} ± {m['accuracy_std']:.4f} | {m['count']:.0f}"
               + (" (noised)" if m.get("count_kind") == "noised" else "") + " |" for m in ev["dp"]],
             "",
@@ -114,4 +116,7 @@ def evaluation_markdown(ev: dict | None, heading: str = "##") -> list[str]:
 def _md(text: str) -> str:
     """A generated string on one Markdown line, as code (nothing in it is rendered)."""
     one = " ".join(str(text).split()).replace("`", "'")
-    return f"`{one}`" if one else "(empty)"
+    if one:
+        return f"`{one}`"
+    # Nothing visible: say what it was (a newline and spaces is not "nothing").
+    return f"(whitespace only: `{text!r}`)" if text else "(empty)"

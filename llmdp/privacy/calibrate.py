@@ -112,9 +112,9 @@ def bracket(eps, target: float, start: float, max_sigma: float, factor: float, *
             # Infinite epsilon makes Brent's interpolation meaningless: step more gently.
             factor = math.sqrt(factor)
             if factor < 1.0 + 1e-9:
-                raise PlanError(
-                    f"could not bracket the noise multiplier for target_epsilon={target:g}"
-                )
+                # eps <= target down to a wall below which it is infinite (the noise tails
+                # spend δ there, `EpsilonCurve.delta_at`): hi, feasible, is the answer.
+                return None, hi
 
 
 def _bisect(gap, lo: float, hi: float, tol: float) -> float:
@@ -217,6 +217,11 @@ class EpsilonCurve:
     the search re-evaluates the bracket endpoints and its final root; the memo makes
     those repeats free. The values are exactly those `accountant.epsilon_for` returns
     (or `accountant.epsilon_estimate` on `interval`).
+
+    `delta_at(sigma)`, if given, is the δ the accountant runs at for that sigma (the
+    published `delta` less the noise generator's tails, which shrink as sigma grows:
+    `noise_tail`); the curve stays non-increasing in sigma (a larger sigma lowers ε at a
+    fixed δ and raises δ_accountant), and is inf where nothing of δ is left.
     """
 
     def __init__(
@@ -229,10 +234,16 @@ class EpsilonCurve:
         dataset_size: int | None = None,
         max_batch_size: int | None = None,
         interval: float | None = None,
+        delta_at: Callable[[float], float] | None = None,
     ):
         self.q, self.steps, self.delta, self.accountant = q, steps, delta, accountant
         self.dataset_size, self.max_batch_size, self.interval = dataset_size, max_batch_size, interval
+        self.delta_at = delta_at
         self._values: dict[float, float] = {}
+
+    def delta_for(self, sigma: float) -> float:
+        """The accountant's δ at `sigma`."""
+        return self.delta if self.delta_at is None else float(self.delta_at(float(sigma)))
 
     def _kwargs(self) -> dict:
         if self.max_batch_size is None:
@@ -242,14 +253,17 @@ class EpsilonCurve:
     def __call__(self, sigma: float) -> float:
         sigma = float(sigma)
         if sigma not in self._values:
-            if self.interval is None:
+            delta = self.delta_for(sigma)
+            if delta <= 0:
+                value = math.inf  # the noise tails alone spend δ at this sigma
+            elif self.interval is None:
                 value = _acc.epsilon_for(
-                    self.q, sigma, self.steps, self.delta, self.accountant, **self._kwargs()
+                    self.q, sigma, self.steps, delta, self.accountant, **self._kwargs()
                 )
             else:
                 assert self.accountant == "pld", "a grid is a PLD setting"
                 value = _acc.epsilon_estimate(
-                    self.q, sigma, self.steps, self.delta,
+                    self.q, sigma, self.steps, delta,
                     value_discretization_interval=self.interval, **self._kwargs(),
                 )
             self._values[sigma] = value
@@ -271,7 +285,10 @@ def calibrate_curve(curve: EpsilonCurve, target: float, max_sigma: float,
         return PlanError(
             f"target_epsilon={target:g} is unreachable with these numbers: even the largest "
             f"noise multiplier tried, max_noise_multiplier={max_sigma:g}, gives epsilon={eps_max:.4g} "
-            f"(sampling probability q={curve.q:.6g}, steps={curve.steps}, delta={curve.delta:g}, "
+            f"(sampling probability q={curve.q:.6g}, steps={curve.steps}, delta={curve.delta:g}"
+            + ("" if curve.delta_at is None else
+               f" (the accountant's: {curve.delta_for(max_sigma):.6g}, less the noise tails)")
+            + ", "
             f"accountant={curve.accountant!r}{cap}). " + knobs
         )
 
@@ -286,7 +303,7 @@ def calibrate_curve(curve: EpsilonCurve, target: float, max_sigma: float,
     if start is not None:
         kw = dict(start=start, factor=1.01, accelerate=True)
     elif curve.accountant == "pld":
-        rdp = EpsilonCurve(curve.q, curve.steps, curve.delta, "rdp")
+        rdp = EpsilonCurve(curve.q, curve.steps, curve.delta, "rdp", delta_at=curve.delta_at)
         if rdp(max_sigma) <= target:
             guess = calibrate_sigma(rdp, target, start=1.0, factor=2.0, rtol=1e-2,
                                     max_sigma=max_sigma, check=False)

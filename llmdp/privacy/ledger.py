@@ -62,7 +62,8 @@ GENESIS = "0" * 64
 RECORD_VERSION = 2
 _RELEASE_KIND = "release"
 # What a record may be (anything else is not a record llmdp wrote).
-KINDS = ("dataset", "data_version", "release", "hold", "hold_end", "import", "repair", "note")
+KINDS = ("dataset", "data_version", "release", "hold", "hold_end", "import", "repair", "note",
+         "budget")
 # A run's releases are its DP-SGD steps (``meta.mechanism`` "dp-sgd", or absent: every run
 # before DP evaluations) and its DP evaluations ("dp-eval", count 1 each).
 EVAL_MECHANISM = "dp-eval"
@@ -124,6 +125,13 @@ def check_record(rec) -> str | None:
         count = rec.get("count")
         if not isinstance(rec.get("event"), dict) or not _is_int(count) or count < 0:
             return f"a release without a valid event and an integer count >= 0 (count={count!r})"
+    if rec["kind"] == "budget":  # the dataset's budget (llmdp.privacy.budget.DatasetBudget)
+        eps, delta = rec.get("epsilon"), rec.get("delta")
+        if not (isinstance(eps, (int, float)) and 0 < eps < float("inf")
+                and isinstance(delta, (int, float)) and 0 < delta < 1
+                and isinstance(rec.get("accountant"), str) and isinstance(rec.get("unit"), dict)):
+            return (f"a budget without a finite epsilon > 0, a delta in (0, 1), an accountant "
+                    f"and a unit (epsilon={eps!r}, delta={delta!r})")
     return None
 
 

@@ -17,6 +17,18 @@ kept in a table of its own, so a deleted last record is seen too). A damaged led
 `LedgerError`; `LedgerDB.repair` with ``acknowledge_loss`` is the only way past it, and
 appends a ``repair`` record naming each damaged record (by a fingerprint of what was found),
 so that exactly that damage is excused from then on, and nothing else.
+
+Anchors outside the database (`llmdp.privacy.anchors`): every committed transaction that
+appended records is followed by a line in the database's head log (``$LLMDP_HOME/heads``),
+and the records a run's ledger service writes name the run's ``ledger.jsonl``. Every full
+read and every transaction checks the ledger against both, so deleting the last records
+and moving the head back, or deleting a whole ledger, is detected as damage too (a repair
+lists what it acknowledges as ``lost``).
+
+Why one file of about 600 lines: the two backends (SQLite, PostgreSQL) share one
+transaction protocol (exclusive lock, chain check, head row, head-log anchor after the
+commit), and a change to any step of it must be made to both at once; splitting by backend
+would put the two halves of one contract in two files.
 """
 
 from __future__ import annotations
@@ -29,10 +41,12 @@ import socket
 import sqlite3
 import time
 
+from llmdp.privacy.anchors import HeadLog, RunFiles, claim_problems, named_run_ledgers, unmet_claims
 from llmdp.privacy.ledger import (
     GENESIS,
     RECORD_VERSION,
     Ledger,
+    LedgerDamaged,
     LedgerError,
     canonical,
     check_record,
@@ -45,6 +59,7 @@ from llmdp.privacy.ledger_location import (
     is_url,
 )
 from llmdp.privacy.ledger_verify import (
+    DAMAGE_HINT,
     VerifiedLedger,
     _damage_list,
     _excused,
@@ -89,6 +104,8 @@ class _Tx:
 
     def __init__(self, db: LedgerDB, cur, ledger: str, state: VerifiedLedger):
         self.db, self.cur, self.ledger, self.state = db, cur, ledger, state
+        self.appended = 0
+        self.first_seq = state.head_seq + 1
 
     @property
     def records(self) -> list[dict]:
@@ -102,6 +119,9 @@ class _Tx:
         rec.update(v=RECORD_VERSION, ledger=self.ledger, seq=st.head_seq + 1, prev=st.head_hash)
         rec.setdefault("time", now())
         rec.setdefault("run_id", None)
+        if rec["run_id"] in self.db.run_ledgers:  # the run's ledger.jsonl: an anchor (anchors.py)
+            rec.setdefault("run_ledger", self.db.run_ledgers[rec["run_id"]])
+            rec.setdefault("txn", self.first_seq)  # the transaction's first record
         if "run_prev" not in rec:
             last = st.last_of_run(rec["run_id"]) if rec["run_id"] is not None else None
             rec["run_prev"] = None if last is None else last["hash"]
@@ -117,21 +137,28 @@ class _Tx:
         rec["hash"] = h
         st.records.append(rec)
         st.head_seq, st.head_hash = rec["seq"], h
+        self.appended += 1
         return rec
 
 
 class LedgerDB:
     """A connection to the ledgers' database at ``location`` (a SQLite path or a
     ``postgresql://`` URL). ``read_only``: never create anything (readers: reports, export,
-    verify); a missing SQLite file then raises `LedgerError`."""
+    verify); a missing SQLite file then raises `LedgerError`. ``head_log``: the database's
+    head log (default `anchors.head_log_path`, in this process's ``$LLMDP_HOME``).
+    ``run_ledgers``: {run id: its ledger.jsonl}, named in the records this connection
+    appends for that run (the ledger service registers its run)."""
 
-    def __init__(self, location: str, read_only: bool = False):
+    def __init__(self, location: str, read_only: bool = False, head_log: str | None = None):
         self.location = location
         self.where = describe_location(location)
         self.pg = is_url(location)
         self.read_only = read_only
         self._conn = None
         self._cache: dict[str, VerifiedLedger] = {}
+        self.heads = HeadLog(location, head_log)
+        self.runs = RunFiles()
+        self.run_ledgers: dict[str, str] = {}
 
     # ------------------------------------------------------------------ connection
     def _connect(self):
@@ -151,10 +178,24 @@ class LedgerDB:
                                   f"{str(e).strip()}") from None
         else:
             if self.read_only and not os.path.exists(self.location):
+                logged = sorted(self.heads.ledgers())
+                if logged:
+                    raise LedgerDamaged(
+                        f"the ledger database {self.location} does not exist, but its head log "
+                        f"{self.heads.path} names {len(logged)} ledger(s) written there "
+                        f"({', '.join(repr(i) for i in logged[:3])}{', ...' if len(logged) > 3 else ''}): "
+                        f"the database was deleted or moved. Restore it from a backup (or point "
+                        f"privacy.ledger / --ledger at where it is now)")
                 raise LedgerError(f"the ledger database {self.location} does not exist (was "
                                   f"LLMDP_HOME or privacy.ledger different when the run was made?)")
             if not self.read_only:
-                make_dirs(os.path.dirname(self.location) or ".")
+                folder = os.path.dirname(self.location) or "."
+                try:
+                    make_dirs(folder)
+                except OSError as e:
+                    raise LedgerError(_unusable_folder(folder, e)) from None
+                if not os.path.isdir(folder):
+                    raise LedgerError(_unusable_folder(folder, NotADirectoryError("not a folder")))
             try:
                 self._conn = sqlite3.connect(self.location, timeout=300, isolation_level=None,
                                              check_same_thread=False)
@@ -179,10 +220,12 @@ class LedgerDB:
             self._conn = None
 
     def __getstate__(self):  # picklable (Ray actors): reconnect on the other side
-        return {"location": self.location, "read_only": self.read_only}
+        return {"location": self.location, "read_only": self.read_only,
+                "head_log": self.heads.path, "run_ledgers": dict(self.run_ledgers)}
 
     def __setstate__(self, state):
-        self.__init__(state["location"], state["read_only"])
+        self.__init__(state["location"], state["read_only"], state.get("head_log"))
+        self.run_ledgers.update(state.get("run_ledgers") or {})
 
     def _sql(self, sql: str) -> str:
         return sql.replace("?", "%s") if self.pg else sql
@@ -235,15 +278,18 @@ class LedgerDB:
 
     # ------------------------------------------------------------------ reading
     def ledgers(self) -> list[str]:
+        """Every ledger of the database, and every ledger its head log names (one deleted
+        from the database is listed, and reads as damaged)."""
+        logged = self.heads.ledgers()
         conn = self._connect()
         cur = conn.cursor()
         try:
             self._exec(cur, "SELECT ledger FROM llmdp_heads ORDER BY ledger")
         except LedgerError:
             if self.read_only:
-                return []
+                return sorted(logged)
             raise
-        return [r[0] for r in cur.fetchall()]
+        return sorted({r[0] for r in cur.fetchall()} | logged)
 
     def _rows(self, cur, ledger: str, after: int = 0):
         self._exec(cur, "SELECT seq, body, hash FROM llmdp_records WHERE ledger = ? AND seq > ? "
@@ -313,11 +359,39 @@ class LedgerDB:
                 conn.execute("COMMIT")
 
     def read(self, ledger: str) -> VerifiedLedger:
-        """Every record of ``ledger``, fully verified (an unknown ledger is empty)."""
+        """Every record of ``ledger``, fully verified (an unknown ledger is empty) and
+        checked against its anchors (`_check_anchors`)."""
         conn = self._connect()
         cur = conn.cursor()
-        with self._snapshot(conn):
-            return self._verified(cur, ledger, full=True)
+        runs = []
+        for attempt in (0, 1):
+            claims = self.heads.claims(ledger)  # before the snapshot: each line was committed
+            with self._snapshot(conn):
+                st = self._verified(cur, ledger, full=True)
+            if attempt == 0:
+                # Read after the snapshot, a run's file may show a record committed since:
+                # the second look (a new snapshot) has every record the files showed.
+                runs = self.runs.claims(ledger, named_run_ledgers(st.records))
+            problems = claim_problems(claims + runs, st.records, st.head_seq)
+            if not problems:
+                return st
+        self._cache.pop(ledger, None)
+        raise self._anchor_damage(ledger, problems)
+
+    def _anchor_damage(self, ledger: str, problems: list[str]) -> LedgerDamaged:
+        return LedgerDamaged(f"the dataset ledger {ledger!r} in {self.where} is damaged: "
+                             f"{'; '.join(problems)}. "
+                             + DAMAGE_HINT.format(ledger_arg=self._hint_arg(ledger)))
+
+    def _check_anchors(self, ledger: str, st: VerifiedLedger) -> None:
+        """Inside a transaction (the ledger locked: no record can commit meanwhile): every
+        claim of the head log and of the run ledgers the records name holds
+        (`anchors.claim_problems`), else `LedgerDamaged`."""
+        claims = self.heads.claims(ledger) + self.runs.claims(ledger, named_run_ledgers(st.records))
+        problems = claim_problems(claims, st.records, st.head_seq)
+        if problems:
+            self._cache.pop(ledger, None)
+            raise self._anchor_damage(ledger, problems)
 
     def records(self, ledger: str) -> list[dict]:
         return self.read(ledger).records
@@ -330,6 +404,7 @@ class LedgerDB:
         the records appended since this connection last saw the ledger)."""
         if self.read_only:
             raise LedgerError(f"{self.where}: opened read-only")
+        self.heads.ensure_writable()
         conn = self._connect()
         cur = conn.cursor()
         if self.pg:
@@ -344,6 +419,7 @@ class LedgerDB:
                 self._cache.pop(ledger, None)
                 raise
             self._cache[ledger] = tx.state
+            self._anchor(tx)
             return
         self._retry(lambda: cur.execute("BEGIN IMMEDIATE"))
         try:
@@ -362,10 +438,18 @@ class LedgerDB:
             raise LedgerError(f"the ledger database {self.where}: the transaction did not "
                               f"commit: {e}") from e
         self._cache[ledger] = tx.state
+        self._anchor(tx)
+
+    def _anchor(self, tx: _Tx) -> None:
+        """After the commit: the ledger's new head in the head log (a crash before this line
+        leaves the log behind the database, which the checks accept)."""
+        if tx.appended:
+            self.heads.append(tx.ledger, tx.state.head_seq, tx.state.head_hash)
 
     def _begin(self, cur, ledger: str, full: bool) -> _Tx:
         try:
             st = self._verified(cur, ledger, full)
+            self._check_anchors(ledger, st)
         except LedgerError:
             self._cache.pop(ledger, None)
             raise
@@ -381,17 +465,35 @@ class LedgerDB:
 
     # ------------------------------------------------------------------ repair, import
     def damage(self, ledger: str) -> tuple[list[dict], str | None]:
-        """(what a repair of ``ledger`` would excuse, the verification error or None)."""
+        """(what a repair of ``ledger`` would excuse, the verification error or None). The
+        error includes claims of the anchors the ledger does not meet (`read`); what a repair
+        acknowledges as lost for them is decided under its lock (`repair`)."""
+        try:
+            self.read(ledger)
+            return [], None
+        except LedgerDamaged as e:
+            error = str(e)
         conn = self._connect()
         cur = conn.cursor()
         with self._snapshot(conn):
             rows, head = self._rows(cur, ledger)
-        try:
-            verify_rows(ledger, rows, head, self.where, self._hint_arg(ledger))
-            return [], None
-        except LedgerError as e:
-            error = str(e)
         return _damage_list(ledger, rows, head), error
+
+    def _lost_claims(self, ledger: str, rows, excuses: list[dict]) -> tuple[list[dict], int]:
+        """The anchors' claims (`llmdp.privacy.anchors`) that the ledger's rows, once the
+        damage ``excuses`` lists is excused, do not meet: what a repair acknowledges as lost,
+        and how many records that loses (a claim beyond the last row loses every record up
+        to it)."""
+        old = _excused(ledger, rows)
+        bad = {int(d["seq"]) for d in excuses + old if d.get("link") is None}
+        valid = [rec for r in rows if int(r[0]) not in bad
+                 and (rec := _self_valid(ledger, int(r[0]), r)) is not None]
+        claims = self.heads.claims(ledger) + self.runs.claims(ledger, named_run_ledgers(valid))
+        unmet = unmet_claims(claims, valid + [{"kind": "repair", "excused": excuses}], 0)
+        top = max([int(r[0]) for r in rows], default=0)
+        seqs = {c.seq for c in unmet} - bad
+        seqs |= set(range(top + 1, max(seqs, default=0) + 1))
+        return [{"seq": c.seq, "hash": c.hash, "seen_in": c.where} for c in unmet], len(seqs)
 
     def repair(self, ledger: str, *, acknowledge_loss: bool, reason: str = "") -> dict | None:
         """Append a ``repair`` record excusing the damage found now (None if none). Refused
@@ -401,6 +503,7 @@ class LedgerDB:
             return None
         if not acknowledge_loss:
             raise LedgerError(error)
+        self.heads.ensure_writable()
         conn = self._connect()
         cur = conn.cursor()
 
@@ -410,8 +513,10 @@ class LedgerDB:
             seq = max([int(head[0]) if head else 0, *[int(r[0]) for r in rows]], default=0) + 1
             good = _last_good(ledger, rows, excuses2)
             lost = [d for d in excuses2 if d.get("link") is None]
+            claims, claimed_lost = self._lost_claims(ledger, rows, excuses2)
             rec = {"kind": "repair", "excused": excuses2 + [{"seq": seq, "link": good[1]}],
-                   "records_lost": len(lost), "acknowledged_loss": True,
+                   **({"lost": claims} if claims else {}),
+                   "records_lost": len(lost) + claimed_lost, "acknowledged_loss": True,
                    "by": f"{getpass.getuser()}@{socket.gethostname()}", "reason": reason,
                    "run_id": None, "run_prev": None,
                    "v": RECORD_VERSION, "ledger": ledger, "seq": seq, "prev": good[1], "time": now()}
@@ -441,6 +546,7 @@ class LedgerDB:
                 cur.execute("ROLLBACK")
                 raise
             cur.execute("COMMIT")
+        self.heads.append(ledger, rec["seq"], rec["hash"])
         self.read(ledger)  # the repaired ledger verifies
         return rec
 
@@ -476,3 +582,14 @@ class LedgerDB:
         return len(releases)
 
 
+
+
+def _unusable_folder(folder: str, e: OSError) -> str:
+    from llmdp.privacy.ledger_location import default_location
+
+    which = ("LLMDP_HOME" if os.path.join(folder, "ledger.sqlite") == default_location()
+             else "privacy.ledger")
+    why = e.strerror or str(e)
+    return (f"{which}: the ledgers' folder {folder} cannot be created or used ({why}); set "
+            f"{which} to a folder you can write (it is created if missing), e.g. "
+            f"LLMDP_HOME=~/.local/share/llmdp")

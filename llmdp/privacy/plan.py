@@ -5,6 +5,11 @@ A `DPPlan` is frozen: once training starts, the numbers the accountant was promi
 cannot drift. `make_plan` validates user input with messages that name the field, the
 value and the fix, calibrates sigma to a target epsilon with dp-accounting and, for
 truncated Poisson sampling, picks the cap B_max whose epsilon cost is below a budget.
+
+Why one file of about 670 lines: `DPPlan` and its construction (`make_plan`: sampling,
+steps, δ, calibration, the truncated-Poisson cap and the noise tails folded into δ) are one
+value with one set of validity rules; the arithmetic it calls (calibration, truncation, the
+tail bound) already lives in its own modules.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from llmdp.privacy import accountant as _acc
 from llmdp.privacy import sampling as _sampling
 from llmdp.privacy.calibrate import EpsilonCurve, PlanError, calibrate_curve
 from llmdp.privacy.events import dpsgd_step_event
+from llmdp.privacy.noise_tail import MAX_TAIL_FRACTION, NOISE_TAIL, NoiseTail, noise_tail
 from llmdp.privacy.truncation import (
     DEFAULT_TRUNCATION_BUDGET,
     calibrate_truncated,
@@ -38,6 +44,8 @@ __all__ = [
     "steps_for_epochs",
     "calibrate_noise",
     "make_plan",
+    "check_noise_tail",
+    "NoiseTailError",
     "truncation_cost",
     "truncation_probability",
     "DEFAULT_TRUNCATION_BUDGET",
@@ -152,6 +160,15 @@ class DPPlan:
     (P(Binomial(N, q) > B_max): how often a step drops units; derived, filled in if
     None). For "poisson" the three are None.
 
+    The noise generator's truncated tails (`llmdp.privacy.noise_tail`) are folded into
+    `delta`, the published δ, when `noise_coordinates` (the trainable parameter count: the
+    noise coordinates of one step) is known: the accountant then runs at
+    `accountant_delta` = δ - the tails' share of the run's noised releases (its `steps`
+    steps and, with `eval_noise` = (releases, coordinates, noise multiplier), its DP
+    evaluations), so that the published (ε, δ) includes it. `noise_coordinates` None (a
+    plan.json of an earlier llmdp, `llmdp privacy epsilon` without --parameters): not
+    folded, `accountant_delta` == `delta`, as before (the report says so).
+
     `dp=False`: a NON-PRIVATE baseline (`llmdp.baseline`): the same sampling and steps, σ = 0,
     no target or truncation cost, `clip_bound` inf (`max_grad_norm` keeps the recipe's C, not
     applied), `epsilon()` inf, no DP event. `to_dict` writes ``dp`` only when False.
@@ -171,6 +188,8 @@ class DPPlan:
     truncation_cost: float | None = None
     truncation_probability: float | None = None
     dp: bool = True
+    noise_coordinates: int | None = None
+    eval_noise: tuple | None = None  # (releases, coordinates, noise multiplier) of DP evals
 
     def __post_init__(self):
         # Validate here too, so a plan read back from a file (from_dict) is as checked
@@ -197,6 +216,7 @@ class DPPlan:
         if self.target_epsilon is not None:
             _check_positive("target_epsilon", self.target_epsilon, "the privacy budget",
                             error=PlanError)
+        self._check_noise_fields()
         if self.sampler != TRUNCATED:
             for name in ("truncation_cost", "truncation_probability"):
                 if getattr(self, name) is not None:
@@ -230,6 +250,43 @@ class DPPlan:
                 f"{self.sampling_probability!r}, max_batch_size={self.max_batch_size}; "
                 "remove it (it is derived)"
             )
+
+    def _check_noise_fields(self) -> None:
+        k = self.noise_coordinates
+        if k is not None and (not _is_int(k) or k < 1):
+            raise PlanError(f"noise_coordinates must be an integer >= 1 (the trainable parameter "
+                            f"count) or null, got noise_coordinates={k!r}")
+        ev = self.eval_noise
+        if ev is None:
+            return
+        ok = (isinstance(ev, (list, tuple)) and len(ev) == 3 and _is_int(ev[0]) and ev[0] >= 1
+              and _is_int(ev[1]) and ev[1] >= 1 and _is_number(ev[2]) and 0 < ev[2] < math.inf)
+        if not ok:
+            raise PlanError(f"eval_noise must be [releases >= 1, coordinates >= 1, noise "
+                            f"multiplier > 0] (the DP evaluations' noise) or null, got {ev!r}")
+        object.__setattr__(self, "eval_noise", (int(ev[0]), int(ev[1]), float(ev[2])))
+
+    def noise_tail(self, steps: int | None = None, eval_releases: int | None = None) -> NoiseTail | None:
+        """The truncated tails' `NoiseTail` of `steps` steps (default: all T) and
+        `eval_releases` DP evaluations (default: all planned); None when not folded in
+        (`noise_coordinates` unknown, or a non-private plan)."""
+        if not self.dp or self.noise_coordinates is None:
+            return None
+        return _run_tail(self.steps if steps is None else steps, self.noise_coordinates,
+                         self.noise_multiplier, self.eval_noise, eval_releases)
+
+    @property
+    def noise_tail_delta(self) -> float | None:
+        """The tails' share of `delta` over the planned releases (None: not folded in)."""
+        tail = self.noise_tail()
+        return None if tail is None else tail.delta(self.delta)
+
+    @property
+    def accountant_delta(self) -> float:
+        """The δ every ε of this plan is computed at: `delta` minus the tails' share (0.0 when
+        the tails alone spend δ: every ε is then inf); `delta` itself when not folded in."""
+        tail = self.noise_tail()
+        return self.delta if tail is None else tail.accountant_delta(self.delta)
 
     @property
     def sampling_probability(self) -> float:
@@ -286,31 +343,33 @@ class DPPlan:
         )
 
     def epsilon(self, steps: int | None = None, accountant: str | None = None) -> float:
-        """Epsilon at `self.delta` after `steps` steps (default: all T planned steps); inf for
-        a non-private plan (no guarantee)."""
-        if not self.dp:
+        """Epsilon after `steps` steps (default: all T planned steps) at `accountant_delta`
+        (the published δ less the planned releases' noise tails): the ε of the published
+        (ε, `delta`); inf for a non-private plan (no guarantee) or a δ the tails spend."""
+        if not self.dp or self.accountant_delta <= 0:
             return math.inf
         steps = self.steps if steps is None else steps
         return _acc.epsilon_for(
             self.sampling_probability,
             self.noise_multiplier,
             steps,
-            self.delta,
+            self.accountant_delta,
             accountant or self.accountant,
             **self._event_kwargs(),
         )
 
     def epsilon_estimate(self, steps: int | None = None) -> float:
         """A fast, conservative PLD epsilon after `steps` steps, for display only
-        (`accountant.epsilon_estimate` of this plan's event); inf for a non-private plan."""
-        if not self.dp:
+        (`accountant.epsilon_estimate` of this plan's event, at `accountant_delta`); inf for a
+        non-private plan."""
+        if not self.dp or self.accountant_delta <= 0:
             return math.inf
         steps = self.steps if steps is None else steps
         return _acc.epsilon_estimate(
             self.sampling_probability,
             self.noise_multiplier,
             steps,
-            self.delta,
+            self.accountant_delta,
             **self._event_kwargs(),
         )
 
@@ -318,6 +377,8 @@ class DPPlan:
         d = dataclasses.asdict(self)
         if d["dp"]:
             del d["dp"]  # a DP plan's record is as before the field existed (from_dict: True)
+        if d["eval_noise"] is not None:
+            d["eval_noise"] = list(d["eval_noise"])
         return d
 
     @classmethod
@@ -328,6 +389,81 @@ class DPPlan:
         if unknown:
             raise PlanError(f"unknown DPPlan field(s) {unknown}; known fields are {sorted(names)}")
         return cls(**d)
+
+
+def _run_tail(steps: int, coordinates: int, sigma: float, eval_noise=None,
+              eval_releases: int | None = None) -> NoiseTail:
+    """The `NoiseTail` of `steps` steps of `coordinates` noise coordinates at `sigma` and
+    the DP evaluations `eval_noise` = (releases, coordinates, noise multiplier) (their
+    first `eval_releases`, default all)."""
+    parts = [("training steps", steps, coordinates, sigma)]
+    if eval_noise is not None:
+        n, k, z = eval_noise
+        parts.append(("DP evaluations", n if eval_releases is None else eval_releases, k, z))
+    return noise_tail(parts)
+
+
+def _delta_at(delta: float, steps: int, coordinates: int | None, eval_noise=None):
+    """sigma -> the accountant's δ (`delta` less the tails at sigma), or None when the
+    tails are not folded in (`coordinates` unknown)."""
+    if coordinates is None:
+        return None
+
+    def at(sigma: float) -> float:
+        return _run_tail(steps, coordinates, sigma, eval_noise).accountant_delta(delta)
+
+    return at
+
+
+def check_noise_tail(plan: DPPlan) -> DPPlan:
+    """`plan`, or `PlanError` when the noise generator's truncated tails take more than
+    MAX_TAIL_FRACTION of its δ: then the truncation, not the Gaussian, carries the
+    guarantee (`noise_tail.MAX_TAIL_FRACTION` says why 10%). The message names the numbers
+    of each kind of release and the fixes."""
+    tail = plan.noise_tail()
+    if tail is not None:
+        _check_tail(plan.delta, tail, plan.eval_noise is not None)
+    return plan
+
+
+class NoiseTailError(PlanError):
+    """A plan whose noise tails take more than MAX_TAIL_FRACTION of δ. ``share`` (the δ the
+    tails need), ``delta`` and ``detail`` (the numbers per kind of release) let a caller
+    restate the fix in its own terms (`llmdp privacy calibrate`: flags)."""
+
+    def __init__(self, message: str, *, share: float, delta: float, detail: str):
+        super().__init__(message)
+        self.share, self.delta, self.detail = share, delta, detail
+
+
+def _check_tail(delta: float, tail: NoiseTail, evals: bool = False) -> None:
+    share = tail.delta(delta)
+    if share <= MAX_TAIL_FRACTION * delta:
+        return
+    # What the tails need (above δ itself when they spend it all: accountant_delta is 0).
+    share = tail.eta + max(0.0, delta - tail.eta) * min(1.0, tail.lost_mass)
+    parts = "; ".join(
+        f"{what}: {count} x η = {eta / count:.3g} each ({coords:,} noise coordinates at noise "
+        f"multiplier {sigma:.4g}), {eta:.3g} in all"
+        for what, count, coords, sigma, eta in tail.parts)
+    lost = (f", and the kept-mass factor 1 - {tail.lost_mass:.3g} on δ_accountant"
+            if tail.lost_mass >= 1e-6 else "")
+    evals = ("; for the DP evaluations, a larger eval.noise_multiplier (or a smaller "
+             "eval.epsilon)" if evals else "")
+    head = tail_message(share, delta, parts + lost)
+    raise NoiseTailError(
+        f"privacy.delta: {head}. Fix: fewer trainable parameters (LoRA: "
+        f"model.lora), fewer steps (train.steps / train.epochs), more noise (a larger "
+        f"privacy.noise_multiplier, or a smaller privacy.target_epsilon){evals}, or a larger "
+        f"privacy.delta (still below 1/N)", share=share, delta=delta, detail=parts + lost)
+
+
+def tail_message(share: float, delta: float, detail: str) -> str:
+    """The numbers of a `NoiseTailError`, without the fix."""
+    return (f"the noise generator's truncated tails (|z| <= {NOISE_TAIL:.4g} std) add δ = "
+            f"{share:.3g} to δ = {delta:.3g}, {100 * share / delta:.3g}% of it (at most "
+            f"{100 * MAX_TAIL_FRACTION:g}% is allowed: above that the truncation, not the "
+            f"Gaussian, carries the guarantee): {detail}")
 
 
 _NO_EVENT = (
@@ -361,9 +497,15 @@ def calibrate_noise(
     *,
     dataset_size: int | None = None,
     max_batch_size: int | None = None,
+    noise_coordinates: int | None = None,
 ) -> float:
     """The smallest noise multiplier sigma whose epsilon (at `delta`, after `steps`
     steps at sampling rate q) is at most `target_epsilon`.
+
+    With `noise_coordinates` (the trainable parameter count), `delta` is the published δ
+    and epsilon is computed at δ less the noise generator's truncated tails over the
+    `steps` steps at each sigma tried (`DPPlan.accountant_delta`): the published (ε, δ)
+    includes them. (The refusal of a tail above a tenth of δ is `make_plan`'s.)
 
     The result satisfies epsilon(sigma) <= target (checked, not assumed) and is within
     a relative 1e-5 of the exact solution, so epsilon(sigma) is within ~1e-4 of target.
@@ -377,6 +519,10 @@ def calibrate_noise(
     target, delta, q, steps, max_sigma = _check_calibration_args(
         target_epsilon, delta, sampling_probability, steps, accountant, max_noise_multiplier
     )
+    if noise_coordinates is not None and (not _is_int(noise_coordinates) or noise_coordinates < 1):
+        raise PlanError("noise_coordinates must be an integer >= 1 (the trainable parameter "
+                        f"count), got noise_coordinates={noise_coordinates!r}")
+    delta_at = _delta_at(delta, steps, noise_coordinates)
     if max_batch_size is not None:
         if not _is_int(dataset_size) or dataset_size < 1:
             raise PlanError(
@@ -384,8 +530,10 @@ def calibrate_noise(
                 f"truncated event) with max_batch_size, got dataset_size={dataset_size!r}"
             )
         b = _check_sampler_fields(TRUNCATED, accountant, dataset_size, max_batch_size)
-        return calibrate_truncated(q, steps, delta, int(dataset_size), b, target, max_sigma)
-    return calibrate_curve(EpsilonCurve(q, steps, delta, accountant), target, max_sigma)
+        return calibrate_truncated(q, steps, delta, int(dataset_size), b, target, max_sigma,
+                                   delta_at=delta_at)
+    return calibrate_curve(EpsilonCurve(q, steps, delta, accountant, delta_at=delta_at), target,
+                           max_sigma)
 
 
 def make_plan(
@@ -404,6 +552,7 @@ def make_plan(
     max_batch_size: int | None = None,
     truncation_budget: float = DEFAULT_TRUNCATION_BUDGET,
     dp: bool = True,
+    noise_coordinates: int | None = None,
 ) -> DPPlan:
     """Validate the inputs and build a `DPPlan`, calibrating sigma if a target is given.
 
@@ -418,6 +567,13 @@ def make_plan(
     `max_batch_size` is used as is, whatever its cost; the plan carries the cost. The
     plan's cost, epsilon and sigma are on the reporting grid. Takes seconds to tens of
     seconds (PLD of the truncated event): ~20 s for N=15000, B=256, T=50 on 2 cores.
+
+    `noise_coordinates` (the trainable parameter count; None: unknown, not folded in): the
+    noise generator's truncated tails over the T steps are folded into `delta`, the
+    published δ: sigma is calibrated at δ less the tails at each sigma tried
+    (`DPPlan.accountant_delta`), and a plan whose tails take more than a tenth of δ is
+    refused (`check_noise_tail`). A run's DP evaluations add theirs (`DPPlan.eval_noise`,
+    `prior.calibrate_with_prior`).
 
     `dp=False`: a NON-PRIVATE baseline's plan (no target, no σ; truncated Poisson needs its cap).
     """
@@ -457,6 +613,9 @@ def make_plan(
                 f"truncation_budget={truncation_budget!r}"
             )
     steps = _check_steps(steps, error=PlanError) if steps is not None else steps_for_epochs(epochs, q)
+    if noise_coordinates is not None and (not _is_int(noise_coordinates) or noise_coordinates < 1):
+        raise PlanError("noise_coordinates must be an integer >= 1 (the trainable parameter "
+                        f"count), got noise_coordinates={noise_coordinates!r}")
     if not dp:  # the same sampling and steps, no noise: nothing to calibrate
         return DPPlan(dataset_size=int(dataset_size), expected_batch_size=float(expected_batch_size),
                       steps=steps, noise_multiplier=0.0, max_grad_norm=float(max_grad_norm),
@@ -465,6 +624,8 @@ def make_plan(
     sigma = max_sigma = None
     if noise_multiplier is not None:
         sigma = _check_positive("noise_multiplier", noise_multiplier, "sigma", error=PlanError)
+        if noise_coordinates is not None:  # before any accounting at what is left of δ
+            _check_tail(delta, _run_tail(steps, int(noise_coordinates), sigma))
     else:
         target_epsilon = _check_positive("target_epsilon", target_epsilon, "the privacy budget",
                                          error=PlanError)
@@ -483,6 +644,7 @@ def make_plan(
             cap=cap,
             budget=float(truncation_budget),
             max_sigma=max_sigma,
+            delta_at=_delta_at(delta, steps, noise_coordinates),
         )
     elif sigma is None:
         sigma = calibrate_noise(
@@ -492,8 +654,9 @@ def make_plan(
             steps,
             accountant=accountant,
             max_noise_multiplier=max_sigma,
+            noise_coordinates=noise_coordinates,
         )
-    return DPPlan(
+    return check_noise_tail(DPPlan(
         dataset_size=int(dataset_size),
         expected_batch_size=float(expected_batch_size),
         steps=steps,
@@ -505,5 +668,6 @@ def make_plan(
         target_epsilon=None if target_epsilon is None else float(target_epsilon),
         max_batch_size=cap,
         truncation_cost=None if cost is None else float(cost),
-    )
+        noise_coordinates=None if noise_coordinates is None else int(noise_coordinates),
+    ))
 

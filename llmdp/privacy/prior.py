@@ -5,6 +5,7 @@ target with them (on `calibrate.calibrate_sigma`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from llmdp.privacy import accountant as _acc
 from llmdp.privacy.calibrate import (
@@ -31,26 +32,32 @@ def release_entries(releases) -> tuple[list, float]:
 def composed_epsilon(plan, prior_releases=(), accountant: str | None = None,
                      steps: int | None = None,
                      value_discretization_interval: float | None = None) -> float:
-    """Epsilon at `plan.delta` of earlier releases on the same units (`prior_releases`,
-    e.g. a private tokenizer's, thresholds' delta included) composed with `steps`
-    (default: all) steps of the `DPPlan` `plan` (`accountant.epsilon_with_threshold`)."""
+    """Epsilon at `plan.accountant_delta` (the published δ less the noise tails of the
+    plan's releases) of earlier releases on the same units (`prior_releases`, e.g. a
+    private tokenizer's, thresholds' delta included) composed with `steps` (default: all)
+    steps of the `DPPlan` `plan` (`accountant.epsilon_with_threshold`); inf when the
+    tails and thresholds leave nothing of δ."""
     steps = plan.steps if steps is None else steps
     prior, d_thr = release_entries(prior_releases)
     if not prior and value_discretization_interval is None:
         return plan.epsilon(steps, accountant) if steps else 0.0
+    if plan.accountant_delta <= d_thr:
+        return math.inf
     entries = prior + ([(plan.step_event(), steps)] if steps else [])
-    return _acc.epsilon_with_threshold(entries, plan.delta, d_thr, accountant or plan.accountant,
-                                       value_discretization_interval)
+    return _acc.epsilon_with_threshold(entries, plan.accountant_delta, d_thr,
+                                       accountant or plan.accountant, value_discretization_interval)
 
 
 def calibrate_with_prior(plan, prior_releases, rtol: float = 1e-3):
     """The `DPPlan` `plan` with sigma raised so that the composition of the earlier
     releases (`prior_releases`, thresholds' delta included) and all of the plan's steps is
-    <= `plan.target_epsilon` at `plan.delta`: the guarantee of a model trained with a
-    private tokenizer covers both. sigma is located with Brent's method on log sigma on
-    the coarse PLD grid, refined on the reporting grid to `rtol`, and always lands on the
-    side that meets the target (`calibrate_sigma`, twice). A truncated plan keeps its cap;
-    its cost is recomputed at the new sigma.
+    <= `plan.target_epsilon` at `plan.accountant_delta`: the guarantee of a model trained
+    with a private tokenizer covers both. The noise tails (`DPPlan.noise_tail`: its steps
+    and DP evaluations) shrink as sigma grows, so every sigma tried is accounted at its own
+    `accountant_delta` (`dataclasses.replace` recomputes it). sigma is located with Brent's
+    method on log sigma on the coarse PLD grid, refined on the reporting grid to `rtol`, and
+    always lands on the side that meets the target (`calibrate_sigma`, twice). A truncated
+    plan keeps its cap; its cost is recomputed at the new sigma.
     """
     target = plan.target_epsilon
     prior_releases = list(prior_releases)
@@ -64,6 +71,7 @@ def calibrate_with_prior(plan, prior_releases, rtol: float = 1e-3):
             f"1/N) or train the tokenizer with a smaller delta"
         )
     spent = _acc.epsilon_with_threshold(prior_entries, plan.delta, d_thr, plan.accountant)
+    # (at the whole δ: what the earlier releases alone spend, before any tail of this run)
     if spent >= target:
         raise PlanError(
             f"privacy.target_epsilon: {target:g} is already spent by the earlier releases on this "
@@ -96,7 +104,8 @@ def calibrate_with_prior(plan, prior_releases, rtol: float = 1e-3):
     sigma = calibrate_sigma(fine, target, start=guess, factor=1.02, rtol=rtol / 4, log=True)
     cost = None
     if plan.truncated:
-        cost = truncation_cost(plan.sampling_probability, sigma, plan.steps, plan.delta,
+        new = dataclasses.replace(plan, noise_multiplier=sigma)
+        cost = truncation_cost(plan.sampling_probability, sigma, plan.steps, new.accountant_delta,
                                plan.dataset_size, plan.max_batch_size)
     return dataclasses.replace(plan, noise_multiplier=sigma, truncation_cost=cost,
                                truncation_probability=None)

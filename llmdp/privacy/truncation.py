@@ -87,27 +87,29 @@ def truncation_cost(
     return truncated / poisson - 1.0
 
 
-def _truncated_curve(q, steps, delta, n, b, interval=None) -> EpsilonCurve:
+def _truncated_curve(q, steps, delta, n, b, interval=None, delta_at=None) -> EpsilonCurve:
     return EpsilonCurve(
-        q, steps, delta, "pld", dataset_size=n, max_batch_size=b, interval=interval
+        q, steps, delta, "pld", dataset_size=n, max_batch_size=b, interval=interval,
+        delta_at=delta_at,
     )
 
 
-def _calibrate_truncated(q, steps, delta, n, b, target, max_sigma, start) -> float:
+def _calibrate_truncated(q, steps, delta, n, b, target, max_sigma, start, delta_at=None) -> float:
     """sigma calibrated on the search grid under the truncated event at cap b, walking
     from `start` (the Poisson sigma, or a previous round's)."""
-    curve = _truncated_curve(q, steps, delta, n, b, _SEARCH_INTERVAL)
+    curve = _truncated_curve(q, steps, delta, n, b, _SEARCH_INTERVAL, delta_at)
     return calibrate_curve(curve, target, max_sigma, start=start)
 
 
-def calibrate_truncated(q, steps, delta, n, b, target, max_sigma) -> float:
+def calibrate_truncated(q, steps, delta, n, b, target, max_sigma, delta_at=None) -> float:
     """sigma calibrated under the truncated event at cap b (`plan.calibrate_noise`): on the
     search grid, first under Poisson then at the cap, then checked (nudged up if needed)
-    on the reporting grid, so epsilon(sigma) <= target holds for the reported number."""
-    sigma = calibrate_curve(EpsilonCurve(q, steps, delta, "pld", interval=_SEARCH_INTERVAL),
-                            target, max_sigma)
-    sigma = _calibrate_truncated(q, steps, delta, n, b, target, max_sigma, sigma)
-    return round_up(_truncated_curve(q, steps, delta, n, b), target, sigma)
+    on the reporting grid, so epsilon(sigma) <= target holds for the reported number.
+    `delta_at(sigma)`: the accountant's δ at sigma (`EpsilonCurve`; None: `delta`)."""
+    sigma = calibrate_curve(EpsilonCurve(q, steps, delta, "pld", interval=_SEARCH_INTERVAL,
+                                         delta_at=delta_at), target, max_sigma)
+    sigma = _calibrate_truncated(q, steps, delta, n, b, target, max_sigma, sigma, delta_at)
+    return round_up(_truncated_curve(q, steps, delta, n, b, delta_at=delta_at), target, sigma)
 
 
 def smallest_cap(q, steps, delta, n, sigma, budget, start=None, step=None) -> int:
@@ -160,8 +162,11 @@ def smallest_cap(q, steps, delta, n, sigma, budget, start=None, step=None) -> in
     return hi
 
 
-def plan_truncated(*, q, n, steps, delta, sigma, target, cap, budget, max_sigma):
+def plan_truncated(*, q, n, steps, delta, sigma, target, cap, budget, max_sigma, delta_at=None):
     """(sigma, B_max, truncation_cost) of a truncated-Poisson plan.
+
+    `delta_at(sigma)` is the accountant's δ at sigma (the published `delta` less the noise
+    tails, `plan.make_plan`; None: `delta`): every epsilon, cost and cap search runs at it.
 
     Fixed sigma (target None): B_max = `cap`, or the smallest cap whose cost is below
     `budget` at sigma. Target mode: sigma is first calibrated under Poisson, then B_max
@@ -174,17 +179,21 @@ def plan_truncated(*, q, n, steps, delta, sigma, target, cap, budget, max_sigma)
     steps repeat (up to the largest cap, N, which is kept with its stated cost
     even if that is above the budget: only possible for a tiny N).
     """
+    def dl(s):
+        return delta if delta_at is None else delta_at(s)
+
     if target is not None:
-        sigma = calibrate_curve(EpsilonCurve(q, steps, delta, "pld", interval=_SEARCH_INTERVAL),
-                           target, max_sigma)
-    b = cap if cap is not None else smallest_cap(q, steps, delta, n, sigma, budget)
+        sigma = calibrate_curve(EpsilonCurve(q, steps, delta, "pld", interval=_SEARCH_INTERVAL,
+                                             delta_at=delta_at), target, max_sigma)
+    b = cap if cap is not None else smallest_cap(q, steps, dl(sigma), n, sigma, budget)
     if target is not None:
         sigma_at: dict[int, float] = {}
         for _ in range(_MAX_ROUNDS):
-            sigma = sigma_at[b] = _calibrate_truncated(q, steps, delta, n, b, target, max_sigma, sigma)
+            sigma = sigma_at[b] = _calibrate_truncated(q, steps, delta, n, b, target, max_sigma,
+                                                       sigma, delta_at)
             if cap is not None:
                 break
-            nxt = smallest_cap(q, steps, delta, n, sigma, budget, start=b, step=1)
+            nxt = smallest_cap(q, steps, dl(sigma), n, sigma, budget, start=b, step=1)
             if nxt == b:
                 break
             if nxt in sigma_at:  # a cycle: the larger cap meets the budget at its sigma
@@ -199,8 +208,9 @@ def plan_truncated(*, q, n, steps, delta, sigma, target, cap, budget, max_sigma)
             )
     for _ in range(_MAX_ROUNDS):
         if target is not None:
-            sigma = round_up(_truncated_curve(q, steps, delta, n, b), target, sigma)
-        cost = truncation_cost(q, sigma, steps, delta, n, b)
+            sigma = round_up(_truncated_curve(q, steps, delta, n, b, delta_at=delta_at), target,
+                             sigma)
+        cost = truncation_cost(q, sigma, steps, dl(sigma), n, b) if dl(sigma) > 0 else math.inf
         # b == n is the largest cap allowed: the sampler never truncates on the N units,
         # but the add-neighbour (N + 1 units) can, so its cost is small but not 0; on a
         # tiny dataset it may exceed the budget. The plan carries (and the report states) it.
@@ -208,7 +218,7 @@ def plan_truncated(*, q, n, steps, delta, sigma, target, cap, budget, max_sigma)
             return sigma, b, cost
         b += 1  # knife edge: the search grid said < budget, the reporting grid does not
         if target is not None:
-            sigma = _calibrate_truncated(q, steps, delta, n, b, target, max_sigma, sigma)
+            sigma = _calibrate_truncated(q, steps, delta, n, b, target, max_sigma, sigma, delta_at)
     raise PlanError(
         f"could not find privacy.max_batch_size with truncation cost < {budget:g} "
         f"(last tried {b}, cost {cost:.4g}); set privacy.max_batch_size explicitly"

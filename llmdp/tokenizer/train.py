@@ -209,7 +209,7 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
     """Run a tokenizer recipe end to end; returns the folder's ``llmdp_tokenizer.json``."""
     # lazy: llmdp.privacy imports torch; this module stays light (llmdp.report imports it)
     from llmdp.privacy import accountant as acc
-    from llmdp.privacy.budget import hold_entries, live_holds, release_entries_of, split_by_unit
+    from llmdp.privacy.budget import DatasetBudget, check_release, first_budget_record
     from llmdp.privacy.dataset_ledger import open_dataset_ledger
     from llmdp.privacy.events import event_to_json
     from llmdp.privacy.keys import secure_key, seeded_key
@@ -268,21 +268,19 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
             # Check the budget and record the release in one transaction; write-ahead
             # (DESIGN §3.5): the release is durable before any noisy count exists.
             with db.transaction(ledger["dataset_id"], full=True) as tx:
-                if p.budget_epsilon is not None:
-                    # The budget is per privacy unit: releases for other units are not composed.
-                    same, _ = split_by_unit(tx.records, unit)
-                    entries = release_entries_of(same) + hold_entries(live_holds(tx.records), unit)
-                    d_thr = acc.threshold_delta(same + [{"extra": extra}])
-                    spent = acc.epsilon_with_threshold(release_entries_of(same), delta,
-                                                       acc.threshold_delta(same), p.accountant)
-                    after = acc.epsilon_with_threshold(entries + [(event, 1)], delta, d_thr, p.accountant)
-                    if after > p.budget_epsilon:
-                        raise BudgetError(
-                            f"privacy.budget_epsilon={p.budget_epsilon:g}: the dataset ledger "
-                            f"{ledger['dataset_id']!r} ({ledger['shown']}) has spent ε = {spent:.4f} "
-                            f"at δ = {delta:.3g}; with what live runs hold and this tokenizer "
-                            f"(ε_tok = {eps:.4f}) it would be {after:.4f}. Lower "
-                            f"privacy.target_epsilon or raise the budget")
+                # The dataset's budget (its ledger's), whatever this recipe says; the first
+                # budgeted release records its recipe's (llmdp.privacy.budget).
+                recipe = None if p.budget_epsilon is None else DatasetBudget(
+                    float(p.budget_epsilon), float(delta), p.accountant, unit)
+                first, why = check_release(
+                    tx.records, {"unit": unit}, event, recipe=recipe, dataset_id=ledger["dataset_id"],
+                    where=ledger["shown"], extra_threshold=extra["delta_threshold"],
+                    what=f"this tokenizer (ε_tok = {eps:.4f})")
+                if why is not None:
+                    raise BudgetError(why)
+                if first is not None:
+                    tx.append(first_budget_record(first, f"tokenizer release {release_id} "
+                                                         f"(privacy.budget_epsilon)"))
                 rec = tx.append({"kind": "release", "event": event_to_json(event), "count": 1,
                                  "first_step": 0, "run_id": f"tokenizer-{release_id}",
                                  "attempt": "1", "meta": meta, "extra": extra})

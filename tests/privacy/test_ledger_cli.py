@@ -13,7 +13,7 @@ from llmdp.cli import main
 from llmdp.privacy.events import dpsgd_step_event, event_to_json
 from llmdp.privacy.ledger import Ledger
 from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.service import LedgerService
+from llmdp.privacy.service import BudgetError, LedgerService
 
 EVJ = event_to_json(dpsgd_step_event(0.01, 1.0))
 DS = "ds-1"
@@ -82,10 +82,11 @@ def test_list_and_verify(tmp_path, run_dir, capsys):
     assert rc == 0 and err == ""
     assert out.splitlines() == [
         f"ledgers in {db(tmp_path)}: 2",
-        f"  {DS}: intact, 5 record(s), 5 release(s) (10 step(s)) by 1 run(s)",
-        "  other: intact, 1 record(s), 0 release(s) (0 step(s)) by 0 run(s)"]
+        f"  {DS}: intact, 5 record(s), 5 release record(s) (10 training step(s)) by 1 run(s)",
+        "  other: intact, 1 record(s), 0 release record(s) (0 training step(s)) by 0 run(s)"]
     rc, out, err = ledger(["verify", "--ledger", db(tmp_path)], capsys)
-    assert rc == 0 and err == "" and len(out.splitlines()) == 2
+    assert rc == 0 and err == "" and len(out.splitlines()) == 3
+    assert out.splitlines()[-1].startswith("checked against the head log ")
     rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
     assert (rc, err) == (0, "") and out.startswith(f"{DS}: intact, 5 record(s)")
     # Damaged: verify fails with the message on stderr; list says which one is damaged.
@@ -131,8 +132,8 @@ def test_repair_needs_acknowledge_loss(tmp_path, run_dir, capsys):
     assert [d["seq"] for d in rec["excused"] if "fingerprint" in d] == [3]
     rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
     assert (rc, err) == (0, "")
-    assert out.strip() == (f"{DS}: intact, 5 record(s), 4 release(s) (8 step(s)) by 1 run(s), 1 "
-                           f"damaged record(s) excused by repairs")
+    assert out.splitlines()[0] == (f"{DS}: intact, 5 record(s), 4 release record(s) (8 training "
+                                   f"step(s)) by 1 run(s), 1 damaged record(s) excused by repairs")
 
 
 def test_repair_needs_a_run_dir_or_a_dataset(tmp_path, capsys):
@@ -254,3 +255,148 @@ def test_a_run_ledger_is_rewritten_after_a_repair_of_its_dataset_ledger(tmp_path
     path.write_bytes(b"\n".join(raw))
     rc, _, err = ledger(["verify", str(run_dir)], capsys)
     assert rc == 2 and "line 2 (dataset record 4): it does not link to the line before it" in err
+
+
+# ------------------------------------------------------------------ set-budget (issue 29 item 2)
+
+SEQ24 = "a sequence of 24 tokens (packed across document boundaries)"
+
+
+def rdp_spent(steps: int, delta: float = 1e-5) -> float:
+    """ε of ``steps`` releases of the fixture's event, by dp-accounting directly."""
+    import dp_accounting
+
+    from llmdp.privacy.accountant import RDP_ORDERS
+
+    acc = dp_accounting.rdp.RdpAccountant(
+        orders=list(RDP_ORDERS), neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0)), steps)
+    return float(acc.get_epsilon(delta))
+
+
+def set_budget(tmp_path, capsys, *args):
+    return ledger(["set-budget", "--dataset", DS, "--ledger", db(tmp_path), *args], capsys)
+
+
+def test_set_budget_sets_raises_lowers_and_records(tmp_path, run_dir, capsys):
+    """The budget is a record of the dataset's ledger (ε, δ, accountant, unit; who, when, why,
+    old -> new); the unit is taken from the ledger's releases; a budget below what is spent is
+    refused; a run with no budget is then checked against it."""
+    spent = rdp_spent(10)
+    rc, out, err = set_budget(tmp_path, capsys, "--epsilon", "3", "--delta", "1e-5",
+                              "--accountant", "rdp", "--reason", "approved by the board")
+    assert (rc, err) == (0, "")
+    assert out.startswith(f"{DS}: budget ε = 3 at δ = 1e-05 (rdp) for the privacy unit {SEQ24!r} "
+                          f"(was: none); ε spent {spent:.4f}"), out
+    rec = LedgerDB(db(tmp_path)).records(DS)[-1]
+    assert (rec["kind"], rec["epsilon"], rec["delta"], rec["accountant"], rec["unit_key"]) == \
+        ("budget", 3.0, 1e-5, "rdp", SEQ24)
+    assert rec["previous"] is None and rec["reason"] == "approved by the board"
+    assert "@" in rec["by"] and rec["time"] and rec["run_id"] is None
+    # The same budget again: nothing recorded.
+    n = len(LedgerDB(db(tmp_path)).records(DS))
+    rc, out, _ = set_budget(tmp_path, capsys, "--epsilon", "3")
+    assert rc == 0 and "already" in out and len(LedgerDB(db(tmp_path)).records(DS)) == n
+    # Below what is spent: refused, one message, nothing written.
+    before = state(tmp_path)
+    rc, out, err = set_budget(tmp_path, capsys, "--epsilon", f"{spent * 0.99:.6f}")
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"has spent ε = {spent:.4f} at δ = 1e-05 (rdp)" in err and "at least" in err, err
+    assert state(tmp_path) == before
+    # A smaller δ makes what is spent larger: also checked (the new δ's ε).
+    rc, _, err = set_budget(tmp_path, capsys, "--epsilon", f"{spent * 1.01:.6f}", "--delta", "1e-12")
+    assert rc == 2 and f"has spent ε = {rdp_spent(10, 1e-12):.4f} at δ = 1e-12" in err
+    # Lowered (above what is spent) and raised: each a record naming the old one.
+    for eps, old in (("1.5", 3.0), ("4", 1.5)):
+        rc, out, _ = set_budget(tmp_path, capsys, "--epsilon", eps)
+        assert rc == 0 and f"(was: ε = {old:g} at δ = 1e-05 (rdp)" in out
+        rec = LedgerDB(db(tmp_path)).records(DS)[-1]
+        assert rec["epsilon"] == float(eps) and rec["previous"]["epsilon"] == old
+    rc, out, _ = ledger(["list", "--ledger", db(tmp_path)], capsys)
+    assert f"budget ε = 4 at δ = 1e-05 (rdp) for the privacy unit {SEQ24!r}, ε spent {spent:.4f}" in out
+    # A run without a budget on this dataset holds its steps of the dataset's budget.
+    svc = _service(tmp_path, run_id="late")
+    st = svc.hold(10)
+    assert st["held"] == 10 and st["budget_epsilon"] == 4.0 and "sets no" in st["budget_label"]
+    # A run whose recipe states another budget is refused, naming both and the command.
+    other = LedgerService(
+        location=db(tmp_path), dataset_id=DS, run_ledger=str(tmp_path / "o" / "ledger.jsonl"),
+        run_id="o", meta=META, block_size=2, total_steps=10, event_json=EVJ, delta=1e-5,
+        accountant="rdp", budget_epsilon=9.0)
+    with pytest.raises(BudgetError) as e:
+        other.hold(10)
+    msg = str(e.value)
+    assert "privacy.budget_epsilon=9 (at privacy.delta = 1e-05, privacy.accountant: rdp)" in msg
+    assert "that is ε = 4 at δ = 1e-05 (rdp)" in msg and "differ in ε" in msg
+    assert f"llmdp privacy ledger set-budget --dataset {DS} --epsilon 9" in msg
+
+
+def test_set_budget_on_a_new_dataset_and_the_unit(tmp_path, run_dir, capsys):
+    # A dataset with no ledger: refused unless --create (a typo does not start a ledger).
+    rc, _, err = ledger(["set-budget", "--dataset", "fresh", "--epsilon", "2", "--delta", "1e-6",
+                         "--unit", "user", "--user-field", "patient", "--ledger", db(tmp_path)], capsys)
+    assert rc == 2 and "no such ledger" in err and "--create" in err
+    rc, out, _ = ledger(["set-budget", "--dataset", "fresh", "--epsilon", "2", "--delta", "1e-6",
+                         "--unit", "user", "--user-field", "patient", "--create",
+                         "--ledger", db(tmp_path)], capsys)
+    assert rc == 0 and "privacy unit \"user (records sharing 'patient')\"" in out
+    (rec,) = LedgerDB(db(tmp_path)).records("fresh")
+    assert rec["accountant"] == "pld" and rec["unit"] == {"kind": "user", "user_field": "patient"}
+    # The unit of a ledger with releases for another unit cannot be the budget's.
+    before = state(tmp_path)
+    rc, _, err = set_budget(tmp_path, capsys, "--epsilon", "3", "--delta", "1e-5", "--unit",
+                            "sequence", "--sequence-length", "23")
+    assert rc == 2 and "holds releases for other privacy units than 'a sequence of 23 tokens" in err
+    assert SEQ24 in err and state(tmp_path) == before
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--epsilon", "2"], "--delta: required when the dataset has no budget yet"),
+    (["--delta", "1e-5"], "give --epsilon E"),
+    (["--epsilon", "abc", "--delta", "1e-5"], "--epsilon: 'abc' is not a number"),
+    (["--epsilon", "-1", "--delta", "1e-5"], "--epsilon: -1 is not > 0"),
+    (["--epsilon", "inf", "--delta", "1e-5"], "--epsilon: 'inf' is not a finite number"),
+    (["--epsilon", "2", "--delta", "2"], "--delta: 2 is not in (0, 1)"),
+    (["--epsilon", "2", "--delta", "1e-5", "--accountant", "gdp"], "--accountant: 'gdp' is not one of"),
+    (["--epsilon", "2", "--delta", "1e-5", "--unit", "row"], "--unit: 'row' is not one of"),
+    (["--epsilon", "2", "--delta", "1e-5", "--unit", "user"], "--unit user: give --user-field"),
+    (["--epsilon", "2", "--delta", "1e-5", "--user-field", "u"], "give --unit too"),
+    (["--epsilon", "2", "--delta", "1e-5", "--unit", "sequence", "--sequence-length", "x"],
+     "--sequence-length: 'x' is not an integer"),
+    (["--epsilon", "2", "--delta", "1e-5", "--unit", "document", "--sequence-length", "8"],
+     "only with --unit sequence"),
+])
+def test_set_budget_bad_input_is_one_message(tmp_path, run_dir, capsys, args, said):
+    before = state(tmp_path)
+    rc, out, err = set_budget(tmp_path, capsys, *args)
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("llmdp: error: ") and err.count("\n") == 1, err
+    assert said in err, err
+    assert state(tmp_path) == before
+
+
+def test_set_budget_needs_a_dataset(tmp_path, capsys):
+    rc, _, err = ledger(["set-budget", "--epsilon", "2", "--ledger", db(tmp_path)], capsys)
+    assert rc == 2 and err.startswith("llmdp: error: ") and "give --dataset ID" in err
+    assert err.count("\n") == 1
+
+
+def test_a_dp_evaluation_is_not_counted_as_a_step(tmp_path, capsys):
+    """Issue 30 item 13: `ledger list` / `verify` counted a DP evaluation as a training step
+    ("51 step(s)" for 50 steps and one evaluation)."""
+    import dp_accounting
+
+    from llmdp.privacy.events import event_to_json as ej
+
+    svc = LedgerService(
+        location=db(tmp_path), dataset_id=DS, run_ledger=str(tmp_path / "run" / "ledger.jsonl"),
+        run_id="run", meta=META, block_size=2, total_steps=4, event_json=EVJ, delta=1e-5,
+        accountant="rdp", eval_event_json=ej(dp_accounting.GaussianDpEvent(5.0)), eval_releases=1)
+    svc.start_attempt()
+    for step in range(4):
+        svc.ensure(step)
+    assert svc.release_eval(4) == (True, "")
+    svc.db.close()
+    rc, out, _ = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
+    assert rc == 0 and "(4 training step(s), 1 other release(s): DP evaluations, tokenizers)" in out, out

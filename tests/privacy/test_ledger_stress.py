@@ -255,7 +255,9 @@ def test_concurrent_reservations_never_cross_the_budget(backend, request, tmp_pa
     dataset_id = f"stress-{uuid.uuid4().hex[:8]}"
     results = _run_processes(location, dataset_id, tmp_path, use_hold=False)
     records = _check_ledgers(location, dataset_id, results)
-    assert {r["kind"] for r in records} == {"dataset", "release"}
+    # The first reservation recorded the runs' budget as the dataset's (one record).
+    assert {r["kind"] for r in records} == {"dataset", "budget", "release"}
+    assert [r["kind"] for r in records].count("budget") == 1
     _check_stops(results)
     total = sum(r["steps"] for r in results)
     assert direct_epsilon(total) <= BUDGET, f"{total} steps: over the budget"

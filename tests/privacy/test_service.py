@@ -199,22 +199,28 @@ def test_budget_for_user_runs_counts_only_user_releases(tmp_path):
     assert seq_st["epsilon_spent"] == pytest.approx(direct_eps([(seq_ev, 30)], acc), rel=1e-9)
     assert [x["run_id"] for x in seq_st["not_composed"]] == ["user-run"]
 
-    # A new user-level run under a budget: what fits is dp-accounting on the user releases
-    # plus k of its steps, the sequence run's 30 steps not composed.
-    k_true = 4
-    budget = direct_eps([(user_ev, 5 + k_true)], acc) * (1 + 1e-9)
-    assert budget < everything  # had the sequence releases been composed, nothing would fit
-    s = service(tmp_path, name="new", budget=budget, total=8, block=2, unit=USER, event=user_ev,
-                accountant=acc)
-    st = s.hold(8, need=1)
-    assert (st["fit"], st["held"]) == (k_true, k_true)
-    assert direct_eps([(user_ev, 5 + k_true)], acc) <= budget < direct_eps([(user_ev, 6 + k_true)], acc)
+    # A budget for either unit cannot be set on this ledger: the other unit's releases would
+    # not be bounded by it (no group-privacy conversion; issue 29 item 7). Nothing is written.
+    before = records(tmp_path)
+    for name, unit, ev in (("new-user", USER, user_ev), ("new-seq", SEQ, seq_ev)):
+        s = service(tmp_path, name=name, budget=everything * 10, total=8, block=2, unit=unit,
+                    event=ev, accountant=acc)
+        with pytest.raises(BudgetError) as e:
+            s.hold(8, need=1)
+        msg = str(e.value)
+        assert "holds releases for other privacy units than " + repr(unit_key(unit)) in msg
+        other = "user (records sharing 'user_id')" if unit is SEQ else \
+            "a sequence of 24 tokens (packed across document boundaries)"
+        assert other in msg and "cannot be given one" in msg, msg
+        s.start_attempt()
+        assert not s.admit(0)[0]  # nor a release without a hold
+    assert records(tmp_path) == before
+    # Without a budget, both units keep releasing on this dataset, composed apart.
+    s = service(tmp_path, name="new", total=4, block=2, unit=USER, event=user_ev, accountant=acc)
+    assert s.hold(4)["held"] == 0
     s.start_attempt()
-    assert run_steps(s, range(8)) == list(range(k_true))
-    ok, why = s.admit(k_true)
-    assert not ok and "for the privacy unit \"user (records sharing 'user_id')\"" in why
-    assert s.status()["epsilon_spent"] == pytest.approx(direct_eps([(user_ev, 5 + k_true)], acc),
-                                                        rel=1e-9)
+    assert run_steps(s, range(4)) == list(range(4))
+    assert s.status()["epsilon_spent"] == pytest.approx(direct_eps([(user_ev, 9)], acc), rel=1e-9)
 
 
 def test_a_budget_needs_the_runs_unit(tmp_path):
@@ -227,8 +233,8 @@ def test_a_budget_needs_the_runs_unit(tmp_path):
 
 def test_report_composes_the_runs_unit_and_lists_the_others(tmp_path):
     """The report's dataset-ledger ε is that of the run's unit (dp-accounting directly); the
-    other unit's run is listed as not composed. The run held its budget and ended its hold:
-    ledger.jsonl ends with the hold's end."""
+    other unit's run is listed as not composed. A budget is refused on this dataset (it would
+    not bound the other unit's releases: issue 29 item 7), so the run holds nothing."""
     import yaml
 
     from llmdp.privacy.plan import make_plan
@@ -241,32 +247,34 @@ def test_report_composes_the_runs_unit_and_lists_the_others(tmp_path):
     plan = make_plan(dataset_size=100, expected_batch_size=1, max_grad_norm=1.0, steps=5,
                      noise_multiplier=SIGMA, delta=DELTA)
     assert plan.step_event() == EV
-    s = service(tmp_path, name="user-run", budget=3.0, total=5, block=5, unit=USER, event=EV,
-                accountant="rdp")
-    assert s.hold(5)["held"] == 5
+    with pytest.raises(BudgetError, match="holds releases for other privacy units"):
+        service(tmp_path, name="user-run", budget=3.0, total=5, block=5, unit=USER, event=EV,
+                accountant="rdp").hold(5)
+    s = service(tmp_path, name="user-run", total=5, block=5, unit=USER, event=EV, accountant="rdp")
+    assert s.hold(5)["held"] == 0
     s.start_attempt()
     assert run_steps(s, range(5)) == list(range(5))
     s.end("run ended")
-    assert [r["kind"] for r in Ledger(run / "ledger.jsonl").records()] == ["hold", "release", "hold_end"]
+    assert [r["kind"] for r in Ledger(run / "ledger.jsonl").records()] == ["release"]
     (run / "config.yaml").write_text(yaml.safe_dump({
         "privacy": {"rng": "secure"}, "model": {"init": "tiny", "tokenizer": None},
         "data": {"unit": "user", "user_field": "user_id", "sequence_length": 24, "max_rows_per_unit": 2}}))
     (run / "plan.json").write_text(json.dumps({
         "plan": plan.to_dict(), "run_id": "user-run",
         "dataset_ledger": {"location": location(tmp_path), "dataset_id": DS},
-        "budget_epsilon": 3.0, "tokenizer": {"kind": "external"}}))
+        "budget_epsilon": None, "tokenizer": {"kind": "external"}}))
     r = build_report(str(run))
     d = r["dataset_ledger"]
     eps = direct_eps([(EV, 5)])
     assert d["cross_checked"] and d["unit"] == "user (records sharing 'user_id')"
     assert d["epsilon_spent"] == pytest.approx(eps, rel=1e-9)
-    assert d["epsilon_remaining"] == pytest.approx(3.0 - eps, rel=1e-9)
+    assert d["budget_epsilon"] is None and d["epsilon_remaining"] is None
     assert [(x["run_id"], x["status"]) for x in d["not_composed"]] == [("seq-run", NOT_COMPOSED)]
     assert d["live_holds"] == []
     assert r["epsilon"] == pytest.approx(eps, rel=1e-9)
     md = render_markdown(r)
     assert "this run's unit, user (records sharing 'user_id')" in md
-    assert "seq-run (dp-sgd, 30 release(s), unit a sequence of 24 tokens" in md
+    assert "seq-run (dp-sgd, 30 step(s), unit a sequence of 24 tokens" in md
     assert "not composed: different privacy unit" in md
 
 
@@ -293,8 +301,9 @@ def test_a_run_cannot_start_on_budget_another_run_holds(tmp_path):
     b.start_attempt()
     assert run_steps(b, range(5)) == list(range(5))
     kinds = [(r["kind"], r["run_id"]) for r in records(tmp_path)]
-    assert kinds == [("hold", "a"), ("release", "a"), ("release", "a"), ("hold_end", "a"),
-                     ("hold", "b"), ("release", "b")]
+    # The first budgeted launch recorded its budget (not a record of run a).
+    assert kinds == [("budget", None), ("hold", "a"), ("release", "a"), ("release", "a"),
+                     ("hold_end", "a"), ("hold", "b"), ("release", "b")]
     assert direct_eps([(G, 9)], "rdp") <= budget
     for name in "ab":  # each run's ledger.jsonl holds exactly its records
         path = tmp_path / name / "ledger.jsonl"

@@ -155,6 +155,34 @@ def test_budget_refuses_before_recording(tmp_path, corpus):
     assert not (tmp_path / "tokenizers" / "tok").exists()
 
 
+def test_the_datasets_budget_checks_a_tokenizer_whatever_its_recipe_says(tmp_path, corpus):
+    """Issue 29 item 2: a private tokenizer's release is checked against the dataset's budget
+    (its ledger's): without a budget in its recipe it is refused when it does not fit; with
+    another budget, or for another privacy unit, it is refused naming both."""
+    from llmdp.cli import main
+    from llmdp.privacy.service import BudgetError
+
+    db, ds = str(tmp_path / "ledger.sqlite"), "path:" + os.path.realpath(corpus)
+
+    def set_budget(*args):
+        assert main(["privacy", "ledger", "set-budget", "--dataset", ds, "--ledger", db, "--create",
+                     "--epsilon", "3", "--delta", "1e-4", *args]) == 0
+
+    set_budget("--unit", "document")
+    with pytest.raises(BudgetError, match=r"the dataset's budget ε = 3 \(recorded in its ledger; this "
+                                          r"recipe sets no privacy.budget_epsilon\).*it would be"):
+        _train(tmp_path, corpus)
+    with pytest.raises(BudgetError, match=r"privacy.budget_epsilon=10 .*is not the budget of the "
+                                          r"dataset ledger .*ε = 3 at δ = 0.0001 \(pld\)"):
+        _train(tmp_path, corpus, budget_epsilon=10.0)
+    set_budget("--unit", "user", "--user-field", "user_id")  # no release yet: the unit may change
+    with pytest.raises(BudgetError, match=r"budget for the privacy unit \"user \(records sharing "
+                                          r"'user_id'\)\".*this release is for the privacy unit 'document'"):
+        _train(tmp_path, corpus)
+    assert dataset_entries(tmp_path / "ledger.sqlite", corpus) == []
+    assert not (tmp_path / "tokenizers" / "tok").exists()
+
+
 def test_user_units_group_records(tmp_path, corpus):
     cfg = tokenizer_recipe_from_dict({**_recipe(tmp_path, corpus),
                                       "data": {"path": str(corpus), "unit": "user", "user_field": "user_id"}})
@@ -350,13 +378,13 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
         return acc.get_epsilon(delta - d_thr) - math.log1p(-d_thr)
 
     rel = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-    want = direct(PLDAccountant(rel), plan.noise_multiplier, plan.delta)
+    want = direct(PLDAccountant(rel), plan.noise_multiplier, plan.accountant_delta)
     assert report["epsilon"] == pytest.approx(want, rel=1e-9)
     assert report["epsilon_by_accountant"]["rdp"] == pytest.approx(
-        direct(RdpAccountant(), plan.noise_multiplier, plan.delta), rel=1e-9)
+        direct(RdpAccountant(), plan.noise_multiplier, plan.accountant_delta), rel=1e-9)
     assert report["epsilon"] <= 6.0 + 1e-9
     # sigma is the smallest (to the calibration's tolerance) that meets the target
-    assert direct(PLDAccountant(rel), plan.noise_multiplier * (1 - 3e-3), plan.delta) > 6.0
+    assert direct(PLDAccountant(rel), plan.noise_multiplier * (1 - 3e-3), plan.accountant_delta) > 6.0
     assert report["epsilon_training_only"] < report["epsilon"]
     assert report["tokenizer"]["kind"] == "private-dp" and report["tokenizer"]["composed_into_guarantee"]
     assert "trained from scratch" in report["tokenizer"]["model_vocabulary"]
@@ -368,7 +396,7 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
     from llmdp.report_render import render_markdown
 
     md = render_markdown(report)
-    assert "private-tokenizer" in md and "training alone" in md
+    assert "private-tokenizer" in md and "training steps alone" in md
     shutil.rmtree(prepared.run_dir)
 
 
@@ -448,10 +476,11 @@ def test_tokenizer_on_another_source_is_composed_by_default(trained, other_corpu
     tok_event, d_thr = _tok_event(info)
     acc = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     acc.compose(dp_accounting.ComposedDpEvent([tok_event, _training_event(plan)]))
-    assert report["epsilon"] == pytest.approx(acc.get_epsilon(plan.delta - d_thr) - math.log1p(-d_thr), rel=1e-9)
+    assert report["epsilon"] == pytest.approx(
+        acc.get_epsilon(plan.accountant_delta - d_thr) - math.log1p(-d_thr), rel=1e-9)
     acc = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     assert report["epsilon_training_only"] == pytest.approx(
-        acc.compose(_training_event(plan)).get_epsilon(plan.delta), rel=1e-9)
+        acc.compose(_training_event(plan)).get_epsilon(plan.accountant_delta), rel=1e-9)
     assert report["epsilon"] > report["epsilon_training_only"]
     t = report["tokenizer"]
     assert t["composed_into_guarantee"] and t["tokenizer_data"] == "same"
@@ -474,7 +503,7 @@ def test_tokenizer_declared_independent_is_not_composed_and_said_so(trained, oth
                    "privacy.target_epsilon=null", "model.tokenizer_data=independent"))
     plan = prepared.plan
     acc = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    alone = acc.compose(_training_event(plan)).get_epsilon(plan.delta)
+    alone = acc.compose(_training_event(plan)).get_epsilon(plan.accountant_delta)
     assert report["epsilon"] == pytest.approx(alone, rel=1e-9)
     wording = ("not composed: declared independent by model.tokenizer_data; if the two sources "
                "share individuals, the ε add up")
@@ -521,7 +550,8 @@ def test_seeded_tokenizer_release_is_labelled_seeded(seeded_tokenizer, corpus, t
     # Declared independent (not composed) changes nothing: the vocabulary is in the model.
     ind = _train_cfg(cfg.out_dir, write_notes(tmp_path / "o.jsonl", 50, seed=3), tmp_path,
                      "privacy.noise_multiplier=1.5", "privacy.target_epsilon=null",
-                     "model.tokenizer_data=independent", "output.name=ind")
+                     "model.tokenizer_data=independent", "output.name=ind",
+                     "privacy.delta=1e-3")  # 50 documents: δ must be given (N < 100)
     _, report = _report_after_steps(ind)
     assert report["rng_mode"] == "seeded" and "private tokenizer" in report["rng_warning"]
 
