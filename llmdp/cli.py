@@ -115,8 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--ledger", default=None, metavar="DB",
                        help="the ledgers' database (default: $LLMDP_HOME/ledger.sqlite)")
 
-    ll = lsub.add_parser("list", help="every dataset ledger in the database")
+    ll = lsub.add_parser("list", help="every dataset ledger in the database, with ε spent")
     _loc(ll)
+    ll.add_argument("--delta", default=None, metavar="D",
+                    help="also show ε spent per privacy unit at δ = D (a budgeted ledger shows "
+                         "its budget's ε without it)")
     lv = lsub.add_parser("verify", help="check hash chains: every dataset ledger, one "
                          "(--dataset ID), or a run (RUN_DIR: its ledger.jsonl against its dataset ledger)")
     lv.add_argument("run_dir", nargs="?", default=None)

@@ -256,7 +256,8 @@ def check_budget(ledger: LedgerSpec, plan, *, remaining: int, resuming: bool, lo
     if st["budget"] is None:
         return st  # no budget on this dataset, none in the recipe: nothing held
     if not st["held"]:
-        holders = [h["run_id"] for h in st["live_holds"] if h["run_id"] != ledger.service["run_id"]]
+        holders = [(f"{h['name']} (run {h['run_id']})" if h.get("name") else h["run_id"])
+                   for h in st["live_holds"] if h["run_id"] != ledger.service["run_id"]]
         raise BudgetError(
             f"{st['budget_label']}: the dataset ledger "
             f"{st['dataset_id']!r} ({st['ledger']}) has spent ε = {st['epsilon_spent']:.4f} at "
@@ -271,8 +272,13 @@ def check_budget(ledger: LedgerSpec, plan, *, remaining: int, resuming: bool, lo
              "privacy.budget_epsilon" if ledger.budget_epsilon is None else
              "privacy.budget_epsilon, now recorded as the dataset's budget" if st["budget_set_now"]
              else "the dataset's budget, recorded in its ledger, as this recipe states")
-    log(f"budget: ε spent on this dataset = {st['epsilon_spent']:.4f} of {st['budget_epsilon']:g} "
-        f"at δ = {st['delta']:.3g} ({whose}); this run holds its {st['held']} remaining step(s)")
+    after = st.get("epsilon_after_run")
+    others = st.get("held_steps", 0) - st["held"]
+    log(f"budget: ε spent on this dataset for the privacy unit {st.get('unit')!r} = "
+        f"{st['epsilon_spent']:.4f} of {st['budget_epsilon']:g} at δ = {st['delta']:.3g} ({whose}); "
+        f"this run holds its {st['held']} remaining step(s)"
+        + (f": after it the dataset is at ε = {after:.4f} of {st['budget_epsilon']:g}"
+           + (" (with what other live runs hold)" if others > 0 else "") if after is not None else ""))
     return st
 
 

@@ -463,3 +463,37 @@ def test_a_removed_lock_file_cannot_be_held_twice(tmp_path, monkeypatch):
     second.release(remove=True)
     assert not os.path.exists(second.path)
     RunLock(run_dir).release()
+
+
+def test_budget_lines_name_the_unit_the_total_after_the_run_and_the_holders(tmp_path, monkeypatch):
+    """Issue 30 item 7: the budget line names the privacy unit and the dataset's ε once the
+    run has released what it holds; a refusal names the live runs by output.name; a new
+    ledger is said."""
+    import re
+
+    from llmdp._fs import RunLock
+    from llmdp.privacy.service import BudgetError
+    from llmdp.trainer import prepare
+
+    monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
+    data = write_notes(tmp_path / "notes.jsonl", 30)
+    lines = []
+    cfg_a = recipe_from_dict(_raw(tmp_path, data, name="alpha", budget_epsilon=5.0))
+    lock = RunLock(cfg_a.run_dir)
+    a = prepare(cfg_a, log=lines.append, lock=lock)
+    assert sum("a NEW dataset ledger was started" in x for x in lines) == 1, lines
+    line = next(x for x in lines if x.startswith("budget:"))
+    assert "for the privacy unit 'a sequence of 24 tokens" in line, line
+    after = float(re.search(r"after it the dataset is at ε = ([\d.]+) of 5", line).group(1))
+    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(a.plan.step_event(), a.plan.steps)
+    assert after == pytest.approx(acc.get_epsilon(a.plan.accountant_delta), abs=2e-4)
+    lines.clear()
+    raw_b = _raw(tmp_path, data, name="beta", budget_epsilon=5.0, noise_multiplier=0.5)
+    raw_b["train"]["steps"] = 3000  # far more than what is left of 5
+    cfg_b = recipe_from_dict(raw_b)
+    with pytest.raises(BudgetError) as e:
+        prepare(cfg_b, log=lines.append)
+    assert f"the live run(s) alpha (run {a.run_id}) hold" in str(e.value), str(e.value)
+    assert not any("a NEW dataset ledger" in x for x in lines)
+    lock.release()

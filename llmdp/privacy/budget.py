@@ -229,6 +229,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def run_name_of_hold(hold: dict) -> str | None:
+    """The ``output.name`` of the run that wrote a hold: its lock file is ``.<name>.lock``
+    beside the run directory (None when the hold names no lock)."""
+    path = (hold.get("lock") or {}).get("path")
+    base = os.path.basename(path) if isinstance(path, str) else ""
+    return base[1:-len(".lock")] if base.startswith(".") and base.endswith(".lock") else None
+
+
 def budget_status(records, budget: float | None, delta: float, accountant: str, unit,
                   location: str | None = None, dataset_id: str | None = None) -> dict:
     """ε spent so far for ``unit``'s definition among a dataset ledger's ``records``, what
@@ -236,7 +244,8 @@ def budget_status(records, budget: float | None, delta: float, accountant: str, 
     releases for other units, listed as not composed."""
     spent = unit_epsilon(records, unit, delta, accountant)
     same, _ = split_by_unit(records, unit)
-    live = [{"run_id": rid, "steps_unused": int(h["hold"]["steps"]) - h["used"]}
+    live = [{"run_id": rid, "steps_unused": int(h["hold"]["steps"]) - h["used"],
+             "name": run_name_of_hold(h["hold"])}
             for rid, h in live_holds(records).items()
             if unit_key(h["hold"].get("meta")) == unit_key(unit)]
     return {"ledger": location, "dataset_id": dataset_id, "unit": unit_key(unit),

@@ -44,4 +44,9 @@ def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print,
     shown = describe_location(location)
     log(f"ledger: dataset {ident['dataset_id']!r} in {shown}"
         + ("" if ident["declared"] else " (data.dataset_id derived from the source)"))
+    if opened.get("new"):
+        log(f"ledger: a NEW dataset ledger was started for {ident['dataset_id']!r}: nothing was "
+            "released on this data before. If it is another copy or format of data that has a "
+            "ledger (the same notes as .txt files, say), stop and set data.dataset_id to that "
+            "ledger's id: `llmdp privacy ledger list` shows them")
     return {**ident, "location": location, "shown": shown, "head_log": db.heads.path}

@@ -47,7 +47,17 @@ def _run_info(run_dir: str) -> tuple[dict, str]:
     return info, d["location"]
 
 
-def _summary(ledger: str, st) -> str:
+def _per_unit(recs, delta: float, accountant: str = "pld") -> str:
+    """ε spent at ``delta`` for every privacy unit definition the ledger's releases name."""
+    units = {}
+    for r in recs:
+        if r.get("kind") == "release" and (r.get("meta") or {}).get("unit"):
+            units.setdefault(unit_key(r["meta"]), r["meta"])
+    return "; ".join(f"ε spent {unit_epsilon(recs, m, delta, accountant):.4f} at δ = {delta:g} "
+                     f"({accountant}) for the privacy unit {k!r}" for k, m in units.items())
+
+
+def _summary(ledger: str, st, delta: float | None = None) -> str:
     recs = st.records
     rel = [r for r in recs if r["kind"] == "release"]
     runs = {r.get("run_id") for r in rel}
@@ -63,7 +73,18 @@ def _summary(ledger: str, st) -> str:
             + (f", live hold(s): {', '.join(holds)}" if holds else "")
             + (f", budget {budget.describe()}, ε spent "
                f"{unit_epsilon(recs, budget.unit, budget.delta, budget.accountant):.4f}"
-               if budget is not None else ""))
+               if budget is not None else ", no budget")
+            + (f"; {_per_unit(recs, delta)}" if delta is not None and rel else ""))
+
+
+def _delta_arg(value: str) -> float:
+    try:
+        d = float(value)
+    except ValueError:
+        raise ValueError(f"--delta: {value!r} is not a number") from None
+    if not 0 < d < 1:
+        raise ValueError(f"--delta: {value} is not in (0, 1)")
+    return d
 
 
 def verify_run(run_dir: str, location: str | None = None) -> list[str]:
@@ -77,13 +98,14 @@ def verify_run(run_dir: str, location: str | None = None) -> list[str]:
 def main(args) -> int:
     cmd = args.ledger_command
     if cmd == "list":
+        delta = None if getattr(args, "delta", None) is None else _delta_arg(args.delta)
         db = _db(args.ledger, read_only=True)
         try:
             ids = db.ledgers()
             print(f"ledgers in {db.where}: {len(ids)}")
             for i in ids:
                 try:
-                    print("  " + _summary(i, db.read(i)))
+                    print("  " + _summary(i, db.read(i), delta))
                 except LedgerError as e:
                     print(f"  {i}: DAMAGED ({str(e).split(' is damaged: ')[-1].split('. Nothing')[0]})")
         finally:

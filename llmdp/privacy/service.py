@@ -538,8 +538,11 @@ class LedgerService:
                                  **self._eval_hold(tx.records)})
                 self._append_run_line(rec)
             records = list(tx.records)
+        # What the dataset will be at once this run has released what it holds (with what
+        # other live runs hold): the figure a user reads the budget line for.
+        after = None if not held or budget is None else dataset_epsilon(records, self._composed(budget))
         return {**self.status(records), "held": held, "fit": fit,
-                "budget_set_now": bool(held and set_now)}
+                "budget_set_now": bool(held and set_now), "epsilon_after_run": after}
 
     def end(self, reason: str = "run ended") -> None:
         """End this run's hold (if any): what it did not use goes back to the budget."""

@@ -82,8 +82,8 @@ def test_list_and_verify(tmp_path, run_dir, capsys):
     assert rc == 0 and err == ""
     assert out.splitlines() == [
         f"ledgers in {db(tmp_path)}: 2",
-        f"  {DS}: intact, 5 record(s), 5 release record(s) (10 training step(s)) by 1 run(s)",
-        "  other: intact, 1 record(s), 0 release record(s) (0 training step(s)) by 0 run(s)"]
+        f"  {DS}: intact, 5 record(s), 5 release record(s) (10 training step(s)) by 1 run(s), no budget",
+        "  other: intact, 1 record(s), 0 release record(s) (0 training step(s)) by 0 run(s), no budget"]
     rc, out, err = ledger(["verify", "--ledger", db(tmp_path)], capsys)
     assert rc == 0 and err == "" and len(out.splitlines()) == 3
     assert out.splitlines()[-1].startswith("checked against the head log ")
@@ -133,7 +133,8 @@ def test_repair_needs_acknowledge_loss(tmp_path, run_dir, capsys):
     rc, out, err = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
     assert (rc, err) == (0, "")
     assert out.splitlines()[0] == (f"{DS}: intact, 5 record(s), 4 release record(s) (8 training "
-                                   f"step(s)) by 1 run(s), 1 damaged record(s) excused by repairs")
+                                   f"step(s)) by 1 run(s), 1 damaged record(s) excused by repairs, "
+                                   f"no budget")
 
 
 def test_repair_needs_a_run_dir_or_a_dataset(tmp_path, capsys):
@@ -400,3 +401,19 @@ def test_a_dp_evaluation_is_not_counted_as_a_step(tmp_path, capsys):
     svc.db.close()
     rc, out, _ = ledger(["verify", "--dataset", DS, "--ledger", db(tmp_path)], capsys)
     assert rc == 0 and "(4 training step(s), 1 other release(s): DP evaluations, tokenizers)" in out, out
+
+
+def test_list_shows_epsilon_per_unit_at_a_given_delta(tmp_path, run_dir, capsys):
+    """Issue 30 item 7: `ledger list` showed no ε; with --delta it shows ε spent per privacy
+    unit (dp-accounting called directly), and a bad --delta is one message."""
+    import dp_accounting
+
+    rc, out, err = ledger(["list", "--ledger", db(tmp_path), "--delta", "1e-5"], capsys)
+    assert (rc, err) == (0, "")
+    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0)), 10)
+    want = acc.get_epsilon(1e-5)
+    line = next(x for x in out.splitlines() if x.strip().startswith(DS))
+    assert f"; ε spent {want:.4f} at δ = 1e-05 (pld) for the privacy unit " in line, line
+    rc, out, err = ledger(["list", "--ledger", db(tmp_path), "--delta", "2"], capsys)
+    assert rc == 2 and "--delta: 2 is not in (0, 1)" in err and err.count("\n") == 1
