@@ -63,7 +63,7 @@ from llmdp.sweep_cost import (
 from llmdp.sweep_grid import SweepSpec, draw_random_trials, resolve_sweep
 
 __all__ = ["SWEEP_JSON", "SWEEP_MD", "SWEEP_INTERNAL_JSON", "SWEEP_INTERNAL_MD", "sweep_cost",
-           "select_trial", "check_sweep_budget", "run_sweep", "render_markdown",
+           "select_trial", "selection_refusal", "check_sweep_budget", "run_sweep", "render_markdown",
            "render_public_markdown", "publishable_state", "publication"]  # sweep_cost, check_sweep_budget: llmdp.sweep_cost
 
 SWEEP_JSON, SWEEP_MD = "sweep.json", "sweep.md"
@@ -93,6 +93,25 @@ def select_trial(rows: list[dict]) -> dict | None:
     None if no trial has one. Reads nothing else: internal metrics are never selected on."""
     ok = [r for r in rows if _finite((r.get("dp_eval") or {}).get("loss"))]
     return min(ok, key=lambda r: (r["dp_eval"]["loss"], r["trial"])) if ok else None
+
+
+def selection_refusal(rows: list[dict]) -> str | None:
+    """Why no trial may be selected (None: one may): the DP evaluations' noise std is larger
+    than the spread of the DP losses the selection would choose between, so the choice would
+    be made by the noise (issue 30: 5.19 ± 2.94 was selected over 8.00 ± 3.47 while the
+    internal losses ranked them the other way)."""
+    ok = [r["dp_eval"] for r in rows if _finite((r.get("dp_eval") or {}).get("loss"))]
+    if len(ok) < 2:
+        return None
+    losses = [d["loss"] for d in ok]
+    spread = max(losses) - min(losses)
+    std = max(float(d.get("loss_std") or 0.0) for d in ok)
+    if std <= spread:
+        return None
+    return (f"the trials' DP evaluation losses span {spread:.3g}, less than their noise std "
+            f"(up to ± {std:.3g}): a selection on them would be made by the noise, so none is "
+            f"made. Hold out more units or raise eval.epsilon so that the std is well below "
+            f"the differences between trials")
 
 
 # ---------------------------------------------------------------------- planning
@@ -389,7 +408,11 @@ def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial
                                planned_tail=planned[0].plan.noise_tail())
     state["earlier_releases"] = [{k: r.get(k) for k in ("release_id", "run_id", "epsilon")}
                                  for r in prior]
-    state["selected"] = select_trial(rows)
+    refused = selection_refusal(rows)
+    state["selected"] = None if refused else select_trial(rows)
+    if refused:
+        state["selection_refused"] = refused
+        log(f"no trial selected: {refused}")
     state["selection"] = "the lowest DP evaluation loss (the last evaluation.dp entry of each report)"
     state["publication"] = publication(state)
     state["status"] = "complete"
@@ -406,7 +429,9 @@ def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial
     sel = state["selected"]
     log("sweep: " + ("" if random else f"{len(rows)} trial(s); ") + "selected: "
         + (f"{sel['name']} ({_describe(sel['overrides'])}), DP eval loss {sel['dp_eval']['loss']:.4f}"
-           if sel else "none (no trial has a DP evaluation)"))
+           if sel else "none (" + ("the DP evaluations' noise exceeds the spread between trials"
+                                   if state.get("selection_refused") else
+                                   "no trial has a DP evaluation") + ")"))
     log(_cost_line(state["cost"], random))
     if random:
         log(f"sweep: publishable under bound (b): {os.path.join(sweep_dir, SWEEP_MD)} and "
@@ -505,7 +530,8 @@ def render_markdown(state: dict) -> str:
                    f"{_fmt(dp.get('loss'))} ± {_fmt(dp.get('loss_std'))} |")
     sel = state.get("selected")
     out += ["", "**Selected:** " + (f"trial {sel['trial']} ({_describe(sel['overrides'])}), "
-                                     f"{sel['run_dir']}" if sel else "none"), ""]
+                                     f"{sel['run_dir']}" if sel else "none"
+                                     + (f": {state['selection_refused']}" if state.get("selection_refused") else "")), ""]
     if cost:
         a = cost["composition"]
         out += ["## Privacy cost of the sweep", "",

@@ -84,7 +84,8 @@ class FakeTrials:
         d = pathlib.Path(cfg.run_dir)
         if (d / "privacy_report.json").exists():
             return str(d)  # already complete
-        internal, dp = self.metrics.get(cfg.optim.lr, (2.0, 2.0))
+        internal, dp, *std = self.metrics.get(cfg.optim.lr, (2.0, 2.0))
+        std = std[0] if std else 0.1
         (d / "model").mkdir(parents=True, exist_ok=True)
         svc = LedgerService(location=cfg.privacy.ledger, dataset_id=cfg.data.dataset_id,
                             run_ledger=str(d / "ledger.jsonl"), run_id=cfg.output.name, meta=UNIT,
@@ -100,7 +101,7 @@ class FakeTrials:
                 "internal": [{"step": 6, "loss": internal, "perplexity": math.exp(internal),
                               "accuracy": 0.5, "units": 10}],
                 "dp": [{"step": 3, "loss": 0.0, "loss_std": 0.1},  # not the last: never read
-                       {"step": 6, "loss": dp, "loss_std": 0.1, "accuracy": 0.4,
+                       {"step": 6, "loss": dp, "loss_std": std, "accuracy": 0.4,
                         "accuracy_std": 0.02, "count": 10.3, "noise_multiplier": 4.0}]}}))
         return str(d)
 
@@ -312,6 +313,18 @@ def test_selection_reads_only_the_dp_evaluation(tmp_path):
     md = (tmp_path / "runs" / "sw-sweep" / "sweep.md").read_text()
     assert "**Selected:** trial 1 (optim.lr=0.02)" in md and "2.5000 ± 0.1000" in md
     assert "(a) every trial composed" in md and "(b)" not in md
+
+
+def test_a_sweep_does_not_select_on_noise(tmp_path):
+    """Issue 30 item 3, end to end: trials whose DP losses differ by less than their std are
+    not selected between; the console and sweep.md say why."""
+    runner = FakeTrials({0.01: (1.0, 5.19, 2.94), 0.02: (2.0, 8.0, 3.47)})
+    lines = []
+    state = run_sweep(recipe(tmp_path), ["optim.lr=0.01,0.02"], log=lines.append, run_trial=runner)
+    assert state["selected"] is None and "made by the noise" in state["selection_refused"]
+    assert any(x.startswith("no trial selected: ") for x in lines), lines
+    md = (tmp_path / "runs" / "sw-sweep" / "sweep.md").read_text()
+    assert "**Selected:** none: the trials' DP evaluation losses span 2.81" in md
 
 
 def test_the_cost_composes_every_trials_ledger_and_the_tokenizer_once(tmp_path):
@@ -583,3 +596,19 @@ def test_the_readme_sweep_commands_parse(monkeypatch):
         cfg = load_recipe(args.recipe, args.overrides)
         spec = resolve_sweep(cfg.sweep, args.grid, args.trials, args.mean_trials, args.distribution)
         assert spec.points()
+
+
+def test_no_trial_is_selected_on_noise():
+    """Issue 30 item 3: a selection between DP losses whose noise std exceeds their spread is
+    refused (the issue's case: 5.19 ± 2.94 against 8.00 ± 3.47); well-separated trials are
+    selected as before."""
+    from llmdp.sweep import selection_refusal
+
+    noisy = [{"trial": 0, "dp_eval": {"loss": 5.19, "loss_std": 2.94}},
+             {"trial": 1, "dp_eval": {"loss": 8.00, "loss_std": 3.47}}]
+    why = selection_refusal(noisy)
+    assert why and "span 2.81" in why and "± 3.47" in why
+    clear = [{"trial": 0, "dp_eval": {"loss": 5.19, "loss_std": 0.13}},
+             {"trial": 1, "dp_eval": {"loss": 5.60, "loss_std": 0.12}}]
+    assert selection_refusal(clear) is None and select_trial(clear)["trial"] == 0
+    assert selection_refusal(noisy[:1]) is None  # one trial: nothing to choose between
