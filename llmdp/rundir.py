@@ -155,6 +155,22 @@ class RunDir:
         except Exception:  # noqa: BLE001 - a checkpoint Ray cannot read either fails the run later
             return "?"
 
+    def finished_training(self) -> bool:
+        """Whether the workers finished every planned step after their latest (re)start: the
+        final evaluation and model were saved and "end" was written (`run_state`)."""
+        path = self.file("metrics.jsonl")
+        if not os.path.exists(path):
+            return False
+        metrics = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    metrics.append(json.loads(line))
+                except ValueError:
+                    continue  # a torn last line
+        steps = int(self.plan.steps)
+        return run_state(metrics, steps, None, True)["status"] == "complete"
+
     def resume_point(self) -> dict | None:
         """Where a re-launch starts: ``{"step": k, "attempt": n}`` (k: the step of the latest
         checkpoint, the one Ray Train restores; n: this launch's attempt, counted like the
@@ -184,6 +200,13 @@ def run_state(metrics: list[dict], steps_planned: int, failure: str | None,
     # Interrupted (Ctrl-C, SIGTERM) if the driver said so after the latest (re)start.
     last = next((m for m in reversed(metrics) if m.get("event") in ("interrupted", "start")), None)
     interrupted = interrupted or (last is not None and last["event"] == "interrupted")
+    # The workers finished everything after the latest (re)start (the final evaluation and
+    # model saved, then "end"): an interrupt after that hit only the driver's finalization
+    # (report, hold), which a re-run or this report completes. Not interrupted.
+    start = max((i for i, m in enumerate(metrics) if m.get("event") == "start"), default=-1)
+    if any(m.get("event") == "end" and int(m.get("step") or 0) >= steps_planned
+           for m in metrics[start + 1:]) and completed >= steps_planned:
+        interrupted = False
     return {
         "completed": completed,
         "status": "failed" if failure else ("interrupted" if interrupted else

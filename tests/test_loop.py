@@ -303,3 +303,42 @@ def test_the_report_opens_with_a_plain_sentence_and_warns_of_a_unit_smaller_than
     card = model_card(pub, yaml.safe_load(open(os.path.join(prep.run_dir, "config.yaml"))),
                       fmt="full", base_model=None, license=None, unverified=[])
     assert "In plain words: a person who sees this model" in str(card)
+
+
+def test_a_ctrl_c_during_finalization_does_not_strand_the_run(tmp_path, monkeypatch):
+    """Issue 30 item 2: every step, the final evaluation and the model were done ("end" in
+    metrics.jsonl) when Ctrl-C reached the driver. The report says complete, not
+    interrupted; a re-run finishes the finalization without training or spending; export
+    accepts the run."""
+    import json
+
+    import llmdp.trainer
+    from llmdp.export import export_run
+    from llmdp.privacy.ledger import Ledger
+    from llmdp.worker import LocalContext, train_loop_per_worker
+
+    cfg = make_recipe(tmp_path, steps=4)
+
+    def fit_then_ctrl_c(prepared, log):
+        train_loop_per_worker(prepared, LocalContext(checkpoint_dir=str(tmp_path / "ckpt")))
+        raise KeyboardInterrupt  # after "end": during the driver's finalization
+
+    monkeypatch.setattr(llmdp.trainer, "_fit", fit_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        llmdp.trainer.run(cfg, log=lambda *a: None)
+    run_dir = cfg.run_dir
+    report = json.load(open(os.path.join(run_dir, "privacy_report.json")))
+    assert report["status"] == "complete", report["status"]
+    released = Ledger(os.path.join(run_dir, "ledger.jsonl")).records()
+
+    # A stale report (as an older version wrote it): the re-run finalizes, never trains.
+    report["status"] = "interrupted"
+    open(os.path.join(run_dir, "privacy_report.json"), "w").write(json.dumps(report))
+    monkeypatch.setattr(llmdp.trainer, "_fit", lambda *a: pytest.fail("trained again"))
+    lines = []
+    llmdp.trainer.run(cfg, log=lines.append)
+    assert any("is already complete" in x for x in lines), lines
+    assert json.load(open(os.path.join(run_dir, "privacy_report.json")))["status"] == "complete"
+    assert Ledger(os.path.join(run_dir, "ledger.jsonl")).records() == released  # nothing spent
+    res = export_run(run_dir, tmp_path / "export", log=lambda *a: None, allow_unverified=True)
+    assert not any("status" in p for p in res["problems"]), res["problems"]
