@@ -373,7 +373,7 @@ def _noise_generator(plan, trainable: int | None, steps: int, tail=None) -> dict
         "kept_mass_at_least": 1.0 - tail.lost_mass,
         "delta_noise_tail": tail.delta(delta),
         "delta_accountant": tail.accountant_delta(delta),
-        "note": "included in δ: δ = δ_accountant / Z + Σ count·η, Z >= 1 - Σ count·k·2**-53 "
+        "note": "included in δ: δ = δ_accountant / Z + Σ count·η, Z >= 1 - Σ count·k·2**-106 "
                 "the mass the truncation keeps; every ε is computed at δ_accountant",
     })
     return out

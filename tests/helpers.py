@@ -260,3 +260,21 @@ def simulate_steps(prepared, steps=None) -> None:
     for s in range(prepared.plan.steps if steps is None else steps):
         svc.ensure(s)
     svc.db.close()
+
+
+def use_noise_cap(monkeypatch, radius_bits: int) -> tuple[float, float]:
+    """Model a noise generator whose radius uniform has ``radius_bits`` bits: pairs truncated
+    at τ = sqrt(2·bits·ln 2), mass m = 2**-bits removed from each (`llmdp.privacy.noise_tail`;
+    the modules that state τ too). The generator draws 106 bits, whose tails are negligible
+    at any usable σ; tests of the machinery that folds tails into δ use 53 (the earlier
+    generator), where they show in ε at usual σ. Returns (m, τ)."""
+    import math
+
+    from llmdp import report
+    from llmdp.privacy import noise_tail, plan
+
+    mass, tau = 2.0**-radius_bits, math.sqrt(2 * radius_bits * math.log(2))
+    monkeypatch.setattr(noise_tail, "TAIL_MASS", mass)
+    for module in (noise_tail, plan, report):
+        monkeypatch.setattr(module, "NOISE_TAIL", tau)
+    return mass, tau

@@ -347,7 +347,7 @@ def test_the_cost_composes_every_trials_ledger_and_the_tokenizer_once(tmp_path):
     from llmdp.privacy.noise_tail import truncation_delta_per_step
 
     k, sigma = plans[0].plan.noise_coordinates, plans[0].plan.noise_multiplier
-    d_acc = (DELTA - 18 * truncation_delta_per_step(k, sigma)) * (1 - 18 * k / 2.0**53)
+    d_acc = (DELTA - 18 * truncation_delta_per_step(k, sigma)) * (1 - 18 * k * 2.0**-106)
     assert state["cost"]["composition"]["delta_accountant"] == pytest.approx(d_acc, rel=1e-12)
     event = dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(TRIAL_STEP, 18),
                                            TOKENIZER])

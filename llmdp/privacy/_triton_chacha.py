@@ -5,11 +5,12 @@ with the torch reference).
 
 Each program computes ``BLOCK`` ChaCha20 blocks, one per lane: the 16-word state lives in
 registers, 20 rounds of add-rotate-xor on uint32 lanes, no memory traffic but the output.
-The noise kernel turns each block (16 words) into 4 Box-Muller pairs (8 normals) exactly
-as ``noise._normals_from_words`` does on CPU: 53-bit integers from the top of each
-little-endian 64-bit words (k1 = low 53 bits of the first, s2 = the second's top 53 bits,
-signed), u1 = (k1 + 1)·2**-53, θ = 2π·s2·2**-53, in float64, and adds
-``std·r·(cos θ, sin θ)``, rounded to the target's dtype, to the elements it owns.
+The noise kernel turns each block (16 words: 8 little-endian 64-bit words) into 2
+Box-Muller pairs (4 normals) exactly as ``noise._pairs`` does on CPU, pair j from 64-bit
+words 4j … 4j + 3: k1, k2 = the low 53 bits of the first two, s2 = the third's top 53 bits,
+signed (the fourth unused), u1 = k1·2**-53 + (k2 + 1)·2**-106, θ = 2π·s2·2**-53, in
+float64, and adds ``std·r·(cos θ, sin θ)``, rounded to the target's dtype, to the elements
+it owns.
 
 With ``TRITON_INTERPRET=1`` set before the import, the same kernels run on CPU tensors
 through Triton's interpreter (the tests use this to check the kernels without a GPU).
@@ -102,11 +103,14 @@ if triton is not None:
             tl.store(base + i, w[i].to(tl.int32, bitcast=True), mask=mask)
 
     @triton.jit
-    def _pair(lo0, hi0, lo1, hi1, scale, two_pi_2m53):
+    def _pair(lo0, hi0, lo1, hi1, lo2, hi2, scale, two_pi_2m53):
         k1 = ((hi0 & 0x1FFFFF).to(tl.uint64) << 32) | lo0.to(tl.uint64)  # low 53 bits
-        w2 = ((hi1.to(tl.uint64) << 32) | lo1.to(tl.uint64)).to(tl.int64, bitcast=True)
-        s2 = w2 >> 11  # signed: the top 53 bits, in [-2**52, 2**52)
-        u1 = (k1.to(tl.float64) + 1.0) * 1.1102230246251565e-16  # 2**-53, exact
+        k2 = ((hi1 & 0x1FFFFF).to(tl.uint64) << 32) | lo1.to(tl.uint64)  # low 53 bits
+        w3 = ((hi2.to(tl.uint64) << 32) | lo2.to(tl.uint64)).to(tl.int64, bitcast=True)
+        s2 = w3 >> 11  # signed: the top 53 bits, in [-2**52, 2**52)
+        # u1 = k1·2**-53 + (k2 + 1)·2**-106: both products exact (powers of two, exact in
+        # fp32 and fp64; no underflow), so fused into an FMA or not the sum is rounded once.
+        u1 = k1.to(tl.float64) * 1.1102230246251565e-16 + (k2.to(tl.float64) + 1.0) * 1.2325951644078310e-32
         r = tl.sqrt(tl.log(u1) * scale)
         theta = s2.to(tl.float64) * two_pi_2m53
         return r * tl.cos(theta), r * tl.sin(theta)
@@ -121,18 +125,39 @@ if triton is not None:
     @triton.jit
     def gauss_add_kernel(t_ptr, kn_ptr, c_ptr, first, n, block0, n_blocks, BLOCK: tl.constexpr):
         """t[e - first] += noise element e for e in [first, first + n): element e is normal
-        e % 8 of block e // 8 (pairs of 4 words, cos then sin)."""
+        e % 4 of block e // 4 (pairs of 8 32-bit words, cos then sin)."""
         pid = tl.program_id(0)
         b = block0 + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         live = b < block0 + n_blocks
         scale = tl.load(c_ptr)  # float64 scalars: -2·std², 2π·2**-53 (float args would be fp32)
         two_pi_2m53 = tl.load(c_ptr + 1)
         w = _block(kn_ptr, b.to(tl.uint32))
-        e0 = b * 8
-        for p in tl.static_range(4):
-            za, zb = _pair(w[4 * p], w[4 * p + 1], w[4 * p + 2], w[4 * p + 3], scale, two_pi_2m53)
+        e0 = b * 4
+        for p in tl.static_range(2):
+            za, zb = _pair(w[8 * p], w[8 * p + 1], w[8 * p + 2], w[8 * p + 3], w[8 * p + 4],
+                           w[8 * p + 5], scale, two_pi_2m53)
             _put(t_ptr, e0 + 2 * p, za, first, n, live)
             _put(t_ptr, e0 + 2 * p + 1, zb, first, n, live)
+
+    @triton.jit
+    def pairs_kernel(w_ptr, out_ptr, c_ptr, n, BLOCK: tl.constexpr):
+        """out[2i], out[2i + 1] = `_pair` of the 8 32-bit words w[8i … 8i + 7]: the fused
+        kernel's transform on given words (tests: the fused kernel's words are ChaCha20's,
+        which no test can choose)."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        scale = tl.load(c_ptr)
+        two_pi_2m53 = tl.load(c_ptr + 1)
+        base = w_ptr + i * 8
+        lo0 = tl.load(base, mask=m, other=0).to(tl.uint32, bitcast=True)
+        hi0 = tl.load(base + 1, mask=m, other=0).to(tl.uint32, bitcast=True)
+        lo1 = tl.load(base + 2, mask=m, other=0).to(tl.uint32, bitcast=True)
+        hi1 = tl.load(base + 3, mask=m, other=0).to(tl.uint32, bitcast=True)
+        lo2 = tl.load(base + 4, mask=m, other=0).to(tl.uint32, bitcast=True)
+        hi2 = tl.load(base + 5, mask=m, other=0).to(tl.uint32, bitcast=True)
+        za, zb = _pair(lo0, hi0, lo1, hi1, lo2, hi2, scale, two_pi_2m53)
+        tl.store(out_ptr + 2 * i, za, mask=m)
+        tl.store(out_ptr + 2 * i + 1, zb, mask=m)
 
 
 
@@ -155,6 +180,22 @@ def keystream(key: bytes, nonce: bytes, counter: int, n_words: int, device) -> t
     return out[:n_words].to(torch.int64) & 0xFFFFFFFF
 
 
+def pairs_from_words(words: torch.Tensor, std: float) -> torch.Tensor:
+    """[n, 2] float64: the pairs the fused kernel makes of ``words`` ([n, 4] int64: each
+    pair's four little-endian 64-bit words, as ``noise._pairs`` takes them), through the
+    same `_pair` function. For the tests: they compare it with ``noise._pairs`` on words
+    they choose (k1 = 0, where u1's low 53 bits decide the radius)."""
+    n = words.shape[0]
+    halves = torch.stack([words & 0xFFFFFFFF, (words >> 32) & 0xFFFFFFFF], -1).view(n, 8)
+    w32 = torch.where(halves >= 2**31, halves - 2**32, halves).to(torch.int32)  # (lo, hi) each
+    out = torch.empty(n, 2, dtype=torch.float64, device=words.device)
+    consts = torch.tensor([-2.0 * float(std) * float(std), _TWO_PI_2M53], dtype=torch.float64,
+                          device=words.device)
+    if n:
+        pairs_kernel[(triton.cdiv(n, _BLOCK),)](w32, out, consts, n, BLOCK=_BLOCK)
+    return out
+
+
 def gauss_add_(t: torch.Tensor, key: bytes, nonce: bytes, first: int, std: float) -> None:
     """``t.view(-1) += std·noise[first : first + t.numel()]`` of the stream (key, nonce)."""
     n = t.numel()
@@ -162,8 +203,8 @@ def gauss_add_(t: torch.Tensor, key: bytes, nonce: bytes, first: int, std: float
         return
     if not t.is_contiguous():
         raise ValueError("gauss_add_ needs a contiguous tensor")
-    block0 = first // 8
-    n_blocks = (first + n - 1) // 8 - block0 + 1
+    block0 = first // 4
+    n_blocks = (first + n - 1) // 4 - block0 + 1
     kn = _key_nonce_tensor(key, nonce, t.device)
     consts = torch.tensor([-2.0 * float(std) * float(std), _TWO_PI_2M53], dtype=torch.float64, device=t.device)
     gauss_add_kernel[(triton.cdiv(n_blocks, _BLOCK),)](t, kn, consts, first, n, block0, n_blocks, BLOCK=_BLOCK)

@@ -157,7 +157,7 @@ def bound_unit_words(words: Iterable[str], max_words_per_unit: int, key: bytes) 
 def word_noise(key: bytes, word: str, std: float) -> float:
     """One N(0, std^2) draw, a deterministic function of (key, word):
     `llmdp.privacy.noise.keyed_normal` with label = domain + UTF-8 word (ChaCha20 under a
-    per-word key; Box-Muller on two 53-bit uniforms)."""
+    per-word key; Box-Muller on a 106-bit radius uniform and a 53-bit angle)."""
     return keyed_normal(_check_key(key), _NOISE_DOMAIN + word.encode("utf-8"), std)
 
 

@@ -240,6 +240,29 @@ _INTERPRETED = textwrap.dedent(
     T.gauss_add_(t32, key, noise._nonce(7), 100, 1.3)
     ref32 = whole[100:3100].float()
     assert float((t32 - ref32).abs().max()) <= 2.0**-20, float((t32 - ref32).abs().max())
+    # The kernel's transform on chosen words (its ChaCha20 words cannot be chosen): k1 = 0,
+    # where u1 = (k2 + 1)·2**-106 alone sets the radius, small k1, and random words, with
+    # the ignored bits set; the largest draw at all-zero words.
+    import random
+    rng = random.Random(5)
+    m53 = (1 << 53) - 1
+    def signed(w):
+        return w - (1 << 64) if w >= 1 << 63 else w
+    rows = [[0, 0, 0, 0], [0x7FF << 53, 0x7FF << 53, 0x7FF, (1 << 64) - 1]]
+    for i in range(3000):
+        w = [rng.getrandbits(64) for _ in range(4)]
+        if i % 3 == 0:
+            w[0] &= ~m53  # k1 = 0
+        elif i % 3 == 1:
+            w[0] &= ~m53 | ((1 << rng.randrange(1, 20)) - 1)  # small k1
+        rows.append(w)
+    words = torch.tensor([[signed(w) for w in r] for r in rows], dtype=torch.int64)
+    got = T.pairs_from_words(words, 1.3)
+    want = noise._pairs(words, 1.3, {"dtype": torch.float64})
+    err = float(((got - want).abs() / want.abs().clamp(min=1.0)).max())
+    assert err < 1e-13, err
+    assert abs(float(got[0, 0]) / (1.3 * noise.NOISE_TAIL) - 1) < 1e-15 and float(got[1, 0]) == float(got[0, 0])
+    assert float(got.norm(dim=1)[2::3].min()) > 1.3 * 8.57  # k1 = 0: past the 53-bit cap
     print("ok")
     """
 )

@@ -124,29 +124,124 @@ def test_zero_or_invalid_std_is_refused(std):
 # --------------------------------------------------------------------------- issue 12, 8c
 
 
-def test_stated_tail_is_the_generators_largest_possible_draw(monkeypatch):
-    """NOISE_TAIL is what the construction can reach: k1 = 0 gives u1 = 2**-53 (the
-    smallest), k2 = 0 gives theta = 0 (cos = 1); nothing larger is possible."""
-    import math
-
-    import torch
-
+def _stream_of(monkeypatch, stream: bytes):
+    """Make ``noise``'s keystream the bytes ``stream`` (zeros after it), whatever the key:
+    words the tests choose, at the stream positions the method reads them from."""
     import llmdp.privacy.noise as noise
 
-    assert noise.NOISE_TAIL == math.sqrt(106 * math.log(2))
-    assert abs(noise.NOISE_TAIL - 8.5717) < 1e-4
+    def fake(key, nonce, counter, out):
+        view = memoryview(out).cast("B")
+        chunk = stream[64 * counter : 64 * counter + len(view)]
+        view[:] = chunk + bytes(len(view) - len(chunk))
 
-    def zeros(key, nonce, counter, out):  # an all-zero keystream: k1 = k2 = 0 everywhere
-        memoryview(out).cast("B")[:] = bytes(len(out))
+    monkeypatch.setattr(noise.chacha, "keystream_into", fake)
 
-    monkeypatch.setattr(noise.chacha, "keystream_into", zeros)
-    z = noise.gaussian_like((4,), b"k" * 32, 0, 3.0, dtype=torch.float64)
-    # The maximum is reached (up to the rounding of r = sqrt(-2 ln u1 · std²): one ulp).
-    assert math.isclose(float(z[0]), noise.NOISE_TAIL * 3.0, rel_tol=2**-51, abs_tol=0)
-    assert float(z[1]) == 0.0  # sin 0
+
+def _words_bytes(words) -> bytes:
+    """Pairs of four unsigned 64-bit words -> the stream's bytes (little-endian words)."""
+    return b"".join(w.to_bytes(8, "little") for pair in words for w in pair)
+
+
+def _crafted_words(rng):
+    """Pairs (four 64-bit words each) where the radius's low 53 bits matter: k1 = 0 (u1 =
+    (k2 + 1)·2**-106 alone), small k1, and the extremes; the bits the method ignores (the
+    top 11 of words 1 and 2, the low 11 of word 3, all of word 4) set at random."""
+    top11, low11 = lambda: rng.getrandbits(11) << 53, lambda: rng.getrandbits(11)
+    w = [
+        (0, 0, 0, 0),  # k1 = k2 = s2 = 0: u1 = 2**-106, θ = 0: the largest draw
+        ((2**11 - 1) << 53, (2**11 - 1) << 53, 2**11 - 1, 2**64 - 1),  # the same, ignored bits set
+        (0, 2**53 - 1, 0, 0),  # k1 = 0, k2 = max: u1 = 2**-53, the earlier 53-bit cap
+        (2**53 - 1, 2**53 - 1, 0, 0),  # u1 = 1: r = 0
+        (2**53 - 1, 2**53 - 1, 1 << 63, 0),  # and θ = -π
+    ]
+    for _ in range(300):  # k1 = 0: the radius is (k2 + 1)·2**-106's alone, in (8.57, 12.12] std
+        w.append((top11(), top11() | rng.getrandbits(53), rng.getrandbits(64), rng.getrandbits(64)))
+    for _ in range(300):  # small k1 < 2**19: k2 still moves u1 by up to 1/k1 of itself
+        w.append((top11() | rng.getrandbits(rng.randrange(1, 20)), rng.getrandbits(64),
+                  (rng.getrandbits(53) << 11) | low11(), rng.getrandbits(64)))
+    for _ in range(300):
+        w.append(tuple(rng.getrandbits(64) for _ in range(4)))
+    return w
+
+
+def _exact_pair(words, std: float):
+    """The reference: (z_cos, z_sin) of one pair, from its four unsigned 64-bit words, read
+    and computed independently of `noise`: k1, k2 = the low 53 bits of words 1 and 2, s2 =
+    word 3 as a signed integer, floor-divided by 2**11 (its top 53 bits); u1 = (k1·2**53 +
+    k2 + 1)/2**106 rounded once to float64 (Python's correctly rounded int division: the
+    method's one rounding of an exact sum); θ = the float64 s2·(2π·2**-53) (both sides
+    compute it bit for bit; cos near ±π/2 would otherwise amplify its rounding); r and the
+    trigonometric functions in 60-digit arithmetic (mpmath)."""
+    import mpmath
+
+    w0, w1, w2 = words[0], words[1], words[2]
+    k1, k2 = w0 % 2**53, w1 % 2**53
+    s2 = (w2 - 2**64 if w2 >= 2**63 else w2) // 2**11
+    u1 = (k1 * 2**53 + k2 + 1) / 2**106
+    theta = float(s2) * (2.0 * math.pi / 2.0**53)
+    with mpmath.workdps(60):
+        r = std * mpmath.sqrt(-2 * mpmath.log(mpmath.mpf(u1)))
+        return float(r * mpmath.cos(mpmath.mpf(theta))), float(r * mpmath.sin(mpmath.mpf(theta)))
+
+
+def _ulps(got: float, want: float) -> float:
+    return abs(got - want) / math.ulp(want) if got != want else 0.0
+
+
+def test_radius_uniform_has_106_bits_and_the_stated_cap(monkeypatch):
+    """Issue 29 item 8: the radius uniform is u1 = k1·2**-53 + (k2 + 1)·2**-106, so the
+    smallest u1 is 2**-106 and the largest draw NOISE_TAIL·std = sqrt(212 ln 2)·std ≈
+    12.12 std, reached at k1 = k2 = s2 = 0 (a 53-bit u1 capped |z| at 8.57 std). On chosen
+    words (k1 = 0, where k2 alone sets the radius; the ignored bits set at random) every
+    draw of `gaussian_like` and `keyed_normal` is the independent reference's to a few ulps."""
+    import random
+
+    import llmdp.privacy.noise as noise
+    from llmdp.privacy.noise_tail import TAIL_MASS
+
+    assert TAIL_MASS == 2.0**-106 and noise.NOISE_TAIL == math.sqrt(212 * math.log(2))
+    assert abs(noise.NOISE_TAIL - 12.1222) < 1e-4
+    std = 3.0
+    words = _crafted_words(random.Random(8))
+    _stream_of(monkeypatch, _words_bytes(words))
+    z = noise.gaussian_like((2 * len(words),), b"k" * 32, 0, std, dtype=torch.float64).view(-1, 2)
+    # The maximum is reached (up to the rounding of log and sqrt: an ulp or two), by both
+    # all-zero pairs: the ignored bits are ignored.
+    for i in (0, 1):
+        assert _ulps(float(z[i, 0]), noise.NOISE_TAIL * std) <= 2 and float(z[i, 1]) == 0.0
+    assert _ulps(float(z[2, 0]), math.sqrt(106 * math.log(2)) * std) <= 2  # the old cap: inside
+    assert float(z[3, 0]) == 0.0 and float(z[4, 0]) == 0.0
+    radius = z.norm(dim=1) / std
+    assert float(radius.max()) <= noise.NOISE_TAIL * (1 + 2**-50)
+    assert float(radius[5:305].min()) > 8.57  # k1 = 0: past the 53-bit cap, every one
+    worst = 0.0
+    for i, pair in enumerate(words):
+        want = _exact_pair(pair, std)
+        worst = max(worst, _ulps(float(z[i, 0]), want[0]), _ulps(float(z[i, 1]), want[1]))
+    assert worst <= 8, worst
+    # keyed_normal reads the first pair of its label key's stream: the same words here.
+    for pair in words[:12] + words[300:312]:
+        _stream_of(monkeypatch, _words_bytes([pair]))
+        assert _ulps(noise.keyed_normal(b"k", b"label", std), _exact_pair(pair, std)[0]) <= 8
     monkeypatch.undo()
     draws = noise.gaussian_like((200_000,), b"k" * 32, 1, 1.0, dtype=torch.float64)
     assert float(draws.abs().max()) <= noise.NOISE_TAIL
+
+
+def test_element_e_is_normal_e_mod_4_of_block_e_div_4(monkeypatch):
+    """The layout FSDP seeks in: pair j reads 64-bit words 4j … 4j + 2 of the stream (32
+    bytes; 2 pairs a 64-byte block), element 2j its cos, 2j + 1 its sin: a pair planted at
+    any position comes out there, whatever slice is drawn."""
+    import llmdp.privacy.noise as noise
+
+    pairs = [(2**53 - 1, 2**53 - 1, 0, 0)] * 40  # u1 = 1: zeros
+    pairs[23] = (0, 0, 0, 0)  # the largest draw, at pair 23: elements 46 (cos) and 47 (sin 0)
+    _stream_of(monkeypatch, _words_bytes(pairs))
+    whole = noise.gaussian_like((80,), b"k" * 32, 0, 1.0, dtype=torch.float64)
+    assert whole.nonzero().view(-1).tolist() == [46]
+    for off in (45, 46, 47):
+        part = noise.gaussian_like((5,), b"k" * 32, 0, 1.0, dtype=torch.float64, offset=off, total=80)
+        assert torch.equal(part, whole[off : off + 5])
 
 
 def test_noise_is_float32_and_never_added_in_bf16():
@@ -180,8 +275,10 @@ def test_truncation_delta_bounds_the_known_allocations():
             assert h(s) <= bound  # concentrated on one pair
             assert k * h(s / math.sqrt(k)) <= bound  # spread evenly
             if sigma >= 0.5:
-                assert bound < 1e-8  # and not vacuous for usual sigma
-    assert truncation_delta_per_step(10**6, 0.1) == 1.0  # below 1/(tau-1): stated as vacuous
+                assert bound < 1e-21  # and far below any δ for usual sigma
+    # s = 1/σ above τ - a_lo (a_lo ≈ 0.166, the smaller root of a(τ - a) = 2): stated vacuous
+    assert truncation_delta_per_step(10**6, 0.08) == 1.0
+    assert truncation_delta_per_step(10**6, 0.1) < 1.0
 
 
 # --------------------------------------------------------------------------- issue 14
@@ -323,25 +420,15 @@ def test_noise_works_in_a_forked_child():
 
 
 def _keyed_normal_exact(key: bytes, label: bytes, std: float) -> float:
-    """The keyed draw's formula evaluated in 60-digit arithmetic (mpmath), from the stream's
-    first 16 bytes read independently of `noise` (int.from_bytes): the reference. θ is the
-    float64 number the method defines (s2 times the float64 2π·2**-53, rounded: both
-    implementations compute it bit for bit; cos near ±π/2 would otherwise amplify its
-    rounding), u1 = (k1 + 1)·2**-53 is exact."""
-    import mpmath
-
+    """The keyed draw's reference: `_exact_pair` of the first four 64-bit words of the
+    label key's stream, read independently of `noise` (int.from_bytes), cos branch."""
     from llmdp.privacy import chacha
     from llmdp.privacy.noise import _label_key
 
     block = bytearray(64)
     chacha.keystream_into(_label_key(key, label), chacha.stream_nonce(b"gaus", 0), 0, block)
-    w1 = int.from_bytes(block[:8], "little")
-    w2 = int.from_bytes(block[8:16], "little", signed=True)
-    k1, s2 = w1 % 2**53, w2 // 2**11  # the low 53 bits; the top 53 bits, signed
-    with mpmath.workdps(60):
-        u1 = mpmath.mpf(k1 + 1) / 2**53
-        theta = mpmath.mpf(float(s2) * (2.0 * math.pi / 2.0**53))
-        return float(std * mpmath.sqrt(-2 * mpmath.log(u1)) * mpmath.cos(theta))
+    words = [int.from_bytes(block[8 * i : 8 * i + 8], "little") for i in range(4)]
+    return _exact_pair(words, std)[0]
 
 
 def test_keyed_normal_is_the_first_draw_of_its_label_key():
