@@ -336,7 +336,8 @@ def test_dp_evaluations_on_a_private_eval_source_are_in_its_own_ledger(tmp_path)
 
     on_eval_run = prepare(recipe_from_dict(raw), log=lines.append)
     said = [x for x in lines if x.startswith("budget: ")]
-    assert said and said[0].startswith(f"budget: ε spent on this dataset = {eps_eval:.4f} of 50"), said
+    assert said and said[0].startswith("budget: ε spent on this dataset for the privacy unit ") \
+        and f"' = {eps_eval:.4f} of 50" in said[0], said
 
     # With the evaluation file's budget just above what is spent (that run ended), a run whose
     # DP evaluations do not fit in it is refused at launch, naming the evaluation source.

@@ -208,8 +208,9 @@ def test_the_budget_is_the_datasets_whatever_the_recipe_says(tmp_path, monkeypat
     lines = []
     a = _prepare(recipe_from_dict(_raw(tmp_path, data, name="a", budget_epsilon=50.0)), lines)
     ds = a.ledger.service["dataset_id"]
-    assert any(x.startswith("budget: ε spent on this dataset = 0.0000 of 50 at δ = 0.0001 "
-                            "(privacy.budget_epsilon, now recorded as the dataset's budget)")
+    assert any(x.startswith("budget: ε spent on this dataset for the privacy unit 'a sequence of "
+                            "24 tokens (packed across document boundaries)' = 0.0000 of 50 at δ = "
+                            "0.0001 (privacy.budget_epsilon, now recorded as the dataset's budget)")
                for x in lines), lines
     (budget,) = [r for r in dataset_records(None, dataset_id=ds) if r["kind"] == "budget"]
     assert (budget["epsilon"], budget["delta"], budget["accountant"]) == (50.0, 1e-4, "pld")
