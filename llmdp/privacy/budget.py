@@ -245,7 +245,7 @@ def budget_status(records, budget: float | None, delta: float, accountant: str, 
     spent = unit_epsilon(records, unit, delta, accountant)
     same, _ = split_by_unit(records, unit)
     live = [{"run_id": rid, "steps_unused": int(h["hold"]["steps"]) - h["used"],
-             "name": run_name_of_hold(h["hold"])}
+             **({"name": run_name_of_hold(h["hold"])} if run_name_of_hold(h["hold"]) else {})}
             for rid, h in live_holds(records).items()
             if unit_key(h["hold"].get("meta")) == unit_key(unit)]
     return {"ledger": location, "dataset_id": dataset_id, "unit": unit_key(unit),
