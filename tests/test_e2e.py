@@ -34,7 +34,8 @@ output: {{dir: runs, name: e2e}}
 USER_UNITS = ["data.unit=user", "data.user_field=user_id", "data.max_rows_per_unit=2",
               "data.document_masking=true", "privacy.sampler=truncated-poisson",
               "train.expected_batch_size=6", "data.preprocess=ray",
-              "data.preprocess_memory_mb=3", "data.preprocess_workers=2"]
+              "data.preprocess_memory_mb=3", "data.preprocess_workers=2",
+              "privacy.delta=1e-3"]  # 16 users: δ must be given below N = 100
 
 
 # (sequence units on two Ray workers: tests/test_multinode.py runs them, on two nodes)
@@ -166,7 +167,7 @@ def test_private_tokenizer_then_training_one_guarantee(tmp_path, monkeypatch, ca
     tok = json.load(open(tmp_path / "tokenizers" / "private" / "llmdp_tokenizer.json"))
     (tmp_path / "r.yaml").write_text(RECIPE.format(tok=tmp_path / "tokenizers" / "private"))
     assert main(["train", "r.yaml", "data.unit=document", "data.max_rows_per_unit=2",
-                 "privacy.target_epsilon=6"]) == 0
+                 "privacy.target_epsilon=6", "privacy.delta=1e-3"]) == 0  # 80 documents: δ given
     capsys.readouterr()
     assert main(["privacy", "report", str(tmp_path / "runs" / "e2e"), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)

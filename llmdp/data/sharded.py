@@ -420,6 +420,39 @@ def _ensure_ray(workers: int, workdir: str, log_fn):
     return local or True
 
 
+def _person_fields(data_path, data_format: str) -> list[str]:
+    """The record fields that look like they name a person (`store.person_like_fields`), read
+    from the first record of the first file (JSON lines, CSV header, Parquet schema)."""
+    import csv
+    import io
+
+    from llmdp.data.chunks import list_files, open_file
+    from llmdp.data.store import person_like_fields
+
+    try:
+        first = list_files(data_path)[0]
+        name = first
+        if name.endswith(".gz"):
+            return []  # compressed: not read here (no warning)
+        if name.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            with open_file(first) as f:
+                return person_like_fields(pq.read_schema(f).names)
+        with open_file(first) as f:
+            head = f.read(1 << 16)
+        text = head.decode("utf-8", "replace").lstrip("\ufeff")
+        if name.endswith(".csv"):
+            return person_like_fields(next(csv.reader(io.StringIO(text)), []))
+        if name.endswith((".jsonl", ".json")):
+            line = next((x for x in text.splitlines() if x.strip()), "")
+            rec = json.loads(line) if line.strip().startswith("{") else {}
+            return person_like_fields(rec.keys()) if isinstance(rec, dict) else []
+    except Exception:  # noqa: BLE001 - a warning's input only: no warning rather than a failure
+        return []
+    return []
+
+
 def build_store_sharded(cache_dir, **kwargs) -> UnitStore:
     """Build (or reuse) the unit store of ``data_path`` on Ray Data and open it (arguments:
     :func:`build_sharded`)."""
@@ -573,6 +606,9 @@ def _finish(finals, tmp, parts, results, counts, holdout, spec, tokenizer, fps, 
                         "num_units": s["num_units"]} for s in used],
             "preprocess": {**layout, "shards": len(used), "chunks": n_chunks},
         }
+        person = [] if spec.kind == "user" else _person_fields(source["path"], source["format"])
+        if person:  # as the in-process store records them (the report's unit warning)
+            meta["person_like_fields"] = person
         if holdout is not None:
             meta["holdout"] = {**holdout.to_dict(), "part": p}
         with open(os.path.join(tmp[p], "meta.json"), "w") as f:

@@ -246,8 +246,12 @@ class UnitStore:
                 "unit as in one process")
 
     def stats(self) -> dict:
-        """Counts computed on the private data: the report must mark them internal."""
-        return dict(self.meta["counts"])
+        """Counts computed on the private data: the report must mark them internal (with
+        the record fields that look like they name a person, when the store knows them)."""
+        out = dict(self.meta["counts"])
+        if self.meta.get("person_like_fields"):
+            out["person_like_fields"] = list(self.meta["person_like_fields"])
+        return out
 
 
 def _np(array) -> np.ndarray:
@@ -436,7 +440,7 @@ def build_store(
         )
     eos_id, pad_id = special_ids(tokenizer)
     units.counts = {**units.counts, "records_without_target": corpus.records_without_target(),
-                    **skipped, **({"person_like_fields": person_fields} if person_fields else {})}
+                    **skipped}
     built = dict(zip(("train", "eval"), split_units(units, holdout))) if holdout is not None \
         else {"train": units}
     for p in parts:
@@ -455,6 +459,8 @@ def build_store(
             "data": {**source, "sha256": src_sha, "encoding": encoder.describe()},
             "tokenizer_sha256": tok_sha,
         }
+        if person_fields:  # field names of the records, not a count (the report's unit warning)
+            meta["person_like_fields"] = person_fields
         if holdout is not None:
             meta["holdout"] = {**holdout.to_dict(), "part": p}
         _write_atomically(cache_dir, finals[p], built[p], meta)
