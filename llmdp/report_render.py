@@ -32,8 +32,9 @@ def plain_guarantee(r: dict) -> str:
         what = "any one privacy unit"
     how = "almost nothing" if eps <= 1 else "little" if eps <= 4 else "a bounded amount"
     factor = math.exp(eps) if eps < 700 else math.inf
+    times = (f"{factor:,.1f}" if factor < 100 else f"{factor:,.0f}" if factor < 1e9 else f"{factor:.3g}")
     return (f"In plain words: a person who sees this model learns {how} about whether {what} "
-            f"was in the training data: anything they conclude is at most {factor:,.3g} times "
+            f"was in the training data: anything they conclude is at most {times} times "
             f"(e^ε, ε = {eps:.2f}) more likely with it than without it, except with probability "
             f"δ = {delta:.3g}. The smaller ε, the stronger the protection.")
 
