@@ -135,7 +135,12 @@ def bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x [B, m, k] @ y [B, k, n] -> [B, m, n] in float64: exact products, float64 sums
     (each entry within γ_k(2⁻⁵³)·Σ|x||y|, γ_{k+1} for float64 operands). The k dimension
     is widened a slice at a time."""
-    dt = torch.float64
+    return _widened_bmm(x, y, torch.float64)
+
+
+def _widened_bmm(x: torch.Tensor, y: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """x @ y in ``dt``, the operands widened to ``dt`` a slice of k at a time (never a
+    whole widened copy of a large operand)."""
     B, m, k = x.shape
     n = y.shape[2]
     widen = (x.dtype != dt) or (y.dtype != dt)
@@ -161,19 +166,8 @@ def bmm_fast(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     is within ``fast_bound``'s γ_n(u)·Σ|x||y| of its exact value."""
     if tensor_cores(x, y):
         return torch.bmm(x, y, out_dtype=torch.float32)
-    dt = result_dtype(x, y)
-    B, m, k = x.shape
-    n = y.shape[2]
-    widen = (x.dtype != dt) or (y.dtype != dt)
-    step = k if not widen else max(1, CHUNK_ELEMENTS // max(1, B * max(m, n)))
     with exact_fp32(x.device):
-        if step >= k:
-            return torch.bmm(x.to(dt), y.to(dt))
-        out = None
-        for k0 in range(0, k, step):
-            part = torch.bmm(x[:, :, k0:k0 + step].to(dt), y[:, k0:k0 + step].to(dt))
-            out = part if out is None else out.add_(part)
-        return out
+        return _widened_bmm(x, y, result_dtype(x, y))
 
 
 def fast_bound(x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[float, int]:
