@@ -77,19 +77,18 @@ class RunLock:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                held = False
                 break
             # A holder may have removed the file (`release(remove=True)`) between our open and
             # our flock: then we hold a lock on a name nobody sees; take the new file instead.
             try:
-                same = os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
+                held = os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
             except FileNotFoundError:
-                same = False
-            if same:
+                held = False
+            if held:
                 break
             os.close(self._fd)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held already: a no-op
-        except BlockingIOError:
+        if not held:
             try:
                 holder = json.loads(os.pread(self._fd, 4096, 0).decode() or "{}")
             except ValueError:

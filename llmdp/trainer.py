@@ -224,9 +224,7 @@ def finished_run(cfg: RecipeConfig) -> dict | None:
         # Interrupted during finalization (every step, the final evaluation and the model
         # were done): finish it here, without training or spending — rebuild the report
         # from the ledger (its hold is ended by the next run on the dataset: its lock is free).
-        from llmdp.rundir import RunDir as _RunDir
-
-        if _RunDir(run_dir).finished_training():
+        if RunDir(run_dir).finished_training():
             with RunLock(run_dir):
                 report = write_report(run_dir)
     if report.get("status") == "complete" and os.path.isdir(os.path.join(run_dir, "model")):

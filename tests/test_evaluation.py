@@ -222,6 +222,16 @@ def test_eval_calibration_equals_dp_accounting():
 # ----------------------------------------------------------------------------- the whole run
 
 
+def _six_steps_and_two_evals(spec) -> float:
+    """ε at δ = 1e-4 of 6 Poisson-sampled steps at σ = 1 and 2 DP evaluations at z = 3, by
+    dp-accounting directly."""
+    acc = dp_accounting.pld.PLDAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(spec.plan.sampling_probability,
+                                                    dp_accounting.GaussianDpEvent(1.0)), 6)
+    acc.compose(dp_accounting.GaussianDpEvent(3.0), 2)
+    return acc.get_epsilon(1e-4)
+
+
 def test_run_records_exactly_the_declared_eval_events_and_reports_their_composition(tmp_path):
     from llmdp.publish import publishable_report
     from llmdp.report import write_report
@@ -250,11 +260,7 @@ def test_run_records_exactly_the_declared_eval_events_and_reports_their_composit
     assert [m["step"] for m in dp] == [4, 6] and all("loss" in m for m in dp)
 
     report = write_report(spec.run_dir)
-    acc = dp_accounting.pld.PLDAccountant()
-    acc.compose(dp_accounting.PoissonSampledDpEvent(spec.plan.sampling_probability,
-                                                    dp_accounting.GaussianDpEvent(1.0)), 6)
-    acc.compose(dp_accounting.GaussianDpEvent(3.0), 2)
-    assert report["epsilon"] == pytest.approx(acc.get_epsilon(1e-4), rel=1e-6)
+    assert report["epsilon"] == pytest.approx(_six_steps_and_two_evals(spec), rel=1e-6)
     assert report["steps"] == 6
     ev = report["evaluation"]
     assert [m["step"] for m in ev["internal"]] == [0, 2, 4, 6] and [m["step"] for m in ev["dp"]] == [4, 6]
@@ -313,11 +319,7 @@ def test_dp_evaluations_on_a_private_eval_source_are_in_its_own_ledger(tmp_path)
            if r["kind"] == "release" and not is_step_release(r)]
     assert [r["hash"] for r in run] == [r["hash"] for r in on_train]
     report = write_report(spec.run_dir)
-    acc = dp_accounting.pld.PLDAccountant()
-    acc.compose(dp_accounting.PoissonSampledDpEvent(spec.plan.sampling_probability,
-                                                    dp_accounting.GaussianDpEvent(1.0)), 6)
-    acc.compose(dp_accounting.GaussianDpEvent(3.0), 2)
-    assert report["epsilon"] == pytest.approx(acc.get_epsilon(1e-4), rel=1e-6)
+    assert report["epsilon"] == pytest.approx(_six_steps_and_two_evals(spec), rel=1e-6)
     assert report["evaluation"]["dp_plan"]["releases_recorded"] == 2
     # The evaluation source's ledger shows its ε: the two evaluations (dp-accounting).
     eps_eval = dp_accounting.pld.PLDAccountant().compose(
