@@ -37,7 +37,7 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
                   "tokenizer_data": True, "composition": True, "rng": True, "note": True},
     # the mechanism's numbers (N is used by the accountant and published as is)
     "steps": True, "steps_planned": True, "steps_completed": True, "attempts": True,
-    "steps_lost_to_failures": True, "exceeds_target": True,
+    "interruptions": True, "steps_voided": True, "steps_lost_to_failures": True, "exceeds_target": True,
     "dataset_ledger": {"epsilon_spent": True, "budget_epsilon": True, "epsilon_remaining": True,
                        "delta": True, "accountant": True, "unit": True},
     "noise_multiplier": True, "sampling_probability": True, "expected_batch_size": True,
@@ -48,7 +48,8 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
                  "note": True},
     "rng_mode": True, "rng_warning": True, "rng_seeded_sources": True,
     "ledger": {"path": True, "releases": {"run_id": True, "attempt": True, "first_step": True,
-                                          "count": True, "event": True, "mechanism": True,
+                                          "count": True, "voided": True, "event": True,
+                                          "mechanism": True,
                                           "epsilon_alone": True, "delta_threshold": True}},
     "epsilon_curve": True,  # ε of ledger prefixes: a function of the releases only
     # DP evaluations, metrics on public held-out data, generations from public prompts (the

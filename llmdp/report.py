@@ -26,7 +26,15 @@ from llmdp.evaluation.report import dp_eval_covered, evaluation_section
 from llmdp.privacy import accountant
 from llmdp.privacy.budget import budget_status, recorded_budget, release_entries_of
 from llmdp.privacy.events import is_truncated
-from llmdp.privacy.ledger import Ledger, LedgerDamaged, LedgerError, is_step_release, step_count
+from llmdp.privacy.ledger import (
+    VOID_KIND,
+    Ledger,
+    LedgerDamaged,
+    LedgerError,
+    is_step_release,
+    net_records,
+    step_count,
+)
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
@@ -118,7 +126,9 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
            if left else math.inf for name in usable}
     # The training steps alone (as plan.json's epsilon_planned_training_only): neither an
     # earlier release it builds on (a private tokenizer) nor its DP evaluations.
-    step_records = [r for r in records if r.get("kind") == "release" and is_step_release(r)]
+    # Counts net of voids: reserved steps that a graceful stop recorded as never run.
+    net = net_records(records)
+    step_records = [r for r in net if r.get("kind") == "release" and is_step_release(r)]
     eps_training = ((accountant.epsilon(release_entries_of(step_records), delta_acc, plan.accountant)
                      if delta_acc > 0 else math.inf) if step_records else 0.0)
     ledger_steps = step_count(records)  # DP evaluations are releases, not steps
@@ -126,7 +136,14 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     state = run_state(metrics, plan.steps, failure, interrupted)
     completed = state.pop("completed")
-    attempts = sorted({r.get("attempt") for r in records if r.get("kind") == "release"})
+    # Attempts that ended on a graceful stop (the first Ctrl-C): each voided what it reserved
+    # and did not run, so none of them lost a step (one stopped at its first step released
+    # nothing, and is an attempt all the same).
+    stopped_attempts = {r.get("attempt") for r in records if r.get("kind") == VOID_KIND} | {
+        m.get("attempt") for m in metrics if m.get("event") == "interrupted" and m.get("graceful")}
+    stopped_attempts.discard(None)
+    interruptions = len(stopped_attempts)
+    attempts = sorted({r.get("attempt") for r in records if r.get("kind") == "release"} | stopped_attempts)
     priv = cfg["privacy"]
     # Every DP release behind this model that drew its randomness from a fixed seed: the
     # training run's, and a private tokenizer's (composed or declared independent: its
@@ -164,12 +181,13 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             "run_id": r.get("run_id"),
             "attempt": r.get("attempt"),
             "first_step": r.get("first_step"),
-            "count": r.get("count"),
+            "count": r.get("count"),  # net of the steps voided (reserved, never run)
+            "voided": r.get("voided", 0),
             "event": r.get("event"),
             "mechanism": (r.get("meta") or {}).get("mechanism", "dp-sgd"),
             "time": r.get("time"),
         }
-        for r in records
+        for r in net
         if r.get("kind") == "release"
     ]
     report: dict[str, Any] = {
@@ -242,8 +260,12 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         "steps_planned": plan.steps,
         "steps_completed": completed,
         "attempts": len(attempts),
+        # Attempts that a first Ctrl-C ended after a whole step (none of their steps lost).
+        "interruptions": interruptions,
+        "steps_voided": sum(int(r.get("voided", 0)) for r in net if r.get("kind") == "release"),
         # Steps in the ledger beyond those that produced the final model: executed (or
-        # reserved write-ahead) by attempts that failed, then re-executed after a resume.
+        # reserved write-ahead) by attempts that failed or were stopped at once (a crash, a
+        # killed process, a second Ctrl-C), then re-executed after a resume.
         "steps_lost_to_failures": max(0, ledger_steps - completed),
         "dataset_ledger": _dataset_ledger(plan_info, plan, unit_meta or {
             "kind": unit_kind, "sequence_length": seq_len, "user_field": data_cfg.get("user_field"),

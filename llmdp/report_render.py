@@ -15,6 +15,18 @@ from llmdp.evaluation.report import evaluation_markdown
 from llmdp.publish import PUBLISHABLE_NOTE
 
 
+def _attempts(r: dict) -> str:
+    """How the run's attempts went: how many, how many a first Ctrl-C ended (their reserved,
+    unrun steps voided in the ledger), and the steps lost to failures and re-executed."""
+    stops = r.get("interruptions") or 0
+    voided = r.get("steps_voided") or 0
+    return (f"{r['attempts']} attempt(s)"
+            + (f", {stops} ended by a Ctrl-C after a whole step (no step lost)"
+               + (f" ({voided} reserved step(s) that never ran voided in the ledger)" if voided else "")
+               if stops else "")
+            + f", {r['steps_lost_to_failures']} step(s) lost to failures and re-executed")
+
+
 def plain_guarantee(r: dict) -> str:
     """The guarantee in one plain sentence for a non-specialist, before the precise one."""
     import math
@@ -105,7 +117,7 @@ def render_markdown(r: dict) -> str:
         *_noise_line(r),
         f"| Clipping norm C | {r['max_grad_norm']:g} ({r['clipping']}) |",
         f"| Steps T (ledger) | {r['steps']} (planned {r['steps_planned']}, completed {r['steps_completed']}; "
-        f"{r['attempts']} attempt(s), {r['steps_lost_to_failures']} step(s) lost to failures and re-executed) |",
+        f"{_attempts(r)}) |",
         *_dataset_rows(r),
         f"| Noise std per coordinate of the averaged gradient | σC/(qN) = {r['noise_std_per_coordinate']:.4g} |",
         f"| RNG mode | {r['rng_mode']} |",

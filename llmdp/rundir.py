@@ -30,6 +30,9 @@ from llmdp.privacy.plan import DPPlan
 
 PLAN_JSON = "plan.json"
 RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of its checkpoints
+# The driver's request for a graceful stop (the first Ctrl-C): rank 0 looks for this file
+# before every step (`llmdp.worker.admitted`); a launch removes one left by the last.
+STOP_REQUEST = "stop_requested"
 
 
 class NotARunDirectory(ValueError):

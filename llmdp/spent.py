@@ -15,6 +15,7 @@ from llmdp.privacy.ledger import (
     EVAL_MECHANISM,
     Ledger,
     is_step_release,
+    net_records,
     release_entries,
     step_count,
 )
@@ -30,7 +31,7 @@ def ledger_noise_tail(plan, releases):
     None when the plan does not fold the tails into δ (a plan.json of an earlier llmdp)."""
     if plan.noise_tail() is None:
         return None
-    evals = sum(int(r.get("count") or 0) for r in releases
+    evals = sum(int(r.get("count") or 0) for r in net_records(releases)
                 if r.get("kind") == "release" and (r.get("meta") or {}).get("mechanism") == EVAL_MECHANISM)
     return plan.noise_tail(steps=step_count(releases), eval_releases=evals)
 
@@ -53,7 +54,8 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     (`accountant_delta`): the last point of the curve is the report's (ε, δ).
     ``exact=False``: PLD on the coarser display grid (conservative, ~10x faster)."""
     records = Ledger(ledger_path).records() if os.path.exists(ledger_path) else []
-    releases = [r for r in records if r.get("kind") == "release" and r.get("count")]
+    # Counts net of voids: reserved steps that a graceful stop recorded as never run.
+    releases = [r for r in net_records(records) if r.get("kind") == "release" and r.get("count")]
     total = step_count(releases)
     steps = total if steps is None else min(int(steps), total)
     kept, left = [], steps

@@ -28,7 +28,7 @@ from llmdp.privacy.ledger import LedgerError
 from llmdp.privacy.service import BudgetError, LedgerService, run_ledger_problems
 from llmdp.progress import Progress
 from llmdp.report import write_report
-from llmdp.rundir import RESUME_HINT, RunDir
+from llmdp.rundir import RESUME_HINT, STOP_REQUEST, RunDir
 from llmdp.runspec import LedgerSpec, RunPaths, RunSpec
 from llmdp.tokenizer.train import ensure_release_recorded
 from llmdp.worker import train_loop_per_worker
@@ -341,17 +341,25 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
         log(f"resuming from step {resume['step']} of {plan.steps} (attempt {resume['attempt']})")
     error = None
     interrupted = False
+    interrupts = GracefulInterrupt(prepared.run_dir, log)
     try:
-        _fit(prepared, log)
+        _fit(prepared, log, interrupts)
+        # The first Ctrl-C: the workers stopped after a whole step (or, when it came after
+        # the last step, finished the run: then nothing was interrupted).
+        interrupted = interrupts.requested and _stopped_gracefully(prepared.run_dir)
     except (KeyboardInterrupt, SystemExit) as e:
-        # Ctrl-C (or SIGTERM): Ray Train's SIGINT handler aborts the run and exits with
-        # SystemExit; nothing failed, and the same command resumes from the last checkpoint.
+        # A Ctrl-C before the workers started, a second one (stop at once), or SIGTERM:
+        # nothing failed, and the same command resumes from the last checkpoint.
         error, interrupted = e, True
         with open(os.path.join(prepared.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps({"event": "interrupted", "time": time.time(),
                                 "by": type(e).__name__}) + "\n")
     except BaseException as e:  # the ledger is durable; still write what we know
         error = e
+    finally:
+        interrupts.clear()
+    if interrupts.requested and not interrupted and error is None:
+        log("Ctrl-C came after the last step: the run finished")
     _end_hold(prepared, "interrupted" if interrupted else "failed" if error else "ended", log)
     report = write_report(prepared.run_dir, failure=repr(error) if error and not interrupted else None,
                           interrupted=interrupted)
@@ -370,9 +378,9 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
     else:
         log(f"epsilon = {report['epsilon']:.4f} at delta = {report['delta']:.3g} ({report['accountant']})")
     if interrupted:
-        raise RunInterrupted(
-            f"interrupted after step {report['steps_completed']} of {plan.steps}; "
-            f"{RESUME_HINT}") from None
+        how = ("stopped by Ctrl-C after step" if error is None else "interrupted after step")
+        raise RunInterrupted(f"{how} {report['steps_completed']} of {plan.steps}; "
+                             f"{RESUME_HINT}") from None
     if error is not None:
         raise error
     out = cfg.output
@@ -390,7 +398,71 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
     return prepared.run_dir
 
 
-def _fit(prepared: RunSpec, log) -> None:
+def _stopped_gracefully(run_dir: str) -> bool:
+    """Whether the workers' last act was a graceful stop (`llmdp.worker.stop_gracefully`)."""
+    last = None
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            try:
+                m = json.loads(line)
+            except ValueError:
+                continue
+            if m.get("event") in ("start", "end", "stopped", "interrupted"):
+                last = m
+    return bool(last and last.get("event") == "interrupted" and last.get("graceful"))
+
+
+class GracefulInterrupt:
+    """The driver's Ctrl-C while the workers train (installed by Ray Train's controller
+    start-up in place of its own handler, which aborts the workers wherever they are).
+
+    The first Ctrl-C writes the run directory's `rundir.STOP_REQUEST`: rank 0 sees it before
+    the next step, voids in the ledger the steps its attempt reserved and will not run,
+    every worker checkpoints and the train function returns (`llmdp.worker.stop_gracefully`);
+    the launch then ends its hold, writes the report (status: interrupted) and exits 130.
+    The second Ctrl-C stops at once (Ray Train's abort): for the ledger that is a crash:
+    steps reserved ahead stay charged though they never ran."""
+
+    def __init__(self, run_dir: str, log):
+        self.path = os.path.join(run_dir, STOP_REQUEST)
+        self.log = log
+        self.count = 0
+        self.clear()
+
+    def clear(self) -> None:
+        try:
+            os.remove(self.path)  # left by an earlier launch
+        except FileNotFoundError:
+            pass
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    def install(self, controller) -> None:
+        import ray
+
+        def handler(signum, frame):
+            self.count += 1
+            if self.count == 1:
+                with open(self.path, "w", encoding="utf-8") as f:
+                    f.write(f"{time.time()}\n")
+                self.log("\nCtrl-C: stopping after the current step (its state is saved, and the "
+                         "ledger keeps only the steps that ran); Ctrl-C again to stop at once")
+                return
+            self.log("\nsecond Ctrl-C: stopping at once (steps reserved ahead stay charged in "
+                     "the ledger, as after a crash)")
+            try:
+                ray.get(controller.abort.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - the controller may be gone already
+                pass
+            raise KeyboardInterrupt("second Ctrl-C")
+
+        signal.signal(signal.SIGINT, handler)
+
+
+def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) -> None:
+    interrupts = interrupts or GracefulInterrupt(prepared.run_dir, log)
     import ray  # lazy: Ray (and its start-up cost) only where the run goes on Ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -407,7 +479,8 @@ def _fit(prepared: RunSpec, log) -> None:
             # (LLMDP_VERBOSE=1 shows them). A failing worker's traceback is still raised here.
             log_to_driver=os.environ.get("LLMDP_VERBOSE", "0") == "1",
             runtime_env={"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
-                                                       if k in ("LLMDP_FAULT", "LLMDP_TEST_PLANT")}}},
+                                                       if k in ("LLMDP_FAULT", "LLMDP_TEST_PLANT",
+                                                                "LLMDP_TEST_PAUSE")}}},
             configure_logging=True,
         )
         _localray.quiet_ray_notices()
@@ -442,9 +515,12 @@ def _fit(prepared: RunSpec, log) -> None:
                 checkpoint_config=CheckpointConfig(num_to_keep=2),
             ),
         )
+        # Ctrl-C: ours instead of Ray Train's (which aborts the workers mid-step): the first
+        # stops the run after its current step, the second at once (`GracefulInterrupt`).
+        trainer._register_sigint_handler = interrupts.install
         sigint = signal.getsignal(signal.SIGINT)
         try:
-            trainer.fit()  # installs Ray Train's SIGINT handler (Ctrl-C aborts the run)
+            trainer.fit()
         finally:
             if threading.current_thread() is threading.main_thread() and sigint is not None:
                 signal.signal(signal.SIGINT, sigint)  # Ctrl-C while the report is written

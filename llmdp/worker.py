@@ -49,6 +49,7 @@ from llmdp.evaluation import loop as evaluation
 from llmdp.losses import row_eval_stats
 from llmdp.models import load_model
 from llmdp.parallel import broadcast_bytes
+from llmdp.rundir import STOP_REQUEST
 from llmdp.runspec import RunPaths, RunSpec
 from llmdp.step import StepKeys, accumulate_clipped_sum, fixed_micro_steps
 from llmdp.strategy import Replicated, Strategy, strategy_for
@@ -234,13 +235,41 @@ def open_ledger(run: Training) -> None:
                                            "world_size": run.world, **_label(run.spec)})
 
 
-def admitted(run: Training, step: int) -> tuple[bool, str]:
-    """Budget / target: rank 0 asks the ledger service before the step; every worker learns
-    the answer. [sync point when the run is budgeted]"""
-    if run.spec.ledger is None or not run.spec.ledger.admits:
-        return True, ""
-    ok, why = run.ledger.admit(step) if run.ledger is not None else (True, "")
-    return broadcast_bytes(b"\x01" if ok else b"\x00", 1, run.device) == b"\x01", why
+GO, LEDGER_STOP, INTERRUPT = b"\x01", b"\x00", b"\x02"
+
+
+def admitted(run: Training, step: int) -> tuple[bytes, str]:
+    """Before each step, rank 0 decides and every worker learns it [sync point]: ``GO``;
+    ``INTERRUPT`` when the driver asked for a graceful stop (the first Ctrl-C: its file
+    `rundir.STOP_REQUEST` in the run directory); or ``LEDGER_STOP`` (with why) when the
+    ledger service refuses the step (budget, target ε). The ledger is asked before every
+    step whatever the recipe says (``LedgerSpec.admits``)."""
+    code, why = GO, ""
+    if run.rank == 0:
+        if os.path.exists(os.path.join(run.spec.run_dir, STOP_REQUEST)):
+            code = INTERRUPT
+        elif run.ledger is not None and run.spec.ledger is not None and run.spec.ledger.admits:
+            ok, why = run.ledger.admit(step)
+            code = GO if ok else LEDGER_STOP
+    return broadcast_bytes(code if run.rank == 0 else None, 1, run.device), why
+
+
+def stop_gracefully(run: Training, step: int) -> dict:
+    """The first Ctrl-C, seen before step ``step`` (every worker has finished the steps
+    before it): rank 0 voids the steps its attempt reserved and will not run (the ledger
+    service takes them out of its reservation in the same call: `LedgerService.void_unrun`),
+    the state after ``step`` steps is checkpointed (unless that is the restored or the last
+    saved one), and the run ends without its final evaluation: the same command resumes it
+    from here, and the ledger holds exactly the steps that ran."""
+    voided = {"steps_voided": 0, "attempt": None}
+    if run.ledger is not None:
+        voided = run.ledger.void_unrun(step, "interrupted (Ctrl-C): reserved steps that never ran")
+    if step > run.start and step % run.spec.cfg.train.checkpoint_every != 0:
+        checkpoint(run, step)
+    if run.rank == 0:
+        _metrics_line(run.spec.paths.metrics, {
+            "event": "interrupted", "graceful": True, "step": step, **voided, "time": time.time()})
+    return {"steps": step, "interrupted": True}
 
 
 def dp_step(run: Training, step: int) -> dict:
@@ -350,6 +379,7 @@ def finish(run: Training, stopped: dict | None) -> dict:
         # is in the ledger), unless that state was just checkpointed.
         checkpoint(run, stopped["step"])
     done = run.spec.plan.steps if stopped is None else stopped["step"]
+    _maybe_wait_for_ctrl_c(run, "final")
     if done > run.start or stopped is None:  # the final model's held-out and DP evaluation
         evaluation.evaluate_held_out(run, done, final=True, write=_writer(run))  # [sync point]
     run.strategy.save_model(run.model, run.spec.paths.model)  # fsdp: streamed, tensor by tensor [sync point]
@@ -398,8 +428,11 @@ def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
     steps, every = spec.plan.steps, spec.cfg.train.checkpoint_every
     stopped = None
     for step in range(run.start, steps):
-        ok, why = admitted(run, step)
-        if not ok:
+        _maybe_wait_for_ctrl_c(run, str(step))
+        decision, why = admitted(run, step)
+        if decision == INTERRUPT:
+            return stop_gracefully(run, step)
+        if decision != GO:
             # A ledger decision (budget, target ε): a function of the recorded releases only.
             stopped = {"step": step, "reason": why, "cause": "ledger"}
             break
@@ -432,6 +465,25 @@ def _maybe_inject_fault(step: int, rank: int) -> None:
         while hang:
             time.sleep(1.0)
         raise RuntimeError(f"injected fault at step {step} on rank {rank} (LLMDP_FAULT)")
+
+
+def _maybe_wait_for_ctrl_c(run: Training, at: str) -> None:
+    """Test hook: ``LLMDP_TEST_PAUSE=at=A,marker=PATH`` (A: a 0-based step, or ``final``)
+    makes rank 0, at that point (before the step's gate; before the final evaluation),
+    write the marker and wait until the driver's first Ctrl-C has written its stop request:
+    a test sends a real SIGINT at a known step."""
+    spec = os.environ.get("LLMDP_TEST_PAUSE")
+    if not spec or run.rank != 0:
+        return
+    f = dict(item.split("=", 1) for item in spec.split(","))
+    if f["at"] != at or os.path.exists(f["marker"]):
+        return
+    with open(f["marker"] + ".tmp", "w") as fh:
+        fh.write(json.dumps({"pid": os.getpid(), "at": at}))
+    os.replace(f["marker"] + ".tmp", f["marker"])
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(run.spec.run_dir, STOP_REQUEST)) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _device(use_gpu: bool) -> torch.device:

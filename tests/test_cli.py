@@ -195,7 +195,7 @@ def _local_fit(interrupt_after: int | None, exc=KeyboardInterrupt):
 
     from llmdp.worker import LocalContext, train_loop_per_worker
 
-    def fit(prepared, log):
+    def fit(prepared, log, interrupts=None):
         ckpt = os.path.join(prepared.run_dir, "checkpoints", "checkpoint_000000")
         real_step, applied = torch.optim.AdamW.step, {"n": 0}
 

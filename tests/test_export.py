@@ -358,7 +358,7 @@ def test_recipe_push_to_exports_after_training(tmp_path, hf, monkeypatch):
                           "train": {"steps": 3, "expected_batch_size": 2},
                           "output": {"name": "x", "push_to": "no-slash"}})
 
-    def local_fit(prepared, log):  # the worker loop in this process instead of Ray
+    def local_fit(prepared, log, interrupts=None):  # the worker loop in this process instead of Ray
         ckpt = os.path.join(prepared.run_dir, "checkpoints", "checkpoint_000000")
         train_loop_per_worker(prepared, LocalContext(checkpoint_dir=ckpt))
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from llmdp.privacy import accountant as _acc
 from llmdp.privacy.events import event_from_json
-from llmdp.privacy.ledger import is_step_release, release_entries
+from llmdp.privacy.ledger import is_step_release, net_records, release_entries
 
 __all__ = ["NOT_COMPOSED", "unit_key", "split_by_unit", "release_entries_of", "unit_epsilon",
            "not_composed", "steps_within_budget", "live_holds", "hold_entries", "unused_hold_entries",
@@ -74,7 +74,8 @@ def unit_key(unit) -> str:
 
 
 def _releases(records) -> list[dict]:
-    return [r for r in records if r.get("kind") == "release" and r.get("count")]
+    """The release records, counts net of voids (`llmdp.privacy.ledger.net_records`)."""
+    return [r for r in net_records(records) if r.get("kind") == "release" and r.get("count")]
 
 
 def split_by_unit(records, unit) -> tuple[list[dict], list[dict]]:
@@ -151,7 +152,7 @@ def live_holds(records) -> dict[str, dict]:
     """run_id -> {"hold": record, "used": steps released by that run since the hold,
     "evals_used": its DP evaluations since} for the holds not ended."""
     holds: dict[str, dict] = {}
-    for r in records:
+    for r in net_records(records):  # steps reserved that never ran (voids) were not used
         rid = r.get("run_id")
         if r.get("kind") == "hold":
             holds[rid] = {"hold": r, "used": 0, "evals_used": 0}

@@ -33,6 +33,20 @@ Invariant (DESIGN §3.5): a step's event is durable *before* its update is appli
 crash can make the ledger over-count, never under-count; a writer reserves blocks of steps
 (one record per block).
 
+A graceful stop (the first Ctrl-C) ends an attempt inside a block: the steps of that block
+that never ran are recorded as *void* by the writer that reserved them, in the transaction
+that also takes them out of its reservation, so that no process can run them any more:
+
+    {"kind": "void", "release": <hash of the block's release>, "first_step": s, "steps": k,
+     "event": <the release's event>, "meta": <its meta>, "attempt": ..., "reason": ...}
+
+Every count of released steps is *net* of voids (`net_records`): a void takes off the steps of
+its release's range ``[first_step, first_step + count)`` that it names, counted once however
+many voids name them, and only from a release of the same run among the records read (a void
+whose release is not there takes nothing off: reading a subset can over-count, never
+under-count). Only a crash (or a second Ctrl-C, which stops at once) leaves reserved steps
+charged that never ran.
+
 Ledgers written by llmdp before hash chains (lines without ``"hash"``) are read as
 *legacy* files (`Ledger.legacy`): imported once into a dataset ledger
 (`llmdp.privacy.ledgerdb.LedgerDB.import_jsonl`), never written again.
@@ -55,7 +69,7 @@ from llmdp.privacy.events import event_from_json
 
 __all__ = ["LEDGER_FILENAME", "GENESIS", "LedgerError", "LedgerDamaged", "Ledger", "canonical", "record_hash",
            "append_line", "release_entries", "check_record", "now", "is_step_release",
-           "step_count", "EVAL_MECHANISM"]
+           "step_count", "EVAL_MECHANISM", "VOID_KIND", "net_records"]
 
 LEDGER_FILENAME = "ledger.jsonl"
 GENESIS = "0" * 64
@@ -63,7 +77,8 @@ RECORD_VERSION = 2
 _RELEASE_KIND = "release"
 # What a record may be (anything else is not a record llmdp wrote).
 KINDS = ("dataset", "data_version", "release", "hold", "hold_end", "import", "repair", "note",
-         "budget")
+         "budget", "void")
+VOID_KIND = "void"
 # A run's releases are its DP-SGD steps (``meta.mechanism`` "dp-sgd", or absent: every run
 # before DP evaluations) and its DP evaluations ("dp-eval", count 1 each).
 EVAL_MECHANISM = "dp-eval"
@@ -75,9 +90,47 @@ def is_step_release(rec: dict) -> bool:
             and (rec.get("meta") or {}).get("mechanism", "dp-sgd") == "dp-sgd")
 
 
+def _voided_steps(release: dict, voids: list[dict]) -> int:
+    """Steps of ``release``'s range that ``voids`` (records naming it) say never ran: the
+    union of their ranges inside the release's, so that no step is taken off twice."""
+    first, count = release.get("first_step"), int(release.get("count") or 0)
+    if not _is_int(first) or count <= 0:
+        return 0
+    gone: set[int] = set()
+    for v in voids:
+        a, k = v.get("first_step"), v.get("steps")
+        if _is_int(a) and _is_int(k) and k > 0 and v.get("run_id") == release.get("run_id"):
+            gone.update(range(max(first, a), min(first + count, a + k)))
+    return len(gone)
+
+
+def net_records(records) -> list[dict]:
+    """``records`` with every release's count net of the voids that name it (a copy of that
+    release with ``count`` lowered and ``voided``: the steps taken off), void records left
+    out. Idempotent: what it returns holds no void any more. Every count of released steps
+    and every composition reads records through it (module docstring)."""
+    records = list(records)
+    voids: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("kind") == VOID_KIND and isinstance(r.get("release"), str):
+            voids.setdefault(r["release"], []).append(r)
+    if not voids:
+        return [r for r in records if r.get("kind") != VOID_KIND]
+    out = []
+    for r in records:
+        if r.get("kind") == VOID_KIND:
+            continue
+        if r.get("kind") == _RELEASE_KIND and r.get("hash") in voids:
+            k = _voided_steps(r, voids[r["hash"]])
+            if k:
+                r = {**r, "count": int(r["count"]) - k, "voided": k}
+        out.append(r)
+    return out
+
+
 def step_count(records) -> int:
-    """Training steps released by ``records`` (DP evaluations are not steps)."""
-    return sum(int(r.get("count") or 0) for r in records if is_step_release(r))
+    """Training steps released by ``records``, net of voids (DP evaluations are not steps)."""
+    return sum(int(r.get("count") or 0) for r in net_records(records) if is_step_release(r))
 
 
 class LedgerError(RuntimeError):
@@ -125,6 +178,12 @@ def check_record(rec) -> str | None:
         count = rec.get("count")
         if not isinstance(rec.get("event"), dict) or not _is_int(count) or count < 0:
             return f"a release without a valid event and an integer count >= 0 (count={count!r})"
+    if rec["kind"] == VOID_KIND:  # reserved steps that never ran (module docstring)
+        a, k = rec.get("first_step"), rec.get("steps")
+        if (not isinstance(rec.get("release"), str) or len(rec["release"]) != 64 or not _is_int(a)
+                or a < 0 or not _is_int(k) or k < 1 or not isinstance(rec.get("event"), dict)):
+            return (f"a void without its release's hash, an integer first_step >= 0, integer "
+                    f"steps >= 1 and an event (first_step={a!r}, steps={k!r})")
     if rec["kind"] == "budget":  # the dataset's budget (llmdp.privacy.budget.DatasetBudget)
         eps, delta = rec.get("epsilon"), rec.get("delta")
         if not (isinstance(eps, (int, float)) and 0 < eps < float("inf")
@@ -188,11 +247,14 @@ def append_line(path, record: dict) -> None:
 def release_entries(numbered_records, where: str) -> list[tuple[dp_accounting.DpEvent, int]]:
     """`(event, count)` of the release records among ``numbered_records`` (pairs of a number
     and a parsed record, e.g. ``enumerate(records, 1)``), identical events merged into one
-    entry (composition is commutative: the order of releases does not change ε); an
-    unreadable event stops with ``where`` and its number."""
+    entry (composition is commutative: the order of releases does not change ε), counts net
+    of voids (`net_records`); an unreadable event stops with ``where`` and its number."""
+    numbered_records = list(numbered_records)
+    netted = net_records(rec for _, rec in numbered_records)
+    numbers = [n for n, rec in numbered_records if rec.get("kind") != VOID_KIND]
     counts: dict[str, int] = {}
     events: dict[str, dp_accounting.DpEvent] = {}
-    for n, rec in numbered_records:
+    for n, rec in zip(numbers, netted):
         if rec.get("kind") != _RELEASE_KIND or not rec.get("count"):
             continue
         key = json.dumps(rec["event"], sort_keys=True)
@@ -342,10 +404,10 @@ class Ledger:
         return threshold_delta(r for r in self.records() if r["kind"] == _RELEASE_KIND)
 
     def total_count(self, run_id: str | None = None) -> int:
-        """Sum of release counts (of one run if `run_id` is given)."""
+        """Sum of release counts, net of voids (of one run if `run_id` is given)."""
         return sum(
             rec["count"]
-            for rec in self.records()
+            for rec in net_records(self.records())
             if rec["kind"] == _RELEASE_KIND and (run_id is None or rec.get("run_id") == run_id)
         )
 

@@ -26,7 +26,13 @@ from llmdp.privacy.budget import (
     unit_key,
     who,
 )
-from llmdp.privacy.ledger import LEDGER_FILENAME, LedgerError, append_line, is_step_release
+from llmdp.privacy.ledger import (
+    LEDGER_FILENAME,
+    LedgerError,
+    append_line,
+    is_step_release,
+    net_records,
+)
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.service import run_ledger_problems
@@ -59,7 +65,7 @@ def _per_unit(recs, delta: float, accountant: str = "pld") -> str:
 
 def _summary(ledger: str, st, delta: float | None = None) -> str:
     recs = st.records
-    rel = [r for r in recs if r["kind"] == "release"]
+    rel = [r for r in net_records(recs) if r["kind"] == "release"]  # net of voids
     runs = {r.get("run_id") for r in rel}
     holds = live_holds(recs)
     budget = recorded_budget(recs)

@@ -66,8 +66,10 @@ from llmdp.privacy.ledger import (
     EVAL_MECHANISM,
     RUN_REPAIR_HINT,
     Ledger,
+    VOID_KIND,
     LedgerError,
     is_step_release,
+    net_records,
     step_count,
 )
 from llmdp.privacy.ledger_location import describe_location
@@ -280,7 +282,9 @@ class LedgerService:
         # run names its ledger.jsonl (an anchor too: `llmdp.privacy.anchors`).
         self.db = LedgerDB(location, head_log=head_log)
         self.db.run_ledgers[run_id] = self.run_ledger
-        self._reserved: list[tuple[int, int]] = []  # this attempt's blocks [start, end)
+        # This attempt's blocks: [start, end) and the hash of the release that reserved it.
+        self._reserved: list[tuple[int, int, str]] = []
+        self._closed: str | None = None  # why this attempt may release no more steps
         self._stopped: str | None = None
         self._refused: str | None = None  # why the dataset's budget refuses this run's releases
         self.attempt: str | None = None
@@ -308,7 +312,8 @@ class LedgerService:
                 "budget_label": None if b is None else self._budget_label(b)}
 
     def _mine(self, records) -> list[dict]:
-        return [r for r in records if r.get("run_id") == self.run_id]
+        """This run's records, release counts net of its voids (`ledger.net_records`)."""
+        return [r for r in net_records(records) if r.get("run_id") == self.run_id]
 
     # ------------------------------------------------------------------ budget
     def _recipe_budget(self) -> DatasetBudget | None:
@@ -563,7 +568,7 @@ class LedgerService:
         recs = Ledger(self.run_ledger).records() if os.path.exists(self.run_ledger) else []
         return {
             "attempt": self.attempt,
-            "reserved_until": max((b for _, b in self._reserved), default=0),
+            "reserved_until": max((b for _, b, _ in self._reserved), default=0),
             "run_steps_recorded": step_count(recs),
             "run_records": len(recs),
             "run_last_hash": recs[-1].get("hash") if recs else None,
@@ -575,7 +580,36 @@ class LedgerService:
         self.attempts += 1
         self._reserved = []
         self._stopped = None
+        self._closed = None
         return self.attempt
+
+    def _covered(self, step: int) -> bool:
+        return any(a <= step < b for a, b, _ in self._reserved)
+
+    def void_unrun(self, step: int, reason: str) -> dict:
+        """A graceful stop after ``step`` steps: this attempt runs no step any more, and the
+        steps it reserved from ``step`` on never ran. Each such remainder of a block becomes a
+        ``void`` record (`llmdp.privacy.ledger`: counts are net of it), in one transaction per
+        call, and leaves this attempt's reservation in the same call: the service is the
+        only gate before every step (`admit` / `ensure`), and it refuses every step of this
+        attempt from now on (`LedgerError`), so no process can release a voided step. Asked
+        by rank 0 once every worker has finished step ``step - 1`` and stopped (the workers
+        step together: no update is applied without rank 0's reduction). Returns the steps
+        voided."""
+        if self.attempt is None:
+            self.start_attempt()
+        step = int(step)
+        self._closed = reason
+        rest = [(max(a, step), b, h) for a, b, h in self._reserved if b > step]
+        if rest:
+            with self.db.transaction(self.dataset_id) as tx:
+                for a, b, h in rest:
+                    rec = tx.append({"kind": VOID_KIND, "release": h, "first_step": a, "steps": b - a,
+                                     "event": self.event_json, "run_id": self.run_id,
+                                     "attempt": self.attempt, "meta": self.meta, "reason": reason})
+                    self._append_run_line(rec)
+        self._reserved = [(a, min(b, step), h) for a, b, h in self._reserved if a < step]
+        return {"steps_voided": sum(b - a for a, b, _ in rest), "attempt": self.attempt}
 
     def _stop_message(self, step: int, why: str, records) -> str:
         if why == "budget" and self._refused is not None:
@@ -604,17 +638,21 @@ class LedgerService:
     def admit(self, step: int) -> tuple[bool, str]:
         # Asked whatever the recipe says: the dataset's budget (recorded in its ledger, maybe
         # by another run or `llmdp privacy ledger set-budget` while this one runs) applies.
-        if any(a <= step < b for a, b in self._reserved):
+        if self._closed is None and self._covered(step):
             return True, ""
         ok = self.ensure(step, stop_ok=True)
-        return (True, "") if ok or any(a <= step < b for a, b in self._reserved) else (False, self._stopped)
+        return (True, "") if ok or self._covered(step) else (False, self._stopped)
 
     def ensure(self, step: int, stop_ok: bool = False) -> bool:
         """Write-ahead: ``step`` durable in both ledgers before its update is applied. True
         if a block was reserved now."""
         if self.attempt is None:
             self.start_attempt()
-        if any(a <= step < b for a, b in self._reserved):
+        if self._closed is not None:
+            raise LedgerError(f"step {step}: this attempt of run {self.run_id} was stopped "
+                              f"({self._closed}) and voided the steps it had not run; it "
+                              f"releases no step any more (a new attempt resumes the run)")
+        if self._covered(step):
             return False
         if step >= self.total_steps:
             raise LedgerError(f"step {step} is beyond the planned total_steps={self.total_steps}: "
@@ -631,13 +669,14 @@ class LedgerService:
                                  "first_step": step, "run_id": self.run_id,
                                  "attempt": self.attempt, "meta": self.meta})
                 self._append_run_line(rec)
+                block = rec["hash"]
             records = tx.records
         if count < 1:
             self._stopped = self._stop_message(step, "budget" if by_target >= 1 else "target", records)
             if stop_ok:
                 return False
             raise BudgetError(self._stopped)
-        self._reserved.append((step, step + count))
+        self._reserved.append((step, step + count, block))
         return True
 
 
