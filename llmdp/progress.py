@@ -1,7 +1,10 @@
 """The driver's progress bar: rank 0 writes metrics.jsonl, the driver follows it (DESIGN §1).
 
-The bar's ε is the ledger's, like the report's: steps re-executed after a failure count
-again, and the last value, computed exactly, is the report's ε.
+The bar's ε (``eps(ledger)``) is what the ledger has charged so far, like the report's:
+steps reserved ahead of the current one (write-ahead blocks of ``train.checkpoint_every``)
+and steps re-executed after a failure count; the last value, computed exactly, is the
+report's ε. ``eval`` is the latest held-out loss and ``dp_eval`` the latest DP evaluation's
+loss, each updated when it is written, so that the last values are the report's last rows.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from tqdm import tqdm
 
 from llmdp.baseline import NON_PRIVATE
 from llmdp.spent import ledger_epsilon
+
+
+EPS_KEY = "eps(ledger)"  # charged so far, steps reserved ahead included (module docstring)
 
 
 class Progress(threading.Thread):
@@ -50,7 +56,7 @@ class Progress(threading.Thread):
         self._read_metrics(bar, last)
         if final and self.dp:  # the run is over: the ledger's ε, exactly as the report computes it
             last["eps"] = self._ledger_epsilon(exact=True)
-            bar.set_postfix({**last.get("post", {}), "eps": f"{last['eps']:.2f}"}, refresh=False)
+            bar.set_postfix({**last.get("post", {}), EPS_KEY: f"{last['eps']:.2f}"}, refresh=False)
             bar.refresh()
 
     def _read_metrics(self, bar, last) -> None:
@@ -66,8 +72,10 @@ class Progress(threading.Thread):
             if not line.strip():
                 continue
             rec = json.loads(line)
-            if rec.get("event") == "eval" and rec.get("loss") is not None:
-                last["eval"] = rec["loss"]  # held-out loss (internal on private data)
+            if rec.get("event") in ("eval", "dp_eval") and rec.get("loss") is not None:
+                # held-out loss (internal on private data); a DP evaluation's (publishable)
+                last[rec["event"]] = rec["loss"]
+                self._show(bar, last)
                 continue
             if rec.get("event") == "start":
                 bar.n = rec["step"]
@@ -84,16 +92,26 @@ class Progress(threading.Thread):
                 self._eps_at = (rec["step"], eps)
                 self._eps_time = time.monotonic()
                 last["eps"] = self._eps_at[1]
-            post = {}
             if rec.get("train_loss") is not None:
-                post["loss"] = f"{rec['train_loss']:.3f}"
-            if "eval" in last:
-                post["eval"] = f"{last['eval']:.3f}"
-            if "eps" in last:
-                post["eps"] = f"{last['eps']:.2f}"
-            if rec.get("tokens_per_s"):
-                post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
-                post["units/s"] = f"{rec['units_per_s']:.1f}"
-            last["post"] = post
-            bar.set_postfix(post, refresh=False)
-            bar.refresh()
+                last["loss"] = rec["train_loss"]
+            last["rates"] = ((rec["tokens_per_s"], rec["units_per_s"]) if rec.get("tokens_per_s")
+                             else last.get("rates"))
+            self._show(bar, last)
+
+    @staticmethod
+    def _show(bar, last) -> None:
+        post = {}
+        if "loss" in last:
+            post["loss"] = f"{last['loss']:.3f}"
+        if "eval" in last:
+            post["eval"] = f"{last['eval']:.3f}"
+        if "dp_eval" in last:
+            post["dp_eval"] = f"{last['dp_eval']:.3f}"
+        if "eps" in last:
+            post[EPS_KEY] = f"{last['eps']:.2f}"
+        if last.get("rates"):
+            post["tok/s"] = f"{last['rates'][0]:.0f}"
+            post["units/s"] = f"{last['rates'][1]:.1f}"
+        last["post"] = post
+        bar.set_postfix(post, refresh=False)
+        bar.refresh()

@@ -26,7 +26,7 @@ from llmdp.privacy.dataset_ledger import open_dataset_ledger
 from llmdp.privacy.events import event_to_json
 from llmdp.privacy.ledger import LedgerError
 from llmdp.privacy.service import BudgetError, LedgerService, run_ledger_problems
-from llmdp.progress import Progress
+from llmdp.progress import EPS_KEY, Progress
 from llmdp.report import write_report
 from llmdp.rundir import RESUME_HINT, STOP_REQUEST, RunDir
 from llmdp.runspec import LedgerSpec, RunPaths, RunSpec
@@ -339,6 +339,17 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
     resume = RunDir(prepared.run_dir).resume_point()
     if resume is not None:
         log(f"resuming from step {resume['step']} of {plan.steps} (attempt {resume['attempt']})")
+        why = _target_stop(prepared, resume["step"])
+        if why is not None:  # not one step fits: say so without starting Ray
+            _end_hold(prepared, "stopped", log)
+            with open(os.path.join(prepared.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+                f.write(json.dumps({"event": "stopped", "step": resume["step"], "reason": why,
+                                    "cause": "ledger", "time": time.time()}) + "\n")
+            report = write_report(prepared.run_dir)
+            log(f"stopped early: {why} (found before starting the workers: nothing ran)")
+            log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
+            log(f"epsilon = {report['epsilon']:.4f} at delta = {report['delta']:.3g} ({report['accountant']})")
+            return prepared.run_dir
     error = None
     interrupted = False
     interrupts = GracefulInterrupt(prepared.run_dir, log)
@@ -396,6 +407,17 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
                 f"`llmdp export {prepared.run_dir} --to {os.path.join(prepared.run_dir, 'export')} "
                 f"--push {out.push_to}`") from None
     return prepared.run_dir
+
+
+def _target_stop(prepared: RunSpec, step: int) -> str | None:
+    """Why the run's target ε refuses its next step already (`LedgerService.target_refusal`)."""
+    if prepared.ledger is None:
+        return None
+    svc = prepared.ledger.open()
+    try:
+        return svc.target_refusal(step)
+    finally:
+        svc.db.close()
 
 
 def _stopped_gracefully(run_dir: str) -> bool:
@@ -497,6 +519,10 @@ def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) ->
     actor = None if prepared.ledger is None else ray.remote(LedgerService).options(  # baseline: none
         name=actor_name, num_cpus=0, scheduling_strategy=here).remote(**prepared.ledger.service)
     spec = prepared.with_ledger_actor(actor_name)
+    if spec.dp:
+        log(f"progress: {EPS_KEY} is the ε the ledger has charged so far, with the steps reserved "
+            f"ahead of the current one (up to train.checkpoint_every={cfg.train.checkpoint_every}); "
+            f"its last value is the report's")
     progress = Progress(spec.paths.metrics, spec.plan, spec.prior_releases)
     progress.start()
     try:

@@ -264,6 +264,42 @@ def test_resume_point_counts_attempts_like_the_report(tmp_path, monkeypatch, cap
     assert RunDir(run_dir).resume_point() == {"step": 2, "attempt": 3}
 
 
+def test_a_run_stopped_at_its_target_is_told_so_without_starting_the_workers(
+        tmp_path, monkeypatch, capsys):
+    """Issue 30 item 1: stops at once (a second Ctrl-C, a killed process) re-execute steps;
+    once the target refuses the next step, a re-run says so before starting Ray."""
+    import yaml
+
+    import llmdp.trainer as trainer
+
+    recipe = _tiny_run_recipe(tmp_path)
+    raw = yaml.safe_load(open(recipe))
+    raw["privacy"] = {"target_epsilon": 2.0, "max_grad_norm": 1.0, "delta": 1e-4}
+    open(recipe, "w").write(yaml.safe_dump(raw))
+    run_dir = tmp_path / "runs" / "t"
+    # Stopped at once inside step 4 (steps 0-3 applied, [2, 4) reserved twice over the
+    # attempts): the ledger then holds more steps than ran, and the target is reached.
+    monkeypatch.setattr(trainer, "_fit", _local_fit(interrupt_after=3))
+    assert _main(["train", recipe]) == 130
+    monkeypatch.setattr(trainer, "_fit", _local_fit(interrupt_after=None))
+    assert _main(["train", recipe]) == 0
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    assert report["status"] == "stopped" and report["steps_completed"] == 4, report["status"]
+    capsys.readouterr()
+
+    def no_workers(*a, **k):
+        raise AssertionError("the workers were started for a run that cannot take a step")
+
+    monkeypatch.setattr(trainer, "_fit", no_workers)
+    assert _main(["train", recipe]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from step 4 of 6" in out
+    assert "privacy.target_epsilon=2 reached" in out and "nothing ran" in out
+    assert "a first Ctrl-C loses none" in out
+    again = json.loads((run_dir / "privacy_report.json").read_text())
+    assert again["status"] == "stopped" and again["epsilon"] == report["epsilon"]
+
+
 def _auth_records(emit) -> list[str]:
     import logging
 

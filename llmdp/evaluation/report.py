@@ -26,7 +26,10 @@ def evaluation_section(run_dir: str, plan_info: dict, metrics: list[dict],
     if kind is None and gens is None:
         return None
     keep = ("step", "loss", "perplexity", "accuracy", "units", "tokens")
-    held = [{k: m.get(k) for k in keep} for m in metrics if m.get("event") == "eval"]
+    # One row per step: a step evaluated again (re-executed after a resume from an earlier
+    # checkpoint) keeps its latest evaluation, that of the model the run went on from.
+    by_step = {m.get("step"): {k: m.get(k) for k in keep} for m in metrics if m.get("event") == "eval"}
+    held = [by_step[s] for s in sorted(by_step, key=lambda s: -1 if s is None else s)]
     dp = [{k: v for k, v in m.items() if k not in ("event", "time")}
           for m in metrics if m.get("event") == "dp_eval" and "refused" not in m]
     plan = plan_info.get("dp_eval")

@@ -629,11 +629,22 @@ class LedgerService:
                 f"recorded) or train on data with budget left")
         done = step_count(self._mine(records))
         return (
-            f"privacy.target_epsilon={self.target:g} reached: failures made this run re-execute "
-            f"steps ({done} steps in its ledger for {step} completed), and one more step would "
+            f"privacy.target_epsilon={self.target:g} reached: failures, or stops at once (a "
+            f"second Ctrl-C, a killed process), made this run re-execute steps ({done} steps in "
+            f"its ledger for {step} completed; a first Ctrl-C loses none), and one more step would "
             f"take ε past the target. The run stopped before step {step + 1} of "
             f"{self.total_steps}; its report states ε. To finish anyway (ε above the target, "
             f"stated first in the report), set privacy.allow_exceed_target_on_failure: true")
+
+    def target_refusal(self, step: int) -> str | None:
+        """Read only, before a launch starts its workers: why privacy.target_epsilon refuses
+        step ``step`` already (the ledger holds steps re-executed after failures or forced
+        stops), else None. A resumed run that could not run a single step is told so without
+        starting Ray; the budget's own refusal comes from `hold`."""
+        records = self.records()
+        if self._target_allows(records, 1) >= 1:
+            return None
+        return self._stop_message(int(step), "target", records)
 
     def admit(self, step: int) -> tuple[bool, str]:
         # Asked whatever the recipe says: the dataset's budget (recorded in its ledger, maybe

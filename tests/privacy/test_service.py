@@ -18,7 +18,14 @@ import pytest
 from llmdp.privacy.accountant import RDP_ORDERS
 from llmdp.privacy.budget import NOT_COMPOSED, budget_status, steps_within_budget, unit_key
 from llmdp.privacy.events import dpsgd_step_event, event_to_json
-from llmdp.privacy.ledger import Ledger
+from llmdp.privacy.ledger import (
+    Ledger,
+    LedgerError,
+    check_record,
+    net_records,
+    release_entries,
+    step_count,
+)
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.service import BudgetError, LedgerService, cross_check
 
@@ -396,3 +403,85 @@ def test_restarts_stop_at_the_target_unless_allowed(tmp_path):
     assert eps == pytest.approx(direct_eps([(G, 12)], acc), rel=1e-9) and eps > target
     path = tmp_path / "run" / "ledger.jsonl"
     assert cross_check(Ledger(path).records(), records(tmp_path), "run", str(path)) == []
+
+
+# ------------------------------------------------------------------ a graceful stop (the first Ctrl-C)
+
+def test_a_graceful_stop_voids_the_unrun_steps_and_the_resumed_run_reaches_its_target(tmp_path):
+    """Issue 30 item 1: a run calibrated to its target, stopped after step 6 inside the block
+    [4, 8) and resumed from its checkpoint at 6, finishes at the target. Without the void
+    the ledger would hold 10 steps for 8 and refuse the last 2 ("target reached")."""
+    total, acc = 8, "rdp"
+    target = direct_eps([(G, total)], acc) * (1 + 1e-9)  # no room for one step more
+    s = service(tmp_path, total=total, block=4, accountant=acc, target_epsilon=target)
+    s.start_attempt()
+    assert run_steps(s, range(6)) == list(range(6))  # blocks [0, 4) and [4, 8) reserved
+    assert s.void_unrun(6, "interrupted")["steps_voided"] == 2
+    with pytest.raises(LedgerError, match="was stopped .*releases no step any more"):
+        s.ensure(6)  # the attempt that voided steps 6, 7 can never release them
+    recs = records(tmp_path)
+    void = [r for r in recs if r["kind"] == "void"]
+    assert [(v["first_step"], v["steps"]) for v in void] == [(6, 2)]
+    assert void[0]["release"] == [r for r in recs if r["kind"] == "release"][1]["hash"]
+    assert step_count(recs) == 6 and s.position()["run_steps_recorded"] == 6
+    assert s.status()["epsilon_spent"] == pytest.approx(direct_eps([(G, 6)], acc), rel=1e-9)
+    # The resumed attempt: steps 6 and 7 fit in the target again.
+    s.start_attempt()
+    assert run_steps(s, range(6, total)) == [6, 7]
+    eps = s.status()["epsilon_spent"]
+    assert eps == pytest.approx(direct_eps([(G, total)], acc), rel=1e-9) and eps <= target
+    path = tmp_path / "run" / "ledger.jsonl"
+    run_records = Ledger(path).records()
+    assert cross_check(run_records, records(tmp_path), "run", str(path)) == []
+    assert [c for _, c in Ledger(path).entries()] == [total]
+
+
+def test_a_void_frees_its_steps_in_the_budget_and_the_hold(tmp_path):
+    """A budgeted run's hold counts only the steps that ran; the dataset's ε spent too, and
+    another run can use what was voided."""
+    budget = direct_eps([(G, 10)], "rdp") * (1 + 1e-9)
+    a = service(tmp_path, name="a", budget=budget, total=10, block=4)
+    assert a.hold(10)["held"] == 10
+    a.start_attempt()
+    assert run_steps(a, range(5)) == list(range(5))  # [0, 4) and [4, 8) reserved
+    assert a.void_unrun(5, "interrupted")["steps_voided"] == 3
+    a.end("launch ended: interrupted")
+    b = service(tmp_path, name="b", budget=budget, total=5, block=5)
+    assert b.hold(5)["held"] == 5  # 5 ran, 5 left: without the void only 2 would fit
+    assert b.status()["epsilon_spent"] == pytest.approx(direct_eps([(G, 5)], "rdp"), rel=1e-9)
+
+
+def _rec(kind, h, **kw):
+    return {"kind": kind, "hash": h, "run_id": "r", **kw}
+
+
+def test_net_records_never_take_off_more_than_the_voided_range_of_a_release_it_reads():
+    """Malformed or partial voids over-count, never under-count: overlapping voids take a
+    step off once; a void reaching past its release takes off only the release's steps; a
+    void of another run, or of a release not among the records read, takes off nothing."""
+    ev = event_to_json(G)
+    rel = _rec("release", "a" * 64, first_step=10, count=10, event=ev)
+    voids = [_rec("void", "b" * 64, release="a" * 64, first_step=14, steps=4, event=ev),
+             _rec("void", "c" * 64, release="a" * 64, first_step=16, steps=10, event=ev),  # 16..19 count
+             {**_rec("void", "d" * 64, release="a" * 64, first_step=10, steps=2, event=ev), "run_id": "x"},
+             _rec("void", "e" * 64, release="f" * 64, first_step=0, steps=5, event=ev)]
+    net = net_records([rel, *voids])
+    assert [r["kind"] for r in net] == ["release"]
+    assert net[0]["count"] == 4 and net[0]["voided"] == 6  # steps 14..19 never ran
+    assert step_count([rel, *voids]) == 4 == step_count(net)  # idempotent
+    assert step_count(voids) == 0 and net_records(voids) == []
+    assert release_entries(enumerate([rel, *voids], 1), "x")[0][1] == 4
+    # the release filtered out (a subset read): its voids take nothing off anything
+    other = _rec("release", "9" * 64, first_step=0, count=3, event=ev)
+    assert step_count([other, *voids]) == 3
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"release": "short", "first_step": 0, "steps": 1}, "release's hash"),
+    ({"release": "a" * 64, "first_step": -1, "steps": 1}, "first_step=-1"),
+    ({"release": "a" * 64, "first_step": 0, "steps": 0}, "steps=0"),
+    ({"release": "a" * 64, "first_step": 0, "steps": 1.5}, "steps=1.5"),
+])
+def test_a_malformed_void_is_not_a_record(bad, why):
+    rec = {"kind": "void", "seq": 1, "prev": "0" * 64, "ledger": DS, "event": event_to_json(G), **bad}
+    assert why in (check_record(rec) or "")
