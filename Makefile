@@ -24,7 +24,7 @@ demo-private-tokenizer: $(STAMP)
 	$(BIN)/llmdp train recipes/tiny-cpu-private-tokenizer.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -20,7 +20,6 @@ from tqdm import tqdm
 from llmdp.baseline import NON_PRIVATE
 from llmdp.spent import ledger_epsilon
 
-
 EPS_KEY = "eps(ledger)"  # charged so far, steps reserved ahead included (module docstring)
 
 

@@ -21,6 +21,7 @@ from llmdp._fs import RunLock, cache_root
 from llmdp.baseline import BANNER
 from llmdp.config import ConfigError, RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.export import ExportError, export_run
+from llmdp.interrupt import GracefulInterrupt, stopped_gracefully
 from llmdp.planning import plan_run
 from llmdp.privacy.dataset_ledger import open_dataset_ledger
 from llmdp.privacy.events import event_to_json
@@ -28,7 +29,7 @@ from llmdp.privacy.ledger import LedgerError
 from llmdp.privacy.service import BudgetError, LedgerService, run_ledger_problems
 from llmdp.progress import EPS_KEY, Progress
 from llmdp.report import write_report
-from llmdp.rundir import RESUME_HINT, STOP_REQUEST, RunDir
+from llmdp.rundir import RESUME_HINT, RunDir
 from llmdp.runspec import LedgerSpec, RunPaths, RunSpec
 from llmdp.tokenizer.train import ensure_release_recorded
 from llmdp.worker import train_loop_per_worker
@@ -357,7 +358,7 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
         _fit(prepared, log, interrupts)
         # The first Ctrl-C: the workers stopped after a whole step (or, when it came after
         # the last step, finished the run: then nothing was interrupted).
-        interrupted = interrupts.requested and _stopped_gracefully(prepared.run_dir)
+        interrupted = interrupts.requested and stopped_gracefully(prepared.run_dir)
     except (KeyboardInterrupt, SystemExit) as e:
         # A Ctrl-C before the workers started, a second one (stop at once), or SIGTERM:
         # nothing failed, and the same command resumes from the last checkpoint.
@@ -418,69 +419,6 @@ def _target_stop(prepared: RunSpec, step: int) -> str | None:
         return svc.target_refusal(step)
     finally:
         svc.db.close()
-
-
-def _stopped_gracefully(run_dir: str) -> bool:
-    """Whether the workers' last act was a graceful stop (`llmdp.worker.stop_gracefully`)."""
-    last = None
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            try:
-                m = json.loads(line)
-            except ValueError:
-                continue
-            if m.get("event") in ("start", "end", "stopped", "interrupted"):
-                last = m
-    return bool(last and last.get("event") == "interrupted" and last.get("graceful"))
-
-
-class GracefulInterrupt:
-    """The driver's Ctrl-C while the workers train (installed by Ray Train's controller
-    start-up in place of its own handler, which aborts the workers wherever they are).
-
-    The first Ctrl-C writes the run directory's `rundir.STOP_REQUEST`: rank 0 sees it before
-    the next step, voids in the ledger the steps its attempt reserved and will not run,
-    every worker checkpoints and the train function returns (`llmdp.worker.stop_gracefully`);
-    the launch then ends its hold, writes the report (status: interrupted) and exits 130.
-    The second Ctrl-C stops at once (Ray Train's abort): for the ledger that is a crash:
-    steps reserved ahead stay charged though they never ran."""
-
-    def __init__(self, run_dir: str, log):
-        self.path = os.path.join(run_dir, STOP_REQUEST)
-        self.log = log
-        self.count = 0
-        self.clear()
-
-    def clear(self) -> None:
-        try:
-            os.remove(self.path)  # left by an earlier launch
-        except FileNotFoundError:
-            pass
-
-    @property
-    def requested(self) -> bool:
-        return self.count > 0
-
-    def install(self, controller) -> None:
-        import ray
-
-        def handler(signum, frame):
-            self.count += 1
-            if self.count == 1:
-                with open(self.path, "w", encoding="utf-8") as f:
-                    f.write(f"{time.time()}\n")
-                self.log("\nCtrl-C: stopping after the current step (its state is saved, and the "
-                         "ledger keeps only the steps that ran); Ctrl-C again to stop at once")
-                return
-            self.log("\nsecond Ctrl-C: stopping at once (steps reserved ahead stay charged in "
-                     "the ledger, as after a crash)")
-            try:
-                ray.get(controller.abort.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - the controller may be gone already
-                pass
-            raise KeyboardInterrupt("second Ctrl-C")
-
-        signal.signal(signal.SIGINT, handler)
 
 
 def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) -> None:

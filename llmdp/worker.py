@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from llmdp import checkpoints, parallel
+from llmdp._testhooks import maybe_inject_fault, maybe_wait_for_ctrl_c
 from llmdp.baseline import NON_PRIVATE
 from llmdp.clipping import GhostClipper
 from llmdp.config import OptimConfig, warmup_steps_for
@@ -299,7 +300,7 @@ def dp_step(run: Training, step: int) -> dict:
     # [sync point] Either way: sum, noise once, ÷ q·N, left in p.grad.
     run.strategy.privatize(run.clipper.params, run.sinks, keys.noise, plan.noise_multiplier,
                            plan.max_grad_norm, plan.expected_batch_size)
-    _maybe_inject_fault(step, run.rank)
+    maybe_inject_fault(step, run.rank)
     units, rows, tokens, nonfinite = parallel.sum_over_workers(
         [stats.units, stats.rows, stats.tokens, stats.nonfinite], run.device)  # [sync point]
     run.nonfinite_steps += nonfinite > 0  # every worker counts the same steps
@@ -379,7 +380,7 @@ def finish(run: Training, stopped: dict | None) -> dict:
         # is in the ledger), unless that state was just checkpointed.
         checkpoint(run, stopped["step"])
     done = run.spec.plan.steps if stopped is None else stopped["step"]
-    _maybe_wait_for_ctrl_c(run, "final")
+    maybe_wait_for_ctrl_c(run, "final")
     if done > run.start or stopped is None:  # the final model's held-out and DP evaluation
         evaluation.evaluate_held_out(run, done, final=True, write=_writer(run))  # [sync point]
     run.strategy.save_model(run.model, run.spec.paths.model)  # fsdp: streamed, tensor by tensor [sync point]
@@ -428,7 +429,7 @@ def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
     steps, every = spec.plan.steps, spec.cfg.train.checkpoint_every
     stopped = None
     for step in range(run.start, steps):
-        _maybe_wait_for_ctrl_c(run, str(step))
+        maybe_wait_for_ctrl_c(run, str(step))
         decision, why = admitted(run, step)
         if decision == INTERRUPT:
             return stop_gracefully(run, step)
@@ -446,44 +447,6 @@ def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
             checkpoint(run, step + 1)
         _warn_nonfinite(run)
     return finish(run, stopped)
-
-
-def _maybe_inject_fault(step: int, rank: int) -> None:
-    """Test hook: ``LLMDP_FAULT=step=K,rank=R,marker=PATH[,action=hang]`` makes worker R, once,
-    at 0-based step K (after the ledger write, before the update) raise, as a lost worker
-    would; with ``action=hang`` it writes its pid to the marker and hangs there until it is
-    killed (a test kills its node, or the driver, at that point)."""
-    spec = os.environ.get("LLMDP_FAULT")
-    if not spec:
-        return
-    f = dict(item.split("=", 1) for item in spec.split(","))
-    if int(f["step"]) == step and int(f.get("rank", 0)) == rank and not os.path.exists(f["marker"]):
-        hang = f.get("action") == "hang"
-        with open(f["marker"] + ".tmp", "w") as fh:
-            fh.write(json.dumps({"pid": os.getpid(), "step": step, "rank": rank, "hang": hang}))
-        os.replace(f["marker"] + ".tmp", f["marker"])
-        while hang:
-            time.sleep(1.0)
-        raise RuntimeError(f"injected fault at step {step} on rank {rank} (LLMDP_FAULT)")
-
-
-def _maybe_wait_for_ctrl_c(run: Training, at: str) -> None:
-    """Test hook: ``LLMDP_TEST_PAUSE=at=A,marker=PATH`` (A: a 0-based step, or ``final``)
-    makes rank 0, at that point (before the step's gate; before the final evaluation),
-    write the marker and wait until the driver's first Ctrl-C has written its stop request:
-    a test sends a real SIGINT at a known step."""
-    spec = os.environ.get("LLMDP_TEST_PAUSE")
-    if not spec or run.rank != 0:
-        return
-    f = dict(item.split("=", 1) for item in spec.split(","))
-    if f["at"] != at or os.path.exists(f["marker"]):
-        return
-    with open(f["marker"] + ".tmp", "w") as fh:
-        fh.write(json.dumps({"pid": os.getpid(), "at": at}))
-    os.replace(f["marker"] + ".tmp", f["marker"])
-    deadline = time.monotonic() + 300
-    while not os.path.exists(os.path.join(run.spec.run_dir, STOP_REQUEST)) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _device(use_gpu: bool) -> torch.device:

@@ -463,7 +463,7 @@ def test_the_console_ends_with_the_dp_evaluation(tmp_path, monkeypatch):
     in-process here (Ray's launch is the e2e tests' business)."""
     import llmdp.trainer
 
-    monkeypatch.setattr(llmdp.trainer, "_fit", lambda prepared, log: train_loop_per_worker(
+    monkeypatch.setattr(llmdp.trainer, "_fit", lambda prepared, log, interrupts=None: train_loop_per_worker(
         prepared, LocalContext(checkpoint_dir=str(tmp_path / "ckpt"))))
     cfg = eval_recipe(tmp_path, evaluation={"noise_multiplier": 3.0})
     lines = []

@@ -319,7 +319,7 @@ def test_a_ctrl_c_during_finalization_does_not_strand_the_run(tmp_path, monkeypa
 
     cfg = make_recipe(tmp_path, steps=4)
 
-    def fit_then_ctrl_c(prepared, log):
+    def fit_then_ctrl_c(prepared, log, interrupts=None):
         train_loop_per_worker(prepared, LocalContext(checkpoint_dir=str(tmp_path / "ckpt")))
         raise KeyboardInterrupt  # after "end": during the driver's finalization
 

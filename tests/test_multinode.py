@@ -180,7 +180,10 @@ def test_a_killed_node_resumes_on_a_standby_node_and_counts_every_step(
             lost["node"] = node_id
         except BaseException as e:  # noqa: BLE001 - reported below; the run is aborted
             lost["error"] = e
-            os.kill(os.getpid(), signal.SIGINT)  # Ray Train's handler aborts the hung run
+            # llmdp's handler: the first Ctrl-C waits for the step (hung), the second aborts
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGINT)
 
     killer = threading.Thread(target=kill_the_hung_workers_node, daemon=True)
     killer.start()

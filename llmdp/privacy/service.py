@@ -65,8 +65,8 @@ from llmdp.privacy.events import event_from_json
 from llmdp.privacy.ledger import (
     EVAL_MECHANISM,
     RUN_REPAIR_HINT,
-    Ledger,
     VOID_KIND,
+    Ledger,
     LedgerError,
     is_step_release,
     net_records,
