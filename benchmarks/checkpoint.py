@@ -2,7 +2,7 @@
 
 For each world size W of ``--worlds`` it spawns W gloo processes (CPU), builds a Llama from a
 config (random weights, float32, nothing downloaded), shards it with FSDP2
-(``llmdp.parallel.fully_shard_model``), takes one AdamW step (the optimizer state: two
+(``llmdp.train.parallel.fully_shard_model``), takes one AdamW step (the optimizer state: two
 more tensors per parameter), and saves a checkpoint of the trainable parameters and the
 optimizer state both ways, measuring rank 0:
 
@@ -115,7 +115,7 @@ def build_model(args):
 
 def _save(path, model, opt, names, folder, meta) -> None:
     """One checkpoint save (every rank calls it). [sync point]"""
-    from llmdp.strategy import Fsdp
+    from llmdp.train.strategy import Fsdp
 
     if path == "dcp":
         Fsdp().save_checkpoint(model, opt, names, folder, meta)
@@ -128,8 +128,8 @@ def _save(path, model, opt, names, folder, meta) -> None:
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     import torch.distributed as dist
 
-    from llmdp import parallel
-    from llmdp.strategy import Fsdp
+    from llmdp.train import parallel
+    from llmdp.train.strategy import Fsdp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

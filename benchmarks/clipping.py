@@ -139,8 +139,8 @@ def build(args):
     )
     model = LlamaForCausalLM(cfg).to(args.device, getattr(torch, args.dtype))
     if args.lora:
-        from llmdp.config import LoraConfig
-        from llmdp.models import apply_lora
+        from llmdp.config.schema import LoraConfig
+        from llmdp.train.models import apply_lora
 
         model = apply_lora(model, LoraConfig(r=args.lora_rank, target_modules=LORA_TARGETS))
     model.train()
@@ -165,7 +165,7 @@ def step_fn(method, model, batch, args):
     leaves (untimed); ``result`` returns the tensors the last step produced."""
     import torch
 
-    from llmdp.losses import row_losses
+    from llmdp.train.losses import row_losses
 
     C = args.max_grad_norm
     params = [p for p in model.parameters() if p.requires_grad]
@@ -184,7 +184,7 @@ def step_fn(method, model, batch, args):
 
     if method.startswith("llmdp-"):
         from llmdp.clipping import GhostClipper
-        from llmdp.strategy import Replicated
+        from llmdp.train.strategy import Replicated
 
         kind = method[len("llmdp-"):]
         sinks = Replicated().grad_sinks(model)  # float32 sums for bf16 parameters

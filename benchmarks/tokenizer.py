@@ -42,7 +42,7 @@ def compression(tokenizer, texts: list[str]) -> dict:
 
 
 def train(recipe: dict, log) -> tuple[str, dict]:
-    from llmdp.config import tokenizer_recipe_from_dict
+    from llmdp.config.schema import tokenizer_recipe_from_dict
     from llmdp.tokenizer.train import train_tokenizer
 
     cfg = tokenizer_recipe_from_dict(recipe, base_dir=REPO)

@@ -362,16 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from llmdp._fs import RunDirInUse
-    from llmdp.config import ConfigError
-    from llmdp.export import ExportError
+    from llmdp.config.schema import ConfigError
+    from llmdp.hub.export import ExportError
     from llmdp.privacy.ledger import LedgerError
     from llmdp.privacy.plan import PlanError
     from llmdp.privacy.service import BudgetError
 
     try:
         if args.command == "train":
-            from llmdp.config import load_recipe
-            from llmdp.trainer import run
+            from llmdp.config.schema import load_recipe
+            from llmdp.run.launch import run
 
             overrides = list(args.overrides) + (["privacy.debug_check=true"] if args.debug else [])
             cfg = load_recipe(args.recipe, overrides)
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "audit":
             from llmdp.audit.run import AuditSettings, run_audit
-            from llmdp.config import load_recipe
+            from llmdp.config.schema import load_recipe
 
             settings = AuditSettings(canaries=args.canaries, record_fraction=args.record_fraction,
                                      scores=args.scores, confidence=args.confidence)
@@ -389,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_audit(cfg, settings)
             return 3 if result["violation"] else 0
         if args.command == "sweep":
-            from llmdp.config import load_recipe
-            from llmdp.sweep import run_sweep
+            from llmdp.config.schema import load_recipe
+            from llmdp.tune.sweep import run_sweep
 
             cfg = load_recipe(args.recipe, args.overrides)
             _quiet_libraries()
@@ -398,12 +398,12 @@ def main(argv: list[str] | None = None) -> int:
                       distribution=args.distribution)
             return 0
         if args.command == "compare":
-            from llmdp.compare import compare
+            from llmdp.tune.compare import compare
 
             compare(args.run_dirs, out=args.out)
             return 0
         if args.command == "tokenizer":
-            from llmdp.config import load_tokenizer_recipe
+            from llmdp.config.schema import load_tokenizer_recipe
             from llmdp.tokenizer.train import train_tokenizer
 
             cfg = load_tokenizer_recipe(args.recipe, args.overrides)
@@ -411,14 +411,14 @@ def main(argv: list[str] | None = None) -> int:
             train_tokenizer(cfg)
             return 0
         if args.command == "export":
-            from llmdp.export import export_run
+            from llmdp.hub.export import export_run
 
             export_run(args.run_dir, args.to, merge=args.merge, push=args.push, private=args.private,
                        dry_run=args.dry_run, allow_unverified=args.allow_unverified,
                        base_model=args.base_model, license=args.license)
             return 0
         if args.command == "submit":
-            from llmdp.submit import main as submit_main
+            from llmdp.run.submit import main as submit_main
 
             return submit_main(args)
         if args.privacy_command == "epsilon":
@@ -434,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return ledger_main(args)
         if args.privacy_command == "report":
-            from llmdp.report import write_report
-            from llmdp.rundir import RunDir
+            from llmdp.report.build import write_report
+            from llmdp.run.rundir import RunDir
 
             RunDir(args.run_dir).require(ConfigError)
             report = write_report(args.run_dir)
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as e:
         # Ctrl-C: a training run has written its report (status: interrupted) already.
-        from llmdp.trainer import RunInterrupted
+        from llmdp.run.launch import RunInterrupted
 
         why = str(e) if isinstance(e, RunInterrupted) else "interrupted"
         print(f"llmdp: {why}", file=sys.stderr)

@@ -12,7 +12,7 @@ Everything is built locally and fast (no network, no downloads). Import with
   RMSNorm and the eager attention softmax in float32 even in a float64 model, which
   limits agreement to ~1e-7 relative; ``exact=True`` makes those run in the model's dtype
   (GPT-2 already does). See ``make_exact``.
-- ``tiny_model_config(family, **overrides)``: an ``llmdp.config.TinyModelConfig``.
+- ``tiny_model_config(family, **overrides)``: an ``llmdp.config.schema.TinyModelConfig``.
 - ``write_notes(path, n)``: a small synthetic private corpus (jsonl).
 - ``tiny_store(cache_dir, ...)``: a built ``UnitStore`` over such a corpus.
 - ``random_rows(...)``: a batch shaped like ``UnitStore.rows`` (with padding), no store needed.
@@ -71,8 +71,8 @@ def tiny_tokenizer(tmp_dir=None, vocab_size: int = TINY_VOCAB):
 
 
 def tiny_model_config(family: str = "llama", **overrides):
-    """An ``llmdp.config.TinyModelConfig`` with test-sized defaults."""
-    from llmdp.config import TinyModelConfig
+    """An ``llmdp.config.schema.TinyModelConfig`` with test-sized defaults."""
+    from llmdp.config.schema import TinyModelConfig
 
     kw = dict(family=family, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
               intermediate_size=32, max_position_embeddings=64, tie_word_embeddings=False, seed=0)
@@ -151,7 +151,7 @@ def tiny_model(family: str = "llama", *, vocab_size: int = 64, dtype=torch.float
     """
     from transformers import AutoModelForCausalLM
 
-    from llmdp.models import tiny_hf_config
+    from llmdp.train.models import tiny_hf_config
 
     cfg = tiny_model_config(family, **overrides)
     hf = tiny_hf_config(cfg, vocab_size, pad_token_id, bos_token_id, eos_token_id)
@@ -270,8 +270,8 @@ def use_noise_cap(monkeypatch, radius_bits: int) -> tuple[float, float]:
     generator), where they show in ε at usual σ. Returns (m, τ)."""
     import math
 
-    from llmdp import report
     from llmdp.privacy import noise_tail, plan
+    from llmdp.report import build as report
 
     mass, tau = 2.0**-radius_bits, math.sqrt(2 * radius_bits * math.log(2))
     monkeypatch.setattr(noise_tail, "TAIL_MASS", mass)

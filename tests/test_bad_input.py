@@ -96,7 +96,7 @@ def test_an_empty_file_in_a_folder_is_named(workdir, capsys, ext, content, blank
 
 def test_plan_chunks_names_an_empty_file(tmp_path):
     """The same on the Ray Data path's chunk planner."""
-    from llmdp.config import ConfigError
+    from llmdp.config.schema import ConfigError
     from llmdp.data.chunks import plan_chunks
 
     (tmp_path / "a.txt").write_text("one note\n")
@@ -213,9 +213,9 @@ def test_validation_error_after_data_loading_leaves_no_run_dir(workdir, capsys):
 def test_text_folder_gives_one_document_unit_per_file_and_the_report_says_so(workdir):
     """Issue 12 item 9: 12 note files of several lines each are 12 document units (not one
     per line), and the report states how records were read."""
-    from llmdp.config import load_recipe
-    from llmdp.report import write_report
-    from llmdp.trainer import prepare
+    from llmdp.config.schema import load_recipe
+    from llmdp.report.build import write_report
+    from llmdp.run.launch import prepare
 
     (workdir / "notes").mkdir()
     for i in range(12):
@@ -267,7 +267,7 @@ def test_unknown_bare_tokenizer_name_is_one_message(workdir, capsys):
     ("my tok", True), ("org/name/", True), ("org--x/name", True),
 ])
 def test_hub_ids_stay_ids_and_paths_become_paths(workdir, value, is_path):
-    from llmdp.config import load_recipe
+    from llmdp.config.schema import load_recipe
 
     (workdir / "runs").mkdir()
     write_lines(workdir / "ok.jsonl", GOOD)
@@ -326,7 +326,7 @@ def test_a_tiny_corpus_needs_an_explicit_delta(workdir, capsys):
 
 def test_a_default_delta_is_said(tmp_path):
     """Issue 30 item 9: the δ llmdp picks is stated at launch with the N it came from."""
-    from llmdp.trainer import prepare
+    from llmdp.run.launch import prepare
     from tests.test_loop import make_recipe
 
     cfg = make_recipe(tmp_path)

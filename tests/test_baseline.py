@@ -1,4 +1,4 @@
-"""privacy.dp: false, the NON-PRIVATE baseline of a recipe (llmdp.baseline): the same
+"""privacy.dp: false, the NON-PRIVATE baseline of a recipe (llmdp.run.baseline): the same
 sampling, micro-batching and optimizer with no clipping and no noise; labelled NON-PRIVATE
 everywhere, recorded in no ledger, never exported, resumable."""
 
@@ -13,19 +13,19 @@ import os
 import pytest
 import torch
 
-from llmdp.baseline import BANNER, NON_PRIVATE
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import (
     clip_factors,
     per_unit_gradients_autograd,
     per_unit_gradients_func,
 )
-from llmdp.config import ConfigError, recipe_from_dict, to_dict
-from llmdp.losses import row_losses
+from llmdp.config.schema import ConfigError, recipe_from_dict, to_dict
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.plan import DPPlan, PlanError, make_plan
-from llmdp.worker import LocalContext, train_loop_per_worker
+from llmdp.run.baseline import BANNER, NON_PRIVATE
+from llmdp.train.loop import LocalContext, train_loop_per_worker
+from llmdp.train.losses import row_losses
 from tests.clipping.test_engine import make_batch, tiny_llama
 from tests.test_loop import make_recipe, prepared_config
 
@@ -141,7 +141,7 @@ def baseline_run(tmp_path_factory):
     spec = prepared_config(cfg)
     ckpt = str(tmp / "ckpt")
     train_loop_per_worker(spec, LocalContext(checkpoint_dir=ckpt))
-    from llmdp.report import write_report
+    from llmdp.report.build import write_report
 
     report = write_report(spec.run_dir)
     return {"cfg": cfg, "spec": spec, "report": report, "location": location, "ckpt": ckpt}
@@ -199,7 +199,7 @@ def test_a_baseline_is_labelled_non_private_in_metrics_plan_and_report(baseline_
 
 
 def test_the_progress_bar_says_non_private_and_shows_no_epsilon(baseline_run, capsys):
-    from llmdp.progress import Progress
+    from llmdp.run.progress import Progress
 
     spec = baseline_run["spec"]
     bar = Progress(spec.paths.metrics, spec.plan, ledger_path=os.path.join(spec.run_dir, "nope"))
@@ -212,7 +212,7 @@ def test_the_progress_bar_says_non_private_and_shows_no_epsilon(baseline_run, ca
 
 
 def test_export_refuses_a_baseline_even_unverified(baseline_run, tmp_path):
-    from llmdp.export import ExportError, export_run, verify_run
+    from llmdp.hub.export import ExportError, export_run, verify_run
 
     run_dir = baseline_run["spec"].run_dir
     for allow in (False, True):
@@ -227,12 +227,12 @@ def test_export_refuses_a_baseline_even_unverified(baseline_run, tmp_path):
 
 
 def test_epsilon_planned_of_a_baseline_asks_no_accountant(baseline_run, monkeypatch):
-    import llmdp.runspec
+    import llmdp.run.spec
 
     def no(*a, **k):
         raise AssertionError("the accountant was asked for a baseline")
 
-    monkeypatch.setattr(llmdp.runspec, "composed_epsilon", no)
+    monkeypatch.setattr(llmdp.run.spec, "composed_epsilon", no)
     spec = dataclasses.replace(baseline_run["spec"])  # a fresh cached_property
     assert spec.epsilon_planned == math.inf
     rec = spec.plan_record()
@@ -248,7 +248,7 @@ class Crash(RuntimeError):
 
 
 def test_a_baseline_resumes_from_its_checkpoint_and_a_dp_switch_is_another_recipe(tmp_path, monkeypatch):
-    from llmdp.report import write_report
+    from llmdp.report.build import write_report
 
     cfg = baseline_recipe(tmp_path)
     spec = prepared_config(cfg)
@@ -303,8 +303,8 @@ def test_a_run_directory_of_an_earlier_llmdp_is_a_dp_run(tmp_path):
 def _captured_step(spec, step_keys, monkeypatch):
     """(initial state, the gradient the optimizer receives at step 0) of a fresh setup, with
     the step's keys fixed to ``step_keys``."""
-    from llmdp.step import StepKeys
-    from llmdp.worker import dp_step, setup
+    from llmdp.train.loop import dp_step, setup
+    from llmdp.train.step import StepKeys
 
     monkeypatch.setattr(StepKeys, "draw", classmethod(lambda cls, *a, **k: step_keys))
     got, real = {}, torch.optim.AdamW.step
@@ -327,8 +327,8 @@ def test_a_baseline_step_is_the_unclipped_sum_over_qN_without_noise(tmp_path, mo
     here by autograd of the summed unit losses; units far above privacy.max_grad_norm are
     not clipped; two different noise keys give the identical update. The same recipe with
     dp true (control) clips and noises: its gradients differ."""
-    from llmdp.models import load_model
-    from llmdp.step import StepKeys
+    from llmdp.train.models import load_model
+    from llmdp.train.step import StepKeys
 
     C = 1e-3
 

@@ -26,10 +26,11 @@ import shutil
 import pytest
 import torch
 
-from llmdp import checkpoints, hf_save, parallel
 from llmdp.clipping import GhostClipper
-from llmdp.strategy import Fsdp, Replicated
-from llmdp.worker import LocalContext
+from llmdp.hub import save as hf_save
+from llmdp.train import checkpoints, parallel
+from llmdp.train.loop import LocalContext
+from llmdp.train.strategy import Fsdp, Replicated
 from tests.helpers import tiny_llama, tiny_store
 from tests.test_parallel import S1, full, model64, one_step, step_
 
@@ -38,7 +39,7 @@ STEPS, KEEP = 4, 2  # the runs' steps; the checkpoint every resumed run starts f
 
 
 def _recipe(tmp, name, *, rng="seeded", steps=STEPS, every=KEEP):
-    from llmdp.config import recipe_from_dict
+    from llmdp.config.schema import recipe_from_dict
     from tests.helpers import tiny_tokenizer_dir, write_notes
 
     data = os.path.join(tmp, "notes.jsonl")
@@ -81,7 +82,7 @@ class KeepingContext(LocalContext):
 
 
 def _train(spec, ckpt, keep_dir=None, start_from=None):
-    from llmdp.worker import train_loop_per_worker
+    from llmdp.train.loop import train_loop_per_worker
 
     if start_from is not None and parallel.world()[0] == 0:
         shutil.copytree(start_from, ckpt)  # the other world size's step-KEEP checkpoint
@@ -221,7 +222,7 @@ def _final_models(rank, out):
 def runs(tmp_path_factory):
     import torch.multiprocessing as mp
 
-    from llmdp.trainer import prepare
+    from llmdp.run.launch import prepare
 
     tmp = str(tmp_path_factory.mktemp("dcp"))
     specs = {name: prepare(_recipe(tmp, name), log=lambda *a: None)
@@ -322,7 +323,7 @@ def test_resume_on_another_world_size_gives_the_uninterrupted_model(runs):
 
 
 def test_run_dir_reads_the_sharded_checkpoint_step(runs):
-    from llmdp.rundir import RunDir
+    from llmdp.run.rundir import RunDir
 
     rd = RunDir(runs["specs"]["w2"].run_dir)
     assert rd.latest_checkpoint() == _ckpt(runs["specs"]["w2"])
@@ -390,8 +391,8 @@ def test_export_verifies_a_sharded_checkpoint_and_catches_a_tampered_shard(runs)
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from llmdp.export import verify_run
-    from llmdp.report import write_report
+    from llmdp.hub.export import verify_run
+    from llmdp.report.build import write_report
 
     spec = runs["specs"]["export"]
     write_report(spec.run_dir)

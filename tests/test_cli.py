@@ -9,7 +9,7 @@ import dp_accounting
 import pytest
 
 from llmdp.cli import main
-from llmdp.rundir import RunDir
+from llmdp.run.rundir import RunDir
 
 
 def direct_epsilon(q, sigma, steps, delta):
@@ -193,7 +193,7 @@ def _local_fit(interrupt_after: int | None, exc=KeyboardInterrupt):
     `interrupt_after` applied steps, as Ctrl-C would arrive in the middle of a step."""
     import torch
 
-    from llmdp.worker import LocalContext, train_loop_per_worker
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
 
     def fit(prepared, log, interrupts=None):
         ckpt = os.path.join(prepared.run_dir, "checkpoints", "checkpoint_000000")
@@ -216,8 +216,8 @@ def _local_fit(interrupt_after: int | None, exc=KeyboardInterrupt):
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])  # SystemExit: Ray's SIGINT handler
 def test_ctrl_c_leaves_status_interrupted_and_the_rerun_resumes_and_says_so(
         tmp_path, monkeypatch, capsys, exc):
-    import llmdp.trainer as trainer
-    from llmdp.report import build_report
+    import llmdp.run.launch as trainer
+    from llmdp.report.build import build_report
 
     recipe = _tiny_run_recipe(tmp_path)
     run_dir = tmp_path / "runs" / "t"
@@ -247,7 +247,7 @@ def test_ctrl_c_leaves_status_interrupted_and_the_rerun_resumes_and_says_so(
 
 
 def test_resume_point_counts_attempts_like_the_report(tmp_path, monkeypatch, capsys):
-    import llmdp.trainer as trainer
+    import llmdp.run.launch as trainer
 
     recipe = _tiny_run_recipe(tmp_path)
     run_dir = str(tmp_path / "runs" / "t")
@@ -270,7 +270,7 @@ def test_a_run_stopped_at_its_target_is_told_so_without_starting_the_workers(
     once the target refuses the next step, a re-run says so before starting Ray."""
     import yaml
 
-    import llmdp.trainer as trainer
+    import llmdp.run.launch as trainer
 
     recipe = _tiny_run_recipe(tmp_path)
     raw = yaml.safe_load(open(recipe))
@@ -328,7 +328,7 @@ def test_fit_hides_rays_token_auth_notice_before_ray_init(monkeypatch, tmp_path)
 
     import ray
 
-    import llmdp.trainer as trainer
+    import llmdp.run.launch as trainer
 
     class Started(Exception):
         pass
@@ -359,15 +359,15 @@ def test_overrides_may_follow_flags(argv, command, monkeypatch):
     """Issue 30 item 8: `llmdp train notes.yaml --debug output.name=x` and `llmdp audit
     notes.yaml --canaries 100 data.path=...` take the overrides (argparse alone leaves them
     over as unrecognized arguments)."""
-    import llmdp.config
+    import llmdp.config.schema
 
     seen = {}
 
     def fake_load(path, overrides):
         seen["overrides"] = list(overrides)
-        raise llmdp.config.ConfigError("stop here")
+        raise llmdp.config.schema.ConfigError("stop here")
 
-    monkeypatch.setattr(llmdp.config, "load_recipe", fake_load)
+    monkeypatch.setattr(llmdp.config.schema, "load_recipe", fake_load)
     assert main(argv) == 2
     assert seen["overrides"][:2] == ["output.name=x", "train.steps=3"]
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from llmdp.cli import main
-from llmdp.compare import compare, plot
+from llmdp.tune.compare import compare, plot
 
 
 def _run(root, name, report):

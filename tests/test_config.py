@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import yaml
 
-from llmdp import _validate as v
-from llmdp.config import (
+from llmdp.config import validate as v
+from llmdp.config.schema import (
     ConfigError,
     DataConfig,
     EvalDataConfig,
@@ -909,7 +909,7 @@ def test_unknown_key_in_override_gets_suggestion(in_tmp):
 
 
 def test_training_and_tokenizer_data_share_one_source_section():
-    from llmdp.config import SourceConfig, TokenizerDataConfig
+    from llmdp.config.schema import SourceConfig, TokenizerDataConfig
 
     shared = {f.name for f in dataclasses.fields(SourceConfig)}
     assert shared <= {f.name for f in dataclasses.fields(DataConfig)}
@@ -1018,8 +1018,8 @@ def test_readme_has_a_short_run_and_every_train_command_in_it_loads(monkeypatch)
 
 @pytest.mark.parametrize("steps,warmup", [(6, 1), (12, 2), (50, 10), (300, 60)])
 def test_the_demo_warmup_scales_with_train_steps(monkeypatch, steps, warmup):
-    from llmdp.config import warmup_steps_for
-    from llmdp.worker import lr_lambda
+    from llmdp.config.schema import warmup_steps_for
+    from llmdp.train.loop import lr_lambda
 
     monkeypatch.chdir(REPO)
     cfg = load_recipe("recipes/tiny-cpu.yaml", [f"train.steps={steps}"])
@@ -1032,7 +1032,7 @@ def test_the_demo_warmup_scales_with_train_steps(monkeypatch, steps, warmup):
 @pytest.mark.parametrize("ratio,total,expected", [(0.0, 10, 0), (0.2, 50, 10), (0.29, 100, 29),
                                                   (0.7, 10, 7), (0.99, 3, 2), (0.5, 1, 0)])
 def test_warmup_ratio_is_a_floor_below_the_run_length(ratio, total, expected):
-    from llmdp.config import warmup_steps_for
+    from llmdp.config.schema import warmup_steps_for
 
     assert warmup_steps_for({"warmup_steps": 0, "warmup_ratio": ratio}, total) == expected
     # An explicit warmup_steps wins over the ratio (as in transformers' TrainingArguments).
@@ -1079,7 +1079,7 @@ def test_readme_demo_figures_match_the_data_preparation(tmp_path):
     (the data preparation and the plan of recipes/tiny-cpu.yaml, no training)."""
     import re
 
-    from llmdp.trainer import prepare
+    from llmdp.run.launch import prepare
 
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         text = " ".join(f.read().split())

@@ -99,9 +99,9 @@ def test_a_failed_worker_resumes_and_every_executed_step_is_counted(tmp_path, mo
     says what the failure cost, and a second launch does nothing. Under fsdp the checkpoint
     is sharded: both workers' folders land in one Ray checkpoint, which the restarted group
     loads, and the export's check reads."""
-    from llmdp import checkpoints
-    from llmdp.export import verify_run
+    from llmdp.hub.export import verify_run
     from llmdp.privacy.ledger import Ledger
+    from llmdp.train import checkpoints
 
     monkeypatch.chdir(tmp_path)
     write_notes(tmp_path / "notes.jsonl", 80)
@@ -115,7 +115,7 @@ def test_a_failed_worker_resumes_and_every_executed_step_is_counted(tmp_path, mo
     assert main(argv) == 0
     assert marker.exists(), "the fault was injected"
     run_dir = tmp_path / "runs" / "faulty"
-    from llmdp.rundir import RunDir
+    from llmdp.run.rundir import RunDir
 
     last = RunDir(run_dir).latest_checkpoint()
     assert checkpoints.read_meta(last)["step"] == 6

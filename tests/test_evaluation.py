@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from llmdp.config import ConfigError, recipe_from_dict, to_dict
+from llmdp.config.schema import ConfigError, recipe_from_dict, to_dict
 from llmdp.data.holdout import Holdout, split_units
 from llmdp.evaluation import dp as dp_eval
 from llmdp.evaluation.metrics import evaluate
 from llmdp.privacy import keys
 from llmdp.privacy.ledger import EVAL_MECHANISM, Ledger, is_step_release
-from llmdp.worker import LocalContext, train_loop_per_worker
+from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.helpers import dataset_records, tiny_tokenizer_dir, write_notes
 
 
@@ -41,7 +41,7 @@ def eval_recipe(tmp_path, *, eval_data=None, evaluation=None, **train):
 
 
 def prepared(cfg):
-    from llmdp.trainer import prepare
+    from llmdp.run.launch import prepare
 
     return prepare(cfg, log=lambda *a: None)
 
@@ -117,8 +117,8 @@ def test_split_is_by_keyed_content_hash_and_neighbour_stable():
 
 
 def test_eval_loss_and_accuracy_equal_a_direct_computation(tmp_path):
-    from llmdp.models import load_model
-    from llmdp.runspec import RunSpec  # noqa: F401
+    from llmdp.run.spec import RunSpec  # noqa: F401
+    from llmdp.train.models import load_model
 
     cfg = eval_recipe(tmp_path)
     spec = prepared(cfg)
@@ -233,8 +233,8 @@ def _six_steps_and_two_evals(spec) -> float:
 
 
 def test_run_records_exactly_the_declared_eval_events_and_reports_their_composition(tmp_path):
-    from llmdp.publish import publishable_report
-    from llmdp.report import write_report
+    from llmdp.report.build import write_report
+    from llmdp.report.publish import publishable_report
 
     cfg = eval_recipe(tmp_path, eval_every=2,
                       evaluation={"noise_multiplier": 3.0, "steps": [4], "prompts": ["Chief complaint:"],
@@ -292,7 +292,7 @@ def test_dp_evaluations_on_a_private_eval_source_are_in_its_own_ledger(tmp_path)
     that the planned evaluations do not fit refuses the launch."""
     from llmdp.privacy.budget import unit_epsilon
     from llmdp.privacy.service import BudgetError
-    from llmdp.report import write_report
+    from llmdp.report.build import write_report
 
     private = write_notes(tmp_path / "eval_notes.jsonl", 20, seed=7)
     cfg = eval_recipe(tmp_path, eval_data={"path": str(private), "public": False},
@@ -334,7 +334,7 @@ def test_dp_evaluations_on_a_private_eval_source_are_in_its_own_ledger(tmp_path)
     raw["privacy"]["budget_epsilon"] = 50.0
     raw["output"]["name"] = "on-eval"
     lines = []
-    from llmdp.trainer import prepare
+    from llmdp.run.launch import prepare
 
     on_eval_run = prepare(recipe_from_dict(raw), log=lines.append)
     said = [x for x in lines if x.startswith("budget: ")]
@@ -383,7 +383,7 @@ def test_eval_config_errors_name_the_key(tmp_path, raw, match):
 def test_a_baseline_evaluates_held_out_data_without_any_release(tmp_path):
     """privacy.dp false runs the DP recipe as it is: the DP evaluation is ignored, the
     held-out metrics are computed (internal), nothing is recorded in any ledger."""
-    from llmdp.report import write_report
+    from llmdp.report.build import write_report
 
     cfg = eval_recipe(tmp_path, evaluation={"epsilon": 0.5})
     cfg = recipe_from_dict({**to_dict(cfg),
@@ -426,7 +426,7 @@ def test_a_dp_evaluation_that_would_be_mostly_noise_is_refused_at_plan_time(tmp_
         prepared(cfg)
     lines = []
     cfg = eval_recipe(tmp_path, evaluation={**evaluation, "allow_noisy": True})
-    from llmdp.trainer import prepare
+    from llmdp.run.launch import prepare
 
     spec = prepare(cfg, log=lines.append)
     units = open_(spec.paths.eval_store_dir).num_units
@@ -439,8 +439,8 @@ def test_dp_metrics_are_published_with_their_std_everywhere():
     """Issue 30 items 3 and 13: the card's model-index carries each DP metric's noise std (in
     its name and as a metric argument), the markdown table has a std for every DP column,
     and a whitespace-only generation is shown as such, not as "(empty)"."""
-    from llmdp.card import _eval_results
     from llmdp.evaluation.report import evaluation_markdown
+    from llmdp.report.card import _eval_results
 
     m = {"step": 50, "loss": 5.5, "perplexity": math.exp(5.5), "accuracy": 0.2, "count": 700.0,
          "count_kind": "noised", "loss_std": 0.13, "accuracy_std": 0.016}
@@ -461,13 +461,13 @@ def test_the_console_ends_with_the_dp_evaluation(tmp_path, monkeypatch):
     """Issue 30 items 3 and 13: `llmdp train` prints the last DP evaluation with its std
     (the report's numbers), not only the internal held-out loss. The worker loop runs
     in-process here (Ray's launch is the e2e tests' business)."""
-    import llmdp.trainer
+    import llmdp.run.launch
 
-    monkeypatch.setattr(llmdp.trainer, "_fit", lambda prepared, log, interrupts=None: train_loop_per_worker(
+    monkeypatch.setattr(llmdp.run.launch, "_fit", lambda prepared, log, interrupts=None: train_loop_per_worker(
         prepared, LocalContext(checkpoint_dir=str(tmp_path / "ckpt"))))
     cfg = eval_recipe(tmp_path, evaluation={"noise_multiplier": 3.0})
     lines = []
-    run_dir = llmdp.trainer.run(cfg, log=lines.append)
+    run_dir = llmdp.run.launch.run(cfg, log=lines.append)
     rep = json.load(open(os.path.join(run_dir, "privacy_report.json")))
     m = rep["evaluation"]["dp"][-1]
     want = (f"DP evaluation after step 6 (released with DP, publishable): loss {m['loss']:.4f} ± "
@@ -480,7 +480,7 @@ def test_epsilon_training_only_is_the_steps_alone_as_planned(tmp_path):
     evaluations while plan.json's epsilon_planned_training_only does not; both are the
     training steps alone (dp-accounting on the step releases, called directly)."""
     from llmdp.privacy.events import event_from_json
-    from llmdp.report import write_report
+    from llmdp.report.build import write_report
 
     cfg = eval_recipe(tmp_path, evaluation={"noise_multiplier": 3.0})
     spec = prepared(cfg)

@@ -11,8 +11,8 @@ from unittest import mock
 import pytest
 import torch
 
-from llmdp.config import recipe_from_dict
-from llmdp.export import ExportError, export_run
+from llmdp.config.schema import recipe_from_dict
+from llmdp.hub.export import ExportError, export_run
 from tests.helpers import tiny_tokenizer_dir, write_notes
 
 LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
@@ -22,9 +22,9 @@ def _run(tmp_path, *, lora: bool, rng: str = "secure", name: str = "run", data=N
          tokenizer=None, unit: str = "sequence"):
     """A finished run made by the worker loop in this process (no Ray): final model,
     ledger, report and a checkpoint where Ray would put it."""
-    from llmdp.report import write_report
-    from llmdp.trainer import prepare
-    from llmdp.worker import LocalContext, train_loop_per_worker
+    from llmdp.report.build import write_report
+    from llmdp.run.launch import prepare
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
 
     data = data or write_notes(tmp_path / "notes.jsonl", 30)
     raw = {
@@ -183,7 +183,7 @@ def hf(monkeypatch):
 
     api = mock.create_autospec(HfApi, instance=True)
     api.upload_folder.return_value = mock.Mock(commit_url="https://hub.test/org/name/commit/1")
-    monkeypatch.setattr("llmdp.export.HfApi", lambda *a, **k: api)
+    monkeypatch.setattr("llmdp.hub.export.HfApi", lambda *a, **k: api)
     monkeypatch.setenv("HF_TOKEN", "hf_supersecret")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
@@ -301,7 +301,7 @@ def test_refusals_name_the_problem(full_run, tmp_path):
     lines = open(os.path.join(run, "metrics.jsonl")).read().splitlines()
     open(os.path.join(run, "metrics.jsonl"), "w").write("\n".join(
         x for x in lines if json.loads(x).get("step") != 4) + "\n")
-    from llmdp.report import write_report
+    from llmdp.report.build import write_report
 
     write_report(run)  # a run stopped after 3 of 4 steps, whose report says so
     with pytest.raises(ExportError, match="(?s)status is 'incomplete'.*last checkpoint is at step 4, "
@@ -348,9 +348,9 @@ def test_a_seeded_run_is_refused(tmp_path):
 
 def test_recipe_push_to_exports_after_training(tmp_path, hf, monkeypatch):
     """output.push_to: a successful `llmdp train` exports to <run>/export and publishes."""
-    from llmdp import trainer
-    from llmdp.config import ConfigError
-    from llmdp.worker import LocalContext, train_loop_per_worker
+    from llmdp.config.schema import ConfigError
+    from llmdp.run import launch as trainer
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
 
     with pytest.raises(ConfigError, match=r"output\.push_to"):
         recipe_from_dict({"model": {"init": "tiny", "tokenizer": tiny_tokenizer_dir()},
@@ -404,7 +404,7 @@ def _files(*folders):
 
 
 def _private_tokenizer(tmp_path, corpus):
-    from llmdp.config import tokenizer_recipe_from_dict
+    from llmdp.config.schema import tokenizer_recipe_from_dict
     from llmdp.tokenizer.train import train_tokenizer
 
     cfg = tokenizer_recipe_from_dict({
@@ -519,9 +519,9 @@ def test_curve_and_progress_count_the_ledger_not_completed_steps(full_run, tmp_p
     from llmdp.privacy.ledger import Ledger
     from llmdp.privacy.plan import DPPlan
     from llmdp.privacy.service import LedgerService
-    from llmdp.progress import Progress
-    from llmdp.report import write_report
-    from llmdp.spent import epsilon_curve
+    from llmdp.report.build import write_report
+    from llmdp.report.spent import epsilon_curve
+    from llmdp.run.progress import Progress
 
     run = _copy(full_run, tmp_path, "re-executed", own_ledger=True)
     path = os.path.join(run, "ledger.jsonl")
@@ -561,7 +561,7 @@ def test_publishable_report_is_an_allow_list(full_run):
     default), and a hash of the data inside an allowed text (a stop reason naming the
     dataset ledger file) is redacted; the guarantee's numbers are kept as they are."""
     from llmdp.privacy.ledger import Ledger
-    from llmdp.publish import PUBLISHABLE_REPORT, publishable_ledger, publishable_report
+    from llmdp.report.publish import PUBLISHABLE_REPORT, publishable_ledger, publishable_report
 
     full = json.load(open(os.path.join(full_run, "privacy_report.json")))
     fp = full["dataset_fingerprint"]

@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmdp import submit as submit_mod
 from llmdp.cli import build_parser, main
-from llmdp.config import load_recipe
+from llmdp.config.schema import load_recipe
+from llmdp.run import submit as submit_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
@@ -235,7 +235,7 @@ def test_rayjob_has_the_crd_essentials():
     assert env["LLMDP_CACHE"].startswith("/mnt/shared/") and env["HF_HOME"].startswith("/mnt/shared/")
     # The driver's ray.init sets these for its workers; Ray fails a job whose runtime env
     # sets one of them too ("Failed to merge the Job's runtime env").
-    from llmdp.trainer import WORKER_ENV
+    from llmdp.run.launch import WORKER_ENV
 
     assert not set(env) & set(WORKER_ENV)
     claim = docs["PersistentVolumeClaim"]

@@ -13,9 +13,9 @@ import textwrap
 import dp_accounting
 import pytest
 
-from llmdp.config import recipe_from_dict
+from llmdp.config.schema import recipe_from_dict
 from llmdp.privacy.ledger import Ledger
-from llmdp.worker import LocalContext, train_loop_per_worker
+from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.helpers import dataset_records, simulate_steps, tiny_tokenizer_dir, write_notes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +36,7 @@ def _raw(tmp_path, data, name="t", **privacy):
 
 
 def _prepare(cfg, lines=None):
-    from llmdp.trainer import prepare
+    from llmdp.run.launch import prepare
 
     return prepare(cfg, log=(lines.append if lines is not None else (lambda *a: None)))
 
@@ -92,7 +92,7 @@ def test_two_working_directories_and_an_edited_record_charge_one_budget(tmp_path
         if r["kind"] == "release":
             acc.compose(event_from_json(r["event"]), r["count"])
     want = acc.get_epsilon(prep.plan.accountant_delta)  # δ less the noise tails
-    from llmdp.report import build_report
+    from llmdp.report.build import build_report
 
     rep = build_report(prep.run_dir)
     assert rep["dataset_ledger"]["epsilon_spent"] == pytest.approx(want, rel=1e-9)
@@ -112,7 +112,7 @@ def test_default_id_is_the_source_and_lookalikes_are_refused(tmp_path, monkeypat
     assert prep.ledger.service["dataset_id"] == "path:" + os.path.realpath(data)
     copy = tmp_path / "copy.jsonl"
     copy.write_bytes(open(data, "rb").read())
-    from llmdp._validate import ConfigError
+    from llmdp.config.validate import ConfigError
 
     with pytest.raises(ConfigError) as e:
         _prepare(recipe_from_dict(_raw(tmp_path, copy, name="t2")))
@@ -134,7 +134,7 @@ def test_a_file_and_its_folder_charge_one_budget(tmp_path, monkeypatch):
     on the folder ``data/sub`` (holding only that file) was a second ledger at ε = 0. Now
     the folder run is refused, naming the file's ledger; declaring that ledger's id, its
     steps are charged to the same budget, which counts both runs (dp-accounting)."""
-    from llmdp._validate import ConfigError
+    from llmdp.config.validate import ConfigError
     from llmdp.privacy.events import event_from_json
 
     monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
@@ -159,7 +159,7 @@ def test_a_file_and_its_folder_charge_one_budget(tmp_path, monkeypatch):
     for r in recs:
         if r["kind"] == "release":
             acc.compose(event_from_json(r["event"]), r["count"])
-    from llmdp.report import build_report
+    from llmdp.report.build import build_report
 
     rep = build_report(second.run_dir)
     # at the dataset budget's δ less the run's noise tails (the accountant's δ)
@@ -304,8 +304,8 @@ def _fail_then_resume(tmp_path, monkeypatch, allow: bool):
 
 
 def test_failures_stop_the_run_at_its_target(tmp_path, monkeypatch):
-    from llmdp.report import build_report
-    from llmdp.report_render import render_markdown
+    from llmdp.report.build import build_report
+    from llmdp.report.render import render_markdown
 
     prep, out = _fail_then_resume(tmp_path, monkeypatch, allow=False)
     plan = prep.plan
@@ -324,9 +324,9 @@ def test_failures_stop_the_run_at_its_target(tmp_path, monkeypatch):
 
 
 def test_allowed_failures_finish_and_the_report_says_so_first(tmp_path, monkeypatch):
-    from llmdp.report import build_report
-    from llmdp.report_render import render_markdown
-    from llmdp.spent import epsilon_curve
+    from llmdp.report.build import build_report
+    from llmdp.report.render import render_markdown
+    from llmdp.report.spent import epsilon_curve
 
     prep, out = _fail_then_resume(tmp_path, monkeypatch, allow=True)
     plan = prep.plan
@@ -361,8 +361,8 @@ def test_two_concurrent_runs_under_a_budget_that_fits_one(tmp_path):
         {**_raw(tmp_path, data), "output": {"dir": str(tmp_path / "probe"), "name": "p"}}))
     subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import yaml
-        from llmdp.config import recipe_from_dict
-        from llmdp.trainer import prepare
+        from llmdp.config.schema import recipe_from_dict
+        from llmdp.run.launch import prepare
         prepare(recipe_from_dict(yaml.safe_load(open({str(tmp_path / 'probe.yaml')!r}))), log=print)
     """)], env=env, cwd=REPO, check=True, timeout=300)
     for name in ("a", "b"):
@@ -474,7 +474,7 @@ def test_budget_lines_name_the_unit_the_total_after_the_run_and_the_holders(tmp_
 
     from llmdp._fs import RunLock
     from llmdp.privacy.service import BudgetError
-    from llmdp.trainer import prepare
+    from llmdp.run.launch import prepare
 
     monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
     data = write_notes(tmp_path / "notes.jsonl", 30)

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from llmdp.config import recipe_from_dict, to_dict
+from llmdp.config.schema import recipe_from_dict, to_dict
 from llmdp.privacy.ledger import Ledger
-from llmdp.worker import LocalContext, train_loop_per_worker
+from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.helpers import dataset_records, tiny_tokenizer_dir, write_notes
 
 
@@ -32,7 +32,7 @@ def make_recipe(tmp_path, **train):
 
 
 def prepared_config(cfg):
-    from llmdp.trainer import prepare
+    from llmdp.run.launch import prepare
 
     return prepare(cfg, log=lambda *a: None)
 
@@ -73,7 +73,7 @@ def test_crash_after_ledger_write_leaves_every_applied_step_counted(tmp_path, mo
 def test_local_loop_writes_metrics_and_a_report_matching_dp_accounting(tmp_path):
     import dp_accounting
 
-    from llmdp.report import write_report
+    from llmdp.report.build import write_report
 
     cfg = make_recipe(tmp_path)
     prep = prepared_config(cfg)
@@ -115,8 +115,8 @@ def test_user_units_with_truncated_poisson_report_what_ran(tmp_path):
     unit, its bound, the cap, and an ε equal to dp-accounting's truncated event composed T times."""
     import dp_accounting
 
-    from llmdp.config import ConfigError
-    from llmdp.report import write_report
+    from llmdp.config.schema import ConfigError
+    from llmdp.report.build import write_report
 
     cfg = make_unit_recipe(tmp_path, "user", unit="user", user_field="user_id", max_rows_per_unit=3)
     raw = to_dict(cfg)
@@ -149,7 +149,7 @@ def test_user_units_with_truncated_poisson_report_what_ran(tmp_path):
 
 
 def test_a_run_directory_is_not_reused_by_another_recipe(tmp_path):
-    from llmdp.config import ConfigError
+    from llmdp.config.schema import ConfigError
 
     cfg = make_recipe(tmp_path)
     prepared_config(cfg)
@@ -174,7 +174,7 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
     import dp_accounting
 
     from llmdp.privacy.service import BudgetError
-    from llmdp.report import write_report
+    from llmdp.report.build import write_report
 
     first = make_recipe(tmp_path)
     raw = to_dict(first)
@@ -221,8 +221,8 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
 
 
 def test_a_finished_run_is_not_run_again(tmp_path, capsys):
-    from llmdp.report import write_report
-    from llmdp.trainer import run
+    from llmdp.report.build import write_report
+    from llmdp.run.launch import run
 
     cfg = make_recipe(tmp_path)
     prep = prepared_config(cfg)
@@ -239,7 +239,7 @@ def test_a_finished_run_is_not_run_again(tmp_path, capsys):
 def test_a_run_stopped_before_its_first_release_reports_its_own_unit(tmp_path, unit):
     """Issue 30 item 6: a document (user) run interrupted at step 0 has no release yet; its
     report still names its unit, not "a sequence of N tokens"."""
-    from llmdp.report import write_report
+    from llmdp.report.build import write_report
 
     overrides = {"unit": unit, "max_rows_per_unit": 2, **({"user_field": "user_id"} if unit == "user" else {})}
     cfg = make_recipe(tmp_path)
@@ -258,9 +258,9 @@ def test_a_lora_run_on_a_tiny_base_says_so_and_warns_of_nothing_else(tmp_path):
     pipeline test, not a fine-tune), and a LoRA run shows no transformers FutureWarning."""
     import warnings
 
-    from llmdp.config import LoraConfig
-    from llmdp.trainer import prepare
-    from llmdp.worker import LocalContext, train_loop_per_worker
+    from llmdp.config.schema import LoraConfig
+    from llmdp.run.launch import prepare
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
 
     cfg = make_recipe(tmp_path, steps=2)
     cfg = type(cfg)(**{**cfg.__dict__, "model": type(cfg.model)(**{
@@ -278,11 +278,11 @@ def test_the_report_opens_with_a_plain_sentence_and_warns_of_a_unit_smaller_than
     """Issue 30 item 14: the report (and card) open with a plain-language sentence; a
     sequence run on records that carry a person field (the notes' user_id) says, in the
     internal report only, that the unit does not protect that person."""
-    from llmdp.card import model_card
-    from llmdp.publish import publishable_report
-    from llmdp.report import write_report
-    from llmdp.report_render import render_markdown
-    from llmdp.worker import LocalContext, train_loop_per_worker
+    from llmdp.report.build import write_report
+    from llmdp.report.card import model_card
+    from llmdp.report.publish import publishable_report
+    from llmdp.report.render import render_markdown
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
 
     cfg = make_recipe(tmp_path, steps=2)
     prep = prepared_config(cfg)
@@ -312,10 +312,10 @@ def test_a_ctrl_c_during_finalization_does_not_strand_the_run(tmp_path, monkeypa
     accepts the run."""
     import json
 
-    import llmdp.trainer
-    from llmdp.export import export_run
+    import llmdp.run.launch
+    from llmdp.hub.export import export_run
     from llmdp.privacy.ledger import Ledger
-    from llmdp.worker import LocalContext, train_loop_per_worker
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
 
     cfg = make_recipe(tmp_path, steps=4)
 
@@ -323,9 +323,9 @@ def test_a_ctrl_c_during_finalization_does_not_strand_the_run(tmp_path, monkeypa
         train_loop_per_worker(prepared, LocalContext(checkpoint_dir=str(tmp_path / "ckpt")))
         raise KeyboardInterrupt  # after "end": during the driver's finalization
 
-    monkeypatch.setattr(llmdp.trainer, "_fit", fit_then_ctrl_c)
+    monkeypatch.setattr(llmdp.run.launch, "_fit", fit_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        llmdp.trainer.run(cfg, log=lambda *a: None)
+        llmdp.run.launch.run(cfg, log=lambda *a: None)
     run_dir = cfg.run_dir
     report = json.load(open(os.path.join(run_dir, "privacy_report.json")))
     assert report["status"] == "complete", report["status"]
@@ -334,9 +334,9 @@ def test_a_ctrl_c_during_finalization_does_not_strand_the_run(tmp_path, monkeypa
     # A stale report (as an older version wrote it): the re-run finalizes, never trains.
     report["status"] = "interrupted"
     open(os.path.join(run_dir, "privacy_report.json"), "w").write(json.dumps(report))
-    monkeypatch.setattr(llmdp.trainer, "_fit", lambda *a: pytest.fail("trained again"))
+    monkeypatch.setattr(llmdp.run.launch, "_fit", lambda *a: pytest.fail("trained again"))
     lines = []
-    llmdp.trainer.run(cfg, log=lines.append)
+    llmdp.run.launch.run(cfg, log=lines.append)
     assert any("is already complete" in x for x in lines), lines
     assert json.load(open(os.path.join(run_dir, "privacy_report.json")))["status"] == "complete"
     assert Ledger(os.path.join(run_dir, "ledger.jsonl")).records() == released  # nothing spent

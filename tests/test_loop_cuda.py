@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from llmdp.config import recipe_from_dict, to_dict
-from llmdp.worker import LocalContext, train_loop_per_worker
+from llmdp.config.schema import recipe_from_dict, to_dict
+from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.test_loop import make_recipe, prepared_config
 
 pytestmark = pytest.mark.gpu
@@ -42,7 +42,7 @@ def test_worker_loop_on_cuda_to_its_report(tmp_path, monkeypatch, strategy, lora
     import torch.distributed as dist
 
     from llmdp.privacy import noise
-    from llmdp.report import write_report
+    from llmdp.report.build import write_report
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -5,9 +5,9 @@ or of their log-softmax, and the clipping engine sees exactly the same head grad
 import pytest
 import torch
 
-import llmdp.losses as L
+import llmdp.train.losses as L
 from llmdp.clipping import GhostClipper
-from llmdp.losses import row_losses, token_cross_entropy
+from llmdp.train.losses import row_losses, token_cross_entropy
 from tests.clipping.test_engine import make_batch, reference, tiny_llama
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from llmdp.config import LoraConfig, ModelConfig
-from llmdp.models import (
+from llmdp.config.schema import LoraConfig, ModelConfig
+from llmdp.train.models import (
     build_tiny_model,
     count_parameters,
     load_model,

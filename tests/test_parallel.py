@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from llmdp import parallel
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
 from llmdp.privacy import noise as dp_noise
-from llmdp.step import accumulate_clipped_sum
-from llmdp.strategy import Fsdp, Replicated, strategy_for
+from llmdp.train import parallel
+from llmdp.train.step import accumulate_clipped_sum
+from llmdp.train.strategy import Fsdp, Replicated, strategy_for
 from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
 
 WORLD = 2
@@ -308,7 +308,7 @@ def test_fsdp_checkpoint_round_trip_restores_params_and_optimizer(two):
 @pytest.mark.parametrize("kw", [{"mode": "book-keeping"}, {"mode": "two-pass"}, {"engine": "reference"}])
 def test_grad_buffers_receive_exactly_what_p_grad_would(store, kw):
     batch = store.rows([0, 1, 2, 3])
-    from llmdp.losses import row_losses
+    from llmdp.train.losses import row_losses
 
     a = model64()
     GhostClipper(a, 0.05, **kw).backward(row_losses(a, batch), batch["row_units"])
@@ -339,7 +339,7 @@ def test_grad_buffers_are_checked():
 
 
 def test_shard_rows_layout_is_torch_chunk():
-    from llmdp.parallel import _rows
+    from llmdp.train.parallel import _rows
 
     for d0 in (1, 2, 5, 7, 301):
         for world in (1, 2, 3, 4):
@@ -363,7 +363,7 @@ def test_decoder_layers_are_found():
 def _loop_proc(rank, world, port, spec, ckpt_dir, out_dir):
     import torch.distributed as dist
 
-    from llmdp.worker import LocalContext, train_loop_per_worker
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -382,8 +382,8 @@ def test_worker_loop_under_fsdp_checkpoints_resumes_and_exports(tmp_path):
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
-    from llmdp.config import recipe_from_dict
-    from llmdp.trainer import prepare
+    from llmdp.config.schema import recipe_from_dict
+    from llmdp.run.launch import prepare
     from tests.helpers import tiny_tokenizer_dir, write_notes
 
     data = write_notes(tmp_path / "notes.jsonl", 30)
@@ -407,7 +407,7 @@ def test_worker_loop_under_fsdp_checkpoints_resumes_and_exports(tmp_path):
         assert out["first"]["steps"] == out["again"]["steps"] == 2
     from torch.distributed.checkpoint import FileSystemReader
 
-    from llmdp import checkpoints
+    from llmdp.train import checkpoints
 
     meta = checkpoints.read_meta(str(ckpt))  # sharded: every rank wrote its own shards
     assert meta["strategy"] == "fsdp" and meta["step"] == 2 and meta["format"] == checkpoints.SHARDED
@@ -426,7 +426,7 @@ def test_worker_loop_under_fsdp_checkpoints_resumes_and_exports(tmp_path):
 def test_bf16_autocast_with_document_masking(attn):
     """Packed rows with document masking under bf16 autocast, and in a bf16 model: the
     additive mask works with eager and SDPA attention whatever the query dtype."""
-    from llmdp.losses import row_losses
+    from llmdp.train.losses import row_losses
     from tests.helpers import tiny_llama
 
     replicated = Replicated("bf16", torch.device("cpu"))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from tqdm import tqdm
 
 from llmdp.evaluation.report import evaluation_section
-from llmdp.progress import Progress
+from llmdp.run.progress import Progress
 
 
 def _metrics(path, lines) -> None:

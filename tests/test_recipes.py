@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmdp.config import load_recipe
+from llmdp.config.schema import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -59,7 +59,7 @@ socket.socket.connect = refuse
 socket.create_connection = refuse
 socket.getaddrinfo = refuse
 os.chdir({str(ROOT)!r})
-from llmdp.config import load_recipe
+from llmdp.config.schema import load_recipe
 for p in {[f"recipes/{p.name}" for p in RECIPES]!r}:
     load_recipe(p)
 heavy = [m for m in ("huggingface_hub", "transformers", "datasets", "torch", "peft") if m in sys.modules]

@@ -12,9 +12,9 @@ import pickle
 
 import pytest
 
-from llmdp.rundir import NotARunDirectory, RunDir
-from llmdp.runspec import LedgerSpec, RunPaths, RunSpec
-from llmdp.worker import LocalContext, train_loop_per_worker
+from llmdp.run.rundir import NotARunDirectory, RunDir
+from llmdp.run.spec import LedgerSpec, RunPaths, RunSpec
+from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.test_loop import make_recipe, prepared_config
 
 
@@ -26,7 +26,7 @@ def spec(tmp_path) -> RunSpec:
 def test_run_spec_round_trips_through_pickle_and_cloudpickle(spec):
     from ray import cloudpickle
 
-    from llmdp.trainer import _ray_entry
+    from llmdp.run.launch import _ray_entry
 
     again = pickle.loads(pickle.dumps(spec))
     assert again == spec and again is not spec

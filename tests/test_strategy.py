@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import llmdp.worker
-from llmdp.choices import STRATEGIES
-from llmdp.config import PrivacyConfig
-from llmdp.losses import row_losses
-from llmdp.strategy import Fsdp, Replicated, Strategy, strategy_for
+import llmdp.train.loop
+from llmdp.config.choices import STRATEGIES
+from llmdp.config.schema import PrivacyConfig
+from llmdp.train.losses import row_losses
+from llmdp.train.strategy import Fsdp, Replicated, Strategy, strategy_for
 from tests.helpers import TINY_VOCAB, tiny_llama
 
 INTERFACE = ("check", "prepare_model", "grad_sinks", "loss_fn", "privatize", "after_update",
@@ -48,7 +48,7 @@ def test_strategies_implement_the_whole_interface(cls):
 
 
 def test_the_worker_loop_never_branches_on_the_strategy_name():
-    tree = ast.parse(Path(llmdp.worker.__file__).read_text(encoding="utf-8"))
+    tree = ast.parse(Path(llmdp.train.loop.__file__).read_text(encoding="utf-8"))
     names = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in STRATEGIES]
     assert names == [], names
 

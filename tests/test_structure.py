@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import llmdp
@@ -64,3 +65,54 @@ def test_long_modules_say_why_they_are_one_file():
             if "Why one file" not in doc:
                 long[path.relative_to(PACKAGE.parent).as_posix()] = n
     assert not long, f"modules over {MAX_LINES} lines without a 'Why one file' paragraph: {long}"
+
+
+# Issue 31: one package per stage; the top level keeps the CLI, the package's API and two
+# shared primitives (their place is argued in docs/DESIGN.md §2).
+TOP_LEVEL = {"__init__.py", "cli.py", "_fs.py", "_triton.py"}
+DESIGN = PACKAGE.parent / "docs" / "DESIGN.md"
+
+
+def test_the_top_level_holds_only_the_cli_the_api_and_the_shared_primitives():
+    top = {p.name for p in PACKAGE.glob("*.py")}
+    assert top == TOP_LEVEL, f"modules at llmdp/'s top level beyond {sorted(TOP_LEVEL)}: {sorted(top - TOP_LEVEL)}"
+    assert len(TOP_LEVEL - {"__init__.py", "cli.py"}) <= 3
+
+
+def _layout_blocks() -> dict[str, str]:
+    """docs/DESIGN.md §2's layout: the text under each top-level entry of ``llmdp/`` (a
+    package's block holds its modules and sub-packages)."""
+    text = DESIGN.read_text(encoding="utf-8")
+    layout = text[text.index("## 2. Layout"):text.index("## 3.")]
+    layout = layout[layout.index("llmdp/\n"):]
+    blocks: dict[str, list[str]] = {}
+    current = None
+    for line in layout.splitlines()[1:]:
+        if line.startswith("  ") and not line.startswith("   "):
+            current = line.split()[0]
+            blocks[current] = [line]
+        elif line.startswith("   ") and current is not None:
+            blocks[current].append(line)
+        else:
+            break  # the end of llmdp/ (recipes/, tests/, ...)
+    return {k: "\n".join(v) for k, v in blocks.items()}
+
+
+def test_every_module_appears_in_the_designs_layout():
+    blocks = _layout_blocks()
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if path.name == "__init__.py":
+            continue
+        if len(rel.parts) == 1:
+            found = rel.name in blocks
+        else:
+            block = blocks.get(rel.parts[0] + "/", "")
+            found = re.search(rf"(?<![\w/]){re.escape(path.name)}\b", block) is not None
+        if not found:
+            missing.append(rel.as_posix())
+    assert not missing, f"modules missing from docs/DESIGN.md §2's layout: {missing}"
+    stale = [k for k in blocks if k.endswith(".py") and not (PACKAGE / k).exists()]
+    stale += [k for k in blocks if k.endswith("/") and not (PACKAGE / k).is_dir()]
+    assert not stale, f"docs/DESIGN.md §2 names what llmdp/ does not hold: {stale}"

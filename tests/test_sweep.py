@@ -18,13 +18,13 @@ import yaml
 from dp_accounting import dp_event
 
 from llmdp.cli import main
-from llmdp.config import ConfigError, SweepConfig, recipe_from_dict
+from llmdp.config.schema import ConfigError, SweepConfig, recipe_from_dict
 from llmdp.privacy.accountant import RDP_ORDERS
 from llmdp.privacy.events import event_to_json
 from llmdp.privacy.service import BudgetError, LedgerService
-from llmdp.sweep import SWEEP_JSON, run_sweep, select_trial
-from llmdp.sweep_cost import sweep_cost
-from llmdp.sweep_grid import draw_random_trials, resolve_sweep
+from llmdp.tune.cost import sweep_cost
+from llmdp.tune.grid import draw_random_trials, resolve_sweep
+from llmdp.tune.sweep import SWEEP_JSON, run_sweep, select_trial
 from tests.helpers import tiny_tokenizer_dir, write_notes
 
 REL = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -335,7 +335,7 @@ def test_the_cost_composes_every_trials_ledger_and_the_tokenizer_once(tmp_path):
     plans = []
 
     def plan_trial(c, log=print):
-        from llmdp.planning import plan_run
+        from llmdp.run.planning import plan_run
 
         plans.append(plan_run(c, log=log))
         return plans[-1]
@@ -375,7 +375,7 @@ def test_the_draw_is_reproducible_only_with_an_injected_generator(monkeypatch):
             made.append(args)
             super().__init__(1)
 
-    monkeypatch.setattr("llmdp.sweep_grid._random.SystemRandom", Recording)
+    monkeypatch.setattr("llmdp.tune.grid._random.SystemRandom", Recording)
     draw_random_trials(3, "geometric", 5)
     assert made == [()]  # no seed: OS entropy (SystemRandom)
 
@@ -504,7 +504,7 @@ def test_when_a_is_smaller_the_internal_report_says_a_is_the_better_statement(tm
     for f in ("sweep.md", "sweep.json"):
         assert "better statement" not in (d / f).read_text()
     # With (a) above (b) (many trials), the comparison says so instead.
-    from llmdp.sweep import publication, render_markdown
+    from llmdp.tune.sweep import publication, render_markdown
 
     big = {**state, "cost": {**state["cost"], "composition": {**state["cost"]["composition"],
                                                             "epsilon": b + 1.0}}}
@@ -584,7 +584,7 @@ def test_the_readme_sweep_commands_parse(monkeypatch):
     import shlex
 
     from llmdp.cli import build_parser
-    from llmdp.config import load_recipe
+    from llmdp.config.schema import load_recipe
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.chdir(repo)
@@ -602,7 +602,7 @@ def test_no_trial_is_selected_on_noise():
     """Issue 30 item 3: a selection between DP losses whose noise std exceeds their spread is
     refused (the issue's case: 5.19 ± 2.94 against 8.00 ± 3.47); well-separated trials are
     selected as before."""
-    from llmdp.sweep import selection_refusal
+    from llmdp.tune.sweep import selection_refusal
 
     noisy = [{"trial": 0, "dp_eval": {"loss": 5.19, "loss_std": 2.94}},
              {"trial": 1, "dp_eval": {"loss": 8.00, "loss_std": 3.47}}]

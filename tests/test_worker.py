@@ -11,10 +11,10 @@ import torch
 
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
-from llmdp.parallel import privatize_
 from llmdp.privacy import keys
-from llmdp.step import accumulate_clipped_sum
-from llmdp.strategy import Replicated
+from llmdp.train.parallel import privatize_
+from llmdp.train.step import accumulate_clipped_sum
+from llmdp.train.strategy import Replicated
 from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
 
 P = 4  # physical batch size
@@ -188,8 +188,8 @@ def test_two_workers_give_the_update_of_one(store, tmp_path, sigma):
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
 def test_learning_rate_schedule(schedule):
-    from llmdp.config import OptimConfig
-    from llmdp.worker import lr_lambda
+    from llmdp.config.schema import OptimConfig
+    from llmdp.train.loop import lr_lambda
 
     cfg = OptimConfig(warmup_steps=4, min_lr_ratio=0.1, schedule=schedule)
     f = lr_lambda(cfg, total_steps=24)
@@ -203,8 +203,8 @@ def test_learning_rate_schedule(schedule):
 
 def test_debug_check_accepts_the_engine_and_catches_a_wrong_one(store, monkeypatch):
     from llmdp.clipping.rules import LinearRule
-    from llmdp.losses import row_losses
-    from llmdp.step import ClippingCheckError, check_against_reference
+    from llmdp.train.losses import row_losses
+    from llmdp.train.step import ClippingCheckError, check_against_reference
 
     batch = store.rows([0, 1, 2])
     model = model64()
@@ -292,9 +292,9 @@ def test_privatize_reduces_and_noises_float32_sinks_and_casts_at_the_end():
 
 def _nan_first_row(monkeypatch):
     """Every micro-batch's first real row gets a NaN loss (hence a NaN gradient)."""
-    import llmdp.losses
+    import llmdp.train.losses
 
-    real = llmdp.losses.row_losses
+    real = llmdp.train.losses.row_losses
 
     def nan_first_row(model, batch):
         losses = real(model, batch)
@@ -303,7 +303,7 @@ def _nan_first_row(monkeypatch):
         bad[first] = bool(batch["row_units"][first] >= 0)
         return torch.where(bad, losses * float("nan"), losses)
 
-    monkeypatch.setattr(llmdp.losses, "row_losses", nan_first_row)
+    monkeypatch.setattr(llmdp.train.losses, "row_losses", nan_first_row)
 
 
 def test_nonfinite_units_never_stop_the_run_nor_change_what_is_published(tmp_path, monkeypatch):
@@ -313,9 +313,9 @@ def test_nonfinite_units_never_stop_the_run_nor_change_what_is_published(tmp_pat
     same recipe with and without non-finite units publishes the same shape."""
     import json
 
-    from llmdp.publish import publishable_report
-    from llmdp.report import write_report
-    from llmdp.worker import LocalContext, train_loop_per_worker
+    from llmdp.report.build import write_report
+    from llmdp.report.publish import publishable_report
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
     from tests.test_loop import make_recipe, prepared_config
 
     published = {}
@@ -356,7 +356,7 @@ def test_nonfinite_units_never_stop_the_run_nor_change_what_is_published(tmp_pat
 
 @pytest.mark.parametrize("value,why", [(-1, "out of range"), ("ten", "wrong type"), (2.5, "wrong type")])
 def test_max_nonfinite_steps_is_validated(value, why):
-    from llmdp.config import ConfigError, recipe_from_dict
+    from llmdp.config.schema import ConfigError, recipe_from_dict
 
     raw = {"model": {"init": "tiny", "tokenizer": "/tmp"}, "data": {"path": "x.jsonl"},
            "privacy": {"noise_multiplier": 1.0},
@@ -371,9 +371,9 @@ def test_report_states_the_noise_tail_and_its_delta(tmp_path):
     """Issue 12 item 8c: the report (JSON and Markdown) carries the generator's tail and
     the δ it adds, computed from the run's trainable parameter count and σ."""
     from llmdp.privacy.noise import NOISE_TAIL, truncation_delta_per_step
-    from llmdp.report import write_report
-    from llmdp.report_render import render_markdown
-    from llmdp.worker import LocalContext, train_loop_per_worker
+    from llmdp.report.build import write_report
+    from llmdp.report.render import render_markdown
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
     from tests.test_loop import make_recipe, prepared_config
 
     prep = prepared_config(make_recipe(tmp_path, steps=2))
@@ -406,12 +406,12 @@ def test_report_delta_is_the_accountants_plus_the_noise_tails(tmp_path, monkeypa
 
     import dp_accounting
 
-    from llmdp._config_yaml import to_dict
-    from llmdp.config import recipe_from_dict
+    from llmdp.config.schema import recipe_from_dict
+    from llmdp.config.yamlio import to_dict
     from llmdp.privacy.noise import truncation_delta_per_step
-    from llmdp.report import build_report, write_report
-    from llmdp.report_render import render_markdown
-    from llmdp.worker import LocalContext, train_loop_per_worker
+    from llmdp.report.build import build_report, write_report
+    from llmdp.report.render import render_markdown
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
     from tests.test_loop import make_recipe, prepared_config
 
     raw = to_dict(make_recipe(tmp_path, steps=2))

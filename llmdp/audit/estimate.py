@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 from scipy import special, stats
 
-from llmdp._validate import _is_int, _is_number
+from llmdp.config.validate import _is_int, _is_number
 
 __all__ = [
     "DEFAULT_FRACTIONS",

@@ -1,8 +1,8 @@
 """Grey-box neighbour replay (issue 19, item 0): run the real DP step on D and on D∖{u}
 with the same randomness, and check what the guarantee needs of the mechanism.
 
-The step is the real one: :func:`llmdp.worker.dp_step` on a :class:`~llmdp.worker.Training`
-built by :func:`llmdp.worker.setup` (sampling, micro-batching, the clipping engine, the
+The step is the real one: :func:`llmdp.train.loop.dp_step` on a :class:`~llmdp.train.loop.Training`
+built by :func:`llmdp.train.loop.setup` (sampling, micro-batching, the clipping engine, the
 reduction, the noise, the division). Two trainings are built from the same RunSpec; the
 neighbour's keeps everything public (model, noise multiplier, C, q, B_max, the minimum
 micro-step count) and changes only the data: its store is a view of D's store without
@@ -28,7 +28,7 @@ line tagged with its check, "(a)" or "(b)", and naming the unit, step and rank):
       Truncated Poisson pads every step to B_max units of compute (``min_micro_steps``),
       so the count is a constant: D and D∖{u} must agree.
     - the collectives the step issues (``torch.distributed`` calls and the reductions of
-      ``llmdp.parallel``: name, shapes and dtypes, in order) are the same on both sides
+      ``llmdp.train.parallel``: name, shapes and dtypes, in order) are the same on both sides
       (plain Poisson: when both ran as many micro-steps; otherwise ``notes`` says so).
       Functional collectives that DTensor issues through ``torch.ops`` are not seen.
     - the ledger records the step writes are the same on both sides, except what names
@@ -56,13 +56,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from llmdp import parallel
 from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import UnitStore, as_indices
 from llmdp.privacy import noise as dp_noise
 from llmdp.privacy.sampling import make_sampler
-from llmdp.runspec import RunSpec
-from llmdp.step import StepKeys
+from llmdp.run.spec import RunSpec
+from llmdp.train import parallel
+from llmdp.train.step import StepKeys
 
 __all__ = ["ReplayError", "ReplayResult", "Side", "WithoutUnit", "aligned", "aligned_draw", "replay",
            "sampled_seed", "with_model", "with_seed"]
@@ -74,7 +74,7 @@ _DIST_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into
              "reduce_scatter_single", "all_to_all", "all_to_all_single", "barrier", "gather",
              "scatter", "send", "recv", "isend", "irecv", "all_gather_object",
              "broadcast_object_list")
-# llmdp.parallel's own collectives, looked up through the module at call time.
+# llmdp.train.parallel's own collectives, looked up through the module at call time.
 _PARALLEL_OPS = ("privatize_", "privatize_sharded_", "all_reduce_", "sum_over_workers",
                  "sum_floats_over_workers", "broadcast_bytes", "barrier", "_reduce_scatter")
 # Ledger fields that name the run or the moment, not the release.
@@ -168,7 +168,7 @@ def with_model(spec: RunSpec, build: Callable[[int], torch.nn.Module]) -> Callab
     make the clipping norm a small difference of huge terms (issue 29 item 1). The model
     takes ``input_ids``/``attention_mask`` and returns an object with ``.logits``."""
     from llmdp.clipping import GhostClipper
-    from llmdp.worker import LocalContext, build_optimizer, lr_lambda, setup
+    from llmdp.train.loop import LocalContext, build_optimizer, lr_lambda, setup
 
     def factory():
         run = setup(spec, LocalContext())
@@ -313,7 +313,7 @@ def _ledger_records(run) -> list[dict]:
 
 def _side(factory: Callable[[], Any], spec: RunSpec, unit: int | None, steps: int,
           layer_policy: str | None, snapshots: list, sync_from: list | None) -> tuple[Any, list[Side]]:
-    from llmdp.worker import dp_step, open_ledger
+    from llmdp.train.loop import dp_step, open_ledger
 
     run = factory()
     if layer_policy is not None:
@@ -372,7 +372,7 @@ def replay(spec_or_factory: RunSpec | Callable[[], Any], remove: int, steps: int
     with ``expect_clipped`` the lower one is C·(1 − floor_tol) (unplanted runs of the test
     matrix stay within 5e-7 of C either way: float32 sums of ~10–30 C).
     """
-    from llmdp.worker import LocalContext, setup
+    from llmdp.train.loop import LocalContext, setup
 
     if isinstance(spec_or_factory, RunSpec):
         spec = spec_or_factory

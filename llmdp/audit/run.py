@@ -80,8 +80,8 @@ def _secret_dir(run_dir: str) -> str:
 
 def _prepare_canaries(cfg, settings: AuditSettings, run_dir: str, log) -> cn.Canaries:
     """The audit's key and canaries: made once (OS entropy), reused by a re-launch."""
-    from llmdp.config import ConfigError
-    from llmdp.models import load_tokenizer
+    from llmdp.config.schema import ConfigError
+    from llmdp.train.models import load_tokenizer
 
     secret = _secret_dir(run_dir)
     os.makedirs(secret, exist_ok=True)
@@ -113,12 +113,12 @@ def _prepare_canaries(cfg, settings: AuditSettings, run_dir: str, log) -> cn.Can
 def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict:
     """Train the audit run, score the canaries, write ``audit.json`` / ``audit.md`` and the
     report's section; returns audit.json's content."""
-    from llmdp import trainer
     from llmdp._fs import cache_root
     from llmdp.audit import plant
-    from llmdp.config import ConfigError
-    from llmdp.report import write_report
-    from llmdp.rundir import RunDir
+    from llmdp.config.schema import ConfigError
+    from llmdp.report.build import write_report
+    from llmdp.run import launch as trainer
+    from llmdp.run.rundir import RunDir
 
     if not cfg.privacy.dp:
         raise ConfigError("privacy.dp: false: a NON-PRIVATE baseline has no ε to audit; audit "

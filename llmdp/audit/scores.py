@@ -3,7 +3,7 @@
 Both scores compare the final model θ_T with the model the run started from, θ_0 (the
 same weights every worker started from: the recipe's model, LoRA initialised under
 ``train.seed``). θ_T's trainable parameters are read by name from the run's last
-checkpoint (either format, ``llmdp.checkpoints``), so full fine-tuning, LoRA, replicated
+checkpoint (either format, ``llmdp.train.checkpoints``), so full fine-tuning, LoRA, replicated
 and fsdp are read alike. Higher means "more likely included".
 
     black-box  loss(θ_0) − loss(θ_T) of the canary (its normalized loss, the unit loss the
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmdp.losses import row_losses
+from llmdp.train.losses import row_losses
 
 __all__ = ["black_box_scores", "initial_model", "final_model", "unit_losses", "white_box_scores"]
 
@@ -33,7 +33,7 @@ __all__ = ["black_box_scores", "initial_model", "final_model", "unit_losses", "w
 def initial_model(cfg, cache_dir: str) -> nn.Module:
     """θ_0: the recipe's model as ``worker.setup`` builds it (seeded LoRA init included),
     in float32 on the CPU (scores are float32 whatever the run's dtype)."""
-    from llmdp.models import load_model
+    from llmdp.train.models import load_model
 
     torch.manual_seed(int(cfg.train.seed))
     model, _ = load_model(cfg.model, cache_dir=cache_dir)
@@ -42,7 +42,7 @@ def initial_model(cfg, cache_dir: str) -> nn.Module:
 
 def final_model(cfg, cache_dir: str, checkpoint_dir: str) -> nn.Module:
     """θ_T: θ_0 with the trainable parameters of ``checkpoint_dir`` (by name)."""
-    from llmdp import checkpoints
+    from llmdp.train import checkpoints
 
     model = initial_model(cfg, cache_dir)
     params = dict(model.named_parameters())

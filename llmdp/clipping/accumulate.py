@@ -10,7 +10,7 @@ DESIGN §3.8: the clipped sum is accumulated in float32 or wider. It is added to
 only when the parameter is float32 or wider (`add_to_grad`); half-precision trainable
 parameters, and parameters sharded by FSDP2 (DTensors, whose ``.grad`` the engine never
 asks autograd for), need ``grad_buffers`` (`check_buffers`, `add_to_buffers`): one plain,
-full-size floating tensor per trainable parameter name (``llmdp.strategy.Strategy.grad_sinks``),
+full-size floating tensor per trainable parameter name (``llmdp.train.strategy.Strategy.grad_sinks``),
 which the caller reduces once per logical step."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def check_buffers(named, grad_buffers, engine: str, sharded: bool):
             raise ValueError(
                 "the trainable parameters are sharded (FSDP2 DTensors): pass grad_buffers="
                 "{name: full-size tensor} so the clipped sum has somewhere to accumulate "
-                "(llmdp.strategy.Strategy.grad_sinks)"
+                "(llmdp.train.strategy.Strategy.grad_sinks)"
             )
         return None
     if sharded and engine != "ghost":
@@ -79,7 +79,7 @@ def add_to_grad(name_of: dict[int, str], contributions) -> None:
             raise TypeError(
                 f"parameter '{name_of.get(id(p), '?')}' is {p.dtype}: the clipped sum "
                 "must be accumulated in float32 or wider; pass grad_buffers="
-                "llmdp.strategy.Strategy.grad_sinks(model) (float32 sinks)"
+                "llmdp.train.strategy.Strategy.grad_sinks(model) (float32 sinks)"
             )
         g = g.to(p.dtype)
         if p.grad is None:

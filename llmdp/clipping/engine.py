@@ -38,7 +38,7 @@ dtype, the value its matmul used. Pass 2 never backpropagates c_u-scaled losses 
 low-precision layers (that changes G by rounding, so the added gradient would not be the
 one whose norm was clipped). It is added to ``p.grad`` only when that is float32 or
 wider; half-precision trainable parameters need float32 ``grad_buffers``
-(``llmdp.strategy.Strategy.grad_sinks``).
+(``llmdp.train.strategy.Strategy.grad_sinks``).
 
 Every use is in the norm (DESIGN §3.8). Each recorded call of a hooked module is one use
 of its parameters; a parameter with several uses in a micro-batch (tied embeddings, a

@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmdp._validate import ConfigError
+from llmdp.config.validate import ConfigError
 from llmdp.data.files import (
     _BUILDERS,
     _EXTENSIONS,

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from llmdp._validate import ConfigError
+from llmdp.config.validate import ConfigError
 from llmdp.data.units import EncodedCorpus, UnitSpec
 
 __all__ = ["ON_BAD_RECORD", "BadRecords", "bad_record_error", "batch_problems", "check_records", "encode_records"]

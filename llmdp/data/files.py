@@ -20,7 +20,7 @@ import json
 import os
 from collections.abc import Callable
 
-from llmdp._validate import ConfigError
+from llmdp.config.validate import ConfigError
 
 _BUILDERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "text": "text", "csv": "csv"}
 _EXTENSIONS = {

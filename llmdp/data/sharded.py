@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
-from llmdp._validate import ConfigError
+from llmdp.config.validate import ConfigError
 from llmdp.data.chunks import Chunk, is_uri, plan_chunks, read_chunk
 from llmdp.data.encode import ON_BAD_RECORD, BadRecords, batch_problems
 from llmdp.data.formats import RecordEncoder
@@ -406,11 +406,11 @@ def _run(job_file: str, items: list[dict], workers: int, log_fn, what: str) -> t
 
 def _ensure_ray(workers: int, workdir: str, log_fn):
     """A local Ray for the build when none is running, watched like the training's
-    (`llmdp._localray`: none of its processes outlives a killed driver); the caller stops
+    (`llmdp.run.localray`: none of its processes outlives a killed driver); the caller stops
     it. None when Ray runs already (or the driver joined a cluster)."""
     import ray
 
-    from llmdp import _localray
+    from llmdp.run import localray as _localray
 
     if ray.is_initialized():
         return None

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 
 import datasets
 
-from llmdp._validate import ConfigError
+from llmdp.config.validate import ConfigError
 from llmdp.data.files import (
     _BUILDERS,
     _SAVED_DICT_FILE,
@@ -186,7 +186,7 @@ def _offline_flags() -> bool:
 
 
 def _is_connection_error(exc: BaseException) -> bool:
-    from llmdp._hf import is_connection_error
+    from llmdp.train.hf import is_connection_error
 
     return is_connection_error(exc)
 

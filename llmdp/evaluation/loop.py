@@ -1,4 +1,4 @@
-"""The worker loop's evaluations (``llmdp.worker``): held-out metrics before the first
+"""The worker loop's evaluations (``llmdp.train.loop``): held-out metrics before the first
 step, every ``train.eval_every`` steps and after the last; a DP evaluation after each of
 ``eval.steps`` and after the last step; generations from ``eval.prompts`` at the end.
 
@@ -18,8 +18,8 @@ import torch
 
 from llmdp.evaluation import dp as dp_eval
 from llmdp.evaluation.metrics import evaluate
-from llmdp.parallel import sum_floats_over_workers
 from llmdp.privacy import keys
+from llmdp.train.parallel import sum_floats_over_workers
 
 __all__ = ["due", "evaluate_held_out", "generate_from_prompts"]
 

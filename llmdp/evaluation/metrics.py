@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from llmdp.data.batching import assign_micro_batches
-from llmdp.losses import row_eval_stats
-from llmdp.parallel import sum_floats_over_workers
+from llmdp.train.losses import row_eval_stats
+from llmdp.train.parallel import sum_floats_over_workers
 
 __all__ = ["unit_stats", "my_share", "evaluate", "summary"]
 

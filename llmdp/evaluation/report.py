@@ -1,4 +1,4 @@
-"""The evaluation section of a run's privacy report (``llmdp.report.build_report``): held-out
+"""The evaluation section of a run's privacy report (``llmdp.report.build.build_report``): held-out
 metrics (internal on private data, publishable on public data), the DP evaluations and
 their plan, the generations; the line the DP evaluations add to "covered"; and the
 section's Markdown (report, baseline report, model card)."""

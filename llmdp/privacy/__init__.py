@@ -4,7 +4,7 @@ Importable without Ray. It imports torch: the ChaCha20 keystream behind sampling
 noise (`chacha`) is computed with torch.
 """
 
-from llmdp.choices import SAMPLERS
+from llmdp.config.choices import SAMPLERS
 from llmdp.privacy.accountant import (
     ACCOUNTANTS,
     delta_for_epsilon,

@@ -22,8 +22,8 @@ from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
-from llmdp._validate import _check_delta, _check_steps
-from llmdp.choices import ACCOUNTANTS
+from llmdp.config.choices import ACCOUNTANTS
+from llmdp.config.validate import _check_delta, _check_steps
 from llmdp.privacy.events import dpsgd_step_event, is_truncated
 
 __all__ = [

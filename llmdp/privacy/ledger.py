@@ -18,7 +18,7 @@ database transaction that writes the record (`llmdp.privacy.service`). Reading i
 (`Ledger`) checks every line's hash and the run chain: a torn, garbage, edited or deleted
 line stops the reader with a `LedgerError` naming the file, the line and the choices. A
 deleted *last* line leaves a valid chain; the dataset ledger (which holds the record) and
-the run's checkpoints (which hold the position) catch it (`llmdp.export.verify_run`).
+the run's checkpoints (which hold the position) catch it (`llmdp.hub.export.verify_run`).
 A file rewritten from the dataset ledger (`llmdp privacy ledger repair RUN_DIR`) after a
 repair of the dataset ledger lacks the records that repair excused; its own repair line
 names each link that skips one (``run_links_excused``: the line before and the missing
@@ -63,7 +63,7 @@ from pathlib import Path
 
 import dp_accounting
 
-from llmdp._validate import _is_int
+from llmdp.config.validate import _is_int
 from llmdp.privacy.accountant import threshold_delta
 from llmdp.privacy.events import event_from_json
 

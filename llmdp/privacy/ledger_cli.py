@@ -11,7 +11,7 @@ import math
 import os
 import time
 
-from llmdp.choices import ACCOUNTANTS
+from llmdp.config.choices import ACCOUNTANTS
 from llmdp.privacy.budget import (
     BUDGET_KIND,
     DatasetBudget,
@@ -36,7 +36,7 @@ from llmdp.privacy.ledger import (
 from llmdp.privacy.ledger_location import resolve_location
 from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.service import run_ledger_problems
-from llmdp.rundir import RunDir
+from llmdp.run.rundir import RunDir
 
 
 def _db(location: str | None, read_only: bool):

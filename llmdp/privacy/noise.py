@@ -92,7 +92,7 @@ def _check_target(t: torch.Tensor, what: str) -> None:
         # clipped sum it is added to already was): DESIGN §3.8.
         raise TypeError(
             f"{what} is {t.dtype}: noise is drawn and added in float32 or wider; "
-            "keep the clipped sums in float32 (llmdp.strategy.Strategy.grad_sinks)"
+            "keep the clipped sums in float32 (llmdp.train.strategy.Strategy.grad_sinks)"
         )
 
 

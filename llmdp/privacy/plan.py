@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import dp_accounting
 
-from llmdp._validate import _check_delta, _check_positive, _check_steps, _is_int, _is_number
-from llmdp.choices import RELATIONS, SAMPLERS
+from llmdp.config.choices import RELATIONS, SAMPLERS
+from llmdp.config.validate import _check_delta, _check_positive, _check_steps, _is_int, _is_number
 from llmdp.privacy import accountant as _acc
 from llmdp.privacy import sampling as _sampling
 from llmdp.privacy.calibrate import EpsilonCurve, PlanError, calibrate_curve
@@ -169,7 +169,7 @@ class DPPlan:
     plan.json of an earlier llmdp, `llmdp privacy epsilon` without --parameters): not
     folded, `accountant_delta` == `delta`, as before (the report says so).
 
-    `dp=False`: a NON-PRIVATE baseline (`llmdp.baseline`): the same sampling and steps, σ = 0,
+    `dp=False`: a NON-PRIVATE baseline (`llmdp.run.baseline`): the same sampling and steps, σ = 0,
     no target or truncation cost, `clip_bound` inf (`max_grad_norm` keeps the recipe's C, not
     applied), `epsilon()` inf, no DP event. `to_dict` writes ``dp`` only when False.
     """

@@ -145,7 +145,7 @@ def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, lo
 def _derived_ledger(db, dataset_id: str, log) -> str:
     """The ledger of a derived id: the one whose stored id is a spelling of it
     (`dataset_ids.canonical_id`), kept under its stored id; ``dataset_id`` when none is."""
-    from llmdp._validate import ConfigError
+    from llmdp.config.validate import ConfigError
     from llmdp.privacy.dataset_ids import canonical_id
 
     same = [i for i in db.ledgers() if i == dataset_id or canonical_id(i) == dataset_id]
@@ -167,7 +167,7 @@ def _derived_ledger(db, dataset_id: str, log) -> str:
 
 
 def _lookalike_refusal(dataset_id: str, similar: list[dict]):
-    from llmdp._validate import ConfigError
+    from llmdp.config.validate import ConfigError
 
     first = similar[0]["ledger"]
     shown = "; ".join(f"{s['ledger']!r} ({s['why']})" for s in similar)

@@ -13,7 +13,7 @@ public model only; it spends no privacy budget.
 * `adapt_embeddings(model, base_tokenizer, new_tokenizer)`: in place.
 * `build_adapted_model(model_dir, base_tokenizer, new_tokenizer_dir, out_dir)`: load, adapt
   and save a complete model + tokenizer folder (once; cached by a hash in
-  ``llmdp_adapted.json``), as `llmdp.models.load_model` does for ``model.base_tokenizer``.
+  ``llmdp_adapted.json``), as `llmdp.train.models.load_model` does for ``model.base_tokenizer``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import shutil
 import torch
 
 from llmdp._fs import building_dir, install_dir
-from llmdp._hf import dtype_kwarg, save_kwargs
+from llmdp.train.hf import dtype_kwarg, save_kwargs
 
 log = logging.getLogger(__name__)
 

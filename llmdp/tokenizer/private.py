@@ -65,7 +65,7 @@ import numpy as np
 from scipy.stats import norm
 
 from llmdp._fs import building_dir, replace_dir
-from llmdp._validate import _check_positive
+from llmdp.config.validate import _check_positive
 from llmdp.privacy.accountant import epsilon
 from llmdp.privacy.keys import _check_key
 from llmdp.privacy.noise import keyed_normal

@@ -33,9 +33,9 @@ import uuid
 from collections import Counter
 from collections.abc import Mapping
 
-from llmdp._allowlist import allow_listed
-from llmdp.config import ConfigError, TokenizerRecipeConfig, config_hash, dump_yaml, to_dict
+from llmdp.config.schema import ConfigError, TokenizerRecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.data.synthetic import ensure_clinical_notes
+from llmdp.report.allowlist import allow_listed
 
 __all__ = [
     "INFO_FILE",
@@ -84,7 +84,7 @@ def _columns(d) -> dict[str, str]:
 def corpus_units(cfg: TokenizerRecipeConfig) -> tuple[list[list[str]], dict]:
     """The words of every privacy unit of the recipe's corpus, and facts about it
     (source fingerprint, number of records and units)."""
-    # lazy: datasets and torch; this module stays light (llmdp.report reads tokenizer info here)
+    # lazy: datasets and torch; this module stays light (llmdp.report.build reads tokenizer info here)
     from llmdp.data.sources import load_records, source_fingerprint
     from llmdp.tokenizer.private import pre_tokenize
 
@@ -207,7 +207,7 @@ def _check_out_dir(cfg: TokenizerRecipeConfig) -> dict | None:
 
 def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
     """Run a tokenizer recipe end to end; returns the folder's ``llmdp_tokenizer.json``."""
-    # lazy: llmdp.privacy imports torch; this module stays light (llmdp.report imports it)
+    # lazy: llmdp.privacy imports torch; this module stays light (llmdp.report.build imports it)
     from llmdp.privacy import accountant as acc
     from llmdp.privacy.budget import DatasetBudget, check_release, first_budget_record
     from llmdp.privacy.dataset_ledger import open_dataset_ledger

@@ -115,7 +115,7 @@ def test_the_plant_switch_is_the_environment_only(monkeypatch):
     and an unknown name is an error, not a silent no-op."""
     import dataclasses
 
-    from llmdp import config
+    from llmdp.config import schema as config
 
     names = set()
     for cls in (config.RecipeConfig, config.PrivacyConfig, config.TrainConfig, config.ScalingConfig,
@@ -171,7 +171,7 @@ def test_unit_losses_are_each_units_normalized_loss(tmp_path):
     import torch
 
     from llmdp.audit.scores import unit_losses
-    from llmdp.losses import row_losses
+    from llmdp.train.losses import row_losses
     from tests.helpers import TINY_VOCAB, tiny_llama
 
     store = tiny_store(tmp_path / "cache", num_documents=6, sequence_length=24)

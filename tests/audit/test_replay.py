@@ -33,7 +33,7 @@ from llmdp.audit.replay import (
 )
 from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import open_store
-from llmdp.step import StepKeys
+from llmdp.train.step import StepKeys
 
 C = 1e-3
 SEQ = 24
@@ -140,8 +140,8 @@ def _raw(tmp: str, name: str, case: dict, batch: int, max_batch: int | None) -> 
 def _spec(tmp: str, name: str):
     """The case's RunSpec (``trainer.prepare``) at q = 1, or at q ≈ 1/2 with a seed whose
     first step samples the last unit."""
-    from llmdp.config import recipe_from_dict
-    from llmdp.trainer import prepare
+    from llmdp.config.schema import recipe_from_dict
+    from llmdp.run.launch import prepare
 
     case = CASES[name] if name in CASES else MASSIVE[name]
     # A first plan learns N (the store is built once and cached for the second).

@@ -19,7 +19,7 @@ import torch
 
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
-from llmdp.losses import row_losses
+from llmdp.train.losses import row_losses
 from tests.clipping.test_engine import (
     CONFIGS,
     IDS,

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llmdp._validate import ConfigError
+from llmdp.config.validate import ConfigError
 from llmdp.data.chunks import plan_chunks, read_chunk
 from llmdp.data.holdout import Holdout
 from llmdp.data.sources import load_records
@@ -255,7 +255,7 @@ def test_memory_stays_under_the_cap_for_a_corpus_20_times_larger(tmp_path, ray_s
 
 
 def _recipe(tmp_path, data_path, **data):
-    from llmdp.config import recipe_from_dict
+    from llmdp.config.schema import recipe_from_dict
     from tests.helpers import tiny_tokenizer_dir
 
     return recipe_from_dict({
@@ -281,8 +281,8 @@ def test_preprocess_ray_on_a_source_it_cannot_read_is_refused_by_name(tmp_path):
 
 
 def test_auto_picks_ray_data_for_a_large_corpus_only(tmp_path, notes, monkeypatch):
-    from llmdp import planning
     from llmdp.data.store import build_store
+    from llmdp.run import planning
 
     d = _recipe(tmp_path, notes).data
     assert planning.store_builder(d, d.path, None, d.format) is build_store

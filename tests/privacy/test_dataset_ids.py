@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmdp._validate import ConfigError
+from llmdp.config.validate import ConfigError
 from llmdp.data.sources import source_fingerprint
 from llmdp.privacy.dataset_ids import canonical_id, normalize_uri
 from llmdp.privacy.dataset_ledger import open_dataset_ledger
@@ -197,7 +197,7 @@ def test_the_demo_in_two_clones_shares_one_ledger(tmp_path):
     """Data llmdp generates (`data.synthetic`) is named by its generator spec: the same demo
     notes in two checkouts (same bytes, two paths) are one dataset, not a look-alike that
     refuses the second clone's `make demo`. Another spec is another dataset."""
-    from llmdp.config import SyntheticDataConfig
+    from llmdp.config.schema import SyntheticDataConfig
 
     ids = []
     for clone, seed in (("a", 0), ("b", 0), ("c", 1)):

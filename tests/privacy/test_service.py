@@ -245,8 +245,8 @@ def test_report_composes_the_runs_unit_and_lists_the_others(tmp_path):
     import yaml
 
     from llmdp.privacy.plan import make_plan
-    from llmdp.report import build_report
-    from llmdp.report_render import render_markdown
+    from llmdp.report.build import build_report
+    from llmdp.report.render import render_markdown
 
     seq_ev = dpsgd_step_event(0.02, 0.8)
     release(tmp_path, seq_ev, 30, "seq-run", SEQ)

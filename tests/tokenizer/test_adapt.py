@@ -12,8 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode as hf_bytes_to_unicode
 
-from llmdp.config import ConfigError, LoraConfig, ModelConfig, recipe_from_dict
-from llmdp.models import build_tiny_model, load_model
+from llmdp.config.schema import ConfigError, LoraConfig, ModelConfig, recipe_from_dict
 from llmdp.tokenizer.adapt import (
     ADAPTED_MARKER,
     adapt_embeddings,
@@ -23,6 +22,7 @@ from llmdp.tokenizer.adapt import (
     vocab_adaptation_stats,
 )
 from llmdp.tokenizer.private import train_sentencepiece_from_counts
+from llmdp.train.models import build_tiny_model, load_model
 from tests.helpers import tiny_model, tiny_model_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -13,7 +13,12 @@ import yaml
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
-from llmdp.config import ConfigError, load_recipe, load_tokenizer_recipe, tokenizer_recipe_from_dict
+from llmdp.config.schema import (
+    ConfigError,
+    load_recipe,
+    load_tokenizer_recipe,
+    tokenizer_recipe_from_dict,
+)
 from llmdp.privacy.accountant import threshold_delta
 from llmdp.privacy.keys import seeded_key
 from llmdp.tokenizer import private as tp
@@ -289,7 +294,7 @@ def test_non_dp_private_tokenizer_is_refused(tmp_path, corpus):
     train_cfg = _train_cfg(cfg.out_dir, corpus, tmp_path)
     with pytest.raises(ConfigError, match=r"model\.tokenizer:.*WITHOUT differential privacy"):
         tokenizer_for_run(train_cfg.model, train_cfg.data, data_sha256="x")
-    from llmdp.trainer import prepare
+    from llmdp.run.launch import prepare
 
     with pytest.raises(ConfigError, match=r"model\.tokenizer:.*WITHOUT differential privacy"):
         prepare(train_cfg, log=lambda *_: None)
@@ -343,8 +348,8 @@ def test_unit_mismatch_other_data_and_pretrained_rules(trained, corpus, tmp_path
 def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monkeypatch):
     """prepare() calibrates sigma for the composition; the report's epsilon equals
     dp-accounting on the composed events (PLD and RDP), with the threshold's delta."""
-    from llmdp.report import build_report
-    from llmdp.trainer import prepare
+    from llmdp.report.build import build_report
+    from llmdp.run.launch import prepare
 
     tmp, cfg, info = trained
     # The run's dataset ledger is not the tokenizer's file: the release is copied there.
@@ -393,7 +398,7 @@ def test_training_composes_the_tokenizer_release(trained, corpus, tmp_path, monk
     # The dataset ledger (budget) holds the tokenizer's release and the steps, accounted
     # with the threshold's delta: the same composition as the run's.
     assert report["dataset_ledger"]["epsilon_spent"] == pytest.approx(want, rel=1e-9)
-    from llmdp.report_render import render_markdown
+    from llmdp.report.render import render_markdown
 
     md = render_markdown(report)
     assert "private-tokenizer" in md and "training steps alone" in md
@@ -405,9 +410,9 @@ def test_pretrained_model_adapted_to_the_private_tokenizer(trained, corpus, tmp_
     tokenizer: the embeddings are rebuilt for the new vocabulary and the report says so."""
     from transformers import AutoTokenizer
 
-    from llmdp.models import build_tiny_model
-    from llmdp.report import build_report
-    from llmdp.trainer import prepare
+    from llmdp.report.build import build_report
+    from llmdp.run.launch import prepare
+    from llmdp.train.models import build_tiny_model
     from tests.helpers import tiny_model_config
 
     tmp, cfg, info = trained
@@ -439,8 +444,8 @@ def test_pretrained_model_adapted_to_the_private_tokenizer(trained, corpus, tmp_
 def _report_after_steps(train_cfg):
     """prepare() the run, write its steps to its ledger as the ledger service does, and
     build its report (no training: the report is a function of the ledger and plan)."""
-    from llmdp.report import build_report
-    from llmdp.trainer import prepare
+    from llmdp.report.build import build_report
+    from llmdp.run.launch import prepare
 
     prepared = prepare(train_cfg, log=lambda *_: None)
     simulate_steps(prepared)
@@ -493,7 +498,7 @@ def test_tokenizer_on_another_source_is_composed_by_default(trained, other_corpu
 
 def test_tokenizer_declared_independent_is_not_composed_and_said_so(trained, other_corpus, tmp_path,
                                                                      monkeypatch):
-    from llmdp.report_render import render_markdown
+    from llmdp.report.render import render_markdown
 
     tmp, cfg, info = trained
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
@@ -533,7 +538,7 @@ def seeded_tokenizer(tmp_path_factory, corpus):
 def test_seeded_tokenizer_release_is_labelled_seeded(seeded_tokenizer, corpus, tmp_path, monkeypatch):
     """Issue 12 item 4: a run on a secure RNG with a seeded private tokenizer is reported
     as seeded, with the warning, not "RNG: secure"."""
-    from llmdp.report_render import render_markdown
+    from llmdp.report.render import render_markdown
 
     tmp, cfg, info = seeded_tokenizer
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
@@ -557,10 +562,10 @@ def test_seeded_tokenizer_release_is_labelled_seeded(seeded_tokenizer, corpus, t
 
 
 def test_seeded_tokenizer_run_is_refused_by_export(seeded_tokenizer, corpus, tmp_path, monkeypatch):
-    from llmdp.export import ExportError, export_run
-    from llmdp.report import write_report
-    from llmdp.trainer import prepare
-    from llmdp.worker import LocalContext, train_loop_per_worker
+    from llmdp.hub.export import ExportError, export_run
+    from llmdp.report.build import write_report
+    from llmdp.run.launch import prepare
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
 
     tmp, cfg, info = seeded_tokenizer
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))

@@ -1,0 +1,484 @@
+"""Export a finished run as a Hugging Face folder with its privacy statement, and publish it.
+
+    llmdp export RUN_DIR --to DIR [--merge] [--push ORG/NAME] [--private] [--dry-run]
+                 [--allow-unverified] [--base-model HUB_ID] [--license ID]
+
+The folder (`export_run`):
+
+- the model: the LoRA adapter in PEFT format (``adapter_config.json`` naming the base by
+  its Hub id, never a local path), or, with ``--merge``, the base with the adapter merged
+  in (``merge_and_unload``); a full fine-tune is exported as full weights. safetensors only;
+- the tokenizer;
+- the publishable ``privacy_report.json`` / ``.md`` / ``.png`` and ``ledger.jsonl``
+  (`llmdp.report.publish.publishable_report` / `publishable_ledger`: allow-lists of DP outputs and
+  public configuration; no data statistics, internal metrics, loss curve or data hash;
+  local paths replaced by their last component). The run directory keeps the full ones;
+- ``README.md``: a model card whose YAML metadata (license, base_model, library_name,
+  tags, datasets when public, and a ``differential_privacy`` block) and privacy section are
+  generated from the publishable report (`llmdp.report.card.model_card`);
+- ``llmdp_export.json``: what was exported and whether the run was verified.
+
+Before anything is written the run is verified (`verify_run`): its ledger and report exist
+and agree (the report is rebuilt from the ledger and compared), the run is complete (or
+stopped by its budget), the exported weights equal the last checkpoint's, which belongs to
+this run and is at the last completed step, the ledger's config hash is the run's, and the
+RNG is secure. A run that fails any check is refused, unless ``--allow-unverified``: the
+card then says, at the top, which checks failed.
+
+Publishing (`push_folder`) uses huggingface_hub (``create_repo``, ``upload_folder``) with the
+token of the environment (``HF_TOKEN``) or of ``hf auth login``; it is never printed. Offline,
+unauthenticated or failed uploads raise `ExportError` and leave the folder as it is.
+``--dry-run`` builds the folder and lists exactly what would be uploaded, contacting nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import glob
+import json
+import os
+import shutil
+
+import torch
+import yaml
+
+from llmdp._fs import building_dir, replace_dir
+from llmdp.privacy.ledger import Ledger
+from llmdp.report.build import build_report, seeded_sources
+from llmdp.report.card import model_card
+from llmdp.report.publish import publishable_ledger, publishable_report
+from llmdp.report.render import plot_publishable, render_markdown
+from llmdp.report.spent import epsilon_curve
+from llmdp.run.baseline import NON_PRIVATE
+from llmdp.run.rundir import RunDir
+from llmdp.train import checkpoints
+
+__all__ = ["ExportError", "verify_run", "export_run", "push_folder", "HfApi"]
+
+EXPORT_INFO = "llmdp_export.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "tokenizer.model", "spm.model", "vocab.json", "merges.txt", "chat_template.jinja",
+                    "added_tokens.json")
+_MODEL_FILES = ("config.json", "generation_config.json")
+
+
+class ExportError(RuntimeError):
+    """The run cannot be exported or published as asked; the message says why and what to do."""
+
+
+def HfApi(*args, **kwargs):  # noqa: N802 - patched in tests; the real class otherwise
+    from huggingface_hub import HfApi as _HfApi  # lazy: slow to import; only publishing needs it
+
+    return _HfApi(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- reading a run
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise ExportError(f"{path}: not valid JSON ({e})") from None
+
+
+def _run_config(run_dir: str) -> dict:
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        raise ExportError(f"{run_dir}: not a run directory (no config.yaml)")
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def _config_hash_header(run_dir: str) -> str | None:
+    with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("# config_hash:"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
+def _plan_info(rd: RunDir) -> dict:
+    """plan.json (``ExportError`` if it is not valid JSON)."""
+    try:
+        return rd.info
+    except ValueError as e:
+        raise ExportError(f"{rd.plan_path}: not valid JSON ({e})") from None
+
+
+def _refuse_baseline(run_dir: str) -> None:
+    """A NON-PRIVATE baseline (privacy.dp: false) is never exported, verified or not."""
+    cfg = _read_yaml(os.path.join(run_dir, "config.yaml"))
+    info = _read_json(os.path.join(run_dir, "plan.json")) or {}
+    if ((cfg.get("privacy") or {}).get("dp") is False or (info.get("plan") or {}).get("dp") is False
+            or info.get("privacy") == NON_PRIVATE):
+        raise ExportError(
+            f"{run_dir} is a NON-PRIVATE baseline (privacy.dp: false): it was trained without "
+            f"clipping or noise, carries no privacy guarantee and cannot be exported, not even "
+            f"with --allow-unverified. It is for comparison only; to publish a model, train the "
+            f"recipe with privacy.dp: true")
+    if info.get("planted"):
+        raise ExportError(
+            f"{run_dir} was trained with a planted bug ({info['planted']}, the test-only switch "
+            f"LLMDP_TEST_PLANT): its mechanism was broken on purpose, it carries no privacy "
+            f"guarantee and cannot be exported, not even with --allow-unverified")
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        return {}
+
+
+def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
+    """(problems, report): every reason not to publish the run as is (empty: verified),
+    and the report to state (the stored one, or rebuilt from the ledger when missing)."""
+    run_dir = os.path.abspath(run_dir)
+    _refuse_baseline(run_dir)
+    problems: list[str] = []
+    if not os.path.isdir(os.path.join(run_dir, "model")):
+        raise ExportError(f"{run_dir}: no final model (model/); the run did not finish. Resume it "
+                          f"with `llmdp train` and the same recipe and output.name")
+    rd = RunDir(run_dir).require(ExportError)
+    stored = _read_json(os.path.join(run_dir, "privacy_report.json"))
+    has_ledger = os.path.exists(os.path.join(run_dir, "ledger.jsonl"))
+    rebuilt = build_report(run_dir) if has_ledger else None
+    if not has_ledger:
+        problems.append("ledger.jsonl is missing: the guarantee cannot be recomputed from the releases")
+    if stored is None:
+        problems.append("privacy_report.json is missing (the card states the report rebuilt from the ledger)")
+    report = stored if stored is not None else rebuilt
+    if report is None:
+        raise ExportError(f"{run_dir}: neither privacy_report.json nor ledger.jsonl: nothing states "
+                          f"the guarantee; this run cannot be exported")
+    if stored is not None and rebuilt is not None:
+        for key in ("epsilon", "delta", "steps", "steps_completed", "dataset_size", "noise_multiplier"):
+            a, b = stored.get(key), rebuilt.get(key)
+            same = (a == b) if not isinstance(a, float) or not isinstance(b, float) else (
+                abs(a - b) <= 1e-9 * max(1.0, abs(b)))
+            if not same:
+                problems.append(f"privacy_report.json says {key} = {a!r} but the ledger gives {b!r}: "
+                                f"rebuild it with `llmdp privacy report {run_dir}` and check why they differ")
+    if report.get("status") not in ("complete", "stopped"):
+        problems.append(f"the run's status is {report.get('status')!r}, not complete"
+                        + (f" ({report.get('failure')})" if report.get("failure") else ""))
+    if report.get("status") == "stopped" and report.get("stop_cause") != "ledger":
+        problems.append(f"the run stopped early ({report.get('stopped')}) on something other than "
+                        "its ledger: its length depends on a statistic of private data that no DP "
+                        "release accounts, so publishing it would leak that statistic")
+    # The run's own seed, or a private tokenizer's (llmdp_tokenizer.json privacy.rng), read
+    # from the run's files, not only from the report (which may predate the tokenizer check).
+    seeded_from = seeded_sources(_run_config(run_dir), _plan_info(rd))
+    if report.get("rng_mode") == "seeded" or seeded_from:
+        problems.append("a DP release of this model used a seeded RNG ("
+                        + ("; ".join(seeded_from) or "privacy.rng: seeded")
+                        + "): it carries no guarantee against anyone who knows the seed")
+    if report.get("steps", 0) < report.get("steps_completed", 0):
+        problems.append(f"the ledger records {report.get('steps')} steps but {report.get('steps_completed')} "
+                        f"were completed: steps are missing from the ledger")
+    if rebuilt is not None:
+        # build_report cross-checked the run's ledger with the dataset ledger (and stopped
+        # on any difference); a database it could not reach is a reason not to verify.
+        d = rebuilt.get("dataset_ledger") or {}
+        if d.get("error"):
+            problems.append(f"the run's releases could not be cross-checked against the dataset "
+                            f"ledger {d.get('dataset_id', '')!r} ({d.get('ledger')}): {d['error']}")
+    if has_ledger:
+        ledger_file = Ledger(os.path.join(run_dir, "ledger.jsonl"))
+        all_recs = ledger_file.records()
+        if ledger_file.legacy:
+            problems.append("ledger.jsonl was written by an earlier llmdp, without hash-chained "
+                            "records: it cannot be checked for deleted or edited lines")
+        recs = [r for r in all_recs if r["kind"] == "release"]
+        want = _config_hash_header(run_dir)
+        got = (recs[-1].get("meta") or {}).get("config_hash") if recs else None
+        if recs and want and got != want:
+            problems.append(f"the ledger's last release was made under config {str(got)[:12]}, not this "
+                            f"run's config.yaml ({want[:12]})")
+    ckpt = rd.latest_checkpoint()
+    if ckpt is None:
+        problems.append("no checkpoint to check the final model against")
+    else:
+        try:
+            state = checkpoints.read_meta(ckpt)
+        except Exception as e:  # noqa: BLE001 - a damaged checkpoint is a reason not to verify
+            return [*problems, checkpoints.unreadable(e)], report
+        if state.get("run_id") != report.get("run_id"):
+            problems.append(f"the last checkpoint belongs to run {state.get('run_id')!r}, not "
+                            f"{report.get('run_id')!r}")
+        if int(state.get("step", -1)) != int(report.get("steps_completed", -2)):
+            problems.append(f"the last checkpoint is at step {state.get('step')}, the report at "
+                            f"{report.get('steps_completed')} completed steps")
+        problems += checkpoints.check_model(ckpt, os.path.join(run_dir, "model"))
+        pos = state.get("ledger") or {}
+        if has_ledger and pos.get("run_last_hash"):
+            # The checkpoint knows how far the run's ledger had come: its last record must
+            # still be there, at the same line.
+            n = int(pos.get("run_records") or 0)
+            if n > len(all_recs) or all_recs[n - 1].get("hash") != pos["run_last_hash"]:
+                problems.append(f"the last checkpoint was written when ledger.jsonl held {n} "
+                                f"record(s) ending with {pos['run_last_hash'][:12]}, which it no "
+                                f"longer does: lines were deleted or replaced")
+    return problems, report
+
+
+# ----------------------------------------------------------------------------- local paths, Hub ids
+
+
+def _is_hub_id(name) -> bool:
+    return (isinstance(name, str) and not os.path.isabs(name) and not name.startswith((".", "~"))
+            and name.count("/") <= 1 and not os.path.exists(name))
+
+
+def _scrub(obj, roots: tuple[str, ...] = ()):
+    """A copy with local absolute paths replaced by ``<local>/<last component>``."""
+    if isinstance(obj, dict):
+        return {k: _scrub(v, roots) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_scrub(v, roots) for v in obj]
+    if isinstance(obj, str) and obj.startswith(os.sep) and len(obj) > 1 and "\n" not in obj:
+        return "<local>/" + os.path.basename(obj.rstrip(os.sep))
+    if isinstance(obj, str):
+        for r in roots:
+            if r and r in obj:
+                obj = obj.replace(r, "<local>")
+    return obj
+
+
+# ----------------------------------------------------------------------------- the folder
+
+
+def _copy_files(src: str, dst: str, names) -> list[str]:
+    done = []
+    for n in names:
+        p = os.path.join(src, n)
+        if os.path.isfile(p):
+            shutil.copyfile(p, os.path.join(dst, n))
+            done.append(n)
+    return done
+
+
+def _scrub_config_json(path: str, base_model: str | None) -> None:
+    """config.json / adapter_config.json: no local path in the published folder."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    for key in ("_name_or_path", "base_model_name_or_path"):
+        if key in cfg and (cfg[key] is None or not _is_hub_id(cfg[key])):
+            if key == "base_model_name_or_path":
+                cfg[key] = base_model
+            else:
+                cfg.pop(key)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _base_model_id(cfg: dict, given: str | None) -> str | None:
+    if given is not None:
+        if not _is_hub_id(given):
+            raise ExportError(f"--base-model: {given!r} is not a Hub id (ORG/NAME); the card and "
+                              f"adapter_config.json name the base by its Hub id, never a local path")
+        return given
+    name = cfg["model"].get("name_or_path")
+    if cfg["model"].get("init") == "pretrained" and _is_hub_id(name):
+        return name
+    return None
+
+
+def _write_model(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model: str | None, log) -> str:
+    """Write the weights into ``out``; returns the format: adapter | merged | full."""
+    model_dir = os.path.join(run_dir, "model")
+    is_adapter = os.path.exists(os.path.join(model_dir, "adapter_config.json"))
+    adapted = cfg["model"].get("base_tokenizer") is not None
+    if not is_adapter:
+        _copy_files(model_dir, out, _MODEL_FILES)
+        for p in glob.glob(os.path.join(model_dir, "*.safetensors")) + glob.glob(
+                os.path.join(model_dir, "*.safetensors.index.json")):
+            shutil.copyfile(p, os.path.join(out, os.path.basename(p)))
+        _scrub_config_json(os.path.join(out, "config.json"), base_model)
+        return "full"
+    with open(os.path.join(model_dir, "adapter_config.json"), encoding="utf-8") as f:
+        local_base = json.load(f).get("base_model_name_or_path")
+    if not merge:
+        if adapted:
+            raise ExportError(
+                f"the base model was adapted to a new vocabulary (model.base_tokenizer): the adapter "
+                f"does not apply to {cfg['model'].get('name_or_path')!r} as published. Export merged "
+                f"weights with --merge")
+        if base_model is None:
+            raise ExportError(
+                f"the adapter's base {local_base!r} is not a Hub model "
+                f"({'built from a config' if cfg['model'].get('init') == 'tiny' else 'a local path'}); "
+                f"export merged weights with --merge, or name the published base with --base-model ORG/NAME")
+        _copy_files(model_dir, out, ("adapter_config.json", "adapter_model.safetensors", "README.md"))
+        if os.path.exists(os.path.join(out, "README.md")):
+            os.remove(os.path.join(out, "README.md"))  # peft's template card; ours replaces it
+        _scrub_config_json(os.path.join(out, "adapter_config.json"), base_model)
+        return "adapter"
+    from peft import PeftModel  # lazy: peft and transformers are heavy; only --merge loads a model
+    from transformers import AutoModelForCausalLM  # lazy: as above
+
+    if not local_base or not os.path.isdir(local_base):
+        if not _is_hub_id(local_base):
+            raise ExportError(f"--merge: the adapter's base {local_base!r} is not available here; "
+                              f"rebuild it (re-run the recipe's preparation) or export the adapter")
+    log(f"merging the adapter into {os.path.basename(str(local_base))}")
+    base = AutoModelForCausalLM.from_pretrained(local_base, dtype=_saved_dtype(local_base))
+    from llmdp.train.hf import quiet_peft
+
+    with quiet_peft():
+        merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
+    merged.save_pretrained(out)
+    _scrub_config_json(os.path.join(out, "config.json"), base_model)
+    return "merged"
+
+
+def _saved_dtype(model_dir: str):
+    cfg = _read_json(os.path.join(model_dir, "config.json")) or {}
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return getattr(torch, str(name), torch.float32)
+
+
+def _publishable(run_dir: str, report: dict) -> dict:
+    """The publishable report of the run (`llmdp.report.publish.publishable_report`), with the
+    ledger's ε curve (computed now when the stored report has none)."""
+    full = dict(report)
+    if not full.get("epsilon_curve") and os.path.exists(os.path.join(run_dir, "ledger.jsonl")):
+        full["epsilon_curve"] = [[t, e] for t, e in epsilon_curve(run_dir)]
+    return publishable_report(full)
+
+
+def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
+    """privacy_report.json / .md / .png and ledger.jsonl of the export, from `pub` and the
+    run's ledger through the allow-lists of llmdp.report.publish; nothing is copied as is."""
+    with open(os.path.join(out, "privacy_report.json"), "w", encoding="utf-8") as f:
+        json.dump(pub, f, indent=2)
+    with open(os.path.join(out, "privacy_report.md"), "w", encoding="utf-8") as f:
+        f.write(render_markdown(pub))
+    plot_publishable(pub, os.path.join(out, "privacy_report.png"))
+    path = os.path.join(run_dir, "ledger.jsonl")
+    if os.path.exists(path):
+        prior = _plan_info(RunDir(run_dir)).get("prior_releases") or []
+        lines = publishable_ledger(Ledger(path).records(), prior)
+        with open(os.path.join(out, "ledger.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(rec, sort_keys=True) + "\n" for rec in lines)
+
+
+def _list_files(folder: str) -> list[tuple[str, int]]:
+    out = []
+    for root, _, files in os.walk(folder):
+        for n in files:
+            p = os.path.join(root, n)
+            out.append((os.path.relpath(p, folder), os.path.getsize(p)))
+    return sorted(out)
+
+
+def export_run(
+    run_dir,
+    to,
+    *,
+    merge: bool = False,
+    push: str | None = None,
+    private: bool = False,
+    dry_run: bool = False,
+    allow_unverified: bool = False,
+    base_model: str | None = None,
+    license: str | None = None,
+    log=print,
+) -> dict:
+    """Verify ``run_dir``, write the export folder ``to``, and push it to ``push`` (a Hub
+    repo id) unless ``dry_run``. Returns ``{"folder", "format", "files", "verified",
+    "problems", "pushed"}``."""
+    run_dir = os.path.abspath(os.fspath(run_dir))
+    to = os.path.abspath(os.fspath(to))
+    if push is not None and not _is_hub_id(push) or (push is not None and push.count("/") != 1):
+        raise ExportError(f"--push: {push!r} is not a Hub repo id; expected ORG/NAME")
+    cfg = _run_config(run_dir)
+    problems, report = verify_run(run_dir)
+    if problems and not allow_unverified:
+        raise ExportError(
+            f"{run_dir} cannot be exported as verified:\n" + "\n".join(f"  - {p}" for p in problems)
+            + "\nFix the run (or rebuild its report), or pass --allow-unverified to export anyway; "
+              "the model card then lists these problems at the top")
+    for p in problems:
+        log(f"UNVERIFIED: {p}")
+    base_id = _base_model_id(cfg, base_model)
+    info = _read_json(os.path.join(to, EXPORT_INFO)) if os.path.isdir(to) else None
+    if os.path.exists(to) and (not os.path.isdir(to) or (os.listdir(to) and (
+            info is None or info.get("run_id") != report.get("run_id")))):
+        raise ExportError(f"--to: {to} exists and is not an export of this run; choose an empty or "
+                          f"new folder")
+    with building_dir(to, ".tmp-export-") as tmp:
+        fmt = _write_model(run_dir, tmp, cfg, merge=merge, base_model=base_id, log=log)
+        _copy_files(os.path.join(run_dir, "model"), tmp, _TOKENIZER_FILES)
+        roots = tuple(sorted({run_dir, os.path.dirname(run_dir), os.getcwd(),
+                              os.path.expanduser("~")}, key=len, reverse=True))
+        # Only DP outputs and public configuration leave (DESIGN §3.9): the report, its plot,
+        # the ledger and the card are the publishable ones, derived from the local report.
+        clean = _scrub(_publishable(run_dir, report), roots)
+        _write_publishable(run_dir, tmp, clean)
+        card = model_card(clean, _scrub(cfg, roots), fmt=fmt, base_model=base_id, license=license,
+                          unverified=problems, repo_id=push)
+        card.save(os.path.join(tmp, "README.md"))
+        with open(os.path.join(tmp, EXPORT_INFO), "w", encoding="utf-8") as f:
+            json.dump({"run_id": report.get("run_id"), "format": fmt, "base_model": base_id,
+                       "verified": not problems, "problems": problems,
+                       "epsilon": report["epsilon"], "delta": report["delta"],
+                       "exported_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
+                      f, indent=2, sort_keys=True)
+            f.write("\n")
+        replace_dir(tmp, to)
+    files = _list_files(to)
+    log(f"exported {fmt} to {to} ({len(files)} files, {sum(s for _, s in files) / 1e6:.1f} MB); "
+        f"ε = {report['epsilon']:.4f} at δ = {report['delta']:.3g}"
+        + ("" if not problems else " (UNVERIFIED)"))
+    result = {"folder": to, "format": fmt, "files": files, "verified": not problems,
+              "problems": problems, "pushed": None}
+    if push is not None:
+        if dry_run:
+            log(f"dry run: would create {'a private' if private else 'a public'} model repo {push} "
+                f"(if missing) and upload these {len(files)} files:")
+            for name, size in files:
+                log(f"  {name}  ({size:,} bytes)")
+        else:
+            result["pushed"] = push_folder(to, push, private=private, log=log)
+    elif dry_run:
+        log("dry run: nothing to upload (no --push)")
+    return result
+
+
+# ----------------------------------------------------------------------------- publishing
+
+
+def push_folder(folder: str, repo_id: str, *, private: bool = False, log=print) -> str:
+    """``create_repo`` (if missing) then ``upload_folder``; returns the commit URL. Raises
+    ExportError when offline, unauthenticated or on any Hub error; the folder is kept."""
+    # lazy: huggingface_hub is slow to import and only publishing needs it; read at call time,
+    # so that the token and HF_HUB_OFFLINE are the current ones (tests patch both)
+    from huggingface_hub import get_token
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    if HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ExportError(f"HF_HUB_OFFLINE is set: cannot publish to {repo_id}. The export is in "
+                          f"{folder}; unset HF_HUB_OFFLINE and run the same command again")
+    if get_token() is None:
+        raise ExportError(f"no Hugging Face token: set HF_TOKEN or run `hf auth login`, then run the "
+                          f"same command again (the export is in {folder})")
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        commit = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model",
+                                   commit_message="llmdp export: DP model with its privacy report")
+    except Exception as e:
+        raise ExportError(f"publishing to {repo_id} failed ({type(e).__name__}: {str(e)[:300]}); "
+                          f"the export is intact in {folder}") from None
+    url = getattr(commit, "commit_url", None) or str(commit)
+    log(f"published {repo_id} ({'private' if private else 'public'}): {url}")
+    return url

@@ -1,0 +1,269 @@
+"""The local Ray a driver starts, and what is left of it when that driver dies.
+
+`llmdp train` on a machine that is not part of a Ray cluster starts its own Ray
+(`ray.init(num_cpus=...)`). Ray starts its GCS server, raylet, dashboard and monitors as
+children of the driver with the kernel's parent-death signal (``PR_SET_PDEATHSIG``,
+SIGKILL), so they die with it even when the driver is SIGKILLed. The raylet starts two
+agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) without that signal: they see
+their raylet die, find no "SIGTERM" in its log, and before exiting publish "Raylet is
+terminated. Termination is unexpected" to the GCS (``ray._private.process_watcher``:
+``publish_error_to_driver`` with a 60 s timeout) -- a GCS that died with the driver. So a
+SIGKILLed driver leaves both agents behind for about a minute, reparented to init.
+
+:func:`start` starts the local Ray together with a watchdog process (this module, run
+with ``-m``; standard library and psutil only). The watchdog reads a pipe whose only
+write end the driver holds: EOF comes when the driver ends, whether it closed it
+(:meth:`LocalRay.stop`, after ``ray.shutdown()``) or died. While the driver lives, the
+watchdog records every descendant of the processes ``ray.init`` started (pid and start
+time) in the run directory (:data:`RECORD`); at EOF it SIGKILLs those still alive, the
+same pid *and* start time (a reused pid is never touched), and removes the record.
+
+If the watchdog died too (the whole session was killed), the next launch of the same run
+directory ends what the record names (:func:`reap_leftovers`): it holds the run's lock, so
+the launch that wrote the record is gone. Only processes of a Ray that llmdp started
+itself are recorded: a driver that joins a cluster (``RAY_ADDRESS``, a Ray job, ``ray
+start``ed nodes) starts no watchdog and touches none of the cluster's processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+RECORD = "local_ray.json"  # in the run directory, while a local Ray of this run lives
+_POLL_S = 0.5  # how often the watchdog looks for new Ray processes
+_KILL_WAIT_S = 10.0  # how long a SIGKILLed process may take to disappear
+
+
+def _psutil():
+    import psutil  # lazy: only a driver that starts its own Ray needs it
+
+    return psutil
+
+
+def _key(p) -> tuple[int, float] | None:
+    """(pid, start time) of a live process, None if it is gone (a zombie is gone)."""
+    psutil = _psutil()
+    try:
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return p.pid, p.create_time()
+    except psutil.Error:
+        return None
+
+
+def _alive(pid: int, created: float):
+    """The process ``pid`` if it is alive and started at ``created`` (not a reused pid)."""
+    psutil = _psutil()
+    try:
+        p = psutil.Process(pid)
+    except psutil.Error:
+        return None
+    k = _key(p)
+    return p if k is not None and abs(k[1] - created) < 1e-3 else None
+
+
+def _write_record(path: str, record: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def kill_recorded(processes: list[list]) -> list[int]:
+    """SIGKILL every ``[pid, start time, name]`` still alive as recorded; wait for them to
+    go. Returns the pids that were killed."""
+    psutil = _psutil()
+    procs = [p for p in (_alive(int(pid), float(ct)) for pid, ct, *_ in processes) if p is not None]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    _wait_gone(procs)
+    return [p.pid for p in procs]
+
+
+def _wait_gone(procs) -> None:
+    """Until each of ``procs`` is gone or a zombie (whose parent, often init, reaps it), at
+    most ``_KILL_WAIT_S``."""
+    deadline = time.monotonic() + _KILL_WAIT_S
+    while any(_key(p) is not None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+# Ray's module that logs, on every local `ray.init`, "Token authentication is enabled for
+# this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out ...": a notice about Ray's own
+# default (a local cluster that llmdp starts and stops), nothing a user of llmdp acts on.
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+_RAY_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropRayAuthNotice(logging.Filter):
+    """Drops that one record; every other Ray warning (the security warning "Token
+    authentication is disabled" included) still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_RAY_AUTH_NOTICE)
+
+
+def quiet_ray_notices() -> None:
+    """Hide Ray's token-authentication notice from llmdp's users (idempotent). A filter on
+    Ray's logger, not RAY_AUTH_MODE: the authentication mode stays Ray's choice."""
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    if not any(isinstance(f, _DropRayAuthNotice) for f in logger.filters):
+        logger.addFilter(_DropRayAuthNotice())
+
+
+# ------------------------------------------------------------------------ the driver side
+
+
+class LocalRay:
+    """The watchdog of the local Ray this driver started (see the module docstring)."""
+
+    def __init__(self, proc: subprocess.Popen, write_fd: int, record: str):
+        self._proc, self._fd, self.record = proc, write_fd, record
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """After ``ray.shutdown()``: the watchdog ends what is left of this Ray (agents
+        still exiting) and the record; returns when it has."""
+        if self._fd is not None:
+            os.close(self._fd)  # EOF for the watchdog
+            self._fd = None
+        try:
+            self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def start(run_dir: str, log=print, **init) -> LocalRay | None:
+    """``ray.init(**init)`` (with ``num_cpus``: a local Ray) and its watchdog. A driver on a
+    cluster node joins that cluster instead (Ray refuses ``num_cpus`` there): no watchdog,
+    returns None. Leftovers of an earlier launch of ``run_dir`` are ended first."""
+    import ray  # lazy: Ray (and its start-up cost) only where the run goes on Ray
+
+    psutil = _psutil()
+    reap_leftovers(run_dir, log)
+    me = psutil.Process()
+    before = {k for k in map(_key, me.children()) if k is not None}
+    try:
+        ray.init(**init)  # a local Ray sized for the workers
+    except ValueError as e:
+        # A driver on a cluster node (a Ray job, `ray start`, SLURM symmetric-run, KubeRay)
+        # joins that cluster, whose resources are its own: Ray refuses num_cpus there.
+        if "existing cluster" not in str(e):
+            raise
+        ray.init(**{k: v for k, v in init.items() if k not in ("num_cpus", "num_gpus")})
+        return None
+    # What ray.init started: the driver's new children (GCS, raylet, dashboard, monitors).
+    roots = [k for k in map(_key, me.children()) if k is not None and k not in before]
+    record = os.path.join(run_dir, RECORD)
+    _write_record(record, _record(roots, me))
+    read_fd, write_fd = os.pipe()  # both non-inheritable: no Ray process holds the write end
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [pkg_parent] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmdp.run.localray", record, str(me.pid)]
+            + [f"{pid}:{ct!r}" for pid, ct in roots],
+            stdin=read_fd, env=env, start_new_session=True,  # not hit by the terminal's Ctrl-C
+            stdout=subprocess.DEVNULL)
+    finally:
+        os.close(read_fd)
+    return LocalRay(proc, write_fd, record)
+
+
+def _record(processes, driver) -> dict:
+    return {"host": socket.gethostname(), "driver": [driver.pid, driver.create_time()],
+            "processes": [[pid, ct, _name(pid)] for pid, ct in processes]}
+
+
+def _name(pid: int) -> str:
+    psutil = _psutil()
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return "?"
+
+
+def reap_leftovers(run_dir: str, log=print) -> list[int]:
+    """End the processes of a local Ray that an earlier launch of ``run_dir`` started and
+    that outlived it and its watchdog. Called by a launch that holds the run's lock (the
+    earlier launch is gone). A record written on another host is left alone."""
+    path = os.path.join(run_dir, RECORD)
+    try:
+        with open(path, encoding="utf-8") as f:
+            rec = json.load(f)
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError):
+        rec = None
+    if rec is None or rec.get("host") != socket.gethostname():
+        return []  # not decidable here: another machine's processes
+    driver = rec.get("driver") or [0, 0.0]
+    if _alive(int(driver[0]), float(driver[1])) is not None:
+        return []  # its driver still runs (an older llmdp without the run lock?): not ours
+    watchdog = rec.get("watchdog")
+    if watchdog and (w := _alive(int(watchdog[0]), float(watchdog[1]))) is not None:
+        _wait_gone([w])  # it is ending them right now
+    killed = kill_recorded(rec.get("processes") or [])
+    if killed:
+        log(f"ended {len(killed)} Ray process(es) left by an earlier launch of this run "
+            f"that died (PIDs {', '.join(map(str, killed))})")
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    return killed
+
+
+# ------------------------------------------------------------------------ the watchdog
+
+
+def _watch(record: str, driver_pid: int, roots: list[tuple[int, float]]) -> None:
+    psutil = _psutil()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    me = psutil.Process()
+    seen: dict[int, float] = dict(roots)
+    driver = psutil.Process(driver_pid)
+    base = {"host": socket.gethostname(), "driver": [driver_pid, driver.create_time()],
+            "watchdog": [me.pid, me.create_time()]}
+    written = None
+    while True:
+        for pid, ct in list(roots):
+            p = _alive(pid, ct)
+            if p is None:
+                continue
+            try:
+                kids = p.children(recursive=True)
+            except psutil.Error:
+                continue
+            for k in filter(None, map(_key, kids)):
+                seen.setdefault(*k)
+        if written != len(seen):
+            _write_record(record, {**base, "processes": [[pid, ct, _name(pid)]
+                                                        for pid, ct in seen.items()]})
+            written = len(seen)
+        ready, _, _ = select.select([0], [], [], _POLL_S)
+        if ready and not os.read(0, 1):
+            break  # EOF: the driver closed the pipe (it stopped Ray) or died
+    kill_recorded([[pid, ct] for pid, ct in seen.items()])
+    try:
+        os.remove(record)
+    except FileNotFoundError:
+        pass
+
+
+if __name__ == "__main__":  # the watchdog: RECORD DRIVER_PID PID:START_TIME ...
+    _watch(sys.argv[1], int(sys.argv[2]),
+           [(int(a.split(":")[0]), float(a.split(":")[1])) for a in sys.argv[3:]])

@@ -1,0 +1,254 @@
+"""Planning a recipe: its data units (training and held-out), the model's facts, the DP
+plan and the DP evaluations' plan, and the earlier releases the run composes with.
+`plan_run` writes to the shared caches only (unit stores, model files), never to a run
+directory or a ledger: `trainer.prepare` builds a run on it, `llmdp sweep` plans trials
+with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from llmdp._fs import cache_root
+from llmdp.config.schema import ConfigError, RecipeConfig
+from llmdp.data.holdout import Holdout
+from llmdp.data.sources import source_fingerprint
+from llmdp.data.store import UnitSpec, build_store
+from llmdp.data.synthetic import ensure_clinical_notes
+from llmdp.evaluation.dp import plan_dp_eval
+from llmdp.privacy.events import event_to_json
+from llmdp.privacy.plan import check_noise_tail, make_plan
+from llmdp.privacy.prior import calibrate_with_prior
+from llmdp.tokenizer.train import tokenizer_for_run
+from llmdp.train.models import load_model
+
+__all__ = ["Planned", "plan_run"]
+
+
+@dataclass
+class Planned:
+    """What planning a recipe decides (`plan_run`), before anything is written to a run
+    directory or a ledger: the units, the DP plan, the earlier releases it composes with."""
+
+    cfg: RecipeConfig
+    plan: Any  # DPPlan
+    store: Any  # the training units (UnitStore)
+    unit_spec: UnitSpec
+    source_sha: str
+    tok_use: dict
+    prior_releases: list
+    data_stats: dict
+    eval_store: Any = None  # the held-out units (UnitStore), or None
+    eval_plan: Any = None  # the DP evaluation's plan (llmdp.evaluation.dp.DpEvalPlan), or None
+
+    def entries(self) -> list:
+        """(event, count) of every release the run will make if it completes: the earlier
+        releases it builds on, its DP evaluations and its steps (what a sweep composes)."""
+        from llmdp.privacy.prior import release_entries
+
+        prior, _ = release_entries(self.prior_releases)
+        evals = self.eval_plan.entries() if self.eval_plan is not None else []
+        return prior + evals + [(self.plan.step_event(), self.plan.steps)]
+
+
+# data.preprocess auto: corpora of at least this many bytes are built on Ray Data.
+AUTO_RAY_BYTES = 1 << 30
+
+
+def store_builder(d, path, dataset, data_format: str, log=print):
+    """The function that builds the unit store of this source: `build_store` in this
+    process, or `llmdp.data.sharded.build_store_sharded` on Ray Data (``data.preprocess``;
+    ``auto``: Ray Data for a supported local corpus of at least AUTO_RAY_BYTES)."""
+    from llmdp.data import chunks
+
+    mode = d.preprocess
+    if mode == "auto":
+        big = dataset is None and chunks.supported_source(path, data_format) is None and \
+            (chunks.is_uri(path) or chunks.total_bytes(path) >= AUTO_RAY_BYTES)
+        mode = "ray" if big else "local"
+    if mode == "local" or dataset is not None or chunks.supported_source(path, data_format):
+        return build_store  # (a separate evaluation source Ray Data cannot read: in-process)
+    from llmdp.data.sharded import build_store_sharded  # lazy: Ray Data only where used
+
+    def build(cache_dir, *, dataset=None, split=None, config_name=None, num_proc=None, **kw):
+        return build_store_sharded(cache_dir, memory_mb=d.preprocess_memory_mb,
+                                   workers=d.preprocess_workers, log_fn=log, **kw)
+
+    return build
+
+
+def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
+    """Data units, model facts and the DP plan of ``cfg`` (shared caches only: nothing is
+    written to the run directory or to a ledger). ``augment(store, tokenizer) -> store``
+    (``llmdp audit``) returns the training store with the canaries its keyed coins
+    included, as units of their own; N, q and σ are then planned for that store."""
+    cache = cache_root()
+    os.makedirs(cache, exist_ok=True)
+    if cfg.data.synthetic is not None and not os.path.exists(cfg.data.path):
+
+        log(f"generating {cfg.data.synthetic.num_documents} synthetic private documents -> {cfg.data.path}")
+        ensure_clinical_notes(cfg.data.path, cfg.data.synthetic.num_documents, cfg.data.synthetic.seed)
+
+    # What the tokenizer means for the guarantee, before anything is built with it: a
+    # tokenizer fit on this data without DP is refused; a DP one on this data is composed.
+
+    d = cfg.data
+    source_sha = source_fingerprint(path=d.path, dataset=d.dataset, split=d.split,
+                                    config_name=d.config_name, format=d.format)
+    tok_use = tokenizer_for_run(cfg.model, d, data_sha256=source_sha, delta=cfg.privacy.delta)
+
+    if cfg.model.init == "tiny" and cfg.model.lora is not None:
+        log("warning: model.lora on model.init: tiny trains adapters on a RANDOMLY initialised "
+            "base model: useful to test the pipeline, not to fine-tune; set model.name_or_path "
+            "to a pretrained model (model.init: pretrained)")
+    model, tokenizer = load_model(cfg.model, cache_dir=os.path.join(cache, "models"))
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    tok_use["vocab_adaptation"] = getattr(model, "llmdp_vocab_adaptation", None)
+    tok_use["vocab_size"] = len(tokenizer)
+    del model
+
+    spec = UnitSpec(kind=d.unit, sequence_length=d.sequence_length,
+                    max_rows_per_unit=1 if d.unit == "sequence" else d.max_rows_per_unit,
+                    document_masking=d.document_masking,
+                    user_field=d.user_field if d.unit == "user" else None)
+    ev = d.eval
+    holdout = None if ev is None or ev.fraction is None else \
+        Holdout(fraction=ev.fraction, key=ev.split_key, max_units=ev.max_units)
+    source_args = dict(
+        text_field=d.text_field, messages_field=d.messages_field, prompt_field=d.prompt_field,
+        response_field=d.response_field, chat_template=d.chat_template, num_proc=d.num_proc,
+        on_bad_record=d.on_bad_record)
+    units_dir = os.path.join(cache, "units")
+    build = store_builder(d, d.path, d.dataset, d.format, log)
+    store = build(
+        units_dir, tokenizer=tokenizer, spec=spec, data_path=d.path, dataset=d.dataset,
+        data_format=d.format, split=d.split, config_name=d.config_name,
+        unit_fraction=d.unit_fraction, source_sha256=source_sha, text_split=d.text_split,
+        holdout=holdout, **source_args)
+    if augment is not None:
+        store = augment(store, tokenizer)
+    eval_store = None
+    if holdout is not None:  # built with the training part, from the same corpus
+        eval_store = build(
+            units_dir, tokenizer=tokenizer, spec=spec, data_path=d.path, dataset=d.dataset,
+            data_format=d.format, split=d.split, config_name=d.config_name,
+            unit_fraction=d.unit_fraction, source_sha256=source_sha, text_split=d.text_split,
+            holdout=holdout, part="eval", **source_args)
+    elif ev is not None:  # a separate source: every unit is evaluated (up to max_units)
+        eval_store = store_builder(d, ev.path, ev.dataset, ev.format, log)(
+            units_dir, tokenizer=tokenizer, spec=spec, data_path=ev.path, dataset=ev.dataset,
+            data_format=ev.format, split=ev.split, config_name=ev.config_name,
+            text_split=d.text_split, part="eval",
+            holdout=Holdout(fraction=1.0, key=ev.split_key, max_units=ev.max_units), **source_args)
+    N = store.num_units
+    if cfg.train.expected_batch_size > N:
+
+        raise ConfigError(
+            f"train.expected_batch_size: {cfg.train.expected_batch_size} is more than the {N} "
+            f"{spec.kind} units of the corpus (data.unit={spec.kind!r}); lower it below N "
+            f"(a sampling probability q = B/N of at most 1)",
+            key="train.expected_batch_size",
+        )
+    priv = cfg.privacy  # privacy.dp false: a NON-PRIVATE baseline; σ is not calibrated
+    if priv.dp and cfg.privacy.delta is None:
+        _default_delta_or_refuse(N, spec.kind, log)
+    plan = make_plan(
+        dataset_size=N,
+        expected_batch_size=cfg.train.expected_batch_size,
+        max_grad_norm=cfg.privacy.max_grad_norm,
+        steps=cfg.train.steps,
+        epochs=cfg.train.epochs,
+        delta=cfg.privacy.delta,
+        target_epsilon=priv.target_epsilon if priv.dp else None,
+        noise_multiplier=priv.noise_multiplier if priv.dp else None,
+        accountant=cfg.privacy.accountant,
+        max_noise_multiplier=cfg.privacy.max_noise_multiplier,
+        sampler=cfg.privacy.sampler,
+        max_batch_size=cfg.privacy.max_batch_size,
+        dp=priv.dp,
+        # the noise coordinates of a step: the generator's tails are folded into δ
+        noise_coordinates=n_train if priv.dp else None,
+    )
+    prior_releases = [tok_use["release"]] if tok_use["compose"] and priv.dp else []
+    eval_plan = _dp_eval_plan(cfg, plan, len(tokenizer)) if eval_store is not None and priv.dp \
+        else None
+    if eval_plan is not None:  # their noise tails are folded into δ with the steps'
+        plan = dataclasses.replace(plan, eval_noise=eval_plan.noise())
+    if prior_releases or eval_plan is not None:
+        # The model's guarantee covers the tokenizer and the DP evaluations too: sigma is
+        # calibrated so that the composition (tokenizer release + DP evaluations + every
+        # step) meets privacy.target_epsilon.
+        planned_evals = [] if eval_plan is None else [
+            {"event": event_to_json(eval_plan.event()), "count": eval_plan.releases}]
+        plan = check_noise_tail(calibrate_with_prior(plan, prior_releases + planned_evals))
+    data_stats = dict(store.stats())
+    data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
+    if eval_store is not None:
+        data_stats["eval_units"] = eval_store.num_units
+    if eval_plan is not None:
+        _check_dp_eval_noise(cfg, eval_plan, eval_store.num_units, log)
+    return Planned(cfg=cfg, plan=plan, store=store, unit_spec=spec, source_sha=source_sha,
+                   tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats,
+                   eval_store=eval_store, eval_plan=eval_plan)
+
+
+# The smallest corpus for which llmdp picks δ itself (a power of ten below 1/(10 N): 1e-4 at
+# N = 100). Below it a default δ would be 1e-3 or larger, a guarantee that allows one unit in
+# a thousand to be published in the clear: the user must choose δ knowingly (privacy.delta).
+MIN_UNITS_FOR_DEFAULT_DELTA = 100
+
+
+def _default_delta_or_refuse(n: int, kind: str, log) -> None:
+    from llmdp.privacy.plan import default_delta
+
+    if n < MIN_UNITS_FOR_DEFAULT_DELTA:
+        raise ConfigError(
+            f"privacy.delta: not set, and the corpus has only N = {n} {kind} unit(s), fewer than "
+            f"{MIN_UNITS_FOR_DEFAULT_DELTA}: llmdp picks δ itself only from N = "
+            f"{MIN_UNITS_FOR_DEFAULT_DELTA} on (δ would be {default_delta(n):g} here, far too "
+            f"weak to state by default). Add data, or set privacy.delta yourself, well below "
+            f"1/N = {1 / n:.3g}", key="privacy.delta")
+    log(f"privacy.delta not set: δ = {default_delta(n):g} (the largest power of ten below "
+        f"1/(10 N) for N = {n} {kind} units); set privacy.delta to choose it")
+
+
+def _check_dp_eval_noise(cfg: RecipeConfig, eval_plan, units: int, log) -> None:
+    """State each DP metric's expected noise std (the operator's console: internal) and
+    refuse a plan whose releases would be mostly noise, unless ``eval.allow_noisy``."""
+    from llmdp.evaluation.dp import NOISY_EVAL_FRACTION
+
+    sd = eval_plan.expected_std(units)
+    log(f"DP evaluation: {eval_plan.releases} release(s), noise multiplier "
+        f"{eval_plan.noise_multiplier:.3g}; expected std: loss ± {sd['loss']:.3g} (of [0, "
+        f"{eval_plan.loss_bound:.3g}]), accuracy ± {sd['accuracy']:.3g} (of [0, 1]), "
+        f"{sd['fraction_of_range']:.1%} of each range")
+    if sd["fraction_of_range"] <= NOISY_EVAL_FRACTION or cfg.eval.allow_noisy:
+        return
+    need = math.ceil(eval_plan.noise_std / NOISY_EVAL_FRACTION)
+    raise ConfigError(
+        f"eval: the DP evaluation would be mostly noise: with {units} held-out unit(s) its "
+        f"std is ± {sd['loss']:.3g} on a loss in [0, {eval_plan.loss_bound:.3g}] and ± "
+        f"{sd['accuracy']:.3g} on an accuracy in [0, 1] ({sd['fraction_of_range']:.0%} of each "
+        f"range; at most {NOISY_EVAL_FRACTION:.0%} is allowed). Hold out at least {need} units "
+        f"(data.eval.fraction, or a larger data.eval source), release fewer DP evaluations "
+        f"(eval.steps), raise eval.epsilon, or set eval.allow_noisy: true to release it anyway",
+        key="eval.epsilon")
+
+
+def _dp_eval_plan(cfg: RecipeConfig, plan, vocab_size: int):
+    """The DP evaluations' plan (``eval.epsilon`` / ``eval.noise_multiplier``), or None."""
+    e = cfg.eval
+    if e.epsilon is None and e.noise_multiplier is None:
+        return None
+    if e.epsilon is not None and plan.target_epsilon is not None and e.epsilon >= plan.target_epsilon:
+        raise ConfigError(
+            f"eval.epsilon: {e.epsilon:g} is not below privacy.target_epsilon "
+            f"({plan.target_epsilon:g}), which covers the DP evaluations and the training "
+            f"together; lower eval.epsilon (e.g. to a tenth of the target)", key="eval.epsilon")
+    return plan_dp_eval(epsilon=e.epsilon, noise_multiplier=e.noise_multiplier, steps=e.steps,
+                        total_steps=plan.steps, delta=plan.delta, accountant=plan.accountant,
+                        loss_bound=e.loss_bound or math.log(max(2, vocab_size)), count=e.count)

@@ -1,0 +1,501 @@
+"""The DP-SGD loop that runs on every worker, readable top to bottom:
+:func:`train_loop_per_worker` = :func:`setup` (model, strategy, engine, optimizer, data) ->
+:func:`resume` (the checkpoint Ray Train restored) -> :func:`open_ledger` (rank 0) -> for
+each remaining step: :func:`admitted` (budget) -> :func:`dp_step` -> :func:`checkpoint`
+-> :func:`finish` (the final model).
+
+Per logical step, on every worker in lockstep (DESIGN §1):
+
+    keys      rank 0 draws fresh OS entropy for the sample and the noise; broadcast   [sync]
+    sample    every worker expands the same key into the same Poisson sample
+    share     this worker's balanced share, cut into the same number of micro-steps
+    clip      forward -> per-unit normalized loss -> per-unit clipped gradient sum
+    ledger    rank 0 makes the step's DP event durable (write-ahead)
+    reduce    one all-reduce of the clipped sums                                      [sync]
+              (scaling.strategy fsdp: one reduce-scatter; each rank gets its shard's sum)
+    noise     + N(0, σ²C²I), the same vector on every replica, exactly once
+              (fsdp: each shard adds its slice of it, from its own stream)
+    average   ÷ q·N (the expected batch size, never the realized one)
+    update    optimizer + schedule
+
+The clipped sum is ``llmdp.train.step``'s; the reduction and the noise are the strategy's
+(``llmdp.train.strategy``). Nothing here imports Ray: :func:`train_loop_per_worker` takes a ``context`` that the Ray
+trainer (or a test) provides, so the step is runnable and testable on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmdp.clipping import GhostClipper
+from llmdp.config.schema import OptimConfig, warmup_steps_for
+from llmdp.data.batching import assign_micro_batches
+from llmdp.data.store import open_store
+from llmdp.evaluation import loop as evaluation
+from llmdp.run.baseline import NON_PRIVATE
+from llmdp.run.rundir import STOP_REQUEST
+from llmdp.run.spec import RunPaths, RunSpec
+from llmdp.train import checkpoints, parallel
+from llmdp.train.losses import row_eval_stats
+from llmdp.train.models import load_model
+from llmdp.train.parallel import broadcast_bytes
+from llmdp.train.step import StepKeys, accumulate_clipped_sum, fixed_micro_steps
+from llmdp.train.strategy import Replicated, Strategy, strategy_for
+from llmdp.train.testhooks import maybe_inject_fault, maybe_wait_for_ctrl_c
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def build_optimizer(params, optim: OptimConfig) -> torch.optim.Optimizer:
+    if optim.name == "adamw":
+        return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                 weight_decay=optim.weight_decay)
+    if optim.name == "sgd":
+        return torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum,
+                               weight_decay=optim.weight_decay)
+    raise ValueError(f"optim.name: {optim.name!r} is not one of ['adamw', 'sgd']")
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """Linear warmup, then constant / cosine / linear decay to ``min_lr_ratio``."""
+    warmup = warmup_steps_for(optim, total_steps)  # warmup_steps, or warmup_ratio * T
+    floor = float(optim.min_lr_ratio)
+    kind = optim.schedule
+
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup)
+        progress = min(1.0, (step - warmup) / span)
+        if kind == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return floor + (1 - floor) * (1 - progress)
+
+    return f
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class LocalContext:
+    """What the loop needs from Ray Train, for a single process without Ray (tests, debug)."""
+
+    def __init__(self, checkpoint_dir: str | None = None):
+        self.checkpoint_dir = checkpoint_dir
+        self.reports: list[dict] = []
+
+    def get_world_rank(self) -> int:
+        return parallel.world()[0]
+
+    def get_world_size(self) -> int:
+        return parallel.world()[1]
+
+    def get_checkpoint_dir(self) -> str | None:
+        return self.checkpoint_dir
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        """Like Ray Train: the folders the ranks report at one step become one checkpoint
+        folder, which replaces the previous one. [sync point when there are several ranks]"""
+        self.reports.append(dict(metrics))
+        if not self.checkpoint_dir:
+            return
+        target = os.path.normpath(self.checkpoint_dir)
+        staging = target + ".incoming"
+        rank = parallel.world()[0]
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        parallel.barrier()
+        if checkpoint_dir:
+            shutil.copytree(checkpoint_dir, staging, dirs_exist_ok=True)
+        parallel.barrier()
+        if rank == 0:
+            if os.listdir(staging):
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(staging, target)
+            else:
+                os.rmdir(staging)
+        parallel.barrier()
+
+
+def _label(spec: RunSpec) -> dict:
+    """What marks a NON-PRIVATE baseline's metrics records (nothing for a DP run)."""
+    return {} if spec.dp else {"privacy": NON_PRIVATE}
+
+
+def _metrics_line(path: str, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+@dataclass
+class Training:
+    """One worker's run: what :func:`setup` built, and where the loop stands."""
+
+    spec: RunSpec
+    context: Any
+    rank: int
+    world: int
+    device: torch.device
+    strategy: Strategy
+    model: nn.Module
+    names: list[str]  # trainable parameters, aligned with clipper.params
+    clipper: GhostClipper
+    loss_fn: Callable
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    store: Any
+    sampler: Any
+    min_micro_steps: int
+    start: int = 0  # the first step this launch runs
+    nonfinite_steps: int = 0  # steps that had a unit with a NaN/inf gradient (internal)
+    nonfinite_warned: bool = False
+    ledger: Any = None  # rank 0: the ledger service (the single writer)
+    eval_store: Any = None  # the held-out units (None: no evaluation)
+    eval_fn: Callable | None = None  # per-row evaluation statistics, in the run's precision
+    tokenizer: Any = None
+
+    @property
+    def sinks(self) -> list[torch.Tensor] | None:
+        b = self.clipper.grad_buffers
+        return None if b is None else [b[n] for n in self.names]
+
+
+def setup(spec: RunSpec, context) -> Training:
+    """Model, strategy, engine, optimizer, data: identical on every replica."""
+    cfg, plan = spec.cfg, spec.plan
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    device = _device(cfg.scaling.use_gpu)
+    strategy = strategy_for(cfg.scaling.strategy, cfg.scaling.mixed_precision, device)
+    strategy.check(cfg.privacy)
+    torch.manual_seed(int(cfg.train.seed))
+    model, tokenizer = load_model(cfg.model, cache_dir=spec.paths.model_cache)
+    model.train()
+    # Every worker starts from rank 0's full weights (e.g. LoRA's random init), then fsdp
+    # shards them (parameters become DTensors; optimizer and engine are built on those).
+    model = strategy.prepare_model(model)  # [sync point]
+    # clip_bound: C, or inf for a NON-PRIVATE baseline (every factor 1: nothing is clipped)
+    clipper = GhostClipper(model, plan.clip_bound, engine=cfg.privacy.clipping,
+                           mode=cfg.privacy.clipping_mode, grad_buffers=strategy.grad_sinks(model))
+    optimizer = build_optimizer(clipper.params, cfg.optim)
+    store = open_store(spec.paths.store_dir)
+    return Training(
+        spec=spec, context=context, rank=rank, world=world, device=device, strategy=strategy,
+        model=model, names=list(clipper.param_names), clipper=clipper,
+        loss_fn=strategy.loss_fn(),  # replicated bf16: autocast
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, plan.steps)),
+        store=store,
+        sampler=plan.make_sampler(store.num_units),  # the sampler the plan was accounted for
+        min_micro_steps=fixed_micro_steps(plan, store.spec.max_rows_per_unit, world,
+                                          cfg.train.physical_batch_size),
+        eval_store=open_store(spec.paths.eval_store_dir) if spec.paths.eval_store_dir else None,
+        eval_fn=strategy.loss_fn(row_eval_stats),
+        tokenizer=tokenizer,
+    )
+
+
+def resume(run: Training) -> None:
+    """Load the checkpoint Ray Train restored, if any (either format, ``llmdp.train.checkpoints``;
+    a sharded one written on any number of workers). [sync point under fsdp]"""
+    ckpt_dir = run.context.get_checkpoint_dir()
+    if not ckpt_dir or checkpoints.state_file(ckpt_dir) is None:
+        return
+    state = run.strategy.load_checkpoint(run.model, run.optimizer, run.names, ckpt_dir)
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.start = int(state["step"])
+    run.nonfinite_steps = int(state.get("nonfinite_steps", 0))
+
+
+def open_ledger(run: Training) -> None:
+    """Rank 0 becomes the client of the run's single ledger writer (a Ray actor on the
+    driver, or in-process without Ray). One attempt per (re)start of the worker group:
+    re-executed steps are counted again, as they must be. A NON-PRIVATE baseline has no
+    ledger (``spec.ledger`` None): ``run.ledger`` stays None and every ledger call is skipped."""
+    if run.rank != 0:
+        return
+    if run.spec.ledger is not None:
+        run.ledger = run.spec.ledger.client()
+        run.ledger.start_attempt()
+    _metrics_line(run.spec.paths.metrics, {"event": "start", "step": run.start, "time": time.time(),
+                                           "world_size": run.world, **_label(run.spec)})
+
+
+GO, LEDGER_STOP, INTERRUPT = b"\x01", b"\x00", b"\x02"
+
+
+def admitted(run: Training, step: int) -> tuple[bytes, str]:
+    """Before each step, rank 0 decides and every worker learns it [sync point]: ``GO``;
+    ``INTERRUPT`` when the driver asked for a graceful stop (the first Ctrl-C: its file
+    `rundir.STOP_REQUEST` in the run directory); or ``LEDGER_STOP`` (with why) when the
+    ledger service refuses the step (budget, target ε). The ledger is asked before every
+    step whatever the recipe says (``LedgerSpec.admits``)."""
+    code, why = GO, ""
+    if run.rank == 0:
+        if os.path.exists(os.path.join(run.spec.run_dir, STOP_REQUEST)):
+            code = INTERRUPT
+        elif run.ledger is not None and run.spec.ledger is not None and run.spec.ledger.admits:
+            ok, why = run.ledger.admit(step)
+            code = GO if ok else LEDGER_STOP
+    return broadcast_bytes(code if run.rank == 0 else None, 1, run.device), why
+
+
+def stop_gracefully(run: Training, step: int) -> dict:
+    """The first Ctrl-C, seen before step ``step`` (every worker has finished the steps
+    before it): rank 0 voids the steps its attempt reserved and will not run (the ledger
+    service takes them out of its reservation in the same call: `LedgerService.void_unrun`),
+    the state after ``step`` steps is checkpointed (unless that is the restored or the last
+    saved one), and the run ends without its final evaluation: the same command resumes it
+    from here, and the ledger holds exactly the steps that ran."""
+    voided = {"steps_voided": 0, "attempt": None}
+    if run.ledger is not None:
+        voided = run.ledger.void_unrun(step, "interrupted (Ctrl-C): reserved steps that never ran")
+    if step > run.start and step % run.spec.cfg.train.checkpoint_every != 0:
+        checkpoint(run, step)
+    if run.rank == 0:
+        _metrics_line(run.spec.paths.metrics, {
+            "event": "interrupted", "graceful": True, "step": step, **voided, "time": time.time()})
+    return {"steps": step, "interrupted": True}
+
+
+def dp_step(run: Training, step: int) -> dict:
+    """One logical DP-SGD step (module docstring); returns rank 0's metrics record."""
+    plan, cfg = run.spec.plan, run.spec.cfg
+    t0 = time.perf_counter()
+    keys = StepKeys.draw(step, cfg.privacy.rng, cfg.privacy.seed, run.device)
+    sample, truncated = run.sampler.sample_with_info(keys.sample)  # secret: never logged
+    # Every worker computes the same assignment from the same sample; it reads only its own rows.
+    bucket = cfg.train.length_bucketing
+    mine = assign_micro_batches(
+        sample, run.store.unit_row_count, run.store.unit_max_row_length, world_size=run.world,
+        physical_batch_size=cfg.train.physical_batch_size, bucket=bucket,
+        min_micro_steps=run.min_micro_steps,
+    )[run.rank]
+    micro = len(mine)
+    stats = accumulate_clipped_sum(
+        run.model, run.clipper, run.store, mine, run.device, loss_fn=run.loss_fn,
+        debug_check=cfg.privacy.debug_check and step == run.start,
+        width="auto" if bucket else None,
+    )
+    if run.ledger is not None:
+        # Write-ahead: the step's event is durable before any replica applies the update.
+        # The other ranks cannot pass the reduction below before rank 0 reaches it.
+        run.ledger.ensure(step)
+    # replicated: all-reduce; fsdp: reduce-scatter, each shard noised from its own stream.
+    # [sync point] Either way: sum, noise once, ÷ q·N, left in p.grad.
+    run.strategy.privatize(run.clipper.params, run.sinks, keys.noise, plan.noise_multiplier,
+                           plan.max_grad_norm, plan.expected_batch_size)
+    maybe_inject_fault(step, run.rank)
+    units, rows, tokens, nonfinite = parallel.sum_over_workers(
+        [stats.units, stats.rows, stats.tokens, stats.nonfinite], run.device)  # [sync point]
+    run.nonfinite_steps += nonfinite > 0  # every worker counts the same steps
+    run.optimizer.step()
+    run.strategy.after_update(run.optimizer)
+    run.scheduler.step()
+    del sample, mine
+    dt = time.perf_counter() - t0
+
+    def rate(n: int) -> float | None:
+        return n / dt if dt > 0 else None
+
+    return {
+        **_label(run.spec),
+        "step": step + 1,
+        "lr": run.scheduler.get_last_lr()[0],
+        "step_time_s": dt,
+        # computed on private data without DP: internal (see the report)
+        "train_loss": stats.loss_sum / stats.units if stats.units else None,
+        "worker0_units": stats.units,
+        "worker0_tokens": stats.tokens,
+        "worker0_tokens_per_s": rate(stats.tokens),
+        "worker0_units_per_s": rate(stats.units),
+        "units": units,
+        "rows": rows,
+        "tokens": tokens,
+        "tokens_per_s": rate(tokens),
+        "units_per_s": rate(units),
+        "tokens_per_s_per_worker": tokens / dt / run.world if dt > 0 else None,
+        "units_per_s_per_worker": units / dt / run.world if dt > 0 else None,
+        "worker0_clipped_fraction": stats.clipped / stats.units if stats.units else None,
+        "micro_steps": micro,
+        "sample_truncated": bool(truncated),
+        "nonfinite_units": nonfinite,  # internal: units whose gradient was NaN/inf
+        # internal: the clipping norms' rounding bounds on rank 0 (clipping/norms.py)
+        "worker0_norm_fallbacks": stats.norm_fallbacks,
+        "worker0_norm_bound_max": stats.norm_bound_max,
+    }
+
+
+def checkpoint(run: Training, step: int) -> None:
+    """Save the state after ``step`` steps through the context (Ray Train's checkpoint).
+    ``ray.train.report`` is a barrier: every worker reaches it at the same steps."""
+    meta = {"scheduler": run.scheduler.state_dict(), "step": step, "run_id": run.spec.run_id,
+            "ledger": run.ledger.position() if run.ledger is not None else None,
+            "nonfinite_steps": run.nonfinite_steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        # replicated: rank 0 writes the full state; fsdp: every rank its own shards. [sync point]
+        mine = run.strategy.save_checkpoint(run.model, run.optimizer, run.names, tmp, meta)
+        run.context.report({"step": step}, tmp if mine else None)
+
+
+def _warn_nonfinite(run: Training) -> None:
+    """Units with a NaN/inf gradient added nothing (factor 0), so every update stays DP.
+    How many steps had one is a count over private data without DP: it may warn the
+    operator (rank 0's console and the internal metrics.jsonl, both internal) but never
+    changes what the run does or publishes (DESIGN §3 invariant 11): the run never stops
+    on it, so its length, status and report are the same with or without such units."""
+    limit = run.spec.cfg.train.max_nonfinite_steps
+    if run.rank != 0 or run.nonfinite_warned or run.nonfinite_steps <= limit:
+        return
+    run.nonfinite_warned = True
+    msg = (f"{run.nonfinite_steps} steps had privacy units whose gradient was not finite "
+           f"(NaN/inf; they contributed nothing), more than train.max_nonfinite_steps={limit}. "
+           "The run goes on (stopping on a count of private data would publish it); consider "
+           "a lower optim.lr or float32 (model.dtype). Internal: not in the published report.")
+    _metrics_line(run.spec.paths.metrics, {"event": "warning", "internal": True, "message": msg,
+                                           "time": time.time()})
+    print(f"llmdp: warning (internal): {msg}", file=sys.stderr, flush=True)
+
+
+def finish(run: Training, stopped: dict | None) -> dict:
+    """Save the final model (and, for a run stopped early, its last state)."""
+    every = run.spec.cfg.train.checkpoint_every
+    if stopped is not None and stopped["step"] % every != 0 and stopped["step"] > run.start:
+        # Stopped before step `stopped["step"]`: save what was trained (every update so far
+        # is in the ledger), unless that state was just checkpointed.
+        checkpoint(run, stopped["step"])
+    done = run.spec.plan.steps if stopped is None else stopped["step"]
+    maybe_wait_for_ctrl_c(run, "final")
+    if done > run.start or stopped is None:  # the final model's held-out and DP evaluation
+        evaluation.evaluate_held_out(run, done, final=True, write=_writer(run))  # [sync point]
+    run.strategy.save_model(run.model, run.spec.paths.model)  # fsdp: streamed, tensor by tensor [sync point]
+    if run.rank == 0:
+        _save_tokenizer(run.spec.paths)
+        _generations(run)
+        end = {"event": "end", "step": run.spec.plan.steps} if stopped is None else \
+            {"event": "stopped", "step": stopped["step"], "reason": stopped["reason"],
+             "cause": stopped.get("cause")}
+        _metrics_line(run.spec.paths.metrics, {**end, "time": time.time()})
+    if stopped is not None:
+        return {"steps": stopped["step"], "stopped": stopped["reason"]}
+    return {"steps": run.spec.plan.steps}
+
+
+def _writer(run: Training) -> Callable[[dict], None]:
+    return lambda record: _metrics_line(run.spec.paths.metrics, record)
+
+
+def _generations(run: Training) -> None:
+    """Continuations of ``eval.prompts`` from the final model (rank 0; replicated only)."""
+    e = run.spec.cfg.eval
+    if not e.prompts:
+        return
+    path = os.path.join(run.spec.run_dir, "generations.json")
+    settings = {"max_new_tokens": e.max_new_tokens, "temperature": e.temperature,
+                "top_p": e.top_p, "seed": run.spec.cfg.train.seed}
+    if run.world > 1 and run.strategy.name != Replicated.name:
+        evaluation.write_generations(path, [], {**settings, "skipped": (
+            f"generations need the whole model on one worker; scaling.strategy "
+            f"{run.strategy.name!r} shards it: generate from the exported model instead")})
+        return
+    gens = evaluation.generate_from_prompts(
+        run.model, run.tokenizer, e.prompts, max_new_tokens=e.max_new_tokens,
+        temperature=e.temperature, top_p=e.top_p, seed=run.spec.cfg.train.seed, device=run.device)
+    evaluation.write_generations(path, gens, settings)
+
+
+def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
+    """The whole job on one worker: set up, resume, run the remaining steps, finish."""
+    run = setup(spec, context if context is not None else _RayContext())
+    resume(run)
+    open_ledger(run)
+    if run.start == 0:  # the model before training: the baseline every evaluation compares to
+        evaluation.evaluate_held_out(run, 0, write=_writer(run))  # [sync point]
+    steps, every = spec.plan.steps, spec.cfg.train.checkpoint_every
+    stopped = None
+    for step in range(run.start, steps):
+        maybe_wait_for_ctrl_c(run, str(step))
+        decision, why = admitted(run, step)
+        if decision == INTERRUPT:
+            return stop_gracefully(run, step)
+        if decision != GO:
+            # A ledger decision (budget, target ε): a function of the recorded releases only.
+            stopped = {"step": step, "reason": why, "cause": "ledger"}
+            break
+        record = dp_step(run, step)
+        if run.rank == 0:
+            _metrics_line(spec.paths.metrics, record)
+        if evaluation.due(spec, step + 1):
+            evaluation.evaluate_held_out(run, step + 1, write=_writer(run))  # [sync point]
+        last = step + 1 == steps
+        if (step + 1) % every == 0 or last:
+            checkpoint(run, step + 1)
+        _warn_nonfinite(run)
+    return finish(run, stopped)
+
+
+def _device(use_gpu: bool) -> torch.device:
+    if use_gpu and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _save_tokenizer(paths: RunPaths) -> None:
+    """The run's tokenizer beside the final model (rank 0)."""
+    if paths.tokenizer_dir:
+        from transformers import AutoTokenizer  # lazy: only rank 0, once, at the end
+
+        AutoTokenizer.from_pretrained(paths.tokenizer_dir).save_pretrained(paths.model)
+
+
+class _RayContext:
+    """Adapter from Ray Train v2's API to the few calls the loop makes."""
+
+    def __init__(self):
+        import ray.train  # lazy: the loop runs without Ray (tests, LocalContext)
+
+        self._train = ray.train
+        self._ctx = ray.train.get_context()
+        self._ckpt = ray.train.get_checkpoint()
+        self._ckpt_dir = None
+
+    def get_world_rank(self) -> int:
+        return self._ctx.get_world_rank()
+
+    def get_world_size(self) -> int:
+        return self._ctx.get_world_size()
+
+    def get_checkpoint_dir(self) -> str | None:
+        if self._ckpt is None:
+            return None
+        if self._ckpt_dir is None:
+            # Stored on a filesystem this worker sees: read it where it is (an fsdp
+            # checkpoint holds every rank's shards; W copies of it would cost W times its
+            # size on disk). Elsewhere, a fresh folder per worker: with Ray's default (shared
+            # per node) folder, a second worker on the node can find it already created and
+            # read a state.pt that the first is still copying.
+            local = type(self._ckpt.filesystem).__name__ == "LocalFileSystem" and os.path.isdir(self._ckpt.path)
+            self._ckpt_dir = self._ckpt.path if local else self._ckpt.to_directory(
+                tempfile.mkdtemp(prefix=f"llmdp-ckpt-rank{self.get_world_rank()}-"))
+        return self._ckpt_dir
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        from ray.train import Checkpoint  # lazy: Ray is imported only under Ray
+
+        ckpt = Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        self._train.report(metrics, checkpoint=ckpt)

@@ -1,0 +1,207 @@
+"""`llmdp compare RUN_A RUN_B ... [--out FILE.png]`: runs side by side, and the
+privacy-utility curve (evaluation loss against ε).
+
+Everything is read from each run's ``privacy_report.json``: ε at δ (or NON-PRIVATE for a
+baseline: ``"dp": false``), the final held-out evaluation (``evaluation.internal``, computed
+without DP on private held-out data: internal, for the trainer's eyes only; or
+``evaluation.public`` on public data) and the final DP evaluation (``evaluation.dp``: a DP
+release, with its noise's standard deviation). A run without a section shows "–" there. The
+table and the plot are local outputs (they hold internal metrics): not for publication.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from llmdp.config.validate import ConfigError
+
+__all__ = ["load_run", "format_table", "plot", "compare"]
+
+DASH = "–"
+
+
+def _last(section) -> dict | None:
+    return section[-1] if isinstance(section, list) and section and isinstance(section[-1], dict) else None
+
+
+def _num(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def load_run(path: str) -> dict:
+    """One run's row: its privacy and its final metrics (None where the report has none)."""
+    from llmdp.run.rundir import RunDir  # lazy: the privacy package imports torch
+
+    rd = RunDir(path).require(ConfigError)
+    report_path = rd.file("privacy_report.json")
+    try:
+        with open(report_path, encoding="utf-8") as f:
+            report = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{rd.path}: no privacy_report.json (the run never wrote its report); "
+                          f"`llmdp privacy report {path}` builds it") from None
+    except ValueError as e:
+        raise ConfigError(f"{report_path}: not a JSON report ({e})") from None
+    ev = report.get("evaluation")
+    ev = ev if isinstance(ev, dict) else {}
+    held, source = _last(ev.get("internal")), "internal"
+    if held is None:
+        held, source = _last(ev.get("public")), "public"
+    dp = _last(ev.get("dp"))
+    private = report.get("dp") is not False
+    return {
+        "run": os.path.basename(rd.path), "path": rd.path, "dp": private,
+        "epsilon": _num(report.get("epsilon")) if private else None,
+        "delta": _num(report.get("delta")) if private else None,
+        "heldout": None if held is None else {
+            "source": source, "loss": _num(held.get("loss")), "accuracy": _num(held.get("accuracy")),
+            "perplexity": _num(held.get("perplexity")), "step": held.get("step")},
+        "dp_eval": None if dp is None else {
+            "loss": _num(dp.get("loss")), "loss_std": _num(dp.get("loss_std")),
+            "accuracy": _num(dp.get("accuracy")), "accuracy_std": _num(dp.get("accuracy_std")),
+            "loss_bound": _num(dp.get("loss_bound")), "step": dp.get("step")},
+        # Runs are joined by a line only on the same dataset and δ (their ε are comparable).
+        "dataset": (report.get("dataset_ledger") or {}).get("dataset_id")
+        or report.get("dataset_fingerprint"),
+        "steps": report.get("steps_completed", report.get("steps")),
+        "status": report.get("status"),
+    }
+
+
+def _f(x, spec: str = ".4f") -> str:
+    return DASH if x is None else format(x, spec)
+
+
+def _pm(x, std) -> str:
+    return DASH if x is None else f"{x:.4f} ± {_f(std)}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The runs as an aligned text table."""
+    head = ["run", "privacy", "ε (δ)", "held-out loss", "held-out accuracy",
+            "DP eval loss ± std", "DP accuracy ± std", "steps"]
+    body = []
+    for r in rows:
+        h, d = r["heldout"] or {}, r["dp_eval"] or {}
+        src = f" ({h['source']})" if h.get("loss") is not None else ""
+        body.append([
+            r["run"], "DP" if r["dp"] else "NON-PRIVATE",
+            f"{_f(r['epsilon'])} ({_f(r['delta'], '.3g')})" if r["dp"] else DASH,
+            _f(h.get("loss")) + src, _f(h.get("accuracy")),
+            _pm(d.get("loss"), d.get("loss_std")), _pm(d.get("accuracy"), d.get("accuracy_std")),
+            DASH if r["steps"] is None else str(r["steps"])])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    line = "  ".join("-" * w for w in widths)
+    return "\n".join(["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
+                      for row in [head]] + [line] + [
+        "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in body])
+
+
+def plot(rows: list[dict], out: str) -> dict:
+    """Evaluation loss against ε (one point per DP run: held-out loss, DP eval loss with its
+    std); each non-private run is a horizontal dashed line labelled NON-PRIVATE. Returns what
+    was drawn: ``{"heldout": [(ε, loss, run)], "dp_eval": [(ε, loss, std, run)],
+    "dp_eval_bars": [(below, above)], "groups": [[dataset, δ]], "non_private": [(loss,
+    label)], "path": out}``. Runs on different datasets or at different δ are separate
+    curves; error bars stay inside the loss's range [0, L]."""
+    import matplotlib  # lazy: only drawing needs matplotlib (slow to import)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    dp_rows = sorted((r for r in rows if r["dp"] and r["epsilon"] is not None),
+                     key=lambda r: r["epsilon"])
+    drawn = False
+    baselines = []
+    # One curve per (dataset, δ): ε of runs on other data or at another δ are not points of
+    # one privacy-utility curve.
+    groups: dict = {}
+    for r in dp_rows:
+        groups.setdefault((r.get("dataset"), r["delta"]), []).append(r)
+    several = len(groups) > 1
+    held, dpe, yerr = [], [], []
+    for (dataset, delta), members in groups.items():
+        tag = f" [{_short(dataset)}, δ={delta:.3g}]" if several else ""
+        h = [(r["epsilon"], r["heldout"]["loss"], r) for r in members
+             if r["heldout"] and r["heldout"]["loss"] is not None]
+        if h:
+            sources = sorted({r["heldout"]["source"] for _, _, r in h})
+            ax.plot([x for x, _, _ in h], [y for _, y, _ in h], "o-",
+                    label=f"held-out loss ({', '.join(sources)}){tag}")
+            held += h
+            drawn = True
+        d = [(r["epsilon"], r["dp_eval"]["loss"], r["dp_eval"]["loss_std"] or 0.0, r) for r in members
+             if r["dp_eval"] and r["dp_eval"]["loss"] is not None]
+        if d:
+            # The bars stop at the loss's range [0, L]: a released loss never leaves it, and
+            # a bar below 0 would draw a value the metric cannot take.
+            err = [_clipped_bar(y, sd, r["dp_eval"].get("loss_bound")) for _, y, sd, r in d]
+            ax.errorbar([x for x, *_ in d], [y for _, y, *_ in d],
+                        yerr=[[lo for lo, _ in err], [hi for _, hi in err]],
+                        fmt="s--", capsize=3, label=f"DP eval loss ± std{tag}")
+            dpe += d
+            yerr += err
+            drawn = True
+    named = set()
+    for x, y, r in held + [(x, y, r) for x, y, _, r in dpe]:
+        if r["path"] not in named:  # each run named once, labels staggered
+            named.add(r["path"])
+            ax.annotate(r["run"], (x, y), textcoords="offset points",
+                        xytext=(4, 4 + 9 * (len(named) % 3)), fontsize=7)
+    for r in rows:
+        if not r["dp"] and r["heldout"] and r["heldout"]["loss"] is not None:
+            label = f"NON-PRIVATE ({r['run']}, {r['heldout']['source']})"
+            ax.axhline(r["heldout"]["loss"], ls="--", color="0.4", label=label)
+            ax.annotate("NON-PRIVATE", (1.0, r["heldout"]["loss"]), xycoords=("axes fraction", "data"),
+                        textcoords="offset points", xytext=(-4, 3), ha="right", fontsize=7,
+                        color="0.3")
+            baselines.append((r["heldout"]["loss"], label))
+            drawn = True
+    if not drawn:
+        ax.text(0.5, 0.5, "no evaluation metrics in these runs", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_xlabel("ε (at each run's δ)")
+    ax.set_ylabel("evaluation loss")
+    ax.set_title("privacy-utility (local: held-out metrics are internal)")
+    if drawn:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return {"heldout": [(x, y, r["run"]) for x, y, r in held],
+            "dp_eval": [(x, y, sd, r["run"]) for x, y, sd, r in dpe],
+            "dp_eval_bars": yerr, "groups": [list(k) for k in groups],
+            "non_private": baselines, "path": out}
+
+
+def _clipped_bar(y: float, sd: float, bound: float | None) -> tuple[float, float]:
+    """(below, above) of a ± sd bar at y, kept inside [0, bound]."""
+    lo = min(sd, max(0.0, y))
+    hi = sd if bound is None else min(sd, max(0.0, bound - y))
+    return lo, hi
+
+
+def _short(dataset: str | None) -> str:
+    if not dataset:
+        return "dataset ?"
+    return dataset if len(dataset) <= 28 else "…" + dataset[-27:]
+
+
+def compare(paths, out: str | None = None, log=print) -> list[dict]:
+    """Print the table of the runs at ``paths`` (and plot to ``out``); returns the rows."""
+    rows = [load_run(p) for p in paths]
+    names = [r["run"] for r in rows]
+    for r in rows:
+        if names.count(r["run"]) > 1:
+            r["run"] = os.path.relpath(r["path"])
+    log(format_table(rows))
+    missing = [r["run"] for r in rows if r["heldout"] is None and r["dp_eval"] is None]
+    if missing:
+        log(f"no evaluation metrics in {', '.join(missing)} (listed with {DASH})")
+    if out is not None:
+        log(f"plot: {plot(rows, out)['path']}")
+    return rows
