@@ -384,7 +384,7 @@ def test_restarts_stop_at_the_target_unless_allowed(tmp_path):
     ok, why = s.admit(6)
     assert not ok
     assert f"privacy.target_epsilon={target:g} reached" in why
-    assert "(10 steps in its ledger for 6 completed)" in why
+    assert "(10 steps in its ledger for 6 completed; a first Ctrl-C loses none)" in why
     assert "before step 7 of 8" in why
     assert "privacy.allow_exceed_target_on_failure: true" in why
     with pytest.raises(BudgetError, match="privacy.target_epsilon="):
