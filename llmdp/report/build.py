@@ -27,7 +27,6 @@ from llmdp.privacy.budget import budget_status, recorded_budget, release_entries
 from llmdp.privacy.events import is_truncated
 from llmdp.privacy.ledger import (
     VOID_KIND,
-    Ledger,
     LedgerDamaged,
     LedgerError,
     is_step_release,
@@ -42,7 +41,7 @@ from llmdp.privacy.service import cross_check
 from llmdp.report.render import _epsilon_panel, render_markdown
 from llmdp.report.spent import epsilon_curve, ledger_noise_tail
 from llmdp.run.baseline import baseline_report
-from llmdp.run.rundir import RunDir, run_state
+from llmdp.run.rundir import RunDir, read_jsonl, run_state
 from llmdp.tokenizer.train import read_tokenizer_info
 
 REPORT_VERSION = 1
@@ -75,21 +74,6 @@ INTERNAL_METRICS = {
 }
 
 
-def _read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a torn last line after a crash
-    return out
-
-
 def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     run_dir = rd.path
@@ -97,15 +81,16 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     plan_info = rd.info
     plan = rd.plan
     if not plan.dp:  # a NON-PRIVATE baseline: no ledger, no ε (llmdp.run.baseline)
-        metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+        metrics = rd.metrics
         return {"report_version": REPORT_VERSION, **baseline_report(
             rd, metrics, run_state(metrics, plan.steps, failure, interrupted),
             internal_metrics=INTERNAL_METRICS),
             "evaluation": evaluation_section(run_dir, plan_info, metrics, [])}
-    ledger_path = os.path.join(run_dir, "ledger.jsonl")
-    ledger = Ledger(ledger_path)
-    records = ledger.records() if os.path.exists(ledger_path) else []
-    entries = ledger.entries() if records else []
+    # Each file read once (RunDir caches it): the curve and the sections take the same records.
+    ledger_path = rd.ledger_path
+    ledger = rd.ledger
+    records = rd.ledger_records
+    entries = release_entries_of(records, ledger_path) if records else []
     delta = plan.delta  # the published δ
     # The noise generator's truncated tails over what the ledger released are part of the
     # published δ: every ε below is computed at what is left of it (a plan of an earlier
@@ -133,7 +118,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
                      if delta_acc > 0 else math.inf) if step_records else 0.0)
     ledger_steps = step_count(records)  # DP evaluations are releases, not steps
 
-    metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    metrics = rd.metrics
     state = run_state(metrics, plan.steps, failure, interrupted)
     completed = state.pop("completed")
     # Attempts that ended on a graceful stop (the first Ctrl-C): each voided what it reserved
@@ -568,7 +553,7 @@ def plot(run_dir: str, report: dict) -> str:
     import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
     curve = report.get("epsilon_curve") or epsilon_curve(run_dir)
-    metrics = [m for m in _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    metrics = [m for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
                if "event" not in m and m.get("train_loss") is not None]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     _epsilon_panel(ax1, curve, report)

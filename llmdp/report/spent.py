@@ -44,7 +44,7 @@ def accountant_delta(plan, releases) -> float:
 
 
 def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None = None,
-                   exact: bool = True) -> tuple[int, float]:
+                   exact: bool = True, records: list[dict] | None = None) -> tuple[int, float]:
     """(ledger steps, ε) of the prior releases composed with the releases recorded in the
     run's ledger up to its first `steps` steps (all by default: then every release,
     DP evaluations after the last step included), at the plan's δ with its accountant: the
@@ -53,7 +53,8 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     The δ is the plan's published δ less the noise tails of the releases taken
     (`accountant_delta`): the last point of the curve is the report's (ε, δ).
     ``exact=False``: PLD on the coarser display grid (conservative, ~10x faster)."""
-    records = Ledger(ledger_path).records() if os.path.exists(ledger_path) else []
+    if records is None:  # else: the run's records, read once by its caller
+        records = Ledger(ledger_path).records() if os.path.exists(ledger_path) else []
     # Counts net of voids: reserved steps that a graceful stop recorded as never run.
     releases = [r for r in net_records(records) if r.get("kind") == "release" and r.get("count")]
     total = step_count(releases)
@@ -89,6 +90,8 @@ def epsilon_curve(run_dir: str | RunDir, points: int = 16) -> list[tuple[int, fl
     plan, prior, path = rd.plan, rd.prior_releases, rd.ledger_path
     if not plan.dp:  # a NON-PRIVATE baseline spends no ε: it has no curve
         return []
-    total = step_count(Ledger(path).records()) if os.path.exists(path) else 0
+    records = rd.ledger_records  # read and verified once for every point
+    total = step_count(records)
     ts = sorted({max(1, round(total * i / points)) for i in range(1, points + 1)}) if total else []
-    return [ledger_epsilon(path, plan, prior, steps=t, exact=(t == total)) for t in [0] + ts]
+    return [ledger_epsilon(path, plan, prior, steps=t, exact=(t == total), records=records)
+            for t in [0] + ts]

@@ -114,6 +114,22 @@ class RunDir:
         os.replace(tmp, self.plan_path)
         self.__dict__["info"] = record
 
+    # ---- metrics.jsonl and ledger.jsonl, each read once per RunDir (a report, an export)
+
+    @cached_property
+    def metrics(self) -> list[dict]:
+        """metrics.jsonl's records (a torn last line after a crash is left out)."""
+        return read_jsonl(self.file("metrics.jsonl"))
+
+    @cached_property
+    def ledger(self) -> Ledger:
+        return Ledger(self.ledger_path)
+
+    @cached_property
+    def ledger_records(self) -> list[dict]:
+        """ledger.jsonl's records, verified once (`LedgerError` if damaged); [] if none."""
+        return self.ledger.records() if os.path.exists(self.ledger_path) else []
+
     # ---- config.yaml
 
     def config(self) -> dict:
@@ -188,6 +204,23 @@ class RunDir:
         if self.latest_checkpoint() is None and not attempts:
             return None
         return {"step": self.checkpoint_step(), "attempt": len(attempts) + 1}
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The JSON records of a JSON-lines file ([] if there is none); a torn last line (a
+    crash while it was written) is left out."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return out
 
 
 RESUME_HINT = "re-run the same command to resume"
