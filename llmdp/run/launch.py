@@ -5,6 +5,7 @@ Every path handed to workers is absolute (Ray workers chdir into their own folde
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -421,6 +422,46 @@ def _target_stop(prepared: RunSpec, step: int) -> str | None:
         svc.db.close()
 
 
+def start_local_ray(run_dir: str, cfgs, log):
+    """A local Ray (`localray.start`, its watchdog's record in ``run_dir``) with CPUs for the
+    largest of the runs ``cfgs`` will make (their workers, and the driver's side)."""
+    num_cpus = max(os.cpu_count() or 1, *(int(c.scaling.num_workers * c.scaling.cpus_per_worker) + 1
+                                          for c in cfgs))
+    init = dict(
+        include_dashboard=False,
+        logging_level="WARNING",
+        # Progress comes from metrics.jsonl; worker logs stay in Ray's session logs
+        # (LLMDP_VERBOSE=1 shows them). A failing worker's traceback is still raised here.
+        log_to_driver=os.environ.get("LLMDP_VERBOSE", "0") == "1",
+        runtime_env={"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
+                                                   if k in ("LLMDP_FAULT", "LLMDP_TEST_PLANT",
+                                                            "LLMDP_TEST_PAUSE")}}},
+        configure_logging=True,
+    )
+    _localray.quiet_ray_notices()
+    return _localray.start(run_dir, log=log, num_cpus=num_cpus, **init)
+
+
+@contextlib.contextmanager
+def shared_local_ray(run_dir: str, cfgs, log):
+    """One local Ray for several runs in a row (a sweep's trials): each run's `_fit` finds
+    it started and leaves it running; it stops when the block ends. Nothing is started when
+    a Ray is already there (a cluster, a caller's) or no run will be made."""
+    import ray  # lazy: Ray only where runs go on Ray
+
+    cfgs = list(cfgs)
+    if not cfgs or ray.is_initialized():
+        yield
+        return
+    local = start_local_ray(run_dir, cfgs, log)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if local is not None:
+            local.stop()
+
+
 def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) -> None:
     interrupts = interrupts or GracefulInterrupt(prepared.run_dir, log)
     import ray  # lazy: Ray (and its start-up cost) only where the run goes on Ray
@@ -431,22 +472,9 @@ def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) ->
     started_ray = False
     local = None
     if not ray.is_initialized():
-        num_cpus = max(os.cpu_count() or 1, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 1)
-        init = dict(
-            include_dashboard=False,
-            logging_level="WARNING",
-            # Progress comes from metrics.jsonl; worker logs stay in Ray's session logs
-            # (LLMDP_VERBOSE=1 shows them). A failing worker's traceback is still raised here.
-            log_to_driver=os.environ.get("LLMDP_VERBOSE", "0") == "1",
-            runtime_env={"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
-                                                       if k in ("LLMDP_FAULT", "LLMDP_TEST_PLANT",
-                                                                "LLMDP_TEST_PAUSE")}}},
-            configure_logging=True,
-        )
-        _localray.quiet_ray_notices()
         # A local Ray sized for the workers, watched so that none of its processes outlives
         # this driver (even SIGKILLed); or, on a cluster node, that cluster (local is None).
-        local = _localray.start(prepared.run_dir, log=log, num_cpus=num_cpus, **init)
+        local = start_local_ray(prepared.run_dir, [cfg], log)
         started_ray = True
 
     # The single ledger writer, on the driver's node, shared by every attempt of the workers.

@@ -44,6 +44,7 @@ publish under bound (b)); the grid, the draw and the cost live in `grid` / `cost
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -319,7 +320,7 @@ def _read_state(sweep_dir: str, random: bool) -> dict | None:
 
 def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial, rng) -> dict:
     from llmdp.privacy.prior import release_entries
-    from llmdp.run.launch import finished_run
+    from llmdp.run.launch import finished_run, run, shared_local_ray
 
     points = spec.points()
     name = cfg.output.name
@@ -384,14 +385,18 @@ def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial
     _write_json(path, state)
     rows: list[dict] = []
     state["trials"] = rows
+    # One local Ray for every trial still to run (not one start-up per trial).
+    shared = (shared_local_ray(sweep_dir, [tcfgs[k] for k in todo], log) if run_trial is run
+              else contextlib.nullcontext())
     try:
-        for i, (j, c) in enumerate(zip(drawn, tcfgs)):
-            log(f"sweep: trial {c.output.name} ({_describe(points[j])})" if random else
-                f"sweep: trial {i + 1} of {len(tcfgs)}: {c.output.name} ({_describe(points[j])})")
-            run_trial(c, log=log)
-            rows.append(_trial_row(i, points[j], c, j))
-            state["trials"] = rows
-            _write_json(path, state)
+        with shared:
+            for i, (j, c) in enumerate(zip(drawn, tcfgs)):
+                log(f"sweep: trial {c.output.name} ({_describe(points[j])})" if random else
+                    f"sweep: trial {i + 1} of {len(tcfgs)}: {c.output.name} ({_describe(points[j])})")
+                run_trial(c, log=log)
+                rows.append(_trial_row(i, points[j], c, j))
+                state["trials"] = rows
+                _write_json(path, state)
     except BaseException as e:
         state["status"] = f"stopped at trial {len(rows)}: {type(e).__name__}: {e}"
         state["trials"] = rows + [_trial_row(k, points[drawn[k]], tcfgs[k], drawn[k])
