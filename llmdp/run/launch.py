@@ -5,7 +5,6 @@ Every path handed to workers is absolute (Ray workers chdir into their own folde
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -25,25 +24,15 @@ from llmdp.privacy.events import event_to_json
 from llmdp.privacy.ledger import LedgerError
 from llmdp.privacy.service import BudgetError, LedgerService, run_ledger_problems
 from llmdp.report.build import write_report
-from llmdp.run import localray as _localray
 from llmdp.run.baseline import BANNER
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
+from llmdp.run.localray import WORKER_ENV, shared_local_ray, start_local_ray  # noqa: F401 - re-exported
 from llmdp.run.planning import plan_run
 from llmdp.run.progress import EPS_KEY, Progress
 from llmdp.run.rundir import RESUME_HINT, RunDir
 from llmdp.run.spec import LedgerSpec, RunPaths, RunSpec
 from llmdp.tokenizer.train import ensure_release_recorded
 from llmdp.train.loop import train_loop_per_worker
-
-WORKER_ENV = {
-    # Nothing is downloaded at run time: models and tokenizers are local folders.
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONUNBUFFERED": "1",
-}
-
 
 # What a run directory's checkpoints and ledger depend on: resuming under a recipe that
 # changes any of these would mix two different trainings (and two guarantees) in one run.
@@ -420,46 +409,6 @@ def _target_stop(prepared: RunSpec, step: int) -> str | None:
         return svc.target_refusal(step)
     finally:
         svc.db.close()
-
-
-def start_local_ray(run_dir: str, cfgs, log):
-    """A local Ray (`localray.start`, its watchdog's record in ``run_dir``) with CPUs for the
-    largest of the runs ``cfgs`` will make (their workers, and the driver's side)."""
-    num_cpus = max(os.cpu_count() or 1, *(int(c.scaling.num_workers * c.scaling.cpus_per_worker) + 1
-                                          for c in cfgs))
-    init = dict(
-        include_dashboard=False,
-        logging_level="WARNING",
-        # Progress comes from metrics.jsonl; worker logs stay in Ray's session logs
-        # (LLMDP_VERBOSE=1 shows them). A failing worker's traceback is still raised here.
-        log_to_driver=os.environ.get("LLMDP_VERBOSE", "0") == "1",
-        runtime_env={"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
-                                                   if k in ("LLMDP_FAULT", "LLMDP_TEST_PLANT",
-                                                            "LLMDP_TEST_PAUSE")}}},
-        configure_logging=True,
-    )
-    _localray.quiet_ray_notices()
-    return _localray.start(run_dir, log=log, num_cpus=num_cpus, **init)
-
-
-@contextlib.contextmanager
-def shared_local_ray(run_dir: str, cfgs, log):
-    """One local Ray for several runs in a row (a sweep's trials): each run's `_fit` finds
-    it started and leaves it running; it stops when the block ends. Nothing is started when
-    a Ray is already there (a cluster, a caller's) or no run will be made."""
-    import ray  # lazy: Ray only where runs go on Ray
-
-    cfgs = list(cfgs)
-    if not cfgs or ray.is_initialized():
-        yield
-        return
-    local = start_local_ray(run_dir, cfgs, log)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        if local is not None:
-            local.stop()
 
 
 def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) -> None:

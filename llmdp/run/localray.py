@@ -23,10 +23,15 @@ directory ends what the record names (:func:`reap_leftovers`): it holds the run'
 the launch that wrote the record is gone. Only processes of a Ray that llmdp started
 itself are recorded: a driver that joins a cluster (``RAY_ADDRESS``, a Ray job, ``ray
 start``ed nodes) starts no watchdog and touches none of the cluster's processes.
+
+:func:`start_local_ray` is how a launch starts it (the workers' environment, :data:`WORKER_ENV`,
+and CPUs for its workers); :func:`shared_local_ray` keeps one for several launches in a row
+(a sweep's trials). Both import Ray lazily: the watchdog itself needs neither.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -224,6 +229,59 @@ def reap_leftovers(run_dir: str, log=print) -> list[int]:
     except FileNotFoundError:
         pass
     return killed
+
+
+# ------------------------------------------------------------------------ for the launches
+
+# The environment of every worker (and of the local Ray's processes).
+WORKER_ENV = {
+    # Nothing is downloaded at run time: models and tokenizers are local folders.
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def start_local_ray(run_dir: str, cfgs, log):
+    """A local Ray (`localray.start`, its watchdog's record in ``run_dir``) with CPUs for the
+    largest of the runs ``cfgs`` will make (their workers, and the driver's side)."""
+    num_cpus = max(os.cpu_count() or 1, *(int(c.scaling.num_workers * c.scaling.cpus_per_worker) + 1
+                                          for c in cfgs))
+    init = dict(
+        include_dashboard=False,
+        logging_level="WARNING",
+        # Progress comes from metrics.jsonl; worker logs stay in Ray's session logs
+        # (LLMDP_VERBOSE=1 shows them). A failing worker's traceback is still raised here.
+        log_to_driver=os.environ.get("LLMDP_VERBOSE", "0") == "1",
+        runtime_env={"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
+                                                   if k in ("LLMDP_FAULT", "LLMDP_TEST_PLANT",
+                                                            "LLMDP_TEST_PAUSE")}}},
+        configure_logging=True,
+    )
+    quiet_ray_notices()
+    return start(run_dir, log=log, num_cpus=num_cpus, **init)
+
+
+@contextlib.contextmanager
+def shared_local_ray(run_dir: str, cfgs, log):
+    """One local Ray for several runs in a row (a sweep's trials): each run's `_fit` finds
+    it started and leaves it running; it stops when the block ends. Nothing is started when
+    a Ray is already there (a cluster, a caller's) or no run will be made."""
+    import ray  # lazy: Ray only where runs go on Ray
+
+    cfgs = list(cfgs)
+    if not cfgs or ray.is_initialized():
+        yield
+        return
+    local = start_local_ray(run_dir, cfgs, log)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if local is not None:
+            local.stop()
 
 
 # ------------------------------------------------------------------------ the watchdog
