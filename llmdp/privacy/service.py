@@ -586,7 +586,7 @@ class LedgerService:
     def _covered(self, step: int) -> bool:
         return any(a <= step < b for a, b, _ in self._reserved)
 
-    def void_unrun(self, step: int, reason: str) -> dict:
+    def void_unrun(self, step: int, reason: str, attempt: str | None = None) -> dict:
         """A graceful stop after ``step`` steps: this attempt runs no step any more, and the
         steps it reserved from ``step`` on never ran. Each such remainder of a block becomes a
         ``void`` record (`llmdp.privacy.ledger`: counts are net of it), in one transaction per
@@ -594,10 +594,17 @@ class LedgerService:
         only gate before every step (`admit` / `ensure`), and it refuses every step of this
         attempt from now on (`LedgerError`), so no process can release a voided step. Asked
         by rank 0 once every worker has finished step ``step - 1`` and stopped (the workers
-        step together: no update is applied without rank 0's reduction). Returns the steps
-        voided."""
+        step together: no update is applied without rank 0's reduction). ``attempt``: the
+        caller's attempt (`start_attempt`'s id); a caller whose attempt is over is refused,
+        so that no one voids another attempt's reservation. Returns ``{"steps_voided",
+        "attempt"}``."""
         if self.attempt is None:
             self.start_attempt()
+        if attempt is not None and attempt != self.attempt:
+            # Asked by the rank 0 of an attempt that is over (a new one started since): the
+            # reservation here is the new attempt's, whose steps may be running. Nothing is voided.
+            raise LedgerError(f"void_unrun: attempt {attempt} of run {self.run_id} is over "
+                              f"(attempt {self.attempt} runs now); nothing was voided")
         step = int(step)
         self._closed = reason
         rest = [(max(a, step), b, h) for a, b, h in self._reserved if b > step]

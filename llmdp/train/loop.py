@@ -165,6 +165,7 @@ class Training:
     nonfinite_steps: int = 0  # steps that had a unit with a NaN/inf gradient (internal)
     nonfinite_warned: bool = False
     ledger: Any = None  # rank 0: the ledger service (the single writer)
+    attempt: str | None = None  # rank 0: the ledger service's id of this attempt
     eval_store: Any = None  # the held-out units (None: no evaluation)
     eval_fn: Callable | None = None  # per-row evaluation statistics, in the run's precision
     tokenizer: Any = None
@@ -231,7 +232,7 @@ def open_ledger(run: Training) -> None:
         return
     if run.spec.ledger is not None:
         run.ledger = run.spec.ledger.client()
-        run.ledger.start_attempt()
+        run.attempt = run.ledger.start_attempt()
     _metrics_line(run.spec.paths.metrics, {"event": "start", "step": run.start, "time": time.time(),
                                            "world_size": run.world, **_label(run.spec)})
 
@@ -264,7 +265,8 @@ def stop_gracefully(run: Training, step: int) -> dict:
     from here, and the ledger holds exactly the steps that ran."""
     voided = {"steps_voided": 0, "attempt": None}
     if run.ledger is not None:
-        voided = run.ledger.void_unrun(step, "interrupted (Ctrl-C): reserved steps that never ran")
+        voided = run.ledger.void_unrun(step, "interrupted (Ctrl-C): reserved steps that never ran",
+                                       attempt=run.attempt)
     if step > run.start and step % run.spec.cfg.train.checkpoint_every != 0:
         checkpoint(run, step)
     if run.rank == 0:

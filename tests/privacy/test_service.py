@@ -416,7 +416,8 @@ def test_a_graceful_stop_voids_the_unrun_steps_and_the_resumed_run_reaches_its_t
     s = service(tmp_path, total=total, block=4, accountant=acc, target_epsilon=target)
     s.start_attempt()
     assert run_steps(s, range(6)) == list(range(6))  # blocks [0, 4) and [4, 8) reserved
-    assert s.void_unrun(6, "interrupted")["steps_voided"] == 2
+    first = s.attempt
+    assert s.void_unrun(6, "interrupted", attempt=first)["steps_voided"] == 2
     with pytest.raises(LedgerError, match="was stopped .*releases no step any more"):
         s.ensure(6)  # the attempt that voided steps 6, 7 can never release them
     recs = records(tmp_path)
@@ -427,6 +428,9 @@ def test_a_graceful_stop_voids_the_unrun_steps_and_the_resumed_run_reaches_its_t
     assert s.status()["epsilon_spent"] == pytest.approx(direct_eps([(G, 6)], acc), rel=1e-9)
     # The resumed attempt: steps 6 and 7 fit in the target again.
     s.start_attempt()
+    # The first attempt's rank 0, were it still alive, could not void the new attempt's steps.
+    with pytest.raises(LedgerError, match="is over .*nothing was voided"):
+        s.void_unrun(6, "late", attempt=first)
     assert run_steps(s, range(6, total)) == [6, 7]
     eps = s.status()["epsilon_spent"]
     assert eps == pytest.approx(direct_eps([(G, total)], acc), rel=1e-9) and eps <= target
