@@ -41,6 +41,18 @@ def session_dir() -> str:
     return _SESSION_DIR
 
 
+# The head of the Ray tests' recipes (a ``str.format`` template: ``{tok}``, the tokenizer
+# folder): a tiny llama built from its config; each test appends its data, privacy, optim,
+# train, scaling and output sections.
+TINY_MODEL_YAML = """
+model:
+  init: tiny
+  tokenizer: {tok}
+  tiny: {{hidden_size: 16, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 32,
+         max_position_embeddings: 64}}
+"""
+
+
 def tiny_tokenizer_dir(vocab_size: int = TINY_VOCAB) -> str:
     """Folder of a small public BPE tokenizer (trained once per session and vocab size)."""
     if vocab_size not in _TOKENIZER_DIRS:

@@ -17,15 +17,9 @@ import time
 import dp_accounting
 import pytest
 
-from tests.helpers import tiny_tokenizer_dir, write_notes
+from tests.helpers import TINY_MODEL_YAML, tiny_tokenizer_dir, write_notes
 
-RECIPE = """
-model:
-  init: tiny
-  tokenizer: {tok}
-  tiny: {{hidden_size: 16, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 32,
-         max_position_embeddings: 64}}
-data: {{path: notes.jsonl, sequence_length: 32}}
+RECIPE = TINY_MODEL_YAML + """data: {{path: notes.jsonl, sequence_length: 32}}
 privacy: {{target_epsilon: 4.0, max_grad_norm: 0.5, delta: 1.0e-5}}
 optim: {{name: sgd, lr: 0.5, schedule: constant}}
 train: {{expected_batch_size: 12, steps: 24, physical_batch_size: 4, checkpoint_every: 10}}

@@ -25,7 +25,7 @@ from llmdp.privacy.service import BudgetError, LedgerService
 from llmdp.tune.cost import sweep_cost
 from llmdp.tune.grid import draw_random_trials, resolve_sweep
 from llmdp.tune.sweep import SWEEP_JSON, run_sweep, select_trial
-from tests.helpers import tiny_tokenizer_dir, write_notes
+from tests.helpers import TINY_MODEL_YAML, tiny_tokenizer_dir, write_notes
 
 REL = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 DELTA = 1e-4
@@ -524,13 +524,7 @@ def test_a_grid_sweep_may_publish_everything_under_a(tmp_path):
 
 
 # ---------------------------------------------------------------------- end to end (Ray)
-E2E_RECIPE = """
-model:
-  init: tiny
-  tokenizer: {tok}
-  tiny: {{hidden_size: 16, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 32,
-         max_position_embeddings: 64}}
-data: {{path: notes.jsonl, sequence_length: 32, eval: {{fraction: 0.2}}}}
+E2E_RECIPE = TINY_MODEL_YAML + """data: {{path: notes.jsonl, sequence_length: 32, eval: {{fraction: 0.2}}}}
 privacy: {{target_epsilon: 8.0, max_grad_norm: 0.5}}
 eval: {{epsilon: 4.0}}  # noise std well below the trials' spread, so one is selected
 optim: {{name: sgd, lr: 0.5, schedule: constant}}

@@ -3,28 +3,20 @@ tells that its workers stopped on it (`stopped_gracefully`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 
-from llmdp.run.rundir import STOP_REQUEST
+from llmdp.run.rundir import STOP_REQUEST, read_jsonl
 
 __all__ = ["GracefulInterrupt", "stopped_gracefully"]
 
 
 def stopped_gracefully(run_dir: str) -> bool:
     """Whether the workers' last act was a graceful stop (`llmdp.train.loop.stop_gracefully`)."""
-    last = None
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            try:
-                m = json.loads(line)
-            except ValueError:
-                continue
-            if m.get("event") in ("start", "end", "stopped", "interrupted"):
-                last = m
-    return bool(last and last.get("event") == "interrupted" and last.get("graceful"))
+    acts = [m for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+            if m.get("event") in ("start", "end", "stopped", "interrupted")]
+    return bool(acts and acts[-1].get("event") == "interrupted" and acts[-1].get("graceful"))
 
 
 class GracefulInterrupt:

@@ -333,9 +333,8 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
         why = _target_stop(prepared, resume["step"])
         if why is not None:  # not one step fits: say so without starting Ray
             _end_hold(prepared, "stopped", log)
-            with open(os.path.join(prepared.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
-                f.write(json.dumps({"event": "stopped", "step": resume["step"], "reason": why,
-                                    "cause": "ledger", "time": time.time()}) + "\n")
+            _driver_event(prepared, {"event": "stopped", "step": resume["step"], "reason": why,
+                                     "cause": "ledger"})
             report = write_report(prepared.run_dir)
             log(f"stopped early: {why} (found before starting the workers: nothing ran)")
             log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
@@ -353,9 +352,7 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
         # A Ctrl-C before the workers started, a second one (stop at once), or SIGTERM:
         # nothing failed, and the same command resumes from the last checkpoint.
         error, interrupted = e, True
-        with open(os.path.join(prepared.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
-            f.write(json.dumps({"event": "interrupted", "time": time.time(),
-                                "by": type(e).__name__}) + "\n")
+        _driver_event(prepared, {"event": "interrupted", "by": type(e).__name__})
     except BaseException as e:  # the ledger is durable; still write what we know
         error = e
     finally:
@@ -398,6 +395,12 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
                 f"`llmdp export {prepared.run_dir} --to {os.path.join(prepared.run_dir, 'export')} "
                 f"--push {out.push_to}`") from None
     return prepared.run_dir
+
+
+def _driver_event(prepared: RunSpec, record: dict) -> None:
+    """A line the driver adds to metrics.jsonl (rank 0 writes every other one)."""
+    with open(prepared.paths.metrics, "a", encoding="utf-8") as f:
+        f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
 
 def _target_stop(prepared: RunSpec, step: int) -> str | None:

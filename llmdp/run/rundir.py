@@ -177,18 +177,8 @@ class RunDir:
     def finished_training(self) -> bool:
         """Whether the workers finished every planned step after their latest (re)start: the
         final evaluation and model were saved and "end" was written (`run_state`)."""
-        path = self.file("metrics.jsonl")
-        if not os.path.exists(path):
-            return False
-        metrics = []
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    metrics.append(json.loads(line))
-                except ValueError:
-                    continue  # a torn last line
-        steps = int(self.plan.steps)
-        return run_state(metrics, steps, None, True)["status"] == "complete"
+        metrics = read_jsonl(self.file("metrics.jsonl"))  # read now, not self.metrics: it may grow
+        return run_state(metrics, int(self.plan.steps), None, True)["status"] == "complete"
 
     def resume_point(self) -> dict | None:
         """Where a re-launch starts: ``{"step": k, "attempt": n}`` (k: the step of the latest
