@@ -23,11 +23,15 @@ demo-private-tokenizer: $(STAMP)
 	$(BIN)/llmdp tokenizer train tokenizers/demo-private.yaml
 	$(BIN)/llmdp train recipes/tiny-cpu-private-tokenizer.yaml
 
+# One pytest worker per core (pytest-xdist; `make test PYTEST_WORKERS=0` runs in one
+# process); idle workers take tests queued on busy ones (worksteal).
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist worksteal --durations=20
 
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check llmdp tests benchmarks

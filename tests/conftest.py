@@ -15,6 +15,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Ray Train's controller polls its workers every 2 s by default, so each launch waits up to
+# a poll to see its workers start and another to see them finish; tests poll every 0.2 s
+# (the controller's cadence only, nothing a test asserts; set before any Ray starts).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+
+# Under pytest-xdist (`make test` runs one worker per core), one thread per worker process:
+# the workers already fill the cores, and torch's default (a thread per core in every
+# process) would oversubscribe them. Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _module_llmdp_home(tmp_path_factory):
@@ -34,6 +46,11 @@ def _own_llmdp_home(_module_llmdp_home, tmp_path_factory, monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The slow (Ray, end-to-end) tests first, in their order: the suite's last minutes are
+    # then short tests, which the workers of `pytest -n` share out evenly, instead of one
+    # worker finishing a two-minute test while the other waits. (A stable sort: every
+    # test's order among its own kind is unchanged.)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     try:
         import torch
 

@@ -113,6 +113,86 @@ def _check_epsilon(eps: float) -> float:
     return float(eps)
 
 
+# ---- one step's PLD, built once per process
+#
+# A run asks dp-accounting for the same step many times: the ledger after every block, the
+# budget's search over step counts, the report, a resumed plan, a sweep's trials, and a
+# calibration walks the same sigmas again. dp-accounting's PLDAccountant builds the step's
+# PLD afresh each time (0.1 to 1.5 s at the reporting grid) and then self-composes it.
+# `_MemoPLDAccountant` is that accountant with the step's PLD kept (and a DP evaluation's
+# Gaussian release's): for these events it calls the very constructor dp-accounting's
+# `_maybe_compose` calls, with the same arguments, then `self_compose(count)` and `compose`
+# as it does; the numbers are the same bit for bit (tests/privacy/test_accountant.py checks
+# them against a plain PLDAccountant, and that a kept PLD is never changed by use). Nothing
+# is re-implemented; every other event is dp-accounting's code path as is.
+_STEP_PLDS_KEPT = 32  # each a few MB at most: two pmfs of up to ~250k floats
+
+
+def _memoized_step(event) -> bool:
+    """The events whose PLD is kept: a Poisson-subsampled Gaussian and a truncated
+    Poisson-subsampled Gaussian, both with noise (the zero cases stay dp-accounting's)."""
+    if isinstance(event, dp_event.PoissonSampledDpEvent):
+        inner = event.event
+        return (isinstance(inner, dp_event.GaussianDpEvent) and event.sampling_probability != 0
+                and inner.noise_multiplier != 0)
+    if isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent):
+        return (event.sampling_probability != 0 and event.truncated_batch_size != 0
+                and event.dataset_size != 0 and event.noise_multiplier != 0)
+    return False
+
+
+@functools.lru_cache(maxsize=_STEP_PLDS_KEPT)
+def _gaussian_pld(standard_deviation: float, interval: float):
+    """dp-accounting's PLD of a Gaussian mechanism (a DP evaluation's release), as its
+    PLDAccountant builds it for `GaussianDpEvent` composed `count` times (standard
+    deviation noise_multiplier / sqrt(count), not self-composed)."""
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    return pld.from_gaussian_mechanism(standard_deviation=standard_deviation,
+                                       value_discretization_interval=interval,
+                                       neighboring_relation=NEIGHBORING_RELATION)
+
+
+@functools.lru_cache(maxsize=_STEP_PLDS_KEPT)
+def _step_pld(event, interval: float):
+    """dp-accounting's PLD of one `event` (`_memoized_step`), as its PLDAccountant builds it."""
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    if isinstance(event, dp_event.PoissonSampledDpEvent):
+        return pld.from_gaussian_mechanism(
+            standard_deviation=event.event.noise_multiplier,
+            value_discretization_interval=interval,
+            sampling_prob=event.sampling_probability,
+            neighboring_relation=NEIGHBORING_RELATION,
+        )
+    return pld.from_truncated_subsampled_gaussian_mechanism(
+        dataset_size=event.dataset_size,
+        sampling_probability=event.sampling_probability,
+        truncated_batch_size=event.truncated_batch_size,
+        noise_multiplier=event.noise_multiplier,
+        value_discretization_interval=interval,
+        neighboring_relation=NEIGHBORING_RELATION,
+    )
+
+
+class _MemoPLDAccountant(PLDAccountant):
+    """dp-accounting's PLD accountant, a DP-SGD step's PLD (`_step_pld`) and a Gaussian
+    release's (`_gaussian_pld`) built once."""
+
+    def _maybe_compose(self, event, count, do_compose):
+        if not do_compose or self.neighboring_relation != NEIGHBORING_RELATION:
+            return super()._maybe_compose(event, count, do_compose)
+        interval = self._value_discretization_interval
+        if _memoized_step(event):
+            self._pld = self._pld.compose(_step_pld(event, interval).self_compose(count))
+            return None
+        if isinstance(event, dp_event.GaussianDpEvent) and event.noise_multiplier != 0:
+            sd = event.noise_multiplier / math.sqrt(count)
+            self._pld = self._pld.compose(_gaussian_pld(sd, interval))
+            return None
+        return super()._maybe_compose(event, count, do_compose)
+
+
 def make_accountant(
     accountant: str = "pld", *, value_discretization_interval: float | None = None
 ) -> dp_accounting.PrivacyAccountant:
@@ -134,7 +214,7 @@ def make_accountant(
                 "value_discretization_interval must be a finite number > 0, got "
                 f"value_discretization_interval={value_discretization_interval!r}"
             )
-        return PLDAccountant(NEIGHBORING_RELATION, value_discretization_interval=interval)
+        return _MemoPLDAccountant(NEIGHBORING_RELATION, value_discretization_interval=interval)
     if value_discretization_interval is not None:
         raise ValueError("value_discretization_interval is a PLD setting; accountant='rdp' has none")
     return RdpAccountant(orders=RDP_ORDERS, neighboring_relation=NEIGHBORING_RELATION)

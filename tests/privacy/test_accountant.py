@@ -215,3 +215,55 @@ def test_truncated_event_uses_the_add_neighbours_size():
     assert got == pytest.approx(with_n_plus_1, rel=1e-12)
     # The old accounting (dataset_size = N) is ~4e-4 relative below: 7.6820 vs 7.6851.
     assert with_n_plus_1 - with_n > 2e-4 * with_n
+
+
+def _pmf_arrays(pld):
+    """The kept PLD's state, copied (probabilities, offsets, infinity masses)."""
+    out = []
+    for pmf in (pld._pmf_remove, pld._pmf_add):
+        out.append((pmf._probs.copy(), pmf._lower_loss, pmf._infinity_mass))
+    return out
+
+
+def test_the_kept_step_pld_gives_dp_accountings_numbers_bit_for_bit():
+    """`make_accountant('pld')` keeps a DP-SGD step's PLD across compositions. Every number
+    must equal a plain dp-accounting PLDAccountant's exactly (==, not approx), on the first
+    use and on later ones (the kept object), for every event kind llmdp composes, mixed and
+    nested; and using a kept PLD never changes it."""
+    acc._step_pld.cache_clear()
+    acc._gaussian_pld.cache_clear()
+    poisson = dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(1.5))
+    truncated = dpa.TruncatedSubsampledGaussianDpEvent(
+        dataset_size=500, sampling_probability=0.02, truncated_batch_size=14, noise_multiplier=2.0)
+    cases = [
+        [(poisson, 30)],
+        [(poisson, 7), (poisson, 23)],  # the ledger's blocks
+        [(dpa.SelfComposedDpEvent(poisson, 4), 5)],
+        [(truncated, 12)],
+        [(dpa.ComposedDpEvent([poisson, dpa.GaussianDpEvent(3.0), truncated]), 2),
+         (dpa.LaplaceDpEvent(2.0), 1), (dpa.PoissonSampledDpEvent(0.0, dpa.GaussianDpEvent(1.0)), 3)],
+        [(dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(0.0)), 2)],  # no noise: inf
+        [(dpa.GaussianDpEvent(2.0), 3), (dpa.GaussianDpEvent(2.0), 1), (poisson, 5)],  # DP evals
+        [(dpa.GaussianDpEvent(0.0), 1)],
+    ]
+    for interval in (None, 1e-3):
+        for entries in cases:
+            ref = PLDAccountant(ADD_REMOVE, value_discretization_interval=interval or 1e-4)
+            for event, count in entries:
+                ref.compose(event, count)
+            for _ in range(2):  # the second round from the kept PLDs
+                mine = acc.make_accountant("pld", value_discretization_interval=interval)
+                for event, count in entries:
+                    mine.compose(event, count)
+                for delta in (1e-5, 1e-3):
+                    assert mine.get_epsilon(delta) == ref.get_epsilon(delta)
+                for eps in (0.5, 2.0):
+                    assert mine.get_delta(eps) == ref.get_delta(eps)
+    assert acc._step_pld.cache_info().hits > 0 and acc._gaussian_pld.cache_info().hits > 0
+    kept = acc._step_pld(poisson, 1e-4)
+    before = _pmf_arrays(kept)
+    a = acc.make_accountant("pld")
+    a.compose(poisson, 50)
+    a.get_epsilon(1e-6)
+    for (p0, l0, i0), (p1, l1, i1) in zip(before, _pmf_arrays(kept)):
+        assert (p0 == p1).all() and l0 == l1 and i0 == i1
