@@ -23,8 +23,9 @@ demo-private-tokenizer: $(STAMP)
 	$(BIN)/llmdp tokenizer train tokenizers/demo-private.yaml
 	$(BIN)/llmdp train recipes/tiny-cpu-private-tokenizer.yaml
 
-# One pytest worker per core (pytest-xdist; `make test PYTEST_WORKERS=0` runs in one
-# process); idle workers take tests queued on busy ones (worksteal).
+# Two pytest workers, one per core of the 2-core reference machine (pytest-xdist;
+# `make test PYTEST_WORKERS=0` runs in one process); an idle worker takes tests queued on
+# the busy one (worksteal).
 PYTEST_WORKERS ?= 2
 
 test: $(STAMP)

@@ -26,7 +26,7 @@ from llmdp.privacy.service import BudgetError, LedgerService, run_ledger_problem
 from llmdp.report.build import write_report
 from llmdp.run.baseline import BANNER
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
-from llmdp.run.localray import WORKER_ENV, shared_local_ray, start_local_ray  # noqa: F401 - re-exported
+from llmdp.run.localray import WORKER_ENV, start_local_ray
 from llmdp.run.planning import plan_run
 from llmdp.run.progress import EPS_KEY, Progress
 from llmdp.run.rundir import RESUME_HINT, RunDir

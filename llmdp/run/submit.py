@@ -50,6 +50,7 @@ from typing import Any
 
 import llmdp
 from llmdp.config.schema import ConfigError, RecipeConfig, load_recipe
+from llmdp.run.localray import WORKER_ENV
 
 __all__ = [
     "EXCLUDES",
@@ -263,8 +264,6 @@ def _path_warnings(cfg: RecipeConfig, root: str, env_vars: dict[str, str]) -> li
 
 
 def _parse_env(items: Sequence[str]) -> dict[str, str]:
-    from llmdp.run.launch import WORKER_ENV  # lazy: llmdp.run.launch imports torch
-
     env: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")

@@ -320,7 +320,8 @@ def _read_state(sweep_dir: str, random: bool) -> dict | None:
 
 def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial, rng) -> dict:
     from llmdp.privacy.prior import release_entries
-    from llmdp.run.launch import finished_run, run, shared_local_ray
+    from llmdp.run.launch import finished_run, run
+    from llmdp.run.localray import shared_local_ray
 
     points = spec.points()
     name = cfg.output.name
