@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import time
 
 from llmdp.privacy import accountant as _acc
@@ -576,7 +577,10 @@ class LedgerService:
         }
 
     def start_attempt(self) -> str:
-        self.attempt = f"{int(time.time())}-{os.getpid()}-{self.attempts}"
+        # Unique across launches: two launches of a run in one process (in-process relaunches,
+        # a notebook) within one second would otherwise share an id, and the report, which
+        # counts attempts by id, would count them as one.
+        self.attempt = f"{int(time.time())}-{os.getpid()}-{self.attempts}-{secrets.token_hex(4)}"
         self.attempts += 1
         self._reserved = []
         self._stopped = None

@@ -489,3 +489,19 @@ def test_net_records_never_take_off_more_than_the_voided_range_of_a_release_it_r
 def test_a_malformed_void_is_not_a_record(bad, why):
     rec = {"kind": "void", "seq": 1, "prev": "0" * 64, "ledger": DS, "event": event_to_json(G), **bad}
     assert why in (check_record(rec) or "")
+
+
+def test_two_launches_in_one_process_and_one_second_are_two_attempts(tmp_path, monkeypatch):
+    """A relaunch in the same process within the same second (an in-process resume) is a new
+    attempt: its id differs from the earlier launch's, so the report counts two."""
+    import llmdp.privacy.service as svc_mod
+
+    monkeypatch.setattr(svc_mod.time, "time", lambda: 1_800_000_000.25)
+    ids = []
+    for _ in range(2):
+        s = service(tmp_path)  # a fresh service per launch, as the driver makes
+        ids.append(s.start_attempt())
+        s.ensure(0)
+        s.db.close()
+    assert ids[0] != ids[1]
+    assert len({r["attempt"] for r in records(tmp_path) if r.get("kind") == "release"}) == 2
