@@ -12,6 +12,7 @@ only under the add-or-remove-one relation here (DESIGN §3.3); asking RDP for it
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from collections.abc import Iterable
@@ -301,10 +302,27 @@ def epsilon(
     (`value_discretization_interval`: a coarser PLD grid, for searches only.)"""
     delta = _check_delta(delta)
     _check_accountant(accountant)
-    acc = _composed(entries, accountant, value_discretization_interval)
-    if acc is None:
-        return 0.0
-    return float(acc.get_epsilon(delta))
+    items = _normalize_entries(entries)
+    # Kept per process (`_EPSILONS`): a pure function of the entries, δ and the grid.
+    key = (repr(items), delta, accountant, value_discretization_interval)
+    if key in _EPSILONS:
+        _EPSILONS.move_to_end(key)
+        return _EPSILONS[key]
+    acc = _composed(items, accountant, value_discretization_interval)
+    value = 0.0 if acc is None else float(acc.get_epsilon(delta))
+    _EPSILONS[key] = value
+    if len(_EPSILONS) > _EPSILONS_KEPT:
+        _EPSILONS.popitem(last=False)
+    return value
+
+
+# The ε of a composition, kept per process (least recently used out): a plan is searched
+# again for every trial of a sweep, by a re-launch, by the report and the progress line,
+# and each is the same dp-accounting computation on the same entries. The key is the
+# entries' repr (dp-accounting's events are attrs classes: every field, floats exactly),
+# δ, the accountant and the grid; the value is the number `_composed` gave the first time.
+_EPSILONS: collections.OrderedDict = collections.OrderedDict()
+_EPSILONS_KEPT = 4096
 
 
 def threshold_delta(releases: Iterable[dict]) -> float:

@@ -267,3 +267,41 @@ def test_the_kept_step_pld_gives_dp_accountings_numbers_bit_for_bit():
     a.get_epsilon(1e-6)
     for (p0, l0, i0), (p1, l1, i1) in zip(before, _pmf_arrays(kept)):
         assert (p0 == p1).all() and l0 == l1 and i0 == i1
+
+
+def test_the_kept_epsilon_is_dp_accountings_for_the_very_same_question_only():
+    """`epsilon` keeps each composition's ε per process: the kept value must be exactly a
+    plain dp-accounting accountant's, and a question that differs in any part (an event's
+    last bit, a count, the order of entries' counts, δ, the grid, the accountant) must never
+    get another question's answer."""
+    acc._EPSILONS.clear()
+    poisson = dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(1.5))
+    nudged = dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(math.nextafter(1.5, 2.0)))
+    gauss = dpa.GaussianDpEvent(2.0)
+    questions = [
+        ([(poisson, 30)], 1e-5, "pld", None),
+        ([(nudged, 30)], 1e-5, "pld", None),
+        ([(poisson, 31)], 1e-5, "pld", None),
+        ([(poisson, 30)], 1e-6, "pld", None),
+        ([(poisson, 30)], 1e-5, "pld", 1e-3),
+        ([(poisson, 30)], 1e-5, "rdp", None),
+        ([(gauss, 2), (poisson, 30)], 1e-5, "pld", None),
+        ([(gauss, 30), (poisson, 2)], 1e-5, "pld", None),
+        ([(dpa.ComposedDpEvent([gauss, poisson]), 3)], 1e-5, "pld", None),
+    ]
+
+    def plain(entries, delta, accountant, interval):
+        ref = (PLDAccountant(ADD_REMOVE, value_discretization_interval=interval or 1e-4)
+               if accountant == "pld" else
+               RdpAccountant(orders=acc.RDP_ORDERS, neighboring_relation=ADD_REMOVE))
+        for event, count in entries:
+            ref.compose(event, count)
+        return ref.get_epsilon(delta)
+
+    expected = [plain(*q) for q in questions]
+    assert len(set(expected)) == len(expected)  # every question has its own answer
+    for _ in range(2):  # asked afresh, then answered from what was kept
+        for q, want in zip(questions, expected):
+            entries, delta, accountant, interval = q
+            assert acc.epsilon(entries, delta, accountant, interval) == want
+    assert len(acc._EPSILONS) == len(questions)
