@@ -1,78 +1,46 @@
 """Privacy core: events, plan, accountant, ledger, sampling and noise.
 
-Importable without Ray. It imports torch: the ChaCha20 keystream behind sampling and
-noise (`chacha`) is computed with torch.
+Importable without Ray. The package's public names (``from llmdp.privacy import
+make_plan``) are looked up in their modules on first use, so that a process that needs
+only the ledger or the accountant (the ledger service's actor, ``llmdp privacy``) does not
+load torch, which the ChaCha20 keystream behind sampling and noise (`chacha`) is computed
+with.
 """
 
-from llmdp.config.choices import SAMPLERS
-from llmdp.privacy.accountant import (
-    ACCOUNTANTS,
-    delta_for_epsilon,
-    epsilon,
-    epsilon_estimate,
-    epsilon_for,
-)
-from llmdp.privacy.chacha import chacha20_keystream
-from llmdp.privacy.events import (
-    compose,
-    dpsgd_step_event,
-    event_from_json,
-    event_to_json,
-    is_truncated,
-)
-from llmdp.privacy.keys import secure_key, seeded_key
-from llmdp.privacy.ledger import LEDGER_FILENAME, Ledger, LedgerError
-from llmdp.privacy.noise import add_gaussian_, add_noise_, gaussian_like
-from llmdp.privacy.plan import (
-    DPPlan,
-    PlanError,
-    calibrate_noise,
-    default_delta,
-    make_plan,
-    steps_for_epochs,
-)
-from llmdp.privacy.reference_sampler import ReferencePoissonSampler
-from llmdp.privacy.sampling import (
-    PoissonSampler,
-    TruncatedPoissonSampler,
-    make_sampler,
-    uniform_stream,
-)
-from llmdp.privacy.truncation import truncation_cost, truncation_probability
+from __future__ import annotations
 
-__all__ = [
-    "ACCOUNTANTS",
-    "DPPlan",
-    "LEDGER_FILENAME",
-    "Ledger",
-    "LedgerError",
-    "PlanError",
-    "PoissonSampler",
-    "ReferencePoissonSampler",
-    "SAMPLERS",
-    "TruncatedPoissonSampler",
-    "add_gaussian_",
-    "add_noise_",
-    "calibrate_noise",
-    "chacha20_keystream",
-    "compose",
-    "default_delta",
-    "delta_for_epsilon",
-    "dpsgd_step_event",
-    "epsilon",
-    "epsilon_estimate",
-    "epsilon_for",
-    "event_from_json",
-    "event_to_json",
-    "gaussian_like",
-    "is_truncated",
-    "make_plan",
-    "make_sampler",
-    "secure_key",
-    "seeded_key",
-    "steps_for_epochs",
-    "truncation_cost",
-    "truncation_probability",
-    "uniform_stream",
-]
+# Each public name and the module that defines it.
+_HOMES = {
+    "SAMPLERS": "llmdp.config.choices",
+    **dict.fromkeys(("ACCOUNTANTS", "delta_for_epsilon", "epsilon", "epsilon_estimate",
+                     "epsilon_for"), "llmdp.privacy.accountant"),
+    "chacha20_keystream": "llmdp.privacy.chacha",
+    **dict.fromkeys(("compose", "dpsgd_step_event", "event_from_json", "event_to_json",
+                     "is_truncated"), "llmdp.privacy.events"),
+    **dict.fromkeys(("secure_key", "seeded_key"), "llmdp.privacy.keys"),
+    **dict.fromkeys(("LEDGER_FILENAME", "Ledger", "LedgerError"), "llmdp.privacy.ledger"),
+    **dict.fromkeys(("add_gaussian_", "add_noise_", "gaussian_like"), "llmdp.privacy.noise"),
+    **dict.fromkeys(("DPPlan", "PlanError", "calibrate_noise", "default_delta", "make_plan",
+                     "steps_for_epochs"), "llmdp.privacy.plan"),
+    "ReferencePoissonSampler": "llmdp.privacy.reference_sampler",
+    **dict.fromkeys(("PoissonSampler", "TruncatedPoissonSampler", "make_sampler",
+                     "uniform_stream"), "llmdp.privacy.sampling"),
+    **dict.fromkeys(("truncation_cost", "truncation_probability"), "llmdp.privacy.truncation"),
+}
 
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'llmdp.privacy' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_HOMES))
