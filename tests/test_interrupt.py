@@ -20,7 +20,7 @@ import pytest
 from tests.helpers import TINY_MODEL_YAML, tiny_tokenizer_dir, write_notes
 
 RECIPE = TINY_MODEL_YAML + """data: {{path: notes.jsonl, sequence_length: 32}}
-privacy: {{target_epsilon: 4.0, max_grad_norm: 0.5, delta: 1.0e-5}}
+privacy: {{target_epsilon: 4.0, max_grad_norm: 0.5, delta: 1.0e-5, accountant: rdp}}  # (RDP: planned at once, 3 launches; PLD: test_e2e)
 optim: {{name: sgd, lr: 0.5, schedule: constant}}
 train: {{expected_batch_size: 12, steps: 24, physical_batch_size: 4, checkpoint_every: 10}}
 scaling: {{num_workers: 1}}
@@ -69,6 +69,7 @@ def _report(run_dir) -> dict:
 
 @pytest.mark.slow
 def test_ctrl_c_at_step_0_mid_block_and_in_finalization_each_resumes_to_its_target(tmp_path):
+    from llmdp.privacy.accountant import RDP_ORDERS
     from llmdp.privacy.events import event_from_json
     from llmdp.run.rundir import STOP_REQUEST, RunDir
     from llmdp.train import checkpoints
@@ -121,8 +122,8 @@ def test_ctrl_c_at_step_0_mid_block_and_in_finalization_each_resumes_to_its_targ
     # ε = dp-accounting on the 24 steps that ran (not the 31 reserved): the target's.
     events = {json.dumps(r["event"], sort_keys=True) for r in records if r["kind"] == "release"}
     assert len(events) == 1
-    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-                                          value_discretization_interval=1e-4)
+    acc = dp_accounting.rdp.RdpAccountant(orders=RDP_ORDERS,
+                                          neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     acc.compose(dp_accounting.SelfComposedDpEvent(event_from_json(json.loads(events.pop())), 24))
     expected = acc.get_epsilon(report["delta_accountant"])
     assert report["epsilon"] == pytest.approx(expected, rel=1e-9)

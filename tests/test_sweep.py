@@ -525,7 +525,7 @@ def test_a_grid_sweep_may_publish_everything_under_a(tmp_path):
 
 # ---------------------------------------------------------------------- end to end (Ray)
 E2E_RECIPE = TINY_MODEL_YAML + """data: {{path: notes.jsonl, sequence_length: 32, eval: {{fraction: 0.2}}}}
-privacy: {{target_epsilon: 8.0, max_grad_norm: 0.5}}
+privacy: {{target_epsilon: 8.0, max_grad_norm: 0.5, accountant: rdp}}  # (RDP: planned at once; PLD: test_e2e)
 eval: {{epsilon: 4.0}}  # noise std well below the trials' spread, so one is selected
 optim: {{name: sgd, lr: 0.5, schedule: constant}}
 train: {{expected_batch_size: 12, steps: 4, physical_batch_size: 4, checkpoint_every: 2}}
@@ -552,7 +552,7 @@ def test_sweep_of_two_trials_on_ray(tmp_path, monkeypatch, capsys):
     state = json.loads((tmp_path / "runs" / "e2e-sweep" / SWEEP_JSON).read_text())
     assert state["status"] == "complete" and len(state["trials"]) == 2
     losses = []
-    acc = dp_accounting.pld.PLDAccountant(REL)
+    acc = dp_accounting.rdp.RdpAccountant(orders=RDP_ORDERS, neighboring_relation=REL)
     for i, t in enumerate(state["trials"]):
         run_dir = tmp_path / "runs" / f"e2e-trial-{i}"
         report = json.loads((run_dir / "privacy_report.json").read_text())
