@@ -304,15 +304,17 @@ def epsilon(
     _check_accountant(accountant)
     items = _normalize_entries(entries)
     # Kept per process (`_EPSILONS`): a pure function of the entries, δ and the grid.
-    key = (repr(items), delta, accountant, value_discretization_interval)
+    entries_repr = repr(items)
+    key = (entries_repr, delta, accountant, value_discretization_interval)
     if key in _EPSILONS:
         _EPSILONS.move_to_end(key)
         return _EPSILONS[key]
     acc = _composed(items, accountant, value_discretization_interval)
     value = 0.0 if acc is None else float(acc.get_epsilon(delta))
-    _EPSILONS[key] = value
-    if len(_EPSILONS) > _EPSILONS_KEPT:
-        _EPSILONS.popitem(last=False)
+    if len(entries_repr) <= _KEY_CHARS_KEPT:
+        _EPSILONS[key] = value
+        if len(_EPSILONS) > _EPSILONS_KEPT:
+            _EPSILONS.popitem(last=False)
     return value
 
 
@@ -321,8 +323,12 @@ def epsilon(
 # and each is the same dp-accounting computation on the same entries. The key is the
 # entries' repr (dp-accounting's events are attrs classes: every field, floats exactly),
 # δ, the accountant and the grid; the value is the number `_composed` gave the first time.
+# Only short compositions are kept (a plan, a sweep's trial, a few blocks: < 4 KiB of repr,
+# at most 4096 of them, ~16 MiB): a long-running ledger composes one entry per block, and
+# keeping each of its growing prefixes would grow with the square of the run's length.
 _EPSILONS: collections.OrderedDict = collections.OrderedDict()
 _EPSILONS_KEPT = 4096
+_KEY_CHARS_KEPT = 4096
 
 
 def threshold_delta(releases: Iterable[dict]) -> float:
@@ -416,7 +422,6 @@ def epsilon_for(
     )
 
 
-@functools.lru_cache(maxsize=1024)
 def _epsilon_cached(
     sampling_probability,
     noise_multiplier,
@@ -427,16 +432,11 @@ def _epsilon_cached(
     max_batch_size,
     value_discretization_interval,
 ) -> float:
-    # A pure function of its arguments; PLD takes ~0.1-7 s, and the driver asks the same
-    # question several times (plan, log line, report), the planner many more.
+    # The driver asks the same question several times (plan, log line, report), the
+    # planner many more: `epsilon` keeps the answer.
     steps = _check_steps(steps, 0)
     event = _event_for(sampling_probability, noise_multiplier, dataset_size, max_batch_size)
-    delta = _check_delta(delta)
-    _check_accountant(accountant)
-    acc = _composed([(event, steps)], accountant, value_discretization_interval)
-    if acc is None:
-        return 0.0
-    return float(acc.get_epsilon(delta))
+    return epsilon([(event, steps)], delta, accountant, value_discretization_interval)
 
 
 # A coarser PLD grid: ~10x faster, pessimistic like the default (it rounds privacy losses
