@@ -1,10 +1,13 @@
-"""Triton kernel: the clipped sum of one layer, Σ_r c_r · X_rᵀ Y_r, on tensor cores.
+"""Triton kernels on tensor cores: the clipped sum of one layer, Σ_r c_r · X_rᵀ Y_r, and
+the per-unit squared norms ‖Σ_{r in u} X_rᵀ Y_r‖² without writing any per-unit gradient.
 
 X [R, T, a] and Y [R, T, b] are a layer's output gradient and input (bf16/fp16), c [R] the
 rows' clipping factors (float32). Each program owns one [BLOCK_A, BLOCK_B] tile of the
 [a, b] result. For each row r it accumulates X_rᵀ Y_r over the row's T positions in a
 float32 register tile (``tl.dot`` on bf16/fp16 operands: tensor cores, exact products,
-float32 accumulation), then adds ``c_r ·`` that partial sum, in float32, to the tile's
+float32 accumulation; a fresh accumulator every ``CHUNK_T`` positions, the chunks summed
+in float32: the tensor cores' truncating chain is one chunk long, not T — the bound is
+``error_count``), then adds ``c_r ·`` that partial sum, in float32, to the tile's
 float32 accumulator. So the factor multiplies the float32 partial sum once per row and
 tile: the operands are never scaled and rounded back to bf16 (which would make the added
 gradient differ from the one whose norm was clipped, DESIGN §3.8). One pass over X and Y,
@@ -22,14 +25,69 @@ import torch
 
 from llmdp._triton import available, interpreting, tl, triton  # noqa: F401 - re-used names
 
+#: Positions per tensor-core accumulation chain (then float32 adds): the rounding bound of
+#: both kernels grows with it, not with T (``error_count``, ``norm_error_count``).
+CHUNK_T = 128
+
 if triton is not None:
+
+    @triton.jit
+    def _row_product(X, Y, r, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa, syr, syt, syb,
+                     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+                     CHUNK: tl.constexpr, UPCAST: tl.constexpr):
+        """X_rᵀ Y_r on one [BLOCK_A, BLOCK_B] tile, float32: a fresh tensor-core chain per
+        CHUNK positions, the chunks added in float32."""
+        row = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        for c0 in range(0, T, CHUNK):
+            part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+            for t0 in range(c0, tl.minimum(c0 + CHUNK, T), BLOCK_T):
+                offs_t = t0 + tl.arange(0, BLOCK_T)
+                mask_t = offs_t < T
+                x = tl.load(X + r * sxr + offs_t[:, None] * sxt + offs_a[None, :] * sxa,
+                            mask=mask_t[:, None] & mask_a[None, :], other=0.0)
+                y = tl.load(Y + r * syr + offs_t[:, None] * syt + offs_b[None, :] * syb,
+                            mask=mask_t[:, None] & mask_b[None, :], other=0.0)
+                if UPCAST:  # the interpreter's bf16 dot is wrong: the same exact products in fp32
+                    part = tl.dot(tl.trans(x.to(tl.float32)), y.to(tl.float32), part,
+                                  input_precision="ieee")
+                else:
+                    part = tl.dot(tl.trans(x), y, part)
+            row += part
+        return row
+
+    @triton.jit
+    def unit_sq_norms_kernel(
+        X, Y, ROWS, PTR, OUT, T, A, B, TILES_B,
+        sxr, sxt, sxa, syr, syt, syb,
+        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+        CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """OUT[u, tile] = Σ over the tile of h², h = Σ_{r in u} X_rᵀ Y_r in float32 (a fresh
+        chain per CHUNK positions of a row), its squares summed in float64."""
+        pid_a = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        u = tl.program_id(2)
+        offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
+        offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask_a = offs_a < A
+        mask_b = offs_b < B
+        h = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        start = tl.load(PTR + u)
+        end = tl.load(PTR + u + 1)
+        for j in range(start, end):
+            r = tl.load(ROWS + j)
+            h += _row_product(X, Y, r, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa,
+                              syr, syt, syb, BLOCK_A, BLOCK_B, BLOCK_T, CHUNK, UPCAST)
+        h64 = h.to(tl.float64)
+        sq = tl.sum(tl.sum(h64 * h64, axis=1), axis=0)
+        tl.store(OUT + u * (tl.num_programs(0) * TILES_B) + pid_a * TILES_B + pid_b, sq)
 
     @triton.jit
     def row_scaled_tn_kernel(
         X, Y, F, OUT, R, T, A, B, ROWS_PER,
         sxr, sxt, sxa, syr, syt, syb,
         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
-        UPCAST: tl.constexpr,
+        CHUNK: tl.constexpr, UPCAST: tl.constexpr,
     ):
         pid_a = tl.program_id(0)
         pid_b = tl.program_id(1)
@@ -42,44 +100,78 @@ if triton is not None:
         r_end = tl.minimum(R, (pid_s + 1) * ROWS_PER)
         for r in range(pid_s * ROWS_PER, r_end):
             f = tl.load(F + r)
-            part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
-            for t0 in range(0, T, BLOCK_T):
-                offs_t = t0 + tl.arange(0, BLOCK_T)
-                mask_t = offs_t < T
-                x = tl.load(X + r * sxr + offs_t[:, None] * sxt + offs_a[None, :] * sxa,
-                            mask=mask_t[:, None] & mask_a[None, :], other=0.0)
-                y = tl.load(Y + r * syr + offs_t[:, None] * syt + offs_b[None, :] * syb,
-                            mask=mask_t[:, None] & mask_b[None, :], other=0.0)
-                if UPCAST:  # the interpreter's bf16 dot is wrong: the same exact products in fp32
-                    part = tl.dot(tl.trans(x.to(tl.float32)), y.to(tl.float32), part,
-                                  input_precision="ieee")
-                else:
-                    part = tl.dot(tl.trans(x), y, part)
-            acc += f * part
+            row = _row_product(X, Y, r, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa,
+                               syr, syt, syb, BLOCK_A, BLOCK_B, BLOCK_T, CHUNK, UPCAST)
+            acc += f * row
         tl.store(OUT + pid_s * A * B + offs_a[:, None] * B + offs_b[None, :], acc,
                  mask=mask_a[:, None] & mask_b[None, :])
 
 
-def error_count(R: int, T: int) -> int:
-    """Roundings any product goes through in the kernel (the clipped sum's bound,
-    ``lowp.row_scaled_bound``): at most T in its row's float32 dot chain (``part``), one
-    for c_r·part, at most R in the tile's accumulator, at most R in the sum of the row
-    groups. With the tensor cores' truncating accumulation this is γ_n(2⁻²²), ``lowp``."""
-    return T + 2 * R + 2
+def error_count(R: int, T: int, chunk: int = CHUNK_T) -> int:
+    """n such that every product's relative error in the clipped sum is within γ_n(2⁻²²)
+    (``lowp.row_scaled_bound``): at most min(T, chunk) + 1 roundings in its chunk's
+    tensor-core chain (truncating accumulation: u = 2⁻²², ``lowp``), then float32 ones
+    (u = 2⁻²⁴): at most m = ⌈T/chunk⌉ adding the row's chunks, one for c_r·row, at most R
+    in the tile's accumulator, at most R in the sum of the row groups. k float32 roundings
+    are within γ_⌈k/4⌉(2⁻²²) (1/(1 − k·2⁻²⁴) ≤ 1/(1 − ⌈k/4⌉·2⁻²²)), and a chain of
+    γ_a then γ_b within γ_{a+b} (Higham, Lemma 3.3)."""
+    m = -(-T // chunk)
+    return min(T, chunk) + 1 + -(-(m + 2 * R + 2) // 4)
 
 
-def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+def norm_error_count(T: int, max_rows: int, chunk: int = CHUNK_T) -> int:
+    """n such that every entry of a unit's h in ``unit_sq_norms`` is within
+    γ_n(2⁻²²)·Σ_{r in u, t} |x_rt||y_rt| of its exact value: min(T, chunk) + 1 in a chunk's
+    chain, then at most K·⌈T/chunk⌉ float32 adds of the unit's K rows' chunks (as above)."""
+    m = max_rows * -(-T // chunk)
+    return min(T, chunk) + 1 + -(-(m + 1) // 4)
+
+
+def _blocks(a: int, b: int, T: int):
+    if interpreting():
+        return (16, 16, 16), 4, 1
+    # H100/A100-sized tiles: 128×128 float32 accumulators, 64-deep bf16 K steps
+    return (128 if a >= 128 else 64, 128 if b >= 128 else 64, 64 if T >= 64 else 32), 8, 3
+
+
+def _check_chunk(chunk: int, block_t: int) -> int:
+    """A chunk is whole K blocks (a block never spans two chunks: the bounds count on it)."""
+    if chunk % block_t:
+        raise ValueError(f"chunk {chunk} is not a multiple of the kernel's K block {block_t}")
+    return chunk
+
+
+def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,
+                  num_units: int, chunk: int = CHUNK_T) -> torch.Tensor:
+    """[U] float64: Σ over tiles of the float64 sum of squares of each tile of the float32
+    h_u = Σ_{r in u} X_rᵀ Y_r (X [R, T, a], Y [R, T, b], same half dtype; the rows of unit
+    u are ``rows[ptr[u]:ptr[u+1]]``). Nothing of size a×b per unit is written."""
+    T, a = X.shape[1], X.shape[2]
+    b = Y.shape[2]
+    blocks, warps, stages = _blocks(a, b, T)
+    _check_chunk(chunk, blocks[2])
+    ta, tb = triton.cdiv(a, blocks[0]), triton.cdiv(b, blocks[1])
+    out = torch.empty((num_units, ta * tb), dtype=torch.float64, device=X.device)
+    if num_units == 0:
+        return out.sum(1)
+    unit_sq_norms_kernel[(ta, tb, num_units)](
+        X, Y, rows, ptr, out, T, a, b, tb,
+        X.stride(0), X.stride(1), X.stride(2), Y.stride(0), Y.stride(1), Y.stride(2),
+        BLOCK_A=blocks[0], BLOCK_B=blocks[1], BLOCK_T=blocks[2], CHUNK=chunk,
+        UPCAST=interpreting(), num_warps=warps, num_stages=stages,
+    )
+    return out.sum(1)
+
+
+def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int = CHUNK_T) -> torch.Tensor:
     """Σ_r f_r X_rᵀ Y_r as a float32 [a, b] tensor (X [R, T, a], Y [R, T, b], same half
     dtype; f [R])."""
     R, T, a = X.shape
     b = Y.shape[2]
     f = f.to(device=X.device, dtype=torch.float32).contiguous()
-    if interpreting():
-        blocks, warps, stages, programs = (16, 16, 16), 4, 1, 8
-    else:  # H100/A100-sized tiles: 128×128 float32 accumulators, 64-deep bf16 K steps
-        blocks = (128 if a >= 128 else 64, 128 if b >= 128 else 64, 64 if T >= 64 else 32)
-        warps, stages = 8, 3
-        programs = 2 * torch.cuda.get_device_properties(X.device).multi_processor_count
+    blocks, warps, stages = _blocks(a, b, T)
+    _check_chunk(chunk, blocks[2])
+    programs = 8 if interpreting() else 2 * torch.cuda.get_device_properties(X.device).multi_processor_count
     tiles = triton.cdiv(a, blocks[0]) * triton.cdiv(b, blocks[1])
     # Too few output tiles to fill the device (a small layer): split the rows into groups,
     # each with its own float32 partial result, summed afterwards (split-K over rows).
@@ -91,7 +183,7 @@ def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor) -> torch.Te
     row_scaled_tn_kernel[grid](
         X, Y, f, out, R, T, a, b, rows_per,
         X.stride(0), X.stride(1), X.stride(2), Y.stride(0), Y.stride(1), Y.stride(2),
-        BLOCK_A=blocks[0], BLOCK_B=blocks[1], BLOCK_T=blocks[2], UPCAST=interpreting(),
-        num_warps=warps, num_stages=stages,
+        BLOCK_A=blocks[0], BLOCK_B=blocks[1], BLOCK_T=blocks[2], CHUNK=_check_chunk(chunk, blocks[2]),
+        UPCAST=interpreting(), num_warps=warps, num_stages=stages,
     )
     return out[0] if split == 1 else out.sum(0)

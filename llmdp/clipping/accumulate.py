@@ -144,7 +144,8 @@ def _contract(rec: Record, units: Units, factors: torch.Tensor, row_factors: tor
         g = g if up is None else g.to(up)
         f = factors.to(g.dtype)
         zero = f == 0
-        if bool(zero.any()) and not bool(torch.isfinite(g[zero]).all()):
+        # mask is None: no row has a zero factor, so no unit has (no sync to find out)
+        if mask is not None and bool(zero.any()) and not bool(torch.isfinite(g[zero]).all()):
             g = torch.where(_row_mask(zero, g), 0, g)  # 0·NaN would be NaN
         out[n] = torch.einsum("u,u...->...", f, g)
     return out

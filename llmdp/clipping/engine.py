@@ -319,15 +319,18 @@ class GhostClipper:
         shared = any(self._pid(rec.module, n) in self._shared for n in rule.params(rec.module))
         if rec.ghost:
             rec.sqn = _checked(rule, rule.sq_norms_ghost(rec, units))
-            if not shared and rule.has_exact:
-                # A call whose bound is a real part of its norm is recomputed exactly for
-                # those units now, while G is here (a shared parameter's calls: in _norms).
-                self._fallback_call(rec, units)
         else:
             inst = rule.instantiate(rec, units)
             rec.per_unit = {n: h for n, (h, _) in inst.items()}
             rec.sqn = _checked(rule, {n: sq for n, (_, sq) in inst.items()})
-            if not shared and rule.has_exact:  # float32 per-row gradients have a bound too
+        if not shared and rule.has_exact:
+            # A call whose bound is a real part of its norm (ghost or instantiated: float32
+            # per-row gradients have a bound too) is recomputed exactly for those units
+            # while G is here (a shared parameter's calls: in _norms). Book-keeping keeps a
+            # ghost call's A and G: those are checked after the backward, one sync for all.
+            if self._keep_G and rec.ghost:
+                self._deferred.append(rec)
+            else:
                 self._fallback_call(rec, units)
         if not self._keep_G:
             # two-pass: pass 2 brings the same G again; keep A and G's fingerprint only
@@ -444,6 +447,7 @@ class GhostClipper:
         self._shared = self._multi_use(records)
         self._check_uses(total)
         self._units, self._keep_G, self._phase = units, mode == "book-keeping", "norms"
+        self._deferred = []
         self._recording = False  # activation-checkpoint recomputation must not record
         try:
             # Pass 1. Rows are independent, so the gradient of the summed loss at a module's
@@ -452,6 +456,7 @@ class GhostClipper:
         finally:
             self._recording = True
             self._phase = "idle"
+        self._deferred_fallbacks(units)
         seen = [r for r in records if r.sqn is not None]
         check_coverage(self.model, self._rules, seen)
         nu, value = self._norms(seen, units)
@@ -509,9 +514,9 @@ class GhostClipper:
         p = self._param_of.get(pid)
         return nb.roundoff(p.dtype) if p is not None else nb.U32
 
-    def _fallback_call(self, rec: Record, units: Units) -> None:
-        """Recompute exactly, for the units whose bound is more than FALLBACK of this call's
-        own norm, every parameter of this call (norms module docstring, 4)."""
+    def _fallback_mask(self, rec: Record) -> tuple[torch.Tensor, ...] | None:
+        """(bad, value, err) [U] for one call: the units whose bound is more than FALLBACK
+        of the call's own norm, and the call's squared norm and bound; no sync."""
         value = err = dsq = None
         for n, sq in rec.sqn.items():
             d = nb.deviation(sq, self._sink_u(self._pid(rec.module, n)))
@@ -519,15 +524,44 @@ class GhostClipper:
             err = sq.err if err is None else err + sq.err
             dsq = d * d if dsq is None else dsq + d * d
         if value is None:
-            return
+            return None
         k = len(rec.sqn) + 2
         err = nb.up(err, k) + gamma(k, U64) * nb.up(value.abs(), k)
-        nu = nb.used_norm(value, err, nb.up(dsq, k))
-        bad = (nb.rho(value, nu) > nb.FALLBACK) & torch.isfinite(value) & torch.isfinite(nu)
+        nu = nb.used_norm(value, err, nb.up(dsq, k), check=False)
+        bad = nb.worth_recomputing(value, err, dsq, nu)
+        return bad, value, err
+
+    def _deferred_fallbacks(self, units: Units) -> None:
+        """``_fallback_call`` for every call deferred by book-keeping, one sync for all."""
+        recs, self._deferred = self._deferred, []
+        masks = [(r, m) for r in recs if (m := self._fallback_mask(r)) is not None]
+        if not masks:
+            return
+        bad = torch.stack([m[0] for _, m in masks])
+        neg = torch.stack([nb.negative(m[1], m[2]) for _, m in masks])
+        any_bad, any_neg = torch.stack([bad.any(), neg.any()]).tolist()
+        if any_neg:  # a bug: raised as used_norm raises it, with the value
+            for r, (_, value, err) in masks:
+                nb.check_nonnegative(value, err, type(r.module).__name__)
+        if any_bad:
+            for (r, _), b in zip(masks, bad.unbind(0)):
+                self._fallback_units(r, b, units)
+
+    def _fallback_call(self, rec: Record, units: Units) -> None:
+        """Recompute exactly, for the units whose bound is more than FALLBACK of this call's
+        own norm, every parameter of this call (norms module docstring, 4)."""
+        m = self._fallback_mask(rec)
+        if m is None:
+            return
+        bad, value, err = m
+        nb.check_nonnegative(value, err, type(rec.module).__name__)
+        self._fallback_units(rec, bad, units)
+
+    def _fallback_units(self, rec: Record, bad: torch.Tensor, units: Units) -> None:
         for u in bad.nonzero(as_tuple=True)[0].tolist():
             for n in list(rec.sqn):
                 v, e, d = self._exact_param([(rec, n)], u, units)
-                idx = torch.tensor([u], device=value.device)
+                idx = torch.tensor([u], device=bad.device)
                 rec.sqn[n] = rec.sqn[n].at(idx, value=v, err=e, dev=d, rel=torch.zeros(1, dtype=torch.float64))
             _mark_exact(rec, u)
             self._fallbacks += 1
@@ -655,7 +689,7 @@ class GhostClipper:
         for pid in [p for p, us in uses.items() if len(us) > 1]:
             value, err, delta = per_param[pid]
             nu = nb.used_norm(value, err, delta * delta)
-            bad = (nb.rho(value, nu) > nb.FALLBACK) & torch.isfinite(value) & torch.isfinite(nu)
+            bad = nb.worth_recomputing(value, err, delta, nu)
             for u in bad.nonzero(as_tuple=True)[0].tolist():
                 recs, pids = self._closure(pid, uses)
                 if any(not r.rule.has_exact or r.G is None for r in recs):

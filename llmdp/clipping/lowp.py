@@ -51,6 +51,7 @@ import torch
 
 HALF = (torch.bfloat16, torch.float16)
 CHUNK_ELEMENTS = 1 << 25  # the most elements widened to float64 at once (256 MiB)
+TC_CHUNK = 128  # positions per tensor-core chain of ``bmm_fast`` (== _triton_rowscaled.CHUNK_T)
 
 U64 = 2.0**-53  # unit roundoff of float64 (round to nearest)
 U32 = 2.0**-24  # unit roundoff of float32 (round to nearest)
@@ -163,18 +164,27 @@ def bmm_fast(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x [B, m, k] @ y [B, k, n] -> [B, m, n] in float32 (float64 for float64 operands):
     bf16/fp16 on CUDA on tensor cores with float32 accumulation, else widened to float32
     (exact) and contracted with TF32 (and oneDNN's reduced float32 modes) off. Each entry
-    is within ``fast_bound``'s γ_n(u)·Σ|x||y| of its exact value."""
+    is within ``fast_bound``'s γ_n(u)·Σ|x||y| of its exact value. On tensor cores the
+    contraction runs in chunks of ``TC_CHUNK`` (a fresh truncating chain each, added in
+    float32), so the bound grows with the chunk, not with k."""
     if tensor_cores(x, y):
-        return torch.bmm(x, y, out_dtype=torch.float32)
+        k = x.shape[2]
+        out = None
+        for k0 in range(0, k, TC_CHUNK):
+            part = torch.bmm(x[:, :, k0:k0 + TC_CHUNK], y[:, k0:k0 + TC_CHUNK], out_dtype=torch.float32)
+            out = part if out is None else out.add_(part)
+        return out
     with exact_fp32(x.device):
         return _widened_bmm(x, y, result_dtype(x, y))
 
 
 def fast_bound(x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[float, int]:
-    """(u, n) for ``bmm_fast`` over a contraction of length k: tensor cores (u = 2⁻²²),
-    IEEE float32 or float64; n = k + 1 (the products' rounding, the sum's chain)."""
+    """(u, n) for ``bmm_fast`` over a contraction of length k: tensor cores (u = 2⁻²²):
+    n = min(k, TC_CHUNK) + 1 in a chunk's chain, then ⌈k/TC_CHUNK⌉ float32 adds counted
+    four to one 2⁻²² rounding (``_triton_rowscaled.error_count``); IEEE float32 or float64:
+    n = k + 1 (the products' rounding, the sum's chain)."""
     if tensor_cores(x, y):
-        return UTC, k + 1
+        return UTC, min(k, TC_CHUNK) + 1 + -(-(-(-k // TC_CHUNK) + 1) // 4)
     return (U64 if result_dtype(x, y) == torch.float64 else U32), k + 1
 
 
@@ -187,9 +197,16 @@ def per_row_tn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def row_norms(x: torch.Tensor) -> torch.Tensor:
     """‖x[..., :]‖ over the last dimension, in float64 (widened a slice at a time):
-    within γ_{k+2}(2⁻⁵³) of the exact norm, relatively (k squares, their sum, the root)."""
+    within γ_{k+2}(2⁻⁵³) of the exact norm, relatively (k squares, their sum, the root).
+    CUDA half precision: one float32-accumulating reduction (no float64 copy of, e.g., the
+    LM head's [R, T, V] output gradient; squares of half values are exact in float32),
+    scaled up by 1 + γ_{k+3}(2⁻²⁴): never below the exact norm, at most ~2·γ above it (the
+    engine uses these norms as upper bounds, N_u, only)."""
     k = x.shape[-1]
     lead = x.shape[:-1]
+    if x.is_cuda and x.dtype in HALF:
+        n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+        return n32.to(torch.float64) * (1.0 + gamma(k + 3, U32))
     if x.dtype == torch.float64 or x.numel() <= CHUNK_ELEMENTS:
         return torch.linalg.vector_norm(x.to(torch.float64), dim=-1)
     rows = max(1, x.numel() // k)
@@ -207,6 +224,28 @@ def _triton_path(x: torch.Tensor, y: torch.Tensor) -> bool:
     from llmdp.clipping import _triton_rowscaled
 
     return _triton_rowscaled.available()
+
+
+def tile_norms(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """The per-unit norm kernel serves these operands (CUDA half precision, Triton built)."""
+    return _triton_path(x, y)
+
+
+def unit_sq_norms(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,
+                  num_units: int) -> torch.Tensor:
+    """‖h̃_u‖² [U] float64 for h̃_u the float32 tensor-core value of Σ_{r in u} x_rᵀ y_r
+    (``_triton_rowscaled.unit_sq_norms``): each entry of h̃_u within γ_n(2⁻²²)·Σ|x||y| of
+    its exact value, n = ``unit_norm_count``; the float64 sum of squares within
+    γ_{(a+128)(b+128)+4}(2⁻⁵³) of ‖h̃_u‖², relatively. Only where ``tile_norms``."""
+    from llmdp.clipping import _triton_rowscaled
+
+    return _triton_rowscaled.unit_sq_norms(x, y, rows, ptr, num_units)
+
+
+def unit_norm_count(T: int, max_rows: int) -> int:
+    from llmdp.clipping import _triton_rowscaled
+
+    return _triton_rowscaled.norm_error_count(T, max_rows)
 
 
 def row_scaled_bound(x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:

@@ -203,6 +203,35 @@ def deviation(s: Sq, sink_u: float) -> torch.Tensor:
     return up(s.dev + rel * (norm + s.dev), 6)
 
 
+def check_nonnegative(value: torch.Tensor, err: torch.Tensor, what: str = "") -> None:
+    """Raise if a finite value + err is negative (one device sync)."""
+    if bool(negative(value, err).any()):
+        s = value + err
+        worst = float(s[torch.isfinite(s)].min())
+        raise RuntimeError(
+            f"clipping engine bug: a squared norm plus its rounding bound is negative "
+            f"({worst:.3g}{', ' + what if what else ''}); the bound must make it >= 0. "
+            "Please report this with the model and batch shapes."
+        )
+
+
+def negative(value: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+    """Where a finite value + err is negative (a bug, ``used_norm``), as a device tensor."""
+    s = value + err
+    return (s < 0) & torch.isfinite(s)
+
+
+def worth_recomputing(value: torch.Tensor, err: torch.Tensor, dev: torch.Tensor,
+                      nu: torch.Tensor) -> torch.Tensor:
+    """The units whose bound is more than FALLBACK of ν (module docstring, 4), finite, and
+    not a gradient that is exactly 0: value, its bound and its deviation all 0 mean that
+    g_u = 0 (ν is then the smallest positive float, all rounding, and ρ = 1; recomputing
+    would find 0 again: a LoRA B initialized to 0 makes every A's gradient 0). The fallback
+    only tightens ν; skipping it never lowers ν below the true norm."""
+    material = (value != 0) | (err != 0) | (dev != 0)
+    return (rho(value, nu) > FALLBACK) & torch.isfinite(value) & torch.isfinite(nu) & material
+
+
 def rho(value: torch.Tensor, nu: torch.Tensor) -> torch.Tensor:
     """The part of ν that is bound, 1 − √value/ν, in [0, 1] (0 where ν = 0)."""
     root = torch.sqrt(torch.clamp(value, min=0))
@@ -211,19 +240,16 @@ def rho(value: torch.Tensor, nu: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.nan_to_num(r, nan=0.0), 0, 1)
 
 
-def used_norm(value: torch.Tensor, err: torch.Tensor, delta_sq: torch.Tensor, what: str = "") -> torch.Tensor:
+def used_norm(value: torch.Tensor, err: torch.Tensor, delta_sq: torch.Tensor, what: str = "",
+              check: bool = True) -> torch.Tensor:
     """ν = √(value + err)↑ + √(Σ δ²)↑ (module docstring, 3), for [U] float64 inputs whose
     own float64 sums are already in ``err`` (and rounded up in ``delta_sq``). A negative
-    value + err breaks the bound's construction: a bug, raised, never clamped."""
+    value + err breaks the bound's construction: a bug, raised, never clamped (``check``
+    False: the caller checks ``negative(value, err)`` itself, several calls at once, with
+    one device sync instead of one per call)."""
     s = value + err
-    finite = torch.isfinite(s)
-    if bool((s[finite] < 0).any()):
-        worst = float(s[finite].min())
-        raise RuntimeError(
-            f"clipping engine bug: a squared norm plus its rounding bound is negative "
-            f"({worst:.3g}{', ' + what if what else ''}); the bound must make it >= 0. "
-            "Please report this with the model and batch shapes."
-        )
+    if check:
+        check_nonnegative(value, err, what)
     inf = torch.tensor(math.inf, dtype=F64, device=s.device)
     root = torch.nextafter(torch.sqrt(s), inf)
     dev = torch.nextafter(torch.sqrt(delta_sq), inf)
@@ -315,6 +341,23 @@ class Units:
             if bool(keep.any()):
                 u.max_rows = int(torch.bincount(unit_of_row[keep]).max())
         return u
+
+    def csr(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, ptr): unit u's rows are ``rows[ptr[u]:ptr[u+1]]`` (padding rows in none);
+        built on the device, no host sync; kept for the batch."""
+        if getattr(self, "_csr", None) is None:
+            uor = self.unit_of_row
+            dev = uor.device
+            if self.identity:
+                self._csr = (torch.arange(uor.shape[0], device=dev),
+                             torch.arange(uor.shape[0] + 1, device=dev))
+            else:
+                key = torch.where(uor >= 0, uor, self.num_units)  # padding last, not counted
+                counts = torch.bincount(key, minlength=self.num_units + 1)[: self.num_units]
+                ptr = torch.zeros(self.num_units + 1, dtype=torch.long, device=dev)
+                ptr[1:] = counts.cumsum(0)
+                self._csr = (torch.argsort(key, stable=True), ptr)
+        return self._csr
 
     @property
     def keep(self) -> torch.Tensor:
@@ -464,8 +507,15 @@ def device_spec(device: torch.device, dtype: torch.dtype) -> DeviceSpec:
     return DeviceSpec(flops, bw, fp64)
 
 
+def tile_norm_cheaper(rows: int, T: int, p: int, d: int, spec: DeviceSpec) -> bool:
+    """A Linear's per-unit norms from the tensor-core norm kernel (2·R·T·p·d half-precision
+    FLOPs, nothing written: ``lowp.unit_sq_norms``) rather than its two float64 Gram
+    matrices (2·R·T²·(p+d) float64 FLOPs): on an H100 the kernel wins unless T < ~(p+d)/10."""
+    return 2.0 * rows * T * p * d / spec.flops < 2.0 * rows * T * T * (p + d) / spec.fp64
+
+
 def _ghost_cheaper(num_units: int, rows: int, T: int, p: int, d: int,
-                   spec: DeviceSpec | None = None) -> bool:
+                   spec: DeviceSpec | None = None, tile: bool = False) -> bool:
     """Ghost norm or instantiation, for one [p x d] layer and one batch (R rows of T
     positions, U units), from memory first, then time on this device.
 
@@ -480,6 +530,9 @@ def _ghost_cheaper(num_units: int, rows: int, T: int, p: int, d: int,
       ghost norm     2·R·T²·(p+d) float64 FLOPs (two Gram matrices, ``lowp``) + the
                      clipped sum's 2·R·T·p·d FLOPs (a tensor-core GEMM for bf16/fp16 on
                      CUDA, as in a non-private backward).
+    With ``tile`` (CUDA half precision, ``lowp.tile_norms``) the ghost path's norms are
+    the cheaper of those Gram matrices and the tensor-core norm kernel (2·R·T·p·d FLOPs at
+    the half-precision rate, nothing written), which makes it the cheaper path there.
     The cheaper on ``spec`` wins (a GPU's FLOP/byte ratio is ~100-300, so long rows of
     mid-sized layers go to the ghost norm there and to instantiation on a CPU)."""
     if num_units * p * d > rows * T * (p + d):
@@ -487,7 +540,10 @@ def _ghost_cheaper(num_units: int, rows: int, T: int, p: int, d: int,
     if spec is None:
         return False
     t_inst = 2.0 * rows * T * p * d / spec.flops + 8.0 * (rows + num_units) * p * d / spec.bandwidth
-    t_ghost = 2.0 * rows * T * T * (p + d) / spec.fp64 + 2.0 * rows * T * p * d / spec.flops
+    t_norms = 2.0 * rows * T * T * (p + d) / spec.fp64
+    if tile:
+        t_norms = min(t_norms, 2.0 * rows * T * p * d / spec.flops)
+    t_ghost = t_norms + 2.0 * rows * T * p * d / spec.flops
     return t_ghost < t_inst
 
 

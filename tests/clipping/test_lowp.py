@@ -248,3 +248,23 @@ def test_cuda_float32_contractions_ignore_the_users_tf32_and_restore_it():
     assert ((out.double() - ref).abs() <= _fp32_sum_bound(x, y)).all()  # TF32 would be ~1e-3 off
     refg = torch.einsum("rta,rsa->rts", x.double(), x.double())
     torch.testing.assert_close(g.double(), refg, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", HALVES)
+def test_cuda_per_row_products_and_row_norms_are_within_their_bounds_at_long_T(dtype):
+    """Issue 36: on tensor cores the per-row products run in chunks of TC_CHUNK positions
+    (their bound grows with the chunk, not T: at T = 1024 a T-long chain's bound made the
+    engine recompute LoRA layers in float64); half-precision row norms are float32
+    reductions scaled up: never below the exact norm."""
+    x, y, _ = _data(dtype, R=3, T=1024, a=24, b=40, device="cuda")
+    u, n = lowp.fast_bound(x.transpose(1, 2), y, x.shape[1])
+    assert u == lowp.UTC and n < 140
+    p = lowp.per_row_tn(x, y)
+    ref = torch.einsum("rta,rtb->rab", x.double(), y.double())
+    bound = lowp.gamma(n, u) * torch.einsum("rta,rtb->rab", x.double().abs(), y.double().abs())
+    assert p.dtype == torch.float32 and ((p.double() - ref).abs() <= bound).all()
+    big = torch.randn(2, 5, 70_000, device="cuda").to(dtype)
+    exact = big.double().norm(dim=-1)
+    got = lowp.row_norms(big)
+    assert (got >= exact).all() and (got <= exact * (1 + 3 * lowp.gamma(70_003, lowp.U32))).all()

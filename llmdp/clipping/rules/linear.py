@@ -21,6 +21,7 @@ from llmdp.clipping.norms import (
     rows_mag,
     sq_bound,
     sq_of_instantiated,
+    tile_norm_cheaper,
     up,
 )
 
@@ -39,7 +40,8 @@ class LinearRule(LayerRule):
             return policy == "ghost"
         G3 = _as_3d(G)
         spec = device_spec(G.device, G.dtype)
-        return _ghost_cheaper(num_units, G3.shape[0], G3.shape[1], G.shape[-1], A.shape[-1], spec)
+        tile = lowp.tile_norms(*self._clipped_operands(_as_3d(A), G3))
+        return _ghost_cheaper(num_units, G3.shape[0], G3.shape[1], G.shape[-1], A.shape[-1], spec, tile)
 
     # Every contraction goes through ``lowp`` on A and G as the model produced them: the
     # norms in float64 (exact products), the clipped sum on tensor cores (bf16/fp16 on
@@ -55,10 +57,24 @@ class LinearRule(LayerRule):
         out = {}
         if module.weight.requires_grad:
             mag = linear_mag(A3, G3, units)
-            value, err = _pair_sum_two(A3, G3, A3, G3, units, gram_a=units.self_gram(A3), mags=(mag, mag))
-            u, n = lowp.row_scaled_bound(*self._clipped_operands(A3, G3))
-            # the clipped sum's own error; then the factor's and the result's roundings
-            out["weight"] = sq_bound(value, err, up(mag * gamma(n, u), 1), gamma(2, res_u), mag)
+            x, y = self._clipped_operands(A3, G3)
+            u, n = lowp.row_scaled_bound(x, y)
+            R, T = G3.shape[0], G3.shape[1]
+            if lowp.tile_norms(x, y) and tile_norm_cheaper(R, T, G3.shape[-1], A3.shape[-1],
+                                                           device_spec(G3.device, G3.dtype)):
+                # The norm of h̃_u, the tensor-core value of the unit's gradient (never
+                # written), within γ_k·N_u of g_u; then the clipped sum's own error.
+                rows, ptr = units.csr()
+                value = lowp.unit_sq_norms(x, y, rows, ptr, units.num_units)
+                err = value * gamma((x.shape[2] + 128) * (y.shape[2] + 128) + 4, U64)
+                k = lowp.unit_norm_count(T, units.max_rows)
+                dev = up(mag * (gamma(k, lowp.UTC) + gamma(n, u)), 2)
+                out["weight"] = sq_bound(value, err, dev, gamma(2, res_u), mag)
+            else:
+                value, err = _pair_sum_two(A3, G3, A3, G3, units, gram_a=units.self_gram(A3),
+                                           mags=(mag, mag))
+                # the clipped sum's own error; then the factor's and the result's roundings
+                out["weight"] = sq_bound(value, err, up(mag * gamma(n, u), 1), gamma(2, res_u), mag)
         if module.bias is not None and module.bias.requires_grad:
             value, err, mag = _bias_sq(G3, units)  # the bias gradient of each row
             n = G3.shape[1] + 2 * G3.shape[0] + 2  # float64 row sums, x factor, sum over rows

@@ -1,0 +1,155 @@
+"""The tensor-core per-unit norm kernel and the chunked clipped-sum kernel (issue 36),
+checked on CPU in Triton's interpreter (``TRITON_INTERPRET=1``, a subprocess: the variable
+must be set before Triton is imported), and on CUDA by the ``gpu`` tests of
+``test_engine.py`` (on a GPU every bf16 Linear's ghost norm takes this path).
+
+* the kernels against float64 references, within the bounds the engine adds
+  (``error_count``, ``norm_error_count``), with chunks shorter than T, units of several
+  rows, tile remainders and T = 1;
+* the engine with the kernel path forced on a bf16 model on CPU: removing any one unit
+  changes what was added by at most C (the neighbour test, float64), and the norms used
+  are never below those of the float64 Gram path by more than its own bound."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+_KERNELS = textwrap.dedent(
+    """
+    import torch
+    from llmdp.clipping import _triton_rowscaled as k
+    from llmdp.clipping import lowp
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.bfloat16, torch.float16):
+        for R, T, a, b, chunk, units in [
+            (3, 37, 20, 45, 16, [0, 1, 0]),      # 3 chunks, a unit of two rows
+            (5, 1, 7, 9, 16, [0, 1, 2, 3, 4]),   # T = 1
+            (4, 70, 33, 18, 32, [1, 0, 1, 1]),   # 3 rows in one unit
+            (2, 50, 17, 17, 128, [0, 1]),        # one chunk
+        ]:
+            x = torch.randn(R, T, a, generator=g).to(dt)
+            y = torch.randn(R, T, b, generator=g).to(dt)
+            f = torch.rand(R, generator=g)
+            f[0] = 0.0
+            out = k.row_scaled_tn(x, y, f, chunk=chunk)
+            ref = torch.einsum("r,rta,rtb->ab", f.double(), x.double(), y.double())
+            claimed = lowp.gamma(k.error_count(R, T, chunk), lowp.UTC) * torch.einsum(
+                "r,rta,rtb->ab", f.double(), x.double().abs(), y.double().abs())
+            assert ((out.double() - ref).abs() <= claimed + 1e-30).all(), (dt, R, T)
+            uor = torch.tensor(units)
+            U = int(uor.max()) + 1
+            ptr = torch.zeros(U + 1, dtype=torch.long)
+            ptr[1:] = torch.bincount(uor, minlength=U).cumsum(0)
+            sq = k.unit_sq_norms(x, y, torch.argsort(uor, stable=True), ptr, U, chunk=chunk)
+            assert sq.dtype == torch.float64 and sq.shape == (U,)
+            h = torch.zeros(U, a, b, dtype=torch.float64).index_add(
+                0, uor, torch.einsum("rta,rtb->rab", x.double(), y.double()))
+            mag = torch.zeros(U, a, b, dtype=torch.float64).index_add(
+                0, uor, torch.einsum("rta,rtb->rab", x.double().abs(), y.double().abs()))
+            gm = lowp.gamma(k.norm_error_count(T, int(torch.bincount(uor).max()), chunk), lowp.UTC)
+            true = h.flatten(1).norm(dim=1)
+            # ‖h̃‖ − ‖h‖ ≤ ‖h̃ − h‖ ≤ γ·‖|x|ᵀ|y|‖ (the float64 sum of squares adds ~1e-16)
+            slack = gm * mag.flatten(1).norm(dim=1) * (1 + 1e-9) + 1e-12 * true
+            assert ((sq.sqrt() - true).abs() <= slack).all(), (dt, R, T, sq.sqrt(), true)
+    # Adversarial: 1 then many 2^-25 (each float32 add of one to the running 1 is lost), so
+    # the error is ~15 roundings of the first chunk: a bound that counted fewer fails here.
+    T = 64
+    x = torch.full((1, T, 16), 2.0**-25)
+    x[0, 0] = 1.0
+    x, y = x.bfloat16(), torch.ones(1, T, 16).bfloat16()
+    ref = torch.einsum("rta,rtb->ab", x.double(), y.double())
+    mag = torch.einsum("rta,rtb->ab", x.double().abs(), y.double().abs())
+    out = k.row_scaled_tn(x, y, torch.ones(1), chunk=16)
+    assert ((out.double() - ref).abs() > 1.5 * lowp.gamma(1, lowp.UTC) * mag).all()  # it bites
+    assert ((out.double() - ref).abs() <= lowp.gamma(k.error_count(1, T, 16), lowp.UTC) * mag).all()
+    sq = k.unit_sq_norms(x, y, torch.arange(1), torch.tensor([0, 1]), 1, chunk=16)
+    gm = lowp.gamma(k.norm_error_count(T, 1, 16), lowp.UTC)
+    assert abs(float(sq.sqrt()) - float(ref.norm())) <= gm * float(mag.norm())
+    try:
+        k.unit_sq_norms(x, y, torch.arange(2), torch.arange(3), 2, chunk=24)
+    except ValueError as e:
+        assert "not a multiple" in str(e)
+    else:
+        raise AssertionError("a chunk that is not whole K blocks must be refused")
+    # the bound is one chunk long, not T: at T = 1024 it is about 8x smaller
+    assert k.error_count(8, 1024) < (1024 + 2 * 8 + 2) / 7
+    print("ok")
+    """
+)
+
+_ENGINE = textwrap.dedent(
+    """
+    import torch
+    from llmdp.clipping import GhostClipper, lowp
+    from llmdp.clipping.rules import linear
+    from llmdp.train.losses import row_losses
+    from tests.clipping.test_engine import V, make_batch
+    from tests.helpers import tiny_model
+
+    calls = []
+    real = lowp.unit_sq_norms
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    def use_tiles(on):
+        lowp.tile_norms = (lambda x, y: x.dtype == torch.bfloat16 == y.dtype) if on else (lambda x, y: False)
+        linear.tile_norm_cheaper = lambda *a: on
+
+    lowp.unit_sq_norms = spy
+    model = tiny_model("llama", vocab_size=V, dtype=torch.float32).to(torch.bfloat16)
+    row_units = [0, 1, 1, 2, 3, 4]
+    batch = make_batch(row_units)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    C = 1e-2
+
+    def added(ru, mode):
+        sinks = {n: torch.zeros(p.shape, dtype=torch.float32) for n, p in model.named_parameters()
+                 if p.requires_grad}
+        clipper = GhostClipper(model, C, mode=mode, layer_policy="ghost", grad_buffers=sinks)
+        norms = clipper.backward(row_losses(model, {**batch, "row_units": torch.tensor(ru)}),
+                                 torch.tensor(ru))
+        clipper.remove_hooks()
+        return torch.cat([sinks[n].double().reshape(-1) for n in names]), norms
+
+    for mode in ("book-keeping", "two-pass"):
+        use_tiles(False)
+        _, gram_norms = added(row_units, mode)
+        use_tiles(True)
+        calls.clear()
+        full, norms = added(row_units, mode)
+        assert calls, "the tile-norm kernel was not used"
+        assert (norms > 2 * C).all()
+        assert (norms >= gram_norms * (1 - 1e-2)).all() and (norms <= gram_norms * 1.02).all(), (norms, gram_norms)
+        worst = 0.0
+        for u in range(5):
+            without, _ = added([r if r != u else -1 for r in row_units], mode)
+            worst = max(worst, float((full - without).norm()) / C)
+        assert 1 - 1e-3 < worst <= 1 + 1e-6, (mode, worst)
+    print("ok")
+    """
+)
+
+
+def _interpreted(script: str) -> None:
+    pytest.importorskip("triton")
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=root)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_chunked_kernels_are_within_their_stated_bounds_in_the_interpreter():
+    _interpreted(_KERNELS)
+
+
+def test_engine_on_the_tile_norm_path_adds_at_most_C_per_unit_in_the_interpreter():
+    _interpreted(_ENGINE)
