@@ -4,6 +4,8 @@ r"""Time, throughput, MFU and peak memory of one DP step, per clipping method, o
     python benchmarks/clipping.py --lora               # the same, LoRA r=16 on every projection
     python benchmarks/clipping.py --device cuda --hidden 2048 --layers 16 --heads 32 \
         --intermediate 8192 --vocab 128256 --seq 1024 --batch 8 --dtype bfloat16   # ~1B, GPU
+    python benchmarks/clipping.py ... --profile DIR    # also one step per method under torch.profiler
+    bash benchmarks/gpu.sh env tests noise clip peers lora recipe   # issue 36's GPU runs, one call
 
 Every method runs in its own subprocess (a clean peak-memory high-water mark): a forward
 pass and the backward that leaves what that method produces (the plain gradient for
@@ -137,7 +139,9 @@ def build(args):
         max_position_embeddings=max(args.seq, 512), tie_word_embeddings=False,
         attn_implementation="sdpa" if args.device == "cuda" else "eager",
     )
-    model = LlamaForCausalLM(cfg).to(args.device, getattr(torch, args.dtype))
+    # Built on its device (a 1.6 B model's float32 init on the CPU takes longer than its steps).
+    with torch.device(args.device):
+        model = LlamaForCausalLM(cfg).to(getattr(torch, args.dtype))
     if args.lora:
         from llmdp.config.schema import LoraConfig
         from llmdp.train.models import apply_lora
@@ -154,6 +158,9 @@ def build(args):
         "row_units": torch.arange(args.batch, device=args.device),
     }
     return model, batch
+
+
+_STATS: dict = {}  # the llmdp row's clipper, for its norm statistics
 
 
 class Unsupported(Exception):
@@ -193,6 +200,7 @@ def step_fn(method, model, batch, args):
 
         def step():
             clipper.backward(row_losses(model, batch), batch["row_units"])
+        _STATS["clipper"] = clipper
 
         if sinks is None:
             return step, clear_grads, grads, ""
@@ -370,9 +378,16 @@ def child(args) -> dict:
     except Exception as e:
         traceback.print_exc()
         return {"method": method, "error": f"step failed: {type(e).__name__}: {first_line(e)}"}
+    if args.profile:
+        profile_step(step, reset, sync, method, args)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     grad_norm = sum(float(t.double().pow(2).sum()) for t in result()) ** 0.5
+    clipper = _STATS.get("clipper")
+    if clipper is not None and getattr(clipper, "last_norm_stats", None) is not None:
+        st = clipper.last_norm_stats
+        note = "; ".join(x for x in (note, f"mode {clipper.last_mode}, exact fallbacks {st.fallbacks}, "
+                                           f"bound <= {100 * st.bound_max:.2f}% of a norm") if x)
 
     n_params = sum(p.numel() for p in params)
     total = sum(p.numel() for p in model.parameters())
@@ -398,6 +413,24 @@ def child(args) -> dict:
         "peak_tflops": peak_tflops, "peak_source": peak_source, "device_name": device_name,
         "grad_norm": grad_norm, "note": note,
     }
+
+
+def profile_step(step, reset, sync, method, args) -> None:
+    """One more step under torch.profiler; its operators by self device time (CPU time on
+    CPU) go to ``<--profile>/profile-<method>.txt`` (after the timed steps: not in them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = args.device == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    reset()
+    sync()
+    with profile(activities=acts) as prof:
+        step()
+        sync()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    os.makedirs(args.profile, exist_ok=True)
+    with open(os.path.join(args.profile, f"profile-{method}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
 
 
 def first_line(e: BaseException) -> str:
@@ -426,6 +459,7 @@ def main(argv=None) -> int:
                     help="device peak for MFU, TFLOP/s (default: the table for known GPUs)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--profile", help="folder: profile one more step per method (torch.profiler)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -437,7 +471,7 @@ def main(argv=None) -> int:
         cleaned = [sys.executable, os.path.abspath(__file__), "--child", m]
         for key in ("hidden", "intermediate", "layers", "heads", "vocab", "seq", "batch", "steps",
                     "threads", "device", "dtype", "max_grad_norm", "lora_rank", "opake_microbatch",
-                    "peak_tflops"):
+                    "peak_tflops", "profile"):
             if getattr(args, key) is not None:
                 cleaned += ["--" + key.replace("_", "-"), str(getattr(args, key))]
         if args.lora:
