@@ -248,7 +248,7 @@ def _notes_per_patient(rng: random.Random) -> int:
 def _make_patient(fake: Faker, rng: random.Random, index: int) -> _Patient:
     sex = rng.choice(("female", "male"))
     first = fake.first_name_female() if sex == "female" else fake.first_name_male()
-    dob = fake.date_of_birth(minimum_age=18, maximum_age=95)
+    dob = _date_of_birth(fake, minimum_age=18, maximum_age=95)
     conds = rng.sample(CONDITIONS, rng.randint(1, 4))
     meds = []
     for drug, doses, freqs in rng.sample(MEDICATIONS, rng.randint(1, 6)):
@@ -268,6 +268,23 @@ def _make_patient(fake: Faker, rng: random.Random, index: int) -> _Patient:
         meds=meds,
         allergies=allergies,
     )
+
+
+#: "Today" for the generated dates of birth. Faker's ``date_of_birth`` counts ages from the
+#: machine's current date, so the notes (and N, σ and every figure the README quotes for
+#: `make demo`) moved with the calendar; fixed to the date those figures were made on.
+REFERENCE_DATE = _dt.date(2026, 11, 24)
+
+
+def _date_of_birth(fake: Faker, minimum_age: int, maximum_age: int) -> _dt.date:
+    """Faker's ``date_of_birth`` (the same draws from ``fake``) with ages counted from
+    ``REFERENCE_DATE``, not from the current date: the same dates on every day."""
+    from faker.providers.date_time import change_year
+
+    start = change_year(REFERENCE_DATE, -(maximum_age + 1))
+    end = change_year(REFERENCE_DATE, -minimum_age)
+    dob = fake.date_time_ad(start_datetime=start, end_datetime=end).date()
+    return dob if dob != start else dob + _dt.timedelta(days=1)
 
 
 def _age(dob: _dt.date, on: _dt.date) -> int:

@@ -96,3 +96,25 @@ def test_write_and_ensure(tmp_path):
     ensure_clinical_notes(target, 30, 1)  # exists: not regenerated
     assert os.stat(out).st_mtime_ns == before
     assert [p for p in os.listdir(tmp_path / "b") if p.startswith(".tmp")] == []
+
+
+def test_the_notes_do_not_move_with_the_calendar(monkeypatch):
+    """Faker's date_of_birth counts ages from the machine's current date: after a midnight
+    the demo's notes, hence N and σ in the README, changed (14,251 → 14,209 units on a
+    fresh clone the next day). The dates of birth now count from a fixed reference date."""
+    import datetime as dt
+
+    import faker.providers.date_time as fdt
+
+    from llmdp.data.synthetic import generate_clinical_notes
+
+    today = generate_clinical_notes(300, seed=0)
+
+    class Later(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return dt.datetime(2031, 3, 1, 12, tzinfo=tz)
+
+    monkeypatch.setattr(fdt, "datetime", Later)
+    assert fdt.datetime.now().year == 2031  # the patch is what faker reads
+    assert generate_clinical_notes(300, seed=0) == today
