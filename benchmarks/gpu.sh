@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of issue 36 in one call on a CUDA machine, stage by stage:
 #
-#   bash benchmarks/gpu.sh env tests noise clip peers lora recipe
+#   bash benchmarks/gpu.sh env tests noise clip peers lora recipe kernels
 #
 # Wheels the machine lacks (dp-accounting, dm-tree, faker, cryptography, opacus, opake, a
 # transformers as here) are installed from .whl/ when that folder exists. Logs and JSON go
@@ -63,6 +63,9 @@ stage_recipe() {  # recipes/gpu-1b-synthetic.yaml as written, its worker loop in
     timeout 200 python3 benchmarks/gpu_recipe.py recipes/gpu-1b-synthetic.yaml --steps 4 \
         --out /tmp/llmdp-recipe-runs > "$OUT/recipe.log" 2>&1
     echo "recipe rc=$?"; tail -12 "$OUT/recipe.log"
+}
+stage_kernels() {  # the two Triton kernels vs cuBLAS per layer shape, with a tile sweep
+    timeout 400 python3 benchmarks/kernels.py 2>&1 | tail -20
 }
 
 for s in "$@"; do

@@ -142,13 +142,15 @@ def _check_chunk(chunk: int, block_t: int) -> int:
 
 
 def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,
-                  num_units: int, chunk: int = CHUNK_T) -> torch.Tensor:
+                  num_units: int, chunk: int = CHUNK_T, config=None) -> torch.Tensor:
     """[U] float64: Σ over tiles of the float64 sum of squares of each tile of the float32
     h_u = Σ_{r in u} X_rᵀ Y_r (X [R, T, a], Y [R, T, b], same half dtype; the rows of unit
-    u are ``rows[ptr[u]:ptr[u+1]]``). Nothing of size a×b per unit is written."""
+    u are ``rows[ptr[u]:ptr[u+1]]``). Nothing of size a×b per unit is written.
+    ``config``: ((BLOCK_A, BLOCK_B, BLOCK_T), warps, stages) instead of ``_blocks``'s
+    (``benchmarks/kernels.py`` sweeps them)."""
     T, a = X.shape[1], X.shape[2]
     b = Y.shape[2]
-    blocks, warps, stages = _blocks(a, b, T)
+    blocks, warps, stages = config or _blocks(a, b, T)
     _check_chunk(chunk, blocks[2])
     ta, tb = triton.cdiv(a, blocks[0]), triton.cdiv(b, blocks[1])
     out = torch.empty((num_units, ta * tb), dtype=torch.float64, device=X.device)
@@ -163,13 +165,14 @@ def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: tor
     return out.sum(1)
 
 
-def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int = CHUNK_T) -> torch.Tensor:
+def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int = CHUNK_T,
+                  config=None) -> torch.Tensor:
     """Σ_r f_r X_rᵀ Y_r as a float32 [a, b] tensor (X [R, T, a], Y [R, T, b], same half
     dtype; f [R])."""
     R, T, a = X.shape
     b = Y.shape[2]
     f = f.to(device=X.device, dtype=torch.float32).contiguous()
-    blocks, warps, stages = _blocks(a, b, T)
+    blocks, warps, stages = config or _blocks(a, b, T)
     _check_chunk(chunk, blocks[2])
     programs = 8 if interpreting() else 2 * torch.cuda.get_device_properties(X.device).multi_processor_count
     tiles = triton.cdiv(a, blocks[0]) * triton.cdiv(b, blocks[1])
