@@ -173,7 +173,6 @@ def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int 
     b = Y.shape[2]
     f = f.to(device=X.device, dtype=torch.float32).contiguous()
     blocks, warps, stages = config or _blocks(a, b, T)
-    _check_chunk(chunk, blocks[2])
     programs = 8 if interpreting() else 2 * torch.cuda.get_device_properties(X.device).multi_processor_count
     tiles = triton.cdiv(a, blocks[0]) * triton.cdiv(b, blocks[1])
     # Too few output tiles to fill the device (a small layer): split the rows into groups,

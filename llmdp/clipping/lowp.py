@@ -51,7 +51,6 @@ import torch
 
 HALF = (torch.bfloat16, torch.float16)
 CHUNK_ELEMENTS = 1 << 25  # the most elements widened to float64 at once (256 MiB)
-TC_CHUNK = 128  # positions per tensor-core chain of ``bmm_fast`` (== _triton_rowscaled.CHUNK_T)
 
 U64 = 2.0**-53  # unit roundoff of float64 (round to nearest)
 U32 = 2.0**-24  # unit roundoff of float32 (round to nearest)
@@ -165,13 +164,15 @@ def bmm_fast(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     bf16/fp16 on CUDA on tensor cores with float32 accumulation, else widened to float32
     (exact) and contracted with TF32 (and oneDNN's reduced float32 modes) off. Each entry
     is within ``fast_bound``'s γ_n(u)·Σ|x||y| of its exact value. On tensor cores the
-    contraction runs in chunks of ``TC_CHUNK`` (a fresh truncating chain each, added in
-    float32), so the bound grows with the chunk, not with k."""
+    contraction runs in chunks of the kernels' ``CHUNK_T`` (a fresh truncating chain each,
+    added in float32), so the bound grows with the chunk, not with k."""
     if tensor_cores(x, y):
+        from llmdp.clipping._triton_rowscaled import CHUNK_T
+
         k = x.shape[2]
         out = None
-        for k0 in range(0, k, TC_CHUNK):
-            part = torch.bmm(x[:, :, k0:k0 + TC_CHUNK], y[:, k0:k0 + TC_CHUNK], out_dtype=torch.float32)
+        for k0 in range(0, k, CHUNK_T):
+            part = torch.bmm(x[:, :, k0:k0 + CHUNK_T], y[:, k0:k0 + CHUNK_T], out_dtype=torch.float32)
             out = part if out is None else out.add_(part)
         return out
     with exact_fp32(x.device):
@@ -179,12 +180,11 @@ def bmm_fast(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def fast_bound(x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[float, int]:
-    """(u, n) for ``bmm_fast`` over a contraction of length k: tensor cores (u = 2⁻²²):
-    n = min(k, TC_CHUNK) + 1 in a chunk's chain, then ⌈k/TC_CHUNK⌉ float32 adds counted
-    four to one 2⁻²² rounding (``_triton_rowscaled.error_count``); IEEE float32 or float64:
-    n = k + 1 (the products' rounding, the sum's chain)."""
+    """(u, n) for ``bmm_fast`` over a contraction of length k: tensor cores (u = 2⁻²²): the
+    chunked chain of one row of the norm kernel (``unit_norm_count(k, 1)``); IEEE float32
+    or float64: n = k + 1 (the products' rounding, the sum's chain)."""
     if tensor_cores(x, y):
-        return UTC, min(k, TC_CHUNK) + 1 + -(-(-(-k // TC_CHUNK) + 1) // 4)
+        return UTC, unit_norm_count(k, 1)
     return (U64 if result_dtype(x, y) == torch.float64 else U32), k + 1
 
 
@@ -236,13 +236,16 @@ def unit_sq_norms(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, ptr: tor
     """‖h̃_u‖² [U] float64 for h̃_u the float32 tensor-core value of Σ_{r in u} x_rᵀ y_r
     (``_triton_rowscaled.unit_sq_norms``): each entry of h̃_u within γ_n(2⁻²²)·Σ|x||y| of
     its exact value, n = ``unit_norm_count``; the float64 sum of squares within
-    γ_{(a+128)(b+128)+4}(2⁻⁵³) of ‖h̃_u‖², relatively. Only where ``tile_norms``."""
+    γ_{a·b+4}(2⁻⁵³) of ‖h̃_u‖², relatively (squares of float32 values are exact in float64;
+    a tile's padding adds exact zeros, so at most a·b − 1 additions can round). Only where
+    ``tile_norms``."""
     from llmdp.clipping import _triton_rowscaled
 
     return _triton_rowscaled.unit_sq_norms(x, y, rows, ptr, num_units)
 
 
 def unit_norm_count(T: int, max_rows: int) -> int:
+    """n of ``unit_sq_norms``' entry bound (``_triton_rowscaled.norm_error_count``)."""
     from llmdp.clipping import _triton_rowscaled
 
     return _triton_rowscaled.norm_error_count(T, max_rows)

@@ -296,6 +296,7 @@ class Units:
     # output gradients arrive one after another in the backward, so a short memory suffices.
     _grams: OrderedDict = field(default_factory=OrderedDict, repr=False)
     gram_calls: int = 0  # Gram matrices computed (not taken from the memory), for tests
+    _csr: tuple | None = field(default=None, repr=False)  # (rows, ptr), ``csr``
 
     def _entry(self, x: torch.Tensor) -> dict:
         key = (x.data_ptr(), x.device, x.dtype, tuple(x.shape), tuple(x.stride()))
@@ -345,7 +346,7 @@ class Units:
     def csr(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, ptr): unit u's rows are ``rows[ptr[u]:ptr[u+1]]`` (padding rows in none);
         built on the device, no host sync; kept for the batch."""
-        if getattr(self, "_csr", None) is None:
+        if self._csr is None:
             uor = self.unit_of_row
             dev = uor.device
             if self.identity:

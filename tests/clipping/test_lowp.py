@@ -253,7 +253,7 @@ def test_cuda_float32_contractions_ignore_the_users_tf32_and_restore_it():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", HALVES)
 def test_cuda_per_row_products_and_row_norms_are_within_their_bounds_at_long_T(dtype):
-    """Issue 36: on tensor cores the per-row products run in chunks of TC_CHUNK positions
+    """Issue 36: on tensor cores the per-row products run in chunks of CHUNK_T positions
     (their bound grows with the chunk, not T: at T = 1024 a T-long chain's bound made the
     engine recompute LoRA layers in float64); half-precision row norms are float32
     reductions scaled up: never below the exact norm."""

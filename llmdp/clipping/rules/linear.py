@@ -66,7 +66,7 @@ class LinearRule(LayerRule):
                 # written), within γ_k·N_u of g_u; then the clipped sum's own error.
                 rows, ptr = units.csr()
                 value = lowp.unit_sq_norms(x, y, rows, ptr, units.num_units)
-                err = value * gamma((x.shape[2] + 128) * (y.shape[2] + 128) + 4, U64)
+                err = value * gamma(x.shape[2] * y.shape[2] + 4, U64)
                 k = lowp.unit_norm_count(T, units.max_rows)
                 dev = up(mag * (gamma(k, lowp.UTC) + gamma(n, u)), 2)
                 out["weight"] = sq_bound(value, err, dev, gamma(2, res_u), mag)
