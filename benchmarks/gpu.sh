@@ -38,7 +38,7 @@ stage_tests() {
 }
 stage_noise() {
     timeout 150 python3 benchmarks/noise.py --cuda-count 1600000000 --cpu-count 10000000 \
-        --repeats 5 --json "$OUT/noise.json" 2>&1 | tail -30
+        --repeats 5 --json "$OUT/noise.json" --sass "$OUT/noise-kernel.sass" 2>&1 | tail -30
 }
 stage_clip() {  # llmdp against the non-private step at both shapes, one profiled step each
     for shape in "$T1" "$T2"; do
@@ -48,8 +48,10 @@ stage_clip() {  # llmdp against the non-private step at both shapes, one profile
         rm -f "$OUT/prof-${shape// /_}/profile-non-private.txt"
     done
 }
-stage_peers() {  # every method, peers included, at both shapes
-    for shape in "$T1" "$T2"; do
+stage_peers() {  # every method, peers included, at both shapes (PEER_SHAPES="$T2": one)
+    local shapes=("$T1" "$T2")
+    [ -n "${PEER_SHAPES:-}" ] && shapes=("$PEER_SHAPES")
+    for shape in "${shapes[@]}"; do
         timeout 280 python3 benchmarks/clipping.py $BIG $shape --methods "$PEERS" \
             --json "$OUT/peers-${shape// /_}.json" 2>&1 | grep -v "done:" | tail -14
     done
@@ -57,7 +59,7 @@ stage_peers() {  # every method, peers included, at both shapes
 stage_lora() {
     timeout 200 python3 benchmarks/clipping.py $BIG $T1 --lora --lora-rank 16 \
         --methods "${LORA_METHODS:-non-private,llmdp-auto,opacus-hooks,opacus-ghost,opake-whole-batch}" \
-        --json "$OUT/lora.json" 2>&1 | grep -v "done:" | tail -12
+        --profile "$OUT/prof-lora" --json "$OUT/lora.json" 2>&1 | grep -v "done:" | tail -12
 }
 stage_recipe() {  # recipes/gpu-1b-synthetic.yaml as written, its worker loop in this process
     timeout 200 python3 benchmarks/gpu_recipe.py recipes/gpu-1b-synthetic.yaml --steps 4 \

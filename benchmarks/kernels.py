@@ -1,16 +1,17 @@
 """The clipping engine's two Triton kernels against cuBLAS's weight-gradient GEMM, per layer
 shape of the 1.6 B benchmark model, with a sweep of tile configurations (issue 36).
 
-    python benchmarks/kernels.py                 # CUDA: T1024x8 and T256x32, every config
+    python benchmarks/kernels.py                 # CUDA: T1024x8 and T256x32, the sweep at T1024x8
     python benchmarks/kernels.py --quick         # the default config only
 
 On the first H100 run (BENCHMARKS.md, "The GPU path on an H100") the two kernels ran at
 about 320 TFLOP/s where cuBLAS's weight gradient runs at about 600: the DP step's largest
 gap to the non-private one. For each (T, R, p, d) this prints the TFLOP/s of
 ``torch.mm(Gᵀ, A)`` (bf16 out, what a non-private backward does), of ``row_scaled_tn`` and
-``unit_sq_norms`` with the default tiles, and the best config of the sweep, and checks each
-config's result against the default's (the same sums, to float32 rounding) before timing
-it. Timing: ``triton.testing.do_bench`` (CUDA events, median). Needs CUDA and Triton.
+``unit_sq_norms`` with the default tiles in both loop structures (nested, flat), and the best
+tile config of the flat kernels, checking each config's result against the default's (the
+same sums, to float32 rounding) before timing it. Timing: ``triton.testing.do_bench`` (CUDA
+events, median). Needs CUDA and Triton.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192), (128256, 2048)]  # (p = out, d = in)
-CONFIGS = [((ba, bb, bt), w, s) for (ba, bb), bt, w, s in itertools.product(
-    [(128, 128), (128, 256), (256, 128), (64, 128)], [32, 64], [4, 8], [3, 4])]
+CONFIGS = [((ba, bb, 64), w, s) for (ba, bb), w, s in itertools.product(
+    [(128, 128), (128, 256), (256, 128)], [4, 8], [3, 4])]
 
 
 def main(argv=None) -> int:
@@ -36,11 +37,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 1
-    print(f"{'T x R':>9} {'p x d':>13} {'cuBLAS':>7} {'rowscaled':>10} {'best':>6} "
-          f"{'norms':>7} {'best':>6}  best configs (TFLOP/s)")
+    print("TFLOP/s; nested = one K loop per chunk, flat = one pipelined loop; same = the flat "
+          "kernel's result equals the nested one's bit for bit")
+    print(f"{'T x R':>9} {'p x d':>13} {'cuBLAS':>7} | {'rs nest':>7} {'flat':>5} {'best':>5} | "
+          f"{'nrm nest':>8} {'flat':>5} {'best':>5} | same  best configs (flat)")
     for T, R in ((1024, 8), (256, 32)):
         for p, d in SHAPES:
-            bench_shape(T, R, p, d, args.quick)
+            bench_shape(T, R, p, d, args.quick or T != 1024)
             torch.cuda.empty_cache()
     return 0
 
@@ -62,25 +65,28 @@ def bench_shape(T: int, R: int, p: int, d: int, quick: bool) -> None:
 
     Xf, Yf = X.reshape(-1, p), Y.reshape(-1, d)
     cublas = tflops(lambda: torch.mm(Xf.t(), Yf))
-    ref_rs = k.row_scaled_tn(X, Y, f)
-    ref_n = k.unit_sq_norms(X, Y, rows, ptr, R)
-    best_rs = (tflops(lambda: k.row_scaled_tn(X, Y, f)), None)
-    best_n = (tflops(lambda: k.unit_sq_norms(X, Y, rows, ptr, R)), None)
-    rs0, n0 = best_rs[0], best_n[0]
+    ref_rs = k.row_scaled_tn(X, Y, f, flat=False)
+    ref_n = k.unit_sq_norms(X, Y, rows, ptr, R, flat=False)
+    same = (torch.equal(k.row_scaled_tn(X, Y, f, flat=True), ref_rs)
+            and torch.equal(k.unit_sq_norms(X, Y, rows, ptr, R, flat=True), ref_n))
+    rs = [tflops(lambda fl=fl: k.row_scaled_tn(X, Y, f, flat=fl)) for fl in (False, True)]
+    nr = [tflops(lambda fl=fl: k.unit_sq_norms(X, Y, rows, ptr, R, flat=fl)) for fl in (False, True)]
+    best_rs, best_n = (max(rs), None), (max(nr), None)
     for cfg in ([] if quick else CONFIGS):
-        if k.CHUNK_T % cfg[0][2]:
-            continue
         try:
-            torch.testing.assert_close(k.row_scaled_tn(X, Y, f, config=cfg), ref_rs, rtol=1e-4, atol=1e-3)
-            t = tflops(lambda c=cfg: k.row_scaled_tn(X, Y, f, config=c))
+            torch.testing.assert_close(k.row_scaled_tn(X, Y, f, config=cfg, flat=True), ref_rs,
+                                       rtol=1e-4, atol=1e-3)
+            t = tflops(lambda c=cfg: k.row_scaled_tn(X, Y, f, config=c, flat=True))
             best_rs = max(best_rs, (t, cfg), key=lambda x: x[0])
-            torch.testing.assert_close(k.unit_sq_norms(X, Y, rows, ptr, R, config=cfg), ref_n, rtol=1e-4, atol=0)
-            t = tflops(lambda c=cfg: k.unit_sq_norms(X, Y, rows, ptr, R, config=c))
+            torch.testing.assert_close(k.unit_sq_norms(X, Y, rows, ptr, R, config=cfg, flat=True),
+                                       ref_n, rtol=1e-4, atol=0)
+            t = tflops(lambda c=cfg: k.unit_sq_norms(X, Y, rows, ptr, R, config=c, flat=True))
             best_n = max(best_n, (t, cfg), key=lambda x: x[0])
         except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory)
             print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
-    print(f"{T:>5}x{R:<3} {p:>6}x{d:<6} {cublas:7.0f} {rs0:10.0f} {best_rs[0]:6.0f} "
-          f"{n0:7.0f} {best_n[0]:6.0f}  rs {best_rs[1]}  norms {best_n[1]}", flush=True)
+    print(f"{T:>5}x{R:<3} {p:>6}x{d:<6} {cublas:7.0f} | {rs[0]:7.0f} {rs[1]:5.0f} {best_rs[0]:5.0f} | "
+          f"{nr[0]:8.0f} {nr[1]:5.0f} {best_n[0]:5.0f} | {str(same):5} rs {best_rs[1]}  norms {best_n[1]}",
+          flush=True)
 
 
 if __name__ == "__main__":

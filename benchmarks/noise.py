@@ -7,7 +7,8 @@ normals,
   float64, added in place to a float32 tensor (what a DP step does to its clipped sums);
 * ``torch.randn(count)`` on the same device (a new tensor: the issue's baseline), and
   ``torch.randn(out=)`` into a preallocated one (the bare PRNG); neither is secure;
-* on CUDA also the torch-ops fallback (no Triton) and the keystream alone,
+* on CUDA also the torch-ops fallback (no Triton), the keystream alone, and the fused
+  kernel's instruction mix (``instruction_mix``: what bounds it),
 
 and prints normals/s, the ratio secure / randn, and the seconds of noise per step for 1 B
 and 8 B parameters (the measured rate; on CUDA the 1.6 B figure is measured directly
@@ -49,7 +50,7 @@ def _time(fn, device: torch.device, repeats: int) -> float:
     return best
 
 
-def bench_device(device: torch.device, count: int, repeats: int) -> dict:
+def bench_device(device: torch.device, count: int, repeats: int, sass_out: str | None = None) -> dict:
     key = os.urandom(32)
     t = torch.zeros(count, dtype=torch.float32, device=device)
     out = torch.empty_like(t)
@@ -81,7 +82,49 @@ def bench_device(device: torch.device, count: int, repeats: int) -> dict:
         fb = _time(lambda: noise._add_chunked(small, key, noise._nonce(0), 0, m, 1.0, noise._CHUNK_PAIRS_TORCH),
                    device, 1)
         res["torch_fallback_normals_per_s"] = m / fb
+        try:
+            res["instruction_mix"] = instruction_mix(device, sass_out)
+        except Exception as e:  # noqa: BLE001 - a diagnostic: never lose the timings for it
+            res["instruction_mix"] = f"{type(e).__name__}: {e}"
     return res
+
+
+def instruction_mix(device: torch.device, sass_out: str | None = None) -> dict:
+    """The fused kernel's compiled instructions by opcode (SASS when Triton can disassemble,
+    else PTX), per thread: the kernel is straight-line code (the 10 double rounds and the
+    transform are unrolled), so these counts divided by the ChaCha blocks a thread computes
+    give the work per block, and with the device's issue rates the kernel's floor."""
+    import collections
+    import re
+
+    from llmdp.privacy import _triton_chacha as k
+
+    t = torch.zeros(4096, dtype=torch.float32, device=device)
+    kn = k._key_nonce_tensor(b"\0" * 32, b"\0" * 12, device)
+    consts = torch.tensor([-2.0, k._TWO_PI_2M53], dtype=torch.float64, device=device)
+    n_blocks = 1024
+    compiled = k.gauss_add_kernel[(k.triton.cdiv(n_blocks, k._BLOCK),)](
+        t, kn, consts, 0, 4096, 0, n_blocks, BLOCK=k._BLOCK)
+    kind, text = "ptx", compiled.asm.get("ptx", "")
+    try:
+        sass = compiled.asm["sass"]
+        if sass:
+            kind, text = "sass", sass
+    except Exception as e:  # noqa: BLE001 - no disassembler: PTX it is
+        print(f"no SASS ({type(e).__name__}: {e}); counting PTX")
+    if sass_out:
+        with open(sass_out, "w") as f:
+            f.write(text)
+    if kind == "sass":
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[\w.]+)?", text)
+    else:
+        ops = re.findall(r"^\s+(?:@%p\d+\s+)?([a-z][a-z0-9]*)(?:\.[\w.]+)?\s", text, re.M)
+    hist = collections.Counter(ops)
+    warps = compiled.metadata.num_warps
+    mix = {"kind": kind, "num_warps": warps, "blocks_per_thread": k._BLOCK / (32 * warps),
+           "instructions": sum(hist.values()), "top": dict(hist.most_common(24))}
+    print(json.dumps(mix))
+    return mix
 
 
 def main(argv=None) -> int:
@@ -90,12 +133,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-count", type=int, default=1_600_000_000, help="normals per CUDA draw")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--sass", help="CUDA: write the fused kernel's disassembly here")
     args = ap.parse_args(argv)
     results = [bench_device(torch.device("cpu"), args.cpu_count, args.repeats)]
     if torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0]
         count = min(args.cuda_count, int(free * 0.4) // 4)  # t and randn's out, float32
-        results.append(bench_device(torch.device("cuda"), count, args.repeats))
+        results.append(bench_device(torch.device("cuda"), count, args.repeats, args.sass))
     else:
         print("no CUDA device: GPU figures not measured (run this on a GPU machine)")
     for r in results:

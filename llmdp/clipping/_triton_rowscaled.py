@@ -29,6 +29,11 @@ from llmdp._triton import available, interpreting, tl, triton  # noqa: F401 - re
 #: both kernels grows with it, not with T (``error_count``, ``norm_error_count``).
 CHUNK_T = 128
 
+#: Which loop structure the kernels use by default (``flat=`` overrides it per call): the
+#: nested loops (one K loop per chunk) or one flat pipelined loop. Both form the same sums
+#: with the same roundings; ``benchmarks/kernels.py`` times them.
+FLAT = False
+
 if triton is not None:
 
     @triton.jit
@@ -107,6 +112,104 @@ if triton is not None:
                  mask=mask_a[:, None] & mask_b[None, :])
 
 
+    # The same sums with one flat loop over (row, K block): the loads of the next blocks are
+    # software-pipelined across chunk and row boundaries (the nested loops above restart the
+    # pipeline every CHUNK positions: two K blocks at CHUNK 128). The flushes happen at the
+    # same places, in the same order, so the results and the bounds are those above.
+
+    @triton.jit
+    def _load_pair(X, Y, r, t0, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa, syr, syt, syb,
+                   BLOCK_T: tl.constexpr):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        x = tl.load(X + r * sxr + offs_t[:, None] * sxt + offs_a[None, :] * sxa,
+                    mask=mask_t[:, None] & mask_a[None, :], other=0.0)
+        y = tl.load(Y + r * syr + offs_t[:, None] * syt + offs_b[None, :] * syb,
+                    mask=mask_t[:, None] & mask_b[None, :], other=0.0)
+        return x, y
+
+    @triton.jit
+    def _mma(x, y, part, UPCAST: tl.constexpr):
+        if UPCAST:  # the interpreter's bf16 dot is wrong: the same exact products in fp32
+            out = tl.dot(tl.trans(x.to(tl.float32)), y.to(tl.float32), part, input_precision="ieee")
+        else:
+            out = tl.dot(tl.trans(x), y, part)
+        return out
+
+    @triton.jit
+    def unit_sq_norms_flat_kernel(
+        X, Y, ROWS, PTR, OUT, T, A, B, TILES_B,
+        sxr, sxt, sxa, syr, syt, syb,
+        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+        CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        pid_a = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        u = tl.program_id(2)
+        offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
+        offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask_a = offs_a < A
+        mask_b = offs_b < B
+        h = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        row = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        start = tl.load(PTR + u)
+        nt = tl.cdiv(T, BLOCK_T)
+        per: tl.constexpr = CHUNK // BLOCK_T
+        n = (tl.load(PTR + u + 1) - start) * nt
+        for k in range(0, n):
+            r = tl.load(ROWS + start + k // nt)
+            j = k % nt
+            x, y = _load_pair(X, Y, r, j * BLOCK_T, T, offs_a, offs_b, mask_a, mask_b,
+                              sxr, sxt, sxa, syr, syt, syb, BLOCK_T)
+            part = _mma(x, y, part, UPCAST)
+            if ((j + 1) % per == 0) | (j == nt - 1):  # a chunk's end: into the row's sum
+                row += part
+                part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+            if j == nt - 1:  # the row's end: into the unit's
+                h += row
+                row = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        h64 = h.to(tl.float64)
+        sq = tl.sum(tl.sum(h64 * h64, axis=1), axis=0)
+        tl.store(OUT + u * (tl.num_programs(0) * TILES_B) + pid_a * TILES_B + pid_b, sq)
+
+    @triton.jit
+    def row_scaled_tn_flat_kernel(
+        X, Y, F, OUT, R, T, A, B, ROWS_PER,
+        sxr, sxt, sxa, syr, syt, syb,
+        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+        CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        pid_a = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
+        offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask_a = offs_a < A
+        mask_b = offs_b < B
+        acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        row = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        r0 = pid_s * ROWS_PER
+        nt = tl.cdiv(T, BLOCK_T)
+        per: tl.constexpr = CHUNK // BLOCK_T
+        n = (tl.minimum(R, r0 + ROWS_PER) - r0) * nt
+        for k in range(0, n):
+            r = r0 + k // nt
+            j = k % nt
+            x, y = _load_pair(X, Y, r, j * BLOCK_T, T, offs_a, offs_b, mask_a, mask_b,
+                              sxr, sxt, sxa, syr, syt, syb, BLOCK_T)
+            part = _mma(x, y, part, UPCAST)
+            if ((j + 1) % per == 0) | (j == nt - 1):  # a chunk's end: into the row's sum
+                row += part
+                part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+            if j == nt - 1:  # the row's end: its factor times its sum, into the tile's
+                acc += tl.load(F + r) * row
+                row = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        tl.store(OUT + pid_s * A * B + offs_a[:, None] * B + offs_b[None, :], acc,
+                 mask=mask_a[:, None] & mask_b[None, :])
+
+
 def error_count(R: int, T: int, chunk: int = CHUNK_T) -> int:
     """n such that every product's relative error in the clipped sum is within γ_n(2⁻²²)
     (``lowp.row_scaled_bound``): at most min(T, chunk) + 1 roundings in its chunk's
@@ -142,12 +245,12 @@ def _check_chunk(chunk: int, block_t: int) -> int:
 
 
 def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,
-                  num_units: int, chunk: int = CHUNK_T, config=None) -> torch.Tensor:
+                  num_units: int, chunk: int = CHUNK_T, config=None, flat=None) -> torch.Tensor:
     """[U] float64: Σ over tiles of the float64 sum of squares of each tile of the float32
     h_u = Σ_{r in u} X_rᵀ Y_r (X [R, T, a], Y [R, T, b], same half dtype; the rows of unit
     u are ``rows[ptr[u]:ptr[u+1]]``). Nothing of size a×b per unit is written.
     ``config``: ((BLOCK_A, BLOCK_B, BLOCK_T), warps, stages) instead of ``_blocks``'s
-    (``benchmarks/kernels.py`` sweeps them)."""
+    (``benchmarks/kernels.py`` sweeps them); ``flat``: the loop structure (``FLAT``)."""
     T, a = X.shape[1], X.shape[2]
     b = Y.shape[2]
     blocks, warps, stages = config or _blocks(a, b, T)
@@ -156,7 +259,8 @@ def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: tor
     out = torch.empty((num_units, ta * tb), dtype=torch.float64, device=X.device)
     if num_units == 0:
         return out.sum(1)
-    unit_sq_norms_kernel[(ta, tb, num_units)](
+    kernel = unit_sq_norms_flat_kernel if (FLAT if flat is None else flat) else unit_sq_norms_kernel
+    kernel[(ta, tb, num_units)](
         X, Y, rows, ptr, out, T, a, b, tb,
         X.stride(0), X.stride(1), X.stride(2), Y.stride(0), Y.stride(1), Y.stride(2),
         BLOCK_A=blocks[0], BLOCK_B=blocks[1], BLOCK_T=blocks[2], CHUNK=chunk,
@@ -166,7 +270,7 @@ def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: tor
 
 
 def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int = CHUNK_T,
-                  config=None) -> torch.Tensor:
+                  config=None, flat=None) -> torch.Tensor:
     """Σ_r f_r X_rᵀ Y_r as a float32 [a, b] tensor (X [R, T, a], Y [R, T, b], same half
     dtype; f [R])."""
     R, T, a = X.shape
@@ -182,7 +286,8 @@ def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int 
     split = triton.cdiv(R, rows_per)
     out = torch.empty((split, a, b), dtype=torch.float32, device=X.device)
     grid = (triton.cdiv(a, blocks[0]), triton.cdiv(b, blocks[1]), split)
-    row_scaled_tn_kernel[grid](
+    kernel = row_scaled_tn_flat_kernel if (FLAT if flat is None else flat) else row_scaled_tn_kernel
+    kernel[grid](
         X, Y, f, out, R, T, a, b, rows_per,
         X.stride(0), X.stride(1), X.stride(2), Y.stride(0), Y.stride(1), Y.stride(2),
         BLOCK_A=blocks[0], BLOCK_B=blocks[1], BLOCK_T=blocks[2], CHUNK=_check_chunk(chunk, blocks[2]),

@@ -38,6 +38,8 @@ _KERNELS = textwrap.dedent(
             f = torch.rand(R, generator=g)
             f[0] = 0.0
             out = k.row_scaled_tn(x, y, f, chunk=chunk)
+            # the flat pipelined loop forms the same sums in the same order: bit for bit
+            assert torch.equal(k.row_scaled_tn(x, y, f, chunk=chunk, flat=True), out)
             ref = torch.einsum("r,rta,rtb->ab", f.double(), x.double(), y.double())
             claimed = lowp.gamma(k.error_count(R, T, chunk), lowp.UTC) * torch.einsum(
                 "r,rta,rtb->ab", f.double(), x.double().abs(), y.double().abs())
@@ -47,6 +49,8 @@ _KERNELS = textwrap.dedent(
             ptr = torch.zeros(U + 1, dtype=torch.long)
             ptr[1:] = torch.bincount(uor, minlength=U).cumsum(0)
             sq = k.unit_sq_norms(x, y, torch.argsort(uor, stable=True), ptr, U, chunk=chunk)
+            assert torch.equal(k.unit_sq_norms(x, y, torch.argsort(uor, stable=True), ptr, U,
+                                               chunk=chunk, flat=True), sq)
             assert sq.dtype == torch.float64 and sq.shape == (U,)
             h = torch.zeros(U, a, b, dtype=torch.float64).index_add(
                 0, uor, torch.einsum("rta,rtb->rab", x.double(), y.double()))
@@ -67,6 +71,7 @@ _KERNELS = textwrap.dedent(
     mag = torch.einsum("rta,rtb->ab", x.double().abs(), y.double().abs())
     out = k.row_scaled_tn(x, y, torch.ones(1), chunk=16)
     assert ((out.double() - ref).abs() > 1.5 * lowp.gamma(1, lowp.UTC) * mag).all()  # it bites
+    assert torch.equal(k.row_scaled_tn(x, y, torch.ones(1), chunk=16, flat=True), out)
     assert ((out.double() - ref).abs() <= lowp.gamma(k.error_count(1, T, 16), lowp.UTC) * mag).all()
     sq = k.unit_sq_norms(x, y, torch.arange(1), torch.tensor([0, 1]), 1, chunk=16)
     gm = lowp.gamma(k.norm_error_count(T, 1, 16), lowp.UTC)
