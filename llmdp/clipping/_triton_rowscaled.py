@@ -37,89 +37,16 @@ FLAT = False
 if triton is not None:
 
     @triton.jit
-    def _row_product(X, Y, r, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa, syr, syt, syb,
-                     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
-                     CHUNK: tl.constexpr, UPCAST: tl.constexpr):
-        """X_rᵀ Y_r on one [BLOCK_A, BLOCK_B] tile, float32: a fresh tensor-core chain per
-        CHUNK positions, the chunks added in float32."""
-        row = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
-        for c0 in range(0, T, CHUNK):
-            part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
-            for t0 in range(c0, tl.minimum(c0 + CHUNK, T), BLOCK_T):
-                offs_t = t0 + tl.arange(0, BLOCK_T)
-                mask_t = offs_t < T
-                x = tl.load(X + r * sxr + offs_t[:, None] * sxt + offs_a[None, :] * sxa,
-                            mask=mask_t[:, None] & mask_a[None, :], other=0.0)
-                y = tl.load(Y + r * syr + offs_t[:, None] * syt + offs_b[None, :] * syb,
-                            mask=mask_t[:, None] & mask_b[None, :], other=0.0)
-                if UPCAST:  # the interpreter's bf16 dot is wrong: the same exact products in fp32
-                    part = tl.dot(tl.trans(x.to(tl.float32)), y.to(tl.float32), part,
-                                  input_precision="ieee")
-                else:
-                    part = tl.dot(tl.trans(x), y, part)
-            row += part
-        return row
-
-    @triton.jit
-    def unit_sq_norms_kernel(
-        X, Y, ROWS, PTR, OUT, T, A, B, TILES_B,
-        sxr, sxt, sxa, syr, syt, syb,
-        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
-        CHUNK: tl.constexpr, UPCAST: tl.constexpr,
-    ):
-        """OUT[u, tile] = Σ over the tile of h², h = Σ_{r in u} X_rᵀ Y_r in float32 (a fresh
-        chain per CHUNK positions of a row), its squares summed in float64."""
-        pid_a = tl.program_id(0)
-        pid_b = tl.program_id(1)
-        u = tl.program_id(2)
-        offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
-        offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-        mask_a = offs_a < A
-        mask_b = offs_b < B
-        h = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
-        start = tl.load(PTR + u)
-        end = tl.load(PTR + u + 1)
-        for j in range(start, end):
-            r = tl.load(ROWS + j)
-            h += _row_product(X, Y, r, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa,
-                              syr, syt, syb, BLOCK_A, BLOCK_B, BLOCK_T, CHUNK, UPCAST)
-        h64 = h.to(tl.float64)
-        sq = tl.sum(tl.sum(h64 * h64, axis=1), axis=0)
-        tl.store(OUT + u * (tl.num_programs(0) * TILES_B) + pid_a * TILES_B + pid_b, sq)
-
-    @triton.jit
-    def row_scaled_tn_kernel(
-        X, Y, F, OUT, R, T, A, B, ROWS_PER,
-        sxr, sxt, sxa, syr, syt, syb,
-        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
-        CHUNK: tl.constexpr, UPCAST: tl.constexpr,
-    ):
-        pid_a = tl.program_id(0)
-        pid_b = tl.program_id(1)
-        pid_s = tl.program_id(2)  # a group of rows (few output tiles: split the rows too)
-        offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
-        offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-        mask_a = offs_a < A
-        mask_b = offs_b < B
-        acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
-        r_end = tl.minimum(R, (pid_s + 1) * ROWS_PER)
-        for r in range(pid_s * ROWS_PER, r_end):
-            f = tl.load(F + r)
-            row = _row_product(X, Y, r, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa,
-                               syr, syt, syb, BLOCK_A, BLOCK_B, BLOCK_T, CHUNK, UPCAST)
-            acc += f * row
-        tl.store(OUT + pid_s * A * B + offs_a[:, None] * B + offs_b[None, :], acc,
-                 mask=mask_a[:, None] & mask_b[None, :])
-
-
-    # The same sums with one flat loop over (row, K block): the loads of the next blocks are
-    # software-pipelined across chunk and row boundaries (the nested loops above restart the
-    # pipeline every CHUNK positions: two K blocks at CHUNK 128). The flushes happen at the
-    # same places, in the same order, so the results and the bounds are those above.
+    def _tile(A, B, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+        """This program's [BLOCK_A, BLOCK_B] tile of the [A, B] result: offsets and masks."""
+        offs_a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+        offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        return offs_a, offs_b, offs_a < A, offs_b < B
 
     @triton.jit
     def _load_pair(X, Y, r, t0, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa, syr, syt, syb,
                    BLOCK_T: tl.constexpr):
+        """Row r's positions [t0, t0 + BLOCK_T) of X and Y on the tile (zeros past T)."""
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
         x = tl.load(X + r * sxr + offs_t[:, None] * sxt + offs_a[None, :] * sxa,
@@ -130,11 +57,94 @@ if triton is not None:
 
     @triton.jit
     def _mma(x, y, part, UPCAST: tl.constexpr):
+        """part + xᵀ y on tensor cores (exact products, float32 accumulation)."""
         if UPCAST:  # the interpreter's bf16 dot is wrong: the same exact products in fp32
             out = tl.dot(tl.trans(x.to(tl.float32)), y.to(tl.float32), part, input_precision="ieee")
         else:
             out = tl.dot(tl.trans(x), y, part)
         return out
+
+    @triton.jit
+    def _row_product(X, Y, r, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa, syr, syt, syb,
+                     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+                     CHUNK: tl.constexpr, UPCAST: tl.constexpr):
+        """X_rᵀ Y_r on one [BLOCK_A, BLOCK_B] tile, float32: a fresh tensor-core chain per
+        CHUNK positions, the chunks added in float32."""
+        row = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        for c0 in range(0, T, CHUNK):
+            part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+            for t0 in range(c0, tl.minimum(c0 + CHUNK, T), BLOCK_T):
+                x, y = _load_pair(X, Y, r, t0, T, offs_a, offs_b, mask_a, mask_b,
+                                  sxr, sxt, sxa, syr, syt, syb, BLOCK_T)
+                part = _mma(x, y, part, UPCAST)
+            row += part
+        return row
+
+    @triton.jit
+    def _store_sq(OUT, h, u, TILES_B):
+        """OUT[u, tile] = the float64 sum of squares of the float32 tile h."""
+        h64 = h.to(tl.float64)
+        sq = tl.sum(tl.sum(h64 * h64, axis=1), axis=0)
+        tl.store(OUT + u * (tl.num_programs(0) * TILES_B) + tl.program_id(0) * TILES_B
+                 + tl.program_id(1), sq)
+
+    @triton.jit
+    def unit_sq_norms_kernel(
+        X, Y, ROWS, PTR, OUT, T, A, B, TILES_B,
+        sxr, sxt, sxa, syr, syt, syb,
+        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+        CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """OUT[u, tile] = Σ over the tile of h², h = Σ_{r in u} X_rᵀ Y_r in float32 (a fresh
+        chain per CHUNK positions of a row), its squares summed in float64."""
+        u = tl.program_id(2)
+        offs_a, offs_b, mask_a, mask_b = _tile(A, B, BLOCK_A, BLOCK_B)
+        h = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        start = tl.load(PTR + u)
+        end = tl.load(PTR + u + 1)
+        for j in range(start, end):
+            r = tl.load(ROWS + j)
+            h += _row_product(X, Y, r, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa,
+                              syr, syt, syb, BLOCK_A, BLOCK_B, BLOCK_T, CHUNK, UPCAST)
+        _store_sq(OUT, h, u, TILES_B)
+
+    @triton.jit
+    def row_scaled_tn_kernel(
+        X, Y, F, OUT, R, T, A, B, ROWS_PER,
+        sxr, sxt, sxa, syr, syt, syb,
+        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+        CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        pid_s = tl.program_id(2)  # a group of rows (few output tiles: split the rows too)
+        offs_a, offs_b, mask_a, mask_b = _tile(A, B, BLOCK_A, BLOCK_B)
+        acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        r_end = tl.minimum(R, (pid_s + 1) * ROWS_PER)
+        for r in range(pid_s * ROWS_PER, r_end):
+            f = tl.load(F + r)
+            row = _row_product(X, Y, r, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa,
+                               syr, syt, syb, BLOCK_A, BLOCK_B, BLOCK_T, CHUNK, UPCAST)
+            acc += f * row
+        tl.store(OUT + pid_s * A * B + offs_a[:, None] * B + offs_b[None, :], acc,
+                 mask=mask_a[:, None] & mask_b[None, :])
+
+    # The same sums with one flat loop over (row, K block): the loads of the next blocks are
+    # software-pipelined across chunk and row boundaries (the nested loops above restart the
+    # pipeline every CHUNK positions: two K blocks at CHUNK 128). The flushes happen at the
+    # same places, in the same order, so the results and the bounds are those above.
+
+    @triton.jit
+    def _flat_step(X, Y, r, j, nt, T, offs_a, offs_b, mask_a, mask_b, part, row,
+                   sxr, sxt, sxa, syr, syt, syb, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+                   BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, UPCAST: tl.constexpr):
+        """K block j of row r into the chain ``part``; at a chunk's end (or the row's) the
+        chain is added to the row's sum ``row`` and restarted. Returns (part, row)."""
+        x, y = _load_pair(X, Y, r, j * BLOCK_T, T, offs_a, offs_b, mask_a, mask_b,
+                          sxr, sxt, sxa, syr, syt, syb, BLOCK_T)
+        part = _mma(x, y, part, UPCAST)
+        if ((j + 1) % (CHUNK // BLOCK_T) == 0) | (j == nt - 1):
+            row += part
+            part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        return part, row
 
     @triton.jit
     def unit_sq_norms_flat_kernel(
@@ -143,35 +153,22 @@ if triton is not None:
         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
         CHUNK: tl.constexpr, UPCAST: tl.constexpr,
     ):
-        pid_a = tl.program_id(0)
-        pid_b = tl.program_id(1)
         u = tl.program_id(2)
-        offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
-        offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-        mask_a = offs_a < A
-        mask_b = offs_b < B
+        offs_a, offs_b, mask_a, mask_b = _tile(A, B, BLOCK_A, BLOCK_B)
         h = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
         row = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
         part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
         start = tl.load(PTR + u)
         nt = tl.cdiv(T, BLOCK_T)
-        per: tl.constexpr = CHUNK // BLOCK_T
-        n = (tl.load(PTR + u + 1) - start) * nt
-        for k in range(0, n):
-            r = tl.load(ROWS + start + k // nt)
+        for k in range(0, (tl.load(PTR + u + 1) - start) * nt):
             j = k % nt
-            x, y = _load_pair(X, Y, r, j * BLOCK_T, T, offs_a, offs_b, mask_a, mask_b,
-                              sxr, sxt, sxa, syr, syt, syb, BLOCK_T)
-            part = _mma(x, y, part, UPCAST)
-            if ((j + 1) % per == 0) | (j == nt - 1):  # a chunk's end: into the row's sum
-                row += part
-                part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+            part, row = _flat_step(X, Y, tl.load(ROWS + start + k // nt), j, nt, T, offs_a, offs_b,
+                                   mask_a, mask_b, part, row, sxr, sxt, sxa, syr, syt, syb,
+                                   BLOCK_A, BLOCK_B, BLOCK_T, CHUNK, UPCAST)
             if j == nt - 1:  # the row's end: into the unit's
                 h += row
                 row = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
-        h64 = h.to(tl.float64)
-        sq = tl.sum(tl.sum(h64 * h64, axis=1), axis=0)
-        tl.store(OUT + u * (tl.num_programs(0) * TILES_B) + pid_a * TILES_B + pid_b, sq)
+        _store_sq(OUT, h, u, TILES_B)
 
     @triton.jit
     def row_scaled_tn_flat_kernel(
@@ -180,29 +177,19 @@ if triton is not None:
         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
         CHUNK: tl.constexpr, UPCAST: tl.constexpr,
     ):
-        pid_a = tl.program_id(0)
-        pid_b = tl.program_id(1)
         pid_s = tl.program_id(2)
-        offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
-        offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-        mask_a = offs_a < A
-        mask_b = offs_b < B
+        offs_a, offs_b, mask_a, mask_b = _tile(A, B, BLOCK_A, BLOCK_B)
         acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
         row = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
         part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
         r0 = pid_s * ROWS_PER
         nt = tl.cdiv(T, BLOCK_T)
-        per: tl.constexpr = CHUNK // BLOCK_T
-        n = (tl.minimum(R, r0 + ROWS_PER) - r0) * nt
-        for k in range(0, n):
+        for k in range(0, (tl.minimum(R, r0 + ROWS_PER) - r0) * nt):
             r = r0 + k // nt
             j = k % nt
-            x, y = _load_pair(X, Y, r, j * BLOCK_T, T, offs_a, offs_b, mask_a, mask_b,
-                              sxr, sxt, sxa, syr, syt, syb, BLOCK_T)
-            part = _mma(x, y, part, UPCAST)
-            if ((j + 1) % per == 0) | (j == nt - 1):  # a chunk's end: into the row's sum
-                row += part
-                part = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+            part, row = _flat_step(X, Y, r, j, nt, T, offs_a, offs_b, mask_a, mask_b, part, row,
+                                   sxr, sxt, sxa, syr, syt, syb, BLOCK_A, BLOCK_B, BLOCK_T, CHUNK,
+                                   UPCAST)
             if j == nt - 1:  # the row's end: its factor times its sum, into the tile's
                 acc += tl.load(F + r) * row
                 row = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
