@@ -312,6 +312,7 @@ def check_recipe(r, prefix: str, base_dir: str):
             key="model.tiny.max_position_embeddings",
         )
     _check_eval_recipe(r)
+    _check_public_recipe(r)
     _check_baseline_recipe(r)
     rows = 1 if r.data.unit == "sequence" else r.data.max_rows_per_unit
     if rows > r.train.physical_batch_size:
@@ -324,10 +325,25 @@ def check_recipe(r, prefix: str, base_dir: str):
     return r
 
 
+def _check_public_recipe(r) -> None:
+    """A run on data the recipe declares public (data.public: true) trains without DP, and
+    says so twice: privacy.dp: false as well."""
+    d = r.data
+    if d.public_override_ledger and not d.public:
+        raise ConfigError(
+            "data.public_override_ledger: true is only for a source declared public "
+            "(data.public: true); remove it", key="data.public_override_ledger")
+    if d.public and r.privacy.dp:
+        raise ConfigError(
+            "data.public: true declares the training data public, and a run on public data "
+            "trains without DP: set privacy.dp: false as well (no DP recipe turns non-private "
+            "by one setting), or remove data.public to train with DP", key="privacy.dp")
+
+
 def _check_baseline_recipe(r) -> None:
     """A NON-PRIVATE baseline (privacy.dp: false) is for comparison only: never published,
-    and it records nothing in any ledger."""
-    if r.privacy.dp:
+    and it records nothing in any ledger. (A run on data declared public may be published.)"""
+    if r.privacy.dp or r.data.public:
         return
     if r.output.push_to is not None:
         raise ConfigError(

@@ -246,6 +246,15 @@ class DataConfig(SourceConfig):
     preprocess_memory_mb: float = _f(1024.0, ge=3)
     preprocess_workers: int | None = _f(None, ge=1)
     eval: EvalDataConfig | None = None  # held-out data (None: no evaluation)
+    # true: this recipe DECLARES its training source public (the declaration is the user's
+    # responsibility; llmdp cannot check it). The run trains without DP (privacy.dp: false
+    # is required as well: no DP recipe turns non-private by one setting), opens no dataset
+    # ledger and spends nothing; its plan, report and model card say so first; its model
+    # may be exported and used as a starting checkpoint. A source whose dataset ledger
+    # records DP releases was treated as private: refused, unless public_override_ledger
+    # (a note of the declaration is then recorded in that ledger).
+    public: bool = False
+    public_override_ledger: bool = False
 
 
 @dataclass(frozen=True)
