@@ -30,6 +30,14 @@ BANNER = ("NON-PRIVATE BASELINE: trained without clipping or noise; no privacy g
           "for comparison only")
 
 
+def public_banner(data_cfg: dict) -> str:
+    """The first line of a run on data its recipe declares public (``data.public: true``)."""
+    source = data_cfg.get("path") or data_cfg.get("dataset")
+    return (f"DECLARED PUBLIC DATA: the recipe declared its training data ({source}) public "
+            "(data.public: true); trained without DP; llmdp makes no guarantee about this data, "
+            "and the declaration is the user's responsibility")
+
+
 def _config_hash(run_dir: str) -> str | None:
     """The ``# config_hash:`` header of the run's config.yaml (`config.dump_yaml`)."""
     try:
@@ -51,10 +59,12 @@ def baseline_report(rd, metrics: list[dict], state: dict, *, internal_metrics: d
     completed = state.pop("completed")
     data_cfg, train, priv = cfg["data"], cfg.get("train") or {}, cfg.get("privacy") or {}
     stats = dict(info.get("data") or {})
+    public = bool(data_cfg.get("public"))
     return {
         "privacy": NON_PRIVATE,
         "dp": False,
-        "banner": BANNER,
+        "banner": public_banner(data_cfg) if public else BANNER,
+        "declared_public": public,
         "run_id": info.get("run_id"),
         **state,  # status, failure, resume, stopped
         # ---- no guarantee
@@ -62,8 +72,11 @@ def baseline_report(rd, metrics: list[dict], state: dict, *, internal_metrics: d
         "delta": None,
         "accountant": None,
         "guarantee": "none",
-        "guarantee_note": "Trained on the private data without clipping or noise: the model "
-        "and its checkpoints may reveal any training unit",
+        "guarantee_note": ("Trained without clipping or noise on data the recipe declares "
+                           "public: the model and its checkpoints may reveal any training unit"
+                           if public else
+                           "Trained on the private data without clipping or noise: the model "
+                           "and its checkpoints may reveal any training unit"),
         "ledger": None,
         # ---- what ran (the DP recipe's compute)
         "steps": completed,
@@ -104,15 +117,26 @@ def baseline_report(rd, metrics: list[dict], state: dict, *, internal_metrics: d
 def render_baseline_markdown(r: dict) -> str:
     """The Markdown of a baseline's report: the banner is its first line."""
     status = r.get("status")
-    lines = [
-        BANNER,
-        "",
-        "# Training report: NON-PRIVATE baseline",
-        "",
-        f"> **No privacy guarantee.** {r['guarantee_note']}. There is no ε; nothing was recorded in "
-        "a privacy ledger; this run cannot be exported.",
-        "",
-    ]
+    if r.get("declared_public"):
+        lines = [
+            r["banner"],
+            "",
+            "# Training report: a run on data declared public",
+            "",
+            f"> **No privacy guarantee.** {r['guarantee_note']}. There is no ε; nothing was "
+            "recorded in a privacy ledger.",
+            "",
+        ]
+    else:
+        lines = [
+            BANNER,
+            "",
+            "# Training report: NON-PRIVATE baseline",
+            "",
+            f"> **No privacy guarantee.** {r['guarantee_note']}. There is no ε; nothing was "
+            "recorded in a privacy ledger; this run cannot be exported.",
+            "",
+        ]
     if status != "complete":
         lines += [f"> Run status: **{status}**" + (f" ({r['failure']})" if r.get("failure") else "")
                   + (f" ({r['stopped']})" if r.get("stopped") else "")

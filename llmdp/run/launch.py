@@ -19,7 +19,7 @@ import yaml
 from llmdp._fs import RunLock, cache_root
 from llmdp.config.schema import ConfigError, RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.hub.export import ExportError, export_run
-from llmdp.privacy.dataset_ledger import open_dataset_ledger
+from llmdp.privacy.dataset_ledger import check_declared_public, open_dataset_ledger
 from llmdp.privacy.events import event_to_json
 from llmdp.privacy.ledger import LedgerError
 from llmdp.privacy.service import BudgetError, LedgerService, run_ledger_problems
@@ -117,6 +117,8 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
 
     # A NON-PRIVATE baseline (privacy.dp: false) opens no ledger and records nothing.
     ledger = open_dataset_ledger(d, cfg.privacy.ledger, source_sha, log=log) if plan.dp else None
+    if d.public:  # declared public: refused on data that was treated as private (its ledger)
+        check_declared_public(d, cfg.privacy.ledger, source_sha, run_dir=run_dir, log=log)
     if ledger is not None:
         _check_run_ledger(run_dir, run_id, ledger)  # a resumed run: its ledger.jsonl is whole
     eval_ledger = None if ledger is None or planned.eval_plan is None else \

@@ -1,0 +1,111 @@
+"""Data a recipe declares public (issue 32 item 1): ``data.public: true`` (with
+``privacy.dp: false``) trains without DP, opens no dataset ledger, spends nothing and says
+first, in its plan, report and card, that the data was declared public; a source llmdp has
+treated as private (DP releases in a dataset ledger: its own, or one with the same content)
+refuses the declaration unless ``data.public_override_ledger``, which notes it there."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from llmdp.config.schema import ConfigError, recipe_from_dict, to_dict
+from llmdp.privacy.ledger_location import resolve_location
+from llmdp.privacy.ledgerdb import LedgerDB
+from llmdp.train.loop import LocalContext, train_loop_per_worker
+from tests.helpers import simulate_steps
+from tests.test_loop import make_recipe, prepared_config
+
+
+def public_recipe(tmp_path, name="pub", data_path=None, **data):
+    raw = to_dict(make_recipe(tmp_path))
+    raw["privacy"] = {"dp": False, "ledger": str(tmp_path / "ledgers.sqlite")}
+    raw["data"].update({"public": True, **data})
+    if data_path is not None:
+        raw["data"]["path"] = str(data_path)
+    raw["output"]["name"] = name
+    return recipe_from_dict(raw)
+
+
+def dp_recipe(tmp_path, name="dp"):
+    raw = to_dict(make_recipe(tmp_path))
+    raw["privacy"]["ledger"] = str(tmp_path / "ledgers.sqlite")
+    raw["output"]["name"] = name
+    return recipe_from_dict(raw)
+
+
+def records(location) -> dict[str, list[dict]]:
+    db = LedgerDB(resolve_location(str(location)))
+    try:
+        return {ledger: db.records(ledger) for ledger in db.ledgers()}
+    finally:
+        db.close()
+
+
+def test_public_needs_dp_false_too_and_the_override_needs_public(tmp_path):
+    raw = to_dict(make_recipe(tmp_path))
+    raw["data"]["public"] = True
+    with pytest.raises(ConfigError, match=r"data.public: true .* set privacy.dp: false as well"):
+        recipe_from_dict(raw)
+    raw = to_dict(make_recipe(tmp_path))
+    raw["data"]["public_override_ledger"] = True
+    with pytest.raises(ConfigError, match=r"data.public_override_ledger: true is only for a source "
+                                          r"declared public"):
+        recipe_from_dict(raw)
+    cfg = public_recipe(tmp_path)
+    assert cfg.data.public and not cfg.privacy.dp
+    assert recipe_from_dict(to_dict(cfg)) == cfg  # the declaration round-trips
+
+
+def test_a_public_run_records_nothing_and_says_first_that_the_data_was_declared_public(tmp_path):
+    from llmdp.report.build import write_report
+
+    cfg = public_recipe(tmp_path)
+    spec = prepared_config(cfg)
+    assert spec.dp is False and spec.ledger is None and spec.dataset_ledger is None
+    train_loop_per_worker(spec, LocalContext(checkpoint_dir=str(tmp_path / "ckpt")))
+    rep = write_report(spec.run_dir)
+    assert not os.path.exists(tmp_path / "ledgers.sqlite")  # no database, no ledger, nothing spent
+    assert not os.path.exists(os.path.join(spec.run_dir, "ledger.jsonl"))
+    first = (f"DECLARED PUBLIC DATA: the recipe declared its training data ({cfg.data.path}) public "
+             "(data.public: true); trained without DP; llmdp makes no guarantee about this data, "
+             "and the declaration is the user's responsibility")
+    assert rep["declared_public"] is True and rep["banner"] == first and rep["epsilon"] is None
+    md = open(os.path.join(spec.run_dir, "privacy_report.md"), encoding="utf-8").read()
+    assert md.splitlines()[0] == first and "declared public" in md and "cannot be exported" not in md
+
+
+def test_data_treated_as_private_refuses_the_declaration_unless_overridden_and_noted(tmp_path):
+    dp = prepared_config(dp_recipe(tmp_path))
+    simulate_steps(dp, 2)  # two DP steps released on the notes
+    before = records(tmp_path / "ledgers.sqlite")
+    (ledger,) = before
+    released = [r for r in before[ledger] if r["kind"] == "release"]
+    assert sum(r["count"] for r in released) == 2
+
+    with pytest.raises(ConfigError) as e:
+        prepared_config(public_recipe(tmp_path))
+    msg = str(e.value)
+    assert msg.startswith("data.public: true, but ") and f"{ledger!r} (1 DP release(s))" in msg
+    assert "data.public_override_ledger: true" in msg and "remove data.public" in msg
+    # The same notes under another name: their content hash names the same ledger.
+    copy = tmp_path / "copy" / "public-notes.jsonl"
+    copy.parent.mkdir()
+    shutil.copy(dp.cfg.data.path, copy)
+    with pytest.raises(ConfigError, match=rf"{ledger!r} \(1 DP release\(s\)\)"):
+        prepared_config(public_recipe(tmp_path, name="copy", data_path=copy))
+    assert records(tmp_path / "ledgers.sqlite") == before  # refused: nothing written
+
+    spec = prepared_config(public_recipe(tmp_path, public_override_ledger=True))
+    assert spec.ledger is None
+    prepared_config(public_recipe(tmp_path, public_override_ledger=True))  # a re-launch
+    after = records(tmp_path / "ledgers.sqlite")
+    notes = [r for r in after[ledger] if r["kind"] == "note"]
+    assert len(notes) == 1 and notes[0]["run_dir"] == spec.run_dir
+    assert "declared this data public" in notes[0]["note"]
+    # the note is not a release: what the data spent is unchanged
+    assert [r for r in after[ledger] if r["kind"] == "release"] == released
+    assert set(after) == set(before)
