@@ -74,6 +74,8 @@ def test_a_public_run_records_nothing_and_says_first_that_the_data_was_declared_
              "(data.public: true); trained without DP; llmdp makes no guarantee about this data, "
              "and the declaration is the user's responsibility")
     assert rep["declared_public"] is True and rep["banner"] == first and rep["epsilon"] is None
+    info = json.load(open(os.path.join(spec.run_dir, "plan.json"), encoding="utf-8"))
+    assert next(iter(info)) == "declared_public" and info["declared_public"] == first
     md = open(os.path.join(spec.run_dir, "privacy_report.md"), encoding="utf-8").read()
     assert md.splitlines()[0] == first and "declared public" in md and "cannot be exported" not in md
 

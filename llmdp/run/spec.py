@@ -17,13 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmdp.config.schema import RecipeConfig
+from llmdp.config.schema import RecipeConfig, to_dict
 from llmdp.evaluation.dp import DpEvalPlan
 from llmdp.privacy.events import event_to_json
 from llmdp.privacy.plan import DPPlan
 from llmdp.privacy.prior import composed_epsilon
 from llmdp.privacy.service import LedgerService
-from llmdp.run.baseline import NON_PRIVATE
+from llmdp.run.baseline import NON_PRIVATE, public_banner
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,9 @@ class RunSpec:
 
         planted = plant.active()
         return {
+            # A run on data its recipe declares public says so first.
+            **({"declared_public": public_banner(to_dict(self.cfg)["data"])}
+               if self.cfg.data.public else {}),
             **({} if self.dp else {"privacy": NON_PRIVATE}),
             # A test switched a planted bug on (LLMDP_TEST_PLANT, never a recipe): the run
             # carries no guarantee; the report says so first and export refuses it.
