@@ -111,3 +111,45 @@ def test_data_treated_as_private_refuses_the_declaration_unless_overridden_and_n
     # the note is not a release: what the data spent is unchanged
     assert [r for r in after[ledger] if r["kind"] == "release"] == released
     assert set(after) == set(before)
+
+
+def test_a_public_run_is_exported_with_the_declaration_first_and_no_guarantee(tmp_path):
+    """Item 1: a declared-public run's model can be exported (a baseline's cannot): its card
+    says first that the data was declared public, with no ε and no differential_privacy
+    block; its report carries no internal statistics; a baseline is still refused."""
+    from transformers import AutoModelForCausalLM
+
+    from llmdp.hub.export import ExportError, export_run
+    from llmdp.report.build import write_report
+
+    cfg = public_recipe(tmp_path)
+    spec = prepared_config(cfg)
+    train_loop_per_worker(spec, LocalContext(checkpoint_dir=str(tmp_path / "ckpt")))
+    rep = write_report(spec.run_dir)
+    out = tmp_path / "export"
+    res = export_run(spec.run_dir, out, log=lambda *a: None)
+    assert res["verified"] and res["format"] == "full"
+    card = (out / "README.md").read_text(encoding="utf-8")
+    meta, body = card.split("\n---\n", 1)
+    first = body.strip().splitlines()[0]
+    assert first.startswith("DECLARED PUBLIC DATA: the recipe declared its training data (")
+    assert first.endswith("the declaration is the user's responsibility")
+    assert str(tmp_path) not in card  # the local path is not published
+    assert "differential_privacy" not in meta and "declared-public-data" in meta
+    from llmdp.hub.export import EXPORT_INFO
+
+    info = json.load(open(out / EXPORT_INFO, encoding="utf-8"))
+    assert info["declared_public"] == first and info["epsilon"] is None and info["verified"]
+    pub = json.load(open(out / "privacy_report.json", encoding="utf-8"))
+    assert pub["declared_public"] is True and "internal_metrics" not in pub
+    assert "data_statistics" not in pub and rep["internal_metrics"]
+    AutoModelForCausalLM.from_pretrained(out)  # loads as a starting checkpoint
+    # the same run, not declared public: a NON-PRIVATE baseline, never exported
+    raw = to_dict(cfg)
+    raw["data"]["public"] = False
+    raw["output"]["name"] = "base"
+    base = prepared_config(recipe_from_dict(raw))
+    train_loop_per_worker(base, LocalContext(checkpoint_dir=str(tmp_path / "ckpt2")))
+    write_report(base.run_dir)
+    with pytest.raises(ExportError, match="NON-PRIVATE baseline"):
+        export_run(base.run_dir, tmp_path / "export2", log=lambda *a: None)

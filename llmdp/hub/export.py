@@ -109,11 +109,22 @@ def _plan_info(rd: RunDir) -> dict:
         raise ExportError(f"{rd.plan_path}: not valid JSON ({e})") from None
 
 
-def _refuse_baseline(run_dir: str) -> None:
-    """A NON-PRIVATE baseline (privacy.dp: false) is never exported, verified or not."""
+def declared_public(run_dir: str) -> bool:
+    """A run on data its recipe declared public (``data.public: true``, ``privacy.dp: false``,
+    the declaration first in its plan.json): exported without a guarantee (`llmdp.hub.public`)."""
     cfg = _read_yaml(os.path.join(run_dir, "config.yaml"))
     info = _read_json(os.path.join(run_dir, "plan.json")) or {}
-    if ((cfg.get("privacy") or {}).get("dp") is False or (info.get("plan") or {}).get("dp") is False
+    return (bool((cfg.get("data") or {}).get("public")) and (cfg.get("privacy") or {}).get("dp") is False
+            and bool(info.get("declared_public")))
+
+
+def _refuse_baseline(run_dir: str) -> None:
+    """A NON-PRIVATE baseline (privacy.dp: false) is never exported, verified or not; a run on
+    data declared public is (`verify_public_run`)."""
+    cfg = _read_yaml(os.path.join(run_dir, "config.yaml"))
+    info = _read_json(os.path.join(run_dir, "plan.json")) or {}
+    if not declared_public(run_dir) and (
+            (cfg.get("privacy") or {}).get("dp") is False or (info.get("plan") or {}).get("dp") is False
             or info.get("privacy") == NON_PRIVATE):
         raise ExportError(
             f"{run_dir} is a NON-PRIVATE baseline (privacy.dp: false): it was trained without "
@@ -133,6 +144,21 @@ def _read_yaml(path: str) -> dict:
             return yaml.safe_load(f) or {}
     except FileNotFoundError:
         return {}
+
+
+def _check_destination(to: str, report: dict) -> None:
+    info = _read_json(os.path.join(to, EXPORT_INFO)) if os.path.isdir(to) else None
+    if os.path.exists(to) and (not os.path.isdir(to) or (os.listdir(to) and (
+            info is None or info.get("run_id") != report.get("run_id")))):
+        raise ExportError(f"--to: {to} exists and is not an export of this run; choose an empty or "
+                          f"new folder")
+
+
+def _write_export_info(folder: str, info: dict) -> None:
+    info = {**info, "exported_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    with open(os.path.join(folder, EXPORT_INFO), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
@@ -401,6 +427,15 @@ def export_run(
     if push is not None and not _is_hub_id(push) or (push is not None and push.count("/") != 1):
         raise ExportError(f"--push: {push!r} is not a Hub repo id; expected ORG/NAME")
     cfg = _run_config(run_dir)
+    if declared_public(run_dir):
+        base_id = _base_model_id(cfg, base_model)
+        from llmdp.hub.public import export_public  # lazy: it imports this module
+
+        fmt, problems, report = export_public(run_dir, to, cfg, merge=merge, base_model=base_id,
+                                               license=license, push=push,
+                                               allow_unverified=allow_unverified, log=log)
+        return _finish_export(to, fmt, problems, push, private, dry_run, log,
+                              "DECLARED PUBLIC DATA: no privacy guarantee")
     problems, report = verify_run(run_dir)
     if problems and not allow_unverified:
         raise ExportError(
@@ -410,11 +445,7 @@ def export_run(
     for p in problems:
         log(f"UNVERIFIED: {p}")
     base_id = _base_model_id(cfg, base_model)
-    info = _read_json(os.path.join(to, EXPORT_INFO)) if os.path.isdir(to) else None
-    if os.path.exists(to) and (not os.path.isdir(to) or (os.listdir(to) and (
-            info is None or info.get("run_id") != report.get("run_id")))):
-        raise ExportError(f"--to: {to} exists and is not an export of this run; choose an empty or "
-                          f"new folder")
+    _check_destination(to, report)
     with building_dir(to, ".tmp-export-") as tmp:
         fmt = _write_model(run_dir, tmp, cfg, merge=merge, base_model=base_id, log=log)
         _copy_files(os.path.join(run_dir, "model"), tmp, _TOKENIZER_FILES)
@@ -427,18 +458,18 @@ def export_run(
         card = model_card(clean, _scrub(cfg, roots), fmt=fmt, base_model=base_id, license=license,
                           unverified=problems, repo_id=push)
         card.save(os.path.join(tmp, "README.md"))
-        with open(os.path.join(tmp, EXPORT_INFO), "w", encoding="utf-8") as f:
-            json.dump({"run_id": report.get("run_id"), "format": fmt, "base_model": base_id,
-                       "verified": not problems, "problems": problems,
-                       "epsilon": report["epsilon"], "delta": report["delta"],
-                       "exported_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
-                      f, indent=2, sort_keys=True)
-            f.write("\n")
+        _write_export_info(tmp, {"run_id": report.get("run_id"), "format": fmt, "base_model": base_id,
+                                 "verified": not problems, "problems": problems,
+                                 "epsilon": report["epsilon"], "delta": report["delta"]})
         replace_dir(tmp, to)
+    return _finish_export(to, fmt, problems, push, private, dry_run, log,
+                          f"ε = {report['epsilon']:.4f} at δ = {report['delta']:.3g}")
+
+
+def _finish_export(to, fmt, problems, push, private, dry_run, log, what: str) -> dict:
     files = _list_files(to)
     log(f"exported {fmt} to {to} ({len(files)} files, {sum(s for _, s in files) / 1e6:.1f} MB); "
-        f"ε = {report['epsilon']:.4f} at δ = {report['delta']:.3g}"
-        + ("" if not problems else " (UNVERIFIED)"))
+        f"{what}" + ("" if not problems else " (UNVERIFIED)"))
     result = {"folder": to, "format": fmt, "files": files, "verified": not problems,
               "problems": problems, "pushed": None}
     if push is not None:

@@ -143,6 +143,48 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
 
+def public_model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None,
+                      license: str | None, unverified: list[str], repo_id: str | None = None):
+    """The card of a run on data its recipe declared public (``data.public: true``): its first
+    line (after the metadata) is the run's declaration (`llmdp.run.baseline.public_banner`);
+    no ε, no differential_privacy block: llmdp makes no guarantee about such a model."""
+    from huggingface_hub import ModelCard, ModelCardData  # lazy: huggingface_hub is slow to import
+
+    data_cfg, model_cfg, optim = cfg["data"], cfg["model"], cfg["optim"]
+    tags = ["llmdp", "text-generation", "declared-public-data"] + (["lora", "peft"] if fmt == "adapter" else [])
+    card_data = ModelCardData(
+        license=license or "other", base_model=base_model,
+        library_name="peft" if fmt == "adapter" else "transformers", tags=tags,
+        datasets=[data_cfg["dataset"]] if data_cfg.get("dataset") else None,
+        pipeline_tag="text-generation",
+    )
+    name = repo_id or cfg["output"]["name"]
+    lora = model_cfg.get("lora")
+    lines = [report["banner"], "", f"# {name}", ""]
+    if unverified:
+        lines += ["> **UNVERIFIED EXPORT.** Published with `--allow-unverified`; these checks failed:", ">"]
+        lines += [f"> - {p}" for p in unverified] + [""]
+    lines += [
+        "A causal language model trained by llmdp **without differential privacy**, on data its "
+        "recipe declared public (`data.public: true`). llmdp makes **no privacy guarantee** for "
+        "this model: it may reveal any training example. Whether the data may be published, and "
+        "used this way, is the responsibility of whoever declared it public.",
+        "",
+        "| item | value |",
+        "| --- | --- |",
+        f"| Training data | {data_cfg.get('dataset') or data_cfg.get('path')} (declared public) |",
+        "| Privacy | none: no clipping, no noise, no ε |",
+        f"| Status | {report['status']} |",
+        f"| Steps | {report['steps_completed']} of {report['steps_planned']} |",
+        f"| Unit / dataset size | {report['unit']} / {report['dataset_size']} units |",
+        f"| Model | {'LoRA r=' + str(lora['r']) if lora else 'full fine-tuning'}; dtype {model_cfg.get('dtype')} |",
+        f"| Optimizer | {optim['name']}, lr {optim['lr']:g}, schedule {optim['schedule']} |",
+        "",
+        *evaluation_markdown(report.get("evaluation")),
+    ]
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
 def _dp_metrics_with_std(m: dict) -> list[tuple[str, float, float]]:
     """(metric, value, std of its DP noise) of one DP evaluation release; perplexity's std is
     the loss std carried through exp (delta method: exp(loss)·std(loss))."""

@@ -1,0 +1,87 @@
+"""The export of a run on data its recipe declared public (``data.public: true``, issue 32):
+the weights and tokenizer as for a DP run (`llmdp.hub.export`), a model card whose first line
+is the recipe's declaration and which states no guarantee (`llmdp.report.card.public_model_card`),
+the report without its internal statistics, and ``llmdp_export.json`` with no ε. Verified:
+the run finished and its report is the declared-public one of this config."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from llmdp._fs import building_dir, replace_dir
+from llmdp.hub.export import (
+    _TOKENIZER_FILES,
+    ExportError,
+    _check_destination,
+    _config_hash_header,
+    _copy_files,
+    _read_json,
+    _refuse_baseline,
+    _scrub,
+    _write_export_info,
+    _write_model,
+)
+from llmdp.report.card import public_model_card
+from llmdp.run.baseline import public_banner
+
+
+def verify_public_run(run_dir: str) -> tuple[list[str], dict]:
+    """(problems, report) of a run on data declared public: it finished, its report is the
+    declared-public one and belongs to this config. No guarantee is checked: there is none."""
+    _refuse_baseline(run_dir)  # the planted-bug refusal
+    if not os.path.isdir(os.path.join(run_dir, "model")):
+        raise ExportError(f"{run_dir}: no final model (model/); the run did not finish. Resume it "
+                          f"with `llmdp train` and the same recipe and output.name")
+    report = _read_json(os.path.join(run_dir, "privacy_report.json"))
+    if report is None:
+        raise ExportError(f"{run_dir}: no privacy_report.json; write it with `llmdp privacy report "
+                          f"{run_dir}`, then export again")
+    problems = []
+    if not report.get("declared_public"):
+        problems.append("privacy_report.json does not say that the data was declared public: "
+                        "rebuild it with `llmdp privacy report`")
+    if report.get("status") != "complete":
+        problems.append(f"the run's status is {report.get('status')!r}, not complete")
+    want = _config_hash_header(run_dir)
+    if want and report.get("config_hash") != want:
+        problems.append("privacy_report.json was written for another config.yaml: rebuild it with "
+                        "`llmdp privacy report`")
+    return problems, report
+
+
+_PUBLIC_REPORT_KEYS = ("privacy", "dp", "banner", "declared_public", "run_id", "status", "epsilon",
+                       "delta", "guarantee", "guarantee_note", "steps", "steps_planned",
+                       "steps_completed", "unit", "dataset_size", "expected_batch_size",
+                       "sampling_probability", "recipe", "evaluation", "config_hash")
+
+
+def export_public(run_dir: str, to: str, cfg: dict, *, merge: bool, base_model: str | None,
+                   license: str | None, push: str | None, allow_unverified: bool, log) -> tuple:
+    """The export folder of a run on data declared public: the weights, the tokenizer, a card
+    whose first line is the declaration, and the report without its internal statistics."""
+    problems, report = verify_public_run(run_dir)
+    if problems and not allow_unverified:
+        raise ExportError(
+            f"{run_dir} cannot be exported as verified:\n" + "\n".join(f"  - {p}" for p in problems)
+            + "\nFix the run (or rebuild its report), or pass --allow-unverified to export anyway")
+    for p in problems:
+        log(f"UNVERIFIED: {p}")
+    _check_destination(to, report)
+    with building_dir(to, ".tmp-export-") as tmp:
+        fmt = _write_model(run_dir, tmp, cfg, merge=merge, base_model=base_model, log=log)
+        _copy_files(os.path.join(run_dir, "model"), tmp, _TOKENIZER_FILES)
+        roots = tuple(sorted({run_dir, os.path.dirname(run_dir), os.getcwd(),
+                              os.path.expanduser("~")}, key=len, reverse=True))
+        clean_cfg = _scrub(cfg, roots)
+        clean = _scrub({k: report[k] for k in _PUBLIC_REPORT_KEYS if k in report}, roots)
+        clean["banner"] = public_banner(clean_cfg["data"])  # names the source, no local path
+        with open(os.path.join(tmp, "privacy_report.json"), "w", encoding="utf-8") as f:
+            json.dump(clean, f, indent=2)
+        public_model_card(clean, clean_cfg, fmt=fmt, base_model=base_model, license=license,
+                          unverified=problems, repo_id=push).save(os.path.join(tmp, "README.md"))
+        _write_export_info(tmp, {"run_id": report.get("run_id"), "format": fmt, "base_model": base_model,
+                                 "verified": not problems, "problems": problems,
+                                 "declared_public": clean["banner"], "epsilon": None, "delta": None})
+        replace_dir(tmp, to)
+    return fmt, problems, report
