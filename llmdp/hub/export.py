@@ -33,38 +33,39 @@ unauthenticated or failed uploads raise `ExportError` and leave the folder as it
 
 from __future__ import annotations
 
-import datetime as _dt
-import glob
 import json
 import os
-import shutil
 
-import torch
 import yaml
 
 from llmdp._fs import building_dir, replace_dir
+from llmdp.hub.folder import (  # noqa: F401 - EXPORT_INFO, ExportError: this module's API too
+    _TOKENIZER_FILES,
+    EXPORT_INFO,
+    ExportError,
+    _base_model_id,
+    _check_destination,
+    _config_hash_header,
+    _copy_files,
+    _is_hub_id,
+    _list_files,
+    _read_json,
+    _read_yaml,
+    _scrub,
+    _write_export_info,
+    _write_model,
+)
+from llmdp.hub.public import _refuse_baseline, declared_public, export_public
 from llmdp.privacy.ledger import Ledger
 from llmdp.report.build import build_report, seeded_sources
 from llmdp.report.card import model_card
 from llmdp.report.publish import publishable_ledger, publishable_report
 from llmdp.report.render import plot_publishable, render_markdown
 from llmdp.report.spent import epsilon_curve
-from llmdp.run.baseline import NON_PRIVATE
 from llmdp.run.rundir import RunDir
 from llmdp.train import checkpoints
 
 __all__ = ["ExportError", "verify_run", "export_run", "push_folder", "HfApi"]
-
-EXPORT_INFO = "llmdp_export.json"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "tokenizer.model", "spm.model", "vocab.json", "merges.txt", "chat_template.jinja",
-                    "added_tokens.json")
-_MODEL_FILES = ("config.json", "generation_config.json")
-
-
-class ExportError(RuntimeError):
-    """The run cannot be exported or published as asked; the message says why and what to do."""
-
 
 def HfApi(*args, **kwargs):  # noqa: N802 - patched in tests; the real class otherwise
     from huggingface_hub import HfApi as _HfApi  # lazy: slow to import; only publishing needs it
@@ -75,16 +76,6 @@ def HfApi(*args, **kwargs):  # noqa: N802 - patched in tests; the real class oth
 # ----------------------------------------------------------------------------- reading a run
 
 
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-    except ValueError as e:
-        raise ExportError(f"{path}: not valid JSON ({e})") from None
-
-
 def _run_config(run_dir: str) -> dict:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
@@ -93,72 +84,12 @@ def _run_config(run_dir: str) -> dict:
         return yaml.safe_load(f)
 
 
-def _config_hash_header(run_dir: str) -> str | None:
-    with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("# config_hash:"):
-                return line.split(":", 1)[1].strip()
-    return None
-
-
 def _plan_info(rd: RunDir) -> dict:
     """plan.json (``ExportError`` if it is not valid JSON)."""
     try:
         return rd.info
     except ValueError as e:
         raise ExportError(f"{rd.plan_path}: not valid JSON ({e})") from None
-
-
-def declared_public(run_dir: str) -> bool:
-    """A run on data its recipe declared public (``data.public: true``, ``privacy.dp: false``,
-    the declaration first in its plan.json): exported without a guarantee (`llmdp.hub.public`)."""
-    cfg = _read_yaml(os.path.join(run_dir, "config.yaml"))
-    info = _read_json(os.path.join(run_dir, "plan.json")) or {}
-    return (bool((cfg.get("data") or {}).get("public")) and (cfg.get("privacy") or {}).get("dp") is False
-            and bool(info.get("declared_public")))
-
-
-def _refuse_baseline(run_dir: str) -> None:
-    """A NON-PRIVATE baseline (privacy.dp: false) is never exported, verified or not; a run on
-    data declared public is (`verify_public_run`)."""
-    cfg = _read_yaml(os.path.join(run_dir, "config.yaml"))
-    info = _read_json(os.path.join(run_dir, "plan.json")) or {}
-    if not declared_public(run_dir) and (
-            (cfg.get("privacy") or {}).get("dp") is False or (info.get("plan") or {}).get("dp") is False
-            or info.get("privacy") == NON_PRIVATE):
-        raise ExportError(
-            f"{run_dir} is a NON-PRIVATE baseline (privacy.dp: false): it was trained without "
-            f"clipping or noise, carries no privacy guarantee and cannot be exported, not even "
-            f"with --allow-unverified. It is for comparison only; to publish a model, train the "
-            f"recipe with privacy.dp: true")
-    if info.get("planted"):
-        raise ExportError(
-            f"{run_dir} was trained with a planted bug ({info['planted']}, the test-only switch "
-            f"LLMDP_TEST_PLANT): its mechanism was broken on purpose, it carries no privacy "
-            f"guarantee and cannot be exported, not even with --allow-unverified")
-
-
-def _read_yaml(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        return {}
-
-
-def _check_destination(to: str, report: dict) -> None:
-    info = _read_json(os.path.join(to, EXPORT_INFO)) if os.path.isdir(to) else None
-    if os.path.exists(to) and (not os.path.isdir(to) or (os.listdir(to) and (
-            info is None or info.get("run_id") != report.get("run_id")))):
-        raise ExportError(f"--to: {to} exists and is not an export of this run; choose an empty or "
-                          f"new folder")
-
-
-def _write_export_info(folder: str, info: dict) -> None:
-    info = {**info, "exported_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-    with open(os.path.join(folder, EXPORT_INFO), "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=2, sort_keys=True)
-        f.write("\n")
 
 
 def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
@@ -253,125 +184,6 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
     return problems, report
 
 
-# ----------------------------------------------------------------------------- local paths, Hub ids
-
-
-def _is_hub_id(name) -> bool:
-    return (isinstance(name, str) and not os.path.isabs(name) and not name.startswith((".", "~"))
-            and name.count("/") <= 1 and not os.path.exists(name))
-
-
-def _scrub(obj, roots: tuple[str, ...] = ()):
-    """A copy with local absolute paths replaced by ``<local>/<last component>``."""
-    if isinstance(obj, dict):
-        return {k: _scrub(v, roots) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_scrub(v, roots) for v in obj]
-    if isinstance(obj, str) and obj.startswith(os.sep) and len(obj) > 1 and "\n" not in obj:
-        return "<local>/" + os.path.basename(obj.rstrip(os.sep))
-    if isinstance(obj, str):
-        for r in roots:
-            if r and r in obj:
-                obj = obj.replace(r, "<local>")
-    return obj
-
-
-# ----------------------------------------------------------------------------- the folder
-
-
-def _copy_files(src: str, dst: str, names) -> list[str]:
-    done = []
-    for n in names:
-        p = os.path.join(src, n)
-        if os.path.isfile(p):
-            shutil.copyfile(p, os.path.join(dst, n))
-            done.append(n)
-    return done
-
-
-def _scrub_config_json(path: str, base_model: str | None) -> None:
-    """config.json / adapter_config.json: no local path in the published folder."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    for key in ("_name_or_path", "base_model_name_or_path"):
-        if key in cfg and (cfg[key] is None or not _is_hub_id(cfg[key])):
-            if key == "base_model_name_or_path":
-                cfg[key] = base_model
-            else:
-                cfg.pop(key)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
-def _base_model_id(cfg: dict, given: str | None) -> str | None:
-    if given is not None:
-        if not _is_hub_id(given):
-            raise ExportError(f"--base-model: {given!r} is not a Hub id (ORG/NAME); the card and "
-                              f"adapter_config.json name the base by its Hub id, never a local path")
-        return given
-    name = cfg["model"].get("name_or_path")
-    if cfg["model"].get("init") == "pretrained" and _is_hub_id(name):
-        return name
-    return None
-
-
-def _write_model(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model: str | None, log) -> str:
-    """Write the weights into ``out``; returns the format: adapter | merged | full."""
-    model_dir = os.path.join(run_dir, "model")
-    is_adapter = os.path.exists(os.path.join(model_dir, "adapter_config.json"))
-    adapted = cfg["model"].get("base_tokenizer") is not None
-    if not is_adapter:
-        _copy_files(model_dir, out, _MODEL_FILES)
-        for p in glob.glob(os.path.join(model_dir, "*.safetensors")) + glob.glob(
-                os.path.join(model_dir, "*.safetensors.index.json")):
-            shutil.copyfile(p, os.path.join(out, os.path.basename(p)))
-        _scrub_config_json(os.path.join(out, "config.json"), base_model)
-        return "full"
-    with open(os.path.join(model_dir, "adapter_config.json"), encoding="utf-8") as f:
-        local_base = json.load(f).get("base_model_name_or_path")
-    if not merge:
-        if adapted:
-            raise ExportError(
-                f"the base model was adapted to a new vocabulary (model.base_tokenizer): the adapter "
-                f"does not apply to {cfg['model'].get('name_or_path')!r} as published. Export merged "
-                f"weights with --merge")
-        if base_model is None:
-            raise ExportError(
-                f"the adapter's base {local_base!r} is not a Hub model "
-                f"({'built from a config' if cfg['model'].get('init') == 'tiny' else 'a local path'}); "
-                f"export merged weights with --merge, or name the published base with --base-model ORG/NAME")
-        _copy_files(model_dir, out, ("adapter_config.json", "adapter_model.safetensors", "README.md"))
-        if os.path.exists(os.path.join(out, "README.md")):
-            os.remove(os.path.join(out, "README.md"))  # peft's template card; ours replaces it
-        _scrub_config_json(os.path.join(out, "adapter_config.json"), base_model)
-        return "adapter"
-    from peft import PeftModel  # lazy: peft and transformers are heavy; only --merge loads a model
-    from transformers import AutoModelForCausalLM  # lazy: as above
-
-    if not local_base or not os.path.isdir(local_base):
-        if not _is_hub_id(local_base):
-            raise ExportError(f"--merge: the adapter's base {local_base!r} is not available here; "
-                              f"rebuild it (re-run the recipe's preparation) or export the adapter")
-    log(f"merging the adapter into {os.path.basename(str(local_base))}")
-    base = AutoModelForCausalLM.from_pretrained(local_base, dtype=_saved_dtype(local_base))
-    from llmdp.train.hf import quiet_peft
-
-    with quiet_peft():
-        merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
-    merged.save_pretrained(out)
-    _scrub_config_json(os.path.join(out, "config.json"), base_model)
-    return "merged"
-
-
-def _saved_dtype(model_dir: str):
-    cfg = _read_json(os.path.join(model_dir, "config.json")) or {}
-    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return getattr(torch, str(name), torch.float32)
-
-
 def _publishable(run_dir: str, report: dict) -> dict:
     """The publishable report of the run (`llmdp.report.publish.publishable_report`), with the
     ledger's ε curve (computed now when the stored report has none)."""
@@ -397,15 +209,6 @@ def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
             f.writelines(json.dumps(rec, sort_keys=True) + "\n" for rec in lines)
 
 
-def _list_files(folder: str) -> list[tuple[str, int]]:
-    out = []
-    for root, _, files in os.walk(folder):
-        for n in files:
-            p = os.path.join(root, n)
-            out.append((os.path.relpath(p, folder), os.path.getsize(p)))
-    return sorted(out)
-
-
 def export_run(
     run_dir,
     to,
@@ -429,8 +232,6 @@ def export_run(
     cfg = _run_config(run_dir)
     if declared_public(run_dir):
         base_id = _base_model_id(cfg, base_model)
-        from llmdp.hub.public import export_public  # lazy: it imports this module
-
         fmt, problems, report = export_public(run_dir, to, cfg, merge=merge, base_model=base_id,
                                                license=license, push=push,
                                                allow_unverified=allow_unverified, log=log)

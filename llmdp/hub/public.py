@@ -10,20 +10,49 @@ import json
 import os
 
 from llmdp._fs import building_dir, replace_dir
-from llmdp.hub.export import (
+from llmdp.hub.folder import (
     _TOKENIZER_FILES,
     ExportError,
     _check_destination,
     _config_hash_header,
     _copy_files,
     _read_json,
-    _refuse_baseline,
+    _read_yaml,
     _scrub,
     _write_export_info,
     _write_model,
 )
 from llmdp.report.card import public_model_card
-from llmdp.run.baseline import public_banner
+from llmdp.run.baseline import NON_PRIVATE, public_banner
+
+
+def declared_public(run_dir: str) -> bool:
+    """A run on data its recipe declared public (``data.public: true``, ``privacy.dp: false``,
+    the declaration first in its plan.json): exported without a guarantee (`llmdp.hub.public`)."""
+    cfg = _read_yaml(os.path.join(run_dir, "config.yaml"))
+    info = _read_json(os.path.join(run_dir, "plan.json")) or {}
+    return (bool((cfg.get("data") or {}).get("public")) and (cfg.get("privacy") or {}).get("dp") is False
+            and bool(info.get("declared_public")))
+
+
+def _refuse_baseline(run_dir: str) -> None:
+    """A NON-PRIVATE baseline (privacy.dp: false) is never exported, verified or not; a run on
+    data declared public is (`verify_public_run`)."""
+    cfg = _read_yaml(os.path.join(run_dir, "config.yaml"))
+    info = _read_json(os.path.join(run_dir, "plan.json")) or {}
+    if not declared_public(run_dir) and (
+            (cfg.get("privacy") or {}).get("dp") is False or (info.get("plan") or {}).get("dp") is False
+            or info.get("privacy") == NON_PRIVATE):
+        raise ExportError(
+            f"{run_dir} is a NON-PRIVATE baseline (privacy.dp: false): it was trained without "
+            f"clipping or noise, carries no privacy guarantee and cannot be exported, not even "
+            f"with --allow-unverified. It is for comparison only; to publish a model, train the "
+            f"recipe with privacy.dp: true")
+    if info.get("planted"):
+        raise ExportError(
+            f"{run_dir} was trained with a planted bug ({info['planted']}, the test-only switch "
+            f"LLMDP_TEST_PLANT): its mechanism was broken on purpose, it carries no privacy "
+            f"guarantee and cannot be exported, not even with --allow-unverified")
 
 
 def verify_public_run(run_dir: str) -> tuple[list[str], dict]:
