@@ -14,6 +14,8 @@ import shutil
 import torch
 import yaml
 
+from llmdp.run.provenance import PROVENANCE, publishable, read_provenance
+
 EXPORT_INFO = "llmdp_export.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "tokenizer.model", "spm.model", "vocab.json", "merges.txt", "chat_template.jinja",
@@ -132,7 +134,19 @@ def _base_model_id(cfg: dict, given: str | None) -> str | None:
 
 
 def _write_model(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model: str | None, log) -> str:
-    """Write the weights into ``out``; returns the format: adapter | merged | full."""
+    """Write the weights into ``out``, with the model's provenance (no local path: a run
+    starting from the export names it, `llmdp.run.provenance`); returns the format:
+    adapter | merged | full."""
+    fmt = _write_weights(run_dir, out, cfg, merge=merge, base_model=base_model, log=log)
+    info = read_provenance(os.path.join(run_dir, "model"))
+    if info is not None:
+        with open(os.path.join(out, PROVENANCE), "w", encoding="utf-8") as f:
+            json.dump(publishable(info, _scrub), f, indent=2, sort_keys=True)
+            f.write("\n")
+    return fmt
+
+
+def _write_weights(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model: str | None, log) -> str:
     model_dir = os.path.join(run_dir, "model")
     is_adapter = os.path.exists(os.path.join(model_dir, "adapter_config.json"))
     adapted = cfg["model"].get("base_tokenizer") is not None

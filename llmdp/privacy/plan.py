@@ -190,6 +190,10 @@ class DPPlan:
     dp: bool = True
     noise_coordinates: int | None = None
     eval_noise: tuple | None = None  # (releases, coordinates, noise multiplier) of DP evals
+    # The noised releases of a starting checkpoint trained on the same data, composed into
+    # this run's guarantee (`llmdp.run.provenance`): ((what, count, coordinates, noise
+    # multiplier), ...); their tails are folded into δ with this run's.
+    prior_noise: tuple | None = None
 
     def __post_init__(self):
         # Validate here too, so a plan read back from a file (from_dict) is as checked
@@ -217,6 +221,7 @@ class DPPlan:
             _check_positive("target_epsilon", self.target_epsilon, "the privacy budget",
                             error=PlanError)
         self._check_noise_fields()
+        self._check_prior_noise()
         if self.sampler != TRUNCATED:
             for name in ("truncation_cost", "truncation_probability"):
                 if getattr(self, name) is not None:
@@ -266,6 +271,20 @@ class DPPlan:
                             f"multiplier > 0] (the DP evaluations' noise) or null, got {ev!r}")
         object.__setattr__(self, "eval_noise", (int(ev[0]), int(ev[1]), float(ev[2])))
 
+    def _check_prior_noise(self) -> None:
+        pn = self.prior_noise
+        if pn is None:
+            return
+        ok = isinstance(pn, (list, tuple)) and all(
+            isinstance(x, (list, tuple)) and len(x) == 4 and isinstance(x[0], str) and _is_int(x[1])
+            and x[1] >= 0 and _is_int(x[2]) and x[2] >= 1 and _is_number(x[3]) and 0 < x[3] < math.inf
+            for x in pn)
+        if not ok:
+            raise PlanError(f"prior_noise must be a list of [what, count >= 0, coordinates >= 1, "
+                            f"noise multiplier > 0] (a starting checkpoint's noised releases) or "
+                            f"null, got {pn!r}")
+        object.__setattr__(self, "prior_noise", tuple((str(w), int(c), int(k), float(z)) for w, c, k, z in pn))
+
     def noise_tail(self, steps: int | None = None, eval_releases: int | None = None) -> NoiseTail | None:
         """The truncated tails' `NoiseTail` of `steps` steps (default: all T) and
         `eval_releases` DP evaluations (default: all planned); None when not folded in
@@ -273,7 +292,7 @@ class DPPlan:
         if not self.dp or self.noise_coordinates is None:
             return None
         return _run_tail(self.steps if steps is None else steps, self.noise_coordinates,
-                         self.noise_multiplier, self.eval_noise, eval_releases)
+                         self.noise_multiplier, self.eval_noise, eval_releases, self.prior_noise)
 
     @property
     def noise_tail_delta(self) -> float | None:
@@ -379,6 +398,10 @@ class DPPlan:
             del d["dp"]  # a DP plan's record is as before the field existed (from_dict: True)
         if d["eval_noise"] is not None:
             d["eval_noise"] = list(d["eval_noise"])
+        if d["prior_noise"] is None:
+            del d["prior_noise"]  # as before the field existed
+        else:
+            d["prior_noise"] = [list(x) for x in d["prior_noise"]]
         return d
 
     @classmethod
@@ -392,11 +415,12 @@ class DPPlan:
 
 
 def _run_tail(steps: int, coordinates: int, sigma: float, eval_noise=None,
-              eval_releases: int | None = None) -> NoiseTail:
-    """The `NoiseTail` of `steps` steps of `coordinates` noise coordinates at `sigma` and
-    the DP evaluations `eval_noise` = (releases, coordinates, noise multiplier) (their
-    first `eval_releases`, default all)."""
+              eval_releases: int | None = None, prior_noise=None) -> NoiseTail:
+    """The `NoiseTail` of `steps` steps of `coordinates` noise coordinates at `sigma`, the
+    DP evaluations `eval_noise` = (releases, coordinates, noise multiplier) (their first
+    `eval_releases`, default all), and a starting checkpoint's releases `prior_noise`."""
     parts = [("training steps", steps, coordinates, sigma)]
+    parts += [(f"starting checkpoint: {w}", c, k, z) for w, c, k, z in prior_noise or ()]
     if eval_noise is not None:
         n, k, z = eval_noise
         parts.append(("DP evaluations", n if eval_releases is None else eval_releases, k, z))

@@ -75,8 +75,9 @@ def calibrate_with_prior(plan, prior_releases, rtol: float = 1e-3):
     if spent >= target:
         raise PlanError(
             f"privacy.target_epsilon: {target:g} is already spent by the earlier releases on this "
-            f"data (ε = {spent:.4f} at δ = {plan.delta:.3g}, e.g. the private tokenizer); raise "
-            f"target_epsilon or train the tokenizer with a smaller epsilon"
+            f"data (ε = {spent:.4f} at δ = {plan.delta:.3g}: a private tokenizer, a starting checkpoint "
+            f"trained on this data); raise target_epsilon, or train the tokenizer or the "
+            f"checkpoint with a smaller epsilon"
         )
 
     coarse = _SEARCH_INTERVAL if plan.accountant == "pld" else None

@@ -41,6 +41,7 @@ from llmdp.privacy.service import cross_check
 from llmdp.report.render import _epsilon_panel, render_markdown
 from llmdp.report.spent import epsilon_curve, ledger_noise_tail
 from llmdp.run.baseline import baseline_report
+from llmdp.run.provenance import SOURCE, scope
 from llmdp.run.rundir import RunDir, read_jsonl, run_state
 from llmdp.tokenizer.train import read_tokenizer_info
 
@@ -217,20 +218,25 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         "unit_warning": _unit_warning(unit_kind, seq_len, data_stats.get("person_like_fields")),
         "mechanism_output": "every intermediate model (all T noisy updates); the final model "
         "and every checkpoint are covered",
+        "starting_model": plan_info.get("starting_model"),
+        "guarantee_scope": scope(plan_info.get("starting_model")),
         "data_accesses_covered": [
             f"the private tokenizer's release {r.get('release_id')} on the same units "
             f"(ε_tok = {r.get('epsilon'):.4f} alone; Gaussian partition selection, threshold δ "
             f"{(r.get('extra') or {}).get('delta_threshold'):.3g})"
-            for r in prior
-        ] + [
+            for r in prior if r.get("source") != SOURCE
+        ] + _start_covered(plan_info.get("starting_model"), prior) + [
             "this run's DP-SGD training steps on the private corpus, as recorded in the ledger "
             f"({ledger_steps} steps over {len(attempts)} attempt(s))",
         ] + dp_eval_covered(plan_info, records),
         "data_accesses_not_covered": [
             "the choice of hyper-parameters (C, learning rate, batch size, steps) if it was "
             "tuned on this private data: that tuning is not accounted",
-            "the pretrained model's training data, and the tokenizer's unless it is a DP "
-            "release listed above (a tokenizer not made by llmdp is assumed public)",
+            ("the starting model's training data other than this dataset" if (
+                plan_info.get("starting_model") or {}).get("composed") else
+             "the pretrained model's training data")
+            + ", and the tokenizer's unless it is a DP release listed above (a tokenizer not "
+            "made by llmdp is assumed public)",
             *_tokenizer_not_covered(plan_info),
             "dataset statistics used to plan the run (N, number of units) are published as is",
             "metrics computed on the private data without DP (internal: listed in the local "
@@ -295,6 +301,16 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     return report
 
 
+def _start_covered(start: dict | None, prior: list[dict]) -> list[str]:
+    """The covered-accesses line of a starting checkpoint composed into the guarantee."""
+    mine = [r for r in prior if r.get("source") == SOURCE]
+    if not start or not start.get("composed") or not mine:
+        return []
+    return [f"the starting model's own DP training on this dataset (llmdp run {start['run_id']}: "
+            f"{sum(int(r['count']) for r in mine)} release(s), ε = {start['epsilon_alone']:.4f} "
+            f"alone), composed"]
+
+
 def _exceeds(eps: float, plan, plan_info: dict, steps: int, completed: int, attempts: int) -> str | None:
     """Why ε is above privacy.target_epsilon (or the planned ε), or None."""
     target = plan.target_epsilon
@@ -321,7 +337,10 @@ def seeded_sources(cfg: dict, plan_info: dict) -> list[str]:
     if (cfg.get("privacy") or {}).get("rng") == "seeded":
         out.append("training: privacy.rng: seeded")
     tok = plan_info.get("tokenizer") or {}
-    rngs = [r.get("rng") for r in plan_info.get("prior_releases") or []]
+    priors = plan_info.get("prior_releases") or []
+    rngs = [r.get("rng") for r in priors if r.get("source") != SOURCE]
+    seeded_start = sorted({r.get("run_id") for r in priors
+                           if r.get("source") == SOURCE and r.get("rng") == "seeded"})
     if tok.get("kind") == "private-dp":
         rng = tok.get("rng")
         if rng is None:  # a plan.json written before the tokenizer's rng was carried
@@ -332,6 +351,7 @@ def seeded_sources(cfg: dict, plan_info: dict) -> list[str]:
         rngs.append(rng)
     if "seeded" in rngs:
         out.append(f"the private tokenizer {tok.get('path')}: its recipe's privacy.rng: seeded")
+    out += [f"the starting model's run {rid}: privacy.rng: seeded" for rid in seeded_start]
     return out
 
 

@@ -28,6 +28,10 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
     "epsilon": True, "delta": True, "delta_accountant": True, "delta_noise_tail": True,
     "accountant": True, "epsilon_by_accountant": True,
     "epsilon_training_only": True, "delta_threshold_of_earlier_releases": True,
+    # what the guarantee covers, given the starting model (no local path: `provenance.shown`)
+    "guarantee_scope": True,
+    "starting_model": {k: True for k in ("shown", "kind", "run_id", "description", "composed",
+                                         "epsilon_alone")},
     "target_epsilon": True, "epsilon_planned": True, "dp_setting": True, "unit": True,
     "unit_description": True, "unit_size": _PUBLIC_UNIT, "records": True, "contribution_bound": True,
     "adjacency": True, "mechanism_output": True, "data_accesses_covered": True,

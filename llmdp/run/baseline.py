@@ -78,6 +78,7 @@ def baseline_report(rd, metrics: list[dict], state: dict, *, internal_metrics: d
                            "Trained on the private data without clipping or noise: the model "
                            "and its checkpoints may reveal any training unit"),
         "ledger": None,
+        "starting_model": info.get("starting_model"),
         # ---- what ran (the DP recipe's compute)
         "steps": completed,
         "steps_planned": plan.steps,
@@ -137,6 +138,9 @@ def render_baseline_markdown(r: dict) -> str:
             "recorded in a privacy ledger; this run cannot be exported.",
             "",
         ]
+    start = r.get("starting_model")
+    if start:
+        lines += [f"Starting model: {start.get('shown')} ({start.get('description')}).", ""]
     if status != "complete":
         lines += [f"> Run status: **{status}**" + (f" ({r['failure']})" if r.get("failure") else "")
                   + (f" ({r['stopped']})" if r.get("stopped") else "")

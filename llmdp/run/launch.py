@@ -28,6 +28,7 @@ from llmdp.run.baseline import BANNER
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
 from llmdp.run.localray import WORKER_ENV, start_local_ray
 from llmdp.run.planning import plan_run
+from llmdp.run.provenance import SOURCE
 from llmdp.run.progress import EPS_KEY, Progress
 from llmdp.run.rundir import RESUME_HINT, RunDir
 from llmdp.run.spec import LedgerSpec, RunPaths, RunSpec
@@ -146,6 +147,8 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
     if prior_releases:
 
         for rel in prior_releases:
+            if rel.get("source") == SOURCE:
+                continue  # a starting checkpoint's releases: already in this dataset's ledger
             if ensure_release_recorded(rel, ledger, {
                     "dataset_fingerprint": store.fingerprint, "dataset_size": N,
                     "unit": ledger_meta["unit"], "tokenizer": rel["tokenizer"]}):
@@ -163,6 +166,7 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
                                                     "dataset_id": ledger["dataset_id"]},
         prior_releases=tuple(prior_releases), tokenizer=tok_use, data_stats=data_stats,
         eval_plan=planned.eval_plan, unit=ledger_meta["unit"],
+        starting_model=planned.starting_model,
     )
     if spec.ledger is not None:
         # Every DP run, whatever its recipe says: the dataset's budget (its ledger's) applies.

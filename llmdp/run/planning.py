@@ -22,6 +22,7 @@ from llmdp.evaluation.dp import plan_dp_eval
 from llmdp.privacy.events import event_to_json
 from llmdp.privacy.plan import check_noise_tail, make_plan
 from llmdp.privacy.prior import calibrate_with_prior
+from llmdp.run.provenance import merge_priors, starting_model
 from llmdp.tokenizer.train import tokenizer_for_run
 from llmdp.train.models import load_model
 
@@ -43,6 +44,7 @@ class Planned:
     data_stats: dict
     eval_store: Any = None  # the held-out units (UnitStore), or None
     eval_plan: Any = None  # the DP evaluation's plan (llmdp.evaluation.dp.DpEvalPlan), or None
+    starting_model: dict | None = None  # llmdp.run.provenance.starting_model (None: random init)
 
     def entries(self) -> list:
         """(event, count) of every release the run will make if it completes: the earlier
@@ -99,6 +101,9 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
     source_sha = source_fingerprint(path=d.path, dataset=d.dataset, split=d.split,
                                     config_name=d.config_name, format=d.format)
     tok_use = tokenizer_for_run(cfg.model, d, data_sha256=source_sha, delta=cfg.privacy.delta)
+    # What the starting model means for the guarantee: a baseline's is refused, a DP run's on
+    # this data is composed (its releases), any other is named (llmdp.run.provenance).
+    start = starting_model(cfg.model, d, dp=cfg.privacy.dp, ledger_opt=cfg.privacy.ledger)
 
     if cfg.model.init == "tiny" and cfg.model.lora is not None:
         log("warning: model.lora on model.init: tiny trains adapters on a RANDOMLY initialised "
@@ -174,6 +179,9 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
         noise_coordinates=n_train if priv.dp else None,
     )
     prior_releases = [tok_use["release"]] if tok_use["compose"] and priv.dp else []
+    if start is not None and start["composed"]:
+        prior_releases = merge_priors(prior_releases, start)
+        plan = dataclasses.replace(plan, prior_noise=tuple(start["prior_noise"]) or None)
     eval_plan = _dp_eval_plan(cfg, plan, len(tokenizer)) if eval_store is not None and priv.dp \
         else None
     if eval_plan is not None:  # their noise tails are folded into δ with the steps'
@@ -193,7 +201,7 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
         _check_dp_eval_noise(cfg, eval_plan, eval_store.num_units, log)
     return Planned(cfg=cfg, plan=plan, store=store, unit_spec=spec, source_sha=source_sha,
                    tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats,
-                   eval_store=eval_store, eval_plan=eval_plan)
+                   eval_store=eval_store, eval_plan=eval_plan, starting_model=start)
 
 
 # The smallest corpus for which llmdp picks δ itself (a power of ten below 1/(10 N): 1e-4 at

@@ -24,6 +24,7 @@ from llmdp.privacy.plan import DPPlan
 from llmdp.privacy.prior import composed_epsilon
 from llmdp.privacy.service import LedgerService
 from llmdp.run.baseline import NON_PRIVATE, public_banner
+from llmdp.run.provenance import summary
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ class RunSpec:
     data_stats: Mapping[str, Any] = field(default_factory=dict)  # internal: computed on private data
     eval_plan: DpEvalPlan | None = None  # the DP evaluations (None: none)
     unit: Mapping[str, Any] = field(default_factory=dict)  # the privacy unit (kind, description, ...)
+    # the model the run starts from and what it means for ε (llmdp.run.provenance; None:
+    # random weights); its composed releases are in prior_releases
+    starting_model: Mapping[str, Any] | None = None
 
     @property
     def run_dir(self) -> str:
@@ -178,6 +182,7 @@ class RunSpec:
             "unit": dict(self.unit),
             "tokenizer": dict(self.tokenizer),
             "prior_releases": [dict(r) for r in self.prior_releases],
+            "starting_model": summary(self.starting_model),
             "data": dict(self.data_stats),
             "dataset_ledger": None if self.dataset_ledger is None else dict(self.dataset_ledger),
             # A separate private evaluation source's own ledger: its DP evaluations are

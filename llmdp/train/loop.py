@@ -45,6 +45,7 @@ from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import open_store
 from llmdp.evaluation import loop as evaluation
 from llmdp.run.baseline import NON_PRIVATE
+from llmdp.run.provenance import write_provenance
 from llmdp.run.rundir import STOP_REQUEST
 from llmdp.run.spec import RunPaths, RunSpec
 from llmdp.train import checkpoints, parallel
@@ -388,6 +389,7 @@ def finish(run: Training, stopped: dict | None) -> dict:
     run.strategy.save_model(run.model, run.spec.paths.model)  # fsdp: streamed, tensor by tensor [sync point]
     if run.rank == 0:
         _save_tokenizer(run.spec.paths)
+        write_provenance(run.spec, run.spec.paths.model)  # what a run starting from it composes
         _generations(run)
         end = {"event": "end", "step": run.spec.plan.steps} if stopped is None else \
             {"event": "stopped", "step": stopped["step"], "reason": stopped["reason"],
