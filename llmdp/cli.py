@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="random: the expected number of trials (>= 1)")
     sw.add_argument("--distribution", choices=["poisson", "geometric"], default=None,
                     help="random: the distribution of the number of trials (default poisson)")
+    sw.add_argument("--write-best", default=None, metavar="FILE",
+                    help="a recipe with data.public: true (trials non-private, nothing spent): "
+                         "write the selected point to FILE; a private recipe takes it with "
+                         "train.hyperparameters_from: FILE")
 
     cp = sub.add_parser(
         "compare", help="runs side by side and the privacy-utility plot: llmdp compare RUN_A "
@@ -395,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_recipe(args.recipe, args.overrides)
             _quiet_libraries()
             run_sweep(cfg, args.grid, trials=args.trials, mean_trials=args.mean_trials,
-                      distribution=args.distribution)
+                      distribution=args.distribution, write_best=args.write_best)
             return 0
         if args.command == "compare":
             from llmdp.tune.compare import compare

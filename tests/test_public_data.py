@@ -153,3 +153,72 @@ def test_a_public_run_is_exported_with_the_declaration_first_and_no_guarantee(tm
     write_report(base.run_dir)
     with pytest.raises(ExportError, match="NON-PRIVATE baseline"):
         export_run(base.run_dir, tmp_path / "export2", log=lambda *a: None)
+
+
+def _in_process(tmp_path):
+    """A trial runner without Ray: the real run, its worker loop in this process."""
+    from llmdp.report.build import write_report
+
+    def run(cfg, log=print):
+        spec = prepared_config(cfg)
+        train_loop_per_worker(spec, LocalContext(checkpoint_dir=str(tmp_path / f"ckpt-{spec.run_id}")))
+        write_report(spec.run_dir)
+        return spec.run_dir
+
+    return run
+
+
+def test_a_public_proxy_sweep_spends_nothing_and_its_best_point_feeds_a_private_run(tmp_path):
+    """Item 4: a sweep of data declared public runs non-private trials, records nothing,
+    selects by held-out loss and writes the selected point; a private recipe that takes it
+    (train.hyperparameters_from) says in its report that they were chosen on public data at
+    zero privacy cost. --write-best on private data is refused; a wrong file is named."""
+    import yaml
+
+    from llmdp.report.build import build_report
+    from llmdp.tune.sweep import run_sweep
+
+    raw = to_dict(public_recipe(tmp_path))
+    raw["data"]["eval"] = {"fraction": 0.2}
+    cfg = recipe_from_dict(raw)
+    best = tmp_path / "tuned" / "best.yaml"
+    lines = []
+    state = run_sweep(cfg, ["optim.lr=0.001,0.05"], log=lines.append, run_trial=_in_process(tmp_path),
+                      write_best=str(best))
+    assert not os.path.exists(tmp_path / "ledgers.sqlite")  # nothing recorded, nothing spent
+    assert state["epsilon"] == 0.0 and state["privacy"].startswith("none")
+    assert lines[0].startswith("DECLARED PUBLIC DATA") and "nothing spent" in lines[1]
+    losses = [t["held_out_loss"] for t in state["trials"]]
+    assert all(isinstance(x, float) for x in losses) and losses[0] != losses[1]
+    chosen = state["trials"][losses.index(min(losses))]
+    assert state["selected"] == chosen
+    doc = yaml.safe_load(best.read_text(encoding="utf-8"))
+    assert doc["overrides"] == {"optim.lr": float(chosen["point"][0].split("=")[1])}
+    assert doc["chosen_on"] == "public data" and doc["epsilon"] == 0.0
+    sweep_md = (tmp_path / "runs" / "pub-sweep" / "sweep.md").read_text(encoding="utf-8")
+    assert sweep_md.startswith("DECLARED PUBLIC DATA") and "no ε was spent" in sweep_md
+
+    # A private recipe takes the selection.
+    priv = to_dict(dp_recipe(tmp_path, name="tuned"))
+    priv["optim"]["lr"] = 0.5  # the file's value wins for the keys it sets
+    priv["train"]["hyperparameters_from"] = "tuned/best.yaml"
+    tuned = recipe_from_dict(priv, base_dir=tmp_path)
+    assert tuned.optim.lr == doc["overrides"]["optim.lr"]
+    assert tuned.train.hyperparameters_from == str(best)
+    spec = prepared_config(tuned)
+    train_loop_per_worker(spec, LocalContext(checkpoint_dir=str(tmp_path / "ckpt-tuned")))
+    rep = build_report(spec.run_dir)
+    note = rep["hyperparameters"]["note"]
+    assert note.startswith(f"hyper-parameters optim.lr={doc['overrides']['optim.lr']} were chosen by the "
+                           f"sweep 'pub' on data declared public (<local>/notes.jsonl), at zero privacy cost")
+    assert any(x.startswith("the choice of hyper-parameters other than optim.lr") for x in
+               rep["data_accesses_not_covered"])
+
+    with pytest.raises(ConfigError, match=r"--write-best .*only a sweep of data declared public"):
+        run_sweep(dp_recipe(tmp_path, name="private"), ["optim.lr=0.001,0.05"], log=lambda *a: None,
+                  run_trial=_in_process(tmp_path), write_best=str(best))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim.lr: 0.1\n", encoding="utf-8")
+    priv["train"]["hyperparameters_from"] = str(bad)
+    with pytest.raises(ConfigError, match=rf"train.hyperparameters_from: {bad} is not a file `llmdp sweep"):
+        recipe_from_dict(priv)

@@ -40,6 +40,7 @@ from typing import Any
 from llmdp.config import checks as _checks
 from llmdp.config import load as _load
 from llmdp.config import yamlio as _yaml
+from llmdp.config.best import apply_best
 from llmdp.config.choices import ACCOUNTANTS, MIXED_PRECISION, SAMPLERS, STRATEGIES
 from llmdp.config.load import field_spec as _f
 from llmdp.config.validate import ConfigError, fmt
@@ -341,6 +342,10 @@ class TrainConfig:
     # operator is warned (console and metrics.jsonl, internal). The run never stops on it:
     # the count is a statistic of private data without DP (DESIGN §3 invariant 11).
     max_nonfinite_steps: int = _f(10, ge=0)
+    # A file `llmdp sweep ... --write-best FILE` wrote on data declared public: its
+    # overrides are applied when the recipe is read (llmdp.config.best), and the report says
+    # the hyper-parameters were chosen on public data at zero privacy cost.
+    hyperparameters_from: str | None = _f(None, path="always")
 
 
 @dataclass(frozen=True)
@@ -534,6 +539,8 @@ def recipe_from_dict(
     Relative paths are resolved against ``base_dir`` (default: the current directory).
     ``default_name`` becomes ``output.name`` when the recipe leaves it null.
     """
+    if isinstance(d, Mapping):
+        d = apply_best(dict(d), os.fspath(base_dir or os.getcwd()), RecipeConfig)
     cfg = _load.build(RecipeConfig, d, what="recipe", base_dir=base_dir, checks=_CHECKS)
     if cfg.output.name is None and default_name is not None:
         if not re.fullmatch(_RUN_NAME, default_name) or default_name in (".", ".."):

@@ -219,6 +219,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         "mechanism_output": "every intermediate model (all T noisy updates); the final model "
         "and every checkpoint are covered",
         "starting_model": plan_info.get("starting_model"),
+        "hyperparameters": plan_info.get("hyperparameters"),  # chosen on public data (0 ε)
         "guarantee_scope": scope(plan_info.get("starting_model")),
         "data_accesses_covered": [
             f"the private tokenizer's release {r.get('release_id')} on the same units "
@@ -230,8 +231,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             f"({ledger_steps} steps over {len(attempts)} attempt(s))",
         ] + dp_eval_covered(plan_info, records),
         "data_accesses_not_covered": [
-            "the choice of hyper-parameters (C, learning rate, batch size, steps) if it was "
-            "tuned on this private data: that tuning is not accounted",
+            _tuning_not_covered(plan_info.get("hyperparameters")),
             ("the starting model's training data other than this dataset" if (
                 plan_info.get("starting_model") or {}).get("composed") else
              "the pretrained model's training data")
@@ -299,6 +299,15 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         "dataset_fingerprint": last_meta.get("dataset_fingerprint"),
     }
     return report
+
+
+def _tuning_not_covered(tuned: dict | None) -> str:
+    if tuned:
+        return (f"the choice of hyper-parameters other than {', '.join(tuned.get('values') or {})} "
+                f"(those: {tuned['note']}) if it was tuned on this private data: that tuning is "
+                f"not accounted")
+    return ("the choice of hyper-parameters (C, learning rate, batch size, steps) if it was "
+            "tuned on this private data: that tuning is not accounted")
 
 
 def _start_covered(start: dict | None, prior: list[dict]) -> list[str]:

@@ -75,6 +75,7 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         f"| DP setting | {report['dp_setting']} |",
         f"| What the guarantee covers | {report['mechanism_output']} |",
         *([f"| Starting model | {report['guarantee_scope']} |"] if report.get("guarantee_scope") else []),
+        *([f"| Hyper-parameters | {report['hyperparameters']['note']} |"] if report.get("hyperparameters") else []),
         f"| Accounting | {report['accountant'].upper()}; " + ", ".join(
             f"{k.upper()} ε = {v:.4f}" for k, v in eps.items()) + " |",
         f"| Sampling | {s['assumed']}; used: {s['used']} |",

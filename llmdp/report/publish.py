@@ -30,6 +30,7 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
     "epsilon_training_only": True, "delta_threshold_of_earlier_releases": True,
     # what the guarantee covers, given the starting model (no local path: `provenance.shown`)
     "guarantee_scope": True,
+    "hyperparameters": {k: True for k in ("chosen_on", "source", "sweep", "values", "epsilon", "note")},
     "starting_model": {k: True for k in ("shown", "kind", "run_id", "description", "composed",
                                          "epsilon_alone")},
     "target_epsilon": True, "epsilon_planned": True, "dp_setting": True, "unit": True,

@@ -78,6 +78,8 @@ def render_markdown(r: dict) -> str:
         lines += [f"> This is the {PUBLISHABLE_NOTE}.", ""]
     if r.get("guarantee_scope"):
         lines += [f"**Scope:** {r['guarantee_scope']}.", ""]
+    if r.get("hyperparameters"):
+        lines += [f"**Hyper-parameters:** {r['hyperparameters']['note']}.", ""]
     if r.get("unit_warning"):
         lines += [f"> **Unit warning (internal):** {r['unit_warning']}.", ""]
     if r.get("rng_warning"):

@@ -28,8 +28,8 @@ from llmdp.run.baseline import BANNER
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
 from llmdp.run.localray import WORKER_ENV, start_local_ray
 from llmdp.run.planning import plan_run
-from llmdp.run.provenance import SOURCE
 from llmdp.run.progress import EPS_KEY, Progress
+from llmdp.run.provenance import SOURCE
 from llmdp.run.rundir import RESUME_HINT, RunDir
 from llmdp.run.spec import LedgerSpec, RunPaths, RunSpec
 from llmdp.tokenizer.train import ensure_release_recorded

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmdp.config.best import hyperparameter_note
 from llmdp.config.schema import RecipeConfig, to_dict
 from llmdp.evaluation.dp import DpEvalPlan
 from llmdp.privacy.events import event_to_json
@@ -183,6 +184,8 @@ class RunSpec:
             "tokenizer": dict(self.tokenizer),
             "prior_releases": [dict(r) for r in self.prior_releases],
             "starting_model": summary(self.starting_model),
+            # hyper-parameters from a sweep on data declared public (train.hyperparameters_from)
+            "hyperparameters": hyperparameter_note(self.cfg),
             "data": dict(self.data_stats),
             "dataset_ledger": None if self.dataset_ledger is None else dict(self.dataset_ledger),
             # A separate private evaluation source's own ledger: its DP evaluations are

@@ -272,13 +272,15 @@ def _recorded(cfg, planned) -> tuple[list, list, object]:
 # ---------------------------------------------------------------------- the sweep
 def run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | None = None,
               distribution: str | None = None, log=print, run_trial=None, plan_trial=None,
-              rng=None) -> dict:
+              rng=None, write_best: str | None = None) -> dict:
     """Run the sweep of recipe ``cfg`` (its ``sweep`` section with the command line's
     ``grid`` entries and flags); returns its whole state (sweep.json's content for a grid
     sweep; sweep.internal.json's for a random one, whose publishable part is under
     ``"publishable"``). ``run_trial(cfg, log=)`` (the run of one trial: `trainer.run`),
     ``plan_trial(cfg, log=)`` (`planning.plan_run`) and ``rng`` (the random draw and the
-    trials' names: OS entropy) are injectable for tests."""
+    trials' names: OS entropy) are injectable for tests. A recipe whose data is declared
+    public runs `llmdp.tune.public.run_public_sweep` (non-private trials, nothing spent;
+    ``write_best``: the selected point as a file a private recipe takes)."""
     from llmdp._fs import RunLock
     from llmdp.run.launch import run
     from llmdp.run.planning import plan_run
@@ -287,8 +289,20 @@ def run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | N
     plan_trial = plan_trial or plan_run
     spec = resolve_sweep(cfg.sweep, grid, trials, mean_trials, distribution)
     sweep_dir = os.path.abspath(os.path.join(cfg.output.dir, f"{cfg.output.name}-sweep"))
+    if write_best and not cfg.data.public:
+        raise ConfigError(f"--write-best {write_best}: only a sweep of data declared public "
+                          f"(data.public: true) writes its selection for a private recipe (chosen "
+                          f"at zero privacy cost); a private sweep's selection is in sweep.json",
+                          key="data.public")
     lock = RunLock(sweep_dir)  # one launch per sweep (its draw and its trials)
     try:
+        if cfg.data.public:
+            from llmdp.run.localray import shared_local_ray
+            from llmdp.tune.public import run_public_sweep
+
+            shared = shared_local_ray(sweep_dir, [cfg], log) if run_trial is run else contextlib.nullcontext()
+            with shared:
+                return run_public_sweep(cfg, spec, log=log, run_trial=run_trial, write_best=write_best)
         return _run_locked(cfg, spec, sweep_dir, log, run_trial, plan_trial, rng)
     finally:
         lock.release(remove=not os.path.isdir(sweep_dir))  # a refused sweep leaves no lock file

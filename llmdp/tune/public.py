@@ -1,0 +1,121 @@
+"""Tuning on a public proxy (issue 32 item 4): `llmdp sweep` on a recipe whose data is
+declared public (``data.public: true``) costs no privacy.
+
+Every grid point is an ordinary declared-public run (no DP, no ledger, no accounting: the
+declaration is the recipe's, `llmdp.run.baseline.public_banner`), selected by its final
+held-out loss (computed without DP: the data is public). ``--write-best FILE`` writes the
+selected point as dotted overrides with where they came from; a private recipe takes
+them with ``train.hyperparameters_from: FILE`` (`llmdp.config.best`), and its report says that its
+hyper-parameters were chosen on public data, at zero privacy cost
+(`llmdp.config.best.hyperparameter_note`).
+
+Files: ``<output.dir>/<output.name>-sweep/sweep.json`` and ``sweep.md`` (everything may be
+published: nothing in them was computed on private data).
+"""
+
+from __future__ import annotations
+
+import os
+
+import yaml
+
+from llmdp.config.best import BEST_KIND
+from llmdp.config.validate import ConfigError
+
+
+def run_public_sweep(cfg, spec, *, log=print, run_trial=None, write_best: str | None = None) -> dict:
+    """The sweep of the declared-public recipe ``cfg`` over ``spec``'s grid (a
+    `llmdp.tune.grid.SweepSpec`; grid trials only: a random search exists to hide K from
+    a DP guarantee, and there is none here). Returns sweep.json's content."""
+    from llmdp.run.baseline import public_banner
+    from llmdp.run.launch import run
+    from llmdp.run.provenance import shown
+    from llmdp.run.rundir import RunDir
+    from llmdp.tune.sweep import _describe, _read_json, _trial_config, _write_json
+
+    if spec.trials != "grid":
+        raise ConfigError("sweep.trials: random searches are for private data (their bound hides "
+                          "the number of trials); a sweep of data declared public runs every grid "
+                          "point: use --trials grid", key="sweep.trials")
+    if cfg.data.eval is None:
+        raise ConfigError("data.eval: a sweep of data declared public selects by held-out loss; set "
+                          "data.eval.fraction (e.g. 0.1) or data.eval.path", key="data.eval")
+    run_trial = run_trial or run
+    sweep_dir = os.path.abspath(os.path.join(cfg.output.dir, f"{cfg.output.name}-sweep"))
+    banner = public_banner(_data_dict(cfg))
+    log(banner)
+    log(f"sweep: {len(spec.points())} non-private trial(s) on data declared public: no ledger, no "
+        f"accounting, nothing spent")
+    rows = []
+    for i, point in enumerate(spec.points()):
+        name = f"{cfg.output.name}-trial-{i}"
+        tcfg = _trial_config(cfg, point, name, f"sweep trial {i} ({_describe(point)})")
+        run_dir = run_trial(tcfg, log=log)
+        report = _read_json(RunDir(run_dir).file("privacy_report.json")) or {}
+        ev = report.get("evaluation") or {}
+        held = (ev.get("public") or []) + (ev.get("internal") or [])
+        loss = held[-1].get("loss") if held else None
+        rows.append({"trial": i, "name": name, "point": list(point), "run_dir": run_dir,
+                     "status": report.get("status"), "held_out_loss": loss})
+    done = [r for r in rows if r["held_out_loss"] is not None and r["status"] == "complete"]
+    best = min(done, key=lambda r: r["held_out_loss"]) if done else None
+    state = {
+        "declared_public": banner,
+        "privacy": "none: every trial is a non-private run on data the recipe declared public; "
+                   "nothing was recorded in a privacy ledger and no ε was spent",
+        "epsilon": 0.0,
+        "source": shown(cfg.data.dataset or cfg.data.path),
+        "selection": "the lowest final held-out loss (computed without DP: the data is public)",
+        "trials": rows,
+        "selected": best,
+    }
+    os.makedirs(sweep_dir, exist_ok=True)
+    _write_json(os.path.join(sweep_dir, "sweep.json"), state)
+    with open(os.path.join(sweep_dir, "sweep.md"), "w", encoding="utf-8") as f:
+        f.write(_markdown(state))
+    if best is None:
+        log("sweep: no trial completed with a held-out loss: nothing selected")
+    else:
+        log(f"sweep: selected trial {best['trial']} ({_describe(best['point'])}), held-out loss "
+            f"{best['held_out_loss']:.4f}")
+        if write_best:
+            write_best_file(write_best, best, state, cfg.output.name)
+            log(f"sweep: the selected hyper-parameters -> {write_best} (a private recipe takes "
+                f"them with train.hyperparameters_from: {write_best})")
+    return state
+
+
+def _data_dict(cfg) -> dict:
+    from llmdp.config.yamlio import to_dict
+
+    return to_dict(cfg)["data"]
+
+
+def _markdown(state: dict) -> str:
+    lines = [state["declared_public"], "", "# Sweep on data declared public", "",
+             f"> **Privacy:** {state['privacy']}.", "",
+             f"Selection: {state['selection']}.", "",
+             "| trial | point | status | held-out loss |", "| ---: | --- | --- | ---: |"]
+    for r in state["trials"]:
+        loss = "–" if r["held_out_loss"] is None else f"{r['held_out_loss']:.4f}"
+        lines.append(f"| {r['trial']} | {', '.join(r['point']) or 'the recipe'} | {r['status']} | {loss} |")
+    sel = state["selected"]
+    lines += ["", "Selected: " + ("none" if sel is None else f"trial {sel['trial']}"), ""]
+    return "\n".join(lines)
+
+
+def write_best_file(path: str, best: dict, state: dict, sweep: str) -> None:
+    """The selected point as dotted overrides, with where they came from."""
+    overrides = {}
+    for item in best["point"]:
+        key, _, value = item.partition("=")
+        overrides[key] = yaml.safe_load(value)
+    doc = {"kind": BEST_KIND, "chosen_on": "public data", "source": state["source"],
+           "sweep": sweep, "trial": best["name"], "selection": state["selection"],
+           "held_out_loss": best["held_out_loss"], "epsilon": 0.0, "overrides": overrides}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"# Hyper-parameters selected by `llmdp sweep` on data declared public "
+                f"({state['source']}): 0 ε.\n# A private recipe takes them with "
+                f"train.hyperparameters_from: {os.path.basename(path)}\n")
+        yaml.safe_dump(doc, f, sort_keys=False)
