@@ -31,7 +31,7 @@ def run_public_sweep(cfg, spec, *, log=print, run_trial=None, write_best: str | 
     from llmdp.run.launch import run
     from llmdp.run.provenance import shown
     from llmdp.run.rundir import RunDir
-    from llmdp.tune.sweep import _describe, _read_json, _trial_config, _write_json
+    from llmdp.tune.trials import _describe, _read_json, _trial_config, _write_json
 
     if spec.trials != "grid":
         raise ConfigError("sweep.trials: random searches are for private data (their bound hides "

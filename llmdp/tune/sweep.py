@@ -62,6 +62,7 @@ from llmdp.tune.cost import (
     unique_priors,
 )
 from llmdp.tune.grid import SweepSpec, draw_random_trials, resolve_sweep
+from llmdp.tune.trials import _describe, _read_json, _trial_config, _write_json
 
 __all__ = ["SWEEP_JSON", "SWEEP_MD", "SWEEP_INTERNAL_JSON", "SWEEP_INTERNAL_MD", "sweep_cost",
            "select_trial", "selection_refusal", "check_sweep_budget", "run_sweep", "render_markdown",
@@ -116,22 +117,6 @@ def selection_refusal(rows: list[dict]) -> str | None:
 
 
 # ---------------------------------------------------------------------- planning
-def _trial_config(cfg, point, name: str, label: str):
-    from llmdp.config.schema import apply_overrides, recipe_from_dict
-
-    base = to_dict(cfg)
-    base["sweep"] = None
-    try:
-        return recipe_from_dict(apply_overrides(base, [*point, f"output.name={name}"]),
-                                base_dir=os.getcwd())
-    except ConfigError as e:
-        raise ConfigError(f"{label}: {e}", key=e.key) from None
-
-
-def _describe(point) -> str:
-    return ", ".join(point) or "the recipe as it is"
-
-
 def _check_trials(cfgs: list, points: list) -> None:
     """Every trial: a DP run with a DP evaluation, on one dataset ledger."""
     from llmdp.data.sources import dataset_identity
@@ -199,35 +184,6 @@ def _check_same_releases(planned: list, points: list) -> None:
 
 
 # ---------------------------------------------------------------------- state
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _jsonable(x):
-    """Strict JSON: a non-finite number (an ε of inf, a NaN loss) becomes its name."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
-
-
-def _write_json(path: str, obj: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_jsonable(obj), f, indent=2, default=str, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _resumed_draw(state: dict | None, spec: SweepSpec, points: list, path: str):
     """The trials' grid points of an earlier launch of this sweep (None: a new sweep); a
     sweep.json of another grid is refused."""
