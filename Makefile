@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Two stages: pretrain on public text (no DP, nothing spent; a second `make demo` finds it
+# complete), then fine-tune that model with DP on the private notes.
 demo: $(STAMP)
-	$(BIN)/llmdp train recipes/tiny-cpu.yaml
+	$(BIN)/llmdp train recipes/demo-pretrain.yaml
+	$(BIN)/llmdp train recipes/demo-finetune.yaml
 
 # The demo with a tokenizer trained on the private notes with DP (two releases, one report).
 demo-private-tokenizer: $(STAMP)

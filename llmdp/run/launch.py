@@ -24,7 +24,7 @@ from llmdp.privacy.events import event_to_json
 from llmdp.privacy.ledger import LedgerError
 from llmdp.privacy.service import BudgetError, LedgerService, run_ledger_problems
 from llmdp.report.build import write_report
-from llmdp.run.baseline import BANNER
+from llmdp.run.baseline import BANNER, public_banner
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
 from llmdp.run.localray import WORKER_ENV, start_local_ray
 from llmdp.run.planning import plan_run
@@ -306,6 +306,12 @@ def run(cfg: RecipeConfig, log=print, augment=None) -> str:
         lock.release(remove=not os.path.isdir(cfg.run_dir))
 
 
+def report_banner(spec: RunSpec) -> str:
+    """The console's label of a run without DP: the declaration of data declared public,
+    else the NON-PRIVATE baseline's banner."""
+    return public_banner(to_dict(spec.cfg)["data"]) if spec.cfg.data.public else BANNER
+
+
 def _end_hold(spec: RunSpec, status: str, log) -> None:
     """The run's hold on the budget ends with the launch (a resumed run holds anew)."""
     if spec.ledger is None:
@@ -323,8 +329,12 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
 
     prepared = prepare(cfg, log=log, lock=lock, augment=augment)
     plan = prepared.plan
+    label = report_banner(prepared)
+    start = prepared.starting_model
+    if start is not None:
+        log(f"starting model: {start['shown']} ({start['description']})")
     if not prepared.dp:
-        log(f"{BANNER}. plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
+        log(f"{label}. plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
             f"B={plan.expected_batch_size:g}, T={plan.steps}; no clipping, no noise, no ledger")
     else:
         log(f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
@@ -379,7 +389,7 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
     log(f"run directory: {prepared.run_dir}")
     log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
     if report.get("dp") is False:
-        log(f"{BANNER} (no epsilon)")
+        log(f"{label} (no epsilon)")
     else:
         log(f"epsilon = {report['epsilon']:.4f} at delta = {report['delta']:.3g} ({report['accountant']})")
     if interrupted:

@@ -91,7 +91,8 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
     os.makedirs(cache, exist_ok=True)
     if cfg.data.synthetic is not None and not os.path.exists(cfg.data.path):
 
-        log(f"generating {cfg.data.synthetic.num_documents} synthetic private documents -> {cfg.data.path}")
+        kind = "public (declared: data.public)" if cfg.data.public else "private"
+        log(f"generating {cfg.data.synthetic.num_documents} synthetic {kind} documents -> {cfg.data.path}")
         ensure_clinical_notes(cfg.data.path, cfg.data.synthetic.num_documents, cfg.data.synthetic.seed)
 
     # What the tokenizer means for the guarantee, before anything is built with it: a
