@@ -200,8 +200,11 @@ def test_a_public_proxy_sweep_spends_nothing_and_its_best_point_feeds_a_private_
 
     # A private recipe takes the selection.
     priv = to_dict(dp_recipe(tmp_path, name="tuned"))
-    priv["optim"]["lr"] = 0.5  # the file's value wins for the keys it sets
     priv["train"]["hyperparameters_from"] = "tuned/best.yaml"
+    priv["optim"]["lr"] = 0.5  # the recipe and the file disagree: neither silently wins
+    with pytest.raises(ConfigError, match=r"optim.lr: 0.5 in the recipe, but train.hyperparameters_from "):
+        recipe_from_dict(priv, base_dir=tmp_path)
+    del priv["optim"]["lr"]
     tuned = recipe_from_dict(priv, base_dir=tmp_path)
     assert tuned.optim.lr == doc["overrides"]["optim.lr"]
     assert tuned.train.hyperparameters_from == str(best)

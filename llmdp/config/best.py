@@ -1,7 +1,7 @@
 """Hyper-parameters chosen on a public proxy (issue 32 item 4): the file `llmdp sweep ...
 --write-best FILE` writes (`llmdp.tune.public`), and a recipe's ``train.hyperparameters_from:
-FILE``, whose overrides are applied when the recipe is read (the file's values win for
-those keys) and whose origin the run's plan and report state."""
+FILE``, whose overrides are applied when the recipe is read (a key the recipe sets to
+another value is refused) and whose origin the run's plan and report state."""
 
 from __future__ import annotations
 
@@ -34,16 +34,35 @@ def read_best_file(path: str) -> dict:
     return doc
 
 
+_UNSET = object()
+
+
+def _get(raw: dict, dotted: str):
+    node = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _UNSET
+        node = node[part]
+    return node
+
+
 def apply_best(raw: dict, base_dir: str, root: type) -> dict:
     """``raw`` (a recipe mapping) with the overrides of its ``train.hyperparameters_from``
-    file applied (the file's values win over the recipe's for those keys); the path made
-    absolute. Unchanged without the key."""
+    file applied, the path made absolute; unchanged without the key. A key the recipe (or a
+    command-line override) also sets to another value is refused: neither silently wins."""
     train = raw.get("train") if isinstance(raw, dict) else None
     path = train.get("hyperparameters_from") if isinstance(train, dict) else None
     if not path:
         return raw
     path = os.path.abspath(os.path.join(base_dir, os.path.expanduser(str(path))))
     doc = read_best_file(path)
+    for k, v in doc["overrides"].items():
+        mine = _get(raw, k)
+        if mine is not _UNSET and mine != v:
+            raise ConfigError(
+                f"{k}: {mine!r} in the recipe, but train.hyperparameters_from ({path}) sets it to "
+                f"{v!r}; remove it from the recipe (or its override) to take the tuned value, or "
+                f"remove train.hyperparameters_from", key=k)
     items = [f"{k}={json.dumps(v)}" for k, v in doc["overrides"].items()]
     out = apply_overrides(raw, items, root)
     out["train"]["hyperparameters_from"] = path

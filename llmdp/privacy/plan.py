@@ -414,13 +414,17 @@ class DPPlan:
         return cls(**d)
 
 
+_PRIOR = "starting checkpoint: "
+
+
 def _run_tail(steps: int, coordinates: int, sigma: float, eval_noise=None,
               eval_releases: int | None = None, prior_noise=None) -> NoiseTail:
     """The `NoiseTail` of `steps` steps of `coordinates` noise coordinates at `sigma`, the
     DP evaluations `eval_noise` = (releases, coordinates, noise multiplier) (their first
     `eval_releases`, default all), and a starting checkpoint's releases `prior_noise`."""
     parts = [("training steps", steps, coordinates, sigma)]
-    parts += [(f"starting checkpoint: {w}", c, k, z) for w, c, k, z in prior_noise or ()]
+    # labelled once, also when the starting run composed a starting checkpoint of its own
+    parts += [(w if w.startswith(_PRIOR) else _PRIOR + w, c, k, z) for w, c, k, z in prior_noise or ()]
     if eval_noise is not None:
         n, k, z = eval_noise
         parts.append(("DP evaluations", n if eval_releases is None else eval_releases, k, z))

@@ -197,8 +197,7 @@ def composed_releases(info: dict, releases: list[dict], ledger: str) -> dict:
     evals = sum(int(r["count"]) for r in releases
                 if (r.get("meta") or {}).get("mechanism") == EVAL_MECHANISM)
     tail = plan.noise_tail(steps=step_count(releases), eval_releases=evals)
-    noise = [] if tail is None else [
-        (w.removeprefix("starting checkpoint: "), c, k, z) for w, c, k, z, _ in tail.parts]
+    noise = [] if tail is None else [(w, c, k, z) for w, c, k, z, _ in tail.parts]
     prior = [dict(r) for r in info.get("prior_releases") or []]
     for r in releases:
         event_from_json(r["event"])  # readable, or the ledger's error surfaces here
