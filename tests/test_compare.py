@@ -114,5 +114,50 @@ def test_error_bars_stay_in_the_metric_range_and_datasets_are_not_joined(tmp_pat
     drawn = plot(rows, str(tmp_path / "pu.png"))
     bars = dict(zip([run for *_, run in drawn["dp_eval"]], drawn["dp_eval_bars"]))
     assert bars["a1"] == (1.2, 3.6) and bars["a2"] == (3.0, 1.0) and bars["b1"] == (0.5, 0.5)
-    assert sorted(map(tuple, drawn["groups"])) == [("path:/d/a", 1e-6), ("path:/d/a", 1e-5),
-                                                    ("path:/d/b", 1e-5)]
+    assert sorted(map(tuple, drawn["groups"])) == [("path:/d/a", 1e-6, "random weights"),
+                                                    ("path:/d/a", 1e-5, "random weights"),
+                                                    ("path:/d/b", 1e-5, "random weights")]
+
+
+def test_seeds_are_pooled_per_starting_model_and_each_start_is_its_own_curve(tmp_path, capsys):
+    """Issue 32 item 5: runs that differ only by seed are one point (mean ± sample sd, with
+    min and max), per starting model; the two starts are two curves and two NON-PRIVATE
+    lines; the held-out loss before the first step is the starting model untouched."""
+    public = {"kind": "public", "run_id": "pre-1", "shown": "<local>/model"}
+
+    def run(eps, losses, start, before):
+        return {"dp": eps is not None, "epsilon": eps, "delta": 1e-6 if eps else None,
+                "steps_completed": 6, "status": "complete", "starting_model": start,
+                "dataset_ledger": {"dataset_id": "path:/d/a"} if eps else None,
+                "evaluation": {"internal": [_internal(0, before, 0.01),
+                                            _internal(6, losses, 0.2 if start else 0.1)]}}
+
+    specs = {"s-e1": (1.0, [5.9, 6.0, 6.1], None, 7.6), "s-e8": (7.9998, [5.4, 5.5, 5.6], None, 7.6),
+             "s-np": (None, [3.9, 4.0], None, 7.6),
+             "p-e1": (1.0001, [3.4, 3.6, 3.5], public, 3.9), "p-e8": (8.0, [3.1, 3.2, 3.0], public, 3.9),
+             "p-np": (None, [2.9, 3.0, 3.1], public, 3.9)}
+    paths = [_run(tmp_path, f"{name}-{i}", run(eps, loss, start, before))
+             for name, (eps, losses, start, before) in specs.items() for i, loss in enumerate(losses)]
+    rows = compare(paths, log=print)
+    out = capsys.readouterr().out
+    assert "runs that differ only by seed pooled" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("public run pre-1") and "8.0000" in ln)
+    assert "3.1000 ± 0.1000 [3.0000, 3.2000]" in line and " 3 " in line and "3.9000, 0.0100" in line
+    from llmdp.tune.compare import summarize
+
+    pooled = {(s["start"], s["dp"], s["epsilon"] and round(s["epsilon"])): s for s in summarize(rows)}
+    s = pooled[("random weights", True, 8)]
+    assert s["n"] == 3 and abs(s["loss"] - 5.5) < 1e-12 and abs(s["loss_sd"] - 0.1) < 1e-12
+    assert abs(s["epsilon"] - 7.9998) < 1e-12 and abs(s["before_loss"] - 7.6) < 1e-12
+    base = pooled[("random weights", False, None)]
+    assert base["n"] == 2 and abs(base["loss_sd"] - 0.5 ** 0.5 * 0.1) < 1e-12
+    drawn = plot(rows, str(tmp_path / "pu.png"))
+    assert sorted(g[2] for g in drawn["groups"]) == ["public run pre-1", "random weights"]
+    means = sorted((start, round(e), round(m, 12), round(sd, 12), n)
+                   for e, m, sd, n, start in drawn["heldout_mean"])
+    assert means == [("public run pre-1", 1, 3.5, 0.1, 3), ("public run pre-1", 8, 3.1, 0.1, 3),
+                     ("random weights", 1, 6.0, 0.1, 3), ("random weights", 8, 5.5, 0.1, 3)]
+    labels = sorted(label for _, label in drawn["non_private"])
+    assert len(labels) == 2 and "mean ± sd of 3 runs, from public run pre-1" in labels[1]
+    assert "mean ± sd of 2 runs, from random weights" in labels[0]
+    assert (tmp_path / "pu.png").read_bytes()[:4] == b"\x89PNG"

@@ -17,7 +17,7 @@ import os
 
 from llmdp.config.validate import ConfigError
 
-__all__ = ["load_run", "format_table", "plot", "compare"]
+__all__ = ["load_run", "format_table", "summarize", "format_summary", "plot", "compare"]
 
 DASH = "–"
 
@@ -51,6 +51,8 @@ def load_run(path: str) -> dict:
         held, source = _last(ev.get("public")), "public"
     dp = _last(ev.get("dp"))
     private = report.get("dp") is not False
+    first = ev.get(source)
+    first = first[0] if isinstance(first, list) and first and isinstance(first[0], dict) else None
     return {
         "run": os.path.basename(rd.path), "path": rd.path, "dp": private,
         "epsilon": _num(report.get("epsilon")) if private else None,
@@ -58,6 +60,10 @@ def load_run(path: str) -> dict:
         "heldout": None if held is None else {
             "source": source, "loss": _num(held.get("loss")), "accuracy": _num(held.get("accuracy")),
             "perplexity": _num(held.get("perplexity")), "step": held.get("step")},
+        # The held-out metrics before the first step (the starting model untouched).
+        "before": None if first is None or first.get("step") != 0 else {
+            "loss": _num(first.get("loss")), "accuracy": _num(first.get("accuracy"))},
+        "start": start_label(report.get("starting_model")),
         "dp_eval": None if dp is None else {
             "loss": _num(dp.get("loss")), "loss_std": _num(dp.get("loss_std")),
             "accuracy": _num(dp.get("accuracy")), "accuracy_std": _num(dp.get("accuracy_std")),
@@ -70,12 +76,79 @@ def load_run(path: str) -> dict:
     }
 
 
+def start_label(start) -> str:
+    """A short name of a run's starting model (its report's ``starting_model``)."""
+    if not isinstance(start, dict):
+        return "random weights"
+    kind, run_id = start.get("kind"), start.get("run_id")
+    if kind == "public" and run_id:
+        return f"public run {run_id}"
+    if kind == "dp" and run_id:
+        return f"DP run {run_id}"
+    if kind == "non-private" and run_id:
+        return f"NON-PRIVATE run {run_id}"
+    return str(start.get("shown") or start.get("name") or "external checkpoint")
+
+
 def _f(x, spec: str = ".4f") -> str:
     return DASH if x is None else format(x, spec)
 
 
 def _pm(x, std) -> str:
     return DASH if x is None else f"{x:.4f} ± {_f(std)}"
+
+
+def _stats(xs) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (None for one value) of the values that exist."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Runs that differ only by their seed, pooled: one entry per starting model, dataset, δ,
+    privacy and ε (to two decimals; targets are met to 1e-4), with ``n``, ``runs``, the
+    mean, sample standard deviation, minimum and maximum of the final held-out loss, the
+    mean and standard deviation of its accuracy, and the held-out loss and accuracy before
+    the first step (the starting model untouched)."""
+    buckets: dict = {}
+    for r in rows:
+        eps = round(r["epsilon"], 2) if r["dp"] and r["epsilon"] is not None else None
+        buckets.setdefault((r["start"], r["dataset"] if r["dp"] else None,
+                            r["delta"], r["dp"], eps), []).append(r)
+    out = []
+    for (start, dataset, delta, dp, eps), members in buckets.items():
+        held = [m["heldout"] or {} for m in members]
+        losses = [h.get("loss") for h in held if h.get("loss") is not None]
+        (loss, loss_sd), (acc, acc_sd) = _stats(losses), _stats([h.get("accuracy") for h in held])
+        before = [m["before"] or {} for m in members]
+        out.append({
+            "start": start, "dataset": dataset, "delta": delta, "dp": dp,
+            "epsilon": None if eps is None else _stats([m["epsilon"] for m in members])[0],
+            "n": len(members), "runs": [m["run"] for m in members],
+            "source": "/".join(sorted({h["source"] for h in held if h.get("source")})) or None,
+            "loss": loss, "loss_sd": loss_sd, "loss_min": min(losses, default=None),
+            "loss_max": max(losses, default=None), "accuracy": acc, "accuracy_sd": acc_sd,
+            "before_loss": _stats([b.get("loss") for b in before])[0],
+            "before_accuracy": _stats([b.get("accuracy") for b in before])[0]})
+    return sorted(out, key=lambda s: (s["start"], not s["dp"], s["epsilon"] or 0.0))
+
+
+def format_summary(pooled: list[dict]) -> str:
+    """`summarize`'s entries as an aligned text table."""
+    head = ["starting model", "privacy", "ε", "runs", "held-out loss mean ± sd [min, max]",
+            "accuracy mean ± sd", "before training: loss, accuracy"]
+    body = [[s["start"], "DP" if s["dp"] else "NON-PRIVATE", _f(s["epsilon"]) if s["dp"] else DASH,
+             str(s["n"]),
+             DASH if s["loss"] is None else
+             f"{_pm(s['loss'], s['loss_sd'])} [{_f(s['loss_min'])}, {_f(s['loss_max'])}]",
+             _pm(s["accuracy"], s["accuracy_sd"]),
+             f"{_f(s['before_loss'])}, {_f(s['before_accuracy'])}"] for s in pooled]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
+                     for row in [head, ["-" * w for w in widths], *body])
 
 
 def format_table(rows: list[dict]) -> str:
@@ -116,23 +189,34 @@ def plot(rows: list[dict], out: str) -> dict:
                      key=lambda r: r["epsilon"])
     drawn = False
     baselines = []
-    # One curve per (dataset, δ): ε of runs on other data or at another δ are not points of
-    # one privacy-utility curve.
+    # One curve per (dataset, δ, starting model): ε of runs on other data or at another δ
+    # are not points of one privacy-utility curve, and two starts are two curves.
     groups: dict = {}
     for r in dp_rows:
-        groups.setdefault((r.get("dataset"), r["delta"]), []).append(r)
-    several = len(groups) > 1
-    held, dpe, yerr = [], [], []
-    for (dataset, delta), members in groups.items():
-        tag = f" [{_short(dataset)}, δ={delta:.3g}]" if several else ""
+        groups.setdefault((r.get("dataset"), r["delta"], r["start"]), []).append(r)
+    keys = list(groups)
+    held, dpe, yerr, means = [], [], [], []
+    for (dataset, delta, start), members in groups.items():
+        tag = _tag(keys, dataset, delta, start)
         h = [(r["epsilon"], r["heldout"]["loss"], r) for r in members
              if r["heldout"] and r["heldout"]["loss"] is not None]
-        if h:
+        pooled = [s for s in summarize([r for _, _, r in h]) if s["loss"] is not None]
+        if h and all(s["n"] == 1 for s in pooled):
             sources = sorted({r["heldout"]["source"] for _, _, r in h})
             ax.plot([x for x, _, _ in h], [y for _, y, _ in h], "o-",
                     label=f"held-out loss ({', '.join(sources)}){tag}")
-            held += h
-            drawn = True
+        elif h:
+            # Repeated runs (seeds): the mean with ± one standard deviation, each run a dot.
+            sources = sorted({r["heldout"]["source"] for _, _, r in h})
+            line = ax.errorbar([s["epsilon"] for s in pooled], [s["loss"] for s in pooled],
+                               yerr=[s["loss_sd"] or 0.0 for s in pooled], fmt="o-", capsize=3,
+                               label=f"held-out loss ({', '.join(sources)}), mean ± sd of "
+                                     f"{min(s['n'] for s in pooled)}+ runs{tag}")
+            ax.plot([x for x, _, _ in h], [y for _, y, _ in h], ".", alpha=0.35,
+                    color=line[0].get_color())
+            means += [(s["epsilon"], s["loss"], s["loss_sd"], s["n"], start) for s in pooled]
+        held += h
+        drawn = drawn or bool(h)
         d = [(r["epsilon"], r["dp_eval"]["loss"], r["dp_eval"]["loss_std"] or 0.0, r) for r in members
              if r["dp_eval"] and r["dp_eval"]["loss"] is not None]
         if d:
@@ -146,20 +230,27 @@ def plot(rows: list[dict], out: str) -> dict:
             yerr += err
             drawn = True
     named = set()
-    for x, y, r in held + [(x, y, r) for x, y, _, r in dpe]:
-        if r["path"] not in named:  # each run named once, labels staggered
-            named.add(r["path"])
-            ax.annotate(r["run"], (x, y), textcoords="offset points",
-                        xytext=(4, 4 + 9 * (len(named) % 3)), fontsize=7)
-    for r in rows:
-        if not r["dp"] and r["heldout"] and r["heldout"]["loss"] is not None:
-            label = f"NON-PRIVATE ({r['run']}, {r['heldout']['source']})"
-            ax.axhline(r["heldout"]["loss"], ls="--", color="0.4", label=label)
-            ax.annotate("NON-PRIVATE", (1.0, r["heldout"]["loss"]), xycoords=("axes fraction", "data"),
-                        textcoords="offset points", xytext=(-4, 3), ha="right", fontsize=7,
-                        color="0.3")
-            baselines.append((r["heldout"]["loss"], label))
-            drawn = True
+    if not means:  # with repeated runs the dots are not named (the table lists them)
+        for x, y, r in held + [(x, y, r) for x, y, _, r in dpe]:
+            if r["path"] not in named:  # each run named once, labels staggered
+                named.add(r["path"])
+                ax.annotate(r["run"], (x, y), textcoords="offset points",
+                            xytext=(4, 4 + 9 * (len(named) % 3)), fontsize=7)
+    base_rows = [r for r in rows if not r["dp"] and r["heldout"] and r["heldout"]["loss"] is not None]
+    starts = sorted({r["start"] for r in rows})
+    for s in summarize(base_rows):
+        who = (s["runs"][0] if s["n"] == 1 else f"mean ± sd of {s['n']} runs") + \
+            (f", from {s['start']}" if len(starts) > 1 else "")
+        label = f"NON-PRIVATE ({who}, {s['source']})"
+        line = ax.axhline(s["loss"], ls="--", color="0.4" if len(starts) == 1 else None, label=label)
+        if s["loss_sd"]:
+            ax.axhspan(s["loss"] - s["loss_sd"], s["loss"] + s["loss_sd"], alpha=0.12,
+                       color=line.get_color())
+        ax.annotate("NON-PRIVATE", (1.0, s["loss"]), xycoords=("axes fraction", "data"),
+                    textcoords="offset points", xytext=(-4, 3), ha="right", fontsize=7,
+                    color="0.3")
+        baselines.append((s["loss"], label))
+        drawn = True
     if not drawn:
         ax.text(0.5, 0.5, "no evaluation metrics in these runs", ha="center", va="center",
                 transform=ax.transAxes)
@@ -174,8 +265,18 @@ def plot(rows: list[dict], out: str) -> dict:
     plt.close(fig)
     return {"heldout": [(x, y, r["run"]) for x, y, r in held],
             "dp_eval": [(x, y, sd, r["run"]) for x, y, sd, r in dpe],
-            "dp_eval_bars": yerr, "groups": [list(k) for k in groups],
+            "dp_eval_bars": yerr, "groups": [list(k) for k in groups], "heldout_mean": means,
             "non_private": baselines, "path": out}
+
+
+def _tag(keys, dataset, delta, start) -> str:
+    """The legend's note on a curve: what tells it apart from the others drawn with it."""
+    parts = []
+    if len({k[0] for k in keys}) > 1 or len({k[1] for k in keys}) > 1:
+        parts.append(f"{_short(dataset)}, δ={delta:.3g}")
+    if len({k[2] for k in keys}) > 1:
+        parts.append(f"from {start}")
+    return f" [{'; '.join(parts)}]" if parts else ""
 
 
 def _clipped_bar(y: float, sd: float, bound: float | None) -> tuple[float, float]:
@@ -199,6 +300,10 @@ def compare(paths, out: str | None = None, log=print) -> list[dict]:
         if names.count(r["run"]) > 1:
             r["run"] = os.path.relpath(r["path"])
     log(format_table(rows))
+    pooled = summarize(rows)
+    if any(s["n"] > 1 for s in pooled) or len({r["start"] for r in rows}) > 1:
+        log("\nby starting model and ε (runs that differ only by seed pooled):")
+        log(format_summary(pooled))
     missing = [r["run"] for r in rows if r["heldout"] is None and r["dp_eval"] is None]
     if missing:
         log(f"no evaluation metrics in {', '.join(missing)} (listed with {DASH})")

@@ -1,0 +1,127 @@
+"""What DP costs on the demo corpus, from random weights and from the public-pretrained model.
+
+    python benchmarks/privacy_utility.py [--seeds 0,1,2] [--epsilons 1,3,8] [--out-dir runs/pu]
+
+For each starting model, each ε and a NON-PRIVATE fine-tune, and each seed, one run of
+`llmdp train` with the same data, steps, batch, learning rate and clipping norm:
+  scratch     recipes/tiny-cpu.yaml (the tiny Llama from random weights, model.tiny.seed 0)
+  pretrained  recipes/demo-finetune.yaml (the model recipes/demo-pretrain.yaml trained on
+              declared-public notes; that run is made first if it is not complete)
+with `eval.epsilon=null` (ε is the training's alone) and `privacy.rng=seeded
+privacy.seed=SEED`. Each start is one fixed model; the seed draws the Poisson batches and
+the noise, the randomness DP adds (pinned: the numbers can be regenerated; such a run's
+report says its noise is seeded, so these are measurements, not releases). The runs write
+their ledger records in OUT_DIR/ledger.sqlite, not in the user's ledger.
+
+Then `llmdp compare` over all of them: the per-run table, the table pooled over seeds
+(mean ± sample standard deviation [min, max] of the final held-out loss, the mean token
+accuracy, and the held-out loss before the first step: the starting model untouched) and
+the plot OUT_DIR/privacy-utility.png (held-out loss against ε, one curve per start, each
+NON-PRIVATE fine-tune a dashed line). Last, the pooled table in Markdown for BENCHMARKS.md.
+A run already complete in OUT_DIR is not run again (the script can be interrupted and
+restarted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STARTS = {"scratch": "recipes/tiny-cpu.yaml", "pretrained": "recipes/demo-finetune.yaml"}
+PRETRAIN = "recipes/demo-pretrain.yaml"  # makes the model demo-finetune.yaml starts from
+
+
+def llmdp() -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "llmdp")
+    return [exe] if os.path.exists(exe) else [sys.executable, "-c", "import sys; from llmdp.cli "
+                                                                    "import main; sys.exit(main())"]
+
+
+def complete(run_dir: str) -> bool:
+    try:
+        with open(os.path.join(run_dir, "privacy_report.json"), encoding="utf-8") as f:
+            return json.load(f).get("status") == "complete"
+    except (OSError, ValueError):
+        return False
+
+
+def runs(seeds, epsilons) -> list[tuple[str, str, list[str]]]:
+    """(start, run name, overrides) for every run, seeds outermost: an interrupted sweep
+    holds whole seeds."""
+    out = []
+    for seed in seeds:
+        for start in STARTS:
+            for eps in [None, *epsilons]:
+                name = f"{start}-{'nonprivate' if eps is None else f'eps{eps:g}'}-seed{seed}"
+                dp = ["privacy.dp=false"] if eps is None else [f"privacy.target_epsilon={eps:g}"]
+                out.append((start, name, dp + [
+                    "eval.epsilon=null", "privacy.rng=seeded", f"privacy.seed={seed}"]))
+    return out
+
+
+def markdown(pooled: list[dict]) -> str:
+    def pm(m, sd, spec=".3f"):
+        return "–" if m is None else f"{m:{spec}} ± {sd:{spec}}" if sd is not None else f"{m:{spec}}"
+
+    lines = ["| start | fine-tuning | runs | held-out loss, mean ± sd | [min, max] | token accuracy, "
+             "mean ± sd |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    seen = set()
+    for s in pooled:
+        if s["start"] not in seen:
+            seen.add(s["start"])
+            lines.append(f"| {s['start']} | none (step 0) | {s['n']} | {pm(s['before_loss'], None)} | "
+                         f"– | {pm(s['before_accuracy'], None)} |")
+        what = f"DP, ε = {s['epsilon']:.2f}" if s["dp"] else "NON-PRIVATE"
+        lines.append(f"| {s['start']} | {what} | {s['n']} | {pm(s['loss'], s['loss_sd'])} | "
+                     f"[{s['loss_min']:.3f}, {s['loss_max']:.3f}] | "
+                     f"{pm(s['accuracy'], s['accuracy_sd'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--epsilons", default="1,3,8")
+    ap.add_argument("--out-dir", default="runs/pu")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands only")
+    args = ap.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    epsilons = [float(e) for e in args.epsilons.split(",")]
+    out_dir = os.path.abspath(os.path.join(REPO, args.out_dir))
+    ledger = os.path.join(out_dir, "ledger.sqlite")
+    pre = [*llmdp(), "train", PRETRAIN]
+    todo = [(start, name, [*llmdp(), "train", STARTS[start], *over, f"output.dir={out_dir}",
+                           f"output.name={name}", f"privacy.ledger={ledger}"])
+            for start, name, over in runs(seeds, epsilons)]
+    if args.dry_run:
+        for cmd in [pre] + [c for *_, c in todo]:
+            print(" ".join(cmd))
+        return 0
+    os.makedirs(out_dir, exist_ok=True)
+    # The public pretraining (a second launch of a complete run goes straight on).
+    subprocess.run(pre, cwd=REPO, check=True)
+    walls = {}
+    for i, (start, name, cmd) in enumerate(todo):
+        run_dir = os.path.join(out_dir, name)
+        if complete(run_dir):
+            continue
+        print(f"[{i + 1}/{len(todo)}] {' '.join(cmd[len(llmdp()):])}", flush=True)
+        t0 = time.perf_counter()
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        walls[name] = time.perf_counter() - t0
+        print(f"    {name}: {walls[name]:.0f} s", flush=True)
+    from llmdp.tune.compare import compare, summarize
+
+    png = os.path.join(out_dir, "privacy-utility.png")
+    rows = compare([os.path.join(out_dir, name) for _, name, _ in todo], out=png)
+    print("\n" + markdown(summarize(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
