@@ -74,7 +74,7 @@ def markdown(pooled: list[dict]) -> str:
     for s in pooled:
         if s["start"] not in seen:
             seen.add(s["start"])
-            lines.append(f"| {s['start']} | none (step 0) | {s['n']} | {pm(s['before_loss'], None)} | "
+            lines.append(f"| {s['start']} | none (step 0) | – | {pm(s['before_loss'], None)} | "
                          f"– | {pm(s['before_accuracy'], None)} |")
         what = f"DP, ε = {s['epsilon']:.2f}" if s["dp"] else "NON-PRIVATE"
         lines.append(f"| {s['start']} | {what} | {s['n']} | {pm(s['loss'], s['loss_sd'])} | "

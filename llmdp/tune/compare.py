@@ -196,6 +196,7 @@ def plot(rows: list[dict], out: str) -> dict:
         groups.setdefault((r.get("dataset"), r["delta"], r["start"]), []).append(r)
     keys = list(groups)
     held, dpe, yerr, means = [], [], [], []
+    colors: dict = {}  # starting model -> its curve's colour (its NON-PRIVATE line's too)
     for (dataset, delta, start), members in groups.items():
         tag = _tag(keys, dataset, delta, start)
         h = [(r["epsilon"], r["heldout"]["loss"], r) for r in members
@@ -203,8 +204,9 @@ def plot(rows: list[dict], out: str) -> dict:
         pooled = [s for s in summarize([r for _, _, r in h]) if s["loss"] is not None]
         if h and all(s["n"] == 1 for s in pooled):
             sources = sorted({r["heldout"]["source"] for _, _, r in h})
-            ax.plot([x for x, _, _ in h], [y for _, y, _ in h], "o-",
-                    label=f"held-out loss ({', '.join(sources)}){tag}")
+            line = ax.plot([x for x, _, _ in h], [y for _, y, _ in h], "o-",
+                           label=f"held-out loss ({', '.join(sources)}){tag}")
+            colors.setdefault(start, line[0].get_color())
         elif h:
             # Repeated runs (seeds): the mean with ± one standard deviation, each run a dot.
             sources = sorted({r["heldout"]["source"] for _, _, r in h})
@@ -214,6 +216,7 @@ def plot(rows: list[dict], out: str) -> dict:
                                      f"{min(s['n'] for s in pooled)}+ runs{tag}")
             ax.plot([x for x, _, _ in h], [y for _, y, _ in h], ".", alpha=0.35,
                     color=line[0].get_color())
+            colors.setdefault(start, line[0].get_color())
             means += [(s["epsilon"], s["loss"], s["loss_sd"], s["n"], start) for s in pooled]
         held += h
         drawn = drawn or bool(h)
@@ -242,7 +245,8 @@ def plot(rows: list[dict], out: str) -> dict:
         who = (s["runs"][0] if s["n"] == 1 else f"mean ± sd of {s['n']} runs") + \
             (f", from {s['start']}" if len(starts) > 1 else "")
         label = f"NON-PRIVATE ({who}, {s['source']})"
-        line = ax.axhline(s["loss"], ls="--", color="0.4" if len(starts) == 1 else None, label=label)
+        line = ax.axhline(s["loss"], ls="--", label=label,
+                          color="0.4" if len(starts) == 1 else colors.get(s["start"], "0.4"))
         if s["loss_sd"]:
             ax.axhspan(s["loss"] - s["loss_sd"], s["loss"] + s["loss_sd"], alpha=0.12,
                        color=line.get_color())
