@@ -47,8 +47,10 @@ from llmdp.hub.folder import (  # noqa: F401 - EXPORT_INFO, ExportError: this mo
     _check_destination,
     _config_hash_header,
     _copy_files,
+    _gate_problems,
     _is_hub_id,
     _list_files,
+    _local_roots,
     _read_json,
     _read_yaml,
     _scrub,
@@ -238,20 +240,13 @@ def export_run(
         return _finish_export(to, fmt, problems, push, private, dry_run, log,
                               "DECLARED PUBLIC DATA: no privacy guarantee")
     problems, report = verify_run(run_dir)
-    if problems and not allow_unverified:
-        raise ExportError(
-            f"{run_dir} cannot be exported as verified:\n" + "\n".join(f"  - {p}" for p in problems)
-            + "\nFix the run (or rebuild its report), or pass --allow-unverified to export anyway; "
-              "the model card then lists these problems at the top")
-    for p in problems:
-        log(f"UNVERIFIED: {p}")
+    _gate_problems(run_dir, problems, allow_unverified, log)
     base_id = _base_model_id(cfg, base_model)
     _check_destination(to, report)
     with building_dir(to, ".tmp-export-") as tmp:
         fmt = _write_model(run_dir, tmp, cfg, merge=merge, base_model=base_id, log=log)
         _copy_files(os.path.join(run_dir, "model"), tmp, _TOKENIZER_FILES)
-        roots = tuple(sorted({run_dir, os.path.dirname(run_dir), os.getcwd(),
-                              os.path.expanduser("~")}, key=len, reverse=True))
+        roots = _local_roots(run_dir)
         # Only DP outputs and public configuration leave (DESIGN §3.9): the report, its plot,
         # the ledger and the card are the publishable ones, derived from the local report.
         clean = _scrub(_publishable(run_dir, report), roots)

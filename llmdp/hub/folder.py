@@ -61,6 +61,24 @@ def _check_destination(to: str, report: dict) -> None:
                           f"new folder")
 
 
+def _gate_problems(run_dir: str, problems: list[str], allow_unverified: bool, log) -> None:
+    """Refuse an unverified run unless --allow-unverified, which logs each problem (the
+    card then lists them at the top)."""
+    if problems and not allow_unverified:
+        raise ExportError(
+            f"{run_dir} cannot be exported as verified:\n" + "\n".join(f"  - {p}" for p in problems)
+            + "\nFix the run (or rebuild its report), or pass --allow-unverified to export anyway; "
+              "the model card then lists these problems at the top")
+    for p in problems:
+        log(f"UNVERIFIED: {p}")
+
+
+def _local_roots(run_dir: str) -> tuple[str, ...]:
+    """The local paths ``_scrub`` removes from what an export publishes, longest first."""
+    return tuple(sorted({run_dir, os.path.dirname(run_dir), os.getcwd(), os.path.expanduser("~")},
+                        key=len, reverse=True))
+
+
 def _write_export_info(folder: str, info: dict) -> None:
     info = {**info, "exported_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     with open(os.path.join(folder, EXPORT_INFO), "w", encoding="utf-8") as f:

@@ -16,6 +16,8 @@ from llmdp.hub.folder import (
     _check_destination,
     _config_hash_header,
     _copy_files,
+    _gate_problems,
+    _local_roots,
     _read_json,
     _read_yaml,
     _scrub,
@@ -90,18 +92,12 @@ def export_public(run_dir: str, to: str, cfg: dict, *, merge: bool, base_model: 
     """The export folder of a run on data declared public: the weights, the tokenizer, a card
     whose first line is the declaration, and the report without its internal statistics."""
     problems, report = verify_public_run(run_dir)
-    if problems and not allow_unverified:
-        raise ExportError(
-            f"{run_dir} cannot be exported as verified:\n" + "\n".join(f"  - {p}" for p in problems)
-            + "\nFix the run (or rebuild its report), or pass --allow-unverified to export anyway")
-    for p in problems:
-        log(f"UNVERIFIED: {p}")
+    _gate_problems(run_dir, problems, allow_unverified, log)
     _check_destination(to, report)
     with building_dir(to, ".tmp-export-") as tmp:
         fmt = _write_model(run_dir, tmp, cfg, merge=merge, base_model=base_model, log=log)
         _copy_files(os.path.join(run_dir, "model"), tmp, _TOKENIZER_FILES)
-        roots = tuple(sorted({run_dir, os.path.dirname(run_dir), os.getcwd(),
-                              os.path.expanduser("~")}, key=len, reverse=True))
+        roots = _local_roots(run_dir)
         clean_cfg = _scrub(cfg, roots)
         clean = _scrub({k: report[k] for k in _PUBLIC_REPORT_KEYS if k in report}, roots)
         clean["banner"] = public_banner(clean_cfg["data"])  # names the source, no local path
