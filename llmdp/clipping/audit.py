@@ -64,7 +64,7 @@ class UseAudit:
         self.rec_params.clear()
         self.fwd_params.clear()
 
-    def record(self, module: nn.Module, pnames, output: torch.Tensor, inp, index: int) -> None:
+    def record(self, module: nn.Module, pnames, output, inp, index: int) -> None:
         """Recorded call ``index`` of ``module``: the parameter tensors it used (by name)
         and the autograd nodes between its ``output`` and its input ``inp``."""
         used = set()
@@ -75,15 +75,19 @@ class UseAudit:
         self.rec_params.append(used)
         self.own_subgraph(output, inp, index)
 
-    def own_subgraph(self, output: torch.Tensor, inp, index: int) -> None:
+    def own_subgraph(self, output, inp, index: int) -> None:
         """Mark the autograd nodes between this call's output and its input as the call's
         own: an edge into them (or into its parameters) from anywhere else is a use of the
-        parameters that the hooks did not record (checked in ``check``)."""
-        stop = inp.grad_fn if isinstance(inp, torch.Tensor) else None
-        todo = [output.grad_fn] if output.grad_fn is not None else []
+        parameters that the hooks did not record (checked in ``check``). ``output`` and
+        ``inp`` may be lists (a call with several outputs, or several tensor inputs: the
+        walk stops at every input)."""
+        inputs = inp if isinstance(inp, list) else [inp]
+        stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        outputs = output if isinstance(output, list) else [output]
+        todo = [o.grad_fn for o in outputs if o.grad_fn is not None]
         while todo:
             node = todo.pop()
-            if node is stop or hasattr(node, "variable"):
+            if node in stop or hasattr(node, "variable"):
                 continue
             mine = self.owned.setdefault(node, set())
             if index in mine:
@@ -96,7 +100,7 @@ class UseAudit:
         that no recorded call owns (e.g. ``F.linear(x, module.weight)`` outside the
         module): its gradient would be trained without being in its unit's norm (two-pass)
         or silently dropped (book-keeping). DESIGN §3.8. ``names``: tensor id -> parameter
-        name; ``tap``: the autograd node class of the engine's taps."""
+        name; ``tap``: the autograd node class (or classes) of the engine's taps."""
         if total.grad_fn is None:
             return
         bad: set[str] = set()

@@ -97,6 +97,7 @@ from llmdp.clipping.accumulate import (
     contribution,
 )
 from llmdp.clipping.audit import UnsupportedModuleError, UseAudit, check_coverage, check_model
+from llmdp.clipping.calls import TapMany, folded, record_call, tensors_in
 from llmdp.clipping.cross import cross_inner
 from llmdp.clipping.lowp import U64, gamma
 from llmdp.clipping.modes import MODES, _fingerprint, resolve_mode
@@ -107,6 +108,9 @@ from llmdp.clipping.reference import (
     unit_ids,
 )
 from llmdp.clipping.rules import LinearRule
+from llmdp.clipping.rules.functional import FunctionalRule
+
+GENERIC = FunctionalRule()
 
 ENGINES = ("ghost", "reference")
 LAYER_POLICIES = ("auto", "ghost", "instantiate")
@@ -137,6 +141,15 @@ class _Tap(torch.autograd.Function):
     def backward(ctx, g):
         ctx.clipper._on_output_grad(ctx.rec, g)
         return g, None, None, None
+
+
+def _detached(G, fold: int = 1):
+    """G, or the tuple of a call's output gradients (``calls.TapMany``), detached; a call
+    on the flattened tokens folded back to [R, k, ...] (``Record.fold``)."""
+    if isinstance(G, tuple):
+        return tuple(g.detach() for g in G)
+    G = G.detach()
+    return G.reshape(-1, fold, *G.shape[1:]) if fold > 1 else G
 
 
 def _autocast_input_dtype(module: nn.Module, rule, A: torch.Tensor) -> torch.dtype | None:
@@ -217,6 +230,7 @@ class GhostClipper:
         self._fallbacks = 0
         self._handles = []
         self._rules = {}
+        self._names: dict = {}  # module -> its path in the model (for messages)
         self._anchor = None
         if engine == "ghost":
             self._install_hooks()
@@ -232,23 +246,17 @@ class GhostClipper:
             own = [p for p in module.parameters(recurse=False) if p.requires_grad]
             if not own:
                 continue
-            rule = find_rule(module)
-            if rule is None:
-                pnames = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-                raise UnsupportedModuleError(
-                    f"module '{name}' ({type(module).__name__}) has trainable parameters "
-                    f"{pnames} that the clipping engine cannot clip per unit. Freeze them "
-                    f"(e.g. `for p in model.get_submodule('{name}').parameters(): "
-                    "p.requires_grad_(False)`), train with LoRA, or register a rule with "
-                    "llmdp.clipping.register_rule."
-                )
+            # No specific rule: the generic exact one (re-runs the module per unit, refuses
+            # a module that mixes rows when it first sees one do so: rules/functional.py).
+            rule = find_rule(module) or GENERIC
             self._rules[module] = rule
+            self._names[module] = name
             for p in own:
                 owners[id(p)] = owners.get(id(p), 0) + 1
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad:
                     self._pids[(module, pname)] = id(p)
-            self._handles.append(module.register_forward_hook(self._on_forward))
+            self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True))
         # Which parameters have several uses (tied input embedding and LM head, a module
         # called twice) is counted per micro-batch from the recorded calls (_multi_use).
         missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in owners]
@@ -267,14 +275,16 @@ class GhostClipper:
             x = args[0]
         self._rows = x.shape[0] if isinstance(x, torch.Tensor) else None
 
-    def _on_forward(self, module, args, output):
+    def _on_forward(self, module, args, kwargs, output):
         if (
             not self._recording
             or torch._C._are_functorch_transforms_active()  # a rule re-running a module
             or not torch.is_grad_enabled()
-            or not isinstance(output, torch.Tensor)
-            or not output.requires_grad
         ):
+            return None
+        if self._rules[module].wants_call:
+            return self._on_call(module, args, kwargs, output)
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return None
         rows = getattr(self, "_rows", None)
         if isinstance(module, nn.Embedding) and rows is not None and output.dim() >= 2 and output.shape[0] == 1 and rows > 1:
@@ -291,28 +301,49 @@ class GhostClipper:
                 hit = (src, A.to(rec_dtype))
                 self._casts[id(src)] = hit
             A = hit[1]
+        # A Linear on the flattened tokens (OPT's fc1/fc2 take x.reshape(-1, d)): its rows
+        # are the batch's rows' positions; the rule sees A and G folded back to [R, k, ...].
+        fold = folded(args[0], rows)
+        if fold > 1:
+            A = A.reshape(rows, fold, *A.shape[1:])
         rec = Record(module, self._rules[module], A, output.numel() * output.element_size())
+        rec.fold = fold
         self._records.append(rec)
         # The parameter tensors this call used (FSDP2: the unsharded ones), and its nodes.
         self._audit.record(module, rec.rule.params(module), output, args[0], len(self._records) - 1)
         return _Tap.apply(output, self._anchor, self, rec)
+
+    def _on_call(self, module, args, kwargs, output):
+        """A call of a module whose rule re-runs it (``calls.py``): keep the whole call and
+        tap every differentiable output at once."""
+        got = record_call(module, self._names[module], args, kwargs, output, getattr(self, "_rows", None))
+        if got is None:
+            return None
+        outs, rebuild, call = got
+        rule = self._rules[module]
+        first = tensors_in(args, kwargs)
+        rec = Record(module, rule, first[0].detach(), sum(o.numel() * o.element_size() for o in outs))
+        rec.call = call
+        self._records.append(rec)
+        self._audit.record(module, rule.params(module), list(outs), first, len(self._records) - 1)
+        return rebuild(TapMany.apply(self._anchor, self, rec, *outs))
 
     def _check_uses(self, total: torch.Tensor) -> None:
         """Refuse a trainable parameter used outside the calls the hooks recorded (audit.py)."""
         names = {i: n for i, n in self._name_of.items()}
         for (module, pname), t in self._audit.fwd_params.items():
             names[id(t)] = self._name_of.get(self._pid(module, pname), pname)
-        self._audit.check(total, names, _Tap._backward_cls)
+        self._audit.check(total, names, (_Tap._backward_cls, TapMany._backward_cls))
 
     def _on_output_grad(self, rec: Record, G: torch.Tensor) -> None:
         """Runs inside the backward pass, once per recorded call, as soon as G is known."""
         if self._phase == "apply":
-            self._apply_second_pass(rec, G.detach())
+            self._apply_second_pass(rec, _detached(G, rec.fold))
             return
         if self._phase != "norms":
             return
         units = self._units
-        G = G.detach()
+        G = _detached(G, rec.fold)
         rec.G = G
         rule = rec.rule
         rec.ghost = rule.choose_ghost(rec.module, rec.A, G, self.layer_policy, units.num_units)

@@ -74,10 +74,13 @@ def _kept_bytes(rec: Record, num_units: int) -> int:
     return max(rec.out_bytes, 4 * num_units * p * d)
 
 
-def _fingerprint(G: torch.Tensor) -> torch.Tensor:
+def _fingerprint(G) -> torch.Tensor:
     """Per row (Σ G², Σ G) in float32: pass 2 must see pass 1's G bit for bit (any
     rounding difference changes these). Non-finite values map to sentinels so that a
-    NaN row compares equal to itself."""
+    NaN row compares equal to itself. A call with several outputs (the generic rule's):
+    their fingerprints, flattened and concatenated."""
+    if isinstance(G, tuple):
+        return torch.cat([_fingerprint(g).reshape(-1) for g in G])
     g = G.detach().reshape(G.shape[0], -1)
     dt = acc_dtype(g)
     fp = torch.stack([torch.linalg.vector_norm(g, dim=1, dtype=dt), g.sum(1, dtype=dt)], 1)

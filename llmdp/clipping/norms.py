@@ -556,7 +556,7 @@ class Record:
     gradient or its per-unit gradients."""
 
     __slots__ = ("module", "rule", "A", "G", "per_unit", "ghost", "sqn", "out_bytes", "fp", "exact",
-                 "exact_shared")
+                 "exact_shared", "call", "fold")
 
     def __init__(self, module: nn.Module, rule: LayerRule, A: torch.Tensor, out_bytes: int = 0):
         self.module, self.rule, self.A = module, rule, A
@@ -572,6 +572,8 @@ class Record:
         # Of those, the parameters whose exact part the engine adds itself, summed over the
         # parameter's uses (a shared parameter: its uses' parts may cancel).
         self.exact_shared: set[str] | None = None
+        self.call = None  # the whole call, for a rule that re-runs the module (`calls.Call`)
+        self.fold = 1  # k > 1: A and G are [R·k, ...] flattened tokens, kept as [R, k, ...]
 
 
 class LayerRule:
@@ -586,6 +588,9 @@ class LayerRule:
 
     has_clipped_ghost = False
     has_exact = False
+    # The engine keeps the whole call (`calls.Call` in ``Record.call``) and taps every
+    # differentiable output; G is then the tuple of their gradients (rules/functional.py).
+    wants_call = False
 
     def params(self, module) -> list[str]:
         return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]

@@ -216,7 +216,10 @@ def test_bf16_autocast_norms_in_float32():
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
 
 
-def test_unsupported_trainable_module_is_named():
+def test_a_module_without_a_rule_is_clipped_exactly_by_the_generic_rule():
+    """Issue 33 item 2: a trainable module with no specific rule (here a Conv1d, whose rows
+    are independent) gets exact per-unit gradients from the generic rule (re-run per unit),
+    in book-keeping and two-pass, against autograd per unit in float64."""
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -226,13 +229,55 @@ def test_unsupported_trainable_module_is_named():
         def forward(self, input_ids):
             return self.mixer(self.embed(input_ids).transpose(1, 2))
 
+    torch.manual_seed(0)
+    ids = torch.randint(0, 10, (5, 7))
+    row_units = torch.tensor([0, 1, 1, -1, 2])
+    for mode in ("book-keeping", "two-pass"):
+        net = Net().double()
+
+        def rows(m, ids=ids):
+            return (m(ids) ** 2).sum(dim=(1, 2)) / 10
+
+        per = []
+        params = [p for p in net.parameters()]
+        for u in range(3):
+            keep = (row_units == u).nonzero().flatten()
+            per.append(torch.autograd.grad(rows(net, ids[keep]).sum(), params))
+        norms_ref = torch.stack([torch.cat([g.flatten() for g in gs]).norm() for gs in per])
+        C = float(norms_ref.median())
+        f = (C / norms_ref).clamp(max=1.0)
+        norms = GhostClipper(net, C, mode=mode).backward(rows(net), row_units)
+        torch.testing.assert_close(norms, norms_ref, rtol=1e-10, atol=0)
+        for i, p in enumerate(params):
+            ref = sum(f[u] * per[u][i] for u in range(3))
+            torch.testing.assert_close(p.grad, ref, rtol=1e-10, atol=1e-14)
+
+
+def test_a_module_that_mixes_rows_is_refused_by_the_generic_rule():
+    """The generic rule's probe: a module whose outputs for one unit change when the rest of
+    the batch is absent (a batch statistic) is refused, naming it; never clipped wrong."""
+    class Center(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return (x - x.mean(0, keepdim=True)) * self.scale
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.center = Center()
+
+        def forward(self, input_ids):
+            return self.center(self.embed(input_ids))
+
+    net = Net().double()
+    ids = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(0))
     with pytest.raises(UnsupportedModuleError) as e:
-        GhostClipper(Net(), 1.0)
-    msg = str(e.value)
-    assert "'mixer' (Conv1d)" in msg and "requires_grad_(False)" in msg
-    net = Net()
-    net.mixer.requires_grad_(False)  # the fix the message gives
-    GhostClipper(net, 1.0)
+        GhostClipper(net, 1.0).backward((net(ids) ** 2).sum(dim=(1, 2)), torch.arange(4))
+    assert "Center" in str(e.value) and "mixes rows" in str(e.value)
 
 
 UNITS = {"units-of-1": [0, 1, -1, 2], "units-of-3": [0, 0, 0, 1, -1, 1, 1]}
@@ -542,10 +587,12 @@ def test_layers_reading_one_input_share_its_gram_matrix(monkeypatch, autocast):
 
 def test_a_registered_rule_serves_a_new_module_type(monkeypatch):
     """register_rule (as Opacus' register_grad_sampler): a module type the engine does not
-    know is refused, naming register_rule; once a rule is registered for it, the engine
-    clips it, exactly (here: a Linear subclass, so by exact type it had no rule)."""
+    know is clipped by the generic rule (re-run per unit); once a rule is registered for it,
+    the engine uses that rule instead; both exactly (here: a Linear subclass, so by exact
+    type it had no rule)."""
     from llmdp.clipping import norms
     from llmdp.clipping.rules import LinearRule
+    from llmdp.clipping.rules.functional import FunctionalRule
 
     monkeypatch.setattr(norms, "_BY_TYPE", dict(norms._BY_TYPE))
 
@@ -556,24 +603,26 @@ def test_a_registered_rule_serves_a_new_module_type(monkeypatch):
         torch.manual_seed(0)
         return torch.nn.Sequential(MyLinear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2)).double()
 
-    with pytest.raises(UnsupportedModuleError, match="register_rule"):
-        GhostClipper(net(), 1.0)
+    def check(expected_rule):
+        model = net()
+        x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        clipper = GhostClipper(model, 0.1)
+        assert type(clipper._rules[model[0]]) is expected_rule
+        norms_ = clipper.backward(model(x).pow(2).sum(1))
+        ref = net()
+        from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
+
+        params = list(ref.parameters())
+        ref_sum, ref_norms = clipped_sum(per_unit_gradients_autograd(ref(x).pow(2).sum(1), params,
+                                                                     torch.arange(4)), 0.1)
+        torch.testing.assert_close(norms_, ref_norms, rtol=1e-10, atol=0)
+        for p, r in zip(model.parameters(), ref_sum):
+            torch.testing.assert_close(p.grad, r, rtol=1e-10, atol=1e-14)
+
+    check(FunctionalRule)
     from llmdp.clipping import register_rule
 
     register_rule(MyLinear)(LinearRule())
-    model = net()
-    x = torch.randn(4, 5, dtype=torch.float64)
-    clipper = GhostClipper(model, 0.1)
-    losses = model(x).pow(2).sum(1)
-    norms_ = clipper.backward(losses)
-    ref = net()
-    from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
-
-    params = list(ref.parameters())
-    ref_sum, ref_norms = clipped_sum(per_unit_gradients_autograd(ref(x).pow(2).sum(1), params,
-                                                                 torch.arange(4)), 0.1)
-    torch.testing.assert_close(norms_, ref_norms, rtol=1e-10, atol=0)
-    for p, r in zip(model.parameters(), ref_sum):
-        torch.testing.assert_close(p.grad, r, rtol=1e-10, atol=1e-14)
+    check(LinearRule)
     with pytest.raises(TypeError, match="not a LayerRule"):
         register_rule(MyLinear)(object())

@@ -1,0 +1,154 @@
+"""Whole calls of modules the generic rule clips (``rules/functional.py``): what the engine
+keeps of such a call, and the tap that hands it the output gradients of every differentiable
+output at once.
+
+A module without a specific rule (a router returning logits, scores and indices; fused
+3-D experts called with the routing; an attention block with trainable sinks; a norm or a
+position embedding of its own kind) is re-run per unit by its rule, so the engine keeps the
+call as it was made: every positional and keyword argument (tensors detached), the
+differentiable outputs (detached: the probe compares them), and how the rows of the call's
+first tensor input map to the rows of the batch:
+
+* ``per_row = 1``: its leading dimension is the batch's rows (R);
+* ``per_row = k``: it is R·k positions, the row-major flattening of a contiguous [R, k, ...]
+  tensor (``x.view(-1, d)`` of the hidden states, as MoE blocks do before routing), so
+  position i belongs to row i // k. Checked on the tensor's storage (its base has R rows,
+  the same elements, contiguous, at the same address), never guessed from shapes alone: a
+  position attributed to the wrong unit would let one unit's data into another's clipped
+  gradient.
+
+Anything else (an input that is not such a view, an output container other than a tensor,
+tuple or list) is refused when the call is recorded, naming the module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmdp.clipping.audit import UnsupportedModuleError
+
+__all__ = ["Call", "TapMany", "folded", "record_call", "tensors_in"]
+
+
+@dataclass
+class Call:
+    """One recorded call (see the module docstring)."""
+
+    args: tuple
+    kwargs: dict
+    outputs: list[torch.Tensor]  # the differentiable outputs, detached, in order
+    diff: list[int]  # their places in the call's output (0 for a tensor output)
+    per_row: int  # positions of the first tensor input per batch row
+
+
+class TapMany(torch.autograd.Function):
+    """Identity on a call's differentiable outputs; its backward hands all their gradients
+    (zeros for an output the loss does not use) to the clipper at once."""
+
+    @staticmethod
+    def forward(ctx, anchor, clipper, rec, *xs):
+        ctx.clipper, ctx.rec = clipper, rec
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        ctx.clipper._on_output_grad(ctx.rec, tuple(gs))
+        return (None, None, None, *gs)
+
+
+def _detach(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detach(v) for v in x) if type(x) in (tuple, list) else x
+    if isinstance(x, dict):
+        return {k: _detach(v) for k, v in x.items()}
+    return x
+
+
+def tensors_in(*xs: Any) -> list[torch.Tensor]:
+    """Every tensor in ``xs`` (nested tuples, lists and dicts), in order."""
+    out: list[torch.Tensor] = []
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (tuple, list)):
+            out += tensors_in(*x)
+        elif isinstance(x, dict):
+            out += tensors_in(*x.values())
+    return out
+
+
+def folded(x: torch.Tensor, rows: int | None) -> int:
+    """k > 1 when ``x`` is the row-major flattening of a contiguous [rows, k, ...] tensor
+    (checked on its storage: module docstring), else 1."""
+    if rows is None or x.dim() == 0 or x.shape[0] <= rows or x.shape[0] % rows:
+        return 1
+    base = x._base
+    if (base is not None and base.dim() >= 1 and base.shape[0] == rows and base.numel() == x.numel()
+            and base.is_contiguous() and x.is_contiguous() and base.data_ptr() == x.data_ptr()):
+        return x.shape[0] // rows
+    return 1
+
+
+def _per_row(x: torch.Tensor, rows: int | None, name: str) -> int:
+    """How many leading positions of ``x`` one batch row has (module docstring)."""
+    if rows is None or x.dim() == 0:
+        raise UnsupportedModuleError(
+            f"module {name}: its input has no batch dimension the engine can read (shape "
+            f"{tuple(x.shape)}), so its per-unit gradients are not defined; freeze it or "
+            f"register a rule with llmdp.clipping.register_rule")
+    n = x.shape[0]
+    if n == rows:
+        return 1
+    if folded(x, rows) > 1:
+        return n // rows
+    raise UnsupportedModuleError(
+        f"module {name}: its input's leading dimension ({n}) is neither the batch's rows "
+        f"({rows}) nor a row-major flattening of them, so the engine cannot tell which unit "
+        f"each position belongs to; freeze it or register a rule with "
+        f"llmdp.clipping.register_rule")
+
+
+def record_call(module, name: str, args: tuple, kwargs: dict, output, rows: int | None):
+    """(the differentiable outputs, how to rebuild ``output`` with their tapped views, the
+    `Call`), or None when no output is differentiable."""
+    if isinstance(output, torch.Tensor):
+        outs, rebuild = [output], (lambda new: new[0])
+    elif type(output) in (tuple, list):
+        outs, rebuild = list(output), (lambda new, t=type(output): t(new))
+    else:
+        raise UnsupportedModuleError(
+            f"module {name} ({type(module).__name__}) returns {type(output).__name__}; the "
+            f"generic clipping rule handles a tensor, a tuple or a list of outputs; freeze it or "
+            f"register a rule with llmdp.clipping.register_rule")
+    diff = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not diff:
+        return None
+    inputs = [t for t in tensors_in(args, kwargs) if t.dim() >= 1]
+    if not inputs:
+        raise UnsupportedModuleError(f"module {name} ({type(module).__name__}) was called "
+                                     f"without a tensor input; its per-unit gradients are not defined")
+    # The first input that is the batch's rows, or a checked flattening of them (the hidden
+    # states, wherever the call passes them); the error names the first input otherwise.
+    per_row = None
+    for t in inputs:
+        try:
+            per_row = _per_row(t, rows, f"{name} ({type(module).__name__})")
+            break
+        except UnsupportedModuleError:
+            continue
+    if per_row is None:
+        _per_row(inputs[0], rows, f"{name} ({type(module).__name__})")
+    call = Call(_detach(args), _detach(kwargs), [outs[i].detach() for i in diff], diff, per_row)
+
+    def rebuilt(tapped):
+        new = list(outs)
+        for i, t in zip(diff, tapped):
+            new[i] = t
+        return rebuild(new)
+
+    return [outs[i] for i in diff], rebuilt, call

@@ -1,0 +1,141 @@
+"""The generic exact rule: any module with trainable parameters of its own and no specific
+rule (issue 33: MoE routers and fused 3-D experts, attention sinks, a norm or a position
+embedding of a family's own kind, new families).
+
+Each unit's gradient of the module's own parameters is the vector-Jacobian product of the
+module's own forward (``torch.func.functional_call``), re-run on that unit's rows alone
+(positions, for a call on the flattened tokens: ``calls.py``), with the output gradients
+at those rows as cotangents. Every tensor argument whose leading dimension is the call's
+positions (or the batch's rows) is cut to the unit's; anything else (weights, a [1, T]
+position table, scalars) is passed as it was. The unit's gradient therefore depends on its
+own rows only, by construction; it is the exact gradient of the unit's loss when the
+module treats rows independently, which the re-run checks for free: the outputs it
+computes for the unit must be the outputs the batched call gave at those rows (to a few
+ulps of the output's dtype). A module whose outputs differ (it mixes rows: a capacity-
+limited router, a batch statistic) is refused, naming it.
+
+The per-unit gradients are instantiated ([U, *shape] per parameter, in the parameter's
+dtype): the engine takes their norms in float64 and forms the clipped sum from the same
+tensors (``LayerRule.instantiate``), so what is added for a unit is the vector whose norm
+was clipped. Cost: one re-run of the module's forward and backward over the batch, in U
+pieces; memory: U copies of the module's parameters (small for routers, norms and sinks;
+for experts, U × the experts' size, which a ghost rule for experts would avoid).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmdp.clipping.audit import UnsupportedModuleError
+from llmdp.clipping.norms import LayerRule
+
+__all__ = ["FunctionalRule", "PROBE_ULPS"]
+
+PROBE_ULPS = 16  # re-run outputs within 16 ulps (of the output dtype, at its scale) of the batch's
+
+
+def _cut(x, rows_n: int, pos_n: int, rows: torch.Tensor, pos: torch.Tensor):
+    """``x`` (nested) with every tensor of rank >= 2 whose leading dimension is the call's
+    positions (or the batch's rows) cut to the unit's."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() >= 2 and x.shape[0] == pos_n:
+            return x.index_select(0, pos)
+        if x.dim() >= 2 and x.shape[0] == rows_n:
+            return x.index_select(0, rows)
+        return x
+    if type(x) in (tuple, list):
+        return type(x)(_cut(v, rows_n, pos_n, rows, pos) for v in x)
+    if isinstance(x, dict):
+        return {k: _cut(v, rows_n, pos_n, rows, pos) for k, v in x.items()}
+    return x
+
+
+def _cut_output(t: torch.Tensor, rows_n: int, pos_n: int, rows, pos, name: str) -> torch.Tensor:
+    if t.dim() >= 1 and t.shape[0] == pos_n:
+        return t.index_select(0, pos)
+    if t.dim() >= 1 and t.shape[0] == rows_n:
+        return t.index_select(0, rows)
+    raise UnsupportedModuleError(
+        f"module {name}: an output of shape {tuple(t.shape)} has no batch dimension (rows "
+        f"{rows_n}, positions {pos_n}), so its gradient cannot be split per unit; freeze the "
+        f"module or register a rule with llmdp.clipping.register_rule")
+
+
+class FunctionalRule(LayerRule):
+    """Per-unit gradients of a module's own parameters by re-running it on each unit's rows
+    (module docstring)."""
+
+    wants_call = True  # the engine keeps the whole call and taps every differentiable output
+
+    def per_unit(self, rec, units):
+        from torch.func import functional_call, vjp
+
+        module, call = rec.module, rec.call
+        name = type(module).__name__
+        params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        frozen = {n: p.detach() for n, p in module.named_parameters(recurse=False) if not p.requires_grad}
+        U = units.num_units
+        out = {n: torch.zeros((U, *p.shape), dtype=p.dtype, device=p.device) for n, p in params.items()}
+        if not params or U == 0:
+            return out
+        unit_of_row = units.unit_of_row
+        R, k = unit_of_row.numel(), call.per_row
+        unit_of_pos = unit_of_row.repeat_interleave(k) if k > 1 else unit_of_row
+        G = rec.G if isinstance(rec.G, tuple) else (rec.G,)
+        for u in range(U):
+            rows = (unit_of_row == u).nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            pos = (unit_of_pos == u).nonzero().flatten()
+            args = _cut(call.args, R, R * k, rows, pos)
+            kwargs = _cut(call.kwargs, R, R * k, rows, pos)
+            cot = tuple(_cut_output(g, R, R * k, rows, pos, name) for g in G)
+            want = tuple(_cut_output(o, R, R * k, rows, pos, name) for o in call.outputs)
+
+            def f(p, args=args, kwargs=kwargs):
+                o = functional_call(module, {**p, **frozen}, args, kwargs)
+                o = o if type(o) in (tuple, list) else (o,)
+                return tuple(o[i] for i in call.diff)
+
+            try:
+                got, pullback = vjp(f, params)
+            except UnsupportedModuleError:
+                raise
+            except Exception as e:  # the module cannot run on one unit's rows
+                raise UnsupportedModuleError(
+                    f"module {name}: re-running it on one unit's rows failed ({type(e).__name__}: "
+                    f"{str(e)[:200]}), so its per-unit gradients cannot be formed; freeze it or "
+                    f"register a rule with llmdp.clipping.register_rule") from None
+            _probe(got, want, name)
+            grads = pullback(cot)[0]
+            for n in params:
+                out[n][u] = grads[n]
+        return out
+
+
+def _probe(got, want, name: str) -> None:
+    """The unit's outputs re-run alone must be the batch's at its rows (module docstring)."""
+    for a, b in zip(got, want):
+        if a.shape != b.shape:
+            raise UnsupportedModuleError(
+                f"module {name}: on one unit's rows it returns shape {tuple(a.shape)}, not "
+                f"{tuple(b.shape)} as in the batch, so its rows are not independent; freeze it "
+                f"or register a rule")
+        if not a.is_floating_point():
+            if not torch.equal(a, b):
+                raise _mixes(name)
+            continue
+        scale = b.detach().abs().max() if b.numel() else b.new_zeros(())
+        tol = PROBE_ULPS * torch.finfo(b.dtype).eps * float(scale)
+        diff = (a.detach() - b).abs()
+        if diff.numel() and float(torch.nan_to_num(diff, nan=float("inf")).max()) > tol and \
+                bool(torch.isfinite(b).all()):
+            raise _mixes(name)
+
+
+def _mixes(name: str) -> UnsupportedModuleError:
+    return UnsupportedModuleError(
+        f"module {name}: its outputs for one unit's rows differ when they are computed without "
+        f"the rest of the batch, so it mixes rows (a batch statistic, a capacity-limited "
+        f"router) and a unit's gradient is not its own; DP-SGD cannot clip it. Freeze it, "
+        f"or use a variant that treats rows independently")
