@@ -83,15 +83,84 @@ def tensors_in(*xs: Any) -> list[torch.Tensor]:
 
 
 def folded(x: torch.Tensor, rows: int | None) -> int:
-    """k > 1 when ``x`` is the row-major flattening of a contiguous [rows, k, ...] tensor
-    (checked on its storage: module docstring), else 1."""
+    """k > 1 when ``x`` is the row-major flattening of a [rows, k, ...] tensor, else 1:
+    proven on its storage (a view of a contiguous [rows, k, ...] base), or by its autograd
+    graph (`_flattened_by_graph`)."""
     if rows is None or x.dim() == 0 or x.shape[0] <= rows or x.shape[0] % rows:
         return 1
+    k = x.shape[0] // rows
     base = x._base
     if (base is not None and base.dim() >= 1 and base.shape[0] == rows and base.numel() == x.numel()
             and base.is_contiguous() and x.is_contiguous() and base.data_ptr() == x.data_ptr()):
-        return x.shape[0] // rows
-    return 1
+        return k
+    return k if rows != k and _flattened_by_graph(x, rows, k) else 1
+
+
+# Autograd nodes that keep positions apart (position i of the output is computed from
+# position i of each input): elementwise ops, a layer norm over the last dimensions, the
+# engine's taps, a matmul with the positions on the left (addmm's mat1: input 1 only).
+_POSITIONWISE = frozenset({
+    "GeluBackward0", "SiluBackward0", "ReluBackward0", "TanhBackward0", "SigmoidBackward0",
+    "NativeDropoutBackward0", "CloneBackward0", "ToCopyBackward0", "NativeLayerNormBackward0",
+    "AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0", "_TapBackward",
+    "TapManyBackward"})
+_FLATTEN = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0",
+                      "ReshapeBackward0"})
+_GRAPH_NODES = 64  # the walk gives up (no fold) beyond this many nodes
+
+
+def _is_weight(node) -> bool:
+    """``node`` is a parameter, possibly transposed, cast or viewed (no data on the way)."""
+    for _ in range(8):
+        if node is None:
+            return False
+        if hasattr(node, "variable"):
+            return True
+        if node.name() not in ("TBackward0", "ToCopyBackward0", "PermuteBackward0", "ViewBackward0"):
+            return False
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        if len(nxt) != 1:
+            return False
+        node = nxt[0]
+    return False
+
+
+def _flattened_by_graph(x: torch.Tensor, rows: int, k: int) -> bool:
+    """Every path back from ``x`` through position-wise nodes ends at a flattening (view or
+    reshape) of a tensor of logical shape [rows, k, ...] (so position i is row i // k), or
+    at a leaf (a parameter, broadcast over positions). ``rows != k`` is required by the
+    caller: a [k, rows, ...] (time-major) tensor then cannot have that shape. Any other node
+    on the way (an index, a matmul with the positions on the right, a transpose) fails."""
+    todo, seen, found = [x.grad_fn], set(), False
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > _GRAPH_NODES:
+            return False
+        name = node.name()
+        if hasattr(node, "variable"):  # a leaf
+            continue
+        if name in _FLATTEN:
+            sizes = tuple(getattr(node, "_saved_self_sym_sizes", ()) or ())
+            if len(sizes) < 2 or sizes[0] != rows or sizes[1] != k or x.numel() % (rows * k):
+                return False
+            found = True
+            continue
+        nxt = [n for n, _ in node.next_functions]
+        # x @ W (+ b): the positions on the left, a parameter (possibly transposed or cast)
+        # on the right; W @ x would mix positions, so the right operand must be a weight.
+        if name == "AddmmBackward0" and _is_weight(nxt[2]):  # bias, mat1, mat2
+            todo.append(nxt[1])
+            continue
+        if name == "MmBackward0" and _is_weight(nxt[1]):  # mat1, mat2
+            todo.append(nxt[0])
+            continue
+        if name not in _POSITIONWISE:
+            return False
+        todo.extend(nxt)
+    return found
 
 
 def _per_row(x: torch.Tensor, rows: int | None, name: str) -> int:

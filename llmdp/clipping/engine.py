@@ -306,6 +306,12 @@ class GhostClipper:
         fold = folded(args[0], rows)
         if fold > 1:
             A = A.reshape(rows, fold, *A.shape[1:])
+        elif rows is not None and A.dim() and A.shape[0] not in (rows, 1):
+            raise UnsupportedModuleError(
+                f"module '{self._names[module]}' ({type(module).__name__}): its input's leading "
+                f"dimension ({A.shape[0]}) is neither the batch's rows ({rows}) nor a flattening "
+                f"of them that the engine can prove row-major (calls.folded), so it cannot tell "
+                f"which unit each position belongs to; freeze it, or register a rule")
         rec = Record(module, self._rules[module], A, output.numel() * output.element_size())
         rec.fold = fold
         self._records.append(rec)
