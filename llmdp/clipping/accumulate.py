@@ -125,7 +125,7 @@ def _contract(rec: Record, units: Units, factors: torch.Tensor, row_factors: tor
         # A and G stay as the model produced them (bf16 too): the rule contracts them
         # with exact products and float32 sums, the factors applied in float32 (lowp).
         G, A = rec.G, rec.A
-        if mask is not None:
+        if mask is not None and not isinstance(G, tuple):  # a whole call's rule masks its own
             # A zero factor times a finite value adds exactly 0, so only non-finite
             # values in the zero-factor rows need zeroing (0·NaN = NaN). G is the
             # largest tensor of the step (the LM head's [R, T, V]): it is copied only

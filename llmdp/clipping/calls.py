@@ -42,6 +42,7 @@ class Call:
     outputs: list[torch.Tensor]  # the differentiable outputs, detached, in order
     diff: list[int]  # their places in the call's output (0 for a tensor output)
     per_row: int  # positions of the first tensor input per batch row
+    units: Any = None  # the batch's `Units`, set by the engine when the output gradient arrives
 
 
 class TapMany(torch.autograd.Function):

@@ -351,6 +351,8 @@ class GhostClipper:
         units = self._units
         G = _detached(G, rec.fold)
         rec.G = G
+        if rec.call is not None:
+            rec.call.units = units
         rule = rec.rule
         rec.ghost = rule.choose_ghost(rec.module, rec.A, G, self.layer_policy, units.num_units)
         shared = any(self._pid(rec.module, n) in self._shared for n in rule.params(rec.module))
@@ -373,7 +375,7 @@ class GhostClipper:
             # two-pass: pass 2 brings the same G again; keep A and G's fingerprint only
             # (G too, until the cross terms are taken, if the parameter has other uses).
             rec.fp = _fingerprint(G)
-            rec.per_unit = None
+            rec.per_unit = rec.cache = None
             if not shared:
                 rec.G = None
             return
@@ -398,7 +400,7 @@ class GhostClipper:
             )
         rec.G = G
         parts = self._contribution(rec, self._units)
-        rec.G = rec.A = rec.exact = rec.exact_shared = None
+        rec.G = rec.A = rec.exact = rec.exact_shared = rec.cache = None
         self._add_parts([(rec, parts)])
 
     def remove_hooks(self) -> None:

@@ -556,7 +556,7 @@ class Record:
     gradient or its per-unit gradients."""
 
     __slots__ = ("module", "rule", "A", "G", "per_unit", "ghost", "sqn", "out_bytes", "fp", "exact",
-                 "exact_shared", "call", "fold")
+                 "exact_shared", "call", "fold", "cache")
 
     def __init__(self, module: nn.Module, rule: LayerRule, A: torch.Tensor, out_bytes: int = 0):
         self.module, self.rule, self.A = module, rule, A
@@ -574,6 +574,7 @@ class Record:
         self.exact_shared: set[str] | None = None
         self.call = None  # the whole call, for a rule that re-runs the module (`calls.Call`)
         self.fold = 1  # k > 1: A and G are [R·k, ...] flattened tokens, kept as [R, k, ...]
+        self.cache = None  # what a rule derived from G, for its clipped sum (dropped with G)
 
 
 class LayerRule:
@@ -638,7 +639,7 @@ def exact_slices(rule: LayerRule, rec: Record, name: str, rows: torch.Tensor) ->
 def exact_count(rec: Record) -> int:
     """The roundings of ``exact`` for any call: its sums run over at most the batch's R·T
     positions (float64), plus the widening-free products and the unit's rows."""
-    G = rec.G
+    G = rec.G[0] if isinstance(rec.G, tuple) else rec.G
     positions = G.numel() // max(1, G.shape[-1]) if G is not None else 1
     return positions + 8
 

@@ -95,3 +95,87 @@ def test_every_family_is_exact(family):
             if p.requires_grad:
                 torch.testing.assert_close(p.grad, ref_sum[n], rtol=1e-9, atol=1e-12 * scale,
                                            msg=lambda m, n=n: f"{family} {mode} {n}: {m}")
+
+
+def _clipped(model, batch, C=0.05, **kw):
+    model.zero_grad(set_to_none=True)
+    norms = GhostClipper(model, C, **kw).backward(row_losses(model, batch), batch["row_units"])
+    return norms, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("policy", ["ghost", "instantiate"])
+def test_the_experts_rule_is_exact_with_either_layer_policy_and_its_exact_fallback(family, policy, monkeypatch):
+    """The experts' 3-D parameters go through the experts rule (per expert, the Linear
+    rule's ghost norm or instantiation) — exact either way, and through the float64
+    fallback (every unit recomputed by ``exact``, FALLBACK = 0)."""
+    from llmdp.clipping import norms as nb
+    from llmdp.clipping.rules.experts import ExpertsRule
+
+    model = family_model(family)
+    clipper = GhostClipper(model, 0.05)
+    assert sum(isinstance(r, ExpertsRule) for r in clipper._rules.values()) == 2  # one per layer
+    clipper.remove_hooks()
+    batch = make_batch([0, 0, 1, -1, 2])
+    ref_norms, ref_sum = per_unit_reference(model, batch, 0.05)
+    for fallback in (False, True):
+        if fallback:
+            monkeypatch.setattr(nb, "FALLBACK", -1.0)
+        # The fallback's bound counts four float32 roundings of the exact part's add
+        # (norms module docstring, 4), whatever the model's dtype: ~2.4e-7 of the norm.
+        rtol = 1e-6 if fallback else 1e-9
+        for mode in ("book-keeping", "two-pass"):
+            norms, got = _clipped(model, batch, mode=mode, layer_policy=policy)
+            torch.testing.assert_close(norms, ref_norms, rtol=rtol, atol=0)
+            for n, g in got.items():
+                torch.testing.assert_close(g, ref_sum[n], rtol=rtol, atol=1e-15,
+                                           msg=lambda m, n=n: f"{mode} {fallback} {n}: {m}")
+
+
+def test_an_experts_block_whose_forward_differs_is_refused_naming_it():
+    """The experts rule recomputes Σ w·down(act(up(x))): a block computing something else
+    (here: its activation changed after the model was built) is refused on its first call."""
+    from llmdp.clipping import UnsupportedModuleError
+
+    model = family_model("qwen3_moe")
+    batch = make_batch([0, 1, 2])
+    clipper = GhostClipper(model, 0.05)
+    experts = model.model.layers[0].mlp.experts
+    experts.forward = lambda x, i, w: type(experts).forward(experts, x, i, w) * 1.5
+    with pytest.raises(UnsupportedModuleError, match="Qwen3MoeExperts"):
+        clipper.backward(row_losses(model, batch), batch["row_units"])
+
+
+def test_grouped_mm_experts_in_float32_and_bf16_against_a_float64_loop():
+    """transformers' grouped-matmul experts (its default kernel; no float64 on CPU) in
+    float32 and bf16: the engine's per-unit norms and clipped sum against the float64
+    reference of the same weights run with the eager per-expert loop. Tolerances: float32
+    2e-4 (the returned norm carries its rounding bound, ~4.5e-5 here, as a dense model's
+    does), bf16 5e-2 (bf16 activations); a mistake in the routing or the layout is O(1)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmdp.train import parallel
+
+    cfg = family_config("qwen3_moe")
+    batch = make_batch([0, 0, 1, -1, 2])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        ref_model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                     experts_implementation="eager").to(torch.float64)
+    ref_norms, ref_sum = per_unit_reference(ref_model, batch, 0.05)
+    for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 5e-2)):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                 experts_implementation="grouped_mm")
+        model.load_state_dict({k: v.to(dtype) for k, v in ref_model.state_dict().items()})
+        model.to(dtype)
+        assert model.config._experts_implementation == "grouped_mm"
+        sinks = parallel.full_size_sinks(model)
+        clipper = GhostClipper(model, 0.05, grad_buffers=sinks)
+        norms = clipper.backward(row_losses(model, batch), batch["row_units"])
+        got = sinks if sinks is not None else {n: p.grad for n, p in model.named_parameters()}
+        assert (norms.double() >= ref_norms * (1 - tol)).all()
+        torch.testing.assert_close(norms.double(), ref_norms, rtol=tol, atol=0)
+        for n, ref in ref_sum.items():
+            scale = float(ref.abs().max())
+            torch.testing.assert_close(got[n].double(), ref, rtol=tol, atol=tol * scale,
+                                       msg=lambda m, n=n: f"{dtype} {n}: {m}")
