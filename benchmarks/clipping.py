@@ -5,6 +5,8 @@ r"""Time, throughput, MFU and peak memory of one DP step, per clipping method, o
     python benchmarks/clipping.py --device cuda --hidden 2048 --layers 16 --heads 32 \
         --intermediate 8192 --vocab 128256 --seq 1024 --batch 8 --dtype bfloat16   # ~1B, GPU
     python benchmarks/clipping.py ... --profile DIR    # also one step per method under torch.profiler
+    python benchmarks/clipping.py --family qwen3_moe   # a mixture of experts (also mixtral, olmoe,
+                                                       # qwen2_moe, gpt_oss): 8 experts, top-2
     bash benchmarks/gpu.sh env tests noise clip peers lora recipe   # issue 36's GPU runs, one call
 
 Every method runs in its own subprocess (a clean peak-memory high-water mark): a forward
@@ -128,11 +130,40 @@ def model_flops(*, base_params: int, lora_params: int, layers: int, hidden: int,
     return 6 * base_params * tokens + attention
 
 
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
+
+
+def moe_config(args):
+    """A mixture-of-experts config at the bench size: every layer sparse, ``--experts``
+    experts of width ``--intermediate`` (Qwen2-MoE: plus a shared expert of that width),
+    top-``--top-k`` routing, transformers' default experts kernel."""
+    from transformers import AutoConfig
+
+    kw = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+              moe_intermediate_size=args.intermediate, shared_expert_intermediate_size=args.intermediate,
+              num_hidden_layers=args.layers, num_attention_heads=args.heads,
+              num_key_value_heads=args.heads, max_position_embeddings=max(args.seq, 512),
+              tie_word_embeddings=False, num_experts=args.experts, num_local_experts=args.experts,
+              num_experts_per_tok=args.top_k, decoder_sparse_step=1, mlp_only_layers=[])
+    if args.family == "gpt_oss":
+        kw.update(head_dim=args.hidden // args.heads, sliding_window=128,
+                  layer_types=["sliding_attention", "full_attention"] * (args.layers // 2) + ["full_attention"] * (args.layers % 2))
+    return AutoConfig.for_model(args.family, **kw)
+
+
 def build(args):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if args.family != "llama":
+        from transformers import AutoModelForCausalLM
+
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(
+                moe_config(args), attn_implementation="sdpa" if args.device == "cuda" else "eager"
+            ).to(getattr(torch, args.dtype))
+        return _finish(model, args)
     cfg = LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
@@ -142,6 +173,12 @@ def build(args):
     # Built on its device (a 1.6 B model's float32 init on the CPU takes longer than its steps).
     with torch.device(args.device):
         model = LlamaForCausalLM(cfg).to(getattr(torch, args.dtype))
+    return _finish(model, args)
+
+
+def _finish(model, args):
+    import torch
+
     if args.lora:
         from llmdp.config.schema import LoraConfig
         from llmdp.train.models import apply_lora
@@ -392,9 +429,13 @@ def child(args) -> dict:
     n_params = sum(p.numel() for p in params)
     total = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight.numel()
+    # A mixture of experts computes with top_k of its experts per token: only those count.
+    idle = sum(p.numel() for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")
+               for p in m.parameters(recurse=False)) * (1 - args.top_k / args.experts)
+    total_active = total - int(idle)
     tokens = args.batch * args.seq
     flops = model_flops(
-        base_params=(total - n_params if args.lora else total) - embedding,
+        base_params=(total_active - n_params if args.lora else total_active) - embedding,
         lora_params=n_params if args.lora else 0,
         layers=args.layers, hidden=args.hidden, seq=args.seq, tokens=tokens, lora=args.lora,
     )
@@ -412,6 +453,7 @@ def child(args) -> dict:
         "mfu": flops / t / (peak_tflops * 1e12) if peak_tflops else None,
         "peak_tflops": peak_tflops, "peak_source": peak_source, "device_name": device_name,
         "grad_norm": grad_norm, "note": note,
+        "kernel": getattr(model.config, "_experts_implementation", None),
     }
 
 
@@ -439,6 +481,9 @@ def first_line(e: BaseException) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", default="llama", choices=("llama", *MOE_FAMILIES))
+    ap.add_argument("--experts", type=int, default=8, help="experts per MoE layer")
+    ap.add_argument("--top-k", type=int, default=2, help="experts per token")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--intermediate", type=int, default=688)
     ap.add_argument("--layers", type=int, default=8)
@@ -469,7 +514,7 @@ def main(argv=None) -> int:
     rows = []
     for m in args.methods.split(","):
         cleaned = [sys.executable, os.path.abspath(__file__), "--child", m]
-        for key in ("hidden", "intermediate", "layers", "heads", "vocab", "seq", "batch", "steps",
+        for key in ("family", "experts", "top_k", "hidden", "intermediate", "layers", "heads", "vocab", "seq", "batch", "steps",
                     "threads", "device", "dtype", "max_grad_norm", "lora_rank", "opake_microbatch",
                     "peak_tflops", "profile"):
             if getattr(args, key) is not None:
@@ -489,7 +534,9 @@ def main(argv=None) -> int:
     ref = next((r for r in ok if r["method"] == "non-private"), None)
     params = ok[0]["params"] if ok else 0
     total = ok[0]["total_params"] if ok else 0
-    print(f"model: Llama-family, {params / 1e6:.3g}M trainable parameters of {total / 1e6:.3g}M"
+    kind = ("Llama-family" if args.family == "llama" else
+            f"{args.family}, {args.experts} experts, top-{args.top_k}, {ok[0].get('kernel', '?')} kernel")
+    print(f"model: {kind}, {params / 1e6:.3g}M trainable parameters of {total / 1e6:.3g}M"
           f"{f' (LoRA r={args.lora_rank})' if args.lora else ''}; hidden={args.hidden}, "
           f"layers={args.layers}, vocab={args.vocab}; batch={args.batch} units x T={args.seq}; "
           f"{args.device}, {args.dtype}, {args.threads} threads; median of {args.steps} steps")

@@ -69,7 +69,7 @@ class UseAudit:
         and the autograd nodes between its ``output`` and its input ``inp``."""
         used = set()
         for pname in pnames:
-            t = getattr(module, pname)
+            t = module.get_parameter(pname)
             self.fwd_params[(module, pname)] = t
             used.add(id(t))
         self.rec_params.append(used)

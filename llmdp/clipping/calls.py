@@ -30,7 +30,23 @@ import torch
 
 from llmdp.clipping.audit import UnsupportedModuleError
 
-__all__ = ["Call", "TapMany", "folded", "record_call", "tensors_in"]
+__all__ = ["Call", "TapMany", "folded", "record_call", "rerun", "rerunning", "tensors_in"]
+
+_RERUN = [0]  # > 0 while a rule re-runs a module with plain autograd: the hooks stand aside
+
+
+class rerun:
+    """Context of a rule's re-run of a module (``rules/functional.SubtreeRule``)."""
+
+    def __enter__(self):
+        _RERUN[0] += 1
+
+    def __exit__(self, *exc):
+        _RERUN[0] -= 1
+
+
+def rerunning() -> bool:
+    return _RERUN[0] > 0
 
 
 @dataclass
@@ -152,10 +168,11 @@ def _flattened_by_graph(x: torch.Tensor, rows: int, k: int) -> bool:
         nxt = [n for n, _ in node.next_functions]
         # x @ W (+ b): the positions on the left, a parameter (possibly transposed or cast)
         # on the right; W @ x would mix positions, so the right operand must be a weight.
-        if name == "AddmmBackward0" and _is_weight(nxt[2]):  # bias, mat1, mat2
-            todo.append(nxt[1])
+        # A frozen weight has no node (None): a constant on the right is position-wise too.
+        if name == "AddmmBackward0" and (nxt[2] is None or _is_weight(nxt[2])):  # bias, mat1, mat2
+            todo.extend((nxt[0], nxt[1]))
             continue
-        if name == "MmBackward0" and _is_weight(nxt[1]):  # mat1, mat2
+        if name == "MmBackward0" and (nxt[1] is None or _is_weight(nxt[1])):  # mat1, mat2
             todo.append(nxt[0])
             continue
         if name not in _POSITIONWISE:

@@ -97,7 +97,7 @@ from llmdp.clipping.accumulate import (
     contribution,
 )
 from llmdp.clipping.audit import UnsupportedModuleError, UseAudit, check_coverage, check_model
-from llmdp.clipping.calls import TapMany, folded, record_call, tensors_in
+from llmdp.clipping.calls import TapMany, folded, record_call, rerunning, tensors_in
 from llmdp.clipping.cross import cross_inner
 from llmdp.clipping.lowp import U64, gamma
 from llmdp.clipping.modes import MODES, _fingerprint, resolve_mode
@@ -237,25 +237,29 @@ class GhostClipper:
 
     def _pid(self, module: nn.Module, pname: str) -> int:
         pid = self._pids.get((module, pname))
-        return pid if pid is not None else id(getattr(module, pname))
+        return pid if pid is not None else id(module.get_parameter(pname))
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
         owners: dict[int, int] = {}
+        claimed: list[str] = []  # subtrees whose parameters a rule of their root clips
         for name, module in self.model.named_modules():
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if not own:
+            if any(name.startswith(c + ".") for c in claimed):
                 continue
             # No specific rule: the generic exact one (re-runs the module per unit, refuses
             # a module that mixes rows when it first sees one do so: rules/functional.py).
             rule = find_rule(module) or GENERIC
+            if rule.claims_subtree:  # peft's ParamWrapper: its adapters are never called
+                claimed.append(name)
+            own = rule.params(module)
+            if not own:
+                continue
             self._rules[module] = rule
             self._names[module] = name
-            for p in own:
+            for pname in own:
+                p = module.get_parameter(pname)
                 owners[id(p)] = owners.get(id(p), 0) + 1
-            for pname, p in module.named_parameters(recurse=False):
-                if p.requires_grad:
-                    self._pids[(module, pname)] = id(p)
+                self._pids[(module, pname)] = id(p)
             self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True))
         # Which parameters have several uses (tied input embedding and LM head, a module
         # called twice) is counted per micro-batch from the recorded calls (_multi_use).
@@ -279,6 +283,7 @@ class GhostClipper:
         if (
             not self._recording
             or torch._C._are_functorch_transforms_active()  # a rule re-running a module
+            or rerunning()
             or not torch.is_grad_enabled()
         ):
             return None
@@ -538,7 +543,7 @@ class GhostClipper:
         if self.grad_buffers is not None:
             self._add_to_buffers((self._pid(rec.module, n), g) for rec, d in parts for n, g in d.items())
         else:
-            self._add_to_grad((getattr(rec.module, n), g) for rec, d in parts for n, g in d.items())
+            self._add_to_grad((rec.module.get_parameter(n), g) for rec, d in parts for n, g in d.items())
 
     def _norm_dtype(self) -> torch.dtype:
         """The returned norms' dtype: float64 for a float64 model, float32 otherwise."""
@@ -664,7 +669,7 @@ class GhostClipper:
                 buf = self.grad_buffers[name]
                 buf[j0:j1].add_(g.to(buf.dtype))
                 return
-            p = getattr(rec.module, pname)
+            p = rec.module.get_parameter(pname)
             if p.dtype.itemsize < 4:  # as add_to_grad: never a half-precision .grad
                 add_to_grad(self._name_of, [(p, g)])  # raises, naming the fix
             if p.grad is None:

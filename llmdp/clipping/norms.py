@@ -592,6 +592,9 @@ class LayerRule:
     # The engine keeps the whole call (`calls.Call` in ``Record.call``) and taps every
     # differentiable output; G is then the tuple of their gradients (rules/functional.py).
     wants_call = False
+    # The rule clips the trainable parameters of the module's whole subtree (``params``
+    # names them by path); the engine hooks none of its descendants (rules/functional.py).
+    claims_subtree = False
 
     def params(self, module) -> list[str]:
         return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -627,7 +630,7 @@ class LayerRule:
 
 def exact_slices(rule: LayerRule, rec: Record, name: str, rows: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
     """(start, stop, float64 slice) of one unit's exact gradient, a bounded slice at a time."""
-    p = getattr(rec.module, name)
+    p = rec.module.get_parameter(name)
     first = p.shape[0] if p.dim() else 1
     cols = max(1, p.numel() // max(1, first))
     step = max(1, lowp.CHUNK_ELEMENTS // cols)

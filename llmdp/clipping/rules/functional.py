@@ -29,7 +29,7 @@ import torch
 from llmdp.clipping.audit import UnsupportedModuleError
 from llmdp.clipping.norms import LayerRule
 
-__all__ = ["FunctionalRule", "PROBE_ULPS"]
+__all__ = ["FunctionalRule", "PROBE_ULPS", "SubtreeRule"]
 
 PROBE_ULPS = 16  # re-run outputs within 16 ulps (of the output dtype, at its scale) of the batch's
 
@@ -72,7 +72,7 @@ class FunctionalRule(LayerRule):
 
         module, call = rec.module, rec.call
         name = type(module).__name__
-        params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        params = {n: module.get_parameter(n).detach() for n in self.params(module)}
         frozen = {n: p.detach() for n, p in module.named_parameters(recurse=False) if not p.requires_grad}
         U = units.num_units
         out = {n: torch.zeros((U, *p.shape), dtype=p.dtype, device=p.device) for n, p in params.items()}
@@ -92,13 +92,8 @@ class FunctionalRule(LayerRule):
             cot = tuple(_cut_output(g, R, R * k, rows, pos, name) for g in G)
             want = tuple(_cut_output(o, R, R * k, rows, pos, name) for o in call.outputs)
 
-            def f(p, args=args, kwargs=kwargs):
-                o = functional_call(module, {**p, **frozen}, args, kwargs)
-                o = o if type(o) in (tuple, list) else (o,)
-                return tuple(o[i] for i in call.diff)
-
             try:
-                got, pullback = vjp(f, params)
+                got, grads = self._vjp(module, params, frozen, args, kwargs, call.diff, cot, want, name)
             except UnsupportedModuleError:
                 raise
             except Exception as e:  # the module cannot run on one unit's rows
@@ -106,11 +101,23 @@ class FunctionalRule(LayerRule):
                     f"module {name}: re-running it on one unit's rows failed ({type(e).__name__}: "
                     f"{str(e)[:200]}), so its per-unit gradients cannot be formed; freeze it or "
                     f"register a rule with llmdp.clipping.register_rule") from None
-            _probe(got, want, name)
-            grads = pullback(cot)[0]
             for n in params:
                 out[n][u] = grads[n]
         return out
+
+    def _vjp(self, module, params, frozen, args, kwargs, diff, cot, want, name):
+        """(the unit's outputs, its gradients by parameter name): torch.func on the
+        module's own forward, the probe between the two."""
+        from torch.func import functional_call, vjp
+
+        def f(p):
+            o = functional_call(module, {**p, **frozen}, args, kwargs)
+            o = o if type(o) in (tuple, list) else (o,)
+            return tuple(o[i] for i in diff)
+
+        got, pullback = vjp(f, params)
+        _probe(got, want, name)
+        return got, pullback(cot)[0]
 
 
 def _probe(got, want, name: str) -> None:
@@ -139,3 +146,41 @@ def _mixes(name: str) -> UnsupportedModuleError:
         f"the rest of the batch, so it mixes rows (a batch statistic, a capacity-limited "
         f"router) and a unit's gradient is not its own; DP-SGD cannot clip it. Freeze it, "
         f"or use a variant that treats rows independently")
+
+
+class SubtreeRule(FunctionalRule):
+    """The generic rule for a module whose trainable parameters live in descendants that
+    are never called themselves: peft's ``ParamWrapper`` (LoRA on 3-D expert weights,
+    ``target_parameters``), whose ``lora_A``/``lora_B`` Linears only hold the factors of a
+    weight delta that a parametrization adds to the wrapped module's parameter during the
+    wrapper's call. The wrapper's call is re-run per unit with all of its subtree's
+    trainable parameters (nested wrappers included: the outermost claims them all), so each
+    unit's gradient of the adapters is exact, as for any module of the generic rule. Cost:
+    the experts' forward and backward once more, in U pieces; memory: U copies of the
+    adapters (small: r·E·(in + out) per wrapped parameter)."""
+
+    claims_subtree = True
+
+    def params(self, module) -> list[str]:
+        return [n for n, p in module.named_parameters() if p.requires_grad]
+
+    def _vjp(self, module, params, frozen, args, kwargs, diff, cot, want, name):
+        """Plain autograd on the real module (a parametrization swaps tensors in place,
+        which torch.func refuses), inside the engine's backward (reentrant), the engine's
+        hooks off for the re-run (``calls.rerun``)."""
+        from llmdp.clipping.calls import rerun
+
+        names = list(params)
+        ps = [module.get_parameter(n) for n in names]
+        with rerun(), torch.enable_grad():
+            o = module(*args, **kwargs)
+            o = o if type(o) in (tuple, list) else (o,)
+            got = tuple(o[i] for i in diff)
+            _probe(got, want, name)
+            grads = torch.autograd.grad(got, ps, cot, allow_unused=True)
+        return got, {n: torch.zeros_like(p) if g is None else g for n, p, g in zip(names, ps, grads)}
+
+
+def is_param_wrapper(module) -> bool:
+    return type(module).__name__ == "ParamWrapper" and hasattr(module, "parameter_name") \
+        and hasattr(module, "lora_A")
