@@ -86,7 +86,8 @@ __all__ = [
 class TinyModelConfig:
     """Architecture of a small model built from a config (``model.init: tiny``)."""
 
-    family: str = _f("llama", choices=("llama", "gpt2", "gemma", "qwen2"))
+    # qwen3_moe, gpt_oss: mixtures of experts (4 experts of intermediate_size, top-2)
+    family: str = _f("llama", choices=("llama", "gpt2", "gemma", "qwen2", "qwen3_moe", "gpt_oss"))
     hidden_size: int = _f(64, ge=8)  # divisible by num_heads
     num_layers: int = _f(2, ge=1)
     num_heads: int = _f(4, ge=1)
@@ -103,6 +104,9 @@ class LoraConfig:
     alpha: float = _f(16.0, gt=0)
     dropout: float = _f(0.0, ge=0, lt=1)
     target_modules: tuple[str, ...] = _f(("q_proj", "v_proj"), nonempty=True)
+    # 3-D parameters (a mixture of experts' fused weights) by name suffix, e.g.
+    # ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]: peft's target_parameters.
+    target_parameters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         "",
         "## Training",
         "",
-        f"- model: {'LoRA r=' + str(lora['r']) + ' on ' + ', '.join(lora['target_modules']) if lora else 'full fine-tuning'}"
+        f"- model: {'LoRA r=' + str(lora['r']) + ' on ' + ', '.join([*lora['target_modules'], *lora.get('target_parameters', ())]) if lora else 'full fine-tuning'}"
         f"; dtype {model_cfg.get('dtype')}",
         f"- data: {data_cfg.get('dataset') or 'a private corpus (not published)'}; unit "
         f"{data_cfg['unit']}, sequences of {data_cfg['sequence_length']} tokens",

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 TINY_ATTN_IMPLEMENTATION = "eager"
 PRETRAINED_ATTN_IMPLEMENTATION = "sdpa"
-FAMILIES = ("llama", "gpt2", "gemma", "qwen2")
+FAMILIES = ("llama", "gpt2", "gemma", "qwen2", "qwen3_moe", "gpt_oss")
+MOE = ("qwen3_moe", "gpt_oss")  # tiny mixtures of experts: 4 experts, top-2, every layer sparse
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -88,6 +89,18 @@ def tiny_hf_config(tiny_cfg, vocab_size, pad_token_id, bos_token_id, eos_token_i
         tie_word_embeddings=s["tie_word_embeddings"], attention_dropout=0.0, **ids,
     )
     fam = s["family"]
+    if fam in MOE:
+        from transformers import AutoConfig
+
+        head_dim = s["hidden_size"] // s["num_heads"]
+        moe = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=s["intermediate_size"], decoder_sparse_step=1,
+                   mlp_only_layers=[], head_dim=head_dim)
+        if fam == "gpt_oss":  # alternating sliding-window and full attention, with sinks
+            moe.update(layer_types=["sliding_attention", "full_attention"] * s["num_layers"],
+                       sliding_window=max(2, s["max_position_embeddings"] // 4))
+            moe["layer_types"] = moe["layer_types"][: s["num_layers"]]
+        return AutoConfig.for_model(fam, **common, **moe)
     if fam == "llama":
         from transformers import LlamaConfig
 
@@ -285,7 +298,18 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
         lora_dropout=float(getattr(lora, "dropout", getattr(lora, "lora_dropout", 0.0))),
         target_modules=list(lora.target_modules),
         task_type="CAUSAL_LM",
+        **({"target_parameters": list(lora.target_parameters)} if getattr(lora, "target_parameters", ()) else {}),
     )
+    tp = tuple(getattr(lora, "target_parameters", ()) or ())
+    names = [n for n, _ in model.named_parameters()]
+    missing = [t for t in tp if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:  # peft would only warn, and train no adapter there
+        three_d = sorted({n.split(".layers.", 1)[-1].split(".", 1)[-1] for n, p in model.named_parameters()
+                          if p.dim() == 3})
+        raise ValueError(
+            f"model.lora.target_parameters={list(tp)!r}: {missing} match no parameter of this "
+            f"model; its 3-D parameters: {three_d[:6] or 'none'} (name them by their path's end, "
+            f"e.g. 'mlp.experts.gate_up_proj')")
     try:
         with quiet_peft():
             return get_peft_model(model, cfg)

@@ -3,7 +3,8 @@ on D and on D∖{u}, same randomness. Every case of the matrix passes with no pl
 planted bug is caught by the check it breaks.
 
 The matrix (pairwise over the axes, not their product; ``CASES``): model families tied
-(llama with tied embeddings, gemma) and untied (llama, gpt2, qwen2); full fine-tuning and
+(llama with tied embeddings, gemma) and untied (llama, gpt2, qwen2), mixtures of experts
+(qwen3_moe, gpt_oss, in bf16; LoRA on the experts' 3-D weights); full fine-tuning and
 LoRA; float32 and bfloat16 parameters; bf16 mixed precision; book-keeping and two-pass
 clipping; ghost and instantiate layer policies; activation checkpointing; sequence,
 document and user units; Poisson and truncated Poisson; replicated and fsdp (2 gloo
@@ -81,6 +82,16 @@ CASES = {
     "llama-doc-trunc-last": dict(family="llama", unit="document", mode="book-keeping",
                                  policy="instantiate", sampler="truncated-poisson", q="last",
                                  records=47),
+    # Issue 33: mixtures of experts in bf16 (the experts rule; LoRA on the 3-D expert
+    # weights through peft's ParamWrapper; gpt-oss's attention sinks by the generic rule).
+    "qwen3moe-bf16-doc-bk-trunc": dict(family="qwen3_moe", dtype="bfloat16", unit="document",
+                                       mode="book-keeping", policy="ghost",
+                                       sampler="truncated-poisson"),
+    "gptoss-bf16-lora-experts-seq": dict(family="gpt_oss", dtype="bfloat16", lora=True,
+                                         lora_experts=True, unit="sequence", mode="two-pass"),
+    "gptoss-bf16-user-trunc": dict(family="gpt_oss", dtype="bfloat16", unit="user",
+                                   mode="book-keeping", policy="instantiate",
+                                   sampler="truncated-poisson"),
     "pair-gpt2-replicated-seq": dict(family="gpt2", unit="sequence", mode="two-pass",
                                      workers=2),
     "fsdp-llama-doc-trunc": dict(family="llama", unit="document", mode="two-pass",
@@ -118,7 +129,9 @@ def _raw(tmp: str, name: str, case: dict, batch: int, max_batch: int | None) -> 
         "model": {"init": "tiny", "tokenizer": tiny_tokenizer_dir(),
                   "dtype": case.get("dtype", "float32"),
                   "gradient_checkpointing": case.get("checkpointing", False),
-                  **({"lora": {"r": 2, "alpha": 4.0}} if case.get("lora") else {}),
+                  **({"lora": {"r": 2, "alpha": 4.0, **(
+                      {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+                      if case.get("lora_experts") else {})}} if case.get("lora") else {}),
                   "tiny": {"family": case.get("family", "llama"), "hidden_size": 16,
                            "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
                            "intermediate_size": 32, "max_position_embeddings": 64,

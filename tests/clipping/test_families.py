@@ -218,3 +218,53 @@ def test_grouped_mm_experts_in_float32_and_bf16_against_a_float64_loop():
             scale = float(ref.abs().max())
             torch.testing.assert_close(got[n].double(), ref, rtol=tol, atol=tol * scale,
                                        msg=lambda m, n=n: f"{dtype} {n}: {m}")
+
+
+def test_a_recipes_lora_target_parameters_reach_the_experts_and_a_wrong_name_is_named():
+    """``model.lora.target_parameters`` (the recipe field) puts adapters on the 3-D expert
+    weights through llmdp's apply_lora; the step is exact; a name that matches no
+    parameter is refused with the field, the value and the model's 3-D parameters."""
+    from llmdp.config.schema import LoraConfig
+    from llmdp.train.models import apply_lora
+
+    cfg = LoraConfig(r=2, target_modules=("q_proj",),
+                     target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    model = apply_lora(family_model("qwen3_moe"), cfg).to(torch.float64)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert sum("experts" in n for n in names) == 8  # A and B, two parameters, two layers
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    batch = make_batch([0, 1, 1, 2])
+    ref_norms, ref_sum = per_unit_reference(model, batch, 0.05)
+    norms, got = _clipped(model, batch)
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
+    for n, g in got.items():
+        torch.testing.assert_close(g, ref_sum[n], rtol=1e-9, atol=1e-15)
+    bad = LoraConfig(r=2, target_modules=("q_proj",), target_parameters=("mlp.experts.up",))
+    with pytest.raises(ValueError, match=r"target_parameters=.*mlp.experts.up.*match no parameter.*mlp.experts.gate_up_proj"):
+        apply_lora(family_model("qwen3_moe"), bad)
+
+
+def test_the_load_balancing_aux_loss_is_never_part_of_a_units_loss():
+    """MoE models can add a load-balancing loss (router_aux_loss_coef · a statistic of the
+    routing over the whole batch) to the loss when called with labels. It couples units
+    (one unit's routing moves every unit's loss), so it has no per-unit gradient: llmdp's
+    per-row losses call the model without labels and take the loss from the logits, so
+    the aux loss never enters, even with ``output_router_logits`` on; each unit's gradient
+    stays its own (exact against each unit's loss run alone)."""
+    model = family_model("mixtral")
+    batch = make_batch([0, 0, 1, 2])
+    sub = {k: v for k, v in batch.items() if k != "row_units"}
+    plain = row_losses(model, sub).detach()
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = 10.0
+    with_aux = row_losses(model, sub).detach()
+    torch.testing.assert_close(with_aux, plain, rtol=0, atol=0)
+    labelled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     labels=batch["labels"])
+    assert float(labelled.aux_loss) > 0  # the model would add it, given labels
+    ref_norms, ref_sum = per_unit_reference(model, batch, 0.05)
+    norms, got = _clipped(model, batch)
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
