@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     # The public pretraining (a second launch of a complete run goes straight on).
     subprocess.run(pre, cwd=REPO, check=True)
     walls = {}
-    for i, (start, name, cmd) in enumerate(todo):
+    for i, (_start, name, cmd) in enumerate(todo):
         run_dir = os.path.join(out_dir, name)
         if complete(run_dir):
             continue

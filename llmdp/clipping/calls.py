@@ -59,6 +59,7 @@ class Call:
     diff: list[int]  # their places in the call's output (0 for a tensor output)
     per_row: int  # positions of the first tensor input per batch row
     units: Any = None  # the batch's `Units`, set by the engine when the output gradient arrives
+    derived: Any = None  # a rule's fingerprint of what it derived from G (two-pass: pass 2 checks it)
 
 
 class TapMany(torch.autograd.Function):
@@ -206,7 +207,8 @@ def record_call(module, name: str, args: tuple, kwargs: dict, output, rows: int 
     if isinstance(output, torch.Tensor):
         outs, rebuild = [output], (lambda new: new[0])
     elif type(output) in (tuple, list):
-        outs, rebuild = list(output), (lambda new, t=type(output): t(new))
+        kind = type(output)
+        outs, rebuild = list(output), (lambda new: kind(new))
     else:
         raise UnsupportedModuleError(
             f"module {name} ({type(module).__name__}) returns {type(output).__name__}; the "

@@ -100,8 +100,8 @@ from llmdp.clipping.audit import UnsupportedModuleError, UseAudit, check_coverag
 from llmdp.clipping.calls import TapMany, folded, record_call, rerunning, tensors_in
 from llmdp.clipping.cross import cross_inner
 from llmdp.clipping.lowp import U64, gamma
-from llmdp.clipping.modes import MODES, _fingerprint, resolve_mode
-from llmdp.clipping.norms import Record, Sq, Units, find_rule
+from llmdp.clipping.modes import MODES, resolve_mode
+from llmdp.clipping.norms import Record, Sq, Units, find_rule, fingerprint
 from llmdp.clipping.reference import (
     clipped_sum,
     per_unit_gradients_autograd,
@@ -379,7 +379,7 @@ class GhostClipper:
         if not self._keep_G:
             # two-pass: pass 2 brings the same G again; keep A and G's fingerprint only
             # (G too, until the cross terms are taken, if the parameter has other uses).
-            rec.fp = _fingerprint(G)
+            rec.fp = fingerprint(G)
             rec.per_unit = rec.cache = None
             if not shared:
                 rec.G = None
@@ -396,7 +396,7 @@ class GhostClipper:
         part of the clipped sum from it, in float32, then drop it."""
         if rec.fp is None:  # not reached in pass 1 (so not part of the norms)
             return
-        if not torch.equal(_fingerprint(G), rec.fp):
+        if not torch.equal(fingerprint(G), rec.fp):
             raise RuntimeError(
                 f"clipping two-pass: the second backward gave module {type(rec.module).__name__} "
                 "a different output gradient than the first (a non-deterministic backward), so "

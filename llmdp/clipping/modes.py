@@ -4,7 +4,7 @@ Book-keeping keeps every hooked call's output gradient G (or, for a Linear whose
 gradients may be instantiated, those in float32) until the norms are known, and forms the
 clipped sum from what it kept: one backward pass. Two-pass drops G as soon as its norm is
 taken and runs the same backward again; each call's G must then be pass 1's bit for bit,
-which `_fingerprint` checks. ``auto`` picks book-keeping when an upper bound on what it
+which `norms.fingerprint` checks. ``auto`` picks book-keeping when an upper bound on what it
 keeps (`_kept_bytes`) is under half the free memory (`_available_memory`), the same
 decision on every rank when the parameters are sharded (the engine's module docstring).
 """
@@ -16,7 +16,7 @@ import os
 import torch
 
 from llmdp.clipping.accumulate import _is_dtensor
-from llmdp.clipping.norms import Record, _ghost_cheaper, acc_dtype
+from llmdp.clipping.norms import Record, _ghost_cheaper
 from llmdp.clipping.rules import LinearRule
 
 MODES = ("auto", "book-keeping", "two-pass")
@@ -72,16 +72,3 @@ def _kept_bytes(rec: Record, num_units: int) -> int:
     if _ghost_cheaper(num_units, rows, T, p, d):  # memory alone forces the ghost norm
         return rec.out_bytes
     return max(rec.out_bytes, 4 * num_units * p * d)
-
-
-def _fingerprint(G) -> torch.Tensor:
-    """Per row (Σ G², Σ G) in float32: pass 2 must see pass 1's G bit for bit (any
-    rounding difference changes these). Non-finite values map to sentinels so that a
-    NaN row compares equal to itself. A call with several outputs (the generic rule's):
-    their fingerprints, flattened and concatenated."""
-    if isinstance(G, tuple):
-        return torch.cat([_fingerprint(g).reshape(-1) for g in G])
-    g = G.detach().reshape(G.shape[0], -1)
-    dt = acc_dtype(g)
-    fp = torch.stack([torch.linalg.vector_norm(g, dim=1, dtype=dt), g.sum(1, dtype=dt)], 1)
-    return torch.nan_to_num(fp, nan=-1.0, posinf=-2.0, neginf=-3.0)

@@ -128,6 +128,19 @@ def roundoff(dtype: torch.dtype) -> float:
     return U64 if dtype == torch.float64 else U32
 
 
+def fingerprint(G) -> torch.Tensor:
+    """Per row (Σ G², Σ G) in float32: pass 2 must see pass 1's G bit for bit (any
+    rounding difference changes these). Non-finite values map to sentinels so that a
+    NaN row compares equal to itself. A call with several outputs (the generic rule's):
+    their fingerprints, flattened and concatenated."""
+    if isinstance(G, tuple):
+        return torch.cat([fingerprint(g).reshape(-1) for g in G])
+    g = G.detach().reshape(G.shape[0], -1)
+    dt = acc_dtype(g)
+    fp = torch.stack([torch.linalg.vector_norm(g, dim=1, dtype=dt), g.sum(1, dtype=dt)], 1)
+    return torch.nan_to_num(fp, nan=-1.0, posinf=-2.0, neginf=-3.0)
+
+
 # --------------------------------------------------------------------------- bounds
 
 

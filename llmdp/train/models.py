@@ -97,9 +97,9 @@ def tiny_hf_config(tiny_cfg, vocab_size, pad_token_id, bos_token_id, eos_token_i
                    moe_intermediate_size=s["intermediate_size"], decoder_sparse_step=1,
                    mlp_only_layers=[], head_dim=head_dim)
         if fam == "gpt_oss":  # alternating sliding-window and full attention, with sinks
-            moe.update(layer_types=["sliding_attention", "full_attention"] * s["num_layers"],
+            moe.update(layer_types=[("sliding_attention", "full_attention")[i % 2]
+                                    for i in range(s["num_layers"])],
                        sliding_window=max(2, s["max_position_embeddings"] // 4))
-            moe["layer_types"] = moe["layer_types"][: s["num_layers"]]
         return AutoConfig.for_model(fam, **common, **moe)
     if fam == "llama":
         from transformers import LlamaConfig

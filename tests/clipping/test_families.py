@@ -111,7 +111,7 @@ def test_every_family_is_exact_with_lora(family):
         for n, g in got.items():
             scale = float(ref_sum[n].abs().max())
             torch.testing.assert_close(g, ref_sum[n], rtol=1e-9, atol=1e-12 * scale,
-                                       msg=lambda m, n=n: f"{family} {mode} {n}: {m}")
+                                       msg=lambda m, n=n, mode=mode: f"{family} {mode} {n}: {m}")
 
 
 # Tied where the family's checkpoints tie (GPT-2, Gemma), untied elsewhere; and the other
@@ -133,7 +133,7 @@ def test_every_family_is_exact(family, tie):
         scale = max(float(r.abs().max()) for r in ref_sum.values())
         for n, g in got.items():
             torch.testing.assert_close(g, ref_sum[n], rtol=1e-9, atol=1e-12 * scale,
-                                       msg=lambda m, n=n: f"{family} {mode} {n}: {m}")
+                                       msg=lambda m, n=n, mode=mode: f"{family} {mode} {n}: {m}")
 
 
 def _clipped(model, batch, C=0.05, **kw):
@@ -168,7 +168,7 @@ def test_the_experts_rule_is_exact_with_either_layer_policy_and_its_exact_fallba
             torch.testing.assert_close(norms, ref_norms, rtol=rtol, atol=0)
             for n, g in got.items():
                 torch.testing.assert_close(g, ref_sum[n], rtol=rtol, atol=1e-15,
-                                           msg=lambda m, n=n: f"{mode} {fallback} {n}: {m}")
+                                           msg=lambda m, n=n, mode=mode, fb=fallback: f"{mode} {fb} {n}: {m}")
 
 
 def test_an_experts_block_whose_forward_differs_is_refused_naming_it():
@@ -217,7 +217,7 @@ def test_grouped_mm_experts_in_float32_and_bf16_against_a_float64_loop():
         for n, ref in ref_sum.items():
             scale = float(ref.abs().max())
             torch.testing.assert_close(got[n].double(), ref, rtol=tol, atol=tol * scale,
-                                       msg=lambda m, n=n: f"{dtype} {n}: {m}")
+                                       msg=lambda m, n=n, dt=dtype: f"{dt} {n}: {m}")
 
 
 def test_a_recipes_lora_target_parameters_reach_the_experts_and_a_wrong_name_is_named():
@@ -268,3 +268,25 @@ def test_the_load_balancing_aux_loss_is_never_part_of_a_units_loss():
     ref_norms, ref_sum = per_unit_reference(model, batch, 0.05)
     norms, got = _clipped(model, batch)
     torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
+
+
+def test_two_pass_refuses_experts_recomputed_differently_in_the_second_pass():
+    """Two-pass recomputes the experts' derived tensors (the up projection's output
+    gradient, the activation) in pass 2; if they are not pass 1's bit for bit (a
+    non-deterministic kernel), what would be added is not what was measured: refused."""
+    model = family_model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    calls = [0]
+
+    def drifting_gate(y):  # the model's forward does not use it; the rule's recompute does
+        calls[0] += 1
+        gate, up_ = y.chunk(2, dim=-1)
+        return experts.act_fn(gate) * up_ * (1 + 1e-12 * calls[0])
+
+    experts._apply_gate = drifting_gate
+    batch = make_batch([0, 1, 2])
+    with pytest.raises(RuntimeError, match="recomputing the experts.*second pass"):
+        _clipped(model, batch, mode="two-pass")
+    experts._apply_gate = lambda y: experts.act_fn(y.chunk(2, dim=-1)[0]) * y.chunk(2, dim=-1)[1]
+    norms, _ = _clipped(model, batch, mode="two-pass")  # deterministic: accepted
+    assert torch.isfinite(norms).all()

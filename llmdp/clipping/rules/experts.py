@@ -22,7 +22,8 @@ parameter: values and errors add; the deviations add, by Minkowski; the relative
 take their maximum); ghost or instantiated by the Linear rule's cost model, per expert;
 the clipped sum is the Linear rule's contraction per expert with the same factors. Memory:
 one expert's pairs at a time (at most a unit's tokens each), plus, in book-keeping, each
-call's pairs until the clipped sum (two-pass recomputes them in the second pass).
+call's pairs until the clipped sum (two-pass recomputes them in the second pass, and
+checks that they are the first pass's bit for bit, as the engine checks G).
 
 Matched: a module with the attributes ``use_experts_implementation`` gives it, no post-
 expert norm, no expert parallelism, and a kernel among the three above. The recomputed
@@ -34,6 +35,7 @@ dropped; a pair's unit is its token's row's (``calls.Call.per_row``).
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -41,7 +43,7 @@ import torch
 from llmdp.clipping.audit import UnsupportedModuleError
 from llmdp.clipping.calls import tensors_in
 from llmdp.clipping.lowp import U64, gamma
-from llmdp.clipping.norms import F64, LayerRule, Record, Sq, Units, register_rule, up
+from llmdp.clipping.norms import F64, LayerRule, Record, Sq, Units, fingerprint, register_rule, up
 from llmdp.clipping.rules.linear import LinearRule
 
 __all__ = ["ExpertsRule", "is_experts"]
@@ -84,7 +86,7 @@ class ExpertsRule(LayerRule):
 
     def __init__(self):
         self._policy = "auto"
-        self._probed: set[int] = set()
+        self._probed = weakref.WeakSet()  # modules whose first call passed the probe
 
     # ------------------------------------------------------------------ layout
     @staticmethod
@@ -142,13 +144,14 @@ class ExpertsRule(LayerRule):
         order = torch.argsort(key, stable=True)
         counts = torch.bincount(key, minlength=E * U + 1)[: E * U].view(E, U)
         per_e = counts.sum(1).tolist()
+        widest = counts.max(1).values.tolist()  # one sync for all experts
         upn, upb, dnn, dnb = self._names(module)
         W1, W2 = getattr(module, upn).detach(), getattr(module, dnn).detach()
         B1 = getattr(module, upb).detach() if upb else None
         B2 = getattr(module, dnb).detach() if dnb else None
         tr = module.is_transposed
         parts, start = [], 0
-        probe = id(module) not in self._probed
+        probe = module not in self._probed
         out = torch.zeros_like(Gout, dtype=F64) if probe else None
         for ex, n in enumerate(per_e):
             if n == 0:
@@ -175,7 +178,7 @@ class ExpertsRule(LayerRule):
             # per unit: the units of this expert's pairs, in order, and each pair's place
             cu = counts[ex]
             present = (cu > 0).nonzero(as_tuple=True)[0]
-            m = int(cu.max())
+            m = widest[ex]
             ptr = torch.zeros(U + 1, dtype=torch.long, device=dev)
             ptr[1:] = cu.cumsum(0)
             uu = u[sel]
@@ -183,15 +186,16 @@ class ExpertsRule(LayerRule):
             local = torch.full((U,), -1, dtype=torch.long, device=dev)
             local[present] = torch.arange(present.numel(), device=dev)
             li = local[uu]
-
-            def lay(v, li=li, slot=slot, P=present.numel(), m=m):
-                z = v.new_zeros((P, m, v.shape[-1]))
+            laid = []
+            for v in (a, g1.detach(), h, g2):  # [n, ·] -> [units present, m, ·], zero-padded
+                z = v.new_zeros((present.numel(), m, v.shape[-1]))
                 z[li, slot] = v
-                return z
-            parts.append(_Part(ex, present, lay(a), lay(g1.detach()), lay(h), lay(g2)))
+                laid.append(z)
+            parts.append(_Part(ex, present, *laid))
         if probe:
             real = (uop >= 0)[:, None]
             self._probe(module, out * real, rec.call.outputs[0] * real, name)
+        _same_as_before(rec.call, parts, name)
         return parts
 
     def _probe(self, module, got, want, name):
@@ -202,7 +206,7 @@ class ExpertsRule(LayerRule):
                 f"module {name}: its output is not Σ_k w·down_e(act(up_e(x))) as transformers' "
                 f"experts compute it (recomputed {diff:.3g} away, at scale {scale:.3g}), so the "
                 f"experts rule cannot clip it; freeze it or register a rule")
-        self._probed.add(id(module))
+        self._probed.add(module)
 
     # ------------------------------------------------------------------ norms
     def sq_norms_ghost(self, rec, units):
@@ -247,7 +251,7 @@ class ExpertsRule(LayerRule):
 
     # ------------------------------------------------------------------ clipped sum
     def clipped_ghost(self, rec, row_factors):
-        units = _units_of(rec, row_factors)
+        units = rec.call.units
         parts = self._parts(rec, units)
         module = rec.module
         unit_f = torch.zeros(units.num_units, dtype=row_factors.dtype, device=row_factors.device)
@@ -289,12 +293,12 @@ class ExpertsRule(LayerRule):
         return out
 
     def exact(self, rec, name, rows, start, stop):
-        units = _units_of(rec, None)
+        units = rec.call.units
         parts = self._parts(rec, units)
         u = int(units.unit_of_row[rows[0]])
         p = getattr(rec.module, name)
         out = torch.zeros((stop - start, *p.shape[1:]), dtype=F64, device=p.device)
-        (stub_up, n_up), (stub_dn, n_dn) = self._linears(rec.module)
+        (_, n_up), (_, n_dn) = self._linears(rec.module)
         for part in parts:
             if not start <= part.e < stop:
                 continue
@@ -312,9 +316,19 @@ class ExpertsRule(LayerRule):
         return out
 
 
-def _units_of(rec: Record, row_factors) -> Units:
-    """The batch's units, which the engine keeps on the record's call (``Call.units``)."""
-    return rec.call.units
+def _same_as_before(call, parts: list[_Part], name: str) -> None:
+    """Two-pass recomputes the parts in pass 2 (G is fingerprinted by the engine): what
+    this rule derived from G (the up projection's output gradient, the activation) must be
+    pass 1's bit for bit, or what is added would not be what was measured."""
+    fp = torch.cat([fingerprint((p.g_up, p.a_dn)) for p in parts]) if parts else None
+    before = call.derived
+    call.derived = fp
+    if before is not None and (fp is None or not torch.equal(fp, before)):
+        raise RuntimeError(
+            f"clipping two-pass: recomputing the experts of {name} in the second pass gave "
+            "other values than in the first (a non-deterministic kernel), so what would be "
+            "added is not what was clipped. Use privacy.clipping_mode: book-keeping, or "
+            "torch.use_deterministic_algorithms(True).")
 
 
 _LINEARS = {False: LinearRule(), True: LinearRule(transposed=True)}

@@ -68,8 +68,6 @@ class FunctionalRule(LayerRule):
     wants_call = True  # the engine keeps the whole call and taps every differentiable output
 
     def per_unit(self, rec, units):
-        from torch.func import functional_call, vjp
-
         module, call = rec.module, rec.call
         name = type(module).__name__
         params = {n: module.get_parameter(n).detach() for n in self.params(module)}
