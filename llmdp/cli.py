@@ -29,6 +29,14 @@ def _add_plan_args(p: argparse.ArgumentParser, sigma: bool) -> None:
                    help="trainable parameters (the noise coordinates of a step): the noise "
                         "generator's truncated tails are then included in --delta, as `llmdp "
                         "train` does; without it they are not")
+    p.add_argument("--mechanism", choices=["dp-sgd", "banded-mf", "blt"], default="dp-sgd",
+                   help="dp-sgd (independent noise), or correlated noise: banded-mf, blt")
+    p.add_argument("--sampler", default=None, metavar="poisson|cyclic-poisson|fixed-cycle",
+                   help="default: poisson (dp-sgd), cyclic-poisson (banded-mf), fixed-cycle (blt)")
+    p.add_argument("--bands", type=int, default=None, help="banded-mf: the bands b of C")
+    p.add_argument("--cycle", type=int, default=None,
+                   help="cyclic samplers: the number of groups (default: bands, or N / batch)")
+    p.add_argument("--buffers", type=int, default=8, help="blt: the most buffers")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -276,6 +284,24 @@ def _check_plan_flags(a, *, calibrate: bool) -> None:
             f"{fix}")
 
 
+def _mechanism_flags(a) -> dict:
+    """make_plan's mechanism arguments from the flags (refused combinations: `mf_plan`)."""
+    from llmdp.privacy.mf_plan import MechanismError, check_mechanism
+
+    default = {"dp-sgd": "poisson", "banded-mf": "cyclic-poisson", "blt": "fixed-cycle"}
+    sampler = a.sampler or default[a.mechanism]
+    try:
+        check_mechanism(a.mechanism, sampler, bands=a.bands, cycle=a.cycle)
+    except MechanismError as e:
+        raise FlagError(f"--{e.field}: {e}") from None
+    if a.mechanism == "dp-sgd":
+        return {"sampler": sampler}
+    from llmdp._fs import cache_root
+
+    return {"sampler": sampler, "mechanism": a.mechanism, "bands": a.bands, "cycle": a.cycle,
+            "buffers": a.buffers, "strategy_cache": os.path.join(cache_root(), "mf")}
+
+
 def _plan_from_args(a, *, calibrate: bool):
     from llmdp.privacy.plan import NoiseTailError, PlanError, default_delta, make_plan, tail_message
 
@@ -289,6 +315,7 @@ def _plan_from_args(a, *, calibrate: bool):
         delta=a.delta,
         accountant=a.accountant,
         noise_coordinates=a.parameters,
+        **_mechanism_flags(a),
     )
     max_sigma = 100.0
     try:
@@ -336,6 +363,7 @@ def _print_plan(plan, a, extra: dict) -> None:
         "expected_batch_size": plan.expected_batch_size,
         "accountant": plan.accountant,
         "adjacency": "add-or-remove one unit",
+        **_mechanism_out(plan),
         **extra,
     }
     if a.json:
@@ -343,6 +371,20 @@ def _print_plan(plan, a, extra: dict) -> None:
     else:
         for k, v in out.items():
             print(f"{k:>22}: {v}")
+
+
+def _mechanism_out(plan) -> dict:
+    """A correlated plan's mechanism, sampler, rounds and strategy (none for DP-SGD)."""
+    if not plan.correlated:
+        return {}
+    from llmdp.privacy.mf_plan import mf_commitment, participation_text
+
+    fact = plan.factorization()
+    return {"mechanism": plan.mechanism, "sampler": plan.sampler, "cycle": plan.cycle,
+            "rounds": plan.ledger_steps, "commitment": mf_commitment(plan),
+            "participation": participation_text(plan.mechanism, plan.sampler, plan.cycle,
+                                                plan.steps, plan.event_probability),
+            "strategy": {k: v for k, v in fact.meta.items() if isinstance(v, (int, float, str))}}
 
 
 def _quiet_libraries() -> None:

@@ -669,7 +669,7 @@ BAD = [
         "sampler-unknown",
         "privacy.sampler",
         "shuffle",
-        ["privacy.sampler: 'shuffle' is not one of ['poisson', 'truncated-poisson']"],
+        ["privacy.sampler: 'shuffle' is not one of ['poisson', 'truncated-poisson', 'cyclic-poisson', 'fixed-cycle']"],
     ),
     (
         "unit-unknown",

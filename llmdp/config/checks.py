@@ -205,7 +205,18 @@ def check_privacy(p, prefix: str, base_dir: str):
             f"accountant); set accountant: pld or sampler: poisson",
             key=f"{prefix}.accountant",
         )
+    _check_mechanism(p, prefix)
     return p
+
+
+def _check_mechanism(p, prefix: str) -> None:
+    """A correlated mechanism only with a sampler its analysis covers (DESIGN §3.3)."""
+    from llmdp.privacy.mf_plan import MechanismError, check_mechanism
+
+    try:
+        check_mechanism(p.mechanism, p.sampler, bands=p.bands, cycle=p.cycle, dp=p.dp)
+    except MechanismError as e:
+        raise ConfigError(f"{prefix}.{e.field}: {e}", key=f"{prefix}.{e.field}") from None
 
 
 def check_eval_data(e, prefix: str, base_dir: str):

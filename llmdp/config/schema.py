@@ -41,7 +41,7 @@ from llmdp.config import checks as _checks
 from llmdp.config import load as _load
 from llmdp.config import yamlio as _yaml
 from llmdp.config.best import apply_best
-from llmdp.config.choices import ACCOUNTANTS, MIXED_PRECISION, SAMPLERS, STRATEGIES
+from llmdp.config.choices import ACCOUNTANTS, MECHANISMS, MIXED_PRECISION, SAMPLERS, STRATEGIES
 from llmdp.config.load import field_spec as _f
 from llmdp.config.validate import ConfigError, fmt
 from llmdp.config.yamlio import config_hash, dump_yaml, parse_override, to_dict
@@ -278,6 +278,16 @@ class PrivacyConfig:
     # max_batch_size units (bounded memory), accounted with the truncated event (pld only).
     sampler: str = _f("poisson", choices=SAMPLERS)
     max_batch_size: int | None = _f(None, ge=1)  # truncated-poisson cap; None: the plan picks it
+    # "dp-sgd": independent noise each step. Correlated noise (DP-FTRL by matrix
+    # factorization, `llmdp.privacy.mf`): "banded-mf" (C with `bands` diagonals; sampler
+    # cyclic-poisson, amplified, or fixed-cycle) or "blt" (buffered linear Toeplitz, at most
+    # `buffers` buffers; sampler fixed-cycle). Each needs a cyclic sampler.
+    mechanism: str = _f("dp-sgd", choices=MECHANISMS)
+    bands: int | None = _f(None, ge=1)  # banded-mf: b (<= cycle with cyclic-poisson)
+    # The cyclic samplers' number of groups (the minimum separation of a unit's steps).
+    # None: cyclic-poisson uses `bands`; fixed-cycle uses round(N / train.expected_batch_size).
+    cycle: int | None = _f(None, ge=1)
+    buffers: int = _f(8, ge=1, le=16)  # blt: the most buffers the optimizer may use
     rng: str = _f("secure", choices=("secure", "seeded"))
     seed: int | None = _f(None, ge=0)  # required iff rng == "seeded"
     clipping: str = _f("ghost", choices=("ghost", "reference"))
@@ -326,6 +336,29 @@ def warmup_steps_for(optim: Any, total_steps: int) -> int:
     ratio = float(get("warmup_ratio", 0.0) or 0.0)
     # 0.2 * 50 is 10.000000000000002 and 0.29 * 100 is 28.999999999999996: floor with a margin.
     return min(max(0, int(math.floor(ratio * total_steps + 1e-9))), max(0, total_steps - 1))
+
+
+def lr_lambda(optim: Any, total_steps: int):
+    """The learning-rate multiplier of each step: linear warmup, then constant / cosine /
+    linear decay to ``min_lr_ratio`` (the worker's scheduler; a correlated mechanism's workload)."""
+    import math
+
+    warmup = warmup_steps_for(optim, total_steps)  # warmup_steps, or warmup_ratio * T
+    floor = float(optim.min_lr_ratio)
+    kind = optim.schedule
+
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup)
+        progress = min(1.0, (step - warmup) / span)
+        if kind == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return floor + (1 - floor) * (1 - progress)
+
+    return f
 
 
 @dataclass(frozen=True)

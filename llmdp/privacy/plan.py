@@ -194,6 +194,15 @@ class DPPlan:
     # this run's guarantee (`llmdp.run.provenance`): ((what, count, coordinates, noise
     # multiplier), ...); their tails are folded into δ with this run's.
     prior_noise: tuple | None = None
+    # A correlated mechanism (`llmdp.privacy.mf_plan`): "banded-mf" / "blt" with a cyclic
+    # sampler of `cycle` groups, its strategy (`mf.Factorization.to_dict()`), and the factor
+    # f of the ledger's round event (σ·f; `round_factor_exact`: K rounds compose to exactly
+    # the one-release analysis). The ledger counts rounds of `cycle` steps (`ledger_steps`).
+    mechanism: str = "dp-sgd"
+    cycle: int | None = None
+    strategy: dict | None = dataclasses.field(default=None, hash=False)
+    round_factor: float | None = None
+    round_factor_exact: bool | None = None
 
     def __post_init__(self):
         # Validate here too, so a plan read back from a file (from_dict) is as checked
@@ -215,6 +224,7 @@ class DPPlan:
                      error=PlanError)
         _check_accountant_field(self.accountant)
         _check_sampler_fields(self.sampler, self.accountant, self.dataset_size, self.max_batch_size)
+        self._check_mechanism_fields()
         if self.relation not in RELATIONS:
             raise PlanError(f"relation must be one of {RELATIONS}, got relation={self.relation!r}")
         if self.target_epsilon is not None:
@@ -256,6 +266,82 @@ class DPPlan:
                 "remove it (it is derived)"
             )
 
+    def _check_mechanism_fields(self) -> None:
+        from llmdp.privacy.mf_plan import check_mechanism
+
+        check_mechanism(self.mechanism, self.sampler, cycle=self.cycle, dp=self.dp,
+                        bands=None if self.strategy is None else len(self.strategy.get("coefficients") or ()) or None)
+        if not self.correlated:
+            if any(v is not None for v in (self.strategy, self.round_factor, self.round_factor_exact)):
+                raise PlanError("strategy / round_factor belong to a correlated mechanism's plan "
+                                f"(mechanism is {self.mechanism!r})")
+            return
+        if not _is_int(self.cycle) or not (1 <= self.cycle <= self.dataset_size):
+            raise PlanError(f"cycle must be an integer in [1, dataset_size] with mechanism "
+                            f"{self.mechanism!r}, got cycle={self.cycle!r}")
+        object.__setattr__(self, "cycle", int(self.cycle))
+        if self.sampler == "cyclic-poisson" and self.event_probability > 1:
+            raise PlanError(f"the group probability q_g = B·cycle/N = {self.event_probability:.4g} "
+                            "is above 1: lower train.expected_batch_size or the cycle")
+        if not self.dp:
+            return
+        if not isinstance(self.strategy, dict):
+            raise PlanError(f"a {self.mechanism} plan needs its strategy (privacy.mf), got "
+                            f"strategy={self.strategy!r}")
+        fact = self.factorization()
+        want = {"banded-mf": "banded", "blt": "blt"}[self.mechanism]
+        if fact.kind != want or fact.steps != self.steps:
+            raise PlanError(f"the strategy is a {fact.kind} factorization for {fact.steps} steps; "
+                            f"mechanism {self.mechanism!r} over {self.steps} steps needs a {want} one")
+        f = self.round_factor
+        if not (_is_number(f) and 0 < f < math.inf) or not isinstance(self.round_factor_exact, bool):
+            raise PlanError(f"round_factor must be a finite number > 0 and round_factor_exact a "
+                            f"boolean, got {f!r}, {self.round_factor_exact!r}")
+
+    @property
+    def correlated(self) -> bool:
+        """Whether the noise is correlated across steps (banded MF, BLT)."""
+        return self.mechanism != "dp-sgd"
+
+    def factorization(self):
+        """The strategy C (`llmdp.privacy.mf.Factorization`), None for DP-SGD / a baseline."""
+        if self.strategy is None:
+            return None
+        from llmdp.privacy.mf import Factorization
+
+        return Factorization.from_dict(self.strategy)
+
+    @property
+    def ledger_steps(self) -> int:
+        """The run's releases in ledger units: T steps (DP-SGD), K = ⌈T/cycle⌉ rounds
+        (a correlated mechanism: `llmdp.privacy.mf_plan`)."""
+        return -(-self.steps // self.cycle) if self.correlated else self.steps
+
+    def ledger_index(self, step: int) -> int:
+        """The ledger unit of training step ``step`` (its round for a correlated mechanism)."""
+        return int(step) // self.cycle if self.correlated else int(step)
+
+    def ledger_begun(self, steps: int) -> int:
+        """The ledger units that ``steps`` steps have begun (⌈steps/cycle⌉ rounds)."""
+        return -(-int(steps) // self.cycle) if self.correlated else int(steps)
+
+    @property
+    def event_probability(self) -> float:
+        """The sampling probability of the ledger's event: q (DP-SGD), the group probability
+        q_g = B·cycle/N (cyclic Poisson), 1 (fixed cycle: no amplification)."""
+        if not self.correlated:
+            return self.sampling_probability
+        if self.sampler == "fixed-cycle":
+            return 1.0
+        return float(self.expected_batch_size) * self.cycle / int(self.dataset_size)
+
+    @property
+    def event_multiplier(self) -> float:
+        """The noise multiplier of the ledger's event: σ (DP-SGD), σ·f (a round)."""
+        if not self.correlated or not self.dp:
+            return self.noise_multiplier
+        return self.noise_multiplier * self.round_factor
+
     def _check_noise_fields(self) -> None:
         k = self.noise_coordinates
         if k is not None and (not _is_int(k) or k < 1):
@@ -286,12 +372,14 @@ class DPPlan:
         object.__setattr__(self, "prior_noise", tuple((str(w), int(c), int(k), float(z)) for w, c, k, z in pn))
 
     def noise_tail(self, steps: int | None = None, eval_releases: int | None = None) -> NoiseTail | None:
-        """The truncated tails' `NoiseTail` of `steps` steps (default: all T) and
+        """The truncated tails' `NoiseTail` of `steps` ledger units (default: all T steps;
+        a correlated mechanism's round draws at most `cycle` steps' noise) and
         `eval_releases` DP evaluations (default: all planned); None when not folded in
         (`noise_coordinates` unknown, or a non-private plan)."""
         if not self.dp or self.noise_coordinates is None:
             return None
-        return _run_tail(self.steps if steps is None else steps, self.noise_coordinates,
+        draws = self.steps if steps is None else steps * (self.cycle if self.correlated else 1)
+        return _run_tail(draws, self.noise_coordinates,
                          self.noise_multiplier, self.eval_noise, eval_releases, self.prior_noise)
 
     @property
@@ -338,14 +426,15 @@ class DPPlan:
         return {"dataset_size": int(self.dataset_size), "max_batch_size": self.max_batch_size}
 
     def step_event(self) -> dp_accounting.DpEvent:
-        """The event of one step: Poisson, or truncated Poisson (`max_batch_size`)."""
+        """The event of one ledger unit: a step (Poisson, or truncated Poisson:
+        `max_batch_size`), or a correlated mechanism's round (`llmdp.privacy.mf_plan`)."""
         if not self.dp:
             raise PlanError(_NO_EVENT)
         return dpsgd_step_event(
-            self.sampling_probability, self.noise_multiplier, **self._event_kwargs()
+            self.event_probability, self.event_multiplier, **self._event_kwargs()
         )
 
-    def make_sampler(self, num_units: int | None = None):
+    def make_sampler(self, num_units: int | None = None, groups=None):
         """The sampler that makes `step_event()` true: `PoissonSampler(N, q)` or
         `TruncatedPoissonSampler(N, q, max_batch_size)`, N = `dataset_size`.
 
@@ -357,20 +446,31 @@ class DPPlan:
                 f"the sampler must draw from the plan's dataset_size={self.dataset_size} "
                 f"units, got num_units={num_units!r}: rebuild the plan for this dataset"
             )
+        if self.sampler in ("cyclic-poisson", "fixed-cycle"):
+            from llmdp.privacy import cyclic
+
+            if groups is None or len(groups) != self.dataset_size:
+                raise PlanError(f"a {self.sampler} sampler needs every unit's group (store_groups), "
+                                f"got {None if groups is None else len(groups)} for "
+                                f"{self.dataset_size} units")
+            if self.sampler == "fixed-cycle":
+                return cyclic.FixedCycleSampler(groups, self.cycle)
+            return cyclic.CyclicPoissonSampler(groups, self.cycle, self.event_probability)
         return _sampling.make_sampler(
             int(self.dataset_size), self.sampling_probability, self.max_batch_size
         )
 
     def epsilon(self, steps: int | None = None, accountant: str | None = None) -> float:
-        """Epsilon after `steps` steps (default: all T planned steps) at `accountant_delta`
-        (the published δ less the planned releases' noise tails): the ε of the published
-        (ε, `delta`); inf for a non-private plan (no guarantee) or a δ the tails spend."""
+        """Epsilon after `steps` ledger units (default: all, `ledger_steps`) at
+        `accountant_delta` (the published δ less the planned releases' noise tails): the ε of
+        the published (ε, `delta`); inf for a non-private plan (no guarantee) or a δ the
+        tails spend."""
         if not self.dp or self.accountant_delta <= 0:
             return math.inf
-        steps = self.steps if steps is None else steps
+        steps = self.ledger_steps if steps is None else steps
         return _acc.epsilon_for(
-            self.sampling_probability,
-            self.noise_multiplier,
+            self.event_probability,
+            self.event_multiplier,
             steps,
             self.accountant_delta,
             accountant or self.accountant,
@@ -383,10 +483,10 @@ class DPPlan:
         non-private plan."""
         if not self.dp or self.accountant_delta <= 0:
             return math.inf
-        steps = self.steps if steps is None else steps
+        steps = self.ledger_steps if steps is None else steps
         return _acc.epsilon_estimate(
-            self.sampling_probability,
-            self.noise_multiplier,
+            self.event_probability,
+            self.event_multiplier,
             steps,
             self.accountant_delta,
             **self._event_kwargs(),
@@ -402,6 +502,9 @@ class DPPlan:
             del d["prior_noise"]  # as before the field existed
         else:
             d["prior_noise"] = [list(x) for x in d["prior_noise"]]
+        for k in ("mechanism", "cycle", "strategy", "round_factor", "round_factor_exact"):
+            if not self.correlated:
+                del d[k]  # a DP-SGD plan's record is as before correlated noise existed
         return d
 
     @classmethod
@@ -581,6 +684,13 @@ def make_plan(
     truncation_budget: float = DEFAULT_TRUNCATION_BUDGET,
     dp: bool = True,
     noise_coordinates: int | None = None,
+    mechanism: str = "dp-sgd",
+    bands: int | None = None,
+    cycle: int | None = None,
+    buffers: int = 8,
+    momentum: float = 0.0,
+    learning_rates=None,
+    strategy_cache: str | None = None,
 ) -> DPPlan:
     """Validate the inputs and build a `DPPlan`, calibrating sigma if a target is given.
 
@@ -604,7 +714,15 @@ def make_plan(
     `prior.calibrate_with_prior`).
 
     `dp=False`: a NON-PRIVATE baseline's plan (no target, no σ; truncated Poisson needs its cap).
+
+    `mechanism` "banded-mf" / "blt" (`llmdp.privacy.mf_plan`): a correlated mechanism with
+    a cyclic sampler of `cycle` groups; its strategy is optimized here for T steps (`bands`,
+    `buffers`; the workload of SGD with `momentum` and the per-step `learning_rates`
+    multipliers; cached under `strategy_cache`), and σ is calibrated on the ledger's rounds.
     """
+    if mechanism != "dp-sgd":
+        return _make_correlated(**{k: v for k, v in locals().items() if k not in (
+            "truncation_budget", "max_batch_size")})
     if (steps is None) == (epochs is None):
         got = "both" if steps is not None else "neither"
         raise PlanError(
@@ -699,3 +817,66 @@ def make_plan(
         noise_coordinates=None if noise_coordinates is None else int(noise_coordinates),
     ))
 
+
+
+def _make_correlated(*, dataset_size, expected_batch_size, max_grad_norm, steps, epochs, delta,
+                     target_epsilon, noise_multiplier, accountant, max_noise_multiplier, sampler,
+                     dp, noise_coordinates, mechanism, bands, cycle, buffers, momentum,
+                     learning_rates, strategy_cache) -> DPPlan:
+    """`make_plan` for a correlated mechanism (`llmdp.privacy.mf_plan`)."""
+    from llmdp.privacy import mf_plan
+
+    mf_plan.check_mechanism(mechanism, sampler, bands=bands, cycle=cycle, dp=dp)
+    if (steps is None) == (epochs is None):
+        raise PlanError(f"pass exactly one of steps= or epochs=, got steps={steps!r}, epochs={epochs!r}")
+    _check_sampling(dataset_size, expected_batch_size)
+    _check_positive("max_grad_norm", max_grad_norm, "the clipping bound C", error=PlanError)
+    delta = default_delta(dataset_size) if delta is None else delta
+    delta = _check_delta(delta, dataset_size, default=default_delta(dataset_size), error=PlanError)
+    _check_accountant_field(accountant)
+    cyc = mf_plan.resolve_cycle(sampler, bands=bands, cycle=cycle, dataset_size=int(dataset_size),
+                                expected_batch_size=expected_batch_size)
+    mf_plan.check_mechanism(mechanism, sampler, bands=bands, cycle=cyc, dp=dp)
+    batch = int(dataset_size) / cyc if sampler == "fixed-cycle" else float(expected_batch_size)
+    q = batch / int(dataset_size)
+    steps = _check_steps(steps, error=PlanError) if steps is not None else steps_for_epochs(epochs, q)
+    common = dict(dataset_size=int(dataset_size), expected_batch_size=batch, steps=steps,
+                  max_grad_norm=float(max_grad_norm), delta=delta, accountant=accountant,
+                  sampler=sampler, mechanism=mechanism, cycle=cyc)
+    if not dp:
+        return DPPlan(noise_multiplier=0.0, dp=False, **common)
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise PlanError("pass exactly one of target_epsilon= (calibrate sigma) or noise_multiplier= "
+                        f"(fixed sigma), got target_epsilon={target_epsilon!r}, "
+                        f"noise_multiplier={noise_multiplier!r}")
+    if callable(learning_rates):  # the schedule's multipliers of a T-step run
+        learning_rates = learning_rates(steps)
+    fact = mf_plan.build_strategy(mechanism, sampler, steps=steps, cycle=cyc, bands=bands,
+                                  buffers=buffers, momentum=momentum, learning_rates=learning_rates,
+                                  cache_dir=strategy_cache)
+    f, exact = mf_plan.round_factor(fact, sampler, steps=steps, cycle=cyc)
+    # what the plan records: the strategy and how it was made, not whether a cache served it
+    # (a re-launch's plan must equal the first launch's)
+    fact = dataclasses.replace(fact, meta={k: v for k, v in fact.meta.items() if k != "cached"})
+    k = None if noise_coordinates is None else int(noise_coordinates)
+    if noise_multiplier is not None:
+        sigma = _check_positive("noise_multiplier", noise_multiplier, "sigma", error=PlanError)
+    else:
+        target_epsilon = _check_positive("target_epsilon", target_epsilon, "the privacy budget",
+                                         error=PlanError)
+        probe = DPPlan(noise_multiplier=1.0, strategy=fact.to_dict(), round_factor=f,
+                       round_factor_exact=exact, noise_coordinates=k, **common)
+
+        def delta_at(s: float) -> float:  # the tails of all T steps' draws at σ = s / f
+            return _run_tail(steps, k, s / f).accountant_delta(delta)
+
+        curve = EpsilonCurve(probe.event_probability, probe.ledger_steps, delta, accountant,
+                             delta_at=None if k is None else delta_at)
+        s = calibrate_curve(curve, float(target_epsilon), float(max_noise_multiplier) * f)
+        sigma = s / f
+        while sigma * f < s:  # the round's multiplier never below the calibrated one
+            sigma = math.nextafter(sigma, math.inf)
+    return check_noise_tail(DPPlan(
+        noise_multiplier=float(sigma), strategy=fact.to_dict(), round_factor=float(f),
+        round_factor_exact=bool(exact), noise_coordinates=k,
+        target_epsilon=None if target_epsilon is None else float(target_epsilon), **common))

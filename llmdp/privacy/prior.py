@@ -37,7 +37,7 @@ def composed_epsilon(plan, prior_releases=(), accountant: str | None = None,
     private tokenizer's, thresholds' delta included) composed with `steps` (default: all)
     steps of the `DPPlan` `plan` (`accountant.epsilon_with_threshold`); inf when the
     tails and thresholds leave nothing of δ."""
-    steps = plan.steps if steps is None else steps
+    steps = plan.ledger_steps if steps is None else steps
     prior, d_thr = release_entries(prior_releases)
     if not prior and value_discretization_interval is None:
         return plan.epsilon(steps, accountant) if steps else 0.0

@@ -227,8 +227,11 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             f"{(r.get('extra') or {}).get('delta_threshold'):.3g})"
             for r in prior if r.get("source") != SOURCE
         ] + _start_covered(plan_info.get("starting_model"), prior) + [
-            "this run's DP-SGD training steps on the private corpus, as recorded in the ledger "
-            f"({ledger_steps} steps over {len(attempts)} attempt(s))",
+            (f"this run's DP-SGD training steps on the private corpus, as recorded in the ledger "
+             f"({ledger_steps} steps over {len(attempts)} attempt(s))" if not plan.correlated else
+             f"this run's training steps with correlated noise ({plan.mechanism}) on the private "
+             f"corpus, as recorded in the ledger ({ledger_steps} rounds of {plan.cycle} steps over "
+             f"{len(attempts)} attempt(s))"),
         ] + dp_eval_covered(plan_info, records),
         "data_accesses_not_covered": [
             _tuning_not_covered(plan_info.get("hyperparameters")),
@@ -257,7 +260,9 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         # Steps in the ledger beyond those that produced the final model: executed (or
         # reserved write-ahead) by attempts that failed or were stopped at once (a crash, a
         # killed process, a second Ctrl-C), then re-executed after a resume.
-        "steps_lost_to_failures": max(0, ledger_steps - completed),
+        "steps_lost_to_failures": max(0, ledger_steps - plan.ledger_begun(completed)),
+        # a correlated mechanism (llmdp.privacy.mf_plan): its strategy, sampler, participation
+        "correlated_noise": _correlated_section(plan),
         "dataset_ledger": _dataset_ledger(plan_info, plan, unit_meta or {
             "kind": unit_kind, "sequence_length": seq_len, "user_field": data_cfg.get("user_field"),
             "document_masking": bool(data_cfg.get("document_masking"))}, records,
@@ -529,10 +534,44 @@ def _contribution_bound(kind: str, rows: int, seq_len: int, user_field) -> str:
             f"({rows * seq_len} tokens), clipped together to C; the rest is dropped")
 
 
+def _correlated_section(plan) -> dict | None:
+    """The correlated mechanism in plain words and numbers (public configuration only)."""
+    if not plan.correlated:
+        return None
+    from llmdp.privacy.mf_plan import mf_commitment, participation_text
+
+    out = {**(mf_commitment(plan) if plan.dp else {"cycle": plan.cycle, "sampler": plan.sampler}),
+           "mechanism": plan.mechanism,
+           "participation": participation_text(plan.mechanism, plan.sampler, plan.cycle, plan.steps,
+                                               plan.event_probability),
+           "ledger_unit": f"a round of {plan.cycle} steps (every group's turn once), recorded "
+                          "before its first step"}
+    fact = plan.factorization()
+    if fact is not None:
+        out["strategy_meta"] = {k: v for k, v in fact.meta.items() if isinstance(v, (int, float, str))}
+        out["round_accounting"] = (
+            "K rounds compose to exactly the one-release analysis" if plan.round_factor_exact else
+            "the rounds over-count the one-release analysis (the prefix sensitivity grows faster "
+            "than linearly somewhere): the reported ε is an upper bound")
+    return out
+
+
 def _sampling_section(plan, seeded: bool, truncated_steps: int, completed: int) -> dict:
     source = ("a seeded generator (ChaCha20 keyed from the seed: reproducible, no guarantee "
               "against anyone who knows the seed)" if seeded else
               "fresh OS entropy per step (ChaCha20 keystream, RFC 8439)")
+    if plan.correlated:
+        from llmdp.privacy.mf_plan import participation_text
+
+        return {
+            "assumed": participation_text(plan.mechanism, plan.sampler, plan.cycle, plan.steps,
+                                          plan.event_probability),
+            "used": f"{plan.sampler} ({plan.cycle} groups by a keyed hash of each unit's content) "
+                    "from " + source,
+            "honoured": True,
+            "note": "empty samples run as noise-only steps; a unit never appears at two steps "
+                    f"less than {plan.cycle} apart",
+        }
     if plan.sampler == "truncated-poisson":
         return {
             "assumed": "truncated Poisson: every unit independently with probability q, then, "

@@ -78,6 +78,8 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         *([f"| Hyper-parameters | {report['hyperparameters']['note']} |"] if report.get("hyperparameters") else []),
         f"| Accounting | {report['accountant'].upper()}; " + ", ".join(
             f"{k.upper()} ε = {v:.4f}" for k, v in eps.items()) + " |",
+        *([f"| Mechanism | {report['correlated_noise']['mechanism']} (correlated noise) |"]
+          if report.get("correlated_noise") else []),
         f"| Sampling | {s['assumed']}; used: {s['used']} |",
         f"| Dataset size N / expected batch q·N | {report['dataset_size']} units / "
         f"{report['expected_batch_size']:g} units (q = {report['sampling_probability']:.6g}) |",

@@ -52,6 +52,7 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
                  "truncation_probability_per_step": True, "truncation_epsilon_cost": True,
                  "note": True},
     "rng_mode": True, "rng_warning": True, "rng_seeded_sources": True,
+    "correlated_noise": True,  # the mechanism's public configuration (no data)
     "ledger": {"path": True, "releases": {"run_id": True, "attempt": True, "first_step": True,
                                           "count": True, "voided": True, "event": True,
                                           "mechanism": True,
@@ -72,7 +73,7 @@ PUBLISHABLE_LEDGER_RECORD: dict[str, Any] = {
     "extra": {"mechanism": True, "noise_std": True, "threshold": True, "max_words_per_unit": True,
               "delta_threshold": True},
     "meta": {"mechanism": True, "unit": _PUBLIC_UNIT, "rng": True, "sampler": True,
-             "relation": True, "dataset_size": True},
+             "relation": True, "dataset_size": True, "mf": True},
 }
 
 PUBLISHABLE_NOTE = ("publishable copy: DP outputs and public configuration only. Data statistics, "

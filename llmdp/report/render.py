@@ -111,6 +111,9 @@ def render_markdown(r: dict) -> str:
            + (" and the DP evaluations" if (r.get("evaluation") or {}).get("dp") else "")
            if r.get("epsilon_training_only") is not None and (
                tok.get("composed_into_guarantee") or (r.get("evaluation") or {}).get("dp")) else "") + " |",
+        *([f"| Correlated noise | {r['correlated_noise']['mechanism']}: "
+           f"{r['correlated_noise']['participation']}; ledger unit: {r['correlated_noise']['ledger_unit']} |"]
+          if r.get("correlated_noise") else []),
         f"| Sampling assumed | {s['assumed']} |",
         f"| Sampling used | {s['used']}; honoured: {'yes' if s.get('honoured') else 'NO'} ({s.get('note', '')}) |",
         f"| Sampling probability q | {r['sampling_probability']:.6g} |",

@@ -22,6 +22,7 @@ from llmdp.hub.export import ExportError, export_run
 from llmdp.privacy.dataset_ledger import check_declared_public, open_dataset_ledger
 from llmdp.privacy.events import event_to_json
 from llmdp.privacy.ledger import LedgerError
+from llmdp.privacy.mf_plan import mf_commitment
 from llmdp.privacy.service import BudgetError, LedgerService, run_ledger_problems
 from llmdp.report.build import write_report
 from llmdp.run.baseline import BANNER, public_banner
@@ -113,7 +114,9 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         "rng": cfg.privacy.rng,
         "sampler": cfg.privacy.sampler,
         "relation": plan.relation,
-        "mechanism": "dp-sgd",
+        "mechanism": plan.mechanism,
+        # a correlated mechanism is committed with its every parameter (llmdp.privacy.mf_plan)
+        **({"mf": mf_commitment(plan)} if plan.correlated and plan.dp else {}),
     }
 
     # A NON-PRIVATE baseline (privacy.dp: false) opens no ledger and records nothing.
@@ -132,7 +135,9 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         "head_log": ledger["head_log"],
         "run_ledger": os.path.join(run_dir, "ledger.jsonl"),
         "run_id": run_id, "meta": ledger_meta,
-        "block_size": int(cfg.train.checkpoint_every), "total_steps": plan.steps,
+        # in ledger units: steps, or a correlated mechanism's rounds (DPPlan.ledger_steps)
+        "block_size": plan.ledger_index(int(cfg.train.checkpoint_every) - 1) + 1,
+        "total_steps": plan.ledger_steps,
         # the δ every ε of this run is accounted at: privacy.delta less the noise tails
         "event_json": event_to_json(plan.step_event()), "delta": plan.delta,
         "accountant_delta": plan.accountant_delta,
@@ -170,7 +175,8 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
     )
     if spec.ledger is not None:
         # Every DP run, whatever its recipe says: the dataset's budget (its ledger's) applies.
-        check_budget(spec.ledger, plan, remaining=plan.steps - resumed_at, resuming=resumed_at > 0, log=log)
+        check_budget(spec.ledger, plan, remaining=plan.ledger_steps - plan.ledger_index(resumed_at),
+                     resuming=resumed_at > 0, log=log)
     os.makedirs(run_dir, exist_ok=True)
     dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     rd.write_plan(spec.plan_record())

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmdp._fs import cache_root
-from llmdp.config.schema import ConfigError, RecipeConfig
+from llmdp.config.schema import ConfigError, RecipeConfig, lr_lambda
 from llmdp.data.holdout import Holdout
 from llmdp.data.sources import source_fingerprint
 from llmdp.data.store import UnitSpec, build_store
@@ -53,7 +53,7 @@ class Planned:
 
         prior, _ = release_entries(self.prior_releases)
         evals = self.eval_plan.entries() if self.eval_plan is not None else []
-        return prior + evals + [(self.plan.step_event(), self.plan.steps)]
+        return prior + evals + [(self.plan.step_event(), self.plan.ledger_steps)]
 
 
 # data.preprocess auto: corpora of at least this many bytes are built on Ray Data.
@@ -178,6 +178,7 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
         dp=priv.dp,
         # the noise coordinates of a step: the generator's tails are folded into δ
         noise_coordinates=n_train if priv.dp else None,
+        **_mechanism_args(cfg, cache),
     )
     prior_releases = [tok_use["release"]] if tok_use["compose"] and priv.dp else []
     if start is not None and start["composed"]:
@@ -203,6 +204,27 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
     return Planned(cfg=cfg, plan=plan, store=store, unit_spec=spec, source_sha=source_sha,
                    tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats,
                    eval_store=eval_store, eval_plan=eval_plan, starting_model=start)
+
+
+def _mechanism_args(cfg: RecipeConfig, cache: str) -> dict:
+    """make_plan's arguments for a correlated mechanism (none for DP-SGD). The strategy is
+    optimized for the workload the optimizer runs: SGD with momentum β and the learning-rate
+    schedule's multipliers (A[t, j] = Σ_{i=j..t} η_i β^(i−j)); for AdamW, whose update is a
+    per-coordinate rescaling of the noisy gradients' moving averages, the prefix-sum workload
+    (a post-processing of the same release: the guarantee is the same, the strategy is then
+    optimal for SGD's cumulative sums, not proven optimal for Adam)."""
+    priv = cfg.privacy
+    if priv.mechanism == "dp-sgd":
+        return {}
+    sgd = cfg.optim.name == "sgd"
+
+    def lrs(total: int) -> list[float]:
+        f = lr_lambda(cfg.optim, total)
+        return [float(f(t)) for t in range(total)]
+
+    return {"mechanism": priv.mechanism, "bands": priv.bands, "cycle": priv.cycle,
+            "buffers": priv.buffers, "momentum": float(cfg.optim.momentum) if sgd else 0.0,
+            "learning_rates": lrs if sgd else None, "strategy_cache": os.path.join(cache, "mf")}
 
 
 # The smallest corpus for which llmdp picks δ itself (a power of ten below 1/(10 N): 1e-4 at

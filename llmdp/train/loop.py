@@ -26,7 +26,6 @@ trainer (or a test) provides, so the step is runnable and testable on its own.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -40,15 +39,17 @@ import torch
 from torch import nn
 
 from llmdp.clipping import GhostClipper
-from llmdp.config.schema import OptimConfig, warmup_steps_for
+from llmdp.config.schema import OptimConfig, lr_lambda
 from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import open_store
 from llmdp.evaluation import loop as evaluation
+from llmdp.privacy.cyclic import store_groups
 from llmdp.run.baseline import NON_PRIVATE
 from llmdp.run.provenance import write_provenance
 from llmdp.run.rundir import STOP_REQUEST
 from llmdp.run.spec import RunPaths, RunSpec
 from llmdp.train import checkpoints, parallel
+from llmdp.train.correlated import StepNoise
 from llmdp.train.losses import row_eval_stats
 from llmdp.train.models import load_model
 from llmdp.train.parallel import broadcast_bytes
@@ -67,26 +68,6 @@ def build_optimizer(params, optim: OptimConfig) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum,
                                weight_decay=optim.weight_decay)
     raise ValueError(f"optim.name: {optim.name!r} is not one of ['adamw', 'sgd']")
-
-
-def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
-    """Linear warmup, then constant / cosine / linear decay to ``min_lr_ratio``."""
-    warmup = warmup_steps_for(optim, total_steps)  # warmup_steps, or warmup_ratio * T
-    floor = float(optim.min_lr_ratio)
-    kind = optim.schedule
-
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if kind == "constant":
-            return 1.0
-        span = max(1, total_steps - warmup)
-        progress = min(1.0, (step - warmup) / span)
-        if kind == "cosine":
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-        return floor + (1 - floor) * (1 - progress)
-
-    return f
 
 
 # --------------------------------------------------------------------------- the loop
@@ -170,6 +151,8 @@ class Training:
     eval_store: Any = None  # the held-out units (None: no evaluation)
     eval_fn: Callable | None = None  # per-row evaluation statistics, in the run's precision
     tokenizer: Any = None
+    # a correlated mechanism's noise stream on this worker (llmdp.train.correlated), else None
+    noise: StepNoise | None = None
 
     @property
     def sinks(self) -> list[torch.Tensor] | None:
@@ -203,7 +186,10 @@ def setup(spec: RunSpec, context) -> Training:
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, plan.steps)),
         store=store,
-        sampler=plan.make_sampler(store.num_units),  # the sampler the plan was accounted for
+        # the sampler the plan was accounted for (cyclic: each unit's group, from its content)
+        sampler=plan.make_sampler(store.num_units, groups=store_groups(store, plan.cycle)
+                                  if plan.correlated else None),
+        noise=StepNoise(plan.factorization()) if plan.correlated and plan.dp else None,
         min_micro_steps=fixed_micro_steps(plan, store.spec.max_rows_per_unit, world,
                                           cfg.train.physical_batch_size),
         eval_store=open_store(spec.paths.eval_store_dir) if spec.paths.eval_store_dir else None,
@@ -222,6 +208,10 @@ def resume(run: Training) -> None:
     run.scheduler.load_state_dict(state["scheduler"])
     run.start = int(state["step"])
     run.nonfinite_steps = int(state.get("nonfinite_steps", 0))
+    if run.noise is not None:
+        # A new segment: the steps after this checkpoint may have been released by the attempt
+        # that wrote it (llmdp.train.correlated); the ledger counts the rounds begun again.
+        run.noise.new_segment(run.start)
 
 
 def open_ledger(run: Training) -> None:
@@ -252,7 +242,7 @@ def admitted(run: Training, step: int) -> tuple[bytes, str]:
         if os.path.exists(os.path.join(run.spec.run_dir, STOP_REQUEST)):
             code = INTERRUPT
         elif run.ledger is not None and run.spec.ledger is not None and run.spec.ledger.admits:
-            ok, why = run.ledger.admit(step)
+            ok, why = run.ledger.admit(run.spec.plan.ledger_index(step))
             code = GO if ok else LEDGER_STOP
     return broadcast_bytes(code if run.rank == 0 else None, 1, run.device), why
 
@@ -266,7 +256,10 @@ def stop_gracefully(run: Training, step: int) -> dict:
     from here, and the ledger holds exactly the steps that ran."""
     voided = {"steps_voided": 0, "attempt": None}
     if run.ledger is not None:
-        voided = run.ledger.void_unrun(step, "interrupted (Ctrl-C): reserved steps that never ran",
+        # in ledger units: a correlated mechanism's rounds begun by `step` steps stay released
+        plan = run.spec.plan
+        voided = run.ledger.void_unrun(plan.ledger_begun(step),
+                                       "interrupted (Ctrl-C): reserved steps that never ran",
                                        attempt=run.attempt)
     if step > run.start and step % run.spec.cfg.train.checkpoint_every != 0:
         checkpoint(run, step)
@@ -281,7 +274,10 @@ def dp_step(run: Training, step: int) -> dict:
     plan, cfg = run.spec.plan, run.spec.cfg
     t0 = time.perf_counter()
     keys = StepKeys.draw(step, cfg.privacy.rng, cfg.privacy.seed, run.device)
-    sample, truncated = run.sampler.sample_with_info(keys.sample)  # secret: never logged
+    if plan.correlated:  # a cyclic sampler: group step mod cycle
+        sample, truncated = run.sampler.sample_with_info(keys.sample, step)  # secret: never logged
+    else:
+        sample, truncated = run.sampler.sample_with_info(keys.sample)  # secret: never logged
     # Every worker computes the same assignment from the same sample; it reads only its own rows.
     bucket = cfg.train.length_bucketing
     mine = assign_micro_batches(
@@ -298,11 +294,11 @@ def dp_step(run: Training, step: int) -> dict:
     if run.ledger is not None:
         # Write-ahead: the step's event is durable before any replica applies the update.
         # The other ranks cannot pass the reduction below before rank 0 reaches it.
-        run.ledger.ensure(step)
+        run.ledger.ensure(plan.ledger_index(step))  # its step, or its round (correlated)
     # replicated: all-reduce; fsdp: reduce-scatter, each shard noised from its own stream.
     # [sync point] Either way: sum, noise once, ÷ q·N, left in p.grad.
     run.strategy.privatize(run.clipper.params, run.sinks, keys.noise, plan.noise_multiplier,
-                           plan.max_grad_norm, plan.expected_batch_size)
+                           plan.max_grad_norm, plan.expected_batch_size, correlated=run.noise)
     maybe_inject_fault(step, run.rank)
     units, rows, tokens, nonfinite = parallel.sum_over_workers(
         [stats.units, stats.rows, stats.tokens, stats.nonfinite], run.device)  # [sync point]

@@ -94,10 +94,13 @@ def privatize_(
     max_grad_norm: float,
     expected_batch_size: float,
     sinks: Sequence[torch.Tensor] | None = None,
+    correlated=None,
 ) -> None:
-    """All-reduce the clipped sums, add N(0, σ²C²I) once, divide by q·N. In place on ``p.grad``,
-    or on ``sinks`` (float32 sums of low-precision parameters), then cast into ``p.grad``:
-    the only rounding to the parameter dtype happens after the noise (DESIGN §3.8)."""
+    """All-reduce the clipped sums, add N(0, σ²C²I) once (or, for a correlated mechanism,
+    ``correlated``'s row of (scale·C)⁻¹Z built from that draw: `llmdp.train.correlated`),
+    divide by q·N. In place on ``p.grad``, or on ``sinks`` (float32 sums of low-precision
+    parameters), then cast into ``p.grad``: the only rounding to the parameter dtype happens
+    after the noise (DESIGN §3.8)."""
     grads = [p.grad for p in params] if sinks is None else list(sinks)
     for i, g in enumerate(grads):
         if g is None or not g.is_floating_point() or g.dtype.itemsize < 4:
@@ -109,7 +112,9 @@ def privatize_(
     _planted_sum(grads)  # test-only (llmdp.audit.plant): nothing unless a test plants a bug
     all_reduce_(grads)  # [sync point] nothing but summation touches the clipped sum
     noise_multiplier = _planted_noise(noise_multiplier)
-    if noise_multiplier > 0:
+    if noise_multiplier > 0 and correlated is not None:
+        correlated.add_(grads, noise_key, noise_multiplier * max_grad_norm)
+    elif noise_multiplier > 0:
         dp_noise.add_noise_(grads, noise_key, noise_multiplier * max_grad_norm)
     for g in grads:
         g.div_(expected_batch_size)
@@ -248,6 +253,7 @@ def privatize_sharded_(
     noise_multiplier: float,
     max_grad_norm: float,
     expected_batch_size: float,
+    correlated=None,
 ) -> None:
     """FSDP2: reduce-scatter the local clipped sums, noise each shard with its slice of the noise,
     ÷ q·N, and set each sharded parameter's ``.grad``. [sync point, once per step]"""
@@ -304,8 +310,12 @@ def privatize_sharded_(
         # exactly the draw the replicated strategy adds to it.
         offsets = [layouts[i][0] * math.prod(params[i].shape[1:]) for i in range(len(params))]
         totals = [params[i].numel() for i in range(len(params))]
-        dp_noise.add_noise_(local, noise_key, noise_multiplier * max_grad_norm, offsets=offsets,
+        if correlated is not None:  # this shard's slice of the correlated noise: its own state
+            correlated.add_(local, noise_key, noise_multiplier * max_grad_norm, offsets=offsets,
                             totals=totals)
+        else:
+            dp_noise.add_noise_(local, noise_key, noise_multiplier * max_grad_norm,
+                                offsets=offsets, totals=totals)
     for p, g in zip(params, local):
         g.div_(expected_batch_size)
         p.grad = DTensor.from_local(g.to(p.dtype), p.device_mesh, p.placements, run_check=False,

@@ -123,10 +123,12 @@ class Strategy:
         max_grad_norm: float,
         expected_batch_size: float,
         names: Sequence[str] | None = None,
+        correlated=None,
     ) -> None:
         """Sum the clipped sums over workers, + N(0, σ²C²I) once, ÷ q·N; the result is left in
         ``p.grad``. ``sinks`` as :meth:`grad_sinks` made them (aligned with ``params``, or
-        by ``names``). [sync point, once per step]"""
+        by ``names``). ``correlated``: a correlated mechanism's `llmdp.train.correlated.StepNoise`
+        (its row of the correlated noise instead of the independent draw). [sync point, once per step]"""
         raise NotImplementedError
 
     def after_update(self, optimizer: torch.optim.Optimizer) -> None:
@@ -219,9 +221,9 @@ class Replicated(Strategy):
         return autocast_loss
 
     def privatize(self, params, sinks, noise_key, noise_multiplier, max_grad_norm,
-                  expected_batch_size, names=None) -> None:
+                  expected_batch_size, names=None, correlated=None) -> None:
         parallel.privatize_(params, noise_key, noise_multiplier, max_grad_norm, expected_batch_size,
-                            sinks=_aligned(sinks, names))
+                            sinks=_aligned(sinks, names), correlated=correlated)
 
     def training_state(self, model, optimizer, names):
         if parallel.world()[0] != 0:
@@ -249,12 +251,12 @@ class Fsdp(Strategy):
         return parallel.fully_shard_model(model, self.mixed_precision, self.device)
 
     def privatize(self, params, sinks, noise_key, noise_multiplier, max_grad_norm,
-                  expected_batch_size, names=None) -> None:
+                  expected_batch_size, names=None, correlated=None) -> None:
         sinks = _aligned(sinks, names)
         if sinks is None or len(sinks) != len(params):
             raise ValueError("scaling.strategy 'fsdp' needs one full-size buffer per parameter")
         parallel.privatize_sharded_(params, sinks, noise_key, noise_multiplier, max_grad_norm,
-                                    expected_batch_size)
+                                    expected_batch_size, correlated=correlated)
 
     def after_update(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)  # the next reduction checks for stray gradients
