@@ -89,14 +89,18 @@ def test_a_crash_starts_a_new_segment_and_its_rounds_are_counted_again(tmp_path,
 
     real_new = correlated.StepNoise.new_segment
 
-    def spy(self, start):
-        segments.append(start)
-        return real_new(self, start)
+    def spy(self):
+        segments.append(self.stream)  # None: the stream is bound afresh (zero state)
+        return real_new(self)
 
     monkeypatch.setattr(correlated.StepNoise, "new_segment", spy)
     train_loop_per_worker(prep, LocalContext(checkpoint_dir=ckpt))
-    assert segments == [3]
+    assert segments == [None]
     led = Ledger(os.path.join(prep.run_dir, "ledger.jsonl"))
+    # the second attempt reserved again from the round of its first step (step 3: round 1)
+    firsts = [(r["attempt"], r["first_step"]) for r in led.records() if r.get("kind") == "release"]
+    second = [f for a, f in firsts if a != firsts[0][0]]
+    assert second and second[0] == 1
     # attempt 1 began rounds 0 and 1 (steps 0..5); attempt 2 (from step 3) rounds 1 and 2
     assert led.total_count() >= 2 + 2
     from llmdp.report.build import write_report

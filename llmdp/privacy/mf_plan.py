@@ -45,9 +45,6 @@ from llmdp.privacy.calibrate import PlanError
 __all__ = ["MechanismError", "mf_commitment", "check_mechanism", "resolve_cycle", "rounds", "round_factor",
            "build_strategy", "participation_text"]
 
-CORRELATED = MECHANISMS[1:]
-
-
 class MechanismError(PlanError):
     """A mechanism / sampler combination no analysis here covers; ``field`` is the recipe
     key (under ``privacy``) to change."""

@@ -315,7 +315,7 @@ class DPPlan:
     def ledger_steps(self) -> int:
         """The run's releases in ledger units: T steps (DP-SGD), K = ⌈T/cycle⌉ rounds
         (a correlated mechanism: `llmdp.privacy.mf_plan`)."""
-        return -(-self.steps // self.cycle) if self.correlated else self.steps
+        return self.ledger_begun(self.steps)
 
     def ledger_index(self, step: int) -> int:
         """The ledger unit of training step ``step`` (its round for a correlated mechanism)."""
@@ -720,9 +720,6 @@ def make_plan(
     `buffers`; the workload of SGD with `momentum` and the per-step `learning_rates`
     multipliers; cached under `strategy_cache`), and σ is calibrated on the ledger's rounds.
     """
-    if mechanism != "dp-sgd":
-        return _make_correlated(**{k: v for k, v in locals().items() if k not in (
-            "truncation_budget", "max_batch_size")})
     if (steps is None) == (epochs is None):
         got = "both" if steps is not None else "neither"
         raise PlanError(
@@ -746,6 +743,12 @@ def make_plan(
     delta = _check_delta(delta, dataset_size, default=default_delta(dataset_size), error=PlanError)
     _check_accountant_field(accountant)
     cap = _check_sampler_fields(sampler, accountant, dataset_size, max_batch_size)
+    cyc = None
+    if mechanism != "dp-sgd":  # the cyclic sampler's groups; a fixed cycle's batch is N / cycle
+        cyc, expected_batch_size = _cycle(mechanism, sampler, bands, cycle, dp, dataset_size,
+                                          expected_batch_size)
+        q = expected_batch_size / int(dataset_size)
+    mf = {} if cyc is None else {"mechanism": mechanism, "cycle": cyc}
     if sampler == TRUNCATED and cap is None and not dp:
         raise PlanError(
             f"privacy.max_batch_size is required with privacy.sampler={TRUNCATED!r} and "
@@ -766,7 +769,7 @@ def make_plan(
         return DPPlan(dataset_size=int(dataset_size), expected_batch_size=float(expected_batch_size),
                       steps=steps, noise_multiplier=0.0, max_grad_norm=float(max_grad_norm),
                       delta=delta, accountant=accountant, sampler=sampler, max_batch_size=cap,
-                      dp=False)
+                      dp=False, **mf)
     sigma = max_sigma = None
     if noise_multiplier is not None:
         sigma = _check_positive("noise_multiplier", noise_multiplier, "sigma", error=PlanError)
@@ -778,6 +781,15 @@ def make_plan(
         max_sigma = _check_positive(
             "max_noise_multiplier", max_noise_multiplier, "largest sigma tried"
         , error=PlanError)
+    if mf:
+        common = dict(dataset_size=int(dataset_size), expected_batch_size=float(expected_batch_size),
+                      steps=steps, max_grad_norm=float(max_grad_norm), delta=delta,
+                      accountant=accountant, sampler=sampler,
+                      noise_coordinates=None if noise_coordinates is None else int(noise_coordinates),
+                      target_epsilon=None if target_epsilon is None else float(target_epsilon), **mf)
+        return _correlated_plan(common, sigma, max_sigma, bands=bands, buffers=buffers,
+                                momentum=momentum, learning_rates=learning_rates,
+                                strategy_cache=strategy_cache)
     cost = None
     if sampler == TRUNCATED:
         sigma, cap, cost = plan_truncated(
@@ -819,64 +831,47 @@ def make_plan(
 
 
 
-def _make_correlated(*, dataset_size, expected_batch_size, max_grad_norm, steps, epochs, delta,
-                     target_epsilon, noise_multiplier, accountant, max_noise_multiplier, sampler,
-                     dp, noise_coordinates, mechanism, bands, cycle, buffers, momentum,
-                     learning_rates, strategy_cache) -> DPPlan:
-    """`make_plan` for a correlated mechanism (`llmdp.privacy.mf_plan`)."""
+def _cycle(mechanism, sampler, bands, cycle, dp, dataset_size, expected_batch_size):
+    """(cycle, expected batch size) of a correlated mechanism's cyclic sampler, the
+    combination checked (`llmdp.privacy.mf_plan`)."""
     from llmdp.privacy import mf_plan
 
     mf_plan.check_mechanism(mechanism, sampler, bands=bands, cycle=cycle, dp=dp)
-    if (steps is None) == (epochs is None):
-        raise PlanError(f"pass exactly one of steps= or epochs=, got steps={steps!r}, epochs={epochs!r}")
-    _check_sampling(dataset_size, expected_batch_size)
-    _check_positive("max_grad_norm", max_grad_norm, "the clipping bound C", error=PlanError)
-    delta = default_delta(dataset_size) if delta is None else delta
-    delta = _check_delta(delta, dataset_size, default=default_delta(dataset_size), error=PlanError)
-    _check_accountant_field(accountant)
     cyc = mf_plan.resolve_cycle(sampler, bands=bands, cycle=cycle, dataset_size=int(dataset_size),
                                 expected_batch_size=expected_batch_size)
     mf_plan.check_mechanism(mechanism, sampler, bands=bands, cycle=cyc, dp=dp)
-    batch = int(dataset_size) / cyc if sampler == "fixed-cycle" else float(expected_batch_size)
-    q = batch / int(dataset_size)
-    steps = _check_steps(steps, error=PlanError) if steps is not None else steps_for_epochs(epochs, q)
-    common = dict(dataset_size=int(dataset_size), expected_batch_size=batch, steps=steps,
-                  max_grad_norm=float(max_grad_norm), delta=delta, accountant=accountant,
-                  sampler=sampler, mechanism=mechanism, cycle=cyc)
-    if not dp:
-        return DPPlan(noise_multiplier=0.0, dp=False, **common)
-    if (target_epsilon is None) == (noise_multiplier is None):
-        raise PlanError("pass exactly one of target_epsilon= (calibrate sigma) or noise_multiplier= "
-                        f"(fixed sigma), got target_epsilon={target_epsilon!r}, "
-                        f"noise_multiplier={noise_multiplier!r}")
+    return cyc, (int(dataset_size) / cyc if sampler == "fixed-cycle" else float(expected_batch_size))
+
+
+def _correlated_plan(common: dict, sigma, max_sigma, *, bands, buffers, momentum, learning_rates,
+                     strategy_cache) -> DPPlan:
+    """A correlated mechanism's `DPPlan` (`llmdp.privacy.mf_plan`): its strategy, the round
+    event's factor f, and σ (given, or calibrated on the ledger's rounds: the round's
+    multiplier σ·f is what the accountant sees)."""
+    from llmdp.privacy import mf_plan
+
+    steps, cyc, sampler = common["steps"], common["cycle"], common["sampler"]
     if callable(learning_rates):  # the schedule's multipliers of a T-step run
         learning_rates = learning_rates(steps)
-    fact = mf_plan.build_strategy(mechanism, sampler, steps=steps, cycle=cyc, bands=bands,
+    fact = mf_plan.build_strategy(common["mechanism"], sampler, steps=steps, cycle=cyc, bands=bands,
                                   buffers=buffers, momentum=momentum, learning_rates=learning_rates,
                                   cache_dir=strategy_cache)
     f, exact = mf_plan.round_factor(fact, sampler, steps=steps, cycle=cyc)
     # what the plan records: the strategy and how it was made, not whether a cache served it
     # (a re-launch's plan must equal the first launch's)
     fact = dataclasses.replace(fact, meta={k: v for k, v in fact.meta.items() if k != "cached"})
-    k = None if noise_coordinates is None else int(noise_coordinates)
-    if noise_multiplier is not None:
-        sigma = _check_positive("noise_multiplier", noise_multiplier, "sigma", error=PlanError)
-    else:
-        target_epsilon = _check_positive("target_epsilon", target_epsilon, "the privacy budget",
-                                         error=PlanError)
-        probe = DPPlan(noise_multiplier=1.0, strategy=fact.to_dict(), round_factor=f,
-                       round_factor_exact=exact, noise_coordinates=k, **common)
+    mf = dict(strategy=fact.to_dict(), round_factor=float(f), round_factor_exact=bool(exact))
+    if sigma is None:
+        probe = DPPlan(noise_multiplier=1.0, **mf, **common)
+        k, delta = common["noise_coordinates"], common["delta"]
 
         def delta_at(s: float) -> float:  # the tails of all T steps' draws at σ = s / f
             return _run_tail(steps, k, s / f).accountant_delta(delta)
 
-        curve = EpsilonCurve(probe.event_probability, probe.ledger_steps, delta, accountant,
-                             delta_at=None if k is None else delta_at)
-        s = calibrate_curve(curve, float(target_epsilon), float(max_noise_multiplier) * f)
+        curve = EpsilonCurve(probe.event_probability, probe.ledger_steps, delta,
+                             common["accountant"], delta_at=None if k is None else delta_at)
+        s = calibrate_curve(curve, common["target_epsilon"], float(max_sigma) * f)
         sigma = s / f
         while sigma * f < s:  # the round's multiplier never below the calibrated one
             sigma = math.nextafter(sigma, math.inf)
-    return check_noise_tail(DPPlan(
-        noise_multiplier=float(sigma), strategy=fact.to_dict(), round_factor=float(f),
-        round_factor_exact=bool(exact), noise_coordinates=k,
-        target_epsilon=None if target_epsilon is None else float(target_epsilon), **common))
+    return check_noise_tail(DPPlan(noise_multiplier=float(sigma), **mf, **common))

@@ -1,5 +1,5 @@
 """A correlated mechanism's noise on one worker: the stream of its tensors (all of them, or
-its FSDP shards), bound on the first step, its segments, and its checkpointed state.
+its FSDP shards), bound on the first step, and its segments.
 
 Step t of a segment adds row t of (scale·C)⁻¹Z to the reduced clipped sum, where z_t is
 the step's ordinary DP-SGD draw (`llmdp.privacy.mf_stream.CorrelatedNoise`). A *segment*
@@ -27,17 +27,14 @@ __all__ = ["StepNoise"]
 
 class StepNoise:
     """Bound to this worker's tensors on its first `add_` (their shapes, and under FSDP
-    their slices of the global noise vectors); ``segment_start``: the first step of the
-    current segment."""
+    their slices of the global noise vectors)."""
 
-    def __init__(self, fact: Factorization, segment_start: int = 0):
+    def __init__(self, fact: Factorization):
         self.fact = fact
-        self.segment_start = int(segment_start)
         self.stream: CorrelatedNoise | None = None
 
-    def new_segment(self, start: int) -> None:
-        """A fresh mechanism from step ``start`` on (zero state)."""
-        self.segment_start = int(start)
+    def new_segment(self) -> None:
+        """A fresh mechanism from the next step on (zero state, C from its row 0)."""
         if self.stream is not None:
             self.stream.reset()
 

@@ -211,7 +211,7 @@ def resume(run: Training) -> None:
     if run.noise is not None:
         # A new segment: the steps after this checkpoint may have been released by the attempt
         # that wrote it (llmdp.train.correlated); the ledger counts the rounds begun again.
-        run.noise.new_segment(run.start)
+        run.noise.new_segment()
 
 
 def open_ledger(run: Training) -> None:
