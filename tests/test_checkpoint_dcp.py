@@ -38,7 +38,7 @@ WORLD = 2
 STEPS, KEEP = 4, 2  # the runs' steps; the checkpoint every resumed run starts from
 
 
-def _recipe(tmp, name, *, rng="seeded", steps=STEPS, every=KEEP):
+def _recipe(tmp, name, *, rng="seeded", steps=STEPS, every=KEEP, **privacy):
     from llmdp.config.schema import recipe_from_dict
     from tests.helpers import tiny_tokenizer_dir, write_notes
 
@@ -53,7 +53,7 @@ def _recipe(tmp, name, *, rng="seeded", steps=STEPS, every=KEEP):
         # Seeded: both world sizes draw the same samples and noise (not a DP release to
         # publish: the export test uses its own secure run).
         "privacy": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "delta": 1e-4, "rng": rng,
-                    **({"seed": 7} if rng == "seeded" else {})},
+                    **({"seed": 7} if rng == "seeded" else {}), **privacy},
         "optim": {"name": "adamw", "lr": 2e-2, "schedule": "cosine", "warmup_steps": 1},
         "train": {"expected_batch_size": 8, "steps": steps, "physical_batch_size": 2,
                   "checkpoint_every": every},
@@ -89,6 +89,27 @@ def _train(spec, ckpt, keep_dir=None, start_from=None):
     parallel.barrier()
     ctx = KeepingContext(ckpt, KEEP, keep_dir) if keep_dir else LocalContext(ckpt)
     return train_loop_per_worker(spec, ctx)
+
+
+def _ctrl_c_before(spec, step: int) -> None:
+    """The driver's first Ctrl-C (its stop request) lands before step ``step`` (rank 0's
+    hook, in this spawned process), or, with ``step`` None, the hook is the real one again."""
+    from llmdp.run.rundir import STOP_REQUEST
+    from llmdp.train import loop, testhooks
+
+    stop = os.path.join(spec.run_dir, STOP_REQUEST)
+    if step is None:
+        if os.path.exists(stop):
+            os.remove(stop)  # as the driver does when it ends
+        loop.maybe_wait_for_ctrl_c = testhooks.maybe_wait_for_ctrl_c
+        return
+
+    def request(run, at):
+        if at == str(step) and run.rank == 0:
+            with open(stop, "w") as f:
+                f.write("ctrl-c\n")
+
+    loop.maybe_wait_for_ctrl_c = request
 
 
 def _group(rank, world, port, fn):
@@ -127,11 +148,18 @@ def _proc(rank, ports, runs, store_dir, out):
         _train(runs["w2"], _ckpt(runs["w2"]), keep_dir=os.path.join(out, "w2_at2"))
         _train(runs["w2_from_w1"], _ckpt(runs["w2_from_w1"]), start_from=os.path.join(out, "w1_at2"))
         _train(runs["export"], _ckpt(runs["export"]))
+        # banded MF: uninterrupted, and stopped by Ctrl-C mid-round (before step 3)
+        _train(runs["mf_w2"], _ckpt(runs["mf_w2"]))
+        _ctrl_c_before(runs["mf_split"], 3)
+        res["mf_stopped"] = _train(runs["mf_split"], _ckpt(runs["mf_split"]))
+        _ctrl_c_before(runs["mf_split"], None)
 
     _group(rank, WORLD, ports[1], pair)
     if rank == 0:  # world size 1 again: resume the pair's step-2 checkpoint
         _group(0, 1, ports[2], lambda: _train(runs["w1_from_w2"], _ckpt(runs["w1_from_w2"]),
                                               start_from=os.path.join(out, "w2_at2")))
+        # ... and the stopped banded run: its stream's shards resharded onto one worker
+        _group(0, 1, ports[3], lambda: _train(runs["mf_split"], _ckpt(runs["mf_split"])))
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -231,7 +259,10 @@ def runs(tmp_path_factory):
     store = tiny_store(os.path.join(tmp, "store"), num_documents=40, sequence_length=24)
     out = os.path.join(tmp, "out")
     os.makedirs(out)
-    mp.start_processes(_proc, args=(_ports(3), specs, store.path, out), nprocs=WORLD, join=True,
+    for name in ("mf_w2", "mf_split"):
+        specs[name] = prepare(_recipe(tmp, name, mechanism="banded-mf", sampler="cyclic-poisson",
+                                      bands=2), log=lambda *a: None)
+    mp.start_processes(_proc, args=(_ports(4), specs, store.path, out), nprocs=WORLD, join=True,
                        start_method="spawn")
     res = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
     return {"specs": specs, "out": out, "res": res}
@@ -320,6 +351,29 @@ def test_resume_on_another_world_size_gives_the_uninterrupted_model(runs):
 
     saved = load_file(os.path.join(s["w1_from_w2"].run_dir, "model", "model.safetensors"))
     assert all(torch.equal(saved[n], t) for n, t in w1_from_w2.items())
+
+
+def test_banded_mf_resumed_after_ctrl_c_on_another_world_size_continues_its_noise(runs):
+    """The stream's state is in the sharded checkpoint, placed like the parameters: a run
+    stopped gracefully mid-round on 2 workers and resumed on 1 continues the same
+    mechanism (DCP reshards the state) and ends with the uninterrupted 2-worker model."""
+    s = runs["specs"]
+    assert runs["res"][0]["mf_stopped"] == {"steps": 3, "interrupted": True}
+    with open(os.path.join(s["mf_split"].run_dir, "metrics.jsonl")) as f:
+        seg = [json.loads(x) for x in f if '"noise_segment"' in x]
+    assert [(x["step"], x["continued"], x["row"]) for x in seg] == [(3, True, 3)]
+    assert _starts(s["mf_split"]) == [(0, 2), (3, 1)]
+    split, whole = _final(s["mf_split"]), _final(s["mf_w2"])
+    # a new segment (or a state lost in the reshard) moves every coordinate by its noise
+    assert _rel_err(split, whole) < 1e-9
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(_ckpt(s["mf_split"])).read_metadata()
+    noise = {k: v.size for k, v in md.state_dict_metadata.items() if k.startswith("noise.")}
+    params = dict(checkpoints.trainable_params(_ckpt(s["mf_split"])))
+    # bands 2: one buffer per parameter, of the parameter's global shape
+    assert {k.removeprefix("noise.") for k in noise} == {f"{n}#0" for n in params}
+    assert all(tuple(noise[f"noise.{n}#0"]) == tuple(p.shape) for n, p in params.items())
 
 
 def test_run_dir_reads_the_sharded_checkpoint_step(runs):

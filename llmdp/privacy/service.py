@@ -26,7 +26,7 @@ budget, and a release for another privacy unit, are refused.
 fit) is pure functions over ledger records, in `llmdp.privacy.budget` (and, for a separate
 evaluation source's ledger, `llmdp.privacy.eval_source`).
 
-Why one file of about 600 lines: it is mostly one class, `LedgerService`, the single writer,
+Why one file of about 760 lines: it is mostly one class, `LedgerService`, the single writer,
 whose methods are each one transaction in which a check and the record it admits must be
 read together (a hold, a block, a DP evaluation), and whose write-ahead order between the
 database and ``ledger.jsonl`` is one contract; the pure arithmetic is already elsewhere.
@@ -575,6 +575,20 @@ class LedgerService:
             "run_last_hash": recs[-1].get("hash") if recs else None,
             "dataset_id": self.dataset_id,
         }
+
+    def released_after(self, position: dict | None) -> bool:
+        """Whether this run's ledger holds a release after ``position`` (a checkpoint's
+        `position`): True when it does, or when it cannot tell (no position, another run's
+        or dataset's, or records that differ from those the position counted)."""
+        if not isinstance(position, dict) or position.get("dataset_id") != self.dataset_id:
+            return True
+        recs = Ledger(self.run_ledger).records() if os.path.exists(self.run_ledger) else []
+        n = position.get("run_records")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(recs):
+            return True
+        if (recs[n - 1].get("hash") if n else None) != position.get("run_last_hash"):
+            return True
+        return any(r.get("kind") == "release" for r in recs[n:])
 
     def start_attempt(self) -> str:
         # Unique across launches: two launches of a run in one process (in-process relaunches,

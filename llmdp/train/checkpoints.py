@@ -17,7 +17,11 @@ sharded (``scaling.strategy: fsdp``)
     reshards on load, so a checkpoint resumes on any number of workers.
 
 The meta (small, no tensors): ``step``, ``run_id``, ``ledger`` (the ledger service's
-position), ``scheduler`` (its state dict), ``strategy``, ``nonfinite_steps``.
+position), ``scheduler`` (its state dict), ``strategy``, ``nonfinite_steps``, ``graceful``
+(written by a graceful stop), and for a correlated mechanism ``noise``: its stream's
+header (``t``, ``digest``, ``kind``, ``dtype``, ``totals``). The stream's tensors
+(``llmdp.train.correlated``) are in ``state.pt`` (full) or, sharded like the parameters,
+in the DCP folder under ``"noise"`` (``name#j``: buffer j of parameter ``name``'s state).
 
 Readers that hold no process group (export, the CLI) read a sharded checkpoint's full
 tensors one at a time (:func:`trainable_params`); :func:`check_model` is the export's check
@@ -67,6 +71,8 @@ def read_meta(folder: str) -> dict[str, Any]:
     # mmap: the step and the ledger position are read, not the parameters or the optimizer.
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     meta = {k: v for k, v in state.items() if k not in ("params", "optimizer")}
+    if isinstance(meta.get("noise"), dict):  # the correlated stream's header, not its tensors
+        meta["noise"] = {k: v for k, v in meta["noise"].items() if k not in ("buffers", "shapes")}
     meta.setdefault("strategy", _DEFAULT_STRATEGY)
     return {**meta, "format": "full"}
 

@@ -1,6 +1,7 @@
 """The DP-SGD loop that runs on every worker, readable top to bottom:
 :func:`train_loop_per_worker` = :func:`setup` (model, strategy, engine, optimizer, data) ->
-:func:`resume` (the checkpoint Ray Train restored) -> :func:`open_ledger` (rank 0) -> for
+:func:`resume` (the checkpoint Ray Train restored) -> :func:`open_ledger` (rank 0) ->
+:func:`choose_segment` (a correlated mechanism's noise) -> for
 each remaining step: :func:`admitted` (budget) -> :func:`dp_step` -> :func:`checkpoint`
 -> :func:`finish` (the final model).
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -49,7 +49,8 @@ from llmdp.run.provenance import write_provenance
 from llmdp.run.rundir import STOP_REQUEST
 from llmdp.run.spec import RunPaths, RunSpec
 from llmdp.train import checkpoints, parallel
-from llmdp.train.correlated import StepNoise
+from llmdp.train.contexts import LocalContext, RayContext  # noqa: F401 (LocalContext: re-exported)
+from llmdp.train.correlated import StepNoise, bound_stream, may_continue
 from llmdp.train.losses import row_eval_stats
 from llmdp.train.models import load_model
 from llmdp.train.parallel import broadcast_bytes
@@ -71,47 +72,6 @@ def build_optimizer(params, optim: OptimConfig) -> torch.optim.Optimizer:
 
 
 # --------------------------------------------------------------------------- the loop
-
-
-class LocalContext:
-    """What the loop needs from Ray Train, for a single process without Ray (tests, debug)."""
-
-    def __init__(self, checkpoint_dir: str | None = None):
-        self.checkpoint_dir = checkpoint_dir
-        self.reports: list[dict] = []
-
-    def get_world_rank(self) -> int:
-        return parallel.world()[0]
-
-    def get_world_size(self) -> int:
-        return parallel.world()[1]
-
-    def get_checkpoint_dir(self) -> str | None:
-        return self.checkpoint_dir
-
-    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
-        """Like Ray Train: the folders the ranks report at one step become one checkpoint
-        folder, which replaces the previous one. [sync point when there are several ranks]"""
-        self.reports.append(dict(metrics))
-        if not self.checkpoint_dir:
-            return
-        target = os.path.normpath(self.checkpoint_dir)
-        staging = target + ".incoming"
-        rank = parallel.world()[0]
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            os.makedirs(staging)
-        parallel.barrier()
-        if checkpoint_dir:
-            shutil.copytree(checkpoint_dir, staging, dirs_exist_ok=True)
-        parallel.barrier()
-        if rank == 0:
-            if os.listdir(staging):
-                shutil.rmtree(target, ignore_errors=True)
-                os.replace(staging, target)
-            else:
-                os.rmdir(staging)
-        parallel.barrier()
 
 
 def _label(spec: RunSpec) -> dict:
@@ -153,6 +113,7 @@ class Training:
     tokenizer: Any = None
     # a correlated mechanism's noise stream on this worker (llmdp.train.correlated), else None
     noise: StepNoise | None = None
+    restored: dict | None = None  # the meta of the checkpoint this launch resumed (None: none)
 
     @property
     def sinks(self) -> list[torch.Tensor] | None:
@@ -189,7 +150,8 @@ def setup(spec: RunSpec, context) -> Training:
         # the sampler the plan was accounted for (cyclic: each unit's group, from its content)
         sampler=plan.make_sampler(store.num_units, groups=store_groups(store, plan.cycle)
                                   if plan.correlated else None),
-        noise=StepNoise(plan.factorization()) if plan.correlated and plan.dp else None,
+        noise=(bound_stream(plan.factorization(), strategy, clipper.params, device)
+               if plan.correlated and plan.dp else None),
         min_micro_steps=fixed_micro_steps(plan, store.spec.max_rows_per_unit, world,
                                           cfg.train.physical_batch_size),
         eval_store=open_store(spec.paths.eval_store_dir) if spec.paths.eval_store_dir else None,
@@ -204,14 +166,27 @@ def resume(run: Training) -> None:
     ckpt_dir = run.context.get_checkpoint_dir()
     if not ckpt_dir or checkpoints.state_file(ckpt_dir) is None:
         return
-    state = run.strategy.load_checkpoint(run.model, run.optimizer, run.names, ckpt_dir)
+    state = run.strategy.load_checkpoint(run.model, run.optimizer, run.names, ckpt_dir,
+                                         noise=run.noise.stream if run.noise is not None else None)
     run.scheduler.load_state_dict(state["scheduler"])
     run.start = int(state["step"])
     run.nonfinite_steps = int(state.get("nonfinite_steps", 0))
-    if run.noise is not None:
-        # A new segment: the steps after this checkpoint may have been released by the attempt
-        # that wrote it (llmdp.train.correlated); the ledger counts the rounds begun again.
+    run.restored = state
+
+
+def choose_segment(run: Training) -> None:
+    """A correlated mechanism resumed: continue the restored segment bit for bit when rank 0's
+    ledger proves that no row after the checkpoint was released, else start a new one
+    (``llmdp.train.correlated``). Every worker learns rank 0's answer. [sync point]"""
+    if run.noise is None or run.start == 0:
+        return
+    go_on = b"\x01" if run.rank == 0 and may_continue(run.restored, run.ledger) else b"\x00"
+    go_on = broadcast_bytes(go_on if run.rank == 0 else None, 1, run.device) == b"\x01"
+    if not go_on:
         run.noise.new_segment()
+    if run.rank == 0:
+        _metrics_line(run.spec.paths.metrics, {"event": "noise_segment", "step": run.start,
+                                               "continued": go_on, "row": run.noise.stream.t})
 
 
 def open_ledger(run: Training) -> None:
@@ -261,8 +236,8 @@ def stop_gracefully(run: Training, step: int) -> dict:
         voided = run.ledger.void_unrun(plan.ledger_begun(step),
                                        "interrupted (Ctrl-C): reserved steps that never ran",
                                        attempt=run.attempt)
-    if step > run.start and step % run.spec.cfg.train.checkpoint_every != 0:
-        checkpoint(run, step)
+    if step > run.start and (step % run.spec.cfg.train.checkpoint_every != 0 or run.noise):
+        checkpoint(run, step, graceful=True)  # correlated: marked, so its segment can go on
     if run.rank == 0:
         _metrics_line(run.spec.paths.metrics, {
             "event": "interrupted", "graceful": True, "step": step, **voided, "time": time.time()})
@@ -340,15 +315,17 @@ def dp_step(run: Training, step: int) -> dict:
     }
 
 
-def checkpoint(run: Training, step: int) -> None:
-    """Save the state after ``step`` steps through the context (Ray Train's checkpoint).
+def checkpoint(run: Training, step: int, graceful: bool = False) -> None:
+    """Save the state after ``step`` steps through the context (Ray Train's checkpoint);
+    ``graceful``: written by `stop_gracefully` (its attempt runs no more steps).
     ``ray.train.report`` is a barrier: every worker reaches it at the same steps."""
     meta = {"scheduler": run.scheduler.state_dict(), "step": step, "run_id": run.spec.run_id,
             "ledger": run.ledger.position() if run.ledger is not None else None,
-            "nonfinite_steps": run.nonfinite_steps}
+            "nonfinite_steps": run.nonfinite_steps, "graceful": graceful}
     with tempfile.TemporaryDirectory() as tmp:
         # replicated: rank 0 writes the full state; fsdp: every rank its own shards. [sync point]
-        mine = run.strategy.save_checkpoint(run.model, run.optimizer, run.names, tmp, meta)
+        mine = run.strategy.save_checkpoint(run.model, run.optimizer, run.names, tmp, meta,
+                                            noise=run.noise.stream if run.noise else None)
         run.context.report({"step": step}, tmp if mine else None)
 
 
@@ -421,9 +398,10 @@ def _generations(run: Training) -> None:
 
 def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
     """The whole job on one worker: set up, resume, run the remaining steps, finish."""
-    run = setup(spec, context if context is not None else _RayContext())
+    run = setup(spec, context if context is not None else RayContext())
     resume(run)
     open_ledger(run)
+    choose_segment(run)
     if run.start == 0:  # the model before training: the baseline every evaluation compares to
         evaluation.evaluate_held_out(run, 0, write=_writer(run))  # [sync point]
     steps, every = spec.plan.steps, spec.cfg.train.checkpoint_every
@@ -461,41 +439,3 @@ def _save_tokenizer(paths: RunPaths) -> None:
         from transformers import AutoTokenizer  # lazy: only rank 0, once, at the end
 
         AutoTokenizer.from_pretrained(paths.tokenizer_dir).save_pretrained(paths.model)
-
-
-class _RayContext:
-    """Adapter from Ray Train v2's API to the few calls the loop makes."""
-
-    def __init__(self):
-        import ray.train  # lazy: the loop runs without Ray (tests, LocalContext)
-
-        self._train = ray.train
-        self._ctx = ray.train.get_context()
-        self._ckpt = ray.train.get_checkpoint()
-        self._ckpt_dir = None
-
-    def get_world_rank(self) -> int:
-        return self._ctx.get_world_rank()
-
-    def get_world_size(self) -> int:
-        return self._ctx.get_world_size()
-
-    def get_checkpoint_dir(self) -> str | None:
-        if self._ckpt is None:
-            return None
-        if self._ckpt_dir is None:
-            # Stored on a filesystem this worker sees: read it where it is (an fsdp
-            # checkpoint holds every rank's shards; W copies of it would cost W times its
-            # size on disk). Elsewhere, a fresh folder per worker: with Ray's default (shared
-            # per node) folder, a second worker on the node can find it already created and
-            # read a state.pt that the first is still copying.
-            local = type(self._ckpt.filesystem).__name__ == "LocalFileSystem" and os.path.isdir(self._ckpt.path)
-            self._ckpt_dir = self._ckpt.path if local else self._ckpt.to_directory(
-                tempfile.mkdtemp(prefix=f"llmdp-ckpt-rank{self.get_world_rank()}-"))
-        return self._ckpt_dir
-
-    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
-        from ray.train import Checkpoint  # lazy: Ray is imported only under Ray
-
-        ckpt = Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        self._train.report(metrics, checkpoint=ckpt)

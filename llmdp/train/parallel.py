@@ -243,6 +243,30 @@ def _rows(d0: int, chunk: int, r: int) -> tuple[int, int]:
     return lo, min(d0, lo + chunk) - lo
 
 
+def noise_slices(params: Sequence[torch.Tensor]) -> tuple[list[torch.Size], list[int], list[int]]:
+    """(local shapes, offsets, totals) of this rank's shards of FSDP2 parameters in their
+    global noise vectors: shard i is the slice ``offsets[i] … offsets[i] + numel − 1`` of
+    vector i, of length ``totals[i] = params[i].numel()`` (`noise.add_noise_`)."""
+    shapes, offsets, totals = [], [], []
+    for p in params:
+        lo, n, _ = shard_rows(p)
+        rest = math.prod(p.shape[1:])
+        shapes.append(torch.Size((n, *p.shape[1:])))
+        offsets.append(lo * rest)
+        totals.append(p.numel())
+    return shapes, offsets, totals
+
+
+def placed_like(local: torch.Tensor, p: torch.Tensor):
+    """``local`` (this rank's rows of a tensor shaped like FSDP2 parameter ``p``) as a
+    DTensor placed like ``p``, sharing ``local``'s memory: DCP saves it, and loads into it
+    in place (resharded when the checkpoint was written on another number of workers)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
 # --------------------------------------------------------------------------- reduce + noise
 
 
@@ -308,8 +332,7 @@ def privatize_sharded_(
         # This shard's slice of the one global N(0, σ²C²I): tensor i's noise vector i from
         # the step's noise key, seeked to the shard's first row, so each coordinate gets
         # exactly the draw the replicated strategy adds to it.
-        offsets = [layouts[i][0] * math.prod(params[i].shape[1:]) for i in range(len(params))]
-        totals = [params[i].numel() for i in range(len(params))]
+        _, offsets, totals = noise_slices(params)
         if correlated is not None:  # this shard's slice of the correlated noise: its own state
             correlated.add_(local, noise_key, noise_multiplier * max_grad_norm, offsets=offsets,
                             totals=totals)
@@ -413,29 +436,31 @@ def _sharded_templates(model: nn.Module, optimizer: torch.optim.Optimizer, train
 
 
 def save_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: Sequence[str],
-                       folder: str) -> None:
+                       folder: str, extra: dict | None = None) -> None:
     """``fsdp``: every rank writes its own shards of the trainable parameters and of the
     optimizer state into ``folder`` with ``torch.distributed.checkpoint`` (rank 0 also
     the ``.metadata`` index); nothing is gathered. ``folder`` may differ between ranks
-    (each rank's local folder; Ray Train merges them). A collective. [sync point]"""
+    (each rank's local folder; Ray Train merges them). ``extra``: more entries of the
+    same checkpoint (e.g. ``{"noise": {key: DTensor}}``, :func:`placed_like`). A
+    collective. [sync point]"""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_sharded_templates(model, optimizer, trainable),
+    dcp.save({**_sharded_templates(model, optimizer, trainable), **(extra or {})},
              storage_writer=dcp.FileSystemWriter(folder))
 
 
 def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: Sequence[str],
-                       folder: str) -> None:
+                       folder: str, extra: dict | None = None) -> None:
     """``fsdp``: load a :func:`save_sharded_state` checkpoint (written on any number of
     ranks: DCP reads the pieces of this rank's shards) into the sharded model and
-    optimizer. A collective. [sync point]"""
+    optimizer, and ``extra``'s entries into its tensors, in place. A collective. [sync point]"""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     # The optimizer's template: get_state_dict initializes an empty optimizer state with a
     # zero-lr step on zero gradients (and clears them), so that there is a shard to load into.
     state = _sharded_templates(model, optimizer, trainable)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
+    dcp.load({**state, **(extra or {})}, storage_reader=dcp.FileSystemReader(folder))
     # strict=False: the frozen parameters are not in the checkpoint (the model was built with them).
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))

@@ -152,24 +152,37 @@ class Strategy:
         """Load what :meth:`training_state` returned (read by every rank). [sync point]"""
         raise NotImplementedError
 
+    def noise_layout(self, params: Sequence[torch.Tensor]):
+        """(local shapes, offsets, totals) of the tensors this rank noises at each step, in
+        their global noise vectors (None, None: whole vectors). Here the whole parameters."""
+        return [p.shape for p in params], None, None
+
     def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        names: Sequence[str], folder: str, meta: dict) -> bool:
+                        names: Sequence[str], folder: str, meta: dict, noise=None) -> bool:
         """Write this rank's part of a training checkpoint into ``folder`` (a fresh local
-        folder of this rank): the trainable parameters ``names``, the optimizer state, and
+        folder of this rank): the trainable parameters ``names``, the optimizer state,
         ``meta`` (step, run id, ledger position, scheduler: ``llmdp.train.checkpoints``; rank 0's
-        is written). Returns whether this rank reports ``folder`` to Ray Train, which
-        merges the folders reported at one step into one checkpoint. Here the full format:
-        the state gathered to rank 0, which writes ``state.pt``. [sync point]"""
+        is written) and ``noise``'s state (a correlated mechanism's stream,
+        `mf_stream.CorrelatedNoise`, bound to the tensors of ``names``; None: none). Returns
+        whether this rank reports ``folder`` to Ray Train, which merges the folders reported
+        at one step into one checkpoint. Here the full format: the state gathered to rank 0,
+        which writes ``state.pt`` (the stream is the same on every replica). [sync point]"""
         state = self.training_state(model, optimizer, names)
         if state is None:
             return False
-        checkpoints.write_full(folder, *state, {**meta, "strategy": self.name})
+        extra = {}
+        if noise is not None:
+            sd = noise.state_dict()
+            extra["noise"] = {**sd, "buffers": [b.detach().cpu().clone() for b in sd["buffers"]]}
+        checkpoints.write_full(folder, *state, {**meta, "strategy": self.name, **extra})
         return True
 
     def load_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        names: Sequence[str], folder: str) -> dict:
-        """Load the checkpoint in ``folder`` into ``model`` and ``optimizer`` and return its
-        meta; a checkpoint of another strategy is refused. [sync point]"""
+                        names: Sequence[str], folder: str, noise=None) -> dict:
+        """Load the checkpoint in ``folder`` into ``model`` and ``optimizer`` (and, when both
+        have one, its correlated-noise state into ``noise``) and return its meta, whose
+        ``"noise"`` (the state's header: t, digest, …) says whether a state was loaded; a
+        checkpoint of another strategy is refused. [sync point]"""
         meta = checkpoints.read_meta(folder)
         checkpoints.check_strategy(meta, self.name, folder)
         if meta["format"] != "full":
@@ -177,6 +190,10 @@ class Strategy:
                              f"which scaling.strategy {self.name!r} does not write")
         state = checkpoints.read_full(folder, self.map_location)
         self.load_training_state(model, optimizer, state["params"], state["optimizer"])
+        if noise is not None and state.get("noise") is not None:
+            noise.load_state_dict(state["noise"])
+        else:
+            meta.pop("noise", None)
         return meta
 
     def save_model(self, model: nn.Module, folder: str) -> None:
@@ -272,22 +289,54 @@ class Fsdp(Strategy):
     def load_training_state(self, model, optimizer, params, optimizer_state) -> None:
         parallel.load_training_state(model, optimizer, params, optimizer_state)
 
-    def save_checkpoint(self, model, optimizer, names, folder, meta) -> bool:
-        """The sharded format: every rank writes its own shards (DCP), nothing is gathered;
-        rank 0 adds ``state.json``. Every rank reports its folder. [sync point]"""
-        parallel.save_sharded_state(model, optimizer, names, folder)
+    def noise_layout(self, params):
+        """This rank's shards: their rows of the global noise vectors."""
+        return parallel.noise_slices(params)
+
+    @staticmethod
+    def _noise_entries(model, names, noise) -> dict:
+        """The stream's state as DCP entries: buffer j of parameter ``name``'s state (this
+        rank's rows, [rows, …]) as a DTensor placed like the parameter, keyed ``name#j``."""
+        by_name = dict(model.named_parameters())
+        state = noise.state_tensors()
+        if len(state) != len(names):
+            raise ValueError(f"the correlated stream holds {len(state)} tensors, the checkpoint "
+                             f"{len(names)} trainable parameters")
+        return {"noise": {f"{n}#{j}": parallel.placed_like(s[j], by_name[n])
+                          for n, s in zip(names, state) for j in range(s.shape[0])}}
+
+    def save_checkpoint(self, model, optimizer, names, folder, meta, noise=None) -> bool:
+        """The sharded format: every rank writes its own shards (DCP), the correlated
+        stream's state among them (sharded like the parameters), nothing is gathered;
+        rank 0 adds ``state.json`` (with the stream's header). Every rank reports its
+        folder. [sync point]"""
+        extra, header = None, {}
+        if noise is not None:
+            extra = self._noise_entries(model, names, noise)
+            sd = noise.state_dict()
+            header = {"noise": {k: v for k, v in sd.items() if k not in ("buffers", "shapes")}}
+        parallel.save_sharded_state(model, optimizer, names, folder, extra=extra)
         if parallel.world()[0] == 0:
-            checkpoints.write_meta(folder, {**meta, "strategy": self.name})
+            checkpoints.write_meta(folder, {**meta, "strategy": self.name, **header})
         return True
 
-    def load_checkpoint(self, model, optimizer, names, folder) -> dict:
-        """A sharded checkpoint written on any number of workers (DCP reshards), or a full
-        one (written by fsdp before the sharded format). [sync point]"""
+    def load_checkpoint(self, model, optimizer, names, folder, noise=None) -> dict:
+        """A sharded checkpoint written on any number of workers (DCP reshards, the
+        correlated stream's state too), or a full one (written by fsdp before the sharded
+        format). [sync point]"""
         meta = checkpoints.read_meta(folder)
         checkpoints.check_strategy(meta, self.name, folder)
         if meta["format"] != checkpoints.SHARDED:
-            return super().load_checkpoint(model, optimizer, names, folder)
-        parallel.load_sharded_state(model, optimizer, names, folder)
+            return super().load_checkpoint(model, optimizer, names, folder, noise=noise)
+        header = meta.get("noise") if noise is not None else None
+        if header is not None and header.get("digest") != noise.digest:
+            noise.load_state_dict({**header, "buffers": noise.state_tensors()})  # refused, named
+        extra = self._noise_entries(model, names, noise) if header is not None else None
+        parallel.load_sharded_state(model, optimizer, names, folder, extra=extra)
+        if header is not None:
+            noise.load_state_dict({**header, "buffers": noise.state_tensors()})  # loaded in place
+        else:
+            meta.pop("noise", None)
         return meta
 
     def save_model(self, model: nn.Module, folder: str) -> None:
