@@ -153,6 +153,17 @@ def test_a_crash_starts_a_new_segment_and_its_rounds_are_counted_again(tmp_path,
                                            rel=1e-6)
     assert rep["epsilon"] > plan.epsilon()
     assert math.isfinite(rep["epsilon"])
+    # said in the ledger's unit: rounds, not steps (the plot's axis too)
+    assert f"the ledger records {led.total_count()} rounds of 3 steps (the plan: 3)" in rep["exceeds_target"]
+    from llmdp.report.render import _epsilon_panel
+
+    class Axis:
+        def __getattr__(self, name):
+            return lambda *a, **k: setattr(self, "said_" + name, a)
+
+    ax = Axis()
+    _epsilon_panel(ax, rep["epsilon_curve"], rep)
+    assert ax.said_set_xlabel == ("rounds recorded in the ledger (3 steps each)",)
     # a new segment is another mechanism: not the uninterrupted run's model
     whole = prepared_config(_seeded(tmp_path, "whole"))
     train_loop_per_worker(whole, LocalContext(checkpoint_dir=str(tmp_path / "ckpt_whole")))

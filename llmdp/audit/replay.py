@@ -34,6 +34,14 @@ line tagged with its check, "(a)" or "(b)", and naming the unit, step and rank):
     - the ledger records the step writes are the same on both sides, except what names
       the run or the moment (time, hash chain, seq, run id, attempt).
 
+A correlated mechanism (cyclic samplers, ``privacy.mechanism`` banded-mf / blt) is
+replayed the same way: its clipped sums are captured where its stream takes them
+(``llmdp.train.correlated.StepNoise.add_``: the mechanism adds its noise to exactly the
+sums DP-SGD would), the neighbour's groups are D's without u's (each unit's group is
+keyed by its own content), and at a step of another group than u's the sums must be
+equal (‖Δ‖ = 0: u takes part only at its group's steps, the participation the analysis
+assumes), at its group's steps within C.
+
 The neighbour's sample must be D's sample without u, at the same positions otherwise:
 with q = 1 always; with q < 1 when u is the *last* unit and N, q are such that removing
 it moves no other unit's coin (not every pair: see :func:`aligned_draw`, which checks it
@@ -61,7 +69,7 @@ from llmdp.data.store import UnitStore, as_indices
 from llmdp.privacy import noise as dp_noise
 from llmdp.privacy.sampling import make_sampler
 from llmdp.run.spec import RunSpec
-from llmdp.train import parallel
+from llmdp.train import correlated, parallel
 from llmdp.train.step import StepKeys
 
 __all__ = ["ReplayError", "ReplayResult", "Side", "WithoutUnit", "aligned", "aligned_draw", "replay",
@@ -188,10 +196,38 @@ def with_model(spec: RunSpec, build: Callable[[int], torch.nn.Module]) -> Callab
     return factory
 
 
-def _neighbour_sampler(spec: RunSpec):
-    """The sampler of D∖{u}: N−1 units at D's q and B_max (the mechanism is unchanged)."""
+def unit_groups_of(spec: RunSpec) -> np.ndarray | None:
+    """A correlated mechanism's cyclic groups of D's units (`cyclic.store_groups`: keyed by
+    each unit's own content, so D∖{u}'s are D's without u's); None for DP-SGD."""
+    if not spec.plan.correlated:
+        return None
+    from llmdp.data.store import open_store
+    from llmdp.privacy.cyclic import store_groups
+
+    return store_groups(open_store(spec.paths.store_dir), spec.plan.cycle)
+
+
+def _sampler(spec: RunSpec, unit: int | None = None, groups: np.ndarray | None = None):
+    """The real sampler of D (``unit`` None) or of D∖{unit}: N−1 units at D's q and B_max,
+    or, cyclic, D's groups without u's at D's q_g (the mechanism is unchanged)."""
     plan = spec.plan
-    return make_sampler(int(plan.dataset_size) - 1, plan.sampling_probability, plan.max_batch_size)
+    if plan.correlated:
+        from llmdp.privacy.cyclic import CyclicPoissonSampler, FixedCycleSampler
+
+        g = unit_groups_of(spec) if groups is None else groups
+        g = g if unit is None else np.delete(g, int(unit))
+        if plan.sampler == "fixed-cycle":
+            return FixedCycleSampler(g, plan.cycle)
+        return CyclicPoissonSampler(g, plan.cycle, plan.event_probability)
+    n = int(plan.dataset_size) - (unit is not None)
+    return make_sampler(n, plan.sampling_probability, plan.max_batch_size)
+
+
+def _draw(sampler, key: bytes, step: int) -> tuple[np.ndarray, bool]:
+    """The sampler's draw at ``step`` (a cyclic sampler samples the step's group)."""
+    if hasattr(sampler, "group_at"):
+        return sampler.sample_with_info(key, step)
+    return sampler.sample_with_info(key)
 
 
 def aligned_draw(num_units: int, q: float, max_batch_size: int | None, unit: int,
@@ -210,22 +246,30 @@ def aligned_draw(num_units: int, q: float, max_batch_size: int | None, unit: int
     return np.array_equal(keep[s_n], s_d[s_d != unit])
 
 
-def aligned(spec: RunSpec, unit: int, step: int = 0) -> bool:
-    """:func:`aligned_draw` for ``spec``'s plan at ``step`` (its seed's step keys)."""
+def aligned(spec: RunSpec, unit: int, step: int = 0, groups: np.ndarray | None = None) -> bool:
+    """:func:`aligned_draw` for ``spec``'s plan at ``step`` (its seed's step keys); for a
+    cyclic sampler, the same comparison of its D and D∖{u} draws."""
     keys = StepKeys.draw(step, "seeded", spec.cfg.privacy.seed, torch.device("cpu"))
     plan = spec.plan
-    return aligned_draw(int(plan.dataset_size), plan.sampling_probability, plan.max_batch_size,
-                        unit, keys.sample)
+    if not plan.correlated:
+        return aligned_draw(int(plan.dataset_size), plan.sampling_probability, plan.max_batch_size,
+                            unit, keys.sample)
+    groups = unit_groups_of(spec) if groups is None else groups
+    s_d, _ = _draw(_sampler(spec, None, groups), keys.sample, step)
+    s_n, _ = _draw(_sampler(spec, unit, groups), keys.sample, step)
+    keep = np.delete(np.arange(groups.size, dtype=np.int64), int(unit))
+    return np.array_equal(keep[s_n], s_d[s_d != unit])
 
 
 def sampled_seed(spec: RunSpec, unit: int, step: int = 0, tries: int = 2000) -> int:
     """The smallest seed whose step ``step`` samples ``unit`` on D, without truncation,
     with the neighbour's sample aligned (:func:`aligned`)."""
+    groups = unit_groups_of(spec)
     for seed in range(tries):
         s = with_seed(spec, seed)
         keys = StepKeys.draw(step, "seeded", seed, torch.device("cpu"))
-        s_d, truncated = s.plan.make_sampler().sample_with_info(keys.sample)
-        if unit in s_d and not truncated and aligned(s, unit, step):
+        s_d, truncated = _draw(_sampler(s, None, groups), keys.sample, step)
+        if unit in s_d and not truncated and aligned(s, unit, step, groups):
             return seed
     raise ReplayError(f"no seed below {tries} samples unit {unit} at step {step}")
 
@@ -278,6 +322,17 @@ def _recording(model: torch.nn.Module) -> Iterator[dict]:
     for name in _PARALLEL_OPS:
         patch(parallel, name, f"parallel.{name}")
     patch(dp_noise, "add_noise_", "noise.add_noise_", capture=at_noise)
+    # A correlated mechanism's noise enters here instead (its z_t is drawn into buffers of
+    # its own: the sums are what it is handed).
+    real_corr = correlated.StepNoise.add_
+
+    def corr_add(self, tensors, key, std, offsets=None, totals=None):
+        rec["collectives"].append(("correlated.add_", (_describe(list(tensors)),), ()))
+        at_noise(tensors, key, std, offsets, totals)
+        return real_corr(self, tensors, key, std, offsets, totals)
+
+    correlated.StepNoise.add_ = corr_add
+    undo.append(lambda: setattr(correlated.StepNoise, "add_", real_corr))
     handle = model.register_forward_pre_hook(lambda *_: rec.__setitem__("forwards", rec["forwards"] + 1))
     try:
         yield rec
@@ -312,7 +367,8 @@ def _ledger_records(run) -> list[dict]:
 
 
 def _side(factory: Callable[[], Any], spec: RunSpec, unit: int | None, steps: int,
-          layer_policy: str | None, snapshots: list, sync_from: list | None) -> tuple[Any, list[Side]]:
+          layer_policy: str | None, snapshots: list, sync_from: list | None,
+          groups: np.ndarray | None = None) -> tuple[Any, list[Side]]:
     from llmdp.train.loop import dp_step, open_ledger
 
     run = factory()
@@ -320,7 +376,7 @@ def _side(factory: Callable[[], Any], spec: RunSpec, unit: int | None, steps: in
         run.clipper.layer_policy = layer_policy  # read at every backward; not a recipe field
     if unit is not None:
         run.store = WithoutUnit(run.store, unit)
-        run.sampler = _neighbour_sampler(spec)
+        run.sampler = _sampler(spec, unit, groups)
     open_ledger(run)
     keep = run.store.keep if unit is not None else None
     out = []
@@ -333,7 +389,7 @@ def _side(factory: Callable[[], Any], spec: RunSpec, unit: int | None, steps: in
         snapshots.append([p.detach().clone() for p in run.clipper.params] if steps > 1 else [])
         before = len(_ledger_records(run))
         keys = StepKeys.draw(step, "seeded", spec.cfg.privacy.seed, run.device)
-        sample, _ = run.sampler.sample_with_info(keys.sample)
+        sample, _ = _draw(run.sampler, keys.sample, step)
         predicted = len(assign_micro_batches(
             sample, run.store.unit_row_count, run.store.unit_max_row_length, world_size=run.world,
             physical_batch_size=spec.cfg.train.physical_batch_size,
@@ -386,23 +442,30 @@ def replay(spec_or_factory: RunSpec | Callable[[], Any], remove: int, steps: int
     if spec.plan.noise_multiplier <= 0:
         raise ReplayError("the replay captures the sums where the noise is added: σ must be > 0")
     C = float(spec.plan.max_grad_norm)
+    groups = unit_groups_of(spec)
     for step in range(steps):
-        if not aligned(spec, remove, step):
+        if not aligned(spec, remove, step, groups):
             raise ReplayError(f"step {step}: the neighbour's sample is not D's without unit {remove} "
                               "(use q = 1, or remove the last unit)")
 
     # D first, keeping its parameters before each step for the neighbour.
     before_d: list = []
-    run_d, sides_d = _side(factory, spec, None, steps, layer_policy, before_d, None)
-    _, sides_n = _side(factory, spec, remove, steps, layer_policy, [], before_d)
+    run_d, sides_d = _side(factory, spec, None, steps, layer_policy, before_d, None, groups)
+    _, sides_n = _side(factory, spec, remove, steps, layer_policy, [], before_d, groups)
     res = ReplayResult(unit=int(remove), clip_bound=C, sampler=spec.plan.sampler)
     truncated = spec.plan.max_batch_size is not None and spec.plan.sampler == "truncated-poisson"
     rank = run_d.rank
     for t, (d, n) in enumerate(zip(sides_d, sides_n)):
         res.steps.append((d, n))
         where = f"unit {remove}, step {t}, rank {rank}"
-        if remove not in set(d.sample.tolist()):
+        # A cyclic sampler: the unit may take part only at the steps of its group (t ≡ g
+        # mod cycle); at the others its removal must change nothing at all.
+        off_turn = groups is not None and t % spec.plan.cycle != int(groups[remove])
+        if not off_turn and remove not in set(d.sample.tolist()):
             res.violations.append(f"(a) {where}: the unit was not sampled on D (the check is vacuous)")
+        if off_turn and remove in set(d.sample.tolist()):
+            res.violations.append(f"(a) {where}: the unit of group {int(groups[remove])} was sampled "
+                                  f"at a step of group {t % spec.plan.cycle}")
         if d.sums is None or n.sums is None:
             res.violations.append(f"(a) {where}: no noise was added (no sum captured)")
         else:
@@ -411,7 +474,10 @@ def replay(spec_or_factory: RunSpec | Callable[[], Any], remove: int, steps: int
             res.full_norms.append(float(d.sums.norm()) / C)
             if ratio > 1 + tol:
                 res.violations.append(f"(a) {where}: sensitivity ‖Δ‖/C = {ratio:.6f} > 1 + {tol:g}")
-            if expect_clipped and ratio < 1 - floor_tol:
+            if off_turn and ratio != 0:
+                res.violations.append(f"(a) {where}: ‖Δ‖/C = {ratio:.6g} ≠ 0 at a step outside the "
+                                      "unit's group (its participation is not what the analysis assumes)")
+            elif not off_turn and expect_clipped and ratio < 1 - floor_tol:
                 res.violations.append(f"(a) {where}: ‖Δ‖/C = {ratio:.6f} < 1 − {floor_tol:g} for a clipped unit "
                                       "(its contribution is exactly C)")
         for name, s in (("D", d), ("D∖u", n)):

@@ -335,6 +335,12 @@ def _exceeds(eps: float, plan, plan_info: dict, steps: int, completed: int, atte
         return None
     allowed = (" (privacy.allow_exceed_target_on_failure: true)"
                if plan_info.get("allow_exceed_target_on_failure") and target is not None else "")
+    if plan.correlated:  # the ledger counts rounds of `cycle` steps
+        return (f"ε = {eps:.4f} exceeds {what} = {bound:.4f}{allowed}: the ledger records {steps} "
+                f"rounds of {plan.cycle} steps (the plan: {plan.ledger_steps}) for {completed} steps "
+                f"completed over {attempts} attempt(s); a resumed attempt records again the round "
+                f"its first step falls in (and every round it begins after a failure: a new "
+                f"segment of the mechanism), and every release counts")
     return (f"ε = {eps:.4f} exceeds {what} = {bound:.4f}{allowed}: the ledger records {steps} "
             f"steps for {completed} completed over {attempts} attempt(s); steps re-executed after "
             f"failures (and reserved write-ahead by failed attempts) were released again, and "

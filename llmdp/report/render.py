@@ -240,7 +240,9 @@ def _epsilon_panel(ax, curve, report: dict) -> None:
         baseline_panel(ax)
         return
     ax.plot([t for t, _ in curve], [e for _, e in curve], color="tab:red")
-    ax.set_xlabel("steps recorded in the ledger")
+    corr = report.get("correlated_noise")
+    ax.set_xlabel(f"rounds recorded in the ledger ({corr['cycle']} steps each)" if corr
+                  else "steps recorded in the ledger")
     ax.set_ylabel(f"epsilon at delta={report['delta']:.0e} ({report['accountant']})")
     ax.set_title("privacy spent")
     ax.grid(alpha=0.3)

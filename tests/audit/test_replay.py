@@ -10,6 +10,9 @@ clipping; ghost and instantiate layer policies; activation checkpointing; sequen
 document and user units; Poisson and truncated Poisson; replicated and fsdp (2 gloo
 processes, one spawned pair for all fsdp cases and a 2-worker replicated one).
 
+Correlated noise (issue 34): banded MF with cyclic Poisson, over three steps of two
+groups: ‖Δ‖ = C at the removed unit's group's steps, Δ = 0 exactly at the other's.
+
 C = 1e-3: every unit's gradient is far above C, so every removed unit is clipped and
 contributes exactly C (``expect_clipped``: ‖Δ‖ ≥ C(1 − 1e-3), the bound is not vacuous),
 and the sum over D is many times C, so rounding on it would show.
@@ -277,6 +280,63 @@ def test_the_last_unit_leaves_every_other_coin_in_place_only_at_some_n_and_q(tmp
     if not aligned(spec, 0):
         with pytest.raises(ReplayError, match="not D's without unit 0"):
             replay(spec, 0)
+
+
+# --------------------------------------------------------------------------- correlated noise (issue 34)
+
+
+def _mf_spec(tmp: str, cycle: int = 2):
+    """Banded MF (bands = cycle = 2) with cyclic Poisson at q_g = 1 (B = N / cycle): every
+    unit of the step's group is sampled, so the neighbour's sample is D's without u."""
+    from llmdp.config.schema import recipe_from_dict
+    from llmdp.run.launch import prepare
+
+    case = dict(family="llama", unit="document", mode="book-keeping", policy="ghost", records=16)
+    probe = prepare(recipe_from_dict(_raw(tmp, "mf-probe", case, 2, None)), log=lambda *a: None)
+    n = open_store(probe.paths.store_dir).num_units
+    raw = _raw(tmp, "mf", case, 2, None)
+    raw["privacy"] |= {"mechanism": "banded-mf", "sampler": "cyclic-poisson", "bands": cycle}
+    raw["train"] |= {"expected_batch_size": n / cycle, "steps": 4}
+    spec = prepare(recipe_from_dict(raw), log=lambda *a: None)
+    assert spec.plan.correlated and spec.plan.event_probability == 1.0
+    return spec
+
+
+def test_banded_mf_sums_are_within_c_at_the_units_turns_and_equal_elsewhere(tmp_path):
+    """The correlated mechanism takes the same clipped sums as DP-SGD: at each step of the
+    removed unit's group ‖Δ‖ = C (clipped), at the other group's step Δ = 0 exactly; the
+    stream's entry is where the sums are captured, and the ledger's round records agree."""
+    from llmdp.audit.replay import unit_groups_of
+
+    spec = _mf_spec(str(tmp_path))
+    groups = unit_groups_of(spec)
+    assert sorted(set(groups.tolist())) == [0, 1]
+    for g in (0, 1):
+        u = int(np.flatnonzero(groups == g)[-1])
+        res = replay(spec, u, steps=3, layer_policy="ghost", expect_clipped=True)
+        print(f"group {g}: {res}")
+        assert res.ok, str(res)
+        turns = [t % 2 == g for t in range(3)]
+        assert [r == 0 for r in res.ratios] == [not x for x in turns], res.ratios
+        assert all(abs(r - 1) < 1e-3 for r, x in zip(res.ratios, turns) if x), res.ratios
+        d, n = res.steps[0]
+        assert {c[0] for c in d.collectives} >= {"correlated.add_", "parallel.sum_over_workers"}
+        assert "noise.add_noise_" not in {c[0] for c in d.collectives}  # no second noise
+        assert [r["kind"] for r in d.ledger] == ["release"] and d.ledger == n.ledger
+        assert d.ledger[0]["meta"]["mechanism"] == "banded-mf"
+        assert res.full_norms[0] > 2
+        assert all(s.metrics["worker0_clipped_fraction"] == 1.0 for s, _ in res.steps)
+
+
+def test_a_planted_clip_scale_fails_the_banded_mf_replay(tmp_path, monkeypatch):
+    from llmdp.audit import plant
+    from llmdp.audit.replay import unit_groups_of
+
+    spec = _mf_spec(str(tmp_path))
+    u = int(np.flatnonzero(unit_groups_of(spec) == 0)[-1])
+    monkeypatch.setenv(plant.ENV, "clip-scale")
+    res = replay(spec, u, layer_policy="ghost", expect_clipped=True)
+    assert not res.ok and any("sensitivity" in v for v in res.violations), str(res)
 
 
 # --------------------------------------------------------------------------- massive activation
