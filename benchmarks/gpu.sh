@@ -67,7 +67,7 @@ stage_recipe() {  # recipes/gpu-1b-synthetic.yaml as written, its worker loop in
     echo "recipe rc=$?"; tail -12 "$OUT/recipe.log"
 }
 stage_kernels() {  # the two Triton kernels vs cuBLAS per layer shape, with a tile sweep
-    timeout 400 python3 benchmarks/kernels.py 2>&1 | tail -20
+    timeout "${KERNELS_S:-400}" python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30
 }
 
 for s in "$@"; do

@@ -89,6 +89,18 @@ def bench_device(device: torch.device, count: int, repeats: int, sass_out: str |
     return res
 
 
+def sass_opcodes(text: str) -> list[str]:
+    """The opcodes of a SASS listing, in either of the forms seen: cuobjdump's
+    (``/*0040*/  @P0 IMAD.IADD R1, ...``) and Triton 3.6's with a control-code column
+    (``--:-:0:-:8<TAB>LDC R1, ...``)."""
+    import re
+
+    pred = r"(?:@!?U?P\w+\s+)?"
+    op = r"([A-Z][A-Z0-9_]*)(?:\.[\w.]+)?"
+    found = re.findall(r"/\*[0-9a-f]{4,}\*/\s+" + pred + op, text)
+    return found or re.findall(r"^[0-9a-fA-FYy:-]+\t" + pred + op, text, re.M)
+
+
 def instruction_mix(device: torch.device, sass_out: str | None = None) -> dict:
     """The fused kernel's compiled instructions by opcode (SASS when Triton can disassemble,
     else PTX), per thread: the kernel is straight-line code (the 10 double rounds and the
@@ -116,7 +128,7 @@ def instruction_mix(device: torch.device, sass_out: str | None = None) -> dict:
         with open(sass_out, "w") as f:
             f.write(text)
     if kind == "sass":
-        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[\w.]+)?", text)
+        ops = sass_opcodes(text)
     else:
         ops = re.findall(r"^\s+(?:@%p\d+\s+)?([a-z][a-z0-9]*)(?:\.[\w.]+)?\s", text, re.M)
     hist = collections.Counter(ops)

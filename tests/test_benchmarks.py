@@ -196,3 +196,17 @@ def test_checkpoint_benchmark_table_ratios():
     assert "| 2 | 0.250 |" in text and "| 1 | 0.500 |" in text
     zero = [dict(r, rank0_peak_increase_bytes=0) if r["world"] == 1 else r for r in rows]
     assert "| 1 | 0.0 |" not in table(zero) and "| 1 | — |" in table(zero)  # no division by zero
+
+
+def test_noise_benchmark_counts_sass_opcodes_in_both_listing_forms():
+    """The first GPU run's instruction mix read 0 instructions: Triton 3.6 lists SASS with a
+    control-code column, not cuobjdump's /*offset*/ form. Both forms are counted, predicates
+    and modifiers dropped."""
+    mod = _script("noise")
+    triton_form = ("Function:gauss_add_kernel\n--:-:0:-:8\tLDC R1, c[0x0][0x28];\n"
+                   "01:-:-:Y:6\t@!P0 IMAD.IADD R1, R1, 0x1;\n--:-:-:-:1\tLOP3.LUT R2, R3, R4, R5, 0x96, !PT;\n")
+    assert mod.sass_opcodes(triton_form) == ["LDC", "IMAD", "LOP3"]
+    cuobjdump_form = ("        /*0040*/                   @P0 SHF.L.W.U32.HI R1, R2, 0x10, R2 ;\n"
+                      "        /*0050*/                   DFMA R4, R6, R8, R4 ;\n")
+    assert mod.sass_opcodes(cuobjdump_form) == ["SHF", "DFMA"]
+    assert mod.sass_opcodes("no listing here") == []

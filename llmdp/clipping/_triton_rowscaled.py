@@ -29,10 +29,13 @@ from llmdp._triton import available, interpreting, tl, triton  # noqa: F401 - re
 #: both kernels grows with it, not with T (``error_count``, ``norm_error_count``).
 CHUNK_T = 128
 
-#: Which loop structure the kernels use by default (``flat=`` overrides it per call): the
+#: Which loop structure each kernel uses by default (``flat=`` overrides it per call): the
 #: nested loops (one K loop per chunk) or one flat pipelined loop. Both form the same sums
-#: with the same roundings; ``benchmarks/kernels.py`` times them.
-FLAT = False
+#: with the same roundings. Chosen from ``benchmarks/kernels.py`` on an H200 (BENCHMARKS.md,
+#: "The GPU path", second session): the flat clipped sum runs at 305-358 TFLOP/s against
+#: the nested one's 248-274 at every layer shape of the 1.6 B model, T = 1,024 and 256; the
+#: flat norm kernel wins only with 128-deep K blocks (``_norm_launch``).
+FLAT_ROW_SCALED = True
 
 if triton is not None:
 
@@ -224,6 +227,19 @@ def _blocks(a: int, b: int, T: int):
     return (128 if a >= 128 else 64, 128 if b >= 128 else 64, 64 if T >= 64 else 32), 8, 3
 
 
+def _norm_launch(a: int, b: int, T: int):
+    """(config, flat) of the norm kernel. Measured on an H200 (``benchmarks/kernels.py``):
+    at T = 1,024 the flat loop with 128-deep K blocks in two stages runs at 269-316 TFLOP/s
+    against the nested default's 239-305 (the flat loop with 64-deep blocks: 208-230); at
+    T = 256 the nested default (201-231) beat the flat one (163-178) and the deeper blocks
+    were not measured, so it stays. A K block of 128 is one whole chunk: the chain, and so
+    ``norm_error_count``, are unchanged."""
+    blocks, warps, stages = _blocks(a, b, T)
+    if not interpreting() and T >= 1024 and blocks[:2] == (128, 128) and CHUNK_T % 128 == 0:
+        return ((128, 128, 128), 8, 2), True
+    return (blocks, warps, stages), False
+
+
 def _check_chunk(chunk: int, block_t: int) -> int:
     """A chunk is whole K blocks (a block never spans two chunks: the bounds count on it)."""
     if chunk % block_t:
@@ -236,17 +252,20 @@ def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: tor
     """[U] float64: Σ over tiles of the float64 sum of squares of each tile of the float32
     h_u = Σ_{r in u} X_rᵀ Y_r (X [R, T, a], Y [R, T, b], same half dtype; the rows of unit
     u are ``rows[ptr[u]:ptr[u+1]]``). Nothing of size a×b per unit is written.
-    ``config``: ((BLOCK_A, BLOCK_B, BLOCK_T), warps, stages) instead of ``_blocks``'s
-    (``benchmarks/kernels.py`` sweeps them); ``flat``: the loop structure (``FLAT``)."""
+    ``config``: ((BLOCK_A, BLOCK_B, BLOCK_T), warps, stages) instead of ``_norm_launch``'s
+    (``benchmarks/kernels.py`` sweeps them); ``flat``: the loop structure (default: the
+    measured faster one, ``_norm_launch``)."""
     T, a = X.shape[1], X.shape[2]
     b = Y.shape[2]
-    blocks, warps, stages = config or _blocks(a, b, T)
+    default, default_flat = _norm_launch(a, b, T)
+    blocks, warps, stages = config or default
+    flat = default_flat if flat is None else flat
     _check_chunk(chunk, blocks[2])
     ta, tb = triton.cdiv(a, blocks[0]), triton.cdiv(b, blocks[1])
     out = torch.empty((num_units, ta * tb), dtype=torch.float64, device=X.device)
     if num_units == 0:
         return out.sum(1)
-    kernel = unit_sq_norms_flat_kernel if (FLAT if flat is None else flat) else unit_sq_norms_kernel
+    kernel = unit_sq_norms_flat_kernel if flat else unit_sq_norms_kernel
     kernel[(ta, tb, num_units)](
         X, Y, rows, ptr, out, T, a, b, tb,
         X.stride(0), X.stride(1), X.stride(2), Y.stride(0), Y.stride(1), Y.stride(2),
@@ -259,7 +278,8 @@ def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: tor
 def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int = CHUNK_T,
                   config=None, flat=None) -> torch.Tensor:
     """Σ_r f_r X_rᵀ Y_r as a float32 [a, b] tensor (X [R, T, a], Y [R, T, b], same half
-    dtype; f [R])."""
+    dtype; f [R]). ``config`` and ``flat`` as ``unit_sq_norms``'s (default: ``_blocks``,
+    ``FLAT_ROW_SCALED``)."""
     R, T, a = X.shape
     b = Y.shape[2]
     f = f.to(device=X.device, dtype=torch.float32).contiguous()
@@ -273,7 +293,7 @@ def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int 
     split = triton.cdiv(R, rows_per)
     out = torch.empty((split, a, b), dtype=torch.float32, device=X.device)
     grid = (triton.cdiv(a, blocks[0]), triton.cdiv(b, blocks[1]), split)
-    kernel = row_scaled_tn_flat_kernel if (FLAT if flat is None else flat) else row_scaled_tn_kernel
+    kernel = row_scaled_tn_flat_kernel if (FLAT_ROW_SCALED if flat is None else flat) else row_scaled_tn_kernel
     kernel[grid](
         X, Y, f, out, R, T, a, b, rows_per,
         X.stride(0), X.stride(1), X.stride(2), Y.stride(0), Y.stride(1), Y.stride(2),
