@@ -35,8 +35,8 @@ each try is tested at level β / tries, so the probability that *any* try overst
 `tpr_at_fpr` and `auc` are empirical ROC numbers of the rule "included iff score ≥ t": no
 interpolation, no confidence statement; they describe the attack, not the guarantee.
 
-Not here: the f-DP / Gaussian-DP tightening of the same one-run framework (Mahloujifar et
-al. 2024, "Auditing f-Differential Privacy in One Run"); only ε is bounded.
+The f-DP / Gaussian-DP tightening of the same one-run framework (Mahloujifar et al.,
+"Auditing f-Differential Privacy in One Run") is `llmdp.audit.fdp`.
 """
 
 from __future__ import annotations

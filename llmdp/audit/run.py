@@ -36,9 +36,12 @@ from llmdp.audit.section import audit_line, render_audit
 
 SCORES = ("both", "black-box", "white-box")
 AUDIT_VERSION = 1
-METHOD = ("one-run audit (Steinke, Nasr and Jagielski, NeurIPS 2023): guesses on the most "
+METHOD = ("one-run audit (Steinke, Nasr and Jagielski, NeurIPS 2023), and its f-DP form for the "
+          "Gaussian curves (Mahloujifar, Melis and Chaudhuri, ICML 2025): guesses on the most "
           "and least confident canaries, abstaining on the rest; a union bound over the "
-          "abstention settings and the scores tried")
+          "abstention settings, the scores and the two estimators")
+#: Canaries and draws of the ceiling's simulation (``fdp.ceiling``), and its seed.
+CEILING_DRAWS, CEILING_SEED = 5, 0
 
 __all__ = ["AuditSettings", "audit_run_dir", "run_audit", "summarize"]
 
@@ -199,10 +202,10 @@ def by_kind(scores: np.ndarray, kinds) -> np.ndarray:
 def summarize(per: dict, canaries: cn.Canaries, report: dict, settings: AuditSettings,
               times: dict) -> dict:
     """audit.json: the bounds and the attack's quality, aggregate numbers only."""
-    from llmdp.audit import estimate
+    from llmdp.audit import estimate, fdp
 
     beta = 1.0 - float(settings.confidence)
-    beta_each = beta / len(per)  # a union bound over the scores tried
+    beta_each = beta / (2 * len(per))  # a union bound over the scores and the two estimators
     delta = float(report["delta"])
     eps_claimed = float(report["epsilon"])
     # The run's training steps (a private tokenizer's earlier release and the DP
@@ -216,9 +219,11 @@ def summarize(per: dict, canaries: cn.Canaries, report: dict, settings: AuditSet
             **{k: (float(v) if isinstance(v, (float, np.floating)) else v)
                for k, v in dataclasses.asdict(b).items()},
             "tpr_at_fpr": {str(f): estimate.tpr_at_fpr(s, canaries.included, f) for f in (0.01, 0.1)},
+            "f_dp": _floats(dataclasses.asdict(fdp.audit_gdp(s, canaries.included, delta, beta=beta_each))),
         }
     best = max(out_scores.values(), key=lambda b: b["epsilon_lower_bound"])
     lb = float(best["epsilon_lower_bound"])
+    best_fdp = max((b["f_dp"] for b in out_scores.values()), key=lambda b: b["mu_lower_bound"])
     return {
         "audit_version": AUDIT_VERSION,
         "method": METHOD,
@@ -232,7 +237,37 @@ def summarize(per: dict, canaries: cn.Canaries, report: dict, settings: AuditSet
         "empirical_epsilon_lower_bound": lb,
         "ratio_to_training_epsilon": lb / eps_train if eps_train > 0 else None,
         "violation": lb > eps_train,
+        "f_dp_mu_lower_bound": best_fdp["mu_lower_bound"],
+        "f_dp_epsilon": best_fdp["epsilon"],
+        "ceiling": audit_ceiling(report, canaries.m, delta, beta_each),
         "scores": out_scores,
         "time_s": {k: round(float(v), 1) for k, v in times.items()},
         "settings": dataclasses.asdict(settings),
     }
+
+
+def _floats(d: dict) -> dict:
+    return {k: (float(v) if isinstance(v, (float, np.floating)) else v) for k, v in d.items()}
+
+
+def audit_ceiling(report: dict, m: int, delta: float, beta: float) -> dict:
+    """What the f-DP estimator reaches on ideal scores of this run's own mechanism
+    (``fdp.ceiling``: Poisson rate q, noise multiplier σ, the steps completed; m canaries,
+    each setting at level β as in the audit), so that a bound reads against what is
+    reachable rather than against ε alone. Only for independent Gaussian noise under Poisson
+    sampling: a correlated mechanism's iterates are not that simulation (``None`` then,
+    with the reason)."""
+    from llmdp.audit import fdp
+
+    corr = report.get("correlated_noise")
+    q, sigma = report.get("sampling_probability"), report.get("noise_multiplier")
+    steps = int(report.get("steps_completed") or 0)
+    if corr or not q or not sigma or steps < 1:
+        why = ("a correlated mechanism: its noise is not independent across steps" if corr else
+               "no Poisson rate, noise multiplier or completed step in the report")
+        return {"mu": None, "epsilon": None, "reason": why}
+    c = fdp.ceiling(float(q), float(sigma), steps, m, delta, beta, draws=CEILING_DRAWS,
+                    seed=CEILING_SEED)
+    return {"mu": c.mu_lower_bound, "epsilon": c.epsilon, "q": float(q), "sigma": float(sigma),
+            "steps": steps, "canaries": m, "draws": CEILING_DRAWS, "seed": CEILING_SEED,
+            "basis": "ideal gradient canaries scored on every iterate (K/sigma + N(0, T))"}

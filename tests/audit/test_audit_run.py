@@ -73,6 +73,11 @@ def test_an_audit_of_the_real_mechanism_is_recorded_and_never_exported(tmp_path,
     assert r["planted"] is None and not r["violation"]
     assert 0 <= r["empirical_epsilon_lower_bound"] <= r["epsilon_training"]
     assert r["canaries"] == 200 and set(r["scores"]) == {"black-box", "white-box"}
+    # the f-DP bound and its ceiling beside it (issue 35 items 3 and 4)
+    assert r["f_dp_epsilon"] >= 0 and r["f_dp_mu_lower_bound"] >= 0
+    # (a 20-step run at small ε: the ideal audit of 200 canaries may find nothing either)
+    assert r["ceiling"]["epsilon"] >= 0 and r["ceiling"]["canaries"] == 200
+    assert r["ceiling"]["steps"] == 20 and r["ceiling"]["mu"] is not None
     plan = json.loads((run_dir / "plan.json").read_text())
     key = cn.read_key(str(run_dir / "audit" / "key"))
     c = cn.load_canaries(str(run_dir / "audit" / "canaries.jsonl"))

@@ -156,3 +156,26 @@ def test_the_ceiling_stays_below_the_accountants_epsilon_and_grows_with_the_sign
         values.append(c.epsilon)
     assert values[1] > values[0]
     assert fdp.ceiling(q, 1.0, steps, m, delta) == fdp.ceiling(q, 1.0, steps, m, delta)  # seeded
+
+
+def test_the_audit_section_shows_bound_ceiling_and_confidence():
+    """The report's audit line reads the f-DP bound against its ceiling; a correlated run has
+    no ceiling, with the reason."""
+    from llmdp.audit.run import audit_ceiling
+    from llmdp.audit.section import audit_line, render_audit
+
+    report = {"sampling_probability": 0.2, "noise_multiplier": 1.0, "steps_completed": 10}
+    ceil = audit_ceiling(report, 500, 1e-5, 0.05 / 4)
+    ref = fdp.ceiling(0.2, 1.0, 10, 500, 1e-5, 0.05 / 4, draws=5, seed=0)
+    assert ceil["epsilon"] == ref.epsilon > 0 and ceil["mu"] == ref.mu_lower_bound
+    assert audit_ceiling({**report, "correlated_noise": {"mechanism": "blt"}}, 500, 1e-5, 0.01)["epsilon"] is None
+    r = {"empirical_epsilon_lower_bound": 0.4, "confidence": 0.95, "canaries": 500,
+         "epsilon_training": 3.0, "delta": 1e-5, "ratio_to_training_epsilon": 0.4 / 3,
+         "violation": False, "f_dp_mu_lower_bound": 0.3, "f_dp_epsilon": 1.2, "ceiling": ceil,
+         "method": "m", "canary_kinds": {"record": 0, "random": 500}, "time_s": {},
+         "scores": {"white-box": {"epsilon_lower_bound": 0.4, "r": 10, "v": 9,
+                                  "f_dp": {"mu_lower_bound": 0.3, "epsilon": 1.2}, "tpr_at_fpr": {}}}}
+    line = audit_line(r)
+    assert "ε ≥ 1.200" in line and f"of a reachable {ceil['epsilon']:.3f}" in line and "95%" in line
+    md = render_audit(r)
+    assert "Ceiling: ε" in md and "| white-box | 0.400 | 10 | 9 | 0.300 | 1.200 |" in md
