@@ -45,16 +45,21 @@ applies the same union bound: each setting at level β / tries.
 
 `ceiling` answers "how close could an audit of this mechanism come": the same estimator on
 ideal scores drawn from the mechanism itself. A gradient canary whose per-step contribution
-is its clipped gradient, of norm exactly C, along a direction no other unit shares, and whose
-score is the sum over the T steps of the noisy update's projection on that direction over σC,
-has the score
+is its clipped gradient, of norm exactly C, along a direction no other unit shares, has per
+step the noisy update's projection on that direction, in units of C,
 
-    included:  K/σ + N(0, T),  K ~ Binomial(T, q)  (the steps that sampled it)
-    excluded:  N(0, T),
+    x_t = b_t + σ·z_t,   b_t ~ Bernoulli(q) if included (0 if excluded), z_t ~ N(0, 1),
 
-(the projections of independent N(0, σ²C²I) noise on a unit vector are independent N(0, σ²C²)).
-The ceiling is the median bound over `draws` such simulations of m canaries with fair coins,
-from a fixed seed (reproducible; it is a figure of the mechanism, not of the run).
+(the projections of independent N(0, σ²C²I) noise on a unit vector are independent). Its
+score is the log-likelihood ratio of "included" against "excluded" on its own trajectory,
+
+    Σ_t log(1 − q + q·exp((x_t − 1/2)/σ²))      (`lr_scores`),
+
+the Neyman-Pearson statistic for the canary's iterates (the plain sum Σ_t x_t/σ is that
+statistic only when the canary is in every step; at the small q of real runs the likelihood
+ratio finds far more: `tests/audit/test_fdp.py` measures both). The ceiling is the median
+bound over `draws` such simulations of m canaries with fair coins, from a fixed seed
+(reproducible; it is a figure of the mechanism, not of the run).
 """
 
 from __future__ import annotations
@@ -77,8 +82,8 @@ from llmdp.audit.estimate import (
     guesses,
 )
 
-__all__ = ["GdpBound", "audit_gdp", "ceiling", "gdp_delta", "gdp_epsilon", "ideal_scores",
-           "mu_lower_bound", "rejects"]
+__all__ = ["GdpBound", "audit_gdp", "ceiling", "gdp_delta", "gdp_epsilon", "ideal_iterates",
+           "ideal_scores", "lr_scores", "mu_lower_bound", "rejects"]
 
 # Bisection on μ stops once the bracket is this narrow.
 _TOL = 1e-6
@@ -199,17 +204,31 @@ def audit_gdp(scores: Any, included: Any, delta: float, beta: float = 0.05,
     return best
 
 
-def ideal_scores(q: float, sigma: float, steps: int, m: int,
-                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, included) of m ideal gradient canaries with fair coins (module docstring):
-    included K/σ + N(0, T), K ~ Binomial(T, q); excluded N(0, T)."""
+def ideal_iterates(q: float, sigma: float, steps: int, m: int,
+                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(x [m, T], included [m]) of m ideal gradient canaries with fair coins (module
+    docstring): x_t = b_t + σ z_t, b_t ~ Bernoulli(q) for an included canary, 0 otherwise."""
     if not (0.0 < q <= 1.0) or sigma <= 0.0 or steps < 1 or m < 1:
         raise ValueError(f"need 0 < q <= 1, sigma > 0, steps >= 1, m >= 1; got q={q}, "
                          f"sigma={sigma}, steps={steps}, m={m}")
     included = rng.random(m) < 0.5
-    noise = rng.standard_normal(m) * math.sqrt(steps)
-    hits = rng.binomial(steps, q, size=m)
-    return np.where(included, hits / sigma, 0.0) + noise, included
+    hits = (rng.random((m, steps)) < q) & included[:, None]
+    return hits + sigma * rng.standard_normal((m, steps)), included
+
+
+def lr_scores(x: np.ndarray, q: float, sigma: float) -> np.ndarray:
+    """Σ_t log(1 − q + q·exp((x_t − 1/2)/σ²)) per row of x [m, T] (float64; log-sum-exp form:
+    no overflow for large x)."""
+    x = np.asarray(x, dtype=np.float64)
+    z = (x - 0.5) / sigma**2
+    return np.logaddexp(np.log1p(-q) if q < 1 else -np.inf, np.log(q) + z).sum(axis=-1)
+
+
+def ideal_scores(q: float, sigma: float, steps: int, m: int,
+                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, included): `lr_scores` of `ideal_iterates`."""
+    x, included = ideal_iterates(q, sigma, steps, m, rng)
+    return lr_scores(x, q, sigma), included
 
 
 def ceiling(q: float, sigma: float, steps: int, m: int, delta: float, beta: float = 0.05,

@@ -35,6 +35,7 @@ from llmdp.audit import canaries as cn
 from llmdp.audit.section import audit_line, render_audit
 
 SCORES = ("both", "black-box", "white-box")
+CANARY_KINDS = ("input", "gradient")
 AUDIT_VERSION = 1
 METHOD = ("one-run audit (Steinke, Nasr and Jagielski, NeurIPS 2023), and its f-DP form for the "
           "Gaussian curves (Mahloujifar, Melis and Chaudhuri, ICML 2025): guesses on the most "
@@ -54,6 +55,9 @@ class AuditSettings:
     record_fraction: float = 0.5  # the rest are random-token canaries
     scores: str = "both"
     confidence: float = 0.95  # the bound holds with this probability (1 − β)
+    # input: token canaries scored on the final model (black-box, white-box); gradient: units
+    # whose gradient is a secret direction, scored on every iterate (llmdp.audit.gradient)
+    canary_kind: str = "input"
 
     def __post_init__(self):
         if isinstance(self.canaries, bool) or not isinstance(self.canaries, int) or self.canaries < 2:
@@ -65,6 +69,8 @@ class AuditSettings:
             raise ValueError(f"--scores: {self.scores!r} is not one of {list(SCORES)}")
         if not 0.5 <= float(self.confidence) < 1.0:
             raise ValueError(f"--confidence: {self.confidence!r} is not in [0.5, 1); e.g. 0.95")
+        if self.canary_kind not in CANARY_KINDS:
+            raise ValueError(f"--canary-kind: {self.canary_kind!r} is not one of {list(CANARY_KINDS)}")
 
 
 def audit_config(cfg):
@@ -93,6 +99,8 @@ def _prepare_canaries(cfg, settings: AuditSettings, run_dir: str, log) -> cn.Can
     set_path = os.path.join(secret, "settings.json")
     want = {"canaries": settings.canaries, "record_fraction": settings.record_fraction,
             "sequence_length": cfg.data.sequence_length}
+    if settings.canary_kind != "input":  # (older audits have no such key: input canaries)
+        want["canary_kind"] = settings.canary_kind
     if os.path.exists(set_path):
         with open(set_path, encoding="utf-8") as f:
             had = json.load(f)
@@ -104,8 +112,10 @@ def _prepare_canaries(cfg, settings: AuditSettings, run_dir: str, log) -> cn.Can
         return cn.load_canaries(can_path)
     tok = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path)
     key = cn.new_key()
-    canaries = cn.make_canaries(key, settings.canaries, tok, cfg.data.sequence_length,
-                                settings.record_fraction)
+    # gradient canaries: one kind of row (its tokens are never scored: the probe replaces
+    # its loss), so the per-kind standardization of the scores is one monotone map
+    fraction = 0.0 if settings.canary_kind == "gradient" else settings.record_fraction
+    canaries = cn.make_canaries(key, settings.canaries, tok, cfg.data.sequence_length, fraction)
     cn.write_key(key_path, key)
     cn.write_canaries(can_path, canaries)
     with open(set_path, "w", encoding="utf-8") as f:  # last: its presence means "made"
@@ -117,9 +127,7 @@ def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict
     """Train the audit run, score the canaries, write ``audit.json`` / ``audit.md`` and the
     report's section; returns audit.json's content."""
     from llmdp._fs import cache_root
-    from llmdp.audit import plant
     from llmdp.config.schema import ConfigError
-    from llmdp.report.build import write_report
     from llmdp.run import launch as trainer
     from llmdp.run.rundir import RunDir
 
@@ -135,10 +143,21 @@ def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict
         f"{canaries.kinds.count('random')} random-token), each included by a secret keyed coin; "
         f"run directory {run_dir}")
 
+    gradient = settings.canary_kind == "gradient"
+    if gradient and acfg.scaling.strategy != "replicated":
+        raise ConfigError(f"scaling.strategy: {acfg.scaling.strategy!r}: gradient canaries are "
+                          "projected on rank 0's replicated update; audit with "
+                          "scaling.strategy=replicated", key="scaling.strategy")
+
     def augment(store, tokenizer):
         # The training store: the private units, then the included canaries (one shard);
         # and every canary alone, which the scores are computed on.
         tag = store.fingerprint[:16]
+        if gradient:  # the workers' probes: the canary shard starts after the private units
+            from llmdp.audit import gradient as gc
+
+            gc.write_spec(secret, canaries.m, None, store.num_units,
+                          np.flatnonzero(canaries.included))
         cn.augmented_store(store, canaries, os.path.join(secret, f"store-all-{tag}"), which="all")
         return cn.augmented_store(store, canaries, os.path.join(secret, f"store-train-{tag}"))
 
@@ -150,6 +169,13 @@ def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict
     if report.get("status") != "complete":
         raise RuntimeError(f"the audit run {run_dir} did not complete (status "
                            f"{report.get('status')!r}); run the same command again to resume it")
+    if gradient:
+        from llmdp.audit import gradient as gc
+
+        it = gc.read_iterates(secret, canaries.m, int(report["steps_completed"]))
+        per = {"gradient": gc.scores(it, float(report["noise_multiplier"]),
+                                     float(report["sampling_probability"]))}
+        return _finish(per, canaries, report, settings, run_dir, secret, t0, t_train, log)
     all_dirs = sorted(d for d in os.listdir(secret) if d.startswith("store-all-"))
     if len(all_dirs) != 1:
         raise RuntimeError(f"{secret}: expected one canary store, found {all_dirs}")
@@ -166,12 +192,20 @@ def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict
         s = sc.black_box_scores(initial, final, store) if kind == "black-box" else \
             sc.white_box_scores(initial, final, store)
         per[kind] = s
+    return _finish(per, canaries, report, settings, run_dir, secret, t0, t_train, log)
+
+
+def _finish(per, canaries, report, settings, run_dir, secret, t0, t_train, log) -> dict:
+    from llmdp.audit import plant
+    from llmdp.report.build import write_report
+
     np.savez(os.path.join(secret, "scores.npz"), included=canaries.included, **{
         k.replace("-", "_"): v for k, v in per.items()})
     t_score = time.time() - t0 - t_train
     result = summarize(per, canaries, report, settings, {"train": t_train, "score": t_score,
                                                          "total": time.time() - t0})
     result["planted"] = plant.active()
+    result["canary_kind"] = settings.canary_kind
     with open(os.path.join(run_dir, "audit.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
     with open(os.path.join(run_dir, "audit.md"), "w", encoding="utf-8") as f:
@@ -270,4 +304,4 @@ def audit_ceiling(report: dict, m: int, delta: float, beta: float) -> dict:
                     seed=CEILING_SEED)
     return {"mu": c.mu_lower_bound, "epsilon": c.epsilon, "q": float(q), "sigma": float(sigma),
             "steps": steps, "canaries": m, "draws": CEILING_DRAWS, "seed": CEILING_SEED,
-            "basis": "ideal gradient canaries scored on every iterate (K/sigma + N(0, T))"}
+            "basis": "ideal gradient canaries, the likelihood ratio of every iterate's projection"}

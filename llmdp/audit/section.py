@@ -13,7 +13,7 @@ __all__ = ["audit_line", "audit_markdown", "audit_section", "render_audit"]
 SECTION_KEYS = ("audit_version", "method", "confidence", "canaries", "canary_kinds",
                 "canaries_included", "delta", "epsilon_claimed", "epsilon_training",
                 "empirical_epsilon_lower_bound", "ratio_to_training_epsilon", "violation",
-                "f_dp_mu_lower_bound", "f_dp_epsilon", "ceiling",
+                "f_dp_mu_lower_bound", "f_dp_epsilon", "ceiling", "canary_kind",
                 "scores", "time_s", "settings", "planted")
 
 

@@ -114,6 +114,8 @@ class Training:
     # a correlated mechanism's noise stream on this worker (llmdp.train.correlated), else None
     noise: StepNoise | None = None
     restored: dict | None = None  # the meta of the checkpoint this launch resumed (None: none)
+    # an audit with gradient canaries (llmdp.audit.gradient): (folder, canaries, module)
+    canaries: tuple | None = None
 
     @property
     def sinks(self) -> list[torch.Tensor] | None:
@@ -140,7 +142,7 @@ def setup(spec: RunSpec, context) -> Training:
                            mode=cfg.privacy.clipping_mode, grad_buffers=strategy.grad_sinks(model))
     optimizer = build_optimizer(clipper.params, cfg.optim)
     store = open_store(spec.paths.store_dir)
-    return Training(
+    run = Training(
         spec=spec, context=context, rank=rank, world=world, device=device, strategy=strategy,
         model=model, names=list(clipper.param_names), clipper=clipper,
         loss_fn=strategy.loss_fn(),  # replicated bf16: autocast
@@ -158,6 +160,40 @@ def setup(spec: RunSpec, context) -> Training:
         eval_fn=strategy.loss_fn(row_eval_stats),
         tokenizer=tokenizer,
     )
+    _gradient_canaries(run)
+    return run
+
+
+def _gradient_canaries(run: Training) -> None:
+    """An audit run with gradient canaries (``llmdp audit --canary-kind gradient``: its
+    audit/ folder holds gradient.json): every canary row's loss becomes its probe, and rank 0
+    keeps each step's projections (``llmdp.audit.gradient``)."""
+    from llmdp.audit import gradient as gc
+
+    folder = os.path.join(run.spec.run_dir, "audit")
+    if not os.path.exists(os.path.join(folder, gc.SPEC)):
+        return
+    from llmdp.audit.canaries import read_key
+
+    can = gc.load(folder, run.model, read_key(os.path.join(folder, "key")))
+    module = run.model.get_submodule(can.target)
+    if hasattr(module.weight, "full_tensor") or not run.spec.dp:
+        # (``llmdp audit`` refuses this first; a sharded update is never projected partly)
+        raise ValueError("gradient canaries need a DP run with unsharded parameters; audit "
+                         "with scaling.strategy=replicated")
+    run.loss_fn = gc.probe_loss(run.loss_fn, module, can, run.spec.plan.max_grad_norm)
+    run.canaries = (folder, can, module)
+
+
+def _record_canaries(run: Training, step: int) -> None:
+    """Rank 0, after the noise: the noisy update's projection on every canary direction."""
+    from llmdp.audit import gradient as gc
+
+    folder, can, module = run.canaries
+    bias = module.bias.grad if can.bias else None
+    gc.record_iterate(folder, step, gc.projections(can, module.weight.grad, bias,
+                                                   run.spec.plan.expected_batch_size,
+                                                   run.spec.plan.max_grad_norm))
 
 
 def resume(run: Training) -> None:
@@ -274,6 +310,8 @@ def dp_step(run: Training, step: int) -> dict:
     # [sync point] Either way: sum, noise once, ÷ q·N, left in p.grad.
     run.strategy.privatize(run.clipper.params, run.sinks, keys.noise, plan.noise_multiplier,
                            plan.max_grad_norm, plan.expected_batch_size, correlated=run.noise)
+    if run.canaries is not None and run.rank == 0:
+        _record_canaries(run, step)  # the audit's every-iterate statistic (secret)
     maybe_inject_fault(step, run.rank)
     units, rows, tokens, nonfinite = parallel.sum_over_workers(
         [stats.units, stats.rows, stats.tokens, stats.nonfinite], run.device)  # [sync point]

@@ -103,6 +103,11 @@ def accumulate_clipped_sum(
         if batch["input_ids"].shape[0] == 0:
             batch = store.pad_batch(store.rows(units, width=8 if width == "auto" else width), 1,
                                     pad_id=store.pad_id)
+        # each row's store index (-1 on padding): what a loss may key on (gradient canaries)
+        ui = torch.as_tensor(np.asarray(units, dtype=np.int64))
+        ru = batch["row_units"]
+        batch["unit_index"] = (torch.where(ru >= 0, ui[ru.clamp(min=0)], -1) if ui.numel()
+                               else torch.full_like(ru, -1))
         batch = {k: v.to(device) for k, v in batch.items()}
         losses = loss_fn(model, batch)
         if debug_check and m == 0:
