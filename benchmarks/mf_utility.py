@@ -1,0 +1,129 @@
+"""Correlated noise against DP-SGD on the demo, at equal ε, steps, batch and compute.
+
+    python benchmarks/mf_utility.py [--seeds 0,1,2] [--epsilons 1,3,8] [--out-dir runs/mf]
+
+From the public-pretrained start (`recipes/demo-finetune.yaml`, the model
+`recipes/demo-pretrain.yaml` trains first if it is not complete), for each ε, mechanism and
+seed, one run of `llmdp train` with the same data, T = 50 steps, B = 256, learning rate,
+clipping norm and DP evaluation (its ε = 0.5 inside the target, as in the demo):
+
+  dp-sgd      Poisson sampling, independent noise (the demo as it is)
+  banded-mf   bands 4, cyclic Poisson over 4 groups (amplified; q_g = 4·B/N)
+  blt         BLT (buffers grown up to 8), fixed cycle: every unit of the step's group, one
+              participation in the demo's 50 steps (cycle round(N/B) = 56 > T)
+
+with `privacy.rng=seeded privacy.seed=SEED`: the seed draws the batches and the noise, the
+randomness DP adds (pinned, so the numbers can be regenerated; such a report says its noise
+is seeded: measurements, not releases). Ledger records go to OUT_DIR/ledger.sqlite. A run
+already complete in OUT_DIR is not run again (interrupt and restart at will).
+
+Prints, per (ε, mechanism), the pooled final held-out loss (internal: computed without DP),
+the DP evaluation's released loss (and its noise std), σ, the median step time (steps 2+;
+the streaming noise is inside it) and the stream's state (n_buf · d float32 values), then
+the same table in Markdown for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from privacy_utility import PRETRAIN, REPO, complete, llmdp  # noqa: E402
+
+RECIPE = "recipes/demo-finetune.yaml"
+MECHANISMS = {
+    "dp-sgd": [],
+    "banded-mf": ["privacy.mechanism=banded-mf", "privacy.sampler=cyclic-poisson", "privacy.bands=4"],
+    "blt": ["privacy.mechanism=blt", "privacy.sampler=fixed-cycle"],
+}
+
+
+def runs(seeds, epsilons) -> list[tuple[str, float, int, str, list[str]]]:
+    """(mechanism, ε, seed, run name, overrides), seeds outermost."""
+    return [(mech, eps, seed, f"{mech}-eps{eps:g}-seed{seed}",
+             [*over, f"privacy.target_epsilon={eps:g}", "privacy.rng=seeded", f"privacy.seed={seed}"])
+            for seed in seeds for eps in epsilons for mech, over in MECHANISMS.items()]
+
+
+def measure(run_dir: str) -> dict:
+    """One run's numbers: from its report, and its step times from metrics.jsonl."""
+    from llmdp.tune.compare import load_run
+
+    row = load_run(run_dir)
+    with open(os.path.join(run_dir, "privacy_report.json"), encoding="utf-8") as f:
+        rep = json.load(f)
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        times = [r["step_time_s"] for r in map(json.loads, f) if "step_time_s" in r and r.get("step", 0) > 1]
+    d = rep["noise_generator"]["trainable_parameters"]
+    corr = rep.get("correlated_noise") or {}
+    n_buf = (corr["bands"] - 1 if corr.get("mechanism") == "banded-mf" else
+             corr.get("buffers", 0)) if corr else 0
+    return {"loss": row["heldout"]["loss"], "dp_loss": (row["dp_eval"] or {}).get("loss"),
+            "dp_loss_std": (row["dp_eval"] or {}).get("loss_std"), "epsilon": row["epsilon"],
+            "sigma": rep["noise_multiplier"], "step_s": statistics.median(times),
+            "state_mb": n_buf * d * 4 / 1e6, "n_buf": n_buf, "d": d}
+
+
+def _pm(xs: list[float], spec: str = ".4f") -> str:
+    m = statistics.fmean(xs)
+    return f"{m:{spec}} ± {statistics.stdev(xs):{spec}}" if len(xs) > 1 else f"{m:{spec}}"
+
+
+def table(results: dict) -> str:
+    lines = ["| ε | mechanism | runs | held-out loss (internal), mean ± sd [min, max] | DP-evaluation "
+             "loss, mean ± sd (noise std) | σ | step time, median s | stream state |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for (eps, mech), ms in sorted(results.items(), key=lambda kv: (kv[0][0], list(MECHANISMS).index(kv[0][1]))):
+        loss = [m["loss"] for m in ms]
+        dp = [m["dp_loss"] for m in ms if m["dp_loss"] is not None]
+        std = ms[0]["dp_loss_std"]
+        state = (f"{ms[0]['n_buf']} × d = {ms[0]['state_mb']:.1f} MB" if ms[0]["n_buf"] else "–")
+        lines.append(f"| {eps:g} | {mech} | {len(ms)} | {_pm(loss)} [{min(loss):.4f}, {max(loss):.4f}] | "
+                     f"{_pm(dp, '.3f') if dp else '–'}" + (f" ({std:.3f})" if std else "") + " | "
+                     f"{ms[0]['sigma']:.4g} | {statistics.median(m['step_s'] for m in ms):.2f} | {state} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--epsilons", default="1,3,8")
+    ap.add_argument("--out-dir", default="runs/mf")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands only")
+    args = ap.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    epsilons = [float(e) for e in args.epsilons.split(",")]
+    out_dir = os.path.abspath(os.path.join(REPO, args.out_dir))
+    ledger = os.path.join(out_dir, "ledger.sqlite")
+    pre = [*llmdp(), "train", PRETRAIN]
+    todo = [(mech, eps, name, [*llmdp(), "train", RECIPE, *over, f"output.dir={out_dir}",
+                               f"output.name={name}", f"privacy.ledger={ledger}"])
+            for mech, eps, _seed, name, over in runs(seeds, epsilons)]
+    if args.dry_run:
+        for cmd in [pre] + [c for *_, c in todo]:
+            print(" ".join(cmd))
+        return 0
+    os.makedirs(out_dir, exist_ok=True)
+    subprocess.run(pre, cwd=REPO, check=True)  # the public start (a complete run goes straight on)
+    for i, (_m, _e, name, cmd) in enumerate(todo):
+        if complete(os.path.join(out_dir, name)):
+            continue
+        print(f"[{i + 1}/{len(todo)}] {' '.join(cmd[len(llmdp()):])}", flush=True)
+        t0 = time.perf_counter()
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        print(f"    {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    results: dict = {}
+    for mech, eps, name, _ in todo:
+        results.setdefault((eps, mech), []).append(measure(os.path.join(out_dir, name)))
+    print("\n" + table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
