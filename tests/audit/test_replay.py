@@ -524,3 +524,25 @@ def test_bf16_sum_fails_the_replay_under_fsdp(tmp_path, monkeypatch):
         # The rounded sums differ by C plus a rounding error: above or below C, never C.
         assert not v["ok"]
         assert any(x.startswith("(a)") for x in v["violations"]), v["text"]
+
+
+@pytest.mark.parametrize("name", ["llama-seq-bk-ghost", "gpt2-bf16-user-ckpt"])
+def test_a_gradient_canary_is_clipped_to_c_in_the_replay(tmp_path, name):
+    """Issue 35: the gradient canaries' path (their probe, a second call of the target
+    module) through the real step: the last unit of D is a canary (the audit's layout: the
+    canary shard after the private units); removing it moves the noise's input by exactly C
+    (float64, the replay's tolerance), and nothing else differs."""
+    from llmdp.audit import canaries as cn
+    from llmdp.audit import gradient as gc
+
+    spec = _spec(str(tmp_path), name)
+    n = open_store(spec.paths.store_dir).num_units
+    folder = os.path.join(spec.run_dir, "audit")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    cn.write_key(os.path.join(folder, "key"), bytes(range(32)))
+    gc.write_spec(folder, 3, None, n - 1, [2])  # the last unit is canary 2 of 3
+    res = replay(spec, n - 1, layer_policy=CASES[name].get("policy"), expect_clipped=True)
+    print(res)
+    assert res.ok, str(res)
+    assert abs(res.ratios[0] - 1) < 1e-3, res.ratios
+    assert os.path.getsize(os.path.join(folder, gc.ITERATES)) > 0  # its projections were taken
