@@ -72,10 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fraction of natural-looking synthetic records; the rest random tokens")
     au.add_argument("--scores", choices=["both", "black-box", "white-box"], default="both",
                     help="black-box: loss reduction; white-box: gradient probe of the update")
-    au.add_argument("--canary-kind", choices=["input", "gradient"], default="input",
-                    help="input: token canaries scored on the final model; gradient: units "
-                         "whose gradient is a secret direction, scored on every iterate "
-                         "(the noisy update's projection, step by step; replicated runs)")
+    au.add_argument("--canary-kind", choices=["input", "gradient"], default="input", help="input: token canaries, final model; gradient: secret gradient directions, every iterate")
     au.add_argument("--confidence", type=float, default=0.95,
                     help="the lower bound holds with this probability (default 0.95)")
 
@@ -432,9 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             from llmdp.audit.run import AuditSettings, run_audit
             from llmdp.config.schema import load_recipe
 
-            settings = AuditSettings(canaries=args.canaries, record_fraction=args.record_fraction,
-                                     scores=args.scores, confidence=args.confidence,
-                                     canary_kind=args.canary_kind)
+            settings = AuditSettings(args.canaries, args.record_fraction, args.scores,
+                                     args.confidence, args.canary_kind)
             cfg = load_recipe(args.recipe, args.overrides)
             _quiet_libraries()
             result = run_audit(cfg, settings)
