@@ -51,7 +51,11 @@ def test_coins_do_not_depend_on_the_data_or_the_canaries():
     again = cn.make_canaries(key, 400, tok, 24, record_fraction=0.5)
     assert all(np.array_equal(x, y) for x, y in zip(one.rows, again.rows))
     other = cn.make_canaries(cn.new_key(), 400, tok, 24, record_fraction=0.5)
-    assert sum(np.array_equal(x, y) for x, y in zip(one.rows, other.rows)) < 10
+    same = [np.array_equal(x, y) for x, y in zip(one.rows, other.rows)]
+    # random canaries never coincide; record canaries cut at 24 tokens can share a note's
+    # header ("DISCHARGE SUMMARY - ..."), a few of 200, never most of them
+    assert sum(same[200:]) == 0
+    assert sum(same[:200]) < 100
     assert not np.array_equal(one.included, other.included)
 
 
