@@ -63,8 +63,11 @@ __all__ = [
     "tpr_at_fpr",
 ]
 
-# k₊ as fractions of m in the default grid of `audit_bound` (each rounded, at least 1).
-DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.25, 0.5)
+# k₊ as fractions of m in the default grid of `audit_bound` (each rounded, at least 1). The
+# smallest ones are for audits of tens of thousands of gradient canaries, whose most
+# confident few hundred guesses carry the bound (a subsampled mechanism stands out sharply
+# in the rare steps that sample a canary: ``llmdp.audit.curve``).
+DEFAULT_FRACTIONS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5)
 
 # Bisection stops once the bracket is this narrow (absolute, in ε).
 _TOL = 1e-6

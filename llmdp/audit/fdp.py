@@ -83,7 +83,7 @@ from llmdp.audit.estimate import (
 )
 
 __all__ = ["GdpBound", "audit_gdp", "ceiling", "gdp_delta", "gdp_epsilon", "ideal_iterates",
-           "ideal_scores", "lr_scores", "mu_lower_bound", "rejects"]
+           "ideal_scores", "lr_scores", "mu_lower_bound", "rejects", "rejects_curve"]
 
 # Bisection on μ stops once the bracket is this narrow.
 _TOL = 1e-6
@@ -103,13 +103,20 @@ def _inv_blow_up(x: float, mu: float) -> float:
 def rejects(mu: float, m: int, k: int, c: int, tau: float) -> bool:
     """True iff c correct guesses out of k (m canaries) reject μ-GDP at level τ: the
     recursion of the paper's Algorithm 3 (module docstring) ends with r_0 + h_0 > k/m."""
+    return rejects_curve(lambda x: _inv_blow_up(x, mu), m, k, c, tau)
+
+
+def rejects_curve(inv_blow_up, m: int, k: int, c: int, tau: float) -> bool:
+    """`rejects` for any symmetric trade-off curve f, given by its blow-up's inverse
+    f̄⁻¹ (a non-decreasing map of [0, 1] onto [0, 1]; ``llmdp.audit.curve`` passes the
+    mechanism's own)."""
     m, k, c = _check_counts(m, k, c)
     if k == 0 or c == 0:
         return False  # P[C >= 0] = 1: nothing is rejected
     r = tau * c / m
     h = tau * (k - c) / m
     for i in range(c - 1, -1, -1):
-        h_new = max(h, _inv_blow_up(r, mu))
+        h_new = max(h, inv_blow_up(r))
         if h_new == h:
             break  # r and h are fixed from here on
         r, h = r + i / (k - i) * (h_new - h), h_new

@@ -180,7 +180,7 @@ def projections(canaries: GradientCanaries, weight_grad: torch.Tensor,
     """x_{c,t} = B·⟨ĝ_t, u_c⟩/C for every canary (float64), from the noisy update's
     gradient of the target (``p.grad`` after the strategy's privatize: Σ + noise, ÷ B)."""
     W = weight_grad.detach().to(torch.float64).cpu().numpy()
-    proj = np.einsum("cp,pd,cd->c", canaries.g, W, canaries.a)
+    proj = np.einsum("cd,cd->c", canaries.g @ W, canaries.a)  # g_cᵀ W a_c: one BLAS product
     if canaries.bias and bias_grad is not None:
         proj = proj + canaries.g @ bias_grad.detach().to(torch.float64).cpu().numpy()
     return proj * (float(expected_batch_size) / (canaries.norm * float(max_grad_norm)))

@@ -4,9 +4,9 @@
 The audit run is the recipe itself (same model, data, plan rules, steps, workers) in a run
 directory of its own, ``<output.name>-audit``, trained on the private units plus the
 canaries whose secret keyed coin came up heads (``llmdp.audit.canaries``). Its DP
-releases go into the dataset's ledger like any run's: it trains on the private data. N,
-q and σ are planned for the augmented store, so the audit measures the mechanism the
-recipe would run, at the recipe's ε.
+releases go into the dataset's ledger like any run's: it trains on the private data. Its
+expected batch is scaled with the store (``_keep_sampling_rate``), so that q, σ and ε are
+the recipe's: the audit measures the mechanism the recipe runs.
 
 After training, each canary is scored against the final model (``llmdp.audit.scores``:
 black-box loss reduction, white-box gradient probe) and the one-run bound of Steinke,
@@ -41,6 +41,8 @@ METHOD = ("one-run audit (Steinke, Nasr and Jagielski, NeurIPS 2023), and its f-
           "Gaussian curves (Mahloujifar, Melis and Chaudhuri, ICML 2025): guesses on the most "
           "and least confident canaries, abstaining on the rest; a union bound over the "
           "abstention settings, the scores and the two estimators")
+#: A gradient canary's row: the shortest a row can be (one input and one target token).
+GRADIENT_ROW_TOKENS = 2
 #: Canaries and draws of the ceiling's simulation (``fdp.ceiling``), and its seed.
 CEILING_DRAWS, CEILING_SEED = 5, 0
 
@@ -113,14 +115,34 @@ def _prepare_canaries(cfg, settings: AuditSettings, run_dir: str, log) -> cn.Can
     tok = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path)
     key = cn.new_key()
     # gradient canaries: one kind of row (its tokens are never scored: the probe replaces
-    # its loss), so the per-kind standardization of the scores is one monotone map
-    fraction = 0.0 if settings.canary_kind == "gradient" else settings.record_fraction
-    canaries = cn.make_canaries(key, settings.canaries, tok, cfg.data.sequence_length, fraction)
+    # its loss), so the per-kind standardization of the scores is one monotone map; and
+    # rows of GRADIENT_ROW_TOKENS tokens (what they hold does not matter, so they cost next
+    # to no compute: length bucketing packs them into micro-batches of their own width)
+    gradient = settings.canary_kind == "gradient"
+    fraction = 0.0 if gradient else settings.record_fraction
+    length = GRADIENT_ROW_TOKENS if gradient else cfg.data.sequence_length
+    canaries = cn.make_canaries(key, settings.canaries, tok, length, fraction)
     cn.write_key(key_path, key)
     cn.write_canaries(can_path, canaries)
     with open(set_path, "w", encoding="utf-8") as f:  # last: its presence means "made"
         json.dump(want, f)
     return canaries
+
+
+def _keep_sampling_rate(acfg, included: int, log):
+    """The audit run's recipe with its expected batch scaled from B to
+    round(B·(N + included)/N), N the recipe's units: the Poisson rate q = B/N, and so σ and
+    ε, stay the recipe's (to the rounding of B) with the included canaries in the store. The
+    audit then measures the mechanism the recipe runs, not a diluted one. N comes from a
+    plan of the recipe alone (its unit store is cached: the run's own plan reuses it)."""
+    from llmdp.run.planning import plan_run
+
+    n = plan_run(acfg, log=lambda *_: None).store.num_units
+    b = int(acfg.train.expected_batch_size)
+    scaled = int(round(b * (n + included) / n))
+    log(f"audit: expected batch {b} -> {scaled} units, so that q = B/N stays the recipe's "
+        f"{b / n:.6g} with the {included} included canaries (N = {n} + {included})")
+    return dataclasses.replace(acfg, train=dataclasses.replace(acfg.train, expected_batch_size=scaled))
 
 
 def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict:
@@ -161,6 +183,7 @@ def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict
         cn.augmented_store(store, canaries, os.path.join(secret, f"store-all-{tag}"), which="all")
         return cn.augmented_store(store, canaries, os.path.join(secret, f"store-train-{tag}"))
 
+    acfg = _keep_sampling_rate(acfg, int(canaries.included.sum()), log)
     trainer.run(acfg, log=log, augment=augment)
     t_train = time.time() - t0
     rd = RunDir(run_dir)
@@ -236,10 +259,13 @@ def by_kind(scores: np.ndarray, kinds) -> np.ndarray:
 def summarize(per: dict, canaries: cn.Canaries, report: dict, settings: AuditSettings,
               times: dict) -> dict:
     """audit.json: the bounds and the attack's quality, aggregate numbers only."""
-    from llmdp.audit import estimate, fdp
+    from llmdp.audit import curve, estimate, fdp
 
+    mech = _mechanism(report)  # (q, σ, T) of independent Poisson-Gaussian steps, or None
     beta = 1.0 - float(settings.confidence)
-    beta_each = beta / (2 * len(per))  # a union bound over the scores and the two estimators
+    # a union bound over the scores and the estimators (Steinke et al.; f-DP on the Gaussian
+    # curves; f-DP on the mechanism's own curves, when it has them)
+    beta_each = beta / ((3 if mech else 2) * len(per))
     delta = float(report["delta"])
     eps_claimed = float(report["epsilon"])
     # The run's training steps (a private tokenizer's earlier release and the DP
@@ -255,9 +281,14 @@ def summarize(per: dict, canaries: cn.Canaries, report: dict, settings: AuditSet
             "tpr_at_fpr": {str(f): estimate.tpr_at_fpr(s, canaries.included, f) for f in (0.01, 0.1)},
             "f_dp": _floats(dataclasses.asdict(fdp.audit_gdp(s, canaries.included, delta, beta=beta_each))),
         }
+        if mech:
+            out_scores[kind]["f_dp_curve"] = _floats(dataclasses.asdict(
+                curve.audit_curve(s, canaries.included, *mech, delta, beta=beta_each)))
     best = max(out_scores.values(), key=lambda b: b["epsilon_lower_bound"])
     lb = float(best["epsilon_lower_bound"])
     best_fdp = max((b["f_dp"] for b in out_scores.values()), key=lambda b: b["mu_lower_bound"])
+    curves = [b["f_dp_curve"] for b in out_scores.values() if "f_dp_curve" in b]
+    best_curve = max(curves, key=lambda b: b["epsilon"]) if curves else None
     return {
         "audit_version": AUDIT_VERSION,
         "method": METHOD,
@@ -270,9 +301,12 @@ def summarize(per: dict, canaries: cn.Canaries, report: dict, settings: AuditSet
         "epsilon_training": eps_train,
         "empirical_epsilon_lower_bound": lb,
         "ratio_to_training_epsilon": lb / eps_train if eps_train > 0 else None,
-        "violation": lb > eps_train,
+        # Steinke et al.'s bound above ε, or the run's own curve (its σ) rejected
+        "violation": lb > eps_train or any(b["rejects_claimed"] for b in curves),
         "f_dp_mu_lower_bound": best_fdp["mu_lower_bound"],
         "f_dp_epsilon": best_fdp["epsilon"],
+        "f_dp_curve_epsilon": best_curve["epsilon"] if best_curve else None,
+        "f_dp_curve_noise_multiplier": best_curve["noise_multiplier"] if best_curve else None,
         "ceiling": audit_ceiling(report, canaries.m, delta, beta_each),
         "scores": out_scores,
         "time_s": {k: round(float(v), 1) for k, v in times.items()},
@@ -284,24 +318,36 @@ def _floats(d: dict) -> dict:
     return {k: (float(v) if isinstance(v, (float, np.floating)) else v) for k, v in d.items()}
 
 
-def audit_ceiling(report: dict, m: int, delta: float, beta: float) -> dict:
-    """What the f-DP estimator reaches on ideal scores of this run's own mechanism
-    (``fdp.ceiling``: Poisson rate q, noise multiplier σ, the steps completed; m canaries,
-    each setting at level β as in the audit), so that a bound reads against what is
-    reachable rather than against ε alone. Only for independent Gaussian noise under Poisson
-    sampling: a correlated mechanism's iterates are not that simulation (``None`` then,
-    with the reason)."""
-    from llmdp.audit import fdp
-
-    corr = report.get("correlated_noise")
+def _mechanism(report: dict):
+    """(q, σ, T) when the run's steps are independent Poisson-subsampled Gaussian releases
+    (DP-SGD), else None (a correlated mechanism's noise is not independent across steps)."""
     q, sigma = report.get("sampling_probability"), report.get("noise_multiplier")
     steps = int(report.get("steps_completed") or 0)
-    if corr or not q or not sigma or steps < 1:
-        why = ("a correlated mechanism: its noise is not independent across steps" if corr else
+    if report.get("correlated_noise") or not q or not sigma or steps < 1:
+        return None
+    return float(q), float(sigma), steps
+
+
+def audit_ceiling(report: dict, m: int, delta: float, beta: float) -> dict:
+    """What the f-DP estimators reach on ideal scores of this run's own mechanism
+    (``curve.ceiling`` and ``fdp.ceiling``: Poisson rate q, noise multiplier σ, the steps
+    completed; m canaries, each setting at level β as in the audit), so that a bound reads
+    against what is reachable rather than against ε alone. Only for independent Gaussian
+    noise under Poisson sampling: a correlated mechanism's iterates are not that simulation
+    (``None`` then, with the reason)."""
+    from llmdp.audit import curve, fdp
+
+    mech = _mechanism(report)
+    if mech is None:
+        why = ("a correlated mechanism: its noise is not independent across steps"
+               if report.get("correlated_noise") else
                "no Poisson rate, noise multiplier or completed step in the report")
         return {"mu": None, "epsilon": None, "reason": why}
-    c = fdp.ceiling(float(q), float(sigma), steps, m, delta, beta, draws=CEILING_DRAWS,
-                    seed=CEILING_SEED)
-    return {"mu": c.mu_lower_bound, "epsilon": c.epsilon, "q": float(q), "sigma": float(sigma),
-            "steps": steps, "canaries": m, "draws": CEILING_DRAWS, "seed": CEILING_SEED,
+    q, sigma, steps = mech
+    own = curve.ceiling(q, sigma, steps, m, delta, beta, draws=CEILING_DRAWS, seed=CEILING_SEED)
+    gauss = fdp.ceiling(q, sigma, steps, m, delta, beta, draws=CEILING_DRAWS, seed=CEILING_SEED)
+    return {"epsilon": own.epsilon, "noise_multiplier": own.noise_multiplier,
+            "mu": gauss.mu_lower_bound, "gdp_epsilon": gauss.epsilon,
+            "q": q, "sigma": sigma, "steps": steps, "canaries": m, "draws": CEILING_DRAWS,
+            "seed": CEILING_SEED,
             "basis": "ideal gradient canaries, the likelihood ratio of every iterate's projection"}

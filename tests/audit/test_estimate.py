@@ -208,7 +208,7 @@ def test_guesses_with_ties():
 
 
 def test_default_settings():
-    assert default_settings(1000) == [(10, 0), (10, 10), (20, 0), (20, 20), (50, 0), (50, 50),
+    assert default_settings(1000) == [(2, 0), (2, 2), (5, 0), (5, 5), (10, 0), (10, 10), (20, 0), (20, 20), (50, 0), (50, 50),
                                       (100, 0), (100, 100), (250, 0), (250, 250), (500, 0),
                                       (500, 500)]
     s = default_settings(10)

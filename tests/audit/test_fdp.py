@@ -16,7 +16,7 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from llmdp.audit import estimate, fdp
+from llmdp.audit import curve, estimate, fdp
 
 _N = NormalDist()
 
@@ -184,15 +184,21 @@ def test_the_audit_section_shows_bound_ceiling_and_confidence():
     report = {"sampling_probability": 0.2, "noise_multiplier": 1.0, "steps_completed": 10}
     ceil = audit_ceiling(report, 500, 1e-5, 0.05 / 4)
     ref = fdp.ceiling(0.2, 1.0, 10, 500, 1e-5, 0.05 / 4, draws=5, seed=0)
-    assert ceil["epsilon"] == ref.epsilon > 0 and ceil["mu"] == ref.mu_lower_bound
+    assert ceil["gdp_epsilon"] == ref.epsilon > 0 and ceil["mu"] == ref.mu_lower_bound
+    own = curve.ceiling(0.2, 1.0, 10, 500, 1e-5, 0.05 / 4, draws=5, seed=0)
+    assert ceil["epsilon"] == own.epsilon > 0 and ceil["noise_multiplier"] == own.noise_multiplier
     assert audit_ceiling({**report, "correlated_noise": {"mechanism": "blt"}}, 500, 1e-5, 0.01)["epsilon"] is None
     r = {"empirical_epsilon_lower_bound": 0.4, "confidence": 0.95, "canaries": 500,
          "epsilon_training": 3.0, "delta": 1e-5, "ratio_to_training_epsilon": 0.4 / 3,
          "violation": False, "f_dp_mu_lower_bound": 0.3, "f_dp_epsilon": 1.2, "ceiling": ceil,
+         "f_dp_curve_epsilon": 1.5, "f_dp_curve_noise_multiplier": 1.25,
          "method": "m", "canary_kinds": {"record": 0, "random": 500}, "time_s": {},
          "scores": {"white-box": {"epsilon_lower_bound": 0.4, "r": 10, "v": 9,
-                                  "f_dp": {"mu_lower_bound": 0.3, "epsilon": 1.2}, "tpr_at_fpr": {}}}}
+                                  "f_dp": {"mu_lower_bound": 0.3, "epsilon": 1.2},
+                                  "f_dp_curve": {"epsilon": 1.5}, "tpr_at_fpr": {}}}}
     line = audit_line(r)
-    assert "ε ≥ 1.200" in line and f"of a reachable {ceil['epsilon']:.3f}" in line and "95%" in line
+    assert "own curve: ε ≥ 1.500" in line and f"of a reachable {ceil['epsilon']:.3f}" in line
+    assert "below 1.250" in line and "ε ≥ 1.200" in line and "95%" in line
+    assert f"reachable: μ {ceil['mu']:.3f}" in line
     md = render_audit(r)
-    assert "Ceiling: ε" in md and "| white-box | 0.400 | 10 | 9 | 0.300 | 1.200 |" in md
+    assert "Ceiling: ε" in md and "| white-box | 0.400 | 10 | 9 | 1.500 | 0.300 | 1.200 |" in md
