@@ -193,7 +193,8 @@ def _record_canaries(run: Training, step: int) -> None:
     bias = module.bias.grad if can.bias else None
     gc.record_iterate(folder, step, gc.projections(can, module.weight.grad, bias,
                                                    run.spec.plan.expected_batch_size,
-                                                   run.spec.plan.max_grad_norm))
+                                                   run.spec.plan.max_grad_norm,
+                                                   run.spec.plan.noise_multiplier))
 
 
 def resume(run: Training) -> None:

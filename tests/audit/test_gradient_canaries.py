@@ -118,3 +118,33 @@ def test_projections_and_scores_follow_the_update(tmp_path):
     np.testing.assert_allclose(gc.scores(it, 0.5, 0.1), fdp.lr_scores(it.T, 0.1, 0.5))
     with pytest.raises(ValueError, match="no record of steps"):
         gc.read_iterates(folder, can.m, 3)
+
+
+def test_cleaning_removes_the_datas_coherent_part_and_keeps_the_canaries():
+    """A step's update of a [p, d] target = noise (σ per entry, in units of C/B) + the data's
+    coherent gradient (rank 2, singular values far above the noise's edge) + one sampled
+    canary. Raw, the data part moves every canary's projection by O(1) (it would swamp the
+    canaries); cleaned, the projections are the canary's 1 plus noise of std σ, as the
+    likelihood-ratio score assumes. Pure noise is left as it is (nothing above the edge)."""
+    rng = np.random.default_rng(0)
+    p, d, m, sigma, B, C = 512, 48, 4000, 0.6, 200.0, 0.5
+    can = gc.GradientCanaries.make(KEY, m, "t", p, d, False, first_unit=0, included_ids=[])
+    noise = sigma * rng.standard_normal((p, d))
+    data = 120.0 * np.outer(rng.standard_normal(p), rng.standard_normal(d)) / np.sqrt(p * d) * 8 \
+        + 60.0 * np.outer(rng.standard_normal(p), rng.standard_normal(d)) / np.sqrt(p * d) * 8
+    canary = np.outer(can.g[7], can.a[7])
+    for update, expect_std in ((noise, sigma), (noise + data + canary, sigma)):
+        g = torch.as_tensor(update * C / B)
+        raw = gc.projections(can, g, None, B, C)
+        cleaned = gc.projections(can, g, None, B, C, noise_multiplier=sigma)
+        others = np.delete(cleaned, 7)
+        assert abs(others.std() - expect_std) < 0.05 * expect_std
+        assert abs(others.mean()) < 4 * expect_std / np.sqrt(m)
+    # the data part: raw projections spread far wider; the canary keeps ≥ 0.9 of its signal
+    assert np.delete(raw, 7).std() > 2 * sigma
+    signal = cleaned[7] - gc.projections(can, torch.as_tensor((noise + data) * C / B), None, B, C,
+                                         noise_multiplier=sigma)[7]
+    assert 0.9 < signal <= 1.0 + 1e-9
+    # pure noise: nothing removed
+    np.testing.assert_array_equal(gc.clean(noise, sigma), noise)
+    assert np.linalg.matrix_rank(noise + data - gc.clean(noise + data, sigma)) == 2
