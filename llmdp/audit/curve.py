@@ -41,6 +41,7 @@ accounted on top of it): far below 1/m for any m an audit uses, so they are not 
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -128,12 +129,18 @@ def _upper_hull(alpha: np.ndarray, power: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 def trade_off(q: float, sigma: float, steps: int, interval: float = CURVE_INTERVAL) -> Curve:
-    """f̄ of T Poisson-subsampled Gaussian steps at (q, σ) (module docstring)."""
-    from dp_accounting.pld import privacy_loss_distribution as pld
-
+    """f̄ of T Poisson-subsampled Gaussian steps at (q, σ) (module docstring). Memoized: a
+    bisection, and the ceiling's draws, visit the same σ' again and again."""
     if not (0.0 < q <= 1.0) or not sigma > 0.0 or int(steps) < 1:
         raise ValueError(f"need 0 < q <= 1, sigma > 0, steps >= 1; got q={q}, sigma={sigma}, "
                          f"steps={steps}")
+    return _trade_off(float(q), float(sigma), int(steps), float(interval))
+
+
+@functools.lru_cache(maxsize=64)  # each a few hundred kB
+def _trade_off(q: float, sigma: float, steps: int, interval: float) -> Curve:
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
     dist = pld.from_gaussian_mechanism(float(sigma), sampling_prob=float(q),
                                        value_discretization_interval=float(interval),
                                        pessimistic_estimate=True)

@@ -179,8 +179,9 @@ def probe_loss(base, module: nn.Linear, canaries: GradientCanaries, max_grad_nor
 
 
 #: Singular components of a step's update above this multiple of the noise's edge are the
-#: data's (``clean``).
+#: data's (``clean``), at most MAX_REMOVED of them (and a quarter of the smaller side).
 EDGE_MARGIN = 1.05
+MAX_REMOVED = 4
 
 
 def clean(update: np.ndarray, noise_std: float) -> np.ndarray:
@@ -192,10 +193,14 @@ def clean(update: np.ndarray, noise_std: float) -> np.ndarray:
     to every canary's statistic and drifts slowly, so it would swamp the rare steps that
     sample a canary. A canary's own contribution (rank one, singular value 1 in these units,
     far below the edge) stays, less its share of the removed directions (≈ r/p + r/d' for r
-    removed). A function of the released update alone: the scores stay valid."""
+    removed). The data's coherent part is of low rank, so at most MAX_REMOVED components (and
+    a quarter of min(p, d')) go: a broken mechanism whose canaries stand out by themselves
+    (unclipped: hundreds of components far above the edge) stays visible. A function of
+    the released update alone: the scores stay valid."""
     u, sv, vt = np.linalg.svd(update, full_matrices=False)
     edge = EDGE_MARGIN * float(noise_std) * (np.sqrt(update.shape[0]) + np.sqrt(update.shape[1]))
-    r = int(np.count_nonzero(sv > edge))
+    cap = min(MAX_REMOVED, max(1, min(update.shape) // 4))
+    r = min(int(np.count_nonzero(sv > edge)), cap)
     return update - (u[:, :r] * sv[:r]) @ vt[:r] if r else update
 
 

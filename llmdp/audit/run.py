@@ -257,8 +257,9 @@ def by_kind(scores: np.ndarray, kinds) -> np.ndarray:
 
 
 def summarize(per: dict, canaries: cn.Canaries, report: dict, settings: AuditSettings,
-              times: dict) -> dict:
-    """audit.json: the bounds and the attack's quality, aggregate numbers only."""
+              times: dict, with_ceiling: bool = True) -> dict:
+    """audit.json: the bounds and the attack's quality, aggregate numbers only
+    (``with_ceiling=False``: without the ceiling's simulations, for repeated audits)."""
     from llmdp.audit import curve, estimate, fdp
 
     mech = _mechanism(report)  # (q, σ, T) of independent Poisson-Gaussian steps, or None
@@ -307,7 +308,7 @@ def summarize(per: dict, canaries: cn.Canaries, report: dict, settings: AuditSet
         "f_dp_epsilon": best_fdp["epsilon"],
         "f_dp_curve_epsilon": best_curve["epsilon"] if best_curve else None,
         "f_dp_curve_noise_multiplier": best_curve["noise_multiplier"] if best_curve else None,
-        "ceiling": audit_ceiling(report, canaries.m, delta, beta_each),
+        "ceiling": audit_ceiling(report, canaries.m, delta, beta_each) if with_ceiling else None,
         "scores": out_scores,
         "time_s": {k: round(float(v), 1) for k, v in times.items()},
         "settings": dataclasses.asdict(settings),
