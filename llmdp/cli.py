@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "ledger like any run's. Re-running the same command resumes it.")
     au.add_argument("recipe")
     au.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=4")
-    au.add_argument("--canaries", type=int, default=1000, metavar="M",
-                    help="number of canaries (default 1000), half included on average")
+    au.add_argument("--canaries", type=int, default=None, metavar="M", help="number of canaries, "
+                    "half included on average (default 1000 input, 20000 gradient canaries)")
     au.add_argument("--record-fraction", type=float, default=0.5, metavar="F",
                     help="fraction of natural-looking synthetic records; the rest random tokens")
     au.add_argument("--scores", choices=["both", "black-box", "white-box"], default="both",
@@ -429,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             from llmdp.audit.run import AuditSettings, run_audit
             from llmdp.config.schema import load_recipe
 
-            settings = AuditSettings(args.canaries, args.record_fraction, args.scores,
-                                     args.confidence, args.canary_kind)
+            m = args.canaries if args.canaries is not None else 20000 if args.canary_kind == "gradient" else 1000
+            settings = AuditSettings(m, args.record_fraction, args.scores, args.confidence, args.canary_kind)
             cfg = load_recipe(args.recipe, args.overrides)
             _quiet_libraries()
             result = run_audit(cfg, settings)
