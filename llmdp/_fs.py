@@ -12,14 +12,14 @@ from collections.abc import Callable, Iterator
 
 @contextlib.contextmanager
 def building_dir(out_dir: str, prefix: str) -> Iterator[str]:
-    """A fresh temporary sibling of `out_dir` (mode 0755, readable by other processes) to
-    build in; it is removed if the block raises. Move it into place with `replace_dir` or
-    `install_dir` inside the block."""
+    """A fresh temporary sibling of `out_dir` (the umask's folder mode: 0755 under 022,
+    0700 inside `private_files`) to build in; it is removed if the block raises. Move it
+    into place with `replace_dir` or `install_dir` inside the block."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        os.chmod(tmp, folder_mode())  # mkdtemp makes it 0700
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -131,3 +131,83 @@ def cache_root() -> str:
     """llmdp's cache folder (tokenized unit stores, legacy JSONL ledgers): ``$LLMDP_CACHE``,
     else ``.cache/llmdp`` under the working directory."""
     return os.path.abspath(os.environ.get("LLMDP_CACHE", ".cache/llmdp"))
+
+
+# ---- private data at rest (issue 37) -------------------------------------------------------
+# Everything llmdp derives from private data (unit stores, run folders, checkpoints, the
+# dataset ledger, internal metrics) is created owner-only, whatever the process umask: the
+# launch sets this umask for its own lifetime and every worker sets it on start. What is
+# meant for publication (an export) is given ordinary permissions explicitly (`publish_tree`).
+PRIVATE_UMASK = 0o077  # files 0600, folders 0700
+GROUP_UMASK = 0o027  # output.group_readable: files 0640, folders 0750; never world-readable
+_user_umask: list[int] = []  # the umask found on entering the outermost `private_files`
+
+
+def folder_mode() -> int:
+    """The mode a new folder gets under the current umask (0755 under 022; 0700 inside
+    `private_files`): for folders made by ``mkdtemp`` (always 0700) and then shared."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
+def private_umask(group_readable: bool = False) -> int:
+    return GROUP_UMASK if group_readable else PRIVATE_UMASK
+
+
+@contextlib.contextmanager
+def private_files(group_readable: bool = False) -> Iterator[None]:
+    """Within the block, new files and folders are owner-only (group-readable with
+    ``group_readable``); the process umask is restored after it."""
+    old = os.umask(private_umask(group_readable))
+    _user_umask.append(old)
+    try:
+        yield
+    finally:
+        _user_umask.pop()
+        os.umask(old)
+
+
+def user_umask() -> int:
+    """The umask the user runs llmdp with (outside `private_files`)."""
+    if _user_umask:
+        return _user_umask[0]
+    cur = os.umask(0)
+    os.umask(cur)
+    return cur
+
+
+def publish_tree(path: str) -> None:
+    """Ordinary permissions for a folder meant for publication (an export): 0777/0666 less
+    the user's umask (0755/0644 under the usual 022), whatever it was created with."""
+    mask = user_umask()
+    for root, _dirs, files in os.walk(path):
+        os.chmod(root, 0o777 & ~mask)
+        for f in files:
+            p = os.path.join(root, f)
+            if not os.path.islink(p):
+                os.chmod(p, 0o666 & ~mask)
+
+
+def too_open(path: str, group_readable: bool = False) -> list[str]:
+    """The entries under ``path`` (itself included; not following links) readable, writable
+    or searchable by others (or by the group, unless ``group_readable``)."""
+    allowed = 0o750 if group_readable else 0o700
+    out: list[str] = []
+    if not os.path.exists(path):
+        return out
+    walk = os.walk(path) if os.path.isdir(path) else [(os.path.dirname(path), [], [os.path.basename(path)])]
+    for root, _, files in walk:
+        for p in ([root] if os.path.isdir(path) else []) + [os.path.join(root, f) for f in files]:
+            try:
+                mode = os.lstat(p).st_mode
+            except OSError:
+                continue
+            if not os.path.islink(p) and mode & 0o777 & ~allowed:
+                out.append(p)
+    return out
+
+
+def fix_command(paths: list[str], group_readable: bool = False) -> str:
+    return f"chmod -R {'g-w,o-rwx' if group_readable else 'go-rwx'} " + " ".join(
+        sorted({os.path.abspath(p) for p in paths}))

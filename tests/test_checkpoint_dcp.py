@@ -262,8 +262,12 @@ def runs(tmp_path_factory):
     for name in ("mf_w2", "mf_split"):
         specs[name] = prepare(_recipe(tmp, name, mechanism="banded-mf", sampler="cyclic-poisson",
                                       bands=2), log=lambda *a: None)
-    mp.start_processes(_proc, args=(_ports(4), specs, store.path, out), nprocs=WORLD, join=True,
-                       start_method="spawn")
+    old = os.umask(0o002)  # a permissive umask: the workers' checkpoints stay owner-only
+    try:
+        mp.start_processes(_proc, args=(_ports(4), specs, store.path, out), nprocs=WORLD, join=True,
+                           start_method="spawn")
+    finally:
+        os.umask(old)
     res = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
     return {"specs": specs, "out": out, "res": res}
 
@@ -445,6 +449,7 @@ def test_export_verifies_a_sharded_checkpoint_and_catches_a_tampered_shard(runs)
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
+    from llmdp._fs import too_open
     from llmdp.hub.export import verify_run
     from llmdp.report.build import write_report
 
@@ -452,6 +457,8 @@ def test_export_verifies_a_sharded_checkpoint_and_catches_a_tampered_shard(runs)
     write_report(spec.run_dir)
     problems, report = verify_run(spec.run_dir)
     assert problems == [] and report["status"] == "complete"
+    # the sharded checkpoint (every rank's shards, the index) is owner-only (issue 37)
+    assert too_open(_ckpt(spec)) == [] and any(f.endswith(".distcp") for f in os.listdir(_ckpt(spec)))
     # Flip bytes in the middle of rank 1's piece of the embedding (an 8-byte float64 each).
     folder = _ckpt(spec)
     md = FileSystemReader(folder).read_metadata()

@@ -38,12 +38,26 @@ def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys, unit):
     import ray
     from transformers import AutoModelForCausalLM
 
+    from llmdp._fs import too_open
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))  # this run's unit stores alone
     write_notes(tmp_path / "notes.jsonl", 80)
     (tmp_path / "r.yaml").write_text(RECIPE.format(tok=tiny_tokenizer_dir()))
-    assert main(["train", "r.yaml", *(USER_UNITS if unit == "user" else [])]) == 0
+    old = os.umask(0o022 if unit == "sequence" else 0o002)  # a permissive umask (issue 37)
+    try:
+        assert main(["train", "r.yaml", *(USER_UNITS if unit == "user" else [])]) == 0
+    finally:
+        os.umask(old)
     assert not ray.is_initialized()  # the driver shut down the Ray it started
     run_dir = tmp_path / "runs" / "e2e"
+    # Private data at rest: the run folder (checkpoints, metrics), the unit stores (user
+    # units: built by Ray Data tasks) and the ledger are owner-only.
+    home = os.environ["LLMDP_HOME"]
+    private = [str(tmp_path / "runs"), str(tmp_path / "cache"), os.path.join(home, "ledger.sqlite"),
+               os.path.join(home, "heads")]
+    assert os.path.exists(private[2]) and os.listdir(tmp_path / "cache" / "units")
+    assert [p for w in private for p in too_open(w)] == []
     capsys.readouterr()
 
     assert main(["privacy", "report", str(run_dir), "--json"]) == 0

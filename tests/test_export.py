@@ -113,8 +113,15 @@ def test_full_weights_export_loads_offline_and_generates_the_same(full_run, tmp_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "export"
-    res = export_run(full_run, out, log=lambda *a: None)
+    old = os.umask(0o022)
+    try:
+        res = export_run(full_run, out, log=lambda *a: None)
+    finally:
+        os.umask(old)
     assert res["format"] == "full" and res["verified"] and res["problems"] == []
+    # meant for publication: ordinary permissions (issue 37), though the run's files are 0600
+    assert os.stat(out).st_mode & 0o777 == 0o755
+    assert all(os.stat(os.path.join(r, n)).st_mode & 0o777 == 0o644 for r, _, ns in os.walk(out) for n in ns)
     report = json.load(open(os.path.join(full_run, "privacy_report.json")))
     trained = AutoModelForCausalLM.from_pretrained(os.path.join(full_run, "model"))
     exported = AutoModelForCausalLM.from_pretrained(out)

@@ -457,6 +457,9 @@ class OutputConfig:
     merge: bool = False  # LoRA: publish merged full weights instead of the adapter
     license: str | None = _f(None, nonempty=True)  # the card's license (default: other)
     base_model: str | None = _f(None, nonempty=True)  # the base's Hub id when model.name_or_path is local
+    # Everything the run derives from private data (run folder, checkpoints, unit stores, the
+    # ledger) is owner-only (0600/0700); true: group-readable too (0640/0750), never world
+    group_readable: bool = False
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
+from llmdp._fs import folder_mode
 from llmdp.config.validate import ConfigError
 from llmdp.data.chunks import Chunk, is_uri, plan_chunks, read_chunk
 from llmdp.data.encode import ON_BAD_RECORD, BadRecords, batch_problems
@@ -230,6 +231,9 @@ class _Task:
     def __init__(self, job_file: str, tasks_file: str):
         # One CPU per task: the tokenizer's own thread pool would only add memory.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        # What this task writes takes the store folder's permissions (owner-only, or
+        # group-readable: ``llmdp._fs.private_files`` on the driver), whatever its umask.
+        os.umask(0o777 & ~os.stat(os.path.dirname(os.path.abspath(job_file))).st_mode)
         with open(job_file, "rb") as f:
             self.job: _Job = pickle.load(f)
         with open(tasks_file) as f:
@@ -618,7 +622,7 @@ def _finish(finals, tmp, parts, results, counts, holdout, spec, tokenizer, fps, 
         for name in os.listdir(tmp[p]):  # files of empty shards are not part of the store
             if name == "job.pkl" or name.endswith(".arrow") and name not in keep:
                 os.remove(os.path.join(tmp[p], name))
-        os.chmod(tmp[p], 0o755)
+        os.chmod(tmp[p], folder_mode())  # owner-only in a run (llmdp._fs.private_files)
         try:
             os.rename(tmp[p], finals[p])
         except OSError:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from llmdp._fs import folder_mode
 from llmdp.data.encode import ON_BAD_RECORD, check_records, encode_records
 from llmdp.data.files import record_location
 from llmdp.data.formats import RecordEncoder
@@ -476,7 +477,7 @@ def _write_atomically(cache_dir: str, final: str, units: UnitArrays, meta: dict)
     os.makedirs(cache_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)[:12]}-", dir=cache_dir)
     try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the store is read by other processes
+        os.chmod(tmp, folder_mode())  # mkdtemp makes it 0700; owner-only in a run (private_files)
         write_store(tmp, units, meta)
         try:
             os.rename(tmp, final)

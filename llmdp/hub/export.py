@@ -263,6 +263,9 @@ def export_run(
 
 
 def _finish_export(to, fmt, problems, push, private, dry_run, log, what: str) -> dict:
+    from llmdp._fs import publish_tree
+
+    publish_tree(to)  # meant for publication: ordinary permissions (copies of 0600 files)
     files = _list_files(to)
     log(f"exported {fmt} to {to} ({len(files)} files, {sum(s for _, s in files) / 1e6:.1f} MB); "
         f"{what}" + ("" if not problems else " (UNVERIFIED)"))

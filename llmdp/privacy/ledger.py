@@ -236,7 +236,7 @@ def append_line(path, record: dict) -> None:
     payload = (canonical(record) + "\n").encode("ascii")  # encode first: fail before writing
     make_dirs(path.parent)
     created = not path.exists()
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)  # less the umask
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         _write_all(fd, payload)

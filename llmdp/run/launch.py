@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from llmdp._fs import RunLock, cache_root
+from llmdp._fs import RunLock, cache_root, private_files
 from llmdp.config.schema import ConfigError, RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.hub.export import ExportError, export_run
 from llmdp.privacy.dataset_ledger import check_declared_public, open_dataset_ledger
@@ -28,7 +28,7 @@ from llmdp.report.build import write_report
 from llmdp.run.baseline import BANNER, public_banner
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
 from llmdp.run.localray import WORKER_ENV, start_local_ray
-from llmdp.run.planning import plan_run
+from llmdp.run.planning import plan_run, warn_open
 from llmdp.run.progress import EPS_KEY, Progress
 from llmdp.run.provenance import SOURCE
 from llmdp.run.rundir import RESUME_HINT, RunDir
@@ -303,13 +303,15 @@ def run(cfg: RecipeConfig, log=print, augment=None) -> str:
             f"{eps}); nothing to do. Give a new output.name to train again.")
         return os.path.abspath(cfg.run_dir)
 
-    lock = RunLock(cfg.run_dir)  # one launch per run directory, before anything is written
-    try:
-        return _run_locked(cfg, lock, log, augment)
-    finally:
-        # A launch refused before it created the run directory (bad input, budget) leaves
-        # no lock file behind; a run directory keeps its lock file beside it.
-        lock.release(remove=not os.path.isdir(cfg.run_dir))
+    with private_files(cfg.output.group_readable):  # private data at rest: owner-only
+        warn_open(cfg, log)
+        lock = RunLock(cfg.run_dir)  # one launch per run directory, before anything is written
+        try:
+            return _run_locked(cfg, lock, log, augment)
+        finally:
+            # A launch refused before it created the run directory (bad input, budget) leaves
+            # no lock file behind; a run directory keeps its lock file beside it.
+            lock.release(remove=not os.path.isdir(cfg.run_dir))
 
 
 def report_banner(spec: RunSpec) -> str:

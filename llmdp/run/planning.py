@@ -283,3 +283,20 @@ def _dp_eval_plan(cfg: RecipeConfig, plan, vocab_size: int):
     return plan_dp_eval(epsilon=e.epsilon, noise_multiplier=e.noise_multiplier, steps=e.steps,
                         total_steps=plan.steps, delta=plan.delta, accountant=plan.accountant,
                         loss_bound=e.loss_bound or math.log(max(2, vocab_size)), count=e.count)
+
+
+def warn_open(cfg: RecipeConfig, log) -> None:
+    """A run folder, unit cache or ledger that exists with wider permissions than llmdp
+    gives them (an older version's, or changed by hand): said at launch, with the fix."""
+    from llmdp._fs import fix_command, too_open
+    from llmdp.privacy.ledger_location import is_url, llmdp_home, resolve_location
+
+    group = cfg.output.group_readable
+    where = [cfg.run_dir, os.path.join(cache_root(), "units")]
+    ledger = resolve_location(cfg.privacy.ledger)
+    if not is_url(ledger):
+        where += [ledger, os.path.join(llmdp_home(), "heads")]
+    found = [p for w in where for p in too_open(w, group)[:1]]
+    if found:
+        log(f"warning: private data readable by others: {', '.join(found)} (and maybe more "
+            f"below). Fix: {fix_command([w for w in where if too_open(w, group)], group)}")

@@ -24,6 +24,7 @@ import tempfile
 
 from faker import Faker
 
+from llmdp._fs import folder_mode
 from llmdp.data.synthetic import CONDITIONS, MEDICATIONS
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<unk>")
@@ -287,7 +288,7 @@ def train_public_tokenizer(
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-tokenizer-", dir=parent)
     try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        os.chmod(tmp, folder_mode())  # mkdtemp makes it 0700
         fast.save_pretrained(tmp)
         _make_portable(tmp, fast)
         with open(os.path.join(tmp, "llmdp_tokenizer.json"), "w") as f:

@@ -206,7 +206,20 @@ def _check_out_dir(cfg: TokenizerRecipeConfig) -> dict | None:
 
 
 def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
-    """Run a tokenizer recipe end to end; returns the folder's ``llmdp_tokenizer.json``."""
+    """Run a tokenizer recipe end to end; returns the folder's ``llmdp_tokenizer.json``.
+    What it derives from the private data (the unit cache, the ledger, the private facts
+    beside the folder) is owner-only; the folder itself, a DP release meant to be shared,
+    gets ordinary permissions."""
+    from llmdp._fs import private_files, publish_tree
+
+    with private_files():
+        info = _train_tokenizer(cfg, log)
+    if os.path.isdir(cfg.out_dir):
+        publish_tree(cfg.out_dir)
+    return info
+
+
+def _train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
     # lazy: llmdp.privacy imports torch; this module stays light (llmdp.report.build imports it)
     from llmdp.privacy import accountant as acc
     from llmdp.privacy.budget import DatasetBudget, check_release, first_budget_record

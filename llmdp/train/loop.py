@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmdp._fs import private_files
 from llmdp.clipping import GhostClipper
 from llmdp.config.schema import OptimConfig, lr_lambda
 from llmdp.data.batching import assign_micro_batches
@@ -437,6 +438,11 @@ def _generations(run: Training) -> None:
 
 def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
     """The whole job on one worker: set up, resume, run the remaining steps, finish."""
+    with private_files(spec.cfg.output.group_readable):  # checkpoints, metrics: owner-only
+        return _train_loop(spec, context)
+
+
+def _train_loop(spec: RunSpec, context) -> dict:
     run = setup(spec, context if context is not None else RayContext())
     resume(run)
     open_ledger(run)

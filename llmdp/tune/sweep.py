@@ -226,9 +226,18 @@ def _recorded(cfg, planned) -> tuple[list, list, object]:
 
 
 # ---------------------------------------------------------------------- the sweep
-def run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | None = None,
-              distribution: str | None = None, log=print, run_trial=None, plan_trial=None,
-              rng=None, write_best: str | None = None) -> dict:
+def run_sweep(cfg, grid=(), **kw) -> dict:
+    """`_run_sweep` with everything it writes owner-only (``output.group_readable``: group
+    too): the sweep's internals are computed on the private data."""
+    from llmdp._fs import private_files
+
+    with private_files(cfg.output.group_readable):
+        return _run_sweep(cfg, grid, **kw)
+
+
+def _run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | None = None,
+               distribution: str | None = None, log=print, run_trial=None, plan_trial=None,
+               rng=None, write_best: str | None = None) -> dict:
     """Run the sweep of recipe ``cfg`` (its ``sweep`` section with the command line's
     ``grid`` entries and flags); returns its whole state (sweep.json's content for a grid
     sweep; sweep.internal.json's for a random one, whose publishable part is under

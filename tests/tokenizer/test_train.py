@@ -55,7 +55,11 @@ def _train(tmp_path, corpus, **privacy):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("tok")
-    cfg, info = _train(tmp, corpus)
+    old = os.umask(0o002)  # a permissive umask (issue 37)
+    try:
+        cfg, info = _train(tmp, corpus)
+    finally:
+        os.umask(old)
     return tmp, cfg, info
 
 
@@ -112,11 +116,19 @@ def test_folder_holds_the_release_and_public_configuration_only(trained, corpus,
     training runs on this machine; a copy of the folder alone has none of them."""
     import hashlib
 
-    from llmdp.tokenizer.train import INFO_FILE, read_tokenizer_info
+    from llmdp._fs import too_open
+    from llmdp.tokenizer.train import INFO_FILE, private_facts_path, read_tokenizer_info
 
     tmp, cfg, info = trained
     sha = hashlib.sha256(open(corpus, "rb").read()).hexdigest()
     assert info["data"]["sha256"] == sha and info["data"]["num_records"] == N_NOTES  # local view
+    # at rest (issue 37): the folder, a DP release, is ordinary (umask 002 here); what stays
+    # beside it and the dataset ledger are owner-only
+    assert os.stat(cfg.out_dir).st_mode & 0o777 == 0o775
+    assert all(os.stat(os.path.join(r, n)).st_mode & 0o777 == 0o664
+               for r, _, ns in os.walk(cfg.out_dir) for n in ns)
+    assert too_open(private_facts_path(cfg.out_dir)) == [] and too_open(str(tmp / "ledger.sqlite")) == []
+    assert os.path.exists(private_facts_path(cfg.out_dir))
     names = (b"sha256", b"num_records", b"num_units", b"dataset_fingerprint")
     files = [os.path.join(r, n) for r, _, ns in os.walk(cfg.out_dir) for n in ns]
     assert INFO_FILE in {os.path.basename(f) for f in files}
