@@ -53,7 +53,7 @@ def test_the_auditor_flags_a_mechanism_without_noise(tmp_path, monkeypatch, caps
     r = json.loads((run_dir / "audit.json").read_text())
     assert r["planted"] == "noise-off" and r["violation"] and r["confidence"] == 0.95
     assert r["empirical_epsilon_lower_bound"] > r["epsilon_training"] > 0
-    assert r["epsilon_training"] < 0.3  # what σ = 10 claims
+    assert r["epsilon_training"] < 0.35  # what σ = 10 claims at the recipe's q (kept by the audit)
     report = (run_dir / "privacy_report.md").read_text()
     assert report.startswith("**Warning: a planted bug (noise-off")
     assert "## Empirical audit" in report
