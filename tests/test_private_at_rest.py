@@ -112,6 +112,7 @@ def test_a_launch_and_a_worker_write_with_the_recipes_permissions(tmp_path, monk
 def test_a_run_folder_left_open_is_reported_at_launch_with_the_fix(tmp_path, monkeypatch):
     from llmdp.run.planning import warn_open
 
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))  # only this test's folders
     cfg = _cfg(tmp_path)
     with umask(0o022):  # as an older llmdp left it
         _write_tree(cfg.run_dir)
