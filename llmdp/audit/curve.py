@@ -48,15 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from llmdp.audit.estimate import (
-    _check_beta,
-    _check_included,
-    _check_scores,
-    _check_settings,
-    _check_unit,
-    default_settings,
-    guesses,
-)
+from llmdp.audit.estimate import _check_unit, guess_counts
 from llmdp.audit.fdp import ideal_scores, rejects_curve
 
 __all__ = ["CURVE_INTERVAL", "Curve", "CurveBound", "audit_curve", "ceiling", "trade_off"]
@@ -108,8 +100,9 @@ def _vertices(pmf) -> tuple[np.ndarray, np.ndarray]:
 
 def _upper_hull(alpha: np.ndarray, power: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The upper concave hull of the points, from (0, the highest power at α = 0) to the
-    first point of highest power (Andrew's monotone chain, upper half). Exact orientation
-    tests in float64 without an absolute tolerance: the curve's tail lives at α of 1e-30 and
+    first point of highest power (Andrew's monotone chain, upper half). Orientation
+    tests in float64 (relative rounding ~1e-16, far inside the PLD grid's pessimism) without an
+    absolute tolerance: the curve's tail lives at α of 1e-30 and
     below, where a geometry library's tolerance (qhull's) would erase it."""
     order = np.lexsort((-power, alpha))  # α ascending; at equal α the highest power first
     hull: list[tuple[float, float]] = []
@@ -187,14 +180,8 @@ def audit_curve(scores: Any, included: Any, q: float, sigma: float, steps: int, 
     σ, at confidence 1 − β over the settings `ks` (default: m's grid)."""
     from llmdp.privacy.accountant import epsilon_for
 
-    arr = _check_scores(scores)
-    m = arr.shape[0]
-    truth = _check_included(included, m)
     delta = _check_unit("delta", delta, closed_high=False, open_low=True)
-    beta = _check_beta(beta)
-    settings = default_settings(m) if ks is None else _check_settings(ks, m)
-    level = beta / len(settings)
-    counts = [(kp, kn, int(np.count_nonzero(guesses(arr, kp, kn) == truth))) for kp, kn in settings]
+    m, level, counts = guess_counts(scores, included, beta, ks)
     curves: dict[float, Curve] = {}
 
     def rejecting(s: float):
@@ -209,7 +196,7 @@ def audit_curve(scores: Any, included: Any, q: float, sigma: float, steps: int, 
         eps = 0.0 if s_hat is None else float(epsilon_for(q, s_hat, int(steps), delta))
         kp, kn, c = hit if hit else (0, 0, 0)
         return CurveBound(s_hat, eps, rejecting(float(sigma)) is not None, delta, 1.0 - beta,
-                          float(q), int(steps), m, kp + kn, c, kp, kn, len(settings), level)
+                          float(q), int(steps), m, kp + kn, c, kp, kn, len(counts), level)
 
     # From the claimed σ: up (doubling) to the first rejected σ', or down (halving) to the
     # first one not rejected when σ itself is; then bisection on the bracket.

@@ -55,6 +55,7 @@ __all__ = [
     "DEFAULT_FRACTIONS",
     "AuditBound",
     "auc",
+    "guess_counts",
     "audit_bound",
     "default_settings",
     "epsilon_lower_bound",
@@ -261,23 +262,31 @@ def audit_bound(scores: Any, included: Any, delta: float, beta: float = 0.05,
     `ks`: the (k₊, k₋) settings to try; default `default_settings(m)`. They must be fixed
     before looking at the scores. Each is tested at level β / len(settings) (union bound)
     and the largest ε is returned with its setting."""
+    delta = _check_unit("delta", delta, closed_high=False)
+    m, level, counts = guess_counts(scores, included, beta, ks)
+    beta = _check_beta(beta)
+    best: AuditBound | None = None
+    for k_pos, k_neg, v in counts:
+        r = k_pos + k_neg
+        eps = epsilon_lower_bound(m, r, v, delta, level)
+        if best is None or eps > best.epsilon_lower_bound:
+            best = AuditBound(eps, 1.0 - beta, m, r, v, k_pos, k_neg, len(counts), level)
+    assert best is not None
+    return best
+
+
+def guess_counts(scores: Any, included: Any, beta: float,
+                 ks: Iterable[tuple[int, int]] | None = None) -> tuple[int, float, list[tuple[int, int, int]]]:
+    """What every one-run estimator starts from: (m, the level β / tries of each setting,
+    [(k₊, k₋, correct guesses)] for the settings `ks`, default `default_settings(m)`)."""
     arr = _check_scores(scores)
     m = arr.shape[0]
     truth = _check_included(included, m)
-    delta = _check_unit("delta", delta, closed_high=False)
     beta = _check_beta(beta)
     settings = default_settings(m) if ks is None else _check_settings(ks, m)
-    level = beta / len(settings)
-    best: AuditBound | None = None
-    for k_pos, k_neg in settings:
-        t = guesses(arr, k_pos, k_neg)
-        r = k_pos + k_neg
-        v = int(np.count_nonzero(t == truth))  # abstentions (0) never equal ±1
-        eps = epsilon_lower_bound(m, r, v, delta, level)
-        if best is None or eps > best.epsilon_lower_bound:
-            best = AuditBound(eps, 1.0 - beta, m, r, v, k_pos, k_neg, len(settings), level)
-    assert best is not None
-    return best
+    # abstentions (0) never equal ±1
+    counts = [(kp, kn, int(np.count_nonzero(guesses(arr, kp, kn) == truth))) for kp, kn in settings]
+    return m, beta / len(settings), counts
 
 
 def _check_settings(ks: Iterable[tuple[int, int]], m: int) -> list[tuple[int, int]]:

@@ -71,16 +71,7 @@ from typing import Any
 import numpy as np
 from scipy import optimize, special
 
-from llmdp.audit.estimate import (
-    _check_beta,
-    _check_counts,
-    _check_included,
-    _check_scores,
-    _check_settings,
-    _check_unit,
-    default_settings,
-    guesses,
-)
+from llmdp.audit.estimate import _check_beta, _check_counts, _check_unit, guess_counts
 
 __all__ = ["GdpBound", "audit_gdp", "ceiling", "gdp_delta", "gdp_epsilon", "ideal_iterates",
            "ideal_scores", "lr_scores", "mu_lower_bound", "rejects", "rejects_curve"]
@@ -193,20 +184,14 @@ def audit_gdp(scores: Any, included: Any, delta: float, beta: float = 0.05,
     """The f-DP one-run bound from canary `scores` (higher = more likely included) and the
     truth `included`, at confidence 1 − β over the settings `ks` (default: m's grid), each
     tested at β / len(ks)."""
-    arr = _check_scores(scores)
-    m = arr.shape[0]
-    truth = _check_included(included, m)
     delta = _check_unit("delta", delta, closed_high=False, open_low=True)
-    beta = _check_beta(beta)
-    settings = default_settings(m) if ks is None else _check_settings(ks, m)
-    level = beta / len(settings)
+    m, level, counts = guess_counts(scores, included, beta, ks)
     best: GdpBound | None = None
-    for k_pos, k_neg in settings:
-        c = int(np.count_nonzero(guesses(arr, k_pos, k_neg) == truth))
+    for k_pos, k_neg, c in counts:
         mu = mu_lower_bound(m, k_pos + k_neg, c, level)
         if best is None or mu > best.mu_lower_bound:
             best = GdpBound(mu, gdp_epsilon(mu, delta), delta, 1.0 - beta, m, k_pos + k_neg, c,
-                            k_pos, k_neg, len(settings), level)
+                            k_pos, k_neg, len(counts), level)
     assert best is not None
     return best
 
