@@ -1,6 +1,7 @@
 """Correlated noise against DP-SGD on the demo, at equal ε, steps, batch and compute.
 
     python benchmarks/mf_utility.py [--seeds 0,1,2] [--epsilons 1,3,8] [--out-dir runs/mf]
+        [--mechanisms dp-sgd,banded-mf,blt] [--sgd LR [--momentum 0.9]]
 
 From the public-pretrained start (`recipes/demo-finetune.yaml`, the model
 `recipes/demo-pretrain.yaml` trains first if it is not complete), for each ε, mechanism and
@@ -12,7 +13,13 @@ clipping norm and DP evaluation (its ε = 0.5 inside the target, as in the demo)
   blt         BLT (buffers grown up to 8), fixed cycle: every unit of the step's group, one
               participation in the demo's 50 steps (cycle round(N/B) = 56 > T)
 
-with `privacy.rng=seeded privacy.seed=SEED`: the seed draws the batches and the noise, the
+With `--sgd LR` every run trains with SGD (momentum 0.9 unless --momentum says otherwise) at
+that learning rate instead of the recipe's AdamW, with the same cosine schedule: the workload
+the strategies are optimized for (momentum and schedule included). Run names start with
+`sgd{momentum}-lr{LR}-`.
+
+Every run uses `privacy.rng=seeded privacy.seed=SEED`: the seed draws the batches and the
+noise, the
 randomness DP adds (pinned, so the numbers can be regenerated; such a report says its noise
 is seeded: measurements, not releases). Ledger records go to OUT_DIR/ledger.sqlite. A run
 already complete in OUT_DIR is not run again (interrupt and restart at will).
@@ -44,11 +51,14 @@ MECHANISMS = {
 }
 
 
-def runs(seeds, epsilons) -> list[tuple[str, float, int, str, list[str]]]:
-    """(mechanism, ε, seed, run name, overrides), seeds outermost."""
-    return [(mech, eps, seed, f"{mech}-eps{eps:g}-seed{seed}",
-             [*over, f"privacy.target_epsilon={eps:g}", "privacy.rng=seeded", f"privacy.seed={seed}"])
-            for seed in seeds for eps in epsilons for mech, over in MECHANISMS.items()]
+def runs(seeds, epsilons, mechanisms=tuple(MECHANISMS), optim: tuple[str, ...] = (),
+         prefix: str = "") -> list[tuple[str, float, int, str, list[str]]]:
+    """(mechanism, ε, seed, run name, overrides), seeds outermost. ``optim``: overrides of the
+    optimizer shared by every run (their name starts with ``prefix``)."""
+    return [(mech, eps, seed, f"{prefix}{mech}-eps{eps:g}-seed{seed}",
+             [*MECHANISMS[mech], *optim, f"privacy.target_epsilon={eps:g}", "privacy.rng=seeded",
+              f"privacy.seed={seed}"])
+            for seed in seeds for eps in epsilons for mech in mechanisms]
 
 
 def measure(run_dir: str) -> dict:
@@ -95,16 +105,30 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--epsilons", default="1,3,8")
     ap.add_argument("--out-dir", default="runs/mf")
+    ap.add_argument("--mechanisms", default=",".join(MECHANISMS))
+    ap.add_argument("--sgd", type=float, metavar="LR", default=None,
+                    help="SGD with momentum (--momentum) at this learning rate instead of the "
+                         "recipe's AdamW: the workload the strategies are optimized for")
+    ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     epsilons = [float(e) for e in args.epsilons.split(",")]
+    mechanisms = args.mechanisms.split(",")
+    unknown = sorted(set(mechanisms) - set(MECHANISMS))
+    if unknown:
+        ap.error(f"--mechanisms: unknown {', '.join(unknown)}; choose from {', '.join(MECHANISMS)}")
+    optim: tuple[str, ...] = ()
+    prefix = ""
+    if args.sgd is not None:
+        optim = ("optim.name=sgd", f"optim.lr={args.sgd:g}", f"optim.momentum={args.momentum:g}")
+        prefix = f"sgd{args.momentum:g}-lr{args.sgd:g}-"
     out_dir = os.path.abspath(os.path.join(REPO, args.out_dir))
     ledger = os.path.join(out_dir, "ledger.sqlite")
     pre = [*llmdp(), "train", PRETRAIN]
     todo = [(mech, eps, name, [*llmdp(), "train", RECIPE, *over, f"output.dir={out_dir}",
                                f"output.name={name}", f"privacy.ledger={ledger}"])
-            for mech, eps, _seed, name, over in runs(seeds, epsilons)]
+            for mech, eps, _seed, name, over in runs(seeds, epsilons, mechanisms, optim, prefix)]
     if args.dry_run:
         for cmd in [pre] + [c for *_, c in todo]:
             print(" ".join(cmd))
