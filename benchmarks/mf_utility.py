@@ -19,9 +19,8 @@ the strategies are optimized for (momentum and schedule included). Run names sta
 `sgd{momentum}-lr{LR}-`.
 
 Every run uses `privacy.rng=seeded privacy.seed=SEED`: the seed draws the batches and the
-noise, the
-randomness DP adds (pinned, so the numbers can be regenerated; such a report says its noise
-is seeded: measurements, not releases). Ledger records go to OUT_DIR/ledger.sqlite. A run
+noise, the randomness DP adds (pinned, so the numbers can be regenerated; such a report says
+its noise is seeded: measurements, not releases). Ledger records go to OUT_DIR/ledger.sqlite. A run
 already complete in OUT_DIR is not run again (interrupt and restart at will).
 
 Prints, per (ε, mechanism), the pooled final held-out loss (internal: computed without DP),
