@@ -4,10 +4,14 @@ banded MF and BLT, each with σ calibrated to the same ε on its own analysis.
 
     python benchmarks/mf_rmse.py                      # the demo's shape (N, B, T below)
     python benchmarks/mf_rmse.py --steps 2000 --epsilon 1 3 8 16
+    python benchmarks/mf_rmse.py --momentum 0.9 --schedule cosine --warmup-ratio 0.2
+                                                      # SGD with momentum, the demo's schedule
 
 Prints one row per (ε, mechanism): σ, the strategy's RMSE per unit σ, their product (lower
 is better) and its ratio to DP-SGD's, and the optimizer's wall time. No training: this is the
-noise the optimizer sees, not the model's loss.
+noise the optimizer sees, not the model's loss. With --momentum / --schedule the workload is
+SGD's with that momentum and learning-rate schedule (A[t, j] = Σ_{i=j..t} η_i β^(i−j), the one
+the plan optimizes the strategies for when `optim.name: sgd`); the default is prefix sums.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import tempfile
 import time
 
+from llmdp.config.schema import OptimConfig, lr_lambda
 from llmdp.privacy.mf_workload import rmse, rmse_identity
 from llmdp.privacy.plan import make_plan
 
@@ -30,17 +35,26 @@ def main() -> None:
     ap.add_argument("--delta", type=float, default=1e-6)
     ap.add_argument("--epsilon", type=float, nargs="+", default=[1.0, 3.0, 8.0])
     ap.add_argument("--bands", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--momentum", type=float, default=0.0, help="SGD's momentum β")
+    ap.add_argument("--schedule", default="constant", choices=("constant", "cosine", "linear"))
+    ap.add_argument("--warmup-ratio", type=float, default=0.0)
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "llmdp-mf-bench"))
     a = ap.parse_args()
     n, b, t = a.dataset_size, a.batch_size, a.steps
-    print(f"N={n} B={b:g} T={t} delta={a.delta:g}; prefix-sum workload (SGD)")
+    f = lr_lambda(OptimConfig(name="sgd", momentum=a.momentum, schedule=a.schedule,
+                              warmup_ratio=a.warmup_ratio), t)
+    lrs = [float(f(i)) for i in range(t)]
+    work = dict(momentum=a.momentum, learning_rates=lrs)
+    print(f"N={n} B={b:g} T={t} delta={a.delta:g}; workload: SGD, momentum {a.momentum:g}, "
+          f"{a.schedule} learning rate, warmup {a.warmup_ratio:g}·T")
     print(f"{'eps':>5} {'mechanism':<28} {'sigma':>8} {'rmse/sigma':>10} {'noise':>8} {'vs dp-sgd':>9} {'opt s':>6}")
     base = dict(dataset_size=n, expected_batch_size=b, max_grad_norm=1.0, steps=t,
                 delta=a.delta, strategy_cache=a.cache)
     for eps in a.epsilon:
         sgd = make_plan(target_epsilon=eps, **base)
-        ref = sgd.noise_multiplier * rmse_identity(t)
-        rows = [("dp-sgd (poisson)", sgd.noise_multiplier, rmse_identity(t), 0.0)]
+        ident = rmse_identity(t, **work)
+        ref = sgd.noise_multiplier * ident
+        rows = [("dp-sgd (poisson)", sgd.noise_multiplier, ident, 0.0)]
         configs = [(f"banded-mf b={k} (cyclic-poisson)",
                     dict(mechanism="banded-mf", sampler="cyclic-poisson", bands=k))
                    for k in a.bands if k * b <= n]
@@ -49,10 +63,10 @@ def main() -> None:
         configs += [("blt (fixed-cycle)", dict(mechanism="blt", sampler="fixed-cycle"))]
         for name, kw in configs:
             t0 = time.perf_counter()
-            p = make_plan(target_epsilon=eps, **base, **kw)
+            p = make_plan(target_epsilon=eps, **base, **kw, **work)
             fact = p.factorization()
             fixed = p.sampler == "fixed-cycle"
-            r = rmse(fact, min_sep=p.cycle if fixed else None,
+            r = rmse(fact, **work, min_sep=p.cycle if fixed else None,
                      max_participations=p.ledger_steps if fixed else None)
             rows.append((name, p.noise_multiplier, r, fact.meta.get("seconds",
                                                                     time.perf_counter() - t0)))
