@@ -35,12 +35,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from privacy_utility import PRETRAIN, REPO, complete, llmdp  # noqa: E402
+from privacy_utility import PRETRAIN, REPO, llmdp, run_all  # noqa: E402
 
 RECIPE = "recipes/demo-finetune.yaml"
 MECHANISMS = {
@@ -128,19 +126,8 @@ def main(argv=None) -> int:
     todo = [(mech, eps, name, [*llmdp(), "train", RECIPE, *over, f"output.dir={out_dir}",
                                f"output.name={name}", f"privacy.ledger={ledger}"])
             for mech, eps, _seed, name, over in runs(seeds, epsilons, mechanisms, optim, prefix)]
-    if args.dry_run:
-        for cmd in [pre] + [c for *_, c in todo]:
-            print(" ".join(cmd))
+    if run_all(pre, [(name, cmd) for _m, _e, name, cmd in todo], out_dir, args.dry_run):
         return 0
-    os.makedirs(out_dir, exist_ok=True)
-    subprocess.run(pre, cwd=REPO, check=True)  # the public start (a complete run goes straight on)
-    for i, (_m, _e, name, cmd) in enumerate(todo):
-        if complete(os.path.join(out_dir, name)):
-            continue
-        print(f"[{i + 1}/{len(todo)}] {' '.join(cmd[len(llmdp()):])}", flush=True)
-        t0 = time.perf_counter()
-        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-        print(f"    {name}: {time.perf_counter() - t0:.0f} s", flush=True)
     results: dict = {}
     for mech, eps, name, _ in todo:
         results.setdefault((eps, mech), []).append(measure(os.path.join(out_dir, name)))

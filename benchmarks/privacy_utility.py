@@ -83,6 +83,28 @@ def markdown(pooled: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_all(pre: list[str], todo: list[tuple[str, list[str]]], out_dir: str,
+            dry_run: bool = False) -> bool:
+    """Run the public pretraining ``pre`` (a second launch of a complete run goes straight on),
+    then every (run name, command) of ``todo`` not yet complete in ``out_dir``, one at a time,
+    printing each command and its wall time. ``dry_run``: print the commands only. Returns
+    ``dry_run`` (the caller's cue to stop there)."""
+    if dry_run:
+        for cmd in [pre] + [c for _, c in todo]:
+            print(" ".join(cmd))
+        return True
+    os.makedirs(out_dir, exist_ok=True)
+    subprocess.run(pre, cwd=REPO, check=True)
+    for i, (name, cmd) in enumerate(todo):
+        if complete(os.path.join(out_dir, name)):
+            continue
+        print(f"[{i + 1}/{len(todo)}] {' '.join(cmd[len(llmdp()):])}", flush=True)
+        t0 = time.perf_counter()
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        print(f"    {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2")
@@ -98,23 +120,8 @@ def main(argv=None) -> int:
     todo = [(start, name, [*llmdp(), "train", STARTS[start], *over, f"output.dir={out_dir}",
                            f"output.name={name}", f"privacy.ledger={ledger}"])
             for start, name, over in runs(seeds, epsilons)]
-    if args.dry_run:
-        for cmd in [pre] + [c for *_, c in todo]:
-            print(" ".join(cmd))
+    if run_all(pre, [(name, cmd) for _, name, cmd in todo], out_dir, args.dry_run):
         return 0
-    os.makedirs(out_dir, exist_ok=True)
-    # The public pretraining (a second launch of a complete run goes straight on).
-    subprocess.run(pre, cwd=REPO, check=True)
-    walls = {}
-    for i, (_start, name, cmd) in enumerate(todo):
-        run_dir = os.path.join(out_dir, name)
-        if complete(run_dir):
-            continue
-        print(f"[{i + 1}/{len(todo)}] {' '.join(cmd[len(llmdp()):])}", flush=True)
-        t0 = time.perf_counter()
-        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-        walls[name] = time.perf_counter() - t0
-        print(f"    {name}: {walls[name]:.0f} s", flush=True)
     from llmdp.tune.compare import compare, summarize
 
     png = os.path.join(out_dir, "privacy-utility.png")
