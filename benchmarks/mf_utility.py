@@ -20,8 +20,8 @@ the strategies are optimized for (momentum and schedule included). Run names sta
 
 Every run uses `privacy.rng=seeded privacy.seed=SEED`: the seed draws the batches and the
 noise, the randomness DP adds (pinned, so the numbers can be regenerated; such a report says
-its noise is seeded: measurements, not releases). Ledger records go to OUT_DIR/ledger.sqlite. A run
-already complete in OUT_DIR is not run again (interrupt and restart at will).
+its noise is seeded: measurements, not releases). Ledger records go to OUT_DIR/ledger.sqlite.
+A run already complete in OUT_DIR is not run again (interrupt and restart at will).
 
 Prints, per (ε, mechanism), the pooled final held-out loss (internal: computed without DP),
 the DP evaluation's released loss (and its noise std), σ, the median step time (steps 2+;
