@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import time
 
 from llmdp.privacy import accountant as _acc
 from llmdp.privacy import eval_source as _eval_source
@@ -591,10 +590,10 @@ class LedgerService:
         return any(r.get("kind") == "release" for r in recs[n:])
 
     def start_attempt(self) -> str:
-        # Unique across launches: two launches of a run in one process (in-process relaunches,
-        # a notebook) within one second would otherwise share an id, and the report, which
-        # counts attempts by id, would count them as one.
-        self.attempt = f"{int(time.time())}-{os.getpid()}-{self.attempts}-{secrets.token_hex(4)}"
+        # 128 random bits: unique across launches (the report counts attempts by id, so two
+        # launches in one process and one second must differ), and published (ledger,
+        # report): no time or pid in it, which would tell when and where the run went on.
+        self.attempt = secrets.token_hex(16)
         self.attempts += 1
         self._reserved = []
         self._stopped = None

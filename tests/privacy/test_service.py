@@ -494,9 +494,9 @@ def test_a_malformed_void_is_not_a_record(bad, why):
 def test_two_launches_in_one_process_and_one_second_are_two_attempts(tmp_path, monkeypatch):
     """A relaunch in the same process within the same second (an in-process resume) is a new
     attempt: its id differs from the earlier launch's, so the report counts two."""
-    import llmdp.privacy.service as svc_mod
+    import time
 
-    monkeypatch.setattr(svc_mod.time, "time", lambda: 1_800_000_000.25)
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.25)
     ids = []
     for _ in range(2):
         s = service(tmp_path)  # a fresh service per launch, as the driver makes
@@ -505,3 +505,19 @@ def test_two_launches_in_one_process_and_one_second_are_two_attempts(tmp_path, m
         s.db.close()
     assert ids[0] != ids[1]
     assert len({r["attempt"] for r in records(tmp_path) if r.get("kind") == "release"}) == 2
+
+
+def test_an_attempt_id_is_random_and_carries_no_time_or_pid(tmp_path, monkeypatch):
+    """Attempt ids are published (ledger, report): they say nothing about when or by which
+    process a run was launched, only 128 random bits (issue 49 (a))."""
+    import re
+    import time
+
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.25)
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    s = service(tmp_path)
+    ids = [s.start_attempt(), s.start_attempt()]
+    for a in ids:
+        assert re.fullmatch(r"[0-9a-f]{32}", a), a
+        assert "1800000000" not in a  # (a pid's digits could occur in 128 random bits)
+    assert ids[0] != ids[1]
