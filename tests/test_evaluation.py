@@ -418,7 +418,7 @@ def test_expected_std_is_the_std_the_releases_have():
 def test_a_dp_evaluation_that_would_be_mostly_noise_is_refused_at_plan_time(tmp_path):
     """Issue 30 item 3: a small held-out set whose DP release's std dwarfs the metric's
     range is refused, naming the numbers and the fixes; eval.allow_noisy releases it."""
-    evaluation = {"noise_multiplier": 40.0}
+    evaluation = {"noise_multiplier": 40.0, "count": "public"}
     cfg = eval_recipe(tmp_path, evaluation=evaluation)
     with pytest.raises(ConfigError, match=r"(?s)eval: the DP evaluation would be mostly noise: "
                                           r"with \d+ held-out unit.*Hold out at least \d+ units.*"
@@ -433,6 +433,29 @@ def test_a_dp_evaluation_that_would_be_mostly_noise_is_refused_at_plan_time(tmp_
     want = spec.eval_plan.expected_std(units)
     assert want["fraction_of_range"] > dp_eval.NOISY_EVAL_FRACTION
     assert any(f"accuracy ± {want['accuracy']:.3g}" in x for x in lines), lines
+
+
+def test_the_noisy_evaluation_refusal_keeps_a_noised_count_private(tmp_path):
+    """Issue 49 (b): with eval.count: noised the held-out count is private, so the refusal
+    states neither it nor a std computed from it (which would give it back), only the
+    public threshold and the fixes; with eval.count: public it names the count."""
+    from llmdp.run.launch import prepare
+
+    cfg = eval_recipe(tmp_path, evaluation={"noise_multiplier": 40.0, "allow_noisy": True})
+    spec = prepare(cfg, log=lambda *a: None)
+    units = open_(spec.paths.eval_store_dir).num_units
+    sd = spec.eval_plan.expected_std(units)
+    cfg = eval_recipe(tmp_path, evaluation={"noise_multiplier": 40.0, "count": "noised"})
+    with pytest.raises(ConfigError) as e:
+        prepared(cfg)
+    msg = str(e.value)
+    assert "eval.count: noised" in msg and "Hold out at least" in msg and "eval.allow_noisy" in msg
+    for private in (f"{units} held-out", f"± {sd['loss']:.3g}", f"± {sd['accuracy']:.3g}",
+                    f"{sd['fraction_of_range']:.0%}"):
+        assert private not in msg, (private, msg)
+    cfg = eval_recipe(tmp_path, evaluation={"noise_multiplier": 40.0, "count": "public"})
+    with pytest.raises(ConfigError, match=rf"with {units} held-out unit"):
+        prepared(cfg)
 
 
 def test_dp_metrics_are_published_with_their_std_everywhere():

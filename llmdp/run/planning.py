@@ -260,11 +260,18 @@ def _check_dp_eval_noise(cfg: RecipeConfig, eval_plan, units: int, log) -> None:
     if sd["fraction_of_range"] <= NOISY_EVAL_FRACTION or cfg.eval.allow_noisy:
         return
     need = math.ceil(eval_plan.noise_std / NOISY_EVAL_FRACTION)
+    if eval_plan.count == "public":  # the count is published as is: it may be named
+        why = (f"with {units} held-out unit(s) its std is ± {sd['loss']:.3g} on a loss in [0, "
+               f"{eval_plan.loss_bound:.3g}] and ± {sd['accuracy']:.3g} on an accuracy in [0, 1] "
+               f"({sd['fraction_of_range']:.0%} of each range; at most "
+               f"{NOISY_EVAL_FRACTION:.0%} is allowed)")
+    else:  # eval.count: noised keeps the count private: neither it nor a std made from it
+        why = (f"its std (noise std {eval_plan.noise_std:.3g} divided by the held-out count, "
+               f"which eval.count: noised keeps private and this message does not state) is "
+               f"above {NOISY_EVAL_FRACTION:.0%} of each metric's range, which needs at least "
+               f"{need} held-out units")
     raise ConfigError(
-        f"eval: the DP evaluation would be mostly noise: with {units} held-out unit(s) its "
-        f"std is ± {sd['loss']:.3g} on a loss in [0, {eval_plan.loss_bound:.3g}] and ± "
-        f"{sd['accuracy']:.3g} on an accuracy in [0, 1] ({sd['fraction_of_range']:.0%} of each "
-        f"range; at most {NOISY_EVAL_FRACTION:.0%} is allowed). Hold out at least {need} units "
+        f"eval: the DP evaluation would be mostly noise: {why}. Hold out at least {need} units "
         f"(data.eval.fraction, or a larger data.eval source), release fewer DP evaluations "
         f"(eval.steps), raise eval.epsilon, or set eval.allow_noisy: true to release it anyway",
         key="eval.epsilon")
