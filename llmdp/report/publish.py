@@ -43,8 +43,9 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
     # the mechanism's numbers (N is used by the accountant and published as is)
     "steps": True, "steps_planned": True, "steps_completed": True, "attempts": True,
     "interruptions": True, "steps_voided": True, "steps_lost_to_failures": True, "exceeds_target": True,
-    "dataset_ledger": {"epsilon_spent": True, "budget_epsilon": True, "epsilon_remaining": True,
-                       "delta": True, "accountant": True, "unit": True},
+    # Not `dataset_ledger`: ε spent on the dataset and what remains of its budget are totals
+    # over every run's releases (a random sweep's K among them); they stay in the local report
+    # (DESIGN §3.11). `stopped` is replaced by `published_stop` (its text names those totals).
     "noise_multiplier": True, "sampling_probability": True, "expected_batch_size": True,
     "dataset_size": True, "max_grad_norm": True, "noise_std_per_coordinate": True,
     "noise_generator": True, "clipping": True, "normalization": True,
@@ -116,10 +117,27 @@ def _data_hashes(report: dict) -> tuple[str, ...]:
     return tuple(h for h in out if isinstance(h, str) and re.fullmatch(r"[0-9a-f]{12,}", h))
 
 
+def published_stop(report: dict) -> str | None:
+    """Why the run stopped early, in words that depend on no other run: the local text
+    (`LedgerService._stop_message`) names the ε spent on the whole dataset and the runs that
+    hold the rest of its budget, which other runs move (DESIGN §3.11)."""
+    if not report.get("stopped"):
+        return None
+    done, planned = report.get("steps_completed"), report.get("steps_planned")
+    if report.get("stop_cause") == "ledger":
+        return (f"stopped by the ledger before step {(done or 0) + 1} of {planned} (the "
+                "dataset's privacy budget or the run's target ε); the dataset-wide figures "
+                "are internal")
+    return "stopped early (the reason is internal)"
+
+
 def publishable_report(report: dict) -> dict[str, Any]:
     """The report that may leave the machine, derived from the full local one by the
-    `PUBLISHABLE_REPORT` allow-list; hashes are redacted from its texts."""
+    `PUBLISHABLE_REPORT` allow-list; hashes are redacted from its texts. Nothing in it
+    depends on another run's releases on the dataset."""
     pub = _redact_hashes(allow_listed(report, PUBLISHABLE_REPORT), _data_hashes(report))
+    if "stopped" in pub:
+        pub["stopped"] = published_stop(report)
     pub["publishable"] = True
     pub["withheld"] = PUBLISHABLE_NOTE
     return pub

@@ -229,10 +229,16 @@ def _dataset_rows(r: dict) -> list[str]:
     listed = "; ".join(f"{x['run_id']} ({x['mechanism']}, {x['count']} "
                        f"{'step(s)' if x['mechanism'] == 'dp-sgd' else 'release(s)'}, unit {x['unit']}): "
                        f"{x['status']}" for x in other)
-    return [f"| Dataset ledger (releases on this data for this run's unit, {d.get('unit')}) | ε = "
+    # Internal: totals over every run's releases on the dataset, which other runs move (a
+    # random sweep's K among them); the publishable report never holds this section.
+    return [f"| Dataset ledger (internal: every run's releases on this data for this run's unit, "
+            f"{d.get('unit')}; never published) | ε = "
             f"{d['epsilon_spent']:.4f} at δ = {d['delta']:.3g}{budget} |"] + (
         [f"| Dataset ledger, other privacy units | {listed}; an ε for one unit definition is no "
-         f"guarantee for another, and no group-privacy conversion is made |"] if other else [])
+         f"guarantee for another, and no group-privacy conversion is made |"] if other else []) + (
+        [f"| Dataset ledger, declared distinct from {', '.join(d['distinct_from']['ledgers'])} "
+         f"(data.distinct_from, internal) | {d['distinct_from']['reason']} |"]
+        if d.get("distinct_from") else [])
 
 
 def _epsilon_panel(ax, curve, report: dict) -> None:

@@ -447,8 +447,9 @@ def publication(state: dict) -> dict:
     return {"bound": "b",
             "publishable": [SWEEP_JSON, SWEEP_MD, "the selected trial's model and its DP evaluation"],
             "internal": [SWEEP_INTERNAL_JSON, SWEEP_INTERNAL_MD, "every other trial's run directory",
-                         "the selected trial's own privacy report (its ε is the trial's alone and "
-                         "its dataset-ledger section composes every trial: it reveals K)"],
+                         "the selected trial's local privacy report (its ε is the trial's alone and "
+                         "its dataset-ledger section composes every trial: it reveals K; the "
+                         "publishable report of its export holds no dataset-wide total)"],
             "a_is_better": bool(better),
             "under_a": "every file (K included) may be published, with bound (a)"}
 
