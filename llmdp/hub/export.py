@@ -137,9 +137,13 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
         problems.append("a DP release of this model used a seeded RNG ("
                         + ("; ".join(seeded_from) or "privacy.rng: seeded")
                         + "): it carries no guarantee against anyone who knows the seed")
-    if report.get("steps", 0) < report.get("steps_completed", 0):
-        problems.append(f"the ledger records {report.get('steps')} steps but {report.get('steps_completed')} "
-                        f"were completed: steps are missing from the ledger")
+    # The ledger counts ledger units: steps, or a correlated mechanism's rounds of `cycle` steps.
+    begun = rd.plan.ledger_begun(report.get("steps_completed", 0))
+    if report.get("steps", 0) < begun:
+        unit = "round(s)" if rd.plan.correlated else "steps"
+        problems.append(f"the ledger records {report.get('steps')} {unit} but the "
+                        f"{report.get('steps_completed')} completed steps began {begun}: "
+                        f"{unit} are missing from the ledger")
     if rebuilt is not None:
         # build_report cross-checked the run's ledger with the dataset ledger (and stopped
         # on any difference); a database it could not reach is a reason not to verify.

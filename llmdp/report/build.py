@@ -192,7 +192,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         "target_epsilon": plan.target_epsilon,
         "epsilon_planned": plan_info.get("epsilon_planned"),
         "dp_setting": "central DP: a trusted trainer holds the raw data; the released "
-        "artifacts are the model checkpoints and the final model",
+        "artifact is the final model (with the DP evaluations); checkpoints are internal",
         "unit": unit_kind,
         "unit_description": unit_desc,
         "unit_formation": unit_meta.get("formation"),  # a store built on Ray Data
@@ -216,8 +216,9 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         # Internal (names fields of the private records): a unit smaller than the person the
         # records seem to be about protects that person only through group privacy.
         "unit_warning": _unit_warning(unit_kind, seq_len, data_stats.get("person_like_fields")),
-        "mechanism_output": "every intermediate model (all T noisy updates); the final model "
-        "and every checkpoint are covered",
+        "mechanism_output": "the model weights after each of the T noisy updates (the final "
+        "model's included); only the weights are covered, not the checkpoints",
+        "checkpoints": _checkpoints_note(plan),
         "starting_model": plan_info.get("starting_model"),
         "hyperparameters": plan_info.get("hyperparameters"),  # chosen on public data (0 ε)
         "guarantee_scope": scope(plan_info.get("starting_model")),
@@ -304,6 +305,20 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         "dataset_fingerprint": last_meta.get("dataset_fingerprint"),
     }
     return report
+
+
+def _checkpoints_note(plan) -> str:
+    """What a checkpoint is: an internal artifact, never covered by the guarantee and never
+    exported. Beside the weights it holds the optimizer state and counters of the private
+    data without DP (`nonfinite_steps`), and for a correlated mechanism the state of its
+    noise stream: the secret noise of earlier steps, with which the model after step t and
+    the checkpoint at step t+1 give back that step's clipped sum almost without noise."""
+    return ("checkpoints are internal artifacts, not covered by this guarantee and never "
+            "published: besides the weights they hold the optimizer state and counters "
+            "computed on the private data without DP"
+            + (f", and the secret state of the correlated noise stream ({plan.mechanism}), "
+               "which with the weights reveals the noise added at each step"
+               if plan.correlated else ""))
 
 
 def _tuning_not_covered(tuned: dict | None) -> str:
@@ -498,6 +513,11 @@ def _dataset_ledger(plan_info: dict, plan, unit: dict, run_records: list[dict],
         {**budget_status(records, b.epsilon, b.delta - tail, b.accountant, unit, location,
                          info["dataset_id"]), "budget": b.describe()}
     out["cross_checked"] = True
+    declared = next((r for r in records if r.get("kind") == "dataset" and r.get("distinct_from")),
+                    None)
+    if declared is not None:  # internal: data.distinct_from, as the new ledger recorded it
+        out["distinct_from"] = {"ledgers": list(declared["distinct_from"]),
+                                "reason": declared.get("distinct_reason")}
     return out
 
 

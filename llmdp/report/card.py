@@ -74,6 +74,7 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         f"| Adjacency | {report['adjacency']} |",
         f"| DP setting | {report['dp_setting']} |",
         f"| What the guarantee covers | {report['mechanism_output']} |",
+        *([f"| Checkpoints | {report['checkpoints']} |"] if report.get("checkpoints") else []),
         *([f"| Starting model | {report['guarantee_scope']} |"] if report.get("guarantee_scope") else []),
         *([f"| Hyper-parameters | {report['hyperparameters']['note']} |"] if report.get("hyperparameters") else []),
         f"| Accounting | {report['accountant'].upper()}; " + ", ".join(

@@ -102,6 +102,7 @@ def render_markdown(r: dict) -> str:
         f"| Unit size / contribution bound | {r['contribution_bound']} |",
         f"| Adjacency | {r['adjacency']} |",
         f"| Mechanism output | {r['mechanism_output']} |",
+        *([f"| Checkpoints | {r['checkpoints']} |"] if r.get("checkpoints") else []),
         f"| Accounting | {r['accountant'].upper()} (reported); also computed: "
         f"{others or 'none (truncated Poisson is accounted by PLD only)'}; δ = {r['delta']:.3g} "
         f"(< 1/N = {1 / r['dataset_size']:.3g}){_delta_split(r, short=True)} |",
