@@ -38,6 +38,7 @@ from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
 from llmdp.privacy.prior import release_entries
 from llmdp.privacy.service import cross_check
+from llmdp.report.adjacency import adjacency, published_counts
 from llmdp.report.render import _epsilon_panel, render_markdown
 from llmdp.report.spent import epsilon_curve, ledger_noise_tail
 from llmdp.run.baseline import baseline_report
@@ -212,7 +213,10 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             "used by the accountant",
             **{k: v for k, v in data_stats.items() if not k.startswith("parameters_")},
         },
-        "adjacency": "add-or-remove one privacy unit (" + unit_desc + ")",
+        # N is published exactly: the adjacency stated is the one true of that (`adjacency`)
+        "adjacency": adjacency(plan, unit_desc),
+        "accounting_relation": plan.relation,
+        "published_counts": published_counts(plan, plan_info),
         # Internal (names fields of the private records): a unit smaller than the person the
         # records seem to be about protects that person only through group privacy.
         "unit_warning": _unit_warning(unit_kind, seq_len, data_stats.get("person_like_fields")),
@@ -242,7 +246,8 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             + ", and the tokenizer's unless it is a DP release listed above (a tokenizer not "
             "made by llmdp is assumed public)",
             *_tokenizer_not_covered(plan_info),
-            "dataset statistics used to plan the run (N, number of units) are published as is",
+            "dataset statistics used to plan the run: N, the number of units, is published "
+            "exactly and treated as public (see the adjacency)",
             "metrics computed on the private data without DP (internal: listed in the local "
             "report, never published)",
             *(["the number of held-out units used by the DP evaluation (eval.count: public): "

@@ -26,7 +26,8 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
     dp = {
         "epsilon": report["epsilon"], "delta": report["delta"], "accountant": report["accountant"],
         "epsilon_by_accountant": report["epsilon_by_accountant"], "unit": report["unit"],
-        "adjacency": report["adjacency"], "noise_multiplier": report["noise_multiplier"],
+        "adjacency": report["adjacency"], "accounting_relation": report.get("accounting_relation"),
+        "noise_multiplier": report["noise_multiplier"],
         "sampling_probability": report["sampling_probability"], "steps": report["steps"],
         "dataset_size": report["dataset_size"], "max_grad_norm": report["max_grad_norm"],
         "rng": report.get("rng_mode"), "verified": not unverified,
@@ -72,6 +73,8 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         f"| Unit of privacy | {report['unit']}: {report['unit_description']} |",
         f"| Contribution bound | {report['contribution_bound']} |",
         f"| Adjacency | {report['adjacency']} |",
+        *([f"| Published counts (public) | {report['published_counts']} |"]
+          if report.get("published_counts") else []),
         f"| DP setting | {report['dp_setting']} |",
         f"| What the guarantee covers | {report['mechanism_output']} |",
         *([f"| Checkpoints | {report['checkpoints']} |"] if report.get("checkpoints") else []),

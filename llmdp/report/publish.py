@@ -35,7 +35,7 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
                                          "epsilon_alone")},
     "target_epsilon": True, "epsilon_planned": True, "dp_setting": True, "unit": True,
     "unit_description": True, "unit_size": _PUBLIC_UNIT, "records": True, "contribution_bound": True,
-    "adjacency": True, "mechanism_output": True, "checkpoints": True, "data_accesses_covered": True,
+    "adjacency": True, "accounting_relation": True, "published_counts": True, "mechanism_output": True, "checkpoints": True, "data_accesses_covered": True,
     "data_accesses_not_covered": True,
     "tokenizer": {"kind": True, "composed_into_guarantee": True, "model_vocabulary": True,
                   "vocab_size": True, "vocab_adaptation": True, "trained_by_this_run": True,

@@ -101,6 +101,9 @@ def render_markdown(r: dict) -> str:
         *([f"| Records | {r['records']} |"] if r.get("records") else []),
         f"| Unit size / contribution bound | {r['contribution_bound']} |",
         f"| Adjacency | {r['adjacency']} |",
+        *([f"| Published counts (public) | {r['published_counts']} |"] if r.get("published_counts") else []),
+        *([f"| Accounting relation | {r['accounting_relation']} (dp-accounting) |"]
+          if r.get("accounting_relation") else []),
         f"| Mechanism output | {r['mechanism_output']} |",
         *([f"| Checkpoints | {r['checkpoints']} |"] if r.get("checkpoints") else []),
         f"| Accounting | {r['accountant'].upper()} (reported); also computed: "
