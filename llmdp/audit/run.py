@@ -5,8 +5,9 @@ The audit run is the recipe itself (same model, data, plan rules, steps, workers
 directory of its own, ``<output.name>-audit``, trained on the private units plus the
 canaries whose secret keyed coin came up heads (``llmdp.audit.canaries``). Its DP
 releases go into the dataset's ledger like any run's: it trains on the private data. Its
-expected batch is scaled with the store (``_keep_sampling_rate``), so that q, σ and ε are
-the recipe's: the audit measures the mechanism the recipe runs.
+expected batch is scaled with the expected number of included canaries
+(``_keep_sampling_rate``: m/2, never the realized number, which is secret), so that q, σ and
+ε are the recipe's in expectation: the audit measures the mechanism the recipe runs.
 
 After training, each canary is scored against the final model (``llmdp.audit.scores``:
 black-box loss reduction, white-box gradient probe) and the one-run bound of Steinke,
@@ -129,19 +130,24 @@ def _prepare_canaries(cfg, settings: AuditSettings, run_dir: str, log) -> cn.Can
     return canaries
 
 
-def _keep_sampling_rate(acfg, included: int, log):
-    """The audit run's recipe with its expected batch scaled from B to
-    round(B·(N + included)/N), N the recipe's units: the Poisson rate q = B/N, and so σ and
-    ε, stay the recipe's (to the rounding of B) with the included canaries in the store. The
-    audit then measures the mechanism the recipe runs, not a diluted one. N comes from a
-    plan of the recipe alone (its unit store is cached: the run's own plan reuses it)."""
+def _keep_sampling_rate(acfg, canaries: cn.Canaries, log):
+    """The audit run's recipe with its expected batch scaled from B to round(B·(N + m/2)/N),
+    N the recipe's units, m the canaries: m/2 is the expected number included (each by a fair
+    keyed coin), so the Poisson rate q = B/(N + included) is the recipe's B/N when as many
+    are included as expected, and near it otherwise, and the audit measures the mechanism the
+    recipe runs, not a diluted one. The realized number included is secret (it depends on
+    the key, and the one-run analysis assumes it hidden): neither B nor the log depends on
+    it. N comes from a plan of the recipe alone (its unit store is cached: the run's own
+    plan reuses it)."""
     from llmdp.run.planning import plan_run
 
     n = plan_run(acfg, log=lambda *_: None).store.num_units
     b = int(acfg.train.expected_batch_size)
-    scaled = int(round(b * (n + included) / n))
-    log(f"audit: expected batch {b} -> {scaled} units, so that q = B/N stays the recipe's "
-        f"{b / n:.6g} with the {included} included canaries (N = {n} + {included})")
+    expected = canaries.m / 2
+    scaled = int(round(b * (n + expected) / n))
+    log(f"audit: expected batch {b} -> {scaled} units, so that q = B/N is the recipe's "
+        f"{b / n:.6g} in expectation over the canaries' coins (N = {n} + the included "
+        f"canaries, {expected:g} expected)")
     return dataclasses.replace(acfg, train=dataclasses.replace(acfg.train, expected_batch_size=scaled))
 
 
@@ -183,7 +189,7 @@ def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict
         cn.augmented_store(store, canaries, os.path.join(secret, f"store-all-{tag}"), which="all")
         return cn.augmented_store(store, canaries, os.path.join(secret, f"store-train-{tag}"))
 
-    acfg = _keep_sampling_rate(acfg, int(canaries.included.sum()), log)
+    acfg = _keep_sampling_rate(acfg, canaries, log)
     trainer.run(acfg, log=log, augment=augment)
     t_train = time.time() - t0
     rd = RunDir(run_dir)
@@ -296,7 +302,7 @@ def summarize(per: dict, canaries: cn.Canaries, report: dict, settings: AuditSet
         "confidence": float(settings.confidence),
         "canaries": canaries.m,
         "canary_kinds": {k: canaries.kinds.count(k) for k in cn.KINDS},
-        "canaries_included": int(canaries.included.sum()),
+        # not the realized number included: it depends on the key (secret; `audit/` has the coins)
         "delta": delta,
         "epsilon_claimed": eps_claimed,
         "epsilon_training": eps_train,

@@ -9,9 +9,10 @@ import os
 
 __all__ = ["audit_line", "audit_markdown", "audit_section", "render_audit"]
 
-# What the report (and so an export) carries of audit.json.
+# What the report (and so an export) carries of audit.json. Never the realized number of
+# included canaries (an earlier llmdp's `canaries_included`): it depends on the secret key.
 SECTION_KEYS = ("audit_version", "method", "confidence", "canaries", "canary_kinds",
-                "canaries_included", "delta", "epsilon_claimed", "epsilon_training",
+                "delta", "epsilon_claimed", "epsilon_training",
                 "empirical_epsilon_lower_bound", "ratio_to_training_epsilon", "violation",
                 "f_dp_mu_lower_bound", "f_dp_epsilon", "f_dp_curve_epsilon",
                 "f_dp_curve_noise_multiplier", "ceiling", "canary_kind",
