@@ -7,8 +7,9 @@ after the pair's. The tests below read the files.
 - the round trip: what every rank wrote (no gather) loads, into a differently initialized
   model, as exactly the saved parameters and optimizer state (and so does fsdp's full
   ``state.pt`` of before);
-- resuming on another world size: 4 seeded steps with a checkpoint at step 2, on 2 workers
-  and on 1; each resumed from the other's step-2 checkpoint; all four final models agree
+- resuming on another world size: 4 seeded steps (one key scope for all: `_proc`) with a
+  checkpoint at step 2, on 2 workers and on 1; each resumed from the other's step-2
+  checkpoint; all four final models agree
   (the noise is keyed per coordinate, the sample per step: only float summation order
   differs, float64);
 - the streamed final model (tensor by tensor, bounded shards + index) equals exactly what
@@ -137,7 +138,13 @@ def _ports(n: int) -> list[int]:
 
 
 def _proc(rank, ports, runs, store_dir, out):
+    from llmdp.train import loop
+
     torch.set_num_threads(1)
+    # Every run and attempt here keys its seeded draws alike, so that the world sizes and the
+    # resumed runs compare with one another: a real seeded run keys them by its run id and
+    # attempt (`loop.seeded_scope`, issue 49 item 6), and its resumed attempts draw anew.
+    loop.seeded_scope = lambda run: setattr(run, "key_scope", ("same", "1"))
     res = {}
     if rank == 0:  # world size 1 first: the uninterrupted run, keeping its step-2 checkpoint
         _group(0, 1, ports[0], lambda: _train(runs["w1"], _ckpt(runs["w1"]), keep_dir=os.path.join(out, "w1_at2")))

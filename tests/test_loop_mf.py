@@ -79,13 +79,23 @@ def _final(prep) -> dict[str, torch.Tensor]:
 
 
 def _seeded(tmp_path, name):
-    """The banded recipe with seeded sampling and noise, so two runs draw alike (one data
-    file, one dataset ledger; each its own run)."""
+    """The banded recipe with seeded sampling and noise (one data file, one dataset ledger;
+    each its own run). Two runs draw alike only under `_same_draws`."""
     import dataclasses
 
     cfg = mf_recipe(tmp_path, mechanism="banded-mf", sampler="cyclic-poisson", bands=3,
                     rng="seeded", seed=7)
     return dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, name=name))
+
+
+def _same_draws(monkeypatch) -> None:
+    """Every run and attempt in this test keys its seeded draws alike, so that a resumed run
+    compares bit for bit with an uninterrupted one. A real seeded run keys them by its run id
+    and attempt (`loop.seeded_scope`, issue 49 item 6): a resumed attempt draws fresh keys,
+    as a secure run does, and its model is not the uninterrupted run's."""
+    from llmdp.train import loop
+
+    monkeypatch.setattr(loop, "seeded_scope", lambda run: setattr(run, "key_scope", ("same", "1")))
 
 
 def _crash_at(monkeypatch, n: int) -> None:
@@ -127,6 +137,7 @@ def _clear_stop(monkeypatch, prep) -> None:
 def test_a_crash_starts_a_new_segment_and_its_rounds_are_counted_again(tmp_path, monkeypatch):
     """The attempt after a failure may re-run steps whose rows were released: it restarts
     the mechanism (a fresh segment) and the ledger counts the rounds it begins again."""
+    _same_draws(monkeypatch)  # the models below differ by the segment, not by the keys
     prep = prepared_config(_seeded(tmp_path, "crash"))
     ckpt = str(tmp_path / "ckpt")
     real_step = torch.optim.AdamW.step
@@ -174,7 +185,9 @@ def test_a_crash_starts_a_new_segment_and_its_rounds_are_counted_again(tmp_path,
 def test_ctrl_c_and_resume_continue_the_segment_bit_for_bit(tmp_path, monkeypatch):
     """A graceful stop mid-round (before step 4 of rounds 0-2, 3 steps each) checkpoints the
     stream's state; the resumed attempt continues it: the final model is the uninterrupted
-    run's, bit for bit. The round the stop split is counted by both attempts (4 rounds)."""
+    run's, bit for bit, given the same draws. The round the stop split is counted by both
+    attempts (4 rounds)."""
+    _same_draws(monkeypatch)
     whole = prepared_config(_seeded(tmp_path, "whole"))
     train_loop_per_worker(whole, LocalContext(checkpoint_dir=str(tmp_path / "ckpt_whole")))
     prep = prepared_config(_seeded(tmp_path, "split"))

@@ -182,6 +182,18 @@ def test_every_trial_needs_a_dp_evaluation(tmp_path):
                   run_trial=never, plan_trial=never)
 
 
+def test_a_seeded_sweep_is_refused(tmp_path):
+    """Issue 49 item 6: sweep.md states bounds (a)/(b) over every trial's model; with a seed
+    in the recipe whoever knows it recomputes every trial's noise, so no bound holds: a
+    sweep's trials draw from the OS (a seeded run is for tests and reproducing one run)."""
+    cfg = recipe(tmp_path, privacy={"rng": "seeded", "seed": 3})
+    with pytest.raises(ConfigError, match=r"privacy.rng: seeded in the recipe.*privacy.rng: secure"):
+        run_sweep(cfg, ["optim.lr=0.1,0.2"], log=lambda *a: None, run_trial=never, plan_trial=never)
+    with pytest.raises(ConfigError, match=r"privacy.rng: seeded in the grid point"):
+        run_sweep(recipe(tmp_path), ["privacy.rng=seeded", "privacy.seed=3", "optim.lr=0.1,0.2"],
+                  log=lambda *a: None, run_trial=never, plan_trial=never)
+
+
 def test_cli_errors_name_the_flag(tmp_path, capsys):
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(raw_recipe(tmp_path)))

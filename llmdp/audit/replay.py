@@ -7,7 +7,7 @@ reduction, the noise, the division). Two trainings are built from the same RunSp
 neighbour's keeps everything public (model, noise multiplier, C, q, B_max, the minimum
 micro-step count) and changes only the data: its store is a view of D's store without
 unit u (:class:`WithoutUnit`) and its sampler draws from N−1 units at D's q. With
-``privacy.rng: seeded`` both sides draw the same step keys.
+``privacy.rng: seeded`` both sides draw the same step keys (one run id, one attempt).
 
 What is checked, per step (:class:`ReplayResult.violations` lists what failed, each
 line tagged with its check, "(a)" or "(b)", and naming the unit, step and rank):
@@ -88,6 +88,7 @@ _PARALLEL_OPS = ("privatize_", "privatize_sharded_", "all_reduce_", "sum_over_wo
 # Ledger fields that name the run or the moment, not the release.
 _LEDGER_VOLATILE = frozenset({"time", "hash", "prev", "prev_hash", "run_prev", "seq", "run_id", "attempt",
                               "dataset_id", "run_ledger", "txn"})
+_ATTEMPT = "replay"  # the seeded keys' attempt on both sides (`loop.seeded_scope`): the same draws
 
 
 class ReplayError(RuntimeError):
@@ -106,8 +107,7 @@ class WithoutUnit:
         self.base, self.removed = store, int(unit)
         self.keep = np.delete(np.arange(store.num_units, dtype=np.int64), self.removed)
         self.num_units = store.num_units - 1
-        for name in ("unit_row_start", "unit_row_count", "unit_target_tokens",
-                     "unit_max_row_length"):
+        for name in ("unit_row_start", "unit_row_count", "unit_target_tokens", "unit_max_row_length"):
             setattr(self, name, np.asarray(getattr(store, name))[self.keep])
 
     def rows(self, unit_indices, width=None):
@@ -249,7 +249,7 @@ def aligned_draw(num_units: int, q: float, max_batch_size: int | None, unit: int
 def aligned(spec: RunSpec, unit: int, step: int = 0, groups: np.ndarray | None = None) -> bool:
     """:func:`aligned_draw` for ``spec``'s plan at ``step`` (its seed's step keys); for a
     cyclic sampler, the same comparison of its D and D∖{u} draws."""
-    keys = StepKeys.draw(step, "seeded", spec.cfg.privacy.seed, torch.device("cpu"))
+    keys = StepKeys.draw(step, "seeded", spec.cfg.privacy.seed, torch.device("cpu"), (spec.run_id, _ATTEMPT))
     plan = spec.plan
     if not plan.correlated:
         return aligned_draw(int(plan.dataset_size), plan.sampling_probability, plan.max_batch_size,
@@ -267,7 +267,7 @@ def sampled_seed(spec: RunSpec, unit: int, step: int = 0, tries: int = 2000) -> 
     groups = unit_groups_of(spec)
     for seed in range(tries):
         s = with_seed(spec, seed)
-        keys = StepKeys.draw(step, "seeded", seed, torch.device("cpu"))
+        keys = StepKeys.draw(step, "seeded", seed, torch.device("cpu"), (spec.run_id, _ATTEMPT))
         s_d, truncated = _draw(_sampler(s, None, groups), keys.sample, step)
         if unit in s_d and not truncated and aligned(s, unit, step, groups):
             return seed
@@ -378,6 +378,7 @@ def _side(factory: Callable[[], Any], spec: RunSpec, unit: int | None, steps: in
         run.store = WithoutUnit(run.store, unit)
         run.sampler = _sampler(spec, unit, groups)
     open_ledger(run)
+    run.key_scope = (spec.run_id, _ATTEMPT)  # both sides, every rank: the same seeded draws
     keep = run.store.keep if unit is not None else None
     out = []
     for step in range(steps):
@@ -388,7 +389,7 @@ def _side(factory: Callable[[], Any], spec: RunSpec, unit: int | None, steps: in
                     p.copy_(q)
         snapshots.append([p.detach().clone() for p in run.clipper.params] if steps > 1 else [])
         before = len(_ledger_records(run))
-        keys = StepKeys.draw(step, "seeded", spec.cfg.privacy.seed, run.device)
+        keys = StepKeys.draw(step, "seeded", spec.cfg.privacy.seed, run.device, run.key_scope)
         sample, _ = _draw(run.sampler, keys.sample, step)
         predicted = len(assign_micro_batches(
             sample, run.store.unit_row_count, run.store.unit_max_row_length, world_size=run.world,

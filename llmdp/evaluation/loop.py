@@ -55,8 +55,9 @@ def evaluate_held_out(run, step: int, *, final: bool = False, write=None) -> dic
             ok, why = run.ledger.release_eval(step)  # write-ahead: durable before the noise
             if ok:
                 cfg = spec.cfg.privacy
-                key = (keys.seeded_key(int(cfg.seed), step, "eval") if cfg.rng == "seeded"
-                       else keys.secure_key())
+                # seeded: keyed by the run and its attempt too (`train.loop.seeded_scope`)
+                key = (keys.seeded_key(int(cfg.seed), step, "eval", *run.key_scope)
+                       if cfg.rng == "seeded" else keys.secure_key())
                 released = {"event": "dp_eval", **dp_eval.release(total, plan, key, step)}
             else:
                 released = {"event": "dp_eval", "step": step, "refused": why}

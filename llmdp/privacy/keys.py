@@ -2,8 +2,11 @@
 
 A step's randomness (its sample and its noise) is a deterministic function of one secret
 32-byte key: `secure_key()` draws it from the OS, so nobody can recompute the draw;
-`seeded_key(seed, step, purpose)` derives it from a seed, for tests and reproducible runs,
-which then carry no guarantee against anyone who knows the seed (DESIGN §3.7). The
+`seeded_key(seed, step, purpose, run=, attempt=)` derives it from a seed, for tests and
+reproducible runs, which then carry no guarantee against anyone who knows the seed (DESIGN
+§3.7). The run and the attempt are in the key: two runs with one seed (two trials of a
+sweep) and two attempts of one run (a step re-run after a resume, whose sum may be rounded
+differently) draw independent noise, which no one can cancel by differencing them. The
 sampler (`llmdp.privacy.sampling`) and the noise (`llmdp.privacy.noise`) expand such keys
 with ChaCha20 (`llmdp.privacy.chacha`).
 
@@ -30,20 +33,25 @@ def secure_key() -> bytes:
     return os.urandom(KEY_BYTES)
 
 
-def seeded_key(seed: int, step: int, purpose: str) -> bytes:
-    """SHA-256 of the canonical encoding of (seed, step, purpose).
+def seeded_key(seed: int, step: int, purpose: str, run: str = "", attempt: str = "") -> bytes:
+    """SHA-256 of the canonical encoding of (seed, run, attempt, step, purpose).
 
     For tests and reproducible runs ONLY: anyone who knows `seed` can recompute every
     sample and every noise vector, so such a run carries no DP guarantee against
-    anyone who knows the seed (DESIGN §3.7); its report must say so.
+    anyone who knows the seed (DESIGN §3.7); its report must say so. ``run`` and
+    ``attempt``: the release's identity (a training run's id and its ledger attempt,
+    `llmdp.train.loop.seeded_scope`); every release passes its own, so that no two releases
+    share noise. Left empty only by tests of the primitives (samplers, noise).
     """
     for name, value in (("seed", seed), ("step", step)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{name} must be an integer, got {name}={value!r}")
-    if not isinstance(purpose, str):
-        raise ValueError(f"purpose must be a string, got purpose={purpose!r}")
-    # JSON of a list of (int, int, str) is an unambiguous, injective encoding.
-    blob = json.dumps(["llmdp.seeded_key.v1", int(seed), int(step), purpose], separators=(",", ":"))
+    for name, value in (("purpose", purpose), ("run", run), ("attempt", attempt)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {name}={value!r}")
+    # JSON of a list of ints and strings is an unambiguous, injective encoding.
+    blob = json.dumps(["llmdp.seeded_key.v2", int(seed), run, attempt, int(step), purpose],
+                      separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).digest()
 
 

@@ -302,7 +302,10 @@ def _train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
         log(f"release {release_id} recorded in the dataset ledger {ledger['dataset_id']!r}: ε_tok = {eps:.4f} at "
             f"δ = {delta:.3g} (K = {k} words per {data['unit']}, noise std {sigma:.3f}, "
             f"threshold {tau:.2f})")
-        key = seeded_key(p.seed, 0, "tokenizer") if p.rng == "seeded" else secure_key()
+        # seeded: keyed by this release too (its run id and ledger attempt), so that two
+        # releases with one seed never share their noise
+        key = (seeded_key(p.seed, 0, "tokenizer", run=f"tokenizer-{release_id}", attempt="1")
+               if p.rng == "seeded" else secure_key())
         counts = tp.dp_word_counts(units, max_words_per_unit=k, noise_multiplier=sigma,
                                    threshold=tau, key=key)
         del key

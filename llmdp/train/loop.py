@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -109,6 +110,7 @@ class Training:
     nonfinite_warned: bool = False
     ledger: Any = None  # rank 0: the ledger service (the single writer)
     attempt: str | None = None  # rank 0: the ledger service's id of this attempt
+    key_scope: tuple[str, str] | None = None  # seeded runs: (run id, attempt), every rank
     eval_store: Any = None  # the held-out units (None: no evaluation)
     eval_fn: Callable | None = None  # per-row evaluation statistics, in the run's precision
     tokenizer: Any = None
@@ -241,6 +243,17 @@ def open_ledger(run: Training) -> None:
                                            "world_size": run.world, **_label(run.spec)})
 
 
+def seeded_scope(run: Training) -> None:
+    """``privacy.rng: seeded``: every rank keys its draws by the run id and rank 0's attempt
+    (the ledger service's id; without a ledger, a fresh random one), so that no two runs
+    and no two attempts of a run share a step's noise (`keys.seeded_key`). [sync point]"""
+    if run.spec.cfg.privacy.rng != "seeded":
+        return
+    mine = (run.attempt or secrets.token_hex(16)).encode().ljust(64, b"\0") if run.rank == 0 else None
+    attempt = broadcast_bytes(mine, 64, run.device).rstrip(b"\0").decode()
+    run.key_scope = (run.spec.run_id, attempt)
+
+
 GO, LEDGER_STOP, INTERRUPT = b"\x01", b"\x00", b"\x02"
 
 
@@ -286,7 +299,7 @@ def dp_step(run: Training, step: int) -> dict:
     """One logical DP-SGD step (module docstring); returns rank 0's metrics record."""
     plan, cfg = run.spec.plan, run.spec.cfg
     t0 = time.perf_counter()
-    keys = StepKeys.draw(step, cfg.privacy.rng, cfg.privacy.seed, run.device)
+    keys = StepKeys.draw(step, cfg.privacy.rng, cfg.privacy.seed, run.device, run.key_scope)
     if plan.correlated:  # a cyclic sampler: group step mod cycle
         sample, truncated = run.sampler.sample_with_info(keys.sample, step)  # secret: never logged
     else:
@@ -446,6 +459,7 @@ def _train_loop(spec: RunSpec, context) -> dict:
     run = setup(spec, context if context is not None else RayContext())
     resume(run)
     open_ledger(run)
+    seeded_scope(run)  # [sync point, seeded runs]
     choose_segment(run)
     if run.start == 0:  # the model before training: the baseline every evaluation compares to
         evaluation.evaluate_held_out(run, 0, write=_writer(run))  # [sync point]

@@ -44,12 +44,20 @@ class StepKeys:
         return cls(chacha.derive_key(step_key, b"sample"), chacha.derive_key(step_key, b"noise"))
 
     @classmethod
-    def draw(cls, step: int, rng_mode: str, seed: int | None, device: torch.device) -> StepKeys:
-        """Fresh OS entropy on rank 0, broadcast to all; or derived from the seed (seeded mode)."""
+    def draw(cls, step: int, rng_mode: str, seed: int | None, device: torch.device,
+             scope: tuple[str, str] | None = None) -> StepKeys:
+        """Fresh OS entropy on rank 0, broadcast to all; or derived from the seed (seeded mode)
+        and ``scope``, the run's (run id, attempt) (`llmdp.train.loop.seeded_scope`)."""
         if rng_mode == "seeded":
             # Every rank derives the same keys: reproducible, and no guarantee against anyone
-            # who knows the seed (the report says so).
-            return cls.from_step_key(keys.seeded_key(int(seed), step, "step"))
+            # who knows the seed (the report says so). Keyed by the run and the attempt too:
+            # two runs, or two attempts of one run, never share a step's noise.
+            if scope is None:
+                raise ValueError("a seeded draw needs the run's scope (run id, attempt): two "
+                                 "runs or attempts with one seed would otherwise share noise")
+            run, attempt = scope
+            return cls.from_step_key(keys.seeded_key(int(seed), step, "step", run=run,
+                                                     attempt=attempt))
         rank0 = not _dist_on() or dist.get_rank() == 0
         raw = keys.secure_key() if rank0 else None
         return cls.from_step_key(broadcast_bytes(raw, 32, device))

@@ -14,7 +14,8 @@ random search: ``sweep.internal.json``, see below):
 (a) always: the composition of every trial's recorded releases (each trial's
     ``ledger.jsonl``) and, once, the earlier releases they build on (a private tokenizer:
     ``plan.json``'s ``prior_releases``, the same release for every trial), at the recipe's
-    δ with its accountant. It covers every trial's model and DP evaluations.
+    δ with its accountant. It covers every trial's model and DP evaluations (trials draw
+    from the OS: a seeded recipe, whose noise anyone with the seed recomputes, is refused).
 (b) random trials: Papernot & Steinke's bound, ``RepeatAndSelectDpEvent(one trial's
     releases, μ, shape)`` with dp-accounting's RDP accountant (composed with the earlier
     releases). It covers only the selected trial's output (its model and its DP
@@ -37,7 +38,7 @@ never prints K. (a) holds for every K: under (a) everything may be published, an
 (a) is the smaller ε, sweep.internal.md says it is the better statement. A grid sweep has no
 K: its sweep.md and sweep.json hold everything, publishable under (a).
 
-Why one file of about 590 lines: a sweep's launch, resume, selection and the split of its
+Why one file of about 610 lines: a sweep's launch, resume, selection and the split of its
 files into publishable and internal parts follow one contract (what a random search may
 publish under bound (b)); the grid, the draw and the cost live in `grid` / `cost`.
 """
@@ -132,6 +133,14 @@ def _check_trials(cfgs: list, points: list) -> None:
                 f"privacy.dp: false in {where(p, 'privacy.dp')}: a sweep's trials are DP runs "
                 f"(selected by their DP evaluation, recorded in the dataset ledger); a "
                 f"non-private baseline is a separate `llmdp train` run", key="privacy.dp")
+        if c.privacy.rng == "seeded":
+            # Bounds (a)/(b) would not hold against whoever knows the seed: they recompute
+            # every trial's noise (and sweep.md says (a) covers every trial's model).
+            raise ConfigError(
+                f"privacy.rng: seeded in {where(p, 'privacy.rng')}: a sweep publishes its trials "
+                f"under bound (a) or (b), which no seeded run has against anyone who knows the "
+                f"seed; set privacy.rng: secure (and no privacy.seed) for a sweep",
+                key="privacy.rng")
         if c.eval.epsilon is None and c.eval.noise_multiplier is None:
             raise ConfigError(
                 f"eval.epsilon: not set in {where(p, 'eval.')}: a sweep selects its trial by a DP "

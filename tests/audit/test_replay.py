@@ -261,7 +261,7 @@ def test_the_last_unit_leaves_every_other_coin_in_place_only_at_some_n_and_q(tmp
     the real samplers, and the chosen seed samples it; removing the first unit is refused
     (indices shift). At q = B/N exactly the coins move (the skip walk's chunk size follows
     ⌊N·q⌋): the replay cannot use such a pair, and says so."""
-    from llmdp.audit.replay import ReplayError
+    from llmdp.audit.replay import _ATTEMPT, ReplayError
     from llmdp.privacy.keys import seeded_key
 
     assert not any(aligned_draw(40, 0.5, None, 39, seeded_key(0, s, "test")) for s in range(8))
@@ -270,7 +270,7 @@ def test_the_last_unit_leaves_every_other_coin_in_place_only_at_some_n_and_q(tmp
     assert spec.plan.sampling_probability < 1
     for seed in range(20):  # every draw D does not truncate (a truncated one subsamples anew)
         s = with_seed(spec, seed)
-        key = StepKeys.draw(0, "seeded", seed, torch.device("cpu")).sample
+        key = StepKeys.draw(0, "seeded", seed, torch.device("cpu"), (s.run_id, _ATTEMPT)).sample
         if not s.plan.make_sampler().sample_with_info(key)[1]:
             assert aligned(s, n - 1), seed
     res = replay(spec, n - 1, layer_policy="instantiate", expect_clipped=True)

@@ -601,3 +601,17 @@ def test_seeded_tokenizer_run_is_refused_by_export(seeded_tokenizer, corpus, tmp
     json.dump(stored, open(os.path.join(prep.run_dir, "privacy_report.json"), "w"))
     with pytest.raises(ExportError, match=r"seeded RNG \(the private tokenizer"):
         export_run(prep.run_dir, tmp_path / "out2", log=lambda *a: None)
+
+
+def test_two_seeded_tokenizer_releases_draw_different_noise(tmp_path, corpus, monkeypatch):
+    """Issue 49 item 6: the seeded key names the release (its run id), so two releases with
+    one seed (on neighbouring corpora, say) never share noise that differencing cancels."""
+    from llmdp.tokenizer import private as tp
+
+    seen, real = [], tp.dp_word_counts
+    monkeypatch.setattr(tp, "dp_word_counts", lambda *a, **k: seen.append(k["key"]) or real(*a, **k))
+    for i in range(2):  # one ledger, two output folders
+        raw = _recipe(tmp_path, corpus, rng="seeded", seed=7)
+        raw["output"]["name"] = f"tok{i}"
+        train_tokenizer(tokenizer_recipe_from_dict(raw), log=lambda *_: None)
+    assert len(seen) == 2 and seen[0] != seen[1]
