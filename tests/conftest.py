@@ -8,6 +8,8 @@ import pytest
 os.environ["LLMDP_CACHE"] = tempfile.mkdtemp(prefix="llmdp-test-cache-")
 # ... nor a ledgers' database ($LLMDP_HOME/ledger.sqlite).
 os.environ["LLMDP_HOME"] = tempfile.mkdtemp(prefix="llmdp-test-home-")
+# ... nor the user's registry of ledger databases ($XDG_DATA_HOME/llmdp/ledger_databases.txt).
+os.environ["XDG_DATA_HOME"] = os.environ["LLMDP_HOME"]
 
 # Never reach a hub from tests: every model and tokenizer is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,14 +42,18 @@ def _module_llmdp_home(tmp_path_factory):
     new ledger whose data has another ledger's content hash is refused (issue 29 item 5),
     as it would be for a user."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LLMDP_HOME", str(tmp_path_factory.mktemp("llmdp-home")))
+        home = str(tmp_path_factory.mktemp("llmdp-home"))
+        mp.setenv("LLMDP_HOME", home)
+        mp.setenv("XDG_DATA_HOME", home)  # the registry of ledger databases, too
         yield
 
 
 @pytest.fixture(autouse=True)
 def _own_llmdp_home(_module_llmdp_home, tmp_path_factory, monkeypatch):
     """... and each test its own (see `_module_llmdp_home`)."""
-    monkeypatch.setenv("LLMDP_HOME", str(tmp_path_factory.mktemp("llmdp-home")))
+    home = str(tmp_path_factory.mktemp("llmdp-home"))
+    monkeypatch.setenv("LLMDP_HOME", home)
+    monkeypatch.setenv("XDG_DATA_HOME", home)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -65,6 +65,15 @@ def check_model(m, prefix: str, base_dir: str):
 
 def _check_source(d, prefix: str) -> None:
     """The checks of a `SourceConfig`: a training and a tokenizer recipe's `data`."""
+    if d.distinct_from and not d.distinct_reason:
+        raise ConfigError(
+            f"{prefix}.distinct_from needs {prefix}.distinct_reason: say why the data of "
+            f"{', '.join(d.distinct_from)} is about other individuals (it is recorded in the new "
+            f"dataset ledger)", key=f"{prefix}.distinct_reason")
+    if d.distinct_reason and not d.distinct_from:
+        raise ConfigError(f"{prefix}.distinct_reason is for {prefix}.distinct_from (the ledgers "
+                          f"this data is declared distinct from): set both, or remove it",
+                          key=f"{prefix}.distinct_reason")
     if (d.path is None) == (d.dataset is None):
         got = "both" if d.path is not None else "neither"
         raise ConfigError(

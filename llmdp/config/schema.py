@@ -163,6 +163,12 @@ class SourceConfig:
     # content hash is kept as a record). None: derived from the source (the local path,
     # or the Hub name). Declare a new id only for data about other individuals.
     dataset_id: str | None = _f(None, nonempty=True)
+    # A new data.dataset_id whose data matches (content hash, overlapping source) a ledger
+    # with a budget or releases is refused: one dataset, one budget. When the data really
+    # is about other individuals, name those ledgers here and say why; both are recorded
+    # in the new dataset's ledger and shown in the run's internal report.
+    distinct_from: tuple[str, ...] = ()
+    distinct_reason: str | None = _f(None, nonempty=True)
     # What a record is: plain text (`text_field`), a chat (`messages_field`: a list of
     # {role, content}) or an instruction pair (`prompt_field` + `response_field`). Chats and
     # instructions train on the response tokens only; a tokenizer reads every text of them.

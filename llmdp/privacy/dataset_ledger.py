@@ -30,6 +30,8 @@ def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print,
 
     ident = dataset_identity(d)
     location = resolve_location(ledger_opt)
+    members = local_members(ident["source"])
+    distinct = _check_new_ledger(d, ident, sha256, members, location, log)
     legacy = [os.path.join(cache_root(), "ledgers", f"{sha256[:16]}.jsonl")]
     if recipe_legacy and ledger_opt is not None and ledger_opt.endswith(".jsonl"):
         legacy.append(ledger_opt)
@@ -37,7 +39,7 @@ def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print,
     try:
         opened = open_dataset(db, ident["dataset_id"], sha256=sha256, source=ident["source"],
                               name=ident["name"], log=log, legacy_jsonl=legacy,
-                              declared=ident["declared"], members=local_members(ident["source"]))
+                              declared=ident["declared"], members=members, distinct=distinct)
     finally:
         db.close()
     ident = {**ident, "dataset_id": opened["dataset_id"]}  # an earlier spelling's ledger is kept
@@ -50,6 +52,60 @@ def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print,
             "ledger (the same notes as .txt files, say), stop and set data.dataset_id to that "
             "ledger's id: `llmdp privacy ledger list` shows them")
     return {**ident, "location": location, "shown": shown, "head_log": db.heads.path}
+
+
+def _check_new_ledger(d, ident: dict, sha256: str, members, location: str, log) -> dict | None:
+    """Before a dataset ledger is started: refused (`ConfigError`) when this data matches
+    (the same id, content hash or an overlapping source: `ledger_registry.recorded`) a ledger
+    with a budget, releases or holds in another database the user has written to, or, for a
+    declared ``data.dataset_id``, in this one (a derived id's look-alikes here are refused by
+    `service.open_dataset`): one dataset, one budget, whatever its name or database. A
+    ledger named in ``data.distinct_from`` (or whose record names this id there) is other
+    data. Returns the declaration to record in the new ledger (None without one)."""
+    from llmdp.config.validate import ConfigError
+    from llmdp.privacy.dataset_ids import canonical_id
+    from llmdp.privacy.ledger_registry import marks_text, recorded, same_location
+
+    names = tuple(getattr(d, "distinct_from", ()) or ())
+    distinct = {"distinct_from": list(names),
+                "distinct_reason": getattr(d, "distinct_reason", None)} if names else None
+    mine = ident["dataset_id"]
+    if is_url(location) or os.path.exists(location):
+        db = LedgerDB(location, read_only=True)
+        try:
+            here = db.ledgers()
+        finally:
+            db.close()
+        if mine in here or (not ident["declared"] and any(canonical_id(i) == mine for i in here)):
+            return distinct  # its ledger is here already
+    found = recorded(ident, sha256, members, current=location, search_current=ident["declared"],
+                     log=log)
+    blocking = [m for m in found if (m["budget"] or m["releases"] or m["holds"])
+                and not (m["ledger"] != mine and (m["ledger"] in names or mine in m["distinct_from"]))]
+    if not blocking:
+        return distinct
+    first = blocking[0]
+    elsewhere = not same_location(first["location"], location)
+    shown = "; ".join(f"{m['ledger']!r} in {m['where']} ({m['why']}; {marks_text(m)})"
+                      for m in blocking)
+    if elsewhere:
+        same = (f"set privacy.ledger: {first['where']}"
+                + ("" if first["ledger"] == mine else f" and data.dataset_id: {first['ledger']}")
+                + " (the database that holds its releases), so that its budget counts this run")
+    else:
+        same = f"set data.dataset_id: {first['ledger']}, so that this run is charged to that ledger"
+    others = list(dict.fromkeys(m["ledger"] for m in blocking))
+    new_id = "" if mine not in others else "declare a new data.dataset_id with "
+    head = (f"data.dataset_id: {mine!r} is a new dataset ledger, but" if ident["declared"] else
+            f"this data's dataset ledger {mine!r} (derived from its source) would be new in "
+            f"{describe_location(location)}, but")
+    raise ConfigError(
+        f"{head} its data matches the ledger(s) {shown}. One dataset must have one ledger, "
+        f"whatever its name or database, or its budget does not count every release on it. If "
+        f"they are the same individuals, {same}; if this data is about other individuals, "
+        f"{new_id}data.distinct_from: [{', '.join(others)}] and data.distinct_reason: '<why>' "
+        f"(both recorded in the new ledger and shown in the run's internal report)",
+        key="privacy.ledger" if elsewhere else "data.dataset_id")
 
 
 def check_declared_public(d, ledger_opt: str | None, sha256: str, *, run_dir: str,

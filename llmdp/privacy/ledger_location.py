@@ -16,7 +16,8 @@ import os
 import sys
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["llmdp_home", "default_location", "is_url", "resolve_location", "describe_location"]
+__all__ = ["llmdp_home", "default_location", "is_url", "resolve_location", "describe_location",
+           "registry_path"]
 
 
 def llmdp_home() -> str:
@@ -30,6 +31,16 @@ def llmdp_home() -> str:
     else:
         base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
     return os.path.join(base, "llmdp")
+
+
+def registry_path() -> str:
+    """The user's list of every ledger database written to (`llmdp.privacy.ledger_registry`),
+    in the user's data directory whatever ``$LLMDP_HOME`` is: a run under another
+    ``LLMDP_HOME`` is listed in the same file."""
+    base = os.environ.get("XDG_DATA_HOME") or (
+        os.path.expanduser("~/Library/Application Support") if sys.platform == "darwin"
+        else os.path.expanduser("~/.local/share"))
+    return os.path.join(os.path.abspath(base), "llmdp", "ledger_databases.txt")
 
 
 def default_location() -> str:

@@ -58,6 +58,7 @@ from llmdp.privacy.ledger_location import (
     describe_location,
     is_url,
 )
+from llmdp.privacy.ledger_registry import register
 from llmdp.privacy.ledger_verify import (
     DAMAGE_HINT,
     VerifiedLedger,
@@ -211,6 +212,7 @@ class LedgerDB:
                                   f"(not an SQLite file, or damaged; restore it from a backup)") from None
         if not self.read_only:
             self._ensure_schema()
+            register(self.location)  # every database written to is searched by later runs
         return self._conn
 
     def close(self) -> None:

@@ -87,7 +87,7 @@ class BudgetError(RuntimeError):
 
 def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, log=print,
                  legacy_jsonl: list[str] = (), declared: bool = True,
-                 members: frozenset[str] = frozenset()) -> dict:
+                 members: frozenset[str] = frozenset(), distinct: dict | None = None) -> dict:
     """Make sure ``dataset_id``'s ledger exists and knows this content hash: a new ledger
     starts with a "dataset" record; a new hash of known data is a "data_version" record
     (the same budget: a modified copy of the data is the same individuals unless the user
@@ -100,7 +100,9 @@ def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, lo
     like another ledger's (`_similar_ledgers`: the same content hash, or files in common
     with it, ``members``: the real paths of the local files it reads) is refused unless
     ``data.dataset_id`` is declared (then a warning): one dataset, one budget. The same
-    source name with other content is a warning only.
+    source name with other content is a warning only. ``distinct`` ({"distinct_from",
+    "distinct_reason"}: the recipe's declaration that this data is not that of those
+    ledgers, `dataset_ledger.open_dataset_ledger`) is recorded in a new ledger's record.
 
     Returns {"dataset_id" (the ledger opened), "new": bool, "versions": n, "similar": [...]}."""
     if not declared:
@@ -120,7 +122,8 @@ def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, lo
             if blocking and not declared:
                 raise _lookalike_refusal(dataset_id, blocking)
             tx.append({"kind": "dataset", "dataset_id": dataset_id, "sha256": sha256,
-                       "source": source, "name": name, "similar_to": [s["ledger"] for s in similar]})
+                       "source": source, "name": name, "similar_to": [s["ledger"] for s in similar],
+                       **(distinct or {})})
         elif sha256 not in {r.get("sha256") for r in known}:
             tx.append({"kind": "data_version", "sha256": sha256, "source": source, "name": name})
             log(f"note: the data of dataset {dataset_id!r} changed since its ledger was started "
