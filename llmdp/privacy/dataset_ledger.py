@@ -108,57 +108,54 @@ def _check_new_ledger(d, ident: dict, sha256: str, members, location: str, log) 
         key="privacy.ledger" if elsewhere else "data.dataset_id")
 
 
+def _named(found: list[dict]) -> str:
+    from llmdp.privacy.ledger_registry import marks_text
+
+    return "; ".join(f"{m['ledger']!r} ({marks_text(m)}) in {m['where']}" for m in found)
+
+
 def check_declared_public(d, ledger_opt: str | None, sha256: str, *, run_dir: str,
                           log=print) -> list[str]:
     """A training source that the recipe declares public (``data.public: true``) must not be
-    one llmdp has treated as private: the dataset ledgers that record DP releases on it (its
-    own, by its identity, and any other with the same content hash or an overlapping
-    source) refuse the declaration, with a `ConfigError` naming them and the override. With
-    ``data.public_override_ledger: true`` the run goes on and a ``note`` of the declaration
-    is recorded in each. No ledger and no database is created. Returns the ledgers noted."""
+    one llmdp has treated as private: a dataset ledger that records it (by its identity, the
+    same content hash or an overlapping source; a dataset record, a budget, a hold or a
+    release), in ``privacy.ledger``'s database or any other the user has written to
+    (`ledger_registry.recorded`), refuses the declaration, with a `ConfigError` naming each
+    and the override. With ``data.public_override_ledger: true`` the run goes on and a
+    ``note`` of the declaration is recorded in each. No ledger and no database is created.
+    Returns the ledgers noted."""
     from llmdp.config.validate import ConfigError
     from llmdp.data.sources import dataset_identity  # lazy: llmdp.data.sources imports datasets
     from llmdp.privacy.dataset_ids import local_members
     from llmdp.privacy.ledger import now
-    from llmdp.privacy.service import _similar_ledgers
+    from llmdp.privacy.ledger_registry import recorded
 
     ident = dataset_identity(d)
     location = resolve_location(ledger_opt)
-    if not is_url(location) and not os.path.exists(location):
-        return []  # no database: nothing was ever released here
-    db = LedgerDB(location)
-    try:
-        ledgers = db.ledgers()
-        candidates = [ident["dataset_id"]] if ident["dataset_id"] in ledgers else []
-        candidates += [s["ledger"] for s in _similar_ledgers(
-            db, ident["dataset_id"], sha256, ident["name"], local_members(ident["source"]),
-            ident["source"]) if s["blocks"] and s["ledger"] not in candidates]
-        released = {}
-        for ledger in candidates:
-            n = sum(1 for r in db.records(ledger) if r.get("kind") == "release")
-            if n:
-                released[ledger] = n
-        if not released:
-            return []
-        named = ", ".join(f"{k!r} ({n} DP release(s))" for k, n in released.items())
-        if not d.public_override_ledger:
-            raise ConfigError(
-                f"data.public: true, but {d.path or d.dataset} has a dataset ledger with DP "
-                f"releases in {describe_location(location)}: {named}. This data was treated "
-                f"as private. If it really is public, set data.public_override_ledger: true "
-                f"(a note of this declaration is then recorded in that ledger); otherwise "
-                f"remove data.public and train with DP", key="data.public")
-        for ledger in released:
+    found = recorded(ident, sha256, local_members(ident["source"]), current=location, log=log)
+    if not found:
+        return []
+    named = _named(found)
+    if not d.public_override_ledger:
+        raise ConfigError(
+            f"data.public: true, but {d.path or d.dataset} is recorded as private data in the "
+            f"dataset ledger(s) {named}. This data was treated as private (a budget set, or a "
+            f"DP run prepared or released on it). If it really is public, set "
+            f"data.public_override_ledger: true (a note of this declaration is then recorded "
+            f"in that ledger); otherwise remove data.public and train with DP", key="data.public")
+    for m in found:
+        db = LedgerDB(m["location"])
+        try:
             if any(r.get("kind") == "note" and r.get("run_dir") == os.path.abspath(run_dir)
-                   for r in db.records(ledger)):
+                   for r in db.records(m["ledger"])):
                 continue  # a re-launch of the run that noted it
-            db.append(ledger, {
+            db.append(m["ledger"], {
                 "kind": "note", "time": now(), "run_dir": os.path.abspath(run_dir),
                 "note": "a recipe declared this data public (data.public: true, "
                         "data.public_override_ledger: true) and trained on it without DP; "
                         "nothing was charged", "source": ident["source"], "sha256": sha256})
-        log(f"data.public_override_ledger: the declaration that this data is public is noted "
-            f"in its ledger(s) {named}")
-        return list(released)
-    finally:
-        db.close()
+        finally:
+            db.close()
+    log(f"data.public_override_ledger: the declaration that this data is public is noted "
+        f"in its ledger(s) {named}")
+    return [m["ledger"] for m in found]

@@ -9,6 +9,7 @@ Every test goes through the launch's preparation (`llmdp.run.launch.prepare`).""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -123,3 +124,35 @@ def test_another_ledger_database_is_no_escape(tmp_path, monkeypatch):
         prepared_config(recipe(tmp_path, ledger=None, data=copy, name="h2"))
     assert str(tmp_path / "home1" / "ledger.sqlite") in str(e.value)
     assert not os.path.exists(tmp_path / "home2" / "ledger.sqlite")
+
+
+# ------------------------------------------------------------------ item 5: data.public
+
+
+def test_a_budget_alone_marks_data_private(tmp_path, capsys):
+    from llmdp.cli import main
+
+    notes = write_notes(tmp_path / "notes.jsonl", 30)
+    ds = "path:" + os.path.realpath(notes)
+    assert main(["privacy", "ledger", "set-budget", "--dataset", ds, "--ledger",
+                 str(tmp_path / "db.sqlite"), "--epsilon", "1", "--delta", "1e-5",
+                 "--unit", "document", "--create"]) == 0
+    with pytest.raises(ConfigError) as e:
+        prepared_config(public(tmp_path))
+    msg = str(e.value)
+    assert msg.startswith("data.public: true, but ") and f"{ds!r} (a budget" in msg
+    assert str(tmp_path / "db.sqlite") in msg and "data.public_override_ledger: true" in msg
+
+
+def test_releases_in_a_database_the_public_recipe_does_not_name_refuse_it(tmp_path):
+    _, old = spent_run(tmp_path, ledger="a.sqlite")
+    before = records(tmp_path / "a.sqlite")
+    copy = tmp_path / "copy" / "public.jsonl"
+    copy.parent.mkdir()
+    shutil.copy(tmp_path / "notes.jsonl", copy)
+    for kw in ({"ledger": "b.sqlite"}, {"ledger": None}, {"ledger": "b.sqlite", "data": copy}):
+        with pytest.raises(ConfigError) as e:
+            prepared_config(public(tmp_path, name="pub", **kw))
+        assert f"{old!r} (1 DP release(s)" in str(e.value)
+        assert str(tmp_path / "a.sqlite") in str(e.value)
+    assert records(tmp_path / "a.sqlite") == before and records(tmp_path / "b.sqlite") == {}
