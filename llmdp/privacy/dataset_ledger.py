@@ -114,6 +114,47 @@ def _named(found: list[dict]) -> str:
     return "; ".join(f"{m['ledger']!r} ({marks_text(m)}) in {m['where']}" for m in found)
 
 
+def check_public_eval(ev, train, train_sha: str, ledger_opt: str | None, log=print) -> None:
+    """A separate evaluation source declared public (``data.eval.public: true``: its exact
+    metrics are published) gets the checks of declared-public training data: no ledger in
+    any database the user has written to may record it (`ledger_registry.recorded`: by id,
+    content hash or overlapping source); and, unless the training data is declared public
+    too, it may not be the run's training data, have its content or overlap it. Refused
+    with a `ConfigError` before anything is opened or recorded."""
+    from llmdp.config.validate import ConfigError
+    from llmdp.data.sources import dataset_identity, source_fingerprint
+    from llmdp.privacy.dataset_ids import canonical_id, local_members, overlap
+    from llmdp.privacy.ledger_registry import recorded
+
+    if ev is None or ev.public is not True or (ev.path is None and ev.dataset is None):
+        return
+    ident = dataset_identity(ev)
+    sha = source_fingerprint(path=ev.path, dataset=ev.dataset, split=ev.split,
+                             config_name=ev.config_name, format=ev.format)
+    members = local_members(ident["source"])
+    src = f"data.eval.path {ev.path}" if ev.path is not None else f"data.eval.dataset {ev.dataset}"
+    fix = ("Its metrics would be published exactly, a leak of private data: set "
+           "data.eval.public: false (DP evaluations, recorded in its own ledger), hold out "
+           "training units (data.eval.fraction), or evaluate on other, public data")
+    if not train.public:
+        t = dataset_identity(train)
+        mine, theirs = canonical_id(ident["source"]), canonical_id(t["source"])
+        why = ("is the training data" if mine == theirs else
+               "has the same content as the training data (the same content hash)"
+               if sha == train_sha else None)
+        if why is None:
+            why = overlap(mine, members, theirs) or overlap(theirs, local_members(t["source"]), mine)
+            why = None if why is None else f"overlaps the training data ({why})"
+        if why is not None:
+            raise ConfigError(f"data.eval.public: true, but {src} {why}, which this run treats "
+                              f"as private. {fix}", key="data.eval.public")
+    found = recorded(ident, sha, members, current=resolve_location(ledger_opt), log=log)
+    if found:
+        raise ConfigError(f"data.eval.public: true, but {src} is recorded as private data in "
+                          f"the dataset ledger(s) {_named(found)}. {fix}",
+                          key="data.eval.public")
+
+
 def check_declared_public(d, ledger_opt: str | None, sha256: str, *, run_dir: str,
                           log=print) -> list[str]:
     """A training source that the recipe declares public (``data.public: true``) must not be

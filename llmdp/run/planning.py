@@ -19,6 +19,7 @@ from llmdp.data.sources import source_fingerprint
 from llmdp.data.store import UnitSpec, build_store
 from llmdp.data.synthetic import ensure_clinical_notes
 from llmdp.evaluation.dp import plan_dp_eval
+from llmdp.privacy.dataset_ledger import check_public_eval
 from llmdp.privacy.events import event_to_json
 from llmdp.privacy.plan import check_noise_tail, make_plan
 from llmdp.privacy.prior import calibrate_with_prior
@@ -102,6 +103,8 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
     source_sha = source_fingerprint(path=d.path, dataset=d.dataset, split=d.split,
                                     config_name=d.config_name, format=d.format)
     tok_use = tokenizer_for_run(cfg.model, d, data_sha256=source_sha, delta=cfg.privacy.delta)
+    # A separate evaluation source declared public is not private data (nothing written).
+    check_public_eval(d.eval, d, source_sha, cfg.privacy.ledger, log=log)
     # What the starting model means for the guarantee: a baseline's is refused, a DP run's on
     # this data is composed (its releases), any other is named (llmdp.run.provenance).
     start = starting_model(cfg.model, d, dp=cfg.privacy.dp, ledger_opt=cfg.privacy.ledger)

@@ -156,3 +156,36 @@ def test_releases_in_a_database_the_public_recipe_does_not_name_refuse_it(tmp_pa
         assert f"{old!r} (1 DP release(s)" in str(e.value)
         assert str(tmp_path / "a.sqlite") in str(e.value)
     assert records(tmp_path / "a.sqlite") == before and records(tmp_path / "b.sqlite") == {}
+
+
+# ------------------------------------------------------------------ item 4: data.eval.public
+
+
+def test_the_training_data_declared_a_public_eval_source_is_refused(tmp_path):
+    notes = tmp_path / "notes.jsonl"
+    copy = tmp_path / "copy" / "eval.jsonl"
+    write_notes(notes, 30)
+    copy.parent.mkdir()
+    shutil.copy(notes, copy)
+    for src, why in ((notes, "is the training data"), (copy, "the same content"),
+                     (tmp_path, "overlaps the training data")):
+        with pytest.raises(ConfigError) as e:
+            prepared_config(recipe(tmp_path, eval={"path": str(src), "public": True}))
+        msg = str(e.value)
+        assert msg.startswith(f"data.eval.public: true, but data.eval.path {src}") and why in msg
+        assert "data.eval.public: false" in msg
+    assert records(tmp_path / "db.sqlite") == {}  # refused before the training ledger was opened
+
+
+def test_a_public_eval_source_with_a_ledger_anywhere_is_refused(tmp_path):
+    other = write_notes(tmp_path / "other" / "notes.jsonl", 30, seed=4)
+    _, old = spent_run(tmp_path, ledger="a.sqlite", data=other, name="o")
+    with pytest.raises(ConfigError) as e:
+        prepared_config(recipe(tmp_path, ledger="b.sqlite",
+                               eval={"path": str(other), "public": True}))
+    msg = str(e.value)
+    assert f"{old!r} (1 DP release(s)" in msg and str(tmp_path / "a.sqlite") in msg
+    assert "data.eval.public: false" in msg
+    assert records(tmp_path / "b.sqlite") == {}
+    fine = write_notes(tmp_path / "pub" / "eval.jsonl", 12, seed=9)
+    prepared_config(recipe(tmp_path, ledger="b.sqlite", eval={"path": fine, "public": True}))
