@@ -122,6 +122,10 @@ def test_a_public_start_is_named_and_the_guarantee_covers_only_the_fine_tuning(t
            f"recipe declared public" in card
     exported = json.load(open(out / PROVENANCE, encoding="utf-8"))
     assert exported["run_id"] == dp.run_id and exported["starting_model"]["run_id"] == pub.run_id
+    # the chain travels with the export, without ledger locations or dataset ids (DESIGN §3.9)
+    assert [(a["run_id"], a["kind"]) for a in exported["ancestry"]] == [(pub.run_id, "public")]
+    text = json.dumps(exported)
+    assert '"dataset_id"' not in text and '"ledger_location"' not in text and exported["releases"]
     for path in out.iterdir():
         if path.suffix in (".json", ".md"):
             assert str(tmp_path) not in path.read_text(encoding="utf-8"), path
@@ -129,6 +133,10 @@ def test_a_public_start_is_named_and_the_guarantee_covers_only_the_fine_tuning(t
     # ledger, so composed.
     again = prepared_config(recipe_from_dict(_raw(tmp_path, "again", out)))
     assert again.starting_model["composed"] and again.starting_model["run_id"] == dp.run_id
+    assert [(a["run_id"], a["kind"]) for a in again.starting_model["ancestry"]] == [
+        (dp.run_id, "dp"), (pub.run_id, "public")]
+    assert f"it descends from llmdp run {pub.run_id} (on data its recipe declared public" in \
+        again.starting_model["description"]
 
 
 def test_a_baseline_start_is_refused_under_dp_and_a_bare_folder_is_external(tmp_path):
@@ -151,3 +159,86 @@ def test_a_baseline_start_is_refused_under_dp_and_a_bare_folder_is_external(tmp_
     assert not spec.prior_releases
     info = json.load(open(os.path.join(spec.run_dir, "plan.json"), encoding="utf-8"))
     assert info["starting_model"]["description"] == EXTERNAL
+
+
+def _public_data(tmp_path):
+    pub_data = tmp_path / "public" / "notes.jsonl"
+    pub_data.parent.mkdir()
+    shutil.copy(make_recipe(tmp_path).data.path, pub_data)
+    pub_data.write_text(pub_data.read_text(encoding="utf-8").replace("a", "o"), encoding="utf-8")
+    return pub_data
+
+
+def test_a_non_private_ancestor_taints_every_descendant_through_a_public_hop(tmp_path):
+    """Issue 49 item 2: baseline on private X -> declared-public run from its model -> DP run
+    on X from that: the DP launch is refused and the public run's export too, as the
+    baseline's own; the public run's report names the baseline."""
+    from llmdp.hub.export import ExportError, export_run
+
+    raw = _raw(tmp_path, "base")
+    raw["privacy"] = {"dp": False}
+    base, _ = _train(recipe_from_dict(raw), tmp_path)
+    pub_raw = to_dict(public_recipe(tmp_path, data_path=_public_data(tmp_path)))
+    pub_raw["model"] = {"init": "pretrained", "name_or_path": base.run_dir + "/model"}
+    pub, pub_rep = _train(recipe_from_dict(pub_raw), tmp_path)  # a public run may start from it
+    assert base.run_id in pub_rep["starting_model"]["description"]
+    assert "NON-PRIVATE" in pub_rep["starting_model"]["description"]
+    prov = json.load(open(os.path.join(pub.run_dir, "model", PROVENANCE), encoding="utf-8"))
+    assert [(a["run_id"], a["kind"]) for a in prov["ancestry"]] == [(base.run_id, "non-private")]
+
+    with pytest.raises(ConfigError) as e:
+        prepared_config(recipe_from_dict(_raw(tmp_path, "dp", pub.run_dir + "/model")))
+    msg = str(e.value)
+    assert msg.startswith(f"model.name_or_path: {pub.run_dir}/model descends from llmdp run "
+                          f"{base.run_id}, a NON-PRIVATE baseline")
+    assert "Start from a DP run's model" in msg
+    assert not os.path.exists(os.path.join(tmp_path, "runs", "dp"))  # refused before anything
+
+    with pytest.raises(ExportError) as e:
+        export_run(pub.run_dir, tmp_path / "export", log=lambda *a: None, allow_unverified=True)
+    assert f"descends from llmdp run {base.run_id}, a NON-PRIVATE baseline" in str(e.value)
+    assert not os.path.exists(tmp_path / "export")
+
+
+def test_a_dp_export_under_another_ledger_database_needs_the_start_data_declaration(tmp_path, monkeypatch):
+    """Issue 49 item 7: an exported DP model (no dataset id) under a ledger database that has
+    no record of its run cannot be matched with this run's data: refused until
+    model.start_data says; `same` composes the releases its provenance records."""
+    from llmdp.hub.export import export_run
+    from llmdp.privacy.ledger_location import resolve_location
+
+    use_noise_cap(monkeypatch, 53)
+    first, rep1 = _train(recipe_from_dict(_raw(tmp_path, "first")), tmp_path)
+    out = tmp_path / "export"
+    export_run(first.run_dir, out, log=lambda *a: None, allow_unverified=True)  # no Ray checkpoints
+    elsewhere = tmp_path / "elsewhere.sqlite"
+    # as on another machine: the user's registry of ledger databases does not list the first
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "another-machine"))
+    raw = _raw(tmp_path, "second", out)
+    raw["privacy"]["ledger"] = str(elsewhere)
+    with pytest.raises(ConfigError) as e:
+        prepared_config(recipe_from_dict(raw))
+    msg = str(e.value)
+    assert msg.startswith("model.start_data: not set") and first.run_id in msg
+    assert "model.start_data: same" in msg and "model.start_data: independent" in msg
+    assert not os.path.exists(resolve_location(str(elsewhere)))  # nothing spent, no ledger
+    assert not os.path.exists(os.path.join(tmp_path, "runs", "second"))
+
+    raw["model"]["start_data"] = "same"
+    second, rep = _train(recipe_from_dict(raw), tmp_path)
+    start = rep["starting_model"]
+    assert start["composed"] and start["run_id"] == first.run_id
+    assert "model.start_data: same" in start["description"]
+    assert start["epsilon_alone"] == pytest.approx(rep1["epsilon"], rel=1e-9)
+    both = _ledger(first.run_dir) + _ledger(second.run_dir)
+    k, sigma, delta = second.plan.noise_coordinates, second.plan.noise_multiplier, second.plan.delta
+    acc_delta = noise_tail([("a", 6, k, sigma), ("b", 6, k, sigma)]).accountant_delta(delta)
+    assert rep["delta_accountant"] == pytest.approx(acc_delta, rel=1e-12)
+    assert rep["epsilon"] == pytest.approx(_reference_epsilon(both, acc_delta), rel=1e-9)
+    assert rep["epsilon"] > rep["epsilon_training_only"] * 1.2
+
+    raw["model"]["start_data"] = "independent"
+    raw["output"]["name"] = "third"
+    third = prepared_config(recipe_from_dict(raw))
+    assert not third.starting_model["composed"] and not third.prior_releases
+    assert "declared by the recipe (model.start_data: independent)" in third.starting_model["description"]

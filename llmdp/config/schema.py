@@ -128,6 +128,12 @@ class ModelConfig:
     # sources share individuals). "independent": the user declares that the sources share
     # no individuals; the release is not composed and the report says so.
     tokenizer_data: str = _f("same", choices=("same", "independent"))
+    # What an llmdp DP starting model (model.name_or_path, or a DP run in its chain) was
+    # trained on, when its data cannot be matched with this run's (an export, or a ledger
+    # database this run does not use; llmdp.run.provenance): "same" composes its releases,
+    # recorded in its provenance, into this run's guarantee; "independent" declares that its
+    # data shares no individuals with this run's (the report says so). None: refused then.
+    start_data: str | None = _f(None, choices=("same", "independent"))
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float64"))
     # A mapping in YAML; `lora: {}` means LoraConfig defaults; null means full fine-tuning.
     lora: LoraConfig | None = None

@@ -26,6 +26,7 @@ from llmdp.hub.folder import (
 )
 from llmdp.report.card import public_model_card
 from llmdp.run.baseline import NON_PRIVATE, public_banner
+from llmdp.run.provenance import lineage, read_provenance, taint
 
 
 def declared_public(run_dir: str) -> bool:
@@ -50,6 +51,16 @@ def _refuse_baseline(run_dir: str) -> None:
             f"clipping or noise, carries no privacy guarantee and cannot be exported, not even "
             f"with --allow-unverified. It is for comparison only; to publish a model, train the "
             f"recipe with privacy.dp: true")
+    prov = read_provenance(os.path.join(run_dir, "model")) if os.path.isdir(
+        os.path.join(run_dir, "model")) else None
+    bad = None if prov is None else taint(lineage(prov)[1:])
+    if bad is not None:  # provenance is transitive: what the baseline learned is in this model
+        raise ExportError(
+            f"{run_dir} descends from llmdp run {bad.get('run_id')}, a NON-PRIVATE baseline "
+            f"(trained without DP on data not declared public): what it learned without DP is in "
+            f"this model, which cannot be exported, not even with --allow-unverified. Train it "
+            f"again from a DP run's model, a declared-public run's with no baseline in its "
+            f"chain, or a pretrained model")
     if info.get("planted"):
         raise ExportError(
             f"{run_dir} was trained with a planted bug ({info['planted']}, the test-only switch "

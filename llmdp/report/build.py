@@ -340,7 +340,8 @@ def _start_covered(start: dict | None, prior: list[dict]) -> list[str]:
     mine = [r for r in prior if r.get("source") == SOURCE]
     if not start or not start.get("composed") or not mine:
         return []
-    return [f"the starting model's own DP training on this dataset (llmdp run {start['run_id']}: "
+    runs = ", ".join(start.get("composed_runs") or [start["run_id"]])
+    return [f"the starting model's own DP training on this dataset (llmdp run {runs}: "
             f"{sum(int(r['count']) for r in mine)} release(s), ε = {start['epsilon_alone']:.4f} "
             f"alone), composed"]
 

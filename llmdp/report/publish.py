@@ -31,8 +31,9 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
     # what the guarantee covers, given the starting model (no local path: `provenance.shown`)
     "guarantee_scope": True,
     "hyperparameters": {k: True for k in ("chosen_on", "source", "sweep", "values", "epsilon", "note")},
-    "starting_model": {k: True for k in ("shown", "kind", "run_id", "description", "composed",
-                                         "epsilon_alone")},
+    "starting_model": {**{k: True for k in ("shown", "kind", "run_id", "description", "composed",
+                                            "epsilon_alone", "composed_runs")},
+                       "ancestry": {k: True for k in ("run_id", "kind", "public_source", "shown")}},
     "target_epsilon": True, "epsilon_planned": True, "dp_setting": True, "unit": True,
     "unit_description": True, "unit_size": _PUBLIC_UNIT, "records": True, "contribution_bound": True,
     "adjacency": True, "accounting_relation": True, "published_counts": True,

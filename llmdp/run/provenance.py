@@ -4,7 +4,8 @@ writes, and what a run that starts from such a model must say and compose.
 ``llmdp_provenance.json`` is written into a run's ``model/`` folder when the run saves its
 final model (`write_provenance`), and into an export (`publishable`, no local paths). It
 names the run, whether it was DP, the data it was trained on (the declared-public source,
-or the private dataset's ledger id) and the plan.
+or the private dataset's ledger id), the plan, its releases (as an export publishes them)
+and its ancestry.
 
 A run whose ``model.name_or_path`` is a local folder reads it (`starting_model`):
 
@@ -15,8 +16,18 @@ A run whose ``model.name_or_path`` is a local folder reads it (`starting_model`)
   folded into δ (`DPPlan.prior_noise`) (`composed_releases`);
 * a DP run on other data: named; its guarantee is its own, this run's covers only its
   fine-tuning data;
+* a DP run whose data cannot be matched with this run's (an export has no dataset id; its
+  releases are in a ledger database this run does not use): refused unless the recipe
+  declares ``model.start_data``: ``same`` composes the releases its provenance records,
+  ``independent`` is named as the recipe's declaration;
 * a NON-PRIVATE baseline on private data: a DP run from it is refused (what it learned
   without DP would be published under a DP label);
+
+Provenance is transitive (DESIGN §3.12): each record carries its ``ancestry`` (every
+ancestor's record, nearest first; `lineage`), so the checks above apply to the whole chain,
+exports included: a DP run, or an export, of a model with a NON-PRIVATE baseline anywhere in
+its chain is refused (`taint`); every DP ancestor on this data is composed, each once; the
+report names every ancestor.
 * a folder without the file, or a Hub id: "external checkpoint: provenance not known to
   llmdp".
 """
@@ -28,7 +39,7 @@ import os
 from typing import Any
 
 PROVENANCE = "llmdp_provenance.json"
-VERSION = 1
+VERSION = 2  # 2: the run's own releases and its ancestry (issue 49)
 EXTERNAL = "external checkpoint: provenance not known to llmdp"
 SOURCE = "starting-model"  # prior releases of a starting checkpoint carry this "source"
 
@@ -51,7 +62,13 @@ def write_provenance(spec, folder: str) -> None:
         "plan": spec.plan.to_dict(),
         "prior_releases": [dict(r) for r in spec.prior_releases],
         "starting_model": summary(getattr(spec, "starting_model", None)),
+        # the run's own releases (publishable records): what a run declaring that it starts
+        # on the same data (model.start_data: same) composes where no ledger has them
+        "releases": _own_releases(spec) if spec.dp else [],
+        # every ancestor's record, nearest first: what a descendant checks and composes
+        "ancestry": list((getattr(spec, "starting_model", None) or {}).get("ancestry") or []),
     }
+    info["kind"] = kind_of(info)
     with open(os.path.join(folder, PROVENANCE), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -70,7 +87,18 @@ def publishable(info: dict, scrub) -> dict:
                              for r in info.get("prior_releases") or []]
     if out.get("starting_model"):
         out["starting_model"] = {k: v for k, v in out["starting_model"].items() if k != "name"}
+    out["ancestry"] = [publishable(a, scrub) for a in info.get("ancestry") or []]
     return scrub(out)
+
+
+def _own_releases(spec) -> list[dict]:
+    """The release records of the run's ledger, net of voids, as an export publishes them."""
+    from llmdp.privacy.ledger import Ledger, net_records
+    from llmdp.report.publish import publishable_ledger
+
+    path = os.path.join(spec.run_dir, "ledger.jsonl")
+    recs = net_records(Ledger(path).records()) if os.path.exists(path) else []
+    return [r for r in publishable_ledger(recs) if r.get("count")]
 
 
 def read_provenance(folder: str) -> dict | None:
@@ -104,15 +132,64 @@ def summary(start: dict | None) -> dict | None:
     """What a report names of a starting model (None: trained from random weights)."""
     if start is None:
         return None
-    return {k: start.get(k) for k in ("name", "shown", "kind", "run_id", "public_source",
-                                      "description", "composed", "epsilon_alone")}
+    out = {k: start.get(k) for k in ("name", "shown", "kind", "run_id", "public_source",
+                                     "description", "composed", "epsilon_alone", "composed_runs")}
+    out["ancestry"] = [{"run_id": a.get("run_id"), "kind": kind_of(a),
+                        "public_source": shown(a.get("public_source")), "shown": a.get("shown")}
+                       for a in start.get("ancestry") or []]
+    return out
+
+
+def kind_of(info: dict) -> str:
+    """public (declared-public data), dp, non-private (a baseline on data not declared public),
+    or what an ancestry entry says it is (external)."""
+    if info.get("kind"):
+        return info["kind"]
+    if info.get("declared_public"):
+        return "public"
+    return "dp" if info.get("dp") else "non-private"
+
+
+def lineage(info: dict) -> list[dict]:
+    """The chain of the model whose provenance is ``info``: its own record (without its
+    ancestry), then its ancestors', nearest first (issue 49: provenance is transitive). A
+    record written before ancestries were kept gives its starting model's summary."""
+    own = {k: v for k, v in info.items() if k not in ("ancestry", "starting_model")}
+    own["kind"] = kind_of(info)
+    if "ancestry" in info:
+        older = [dict(a) for a in info.get("ancestry") or []]
+    else:
+        older = [dict(info["starting_model"])] if info.get("starting_model") else []
+    return [own, *older]
+
+
+def taint(chain: list[dict]) -> dict | None:
+    """The nearest NON-PRIVATE baseline of ``chain`` (a `lineage`), or None: what it learned
+    without DP is in every descendant."""
+    return next((a for a in chain if kind_of(a) == "non-private"), None)
+
+
+def _entry(a: dict, composed: set, own: bool = False) -> str:
+    """How the report names one ancestor."""
+    what = {"public": f"on data its recipe declared public ({shown(a.get('public_source'))})",
+            "non-private": "a NON-PRIVATE baseline (trained without DP on data not declared public)",
+            "dp": "DP on this data, composed" if a.get("run_id") in composed else "DP on other data",
+            }.get(kind_of(a))
+    if what is None:
+        return f"an external checkpoint ({a.get('shown')}: provenance not known to llmdp)"
+    if own and kind_of(a) == "public":
+        return f"llmdp run {a.get('run_id')} {what}; no guarantee is made about that data"
+    return f"llmdp run {a.get('run_id')}" + (f": {what}" if own else f" ({what})")
 
 
 def starting_model(model_cfg, data_cfg, *, dp: bool, ledger_opt: str | None) -> dict | None:
     """The starting model of a run (``model`` and ``data`` of its recipe): None for a model
     from random weights (``init: tiny``), else a dict with ``name``, ``kind`` (public, dp,
-    non-private, external), ``description`` (the sentence the report prints),
+    non-private, external), ``description`` (the sentence the report prints, naming every
+    ancestor), ``ancestry`` (its `lineage`, written into this run's provenance),
     ``composed`` and, when composed, ``prior_releases`` and ``prior_noise``."""
+    from llmdp.config.validate import ConfigError
+
     name = model_cfg.name_or_path
     if model_cfg.init != "pretrained" or name is None:
         return None
@@ -120,47 +197,94 @@ def starting_model(model_cfg, data_cfg, *, dp: bool, ledger_opt: str | None) -> 
     info = read_provenance(folder) if os.path.isdir(folder) else None
     if info is None:
         return {"name": folder, "shown": shown(folder), "kind": "external", "description": EXTERNAL,
-                "composed": False}
+                "composed": False,
+                "ancestry": [{"kind": "external", "run_id": None, "shown": shown(folder)}]}
+    chain = lineage(info)
     start = {"name": folder, "shown": shown(folder), "run_id": info.get("run_id"), "composed": False,
-             "public_source": shown(info.get("public_source"))}
-    if info.get("declared_public"):
-        return {**start, "kind": "public",
-                "description": f"llmdp run {info['run_id']} on data its recipe declared public "
-                               f"({start['public_source']}); no guarantee is made about that data"}
-    if not info.get("dp"):
-        start["kind"] = "non-private"
-        start["description"] = (f"llmdp run {info['run_id']}: a NON-PRIVATE baseline (trained "
-                                f"without DP on data not declared public)")
-        if dp:
-            from llmdp.config.validate import ConfigError
-
-            raise ConfigError(
-                f"model.name_or_path: {folder} is the model of llmdp run {info['run_id']}, a "
-                f"NON-PRIVATE baseline trained without DP on data not declared public: a DP run "
-                f"from it would publish what it learned without DP under a DP label. Start "
-                f"from a DP run's model, a declared-public run's (data.public: true), or a "
-                f"pretrained model", key="model.name_or_path")
-        return start
-    start["kind"] = "dp"
-    releases, ledger = _releases_of(info["run_id"], ledger_opt)
-    from llmdp.data.sources import dataset_identity  # lazy: llmdp.data.sources imports datasets
-
-    mine = dataset_identity(data_cfg)["dataset_id"]
-    same = ledger == mine if ledger is not None else info.get("dataset_id") == mine
-    if same and ledger is None:
-        from llmdp.config.validate import ConfigError
-
+             "public_source": shown(info.get("public_source")), "kind": chain[0]["kind"],
+             "ancestry": chain}
+    bad = taint(chain)
+    if bad is not None and dp:
+        how = "is the model of" if bad is chain[0] else "descends from"
         raise ConfigError(
-            f"model.name_or_path: {folder} was trained with DP on this dataset ({mine!r}, llmdp "
-            f"run {info['run_id']}), but the ledger database of this run (privacy.ledger: "
-            f"{ledger_opt!r}) has no record of that run, so its releases cannot be composed; set "
-            f"privacy.ledger to the database that holds them ({info.get('ledger_location')})",
-            key="privacy.ledger")
-    if not same or not dp:
-        start["description"] = (f"llmdp DP run {info['run_id']} on other data"
-                                if not same else f"llmdp DP run {info['run_id']} on this data")
-        return start
-    return {**start, **composed_releases(info, releases, mine)}
+            f"model.name_or_path: {folder} {how} llmdp run {bad.get('run_id')}, a NON-PRIVATE "
+            f"baseline trained without DP on data not declared public: a DP run from it would "
+            f"publish what it learned without DP under a DP label. Start from a DP run's model, "
+            f"a declared-public run's (data.public: true) with no baseline in its chain, or a "
+            f"pretrained model", key="model.name_or_path")
+    parts, declared = [], None
+    if dp and any(kind_of(a) == "dp" for a in chain):
+        from llmdp.data.sources import dataset_identity  # lazy: llmdp.data.sources imports datasets
+
+        mine = dataset_identity(data_cfg)["dataset_id"]
+        covered: set = set()
+        for a in chain:
+            if kind_of(a) != "dp" or a.get("run_id") in covered:
+                continue  # a nearer composed ancestor composed it already
+            same, releases, declared_here = _same_data(a, mine, model_cfg, ledger_opt, folder)
+            declared = declared or declared_here
+            if same:
+                parts.append((a, releases))
+                covered |= {r.get("run_id") for r in a.get("prior_releases") or []}
+    composed = {a.get("run_id") for a, _ in parts}
+    if chain[0]["kind"] == "dp" and not parts:
+        own = (f"llmdp DP run {start['run_id']} on other data" if dp else
+               f"llmdp DP run {start['run_id']}")
+    else:
+        own = _entry(chain[0], composed, own=True)
+    note = "" if declared is None else f" (declared by the recipe (model.start_data: {declared}))"
+    older = "; it descends from " + ", then ".join(_entry(a, composed) for a in chain[1:]) \
+        if len(chain) > 1 else ""
+    if not parts:
+        return {**start, "description": own + note + older}
+    out = {**start, **composed_releases(parts, mine)}
+    out["description"] = (out["description"] + note + older if parts[0][0] is chain[0] else
+                          own + note + older + ". " + out["description"])
+    return out
+
+
+def _same_data(a: dict, mine: str, model_cfg, ledger_opt: str | None, folder: str):
+    """(same, releases, declared) of a DP ancestor ``a``: matched by its run id in the ledger
+    database this run uses, or by the dataset id its provenance records; else what the
+    recipe declares (``model.start_data``), refused when it declares nothing."""
+    from llmdp.config.validate import ConfigError
+
+    declared = getattr(model_cfg, "start_data", None)
+    releases, ledger = _releases_of(a["run_id"], ledger_opt)
+    if ledger is not None or a.get("dataset_id") == mine:
+        same = ledger == mine if ledger is not None else True
+        if same and ledger is None:
+            raise ConfigError(
+                f"model.name_or_path: {folder} holds a model trained with DP on this dataset "
+                f"({mine!r}, llmdp run {a['run_id']}), but the ledger database of this run "
+                f"(privacy.ledger: {ledger_opt!r}) has no record of that run, so its releases "
+                f"cannot be composed; set privacy.ledger to the database that holds them "
+                f"({a.get('ledger_location')})", key="privacy.ledger")
+        if declared is not None and same != (declared == "same"):
+            raise ConfigError(
+                f"model.start_data: {declared!r}, but the ledger shows that llmdp run "
+                f"{a['run_id']} (in the chain of {folder}) was trained on "
+                f"{'this' if same else 'another'} dataset; remove model.start_data (the ledger "
+                f"decides when it knows)", key="model.start_data")
+        return same, releases, None
+    if declared is None:
+        raise ConfigError(
+            f"model.start_data: not set, but {folder} holds a model trained with DP by llmdp run "
+            f"{a['run_id']} on data that cannot be matched with this run's (its release records "
+            f"are not in the ledger database privacy.ledger names, and its provenance names no "
+            f"dataset of it: an export, or another ledger database). Set model.start_data: same "
+            f"if it was trained on this run's data (its releases, recorded in its provenance, "
+            f"are composed into this run's guarantee), or model.start_data: independent if its "
+            f"data shares no individuals with this run's (the report says that the recipe "
+            f"declared it)", key="model.start_data")
+    if declared == "independent":
+        return False, [], declared
+    if a.get("releases") is None:
+        raise ConfigError(
+            f"model.start_data: same, but the provenance of llmdp run {a['run_id']} (in the chain "
+            f"of {folder}) was written by an earlier llmdp and does not record its releases; "
+            f"set privacy.ledger to the ledger database that holds them", key="model.start_data")
+    return True, [dict(r) for r in a["releases"]], declared
 
 
 def _releases_of(run_id: str, ledger_opt: str | None) -> tuple[list[dict], str | None]:
@@ -185,19 +309,47 @@ def _releases_of(run_id: str, ledger_opt: str | None) -> tuple[list[dict], str |
     return [], None
 
 
-def composed_releases(info: dict, releases: list[dict], ledger: str) -> dict:
-    """A starting DP run's releases as this run's prior releases (``prior_releases``' shape,
-    ``source`` = SOURCE) with the earlier releases it composed itself, and the noise tails
-    of all of them (``prior_noise``: the starting run's plan at its recorded counts)."""
+def composed_releases(parts: list[tuple[dict, list[dict]]], ledger: str) -> dict:
+    """The releases of the starting chain's DP runs on this data (``parts``: (provenance
+    record, its release records), nearest first) as this run's prior releases
+    (``prior_releases``' shape, ``source`` = SOURCE) with the earlier releases each composed
+    itself, each once, and the noise tails of all of them (``prior_noise``: each run's plan
+    at its recorded counts)."""
     from llmdp.privacy.events import event_from_json
     from llmdp.privacy.ledger import EVAL_MECHANISM, is_step_release, step_count
+    from llmdp.privacy.noise_tail import noise_tail
     from llmdp.privacy.plan import DPPlan
 
-    plan = DPPlan.from_dict(info["plan"])
-    evals = sum(int(r["count"]) for r in releases
-                if (r.get("meta") or {}).get("mechanism") == EVAL_MECHANISM)
-    tail = plan.noise_tail(steps=step_count(releases), eval_releases=evals)
-    noise = [] if tail is None else [(w, c, k, z) for w, c, k, z, _ in tail.parts]
+    prior, noise, seen = [], [], set()
+    for info, releases in parts:
+        plan = DPPlan.from_dict(info["plan"])
+        evals = sum(int(r["count"]) for r in releases
+                    if (r.get("meta") or {}).get("mechanism") == EVAL_MECHANISM)
+        tail = plan.noise_tail(steps=step_count(releases), eval_releases=evals)
+        noise += [] if tail is None else [(w, c, k, z) for w, c, k, z, _ in tail.parts]
+        for r in _as_prior(info, releases, ledger, event_from_json, is_step_release):
+            key = r.get("release_id") or r.get("run_id")
+            if key not in seen:
+                seen.add(key)
+                prior.append(r)
+    plan = DPPlan.from_dict(parts[0][0]["plan"])
+    tail = noise_tail(noise) if noise else None
+    from llmdp.privacy.accountant import epsilon_with_threshold
+    from llmdp.privacy.prior import release_entries
+
+    entries, d_thr = release_entries(prior)
+    at = plan.delta if tail is None else tail.accountant_delta(plan.delta)
+    eps = epsilon_with_threshold(entries, at, d_thr, plan.accountant) if at > d_thr else float("inf")
+    runs = ", ".join(str(info["run_id"]) for info, _ in parts)
+    return {"composed": True, "prior_releases": prior, "prior_noise": noise, "epsilon_alone": eps,
+            "composed_runs": [info["run_id"] for info, _ in parts],
+            "description": f"llmdp DP run {runs} on this data (ε = {eps:.4f} at "
+                           f"δ = {plan.delta:.3g} alone): {'its' if len(parts) == 1 else 'their'} "
+                           f"releases are composed into this run's guarantee"}
+
+
+def _as_prior(info: dict, releases: list[dict], ledger: str, event_from_json, is_step_release):
+    """A starting DP run's releases in ``prior_releases``' shape, after those it composed."""
     prior = [dict(r) for r in info.get("prior_releases") or []]
     for r in releases:
         event_from_json(r["event"])  # readable, or the ledger's error surfaces here
@@ -209,16 +361,7 @@ def composed_releases(info: dict, releases: list[dict], ledger: str) -> dict:
                       "unit": ((r.get("meta") or {}).get("unit") or {}).get("kind"),
                       "rng": (r.get("meta") or {}).get("rng"),
                       "ledger": {"dataset_id": ledger}})
-    from llmdp.privacy.accountant import epsilon_with_threshold
-    from llmdp.privacy.prior import release_entries
-
-    entries, d_thr = release_entries(prior)
-    at = plan.delta if tail is None else tail.accountant_delta(plan.delta)
-    eps = epsilon_with_threshold(entries, at, d_thr, plan.accountant) if at > d_thr else float("inf")
-    return {"composed": True, "prior_releases": prior, "prior_noise": noise, "epsilon_alone": eps,
-            "description": f"llmdp DP run {info['run_id']} on this data (ε = {eps:.4f} at "
-                           f"δ = {plan.delta:.3g} alone): its releases are composed into this "
-                           f"run's guarantee"}
+    return prior
 
 
 def merge_priors(own: list[dict], start: dict | None) -> list[dict]:
