@@ -16,13 +16,15 @@ from llmdp.privacy.mf_workload import ERRORS, Workload
 __all__ = ["MECHANISMS", "strategy_for"]
 
 MECHANISMS = ("banded-mf", "blt")
-_CACHE_FORMAT = 1  # bump when an optimizer's result for the same inputs changes
+# bump a mechanism's format when its optimizer's result for the same inputs changes (a
+# cached strategy of an older optimizer is then not reused). blt 2: near-1 starts (mf_blt)
+_CACHE_FORMAT = {"banded-mf": 1, "blt": 2}
 
 
 # ---- the front door, cached
 def _cache_inputs(mechanism, n, bands, min_sep, max_participations, max_buffers, momentum,
                   learning_rates, error) -> dict:
-    return {"format": _CACHE_FORMAT, "mechanism": mechanism, "n": n, "bands": bands,
+    return {"format": _CACHE_FORMAT[mechanism], "mechanism": mechanism, "n": n, "bands": bands,
             "min_sep": min_sep, "max_participations": max_participations,
             "max_buffers": max_buffers, "workload": "prefix", "momentum": momentum,
             "learning_rates": None if learning_rates is None else list(learning_rates),

@@ -2,6 +2,7 @@
 objective against dense matrices, the BLT closed forms, the banded and BLT optimizers
 against baselines and against values published in JAX Privacy's tests, and the cache."""
 
+import hashlib
 import json
 import math
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmdp.privacy import mf_banded, mf_blt
+from llmdp.privacy import mf_banded, mf_blt, mf_optimize
 from llmdp.privacy.mf import Factorization, toeplitz_inverse, toeplitz_matrix
 from llmdp.privacy.mf_banded import banded_loss, optimize_banded, sqrt_coefficients
 from llmdp.privacy.mf_blt import blt_factorization, blt_omegas, optimize_blt
@@ -306,6 +307,25 @@ def test_blt_beats_jax_privacy_baseline(buffers, k, min_sep):
     assert ours < 1.001 * _max_loss(base_c, n, min_sep, k)
 
 
+def test_blt_reaches_the_optimum_with_a_decay_at_one():
+    # n = 256, min_sep = 32, k = 8, max error: the optimum puts θ_1 at 1 (1 - θ_1 -> 0, a
+    # constant tail in c). JAX Privacy's optimize(n=256, min_sep=32, max_participations=8)
+    # (error 'max', rtol 1.01) stops at 2 buffers; the 2-buffer optimum is 129.442896. That
+    # value checked independently: Nelder-Mead over the log-gaps of the interlaced decays
+    # themselves (no softmax, no torch), the loss from the dense toeplitz_inverse and
+    # minsep_sensitivity, 8 random starts (leading gap log-uniform in [1e-10, 0.3]): best
+    # 129.44289597 at θ = (1 - 1e-11, 0.931898), θ̂ = (0.997454, 0.519697); the other 7
+    # starts stopped at 129.903147, the local optimum (θ_1 = 0.955) this optimizer returned
+    # before it tried a new pair near 1 (0.36% above). With 3 buffers: 128.493228.
+    n, min_sep, k = 256, 32, 8
+    fact = optimize_blt(n, min_sep=min_sep, max_participations=k, error="max")
+    assert fact.meta["losses_by_buffers"]["2"] <= 129.442896 * (1 + 1e-6)
+    assert fact.meta["loss"] <= 128.493228 * (1 + 1e-6)
+    assert fact.theta[0] > 1 - 1e-6
+    assert fact.meta["loss"] == pytest.approx(_max_loss(fact.c_coefficients(n), n, min_sep, k),
+                                              rel=1e-10)
+
+
 # ---- strategy_for and its cache
 def test_strategy_for_caches(tmp_path, monkeypatch):
     first = strategy_for("blt", 120, max_buffers=3, cache_dir=tmp_path)
@@ -339,6 +359,28 @@ def test_strategy_for_caches(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("*.json"))) == 2
     other = strategy_for("blt", 120, max_buffers=3, momentum=0.5, cache_dir=tmp_path)
     assert other.digest() != first.digest()
+
+
+def test_strategy_cache_does_not_reuse_the_older_blt_optimizer(tmp_path):
+    # A BLT cached by the optimizer before its near-1 starts (cache format 1) is not
+    # returned for the same inputs; banded-MF's optimizer did not change: its entries stay.
+    def old_entry(mechanism, fact, **setting):
+        inputs = {**mf_optimize._cache_inputs(mechanism, 120, min_sep=None,
+                                              max_participations=None, momentum=0.0,
+                                              learning_rates=None, error="mean", **setting),
+                  "format": 1}
+        key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode("utf-8")).hexdigest()
+        (tmp_path / f"{key}.json").write_text(
+            json.dumps({"inputs": inputs, "factorization": fact.to_dict()}), encoding="utf-8")
+
+    stale = blt_factorization([0.9], [0.4], 120)
+    old_entry("blt", stale, bands=None, max_buffers=3)
+    fresh = strategy_for("blt", 120, max_buffers=3, cache_dir=tmp_path)
+    assert fresh.meta["cached"] is False and fresh.theta != stale.theta
+    banded = optimize_banded(120, 4)
+    old_entry("banded-mf", banded, bands=4, max_buffers=None)
+    hit = strategy_for("banded-mf", 120, bands=4, cache_dir=tmp_path)
+    assert hit.meta["cached"] is True and hit == banded
 
 
 def test_strategy_for_rejects_bad_inputs():
