@@ -324,8 +324,10 @@ def test_nonfinite_units_never_stop_the_run_nor_change_what_is_published(tmp_pat
             if name == "nan":
                 _nan_first_row(m)
             # Each side its own ledgers: the same corpus in two folders is one dataset, and
-            # a second ledger for it would be refused (issue 29 item 5).
+            # a second ledger for it would be refused (issue 29 item 5), as would another
+            # database listed in the same registry of ledger databases (issue 49 item 3).
             m.setenv("LLMDP_HOME", str(tmp_path / name / "home"))
+            m.setenv("XDG_DATA_HOME", str(tmp_path / name / "home"))
             cfg = make_recipe(tmp_path / name, steps=8, max_nonfinite_steps=2)
             prep = prepared_config(cfg)
             out = train_loop_per_worker(prep, LocalContext())
@@ -446,6 +448,11 @@ def test_report_delta_is_the_accountants_plus_the_noise_tails(tmp_path, monkeypa
     info = json.load(open(path))
     info["plan"].pop("noise_coordinates")
     info["plan"].pop("eval_noise")
+    from llmdp.privacy.plan import DPPlan
+
+    # ... whose planned ε was of that plan (no tails), as plan.json's reader re-derives it
+    info["epsilon_planned"] = info["epsilon_planned_training_only"] = \
+        DPPlan.from_dict(info["plan"]).epsilon()
     json.dump(info, open(path, "w"))
     old = build_report(prep.run_dir)
     assert old["delta"] == old["delta_accountant"] == 1e-4 and old["delta_noise_tail"] is None

@@ -146,6 +146,20 @@ def prefix_sensitivities(fact, steps: int, cycle: int) -> list[tuple[float, bool
     return out
 
 
+def scaled_sensitivity(fact, sampler: str, *, steps: int, cycle: int) -> float:
+    """The sensitivity the sampler's analysis uses, of the strategy as recorded (scale
+    included): C's largest column norm (cyclic Poisson) or its min-separation sensitivity
+    over all K rounds (fixed cycle). `build_strategy` scales it to 1, so it is linear in
+    ``scale``: a plan read back is checked against it (`llmdp.run.rundir.check_read_back`)."""
+    if sampler == "cyclic-poisson":
+        from llmdp.privacy.mf_sensitivity import column_norms
+
+        return float(max(column_norms(fact.c_coefficients(steps), steps)))
+    from llmdp.privacy.mf_sensitivity import minsep_sensitivity
+
+    return float(minsep_sensitivity(fact, steps, cycle, rounds(steps, cycle))[0])
+
+
 def round_factor(fact, sampler: str, *, steps: int, cycle: int) -> tuple[float, bool]:
     """(f, exact): the ledger's round event is Gaussian(σ·f) (fixed-cycle), or the
     Poisson-subsampled Gaussian at σ·f with f = 1 (cyclic-poisson: C's largest column norm,

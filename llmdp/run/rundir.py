@@ -13,17 +13,21 @@
     privacy_report.*     the report (``llmdp.report.build``)
 
 The run itself never reads plan.json back: the driver hands the workers a
-:class:`llmdp.run.spec.RunSpec`. The report, the export and the CLI read it here.
+:class:`llmdp.run.spec.RunSpec`. The report, the export and the CLI read it here, and
+every field derived from the plan's inputs is derived again (`check_read_back`): an
+edited or damaged plan.json is refused, never reported.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from functools import cached_property
 from typing import Any
 
+from llmdp.privacy.calibrate import PlanError
 from llmdp.privacy.ledger import Ledger
 from llmdp.privacy.plan import DPPlan
 from llmdp.train import checkpoints
@@ -37,6 +41,69 @@ STOP_REQUEST = "stop_requested"
 
 class NotARunDirectory(ValueError):
     """The folder holds no run (no plan.json)."""
+
+
+def check_read_back(plan: DPPlan, path: str, info: dict | None = None) -> DPPlan:
+    """``plan`` as read from ``path``, or one `PlanError` naming the first derived field that
+    its inputs do not give: the strategy's scale (its sensitivity must be 1), the round
+    factor and its exactness (from the strategy), a fixed cycle's batch (N / cycle), σ under
+    a target ε (its ε, through the accountant, within the target), and ``info``'s (the
+    whole plan.json's) planned ε. `DPPlan.__post_init__` re-derives the truncation
+    probability. Cheap: no strategy is optimized again, no σ calibrated again."""
+    for field, stored, derived in [*_mismatches(plan), *_planned_mismatches(plan, info or {})]:
+        raise PlanError(
+            f"{path}: {field} is {stored!r} but re-derived from the plan's inputs it is "
+            f"{derived}: the file was edited or damaged (llmdp writes it once and never edits "
+            f"it); restore it, or run again, and report nothing from this one")
+    return plan
+
+
+def _planned_mismatches(plan: DPPlan, info: dict):
+    """plan.json's ``epsilon_planned_training_only`` and ``epsilon_planned`` (the steps with
+    the earlier releases and the DP evaluations, `RunSpec.epsilon_planned`), re-derived."""
+    if not plan.dp or info.get("epsilon_planned") is None:
+        return
+    from llmdp.evaluation.dp import DpEvalPlan
+    from llmdp.privacy.events import event_to_json
+    from llmdp.privacy.prior import composed_epsilon
+
+    evals = []
+    if info.get("dp_eval"):
+        ev = DpEvalPlan.from_dict({k: v for k, v in info["dp_eval"].items() if k != "epsilon_alone"})
+        evals = [{"event": event_to_json(ev.event()), "count": ev.releases}]
+    for field, derived in (("epsilon_planned_training_only", plan.epsilon()),
+                           ("epsilon_planned", composed_epsilon(
+                               plan, list(info.get("prior_releases") or []) + evals))):
+        stored = info.get(field)
+        if stored is not None and not math.isclose(stored, derived, rel_tol=1e-9):
+            yield (field, stored, repr(derived))
+
+
+def _mismatches(plan: DPPlan):
+    if plan.correlated and plan.dp:
+        from llmdp.privacy import mf_plan
+
+        fact, kw = plan.factorization(), {"steps": plan.steps, "cycle": plan.cycle}
+        sens = mf_plan.scaled_sensitivity(fact, plan.sampler, **kw)
+        if not abs(sens - 1.0) <= 1e-9:  # linear in the scale: 1 at scale / sens
+            yield ("strategy.scale", fact.scale, f"{fact.scale / sens!r} (the scale at which the "
+                   f"strategy's sensitivity is 1; at the stored scale it is {sens!r})")
+            return
+        f, exact = mf_plan.round_factor(fact, plan.sampler, **kw)
+        if not math.isclose(plan.round_factor, f, rel_tol=1e-12):
+            yield ("round_factor", plan.round_factor, repr(f))
+        if plan.round_factor_exact != exact:
+            yield ("round_factor_exact", plan.round_factor_exact, repr(exact))
+    if plan.correlated and plan.sampler == "fixed-cycle":
+        batch = int(plan.dataset_size) / plan.cycle
+        if not math.isclose(plan.expected_batch_size, batch, rel_tol=1e-12):
+            yield ("expected_batch_size", plan.expected_batch_size, f"{batch!r} (N / cycle)")
+    if plan.dp and plan.target_epsilon is not None:
+        eps = plan.epsilon()
+        if not eps <= plan.target_epsilon * (1 + 1e-6):
+            yield ("noise_multiplier", plan.noise_multiplier,
+                   f"one whose ε is within target_epsilon {plan.target_epsilon!r} (the stored "
+                   f"one's is {eps:.6g})")
 
 
 class RunDir:
@@ -75,9 +142,10 @@ class RunDir:
         with open(self.plan_path, encoding="utf-8") as f:
             return json.load(f)
 
-    @property
+    @cached_property
     def plan(self) -> DPPlan:
-        return DPPlan.from_dict(self.info["plan"])
+        """plan.json's plan, its derived fields derived again (`check_read_back`)."""
+        return check_read_back(DPPlan.from_dict(self.info["plan"]), self.plan_path, self.info)
 
     @property
     def prior_releases(self) -> list[dict]:
@@ -113,6 +181,7 @@ class RunDir:
             json.dump(record, f, indent=2)
         os.replace(tmp, self.plan_path)
         self.__dict__["info"] = record
+        self.__dict__.pop("plan", None)
 
     # ---- metrics.jsonl and ledger.jsonl, each read once per RunDir (a report, an export)
 
