@@ -45,10 +45,14 @@ def _run(tmp_path, *, lora: bool, rng: str = "secure", name: str = "run", data=N
                   "checkpoint_every": 2},
         "output": {"dir": str(tmp_path / "runs"), "name": name},
     }
-    prep = prepare(recipe_from_dict(raw), log=lambda *a: None)
-    ckpt = os.path.join(prep.run_dir, "checkpoints", "checkpoint_000000")
-    train_loop_per_worker(prep, LocalContext(checkpoint_dir=ckpt))
-    write_report(prep.run_dir)
+    # ... and its own registry of ledger databases (a user's: issue 49 item 3 refuses data
+    # with a spent ledger in another database of the same registry).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_DATA_HOME", str(tmp_path / "registry"))
+        prep = prepare(recipe_from_dict(raw), log=lambda *a: None)
+        ckpt = os.path.join(prep.run_dir, "checkpoints", "checkpoint_000000")
+        train_loop_per_worker(prep, LocalContext(checkpoint_dir=ckpt))
+        write_report(prep.run_dir)
     return prep.run_dir
 
 
@@ -416,7 +420,8 @@ def _private_tokenizer(tmp_path, corpus):
 
     cfg = tokenizer_recipe_from_dict({
         "data": {"path": str(corpus), "unit": "document"},
-        "privacy": {"target_epsilon": 8.0, "max_words_per_unit": 32},
+        "privacy": {"target_epsilon": 8.0, "max_words_per_unit": 32,
+                    "ledger": str(tmp_path / "ledger.sqlite")},  # the run's (`_run`) database
         "tokenizer": {"model_type": "bpe", "vocab_size": 400},
         "output": {"dir": str(tmp_path / "tokenizers"), "name": "tok"},
     })
