@@ -65,7 +65,7 @@ _SPLITS = ((0.45, 0.1, 0.45), (0.5, 1e-6, 0.5 - 1e-6))
 # a new pair near 1: 1 - θ = 1e-9 and 1 - θ̂ = q/n (the optimum can sit at θ -> 1: a
 # constant tail in c, e.g. n = 256, min_sep = 32, k = 8, max error)
 _NEAR_ONE_GAP = 1e-9
-_NEAR_ONE = (0.1, 0.5, 2.0)
+_NEAR_ONE = (0.2, 1.0)
 
 
 def blt_omegas(theta, theta_hat) -> tuple[np.ndarray, np.ndarray]:
