@@ -17,7 +17,7 @@ import sys
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["llmdp_home", "default_location", "is_url", "resolve_location", "describe_location",
-           "registry_path"]
+           "registry_path", "register", "registered", "same_location"]
 
 
 def llmdp_home() -> str:
@@ -68,3 +68,51 @@ def describe_location(location: str) -> str:
     netloc = parts.netloc.split("@", 1)[1]
     user = parts.username or ""
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}" if user else netloc))
+
+
+# The user's registry of ledger databases (`llmdp.privacy.ledger_registry` searches them).
+
+def _stored(location: str) -> str:
+    """A location as the registry keeps it: a SQLite file's real path; a URL without its
+    password (the connection takes it from PGPASSWORD or ~/.pgpass, as llmdp's always do)."""
+    if not is_url(location):
+        return os.path.realpath(location)
+    parts = urlsplit(location)
+    if parts.password is None:
+        return location
+    user = parts.username or ""
+    host = parts.netloc.split("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}" if user else host))
+
+
+def same_location(a: str, b: str) -> bool:
+    return _stored(a) == _stored(b)
+
+
+def registered() -> list[str]:
+    """The databases listed (in the order first written to), without duplicates."""
+    try:
+        with open(registry_path(), encoding="utf-8") as f:
+            lines = [x.strip() for x in f]
+    except FileNotFoundError:
+        return []
+    return list(dict.fromkeys(x for x in lines if x))
+
+
+def register(location: str) -> None:
+    """List ``location`` in the registry if it is not there (one append of one line: atomic
+    against concurrent runs). A registry that cannot be written is not fatal: the
+    database is then not found by runs that name another."""
+    loc = _stored(location)
+    if "\n" in loc or loc in registered():
+        return
+    path = registry_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (loc + "\n").encode("utf-8"))
+        finally:
+            os.close(fd)
+    except OSError:
+        pass

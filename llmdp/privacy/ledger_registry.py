@@ -21,57 +21,17 @@ from __future__ import annotations
 
 import json
 import os
-from urllib.parse import urlsplit, urlunsplit
 
-from llmdp.privacy.ledger_location import describe_location, is_url, registry_path
+# The list itself lives below the database (`ledgerdb` registers each one it writes to).
+from llmdp.privacy.ledger_location import (  # noqa: F401 - re-exported
+    describe_location,
+    is_url,
+    register,
+    registered,
+    same_location,
+)
 
 __all__ = ["register", "registered", "recorded", "marks_text", "same_location"]
-
-
-def _stored(location: str) -> str:
-    """A location as the registry keeps it: a SQLite file's real path; a URL without its
-    password (the connection takes it from PGPASSWORD or ~/.pgpass, as llmdp's always do)."""
-    if not is_url(location):
-        return os.path.realpath(location)
-    parts = urlsplit(location)
-    if parts.password is None:
-        return location
-    user = parts.username or ""
-    host = parts.netloc.split("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}" if user else host))
-
-
-def same_location(a: str, b: str) -> bool:
-    return _stored(a) == _stored(b)
-
-
-def registered() -> list[str]:
-    """The databases listed (in the order first written to), without duplicates."""
-    try:
-        with open(registry_path(), encoding="utf-8") as f:
-            lines = [x.strip() for x in f]
-    except FileNotFoundError:
-        return []
-    return list(dict.fromkeys(x for x in lines if x))
-
-
-def register(location: str) -> None:
-    """List ``location`` in the registry if it is not there (one append of one line: atomic
-    against concurrent runs). A registry that cannot be written is not fatal: the
-    database is then not found by runs that name another."""
-    loc = _stored(location)
-    if "\n" in loc or loc in registered():
-        return
-    path = registry_path()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, (loc + "\n").encode("utf-8"))
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def _marks(bodies) -> dict:

@@ -57,8 +57,8 @@ from llmdp.privacy.ledger_location import (
     default_location,
     describe_location,
     is_url,
+    register,
 )
-from llmdp.privacy.ledger_registry import register
 from llmdp.privacy.ledger_verify import (
     DAMAGE_HINT,
     VerifiedLedger,
