@@ -242,3 +242,20 @@ def test_a_dp_export_under_another_ledger_database_needs_the_start_data_declarat
     third = prepared_config(recipe_from_dict(raw))
     assert not third.starting_model["composed"] and not third.prior_releases
     assert "declared by the recipe (model.start_data: independent)" in third.starting_model["description"]
+
+
+def test_a_starting_models_plan_is_derived_again_before_it_is_composed(tmp_path):
+    """Issue 49: plan.json's read-back check holds for the plan a starting model's
+    provenance carries too: a σ halved under its target (which would shrink the composed
+    noise tails and hide the start's real ε) is refused before anything is spent."""
+    first, rep1 = _train(recipe_from_dict(_raw(
+        tmp_path, "first", noise_multiplier=None, target_epsilon=2.0)), tmp_path)
+    path = os.path.join(first.run_dir, "model", PROVENANCE)
+    prov = json.load(open(path, encoding="utf-8"))
+    prov["plan"]["noise_multiplier"] /= 2
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(prov, f)
+    with pytest.raises(Exception, match="edited or damaged") as e:
+        prepared_config(recipe_from_dict(_raw(tmp_path, "second", first.run_dir + "/model")))
+    assert f"starting run {first.run_id}" in str(e.value) and "noise_multiplier" in str(e.value)
+    assert not os.path.exists(os.path.join(str(tmp_path), "runs", "second"))

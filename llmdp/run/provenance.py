@@ -319,10 +319,15 @@ def composed_releases(parts: list[tuple[dict, list[dict]]], ledger: str) -> dict
     from llmdp.privacy.ledger import EVAL_MECHANISM, is_step_release, step_count
     from llmdp.privacy.noise_tail import noise_tail
     from llmdp.privacy.plan import DPPlan
+    from llmdp.run.rundir import check_read_back
+
+    def read_plan(info: dict) -> DPPlan:  # its derived fields derived again, as plan.json's
+        return check_read_back(DPPlan.from_dict(info["plan"]),
+                               f"the plan of starting run {info.get('run_id')} ({PROVENANCE})")
 
     prior, noise, seen = [], [], set()
     for info, releases in parts:
-        plan = DPPlan.from_dict(info["plan"])
+        plan = read_plan(info)
         evals = sum(int(r["count"]) for r in releases
                     if (r.get("meta") or {}).get("mechanism") == EVAL_MECHANISM)
         tail = plan.noise_tail(steps=step_count(releases), eval_releases=evals)
@@ -332,7 +337,7 @@ def composed_releases(parts: list[tuple[dict, list[dict]]], ledger: str) -> dict
             if key not in seen:
                 seen.add(key)
                 prior.append(r)
-    plan = DPPlan.from_dict(parts[0][0]["plan"])
+    plan = read_plan(parts[0][0])
     tail = noise_tail(noise) if noise else None
     from llmdp.privacy.accountant import epsilon_with_threshold
     from llmdp.privacy.prior import release_entries
