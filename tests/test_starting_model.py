@@ -236,9 +236,43 @@ def test_a_dp_export_under_another_ledger_database_needs_the_start_data_declarat
     assert rep["delta_accountant"] == pytest.approx(acc_delta, rel=1e-12)
     assert rep["epsilon"] == pytest.approx(_reference_epsilon(both, acc_delta), rel=1e-9)
     assert rep["epsilon"] > rep["epsilon_training_only"] * 1.2
+    # the declared releases are in this database's dataset ledger too (its budget and every
+    # later run count them), once, however often a run from the start is prepared
+    from llmdp.privacy.ledgerdb import LedgerDB
 
+    def releases_here():
+        db = LedgerDB(resolve_location(str(elsewhere)))
+        try:
+            (ledger,) = db.ledgers()
+            return [r for r in db.records(ledger) if r.get("kind") == "release"]
+        finally:
+            db.close()
+
+    copied = [r for r in releases_here() if r["run_id"] == first.run_id]
+    assert sum(r["count"] for r in copied) == sum(r["count"] for r in _ledger(first.run_dir)) == 6
+    assert {r["event"] == _ledger(first.run_dir)[0]["event"] for r in copied} == {True}
+    raw["output"]["name"] = "again"
+    prepared_config(recipe_from_dict(raw))
+    assert len([r for r in releases_here() if r["run_id"] == first.run_id]) == len(copied)
+
+    # once recorded, the ledger knows the start's data: a contrary declaration is refused
     raw["model"]["start_data"] = "independent"
     raw["output"]["name"] = "third"
+    with pytest.raises(ConfigError, match="the ledger shows that llmdp run"):
+        prepared_config(recipe_from_dict(raw))
+
+
+def test_a_start_declared_independent_is_named_as_declared(tmp_path, monkeypatch):
+    """Issue 49 item 7: model.start_data: independent composes nothing and says who said so."""
+    from llmdp.hub.export import export_run
+
+    first, _ = _train(recipe_from_dict(_raw(tmp_path, "first")), tmp_path)
+    out = tmp_path / "export"
+    export_run(first.run_dir, out, log=lambda *a: None, allow_unverified=True)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "another-machine"))
+    raw = _raw(tmp_path, "third", out)
+    raw["privacy"]["ledger"] = str(tmp_path / "elsewhere.sqlite")
+    raw["model"]["start_data"] = "independent"
     third = prepared_config(recipe_from_dict(raw))
     assert not third.starting_model["composed"] and not third.prior_releases
     assert "declared by the recipe (model.start_data: independent)" in third.starting_model["description"]

@@ -30,7 +30,7 @@ from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
 from llmdp.run.localray import WORKER_ENV, start_local_ray
 from llmdp.run.planning import plan_run, warn_open
 from llmdp.run.progress import EPS_KEY, Progress
-from llmdp.run.provenance import SOURCE
+from llmdp.run.provenance import SOURCE, copy_declared_releases
 from llmdp.run.rundir import RESUME_HINT, RunDir
 from llmdp.run.spec import LedgerSpec, RunPaths, RunSpec
 from llmdp.tokenizer.train import ensure_release_recorded
@@ -150,13 +150,12 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         "eval_ledger": eval_ledger,
     }
     if prior_releases:
-
+        meta = {"dataset_fingerprint": store.fingerprint, "dataset_size": N, "unit": ledger_meta["unit"]}
+        copy_declared_releases(prior_releases, ledger, meta, log=log)  # model.start_data: same
         for rel in prior_releases:
             if rel.get("source") == SOURCE:
-                continue  # a starting checkpoint's releases: already in this dataset's ledger
-            if ensure_release_recorded(rel, ledger, {
-                    "dataset_fingerprint": store.fingerprint, "dataset_size": N,
-                    "unit": ledger_meta["unit"], "tokenizer": rel["tokenizer"]}):
+                continue  # a starting checkpoint's: in this dataset's ledger (or copied above)
+            if ensure_release_recorded(rel, ledger, {**meta, "tokenizer": rel["tokenizer"]}):
                 log(f"tokenizer release {rel['release_id']} copied into the dataset ledger "
                     f"{ledger['dataset_id']!r}")
     tok_dir = cfg.model.tokenizer or cfg.model.name_or_path

@@ -284,7 +284,7 @@ def _same_data(a: dict, mine: str, model_cfg, ledger_opt: str | None, folder: st
             f"model.start_data: same, but the provenance of llmdp run {a['run_id']} (in the chain "
             f"of {folder}) was written by an earlier llmdp and does not record its releases; "
             f"set privacy.ledger to the ledger database that holds them", key="model.start_data")
-    return True, [dict(r) for r in a["releases"]], declared
+    return True, [dict(r, from_provenance=True) for r in a["releases"]], declared
 
 
 def _releases_of(run_id: str, ledger_opt: str | None) -> tuple[list[dict], str | None]:
@@ -328,6 +328,9 @@ def composed_releases(parts: list[tuple[dict, list[dict]]], ledger: str) -> dict
     prior, noise, seen = [], [], set()
     for info, releases in parts:
         plan = read_plan(info)
+        # declared the same data (model.start_data: same): its releases are not in this
+        # run's ledger; launch copies them there (copy_declared_releases)
+        declared = any(r.get("from_provenance") for r in releases)
         evals = sum(int(r["count"]) for r in releases
                     if (r.get("meta") or {}).get("mechanism") == EVAL_MECHANISM)
         tail = plan.noise_tail(steps=step_count(releases), eval_releases=evals)
@@ -336,7 +339,7 @@ def composed_releases(parts: list[tuple[dict, list[dict]]], ledger: str) -> dict
             key = r.get("release_id") or r.get("run_id")
             if key not in seen:
                 seen.add(key)
-                prior.append(r)
+                prior.append({**r, "copy_to_ledger": True} if declared else r)
     plan = read_plan(parts[0][0])
     tail = noise_tail(noise) if noise else None
     from llmdp.privacy.accountant import epsilon_with_threshold
@@ -396,3 +399,34 @@ def scope(start: dict | None) -> str:
     return (f"Starting model: {start.get('shown')} ({start['description']}). The guarantee "
             f"covers only this run's fine-tuning data, not what the starting model was "
             f"trained on")
+
+
+def copy_declared_releases(prior: list[dict], ledger: dict, meta: dict, log=print) -> int:
+    """The releases of a starting chain declared the same data (``model.start_data: same``;
+    they sit in another ledger database, or only in the start's provenance) appended to this
+    run's dataset ledger (``ledger``: `open_dataset_ledger`'s), each once (by release id), so
+    that the dataset's budget and every later run on it count them, not only this run's
+    report (DESIGN §3.10). Returns how many were appended."""
+    from llmdp.privacy.ledgerdb import LedgerDB
+
+    todo = [r for r in prior if r.get("copy_to_ledger")]
+    if not todo or ledger is None:
+        return 0
+    db = LedgerDB(ledger["location"])
+    try:
+        with db.transaction(ledger["dataset_id"]) as tx:
+            have = {(r.get("meta") or {}).get("imported_release") for r in tx.records}
+            new = [r for r in todo if r["release_id"] not in have]
+            for r in new:
+                tx.append({"kind": "release", "event": r["event"], "count": int(r["count"]),
+                           "first_step": 0, "run_id": r.get("run_id"), "attempt": "imported",
+                           "meta": {**meta, "mechanism": r["mechanism"],
+                                    "imported_release": r["release_id"],
+                                    "declared": "model.start_data: same"},
+                           "extra": r.get("extra")})
+    finally:
+        db.close()
+    if new:
+        log(f"{len(new)} release record(s) of the starting model (model.start_data: same) copied "
+            f"into the dataset ledger {ledger['dataset_id']!r}")
+    return len(new)
