@@ -16,12 +16,8 @@ How (``engine="ghost"``, the default):
 3. as each G arrives, the layer's rule (``rules/``) computes each unit's squared norm,
    by the ghost identity or from the instantiated per-unit gradient, whichever is
    cheaper for this batch's shapes, in float64 with its rounding bounds; a unit whose
-   bound is more than 1 % of its norm is recomputed as its exact float64 gradient
-   (``norms`` module docstring, 4; counted in ``last_norm_stats``). Which units, and
-   whether a value + bound is negative (a bug, raised), are device flags of each call,
-   read for all calls with one host sync after the backward (``_deferred_fallbacks``):
-   book-keeping keeps the calls' A and G until then; two-pass, which drops G, brings it
-   back for the flagged calls only by one more backward (rare);
+   bound is more than 1 % of its norm is recomputed there as its exact float64 gradient
+   (``norms`` module docstring, 4; counted in ``last_norm_stats``);
 4. with the norms known, c_u = min(1, C/ν_u) (rounded toward 0), and the clipped sum is formed either
    from what was kept (``mode="book-keeping"``: Σ_r c_{u(r)} G_rᵀA_r per layer, one
    backward in all, but every G is kept until the norms are known) or by a second,
@@ -76,7 +72,7 @@ cannot see, modules never reached) is ``audit.py``; what book-keeping keeps, how
 chooses and the two-pass fingerprint, ``modes.py``; forming each call's part of the
 clipped sum and adding it to ``p.grad`` or the buffers, ``accumulate.py``.
 
-Why one file of about 880 lines: `GhostClipper` is the one object that sees a micro-batch
+Why one file of about 740 lines: `GhostClipper` is the one object that sees a micro-batch
 from the forward hooks to the clipped sum; the order of its steps (keep inputs, take output
 gradients, per-unit norms with their error bounds, the exact fallback, factors, the clipped
 sum into the sinks) is one contract that invariants 1, 4 and 8 rest on. The per-family
@@ -232,9 +228,6 @@ class GhostClipper:
         self.last_nonfinite = 0  # units with a non-finite gradient norm in the last backward
         self.last_norm_stats = NormStats()  # the rounding bounds' fallbacks (internal)
         self._fallbacks = 0
-        self._deferred: list = []  # (call, its fallback flags), read after pass 1
-        self._mismatch: list = []  # two-pass: (call, G differs from pass 1's) flags
-        self._refetch: set = set()  # two-pass: the calls whose G is fetched again
         self._handles = []
         self._rules = {}
         self._names: dict = {}  # module -> its path in the model (for messages)
@@ -355,9 +348,8 @@ class GhostClipper:
 
     def _on_output_grad(self, rec: Record, G: torch.Tensor) -> None:
         """Runs inside the backward pass, once per recorded call, as soon as G is known."""
-        if self._phase in ("apply", "refetch"):
-            if self._phase == "apply" or rec in self._refetch:
-                self._apply_second_pass(rec, _detached(G, rec.fold))
+        if self._phase == "apply":
+            self._apply_second_pass(rec, _detached(G, rec.fold))
             return
         if self._phase != "norms":
             return
@@ -375,16 +367,15 @@ class GhostClipper:
             inst = rule.instantiate(rec, units)
             rec.per_unit = {n: h for n, (h, _) in inst.items()}
             rec.sqn = _checked(rule, {n: sq for n, (_, sq) in inst.items()})
-        deferred = not shared and rule.has_exact
-        if deferred:
+        if not shared and rule.has_exact:
             # A call whose bound is a real part of its norm (ghost or instantiated: float32
-            # per-row gradients have a bound too) is recomputed exactly for those units (a
-            # shared parameter's calls: in _norms). Which units, and whether a value + bound
-            # is negative (a bug), are device flags of this call, read for all calls at
-            # once after the backward (_deferred_fallbacks: one host sync, not two per
-            # call). Book-keeping keeps the call's A and G until then; two-pass drops G and
-            # brings it back, for the flagged calls only, by one more backward.
-            self._deferred.append((rec, self._fallback_mask(rec)))
+            # per-row gradients have a bound too) is recomputed exactly for those units
+            # while G is here (a shared parameter's calls: in _norms). Book-keeping keeps a
+            # ghost call's A and G: those are checked after the backward, one sync for all.
+            if self._keep_G and rec.ghost:
+                self._deferred.append(rec)
+            else:
+                self._fallback_call(rec, units)
         if not self._keep_G:
             # two-pass: pass 2 brings the same G again; keep A and G's fingerprint only
             # (G too, until the cross terms are taken, if the parameter has other uses).
@@ -395,9 +386,9 @@ class GhostClipper:
             return
         if shared:
             return  # cross terms with the other uses need A and G
-        if not rec.ghost and not deferred:
-            # book-keeping, instantiated: the per-unit gradients are kept (A and G too until
-            # the flags say no unit's part is to be recomputed exactly: _deferred_fallbacks)
+        if not rec.ghost and rec.exact is None:
+            # book-keeping, instantiated: the per-unit gradients are kept (A and G too when
+            # a unit's part is to be recomputed exactly at the clipped sum)
             rec.G, rec.A = None, None
 
     def _apply_second_pass(self, rec: Record, G: torch.Tensor) -> None:
@@ -405,45 +396,17 @@ class GhostClipper:
         part of the clipped sum from it, in float32, then drop it."""
         if rec.fp is None:  # not reached in pass 1 (so not part of the norms)
             return
-        self._same_G(rec, G)
-        if self._phase == "refetch":  # the targeted re-computation (_deferred_fallbacks)
-            rec.G = G
-            return
+        if not torch.equal(fingerprint(G), rec.fp):
+            raise RuntimeError(
+                f"clipping two-pass: the second backward gave module {type(rec.module).__name__} "
+                "a different output gradient than the first (a non-deterministic backward), so "
+                "what would be added is not what was clipped. Use privacy.clipping_mode: "
+                "book-keeping, or torch.use_deterministic_algorithms(True)."
+            )
         rec.G = G
         parts = self._contribution(rec, self._units)
         rec.G = rec.A = rec.exact = rec.exact_shared = rec.cache = None
         self._add_parts([(rec, parts)])
-
-    def _same_G(self, rec: Record, G) -> None:
-        """Pass 1's G again, bit for bit: a shape that differs is refused at once; the
-        values' fingerprints are compared on the device, and the flags read once, after
-        the pass (``_check_same_G``)."""
-        fp = fingerprint(G)
-        if fp.shape != rec.fp.shape:
-            self._refuse_different_G(rec)
-        self._mismatch.append((rec, (fp != rec.fp).any()))
-
-    def _check_same_G(self) -> None:
-        """Raise if a call of the last pass saw a G other than pass 1's (one host sync).
-        Two-pass adds each call's part as its G arrives, so a mismatch is raised after the
-        pass, its parts added, as it was raised midway before (parts of the calls before
-        it added): either way the backward raises and its sums are not a clipped sum."""
-        checks, self._mismatch = self._mismatch, []
-        if not checks:
-            return
-        flags = torch.stack([f for _, f in checks]).tolist()
-        for (rec, _), bad in zip(checks, flags):
-            if bad:
-                self._refuse_different_G(rec)
-
-    @staticmethod
-    def _refuse_different_G(rec: Record) -> None:
-        raise RuntimeError(
-            f"clipping two-pass: the second backward gave module {type(rec.module).__name__} "
-            "a different output gradient than the first (a non-deterministic backward), so "
-            "what would be added is not what was clipped. Use privacy.clipping_mode: "
-            "book-keeping, or torch.use_deterministic_algorithms(True)."
-        )
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -528,7 +491,7 @@ class GhostClipper:
         self._shared = self._multi_use(records)
         self._check_uses(total)
         self._units, self._keep_G, self._phase = units, mode == "book-keeping", "norms"
-        self._deferred, self._mismatch, self._refetch = [], [], set()
+        self._deferred = []
         self._recording = False  # activation-checkpoint recomputation must not record
         try:
             # Pass 1. Rows are independent, so the gradient of the summed loss at a module's
@@ -537,29 +500,25 @@ class GhostClipper:
         finally:
             self._recording = True
             self._phase = "idle"
-        self._deferred_fallbacks(units, total)
+        self._deferred_fallbacks(units)
         seen = [r for r in records if r.sqn is not None]
         check_coverage(self.model, self._rules, seen)
         nu, value = self._norms(seen, units)
         factors = nb.factors(nu, value, self.max_grad_norm)  # 0 for a non-finite norm
         norms = nb.round_up_to(nu, self._norm_dtype())  # never below the used norm
         factors = _planted_factors(factors, norms)  # test-only (llmdp.audit.plant): unchanged
+        self.last_nonfinite = int((~torch.isfinite(nu)).sum())
+        finite = torch.isfinite(nu)
+        self.last_norm_stats = NormStats(
+            units=units.num_units, fallbacks=self._fallbacks,
+            bound_max=float(nb.rho(value[finite], nu[finite]).max()) if bool(finite.any()) else 0.0)
         self._factors = factors
         self._add_exact_totals(factors, units)  # while every use's G is still here
         self._row_factors = units.row_factors(factors)
         # Rows that add nothing (padding, units with a non-finite gradient) are zeroed
         # before any contraction: a 0 factor alone would leave 0·NaN = NaN in the sum.
         zero = self._row_factors == 0
-        # The statistics and whether any row adds nothing, read with one host sync.
-        finite = torch.isfinite(nu)
-        nonfinite, bound_max, any_zero = torch.stack([
-            (~finite).sum().to(torch.float64),
-            torch.where(finite, nb.rho(value, nu), torch.zeros_like(nu)).max(),
-            zero.any().to(torch.float64)]).tolist()
-        self.last_nonfinite = int(nonfinite)
-        self.last_norm_stats = NormStats(units=units.num_units, fallbacks=self._fallbacks,
-                                         bound_max=bound_max)
-        self._zero_rows = zero if any_zero else None
+        self._zero_rows = zero if bool(zero.any()) else None
         if mode == "two-pass":
             for rec in seen:
                 rec.G, rec.per_unit = None, None  # cross terms are taken: pass 2 brings G again
@@ -572,7 +531,6 @@ class GhostClipper:
             finally:
                 self._recording = True
                 self._phase = "idle"
-            self._check_same_G()
             return norms
         self._add_parts([(rec, self._contribution(rec, units)) for rec in seen])
         return norms
@@ -617,51 +575,31 @@ class GhostClipper:
         bad = nb.worth_recomputing(value, err, dsq, nu)
         return bad, value, err
 
-    def _deferred_fallbacks(self, units: Units, total: torch.Tensor) -> None:
-        """The exact fallback (``_fallback_units``) of every call whose flags
-        ``_on_output_grad`` kept, with one host sync for all: a negative value + bound is
-        raised as ``used_norm`` raises it, naming the module, before any norm is used; the
-        units whose bound is more than FALLBACK of the call's norm are recomputed exactly.
-        Book-keeping kept those calls' A and G (an instantiated call's are dropped here when
-        none of its units is); two-pass dropped G, and brings it back for the flagged calls
-        only (``_refetch_G``): the same backward again, each G checked against pass 1's
-        fingerprint, as in pass 2."""
+    def _deferred_fallbacks(self, units: Units) -> None:
+        """``_fallback_call`` for every call deferred by book-keeping, one sync for all."""
         recs, self._deferred = self._deferred, []
-        masks = [(r, m) for r, m in recs if m is not None]
-        if masks:
-            bad = torch.stack([m[0] for _, m in masks])
-            neg = torch.stack([nb.negative(m[1], m[2]) for _, m in masks])
-            # one host sync: whether any unit of any call is to be recomputed or negative,
-            # and which calls (a [calls] flag vector, not the units: those are read per call)
-            flags = torch.cat([torch.stack([neg.any()]), bad.any(1)]).tolist()
-            if flags[0]:  # a bug: raised as used_norm raises it, with the value
-                for r, (_, value, err) in masks:
-                    nb.check_nonnegative(value, err, type(r.module).__name__)
-            hit = [(r, m[0]) for (r, m), f in zip(masks, flags[1:]) if f]
-            if hit and not self._keep_G:
-                self._refetch_G(total, [r for r, _ in hit])
-            for r, b in hit:
+        masks = [(r, m) for r in recs if (m := self._fallback_mask(r)) is not None]
+        if not masks:
+            return
+        bad = torch.stack([m[0] for _, m in masks])
+        neg = torch.stack([nb.negative(m[1], m[2]) for _, m in masks])
+        any_bad, any_neg = torch.stack([bad.any(), neg.any()]).tolist()
+        if any_neg:  # a bug: raised as used_norm raises it, with the value
+            for r, (_, value, err) in masks:
+                nb.check_nonnegative(value, err, type(r.module).__name__)
+        if any_bad:
+            for (r, _), b in zip(masks, bad.unbind(0)):
                 self._fallback_units(r, b, units)
-                if not self._keep_G:
-                    r.G = None  # two-pass: pass 2 brings it again (deferred: not shared)
-        if self._keep_G:
-            for r, _ in recs:  # book-keeping, instantiated, nothing to recompute: as before
-                if not r.ghost and r.exact is None:
-                    r.G, r.A = None, None
 
-    def _refetch_G(self, total: torch.Tensor, recs: list[Record]) -> None:
-        """Two-pass: the targeted re-computation of G for ``recs`` (calls with a unit to
-        recompute exactly, whose G pass 1 dropped): the same backward of the same loss (its
-        graph is retained for pass 2 anyway), each of those taps checking that G is pass 1's
-        and keeping it; the other taps do nothing. Only when some call needs it (rare)."""
-        self._refetch = set(recs)
-        self._phase = "refetch"
-        try:
-            torch.autograd.grad(total, self._anchor, retain_graph=True, allow_unused=True)
-        finally:
-            self._phase = "idle"
-            self._refetch = set()
-        self._check_same_G()
+    def _fallback_call(self, rec: Record, units: Units) -> None:
+        """Recompute exactly, for the units whose bound is more than FALLBACK of this call's
+        own norm, every parameter of this call (norms module docstring, 4)."""
+        m = self._fallback_mask(rec)
+        if m is None:
+            return
+        bad, value, err = m
+        nb.check_nonnegative(value, err, type(rec.module).__name__)
+        self._fallback_units(rec, bad, units)
 
     def _fallback_units(self, rec: Record, bad: torch.Tensor, units: Units) -> None:
         for u in bad.nonzero(as_tuple=True)[0].tolist():

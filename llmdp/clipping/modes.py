@@ -1,6 +1,6 @@
 """Book-keeping or two-pass: what each keeps, and how ``mode="auto"`` chooses.
 
-Book-keeping keeps every hooked call's output gradient G (and, for a Linear whose per-unit
+Book-keeping keeps every hooked call's output gradient G (or, for a Linear whose per-unit
 gradients may be instantiated, those in float32) until the norms are known, and forms the
 clipped sum from what it kept: one backward pass. Two-pass drops G as soon as its norm is
 taken and runs the same backward again; each call's G must then be pass 1's bit for bit,
@@ -61,9 +61,8 @@ def _available_memory(device: torch.device) -> int:
 
 def _kept_bytes(rec: Record, num_units: int) -> int:
     """An upper bound on what book-keeping keeps for one call until the clipped sum: its
-    output gradient G, and, for a Linear whose per-unit gradients may be instantiated
-    (U·p·d <= R·T·(p+d), norms._ghost_cheaper), those in float32 (G is kept with them
-    until the fallback flags are read after the backward: engine._deferred_fallbacks)."""
+    output gradient G, or, for a Linear whose per-unit gradients may be instantiated
+    (U·p·d <= R·T·(p+d), norms._ghost_cheaper), those in float32."""
     if not isinstance(rec.rule, LinearRule) or not rec.A.is_floating_point():
         return rec.out_bytes
     d = rec.A.shape[-1]
@@ -72,4 +71,4 @@ def _kept_bytes(rec: Record, num_units: int) -> int:
     p = rec.module.weight.shape[1 if rec.rule.transposed else 0]
     if _ghost_cheaper(num_units, rows, T, p, d):  # memory alone forces the ghost norm
         return rec.out_bytes
-    return rec.out_bytes + 4 * num_units * p * d
+    return max(rec.out_bytes, 4 * num_units * p * d)
