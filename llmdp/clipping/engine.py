@@ -16,8 +16,14 @@ How (``engine="ghost"``, the default):
 3. as each G arrives, the layer's rule (``rules/``) computes each unit's squared norm,
    by the ghost identity or from the instantiated per-unit gradient, whichever is
    cheaper for this batch's shapes, in float64 with its rounding bounds; a unit whose
-   bound is more than 1 % of its norm is recomputed there as its exact float64 gradient
-   (``norms`` module docstring, 4; counted in ``last_norm_stats``);
+   bound is more than 1 % of its norm is recomputed as its exact float64 gradient
+   (``norms`` module docstring, 4; counted in ``last_norm_stats``). Which units, and
+   whether a value + bound is negative (a bug, raised), are device flags formed for all
+   calls at once and read with one host sync after the backward (``stacked``; the norm
+   used is formed the same way): book-keeping keeps its calls' A and G until then (its
+   instantiated calls', which it would drop, until a window of about 1/``WINDOWS`` of the
+   output gradients is full); two-pass, which drops G, brings it back for the flagged
+   calls only, by one more backward (rare);
 4. with the norms known, c_u = min(1, C/ν_u) (rounded toward 0), and the clipped sum is formed either
    from what was kept (``mode="book-keeping"``: Σ_r c_{u(r)} G_rᵀA_r per layer, one
    backward in all, but every G is kept until the norms are known) or by a second,
@@ -72,7 +78,7 @@ cannot see, modules never reached) is ``audit.py``; what book-keeping keeps, how
 chooses and the two-pass fingerprint, ``modes.py``; forming each call's part of the
 clipped sum and adding it to ``p.grad`` or the buffers, ``accumulate.py``.
 
-Why one file of about 740 lines: `GhostClipper` is the one object that sees a micro-batch
+Why one file of about 960 lines: `GhostClipper` is the one object that sees a micro-batch
 from the forward hooks to the clipped sum; the order of its steps (keep inputs, take output
 gradients, per-unit norms with their error bounds, the exact fallback, factors, the clipped
 sum into the sinks) is one contract that invariants 1, 4 and 8 rest on. The per-family
@@ -89,6 +95,7 @@ from torch import nn
 
 from llmdp.audit import plant
 from llmdp.clipping import norms as nb
+from llmdp.clipping import stacked
 from llmdp.clipping.accumulate import (
     _is_dtensor,
     add_to_buffers,
@@ -113,6 +120,9 @@ from llmdp.clipping.rules.functional import FunctionalRule
 GENERIC = FunctionalRule()
 
 ENGINES = ("ghost", "reference")
+#: Book-keeping reads its instantiated calls' fallback flags once per 1/WINDOWS of the
+#: backward's output gradients (``GhostClipper._read_window``): host syncs per backward.
+WINDOWS = 4
 LAYER_POLICIES = ("auto", "ghost", "instantiate")
 
 
@@ -228,6 +238,12 @@ class GhostClipper:
         self.last_nonfinite = 0  # units with a non-finite gradient norm in the last backward
         self.last_norm_stats = NormStats()  # the rounding bounds' fallbacks (internal)
         self._fallbacks = 0
+        self._deferred: list[Record] = []  # calls whose fallback flags are read after pass 1
+        self._window: list[Record] = []  # book-keeping: instantiated calls not yet flagged
+        self._window_bytes, self._window_budget = 0, 1
+        self._mismatch: list = []  # two-pass: (call, G differs from pass 1's) device flags
+        self._refetch: set = set()  # two-pass: the calls whose G is brought back
+        self._total = None  # the loss of the backward in progress
         self._handles = []
         self._rules = {}
         self._names: dict = {}  # module -> its path in the model (for messages)
@@ -348,8 +364,9 @@ class GhostClipper:
 
     def _on_output_grad(self, rec: Record, G: torch.Tensor) -> None:
         """Runs inside the backward pass, once per recorded call, as soon as G is known."""
-        if self._phase == "apply":
-            self._apply_second_pass(rec, _detached(G, rec.fold))
+        if self._phase in ("apply", "refetch"):
+            if self._phase == "apply" or rec in self._refetch:
+                self._apply_second_pass(rec, _detached(G, rec.fold))
             return
         if self._phase != "norms":
             return
@@ -367,15 +384,24 @@ class GhostClipper:
             inst = rule.instantiate(rec, units)
             rec.per_unit = {n: h for n, (h, _) in inst.items()}
             rec.sqn = _checked(rule, {n: sq for n, (_, sq) in inst.items()})
-        if not shared and rule.has_exact:
+        deferred = not shared and rule.has_exact and bool(rec.sqn)
+        if deferred:
             # A call whose bound is a real part of its norm (ghost or instantiated: float32
-            # per-row gradients have a bound too) is recomputed exactly for those units
-            # while G is here (a shared parameter's calls: in _norms). Book-keeping keeps a
-            # ghost call's A and G: those are checked after the backward, one sync for all.
-            if self._keep_G and rec.ghost:
-                self._deferred.append(rec)
+            # per-row gradients have a bound too) is recomputed exactly for those units (a
+            # shared parameter's calls: in _norms). Which units, and whether a value + bound
+            # is negative (a bug), are device flags, formed for many calls at once and read
+            # with one host sync (stacked.call_flags): after the backward for the calls that
+            # keep A and G anyway (book-keeping's ghost calls) and for two-pass, which drops
+            # G and brings it back for the flagged calls only, by one more backward (rare);
+            # book-keeping's instantiated calls, which would drop A and G here, keep them
+            # until their window of output gradients is full (_read_window).
+            if self._keep_G and not rec.ghost:
+                self._window.append(rec)
+                self._window_bytes += rec.out_bytes
+                if self._window_bytes >= self._window_budget:
+                    self._read_window()
             else:
-                self._fallback_call(rec, units)
+                self._deferred.append(rec)
         if not self._keep_G:
             # two-pass: pass 2 brings the same G again; keep A and G's fingerprint only
             # (G too, until the cross terms are taken, if the parameter has other uses).
@@ -384,29 +410,71 @@ class GhostClipper:
             if not shared:
                 rec.G = None
             return
-        if shared:
-            return  # cross terms with the other uses need A and G
+        if shared or deferred:
+            return  # cross terms with the other uses, or the fallback flags, need A and G
         if not rec.ghost and rec.exact is None:
             # book-keeping, instantiated: the per-unit gradients are kept (A and G too when
             # a unit's part is to be recomputed exactly at the clipped sum)
             rec.G, rec.A = None, None
 
+    def _read_window(self) -> None:
+        """Book-keeping: the fallback flags of the instantiated calls kept since the last
+        read, with one host sync; their exact fallbacks; then their A and G are dropped
+        (kept only where a unit's part is recomputed exactly at the clipped sum). Windows
+        hold about 1/WINDOWS of the backward's output gradients: at most WINDOWS reads
+        per backward, and that much kept beyond what instantiation keeps."""
+        recs, self._window, self._window_bytes = self._window, [], 0
+        if recs:
+            self._flag_calls(recs, self._units)
+        for r in recs:
+            if r.exact is None:
+                r.G, r.A = None, None
+
     def _apply_second_pass(self, rec: Record, G: torch.Tensor) -> None:
         """Two-pass, pass 2: the same backward brings G again; form and add this call's
-        part of the clipped sum from it, in float32, then drop it."""
+        part of the clipped sum from it, in float32, then drop it. (``refetch``: bring G
+        back for a call whose units are recomputed exactly, ``_refetch_G``.)"""
         if rec.fp is None:  # not reached in pass 1 (so not part of the norms)
             return
-        if not torch.equal(fingerprint(G), rec.fp):
-            raise RuntimeError(
-                f"clipping two-pass: the second backward gave module {type(rec.module).__name__} "
-                "a different output gradient than the first (a non-deterministic backward), so "
-                "what would be added is not what was clipped. Use privacy.clipping_mode: "
-                "book-keeping, or torch.use_deterministic_algorithms(True)."
-            )
+        self._same_G(rec, G)
         rec.G = G
+        if self._phase == "refetch":
+            return
         parts = self._contribution(rec, self._units)
         rec.G = rec.A = rec.exact = rec.exact_shared = rec.cache = None
         self._add_parts([(rec, parts)])
+
+    def _same_G(self, rec: Record, G) -> None:
+        """Pass 1's G again, bit for bit: a shape that differs is refused at once; the
+        fingerprints are compared on the device and the flags read once, after the pass
+        (``_check_same_G``)."""
+        fp = fingerprint(G)
+        if fp.shape != rec.fp.shape:
+            self._refuse_different_G(rec)
+        self._mismatch.append((rec, (fp != rec.fp).any()))
+
+    def _check_same_G(self) -> None:
+        """Raise if a call of the last pass saw a G other than pass 1's (one host sync).
+        Pass 2 adds each call's part as its G arrives, so a mismatch is raised after the
+        pass, with parts added, as it was raised midway before (with the parts of the calls
+        before it added): either way the backward raises and what it added is not a
+        clipped sum (the step is not taken: the caller's sums are discarded)."""
+        checks, self._mismatch = self._mismatch, []
+        if not checks:
+            return
+        flags = torch.stack([f for _, f in checks]).tolist()
+        for (rec, _), bad in zip(checks, flags):
+            if bad:
+                self._refuse_different_G(rec)
+
+    @staticmethod
+    def _refuse_different_G(rec: Record) -> None:
+        raise RuntimeError(
+            f"clipping two-pass: the second backward gave module {type(rec.module).__name__} "
+            "a different output gradient than the first (a non-deterministic backward), so "
+            "what would be added is not what was clipped. Use privacy.clipping_mode: "
+            "book-keeping, or torch.use_deterministic_algorithms(True)."
+        )
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -446,7 +514,8 @@ class GhostClipper:
             self._audit.clear()
             self._factors = self._row_factors = self._zero_rows = None
             self._phase = "idle"
-            self._units = None
+            self._units = self._total = None
+            self._deferred, self._window, self._mismatch = [], [], []
 
     def _collective_backward_only(self, row_losses: torch.Tensor) -> None:
         """A micro-batch of padding rows only, with sharded parameters: contributes nothing,
@@ -491,7 +560,10 @@ class GhostClipper:
         self._shared = self._multi_use(records)
         self._check_uses(total)
         self._units, self._keep_G, self._phase = units, mode == "book-keeping", "norms"
-        self._deferred = []
+        self._total = total
+        self._deferred, self._window, self._window_bytes = [], [], 0
+        self._window_budget = max(1, sum(r.out_bytes for r in records) // WINDOWS)
+        self._mismatch, self._refetch = [], set()
         self._recording = False  # activation-checkpoint recomputation must not record
         try:
             # Pass 1. Rows are independent, so the gradient of the summed loss at a module's
@@ -500,25 +572,41 @@ class GhostClipper:
         finally:
             self._recording = True
             self._phase = "idle"
-        self._deferred_fallbacks(units)
+        # book-keeping's last window of instantiated calls: flagged with the others, below
+        window, self._window, self._window_bytes = self._window, [], 0
+        self._deferred.extend(window)
         seen = [r for r in records if r.sqn is not None]
         check_coverage(self.model, self._rules, seen)
-        nu, value = self._norms(seen, units)
+        nu, value, neg = self._norms(seen, units)
+        for r in window:  # their flags are read: as _read_window
+            if r.exact is None:
+                r.G, r.A = None, None
         factors = nb.factors(nu, value, self.max_grad_norm)  # 0 for a non-finite norm
         norms = nb.round_up_to(nu, self._norm_dtype())  # never below the used norm
         factors = _planted_factors(factors, norms)  # test-only (llmdp.audit.plant): unchanged
-        self.last_nonfinite = int((~torch.isfinite(nu)).sum())
-        finite = torch.isfinite(nu)
-        self.last_norm_stats = NormStats(
-            units=units.num_units, fallbacks=self._fallbacks,
-            bound_max=float(nb.rho(value[finite], nu[finite]).max()) if bool(finite.any()) else 0.0)
-        self._factors = factors
-        self._add_exact_totals(factors, units)  # while every use's G is still here
         self._row_factors = units.row_factors(factors)
         # Rows that add nothing (padding, units with a non-finite gradient) are zeroed
         # before any contraction: a 0 factor alone would leave 0·NaN = NaN in the sum.
         zero = self._row_factors == 0
-        self._zero_rows = zero if bool(zero.any()) else None
+        # A negative norm (a bug), the statistics, and whether any row adds nothing: one
+        # host sync for all of them.
+        finite = torch.isfinite(nu)
+        bad_sum, nonfinite, bound_max, any_zero = torch.stack([
+            neg.any().to(torch.float64),
+            (~finite).sum().to(torch.float64),
+            torch.where(finite, nb.rho(value, nu), torch.zeros_like(nu)).max(),
+            zero.any().to(torch.float64)]).tolist()
+        if bad_sum:
+            raise RuntimeError(
+                "clipping engine bug: a squared norm plus its rounding bound is negative (the "
+                "sum over all parameters); the bound must make it >= 0. Please report this "
+                "with the model and batch shapes.")
+        self.last_nonfinite = int(nonfinite)
+        self.last_norm_stats = NormStats(units=units.num_units, fallbacks=self._fallbacks,
+                                         bound_max=bound_max)
+        self._factors = factors
+        self._add_exact_totals(factors, units)  # while every use's G is still here
+        self._zero_rows = zero if any_zero else None
         if mode == "two-pass":
             for rec in seen:
                 rec.G, rec.per_unit = None, None  # cross terms are taken: pass 2 brings G again
@@ -531,6 +619,7 @@ class GhostClipper:
             finally:
                 self._recording = True
                 self._phase = "idle"
+            self._check_same_G()
             return norms
         self._add_parts([(rec, self._contribution(rec, units)) for rec in seen])
         return norms
@@ -558,48 +647,60 @@ class GhostClipper:
         p = self._param_of.get(pid)
         return nb.roundoff(p.dtype) if p is not None else nb.U32
 
-    def _fallback_mask(self, rec: Record) -> tuple[torch.Tensor, ...] | None:
-        """(bad, value, err) [U] for one call: the units whose bound is more than FALLBACK
-        of the call's own norm, and the call's squared norm and bound; no sync."""
-        value = err = dsq = None
-        for n, sq in rec.sqn.items():
-            d = nb.deviation(sq, self._sink_u(self._pid(rec.module, n)))
-            value = sq.value if value is None else value + sq.value
-            err = sq.err if err is None else err + sq.err
-            dsq = d * d if dsq is None else dsq + d * d
-        if value is None:
-            return None
-        k = len(rec.sqn) + 2
-        err = nb.up(err, k) + gamma(k, U64) * nb.up(value.abs(), k)
-        nu = nb.used_norm(value, err, nb.up(dsq, k), check=False)
-        bad = nb.worth_recomputing(value, err, dsq, nu)
-        return bad, value, err
+    def _pairs(self, recs: list[Record]) -> tuple[list[tuple[Record, str]], list[list[int]]]:
+        """The (call, parameter) pairs of ``recs`` in order, and each call's indices in it."""
+        pairs: list[tuple[Record, str]] = []
+        groups = []
+        for r in recs:
+            groups.append(list(range(len(pairs), len(pairs) + len(r.sqn))))
+            pairs.extend((r, n) for n in r.sqn)
+        return pairs, groups
 
-    def _deferred_fallbacks(self, units: Units) -> None:
-        """``_fallback_call`` for every call deferred by book-keeping, one sync for all."""
-        recs, self._deferred = self._deferred, []
-        masks = [(r, m) for r in recs if (m := self._fallback_mask(r)) is not None]
-        if not masks:
-            return
-        bad = torch.stack([m[0] for _, m in masks])
-        neg = torch.stack([nb.negative(m[1], m[2]) for _, m in masks])
-        any_bad, any_neg = torch.stack([bad.any(), neg.any()]).tolist()
-        if any_neg:  # a bug: raised as used_norm raises it, with the value
-            for r, (_, value, err) in masks:
-                nb.check_nonnegative(value, err, type(r.module).__name__)
-        if any_bad:
-            for (r, _), b in zip(masks, bad.unbind(0)):
-                self._fallback_units(r, b, units)
+    def _stack(self, pairs: list[tuple[Record, str]]) -> stacked.Stack:
+        return stacked.Stack.of([r.sqn[n] for r, n in pairs],
+                                [self._sink_u(self._pid(r.module, n)) for r, n in pairs])
 
-    def _fallback_call(self, rec: Record, units: Units) -> None:
-        """Recompute exactly, for the units whose bound is more than FALLBACK of this call's
-        own norm, every parameter of this call (norms module docstring, 4)."""
-        m = self._fallback_mask(rec)
-        if m is None:
-            return
-        bad, value, err = m
-        nb.check_nonnegative(value, err, type(rec.module).__name__)
-        self._fallback_units(rec, bad, units)
+    def _flag_calls(self, recs: list[Record], units: Units) -> None:
+        """The fallback of calls with no shared parameter (``norms`` module docstring, 4),
+        with one host sync for all of them (a second for each flagged call): a negative
+        value + bound is raised as ``used_norm`` raises it, naming the module; the units
+        whose bound is more than FALLBACK of the call's own norm are recomputed exactly.
+        Two-pass dropped those calls' G: it is brought back for the flagged ones only."""
+        pairs, groups = self._pairs(recs)
+        bad, neg = stacked.call_flags(self._stack(pairs), groups)
+        flags = torch.cat([neg.any().reshape(1), bad.any(1)]).tolist()
+        if flags[0]:
+            self._raise_negative(recs, pairs, groups)
+        hit = [(r, b) for r, b, f in zip(recs, bad.unbind(0), flags[1:]) if f]
+        if hit and not self._keep_G:
+            self._refetch_G([r for r, _ in hit])
+        for r, b in hit:
+            self._fallback_units(r, b, units)
+            if not self._keep_G:
+                r.G = None  # two-pass: pass 2 brings it again (not shared)
+
+    def _raise_negative(self, recs, pairs, groups) -> None:
+        """A call's value + bound is negative: a bug, raised with the call's module."""
+        for r, g in zip(recs, groups):
+            value = sum(r.sqn[pairs[i][1]].value for i in g)
+            err = sum(r.sqn[pairs[i][1]].err for i in g)
+            nb.check_nonnegative(value, err, type(r.module).__name__)
+        raise RuntimeError("clipping engine bug: a squared norm plus its rounding bound is "
+                           "negative; please report this with the model and batch shapes")
+
+    def _refetch_G(self, recs: list[Record]) -> None:
+        """Two-pass: G again for ``recs`` (calls with a unit to recompute exactly, whose G
+        pass 1 dropped): the same backward of the same loss (its graph is retained for pass
+        2 anyway), each of those taps checking that G is pass 1's and keeping it; the other
+        taps do nothing. Only when some call needs it (rare)."""
+        self._refetch = set(recs)
+        self._phase, self._recording = "refetch", False
+        try:
+            torch.autograd.grad(self._total, self._anchor, retain_graph=True, allow_unused=True)
+        finally:
+            self._phase, self._recording = "idle", True
+            self._refetch = set()
+        self._check_same_G()
 
     def _fallback_units(self, rec: Record, bad: torch.Tensor, units: Units) -> None:
         for u in bad.nonzero(as_tuple=True)[0].tolist():
@@ -676,26 +777,78 @@ class GhostClipper:
                 p.grad = torch.zeros_like(p)
             p.grad[j0:j1].add_(g.to(p.dtype))
 
-    def _norms(self, records: list[Record], units: Units) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ν, S): the norm used for clipping and the computed squared norm, per unit, in
-        float64 (norms module docstring, 3), after the fallbacks of shared parameters."""
-        uses: dict[int, list[tuple[Record, str]]] = {}
-        for rec in records:
-            for n in rec.sqn:
-                uses.setdefault(self._pid(rec.module, n), []).append((rec, n))
+    def _norms(self, records: list[Record], units: Units) -> tuple[torch.Tensor, ...]:
+        """(ν, S, neg): the norm used for clipping and the computed squared norm, per unit,
+        in float64 (norms module docstring, 3), and where S + E is negative (a bug: the
+        caller raises it), after the exact fallbacks (4) of the deferred calls and of shared
+        parameters; all of it on [pairs, U] stacks (``stacked``), with one host sync for
+        every fallback flag (and one more per flagged call or parameter, rare)."""
+        pairs, _ = self._pairs(records)
         U = units.num_units
         device = self.params[0].device if self.params else units.unit_of_row.device
-        if not uses:  # no trainable parameter was reached by this batch
+        if not pairs:  # no trainable parameter was reached by this batch
             z = torch.zeros(U, dtype=torch.float64, device=device)
-            return z, z
-        per_param = {pid: self._combine(u, units) for pid, u in uses.items()}
-        self._fallback_shared(uses, per_param, units)
-        K = len(per_param) + 2
-        value = sum(v for v, _, _ in per_param.values())
-        err = nb.up(sum(e for _, e, _ in per_param.values()), K)
-        err = err + gamma(K, U64) * nb.up(sum(v.abs() for v, _, _ in per_param.values()), K)
-        dsq = nb.up(sum(d * d for _, _, d in per_param.values()), 2 * K)
-        return nb.used_norm(value, err, dsq), value
+            return z, z, torch.zeros(U, dtype=torch.bool, device=device)
+        uses: dict[int, list[tuple[Record, str]]] = {}
+        index: dict[int, int] = {}  # a parameter with one use: its pair's row
+        for i, (rec, n) in enumerate(pairs):
+            pid = self._pid(rec.module, n)
+            uses.setdefault(pid, []).append((rec, n))
+            index.setdefault(pid, i)
+        stack = self._stack(pairs)
+        # The flags: the deferred calls' (bad units, negative) and the shared parameters'.
+        deferred, self._deferred = [r for r in self._deferred if r.sqn], []
+        shared = {pid: self._combine(us, units) for pid, us in uses.items() if len(us) > 1}
+        flags, neg = [], []
+        if deferred:
+            first = {id(r): i for i, (r, _) in reversed(list(enumerate(pairs)))}
+            groups = [list(range(first[id(r)], first[id(r)] + len(r.sqn))) for r in deferred]
+            bad_calls, neg_calls = stacked.call_flags(stack, groups)
+            flags.append(bad_calls.any(1))
+            neg.append(neg_calls.any().reshape(1))
+        if shared:
+            v, e, d = (torch.stack(x) for x in zip(*shared.values()))
+            nu = nb.used_norm(v, e, d * d, check=False)
+            bad_shared = nb.worth_recomputing(v, e, d, nu)
+            flags.append(bad_shared.any(1))
+            neg.append(nb.negative(v, e).any().reshape(1))
+        if flags:
+            read = torch.cat(neg + flags).tolist()  # the one host sync
+            if any(read[: len(neg)]):
+                for pid, (v, e, _) in shared.items():
+                    nb.check_nonnegative(v, e, self._name_of.get(pid, ""))
+                self._raise_negative(deferred, *self._pairs(deferred))
+            read = read[len(neg):]
+            hit = [(r, b) for r, b, f in zip(deferred, bad_calls.unbind(0), read) if f] if deferred else []
+            read = read[len(deferred):]
+            if hit and not self._keep_G:
+                self._refetch_G([r for r, _ in hit])
+            for r, b in hit:
+                self._fallback_units(r, b, units)
+                if not self._keep_G:
+                    r.G = None  # two-pass: pass 2 brings it again (not shared)
+            if hit:  # their norms changed: the stack again (rare)
+                stack = self._stack(pairs)
+            per_param = {pid: (stack.value[i], stack.err[i], stack.d[i]) for pid, i in index.items()}
+            per_param.update(shared)
+            if shared and any(read):
+                bad = dict(zip(shared, bad_shared.unbind(0)))
+                self._fallback_shared(uses, per_param, units,
+                                      [p for p, f in zip(shared, read) if f], bad)
+                changed = True
+            else:
+                changed = False
+        else:
+            per_param, changed = None, False
+        if per_param is None or (not shared and not changed):
+            # every parameter has one use: its pair's row, in order
+            rows = list(index.values())
+            value, err, d = stack.value[rows], stack.err[rows], stack.d[rows]
+            if rows == list(range(len(pairs))):
+                value, err, d = stack.value, stack.err, stack.d
+        else:
+            value, err, d = (torch.stack(x) for x in zip(*per_param.values()))
+        return stacked.total(value, err, d)
 
     def _combine(self, uses: list[tuple[Record, str]], units: Units) -> tuple[torch.Tensor, ...]:
         """(value, err, δ) of one parameter over its uses: Σ_i value_i + 2Σ_{i<j} ⟨h_i, h_j⟩,
@@ -725,22 +878,21 @@ class GhostClipper:
         delta = nb.up(sum(nb.deviation(s, sink_u) for s in sqs), len(uses) + 2)
         return value, err, delta
 
-    def _fallback_shared(self, uses, per_param, units: Units) -> None:
-        """A shared parameter whose bound is more than FALLBACK of its norm, for some unit:
-        every call using it — and, in turn, every parameter of those calls and their other
-        uses — is recomputed exactly for that unit (norms module docstring, 4). Calls whose
-        rule cannot (``has_exact`` False) keep their bound: it is valid, only larger."""
-        for pid in [p for p, us in uses.items() if len(us) > 1]:
-            value, err, delta = per_param[pid]
-            nu = nb.used_norm(value, err, delta * delta)
-            bad = nb.worth_recomputing(value, err, delta, nu)
-            for u in bad.nonzero(as_tuple=True)[0].tolist():
-                recs, pids = self._closure(pid, uses)
+    def _fallback_shared(self, uses, per_param, units: Units, pids: list[int],
+                         bad: dict[int, torch.Tensor]) -> None:
+        """The shared parameters ``pids`` whose bound is more than FALLBACK of their norm for
+        the units ``bad[pid]``: every call using it — and, in turn, every parameter of those
+        calls and their other uses — is recomputed exactly for that unit (norms module
+        docstring, 4). Calls whose rule cannot (``has_exact`` False) keep their bound: it
+        is valid, only larger."""
+        for pid in pids:
+            for u in bad[pid].nonzero(as_tuple=True)[0].tolist():
+                recs, closure = self._closure(pid, uses)
                 if any(not r.rule.has_exact or r.G is None for r in recs):
                     continue
                 if any(u in _exact_units(r) for r in recs):
                     continue  # already recomputed, with another shared parameter
-                for q in pids:
+                for q in closure:
                     shared = len(uses[q]) > 1
                     v, e, d = self._exact_param(uses[q], u, units, together=shared)
                     d = nb.up(d + gamma(1, self._sink_u(q)) * (torch.sqrt(v + e) + d), 4)
