@@ -9,7 +9,8 @@ read) and has a stated error bound, which the engine adds to the norms it clips 
   instantiated gradients): the operands are widened to float64 — exact for every
   floating input dtype, and a product of two widened float32 (or narrower) values is exact
   in float64 (24 + 24 significant bits ≤ 53) — and contracted in float64 (``bmm``,
-  ``gram``, ``row_norms``). A dot product of n such terms, summed in any
+  ``gram``; ``row_norms``, upper bounds only, reduces narrower inputs with a float32 result
+  and scales it up by its bound instead). A dot product of n such terms, summed in any
   order, is within γ_n(2⁻⁵³)·Σ|terms| of its exact value (Higham, *Accuracy and
   Stability of Numerical Algorithms*, §3.1; γ_n(u) = n·u/(1 − n·u)). On CUDA these are
   float64 GEMMs (the FP64 tensor cores of A100/H100-class GPUs, at about their float32
@@ -196,26 +197,29 @@ def per_row_tn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def row_norms(x: torch.Tensor) -> torch.Tensor:
-    """‖x[..., :]‖ over the last dimension, in float64 (widened a slice at a time):
-    within γ_{k+2}(2⁻⁵³) of the exact norm, relatively (k squares, their sum, the root).
-    CUDA half precision: one float32-accumulating reduction (no float64 copy of, e.g., the
-    LM head's [R, T, V] output gradient; squares of half values are exact in float32),
-    scaled up by 1 + γ_{k+3}(2⁻²⁴): never below the exact norm, at most ~2·γ above it (the
-    engine uses these norms as upper bounds, N_u, only)."""
+    """An upper bound on ‖x[..., :]‖ over the last dimension, in float64 (the engine uses
+    these norms as upper bounds, N_u, only).
+
+    float64 input: the float64 norm, within γ_{k+2}(2⁻⁵³) of the exact one (k squares,
+    their sum, the root), relatively. Anything narrower (float32, bf16, fp16, on any
+    device): one reduction with a float32 result, no float64 copy (issue 50, item 4: the
+    LM head's [R, T, V] output gradient, peft's float32 adapters). Whatever the reduction's
+    accumulator (float32 on CUDA, wider on the CPU) and order, each square rounds by at most
+    a relative 2⁻²⁴ (or, in float32's subnormal range, an absolute 2⁻¹⁵⁰), the sum of k
+    nonnegative terms by γ_{k−1}, the root and the result's cast by one rounding each: the
+    computed ñ satisfies ‖x‖² ≤ ñ²·(1 + γ_{k+3}(2⁻²⁴))² + k·2⁻¹⁵⁰, so
+
+        ‖x‖ ≤ ñ·(1 + γ_{k+3}(2⁻²⁴)) + √k·2⁻⁷⁵,
+
+    which is what is returned (rounded up): never below the exact norm, at most ~2·γ above
+    it. A norm past float32's range (‖x‖ ≥ 2¹²⁸) is inf: the unit's bound is then not
+    finite and it adds nothing (``norms.factors``): utility, never privacy."""
     k = x.shape[-1]
-    lead = x.shape[:-1]
-    if x.is_cuda and x.dtype in HALF:
-        n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
-        return n32.to(torch.float64) * (1.0 + gamma(k + 3, U32))
-    if x.dtype == torch.float64 or x.numel() <= CHUNK_ELEMENTS:
-        return torch.linalg.vector_norm(x.to(torch.float64), dim=-1)
-    rows = max(1, x.numel() // k)
-    step = max(1, CHUNK_ELEMENTS // rows)
-    sq = torch.zeros(lead, dtype=torch.float64, device=x.device)
-    for k0 in range(0, k, step):
-        part = x[..., k0:k0 + step].to(torch.float64)
-        sq.add_((part * part).sum(-1))
-    return sq.sqrt()
+    if x.dtype == torch.float64:
+        return torch.linalg.vector_norm(x, dim=-1)
+    n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+    scale = (1.0 + gamma(k + 3, U32)) * (1.0 + 2.0 * U64)  # the float64 mul and add, rounded up
+    return n32.to(torch.float64) * scale + math.sqrt(k) * 2.0**-74
 
 
 def _triton_path(x: torch.Tensor, y: torch.Tensor) -> bool:
