@@ -247,14 +247,8 @@ def _check_chunk(chunk: int, block_t: int) -> int:
     return chunk
 
 
-def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,
-                  num_units: int, chunk: int = CHUNK_T, config=None, flat=None) -> torch.Tensor:
-    """[U] float64: Σ over tiles of the float64 sum of squares of each tile of the float32
-    h_u = Σ_{r in u} X_rᵀ Y_r (X [R, T, a], Y [R, T, b], same half dtype; the rows of unit
-    u are ``rows[ptr[u]:ptr[u+1]]``). Nothing of size a×b per unit is written.
-    ``config``: ((BLOCK_A, BLOCK_B, BLOCK_T), warps, stages) instead of ``_norm_launch``'s
-    (``benchmarks/kernels.py`` sweeps them); ``flat``: the loop structure (default: the
-    measured faster one, ``_norm_launch``)."""
+def _norm_call(X, Y, rows, ptr, num_units: int, chunk: int, config, flat):
+    """(kernel, grid, args, kwargs, out) of ``unit_sq_norms``' launch."""
     T, a = X.shape[1], X.shape[2]
     b = Y.shape[2]
     default, default_flat = _norm_launch(a, b, T)
@@ -263,28 +257,34 @@ def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: tor
     _check_chunk(chunk, blocks[2])
     ta, tb = triton.cdiv(a, blocks[0]), triton.cdiv(b, blocks[1])
     out = torch.empty((num_units, ta * tb), dtype=torch.float64, device=X.device)
-    if num_units == 0:
-        return out.sum(1)
     kernel = unit_sq_norms_flat_kernel if flat else unit_sq_norms_kernel
-    kernel[(ta, tb, num_units)](
-        X, Y, rows, ptr, out, T, a, b, tb,
-        X.stride(0), X.stride(1), X.stride(2), Y.stride(0), Y.stride(1), Y.stride(2),
-        BLOCK_A=blocks[0], BLOCK_B=blocks[1], BLOCK_T=blocks[2], CHUNK=chunk,
-        UPCAST=interpreting(), num_warps=warps, num_stages=stages,
-    )
+    args = (X, Y, rows, ptr, out, T, a, b, tb,
+            X.stride(0), X.stride(1), X.stride(2), Y.stride(0), Y.stride(1), Y.stride(2))
+    kwargs = dict(BLOCK_A=blocks[0], BLOCK_B=blocks[1], BLOCK_T=blocks[2], CHUNK=chunk,
+                  UPCAST=interpreting(), num_warps=warps, num_stages=stages)
+    return kernel, (ta, tb, num_units), args, kwargs, out
+
+
+def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,
+                  num_units: int, chunk: int = CHUNK_T, config=None, flat=None) -> torch.Tensor:
+    """[U] float64: Σ over tiles of the float64 sum of squares of each tile of the float32
+    h_u = Σ_{r in u} X_rᵀ Y_r (X [R, T, a], Y [R, T, b], same half dtype; the rows of unit
+    u are ``rows[ptr[u]:ptr[u+1]]``). Nothing of size a×b per unit is written.
+    ``config``: ((BLOCK_A, BLOCK_B, BLOCK_T), warps, stages) instead of ``_norm_launch``'s
+    (``benchmarks/kernels.py`` sweeps them); ``flat``: the loop structure (default: the
+    measured faster one, ``_norm_launch``)."""
+    kernel, grid, args, kwargs, out = _norm_call(X, Y, rows, ptr, num_units, chunk, config, flat)
+    if num_units:
+        kernel[grid](*args, **kwargs)
     return out.sum(1)
 
 
-def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int = CHUNK_T,
-                  config=None, flat=None) -> torch.Tensor:
-    """Σ_r f_r X_rᵀ Y_r as a float32 [a, b] tensor (X [R, T, a], Y [R, T, b], same half
-    dtype; f [R]). ``config`` and ``flat`` as ``unit_sq_norms``'s (default: ``_blocks``,
-    ``FLAT_ROW_SCALED``)."""
+def _row_scaled_call(X, Y, f, chunk: int, config, flat, programs: int):
+    """(kernel, grid, args, kwargs, out) of ``row_scaled_tn``'s launch, ``programs`` the
+    number of programs that fill the device."""
     R, T, a = X.shape
     b = Y.shape[2]
-    f = f.to(device=X.device, dtype=torch.float32).contiguous()
     blocks, warps, stages = config or _blocks(a, b, T)
-    programs = 8 if interpreting() else 2 * torch.cuda.get_device_properties(X.device).multi_processor_count
     tiles = triton.cdiv(a, blocks[0]) * triton.cdiv(b, blocks[1])
     # Too few output tiles to fill the device (a small layer): split the rows into groups,
     # each with its own float32 partial result, summed afterwards (split-K over rows).
@@ -294,10 +294,48 @@ def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int 
     out = torch.empty((split, a, b), dtype=torch.float32, device=X.device)
     grid = (triton.cdiv(a, blocks[0]), triton.cdiv(b, blocks[1]), split)
     kernel = row_scaled_tn_flat_kernel if (FLAT_ROW_SCALED if flat is None else flat) else row_scaled_tn_kernel
-    kernel[grid](
-        X, Y, f, out, R, T, a, b, rows_per,
-        X.stride(0), X.stride(1), X.stride(2), Y.stride(0), Y.stride(1), Y.stride(2),
-        BLOCK_A=blocks[0], BLOCK_B=blocks[1], BLOCK_T=blocks[2], CHUNK=_check_chunk(chunk, blocks[2]),
-        UPCAST=interpreting(), num_warps=warps, num_stages=stages,
-    )
-    return out[0] if split == 1 else out.sum(0)
+    args = (X, Y, f, out, R, T, a, b, rows_per,
+            X.stride(0), X.stride(1), X.stride(2), Y.stride(0), Y.stride(1), Y.stride(2))
+    kwargs = dict(BLOCK_A=blocks[0], BLOCK_B=blocks[1], BLOCK_T=blocks[2],
+                  CHUNK=_check_chunk(chunk, blocks[2]), UPCAST=interpreting(), num_warps=warps,
+                  num_stages=stages)
+    return kernel, grid, args, kwargs, out
+
+
+def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int = CHUNK_T,
+                  config=None, flat=None) -> torch.Tensor:
+    """Σ_r f_r X_rᵀ Y_r as a float32 [a, b] tensor (X [R, T, a], Y [R, T, b], same half
+    dtype; f [R]). ``config`` and ``flat`` as ``unit_sq_norms``'s (default: ``_blocks``,
+    ``FLAT_ROW_SCALED``)."""
+    f = f.to(device=X.device, dtype=torch.float32).contiguous()
+    programs = 8 if interpreting() else 2 * torch.cuda.get_device_properties(X.device).multi_processor_count
+    kernel, grid, args, kwargs, out = _row_scaled_call(X, Y, f, chunk, config, flat, programs)
+    kernel[grid](*args, **kwargs)
+    return out[0] if out.shape[0] == 1 else out.sum(0)
+
+
+def launches(R: int, T: int, a: int, b: int, dtype=torch.bfloat16, sms: int = 132):
+    """Every kernel of this module as the wrappers above launch it for one layer, X [R, T, a]
+    and Y [R, T, b] contiguous, one row per unit, on a device of ``sms`` SMs (an H100 or
+    H200: 132): [(label, kernel, args, kwargs)], tensors on the ``meta`` device (nothing is
+    allocated). The default loop structure and the other one, each with the default tiles:
+    what ``llmdp._triton.ptxas_usage`` compiles (``tests/clipping/test_kernel_spills.py``,
+    ``benchmarks/ptxas.py``)."""
+    if interpreting():
+        raise RuntimeError("launches() describes CUDA launches: unset TRITON_INTERPRET")
+    X = torch.empty((R, T, a), dtype=dtype, device="meta")
+    Y = torch.empty((R, T, b), dtype=dtype, device="meta")
+    f = torch.empty((R,), dtype=torch.float32, device="meta")
+    rows = torch.empty((R,), dtype=torch.long, device="meta")
+    ptr = torch.empty((R + 1,), dtype=torch.long, device="meta")
+    out = []
+    default_flat = _norm_launch(a, b, T)[1]
+    for flat in (default_flat, not default_flat):
+        cfg = None if flat == default_flat else _blocks(a, b, T)
+        kernel, _, args, kwargs, _ = _norm_call(X, Y, rows, ptr, R, CHUNK_T, cfg, flat)
+        out.append(("norms" + (" (default)" if cfg is None else ""), kernel, args, kwargs))
+    for flat in (FLAT_ROW_SCALED, not FLAT_ROW_SCALED):
+        kernel, _, args, kwargs, _ = _row_scaled_call(X, Y, f, CHUNK_T, None, flat, 2 * sms)
+        out.append(("clipped sum" + (" (default)" if flat == FLAT_ROW_SCALED else ""), kernel,
+                    args, kwargs))
+    return out
