@@ -49,11 +49,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     shapes = SHAPES[:1] if args.quick else SHAPES
     print("| T × R | layer p × d | kernel | tiles, warps, stages | registers | spill stores / "
-          "loads (B) | unaligned: registers | spills |")
-    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
+          "loads (B) | shared (KiB) | unaligned: registers | spills |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for T, R, p, d, label, cfg, rep, un in rows(shapes, capability=args.capability):
         print(f"| {T} × {R} | {p} × {d} | {rep['name']} {label} | {cfg} | {rep['registers']} | "
-              f"{rep['spill_stores']} / {rep['spill_loads']} | {un['registers']} | "
+              f"{rep['spill_stores']} / {rep['spill_loads']} | {rep['shared'] / 1024:.0f} | "
+              f"{un['registers']} | "
               f"{un['spill_stores']} / {un['spill_loads']} |", flush=True)
     return 0
 

@@ -54,8 +54,9 @@ def _ptxas(capability: int) -> str:
 def ptxas_usage(kernel, args, kwargs, capability: int = 90, aligned: bool = True) -> dict:
     """Compile ``kernel[grid](*args, **kwargs)`` for CUDA sm_``capability`` (no GPU, no
     launch) and return ptxas's report: {"name", "registers", "spill_stores", "spill_loads",
-    "stack"} (bytes per thread). ``args`` as at a launch; tensors may be on the ``meta``
-    device (only their dtype, strides and alignment matter). The arguments are specialized
+    "stack"} (bytes per thread), with Triton's "shared" (bytes of shared memory a program
+    needs) and ``dot_accumulators``' "dots", "dots_from_zero". ``args`` as at a launch;
+    tensors may be on the ``meta`` device (only their dtype, strides and alignment matter). The arguments are specialized
     as Triton's launcher does (``tt.divisibility`` attributes, integers equal to 1 as
     constants), the PTX is Triton's own, and ptxas runs with Triton's flags for the target.
     ``aligned=False`` drops the divisibility attributes: the code a launch gets whose sizes,
@@ -76,8 +77,18 @@ def ptxas_usage(kernel, args, kwargs, capability: int = 90, aligned: bool = True
                                                               options)
     if not aligned:
         attrs = {key: [a for a in val if a[0] != "tt.divisibility"] for key, val in attrs.items()}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                              options=options.__dict__)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    key = (src.hash(), capability, repr(sorted(options.__dict__.items())))
+    if key not in _USAGE:  # launches of many shapes share a specialization: compile it once
+        _USAGE[key] = _usage(kernel, triton.compile(src, target=target, options=options.__dict__),
+                             ptxas, options, sm_arch_from_capability(capability))
+    return dict(_USAGE[key])
+
+
+_USAGE: dict = {}
+
+
+def _usage(kernel, compiled, ptxas: str, options, arch: str) -> dict:
     flags = ["-lineinfo", "-v", "--regAllocOptLevel=2"]
     if not options.enable_fp_fusion:
         flags.append("--fmad=false")
@@ -85,11 +96,24 @@ def ptxas_usage(kernel, args, kwargs, capability: int = 90, aligned: bool = True
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as fh:
             fh.write(compiled.asm["ptx"])
-        r = subprocess.run([ptxas, *flags, f"--gpu-name={sm_arch_from_capability(capability)}", src,
-                            "-o", os.path.join(d, "k.o")], capture_output=True, text=True)
+        r = subprocess.run([ptxas, *flags, f"--gpu-name={arch}", src, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"ptxas failed on {kernel.__name__}: {r.stderr[-2000:]}")
-    return parse_ptxas(r.stdout + r.stderr, kernel.__name__)
+    return {**parse_ptxas(r.stdout + r.stderr, kernel.__name__), "shared": compiled.metadata.shared,
+            **dot_accumulators(compiled.asm["ttgir"])}
+
+
+def dot_accumulators(ttgir: str) -> dict:
+    """{"dots": the number of dot operations in a kernel's TritonGPU IR (Hopper and older),
+    "dots_from_zero": how many of them accumulate into a zero constant}. Any other dot
+    continues an earlier tensor-core accumulation chain: Triton folds ``acc + dot(a, b)``
+    into ``dot(a, b, acc)`` where the sum is written so."""
+    zeros = set(re.findall(r"(%[\w.#]+) = arith\.constant dense<0\.0+e\+00>", ttgir))
+    accs = [m.group(1) for m in re.finditer(
+        r"= (?:tt\.dot|ttng\.warp_group_dot)\b[^,\n]*, [^,\n]*, (%[\w.#]+)",
+        ttgir)]
+    return {"dots": len(accs), "dots_from_zero": sum(a in zeros for a in accs)}
 
 
 def parse_ptxas(log: str, name: str) -> dict:
