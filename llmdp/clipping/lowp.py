@@ -20,12 +20,14 @@ read) and has a stated error bound, which the engine adds to the norms it clips 
   any real sequence (``norms`` module docstring, 4).
 * **the clipped sum** Σ_r c_r G_rᵀA_r (``row_scaled_tn``):
   - bf16/fp16 on CUDA: the operands go to the tensor cores as they are, with float32
-    accumulation, in a Triton kernel (``_triton_rowscaled``) that multiplies each row's
-    float32 partial sum by its factor (never a half-precision operand). Its error is
+    accumulation, in a Triton kernel (``_triton_rowscaled``) that multiplies each chunk's
+    float32 partial sum (one ``tl.dot`` over at most ``CHUNK_T`` = 128 positions of a row)
+    by the row's factor (never a half-precision operand). Its error is
     bounded with the tensor cores' measured arithmetic (exact products, each block of
     products aligned to its largest term and truncated: Fasi, Higham, Mikaitis, Pranesh,
     "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021; Khattak & Mikaitis 2025),
-    taken as γ_n with u = 2⁻²² (four times float32's unit roundoff), n = T + 2R + 2;
+    taken as γ_n with u = 2⁻²² (four times float32's unit roundoff),
+    n = min(T, 128) + 1 + ⌈(R·⌈T/128⌉ + R)/4⌉ (``_triton_rowscaled.error_count``);
   - anything else (CPU, float32 models, mixed dtypes, no Triton): widened to float32
     (exact), float32 GEMMs over groups of rows of about ``ROW_GROUP_POSITIONS`` positions,
     their results summed in float64 and cast to float32 once: γ_{g+3}(2⁻²⁴) for a group of

@@ -5,7 +5,10 @@ must be set before Triton is imported), and on CUDA by the ``gpu`` tests of
 
 * the kernels against float64 references, within the bounds the engine adds
   (``error_count``, ``norm_error_count``), with chunks shorter than T, units of several
-  rows, tile remainders and T = 1;
+  rows, tile remainders and T = 1; both loop structures and int64 offsets give the same
+  bits; the worst accumulation order each bound admits, forced elementwise (not left to
+  this machine's BLAS), stays within it, and bites: a count without the accumulator's
+  chain of R·m chunk sums is exceeded;
 * the engine with the kernel path forced on a bf16 model on CPU: removing any one unit
   changes what was added by at most C (the neighbour test, float64), and the norms used
   are never below those of the float64 Gram path by more than its own bound."""
@@ -26,21 +29,33 @@ _KERNELS = textwrap.dedent(
     from llmdp.clipping import _triton_rowscaled as k
     from llmdp.clipping import lowp
 
-    def sequential(x, y, f, chunk):
-        # Σ_r f_r X_rᵀ Y_r in the kernel's structure with its chains fully sequential: every
-        # add a float32 rounding, in a fixed order (the products of bf16/fp16 values are
-        # exact in float32); elementwise ops only, so no BLAS decides the order.
+    def chunks(x, y, chunk):
+        # Each row's chunk sums X_rᵀ Y_r over [c0, c0 + chunk), their chains fully
+        # sequential: every add a float32 rounding, in a fixed order (the products of
+        # bf16/fp16 values are exact in float32); elementwise ops only, so no BLAS decides
+        # the order. Yields (r, part) in the kernels' order: rows, then their chunks.
         R, T = x.shape[:2]
-        acc = torch.zeros(x.shape[2], y.shape[2])
         for r in range(R):
-            row = torch.zeros_like(acc)
             for c0 in range(0, T, chunk):
-                part = torch.zeros_like(acc)
+                part = torch.zeros(x.shape[2], y.shape[2])
                 for t in range(c0, min(c0 + chunk, T)):
                     part = part + x[r, t].float()[:, None] * y[r, t].float()[None, :]
-                row = row + part
-            acc = acc + f[r].float() * row
+                yield r, part
+
+    def sequential(x, y, f, chunk):
+        # Σ_r f_r X_rᵀ Y_r in the kernel's structure: each chunk's sum times f_r, added to
+        # one float32 accumulator.
+        acc = torch.zeros(x.shape[2], y.shape[2])
+        for r, part in chunks(x, y, chunk):
+            acc = acc + f[r].float() * part
         return acc
+
+    def sequential_h(x, y, chunk):
+        # h of one unit (all of x's rows) in the norm kernel's structure: chunks added to h.
+        h = torch.zeros(x.shape[2], y.shape[2])
+        for _, part in chunks(x, y, chunk):
+            h = h + part
+        return h
 
     g = torch.Generator().manual_seed(0)
     for dt in (torch.bfloat16, torch.float16):
@@ -81,6 +96,13 @@ _KERNELS = textwrap.dedent(
             # ‖h̃‖ − ‖h‖ ≤ ‖h̃ − h‖ ≤ γ·‖|x|ᵀ|y|‖ (the float64 sum of squares adds ~1e-16)
             slack = gm * mag.flatten(1).norm(dim=1) * (1 + 1e-9) + 1e-12 * true
             assert ((sq.sqrt() - true).abs() <= slack).all(), (dt, R, T, sq.sqrt(), true)
+            # int64 offsets (the kernels' WIDE switch, for operands of 2³¹ elements or more):
+            # the same sums
+            k.INT32_SPAN = 1
+            assert torch.equal(k.row_scaled_tn(x, y, f, chunk=chunk), out)
+            assert torch.equal(k.unit_sq_norms(x, y, torch.argsort(uor, stable=True), ptr, U,
+                                               chunk=chunk), sq)
+            k.INT32_SPAN = 2**31
     # Adversarial: 1 then many 2^-25 (each float32 add of one to the running 1 is lost), so
     # a sequential chain errs by ~15 roundings of the first chunk: a bound that counted fewer
     # fails here. How much a machine's float32 dot loses is not ours to assert (a BLAS may
@@ -103,13 +125,50 @@ _KERNELS = textwrap.dedent(
     sq = k.unit_sq_norms(x, y, torch.arange(1), torch.tensor([0, 1]), 1, chunk=16)
     gm = lowp.gamma(k.norm_error_count(T, 1, 16), lowp.UTC)
     assert abs(float(sq.sqrt()) - float(ref.norm())) <= gm * float(mag.norm())
-    try:
-        k.unit_sq_norms(x, y, torch.arange(2), torch.arange(3), 2, chunk=24)
+    # Adversarial for the accumulator: all chunk sums go into one float32 tile, R·m of them.
+    # Row 0 starts with 1, every other chunk holds one product just under half an ulp of 1
+    # (each add of it to the running ~1 is lost): 4·128 − 1 lost adds, more than a count of
+    # m + 2R + 2 float32 roundings (the three-accumulator kernels', whose chunks went into
+    # a row sum first) admits; error_count's R·m + R covers them.
+    R, T, chunk = 4, 16 * 128, 16
+    m = T // chunk
+    x = torch.zeros(R, T, 16)
+    x[:, ::chunk] = 2.0**-24 * (1 - 2.0**-8)
+    x[0, 0] = 1.0
+    x, y = x.bfloat16(), torch.ones(R, T, 16).bfloat16()
+    ones = torch.ones(R)
+    ref = torch.einsum("rta,rtb->ab", x.double(), y.double())
+    mag = torch.einsum("rta,rtb->ab", x.double().abs(), y.double().abs())
+    three_acc = lowp.gamma(chunk + 1 + -(-(m + 2 * R + 2) // 4), lowp.UTC) * mag
+    bound = lowp.gamma(k.error_count(R, T, chunk), lowp.UTC) * mag
+    chained = sequential(x, y, ones, chunk)
+    assert ((chained.double() - ref).abs() > three_acc).all()  # it bites
+    assert ((chained.double() - ref).abs() <= bound).all()
+    out = k.row_scaled_tn(x, y, ones, chunk=chunk)
+    assert torch.equal(k.row_scaled_tn(x, y, ones, chunk=chunk, flat=True), out)
+    assert ((out.double() - ref).abs() <= bound).all()
+    gm = lowp.gamma(k.norm_error_count(T, R, chunk), lowp.UTC)
+    h = sequential_h(x, y, chunk)  # the four rows as one unit
+    assert ((h.double() - ref).abs() > three_acc).all()
+    assert ((h.double() - ref).abs() <= gm * mag).all()
+    sq = k.unit_sq_norms(x, y, torch.arange(R), torch.tensor([0, R]), 1, chunk=chunk)
+    assert torch.equal(k.unit_sq_norms(x, y, torch.arange(R), torch.tensor([0, R]), 1, chunk=chunk,
+                                       flat=True), sq)
+    assert abs(float(sq.sqrt()) - float(ref.norm())) <= gm * float(mag.norm())
+    for bad in (24, 8):
+        try:
+            k.unit_sq_norms(x, y, torch.arange(1), torch.tensor([0, 1]), 1, chunk=bad)
+        except ValueError as e:
+            assert "not a power of two" in str(e)
+        else:
+            raise AssertionError("a chunk that is not one tl.dot must be refused")
+    try:  # a config whose K block is not the chunk
+        k.row_scaled_tn(x, y, torch.ones(1), chunk=16, config=((16, 16, 32), 4, 1))
     except ValueError as e:
-        assert "not a multiple" in str(e)
+        assert "not one chunk" in str(e)
     else:
-        raise AssertionError("a chunk that is not whole K blocks must be refused")
-    # the bound is one chunk long, not T: at T = 1024 it is about 8x smaller
+        raise AssertionError("a K block other than the chunk must be refused")
+    # the bound is one chunk long, not T: at T = 1024 it is about 7x smaller
     assert k.error_count(8, 1024) < (1024 + 2 * 8 + 2) / 7
     print("ok")
     """
