@@ -285,12 +285,6 @@ def emulate_cuda(counter: Counter):
         counter.launch("triton:unit_sq_norms", 2 * R * T * A * B, X.dtype, _bytes(X, Y, out))
         return out
 
-    def row_norms(x):
-        if x.dtype in half:
-            n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
-            return n32.to(torch.float64) * (1.0 + lowp.gamma(x.shape[-1] + 3, lowp.U32))
-        return orig_row_norms(x)
-
     h200 = norms.DeviceSpec(*norms._CUDA_SPECS["H200"])
 
     def device_spec(device, dtype):
@@ -298,11 +292,10 @@ def emulate_cuda(counter: Counter):
             return norms.DeviceSpec(h200.flops / norms._CUDA_FP32_SLOWDOWN, h200.bandwidth, h200.fp64)
         return h200
 
-    orig_bmm_fast, orig_row_norms = lowp.bmm_fast, lowp.row_norms
+    orig_bmm_fast = lowp.bmm_fast
     patch(lowp, "tensor_cores", tc)
     patch(lowp, "_triton_path", tc)
     patch(lowp, "bmm_fast", bmm_fast)
-    patch(lowp, "row_norms", row_norms)
     patch(tr, "row_scaled_tn", row_scaled_tn)
     patch(tr, "unit_sq_norms", unit_sq_norms)
     patch(norms, "device_spec", device_spec)

@@ -214,14 +214,19 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
         ‖x‖ ≤ ñ·(1 + γ_{k+3}(2⁻²⁴)) + √k·2⁻⁷⁵,
 
     which is what is returned (rounded up): never below the exact norm, at most ~2·γ above
-    it. A norm past float32's range (‖x‖ ≥ 2¹²⁸) is inf: the unit's bound is then not
-    finite and it adds nothing (``norms.factors``): utility, never privacy."""
+    it. The absolute term is added to rows with a nonzero entry only (a second reduction,
+    the count of nonzeros, no copy either): a row of zeros has norm exactly 0, which the
+    fallback needs to tell a gradient that is exactly 0 (a LoRA B initialized to 0) from a
+    bound that is all rounding (``norms.worth_recomputing``). A norm past float32's range
+    (‖x‖ ≥ 2¹²⁸) is inf: the unit's bound is then not finite and it adds nothing
+    (``norms.factors``): utility, never privacy."""
     k = x.shape[-1]
     if x.dtype == torch.float64:
         return torch.linalg.vector_norm(x, dim=-1)
     n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+    nonzero = torch.linalg.vector_norm(x, ord=0, dim=-1, dtype=torch.float32) > 0
     scale = (1.0 + gamma(k + 3, U32)) * (1.0 + 2.0 * U64)  # the float64 mul and add, rounded up
-    return n32.to(torch.float64) * scale + math.sqrt(k) * 2.0**-74
+    return n32.to(torch.float64) * scale + nonzero.to(torch.float64) * (math.sqrt(k) * 2.0**-74)
 
 
 def _triton_path(x: torch.Tensor, y: torch.Tensor) -> bool:

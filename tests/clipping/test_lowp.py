@@ -121,6 +121,11 @@ def test_row_norms_are_upper_bounds_without_a_float64_copy(dtype, monkeypatch):
         assert (n >= exact).all(), (dtype, float((exact - n).max()))
         k = x.shape[-1]
         assert (n <= exact * (1 + 3 * lowp.gamma(k + 3, lowp.U32)) + math.sqrt(k) * 2.0**-73).all()
+    # a row of zeros is exactly 0 (a gradient that is exactly 0 is no bound to recompute)
+    z = torch.zeros(2, 3, 50, dtype=dtype)
+    z[1, 2, 7] = 1
+    n = lowp.row_norms(z)
+    assert n[0].tolist() == [0.0] * 3 and n[1, :2].tolist() == [0.0] * 2 and float(n[1, 2]) >= 1
     assert widened == []
 
 

@@ -489,3 +489,27 @@ def test_a_gradient_that_is_exactly_zero_is_not_recomputed(mode):
     clipper.remove_hooks()
     assert clipper.last_norm_stats.fallbacks == 0
     assert (n.double() >= true * (1 - 1e-6)).all() and (n.double() <= true * 1.01).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_at_initialization_recomputes_nothing(dtype):
+    """peft initializes B = 0, so every lora_A gradient is exactly 0: its norm, bound and
+    deviation must be exactly 0 (no rounding term on a row of zeros, ``lowp.row_norms``),
+    or every unit of every lora_A call would look like a bound that is all rounding and be
+    recomputed exactly (224 fallbacks per step on the emulated CUDA path once, issue 50)."""
+    from llmdp.config.schema import LoraConfig
+    from llmdp.train.losses import row_losses
+    from llmdp.train.models import apply_lora
+    from tests.helpers import tiny_model
+
+    model = tiny_model("llama", vocab_size=64, num_layers=2).to(dtype)
+    model = apply_lora(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+             "num_target_tokens": torch.full((4,), 11)}
+    sinks = {n: torch.zeros(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    clipper = GhostClipper(model, 1.0, grad_buffers=sinks)
+    n = clipper.backward(row_losses(model, batch), torch.arange(4))
+    assert clipper.last_norm_stats.fallbacks == 0
+    assert bool((n > 0).all())  # the B side has a gradient
+    assert all(float(s.abs().sum()) == 0 for k, s in sinks.items() if "lora_A" in k)
