@@ -224,9 +224,9 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float64:
         return torch.linalg.vector_norm(x, dim=-1)
     n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
-    nonzero = torch.linalg.vector_norm(x, ord=0, dim=-1, dtype=torch.float32) > 0
+    nonzero = torch.linalg.vector_norm(x, ord=0, dim=-1, dtype=torch.float32).clamp_(max=1)  # 0 or 1
     scale = (1.0 + gamma(k + 3, U32)) * (1.0 + 2.0 * U64)  # the float64 mul and add, rounded up
-    return n32.to(torch.float64) * scale + nonzero.to(torch.float64) * (math.sqrt(k) * 2.0**-74)
+    return (n32.to(torch.float64) * scale).add_(nonzero, alpha=math.sqrt(k) * 2.0**-74)
 
 
 def _triton_path(x: torch.Tensor, y: torch.Tensor) -> bool:
