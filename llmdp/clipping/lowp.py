@@ -213,20 +213,25 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
 
         ‖x‖ ≤ ñ·(1 + γ_{k+3}(2⁻²⁴)) + √k·2⁻⁷⁵,
 
+    and also ‖x‖ ≤ √k·m, m = max|x_i| (exact in any dtype), so
+
+        ‖x‖ ≤ ñ·(1 + γ_{k+3}(2⁻²⁴)) + √k·min(m, 2⁻⁷⁵),
+
     which is what is returned (rounded up): never below the exact norm, at most ~2·γ above
-    it. The absolute term is added to rows with a nonzero entry only (a second reduction,
-    the count of nonzeros, no copy either): a row of zeros has norm exactly 0, which the
-    fallback needs to tell a gradient that is exactly 0 (a LoRA B initialized to 0) from a
-    bound that is all rounding (``norms.worth_recomputing``). A norm past float32's range
-    (‖x‖ ≥ 2¹²⁸) is inf: the unit's bound is then not finite and it adds nothing
-    (``norms.factors``): utility, never privacy."""
+    it, and exactly 0 for a row of zeros, which the fallback needs to tell a gradient that
+    is exactly 0 (a LoRA B initialized to 0) from a bound that is all rounding
+    (``norms.worth_recomputing``). m is one more reduction (CUDA: the ∞-norm kernel; CPU:
+    |x| and its max, the CPU's ∞-norm being slow), no float64 copy either. A norm past
+    float32's range (‖x‖ ≥ 2¹²⁸) is inf: the unit's bound is then not finite and it adds
+    nothing (``norms.factors``): utility, never privacy."""
     k = x.shape[-1]
     if x.dtype == torch.float64:
         return torch.linalg.vector_norm(x, dim=-1)
     n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
-    nonzero = torch.linalg.vector_norm(x, ord=0, dim=-1, dtype=torch.float32).clamp_(max=1)  # 0 or 1
+    m = torch.linalg.vector_norm(x, ord=math.inf, dim=-1) if x.is_cuda else x.abs().amax(-1)
+    tiny = m.float().clamp_(max=2.0**-75)  # exact
     scale = (1.0 + gamma(k + 3, U32)) * (1.0 + 2.0 * U64)  # the float64 mul and add, rounded up
-    return (n32.to(torch.float64) * scale).add_(nonzero, alpha=math.sqrt(k) * 2.0**-74)
+    return (n32.to(torch.float64) * scale).add_(tiny, alpha=math.sqrt(k) * (1.0 + 4.0 * U64))
 
 
 def _triton_path(x: torch.Tensor, y: torch.Tensor) -> bool:
