@@ -236,6 +236,7 @@ def phases(counter: Counter):
 @contextlib.contextmanager
 def emulate_cuda(counter: Counter):
     """The engine's CUDA bf16/fp16 branches on CPU tensors; each kernel one counted launch."""
+    from llmdp.clipping import _triton_rownorms as trn
     from llmdp.clipping import _triton_rowscaled as tr
     from llmdp.clipping import lowp, modes, norms
     from llmdp.clipping.rules import linear as rlinear
@@ -285,6 +286,12 @@ def emulate_cuda(counter: Counter):
         counter.launch("triton:unit_sq_norms", 2 * R * T * A * B, X.dtype, _bytes(X, Y, out))
         return out
 
+    def row_norm_bounds(x, scale):
+        with counter.mute():
+            out = lowp._row_norms_torch(x, scale)
+        counter.launch("triton:row_norm_bounds", 0, x.dtype, _bytes(x, out))
+        return out
+
     h200 = norms.DeviceSpec(*norms._CUDA_SPECS["H200"])
 
     def device_spec(device, dtype):
@@ -297,6 +304,9 @@ def emulate_cuda(counter: Counter):
     patch(lowp, "_triton_path", tc)
     patch(lowp, "bmm_fast", bmm_fast)
     patch(tr, "row_scaled_tn", row_scaled_tn)
+    patch(trn, "serves", lambda x: x.dtype in trn._DTYPES and x.dim() >= 1 and x.shape[-1] > 0
+          and x.stride(-1) == 1)
+    patch(trn, "row_norm_bounds", row_norm_bounds)
     patch(tr, "unit_sq_norms", unit_sq_norms)
     patch(norms, "device_spec", device_spec)
     patch(rlinear, "device_spec", device_spec)

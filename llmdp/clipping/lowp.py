@@ -203,35 +203,54 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     these norms as upper bounds, N_u, only).
 
     float64 input: the float64 norm, within γ_{k+2}(2⁻⁵³) of the exact one (k squares,
-    their sum, the root), relatively. Anything narrower (float32, bf16, fp16, on any
-    device): one reduction with a float32 result, no float64 copy (issue 50, item 4: the
-    LM head's [R, T, V] output gradient, peft's float32 adapters). Whatever the reduction's
+    their sum, the root), relatively. Anything narrower (float32, bf16, fp16): one
+    reduction with a float32 result, no float64 copy (issue 50, item 4: the LM head's
+    [R, T, V] output gradient, peft's float32 adapters). Whatever the reduction's
     accumulator (float32 on CUDA, wider on the CPU) and order, each square rounds by at most
-    a relative 2⁻²⁴ (or, in float32's subnormal range, an absolute 2⁻¹⁵⁰), the sum of k
-    nonnegative terms by γ_{k−1}, the root and the result's cast by one rounding each: the
-    computed ñ satisfies ‖x‖² ≤ ñ²·(1 + γ_{k+3}(2⁻²⁴))² + k·2⁻¹⁵⁰, so
+    a relative 2⁻²⁴, the sum of k nonnegative terms by γ_{k−1}, the root and the result's
+    cast by one rounding each, and a square or partial sum in float32's subnormal range (or
+    flushed to 0, where the arithmetic flushes) by at most an absolute 2⁻¹²⁶, 2k of them:
+    the computed ñ satisfies ‖x‖² ≤ ñ²·(1 + γ_{k+3}(2⁻²⁴))² + k·2⁻¹²⁴, so
 
-        ‖x‖ ≤ ñ·(1 + γ_{k+3}(2⁻²⁴)) + √k·2⁻⁷⁵,
+        ‖x‖ ≤ ñ·(1 + γ_{k+3}(2⁻²⁴)) + √k·2⁻⁶²;
 
-    and also ‖x‖ ≤ √k·m, m = max|x_i| (exact in any dtype), so
+    and also ‖x‖ ≤ √k·m, m = max|x_i| (read on the bits: exact, whatever the flush mode):
 
-        ‖x‖ ≤ ñ·(1 + γ_{k+3}(2⁻²⁴)) + √k·min(m, 2⁻⁷⁵),
+        ‖x‖ ≤ ñ·(1 + γ_{k+3}(2⁻²⁴)) + √k·min(m, 2⁻⁶²),
 
-    which is what is returned (rounded up): never below the exact norm, at most ~2·γ above
-    it, and exactly 0 for a row of zeros, which the fallback needs to tell a gradient that
-    is exactly 0 (a LoRA B initialized to 0) from a bound that is all rounding
-    (``norms.worth_recomputing``). m is one more reduction (CUDA: the ∞-norm kernel; CPU:
-    |x| and its max, the CPU's ∞-norm being slow), no float64 copy either. A norm past
-    float32's range (‖x‖ ≥ 2¹²⁸) is inf: the unit's bound is then not finite and it adds
-    nothing (``norms.factors``): utility, never privacy."""
+    which is what is returned, rounded up (the float64 product and sum: the two extra
+    roundings in γ_{k+3} are far more than their 2⁻⁵³): never below the exact norm, at most
+    ~2·γ above it, and exactly 0 for a row of zeros, which the fallback needs to tell a
+    gradient that is exactly 0 (a LoRA B initialized to 0) from a bound that is all
+    rounding (``norms.worth_recomputing``). On CUDA one Triton kernel forms it
+    (``_triton_rownorms``: one launch instead of seven). A norm past float32's range
+    (‖x‖ ≥ 2¹²⁸) is inf: the unit's bound is then not finite and it adds nothing
+    (``norms.factors``): utility, never privacy."""
     k = x.shape[-1]
-    if x.dtype == torch.float64:
-        return torch.linalg.vector_norm(x, dim=-1)
-    n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
-    m = torch.linalg.vector_norm(x, ord=math.inf, dim=-1) if x.is_cuda else x.abs().amax(-1)
-    tiny = m.float().clamp_(max=2.0**-75)  # exact
+    if x.dtype == torch.float64 or x.dtype not in _ABS_BITS:
+        return torch.linalg.vector_norm(x.to(torch.float64), dim=-1)
     scale = (1.0 + gamma(k + 3, U32)) * (1.0 + 2.0 * U64)  # the float64 mul and add, rounded up
+    from llmdp.clipping import _triton_rownorms
+
+    if _triton_rownorms.serves(x):
+        return _triton_rownorms.row_norm_bounds(x, scale)
+    return _row_norms_torch(x, scale)
+
+
+def _row_norms_torch(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``row_norms``' bound by torch operations (no Triton): ~7 launches."""
+    k = x.shape[-1]
+    n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+    ints, mask = _ABS_BITS[x.dtype]
+    m = (x.view(ints) & mask).amax(-1).view(x.dtype)  # max |x_i|, on the bits
+    tiny = m.float().clamp_(max=ROW_NORM_TINY)  # exact
     return (n32.to(torch.float64) * scale).add_(tiny, alpha=math.sqrt(k) * (1.0 + 4.0 * U64))
+
+
+#: The cap of ``row_norms``' subnormal term (its docstring).
+ROW_NORM_TINY = 2.0**-62
+_ABS_BITS = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.bfloat16: (torch.int16, 0x7FFF),
+             torch.float16: (torch.int16, 0x7FFF)}
 
 
 def _triton_path(x: torch.Tensor, y: torch.Tensor) -> bool:

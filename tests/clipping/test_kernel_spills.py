@@ -110,3 +110,28 @@ def test_int64_offsets_only_past_int32():
     assert k._wide(meta(17, 1024, 128256), meta(17, 1024, 2048))
     assert not k._wide(meta(4, 1024, 2048), meta(4, 1024, 2048).transpose(0, 2))
     assert k._wide(meta(2**31 // 4096, 4096)[None])
+
+
+@pytest.mark.parametrize("T,R", RUNS)
+def test_the_row_norm_kernel_compiles_for_sm90_without_spills(T, R):
+    """``_triton_rownorms`` (one launch per row-norm bound) at the bench model's row widths
+    (every layer's input and output, the LM head's vocabulary), bf16 and float32 (peft's
+    adapters), as ``row_norm_bounds`` launches it."""
+    if _triton.triton is None:
+        pytest.skip("cannot compile for sm_90 here: Triton does not import")
+    import math
+
+    import torch
+
+    from llmdp.clipping import _triton_rownorms as rn
+
+    for k in sorted({w for shape in SHAPES for w in shape}):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.empty((R * T, k), dtype=dtype, device="meta")
+            out = torch.empty(R * T, dtype=torch.float64, device="meta")
+            rep = _usage(rn.row_norm_bounds_kernel, (x, out, k, k, 1.0, math.sqrt(k), rn.TINY),
+                         dict(BLOCK=min(rn.BLOCK, 1 << (k - 1).bit_length()), WIDE=False,
+                              BF16=dtype == torch.bfloat16))
+            where = f"row norms, k={k}, {dtype}: {rep}"
+            assert rep["spill_stores"] == rep["spill_loads"] == rep["stack"] == 0, where
+            assert rep["shared"] <= SM90_SHARED, where

@@ -88,7 +88,7 @@ def test_gram_and_per_row_products_are_within_their_stated_bounds(dtype):
         assert ((n - refn).abs() <= lowp.gamma(k + 2, lowp.U64) * refn).all()
     else:  # an upper bound from a float32 reduction (issue 50, item 4), never below
         assert (n >= refn).all()
-        assert (n <= refn * (1 + 3 * lowp.gamma(k + 3, lowp.U32)) + math.sqrt(k) * 2.0**-73).all()
+        assert (n <= refn * (1 + 3 * lowp.gamma(k + 3, lowp.U32)) + math.sqrt(k) * 2.0**-61).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -120,7 +120,7 @@ def test_row_norms_are_upper_bounds_without_a_float64_copy(dtype, monkeypatch):
                               for r in x.double().tolist()], dtype=torch.float64)
         assert (n >= exact).all(), (dtype, float((exact - n).max()))
         k = x.shape[-1]
-        assert (n <= exact * (1 + 3 * lowp.gamma(k + 3, lowp.U32)) + math.sqrt(k) * 2.0**-73).all()
+        assert (n <= exact * (1 + 3 * lowp.gamma(k + 3, lowp.U32)) + math.sqrt(k) * 2.0**-61).all()
     # a row of zeros is exactly 0 (a gradient that is exactly 0 is no bound to recompute)
     z = torch.zeros(2, 3, 50, dtype=dtype)
     z[1, 2, 7] = 1

@@ -240,6 +240,44 @@ def _interpreted(script: str) -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
+_ROW_NORMS = textwrap.dedent(
+    """
+    import math, torch
+    from llmdp.clipping import lowp, _triton_rownorms as rn
+    assert rn.serves(torch.zeros(2, 3))  # lowp.row_norms takes the kernel here
+    g = torch.Generator().manual_seed(0)
+
+    def exact(x):
+        rows = x.double().reshape(-1, x.shape[-1]).tolist()
+        return torch.tensor([math.sqrt(math.fsum(v * v for v in r)) for r in rows],
+                            dtype=torch.float64).reshape(x.shape[:-1])
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        tiny = 1e-7 if dtype == torch.float16 else 1e-40  # subnormal squares (and values)
+        for shape in [(3, 5, 7), (2, 2500), (4, 1, 1), (1, 3, 1030)]:
+            for x in (torch.randn(*shape, generator=g), torch.randn(*shape, generator=g) * tiny,
+                      torch.zeros(*shape)):
+                x = x.to(dtype)
+                got, ex, k = lowp.row_norms(x), exact(x), shape[-1]
+                assert got.dtype == torch.float64 and got.shape == x.shape[:-1]
+                assert (got >= ex).all(), (dtype, shape, float((ex - got).max()))
+                slack = ex * (1 + 3 * lowp.gamma(k + 3, lowp.U32)) + math.sqrt(k) * 2.0**-61
+                assert (got <= slack).all(), (dtype, shape)
+                assert ((got == 0) == (ex == 0)).all()  # zero rows exactly 0, no others
+        x = torch.randn(2, 9, 33, generator=g).to(dtype)[:, ::2]  # strided rows
+        assert (lowp.row_norms(x) >= exact(x)).all()
+    print("ok")
+    """
+)
+
+
+def test_the_row_norm_kernel_is_an_upper_bound_in_the_interpreter():
+    """``_triton_rownorms`` (``lowp.row_norms`` on CUDA, one launch): never below the exact
+    norm, within its stated slack above it, zero rows exactly 0, on normal and subnormal
+    values of float32, bf16 and fp16, rows shorter and longer than a block, strided."""
+    _interpreted(_ROW_NORMS)
+
+
 def test_chunked_kernels_are_within_their_stated_bounds_in_the_interpreter():
     _interpreted(_KERNELS)
 
