@@ -20,7 +20,8 @@ row of zeros). ``lowp.fast_bound`` gives (u, k) with, for a contraction of lengt
 γ_a = γ_k(u) (any order of the chain: Higham §3.1; the tensor cores' model of ``lowp``),
 and η_a = 4(d + 1)·2⁻¹²⁶ an absolute term for underflow: a product or partial sum below
 float32's normal range loses at most 2⁻¹²⁶ (flushed to zero) or 2⁻¹⁵⁰ (gradual), at most
-2d such events, each amplified by at most 1 + γ < 2. A row of zeros gives exact zeros: the
+2d such events, each amplified by at most 1 + γ < 2 (subnormal bf16/fp16 operands themselves
+are taken as ``lowp``'s tensor-core model takes them: exact products). A row of zeros gives exact zeros: the
 error of (t, s) is 0 when n_t = 0 or n_s = 0. With τ_a = √(η_a/γ_a) and
 n̂_t = n_t + τ_a where n_t > 0 (0 elsewhere), rounded up, both cases read
 
