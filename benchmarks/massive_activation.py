@@ -11,6 +11,7 @@ float64), the fallbacks to exact instantiation and the largest bound share
 
     python benchmarks/massive_activation.py            # the issue's cases, small and large
     python benchmarks/massive_activation.py --quick    # T ≤ 256, the 64x64 layer only
+    python benchmarks/massive_activation.py --gram lowp  # the float32 Grams forced (gram.py)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmdp.clipping import GhostClipper  # noqa: E402
+from llmdp.clipping import GhostClipper, gram  # noqa: E402
 
 C = 1e-6
 
@@ -56,7 +57,14 @@ def case(T: int, big: float, d: int, p: int, policy: str, mode: str, dtype: torc
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--gram", choices=gram.POLICIES, default="auto",
+                    help="the Gram path of Linear ghost norms (gram.forced)")
     args = ap.parse_args(argv)
+    with gram.forced(args.gram):
+        return _main(args)
+
+
+def _main(args) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []
     small = [(64, 10.0), (64, 100.0), (64, 1000.0), (256, 100.0)]

@@ -131,7 +131,7 @@ class NormStats:
     """What the rounding bounds did in the last backward (``GhostClipper.last_norm_stats``;
     computed on private data: internal, never published). ``fallbacks``: (call, unit)
     pairs recomputed as the exact float64 gradient because the bound was more than
-    ``norms.FALLBACK`` of the unit's norm; ``bound_max``: the largest share of a used norm
+    the fallback threshold (``fallback``) of the unit's norm; ``bound_max``: the largest share of a used norm
     that is rounding bound, 1 − √S_u/ν_u, after the fallbacks (``norms`` module docstring)."""
 
     units: int = 0
@@ -192,6 +192,11 @@ class GhostClipper:
             as in ``model.named_parameters()``, full/global shapes, plain tensors): the
             clipped sum is added there instead of ``p.grad``. Required when the trainable
             parameters are sharded DTensors (FSDP2); optional otherwise.
+        fallback: ρ_u, the share of a unit's used norm that is rounding bound, above which
+            the unit's call is recomputed exactly (default ``norms.FALLBACK`` = 1 %; any
+            number in [0, 1]). The norm used is never below the true norm whatever this
+            is: over-clipping by the bound costs utility (a step up to this share shorter),
+            never privacy; a smaller value costs time (``norms`` module docstring, 4).
     """
 
     def __init__(
@@ -202,6 +207,7 @@ class GhostClipper:
         mode: str = "auto",
         layer_policy: str = "auto",
         grad_buffers: Mapping[str, torch.Tensor] | None = None,
+        fallback: float = nb.FALLBACK,
     ):
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
@@ -211,6 +217,7 @@ class GhostClipper:
             raise ValueError(f"clipping mode {mode!r} is not one of {list(MODES)}")
         if layer_policy not in LAYER_POLICIES:
             raise ValueError(f"layer_policy {layer_policy!r} is not one of {list(LAYER_POLICIES)}")
+        self.fallback = nb.check_fallback(fallback)
         check_model(model)
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
@@ -664,10 +671,10 @@ class GhostClipper:
         """The fallback of calls with no shared parameter (``norms`` module docstring, 4),
         with one host sync for all of them (a second for each flagged call): a negative
         value + bound is raised as ``used_norm`` raises it, naming the module; the units
-        whose bound is more than FALLBACK of the call's own norm are recomputed exactly.
+        whose bound is more than the fallback threshold of the call's own norm are recomputed exactly.
         Two-pass dropped those calls' G: it is brought back for the flagged ones only."""
         pairs, groups = self._pairs(recs)
-        bad, neg = stacked.call_flags(self._stack(pairs), groups)
+        bad, neg = stacked.call_flags(self._stack(pairs), groups, self.fallback)
         flags = torch.cat([neg.any().reshape(1), bad.any(1)]).tolist()
         if flags[0]:
             self._raise_negative(recs, pairs, groups)
@@ -803,13 +810,13 @@ class GhostClipper:
         if deferred:
             first = {id(r): i for i, (r, _) in reversed(list(enumerate(pairs)))}
             groups = [list(range(first[id(r)], first[id(r)] + len(r.sqn))) for r in deferred]
-            bad_calls, neg_calls = stacked.call_flags(stack, groups)
+            bad_calls, neg_calls = stacked.call_flags(stack, groups, self.fallback)
             flags.append(bad_calls.any(1))
             neg.append(neg_calls.any().reshape(1))
         if shared:
             v, e, d = (torch.stack(x) for x in zip(*shared.values()))
             nu = nb.used_norm(v, e, d * d, check=False)
-            bad_shared = nb.worth_recomputing(v, e, d, nu)
+            bad_shared = nb.worth_recomputing(v, e, d, nu, self.fallback)
             flags.append(bad_shared.any(1))
             neg.append(nb.negative(v, e).any().reshape(1))
         if flags:
@@ -880,7 +887,7 @@ class GhostClipper:
 
     def _fallback_shared(self, uses, per_param, units: Units, pids: list[int],
                          bad: dict[int, torch.Tensor]) -> None:
-        """The shared parameters ``pids`` whose bound is more than FALLBACK of their norm for
+        """The shared parameters ``pids`` whose bound is more than the fallback threshold of their norm for
         the units ``bad[pid]``: every call using it — and, in turn, every parameter of those
         calls and their other uses — is recomputed exactly for that unit (norms module
         docstring, 4). Calls whose rule cannot (``has_exact`` False) keep their bound: it

@@ -72,7 +72,8 @@ difference, lost to rounding — down to a negative number, which was clamped to
    raised as one, never clamped. The factor is c_u = C/ν_u rounded toward 0 (``factors``)
    when ν_u > C, else 1; so ‖a_u‖ ≤ C.
 4. *Fallback to exact instantiation.* When the bound is a real part of the norm —
-   ρ_u = 1 − √S_u/ν_u > ``FALLBACK`` = 1 % — the call (or, for a shared parameter, every
+   ρ_u = 1 − √S_u/ν_u > ``FALLBACK`` = 1 % (a setting: ``GhostClipper(fallback=...)``,
+   any value in [0, 1]; see below) — the call (or, for a shared parameter, every
    call using it) is recomputed for that unit as its exact float64 gradient, a slice at
    a time (``LayerRule.exact``), and the clipped sum takes that unit's part from it
    (c_u·g̃_u, cast to float32, added), not from the contraction; the bound is then
@@ -86,7 +87,16 @@ difference, lost to rounding — down to a negative number, which was clamped to
    n·2⁻²⁴·N_u/‖g_u‖ (n ≈ 256 positions on CPU, T + 2R on CUDA's tensor cores at 2⁻²²),
    N/‖g‖ ≈ 1.5·√T on random-like data: ρ ≈ 4·10⁻⁴ at T = 256; a fallback needs
    N/‖g‖ ≳ 700 (CPU) — a massive activation that cancels — or, on CUDA, T ≳ 1,000. The
-   engine counts fallbacks (``GhostClipper.last_norm_stats``).
+   engine counts fallbacks (``GhostClipper.last_norm_stats``). The threshold is a
+   setting (``GhostClipper(fallback=...)``, default ``FALLBACK``): the norm used, ν_u, is
+   never below the true norm whatever it is — a larger threshold only lets a unit be
+   clipped by a ν_u up to that share above its norm (over-clipping: a shorter step,
+   utility), a smaller one recomputes more units exactly (time); neither changes what
+   any unit can add (≤ C), so neither changes the privacy guarantee. 0 recomputes every
+   unit with any bound (but a gradient that is exactly 0), 1 never recomputes. A Linear's
+   ghost norm from float32 Gram matrices (``gram.py``) carries an a-posteriori bound that
+   is often larger than the float64 Grams' — it is the threshold that sends the units
+   where it is material to the exact path.
 
 What is not covered: the float32 sums over *other* units. Removing unit u changes how
 the other units' parts round in the shared float32 sink (by at most float32's relative
@@ -113,7 +123,20 @@ from llmdp.clipping import lowp
 from llmdp.clipping.lowp import U32, U64, gamma
 
 GRAM_MEMORY = 2  # input Gram matrices remembered at once (Units.self_gram)
-FALLBACK = 1e-2  # ρ_u above which a unit's call is recomputed exactly (module docstring, 4)
+# ρ_u above which a unit's call is recomputed exactly, by default (module docstring, 4;
+# ``GhostClipper(fallback=...)``): a utility/time trade-off, never a privacy one.
+FALLBACK = 1e-2
+
+
+def check_fallback(fallback) -> float:
+    """A fallback threshold: a number in [0, 1] (ρ_u is in [0, 1])."""
+    try:
+        f = float(fallback)
+    except (TypeError, ValueError):
+        raise ValueError(f"fallback must be a number in [0, 1], got {fallback!r}") from None
+    if isinstance(fallback, bool) or not 0.0 <= f <= 1.0:
+        raise ValueError(f"fallback must be a number in [0, 1], got {fallback!r}")
+    return f
 F64 = torch.float64
 
 
@@ -235,14 +258,14 @@ def negative(value: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
 
 
 def worth_recomputing(value: torch.Tensor, err: torch.Tensor, dev: torch.Tensor,
-                      nu: torch.Tensor) -> torch.Tensor:
-    """The units whose bound is more than FALLBACK of ν (module docstring, 4), finite, and
+                      nu: torch.Tensor, threshold: float = FALLBACK) -> torch.Tensor:
+    """The units whose bound is more than ``threshold`` of ν (module docstring, 4), finite, and
     not a gradient that is exactly 0: value, its bound and its deviation all 0 mean that
     g_u = 0 (ν is then the smallest positive float, all rounding, and ρ = 1; recomputing
     would find 0 again: a LoRA B initialized to 0 makes every A's gradient 0). The fallback
     only tightens ν; skipping it never lowers ν below the true norm."""
     material = (value != 0) | (err != 0) | (dev != 0)
-    return (rho(value, nu) > FALLBACK) & torch.isfinite(value) & torch.isfinite(nu) & material
+    return (rho(value, nu) > threshold) & torch.isfinite(value) & torch.isfinite(nu) & material
 
 
 def rho(value: torch.Tensor, nu: torch.Tensor) -> torch.Tensor:
@@ -331,6 +354,14 @@ class Units:
             e["gram"] = lowp.gram(x, x)
             self.gram_calls += 1
         return e["gram"]
+
+    def cached(self, x: torch.Tensor, key: str, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``make(x)``, shared like ``self_gram`` under ``key`` (``gram.py``'s float32 Gram)."""
+        e = self._entry(x)
+        if key not in e:
+            e[key] = make(x)
+            self.gram_calls += 1
+        return e[key]
 
     def self_norms(self, x: torch.Tensor) -> torch.Tensor:
         """‖x[r, t]‖ ([R, T, a] -> [R, T], float64), shared like ``self_gram``."""
@@ -519,6 +550,11 @@ def device_spec(device: torch.device, dtype: torch.dtype) -> DeviceSpec:
     if dtype not in (torch.bfloat16, torch.float16):
         flops /= _CUDA_FP32_SLOWDOWN
     return DeviceSpec(flops, bw, fp64)
+
+
+def tile_norm_time(rows: int, T: int, p: int, d: int, spec: DeviceSpec) -> float:
+    """Seconds of the tensor-core norm kernel (``tile_norm_cheaper``) on ``spec``."""
+    return 2.0 * rows * T * p * d / spec.flops
 
 
 def tile_norm_cheaper(rows: int, T: int, p: int, d: int, spec: DeviceSpec) -> bool:

@@ -62,9 +62,10 @@ class Stack:
         return self.value[i], self.err[i], self.d[i]
 
 
-def call_flags(stack: Stack, groups: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def call_flags(stack: Stack, groups: list[list[int]],
+               threshold: float = nb.FALLBACK) -> tuple[torch.Tensor, torch.Tensor]:
     """For calls whose pairs are ``groups`` (indices into ``stack``): (bad, neg), [calls, U]
-    bool. ``bad``: the units whose bound is more than FALLBACK of the call's own norm
+    bool. ``bad``: the units whose bound is more than ``threshold`` of the call's own norm
     (``norms.worth_recomputing``); ``neg``: a finite value + bound below 0 (a bug). The
     call's norm is ``norms.used_norm`` of its parameters' sums, with k = parameters + 2
     roundings, as the engine formed it for one call (``GhostClipper._fallback_mask``)."""
@@ -85,7 +86,7 @@ def call_flags(stack: Stack, groups: list[list[int]]) -> tuple[torch.Tensor, tor
     g_k = torch.tensor([gamma(k, U64) for k in ks], dtype=F64).to(dev)[:, None]
     err = err * up_k + g_k * (value.abs() * up_k)
     nu = nb.used_norm(value, err, dsq * up_k, check=False)
-    return nb.worth_recomputing(value, err, dsq, nu), nb.negative(value, err)
+    return nb.worth_recomputing(value, err, dsq, nu, threshold), nb.negative(value, err)
 
 
 def total(value: torch.Tensor, err: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from llmdp.clipping import lowp
+from llmdp.clipping import gram, lowp
 from llmdp.clipping.lowp import U32, U64, gamma
 from llmdp.clipping.norms import (
     F64,
@@ -22,6 +22,7 @@ from llmdp.clipping.norms import (
     sq_bound,
     sq_of_instantiated,
     tile_norm_cheaper,
+    tile_norm_time,
     up,
 )
 
@@ -60,8 +61,16 @@ class LinearRule(LayerRule):
             x, y = self._clipped_operands(A3, G3)
             u, n = lowp.row_scaled_bound(x, y)
             R, T = G3.shape[0], G3.shape[1]
-            if lowp.tile_norms(x, y) and tile_norm_cheaper(R, T, G3.shape[-1], A3.shape[-1],
-                                                           device_spec(G3.device, G3.dtype)):
+            spec = device_spec(G3.device, G3.dtype)
+            tile = lowp.tile_norms(x, y)
+            tile_time = tile_norm_time(R, T, G3.shape[-1], A3.shape[-1], spec) if tile else None
+            if gram.use_lowp(A3, G3, spec, tile_time):
+                # float32 Grams with the a-posteriori bound (gram.py); A's shared like
+                # the float64 one between the layers that read it
+                value, err = gram.sq_norm(A3, G3, units, units.cached(A3, "gram32", gram.self_gram32),
+                                          units.self_norms(A3))
+                out["weight"] = sq_bound(value, err, up(mag * gamma(n, u), 1), gamma(2, res_u), mag)
+            elif tile and tile_norm_cheaper(R, T, G3.shape[-1], A3.shape[-1], spec):
                 # The norm of h̃_u, the tensor-core value of the unit's gradient (never
                 # written), within γ_k·N_u of g_u; then the clipped sum's own error.
                 rows, ptr = units.csr()
