@@ -16,34 +16,39 @@ gradient of expert e's slice is Σ over that unit's pairs routed to e of G_s A_s
 All experts of a call at once (issue 50). The rule recomputes, from the call's own
 tensors, the up projection (one matmul per expert, on its pairs), the activation and the
 gradient at the up projection's output (one VJP for all pairs), and keeps the pairs sorted
-by (expert, unit), unpadded ([P, ·], P ≤ N·K). A *group* is one unit's pairs on one expert.
+by (expert, unit), unpadded ([P, ·], P ≤ N·K, and one zero row that padding points to).
+A *group* is one unit's pairs on one expert.
 
-* Norms. A group is a Linear call of one row of its pairs: its norm is the Linear rule's
-  (`rules/linear.py`: ghost or instantiated, by that rule's cost model; its arithmetic
-  and bounds), computed for many groups of all experts in one call: the groups, largest
-  first, in chunks zero-padded to the chunk's largest (a zero row adds exactly nothing;
-  the bounds count the padded length M). A group joins a chunk when it has at least
+* Norms. A chunk of groups, of any experts, is one Linear call of B rows (one per group,
+  each its own unit) of M positions (the group's pairs): each group's norm is the Linear
+  rule's (`rules/linear.py`: ghost or instantiated, by that rule's cost model per chunk;
+  its arithmetic and bounds, at T = M), but for the clipped sum's bound, which is this
+  rule's (below). The groups go largest first, each chunk zero-padded to its largest (a
+  zero position adds exactly nothing; the bounds count the padded length M). A group joins a chunk when it has at least
   ``PAD_RATIO`` of its rows, or the chunk has at most ``PAD_MIN`` rows, and while the
   chunk's padded operands hold at most ``lowp.CHUNK_ELEMENTS`` values (a single larger
-  group is a chunk of its own): so a few chunks per call, with at most 1/``PAD_RATIO`` as
-  many rows as pairs past the smallest. A unit's norm adds its groups' (disjoint slices of
+  group is a chunk of its own): so a few chunks per call, each padded to at most
+  1/``PAD_RATIO`` of its pairs (but the last ones, of at most ``PAD_MIN`` positions). A unit's norm adds its groups' (disjoint slices of
   the parameter: values and errors add; the deviations add, by Minkowski; the relative
   roundings take their maximum; the float64 sums over at most E groups are counted).
-* Clipped sum. Σ_s c_{u(s)}·G_sᵀA_s per expert over its pairs, for all experts at once:
-  tiles of ``TILE`` pairs of each expert (one tile per expert with pairs left; the last
-  zero-padded), one batched contraction per tile, like ``lowp.row_scaled_tn``: the
-  smaller operand scaled by the pairs' factors in float32 (float64 for float64 operands),
-  float32 products and sums within the tile, the tiles added in float64, cast to float32
-  once; so every product is within γ_{TILE+3}(2⁻²⁴) (as ``row_scaled_tn``'s groups of
-  ``ROW_GROUP_POSITIONS`` positions; float64: γ_{n+2}(2⁻⁵³), n the padded pairs of the
-  largest expert) of its exact value, and the norms' deviation ``dev`` counts that bound
-  (the Linear rule's ``clip`` argument). Bf16/fp16 on CUDA with the Triton kernel: per
-  expert, its groups as rows (padded to its largest), ``lowp.row_scaled_tn`` (factors on
-  float32 partial sums), bounded by ``lowp.row_scaled_bound`` at the largest expert's
-  rows and the largest group (the count grows with both). Biases: Σ_s c·G_s in float64
-  (a product and at most n_e − 1 additions: γ_{n+2}(2⁻⁵³), n the largest expert's
-  pairs). A pair whose factor is 0 (a unit clipped to nothing, non-finite, or recomputed
-  exactly) is zeroed first: it adds exactly 0, and a non-finite value cannot reach the sum.
+* Clipped sum. Σ_s c_{u(s)}·G_sᵀA_s per expert, over its pairs as they lie (contiguous,
+  no padding, no copy but the scaled operand): tiles of ``TILE`` pairs, each one float32
+  GEMM like ``lowp.row_scaled_tn``'s groups (the smaller operand scaled by the pairs'
+  factors in float32: one rounding; the products; a chain of at most TILE terms), the
+  tiles' results added in float32 ``FLUSH`` at a time (at most FLUSH − 1 more roundings of
+  any product), those sums in float64 (below one more float32 rounding), cast to float32
+  once (a relative rounding, counted with the factor's cast in ``rel``). So every product
+  is within γ_{TILE+FLUSH+3}(2⁻²⁴) of its exact value; float64 operands: one float64 sum
+  of at most n products of scaled operands, γ_{n+2}(2⁻⁵³), n the largest expert's pairs
+  rounded up to tiles. The norms' ``dev`` counts that bound, at the unit's share of each
+  expert's sum (its groups' N, as the Linear rule's; the Linear rule's ``clip``
+  argument). Bf16/fp16 on CUDA with the Triton kernel: per expert, its groups as rows
+  (padded to its largest), ``lowp.row_scaled_tn`` (factors on float32 partial sums),
+  bounded by ``lowp.row_scaled_bound`` at the most rows of an expert and the largest
+  group (the count grows with both). Biases: Σ_s c·G_s in float64 (a product and at
+  most n − 1 additions: γ_{n+2}(2⁻⁵³), n the largest expert's pairs). A pair whose factor
+  is 0 (a unit clipped to nothing, non-finite, or recomputed exactly) is zeroed first: it
+  adds exactly 0, and a non-finite value cannot reach the sum.
 
 Memory: the four pair tensors ([P, d], [P, 2I], [P, I], [P, d]: as much as the experts'
 own forward keeps), kept in book-keeping until the clipped sum (two-pass recomputes them
@@ -51,8 +56,8 @@ in the second pass and checks that they are the first pass's bit for bit, as the
 checks G); for the norms one chunk's padded copy at a time (≤ ``lowp.CHUNK_ELEMENTS``
 values, or one group) with its Gram matrices (B·M² float64) or, instantiated, its B
 per-group gradients (the Linear rule's cost model allows them only when no larger than
-the chunk's operands); for the clipped sum one tile per expert (E·``TILE`` pairs) and a
-float64 accumulator of at most ``lowp.CHUNK_ELEMENTS`` values (experts in blocks).
+the chunk's operands); for the clipped sum one tile's scaled operand and one expert's
+[a, b] sums (float32 and float64) besides the result.
 
 Matched: a module with the attributes ``use_experts_implementation`` gives it, no post-
 expert norm, no expert parallelism, and a kernel among the three above. The recomputed
