@@ -57,7 +57,8 @@ checks G); for the norms one chunk's padded copy at a time (≤ ``lowp.CHUNK_ELE
 values, or one group) with its Gram matrices (B·M² float64) or, instantiated, its B
 per-group gradients (the Linear rule's cost model allows them only when no larger than
 the chunk's operands); for the clipped sum one tile's scaled operand and one expert's
-[a, b] sums (float32 and float64) besides the result.
+[a, b] sums (float32 and float64) besides the result (and, when some factor is 0, a
+zeroed copy of the two pair tensors).
 
 Matched: a module with the attributes ``use_experts_implementation`` gives it, no post-
 expert norm, no expert parallelism, and a kernel among the three above. The recomputed
@@ -70,6 +71,7 @@ dropped; a pair's unit is its token's row's (``calls.Call.per_row``).
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from types import SimpleNamespace
 
 import torch
@@ -283,7 +285,7 @@ class ExpertsRule(LayerRule):
     def _sum_bound(self, pairs: _Pairs, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
         """(u, n): every product of ``_weight_sum`` within γ_n(u) of its exact value."""
         if self._tensor_cores(x, y):
-            rows = max([pairs.g_e.count(ex) for ex in range(len(pairs.n_e))] or [1])
+            rows = max(Counter(pairs.g_e).values(), default=1)
             M = max(pairs.g_size or [1])  # the count grows with the rows and their length
             return lowp.row_scaled_bound(x.new_empty((rows, M, 0)), y.new_empty((rows, M, 0)))
         if lowp.result_dtype(x, y) == F64:

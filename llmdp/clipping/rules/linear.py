@@ -111,8 +111,10 @@ class LinearRule(LayerRule):
         if module.bias is not None and module.bias.requires_grad:
             h = units.rows_to_units(_row_sums(G3)).to(store)
             mag = rows_mag(G3, units)
-            # h's row and unit sums (T + 2), then the clipped sum's
-            dev = up(mag * gamma(G3.shape[1] + 2 + _bias_clip_count(G3, bias_clip), U64), 1)
+            # h's sums (its rows', its units'), then the clipped sum's (or the caller's)
+            n = (2 * G3.shape[1] + 2 * G3.shape[0] + 4 if bias_clip is None
+                 else G3.shape[1] + units.max_rows + 1 + bias_clip)
+            dev = up(mag * gamma(n, U64), 1)
             out["bias"] = (h, sq_of_instantiated(h, dev, 0.0 if store == F64 else U32, rel, mag))
         return out
 
