@@ -158,7 +158,10 @@ def _widened_bmm(x: torch.Tensor, y: torch.Tensor, dt: torch.dtype) -> torch.Ten
 
 
 def gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x [R, T, a], y [R, S, a] -> x yᵀ [R, T, S] in float64."""
+    """x [R, T, a], y [R, S, a] -> x yᵀ [R, T, S] in float64 (x xᵀ: x widened once)."""
+    if y is x and x.dtype != torch.float64 and x.numel() <= CHUNK_ELEMENTS:
+        w = x.to(torch.float64)
+        return torch.bmm(w, w.transpose(1, 2))
     return bmm(x, y.transpose(1, 2))
 
 

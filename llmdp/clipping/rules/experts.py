@@ -13,17 +13,52 @@ gradient of expert e's slice is Σ over that unit's pairs routed to e of G_s A_s
     up:    A_s = x_n,             G_s = the gradient at up_e's output
     down:  A_s = act(up_e(x_n)),  G_s = w_s · G_out[n]
 
-The rule recomputes, per expert and from the call's own tensors, the up projection, the
-activation and the gradient at the up projection's output (one VJP of the activation), and
-hands each expert's pairs, laid out per unit ([U_e, m, ·], zero-padded: a zero row adds
-exactly nothing), to the Linear rule (`rules/linear.py`). The norms are that rule's, with
-its bounds, per (unit, expert), and added over experts (they are disjoint slices of the
-parameter: values and errors add; the deviations add, by Minkowski; the relative roundings
-take their maximum); ghost or instantiated by the Linear rule's cost model, per expert;
-the clipped sum is the Linear rule's contraction per expert with the same factors. Memory:
-one expert's pairs at a time (at most a unit's tokens each), plus, in book-keeping, each
-call's pairs until the clipped sum (two-pass recomputes them in the second pass, and
-checks that they are the first pass's bit for bit, as the engine checks G).
+All experts of a call at once (issue 50). The rule recomputes, from the call's own
+tensors, the up projection (one matmul per expert, on its pairs), the activation and the
+gradient at the up projection's output (one VJP for all pairs), and keeps the pairs sorted
+by (expert, unit), unpadded ([P, ·], P ≤ N·K, and one zero row that padding points to).
+A *group* is one unit's pairs on one expert.
+
+* Norms. A chunk of groups, of any experts, is one Linear call of B rows (one per group,
+  each its own unit) of M positions (the group's pairs): each group's norm is the Linear
+  rule's (`rules/linear.py`: ghost or instantiated, by that rule's cost model per chunk;
+  its arithmetic and bounds, at T = M), but for the clipped sum's bound, which is this
+  rule's (below). The groups go largest first, each chunk zero-padded to its largest (a
+  zero position adds exactly nothing; the bounds count the padded length M). A group joins a chunk when it has at least
+  ``PAD_RATIO`` of its rows, or the chunk has at most ``PAD_MIN`` rows, and while the
+  chunk's padded operands hold at most ``lowp.CHUNK_ELEMENTS`` values (a single larger
+  group is a chunk of its own): so a few chunks per call, each padded to at most
+  1/``PAD_RATIO`` of its pairs (but the last ones, of at most ``PAD_MIN`` positions). A unit's norm adds its groups' (disjoint slices of
+  the parameter: values and errors add; the deviations add, by Minkowski; the relative
+  roundings take their maximum; the float64 sums over at most E groups are counted).
+* Clipped sum. Σ_s c_{u(s)}·G_sᵀA_s per expert, over its pairs as they lie (contiguous,
+  no padding, no copy but the scaled operand): tiles of ``TILE`` pairs, each one float32
+  GEMM like ``lowp.row_scaled_tn``'s groups (the smaller operand scaled by the pairs'
+  factors in float32: one rounding; the products; a chain of at most TILE terms), the
+  tiles' results added in float32 ``FLUSH`` at a time (at most FLUSH − 1 more roundings of
+  any product), those sums in float64 (below one more float32 rounding), cast to float32
+  once (a relative rounding, counted with the factor's cast in ``rel``). So every product
+  is within γ_{TILE+FLUSH+3}(2⁻²⁴) of its exact value; float64 operands: one float64 sum
+  of at most n products of scaled operands, γ_{n+2}(2⁻⁵³), n the largest expert's pairs
+  rounded up to tiles. The norms' ``dev`` counts that bound, at the unit's share of each
+  expert's sum (its groups' N, as the Linear rule's; the Linear rule's ``clip``
+  argument). Bf16/fp16 on CUDA with the Triton kernel: per expert, its groups as rows
+  (padded to its largest), ``lowp.row_scaled_tn`` (factors on float32 partial sums),
+  bounded by ``lowp.row_scaled_bound`` at the most rows of an expert and the largest
+  group (the count grows with both). Biases: Σ_s c·G_s in float64 (a product and at
+  most n − 1 additions: γ_{n+2}(2⁻⁵³), n the largest expert's pairs). A pair whose factor
+  is 0 (a unit clipped to nothing, non-finite, or recomputed exactly) is zeroed first: it
+  adds exactly 0, and a non-finite value cannot reach the sum.
+
+Memory: the four pair tensors ([P, d], [P, 2I], [P, I], [P, d]: as much as the experts'
+own forward keeps), kept in book-keeping until the clipped sum (two-pass recomputes them
+in the second pass and checks that they are the first pass's bit for bit, as the engine
+checks G); for the norms one chunk's padded copy at a time (≤ ``lowp.CHUNK_ELEMENTS``
+values, or one group) with its Gram matrices (B·M² float64) or, instantiated, its B
+per-group gradients (the Linear rule's cost model allows them only when no larger than
+the chunk's operands); for the clipped sum one tile's scaled operand and one expert's
+[a, b] sums (float32 and float64) besides the result (and, when some factor is 0, a
+zeroed copy of the two pair tensors).
 
 Matched: a module with the attributes ``use_experts_implementation`` gives it, no post-
 expert norm, no expert parallelism, and a kernel among the three above. The recomputed
@@ -36,13 +71,15 @@ dropped; a pair's unit is its token's row's (``calls.Call.per_row``).
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from types import SimpleNamespace
 
 import torch
 
+from llmdp.clipping import lowp
 from llmdp.clipping.audit import UnsupportedModuleError
 from llmdp.clipping.calls import tensors_in
-from llmdp.clipping.lowp import U64, gamma
+from llmdp.clipping.lowp import U32, U64, gamma
 from llmdp.clipping.norms import F64, LayerRule, Record, Sq, Units, fingerprint, register_rule, up
 from llmdp.clipping.rules.linear import LinearRule
 
@@ -53,6 +90,10 @@ KERNELS = ("eager", "grouped_mm", "batched_mm")
 # entry: a check of the formula, not of rounding (bf16 autocast moves it by ~1e-2; a
 # different formula by O(1)). Exactness is tested in float64 (tests/clipping/test_families.py).
 PROBE_REL = 0.05
+PAD_RATIO = 0.75  # a group joins a norm chunk with at least this part of its padded rows
+PAD_MIN = 16  # or when the chunk is this short (small groups together)
+TILE = lowp.ROW_GROUP_POSITIONS  # pairs of one expert in one float32 GEMM of the clipped sum
+FLUSH = 16  # tiles added in float32 before their sum goes to the float64 one
 
 
 def is_experts(module) -> bool:
@@ -67,14 +108,53 @@ def is_experts(module) -> bool:
             and getattr(cfg, "_experts_implementation", None) in KERNELS)
 
 
-class _Part:
-    """One expert's pairs, per unit: the two virtual Linears' A and G ([U_e, m, ·])."""
+class _Pairs:
+    """One call's pairs sorted by (expert, unit): the two virtual Linears' A and G [P + 1, ·]
+    (the last row zero: padding points there), each pair's unit and expert, and the groups
+    (a unit's pairs on one expert)."""
 
-    __slots__ = ("e", "units", "a_up", "g_up", "a_dn", "g_dn")
+    __slots__ = ("a_up", "g_up", "a_dn", "g_dn", "unit", "expert", "n_e", "e_ptr", "g_e", "g_u",
+                 "g_ptr", "g_size", "group_of", "dev_ptr", "dev_size", "dev_unit")
 
-    def __init__(self, e, units, a_up, g_up, a_dn, g_dn):
-        self.e, self.units = e, units
+    def __init__(self, a_up, g_up, a_dn, g_dn, unit, expert, n_e, cnt, U):
         self.a_up, self.g_up, self.a_dn, self.g_dn = a_up, g_up, a_dn, g_dn
+        self.unit, self.expert, self.n_e = unit, expert, n_e
+        self.e_ptr = [0]
+        for n in n_e:
+            self.e_ptr.append(self.e_ptr[-1] + n)
+        self.g_e, self.g_u, self.g_size, self.g_ptr, self.group_of = [], [], [], [0], {}
+        for key, c in enumerate(cnt):
+            if c:
+                self.group_of[(key // U, key % U)] = len(self.g_size)
+                self.g_e.append(key // U)
+                self.g_u.append(key % U)
+                self.g_size.append(c)
+                self.g_ptr.append(self.g_ptr[-1] + c)
+        dev = unit.device
+        self.dev_ptr = torch.tensor(self.g_ptr[:-1], dtype=torch.long, device=dev)
+        self.dev_size = torch.tensor(self.g_size, dtype=torch.long, device=dev)
+        self.dev_unit = torch.tensor(self.g_u, dtype=torch.long, device=dev)
+
+    def chunks(self, width: int) -> list[tuple[list[int], int]]:
+        """The groups in chunks for the norms (module docstring): (group ids, padded rows)."""
+        out, cur, M = [], [], 0
+        for g in sorted(range(len(self.g_size)), key=lambda i: -self.g_size[i]):
+            s = self.g_size[g]
+            if cur and (s >= PAD_RATIO * M or M <= PAD_MIN) and (len(cur) + 1) * M * width <= lowp.CHUNK_ELEMENTS:
+                cur.append(g)
+                continue
+            if cur:
+                out.append((cur, M))
+            cur, M = [g], s
+        if cur:
+            out.append((cur, M))
+        return out
+
+    def padded(self, x: torch.Tensor, groups: torch.Tensor, M: int) -> torch.Tensor:
+        """x's rows of the given groups as [B, M, ·], each group zero-padded to M rows."""
+        j = torch.arange(M, device=x.device)
+        valid = j < self.dev_size[groups][:, None]
+        return x[torch.where(valid, self.dev_ptr[groups][:, None] + j, x.shape[0] - 1)]
 
 
 class ExpertsRule(LayerRule):
@@ -106,19 +186,22 @@ class ExpertsRule(LayerRule):
                                    bias=SimpleNamespace(requires_grad=bp.requires_grad) if bp is not None else None)
         return (stub(upn, upb), {"weight": upn, "bias": upb}), (stub(dnn, dnb), {"weight": dnn, "bias": dnb})
 
+    def _operands(self, pairs: _Pairs):
+        return (pairs.a_up, pairs.g_up), (pairs.a_dn, pairs.g_dn)
+
     def choose_ghost(self, module, A, G, policy, num_units):
         self._policy = policy  # read by _sq, right after, in the same backward step
-        return True  # norms below (ghost or instantiated per expert), the sum by contraction
+        return True  # norms below (ghost or instantiated per chunk), the sum by contraction
 
-    def _parts(self, rec: Record, units: Units) -> list[_Part]:
+    def _pairs(self, rec: Record, units: Units) -> _Pairs:
         cache = rec.cache
         if cache is not None and cache[0] is rec.G:
             return cache[1]
-        parts = self._build(rec, units)
-        rec.cache = (rec.G, parts)
-        return parts
+        pairs = self._build(rec, units)
+        rec.cache = (rec.G, pairs)
+        return pairs
 
-    def _build(self, rec: Record, units: Units) -> list[_Part]:
+    def _build(self, rec: Record, units: Units) -> _Pairs:
         module, call = rec.module, rec.call
         name = type(module).__name__
         ts = tensors_in(call.args, call.kwargs)
@@ -136,67 +219,54 @@ class ExpertsRule(LayerRule):
         dev = X.device
         tok = torch.arange(N, device=dev).repeat_interleave(K)
         e = idx.reshape(-1).long()
-        ws = w.reshape(-1)
         u = uop[tok]
         keep = (u >= 0) & (e >= 0) & (e < E)
         U = units.num_units
         key = torch.where(keep, e * U + u, E * U)
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=E * U + 1)[: E * U].view(E, U)
-        per_e = counts.sum(1).tolist()
-        widest = counts.max(1).values.tolist()  # one sync for all experts
+        cnt = torch.bincount(key, minlength=E * U + 1)[: E * U].tolist()  # one sync
+        n_e = [sum(cnt[ex * U:(ex + 1) * U]) for ex in range(E)]
+        sel = order[:sum(n_e)]
+        t, wt = tok[sel], w.reshape(-1)[sel]
         upn, upb, dnn, dnb = self._names(module)
         W1, W2 = getattr(module, upn).detach(), getattr(module, dnn).detach()
         B1 = getattr(module, upb).detach() if upb else None
         B2 = getattr(module, dnb).detach() if dnb else None
         tr = module.is_transposed
-        parts, start = [], 0
-        probe = module not in self._probed
-        out = torch.zeros_like(Gout, dtype=F64) if probe else None
-        for ex, n in enumerate(per_e):
-            if n == 0:
-                continue
-            sel = order[start:start + n]
-            start += n
-            t, wt = tok[sel], ws[sel]
-            a = X[t]
-            with torch.enable_grad():
-                y1 = (a @ W1[ex] if tr else a @ W1[ex].t())
-                if B1 is not None:
-                    y1 = y1 + B1[ex]
-                y1 = y1.detach().requires_grad_(True)
-                h = module._apply_gate(y1) if module.has_gate else module.act_fn(y1)
-                g2 = Gout[t] * wt[:, None].to(Gout.dtype)
-                dh = g2 @ W2[ex].t() if tr else g2 @ W2[ex]
-                g1, = torch.autograd.grad(h, y1, dh.to(h.dtype))
-            h = h.detach()
-            if probe:
-                o = h @ W2[ex] if tr else h @ W2[ex].t()
-                if B2 is not None:
-                    o = o + B2[ex]
-                out.index_add_(0, t, (o * wt[:, None].to(o.dtype)).to(F64))
-            # per unit: the units of this expert's pairs, in order, and each pair's place
-            cu = counts[ex]
-            present = (cu > 0).nonzero(as_tuple=True)[0]
-            m = widest[ex]
-            ptr = torch.zeros(U + 1, dtype=torch.long, device=dev)
-            ptr[1:] = cu.cumsum(0)
-            uu = u[sel]
-            slot = torch.arange(n, device=dev) - ptr[uu]
-            local = torch.full((U,), -1, dtype=torch.long, device=dev)
-            local[present] = torch.arange(present.numel(), device=dev)
-            li = local[uu]
-            laid = []
-            for v in (a, g1.detach(), h, g2):  # [n, ·] -> [units present, m, ·], zero-padded
-                z = v.new_zeros((present.numel(), m, v.shape[-1]))
-                z[li, slot] = v
-                laid.append(z)
-            parts.append(_Part(ex, present, *laid))
-        if probe:
+        ptr = [0]
+        for n in n_e:
+            ptr.append(ptr[-1] + n)
+        live = [ex for ex in range(E) if n_e[ex]] or [0]  # one empty product keeps the shapes
+
+        def per_expert(v, W, B, flip):
+            """v's rows of each expert times its matrix (W[e] used as x @ W[e], or its
+            transpose when ``flip``), plus its bias: [P, ·]."""
+            outs = []
+            for ex in live:
+                m = W[ex].t() if flip else W[ex]
+                o = v[ptr[ex]:ptr[ex + 1]] @ m
+                outs.append(o + B[ex] if B is not None else o)
+            outs.append(outs[0].new_zeros((1, outs[0].shape[1])))  # the zero row
+            return torch.cat(outs)
+
+        a = X[t]
+        y1 = per_expert(a, W1, B1, not tr).detach().requires_grad_(True)
+        with torch.enable_grad():
+            h = module._apply_gate(y1) if module.has_gate else module.act_fn(y1)
+        g2 = Gout[t] * wt[:, None].to(Gout.dtype)
+        dh = per_expert(g2, W2, None, tr)  # its zero row makes g1's zero
+        g1, = torch.autograd.grad(h, y1, dh.to(h.dtype))
+        h = h.detach()
+        h[-1] = 0  # act(0) need not be 0
+        if module not in self._probed:
+            o = per_expert(h, W2, B2, not tr)[:-1]
+            out = torch.zeros_like(Gout, dtype=F64).index_add_(0, t, (o * wt[:, None].to(o.dtype)).to(F64))
             real = (uop >= 0)[:, None]
             self._probe(module, out * real, rec.call.outputs[0] * real, name)
-        _same_as_before(rec.call, parts, name)
-        return parts
+        a, g2 = (torch.cat([v, v.new_zeros((1, v.shape[1]))]) for v in (a, g2))
+        pairs = _Pairs(a, g1.detach(), h, g2, u[sel], e[sel], n_e, cnt, U)
+        _same_as_before(rec.call, pairs, name)
+        return pairs
 
     def _probe(self, module, got, want, name):
         scale = float(want.detach().abs().max()) if want.numel() else 0.0
@@ -208,42 +278,63 @@ class ExpertsRule(LayerRule):
                 f"experts rule cannot clip it; freeze it or register a rule")
         self._probed.add(module)
 
+    # ------------------------------------------------------------------ bounds of the sum
+    def _tensor_cores(self, x, y) -> bool:
+        return lowp.tile_norms(x, y)
+
+    def _sum_bound(self, pairs: _Pairs, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+        """(u, n): every product of ``_weight_sum`` within γ_n(u) of its exact value."""
+        if self._tensor_cores(x, y):
+            rows = max(Counter(pairs.g_e).values(), default=1)
+            M = max(pairs.g_size or [1])  # the count grows with the rows and their length
+            return lowp.row_scaled_bound(x.new_empty((rows, M, 0)), y.new_empty((rows, M, 0)))
+        if lowp.result_dtype(x, y) == F64:
+            return U64, -(-max(pairs.n_e + [1]) // TILE) * TILE + 2
+        return U32, TILE + FLUSH + 3
+
+    @staticmethod
+    def _groups_of(pairs: _Pairs, ex: int) -> list[int]:
+        return [g for g, e in enumerate(pairs.g_e) if e == ex]
+
     # ------------------------------------------------------------------ norms
     def sq_norms_ghost(self, rec, units):
-        parts = self._parts(rec, units)
+        pairs = self._pairs(rec, units)
+        module = rec.module
         U = units.num_units
         dev = units.unit_of_row.device
+        lin = _LINEARS[module.is_transposed]
         acc: dict[str, dict] = {}
-        count: dict[str, int] = {}
-        for part in parts:
-            for (stub, names), (A3, G3) in zip(self._linears(rec.module),
-                                               ((part.a_up, part.g_up), (part.a_dn, part.g_dn))):
-                if not (stub.weight.requires_grad or (stub.bias is not None and stub.bias.requires_grad)):
-                    continue
-                sub = Units.make(torch.arange(A3.shape[0], device=dev), A3.shape[0])
-                r = Record(stub, _LINEARS[rec.module.is_transposed], A3)
+        for (stub, names), (A, G) in zip(self._linears(module), self._operands(pairs)):
+            if not (stub.weight.requires_grad or (stub.bias is not None and stub.bias.requires_grad)):
+                continue
+            clip = self._sum_bound(pairs, *lin._clipped_operands(A, G))
+            bias_clip = max(pairs.n_e + [1]) + 2
+            for groups, M in pairs.chunks(A.shape[-1] + G.shape[-1]):
+                gi = torch.tensor(groups, dtype=torch.long, device=dev)
+                A3, G3 = pairs.padded(A, gi, M), pairs.padded(G, gi, M)
+                B = len(groups)
+                sub = Units.make(torch.arange(B, device=dev), B)
+                r = Record(stub, lin, A3)
                 r.G = G3
-                lin = r.rule
-                if lin.choose_ghost(stub, A3, G3, self._policy, A3.shape[0]):
-                    got = lin.sq_norms_ghost(r, sub)
+                if lin.choose_ghost(stub, A3, G3, self._policy, B):
+                    got = lin.sq_norms_ghost(r, sub, clip=clip, bias_clip=bias_clip)
                 else:
-                    got = {n: sq for n, (_, sq) in lin.instantiate(r, sub).items()}
+                    got = {n: sq for n, (_, sq) in lin.instantiate(r, sub, clip=clip, bias_clip=bias_clip).items()}
+                to_unit = pairs.dev_unit[gi]
                 for which, sq in got.items():
-                    pname = names[which]
-                    a = acc.setdefault(pname, {k: torch.zeros(U, dtype=F64, device=dev)
-                                               for k in ("value", "err", "dev", "mag")} | {"rel": 0.0})
+                    a = acc.setdefault(names[which], {k: torch.zeros(U, dtype=F64, device=dev)
+                                                      for k in ("value", "err", "dev", "mag")} | {"rel": 0.0})
                     for kk in ("value", "err", "dev", "mag"):
-                        a[kk].index_add_(0, part.units, getattr(sq, kk).to(F64))
+                        a[kk].index_add_(0, to_unit, getattr(sq, kk).to(F64))
                     a["rel"] = max(a["rel"], float(sq.rel.max()) if sq.rel.numel() else 0.0)
-                    count[pname] = count.get(pname, 0) + 1
         out = {}
-        for pname in self.params(rec.module):
+        n = len(pairs.n_e) + 2  # the float64 sums over a unit's groups (at most one per expert)
+        for pname in self.params(module):
             a = acc.get(pname)
             if a is None:  # no pair reached this parameter: every unit's gradient is 0
                 z = torch.zeros(U, dtype=F64, device=dev)
                 out[pname] = Sq(z, z.clone(), z.clone(), z.clone(), z.clone())
                 continue
-            n = count[pname] + 2  # the float64 sums over experts
             value = a["value"]
             err = up(a["err"], n) + gamma(n, U64) * up(value.abs(), n)
             out[pname] = Sq(value, err, up(a["dev"], n), torch.full_like(value, a["rel"]), up(a["mag"], n))
@@ -252,39 +343,24 @@ class ExpertsRule(LayerRule):
     # ------------------------------------------------------------------ clipped sum
     def clipped_ghost(self, rec, row_factors):
         units = rec.call.units
-        parts = self._parts(rec, units)
+        pairs = self._pairs(rec, units)
         module = rec.module
         unit_f = torch.zeros(units.num_units, dtype=row_factors.dtype, device=row_factors.device)
         keep = units.unit_of_row >= 0
         unit_f[units.unit_of_row[keep]] = row_factors[keep]
+        f = unit_f[pairs.unit]  # each pair's factor
+        live = f != 0  # a zero factor adds exactly 0: the pair is zeroed (NaN cannot reach the sum)
+        lin = _LINEARS[module.is_transposed]
         want = set(self.params(module))
         out: dict[str, torch.Tensor] = {}
-        for part in parts:
-            f = unit_f[part.units]
-            for (stub, names), (A3, G3) in zip(self._linears(module),
-                                               ((part.a_up, part.g_up), (part.a_dn, part.g_dn))):
-                if not any(v in want for v in names.values() if v):
-                    continue
-                r = Record(stub, _LINEARS[module.is_transposed], A3)
-                r.G = G3
-                # A zero factor (a unit clipped to nothing, or non-finite) adds exactly 0:
-                # its rows are left out, so a non-finite value there cannot reach the sum.
-                nz = f != 0
-                if not bool(nz.all()):
-                    A3, G3, ff = A3[nz], G3[nz], f[nz]
-                    r.A, r.G = A3, G3
-                else:
-                    ff = f
-                if ff.numel() == 0:
-                    continue
-                for which, g in r.rule.clipped_ghost(r, ff).items():
-                    pname = names[which]
-                    if pname not in want:
-                        continue
-                    if pname not in out:
-                        p = getattr(module, pname)
-                        out[pname] = torch.zeros(p.shape, dtype=g.dtype, device=g.device)
-                    out[pname][part.e] = g.reshape(out[pname].shape[1:])
+        for (_, names), (A, G) in zip(self._linears(module), self._operands(pairs)):
+            if names["weight"] in want:
+                x, y = lin._clipped_operands(A, G)
+                out[names["weight"]] = self._weight_sum(pairs, x, y, f, live, unit_f)
+            if names["bias"] in want:
+                s = torch.where(live[:, None], G[:-1].to(F64) * f.to(F64)[:, None], 0)
+                b = torch.zeros((len(pairs.n_e), G.shape[-1]), dtype=F64, device=G.device)
+                out[names["bias"]] = b.index_add_(0, pairs.expert, s)
         for pname in want:
             if pname not in out:
                 p = getattr(module, pname)
@@ -292,35 +368,82 @@ class ExpertsRule(LayerRule):
                                          device=p.device)
         return out
 
+    def _weight_sum(self, pairs, x, y, f, live, unit_f) -> torch.Tensor:
+        """[E, a, b]: Σ over expert e's pairs of f_s·x_sᵀy_s, for every expert (module
+        docstring; within ``_sum_bound``)."""
+        E, a, b = len(pairs.n_e), x.shape[-1], y.shape[-1]
+        dt = lowp.result_dtype(x, y)
+        if self._tensor_cores(x, y):
+            out = torch.zeros((E, a, b), dtype=torch.float32, device=x.device)
+            for ex in range(E):
+                groups = torch.tensor(self._groups_of(pairs, ex), dtype=torch.long, device=x.device)
+                if groups.numel() == 0:
+                    continue
+                fg = unit_f[pairs.dev_unit[groups]]
+                groups = groups[fg != 0]
+                if groups.numel() == 0:
+                    continue
+                M = int(pairs.dev_size[groups].max())
+                out[ex] = lowp.row_scaled_tn(pairs.padded(x, groups, M), pairs.padded(y, groups, M),
+                                             unit_f[pairs.dev_unit[groups]])
+            return out
+        x, y = x[:-1], y[:-1]
+        if not bool(live.all()):  # zero-factor pairs zeroed once (0·NaN would be NaN)
+            x, y = torch.where(live[:, None], x, 0), torch.where(live[:, None], y, 0)
+        f = torch.where(live, f, 0).to(dt)[:, None]
+        out = torch.zeros((E, a, b), dtype=dt, device=x.device)
+        scale_x = a <= b  # scale the smaller operand (a copy of it)
+        with lowp.exact_fp32(x.device):
+            for ex in range(E):
+                lo, hi = pairs.e_ptr[ex], pairs.e_ptr[ex + 1]
+                acc32 = acc64 = None
+                for i, p0 in enumerate(range(lo, hi, TILE)):
+                    p1 = min(hi, p0 + TILE)
+                    xs, ys = x[p0:p1].to(dt), y[p0:p1].to(dt)
+                    if scale_x:
+                        xs = xs * f[p0:p1]
+                    else:
+                        ys = ys * f[p0:p1]
+                    part = xs.t() @ ys
+                    acc32 = part if acc32 is None else acc32.add_(part)
+                    if (i + 1) % FLUSH == 0 or p1 == hi:
+                        acc64 = acc32.to(F64) if acc64 is None else acc64.add_(acc32.to(F64))
+                        acc32 = None
+                if acc64 is not None:
+                    out[ex] = acc64
+        return out
+
     def exact(self, rec, name, rows, start, stop):
         units = rec.call.units
-        parts = self._parts(rec, units)
+        pairs = self._pairs(rec, units)
         u = int(units.unit_of_row[rows[0]])
         p = getattr(rec.module, name)
         out = torch.zeros((stop - start, *p.shape[1:]), dtype=F64, device=p.device)
         (_, n_up), (_, n_dn) = self._linears(rec.module)
-        for part in parts:
-            if not start <= part.e < stop:
-                continue
-            hit = (part.units == u).nonzero(as_tuple=True)[0]
-            if hit.numel() == 0:
-                continue
-            for names, (A3, G3) in ((n_up, (part.a_up, part.g_up)), (n_dn, (part.a_dn, part.g_dn))):
-                for which, pname in names.items():
-                    if pname != name:
+        tr = rec.module.is_transposed
+        for names, (A, G) in zip((n_up, n_dn), self._operands(pairs)):
+            for which, pname in names.items():
+                if pname != name:
+                    continue
+                for ex in range(start, stop):
+                    g = pairs.group_of.get((ex, u))
+                    if g is None:
                         continue
-                    r = Record(None, _LINEARS[rec.module.is_transposed], A3)
-                    r.G = G3
-                    first = p.shape[1]
-                    out[part.e - start] = r.rule.exact(r, which, hit, 0, first)
+                    Ar, Gr = A[pairs.g_ptr[g]:pairs.g_ptr[g + 1]], G[pairs.g_ptr[g]:pairs.g_ptr[g + 1]]
+                    if which == "bias":
+                        out[ex - start] = Gr.to(F64).sum(0)
+                    elif tr:  # weight [in, out]
+                        out[ex - start] = lowp.bmm(Ar.t().unsqueeze(0), Gr.unsqueeze(0))[0]
+                    else:
+                        out[ex - start] = lowp.bmm(Gr.t().unsqueeze(0), Ar.unsqueeze(0))[0]
         return out
 
 
-def _same_as_before(call, parts: list[_Part], name: str) -> None:
+def _same_as_before(call, pairs: _Pairs, name: str) -> None:
     """Two-pass recomputes the parts in pass 2 (G is fingerprinted by the engine): what
     this rule derived from G (the up projection's output gradient, the activation) must be
     pass 1's bit for bit, or what is added would not be what was measured."""
-    fp = torch.cat([fingerprint((p.g_up, p.a_dn)) for p in parts]) if parts else None
+    fp = fingerprint((pairs.g_up[:-1], pairs.a_dn[:-1]))
     before = call.derived
     call.derived = fp
     if before is not None and (fp is None or not torch.equal(fp, before)):

@@ -51,7 +51,12 @@ class LinearRule(LayerRule):
     def _clipped_operands(self, A3, G3):
         return (A3, G3) if self.transposed else (G3, A3)
 
-    def sq_norms_ghost(self, rec, units):
+    # ``clip`` / ``bias_clip``: the bound of a clipped sum formed otherwise than by this
+    # rule's ``clipped_ghost`` on rec's A and G (the experts rule's, ``rules/experts.py``):
+    # (u, n) of the weight's contraction (default ``lowp.row_scaled_bound``) and n (float64)
+    # of the bias's; the norms' own arithmetic and bounds are unchanged.
+
+    def sq_norms_ghost(self, rec, units, clip=None, bias_clip=None):
         module = rec.module
         A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
         res_u = roundoff(lowp.result_dtype(A3, G3))
@@ -59,7 +64,7 @@ class LinearRule(LayerRule):
         if module.weight.requires_grad:
             mag = linear_mag(A3, G3, units)
             x, y = self._clipped_operands(A3, G3)
-            u, n = lowp.row_scaled_bound(x, y)
+            u, n = clip or lowp.row_scaled_bound(x, y)
             R, T = G3.shape[0], G3.shape[1]
             spec = device_spec(G3.device, G3.dtype)
             tile = lowp.tile_norms(x, y)
@@ -86,11 +91,11 @@ class LinearRule(LayerRule):
                 out["weight"] = sq_bound(value, err, up(mag * gamma(n, u), 1), gamma(2, res_u), mag)
         if module.bias is not None and module.bias.requires_grad:
             value, err, mag = _bias_sq(G3, units)  # the bias gradient of each row
-            n = G3.shape[1] + 2 * G3.shape[0] + 2  # float64 row sums, x factor, sum over rows
+            n = _bias_clip_count(G3, bias_clip)
             out["bias"] = sq_bound(value, err, up(mag * gamma(n, U64), 1), gamma(1, res_u), mag)
         return out
 
-    def instantiate(self, rec, units):
+    def instantiate(self, rec, units, clip=None, bias_clip=None):
         """Per-unit gradients from per-row float32 contractions (tensor cores for bf16/fp16
         on CUDA; float64 for float64 operands), each entry within γ_{T+K+1}(u)·|G|ᵀ|A| of
         its exact value (``lowp.fast_bound``; K: the unit's rows), so ‖h − g‖ ≤ γ·N: the
@@ -109,13 +114,16 @@ class LinearRule(LayerRule):
             u, n = lowp.fast_bound(x, y, G3.shape[1])
             h = units.rows_to_units(lowp.per_row_tn(x, y))
             mag = linear_mag(A3, G3, units)
-            uc, nc = lowp.row_scaled_bound(*self._clipped_operands(A3, G3))
+            uc, nc = clip or lowp.row_scaled_bound(*self._clipped_operands(A3, G3))
             dev = up(mag * (gamma(n + units.max_rows + 1, u) + gamma(nc, uc)), 2)
             out["weight"] = (h, sq_of_instantiated(h, dev, 0.0, rel, mag))
         if module.bias is not None and module.bias.requires_grad:
             h = units.rows_to_units(_row_sums(G3)).to(store)
             mag = rows_mag(G3, units)
-            dev = up(mag * gamma(2 * G3.shape[1] + 2 * G3.shape[0] + 4, U64), 1)
+            # h's sums (its rows', its units'), then the clipped sum's (or the caller's)
+            n = (2 * G3.shape[1] + 2 * G3.shape[0] + 4 if bias_clip is None
+                 else G3.shape[1] + units.max_rows + 1 + bias_clip)
+            dev = up(mag * gamma(n, U64), 1)
             out["bias"] = (h, sq_of_instantiated(h, dev, 0.0 if store == F64 else U32, rel, mag))
         return out
 
@@ -143,6 +151,12 @@ class LinearRule(LayerRule):
         if self.transposed:  # Conv1D: weight [in, out], rows of it follow the input
             return lowp.bmm(Af[:, start:stop].t().unsqueeze(0), Gf.unsqueeze(0))[0]
         return lowp.bmm(Gf[:, start:stop].t().unsqueeze(0), Af.unsqueeze(0))[0]
+
+
+def _bias_clip_count(G3, bias_clip: int | None) -> int:
+    """n of the bias's clipped sum (float64 row sums, × factor, the sum over rows), or the
+    caller's count for a sum it forms itself."""
+    return bias_clip if bias_clip is not None else G3.shape[1] + 2 * G3.shape[0] + 2
 
 
 def _is_conv1d(module: nn.Module) -> bool:  # HF GPT-2's Conv1D: y = x @ W + b, W [in, out]

@@ -1,0 +1,180 @@
+"""Issue 50 item 7: the experts rule takes all experts of a MoE call at once (pairs sorted
+by expert and unit; the norms of every (unit, expert) group in a few padded chunks; the
+clipped sum per expert over tiles of pairs). Here one experts block of each MoE family, in
+float64, with a routing chosen to reach every layout case: a unit of several rows, a
+padding row, a unit routed to no token of some expert, an expert with no pair at all,
+groups of very different sizes (several chunks, padded rows), and small tiles (several
+tiles per expert, float32-style flushes). Per-unit norms and the clipped sum are checked
+against each unit's gradient by autograd, alone; and a neighbour test: what is added for
+a batch and for the batch less one unit differ by at most C."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from llmdp.clipping import GhostClipper
+from llmdp.clipping.reference import clip_factors
+from llmdp.clipping.rules import experts as ex
+from tests.clipping.test_families import family_model
+
+MOE = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
+T = 6  # tokens per row
+ROW_UNITS = [0, 0, 1, -1, 2, 3]  # unit 0: two rows; row 3: padding
+
+
+class Block(nn.Module):
+    """One experts block called as transformers calls it, with a fixed routing; each row's
+    loss is ⟨its outputs, fixed random weights⟩ (so each unit's gradient differs)."""
+
+    def __init__(self, experts, idx, w, target):
+        super().__init__()
+        self.experts = experts
+        self.register_buffer("idx", idx)
+        self.register_buffer("w", w)
+        self.register_buffer("target", target)
+
+    def forward(self, x):
+        R, t, d = x.shape
+        out = self.experts(x.reshape(R * t, d), self.idx, self.w).reshape(R, t, d)
+        return (out * self.target).sum((1, 2))
+
+
+def _routing(E: int, seed: int):
+    """[R·T, 2] distinct experts per token: expert E − 1 gets no pair; unit 1 (row 2) none
+    of expert 0; unit 0's first row all on expert 0 (a large group); the rest random."""
+    g = torch.Generator().manual_seed(seed)
+    R = len(ROW_UNITS)
+    idx = torch.empty(R * T, 2, dtype=torch.long)
+    for n in range(R * T):
+        row = n // T
+        pool = list(range(E - 1))
+        if row == 2:
+            pool.remove(0)
+        if row == 0:
+            first = 0
+        else:
+            first = pool[int(torch.randint(len(pool), (1,), generator=g))]
+        rest = [e for e in pool if e != first]
+        idx[n] = torch.tensor([first, rest[int(torch.randint(len(rest), (1,), generator=g))]])
+    w = torch.rand(R * T, 2, generator=g, dtype=torch.float64)
+    return idx, w
+
+
+def block(family: str, seed: int = 0) -> tuple[Block, torch.Tensor]:
+    model = family_model(family)
+    experts = model.model.layers[0].mlp.experts
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in experts.parameters():
+        p.requires_grad_(True)
+    E = experts.down_proj.shape[0]
+    assert E >= 4
+    d = experts.down_proj.shape[1] if not experts.is_transposed else experts.down_proj.shape[2]
+    idx, w = _routing(E, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    R = len(ROW_UNITS)
+    x = torch.randn(R, T, d, generator=g, dtype=torch.float64)
+    x[4] *= 30  # unit 2: a large gradient (clipped)
+    target = torch.randn(R, T, d, generator=g, dtype=torch.float64)
+    return Block(experts, idx, w, target), x
+
+
+def per_unit_reference(m: Block, x: torch.Tensor, C: float):
+    params = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+    losses = m(x)
+    ru = torch.tensor(ROW_UNITS)
+    per = []
+    for u in range(int(ru.max()) + 1):
+        gs = torch.autograd.grad(losses[ru == u].sum(), [p for _, p in params], retain_graph=True,
+                                 allow_unused=True)
+        per.append([torch.zeros_like(p) if g is None else g for g, (_, p) in zip(gs, params)])
+    norms = torch.stack([torch.cat([g.reshape(-1) for g in gs]).norm() for gs in per])
+    f = clip_factors(norms, C)
+    return norms, {n: sum(f[u] * per[u][i] for u in range(len(per))) for i, (n, _) in enumerate(params)}
+
+
+def engine_step(m: Block, x: torch.Tensor, C: float, row_units=ROW_UNITS, **kw):
+    m.zero_grad(set_to_none=True)
+    clipper = GhostClipper(m, C, **kw)
+    norms = clipper.backward(m(x), torch.tensor(row_units))
+    clipper.remove_hooks()
+    return norms, {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+
+
+FINE = {"PAD_MIN": 0, "PAD_RATIO": 0.7, "TILE": 2, "FLUSH": 2}
+
+
+@pytest.fixture(params=["default", "fine"])
+def layout(request, monkeypatch):
+    """default: the bench's chunking and tiles (one chunk, one tile per expert here);
+    fine: chunks of groups within 0.7 of each other's size, tiles of 2 pairs flushed every
+    2 (several padded chunks, several tiles and flushes per expert)."""
+    if request.param == "fine":
+        for k, v in FINE.items():
+            monkeypatch.setattr(ex, k, v)
+    return request.param
+
+
+@pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("policy", ["ghost", "instantiate"])
+def test_batched_experts_against_per_unit_references(family, policy, layout):
+    m, x = block(family)
+    ref_norms, _ = per_unit_reference(m, x, 1.0)
+    C = float(ref_norms.median())  # some units clipped, some not
+    ref_norms, ref_sum = per_unit_reference(m, x, C)
+    assert ref_norms.min() > 0 and (ref_norms > C).any() and (ref_norms < C).any()
+    for mode in ("book-keeping", "two-pass"):
+        norms, got = engine_step(m, x, C, mode=mode, layer_policy=policy)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0,
+                                   msg=lambda s, mode=mode: f"{family} {policy} {layout} {mode}: {s}")
+        assert set(got) == set(ref_sum)
+        for n, g in got.items():
+            scale = float(ref_sum[n].abs().max())
+            assert scale > 0
+            torch.testing.assert_close(g, ref_sum[n], rtol=1e-9, atol=1e-13 * scale,
+                                       msg=lambda s, n=n, mode=mode: f"{family} {policy} {layout} {mode} {n}: {s}")
+        # the empty expert's slice is exactly zero; the others are not
+        E = m.experts.down_proj.shape[0]
+        assert not got["experts.down_proj"][E - 1].any()
+        assert got["experts.down_proj"][: E - 1].abs().amax(dim=(1, 2)).min() > 0
+
+
+def test_the_layout_cases_are_reached(monkeypatch):
+    """The routing above reaches what the tests claim: a unit with no pair on some expert,
+    an expert with none, groups of several sizes in several chunks with padded rows, and
+    experts of several tiles."""
+    for k, v in FINE.items():
+        monkeypatch.setattr(ex, k, v)
+    seen = {}
+    build = ex.ExpertsRule._build
+
+    def spy(self, rec, units):
+        p = build(self, rec, units)
+        seen["pairs"] = p
+        return p
+    monkeypatch.setattr(ex.ExpertsRule, "_build", spy)
+    m, x = block("qwen3_moe")
+    engine_step(m, x, 1.0)
+    p = seen["pairs"]
+    E = m.experts.down_proj.shape[0]
+    assert p.n_e[E - 1] == 0 and (0, 1) not in p.group_of and (1, 1) in p.group_of
+    chunks = p.chunks(1)
+    assert len(chunks) > 2 and any(len(g) > 1 and min(p.g_size[i] for i in g) < M for g, M in chunks)
+    assert max(p.n_e) > 2 * FINE["TILE"] * FINE["FLUSH"]  # several flushes of several tiles
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("mode", ["book-keeping", "two-pass"])
+def test_neighbouring_batches_differ_by_at_most_C(family, mode, layout):
+    """What is added for the batch and for the batch less one unit (its row made padding,
+    everything else the same) differ by that unit's clipped gradient: at most C."""
+    m, x = block(family)
+    C = 0.5 * float(per_unit_reference(m, x, 1.0)[0].min())  # every unit clipped
+    for gone in (0, 2):
+        _, full = engine_step(m, x, C, mode=mode)
+        less = [(-1 if u == gone else u) for u in ROW_UNITS]
+        _, part = engine_step(m, x, C, row_units=less, mode=mode)
+        diff = torch.cat([(full[n] - part[n]).reshape(-1) for n in full]).norm()
+        assert C * (1 - 1e-6) < diff <= C * (1 + 1e-12), (gone, float(diff), C)
