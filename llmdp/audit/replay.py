@@ -263,15 +263,35 @@ def aligned(spec: RunSpec, unit: int, step: int = 0, groups: np.ndarray | None =
 
 def sampled_seed(spec: RunSpec, unit: int, step: int = 0, tries: int = 2000) -> int:
     """The smallest seed whose step ``step`` samples ``unit`` on D, without truncation,
-    with the neighbour's sample aligned (:func:`aligned`)."""
+    with the neighbour's sample aligned (:func:`aligned`) and, under plain Poisson, as many
+    micro-steps on every rank for D and D∖{unit} (so that their collectives are compared,
+    not only noted: the draws depend on the run id, a new one each launch)."""
     groups = unit_groups_of(spec)
+    store = None
     for seed in range(tries):
         s = with_seed(spec, seed)
         keys = StepKeys.draw(step, "seeded", seed, torch.device("cpu"), (spec.run_id, _ATTEMPT))
         s_d, truncated = _draw(_sampler(s, None, groups), keys.sample, step)
-        if unit in s_d and not truncated and aligned(s, unit, step, groups):
-            return seed
+        if unit not in s_d or truncated or not aligned(s, unit, step, groups):
+            continue
+        if spec.plan.sampler == "poisson" and not spec.plan.correlated:
+            if store is None:
+                from llmdp.data.store import open_store
+
+                store = open_store(spec.paths.store_dir)
+            if _micro_steps(spec, store, s_d) != _micro_steps(spec, store, s_d[s_d != unit]):
+                continue
+        return seed
     raise ReplayError(f"no seed below {tries} samples unit {unit} at step {step}")
+
+
+def _micro_steps(spec: RunSpec, store: UnitStore, sample: np.ndarray) -> list[int]:
+    """Micro-steps per rank that plain Poisson's assignment gives ``sample`` (D's ids)."""
+    plan = assign_micro_batches(np.asarray(sample, dtype=np.int64), store.unit_row_count,
+                                store.unit_max_row_length, world_size=spec.cfg.scaling.num_workers,
+                                physical_batch_size=spec.cfg.train.physical_batch_size,
+                                bucket=spec.cfg.train.length_bucketing)
+    return [len(p) for p in plan]
 
 
 # --------------------------------------------------------------------------- recording
