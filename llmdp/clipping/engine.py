@@ -678,7 +678,11 @@ class GhostClipper:
         flags = torch.cat([neg.any().reshape(1), bad.any(1)]).tolist()
         if flags[0]:
             self._raise_negative(recs, pairs, groups)
-        hit = [(r, b) for r, b, f in zip(recs, bad.unbind(0), flags[1:]) if f]
+        self._fallback_hits([(r, b) for r, b, f in zip(recs, bad.unbind(0), flags[1:]) if f], units)
+
+    def _fallback_hits(self, hit: list[tuple[Record, torch.Tensor]], units: Units) -> None:
+        """The exact fallback of each flagged call, for its flagged units; two-pass (which
+        dropped their G) brings G back first, for those calls only, and drops it after."""
         if hit and not self._keep_G:
             self._refetch_G([r for r, _ in hit])
         for r, b in hit:
@@ -814,11 +818,12 @@ class GhostClipper:
             flags.append(bad_calls.any(1))
             neg.append(neg_calls.any().reshape(1))
         if shared:
-            v, e, d = (torch.stack(x) for x in zip(*shared.values()))
-            nu = nb.used_norm(v, e, d * d, check=False)
-            bad_shared = nb.worth_recomputing(v, e, d, nu, self.fallback)
+            sv, se, sd = (torch.stack(x) for x in zip(*shared.values()))
+            nu = nb.used_norm(sv, se, sd * sd, check=False)
+            bad_shared = nb.worth_recomputing(sv, se, sd, nu, self.fallback)
             flags.append(bad_shared.any(1))
-            neg.append(nb.negative(v, e).any().reshape(1))
+            neg.append(nb.negative(sv, se).any().reshape(1))
+        read_shared: list = []
         if flags:
             read = torch.cat(neg + flags).tolist()  # the one host sync
             if any(read[: len(neg)]):
@@ -827,34 +832,27 @@ class GhostClipper:
                 self._raise_negative(deferred, *self._pairs(deferred))
             read = read[len(neg):]
             hit = [(r, b) for r, b, f in zip(deferred, bad_calls.unbind(0), read) if f] if deferred else []
-            read = read[len(deferred):]
-            if hit and not self._keep_G:
-                self._refetch_G([r for r, _ in hit])
-            for r, b in hit:
-                self._fallback_units(r, b, units)
-                if not self._keep_G:
-                    r.G = None  # two-pass: pass 2 brings it again (not shared)
+            read_shared = read[len(deferred):]
+            self._fallback_hits(hit, units)
             if hit:  # their norms changed: the stack again (rare)
                 stack = self._stack(pairs)
+        if not shared:  # every parameter has one use: the pairs' rows, in order
+            return stacked.total(stack.value, stack.err, stack.d)
+        # Each parameter's (value, err, δ_P) in the order of its first use: a single use's
+        # pair row, or a shared parameter's combination (_combine), gathered in one index.
+        if any(read_shared):  # rare: per parameter, as _fallback_shared replaces some
             per_param = {pid: (stack.value[i], stack.err[i], stack.d[i]) for pid, i in index.items()}
             per_param.update(shared)
-            if shared and any(read):
-                bad = dict(zip(shared, bad_shared.unbind(0)))
-                self._fallback_shared(uses, per_param, units,
-                                      [p for p, f in zip(shared, read) if f], bad)
-                changed = True
-            else:
-                changed = False
-        else:
-            per_param, changed = None, False
-        if per_param is None or (not shared and not changed):
-            # every parameter has one use: its pair's row, in order
-            rows = list(index.values())
-            value, err, d = stack.value[rows], stack.err[rows], stack.d[rows]
-            if rows == list(range(len(pairs))):
-                value, err, d = stack.value, stack.err, stack.d
-        else:
+            self._fallback_shared(uses, per_param, units,
+                                  [p for p, f in zip(shared, read_shared) if f],
+                                  dict(zip(shared, bad_shared.unbind(0))))
             value, err, d = (torch.stack(x) for x in zip(*per_param.values()))
+            return stacked.total(value, err, d)
+        n = len(pairs)
+        slot = {pid: n + j for j, pid in enumerate(shared)}
+        order = torch.tensor([slot.get(pid, i) for pid, i in index.items()], dtype=torch.long)
+        order = order.to(stack.value.device)
+        value, err, d = (torch.cat([x, y])[order] for x, y in ((stack.value, sv), (stack.err, se), (stack.d, sd)))
         return stacked.total(value, err, d)
 
     def _combine(self, uses: list[tuple[Record, str]], units: Units) -> tuple[torch.Tensor, ...]:

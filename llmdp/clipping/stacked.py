@@ -56,11 +56,6 @@ class Stack:
         norm = torch.sqrt(torch.clamp(value + err, min=0))
         return Stack(value, err, nb.up(dev + rel * (norm + dev), 6))
 
-    def rows(self, index: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(value, err, d) of the pairs ``index``, each [len(index), U]."""
-        i = torch.tensor(index, dtype=torch.long).to(self.value.device)
-        return self.value[i], self.err[i], self.d[i]
-
 
 def call_flags(stack: Stack, groups: list[list[int]],
                threshold: float = nb.FALLBACK) -> tuple[torch.Tensor, torch.Tensor]:
