@@ -140,11 +140,24 @@ class Counter(TorchDispatchMode):
         super().__init__()
         self.phase = "forward"
         self.muted = 0
+        self.active = False  # inside ``with counter``: the measured step (not the warm-up)
         self.data = collections.defaultdict(lambda: {
             "launches": 0, "ops": collections.Counter(), "syncs": collections.Counter(),
             "gemm_flops": collections.Counter(), "bytes": 0})
 
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
     def launch(self, name: str, flops: int = 0, dtype: torch.dtype | None = None, nbytes: int = 0) -> None:
+        # The emulated kernels call this directly: only the measured step counts, not the
+        # warm-up (before this check, the warm-up's kernels were counted in "after").
+        if not self.active:
+            return
         d = self.data[self.phase]
         d["launches"] += 1
         d["ops"][name] += 1
@@ -153,6 +166,8 @@ class Counter(TorchDispatchMode):
             d["gemm_flops"][str(dtype).replace("torch.", "")] += flops
 
     def sync(self, name: str) -> None:
+        if not self.active:
+            return
         self.data[self.phase]["syncs"][name] += 1
 
     @contextlib.contextmanager

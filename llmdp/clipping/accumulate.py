@@ -83,7 +83,9 @@ def add_to_grad(name_of: dict[int, str], contributions) -> None:
             )
         g = g.to(p.dtype)
         if p.grad is None:
-            p.grad = g.clone()
+            # the engine's parts are fresh tensors of its own contractions: the first one
+            # becomes .grad as it is (as autograd's own does), a view of anything is copied
+            p.grad = g if g._base is None and g.is_contiguous() else g.clone()
         else:
             p.grad.add_(g)
 
@@ -142,13 +144,30 @@ def _contract(rec: Record, units: Units, factors: torch.Tensor, row_factors: tor
     for n, g in per_unit.items():
         up = _compute_dtype(g.dtype)
         g = g if up is None else g.to(up)
-        f = factors.to(g.dtype)
-        zero = f == 0
+        f = _factors_as(factors, g.dtype)
         # mask is None: no row has a zero factor, so no unit has (no sync to find out)
-        if mask is not None and bool(zero.any()) and not bool(torch.isfinite(g[zero]).all()):
-            g = torch.where(_row_mask(zero, g), 0, g)  # 0·NaN would be NaN
-        out[n] = torch.einsum("u,u...->...", f, g)
+        if mask is not None:
+            zero = f == 0
+            if bool(zero.any()) and not bool(torch.isfinite(g[zero]).all()):
+                g = torch.where(_row_mask(zero, g), 0, g)  # 0·NaN would be NaN
+        # Σ_u c_u·h_u: one dot product of U terms per entry, in any order (its bound is
+        # the rule's rel, γ_{U+2}): one matrix-vector product
+        o = out[n] = g.new_empty(g.shape[1:])
+        torch.mv(g.reshape(g.shape[0], -1).t(), f, out=o.view(-1))
     return out
+
+
+_CAST: list = [None, {}]  # the last step's factors and their casts (one per dtype)
+
+
+def _factors_as(factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``factors`` in ``dtype``, cast once per step for all the calls that read it."""
+    if _CAST[0] is not factors:
+        _CAST[0], _CAST[1] = factors, {}
+    f = _CAST[1].get(dtype)
+    if f is None:
+        f = _CAST[1][dtype] = factors.to(dtype)
+    return f
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype | None:

@@ -850,8 +850,7 @@ class GhostClipper:
             return stacked.total(value, err, d)
         n = len(pairs)
         slot = {pid: n + j for j, pid in enumerate(shared)}
-        order = torch.tensor([slot.get(pid, i) for pid, i in index.items()], dtype=torch.long)
-        order = order.to(stack.value.device)
+        order = stacked.const([slot.get(pid, i) for pid, i in index.items()], stack.value.device, torch.long)
         value, err, d = (torch.cat([x, y])[order] for x, y in ((stack.value, sv), (stack.err, se), (stack.d, sd)))
         return stacked.total(value, err, d)
 

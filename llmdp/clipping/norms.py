@@ -167,7 +167,6 @@ def fingerprint(G) -> torch.Tensor:
 # --------------------------------------------------------------------------- bounds
 
 
-@dataclass(frozen=True)
 class Sq:
     """One call's squared gradient norm for one parameter, per unit, with its bounds (all
     [U] float64; module docstring, 1–2):
@@ -180,13 +179,59 @@ class Sq:
     * ``rel``:   γ of the relative roundings of the unit's part after that, but for the
       sink's own add (the engine's);
     * ``mag``:   N_u, an upper bound on ‖|G_u|ᵀ|A_u|‖ (cross terms and the fallback use it).
+
+    Deferred arithmetic (issue 50: one bound computation per step). Most bounds are a
+    constant times a tensor the rule has anyway; formed call by call, each is a GPU launch.
+    A rule may give them as constants instead, and ``stacked.Stack.of`` forms them for all
+    calls at once on [pairs, U] stacks — the same IEEE operations on the same operands, so
+    the same bits (tests/clipping/test_stacked.py):
+
+    * ``err`` a float c:            err = value·c;
+    * ``mag`` with ``mag_f`` f:     mag = mag·f (``up``'s factor, ``up_factor``); ``mag``
+      None: ‖h‖ rounded up from value and err (``sq_of_instantiated``'s);
+    * ``dev`` a tuple (f₀, f₁, …):  dev = ((mag·f₀)·f₁)…; ``dev`` 0.0: dev = 0;
+    * ``rel`` a float:              rel = that constant for every unit.
+
+    Reading a field (``sq.err``…) forms it (once) for code that needs one call's tensors.
     """
 
-    value: torch.Tensor
-    err: torch.Tensor
-    dev: torch.Tensor
-    rel: torch.Tensor
-    mag: torch.Tensor
+    __slots__ = ("value", "_err", "_dev", "_rel", "_mag", "_mag_f")
+
+    def __init__(self, value: torch.Tensor, err, dev, rel, mag, mag_f: float | None = None):
+        self.value = value
+        self._err, self._dev, self._rel, self._mag, self._mag_f = err, dev, rel, mag, mag_f
+
+    @property
+    def err(self) -> torch.Tensor:
+        if not isinstance(self._err, torch.Tensor):
+            self._err = self.value * self._err
+        return self._err
+
+    @property
+    def mag(self) -> torch.Tensor:
+        if self._mag is None:  # sq_of_instantiated: ‖h‖ from its squared norm, rounded up
+            self._mag = up(torch.sqrt(self.value + self.err), 2)
+        elif self._mag_f is not None:
+            self._mag, self._mag_f = self._mag * self._mag_f, None
+        return self._mag
+
+    @property
+    def dev(self) -> torch.Tensor:
+        if isinstance(self._dev, tuple):
+            d = self.mag
+            for f in self._dev:
+                d = d * f
+            self._dev = d
+        elif not isinstance(self._dev, torch.Tensor):
+            self._dev = torch.zeros_like(self.value)
+        return self._dev
+
+    @property
+    def rel(self) -> torch.Tensor:
+        if not isinstance(self._rel, torch.Tensor):
+            self._rel = torch.full_like(self.value, float(self._rel))
+        return self._rel
+
 
     def at(self, units: torch.Tensor, **new: torch.Tensor) -> Sq:
         """A copy with the given fields replaced at ``units``."""
@@ -200,34 +245,40 @@ class Sq:
         return Sq(**out)
 
 
+def up_factor(n: int) -> float:
+    """``up``'s factor: up(x, n) is x·up_factor(n)."""
+    return 1.0 + gamma(n + 1, U64)
+
+
 def up(x: torch.Tensor, n: int) -> torch.Tensor:
     """x·(1 + γ_n), rounded up: an upper bound on a nonnegative quantity computed with n
     float64 roundings (the multiplication's own counted)."""
-    return x * (1.0 + gamma(n + 1, U64))
+    return x * up_factor(n)
 
 
-def sq_bound(value: torch.Tensor, err: torch.Tensor, dev: torch.Tensor,
-             rel: float | torch.Tensor, mag: torch.Tensor) -> Sq:
-    rel_t = rel if isinstance(rel, torch.Tensor) else torch.full_like(value, float(rel))
-    return Sq(value, err, dev, rel_t, mag)
+def sq_bound(value: torch.Tensor, err, dev, rel, mag, mag_f: float | None = None) -> Sq:
+    """A rule's `Sq`; each bound a tensor or a deferred constant (`Sq`)."""
+    return Sq(value, err, dev, rel, mag, mag_f)
 
 
-def sq_of_instantiated(h: torch.Tensor, inst_dev: torch.Tensor, stored_u: float,
-                       rel: float, mag: torch.Tensor | None = None) -> Sq:
+def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
+                       mag: torch.Tensor | None = None, mag_f: float | None = None) -> Sq:
     """The bounds of a per-unit gradient ``h`` [U, ...] that the clipped sum scales as it is:
     value = ‖h‖² in float64 (γ_{k+4}); dev = ‖h − g‖ ≤ ``inst_dev`` (the error of the
-    computation that formed it) + ``stored_u``·‖g̃‖ (the rounding of storing a wider
-    result in h's dtype, ≤ stored_u/(1 − stored_u)·‖h‖)."""
+    computation that formed it: a tensor, factors of ``mag`` or 0.0, as `Sq` defers them)
+    + ``stored_u``·‖g̃‖ (the rounding of storing a wider result in h's dtype, ≤
+    stored_u/(1 − stored_u)·‖h‖). ``mag`` None: ‖h‖ rounded up."""
     U = h.shape[0]
     h2 = h.reshape(U, -1)
     k = h2.shape[1]
     # float64 accumulation (the input cast to float64: its squares, the sum, the root, the
     # square back: k + 4 roundings at most)
     value = torch.linalg.vector_norm(h2, dim=1, dtype=F64).square()
-    err = value * gamma(k + 4, U64)
-    norm_up = up(torch.sqrt(value + err), 2)
-    dev = up(inst_dev + (stored_u / (1.0 - stored_u)) * norm_up, 3) if stored_u else inst_dev
-    return sq_bound(value, err, dev, rel, mag if mag is not None else norm_up)
+    sq = Sq(value, gamma(k + 4, U64), inst_dev, rel, mag, mag_f)
+    if stored_u:
+        norm_up = up(torch.sqrt(value + sq.err), 2)
+        sq._dev = up(sq.dev + (stored_u / (1.0 - stored_u)) * norm_up, 3)
+    return sq
 
 
 def deviation(s: Sq, sink_u: float) -> torch.Tensor:
@@ -477,12 +528,18 @@ def _pair_sum_two(Ai, Gi, Aj, Gj, units: Units, gram_a: torch.Tensor | None = No
 
 def linear_mag(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = None) -> torch.Tensor:
     """N_u = Σ_{r in u, t} ‖A_rt‖·‖G_rt‖, rounded up ([U] float64): N_u ≥ ‖|G_u|ᵀ|A_u|‖."""
+    raw, f = linear_mag_parts(A3, G3, units)
+    return raw * f
+
+
+def linear_mag_parts(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = None) -> tuple[torch.Tensor, float]:
+    """``linear_mag`` as (its sum, the factor that rounds it up): N_u = sum·factor."""
     na = units.self_norms(A3) if units is not None and A3.dtype.is_floating_point else lowp.row_norms(A3)
     per_row = (na * lowp.row_norms(G3)).sum(1)
     n = A3.shape[-1] + G3.shape[-1] + A3.shape[1] + 8
     if units is None:
-        return up(per_row, n)
-    return up(units.rows_to_units(per_row), n + units.max_rows)
+        return per_row, up_factor(n)
+    return units.rows_to_units(per_row), up_factor(n + units.max_rows)
 
 
 def rows_mag(G3: torch.Tensor, units: Units) -> torch.Tensor:
@@ -662,9 +719,7 @@ class LayerRule:
         in the clipped sum is one float32 (float64) contraction of U terms: γ_{U+2}."""
         out = {}
         for n, g in self.per_unit(rec, units).items():
-            U = g.shape[0]
-            zero = torch.zeros(U, dtype=F64, device=g.device)
-            out[n] = (g, sq_of_instantiated(g, zero, 0.0, gamma(U + 2, roundoff(g.dtype))))
+            out[n] = (g, sq_of_instantiated(g, 0.0, 0.0, gamma(g.shape[0] + 2, roundoff(g.dtype))))
         return out
 
     def clipped_ghost(self, rec: Record, row_factors: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ carries γ_K·Σ|value| with K ≥ the number of terms; ``norms`` module docstri
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -47,14 +48,95 @@ class Stack:
 
     @staticmethod
     def of(sqs: list[Sq], sink_us: list[float]) -> Stack:
+        """The stacks of ``sqs``, their deferred bounds (`Sq`) formed here for all pairs at
+        once: each row the operations `Sq`'s fields would take, on the same operands."""
         value = torch.stack([s.value for s in sqs])
-        err = torch.stack([s.err for s in sqs])
-        dev = torch.stack([s.dev for s in sqs])
-        rel = torch.stack([s.rel for s in sqs])
-        g = torch.tensor([gamma(1, su) for su in sink_us], dtype=F64).to(value.device)[:, None]
+        err = _rows(value, [s._err for s in sqs], lambda s: s.err, sqs)
+        dev = _dev_rows(value, sqs)
+        rel = _rows(None, [s._rel for s in sqs], lambda s: s.rel, sqs)
+        g = const([gamma(1, su) for su in sink_us], value.device)[:, None]
         rel = rel + g + rel * g  # norms.deviation, with the sink's γ per pair
         norm = torch.sqrt(torch.clamp(value + err, min=0))
         return Stack(value, err, nb.up(dev + rel * (norm + dev), 6))
+
+
+def _rows(base: torch.Tensor | None, forms: list, field, sqs: list[Sq]) -> torch.Tensor:
+    """[N, U] (or [N, 1] when every row is one constant) of one `Sq` field: a deferred
+    constant c is ``base``·c (``base`` None: c itself), a tensor is stacked as it is."""
+    lazy = [i for i, f in enumerate(forms) if not isinstance(f, torch.Tensor)]
+    if not lazy:
+        return torch.stack(forms)
+    dev = sqs[0].value.device
+    c = const([0.0 if isinstance(f, torch.Tensor) else float(f) for f in forms], dev)[:, None]
+    out = c if base is None else base * c
+    if len(lazy) == len(forms):
+        return out
+    if base is None:
+        out = out.expand(len(forms), sqs[0].value.shape[0]).clone()
+    fixed = [i for i, f in enumerate(forms) if isinstance(f, torch.Tensor)]
+    return out.index_copy_(0, const(fixed, dev, torch.long), torch.stack([field(sqs[i]) for i in fixed]))
+
+
+def _dev_rows(value: torch.Tensor, sqs: list[Sq]) -> torch.Tensor:
+    """[N, U] dev: rows deferred as factors of N_u are (N_u·f₀)·f₁… of the stacked N_u
+    (each `Sq`'s ``mag``, itself deferred or not; a row with fewer factors takes exact
+    ·1.0s), zero rows are 0, tensor rows stacked as they are."""
+    dev = value.device
+    forms = [s._dev for s in sqs]
+    by_mag = [i for i, f in enumerate(forms) if isinstance(f, tuple)]
+    tensors = [i for i, f in enumerate(forms) if isinstance(f, torch.Tensor)]
+    zeros = [i for i, f in enumerate(forms) if not isinstance(f, (tuple, torch.Tensor))]
+    if not by_mag:
+        out = torch.zeros_like(value) if not tensors else None
+    else:
+        mags, mag_f = [], []
+        for s, f in zip(sqs, forms):
+            if not isinstance(f, tuple):
+                mags.append(s.value)  # a placeholder row, replaced below
+                mag_f.append(1.0)
+            elif s._mag is not None and s._mag_f is not None:
+                mags.append(s._mag)
+                mag_f.append(s._mag_f)
+            else:
+                mags.append(s.mag)
+                mag_f.append(None)
+        out = torch.stack(mags)
+        if any(f is not None for f in mag_f):
+            out = out * const([1.0 if f is None else f for f in mag_f], dev)[:, None]
+        width = max(len(forms[i]) for i in by_mag)
+        for j in range(width):
+            fj = [f[j] if isinstance(f, tuple) and j < len(f) else 1.0 for f in forms]
+            out = out * const(fj, dev)[:, None]
+    if tensors:
+        rows = torch.stack([sqs[i].dev for i in tensors])
+        if out is None and not zeros:
+            return rows
+        if out is None:
+            out = torch.zeros_like(value)
+        out = out.index_copy_(0, const(tensors, dev, torch.long), rows)
+    if zeros and by_mag:
+        out = out.index_fill_(0, const(zeros, dev, torch.long), 0.0)
+    return out
+
+
+_CONSTS: OrderedDict = OrderedDict()
+_CONSTS_KEPT = 256
+
+
+def const(values: list, device: torch.device, dtype: torch.dtype = F64) -> torch.Tensor:
+    """A constant vector on ``device``, kept: a step's bound constants are the same as the
+    last step's, and a host-to-device copy (on CUDA, from pageable memory) waits for the
+    device — a host sync per constant if made anew each step."""
+    key = (tuple(values), str(device), dtype)
+    t = _CONSTS.get(key)
+    if t is None:
+        t = torch.tensor(values, dtype=dtype).to(device)
+        _CONSTS[key] = t
+        if len(_CONSTS) > _CONSTS_KEPT:
+            _CONSTS.popitem(last=False)
+    else:
+        _CONSTS.move_to_end(key)
+    return t
 
 
 def call_flags(stack: Stack, groups: list[list[int]],
@@ -67,7 +149,8 @@ def call_flags(stack: Stack, groups: list[list[int]],
     dev = stack.value.device
     width = max(len(g) for g in groups)
     pad = stack.value.shape[0]  # a zero row: adding it changes no sum
-    idx = torch.tensor([g + [pad] * (width - len(g)) for g in groups], dtype=torch.long).to(dev)
+    idx = const([i for g in groups for i in g + [pad] * (width - len(g))], dev, torch.long)
+    idx = idx.view(len(groups), width)
 
     def gathered(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, x.new_zeros(1, x.shape[1])])[idx]  # [calls, width, U]
@@ -77,8 +160,8 @@ def call_flags(stack: Stack, groups: list[list[int]],
     d = gathered(stack.d)
     dsq = _running_sum(d * d, 1)
     ks = [len(g) + 2 for g in groups]
-    up_k = torch.tensor([1.0 + gamma(k + 1, U64) for k in ks], dtype=F64).to(dev)[:, None]
-    g_k = torch.tensor([gamma(k, U64) for k in ks], dtype=F64).to(dev)[:, None]
+    up_k = const([1.0 + gamma(k + 1, U64) for k in ks], dev)[:, None]
+    g_k = const([gamma(k, U64) for k in ks], dev)[:, None]
     err = err * up_k + g_k * (value.abs() * up_k)
     nu = nb.used_norm(value, err, dsq * up_k, check=False)
     return nb.worth_recomputing(value, err, dsq, nu, threshold), nb.negative(value, err)

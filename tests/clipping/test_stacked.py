@@ -92,3 +92,91 @@ def test_a_negative_sum_is_flagged_where_it_is():
     assert neg[0].tolist() == [i == 3 for i in range(8)]
     _, _, negs = stacked.total(stack.value, stack.err, stack.d)
     assert negs.tolist() == [i == 3 for i in range(8)]
+
+
+def _deferred_sqs(U: int, g: torch.Generator) -> list[nb.Sq]:
+    """`Sq`s in every form a rule may give (norms.Sq): err a constant, N_u with its rounding
+    factor or formed from the value (None), dev as 1-3 factors of N_u or 0, rel a constant,
+    mixed with tensor forms; values and N_u with zeros, huge and tiny magnitudes and
+    non-finite entries."""
+    def t(scale_lo=-12, scale_hi=12):
+        scale = 10.0 ** torch.randint(scale_lo, scale_hi, (U,), generator=g).to(F64)
+        x = torch.rand(U, generator=g, dtype=F64) * scale
+        x[0] = 0.0
+        return x
+
+    out = []
+    for i in range(12):
+        value, mag = t(), t()
+        if i == 3:
+            value[2], mag[3] = math.inf, math.nan
+        if i == 7:
+            mag[4] = math.inf
+        err = gamma(40 + i, U64) if i % 3 else value * 1e-9
+        dev = [(gamma(9 + i, U32), nb.up_factor(1)), (gamma(5, 2.0**-22) + gamma(i + 2, U32), nb.up_factor(2)),
+               0.0, t() * 1e-4, (gamma(3, U64),), (gamma(2, U32), 1.5, nb.up_factor(3))][i % 6]
+        rel = gamma(2 + i, U32) if i % 4 else torch.full((U,), gamma(3, U32), dtype=F64)
+        m, f = [(mag, nb.up_factor(20 + i)), (mag, None), (None, None)][i % 3]
+        if m is None and isinstance(dev, tuple):
+            m = mag  # the rules pass N_u whenever dev is a multiple of it
+        out.append(nb.Sq(value, err, dev, rel, m, f))
+    return out
+
+
+def _eager(sq: nb.Sq) -> nb.Sq:
+    """The same bounds formed one call at a time, as the rules formed them before."""
+    value = sq.value
+    err = sq._err if isinstance(sq._err, torch.Tensor) else value * sq._err
+    if sq._mag is None:
+        mag = nb.up(torch.sqrt(value + err), 2)
+    else:
+        mag = sq._mag if sq._mag_f is None else sq._mag * sq._mag_f
+    if isinstance(sq._dev, tuple):
+        dev = mag
+        for f in sq._dev:
+            dev = dev * f
+    elif isinstance(sq._dev, torch.Tensor):
+        dev = sq._dev
+    else:
+        dev = torch.zeros_like(value)
+    rel = sq._rel if isinstance(sq._rel, torch.Tensor) else torch.full_like(value, float(sq._rel))
+    return nb.Sq(value, err, dev, rel, mag)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(torch.nan_to_num(a, nan=-7.0), torch.nan_to_num(b, nan=-7.0)) \
+        and torch.equal(a.isnan(), b.isnan())
+
+
+def test_deferred_bounds_are_formed_bit_for_bit_as_one_call_at_a_time():
+    g = torch.Generator().manual_seed(3)
+    U = 32
+    sqs = _deferred_sqs(U, g)
+    sinks = [U32 if i % 2 else U64 for i in range(len(sqs))]
+    eager = [_eager(s) for s in sqs]
+    # the fields, read one call at a time
+    for s, e in zip(_deferred_sqs(U, torch.Generator().manual_seed(3)), eager):
+        for k in ("err", "dev", "rel", "mag"):
+            assert _same(getattr(s, k), getattr(e, k)), k
+    # the stacks: every mix of forms, and each form alone
+    for pick in (range(len(sqs)), [0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11], [2, 8], [5, 11]):
+        pick = list(pick)
+        a = stacked.Stack.of([sqs[i] for i in pick], [sinks[i] for i in pick])
+        b = stacked.Stack.of([eager[i] for i in pick], [sinks[i] for i in pick])
+        for k in ("value", "err", "d"):
+            x, y = getattr(a, k), getattr(b, k)
+            assert _same(x, y.expand_as(x) if y.shape != x.shape else y), (pick, k)
+    # a deferred stack carries no state into the next: the same numbers again
+    a2 = stacked.Stack.of(sqs, sinks)
+    assert _same(a2.d, stacked.Stack.of(eager, sinks).d)
+
+
+def test_constants_are_made_once_and_not_shared_with_callers_writes():
+    c1 = stacked.const([1.0, 2.0, 3.0], torch.device("cpu"))
+    c2 = stacked.const([1.0, 2.0, 3.0], torch.device("cpu"))
+    assert c1 is c2  # no new host-to-device copy for a step's repeated constants
+    sq = nb.Sq(torch.ones(4, dtype=F64), 0.5, 0.0, 0.25, torch.ones(4, dtype=F64))
+    s = stacked.Stack.of([sq, sq], [U32, U32])
+    s.err.add_(1.0)  # a caller writing into a stack must not change the cached constants
+    again = stacked.Stack.of([sq, sq], [U32, U32])
+    assert torch.equal(again.err, torch.full((2, 4), 0.5, dtype=F64))

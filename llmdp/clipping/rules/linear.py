@@ -15,7 +15,7 @@ from llmdp.clipping.norms import (
     _pair_sum_two,
     _row_sums,
     device_spec,
-    linear_mag,
+    linear_mag_parts,
     register_rule,
     roundoff,
     rows_mag,
@@ -23,7 +23,7 @@ from llmdp.clipping.norms import (
     sq_of_instantiated,
     tile_norm_cheaper,
     tile_norm_time,
-    up,
+    up_factor,
 )
 
 
@@ -62,7 +62,9 @@ class LinearRule(LayerRule):
         res_u = roundoff(lowp.result_dtype(A3, G3))
         out = {}
         if module.weight.requires_grad:
-            mag = linear_mag(A3, G3, units)
+            # N_u, its rounding up, and the bounds that are constants times it or the
+            # value are deferred to the step's one bound computation (`Sq`, stacked.py)
+            mag, mag_f = linear_mag_parts(A3, G3, units)
             x, y = self._clipped_operands(A3, G3)
             u, n = clip or lowp.row_scaled_bound(x, y)
             R, T = G3.shape[0], G3.shape[1]
@@ -74,25 +76,26 @@ class LinearRule(LayerRule):
                 # the float64 one between the layers that read it
                 value, err = gram.sq_norm(A3, G3, units, units.cached(A3, "gram32", gram.self_gram32),
                                           units.self_norms(A3))
-                out["weight"] = sq_bound(value, err, up(mag * gamma(n, u), 1), gamma(2, res_u), mag)
+                out["weight"] = sq_bound(value, err, (gamma(n, u), up_factor(1)), gamma(2, res_u), mag, mag_f)
             elif tile and tile_norm_cheaper(R, T, G3.shape[-1], A3.shape[-1], spec):
                 # The norm of h̃_u, the tensor-core value of the unit's gradient (never
                 # written), within γ_k·N_u of g_u; then the clipped sum's own error.
                 rows, ptr = units.csr()
                 value = lowp.unit_sq_norms(x, y, rows, ptr, units.num_units)
-                err = value * gamma(x.shape[2] * y.shape[2] + 4, U64)
+                err = gamma(x.shape[2] * y.shape[2] + 4, U64)  # × value
                 k = lowp.unit_norm_count(T, units.max_rows)
-                dev = up(mag * (gamma(k, lowp.UTC) + gamma(n, u)), 2)
-                out["weight"] = sq_bound(value, err, dev, gamma(2, res_u), mag)
+                dev = (gamma(k, lowp.UTC) + gamma(n, u), up_factor(2))  # × N_u
+                out["weight"] = sq_bound(value, err, dev, gamma(2, res_u), mag, mag_f)
             else:
+                mag = mag * mag_f
                 value, err = _pair_sum_two(A3, G3, A3, G3, units, gram_a=units.self_gram(A3),
                                            mags=(mag, mag))
                 # the clipped sum's own error; then the factor's and the result's roundings
-                out["weight"] = sq_bound(value, err, up(mag * gamma(n, u), 1), gamma(2, res_u), mag)
+                out["weight"] = sq_bound(value, err, (gamma(n, u), up_factor(1)), gamma(2, res_u), mag)
         if module.bias is not None and module.bias.requires_grad:
             value, err, mag = _bias_sq(G3, units)  # the bias gradient of each row
             n = _bias_clip_count(G3, bias_clip)
-            out["bias"] = sq_bound(value, err, up(mag * gamma(n, U64), 1), gamma(1, res_u), mag)
+            out["bias"] = sq_bound(value, err, (gamma(n, U64), up_factor(1)), gamma(1, res_u), mag)
         return out
 
     def instantiate(self, rec, units, clip=None, bias_clip=None):
@@ -113,17 +116,17 @@ class LinearRule(LayerRule):
             x, y = (A3, G3) if self.transposed else (G3, A3)
             u, n = lowp.fast_bound(x, y, G3.shape[1])
             h = units.rows_to_units(lowp.per_row_tn(x, y))
-            mag = linear_mag(A3, G3, units)
+            mag, mag_f = linear_mag_parts(A3, G3, units)
             uc, nc = clip or lowp.row_scaled_bound(*self._clipped_operands(A3, G3))
-            dev = up(mag * (gamma(n + units.max_rows + 1, u) + gamma(nc, uc)), 2)
-            out["weight"] = (h, sq_of_instantiated(h, dev, 0.0, rel, mag))
+            dev = (gamma(n + units.max_rows + 1, u) + gamma(nc, uc), up_factor(2))  # × N_u
+            out["weight"] = (h, sq_of_instantiated(h, dev, 0.0, rel, mag, mag_f))
         if module.bias is not None and module.bias.requires_grad:
             h = units.rows_to_units(_row_sums(G3)).to(store)
             mag = rows_mag(G3, units)
             # h's sums (its rows', its units'), then the clipped sum's (or the caller's)
             n = (2 * G3.shape[1] + 2 * G3.shape[0] + 4 if bias_clip is None
                  else G3.shape[1] + units.max_rows + 1 + bias_clip)
-            dev = up(mag * gamma(n, U64), 1)
+            dev = (gamma(n, U64), up_factor(1))  # × N_u
             out["bias"] = (h, sq_of_instantiated(h, dev, 0.0 if store == F64 else U32, rel, mag))
         return out
 
