@@ -535,7 +535,10 @@ def linear_mag(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = None) -
 def linear_mag_parts(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = None) -> tuple[torch.Tensor, float]:
     """``linear_mag`` as (its sum, the factor that rounds it up): N_u = sum·factor."""
     na = units.self_norms(A3) if units is not None and A3.dtype.is_floating_point else lowp.row_norms(A3)
-    per_row = (na * lowp.row_norms(G3)).sum(1)
+    ng = lowp.row_norms(G3)
+    # Σ_t na·ng per row: one batched float64 dot product (T products, T − 1 additions in
+    # whatever order the kernel takes: n counts them all)
+    per_row = torch.bmm(na.unsqueeze(1), ng.unsqueeze(2)).view(na.shape[0])
     n = A3.shape[-1] + G3.shape[-1] + A3.shape[1] + 8
     if units is None:
         return per_row, up_factor(n)
