@@ -178,3 +178,34 @@ def test_neighbouring_batches_differ_by_at_most_C(family, mode, layout):
         _, part = engine_step(m, x, C, row_units=less, mode=mode)
         diff = torch.cat([(full[n] - part[n]).reshape(-1) for n in full]).norm()
         assert C * (1 - 1e-6) < diff <= C * (1 + 1e-12), (gone, float(diff), C)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_per_expert_tensor_core_sums_against_per_unit_references(family, layout, monkeypatch):
+    """The clipped sum's tensor-core branch (CUDA bf16/fp16: per expert, its groups padded,
+    one ``row_scaled_tn`` each), taken on the CPU in float64: each expert's groups are
+    found on the host (no host sync per expert), a group of a zero-factor unit reads the
+    zero row. Checked against the per-unit references, and with a unit whose gradient is
+    not finite (factor 0: it adds nothing, and its NaN does not reach the sum)."""
+    monkeypatch.setattr(ex.ExpertsRule, "_tensor_cores", lambda self, x, y: True)
+    m, x = block(family)
+    ref_norms, _ = per_unit_reference(m, x, 1.0)
+    C = float(ref_norms.median())
+    ref_norms, ref_sum = per_unit_reference(m, x, C)
+    for mode in ("book-keeping", "two-pass"):
+        norms, got = engine_step(m, x, C, mode=mode)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
+        for n, g in got.items():
+            # this branch keeps each expert's sum in float32 (bf16 operands' tensor-core
+            # sums are float32): float32's relative precision, not float64's; a wrong
+            # group or factor is off by O(1)
+            scale = float(ref_sum[n].abs().max())
+            torch.testing.assert_close(g, ref_sum[n], rtol=1e-6, atol=1e-6 * scale, msg=lambda s, n=n: f"{n}: {s}")
+    bad = x.clone()
+    bad[5, 2, 0] = float("nan")  # row 5: unit 3's only row
+    for mode in ("book-keeping", "two-pass"):
+        _, got = engine_step(m, bad, C, mode=mode)
+        _, want = engine_step(m, x, C, row_units=[u if u != 3 else -1 for u in ROW_UNITS], mode=mode)
+        for n in want:
+            assert torch.isfinite(got[n]).all(), n
+            torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-15 * float(want[n].abs().max()))

@@ -108,6 +108,14 @@ def is_experts(module) -> bool:
             and getattr(cfg, "_experts_implementation", None) in KERNELS)
 
 
+def _max_rel(sq: Sq) -> float:
+    """The largest rel of ``sq``: its constant (no host sync) when the rule deferred it."""
+    r = sq._rel
+    if not isinstance(r, torch.Tensor):
+        return float(r)
+    return float(r.max()) if r.numel() else 0.0
+
+
 class _Pairs:
     """One call's pairs sorted by (expert, unit): the two virtual Linears' A and G [P + 1, ·]
     (the last row zero: padding points there), each pair's unit and expert, and the groups
@@ -150,10 +158,14 @@ class _Pairs:
             out.append((cur, M))
         return out
 
-    def padded(self, x: torch.Tensor, groups: torch.Tensor, M: int) -> torch.Tensor:
-        """x's rows of the given groups as [B, M, ·], each group zero-padded to M rows."""
+    def padded(self, x: torch.Tensor, groups: torch.Tensor, M: int,
+               live: torch.Tensor | None = None) -> torch.Tensor:
+        """x's rows of the given groups as [B, M, ·], each group zero-padded to M rows (a
+        group where ``live`` is False: all zero rows)."""
         j = torch.arange(M, device=x.device)
         valid = j < self.dev_size[groups][:, None]
+        if live is not None:
+            valid = valid & live[:, None]
         return x[torch.where(valid, self.dev_ptr[groups][:, None] + j, x.shape[0] - 1)]
 
 
@@ -292,10 +304,6 @@ class ExpertsRule(LayerRule):
             return U64, -(-max(pairs.n_e + [1]) // TILE) * TILE + 2
         return U32, TILE + FLUSH + 3
 
-    @staticmethod
-    def _groups_of(pairs: _Pairs, ex: int) -> list[int]:
-        return [g for g, e in enumerate(pairs.g_e) if e == ex]
-
     # ------------------------------------------------------------------ norms
     def sq_norms_ghost(self, rec, units):
         pairs = self._pairs(rec, units)
@@ -309,11 +317,15 @@ class ExpertsRule(LayerRule):
                 continue
             clip = self._sum_bound(pairs, *lin._clipped_operands(A, G))
             bias_clip = max(pairs.n_e + [1]) + 2
-            for groups, M in pairs.chunks(A.shape[-1] + G.shape[-1]):
-                gi = torch.tensor(groups, dtype=torch.long, device=dev)
+            chunks = pairs.chunks(A.shape[-1] + G.shape[-1])
+            # every chunk's groups from one host-to-device copy (slices of it: views)
+            order = torch.tensor([g for groups, _ in chunks for g in groups], dtype=torch.long, device=dev)
+            o0 = 0
+            for groups, M in chunks:
+                gi, o0 = order[o0:o0 + len(groups)], o0 + len(groups)
                 A3, G3 = pairs.padded(A, gi, M), pairs.padded(G, gi, M)
                 B = len(groups)
-                sub = Units.make(torch.arange(B, device=dev), B)
+                sub = Units(torch.arange(B, device=dev), B, True)  # each group its own unit
                 r = Record(stub, lin, A3)
                 r.G = G3
                 if lin.choose_ghost(stub, A3, G3, self._policy, B):
@@ -326,7 +338,7 @@ class ExpertsRule(LayerRule):
                                                       for k in ("value", "err", "dev", "mag")} | {"rel": 0.0})
                     for kk in ("value", "err", "dev", "mag"):
                         a[kk].index_add_(0, to_unit, getattr(sq, kk).to(F64))
-                    a["rel"] = max(a["rel"], float(sq.rel.max()) if sq.rel.numel() else 0.0)
+                    a["rel"] = max(a["rel"], _max_rel(sq))
         out = {}
         n = len(pairs.n_e) + 2  # the float64 sums over a unit's groups (at most one per expert)
         for pname in self.params(module):
@@ -375,17 +387,23 @@ class ExpertsRule(LayerRule):
         dt = lowp.result_dtype(x, y)
         if self._tensor_cores(x, y):
             out = torch.zeros((E, a, b), dtype=torch.float32, device=x.device)
+            # An expert's groups are consecutive (sorted by expert, then unit); their sizes
+            # are known on the host: no host sync per expert. A group whose unit's factor
+            # is 0 reads the zero row (0·NaN would be NaN) and adds exactly 0.
+            start = 0
             for ex in range(E):
-                groups = torch.tensor(self._groups_of(pairs, ex), dtype=torch.long, device=x.device)
-                if groups.numel() == 0:
+                stop = start
+                while stop < len(pairs.g_e) and pairs.g_e[stop] == ex:
+                    stop += 1
+                if stop == start:
                     continue
+                groups = torch.arange(start, stop, device=x.device)
+                M = max(pairs.g_size[start:stop])
+                start = stop
                 fg = unit_f[pairs.dev_unit[groups]]
-                groups = groups[fg != 0]
-                if groups.numel() == 0:
-                    continue
-                M = int(pairs.dev_size[groups].max())
-                out[ex] = lowp.row_scaled_tn(pairs.padded(x, groups, M), pairs.padded(y, groups, M),
-                                             unit_f[pairs.dev_unit[groups]])
+                live_g = fg != 0
+                out[ex] = lowp.row_scaled_tn(pairs.padded(x, groups, M, live_g),
+                                             pairs.padded(y, groups, M, live_g), fg)
             return out
         x, y = x[:-1], y[:-1]
         if not bool(live.all()):  # zero-factor pairs zeroed once (0·NaN would be NaN)
