@@ -131,11 +131,12 @@ def _contract(rec: Record, units: Units, factors: torch.Tensor, row_factors: tor
             # A zero factor times a finite value adds exactly 0, so only non-finite
             # values in the zero-factor rows need zeroing (0·NaN = NaN). G is the
             # largest tensor of the step (the LM head's [R, T, V]): it is copied only
-            # when one of those rows of it is not finite.
-            if not bool(torch.isfinite(G[mask]).all()):
+            # when one of those rows of it is not finite. The engine reads that for all
+            # calls at once (``dirty_flags``); checked here otherwise (two host syncs).
+            dirty_g, dirty_a = rec.dirty if rec.dirty is not None else _dirty(G, A, mask)
+            if dirty_g:
                 G = G.masked_fill(_row_mask(mask, G), 0)
-            if (A.is_floating_point() and A.shape[0] == G.shape[0]
-                    and not bool(torch.isfinite(A[mask]).all())):
+            if dirty_a:
                 A = A.masked_fill(_row_mask(mask, A), 0)
         rec.G, rec.A = G, A
         return rule.clipped_ghost(rec, row_factors)
@@ -145,11 +146,11 @@ def _contract(rec: Record, units: Units, factors: torch.Tensor, row_factors: tor
         up = _compute_dtype(g.dtype)
         g = g if up is None else g.to(up)
         f = _factors_as(factors, g.dtype)
-        # mask is None: no row has a zero factor, so no unit has (no sync to find out)
+        # mask is None: no row has a zero factor, so no unit has (no sync to find out);
+        # else the zero-factor units' gradients are zeroed (0·NaN would be NaN): one pass
+        # over g, which the product reads anyway, instead of host syncs to find out
         if mask is not None:
-            zero = f == 0
-            if bool(zero.any()) and not bool(torch.isfinite(g[zero]).all()):
-                g = torch.where(_row_mask(zero, g), 0, g)  # 0·NaN would be NaN
+            g = torch.where(_row_mask(f == 0, g), 0, g)
         # Σ_u c_u·h_u: one dot product of U terms per entry, in any order (its bound is
         # the rule's rel, γ_{U+2}): one matrix-vector product
         o = out[n] = g.new_empty(g.shape[1:])
@@ -168,6 +169,31 @@ def _factors_as(factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if f is None:
         f = _CAST[1][dtype] = factors.to(dtype)
     return f
+
+
+def _dirty(G: torch.Tensor, A: torch.Tensor, mask: torch.Tensor) -> tuple[bool, bool]:
+    """Whether a zero-factor row of G, and of A (when A has G's rows), is not finite."""
+    g, a = dirty_flags(G, A, mask.nonzero().view(-1))
+    return bool(g), bool(a)
+
+
+def dirty_flags(G: torch.Tensor, A: torch.Tensor | None, rows: torch.Tensor,
+                fp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device flags: a non-finite value in G's (A's) rows ``rows`` (the zero-factor rows).
+    With G dropped (two-pass, between its passes), from pass 1's fingerprint ``fp`` of G
+    instead: a row with a NaN or an infinity has a non-finite Σ G², which the fingerprint
+    maps to a negative sentinel (``norms.fingerprint``); a finite row whose Σ G² overflows
+    is flagged too, and zeroing a zero-factor row changes nothing, so that costs nothing."""
+    if G is not None:
+        g = ~torch.isfinite(G.index_select(0, rows)).all()
+    else:
+        g = (fp.index_select(0, rows)[:, 0] < 0).any()
+    R = G.shape[0] if G is not None else fp.shape[0]
+    if A is not None and A.is_floating_point() and A.shape[0] == R:
+        a = ~torch.isfinite(A.index_select(0, rows)).all()
+    else:
+        a = torch.zeros((), dtype=torch.bool, device=rows.device)
+    return g, a
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype | None:

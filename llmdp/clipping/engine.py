@@ -102,6 +102,7 @@ from llmdp.clipping.accumulate import (
     add_to_grad,
     check_buffers,
     contribution,
+    dirty_flags,
 )
 from llmdp.clipping.audit import UnsupportedModuleError, UseAudit, check_coverage, check_model
 from llmdp.clipping.calls import TapMany, folded, record_call, rerunning, tensors_in
@@ -562,8 +563,8 @@ class GhostClipper:
         units = Units.make(row_units, num_units)
         self._fallbacks = 0
         self._exact_totals = []
-        keep = row_units >= 0
-        total = row_losses[keep].sum()
+        # padding rows' losses left out (by value: a boolean index reads its size back)
+        total = torch.where(row_units >= 0, row_losses, 0).sum()
         self._shared = self._multi_use(records)
         self._check_uses(total)
         self._units, self._keep_G, self._phase = units, mode == "book-keeping", "norms"
@@ -614,6 +615,7 @@ class GhostClipper:
         self._factors = factors
         self._add_exact_totals(factors, units)  # while every use's G is still here
         self._zero_rows = zero if any_zero else None
+        self._read_dirty(seen)
         if mode == "two-pass":
             for rec in seen:
                 rec.G, rec.per_unit = None, None  # cross terms are taken: pass 2 brings G again
@@ -630,6 +632,26 @@ class GhostClipper:
             return norms
         self._add_parts([(rec, self._contribution(rec, units)) for rec in seen])
         return norms
+
+    def _read_dirty(self, recs: list[Record]) -> None:
+        """Rows that add nothing (a zero factor) are zeroed in a call's A and G only where
+        one of them holds a non-finite value; whether it does, for every call whose clipped
+        sum contracts A and G, with one host sync (two with the rows' indices), not two per
+        call. Two-pass reads G's from pass 1's fingerprint (pass 2 checks it is the same G)."""
+        for r in recs:
+            r.dirty = None
+        if self._zero_rows is None:
+            return
+        todo = [r for r in recs if r.rule.has_clipped_ghost and r.A is not None
+                and not isinstance(r.G if r.G is not None else r.fp, tuple)
+                and (r.ghost or not self._keep_G)
+                and (r.G is not None or (r.fp is not None and r.fp.dim() == 2))]
+        if not todo:
+            return
+        rows = self._zero_rows.nonzero().view(-1)
+        flags = torch.stack([torch.stack(dirty_flags(r.G, r.A, rows, r.fp)) for r in todo]).tolist()
+        for r, (g, a) in zip(todo, flags):
+            r.dirty = (g, a)
 
     def _contribution(self, rec: Record, units: Units) -> dict[str, torch.Tensor]:
         ghost = rec.ghost or self._phase == "apply"  # pass 2 brings G: contract it

@@ -337,7 +337,7 @@ def used_norm(value: torch.Tensor, err: torch.Tensor, delta_sq: torch.Tensor, wh
     s = value + err
     if check:
         check_nonnegative(value, err, what)
-    inf = torch.tensor(math.inf, dtype=F64, device=s.device)
+    inf = s.new_full((), math.inf)  # a fill on the device, not a copy from the host
     root = torch.nextafter(torch.sqrt(s), inf)
     dev = torch.nextafter(torch.sqrt(delta_sq), inf)
     return torch.nextafter(root + dev, inf)
@@ -384,6 +384,7 @@ class Units:
     _grams: OrderedDict = field(default_factory=OrderedDict, repr=False)
     gram_calls: int = 0  # Gram matrices computed (not taken from the memory), for tests
     _csr: tuple | None = field(default=None, repr=False)  # (rows, ptr), ``csr``
+    _slot: torch.Tensor | None = field(default=None, repr=False)  # ``slot``
 
     def _entry(self, x: torch.Tensor) -> dict:
         key = (x.data_ptr(), x.device, x.dtype, tuple(x.shape), tuple(x.stride()))
@@ -433,9 +434,11 @@ class Units:
             same.fill_diagonal_(False)
             a, b = same.nonzero(as_tuple=True)
             u.pair_a, u.pair_b = a, b
-            keep = unit_of_row >= 0
-            if bool(keep.any()):
-                u.max_rows = int(torch.bincount(unit_of_row[keep]).max())
+            # rows per unit (padding rows counted in a spare slot): one host read
+            counts = torch.zeros(num_units + 1, dtype=torch.long, device=unit_of_row.device)
+            counts.index_add_(0, u.slot, torch.ones_like(unit_of_row))
+            if num_units:
+                u.max_rows = max(1, int(counts[:num_units].max()))
         return u
 
     def csr(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,12 +466,22 @@ class Units:
         """The batch rows of one unit."""
         return (self.unit_of_row == unit).nonzero(as_tuple=True)[0]
 
+    @property
+    def slot(self) -> torch.Tensor:
+        """Each row's unit, padding rows mapped to a spare slot U (no boolean mask: a
+        mask's index on CUDA reads its size back, a host sync per call)."""
+        if self._slot is None:
+            uor = self.unit_of_row
+            self._slot = torch.where(uor >= 0, uor, self.num_units)
+        return self._slot
+
     def rows_to_units(self, per_row: torch.Tensor) -> torch.Tensor:
-        """Sum a per-row quantity [R, ...] into units [U, ...]; padding rows dropped."""
+        """Sum a per-row quantity [R, ...] into units [U, ...]; padding rows dropped (summed
+        into the spare slot, which is cut off: nothing of theirs reaches a unit)."""
         if self.identity:
             return per_row
-        out = per_row.new_zeros((self.num_units, *per_row.shape[1:]))
-        return out.index_add(0, self.unit_of_row[self.keep], per_row[self.keep])
+        out = per_row.new_zeros((self.num_units + 1, *per_row.shape[1:]))
+        return out.index_add_(0, self.slot, per_row)[: self.num_units]
 
     def pairs_to_units(self, per_pair: torch.Tensor) -> torch.Tensor:
         """Sum a quantity of same-unit row pairs [P] into units [U]."""
@@ -481,9 +494,7 @@ class Units:
         """c_{u(r)} for every row, 0 for padding rows."""
         if self.identity:
             return unit_factors
-        f = unit_factors.new_zeros(self.unit_of_row.shape[0])
-        f[self.keep] = unit_factors[self.unit_of_row[self.keep]]
-        return f
+        return torch.cat([unit_factors, unit_factors.new_zeros(1)])[self.slot]
 
     @property
     def has_pairs(self) -> bool:
@@ -665,7 +676,7 @@ class Record:
     gradient or its per-unit gradients."""
 
     __slots__ = ("module", "rule", "A", "G", "per_unit", "ghost", "sqn", "out_bytes", "fp", "exact",
-                 "exact_shared", "call", "fold", "cache")
+                 "exact_shared", "call", "fold", "cache", "dirty")
 
     def __init__(self, module: nn.Module, rule: LayerRule, A: torch.Tensor, out_bytes: int = 0):
         self.module, self.rule, self.A = module, rule, A
@@ -684,6 +695,9 @@ class Record:
         self.call = None  # the whole call, for a rule that re-runs the module (`calls.Call`)
         self.fold = 1  # k > 1: A and G are [R·k, ...] flattened tokens, kept as [R, k, ...]
         self.cache = None  # what a rule derived from G, for its clipped sum (dropped with G)
+        # (G, A): whether a row whose factor is 0 holds a non-finite value, read by the
+        # engine for all calls with one host sync (None: not read; the clipped sum checks)
+        self.dirty: tuple[bool, bool] | None = None
 
 
 class LayerRule:

@@ -34,9 +34,10 @@ def unit_ids(row_units: torch.Tensor | None, num_rows: int, device=None) -> tupl
             f"row_units must have one entry per batch row: got shape {tuple(row_units.shape)} "
             f"for {num_rows} rows"
         )
-    if row_units.numel() and int(row_units.min()) < -1:
+    lo, hi = torch.stack([row_units.min(), row_units.max()]).tolist() if row_units.numel() else (-1, -1)
+    if lo < -1:  # min and max read together: one host sync
         raise ValueError("row_units entries must be a unit id >= 0, or -1 for a padding row")
-    num_units = int(row_units.max()) + 1 if row_units.numel() else 0
+    num_units = hi + 1
     return row_units, max(num_units, 0)
 
 

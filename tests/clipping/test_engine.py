@@ -416,6 +416,57 @@ def test_weight_reused_functionally_is_refused_with_its_name(mode, autocast):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("kw", CONFIGS[1:] + [{"engine": "ghost", "mode": "two-pass", "layer_policy": "instantiate"}],
+                         ids=IDS[1:] + ["two-pass-instantiate"])
+def test_a_padding_row_with_non_finite_activations_changes_nothing(kw, bad, monkeypatch):
+    """A padding row's activations are NaN/inf (its embedding output is made so), so its
+    rows of every layer's input A are, and of the output gradients G downstream of a
+    nonlinearity (0·NaN = NaN): its factor is 0, and the rows of A and G that add nothing
+    are zeroed where they are not finite, as read for all calls at once
+    (``GhostClipper._read_dirty``; two-pass from pass 1's fingerprints of G), never by a
+    per-call check (patched to fail here)."""
+    from llmdp.clipping import accumulate
+
+    def per_call(*a, **k):
+        raise AssertionError("a per-call check of the zero-factor rows (two host syncs per call)")
+
+    monkeypatch.setattr(accumulate, "_dirty", per_call)
+    model = tiny_llama()
+    row_units = [0, 1, 1, -1, 2]
+    batch = make_batch(row_units)
+    C = 1e-2
+    clean = {**batch, "row_units": torch.tensor([0, 1, 1, -1, 2])}
+    _, ref_sum = reference(model, clean, C)
+    ru = batch["row_units"]
+    clipper = GhostClipper(model, C, **kw)
+    seen = []
+
+    def poison(module, args, out):
+        out = out.clone()
+        out[3] = bad
+        return out
+
+    def spy(rec, *a):  # the rows the clipped sums zero really hold non-finite values
+        seen.append(rec.dirty)
+        return contract(rec, *a)
+
+    contract = accumulate._contract
+    monkeypatch.setattr(accumulate, "_contract", spy)
+    hook = model.get_input_embeddings().register_forward_hook(poison)
+    try:
+        losses = row_losses(model, batch)
+    finally:
+        hook.remove()
+    norms = clipper.backward(losses, ru)
+    if not (kw["mode"] == "book-keeping" and kw["layer_policy"] == "instantiate"):  # else h is scaled
+        assert any(d is not None and d[1] for d in seen) and any(d is not None and d[0] for d in seen), seen
+    assert torch.isfinite(norms).all()
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p.grad).all(), n
+        torch.testing.assert_close(p.grad, ref_sum[n], rtol=1e-6, atol=1e-12)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", ["two-pass", "book-keeping"])
 def test_under_bf16_autocast_each_unit_adds_at_most_C(mode, device):

@@ -87,10 +87,12 @@ class EmbeddingRule(LayerRule):
             return {}
         ids, G3 = self._ids_and_G(rec)
         keep = units.keep
-        uid = units.unit_of_row[keep].unsqueeze(1).expand(-1, ids.shape[1])
+        # padding rows add exact zeros to unit 0 (not left out by a boolean index, which
+        # reads its size back: a host sync); their tokens are in ``count`` below anyway
+        uid = torch.where(keep, units.unit_of_row, 0).unsqueeze(1).expand(-1, ids.shape[1])
+        vals = torch.where(keep[:, None, None], G3, 0) if not units.identity else G3
         h = G3.new_zeros((units.num_units, *module.weight.shape))
-        h.index_put_((uid.reshape(-1), ids[keep].reshape(-1)), G3[keep].reshape(-1, G3.shape[-1]),
-                     accumulate=True)
+        h.index_put_((uid.reshape(-1), ids.reshape(-1)), vals.reshape(-1, G3.shape[-1]), accumulate=True)
         count = int(torch.bincount(ids.reshape(-1)).max()) if ids.numel() else 0
         mag = rows_mag(self._ids_and_G(rec, F64)[1], units)
         # h's own error, and (two-pass forms the sum from G again) clipped_ghost's
