@@ -35,9 +35,12 @@ reads a tensor twice counts it once; a fused kernel counts its operands once).
 ``--emulate-cuda``: the model in ``--dtype`` (default bfloat16) with SDPA attention, and
 the engine's CUDA branches taken on the CPU (``llmdp.clipping.lowp``): ``tensor_cores``
 and the Triton path are on for half-precision operands of one dtype; each tensor-core
-``bmm(out_dtype=float32)`` chunk and each Triton kernel (``row_scaled_tn``,
-``unit_sq_norms``) is replaced by a stand-in that computes the same quantity in float32 or
-float64 and counts as ONE launch (its GEMM FLOPs keyed ``bfloat16``/``float16``); the
+``bmm(out_dtype=float32)`` chunk and each launch of a Triton kernel of
+``_triton_rowscaled`` (the clipped sum, the per-unit norms; needs Triton importable) is
+replaced by a stand-in that computes the same quantity in float32 or float64 and counts as
+ONE launch (its GEMM FLOPs keyed ``bfloat16``/``float16``), while the kernels' wrappers run
+as they do on a GPU (their torch operations counted: the factors' cast, the sums of
+partial results; an H200's 132 SMs decide the wrappers' split of the rows); the
 half-precision row norms take their one-reduction CUDA branch; the layer choice sees an
 H200 (``norms.device_spec``) and ``mode="auto"`` 140 GB of free memory. Values differ from
 a GPU's by rounding only; the counts are the GPU's (the H200 profile of the 16-layer model
@@ -280,26 +283,32 @@ def emulate_cuda(counter: Counter):
             out = part if out is None else out.add_(part)
         return out
 
-    def row_scaled_tn(X, Y, f, *a, **k):
-        R, T, A = X.shape
-        B = Y.shape[2]
+    def launch_kernel(kernel, grid, args, kwargs):
+        """One Triton launch of ``_triton_rowscaled`` (its wrapper's own torch operations,
+        the factors' cast, the sums of partial results, are counted as they run): the
+        kernel's result formed in float64 from its arguments, as the kernel forms it."""
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
+        if name.startswith("row_scaled_tn"):
+            X, Y, F, OUT, SINK, R, T, A, B, rows_per = args[:10]
+            with counter.mute():
+                for g in range(OUT.shape[0]):
+                    r0, r1 = g * rows_per, min(R, (g + 1) * rows_per)
+                    part = torch.einsum("rta,rtb->ab", X[r0:r1].double() * F[r0:r1].double()[:, None, None],
+                                        Y[r0:r1].double())
+                    if kwargs.get("ACC") and g == 0:
+                        part = part + SINK.double()
+                    OUT[g] = part.float()
+            counter.launch("triton:row_scaled_tn", 2 * R * T * A * B, X.dtype, _bytes(X, Y, F, OUT))
+            return
+        X, Y, rows, ptr, OUT, T, A, B = args[:8]
         with counter.mute():
-            out = torch.einsum("rta,rtb->ab", X.double() * f.double()[:, None, None], Y.double()).float()
-        counter.launch("triton:row_scaled_tn", 2 * R * T * A * B, X.dtype, _bytes(X, Y, f, out))
-        return out
-
-    def unit_sq_norms(X, Y, rows, ptr, num_units, *a, **k):
-        R, T, A = X.shape
-        B = Y.shape[2]
-        with counter.mute():
-            out = torch.zeros(num_units, dtype=torch.float64)
+            OUT.zero_()
             p = ptr.tolist()
-            for u in range(num_units):
+            for u in range(OUT.shape[0]):
                 r = rows[p[u]:p[u + 1]]
                 h = torch.einsum("rta,rtb->ab", X[r].float(), Y[r].float())
-                out[u] = h.double().square().sum()
-        counter.launch("triton:unit_sq_norms", 2 * R * T * A * B, X.dtype, _bytes(X, Y, out))
-        return out
+                OUT[u, 0] = h.double().square().sum()
+        counter.launch("triton:unit_sq_norms", 2 * X.shape[0] * T * A * B, X.dtype, _bytes(X, Y, OUT))
 
     def row_norm_bounds(x, scale):
         with counter.mute():
@@ -318,11 +327,11 @@ def emulate_cuda(counter: Counter):
     patch(lowp, "tensor_cores", tc)
     patch(lowp, "_triton_path", tc)
     patch(lowp, "bmm_fast", bmm_fast)
-    patch(tr, "row_scaled_tn", row_scaled_tn)
+    patch(tr, "_launch", launch_kernel)
+    patch(tr, "_programs", lambda device: 2 * 132)  # an H200's SMs, two programs each
     patch(trn, "serves", lambda x: x.dtype in trn._DTYPES and x.dim() >= 1 and x.shape[-1] > 0
           and x.stride(-1) == 1)
     patch(trn, "row_norm_bounds", row_norm_bounds)
-    patch(tr, "unit_sq_norms", unit_sq_norms)
     patch(norms, "device_spec", device_spec)
     patch(rlinear, "device_spec", device_spec)
     patch(modes, "_available_memory", lambda device: 140 * 10**9)

@@ -93,13 +93,19 @@ if triton is not None:
                  + tl.program_id(1), sq)
 
     @triton.jit
-    def _store_tile(OUT, acc, A, B, offs_a, offs_b, mask_a, mask_b, WIDE: tl.constexpr):
-        """OUT[group, tile] = acc (float32), this program's row group's partial result."""
+    def _store_tile(OUT, acc, A, B, offs_a, offs_b, mask_a, mask_b, WIDE: tl.constexpr,
+                    ACC: tl.constexpr, SINK):
+        """OUT[group, tile] = acc (float32), this program's row group's partial result; with
+        ``ACC``, the first group's is SINK[tile] + acc (one float32 add: the clipped sum
+        added to the caller's float32 sink in the kernel, as ``sink.add_`` would add it)."""
         g = tl.program_id(2)
+        mask = mask_a[:, None] & mask_b[None, :]
+        if ACC:
+            if g == 0:
+                acc += tl.load(SINK + offs_a[:, None] * B + offs_b[None, :], mask=mask, other=0.0)
         if WIDE:
             g = g.to(tl.int64)
-        tl.store(OUT + g * A * B + offs_a[:, None] * B + offs_b[None, :], acc,
-                 mask=mask_a[:, None] & mask_b[None, :])
+        tl.store(OUT + g * A * B + offs_a[:, None] * B + offs_b[None, :], acc, mask=mask)
 
     @triton.jit
     def unit_sq_norms_kernel(
@@ -123,10 +129,10 @@ if triton is not None:
 
     @triton.jit
     def row_scaled_tn_kernel(
-        X, Y, F, OUT, R, T, A, B, ROWS_PER,
+        X, Y, F, OUT, SINK, R, T, A, B, ROWS_PER,
         sxr, sxt, sxa, syr, syt, syb,
         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
-        UPCAST: tl.constexpr, WIDE: tl.constexpr,
+        UPCAST: tl.constexpr, WIDE: tl.constexpr, ACC: tl.constexpr,
     ):
         """OUT[group] = Σ_{r in group} Σ_chunks c_r · X_rᵀ Y_r (float32): each chunk's dot
         times c_r, added to the tile. Nested loops: the group's rows, then their chunks.
@@ -139,7 +145,7 @@ if triton is not None:
             for t0 in range(0, T, BLOCK_T):
                 acc += f * _chunk(X, Y, r, t0, T, offs_a, offs_b, mask_a, mask_b, sxr, sxt, sxa,
                                   syr, syt, syb, BLOCK_T, UPCAST, WIDE)
-        _store_tile(OUT, acc, A, B, offs_a, offs_b, mask_a, mask_b, WIDE)
+        _store_tile(OUT, acc, A, B, offs_a, offs_b, mask_a, mask_b, WIDE, ACC, SINK)
 
     # The same sums with one flat loop over (row, chunk): the loads of the next chunks are
     # software-pipelined across row boundaries (the nested loops restart the pipeline at
@@ -164,10 +170,10 @@ if triton is not None:
 
     @triton.jit
     def row_scaled_tn_flat_kernel(
-        X, Y, F, OUT, R, T, A, B, ROWS_PER,
+        X, Y, F, OUT, SINK, R, T, A, B, ROWS_PER,
         sxr, sxt, sxa, syr, syt, syb,
         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
-        UPCAST: tl.constexpr, WIDE: tl.constexpr,
+        UPCAST: tl.constexpr, WIDE: tl.constexpr, ACC: tl.constexpr,
     ):
         r0 = tl.program_id(2) * ROWS_PER
         offs_a, offs_b, mask_a, mask_b = _tile(A, B, BLOCK_A, BLOCK_B)
@@ -178,7 +184,7 @@ if triton is not None:
             acc += tl.load(F + r) * _chunk(X, Y, r, (k % nt) * BLOCK_T, T, offs_a, offs_b, mask_a,
                                            mask_b, sxr, sxt, sxa, syr, syt, syb, BLOCK_T, UPCAST,
                                            WIDE)
-        _store_tile(OUT, acc, A, B, offs_a, offs_b, mask_a, mask_b, WIDE)
+        _store_tile(OUT, acc, A, B, offs_a, offs_b, mask_a, mask_b, WIDE, ACC, SINK)
 
 
 def _quarter(k: int) -> int:
@@ -252,6 +258,16 @@ def _wide(*ts: torch.Tensor) -> bool:
                >= INT32_SPAN for t in ts)
 
 
+def _launch(kernel, grid, args, kwargs) -> None:
+    """Every launch of this module's kernels (``benchmarks/launches.py`` counts them here)."""
+    kernel[grid](*args, **kwargs)
+
+
+def _programs(device: torch.device) -> int:
+    """Programs that fill the device: two per SM."""
+    return 8 if interpreting() else 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _norm_call(X, Y, rows, ptr, num_units: int, chunk: int, config, flat):
     """(kernel, grid, args, kwargs, out) of ``unit_sq_norms``' launch."""
     T, a = X.shape[1], X.shape[2]
@@ -279,13 +295,14 @@ def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: tor
     ``flat``: the loop structure (default: the measured faster one, ``_norm_launch``)."""
     kernel, grid, args, kwargs, out = _norm_call(X, Y, rows, ptr, num_units, chunk, config, flat)
     if num_units:
-        kernel[grid](*args, **kwargs)
+        _launch(kernel, grid, args, kwargs)
     return out.sum(1)
 
 
-def _row_scaled_call(X, Y, f, chunk: int, config, flat, programs: int):
+def _row_scaled_call(X, Y, f, chunk: int, config, flat, programs: int, sink=None):
     """(kernel, grid, args, kwargs, out) of ``row_scaled_tn``'s launch, ``programs`` the
-    number of programs that fill the device."""
+    number of programs that fill the device; ``sink``: added to in the kernel (``out`` is
+    the sink itself when the rows are not split)."""
     R, T, a = X.shape
     b = Y.shape[2]
     blocks, warps, stages = _check_config(config, T, chunk) or _blocks(a, b, T, chunk)
@@ -295,27 +312,48 @@ def _row_scaled_call(X, Y, f, chunk: int, config, flat, programs: int):
     split = max(1, min(R, programs // tiles))
     rows_per = triton.cdiv(R, split)
     split = triton.cdiv(R, rows_per)
-    out = torch.empty((split, a, b), dtype=torch.float32, device=X.device)
+    if sink is not None and split == 1:
+        out = sink.view(1, a, b)  # each element read, added to, written by its one program
+    else:
+        out = torch.empty((split, a, b), dtype=torch.float32, device=X.device)
     grid = (triton.cdiv(a, blocks[0]), triton.cdiv(b, blocks[1]), split)
     kernel = row_scaled_tn_flat_kernel if (FLAT_ROW_SCALED if flat is None else flat) else row_scaled_tn_kernel
-    args = (X, Y, f, out, R, T, a, b, rows_per,
+    args = (X, Y, f, out, out if sink is None else sink, R, T, a, b, rows_per,
             X.stride(0), X.stride(1), X.stride(2), Y.stride(0), Y.stride(1), Y.stride(2))
     kwargs = dict(BLOCK_A=blocks[0], BLOCK_B=blocks[1], BLOCK_T=blocks[2],
-                  UPCAST=interpreting(), WIDE=_wide(X, Y, out), num_warps=warps,
-                  num_stages=stages)
+                  UPCAST=interpreting(), WIDE=_wide(X, Y, out), ACC=sink is not None,
+                  num_warps=warps, num_stages=stages)
     return kernel, grid, args, kwargs, out
 
 
 def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int = CHUNK_T,
-                  config=None, flat=None) -> torch.Tensor:
+                  config=None, flat=None, sink: torch.Tensor | None = None) -> torch.Tensor | None:
     """Σ_r f_r X_rᵀ Y_r as a float32 [a, b] tensor (X [R, T, a], Y [R, T, b], same half
     dtype; f [R]). ``config`` and ``flat`` as ``unit_sq_norms``'s (default: ``_blocks``,
-    ``FLAT_ROW_SCALED``)."""
-    f = f.to(device=X.device, dtype=torch.float32).contiguous()
-    programs = 8 if interpreting() else 2 * torch.cuda.get_device_properties(X.device).multi_processor_count
-    kernel, grid, args, kwargs, out = _row_scaled_call(X, Y, f, chunk, config, flat, programs)
-    kernel[grid](*args, **kwargs)
+    ``FLAT_ROW_SCALED``). ``sink`` (float32, contiguous [a, b]): the sum is added to it
+    instead (returns None): in the kernel when the rows are not split (one float32 add per
+    element, as ``sink.add_(result)``), else the groups' partial results, the first one
+    holding the sink's value, summed into it (as many roundings as the sum and its add)."""
+    f = _f32(f, X.device)
+    kernel, grid, args, kwargs, out = _row_scaled_call(X, Y, f, chunk, config, flat,
+                                                       _programs(X.device), sink)
+    _launch(kernel, grid, args, kwargs)
+    if sink is not None:
+        if out.data_ptr() != sink.data_ptr():
+            torch.sum(out, 0, out=sink)
+        return None
     return out[0] if out.shape[0] == 1 else out.sum(0)
+
+
+_F32: list = [None, -1, None, None]  # the last factors, their version, device, float32 copy
+
+
+def _f32(f: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``f`` as contiguous float32 on ``device``, cast once for the step's calls (which all
+    pass the same row factors); ``_version`` tells an in-place write to f."""
+    if _F32[0] is not f or _F32[1] != f._version or _F32[2] != device:
+        _F32[:] = [f, f._version, device, f.to(device=device, dtype=torch.float32).contiguous()]
+    return _F32[3]
 
 
 def launches(R: int, T: int, a: int, b: int, dtype=torch.bfloat16, sms: int = 132):
@@ -337,8 +375,10 @@ def launches(R: int, T: int, a: int, b: int, dtype=torch.bfloat16, sms: int = 13
     for flat in (default_flat, not default_flat):
         kernel, _, args, kwargs, _ = _norm_call(X, Y, rows, ptr, R, CHUNK_T, None, flat)
         out.append(("norms" + (" (default)" if flat == default_flat else ""), kernel, args, kwargs))
+    sink = torch.empty((a, b), dtype=torch.float32, device="meta")
     for flat in (FLAT_ROW_SCALED, not FLAT_ROW_SCALED):
-        kernel, _, args, kwargs, _ = _row_scaled_call(X, Y, f, CHUNK_T, None, flat, 2 * sms)
-        out.append(("clipped sum" + (" (default)" if flat == FLAT_ROW_SCALED else ""), kernel,
-                    args, kwargs))
+        for into in (None, sink):  # the sum returned, or added to the sink in the kernel
+            kernel, _, args, kwargs, _ = _row_scaled_call(X, Y, f, CHUNK_T, None, flat, 2 * sms, into)
+            out.append(("clipped sum" + (" into the sink" if into is not None else "")
+                        + (" (default)" if flat == FLAT_ROW_SCALED else ""), kernel, args, kwargs))
     return out

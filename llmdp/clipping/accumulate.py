@@ -91,12 +91,15 @@ def add_to_grad(name_of: dict[int, str], contributions) -> None:
 
 
 def contribution(rec: Record, units: Units, factors: torch.Tensor, row_factors: torch.Tensor,
-                 zero_rows: torch.Tensor | None, ghost: bool) -> dict[str, torch.Tensor]:
+                 zero_rows: torch.Tensor | None, ghost: bool,
+                 sinks: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Σ_u c_u·g_u for this call's parameters, in float32 or wider, from A and G (or
     the kept per-unit gradients); rows with a zero factor contribute exactly zero.
     ``factors``: c_u per unit; ``row_factors``: c_{u(r)} per row; ``zero_rows``: the
     rows whose factor is 0 (None: none); ``ghost``: contract A and G where the rule
-    can (the call's norm was a ghost norm, or pass 2 brought G again)."""
+    can (the call's norm was a ghost norm, or pass 2 brought G again); ``sinks``: the
+    call's parameters' sinks, by name, which a rule that ``adds_to_sinks`` may add its
+    part to itself (then left out of what is returned)."""
     rule, mask = rec.rule, zero_rows
     exact = rec.exact.tolist() if rec.exact is not None else []
     if exact:
@@ -106,7 +109,7 @@ def contribution(rec: Record, units: Units, factors: torch.Tensor, row_factors: 
         factors = factors.clone()
         factors[torch.tensor(exact, device=factors.device)] = 0
         row_factors = units.row_factors(factors)
-    out = _contract(rec, units, factors, row_factors, mask, ghost)
+    out = _contract(rec, units, factors, row_factors, mask, ghost, None if exact else sinks)
     for u in exact:
         c = float(unit_factors[u])
         if c == 0:
@@ -121,7 +124,7 @@ def contribution(rec: Record, units: Units, factors: torch.Tensor, row_factors: 
 
 
 def _contract(rec: Record, units: Units, factors: torch.Tensor, row_factors: torch.Tensor,
-              mask: torch.Tensor | None, ghost: bool) -> dict[str, torch.Tensor]:
+              mask: torch.Tensor | None, ghost: bool, sinks=None) -> dict[str, torch.Tensor]:
     rule = rec.rule
     if rule.has_clipped_ghost and ghost:
         # A and G stay as the model produced them (bf16 too): the rule contracts them
@@ -139,6 +142,8 @@ def _contract(rec: Record, units: Units, factors: torch.Tensor, row_factors: tor
             if dirty_a:
                 A = A.masked_fill(_row_mask(mask, A), 0)
         rec.G, rec.A = G, A
+        if sinks and getattr(rule, "adds_to_sinks", False):
+            return rule.clipped_ghost(rec, row_factors, sinks)
         return rule.clipped_ghost(rec, row_factors)
     per_unit = rec.per_unit if rec.per_unit is not None else rule.per_unit(rec, units)
     out = {}

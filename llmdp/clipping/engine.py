@@ -655,7 +655,13 @@ class GhostClipper:
 
     def _contribution(self, rec: Record, units: Units) -> dict[str, torch.Tensor]:
         ghost = rec.ghost or self._phase == "apply"  # pass 2 brings G: contract it
-        return contribution(rec, units, self._factors, self._row_factors, self._zero_rows, ghost)
+        sinks = None
+        if self.grad_buffers is not None and getattr(rec.rule, "adds_to_sinks", False):
+            # a rule may add its part to the sink itself (the Triton clipped sum, in its
+            # kernel: one launch fewer per call); the same one float32 add either way
+            sinks = {n: self.grad_buffers[self._name_of[self._pid(rec.module, n)]]
+                     for n in rec.rule.params(rec.module)}
+        return contribution(rec, units, self._factors, self._row_factors, self._zero_rows, ghost, sinks)
 
     def _add_parts(self, parts: list[tuple[Record, dict[str, torch.Tensor]]]) -> None:
         if self.grad_buffers is not None:

@@ -306,6 +306,15 @@ def row_scaled_bound(x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
     return U32, _rows_per_group(T) * T + 3
 
 
+def _triton_failed(x: torch.Tensor, e: Exception) -> None:
+    """The float64 path has a smaller error than the bound the norms were given for the
+    kernel's: warn once, keep training on it, for this process."""
+    _TRITON_OK[_index(x)] = False
+    warnings.warn(f"llmdp: the Triton clipped-sum kernel failed on {x.device} "
+                  f"({type(e).__name__}: {e}); using the float64 fallback "
+                  "(exact products, slower)", RuntimeWarning, stacklevel=3)
+
+
 ROW_GROUP_POSITIONS = 256  # positions per float32 GEMM of the clipped sum (then float64)
 
 
@@ -313,24 +322,33 @@ def _rows_per_group(T: int) -> int:
     return max(1, ROW_GROUP_POSITIONS // max(1, T))
 
 
-def row_scaled_tn(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+def row_scaled_tn(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor,
+                  sink: torch.Tensor | None = None) -> torch.Tensor | None:
     """Σ_r f_r · x_rᵀ y_r for x [R, T, a], y [R, T, b], f [R]: [a, b] in float32 (float64
     for float64 operands), within ``row_scaled_bound`` of its exact value.
 
     The factor multiplies float32 partial sums (Triton, CUDA half precision) or a float64
-    copy of the smaller operand (elsewhere); never a half-precision operand."""
+    copy of the smaller operand (elsewhere); never a half-precision operand. ``sink`` (an
+    [a, b] tensor): the result is added to it (one rounding in the sink's dtype, in the
+    Triton kernel itself for a float32 sink) and None is returned."""
+    if sink is not None:
+        if (_triton_path(x, y) and sink.dtype == torch.float32 and sink.is_contiguous()
+                and sink.device == x.device):
+            from llmdp.clipping import _triton_rowscaled
+
+            try:
+                return _triton_rowscaled.row_scaled_tn(x, y, f, sink=sink)
+            except Exception as e:  # noqa: BLE001 - as below
+                _triton_failed(x, e)
+        sink.add_(row_scaled_tn(x, y, f).to(sink.dtype))
+        return None
     if _triton_path(x, y):
         from llmdp.clipping import _triton_rowscaled
 
         try:
             return _triton_rowscaled.row_scaled_tn(x, y, f)
         except Exception as e:  # noqa: BLE001 - a kernel that does not build here
-            # The float64 path below has a smaller error than the bound the norms were
-            # given for this one: warn once, keep training on it, for this process.
-            _TRITON_OK[_index(x)] = False
-            warnings.warn(f"llmdp: the Triton clipped-sum kernel failed on {x.device} "
-                          f"({type(e).__name__}: {e}); using the float64 fallback "
-                          "(exact products, slower)", RuntimeWarning, stacklevel=2)
+            _triton_failed(x, e)
     dt = result_dtype(x, y)
     R, T, a = x.shape
     b = y.shape[2]

@@ -76,6 +76,19 @@ _KERNELS = textwrap.dedent(
             claimed = lowp.gamma(k.error_count(R, T, chunk), lowp.UTC) * torch.einsum(
                 "r,rta,rtb->ab", f.double(), x.double().abs(), y.double().abs())
             assert ((out.double() - ref).abs() <= claimed + 1e-30).all(), (dt, R, T)
+            # added to a float32 sink instead (the engine's gradient buffer): in the kernel
+            # when the rows are not split, bit for bit sink + out as ``sink.add_`` adds it;
+            # else the partial results summed into it, within one more rounding per term
+            sink = torch.randn(a, b, generator=g)
+            into = sink.clone()
+            assert k.row_scaled_tn(x, y, f, chunk=chunk, sink=into) is None
+            absf = torch.einsum("r,rta,rtb->ab", f.double(), x.double().abs(), y.double().abs())
+            if k._row_scaled_call(x, y, f.float(), chunk, None, None, k._programs(x.device))[4].shape[0] == 1:
+                assert torch.equal(into, sink + out), (dt, R, T)
+            else:
+                err = (into.double() - sink.double() - ref).abs()
+                assert (err <= claimed + lowp.gamma(R + 1, 2.0**-24) * (sink.double().abs() + absf)).all()
+            assert not torch.equal(into, sink)
             # the bound holds for the worst order it admits too, not only for this machine's
             chained = sequential(x, y, f, chunk)
             assert ((chained.double() - ref).abs() <= claimed + 1e-30).all(), (dt, R, T)

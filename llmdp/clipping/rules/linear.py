@@ -32,6 +32,7 @@ class LinearRule(LayerRule):
 
     has_clipped_ghost = True
     has_exact = True
+    adds_to_sinks = True  # clipped_ghost may add the weight's sum to the caller's sink itself
 
     def __init__(self, transposed: bool = False):
         self.transposed = transposed
@@ -133,14 +134,18 @@ class LinearRule(LayerRule):
     def per_unit(self, rec, units):
         return {n: h for n, (h, _) in self.instantiate(rec, units).items()}
 
-    def clipped_ghost(self, rec, row_factors):
+    def clipped_ghost(self, rec, row_factors, sinks=None):
         module = rec.module
         A3, G3 = _as_3d(rec.A), _as_3d(rec.G)
         out = {}
         if module.weight.requires_grad:
             # Σ_r c_r G_rᵀA_r, the factor applied in float32 partial sums or float64 (never
-            # to a bf16 operand).
-            out["weight"] = lowp.row_scaled_tn(*self._clipped_operands(A3, G3), row_factors)
+            # to a bf16 operand); added to the sink where the caller gave one (in the
+            # Triton kernel: no separate add), else returned.
+            sink = (sinks or {}).get("weight")  # the weight's shape: [out, in] or Conv1D's [in, out]
+            part = lowp.row_scaled_tn(*self._clipped_operands(A3, G3), row_factors, sink=sink)
+            if part is not None:
+                out["weight"] = part
         if module.bias is not None and module.bias.requires_grad:
             s = _row_sums(G3)
             out["bias"] = (s * row_factors.to(s.dtype)[:, None]).sum(0)
