@@ -6,8 +6,12 @@ Each program owns one row of x [rows, k] (bf16, fp16 or float32, unit stride alo
 reads the row once, in blocks of ``BLOCK``: the squares, widened to float32, added into a
 float32 vector (the lanes' partial sums, then ``tl.sum``: some order; the bound holds for
 any), and the largest |x_i|, taken on the bits (the sign bit cleared and compared as
-integers: exact, and blind to flush-to-zero, which would read a subnormal as 0). Then, in
-float64, ñ·scale + √k·min(m, TINY)·(1 + 4·2⁻⁵³), with ñ the correctly rounded float32 root.
+integers: exact, and blind to flush-to-zero, which would read a subnormal as 0), turned
+into its float64 value by integer operations (no float32 arithmetic touches it, as
+``lowp.magnitude_of_bits``). Then, in float64, ñ·scale + √k·min(m, TINY)·(1 + 4·2⁻⁵³),
+with ñ the correctly rounded float32 root. The float64 constants come from a float64
+tensor (``_params``): a Python float passed to a Triton kernel is an fp32 argument, and
+scale = 1 + γ rounded to fp32 could fall below 1 + γ (by up to 2⁻²⁴: a weaker bound).
 
 TINY = 2⁻⁶² (``lowp.row_norms``' cap) covers flush-to-zero, which Triton may compile float32
 arithmetic with (its libdevice calls are the ``ftz`` ones): a square or a partial sum below
@@ -34,9 +38,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 if triton is not None:
 
     @triton.jit
-    def row_norm_bounds_kernel(X, OUT, K, stride, scale, root_k, tiny,
+    def row_norm_bounds_kernel(X, OUT, K, stride, P,
                                BLOCK: tl.constexpr, WIDE: tl.constexpr, BF16: tl.constexpr):
         row = tl.program_id(0)
+        scale, root_k, tiny = tl.load(P), tl.load(P + 1), tl.load(P + 2)  # float64
         if WIDE:
             row = row.to(tl.int64)
         base = X + row * stride
@@ -53,9 +58,13 @@ if triton is not None:
                 bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
             mbits = tl.maximum(mbits, bits)
         s = tl.sum(acc, axis=0)
-        m = tl.max(mbits, axis=0).to(tl.float32, bitcast=True)
+        mb = tl.max(mbits, axis=0)
+        e = mb >> 23
+        mant = (mb & 0x7FFFFF) + tl.where(e > 0, 1 << 23, 0)
+        p2 = ((tl.maximum(e, 1) - 150 + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+        m = mant.to(tl.float64) * p2  # max |x_i| in float64, exactly
         n = tl.sqrt_rn(s)
-        out = n.to(tl.float64) * scale + tl.minimum(m, tiny).to(tl.float64) * root_k
+        out = n.to(tl.float64) * scale + tl.minimum(m, tiny) * root_k
         tl.store(OUT + row, out)
 
 
@@ -76,8 +85,23 @@ def row_norm_bounds(x: torch.Tensor, scale: float) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.float64, device=x.device)
     if rows:
         wide = rows * max(x2.stride(0), k) >= 2**31
-        row_norm_bounds_kernel[(rows,)](x2, out, k, x2.stride(0), scale,
-                                        math.sqrt(k) * (1.0 + 4.0 * 2.0**-53), TINY,
+        p = _params(scale, math.sqrt(k) * (1.0 + 4.0 * 2.0**-53), x.device)
+        row_norm_bounds_kernel[(rows,)](x2, out, k, x2.stride(0), p,
                                         BLOCK=min(BLOCK, triton.next_power_of_2(k)), WIDE=wide,
                                         BF16=x.dtype == torch.bfloat16)
     return out.reshape(lead)
+
+
+_PARAMS: dict = {}
+
+
+def _params(scale: float, root_k: float, device: torch.device) -> torch.Tensor:
+    """[scale, root_k, TINY] as a float64 tensor on ``device``, kept (the same few shapes
+    every step: no host-to-device copy per call)."""
+    key = (scale, root_k, str(device))
+    t = _PARAMS.get(key)
+    if t is None:
+        if len(_PARAMS) > 256:
+            _PARAMS.clear()
+        t = _PARAMS[key] = torch.tensor([scale, root_k, TINY], dtype=torch.float64, device=device)
+    return t

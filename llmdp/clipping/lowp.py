@@ -241,19 +241,51 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
 
 
 def _row_norms_torch(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``row_norms``' bound by torch operations (no Triton): ~7 launches."""
+    """``row_norms``' bound by torch operations (no Triton): ~7 launches.
+
+    m is read on the bits and turned into its float64 value by integer operations
+    (``magnitude_of_bits``): no float32 arithmetic touches it, so a subnormal m is not
+    flushed to 0 where the arithmetic flushes (``torch.set_flush_denormal``). Off CUDA,
+    min(m, 2⁻⁶²) is taken as 2⁻⁶² (never smaller: still an upper bound) for the rows whose
+    float32 norm is not 0 — such a row is not all zeros — and m is read only for the rows
+    whose norm is 0 (all zeros, or all subnormal where the arithmetic flushes them): one
+    pass over x instead of three (finding those rows costs no device sync on the CPU)."""
     k = x.shape[-1]
     n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
-    ints, mask = _ABS_BITS[x.dtype]
-    m = (x.view(ints) & mask).amax(-1).view(x.dtype)  # max |x_i|, on the bits
-    tiny = m.float().clamp_(max=ROW_NORM_TINY)  # exact
+    if x.is_cuda:
+        tiny = magnitude_of_bits(_abs_bits(x).amax(-1)).clamp_(max=ROW_NORM_TINY)
+    else:
+        tiny = torch.full(n32.shape, ROW_NORM_TINY, dtype=torch.float64)
+        zero = n32 == 0
+        if bool(zero.any()):
+            tiny[zero] = magnitude_of_bits(_abs_bits(x[zero]).amax(-1)).clamp_(max=ROW_NORM_TINY)
     return (n32.to(torch.float64) * scale).add_(tiny, alpha=math.sqrt(k) * (1.0 + 4.0 * U64))
+
+
+def _abs_bits(x: torch.Tensor) -> torch.Tensor:
+    """|x| as the int32 bits of a float32 (the sign cleared): bf16's shifted into place,
+    fp16's via float32 (fp16 values are normal float32 ones: the conversion is exact)."""
+    if x.dtype == torch.bfloat16:
+        return (x.view(torch.int16).to(torch.int32) & 0x7FFF) << 16
+    if x.dtype == torch.float16:
+        x = x.float()
+    return x.view(torch.int32) & 0x7FFFFFFF
+
+
+def magnitude_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The float64 value of nonnegative float32 bit patterns, by integer operations only
+    (exact: subnormal float32 values are normal float64 ones), so a flush-to-zero mode of
+    float32 arithmetic cannot turn a subnormal into 0."""
+    b = bits.to(torch.int64)
+    e = b >> 23
+    mant = (b & 0x7FFFFF) + torch.where(e > 0, 1 << 23, 0)
+    p2 = ((torch.clamp(e, min=1) - 150 + 1023) << 52).view(torch.float64)  # 2^(max(e,1) − 150)
+    return mant.to(torch.float64) * p2
 
 
 #: The cap of ``row_norms``' subnormal term (its docstring).
 ROW_NORM_TINY = 2.0**-62
-_ABS_BITS = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.bfloat16: (torch.int16, 0x7FFF),
-             torch.float16: (torch.int16, 0x7FFF)}
+_ABS_BITS = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes read on their bits
 
 
 def _triton_path(x: torch.Tensor, y: torch.Tensor) -> bool:

@@ -129,6 +129,62 @@ def test_row_norms_are_upper_bounds_without_a_float64_copy(dtype, monkeypatch):
     assert widened == []
 
 
+def test_row_norms_bound_rows_of_subnormals_where_the_arithmetic_flushes_them():
+    """Where the CPU flushes subnormals (``torch.set_flush_denormal``), a row of subnormal
+    float32 values has a float32 norm of 0; its largest magnitude is read on the bits, so
+    the bound stays above the exact norm; rows of zeros stay exactly 0 beside it, and
+    ordinary rows take the subnormal term's cap."""
+    x = torch.zeros(3, 4, 64)
+    x[0, 1] = 2.0**-140  # subnormal in float32
+    x[0, 1, 5] = -(2.0**-135)
+    x[2] = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    exact = torch.tensor([[math.sqrt(math.fsum(v * v for v in row)) for row in r]
+                          for r in x.double().tolist()], dtype=torch.float64)
+    flushing = torch.set_flush_denormal(True)
+    try:
+        n = lowp.row_norms(x)
+    finally:
+        torch.set_flush_denormal(False)
+    assert exact[0, 1] > 0 and (n >= exact).all(), (n[0, 1], exact[0, 1])
+    assert n[1].tolist() == [0.0] * 4 and n[0, 0] == 0 and n[0, 2] == 0
+    if flushing:  # this machine flushes: the float32 norm of that row really was 0
+        assert float(n[0, 1]) <= math.sqrt(64) * 2.0**-135 * 1.01
+    n = lowp.row_norms(x)
+    assert (n >= exact).all()
+
+
+def test_no_kernel_takes_a_python_float(monkeypatch):
+    """A Python float passed to a Triton kernel is an fp32 argument: a bound's float64
+    constant (row_norms' scale = 1 + γ) would be rounded, possibly below itself. Every
+    launch of the engine's kernels passes tensors, ints and compile-time flags only."""
+    from llmdp.clipping import _triton_rownorms as rn
+    from llmdp.clipping import _triton_rowscaled as rs
+
+    if rn.triton is None:
+        pytest.skip("Triton is not installed")
+    seen = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((self.name, args, kwargs))
+
+    monkeypatch.setattr(rn, "row_norm_bounds_kernel", Spy("row norms"))
+    rn.row_norm_bounds(torch.randn(3, 40), 1.0 + lowp.gamma(43, lowp.U32))
+    monkeypatch.setattr(rs, "interpreting", lambda: True)  # the CPU-sized launch configuration
+    monkeypatch.setattr(rs, "_launch", lambda kernel, grid, args, kwargs: seen.append((kernel, args, kwargs)))
+    x, y = torch.randn(4, 20, 8).bfloat16(), torch.randn(4, 20, 6).bfloat16()
+    rs.row_scaled_tn(x, y, torch.rand(4, dtype=torch.float64))
+    rs.row_scaled_tn(x, y, torch.rand(4, dtype=torch.float64), sink=torch.zeros(8, 6))
+    rs.unit_sq_norms(x, y, torch.arange(4), torch.arange(5), 4)
+    assert len(seen) == 4
+    for name, args, kwargs in seen:
+        floats = [a for a in (*args, *kwargs.values()) if isinstance(a, float)]
+        assert floats == [], (name, floats)
+
+
 def test_fallback_widens_large_operands_a_slice_at_a_time(monkeypatch):
     """With a small CHUNK_ELEMENTS the fallback slices the widened operand (the LM head's
     [R, T, V] gradient is never copied whole to float64) and gives the same values."""
