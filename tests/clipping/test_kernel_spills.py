@@ -120,7 +120,6 @@ def test_the_row_norm_kernel_compiles_for_sm90_without_spills(T, R):
     adapters), as ``row_norm_bounds`` launches it."""
     if _triton.triton is None:
         pytest.skip("cannot compile for sm_90 here: Triton does not import")
-    import math
 
     import torch
 
@@ -130,7 +129,8 @@ def test_the_row_norm_kernel_compiles_for_sm90_without_spills(T, R):
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.empty((R * T, k), dtype=dtype, device="meta")
             out = torch.empty(R * T, dtype=torch.float64, device="meta")
-            rep = _usage(rn.row_norm_bounds_kernel, (x, out, k, k, 1.0, math.sqrt(k), rn.TINY),
+            params = torch.empty(3, dtype=torch.float64, device="meta")  # scale, √k, TINY
+            rep = _usage(rn.row_norm_bounds_kernel, (x, out, k, k, params),
                          dict(BLOCK=min(rn.BLOCK, 1 << (k - 1).bit_length()), WIDE=False,
                               BF16=dtype == torch.bfloat16))
             where = f"row norms, k={k}, {dtype}: {rep}"
