@@ -319,17 +319,14 @@ def test_a_negative_norm_found_after_a_book_keeping_backward_is_a_bug_too(monkey
 
 
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "equal", "is_nonzero", "item")
-IMPLICIT = ("masked_select", "bincount", "_unique", "_unique2", "unique_dim", "unique_consecutive",
-            "argwhere", "lift_fresh")
 
 
 def _implicit_sync(name: str, args, kwargs) -> bool:
-    if name in IMPLICIT:
-        return True
-    if name in ("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"):
-        idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in idx or ())
-    return name == "repeat_interleave" and kwargs.get("output_size") is None
+    """benchmarks/launches.py's implicit syncs (boolean-mask indexing, bincount, ...), and
+    tensors made from host data (``lift_fresh``: a host-to-device copy on a GPU)."""
+    from benchmarks.launches import SYNCS, _is_sync
+
+    return name == "lift_fresh" or (name not in SYNCS and _is_sync(name, args, kwargs))
 
 
 def _count_syncs(fn, implicit: list | None = None) -> int:
