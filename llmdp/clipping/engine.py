@@ -343,6 +343,9 @@ class GhostClipper:
                 f"which unit each position belongs to; freeze it, or register a rule")
         rec = Record(module, self._rules[module], A, output.numel() * output.element_size())
         rec.fold = fold
+        direct = getattr(rec.rule, "direct_operand", None)
+        if direct is not None and (z := direct(module, args, output)) is not None:
+            rec.A, rec.direct = z, True
         self._records.append(rec)
         # The parameter tensors this call used (FSDP2: the unsharded ones), and its nodes.
         self._audit.record(module, rec.rule.params(module), output, args[0], len(self._records) - 1)

@@ -676,7 +676,7 @@ class Record:
     gradient or its per-unit gradients."""
 
     __slots__ = ("module", "rule", "A", "G", "per_unit", "ghost", "sqn", "out_bytes", "fp", "exact",
-                 "exact_shared", "call", "fold", "cache", "dirty")
+                 "exact_shared", "call", "fold", "cache", "dirty", "direct")
 
     def __init__(self, module: nn.Module, rule: LayerRule, A: torch.Tensor, out_bytes: int = 0):
         self.module, self.rule, self.A = module, rule, A
@@ -698,6 +698,9 @@ class Record:
         # (G, A): whether a row whose factor is 0 holds a non-finite value, read by the
         # engine for all calls with one host sync (None: not read; the clipped sum checks)
         self.dirty: tuple[bool, bool] | None = None
+        # A is not the module's input but the tensor its one parameter multiplied
+        # elementwise, taken from autograd (rules/rowwise.py, ``direct_operand``)
+        self.direct = False
 
 
 class LayerRule:
