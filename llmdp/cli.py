@@ -408,12 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from llmdp._fs import RunDirInUse
+    from llmdp._fs import RunDirInUse, StorageError
     from llmdp.config.schema import ConfigError
     from llmdp.hub.export import ExportError
     from llmdp.privacy.ledger import LedgerError
     from llmdp.privacy.plan import PlanError
     from llmdp.privacy.service import BudgetError
+    from llmdp.train.checkpoints import CheckpointError
 
     try:
         if args.command == "train":
@@ -493,9 +494,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f.read())
             return 0
     except (ConfigError, PlanError, ValueError, BudgetError, ExportError, LedgerError,
-            RunDirInUse) as e:
+            RunDirInUse, CheckpointError) as e:
         print(f"llmdp: error: {e}", file=sys.stderr)
         return 2
+    except StorageError as e:  # a full, read-only or failing disk: its path, error and fix
+        print(f"llmdp: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         # Ctrl-C: a training run has written its report (status: interrupted) already.
         from llmdp.run.launch import RunInterrupted
