@@ -415,7 +415,6 @@ def main(argv: list[str] | None = None) -> int:
     from llmdp.privacy.plan import PlanError
     from llmdp.privacy.service import BudgetError
     from llmdp.train.checkpoints import CheckpointError
-
     try:
         if args.command == "train":
             from llmdp.config.schema import load_recipe
@@ -494,12 +493,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f.read())
             return 0
     except (ConfigError, PlanError, ValueError, BudgetError, ExportError, LedgerError,
-            RunDirInUse, CheckpointError) as e:
+            RunDirInUse, CheckpointError, StorageError) as e:  # StorageError: a disk's, with its fix
         print(f"llmdp: error: {e}", file=sys.stderr)
         return 2
-    except StorageError as e:  # a full, read-only or failing disk: its path, error and fix
-        print(f"llmdp: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt as e:
         # Ctrl-C: a training run has written its report (status: interrupted) already.
         from llmdp.run.launch import RunInterrupted
