@@ -4,6 +4,7 @@ crash or a concurrent builder never leaves a half-written model, tokenizer or ex
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -211,3 +212,122 @@ def too_open(path: str, group_readable: bool = False) -> list[str]:
 def fix_command(paths: list[str], group_readable: bool = False) -> str:
     return f"chmod -R {'g-w,o-rwx' if group_readable else 'go-rwx'} " + " ".join(
         sorted({os.path.abspath(p) for p in paths}))
+
+
+# ---- a full or failing disk (issue 51) ------------------------------------------------------
+# Errors of the disk itself, not of llmdp or of the data: each ends a run with one message that
+# names the path, the error and the fix (`StorageError`), never a chained traceback.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+# What every launch needs besides its checkpoints and its model: metrics lines, ledger lines,
+# the report and its figure. Small; a check that leaves this much free keeps them writable.
+SMALL_FILES_BYTES = 32 * 2**20
+
+
+class StorageError(RuntimeError):
+    """The disk refused a write (full, over quota, read-only, failing) or has no room for the
+    next one: one message naming the path, the error and what to do."""
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes (for this user) on the filesystem holding ``path`` (or its nearest existing
+    parent: the folder may not exist yet)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _fix(err: int | None) -> str:
+    if err == errno.EROFS:
+        return "the filesystem is read-only: remount it writable"
+    if err == errno.EIO:
+        return "the disk reported an I/O error: check it (e.g. dmesg, fsck)"
+    if err == errno.EDQUOT:
+        return "the disk quota is exhausted: free space or raise the quota"
+    return "free space on that disk"
+
+
+RESUME_AFTER_FIX = ("then re-run the same command: it resumes from the last intact checkpoint "
+                    "and the ledger keeps what ran (or start the run over elsewhere with "
+                    "output.dir on a disk with room)")
+
+
+def check_free(needs: dict[str, int], what: str) -> None:
+    """``StorageError`` unless each path's filesystem has room for the bytes asked of it
+    (paths on one filesystem add up) and `SMALL_FILES_BYTES` more. ``what``: what the room
+    is for, for the message."""
+    by_dev: dict[int, tuple[str, int]] = {}
+    for path, need in needs.items():
+        probe = os.path.abspath(path)
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        dev = os.stat(probe).st_dev
+        first, total = by_dev.get(dev, (path, 0))
+        by_dev[dev] = (first, total + int(need))
+    for path, need in by_dev.values():
+        free = free_bytes(path)
+        if free < need + SMALL_FILES_BYTES:
+            raise StorageError(
+                f"not enough free space for {what} in {path}: {_size(free)} free, about "
+                f"{_size(need + SMALL_FILES_BYTES)} needed. Free space on that disk; "
+                f"{RESUME_AFTER_FIX}")
+
+
+def os_error_in(exc: BaseException | None) -> OSError | None:
+    """The disk's OSError (`STORAGE_ERRNOS`) behind ``exc``: ``exc`` itself, what it was
+    raised from or while handling (torch wraps a failed write in a RuntimeError), or a Ray
+    Train worker's error (``worker_failures``)."""
+    return next((e for e in _chain(exc) if isinstance(e, OSError) and (
+        e.errno in STORAGE_ERRNOS or "No space left on device" in str(e))), None)
+
+
+def storage_error(exc: BaseException, what: str, path: str | None = None) -> StorageError | None:
+    """One `StorageError` for a failed write behind ``exc`` (None if the disk is not the
+    cause): ``what`` was being written, to ``path`` (else the error's own file name)."""
+    if isinstance(exc, StorageError):
+        return exc
+    found = next((e for e in _chain(exc) if isinstance(e, StorageError)), None)
+    if found is not None:  # raised by a worker: Ray may wrap it; its message is the first arg
+        return StorageError(str(found.args[0])) if found.args else found
+    e = os_error_in(exc)
+    if e is None:
+        return None
+    where = e.filename or path or "?"
+    why = e.strerror or str(e)
+    name = errno.errorcode.get(e.errno, "") if e.errno else ""
+    return StorageError(f"{what} failed: {where}: {why}{f' ({name})' if name else ''}. "
+                        f"{_fix(e.errno).capitalize()}; {RESUME_AFTER_FIX}")
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        todo += list((getattr(e, "worker_failures", None) or {}).values())
+
+
+@contextlib.contextmanager
+def disk_errors(what: str, path: str | None = None) -> Iterator[None]:
+    """Within the block, a write the disk refuses (`os_error_in`) becomes one `StorageError`
+    naming ``what``, the path, the error and the fix; anything else passes unchanged."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised unless the disk is the cause
+        err = storage_error(e, what, path)
+        if err is None:
+            raise
+        raise err from None

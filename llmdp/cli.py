@@ -408,13 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from llmdp._fs import RunDirInUse
+    from llmdp._fs import RunDirInUse, StorageError
     from llmdp.config.schema import ConfigError
     from llmdp.hub.export import ExportError
     from llmdp.privacy.ledger import LedgerError
     from llmdp.privacy.plan import PlanError
     from llmdp.privacy.service import BudgetError
-
+    from llmdp.train.checkpoints import CheckpointError
     try:
         if args.command == "train":
             from llmdp.config.schema import load_recipe
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f.read())
             return 0
     except (ConfigError, PlanError, ValueError, BudgetError, ExportError, LedgerError,
-            RunDirInUse) as e:
+            RunDirInUse, CheckpointError, StorageError) as e:  # StorageError: a disk's, with its fix
         print(f"llmdp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

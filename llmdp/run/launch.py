@@ -1,6 +1,11 @@
 """Driver: prepare the run (data, model, plan), run the workers on Ray Train, write the report.
 
 Every path handed to workers is absolute (Ray workers chdir into their own folder).
+
+Why one file of about 540 lines: a launch is one sequence (check the run directory, prepare,
+hold the budget, fit, end the hold, write the report whatever happened); its error handling
+(interrupts, a disk that refuses a write, a failure) decides what the report and the exit
+say, and reads best next to the steps it guards.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from llmdp._fs import RunLock, cache_root, private_files
+from llmdp._fs import RunLock, StorageError, cache_root, check_free, private_files, storage_error
 from llmdp.config.schema import ConfigError, RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.hub.export import ExportError, export_run
 from llmdp.privacy.dataset_ledger import check_declared_public, open_dataset_ledger
@@ -31,6 +36,7 @@ from llmdp.run.localray import WORKER_ENV, start_local_ray
 from llmdp.run.planning import plan_run, warn_open
 from llmdp.run.progress import EPS_KEY, Progress
 from llmdp.run.provenance import SOURCE, copy_declared_releases
+from llmdp.run.restore import restore_point
 from llmdp.run.rundir import RESUME_HINT, RunDir
 from llmdp.run.spec import LedgerSpec, RunPaths, RunSpec
 from llmdp.tokenizer.train import ensure_release_recorded
@@ -127,6 +133,9 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         _check_run_ledger(run_dir, run_id, ledger)  # a resumed run: its ledger.jsonl is whole
     eval_ledger = None if ledger is None or planned.eval_plan is None else \
         _eval_source_ledger(cfg, planned.eval_store, ledger, log)
+    # The newest intact checkpoint, and Ray Train's record of them repaired to name it
+    # (damaged ones set aside, never deleted): what this launch resumes from.
+    verified = restore_point(run_dir, log=log)
     # A resumed run holds (and may need) only the steps after its checkpoint.
     resumed_at = rd.checkpoint_step()
     resumed_at = resumed_at if isinstance(resumed_at, int) else 0
@@ -170,10 +179,11 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
                                                     "dataset_id": ledger["dataset_id"]},
         prior_releases=tuple(prior_releases), tokenizer=tok_use, data_stats=data_stats,
         eval_plan=planned.eval_plan, unit=ledger_meta["unit"],
-        starting_model=planned.starting_model,
+        starting_model=planned.starting_model, verified_checkpoint=verified,
     )
-    if spec.ledger is not None:
+    if spec.ledger is not None and plan.ledger_index(resumed_at) < plan.ledger_steps:
         # Every DP run, whatever its recipe says: the dataset's budget (its ledger's) applies.
+        # (A run whose every step ran, resumed to save its model, holds nothing.)
         check_budget(spec.ledger, plan, remaining=plan.ledger_steps - plan.ledger_index(resumed_at),
                      resuming=resumed_at > 0, log=log)
     os.makedirs(run_dir, exist_ok=True)
@@ -228,7 +238,7 @@ def finished_run(cfg: RecipeConfig) -> dict | None:
         # from the ledger (its hold is ended by the next run on the dataset: its lock is free).
         if RunDir(run_dir).finished_training():
             with RunLock(run_dir):
-                report = write_report(run_dir)
+                report = report_or_storage_error(run_dir)
     if report.get("status") == "complete" and os.path.isdir(os.path.join(run_dir, "model")):
         return {"steps": report["steps_completed"], "epsilon": report["epsilon"], "delta": report["delta"]}
     return None
@@ -353,12 +363,13 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
     resume = RunDir(prepared.run_dir).resume_point()
     if resume is not None:
         log(f"resuming from step {resume['step']} of {plan.steps} (attempt {resume['attempt']})")
-        why = _target_stop(prepared, resume["step"])
+        # (every step ran: the launch only finishes the model; no step to refuse)
+        why = _target_stop(prepared, resume["step"]) if resume["step"] < plan.steps else None
         if why is not None:  # not one step fits: say so without starting Ray
             _end_hold(prepared, "stopped", log)
             _driver_event(prepared, {"event": "stopped", "step": resume["step"], "reason": why,
                                      "cause": "ledger"})
-            report = write_report(prepared.run_dir)
+            report = report_or_storage_error(prepared.run_dir)
             log(f"stopped early: {why} (found before starting the workers: nothing ran)")
             log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
             log(f"epsilon = {report['epsilon']:.4f} at delta = {report['delta']:.3g} ({report['accountant']})")
@@ -377,14 +388,17 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
         error, interrupted = e, True
         _driver_event(prepared, {"event": "interrupted", "by": type(e).__name__})
     except BaseException as e:  # the ledger is durable; still write what we know
-        error = e
+        # A disk that refused a write (or had no room for the next checkpoint): one message.
+        error = storage_error(e, "the run", prepared.run_dir) or e
     finally:
         interrupts.clear()
     if interrupts.requested and not interrupted and error is None:
         log("Ctrl-C came after the last step: the run finished")
     _end_hold(prepared, "interrupted" if interrupted else "failed" if error else "ended", log)
-    report = write_report(prepared.run_dir, failure=repr(error) if error and not interrupted else None,
-                          interrupted=interrupted)
+    failure = None if not error or interrupted else \
+        str(error) if isinstance(error, StorageError) else repr(error)
+    report = report_or_storage_error(prepared.run_dir, failure=failure, interrupted=interrupted,
+                                     after=error if isinstance(error, StorageError) else None)
     if report.get("stopped"):
         log(f"stopped early: {report['stopped']}")
     dp_evals = ((report.get("evaluation") or {}).get("dp") or [])
@@ -418,6 +432,21 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
                 f"`llmdp export {prepared.run_dir} --to {os.path.join(prepared.run_dir, 'export')} "
                 f"--push {out.push_to}`") from None
     return prepared.run_dir
+
+
+def report_or_storage_error(run_dir: str, after: StorageError | None = None, **kw) -> dict:
+    """`write_report`, after a check that its disk has room; a write the disk refuses is one
+    `StorageError` naming the path, the error and the fix (the ledger is durable: a re-run
+    writes the report). ``after``: the run's own disk error, said first."""
+    try:
+        check_free({run_dir: 0}, "the privacy report")
+        return write_report(run_dir, **kw)
+    except Exception as e:  # noqa: BLE001 - re-raised unless the disk is the cause
+        err = storage_error(e, "writing the privacy report", os.path.join(run_dir, "privacy_report.json"))
+        if err is None:
+            raise
+        first = f"{after}\nThe report could not be written either: " if after is not None else ""
+        raise StorageError(f"{first}{err}") from None
 
 
 def _driver_event(prepared: RunSpec, record: dict) -> None:

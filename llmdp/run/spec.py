@@ -116,6 +116,9 @@ class RunSpec:
     # the model the run starts from and what it means for ε (llmdp.run.provenance; None:
     # random weights); its composed releases are in prior_releases
     starting_model: Mapping[str, Any] | None = None
+    # the checkpoint folder (its name) the driver read whole against its manifest before this
+    # launch (`llmdp.run.restore`): the worker that restores it does not read it again
+    verified_checkpoint: str | None = None
 
     @property
     def run_dir(self) -> str:

@@ -23,6 +23,14 @@ header (``t``, ``digest``, ``kind``, ``dtype``, ``totals``). The stream's tensor
 (``llmdp.train.correlated``) are in ``state.pt`` (full) or, sharded like the parameters,
 in the DCP folder under ``"noise"`` (``name#j``: buffer j of parameter ``name``'s state).
 
+Every file is written atomically (a temporary name, fsync, rename) and each writer then
+*seals* its folder (:func:`seal`): ``manifest.<rank>.json``, written last, holds every file's
+size and sha256 (rank 0's also the number of writers). Ray Train's copy into storage is not
+atomic, and a disk can truncate or flip what it holds: :func:`verify` is the one test of a
+checkpoint, a folder whose manifests are missing or do not match its files is damaged (the
+launch falls back to the newest intact one, ``llmdp.run.restore``; the worker refuses to
+resume from one, :class:`CheckpointError`).
+
 Readers that hold no process group (export, the CLI) read a sharded checkpoint's full
 tensors one at a time (:func:`trainable_params`); :func:`check_model` is the export's check
 that the final model holds exactly the last checkpoint's trainable parameters.
@@ -30,6 +38,7 @@ that the final model holds exactly the last checkpoint's trainable parameters.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -39,6 +48,8 @@ from typing import Any
 FULL = "state.pt"
 META = "state.json"
 SHARDED = "llmdp-dcp-1"  # state.json's "format"
+MANIFEST = "manifest.{rank}.json"  # written last by each writer (`seal`)
+MANIFEST_FORMAT = "llmdp-ckpt-manifest-1"
 # Checkpoints written before scaling strategies existed name none: they are replicated ones.
 _DEFAULT_STRATEGY = "replicated"
 
@@ -86,11 +97,44 @@ def check_strategy(meta: dict, strategy: str, folder: str) -> None:
             f"resume it with the same strategy, not {strategy!r}")
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that is damaged (its manifest is missing or does not match its files)."""
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write) -> None:
+    """``write(f)`` into ``path`` as a whole or not at all: a temporary name in the same folder,
+    flushed and fsynced, renamed over ``path``; the folder fsynced (the rename is durable).
+    The temporary file is removed if anything fails (a full disk leaves no truncated file)."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
 def write_full(folder: str, params: dict, optimizer_state: dict, meta: dict) -> None:
-    """The full format (rank 0): ``state.pt``."""
+    """The full format (rank 0): ``state.pt``, written atomically."""
     import torch  # lazy: as above
 
-    torch.save({"params": params, "optimizer": optimizer_state, **meta}, os.path.join(folder, FULL))
+    state = {"params": params, "optimizer": optimizer_state, **meta}
+    atomic_write(os.path.join(folder, FULL), lambda f: torch.save(state, f))
 
 
 def read_full(folder: str, map_location) -> dict:
@@ -103,11 +147,88 @@ def read_full(folder: str, map_location) -> dict:
 def write_meta(folder: str, meta: dict) -> None:
     """The sharded format's ``state.json`` (rank 0, after the shards: DCP's ``save``
     returns once every rank has written its own and rank 0 the ``.metadata``)."""
-    record = {**meta, "format": SHARDED}
-    tmp = os.path.join(folder, META + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)  # a value JSON cannot hold fails here, loudly
-    os.replace(tmp, os.path.join(folder, META))
+    # a value JSON cannot hold fails here, loudly (before anything is written)
+    data = json.dumps({**meta, "format": SHARDED}, indent=1).encode()
+    atomic_write(os.path.join(folder, META), lambda f: f.write(data))
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _is_manifest(name: str) -> bool:
+    return name.startswith("manifest.") and name.endswith(".json")
+
+
+def seal(folder: str, rank: int, world: int, step: int) -> None:
+    """This writer's manifest, written last (atomically): the size and sha256 of every file
+    it wrote into ``folder`` (each writer writes its own folder; Ray Train, or
+    `LocalContext`, merges them); rank 0's also says how many writers there are."""
+    files = {}
+    for root, _dirs, names in os.walk(folder):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if _is_manifest(name) or name.endswith(".tmp"):
+                continue
+            files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    record = {"format": MANIFEST_FORMAT, "rank": rank, "step": int(step), "files": files}
+    if rank == 0:
+        record["writers"] = int(world)
+    data = json.dumps(record, indent=1, sort_keys=True).encode()
+    atomic_write(os.path.join(folder, MANIFEST.format(rank=rank)), lambda f: f.write(data))
+
+
+def has_manifest(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, MANIFEST.format(rank=0)))
+
+
+def verify(folder: str) -> str | None:
+    """Why the checkpoint in ``folder`` is damaged (its manifests missing, unreadable, or not
+    matching a file's size or sha256), or None: every file every writer sealed is there,
+    whole. Reads every byte (sizes first: a truncated file is found without hashing)."""
+    def manifest(rank: int) -> dict:
+        path = os.path.join(folder, MANIFEST.format(rank=rank))
+        if not os.path.isfile(path):
+            raise CheckpointError(f"no {os.path.basename(path)} (written last: the checkpoint "
+                                  f"was not completely written or copied)")
+        try:
+            with open(path, encoding="utf-8") as f:
+                rec = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{os.path.basename(path)} cannot be read ({e})") from None
+        if not isinstance(rec, dict) or rec.get("format") != MANIFEST_FORMAT or \
+                not isinstance(rec.get("files"), dict):
+            raise CheckpointError(f"{os.path.basename(path)} is not a manifest of this llmdp")
+        return rec
+
+    try:
+        first = manifest(0)
+        writers = first.get("writers")
+        if isinstance(writers, bool) or not isinstance(writers, int) or writers < 1:
+            return f"{MANIFEST.format(rank=0)} names no number of writers"
+        records = [first] + [manifest(r) for r in range(1, writers)]
+        listed = [(rel, want) for rec in records for rel, want in sorted(rec["files"].items())]
+        if not any(rel in (FULL, META) for rel, _ in listed):
+            return f"its manifests list neither {FULL} nor {META}"
+        for rel, want in listed:  # sizes first: cheap, and what a truncation changes
+            path = os.path.join(folder, rel)
+            if not os.path.isfile(path):
+                return f"{rel} is missing"
+            if os.path.getsize(path) != want.get("size"):
+                return f"{rel} has {os.path.getsize(path)} bytes, its manifest says {want.get('size')}"
+        for rel, want in listed:
+            if _sha256(os.path.join(folder, rel)) != want.get("sha256"):
+                return f"{rel} does not match its sha256 in the manifest (its bytes changed)"
+    except CheckpointError as e:
+        return str(e)
+    except OSError as e:
+        return f"it cannot be read ({e})"
+    return None
 
 
 def _dcp_params(folder: str) -> list[tuple[str, str, Any]]:

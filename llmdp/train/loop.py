@@ -22,6 +22,11 @@ Per logical step, on every worker in lockstep (DESIGN §1):
 The clipped sum is ``llmdp.train.step``'s; the reduction and the noise are the strategy's
 (``llmdp.train.strategy``). Nothing here imports Ray: :func:`train_loop_per_worker` takes a ``context`` that the Ray
 trainer (or a test) provides, so the step is runnable and testable on its own.
+
+Why one file of about 590 lines: it is the recipe's one readable loop (torchtune's style):
+each stage above is a short function called once from :func:`_train_loop`, and their order
+(resume before the ledger, the gate before each step, the checkpoint's room checked before
+the steps it saves) is the contract; split, the order would be spread over modules.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmdp._fs import private_files
+from llmdp._fs import StorageError, check_free, disk_errors, private_files
 from llmdp.clipping import GhostClipper
 from llmdp.config.schema import OptimConfig, lr_lambda
 from llmdp.data.batching import assign_micro_batches
@@ -206,6 +211,19 @@ def resume(run: Training) -> None:
     ckpt_dir = run.context.get_checkpoint_dir()
     if not ckpt_dir or checkpoints.state_file(ckpt_dir) is None:
         return
+    # Rank 0 reads it whole against its manifest, unless the driver did just before this
+    # launch (`llmdp.run.restore`); a checkpoint registered during this launch (restored by
+    # a worker group's restart) is read here. [sync point]
+    damaged = b""
+    if run.rank == 0 and os.path.basename(os.path.normpath(ckpt_dir)) != run.spec.verified_checkpoint:
+        damaged = (checkpoints.verify(ckpt_dir) or "").encode()[:4000]
+    damaged = broadcast_bytes(damaged.ljust(4000, b"\0") if run.rank == 0 else None, 4000,
+                              run.device).rstrip(b"\0").decode(errors="replace")
+    if damaged:
+        raise checkpoints.CheckpointError(
+            f"the checkpoint to resume from ({ckpt_dir}) is damaged: {damaged}. Re-run the same "
+            f"command: the launch falls back to the newest intact checkpoint (the damaged one is "
+            f"kept, set aside)")
     state = run.strategy.load_checkpoint(run.model, run.optimizer, run.names, ckpt_dir,
                                          noise=run.noise.stream if run.noise is not None else None)
     run.scheduler.load_state_dict(state["scheduler"])
@@ -254,7 +272,51 @@ def seeded_scope(run: Training) -> None:
     run.key_scope = (run.spec.run_id, attempt)
 
 
-GO, LEDGER_STOP, INTERRUPT = b"\x01", b"\x00", b"\x02"
+GO, LEDGER_STOP, INTERRUPT, NO_SPACE = b"\x01", b"\x00", b"\x02", b"\x03"
+
+
+def _nbytes(tensors) -> int:
+    return sum(int(t.numel()) * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def checkpoint_bytes(run: Training) -> int:
+    """About how many bytes one checkpoint takes: the trainable parameters, the optimizer
+    state (before its first step: AdamW's two moments), a correlated stream's state."""
+    params = _nbytes(run.clipper.params)
+    state = _nbytes(t for st in run.optimizer.state.values() for t in st.values())
+    noise = _nbytes(run.noise.stream.state_tensors()) if run.noise is not None else 0
+    return params + (state or 2 * params) + noise
+
+
+def model_bytes(run: Training) -> int:
+    """About how many bytes the final model takes (a PEFT model saves its adapter only)."""
+    if hasattr(run.model, "peft_config"):
+        return _nbytes(run.clipper.params)
+    return _nbytes(run.model.parameters())
+
+
+def room_for_interval(run: Training, step: int) -> str | None:
+    """Rank 0, before the steps up to the next checkpoint: why the disks lack room for that
+    checkpoint (staged in the temporary folder, then stored by Ray Train in the run
+    directory), and after the last step for the final model too; else None. Checked before
+    the steps, not before the write: a checkpoint that cannot be written loses its steps,
+    whose releases are already in the ledger; stopping here spends nothing. An estimate:
+    a write that fails anyway ends the run with its one message (`checkpoint`)."""
+    every, steps = run.spec.cfg.train.checkpoint_every, run.spec.plan.steps
+    if step != run.start and step % every != 0:
+        return None
+    need = int(checkpoint_bytes(run) * 1.1)
+    storage = getattr(run.context, "checkpoint_dir", None) or run.spec.run_dir
+    needs = {tempfile.gettempdir(): need}
+    needs[storage] = needs.get(storage, 0) + need
+    if min(steps, (step // every + 1) * every) >= steps:  # the last interval: the model too
+        needs[run.spec.paths.model] = int(model_bytes(run) * 1.1)
+    what = f"the checkpoint after step {min(steps, (step // every + 1) * every)}"
+    try:
+        check_free(needs, what)
+    except StorageError as e:
+        return str(e)
+    return None
 
 
 def admitted(run: Training, step: int) -> tuple[bytes, str]:
@@ -262,11 +324,15 @@ def admitted(run: Training, step: int) -> tuple[bytes, str]:
     ``INTERRUPT`` when the driver asked for a graceful stop (the first Ctrl-C: its file
     `rundir.STOP_REQUEST` in the run directory); or ``LEDGER_STOP`` (with why) when the
     ledger service refuses the step (budget, target ε). The ledger is asked before every
-    step whatever the recipe says (``LedgerSpec.admits``)."""
+    step whatever the recipe says (``LedgerSpec.admits``); ``NO_SPACE`` (with why) when,
+    before the steps up to the next checkpoint, the disk has no room for it
+    (`room_for_interval`)."""
     code, why = GO, ""
     if run.rank == 0:
         if os.path.exists(os.path.join(run.spec.run_dir, STOP_REQUEST)):
             code = INTERRUPT
+        elif (why := room_for_interval(run, step) or "") != "":
+            code = NO_SPACE
         elif run.ledger is not None and run.spec.ledger is not None and run.spec.ledger.admits:
             ok, why = run.ledger.admit(run.spec.plan.ledger_index(step))
             code = GO if ok else LEDGER_STOP
@@ -293,6 +359,21 @@ def stop_gracefully(run: Training, step: int) -> dict:
         _metrics_line(run.spec.paths.metrics, {
             "event": "interrupted", "graceful": True, "step": step, **voided, "time": time.time()})
     return {"steps": step, "interrupted": True}
+
+
+def stop_for_storage(run: Training, step: int, why: str) -> None:
+    """No room for the next checkpoint, seen before step ``step`` (a checkpoint boundary, or
+    this launch's first step: its state is on disk): rank 0 voids the steps its attempt
+    reserved and will not run, as a graceful stop does, and every worker raises one
+    `StorageError`. Nothing was spent on steps that could not be saved."""
+    if run.ledger is not None:
+        run.ledger.void_unrun(run.spec.plan.ledger_begun(step),
+                              "no room on disk for the next checkpoint: reserved steps that never ran",
+                              attempt=run.attempt)
+    if run.rank == 0:
+        _metrics_line(run.spec.paths.metrics, {"event": "no_space", "step": step, "time": time.time()})
+    raise StorageError(why or "rank 0 found no room on disk for the next checkpoint (its message "
+                              "says where)")
 
 
 def dp_step(run: Training, step: int) -> dict:
@@ -370,15 +451,21 @@ def dp_step(run: Training, step: int) -> dict:
 
 def checkpoint(run: Training, step: int, graceful: bool = False) -> None:
     """Save the state after ``step`` steps through the context (Ray Train's checkpoint);
-    ``graceful``: written by `stop_gracefully` (its attempt runs no more steps).
+    ``graceful``: written by `stop_gracefully` (its attempt runs no more steps). Each writer
+    seals its folder (`checkpoints.seal`); a write the disk refuses ends the run with one
+    `StorageError` (the steps since the last checkpoint stay in the ledger: over-count).
     ``ray.train.report`` is a barrier: every worker reaches it at the same steps."""
     meta = {"scheduler": run.scheduler.state_dict(), "step": step, "run_id": run.spec.run_id,
             "ledger": run.ledger.position() if run.ledger is not None else None,
             "nonfinite_steps": run.nonfinite_steps, "graceful": graceful}
-    with tempfile.TemporaryDirectory() as tmp:
+    storage = getattr(run.context, "checkpoint_dir", None) or os.path.join(run.spec.run_dir, "checkpoints")
+    with disk_errors(f"writing the checkpoint after step {step}", storage), \
+            tempfile.TemporaryDirectory() as tmp:
         # replicated: rank 0 writes the full state; fsdp: every rank its own shards. [sync point]
         mine = run.strategy.save_checkpoint(run.model, run.optimizer, run.names, tmp, meta,
                                             noise=run.noise.stream if run.noise else None)
+        if mine:  # written last: the folder is whole only with every writer's manifest
+            checkpoints.seal(tmp, run.rank, run.world, step)
         run.context.report({"step": step}, tmp if mine else None)
 
 
@@ -412,11 +499,12 @@ def finish(run: Training, stopped: dict | None) -> dict:
     maybe_wait_for_ctrl_c(run, "final")
     if done > run.start or stopped is None:  # the final model's held-out and DP evaluation
         evaluation.evaluate_held_out(run, done, final=True, write=_writer(run))  # [sync point]
-    run.strategy.save_model(run.model, run.spec.paths.model)  # fsdp: streamed, tensor by tensor [sync point]
-    if run.rank == 0:
-        _save_tokenizer(run.spec.paths)
-        write_provenance(run.spec, run.spec.paths.model)  # what a run starting from it composes
-        _generations(run)
+    with disk_errors("saving the final model", run.spec.paths.model):
+        run.strategy.save_model(run.model, run.spec.paths.model)  # fsdp: streamed, tensor by tensor [sync point]
+        if run.rank == 0:
+            _save_tokenizer(run.spec.paths)
+            write_provenance(run.spec, run.spec.paths.model)  # what a run starting from it composes
+            _generations(run)
         end = {"event": "end", "step": run.spec.plan.steps} if stopped is None else \
             {"event": "stopped", "step": stopped["step"], "reason": stopped["reason"],
              "cause": stopped.get("cause")}
@@ -470,6 +558,8 @@ def _train_loop(spec: RunSpec, context) -> dict:
         decision, why = admitted(run, step)
         if decision == INTERRUPT:
             return stop_gracefully(run, step)
+        if decision == NO_SPACE:
+            stop_for_storage(run, step, why)
         if decision != GO:
             # A ledger decision (budget, target ε): a function of the recorded releases only.
             stopped = {"step": step, "reason": why, "cause": "ledger"}
