@@ -432,3 +432,55 @@ def test_a_missing_model_folder_is_named_by_name_or_path(workdir, capsys):
     err = train_fails(workdir, capsys, pretrained_recipe(workdir, missing))
     assert f"model.name_or_path: {missing} does not exist" in err, err
     assert "model.tokenizer" not in err, err
+
+
+def _make_ledger(home) -> str:
+    """A dataset ledger with one record in ``home`` (LLMDP_HOME)."""
+    from llmdp.privacy.ledgerdb import LedgerDB
+
+    location = os.path.join(home, "ledger.sqlite")
+    db = LedgerDB(location)
+    try:
+        db.append("other-data", {"kind": "note", "run_id": None, "note": "an earlier release"})
+    finally:
+        db.close()
+    return location
+
+
+def test_a_read_only_llmdp_home_is_a_permission_problem_not_damage(workdir, capsys, monkeypatch):
+    """Issue 51 item 7: a ledger the user may not write (a read-only LLMDP_HOME) was
+    diagnosed as "not an SQLite file, or damaged; restore it from a backup". It is named as
+    a permission problem, with the fix, and nothing is recorded. chmod does not restrict
+    root: there SQLite is made to open the file read-only, as it does a file it may not
+    write."""
+    import sqlite3
+
+    home = os.environ["LLMDP_HOME"]
+    location = _make_ledger(home)
+    write_lines(workdir / "notes.jsonl", GOOD * 20)
+    recipe = write_recipe(workdir, {"path": "notes.jsonl"})
+    if os.geteuid() != 0:
+        for p in os.listdir(home):
+            os.chmod(os.path.join(home, p), 0o444 if os.path.isfile(os.path.join(home, p)) else 0o555)
+        os.chmod(home, 0o555)
+    else:
+        real = sqlite3.connect
+
+        def read_only(path, *a, **k):
+            if k.get("uri") or os.path.abspath(str(path)) != location:
+                return real(path, *a, **k)
+            return real(f"file:{path}?mode=ro", *a, uri=True, **k)
+
+        monkeypatch.setattr(sqlite3, "connect", read_only)
+    try:
+        err = train_fails(workdir, capsys, recipe)
+    finally:
+        _chmod_back(home)
+    assert f"LLMDP_HOME: the ledger database {location} cannot be written" in err, err
+    assert "a permission problem, not damage" in err and "restore" not in err, err
+
+
+def _chmod_back(home) -> None:
+    os.chmod(home, 0o700)
+    for p in os.listdir(home):
+        os.chmod(os.path.join(home, p), 0o600 if os.path.isfile(os.path.join(home, p)) else 0o700)
