@@ -484,3 +484,41 @@ def _chmod_back(home) -> None:
     os.chmod(home, 0o700)
     for p in os.listdir(home):
         os.chmod(os.path.join(home, p), 0o600 if os.path.isfile(os.path.join(home, p)) else 0o700)
+
+
+def test_an_output_dir_that_is_a_file_is_named(workdir, capsys):
+    """Issue 51 item 7: output.dir naming a file was a FileExistsError traceback."""
+    (workdir / "out").write_text("a file")
+    write_lines(workdir / "notes.jsonl", GOOD * 20)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes.jsonl"}),
+                      f"output.dir={workdir / 'out'}")
+    assert f"output.dir: {workdir / 'out'} is a file, not a folder" in err, err
+    assert "e.g. output.dir=runs" in err and (workdir / "out").read_text() == "a file", err
+
+
+def test_an_unwritable_output_dir_is_named(workdir, capsys, monkeypatch):
+    """Issue 51 item 7: an output.dir on a read-only file system (or without write
+    permission) was an `OSError: [Errno 30]` traceback. chmod does not restrict root: there
+    the OS's refusal is injected where the launch first writes (its lock file)."""
+    import errno
+
+    out = workdir / "ro"
+    out.mkdir()
+    write_lines(workdir / "notes.jsonl", GOOD * 20)
+    if os.geteuid() != 0:
+        os.chmod(out, 0o555)
+    else:
+        from llmdp._fs import RunLock
+
+        def refuse(self, run_dir):
+            raise OSError(errno.EROFS, "Read-only file system", str(out))
+
+        monkeypatch.setattr(RunLock, "__init__", refuse)
+    try:
+        err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes.jsonl"}),
+                          f"output.dir={out}")
+    finally:
+        os.chmod(out, 0o755)
+    assert f"output.dir: {out}" in err and "e.g. output.dir=runs" in err, err
+    assert "not writable" in err or "cannot be written (Read-only file system)" in err, err
+    assert os.listdir(out) == []
