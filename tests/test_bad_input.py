@@ -379,7 +379,7 @@ def pretrained_recipe(workdir, name_or_path, **model) -> str:
     return recipe
 
 
-@pytest.mark.parametrize("overrides", [["data.eval=null"], []])
+@pytest.mark.parametrize("overrides", [["data.eval=null"], ["data.eval={fraction: 0.2}"]])
 def test_a_model_folder_without_tokenizer_is_refused_before_the_ledger(workdir, capsys, overrides):
     """Issue 51 item 1: transformers builds an empty tokenizer (vocabulary 1) for a model
     folder without tokenizer files; the run would train on end-of-text tokens and spend ε.
