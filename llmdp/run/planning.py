@@ -224,9 +224,7 @@ def _check_encoding(store, tokenizer, model_cfg) -> None:
     own = model_cfg.tokenizer not in (None, model_cfg.name_or_path)
     key = "model.tokenizer" if own else "model.name_or_path"
     value = model_cfg.tokenizer if own else (model_cfg.name_or_path or model_cfg.tokenizer)
-    batches = [b["input_ids"][1] for b in store._batches if "input_ids" in b]
-    per = max(1, _ENCODING_SAMPLE // max(1, len(batches)))
-    tokens = np.concatenate([v[:per] for v in batches]) if batches else np.zeros(0, np.int64)
+    tokens = store.token_sample(_ENCODING_SAMPLE)
     unk = tokenizer.unk_token_id
     special = np.asarray([i for i in tokenizer.all_special_ids if i != unk], dtype=np.int64)
     content = tokens[~np.isin(tokens, special)]
