@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=4")
     t.add_argument("--debug", action="store_true",
                    help="check the clipping engine against the exact reference on the first step")
+    t.add_argument("--dry-run", action="store_true", help="tokenize and plan only: print N, q, "
+                   "σ, T, ε at δ, the truncation and the budget; no ledger entry, no run folder")
 
     au = sub.add_parser(
         "audit",
@@ -307,17 +309,9 @@ def _plan_from_args(a, *, calibrate: bool):
     from llmdp.privacy.plan import NoiseTailError, PlanError, default_delta, make_plan, tail_message
 
     _check_plan_flags(a, calibrate=calibrate)
-    kw = dict(
-        dataset_size=a.dataset_size,
-        expected_batch_size=a.batch_size,
-        max_grad_norm=1.0,
-        steps=a.steps,
-        epochs=a.epochs,
-        delta=a.delta,
-        accountant=a.accountant,
-        noise_coordinates=a.parameters,
-        **_mechanism_flags(a),
-    )
+    kw = dict(dataset_size=a.dataset_size, expected_batch_size=a.batch_size, max_grad_norm=1.0,
+              steps=a.steps, epochs=a.epochs, delta=a.delta, accountant=a.accountant,
+              noise_coordinates=a.parameters, **_mechanism_flags(a))
     max_sigma = 100.0
     try:
         if not calibrate:
@@ -419,11 +413,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from llmdp.config.schema import load_recipe
             from llmdp.run.launch import run
+            from llmdp.run.preflight import dry_run
 
             overrides = list(args.overrides) + (["privacy.debug_check=true"] if args.debug else [])
             cfg = load_recipe(args.recipe, overrides)
             _quiet_libraries()
-            run(cfg)
+            (dry_run if args.dry_run else run)(cfg)
             return 0
         if args.command == "audit":
             from llmdp.audit.run import AuditSettings, run_audit

@@ -40,8 +40,25 @@ def write_recipe(workdir, data: dict, model: dict | None = None, name: str = "r"
     return str(path)
 
 
+def ledger_rows() -> int | None:
+    """The records of every dataset ledger in $LLMDP_HOME's database (None: no database),
+    read with sqlite3 itself (nothing of llmdp's that could create or register it)."""
+    import sqlite3
+
+    path = os.path.join(os.environ["LLMDP_HOME"], "ledger.sqlite")
+    if not os.path.exists(path):
+        return None
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT COUNT(*) FROM llmdp_records").fetchone()[0]
+    finally:
+        conn.close()
+
+
 def train_fails(workdir, capsys, recipe: str, *overrides: str) -> str:
-    """Runs `llmdp train`; asserts one clean error and nothing left behind; returns stderr."""
+    """Runs `llmdp train`; asserts one clean error and nothing left behind (no run folder,
+    no lock file, no new dataset-ledger record); returns stderr."""
+    before = ledger_rows()
     rc = main(["train", recipe, *overrides])
     err = capsys.readouterr().err
     assert rc == 2, err
@@ -56,6 +73,7 @@ def train_fails(workdir, capsys, recipe: str, *overrides: str) -> str:
     ledgers = workdir / "cache" / "ledgers"
     assert not ledgers.exists() or not any(
         p.stat().st_size for p in ledgers.iterdir()), list(ledgers.iterdir())
+    assert ledger_rows() == before  # issue 51: nothing spent, reserved or started
     return err
 
 
@@ -337,3 +355,170 @@ def test_a_default_delta_is_said(tmp_path):
     assert n >= 100
     assert any(f"privacy.delta not set: δ = {spec.plan.delta:g}" in x and f"N = {n} sequence units" in x
                for x in lines), lines
+
+
+# ------------------------------------------------------------------------- issue 51
+
+
+def tokenizerless_model(workdir, family: str = "qwen2"):
+    """A tiny model folder saved with save_pretrained, with no tokenizer files (weights and
+    config only, as a user may copy a checkpoint)."""
+    from tests.helpers import tiny_model
+
+    folder = workdir / f"{family}-no-tokenizer"
+    tiny_model(family, vocab_size=300).save_pretrained(folder)
+    assert not any("token" in n or "vocab" in n for n in os.listdir(folder)), os.listdir(folder)
+    return folder
+
+
+def pretrained_recipe(workdir, name_or_path, **model) -> str:
+    recipe = write_recipe(workdir, {"path": "notes.jsonl"})
+    raw = json.loads(open(recipe).read())
+    raw["model"] = {"init": "pretrained", "name_or_path": str(name_or_path), **model}
+    open(recipe, "w").write(json.dumps(raw))
+    return recipe
+
+
+@pytest.mark.parametrize("overrides", [["data.eval=null"], ["data.eval={fraction: 0.2}"]])
+def test_a_model_folder_without_tokenizer_is_refused_before_the_ledger(workdir, capsys, overrides):
+    """Issue 51 item 1: transformers builds an empty tokenizer (vocabulary 1) for a model
+    folder without tokenizer files; the run would train on end-of-text tokens and spend ε.
+    Refused, naming model.name_or_path, the folder and the fix (with the default split too,
+    not as an empty evaluation part)."""
+    folder = tokenizerless_model(workdir)
+    write_lines(workdir / "notes.jsonl", GOOD * 20)
+    err = train_fails(workdir, capsys, pretrained_recipe(workdir, folder), *overrides)
+    assert f"model.name_or_path: {folder} holds no tokenizer files" in err, err
+    assert "set model.tokenizer" in err and "evaluation part" not in err, err
+
+
+def test_an_empty_tokenizer_is_refused(workdir, capsys):
+    """The same empty tokenizer (vocabulary of one special token), saved as a folder and
+    named by model.tokenizer: refused by its vocabulary."""
+    from transformers import AutoTokenizer
+
+    folder = tokenizerless_model(workdir)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(workdir / "empty-tok")
+    write_lines(workdir / "notes.jsonl", GOOD * 20)
+    err = train_fails(workdir, capsys, pretrained_recipe(
+        workdir, folder, tokenizer=str(workdir / "empty-tok")))
+    assert f"model.tokenizer: the tokenizer of '{workdir / 'empty-tok'}' has a vocabulary of 1" in err, err
+
+
+def test_a_tokenizer_that_reads_most_of_the_data_as_unknown_is_refused(workdir, capsys):
+    """A word-level tokenizer that knows none of the corpus's words: every token is its
+    unknown token, so the model would learn nothing; refused before the ledger."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "[PAD]": 1, "[EOS]": 2, "alpha": 3, "beta": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                            eos_token="[EOS]").save_pretrained(workdir / "words")
+    write_lines(workdir / "notes.jsonl", GOOD * 20)
+    recipe = write_recipe(workdir, {"path": "notes.jsonl"})
+    err = train_fails(workdir, capsys, recipe, f"model.tokenizer={workdir / 'words'}")
+    assert f"model.tokenizer: the tokenizer of '{workdir / 'words'}' encodes the data as mostly " \
+           "its unknown token '[UNK]'" in err, err
+
+
+def test_a_missing_model_folder_is_named_by_name_or_path(workdir, capsys):
+    """Issue 51 item 7: model.tokenizer defaults to model.name_or_path; a missing model
+    folder was reported as `model.tokenizer: ... does not exist`."""
+    write_lines(workdir / "notes.jsonl", GOOD * 20)
+    missing = workdir / "no-such-model"
+    err = train_fails(workdir, capsys, pretrained_recipe(workdir, missing))
+    assert f"model.name_or_path: {missing} does not exist" in err, err
+    assert "model.tokenizer" not in err, err
+
+
+def _make_ledger(home) -> str:
+    """A dataset ledger with one record in ``home`` (LLMDP_HOME)."""
+    from llmdp.privacy.ledgerdb import LedgerDB
+
+    location = os.path.join(home, "ledger.sqlite")
+    db = LedgerDB(location)
+    try:
+        db.append("other-data", {"kind": "note", "run_id": None, "note": "an earlier release"})
+    finally:
+        db.close()
+    return location
+
+
+def test_a_read_only_llmdp_home_is_a_permission_problem_not_damage(workdir, capsys, monkeypatch):
+    """Issue 51 item 7: a ledger the user may not write (a read-only LLMDP_HOME) was
+    diagnosed as "not an SQLite file, or damaged; restore it from a backup". It is named as
+    a permission problem, with the fix, and nothing is recorded. chmod does not restrict
+    root: there SQLite is made to open the file read-only, as it does a file it may not
+    write."""
+    import sqlite3
+
+    home = os.environ["LLMDP_HOME"]
+    location = _make_ledger(home)
+    write_lines(workdir / "notes.jsonl", GOOD * 20)
+    recipe = write_recipe(workdir, {"path": "notes.jsonl"})
+    if os.geteuid() != 0:
+        for p in os.listdir(home):
+            os.chmod(os.path.join(home, p), 0o444 if os.path.isfile(os.path.join(home, p)) else 0o555)
+        os.chmod(home, 0o555)
+    else:
+        real = sqlite3.connect
+
+        def read_only(path, *a, **k):
+            if k.get("uri") or os.path.abspath(str(path)) != location:
+                return real(path, *a, **k)
+            return real(f"file:{path}?mode=ro", *a, uri=True, **k)
+
+        monkeypatch.setattr(sqlite3, "connect", read_only)
+    try:
+        err = train_fails(workdir, capsys, recipe)
+    finally:
+        _chmod_back(home)
+    assert f"LLMDP_HOME: the ledger database {location} cannot be written" in err, err
+    assert "a permission problem, not damage" in err and "restore" not in err, err
+
+
+def _chmod_back(home) -> None:
+    os.chmod(home, 0o700)
+    for p in os.listdir(home):
+        os.chmod(os.path.join(home, p), 0o600 if os.path.isfile(os.path.join(home, p)) else 0o700)
+
+
+def test_an_output_dir_that_is_a_file_is_named(workdir, capsys):
+    """Issue 51 item 7: output.dir naming a file was a FileExistsError traceback."""
+    (workdir / "out").write_text("a file")
+    write_lines(workdir / "notes.jsonl", GOOD * 20)
+    err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes.jsonl"}),
+                      f"output.dir={workdir / 'out'}")
+    assert f"output.dir: {workdir / 'out'} is a file, not a folder" in err, err
+    assert "e.g. output.dir=runs" in err and (workdir / "out").read_text() == "a file", err
+
+
+def test_an_unwritable_output_dir_is_named(workdir, capsys, monkeypatch):
+    """Issue 51 item 7: an output.dir on a read-only file system (or without write
+    permission) was an `OSError: [Errno 30]` traceback. chmod does not restrict root: there
+    the OS's refusal is injected where the launch first writes (its lock file)."""
+    import errno
+
+    out = workdir / "ro"
+    out.mkdir()
+    write_lines(workdir / "notes.jsonl", GOOD * 20)
+    if os.geteuid() != 0:
+        os.chmod(out, 0o555)
+    else:
+        from llmdp._fs import RunLock
+
+        def refuse(self, run_dir):
+            raise OSError(errno.EROFS, "Read-only file system", str(out))
+
+        monkeypatch.setattr(RunLock, "__init__", refuse)
+    try:
+        err = train_fails(workdir, capsys, write_recipe(workdir, {"path": "notes.jsonl"}),
+                          f"output.dir={out}")
+    finally:
+        os.chmod(out, 0o755)
+    assert f"output.dir: {out}" in err and "e.g. output.dir=runs" in err, err
+    assert "not writable" in err or "cannot be written (Read-only file system)" in err, err
+    assert os.listdir(out) == []

@@ -229,6 +229,13 @@ class UnitStore:
             out[key] = torch.cat([value, pad], dim=0)
         return out
 
+    def token_sample(self, limit: int) -> np.ndarray:
+        """Up to about ``limit`` of the store's tokens, spread over its record batches (the
+        first of each): enough to tell what a tokenizer made of the data."""
+        values = [b["input_ids"][1] for b in self._batches if "input_ids" in b]
+        per = max(1, int(limit) // max(1, len(values)))
+        return np.concatenate([v[:per] for v in values]) if values else np.zeros(0, np.int64)
+
     def formation(self) -> str | None:
         """How a store built on Ray Data formed its units (public: it depends on the chunk
         plan, not on any record), or None for a store built in one process."""

@@ -197,6 +197,9 @@ class LedgerDB:
                     raise LedgerError(_unusable_folder(folder, e)) from None
                 if not os.path.isdir(folder):
                     raise LedgerError(_unusable_folder(folder, NotADirectoryError("not a folder")))
+                denied = _not_writable(self.location)
+                if denied:  # said as what it is, before SQLite reads it as damage
+                    raise LedgerError(_permission_message(self.location, denied))
             try:
                 self._conn = sqlite3.connect(self.location, timeout=300, isolation_level=None,
                                              check_same_thread=False)
@@ -208,6 +211,8 @@ class LedgerDB:
                 with contextlib.suppress(Exception):
                     self._conn.close()
                 self._conn = None
+                if _is_permission(e):
+                    raise LedgerError(_permission_message(self.location, str(e))) from None
                 raise LedgerError(f"the ledger database {self.location} cannot be opened: {e} "
                                   f"(not an SQLite file, or damaged; restore it from a backup)") from None
         if not self.read_only:
@@ -238,6 +243,8 @@ class LedgerDB:
         except Exception as e:  # noqa: BLE001 - sqlite3/psycopg errors
             if isinstance(e, LedgerError):
                 raise
+            if not self.pg and _is_permission(e):
+                raise LedgerError(_permission_message(self.location, str(e))) from None
             raise LedgerError(f"the ledger database {self.where}: {type(e).__name__}: {e}") from e
         return cur
 
@@ -267,12 +274,13 @@ class LedgerDB:
             cur.execute("ROLLBACK")
             raise
 
-    @staticmethod
-    def _retry(fn, tries: int = 50):
+    def _retry(self, fn, tries: int = 50):
         for i in range(tries):
             try:
                 return fn()
             except sqlite3.OperationalError as e:
+                if _is_permission(e):
+                    raise LedgerError(_permission_message(self.location, str(e))) from None
                 if "locked" not in str(e) and "busy" not in str(e):
                     raise LedgerError(f"the ledger database: {e}") from e
                 time.sleep(min(2.0, 0.05 * (i + 1)))
@@ -425,8 +433,13 @@ class LedgerDB:
             return
         self._retry(lambda: cur.execute("BEGIN IMMEDIATE"))
         try:
-            cur.execute("INSERT OR IGNORE INTO llmdp_heads (ledger, seq, hash) VALUES (?, 0, ?)",
-                        (ledger, GENESIS))
+            try:
+                cur.execute("INSERT OR IGNORE INTO llmdp_heads (ledger, seq, hash) VALUES (?, 0, ?)",
+                            (ledger, GENESIS))
+            except sqlite3.OperationalError as e:
+                if _is_permission(e):
+                    raise LedgerError(_permission_message(self.location, str(e))) from None
+                raise
             tx = self._begin(cur, ledger, full)
             yield tx
         except BaseException:
@@ -584,6 +597,38 @@ class LedgerDB:
         return len(releases)
 
 
+
+
+def _is_permission(e: Exception) -> bool:
+    """An SQLite error that means "not allowed to write or open", not damage."""
+    text = str(e).lower()
+    return any(w in text for w in ("readonly", "read-only", "unable to open", "permission",
+                                   "access permission"))
+
+
+def _not_writable(location: str) -> str | None:
+    """What of an SQLite ledger (the file, its folder, its -wal/-shm files) this process may
+    not write, or None (an absent file: its folder is what must be writable)."""
+    folder = os.path.dirname(location) or "."
+    for path in (location, location + "-wal", location + "-shm"):
+        if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+            return f"{path} is not writable"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"its folder {folder} is not writable"
+    return None
+
+
+def _permission_message(location: str | None, why: str) -> str:
+    """A ledger that cannot be written for want of permission (read-only LLMDP_HOME or
+    file): named as such, with the fix; it is not damaged and nothing was recorded."""
+    from llmdp.privacy.ledger_location import default_location
+
+    location = location or default_location()
+    which = "LLMDP_HOME" if location == default_location() else "privacy.ledger"
+    folder = os.path.dirname(location) or "."
+    return (f"{which}: the ledger database {location} cannot be written ({why}): a permission "
+            f"problem, not damage; nothing was recorded. Give yourself write access (chmod u+w "
+            f"{folder} {location}) or set {which} to a folder you can write")
 
 
 def _unusable_folder(folder: str, e: OSError) -> str:

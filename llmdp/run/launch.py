@@ -34,6 +34,7 @@ from llmdp.run.baseline import BANNER, public_banner
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
 from llmdp.run.localray import WORKER_ENV, start_local_ray
 from llmdp.run.planning import plan_run, warn_open
+from llmdp.run.preflight import run_lock, truncation_note
 from llmdp.run.progress import EPS_KEY, Progress
 from llmdp.run.provenance import SOURCE, copy_declared_releases
 from llmdp.run.restore import restore_point
@@ -314,7 +315,7 @@ def run(cfg: RecipeConfig, log=print, augment=None) -> str:
 
     with private_files(cfg.output.group_readable):  # private data at rest: owner-only
         warn_open(cfg, log)
-        lock = RunLock(cfg.run_dir)  # one launch per run directory, before anything is written
+        lock = run_lock(cfg)  # one launch per run directory, before anything is written
         try:
             return _run_locked(cfg, lock, log, augment)
         finally:
@@ -343,7 +344,6 @@ def _end_hold(spec: RunSpec, status: str, log) -> None:
 
 
 def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
-
     prepared = prepare(cfg, log=log, lock=lock, augment=augment)
     plan = prepared.plan
     label = report_banner(prepared)
@@ -358,6 +358,9 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
             f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
             f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}{_tail_note(plan)}, planned epsilon="
             f"{prepared.epsilon_planned:.4f} ({plan.accountant})")
+    note = truncation_note(prepared.data_stats, cfg.data.max_rows_per_unit, cfg.data.sequence_length)
+    if note:  # counted on the private data: the console's and plan.json's (internal)
+        log(note)
     if prepared.dp and prepared.tokenizer.get("kind") == "private-dp":
         log(f"tokenizer: {prepared.tokenizer['summary']}")
     resume = RunDir(prepared.run_dir).resume_point()
@@ -421,7 +424,6 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
         raise error
     out = cfg.output
     if out.push_to is not None and report.get("status") == "complete":
-
         try:
             export_run(prepared.run_dir, os.path.join(prepared.run_dir, "export"), merge=out.merge,
                        push=out.push_to, private=out.private, base_model=out.base_model,

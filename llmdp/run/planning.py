@@ -138,6 +138,7 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
         data_format=d.format, split=d.split, config_name=d.config_name,
         unit_fraction=d.unit_fraction, source_sha256=source_sha, text_split=d.text_split,
         holdout=holdout, **source_args)
+    _check_encoding(store, tokenizer, cfg.model)  # before anything is planned on it
     if augment is not None:
         store = augment(store, tokenizer)
     eval_store = None
@@ -207,6 +208,38 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
     return Planned(cfg=cfg, plan=plan, store=store, unit_spec=spec, source_sha=source_sha,
                    tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats,
                    eval_store=eval_store, eval_plan=eval_plan, starting_model=start)
+
+
+# A tokenizer that encodes more than this share of the data's tokens as its unknown token
+# cannot represent the data: the model would learn (almost) nothing from it.
+MAX_UNKNOWN_SHARE = 0.5
+_ENCODING_SAMPLE = 1 << 22  # tokens read (spread over the store) to tell
+
+
+def _check_encoding(store, tokenizer, model_cfg) -> None:
+    """Refuse (before any ledger is opened) a tokenizer that cannot encode the data: its
+    units hold no token but special ones, or mostly its unknown token."""
+    import numpy as np
+
+    own = model_cfg.tokenizer not in (None, model_cfg.name_or_path)
+    key = "model.tokenizer" if own else "model.name_or_path"
+    value = model_cfg.tokenizer if own else (model_cfg.name_or_path or model_cfg.tokenizer)
+    tokens = store.token_sample(_ENCODING_SAMPLE)
+    unk = tokenizer.unk_token_id
+    special = np.asarray([i for i in tokenizer.all_special_ids if i != unk], dtype=np.int64)
+    content = tokens[~np.isin(tokens, special)]
+    unknown = int((content == unk).sum()) if unk is not None else 0
+    if content.size and unknown <= MAX_UNKNOWN_SHARE * content.size:
+        return
+    what = ("no token but special ones (end of text, padding)" if not content.size else
+            f"mostly its unknown token {tokenizer.unk_token!r} ({unknown / content.size:.0%} of "
+            f"the tokens read)")
+    fix = ("copy the model's own tokenizer files into that folder, or set model.tokenizer to "
+           "the model's tokenizer" if key == "model.name_or_path" else
+           "set model.tokenizer to a tokenizer made for this kind of text (the model's own)")
+    raise ConfigError(
+        f"{key}: the tokenizer of {value!r} encodes the data as {what}: the run would train on "
+        f"(almost) nothing and still spend its ε. Fix: {fix}", key=key)
 
 
 def _mechanism_args(cfg: RecipeConfig, cache: str) -> dict:

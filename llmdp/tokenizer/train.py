@@ -383,6 +383,11 @@ def tokenizer_for_run(model_cfg, data_cfg, *, data_sha256: str, delta: float | N
     """
     path = model_cfg.tokenizer
     if path is not None and os.path.isabs(path) and not os.path.exists(path):
+        if path == getattr(model_cfg, "name_or_path", None):  # model.tokenizer not set: the model's
+            raise ConfigError(
+                f"model.name_or_path: {path} does not exist (a local path, so it is not looked "
+                f"up on the Hugging Face Hub); fix the path, or give a Hub id like org/name",
+                key="model.name_or_path")
         raise ConfigError(
             f"model.tokenizer: {path} does not exist; if it is a private tokenizer, train it "
             f"first with `llmdp tokenizer train tokenizers/<name>.yaml` (its output.dir/name)",

@@ -188,11 +188,53 @@ def check_local_path(name_or_path, key: str) -> None:
         check_hub_model(value, key)
 
 
+# Files a saved tokenizer consists of (one of them at least): a folder without any holds no
+# tokenizer, and transformers would build an empty one from the model's config alone.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                   "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    names = os.listdir(folder)
+    return any(n in TOKENIZER_FILES or n.endswith((".tiktoken", ".spm")) for n in names)
+
+
+def _no_tokenizer_fix(key: str) -> str:
+    if key == "model.name_or_path":
+        return ("copy the model's tokenizer files into that folder, or set model.tokenizer to "
+                "the folder or Hub id of its tokenizer")
+    return f"set {key} to a folder that holds a saved tokenizer, or to a Hub id"
+
+
+def check_tokenizer_vocabulary(tokenizer, name_or_path, key: str) -> None:
+    """A tokenizer with no token besides its special ones encodes every text to nothing
+    (what transformers builds from a model folder without tokenizer files): refused, before
+    any data is encoded with it and anything is spent."""
+    special = set(tokenizer.all_special_ids)
+    size = len(tokenizer)
+    if size - len(special & set(range(size))) < 1:
+        raise ConfigError(
+            f"{key}: the tokenizer of {os.fspath(name_or_path)!r} has a vocabulary of {size} "
+            f"token(s), all special ({', '.join(map(str, tokenizer.all_special_tokens)) or 'none'}): "
+            f"it encodes every text to nothing, so the run would train on nothing and still "
+            f"spend its ε. Fix: {_no_tokenizer_fix(key)}", key=key)
+
+
 def load_tokenizer(name_or_path, key: str = "model.tokenizer"):
-    """``AutoTokenizer.from_pretrained``; pad falls back to EOS when the tokenizer has none."""
+    """``AutoTokenizer.from_pretrained``; pad falls back to EOS when the tokenizer has none.
+    A local folder without tokenizer files, or a tokenizer without an ordinary token, is
+    refused with ``key`` (it would encode every text to nothing)."""
     from transformers import AutoTokenizer
 
     check_local_path(name_or_path, key)
+    folder = os.path.expanduser(os.fspath(name_or_path))
+    if os.path.isdir(folder) and not _has_tokenizer_files(folder):
+        raise ConfigError(
+            f"{key}: {os.fspath(name_or_path)} holds no tokenizer files (none of "
+            f"{', '.join(TOKENIZER_FILES[:4])}, ...): transformers would build an empty "
+            f"tokenizer from the model's config, which encodes every text to nothing, and the "
+            f"run would train on nothing and still spend its ε. Fix: {_no_tokenizer_fix(key)}",
+            key=key)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     except OSError as e:  # not a local folder, and not a Hub id that could be fetched
@@ -203,6 +245,7 @@ def load_tokenizer(name_or_path, key: str = "model.tokenizer"):
             f"({why}); give an existing local folder (./path) or a reachable Hub id (org/name)",
             key=key,
         ) from None
+    check_tokenizer_vocabulary(tokenizer, name_or_path, key)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer {name_or_path!r} has neither a pad nor an EOS token")
