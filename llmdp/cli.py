@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--allow-unverified", action="store_true",
                    help="export a run that fails verification (the card says which checks failed)")
     e.add_argument("--base-model", default=None, metavar="HUB_ID",
-                   help="the base model's Hub id, when the recipe named a local path")
+                   help="the base model's Hub id, when the recipe named a local path (without "
+                        "--push: any name or path, recorded as given)")
     e.add_argument("--license", default=None, help="license in the card's metadata (default: other)")
 
     s = sub.add_parser(
