@@ -29,7 +29,7 @@ from llmdp.run.baseline import BANNER, public_banner
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
 from llmdp.run.localray import WORKER_ENV, start_local_ray
 from llmdp.run.planning import plan_run, warn_open
-from llmdp.run.progress import EPS_KEY, Progress
+from llmdp.run.progress import EPS_KEY, Progress, batch_note, mechanism_label
 from llmdp.run.provenance import SOURCE, copy_declared_releases
 from llmdp.run.rundir import RESUME_HINT, RunDir
 from llmdp.run.spec import LedgerSpec, RunPaths, RunSpec
@@ -344,8 +344,10 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
         log(f"{label}. plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
             f"B={plan.expected_batch_size:g}, T={plan.steps}; no clipping, no noise, no ledger")
     else:
-        log(f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
-            f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
+        log(f"plan: {mechanism_label(plan)}, N={plan.dataset_size} units, "
+            f"q={plan.sampling_probability:.5g}, B={plan.expected_batch_size:g}"
+            f"{batch_note(plan, cfg.train.expected_batch_size)}, T={plan.steps}, "
+            f"sigma={plan.noise_multiplier:.4f}, "
             f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}{_tail_note(plan)}, planned epsilon="
             f"{prepared.epsilon_planned:.4f} ({plan.accountant})")
     if prepared.dp and prepared.tokenizer.get("kind") == "private-dp":
