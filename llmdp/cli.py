@@ -49,7 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llmdp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="run a recipe: llmdp train RECIPE [key.sub=value ...]")
+    t = sub.add_parser(
+        "train", help="run a recipe: llmdp train RECIPE [key.sub=value ...]",
+        description="Train the recipe with DP-SGD (or correlated noise) on Ray Train, in "
+                    "<output.dir>/<output.name>: the plan (N, q, B, T, σ, planned ε) is printed "
+                    "first, every step's release is recorded in the dataset's ledger before its "
+                    "update is applied, and the run ends with privacy_report.md/.json/.png "
+                    "(ε from the ledger). Running the same command again resumes an interrupted "
+                    "run from its last checkpoint. Overrides are dotted recipe keys, e.g. "
+                    "privacy.target_epsilon=4 train.steps=200.")
     t.add_argument("recipe")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=4")
     t.add_argument("--debug", action="store_true",
@@ -105,7 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     cp = sub.add_parser(
         "compare", help="runs side by side and the privacy-utility plot: llmdp compare RUN_A "
-                        "RUN_B ... [--out FILE.png]")
+                        "RUN_B ... [--out FILE.png]",
+        description="One line per run from its privacy_report.json: DP or NON-PRIVATE, ε at δ, "
+                    "the final held-out loss and accuracy, the final DP evaluation ± std, the "
+                    "steps. Runs that differ only by their seed (config.yaml equal but for the "
+                    "seeds) are pooled into mean ± sd; runs at one ε whose recipes differ "
+                    "otherwise are listed apart with the fields they differ in. The table and "
+                    "the plot hold internal metrics: not for publication.")
     cp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     cp.add_argument("--out", default=None, metavar="FILE.png",
                     help="also plot evaluation loss against ε to this PNG")
@@ -238,7 +252,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-wait", action="store_true",
                    help="return after submitting instead of following the job's logs")
     s.add_argument("--debug", action="store_true", help="passed on to `llmdp train`")
+    _describe_every_command(parser)
     return parser
+
+
+def _describe_every_command(parser: argparse.ArgumentParser) -> None:
+    """Every command's ``--help`` opens with a description: its own, else the one-line help
+    the command list shows for it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                sp = action.choices[choice.dest]
+                if not sp.description and choice.help:
+                    sp.description = choice.help[0].upper() + choice.help[1:] + "."
+                _describe_every_command(sp)
 
 
 class FlagError(ValueError):

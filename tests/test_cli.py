@@ -379,3 +379,16 @@ def test_top_level_help_lists_every_privacy_command(capsys):
     out = capsys.readouterr().out
     entry = " ".join(out[out.index("\n    privacy "):].split("\n    tokenizer")[0].split())
     assert all(c in entry for c in ("epsilon", "calibrate", "report", "ledger")), entry
+
+
+@pytest.mark.parametrize("argv", [["train"], ["compare"], ["export"], ["privacy", "report"],
+                                  ["privacy", "ledger", "list"], ["tokenizer", "train"]])
+def test_every_command_help_has_a_description(argv, capsys):
+    """Issue 51 item 10: `llmdp train --help` and `llmdp compare --help` printed the usage
+    and the options with no word on what the command does; every command has one."""
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    between = out.split("\n\n")[1]  # usage, then the description, then the arguments
+    assert not between.startswith(("positional arguments", "options")), out
+    assert len(between.split()) >= 4, between
