@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     ll = lsub.add_parser("list", help="every dataset ledger in the database, with ε spent")
     _loc(ll)
     ll.add_argument("--delta", default=None, metavar="D",
-                    help="also show ε spent per privacy unit at δ = D (a budgeted ledger shows "
-                         "its budget's ε without it)")
+                    help="also show ε spent per privacy unit at δ = D (without it: a ledger "
+                         "without a budget at llmdp's default δ for its N; a budgeted ledger shows "
+                         "its budget's ε)")
     lv = lsub.add_parser("verify", help="check hash chains: every dataset ledger, one "
                          "(--dataset ID), or a run (RUN_DIR: its ledger.jsonl against its dataset ledger)")
     lv.add_argument("run_dir", nargs="?", default=None)
