@@ -61,3 +61,22 @@ def test_the_bar_and_the_plan_line_name_the_mechanism_and_why_b_changed(tmp_path
     progress.run()
     err = capsys.readouterr()
     assert "blt" in err.out + err.err and "dp-sgd" not in err.out + err.err
+
+
+def test_the_first_ctrl_c_says_what_the_stop_keeps(tmp_path):
+    """Issue 51 item 10: the first Ctrl-C's message is true of the stop: after the current
+    step, not at the next checkpoint boundary; under a correlated mechanism the ledger keeps
+    the rounds begun whole (it said "only the steps that ran" whatever the mechanism)."""
+    from llmdp.privacy.plan import make_plan
+    from llmdp.run.interrupt import GracefulInterrupt
+
+    common = dict(dataset_size=94, expected_batch_size=32, max_grad_norm=1.0, steps=6,
+                  delta=1e-4, noise_multiplier=2.0)
+    blt = make_plan(**common, mechanism="blt", sampler="fixed-cycle", buffers=2,
+                    strategy_cache=str(tmp_path / "mf"))
+    said = GracefulInterrupt(str(tmp_path), print, blt).first_message()
+    assert "after the current step, not at the next checkpoint" in said
+    assert "every round of 3 steps begun, whole" in said and "only the steps that ran" not in said
+    sgd = GracefulInterrupt(str(tmp_path), print, make_plan(**common)).first_message()
+    assert "Ctrl-C: stopping after the current step" in sgd  # test_interrupt's end-to-end check
+    assert "the ledger keeps only the steps that ran" in sgd and "round" not in sgd

@@ -367,7 +367,7 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
             return prepared.run_dir
     error = None
     interrupted = False
-    interrupts = GracefulInterrupt(prepared.run_dir, log)
+    interrupts = GracefulInterrupt(prepared.run_dir, log, prepared.plan)
     try:
         _fit(prepared, log, interrupts)
         # The first Ctrl-C: the workers stopped after a whole step (or, when it came after
@@ -440,7 +440,7 @@ def _target_stop(prepared: RunSpec, step: int) -> str | None:
 
 
 def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) -> None:
-    interrupts = interrupts or GracefulInterrupt(prepared.run_dir, log)
+    interrupts = interrupts or GracefulInterrupt(prepared.run_dir, log, prepared.plan)
     import ray  # lazy: Ray (and its start-up cost) only where the run goes on Ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
