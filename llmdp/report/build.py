@@ -198,6 +198,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         "unit_description": unit_desc,
         "unit_formation": unit_meta.get("formation"),  # a store built on Ray Data
         "records": _describe_records(data_cfg),
+        "record_format": _describe_encoding(plan_info.get("record_encoding")),
         "unit_size": {
             "sequence_length": seq_len,
             "max_rows_per_unit": rows_cap,
@@ -556,6 +557,12 @@ def _describe_records(data_cfg: dict) -> str:
     from llmdp.data.sources import describe_records  # lazy: it imports `datasets` (~1 s)
 
     return describe_records(data_cfg)
+
+
+def _describe_encoding(encoding) -> str | None:
+    from llmdp.data.sources import describe_encoding  # lazy: it imports `datasets` (~1 s)
+
+    return describe_encoding(encoding)
 
 
 def _contribution_bound(kind: str, rows: int, seq_len: int, user_field) -> str:

@@ -73,6 +73,7 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         "| --- | --- |",
         f"| ε at δ | {report['epsilon']:.4f} at δ = {report['delta']:.3g} |",
         f"| Unit of privacy | {report['unit']}: {report['unit_description']} |",
+        *([f"| Record format | {report['record_format']} |"] if report.get("record_format") else []),
         f"| Contribution bound | {report['contribution_bound']} |",
         f"| Adjacency | {report['adjacency']} |",
         *([f"| Published counts (public) | {report['published_counts']} |"]
