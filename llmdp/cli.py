@@ -3,6 +3,10 @@
 Each subcommand imports its modules when it runs (the imports inside the functions below
 are deliberate): `llmdp --help` or `llmdp privacy epsilon` must not pay for torch,
 transformers and Ray, which `train` and `export` load.
+
+Why one file of about 550 lines: the parser (every command, its arguments and its help
+text) and the dispatch that maps one parsed command to its module are one table read
+together; each command's work lives in its own module.
 """
 
 from __future__ import annotations

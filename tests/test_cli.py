@@ -341,7 +341,7 @@ def test_fit_hides_rays_token_auth_notice_before_ray_init(monkeypatch, tmp_path)
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", fake_init)
-    prepared = SimpleNamespace(run_dir=str(tmp_path), cfg=SimpleNamespace(
+    prepared = SimpleNamespace(run_dir=str(tmp_path), plan=None, cfg=SimpleNamespace(
         scaling=SimpleNamespace(num_workers=1, cpus_per_worker=1)))
     with pytest.raises(Started):
         trainer._fit(prepared, print)
