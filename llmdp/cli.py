@@ -3,6 +3,10 @@
 Each subcommand imports its modules when it runs (the imports inside the functions below
 are deliberate): `llmdp --help` or `llmdp privacy epsilon` must not pay for torch,
 transformers and Ray, which `train` and `export` load.
+
+Why one file of about 550 lines: the parser (every command, its arguments and its help
+text) and the dispatch that maps one parsed command to its module are one table read
+together; each command's work lives in its own module.
 """
 
 from __future__ import annotations
@@ -49,7 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llmdp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="run a recipe: llmdp train RECIPE [key.sub=value ...]")
+    t = sub.add_parser(
+        "train", help="run a recipe: llmdp train RECIPE [key.sub=value ...]",
+        description="Train the recipe with DP-SGD (or correlated noise) on Ray Train, in "
+                    "<output.dir>/<output.name>: the plan (N, q, B, T, σ, planned ε) is printed "
+                    "first, every step's release is recorded in the dataset's ledger before its "
+                    "update is applied, and the run ends with privacy_report.md/.json/.png "
+                    "(ε from the ledger). Running the same command again resumes an interrupted "
+                    "run from its last checkpoint. Overrides are dotted recipe keys, e.g. "
+                    "privacy.target_epsilon=4 train.steps=200.")
     t.add_argument("recipe")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=4")
     t.add_argument("--debug", action="store_true",
@@ -107,7 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     cp = sub.add_parser(
         "compare", help="runs side by side and the privacy-utility plot: llmdp compare RUN_A "
-                        "RUN_B ... [--out FILE.png]")
+                        "RUN_B ... [--out FILE.png]",
+        description="One line per run from its privacy_report.json: DP or NON-PRIVATE, ε at δ, "
+                    "the final held-out loss and accuracy, the final DP evaluation ± std, the "
+                    "steps. Runs that differ only by their seed (config.yaml equal but for the "
+                    "seeds) are pooled into mean ± sd; runs at one ε whose recipes differ "
+                    "otherwise are listed apart with the fields they differ in. The table and "
+                    "the plot hold internal metrics: not for publication.")
     cp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     cp.add_argument("--out", default=None, metavar="FILE.png",
                     help="also plot evaluation loss against ε to this PNG")
@@ -133,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     ll = lsub.add_parser("list", help="every dataset ledger in the database, with ε spent")
     _loc(ll)
     ll.add_argument("--delta", default=None, metavar="D",
-                    help="also show ε spent per privacy unit at δ = D (a budgeted ledger shows "
-                         "its budget's ε without it)")
+                    help="also show ε spent per privacy unit at δ = D (without it: a ledger "
+                         "without a budget at llmdp's default δ for its N; a budgeted ledger shows "
+                         "its budget's ε)")
     lv = lsub.add_parser("verify", help="check hash chains: every dataset ledger, one "
                          "(--dataset ID), or a run (RUN_DIR: its ledger.jsonl against its dataset ledger)")
     lv.add_argument("run_dir", nargs="?", default=None)
@@ -211,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--allow-unverified", action="store_true",
                    help="export a run that fails verification (the card says which checks failed)")
     e.add_argument("--base-model", default=None, metavar="HUB_ID",
-                   help="the base model's Hub id, when the recipe named a local path")
+                   help="the base model's Hub id, when the recipe named a local path (without "
+                        "--push: any name or path, recorded as given)")
     e.add_argument("--license", default=None, help="license in the card's metadata (default: other)")
 
     s = sub.add_parser(
@@ -239,7 +259,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-wait", action="store_true",
                    help="return after submitting instead of following the job's logs")
     s.add_argument("--debug", action="store_true", help="passed on to `llmdp train`")
+    _describe_every_command(parser)
     return parser
+
+
+def _describe_every_command(parser: argparse.ArgumentParser) -> None:
+    """Every command's ``--help`` opens with a description: its own, else the one-line help
+    the command list shows for it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                sp = action.choices[choice.dest]
+                if not sp.description and choice.help:
+                    sp.description = choice.help[0].upper() + choice.help[1:] + "."
+                _describe_every_command(sp)
 
 
 class FlagError(ValueError):

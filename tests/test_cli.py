@@ -341,7 +341,7 @@ def test_fit_hides_rays_token_auth_notice_before_ray_init(monkeypatch, tmp_path)
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", fake_init)
-    prepared = SimpleNamespace(run_dir=str(tmp_path), cfg=SimpleNamespace(
+    prepared = SimpleNamespace(run_dir=str(tmp_path), plan=None, cfg=SimpleNamespace(
         scaling=SimpleNamespace(num_workers=1, cpus_per_worker=1)))
     with pytest.raises(Started):
         trainer._fit(prepared, print)
@@ -379,3 +379,16 @@ def test_top_level_help_lists_every_privacy_command(capsys):
     out = capsys.readouterr().out
     entry = " ".join(out[out.index("\n    privacy "):].split("\n    tokenizer")[0].split())
     assert all(c in entry for c in ("epsilon", "calibrate", "report", "ledger")), entry
+
+
+@pytest.mark.parametrize("argv", [["train"], ["compare"], ["export"], ["privacy", "report"],
+                                  ["privacy", "ledger", "list"], ["tokenizer", "train"]])
+def test_every_command_help_has_a_description(argv, capsys):
+    """Issue 51 item 10: `llmdp train --help` and `llmdp compare --help` printed the usage
+    and the options with no word on what the command does; every command has one."""
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    between = out.split("\n\n")[1]  # usage, then the description, then the arguments
+    assert not between.startswith(("positional arguments", "options")), out
+    assert len(between.split()) >= 4, between

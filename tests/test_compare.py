@@ -10,12 +10,23 @@ from llmdp.cli import main
 from llmdp.tune.compare import compare, plot
 
 
-def _run(root, name, report):
+def _recipe(seed=0, lr=1e-3, steps=6, model=None, **privacy):
+    """A resolved recipe's fields that compare reads (config.yaml)."""
+    return {"model": {"name_or_path": model, "init": "pretrained" if model else "tiny",
+                      "tiny": {"seed": seed}},
+            "data": {"path": "/d/a.jsonl"}, "privacy": {"target_epsilon": 1.0, **privacy},
+            "optim": {"name": "adamw", "lr": lr}, "train": {"steps": steps, "seed": seed},
+            "output": {"dir": "/runs", "name": f"r{seed}"}}
+
+
+def _run(root, name, report, recipe=None):
     d = root / name
     d.mkdir(parents=True)
     (d / "plan.json").write_text(json.dumps({"run_id": name, "plan": {}}))
     if report is not None:
         (d / "privacy_report.json").write_text(json.dumps(report))
+    if recipe is not None:
+        (d / "config.yaml").write_text(json.dumps(recipe))  # JSON is YAML
     return d
 
 
@@ -136,7 +147,9 @@ def test_seeds_are_pooled_per_starting_model_and_each_start_is_its_own_curve(tmp
              "s-np": (None, [3.9, 4.0], None, 7.6),
              "p-e1": (1.0001, [3.4, 3.6, 3.5], public, 3.9), "p-e8": (8.0, [3.1, 3.2, 3.0], public, 3.9),
              "p-np": (None, [2.9, 3.0, 3.1], public, 3.9)}
-    paths = [_run(tmp_path, f"{name}-{i}", run(eps, loss, start, before))
+    paths = [_run(tmp_path, f"{name}-{i}", run(eps, loss, start, before),
+                  _recipe(seed=i, target_epsilon=eps, dp=eps is not None,
+                          model="/m/pre-1" if start else None))
              for name, (eps, losses, start, before) in specs.items() for i, loss in enumerate(losses)]
     rows = compare(paths, log=print)
     out = capsys.readouterr().out
@@ -161,3 +174,33 @@ def test_seeds_are_pooled_per_starting_model_and_each_start_is_its_own_curve(tmp
     assert len(labels) == 2 and "mean ± sd of 3 runs, from public run pre-1" in labels[1]
     assert "mean ± sd of 2 runs, from random weights" in labels[0]
     assert (tmp_path / "pu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_only_seed_replicates_are_pooled(tmp_path, capsys):
+    """Issue 51 item 5: sweep trials at two learning rates, or runs of 8 and 24 steps, at the
+    same ε are not seed replicates: they are separate entries, and the summary names the
+    fields they differ in; runs whose recipes differ only by their seeds (and name) are
+    pooled; a run without config.yaml is never pooled."""
+    def report(loss):
+        return {"dp": True, "epsilon": 1.0, "delta": 1e-6, "steps_completed": 8,
+                "status": "complete", "dataset_ledger": {"dataset_id": "path:/d/a"},
+                "evaluation": {"internal": [_internal(8, loss, 0.1)]}}
+
+    paths = [_run(tmp_path, "lr3", report(7.631), _recipe(lr=1e-3, steps=8)),
+             _run(tmp_path, "lr2", report(7.646), _recipe(lr=1e-2, steps=8)),
+             _run(tmp_path, "s24", report(7.2), _recipe(lr=1e-3, steps=24)),
+             _run(tmp_path, "s24-seed1", report(7.4), _recipe(seed=1, lr=1e-3, steps=24)),
+             _run(tmp_path, "old", report(7.0))]
+    from llmdp.tune.compare import summarize
+
+    rows = compare(paths, log=print)
+    pooled = sorted(summarize(rows), key=lambda s: s["runs"])
+    assert [s["runs"] for s in pooled] == [["lr2"], ["lr3"], ["old"], ["s24", "s24-seed1"]]
+    assert pooled[3]["n"] == 2 and abs(pooled[3]["loss"] - 7.3) < 1e-12
+    assert pooled[0]["differs"] == {"optim.lr": 1e-2, "train.steps": 8}
+    assert pooled[2]["differs"] is None
+    out = capsys.readouterr().out
+    summary = out.split("runs that differ only by seed pooled")[1]
+    assert "optim.lr=0.01, train.steps=8" in summary and "optim.lr=0.001, train.steps=24" in summary
+    assert "no config.yaml: not pooled" in summary
+    assert not any(" 4 " in ln or " 3 " in ln for ln in summary.splitlines())

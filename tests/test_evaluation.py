@@ -415,6 +415,34 @@ def test_expected_std_is_the_std_the_releases_have():
     assert sd["fraction_of_range"] == pytest.approx(sd["accuracy"]) == pytest.approx(sd["loss"] / 6.0)
 
 
+def test_with_a_noised_count_the_plan_states_the_stds_the_releases_will_state():
+    """Issue 51 item 10: with eval.count: noised a release divides by the noised count, so
+    the std it states is L·s/ñ: the plan said ± 8.76 and the release ± 122.6. The plan now
+    states the central 95% of the stated stds (and L·s/n, their median), and its console
+    line says so; a public count has no such range."""
+    from types import SimpleNamespace
+
+    from llmdp.run.planning import _check_dp_eval_noise
+
+    plan = _plan("noised", z=10.0, L=8.0)
+    n = 40  # s = 10·√3 ≈ 17: the count's noise is not small against n
+    sd = plan.expected_std(n)
+    sums = np.array([n * 3.0 / plan.loss_bound, n * 0.4, n], dtype=np.float64)
+    M = 2000
+    stated = np.array([dp_eval.release(sums, plan, keys.seeded_key(12, i, "eval"), 10)["loss_std"]
+                       for i in range(M)])
+    lo, hi = sd["loss_range"]
+    inside = np.mean((stated >= lo) & (stated <= hi))
+    assert abs(inside - 0.95) < 4 * math.sqrt(0.95 * 0.05 / M)
+    assert abs(np.mean(stated <= sd["loss"]) - 0.5) < 4 * math.sqrt(0.25 / M)  # the median
+    assert hi > 4 * sd["loss"]  # far from the single figure it stated before
+    lines: list[str] = []
+    _check_dp_eval_noise(SimpleNamespace(eval=SimpleNamespace(allow_noisy=True)), plan, n,
+                         lines.append)
+    assert f"loss ± {lo:.3g} to ± {hi:.3g}" in lines[0] and "noised count" in lines[0]
+    assert "loss_range" not in _plan("public").expected_std(n)
+
+
 def test_a_dp_evaluation_that_would_be_mostly_noise_is_refused_at_plan_time(tmp_path):
     """Issue 30 item 3: a small held-out set whose DP release's std dwarfs the metric's
     range is refused, naming the numbers and the fixes; eval.allow_noisy releases it."""

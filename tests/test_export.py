@@ -19,9 +19,10 @@ LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 
 
 def _run(tmp_path, *, lora: bool, rng: str = "secure", name: str = "run", data=None,
-         tokenizer=None, unit: str = "sequence"):
+         tokenizer=None, unit: str = "sequence", base=None):
     """A finished run made by the worker loop in this process (no Ray): final model,
-    ledger, report and a checkpoint where Ray would put it."""
+    ledger, report and a checkpoint where Ray would put it; ``base``: a local pretrained
+    model folder to start from (else a tiny model built from a config)."""
     from llmdp.report.build import write_report
     from llmdp.run.launch import prepare
     from llmdp.train.loop import LocalContext, train_loop_per_worker
@@ -31,7 +32,8 @@ def _run(tmp_path, *, lora: bool, rng: str = "secure", name: str = "run", data=N
         "model": {"init": "tiny", "tokenizer": tokenizer or tiny_tokenizer_dir(),
                   "tiny": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
                            "intermediate_size": 32, "max_position_embeddings": 64},
-                  "lora": LORA if lora else None},
+                  "lora": LORA if lora else None} if base is None else
+                 {"init": "pretrained", "name_or_path": str(base), "lora": LORA if lora else None},
         "data": {"path": str(data), "sequence_length": 24, "unit": unit,
                  **({} if unit == "sequence" else {"max_rows_per_unit": 2})},
         # A fixed sigma: no calibration, and a cheap PLD in every report this file rebuilds.
@@ -152,8 +154,9 @@ def test_lora_adapter_export_names_the_base_by_hub_id(lora_run, tmp_path):
     with pytest.raises(ExportError, match=r"--merge.*--base-model"):
         export_run(lora_run, tmp_path / "a", log=lambda *a: None)
     assert not (tmp_path / "a").exists()
-    with pytest.raises(ExportError, match=r"--base-model: .*not a Hub id"):
-        export_run(lora_run, tmp_path / "a", base_model=str(tmp_path), log=lambda *a: None)
+    with pytest.raises(ExportError, match=r"--base-model: .*not a Hub id"):  # published: a Hub id
+        export_run(lora_run, tmp_path / "a", base_model=str(tmp_path), push="org/name",
+                   dry_run=True, log=lambda *a: None)
     out = tmp_path / "adapter"
     res = export_run(lora_run, out, base_model="test-org/tiny-base", log=lambda *a: None)
     assert res["format"] == "adapter"
@@ -167,6 +170,38 @@ def test_lora_adapter_export_names_the_base_by_hub_id(lora_run, tmp_path):
     exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(out))
     assert _greedy(exported) == _greedy(trained)
     assert any(p.abs().sum() > 0 for n, p in exported.named_parameters() if "lora_B" in n)  # trained
+
+
+def test_a_local_lora_export_names_its_local_base_as_given(tmp_path):
+    """Issue 51 item 8: a LoRA run on a local base (an in-house registry, no Hub id) exports
+    locally (no --push): adapter_config.json and the card name the base as the recipe gave
+    it, and the folder loads on it; publishing it (--push) still needs a Hub id."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import TINY_VOCAB, tiny_model, tiny_tokenizer
+
+    base = tmp_path / "in-house" / "base-7"
+    tiny_model("llama", vocab_size=TINY_VOCAB, num_layers=1).save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    run = _run(tmp_path, lora=True, base=base, name="local-base")
+    out = tmp_path / "adapter"
+    res = export_run(run, out, log=lambda *a: None)
+    assert res["format"] == "adapter"
+    assert json.load(open(out / "adapter_config.json"))["base_model_name_or_path"] == str(base)
+    card = (out / "README.md").read_text()
+    assert f"a LoRA adapter (PEFT) for `{base}`" in card
+    assert json.load(open(out / "llmdp_export.json"))["base_model"] == str(base)
+    _, trained = _trained_peft(run)
+    exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(out))
+    assert _greedy(exported) == _greedy(trained)
+    # given explicitly (where the registry keeps the base): recorded as given
+    given = str(tmp_path / "registry" / "base-7")
+    export_run(run, tmp_path / "b", base_model=given, log=lambda *a: None)
+    assert json.load(open(tmp_path / "b" / "adapter_config.json"))["base_model_name_or_path"] == given
+    with pytest.raises(ExportError, match=r"not a Hub model \(a local path\).*--base-model ORG/NAME"):
+        export_run(run, tmp_path / "c", push="org/name", dry_run=True, log=lambda *a: None)
+    assert not (tmp_path / "c").exists()
 
 
 def test_lora_merged_export_generates_the_same(lora_run, tmp_path):

@@ -130,3 +130,64 @@ def test_a_run_folder_left_open_is_reported_at_launch_with_the_fix(tmp_path, mon
     assert lines == []
     warn_open(cfg, lines.append)
     assert len(lines) == 1
+
+
+def test_privacy_report_recreates_its_files_owner_only(tmp_path, capsys):
+    """Issue 51 item 6: `llmdp privacy report` re-creates a missing privacy_report.md / .png
+    (and .json) owner-only whatever the umask: the report holds internal statistics."""
+    from llmdp.cli import main
+    from llmdp.run.launch import prepare
+    from tests.helpers import simulate_steps, write_notes
+
+    write_notes(tmp_path / "notes.jsonl", 20)
+    prep = prepare(_cfg(tmp_path), log=lambda *a: None)
+    simulate_steps(prep)
+    for name in ("privacy_report.json", "privacy_report.md", "privacy_report.png"):
+        if os.path.exists(os.path.join(prep.run_dir, name)):
+            os.remove(os.path.join(prep.run_dir, name))
+    with umask(0o022):
+        assert main(["privacy", "report", prep.run_dir]) == 0
+    capsys.readouterr()
+    for name in ("privacy_report.json", "privacy_report.md", "privacy_report.png"):
+        assert mode(os.path.join(prep.run_dir, name)) == 0o600, name
+
+
+def test_an_audit_writes_its_folder_and_results_owner_only(tmp_path, monkeypatch):
+    """Issue 51 item 6: `llmdp audit` creates `<name>-audit/` 0700 before the launch looks
+    at it (no "private data readable by others" about its own folder), and audit.json /
+    audit.md 0600, whatever the umask."""
+    import json
+
+    from llmdp.audit import gradient as gc
+    from llmdp.audit import run as audit
+    from llmdp.report import build
+    from llmdp.run import launch, planning
+    from tests.helpers import write_notes
+
+    write_notes(tmp_path / "notes.jsonl", 20)
+    cfg = _cfg(tmp_path)
+    seen = {}
+
+    def fake_run(acfg, log, augment=None):  # the launch: what its warn_open would find
+        seen["open"] = _fs.too_open(acfg.run_dir)
+        with open(os.path.join(acfg.run_dir, "privacy_report.json"), "w") as f:
+            json.dump({"status": "complete", "steps_completed": 1, "noise_multiplier": 1.0,
+                       "sampling_probability": 0.1}, f)
+
+    monkeypatch.setattr(launch, "run", fake_run)
+    monkeypatch.setattr(planning, "plan_run", lambda c, log=None: type(
+        "P", (), {"store": type("S", (), {"num_units": 200})()})())
+    monkeypatch.setattr(gc, "read_iterates", lambda *a: None)
+    monkeypatch.setattr(gc, "scores", lambda *a: [0.0] * 4)
+    monkeypatch.setattr(audit, "summarize", lambda *a, **k: {"violation": False})
+    monkeypatch.setattr(audit, "render_audit", lambda r: "audit\n")
+    monkeypatch.setattr(audit, "audit_line", lambda r: "audit")
+    monkeypatch.setattr(build, "write_report", lambda run_dir: None)
+    with umask(0o022):
+        audit.run_audit(cfg, audit.AuditSettings(canaries=4, canary_kind="gradient"),
+                        log=lambda *a: None)
+    run_dir = audit.audit_run_dir(cfg)
+    assert seen["open"] == []
+    assert mode(run_dir) == 0o700
+    assert mode(os.path.join(run_dir, "audit.json")) == 0o600
+    assert mode(os.path.join(run_dir, "audit.md")) == 0o600

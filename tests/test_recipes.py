@@ -44,8 +44,22 @@ def test_the_real_model_recipes_exist():
 def test_every_recipe_loads_and_validates(path):
     cfg = load(path.stem)
     assert cfg.output.name == path.stem
-    # What `llmdp train` resolves: paths absolute, under the directory it runs from.
-    assert os.path.isabs(cfg.data.path) and cfg.data.path.startswith(str(ROOT))
+    # What `llmdp train` resolves: paths absolute, under the directory it runs from, or
+    # (a generated demo corpus) under llmdp's cache folder.
+    assert os.path.isabs(cfg.data.path)
+    assert cfg.data.path.startswith((str(ROOT), os.environ["LLMDP_CACHE"] + os.sep))
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu", "demo-finetune", "demo-pretrain"])
+def test_the_demo_data_is_in_llmdp_cache(name, monkeypatch, tmp_path):
+    """Issue 51 item 10: the demo recipes' generated corpora go to $LLMDP_CACHE (they went
+    to .cache/llmdp under the working directory whatever LLMDP_CACHE said); without it set,
+    to .cache/llmdp under the working directory, as before."""
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
+    cfg = load(name)
+    assert os.path.dirname(cfg.data.path) == str(tmp_path / "cache" / "demo")
+    monkeypatch.delenv("LLMDP_CACHE")
+    assert os.path.dirname(load(name).data.path) == str(ROOT / ".cache" / "llmdp" / "demo")
 
 
 def test_loading_every_recipe_touches_neither_network_nor_hub():

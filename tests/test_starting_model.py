@@ -120,6 +120,9 @@ def test_a_public_start_is_named_and_the_guarantee_covers_only_the_fine_tuning(t
     card = (out / "README.md").read_text(encoding="utf-8")
     assert f"| Starting model | Starting model: <local>/model (llmdp run {pub.run_id} on data its " \
            f"recipe declared public" in card
+    # issue 51 item 4: the card's first sentence names that start too, not random weights
+    assert f"full weights, fine-tuned from `<local>/model` (llmdp run {pub.run_id})." in card
+    assert "randomly initialized" not in card
     exported = json.load(open(out / PROVENANCE, encoding="utf-8"))
     assert exported["run_id"] == dp.run_id and exported["starting_model"]["run_id"] == pub.run_id
     # the chain travels with the export, without ledger locations or dataset ids (DESIGN §3.9)

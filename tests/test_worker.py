@@ -462,3 +462,49 @@ def test_report_delta_is_the_accountants_plus_the_noise_tails(tmp_path, monkeypa
     md = render_markdown(old)
     assert "not included in δ above (a plan of an earlier llmdp)" in md
     assert "the noise generator's truncated tails are not included" in md
+
+
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                                            "</{{ m['role'] }}>\n{% endfor %}"])
+def test_a_chat_report_names_its_template_and_that_only_replies_are_trained(tmp_path, template):
+    """Issue 51 item 10: the report of a run on chat records says which chat template
+    rendered them (the tokenizer's own, with its hash, or the plain format) and that only
+    the assistant replies are training targets; the publishable report and the card too."""
+    import dataclasses
+    import hashlib
+    import json
+
+    from llmdp.config.schema import recipe_from_dict, to_dict
+    from llmdp.report.build import write_report
+    from llmdp.report.publish import publishable_report
+    from llmdp.report.render import render_markdown
+    from tests.helpers import simulate_steps, tiny_tokenizer
+    from tests.test_loop import make_recipe, prepared_config
+
+    chats = tmp_path / "chats.jsonl"
+    with open(chats, "w") as f:
+        for i in range(60):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"Summarize note {i} about the patient's cough."},
+                {"role": "assistant", "content": f"Note {i}: cough for {i % 9 + 1} days."}]}) + "\n")
+    raw = to_dict(make_recipe(tmp_path))
+    raw["data"].update({"path": str(chats), "messages_field": "messages"})
+    if template is not None:  # a tokenizer that carries its own chat template
+        tok = tiny_tokenizer(tmp_path)
+        tok.chat_template = template
+        tok.save_pretrained(tmp_path / "tok-chat")
+        raw["model"]["tokenizer"] = str(tmp_path / "tok-chat")
+    cfg = recipe_from_dict(raw)
+    prep = prepared_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=2)))
+    simulate_steps(prep)
+    r = write_report(prep.run_dir)
+    fmt = r["record_format"]
+    assert fmt.startswith("chat records (data.messages_field='messages') rendered with ")
+    assert "only the assistant replies" in fmt and "never trained on" in fmt
+    if template is None:
+        assert "no chat template: the plain format plain-v1" in fmt
+    else:
+        sha = hashlib.sha256(json.dumps(template).encode()).hexdigest()[:12]
+        assert f"the tokenizer's own chat template (sha256 {sha}…)" in fmt
+    assert f"| Record format | {fmt} |" in render_markdown(r)
+    assert publishable_report(r)["record_format"] == fmt

@@ -15,8 +15,9 @@ Nasr and Jagielski (2023) turns the guesses on the most confident canaries into 
 lower bound at the stated confidence (``llmdp.audit.estimate``). With both scores each is
 tested at β/2 (a union bound), so the larger of the two is a valid bound at 1 − β.
 
-Files. Public (``audit.json``, ``audit.md``, and the "Empirical audit" section of the
-privacy report and of an export's model card): aggregate numbers only. Secret, in
+Files. Publishable (``audit.json``, ``audit.md``, and the "Empirical audit" section of the
+privacy report and of an export's model card): aggregate numbers only; on disk they are
+owner-only like the rest of the audit run's folder (published through an export). Secret, in
 ``audit/`` (never published, never exported): the key (0600), the canaries with their
 coins, the canary stores, the per-canary scores. The same command again resumes an
 interrupted audit run with the same key, or re-scores a finished one.
@@ -96,7 +97,7 @@ def _prepare_canaries(cfg, settings: AuditSettings, run_dir: str, log) -> cn.Can
     from llmdp.train.models import load_tokenizer
 
     secret = _secret_dir(run_dir)
-    os.makedirs(secret, exist_ok=True)
+    os.makedirs(secret, exist_ok=True)  # the run folder too: owner-only (`run_audit`)
     os.chmod(secret, 0o700)
     key_path, can_path = os.path.join(secret, "key"), os.path.join(secret, "canaries.jsonl")
     set_path = os.path.join(secret, "settings.json")
@@ -153,15 +154,25 @@ def _keep_sampling_rate(acfg, canaries: cn.Canaries, log):
 
 def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict:
     """Train the audit run, score the canaries, write ``audit.json`` / ``audit.md`` and the
-    report's section; returns audit.json's content."""
+    report's section; returns audit.json's content. Everything it writes (the audit run
+    folder, its secrets, audit.json / audit.md) is owner-only (0700/0600; group-readable
+    with ``output.group_readable``), like any run folder: it holds private data."""
+    from llmdp._fs import private_files
+    from llmdp.config.schema import ConfigError
+
+    if not cfg.privacy.dp:
+        raise ConfigError("privacy.dp: false: a NON-PRIVATE baseline has no ε to audit; audit "
+                          "the DP recipe", key="privacy.dp")
+    with private_files(cfg.output.group_readable):
+        return _run_audit(cfg, settings, log)
+
+
+def _run_audit(cfg, settings: AuditSettings, log) -> dict:
     from llmdp._fs import cache_root
     from llmdp.config.schema import ConfigError
     from llmdp.run import launch as trainer
     from llmdp.run.rundir import RunDir
 
-    if not cfg.privacy.dp:
-        raise ConfigError("privacy.dp: false: a NON-PRIVATE baseline has no ε to audit; audit "
-                          "the DP recipe", key="privacy.dp")
     t0 = time.time()
     acfg = audit_config(cfg)
     run_dir = os.path.abspath(acfg.run_dir)

@@ -59,8 +59,9 @@ def field_spec(
     """A dataclass field plus the checks the loader applies to it.
 
     ``ge/gt/le/lt``: bounds; ``items``: the same bounds for every item of a tuple;
-    ``path``: "always" (resolved to an absolute path) or "maybe" (a local path if it
-    exists or starts with ./ ../ / ~, else kept as a hub id); ``help``: added to the
+    ``path``: "always" (resolved to an absolute path; a leading ``$LLMDP_CACHE`` is llmdp's
+    cache folder) or "maybe" (a local path if it exists or starts with ./ ../ / ~, else kept
+    as a hub id); ``help``: added to the
     message when a required field is missing.
     """
     meta: dict[str, Any] = {}
@@ -230,7 +231,17 @@ def _coerce(key: str, value: Any, tp: Any, ctx: _Ctx) -> Any:
     return out
 
 
+# A path that starts with this names llmdp's cache folder (`llmdp._fs.cache_root`:
+# $LLMDP_CACHE, else .cache/llmdp under the working directory), e.g. the demo recipes'
+# generated corpora: `path: $LLMDP_CACHE/demo/clinical_notes.jsonl`.
+CACHE_VAR = re.compile(r"^\$(?:LLMDP_CACHE\b|\{LLMDP_CACHE\})")
+
+
 def _resolve_path(value: str, base_dir: str) -> str:
+    if CACHE_VAR.match(value):
+        from llmdp._fs import cache_root  # lazy: a leaf module, but only these paths need it
+
+        value = cache_root() + CACHE_VAR.sub("", value)
     p = os.path.expanduser(value)
     if not os.path.isabs(p):
         p = os.path.join(base_dir, p)

@@ -403,6 +403,29 @@ def describe_records(data_cfg: Mapping) -> str:
     return "; ".join(parts)
 
 
+def describe_encoding(encoding: dict | None) -> str | None:
+    """How records become training tokens, for the privacy report: the record format, the
+    chat template that rendered chats (whose, and its sha256) and what is trained on (for
+    chat and instruction records: only the assistant replies). ``encoding``: the unit
+    store's ``RecordEncoder.describe()`` (None for a run of an earlier llmdp: None).
+    Public configuration only (a template is configuration, not data)."""
+    if not isinstance(encoding, dict) or not encoding.get("mode"):
+        return None
+    cols = ", ".join(f"{k}={v!r}" for k, v in (encoding.get("columns") or {}).items())
+    if encoding["mode"] == "text":
+        return f"plain text records ({cols}): every token, and the closing EOS, is a training target"
+    sha = (encoding.get("template_sha256") or "")[:12]
+    template = {
+        "tokenizer": f"the tokenizer's own chat template (sha256 {sha}…)",
+        "recipe": f"the recipe's data.chat_template (sha256 {sha}…)",
+    }.get(encoding.get("chat_template"),
+          f"no chat template: the plain format {encoding.get('plain_format') or 'System/User/Assistant'}")
+    what = "chat records" if encoding["mode"] == "chat" else "instruction records (a user prompt and an assistant response)"
+    return (f"{what} ({cols}) rendered with {template}; only the assistant replies (with their "
+            f"end-of-turn marker) are training targets: system, user and tool turns and the "
+            f"template's own text are context, never trained on")
+
+
 def dataset_identity(d) -> dict:
     """The ledger identity of a recipe's ``data`` (a training or tokenizer recipe):
     ``{"dataset_id", "source", "name", "declared"}``. ``data.dataset_id`` when declared

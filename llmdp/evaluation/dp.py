@@ -38,6 +38,7 @@ AGGREGATES = ("loss", "accuracy", "count")
 # selection or a card built on it is built on noise.
 NOISY_EVAL_FRACTION = 0.05
 _MIN_Z = 0.2  # the smallest noise multiplier eval.epsilon is calibrated to (PLD grid size)
+_Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,23 @@ class DpEvalPlan:
     def entries(self) -> list:
         return [(self.event(), self.releases)]
 
-    def expected_std(self, units: int) -> dict[str, float]:
-        """The noise std each released metric will have with ``units`` evaluated units (the
-        count's own noise ignored): loss L·s/n, accuracy s/n, and both as a fraction of their
-        metric's range (the same number: s/n)."""
+    def expected_std(self, units: int) -> dict:
+        """The noise std each released metric will have with ``units`` evaluated units: loss
+        L·s/n, accuracy s/n, and both as a fraction of their metric's range (the same
+        number: s/n). With ``count: noised`` a release divides by the *noised* count ñ =
+        max(1, n + N(0, s²)) (the true n is private), so its stated std is L·s/ñ, not L·s/n:
+        L·s/n is then its median, and ``loss_range`` / ``accuracy_range`` (the same keys are
+        absent with a public count) are the central 95% of the stds the release will state,
+        (L·s/max(1, n + 1.96 s), L·s/max(1, n − 1.96 s)): wide when s is not small against n."""
         n = max(1, int(units))
-        rel = self.noise_std / n
-        return {"loss": self.loss_bound * rel, "accuracy": rel, "fraction_of_range": rel}
+        s = self.noise_std
+        rel = s / n
+        out = {"loss": self.loss_bound * rel, "accuracy": rel, "fraction_of_range": rel}
+        if self.count == "noised":
+            lo, hi = s / max(1.0, n + _Z95 * s), s / max(1.0, n - _Z95 * s)
+            out["loss_range"] = (self.loss_bound * lo, self.loss_bound * hi)
+            out["accuracy_range"] = (lo, hi)
+        return out
 
     def noise(self) -> tuple[int, int, float]:
         """(releases, noise coordinates per release, noise multiplier relative to the L2

@@ -6,7 +6,8 @@
 The folder (`export_run`):
 
 - the model: the LoRA adapter in PEFT format (``adapter_config.json`` naming the base by
-  its Hub id, never a local path), or, with ``--merge``, the base with the adapter merged
+  its Hub id, never a local path, when published with ``--push``; a local export names a
+  local base as given, for an in-house registry), or, with ``--merge``, the base with the adapter merged
   in (``merge_and_unload``); a full fine-tune is exported as full weights. safetensors only;
 - the tokenizer;
 - the publishable ``privacy_report.json`` / ``.md`` / ``.png`` and ``ledger.jsonl``
@@ -237,7 +238,7 @@ def export_run(
         raise ExportError(f"--push: {push!r} is not a Hub repo id; expected ORG/NAME")
     cfg = _run_config(run_dir)
     if declared_public(run_dir):
-        base_id = _base_model_id(cfg, base_model)
+        base_id = _base_model_id(cfg, base_model, push=push, merge=merge)
         fmt, problems, report = export_public(run_dir, to, cfg, merge=merge, base_model=base_id,
                                                license=license, push=push,
                                                allow_unverified=allow_unverified, log=log)
@@ -245,7 +246,7 @@ def export_run(
                               "DECLARED PUBLIC DATA: no privacy guarantee")
     problems, report = verify_run(run_dir)
     _gate_problems(run_dir, problems, allow_unverified, log)
-    base_id = _base_model_id(cfg, base_model)
+    base_id = _base_model_id(cfg, base_model, push=push, merge=merge)
     _check_destination(to, report)
     with building_dir(to, ".tmp-export-") as tmp:
         fmt = _write_model(run_dir, tmp, cfg, merge=merge, base_model=base_id, log=log)

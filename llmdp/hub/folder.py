@@ -139,14 +139,26 @@ def _scrub_config_json(path: str, base_model: str | None) -> None:
         f.write("\n")
 
 
-def _base_model_id(cfg: dict, given: str | None) -> str | None:
+def _base_model_id(cfg: dict, given: str | None, *, push: str | None = None,
+                   merge: bool = False) -> str | None:
+    """The base model the export names (card, adapter_config.json): ``given``
+    (``--base-model``), else the recipe's pretrained ``model.name_or_path`` if it is a Hub
+    id. A published export (``push``) names a Hub id only, never a local path. A local
+    export (no ``push``: an in-house registry) records the base as given, a local path too,
+    and an adapter (LoRA, not merged) on a local base names that base, since it does not
+    load without it; full weights from a local base name none (they load alone)."""
     if given is not None:
-        if not _is_hub_id(given):
-            raise ExportError(f"--base-model: {given!r} is not a Hub id (ORG/NAME); the card and "
-                              f"adapter_config.json name the base by its Hub id, never a local path")
+        if push is not None and not _is_hub_id(given):
+            raise ExportError(f"--base-model: {given!r} is not a Hub id (ORG/NAME); a published "
+                              f"card and adapter_config.json name the base by its Hub id, never a "
+                              f"local path (an export without --push records it as given)")
         return given
     name = cfg["model"].get("name_or_path")
-    if cfg["model"].get("init") == "pretrained" and _is_hub_id(name):
+    if cfg["model"].get("init") != "pretrained" or not name:
+        return None
+    if _is_hub_id(name):
+        return name
+    if push is None and cfg["model"].get("lora") is not None and not merge:
         return name
     return None
 
@@ -184,10 +196,12 @@ def _write_weights(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model
                 f"does not apply to {cfg['model'].get('name_or_path')!r} as published. Export merged "
                 f"weights with --merge")
         if base_model is None:
+            tiny = cfg["model"].get("init") == "tiny"
             raise ExportError(
                 f"the adapter's base {local_base!r} is not a Hub model "
-                f"({'built from a config' if cfg['model'].get('init') == 'tiny' else 'a local path'}); "
-                f"export merged weights with --merge, or name the published base with --base-model ORG/NAME")
+                f"({'built from a config' if tiny else 'a local path'}); "
+                f"export merged weights with --merge, or name the published base with --base-model ORG/NAME"
+                + ("" if tiny else ", or export without --push (a local export names the local base)"))
         _copy_files(model_dir, out, ("adapter_config.json", "adapter_model.safetensors", "README.md"))
         if os.path.exists(os.path.join(out, "README.md")):
             os.remove(os.path.join(out, "README.md"))  # peft's template card; ours replaces it

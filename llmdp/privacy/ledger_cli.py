@@ -80,7 +80,22 @@ def _summary(ledger: str, st, delta: float | None = None) -> str:
             + (f", budget {budget.describe()}, ε spent "
                f"{unit_epsilon(recs, budget.unit, budget.delta, budget.accountant):.4f}"
                if budget is not None else ", no budget")
-            + (f"; {_per_unit(recs, delta)}" if delta is not None and rel else ""))
+            + (f"; {_per_unit(recs, delta)}" if delta is not None and rel else "")
+            + (_at_default_delta(recs, rel) if delta is None and budget is None and rel else ""))
+
+
+def _at_default_delta(recs, rel) -> str:
+    """A ledger without a budget, listed without --delta: ε spent at llmdp's default δ for
+    the largest N its releases name (the δ a recipe without privacy.delta is planned at;
+    the larger N, the smaller δ and the larger ε), else nothing."""
+    from llmdp.privacy.plan import default_delta  # lazy: only this line needs the planner
+
+    sizes = [int(n) for r in rel for n in [(r.get("meta") or {}).get("dataset_size")]
+             if isinstance(n, int) and not isinstance(n, bool) and n >= 1]
+    if not sizes:
+        return ""
+    return (f"; {_per_unit(recs, default_delta(max(sizes)))} (llmdp's default δ for N = "
+            f"{max(sizes)}; --delta D for another)")
 
 
 def _delta_arg(value: str) -> float:

@@ -8,7 +8,7 @@ This module builds the report (`build_report`) and writes the run's local files
 (`write_report`: privacy_report.json / .md / .png). Its Markdown and the ε panel of its plots
 are rendered by `llmdp.report.render`; what of it may be published is `llmdp.report.publish`.
 
-Why one file of about 690 lines: `build_report` reads a run's files once and answers the
+Why one file of about 700 lines: `build_report` reads a run's files once and answers the
 checklist in one pass; its helpers each fill one field from what it read. Rendering
 (`render`), the publishable subset (`publish`) and the evaluation section live apart.
 """
@@ -198,6 +198,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         "unit_description": unit_desc,
         "unit_formation": unit_meta.get("formation"),  # a store built on Ray Data
         "records": _describe_records(data_cfg),
+        "record_format": _describe_encoding(plan_info.get("record_encoding")),
         "unit_size": {
             "sequence_length": seq_len,
             "max_rows_per_unit": rows_cap,
@@ -558,6 +559,12 @@ def _describe_records(data_cfg: dict) -> str:
     return describe_records(data_cfg)
 
 
+def _describe_encoding(encoding) -> str | None:
+    from llmdp.data.sources import describe_encoding  # lazy: it imports `datasets` (~1 s)
+
+    return describe_encoding(encoding)
+
+
 def _contribution_bound(kind: str, rows: int, seq_len: int, user_field) -> str:
     if kind == "sequence":
         return f"one unit is one row of {seq_len} tokens; its gradient is clipped to C"
@@ -628,7 +635,23 @@ def _sampling_section(plan, seeded: bool, truncated_steps: int, completed: int) 
 
 
 def write_report(run_dir: str, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
+    """(Re)write the run's privacy_report.json, .md and .png. A file it creates is
+    owner-only (group-readable with the run's ``output.group_readable``) whoever calls it
+    (`llmdp privacy report` too): the report holds internal statistics of private data."""
+    import yaml  # lazy: only the readers that need the recipe pay for it
+
+    from llmdp._fs import private_files
+
     rd = RunDir(run_dir)  # plan.json and config.yaml read once for the report and its curve
+    try:
+        group = bool((rd.config().get("output") or {}).get("group_readable"))
+    except (OSError, AttributeError, yaml.YAMLError):  # no readable recipe: build_report says so
+        group = False
+    with private_files(group):
+        return _write_report(rd, run_dir, failure, interrupted)
+
+
+def _write_report(rd: RunDir, run_dir: str, failure: str | None, interrupted: bool) -> dict[str, Any]:
     report = build_report(rd, failure=failure, interrupted=interrupted)
     try:  # the plot's curve, kept for the publishable report (export renders its PNG from it)
         report["epsilon_curve"] = [[t, e] for t, e in epsilon_curve(rd)]

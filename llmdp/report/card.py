@@ -50,10 +50,12 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         lines += ["> **UNVERIFIED EXPORT.** Published with `--allow-unverified`; these checks failed, "
                   "so the guarantee below may not hold for these weights:", ">"]
         lines += [f"> - {p}" for p in unverified] + [""]
+    start = _start_name(report.get("starting_model"))
     what = {"adapter": f"a LoRA adapter (PEFT) for `{base_model}`",
             "merged": "full weights (a LoRA adapter merged into its base)" + (
-                f", base `{base_model}`" if base_model else ""),
+                f", base `{base_model}`" if base_model else f", base {start}" if start else ""),
             "full": "full weights" + (f", fine-tuned from `{base_model}`" if base_model else
+                                      f", fine-tuned from {start}" if start else
                                       ", trained from a randomly initialized model")}[fmt]
     lines += [
         f"A causal language model trained with **differential privacy** (DP-SGD) by llmdp on "
@@ -71,6 +73,7 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         "| --- | --- |",
         f"| ε at δ | {report['epsilon']:.4f} at δ = {report['delta']:.3g} |",
         f"| Unit of privacy | {report['unit']}: {report['unit_description']} |",
+        *([f"| Record format | {report['record_format']} |"] if report.get("record_format") else []),
         f"| Contribution bound | {report['contribution_bound']} |",
         f"| Adjacency | {report['adjacency']} |",
         *([f"| Published counts (public) | {report['published_counts']} |"]
@@ -149,6 +152,16 @@ def model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None, lic
         "",
     ]
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+def _start_name(start) -> str | None:
+    """The report's starting model as the card's first sentence names it (a local checkpoint
+    has no Hub id to be the base: its shown name and the llmdp run it came from); None for a
+    model trained from random weights (the report has no starting model then)."""
+    if not isinstance(start, dict):
+        return None
+    name = f"`{start.get('shown') or start.get('name') or 'a checkpoint'}`"
+    return name + (f" (llmdp run {start['run_id']})" if start.get("run_id") else "")
 
 
 def public_model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None,

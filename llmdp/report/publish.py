@@ -35,7 +35,7 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
                                             "epsilon_alone", "composed_runs")},
                        "ancestry": {k: True for k in ("run_id", "kind", "public_source", "shown")}},
     "target_epsilon": True, "epsilon_planned": True, "dp_setting": True, "unit": True,
-    "unit_description": True, "unit_size": _PUBLIC_UNIT, "records": True, "contribution_bound": True,
+    "unit_description": True, "unit_size": _PUBLIC_UNIT, "records": True, "record_format": True, "contribution_bound": True,
     "adjacency": True, "accounting_relation": True, "published_counts": True,
     "mechanism_output": True, "checkpoints": True, "data_accesses_covered": True,
     "data_accesses_not_covered": True,

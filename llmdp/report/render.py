@@ -99,6 +99,7 @@ def render_markdown(r: dict) -> str:
         f"| Unit of privacy | {r['unit']}: {r['unit_description']} |",
         *([f"| Unit formation | {r['unit_formation']} |"] if r.get("unit_formation") else []),
         *([f"| Records | {r['records']} |"] if r.get("records") else []),
+        *([f"| Record format | {r['record_format']} |"] if r.get("record_format") else []),
         f"| Unit size / contribution bound | {r['contribution_bound']} |",
         f"| Adjacency | {r['adjacency']} |",
         *([f"| Published counts (public) | {r['published_counts']} |"] if r.get("published_counts") else []),

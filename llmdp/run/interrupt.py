@@ -24,17 +24,34 @@ class GracefulInterrupt:
     start-up in place of its own handler, which aborts the workers wherever they are).
 
     The first Ctrl-C writes the run directory's `rundir.STOP_REQUEST`: rank 0 sees it before
-    the next step, voids in the ledger the steps its attempt reserved and will not run,
-    every worker checkpoints and the train function returns (`llmdp.train.loop.stop_gracefully`);
-    the launch then ends its hold, writes the report (status: interrupted) and exits 130.
-    The second Ctrl-C stops at once (Ray Train's abort): for the ledger that is a crash:
-    steps reserved ahead stay charged though they never ran."""
+    the next step (not at the next ``train.checkpoint_every`` boundary), voids in the ledger
+    the steps its attempt reserved and will not run, every worker checkpoints that step and
+    the train function returns (`llmdp.train.loop.stop_gracefully`); the launch then ends
+    its hold, writes the report (status: interrupted) and exits 130. Under a correlated
+    mechanism the ledger counts rounds of ``cycle`` steps: a round begun stays charged whole
+    (`first_message` says so). The second Ctrl-C stops at once (Ray Train's abort): for the
+    ledger that is a crash: steps reserved ahead stay charged though they never ran."""
 
-    def __init__(self, run_dir: str, log):
+    def __init__(self, run_dir: str, log, plan=None):
         self.path = os.path.join(run_dir, STOP_REQUEST)
         self.log = log
+        self.plan = plan  # the run's DPPlan (what the ledger keeps); None: DP-SGD's wording
         self.count = 0
         self.clear()
+
+    def first_message(self) -> str:
+        """What the first Ctrl-C prints: exactly what the stop does."""
+        plan = self.plan
+        if plan is not None and not plan.dp:
+            kept = "no ledger: a NON-PRIVATE baseline"
+        elif plan is not None and plan.correlated:
+            kept = (f"the ledger keeps every round of {plan.cycle} steps begun, whole: a round "
+                    f"is one release of {plan.mechanism}; a round split by the stop is counted "
+                    f"again when the run resumes")
+        else:
+            kept = "the ledger keeps only the steps that ran"
+        return ("\nCtrl-C: stopping after the current step, not at the next checkpoint (that "
+                f"step's state is checkpointed; {kept}); Ctrl-C again to stop at once")
 
     def clear(self) -> None:
         try:
@@ -54,8 +71,7 @@ class GracefulInterrupt:
             if self.count == 1:
                 with open(self.path, "w", encoding="utf-8") as f:
                     f.write(f"{time.time()}\n")
-                self.log("\nCtrl-C: stopping after the current step (its state is saved, and the "
-                         "ledger keeps only the steps that ran); Ctrl-C again to stop at once")
+                self.log(self.first_message())
                 return
             self.log("\nsecond Ctrl-C: stopping at once (steps reserved ahead stay charged in "
                      "the ledger, as after a crash)")

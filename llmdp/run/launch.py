@@ -35,7 +35,7 @@ from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
 from llmdp.run.localray import WORKER_ENV, start_local_ray
 from llmdp.run.planning import plan_run, warn_open
 from llmdp.run.preflight import run_lock, truncation_note
-from llmdp.run.progress import EPS_KEY, Progress
+from llmdp.run.progress import EPS_KEY, Progress, batch_note, mechanism_label
 from llmdp.run.provenance import SOURCE, copy_declared_releases
 from llmdp.run.restore import restore_point
 from llmdp.run.rundir import RESUME_HINT, RunDir
@@ -354,8 +354,10 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
         log(f"{label}. plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
             f"B={plan.expected_batch_size:g}, T={plan.steps}; no clipping, no noise, no ledger")
     else:
-        log(f"plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
-            f"B={plan.expected_batch_size:g}, T={plan.steps}, sigma={plan.noise_multiplier:.4f}, "
+        log(f"plan: {mechanism_label(plan)}, N={plan.dataset_size} units, "
+            f"q={plan.sampling_probability:.5g}, B={plan.expected_batch_size:g}"
+            f"{batch_note(plan, cfg.train.expected_batch_size)}, T={plan.steps}, "
+            f"sigma={plan.noise_multiplier:.4f}, "
             f"C={plan.max_grad_norm:g}, delta={plan.delta:.3g}{_tail_note(plan)}, planned epsilon="
             f"{prepared.epsilon_planned:.4f} ({plan.accountant})")
     note = truncation_note(prepared.data_stats, cfg.data.max_rows_per_unit, cfg.data.sequence_length)
@@ -379,7 +381,7 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
             return prepared.run_dir
     error = None
     interrupted = False
-    interrupts = GracefulInterrupt(prepared.run_dir, log)
+    interrupts = GracefulInterrupt(prepared.run_dir, log, prepared.plan)
     try:
         _fit(prepared, log, interrupts)
         # The first Ctrl-C: the workers stopped after a whole step (or, when it came after
@@ -469,7 +471,7 @@ def _target_stop(prepared: RunSpec, step: int) -> str | None:
 
 
 def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) -> None:
-    interrupts = interrupts or GracefulInterrupt(prepared.run_dir, log)
+    interrupts = interrupts or GracefulInterrupt(prepared.run_dir, log, prepared.plan)
     import ray  # lazy: Ray (and its start-up cost) only where the run goes on Ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

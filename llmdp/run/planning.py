@@ -289,10 +289,14 @@ def _check_dp_eval_noise(cfg: RecipeConfig, eval_plan, units: int, log) -> None:
     from llmdp.evaluation.dp import NOISY_EVAL_FRACTION
 
     sd = eval_plan.expected_std(units)
+    noised = "" if "loss_range" not in sd else (
+        f"; the count is noised: a release divides by the noised count, so the std it states is "
+        f"loss ± {sd['loss_range'][0]:.3g} to ± {sd['loss_range'][1]:.3g}, accuracy ± "
+        f"{sd['accuracy_range'][0]:.3g} to ± {sd['accuracy_range'][1]:.3g} (95% of releases)")
     log(f"DP evaluation: {eval_plan.releases} release(s), noise multiplier "
         f"{eval_plan.noise_multiplier:.3g}; expected std: loss ± {sd['loss']:.3g} (of [0, "
         f"{eval_plan.loss_bound:.3g}]), accuracy ± {sd['accuracy']:.3g} (of [0, 1]), "
-        f"{sd['fraction_of_range']:.1%} of each range")
+        f"{sd['fraction_of_range']:.1%} of each range{noised}")
     if sd["fraction_of_range"] <= NOISY_EVAL_FRACTION or cfg.eval.allow_noisy:
         return
     need = math.ceil(eval_plan.noise_std / NOISY_EVAL_FRACTION)

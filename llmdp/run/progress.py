@@ -23,6 +23,26 @@ from llmdp.run.baseline import NON_PRIVATE
 EPS_KEY = "eps(ledger)"  # charged so far, steps reserved ahead included (module docstring)
 
 
+def mechanism_label(plan) -> str:
+    """The run's mechanism as the console names it: dp-sgd, banded-mf or blt (correlated
+    noise), or NON-PRIVATE for a baseline."""
+    return plan.mechanism if plan.dp else NON_PRIVATE
+
+
+def batch_note(plan, requested: float) -> str:
+    """Why the plan's expected batch B is not ``train.expected_batch_size`` (empty when it
+    is): a fixed-cycle sampler splits the N units into ``cycle`` groups and each step takes
+    one whole group, so B = N / cycle."""
+    b = float(plan.expected_batch_size)
+    if abs(b - float(requested)) <= 1e-9 * max(1.0, b):
+        return ""
+    if plan.sampler == "fixed-cycle" and plan.cycle:
+        return (f" (fixed-cycle sampler: each step takes one of {plan.cycle} groups of the N "
+                f"units, B = N/{plan.cycle} = {b:.4g}, not train.expected_batch_size = "
+                f"{float(requested):g})")
+    return f" (not train.expected_batch_size = {float(requested):g})"
+
+
 class Progress(threading.Thread):
     """Rank 0 writes metrics.jsonl; the driver turns it into a progress bar. Its ε is the
     ledger's (``ledger.jsonl`` next to metrics.jsonl), like the report's: steps re-executed
@@ -40,7 +60,7 @@ class Progress(threading.Thread):
         self._offset = os.path.getsize(path) if os.path.exists(path) else 0
 
     def run(self) -> None:
-        bar = tqdm(total=self.total, desc="dp-sgd" if self.dp else NON_PRIVATE, unit="step", dynamic_ncols=True, file=sys.stdout)
+        bar = tqdm(total=self.total, desc=mechanism_label(self.plan), unit="step", dynamic_ncols=True, file=sys.stdout)
         last = {}
         while not self.stop.is_set():
             self._poll(bar, last)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -190,6 +191,8 @@ class RunSpec:
             # hyper-parameters from a sweep on data declared public (train.hyperparameters_from)
             "hyperparameters": hyperparameter_note(self.cfg),
             "data": dict(self.data_stats),
+            # how records became tokens (format, chat template, targets): the report says it
+            "record_encoding": _store_encoding(self.paths.store_dir),
             "dataset_ledger": None if self.dataset_ledger is None else dict(self.dataset_ledger),
             # A separate private evaluation source's own ledger: its DP evaluations are
             # recorded there too (None: none, or the training data's ledger holds them).
@@ -197,3 +200,13 @@ class RunSpec:
             "budget_epsilon": self.cfg.privacy.budget_epsilon,
             "allow_exceed_target_on_failure": self.cfg.privacy.allow_exceed_target_on_failure,
         }
+
+
+def _store_encoding(store_dir: str) -> dict | None:
+    """The unit store's record encoding (``RecordEncoder.describe()``: public configuration),
+    or None when its meta.json has none."""
+    try:
+        with open(os.path.join(store_dir, "meta.json"), encoding="utf-8") as f:
+            return ((json.load(f).get("data") or {}).get("encoding")) or None
+    except (OSError, ValueError):
+        return None

@@ -7,6 +7,12 @@ without DP on private held-out data: internal, for the trainer's eyes only; or
 ``evaluation.public`` on public data) and the final DP evaluation (``evaluation.dp``: a DP
 release, with its noise's standard deviation). A run without a section shows "–" there. The
 table and the plot are local outputs (they hold internal metrics): not for publication.
+
+Runs are pooled (mean ± sd) only when they are seed replicates: their resolved recipes
+(``config.yaml``) are equal but for the seeds and the fields that do not change what is
+trained (`RECIPE_IGNORED`). Runs at the same ε that differ in anything else (a learning
+rate, the number of steps, the data, the model) stay separate entries, and the summary names
+the fields they differ in. A run without ``config.yaml`` is never pooled.
 """
 
 from __future__ import annotations
@@ -20,6 +26,41 @@ from llmdp.config.validate import ConfigError
 __all__ = ["load_run", "format_table", "summarize", "format_summary", "plot", "compare"]
 
 DASH = "–"
+
+# Recipe fields that seed replicates may differ in: the seeds themselves, and what names,
+# places or caps a run without changing what it trains (its name and folder, where its
+# ledger is, the dataset's budget cap). A prefix ending in "." covers a whole section.
+RECIPE_IGNORED = ("train.seed", "model.tiny.seed", "privacy.seed", "output.",
+                  "privacy.ledger", "privacy.budget_epsilon")
+
+
+def _flatten(d, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def recipe_key(cfg) -> dict | None:
+    """A run's resolved recipe as ``{dotted.key: value}``, less `RECIPE_IGNORED` (None
+    without a recipe)."""
+    if not isinstance(cfg, dict):
+        return None
+    return {k: v for k, v in _flatten(cfg).items()
+            if not any(k == i or (i.endswith(".") and k.startswith(i)) for i in RECIPE_IGNORED)}
+
+
+def _read_recipe(rd) -> dict | None:
+    """The run's `recipe_key`; None when it has no readable ``config.yaml`` (never pooled)."""
+    import yaml  # lazy: only reading a recipe needs it
+
+    try:
+        return recipe_key(rd.config())
+    except (OSError, yaml.YAMLError):
+        return None
 
 
 def _last(section) -> dict | None:
@@ -73,6 +114,7 @@ def load_run(path: str) -> dict:
         or report.get("dataset_fingerprint"),
         "steps": report.get("steps_completed", report.get("steps")),
         "status": report.get("status"),
+        "recipe": _read_recipe(rd),
     }
 
 
@@ -107,19 +149,40 @@ def _stats(xs) -> tuple[float | None, float | None]:
     return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None)
 
 
+def _recipe_id(r: dict) -> str:
+    """Equal for runs whose recipes are equal but for `RECIPE_IGNORED`; a run without a
+    recipe is its own."""
+    rec = r.get("recipe")
+    if rec is None:
+        return "run:" + str(r.get("path") or r["run"])
+    return json.dumps(rec, sort_keys=True, default=str)
+
+
+def differing_fields(rows: list[dict]) -> list[str]:
+    """The recipe fields (dotted) whose values are not the same in all of ``rows`` that have
+    a recipe (the seeds and `RECIPE_IGNORED` left out)."""
+    recipes = [r["recipe"] for r in rows if r.get("recipe") is not None]
+    keys = sorted({k for rec in recipes for k in rec})
+    return [k for k in keys if len({json.dumps(rec.get(k, DASH), sort_keys=True, default=str)
+                                    for rec in recipes}) > 1]
+
+
 def summarize(rows: list[dict]) -> list[dict]:
-    """Runs that differ only by their seed, pooled: one entry per starting model, dataset, δ,
-    privacy and ε (to two decimals; targets are met to 1e-4), with ``n``, ``runs``, the
-    mean, sample standard deviation, minimum and maximum of the final held-out loss, the
-    mean and standard deviation of its accuracy, and the held-out loss and accuracy before
-    the first step (the starting model untouched)."""
+    """Runs that differ only by their seed, pooled: one entry per recipe (less its seeds,
+    `RECIPE_IGNORED`), starting model, dataset, δ, privacy and ε (to two decimals; targets
+    are met to 1e-4), with ``n``, ``runs``, the mean, sample standard deviation, minimum and
+    maximum of the final held-out loss, the mean and standard deviation of its accuracy, the
+    held-out loss and accuracy before the first step (the starting model untouched), and
+    ``differs``: the entry's values of the recipe fields in which the entries differ."""
     buckets: dict = {}
     for r in rows:
         eps = round(r["epsilon"], 2) if r["dp"] and r["epsilon"] is not None else None
         buckets.setdefault((r["start"], r["dataset"] if r["dp"] else None,
-                            r["delta"], r["dp"], eps), []).append(r)
+                            r["delta"], r["dp"], eps, _recipe_id(r)), []).append(r)
+    varying = differing_fields(rows)
     out = []
-    for (start, dataset, delta, dp, eps), members in buckets.items():
+    for (start, dataset, delta, dp, eps, _), members in buckets.items():
+        rec = members[0].get("recipe")
         held = [m["heldout"] or {} for m in members]
         losses = [h.get("loss") for h in held if h.get("loss") is not None]
         (loss, loss_sd), (acc, acc_sd) = _stats(losses), _stats([h.get("accuracy") for h in held])
@@ -132,20 +195,33 @@ def summarize(rows: list[dict]) -> list[dict]:
             "loss": loss, "loss_sd": loss_sd, "loss_min": min(losses, default=None),
             "loss_max": max(losses, default=None), "accuracy": acc, "accuracy_sd": acc_sd,
             "before_loss": _stats([b.get("loss") for b in before])[0],
-            "before_accuracy": _stats([b.get("accuracy") for b in before])[0]})
-    return sorted(out, key=lambda s: (s["start"], not s["dp"], s["epsilon"] or 0.0))
+            "before_accuracy": _stats([b.get("accuracy") for b in before])[0],
+            "differs": None if rec is None else {k: rec.get(k) for k in varying}})
+    return sorted(out, key=lambda s: (s["start"], not s["dp"], s["epsilon"] or 0.0,
+                                      json.dumps(s["differs"], sort_keys=True, default=str)))
+
+
+def _differs_text(s: dict) -> str:
+    if s["differs"] is None:
+        return "no config.yaml: not pooled"
+    return ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v, default=str)}"
+                     for k, v in s["differs"].items()) or DASH
 
 
 def format_summary(pooled: list[dict]) -> str:
     """`summarize`'s entries as an aligned text table."""
     head = ["starting model", "privacy", "ε", "runs", "held-out loss mean ± sd [min, max]",
             "accuracy mean ± sd", "before training: loss, accuracy"]
+    show_recipe = any(s["differs"] for s in pooled) or any(s["differs"] is None for s in pooled)
+    if show_recipe:
+        head.append("recipe (where the runs differ)")
     body = [[s["start"], "DP" if s["dp"] else "NON-PRIVATE", _f(s["epsilon"]) if s["dp"] else DASH,
              str(s["n"]),
              DASH if s["loss"] is None else
              f"{_pm(s['loss'], s['loss_sd'])} [{_f(s['loss_min'])}, {_f(s['loss_max'])}]",
              _pm(s["accuracy"], s["accuracy_sd"]),
-             f"{_f(s['before_loss'])}, {_f(s['before_accuracy'])}"] for s in pooled]
+             f"{_f(s['before_loss'])}, {_f(s['before_accuracy'])}"]
+            + ([_differs_text(s)] if show_recipe else []) for s in pooled]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
                      for row in [head, ["-" * w for w in widths], *body])
@@ -305,8 +381,14 @@ def compare(paths, out: str | None = None, log=print) -> list[dict]:
             r["run"] = os.path.relpath(r["path"])
     log(format_table(rows))
     pooled = summarize(rows)
-    if any(s["n"] > 1 for s in pooled) or len({r["start"] for r in rows}) > 1:
-        log("\nby starting model and ε (runs that differ only by seed pooled):")
+    same_eps: dict = {}  # runs at one (start, dataset, δ, privacy, ε): pooled or told apart
+    for s in pooled:
+        same_eps.setdefault((s["start"], s["dataset"], s["delta"], s["dp"],
+                             None if s["epsilon"] is None else round(s["epsilon"], 2)), []).append(s)
+    if any(s["n"] > 1 for s in pooled) or len({r["start"] for r in rows}) > 1 \
+            or any(len(v) > 1 for v in same_eps.values()):
+        log("\nby starting model and ε (runs that differ only by seed pooled; runs whose "
+            "recipes differ otherwise are separate entries):")
         log(format_summary(pooled))
     missing = [r["run"] for r in rows if r["heldout"] is None and r["dp_eval"] is None]
     if missing:

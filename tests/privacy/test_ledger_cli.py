@@ -417,3 +417,25 @@ def test_list_shows_epsilon_per_unit_at_a_given_delta(tmp_path, run_dir, capsys)
     assert f"; ε spent {want:.4f} at δ = 1e-05 (pld) for the privacy unit " in line, line
     rc, out, err = ledger(["list", "--ledger", db(tmp_path), "--delta", "2"], capsys)
     assert rc == 2 and "--delta: 2 is not in (0, 1)" in err and err.count("\n") == 1
+
+
+def test_list_shows_epsilon_without_delta_at_the_default_delta(tmp_path, capsys):
+    """Issue 51 item 10: `ledger list` showed no ε for a ledger without a budget unless
+    --delta was given; it shows ε at llmdp's default δ for the N the releases name (what a
+    recipe without privacy.delta plans at), the same figure --delta gives at that δ."""
+    svc = LedgerService(
+        location=db(tmp_path), dataset_id=DS, run_ledger=str(tmp_path / "r" / "ledger.jsonl"),
+        run_id="r", meta={**META, "dataset_size": 2000}, block_size=2, total_steps=4,
+        event_json=EVJ, delta=1e-4, accountant="pld")
+    svc.start_attempt()
+    for step in range(4):
+        svc.ensure(step)
+    svc.db.close()
+    rc, out, _ = ledger(["list", "--ledger", db(tmp_path)], capsys)
+    assert rc == 0
+    line = out.splitlines()[1]
+    assert "ε spent " in line and "at δ = 1e-05 (pld)" in line
+    assert "(llmdp's default δ for N = 2000; --delta D for another)" in line
+    rc, with_delta, _ = ledger(["list", "--delta", "1e-5", "--ledger", db(tmp_path)], capsys)
+    eps = line.split("ε spent ")[1].split()[0]
+    assert f"ε spent {eps} at δ = 1e-05" in with_delta.splitlines()[1]
