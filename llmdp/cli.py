@@ -1,4 +1,7 @@
-"""`llmdp train|audit|sweep|compare|privacy|tokenizer|export|submit ...`: the command line.
+"""`llmdp train|audit|sweep|compare|privacy|tokenizer|data|export|submit ...`: the command line.
+
+Why one file (about 530 lines): argparse's tree of every subcommand and the dispatch to
+the modules that do the work, read together; each subcommand's work lives elsewhere.
 
 Each subcommand imports its modules when it runs (the imports inside the functions below
 are deliberate): `llmdp --help` or `llmdp privacy epsilon` must not pay for torch,
@@ -212,6 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tt.add_argument("recipe")
     tt.add_argument("overrides", nargs="*", help="dotted overrides, e.g. privacy.target_epsilon=2")
+
+    dt = sub.add_parser("data", help="look at a recipe's data: llmdp data preview RECIPE")
+    pv = dt.add_subparsers(dest="data_command", required=True).add_parser(
+        "preview", help="print the first units of a recipe with their loss masks (private data: "
+                        "to this console only): llmdp data preview RECIPE [-n 3] [--raw]")
+    pv.add_argument("recipe")
+    pv.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.unit=document")
+    pv.add_argument("-n", "--units", type=int, default=3, help="how many units (default 3)")
+    pv.add_argument("--raw", action="store_true", help="also print each row's token ids")
+    pv.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                    help="trained tokens green, masked dimmed (auto: on a terminal); never: "
+                         "masked text between [[ and ]]")
 
     e = sub.add_parser(
         "export",
@@ -484,6 +499,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_tokenizer_recipe(args.recipe, args.overrides)
             _quiet_libraries()
             train_tokenizer(cfg)
+            return 0
+        if args.command == "data":
+            from llmdp.config.schema import load_recipe
+            from llmdp.run.preview import preview
+
+            preview(load_recipe(args.recipe, args.overrides), args.units, raw=args.raw,
+                    color={"auto": None, "always": True, "never": False}[args.color])
             return 0
         if args.command == "export":
             from llmdp.hub.export import export_run

@@ -491,7 +491,7 @@ BAD = [
         {"x": 1},
         [
             "evaluations: unknown key; expected one of ['model', 'data', 'privacy', 'optim', "
-            "'train', 'scaling', 'output', 'eval', 'sweep']"
+            "'train', 'scaling', 'output', 'eval', 'sweep', 'logging']"
         ],
     ),
     ("typo-top-level", "Privacy", {}, ["Privacy: unknown key; did you mean 'privacy'?"]),

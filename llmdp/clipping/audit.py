@@ -5,7 +5,12 @@ the module or parameter and what to do instead.
 
 * `check_model`: a module that mixes the examples of a batch (BatchNorm and friends): a
   unit's gradient is not its own, so DP-SGD cannot clip it. (A trainable module without a
-  clipping rule is refused when the engine installs its hooks.)
+  clipping rule is refused when the engine installs its hooks.) Also a module that draws
+  fresh random numbers on every call in training mode (`random_modules`: Mixtral's and
+  PhiMoE's router jitter, PhiMoE's sampled routing): the engine re-runs modules per unit
+  and a re-run cannot reproduce the draw, and the jitter's in-place multiply would edit
+  the engine's tapped activations. Checked when the clipper is built and on every
+  forward (`check_random`), since ``model.train()`` may come later.
 * `UseAudit`: a trainable parameter used where the hooks cannot see it (a functional
   ``F.linear(x, module.weight)`` outside the module, or the tensor read by another
   module). Each recorded call marks the autograd nodes between its output and its input,
@@ -20,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["UnsupportedModuleError", "check_model", "UseAudit", "check_coverage"]
+__all__ = ["UnsupportedModuleError", "check_model", "check_random", "random_modules", "UseAudit",
+           "check_coverage"]
 
 
 class UnsupportedModuleError(ValueError):
@@ -45,6 +51,49 @@ def check_model(model: nn.Module) -> None:
             )
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModuleError("the model has no trainable parameter")
+    check_random(random_modules(model))
+
+
+# Attributes of transformers' MoE blocks and routers that, when > 0, multiply the hidden
+# states by fresh uniform noise on every call in training mode, and the config field.
+_JITTER = (("jitter_noise", "router_jitter_noise"), ("input_jitter_noise", "input_jitter_noise"))
+# Routers that sample their routing at random in training mode (PhiMoE's sparsemixer).
+_SAMPLED_ROUTERS = ("PhimoeTopKRouter",)
+
+
+def random_modules(model: nn.Module) -> list[tuple[str, nn.Module, str, str, bool]]:
+    """(path, module, what it draws, the fix, only when trainable) of each module that can
+    draw fresh random numbers on every call in training mode (`check_random` refuses them
+    in training; a sampled router only while it is trained: frozen, its routing is an
+    input of the experts the engine records)."""
+    out = []
+    for name, module in model.named_modules():
+        for attr, field in _JITTER:
+            value = getattr(module, attr, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                out.append((name, module, f"multiplies its input by fresh random noise on every "
+                            f"call in training mode ({field}={value:g})",
+                            f"set {field}: 0 in the model's config (config.json)", False))
+        if type(module).__name__ in _SAMPLED_ROUTERS:
+            out.append((name, module, "samples its routing at random on every call in training "
+                        "mode (sparsemixer)",
+                        "freeze the routers (requires_grad=False, or LoRA adapters that leave "
+                        "out the router: model.lora.target_modules without it)", True))
+    return out
+
+
+def check_random(found) -> None:
+    """Refuse the first of ``found`` (`random_modules`) that is in training mode: the
+    engine re-runs modules on each unit's rows (rules/functional.py, rules/experts.py) and
+    a re-run cannot reproduce a random draw, so the unit's gradient could not be formed
+    exactly (an in-place jitter would also edit the activations the engine taps)."""
+    for name, module, what, fix, if_trained in found:
+        if module.training and (not if_trained or any(
+                p.requires_grad for p in module.parameters(recurse=False))):
+            raise UnsupportedModuleError(
+                f"module '{name}' ({type(module).__name__}) {what}: the clipping engine "
+                f"re-runs modules on each unit's rows and a re-run cannot reproduce a random "
+                f"draw, so per-unit gradients cannot be formed exactly. Fix: {fix}")
 
 
 class UseAudit:

@@ -104,7 +104,14 @@ from llmdp.clipping.accumulate import (
     contribution,
     dirty_flags,
 )
-from llmdp.clipping.audit import UnsupportedModuleError, UseAudit, check_coverage, check_model
+from llmdp.clipping.audit import (
+    UnsupportedModuleError,
+    UseAudit,
+    check_coverage,
+    check_model,
+    check_random,
+    random_modules,
+)
 from llmdp.clipping.calls import TapMany, folded, record_call, rerunning, tensors_in
 from llmdp.clipping.cross import cross_inner
 from llmdp.clipping.lowp import U64, gamma
@@ -220,6 +227,7 @@ class GhostClipper:
             raise ValueError(f"layer_policy {layer_policy!r} is not one of {list(LAYER_POLICIES)}")
         self.fallback = nb.check_fallback(fallback)
         check_model(model)
+        self._random = random_modules(model)  # refused in training mode (audit.check_random)
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
         self.engine, self.mode, self.layer_policy = engine, mode, layer_policy
@@ -298,6 +306,8 @@ class GhostClipper:
         self._anchor = torch.zeros((), device=device, requires_grad=True)
 
     def _on_model_input(self, module, args, kwargs) -> None:
+        if self._random:  # a jitter switched on by model.train() after the clipper was built
+            check_random(self._random)
         x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if x is None and args:
             x = args[0]

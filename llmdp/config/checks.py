@@ -35,6 +35,22 @@ def check_tiny(t, prefix: str, base_dir: str):
     return t
 
 
+def check_logging(g, prefix: str, base_dir: str):
+    """``logging``: the backend's package is installed (found, not imported: the run's
+    rank 0 imports it); it is an optional extra."""
+    import importlib.util
+
+    package = {"tensorboard": "tensorboard", "mlflow": "mlflow"}.get(g.backend)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ConfigError(
+            f"{prefix}.backend: {g.backend!r} needs the {package} package, which is not "
+            f"installed; install it with `pip install 'llmdp[{g.backend}]'`, or remove "
+            f"{prefix}.backend (metrics.jsonl is written either way)",
+            key=f"{prefix}.backend",
+        )
+    return g
+
+
 def check_model(m, prefix: str, base_dir: str):
     """``model``, a `ModelConfig`: what init needs; ``tokenizer`` defaults to the model."""
     if m.init == "pretrained" and m.name_or_path is None:

@@ -475,6 +475,15 @@ class OutputConfig:
 
 
 @dataclass(frozen=True)
+class LoggingConfig:
+    # A local experiment log beside metrics.jsonl (in the run directory): tensorboard or
+    # mlflow (a local file store), optional extras (`pip install 'llmdp[tensorboard]'`).
+    # DP releases under dp/, metrics computed on private data without DP under internal/
+    # (llmdp.train.explog). None: metrics.jsonl only.
+    backend: str | None = _f(None, choices=("tensorboard", "mlflow"))
+
+
+@dataclass(frozen=True)
 class RecipeConfig:
     model: ModelConfig
     data: DataConfig
@@ -485,6 +494,7 @@ class RecipeConfig:
     output: OutputConfig
     eval: EvalConfig = _f(factory=EvalConfig)
     sweep: SweepConfig | None = None
+    logging: LoggingConfig = _f(factory=LoggingConfig)
 
     @property
     def run_dir(self) -> str:
@@ -567,6 +577,7 @@ _CHECKS = {
     PrivacyConfig: _checks.check_privacy,
     TrainConfig: _checks.check_train,
     OutputConfig: _checks.check_output,
+    LoggingConfig: _checks.check_logging,
     RecipeConfig: _checks.check_recipe,
     TokenizerDataConfig: _checks.check_tokenizer_data,
     TokenizerPrivacyConfig: _checks.check_tokenizer_privacy,

@@ -58,6 +58,7 @@ from llmdp.run.spec import RunPaths, RunSpec
 from llmdp.train import checkpoints, parallel
 from llmdp.train.contexts import LocalContext, RayContext  # noqa: F401 (LocalContext: re-exported)
 from llmdp.train.correlated import StepNoise, bound_stream, may_continue
+from llmdp.train.explog import NO_LOG, open_log
 from llmdp.train.losses import row_eval_stats
 from llmdp.train.models import load_model
 from llmdp.train.parallel import broadcast_bytes
@@ -124,6 +125,7 @@ class Training:
     restored: dict | None = None  # the meta of the checkpoint this launch resumed (None: none)
     # an audit with gradient canaries (llmdp.audit.gradient): (folder, canaries, module)
     canaries: tuple | None = None
+    explog: Any = NO_LOG  # rank 0: logging.backend's experiment log (llmdp.train.explog)
 
     @property
     def sinks(self) -> list[torch.Tensor] | None:
@@ -509,13 +511,19 @@ def finish(run: Training, stopped: dict | None) -> dict:
             {"event": "stopped", "step": stopped["step"], "reason": stopped["reason"],
              "cause": stopped.get("cause")}
         _metrics_line(run.spec.paths.metrics, {**end, "time": time.time()})
+        run.explog.close()
     if stopped is not None:
         return {"steps": stopped["step"], "stopped": stopped["reason"]}
     return {"steps": run.spec.plan.steps}
 
 
 def _writer(run: Training) -> Callable[[dict], None]:
-    return lambda record: _metrics_line(run.spec.paths.metrics, record)
+    return lambda record: _emit(run, record)
+
+
+def _emit(run: Training, record: dict) -> None:  # rank 0: metrics.jsonl and the experiment log
+    _metrics_line(run.spec.paths.metrics, record)
+    run.explog.record(record)
 
 
 def _generations(run: Training) -> None:
@@ -545,6 +553,8 @@ def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
 
 def _train_loop(spec: RunSpec, context) -> dict:
     run = setup(spec, context if context is not None else RayContext())
+    if run.rank == 0:
+        run.explog = open_log(spec.cfg, spec.run_dir)  # prints its warning once
     resume(run)
     open_ledger(run)
     seeded_scope(run)  # [sync point, seeded runs]
@@ -566,7 +576,7 @@ def _train_loop(spec: RunSpec, context) -> dict:
             break
         record = dp_step(run, step)
         if run.rank == 0:
-            _metrics_line(spec.paths.metrics, record)
+            _emit(run, record)
         if evaluation.due(spec, step + 1):
             evaluation.evaluate_held_out(run, step + 1, write=_writer(run))  # [sync point]
         last = step + 1 == steps

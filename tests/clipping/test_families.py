@@ -19,7 +19,7 @@ from tests.clipping.test_engine import make_batch
 from tests.helpers import make_exact
 
 V = 97
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", *MOE, "gemma", "gemma2", "gemma3_text",
             "phi3", "gpt2", "gpt_neox", "olmo2", "granite", "cohere", "opt", "starcoder2",
             "smollm3")
@@ -43,6 +43,14 @@ def family_config(family: str, tie: bool = False):
     if family == "gpt_oss":
         kw.update(head_dim=8, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if family in ("deepseek_v3", "glm4_moe"):
+        # Grouped top-k routers of their own (a sigmoid score, a bias, top groups), which
+        # flatten the hidden states themselves; a dense first layer, a shared expert.
+        kw.update(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                  topk_group=1, head_dim=4)
+    if family == "deepseek_v3":  # multi-head latent attention
+        kw.update(q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                  v_head_dim=4, num_key_value_heads=4)
     if family in ("gemma", "gemma2", "gemma3_text", "qwen3", "olmo2"):
         kw.update(head_dim=4)
     cfg = AutoConfig.for_model(family, **kw)
@@ -290,3 +298,107 @@ def test_two_pass_refuses_experts_recomputed_differently_in_the_second_pass():
     experts._apply_gate = lambda y: experts.act_fn(y.chunk(2, dim=-1)[0]) * y.chunk(2, dim=-1)[1]
     norms, _ = _clipped(model, batch, mode="two-pass")  # deterministic: accepted
     assert torch.isfinite(norms).all()
+
+
+def _phimoe(**kw):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "phimoe", hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=2, bos_token_id=0,
+        eos_token_id=1, vocab_size=V, tie_word_embeddings=False, num_local_experts=4,
+        num_experts_per_tok=2, attention_dropout=0.0, **kw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                 experts_implementation="eager")
+    return make_exact(model.to(torch.float64))
+
+
+def test_phimoe_is_exact_with_its_deterministic_routing_and_its_sampled_routing_is_refused():
+    """PhiMoE's router is a Linear returning (logits, weights, experts) through a custom
+    autograd.Function (sparsemixer) that torch.func cannot transform: the generic rule
+    re-runs it with plain autograd, exact against the reference where the routing is
+    deterministic (eval mode). In training mode sparsemixer samples the routing at random
+    on every call, which no re-run reproduces: refused, naming the router and the fix
+    (freeze the routers), never a crash or a probe's "mixes rows"."""
+    from llmdp.clipping import UnsupportedModuleError
+
+    model = _phimoe().eval()
+    batch = make_batch([0, 0, 1, -1, 2])
+    ref_norms, ref_sum = per_unit_reference(model, batch, 0.05)
+    for mode in ("book-keeping", "two-pass"):
+        norms, got = _clipped(model, batch, mode=mode)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
+        for n, g in got.items():
+            scale = float(ref_sum[n].abs().max())
+            torch.testing.assert_close(g, ref_sum[n], rtol=1e-9, atol=1e-12 * scale,
+                                       msg=lambda m, n=n, mode=mode: f"{mode} {n}: {m}")
+    model.train()
+    with pytest.raises(UnsupportedModuleError,
+                       match=r"model\.layers\.0\.mlp\.router.*PhimoeTopKRouter.*samples its routing "
+                             r"at random.*Fix: freeze the routers"):
+        GhostClipper(model, 0.05)
+    for n, p in model.named_parameters():  # frozen routers: their random routing is an input
+        p.requires_grad_("mlp.router" not in n)
+    norms, _ = _clipped(model, batch)
+    assert norms.shape == (3,) and torch.isfinite(norms).all()
+
+
+@pytest.mark.parametrize("family,field", [("mixtral", "router_jitter_noise"),
+                                          ("phimoe", "input_jitter_noise")])
+def test_router_jitter_is_refused_naming_the_module_and_the_fix_never_a_crash(family, field):
+    """A jitter multiplies the MoE block's input by fresh uniform noise on every call in
+    training mode (in place, on the engine's tapped activations): refused when the clipper
+    is built in training mode, and on the forward when ``model.train()`` comes after it;
+    ``field: 0`` (or eval mode) is accepted."""
+    from llmdp.clipping import UnsupportedModuleError
+
+    model = family_model("mixtral") if family == "mixtral" else _phimoe()
+    for m in model.modules():
+        if hasattr(m, "jitter_noise" if family == "mixtral" else "input_jitter_noise"):
+            setattr(m, "jitter_noise" if family == "mixtral" else "input_jitter_noise", 0.1)
+    if family == "phimoe":
+        for n, p in model.named_parameters():
+            p.requires_grad_("mlp.router" not in n)
+    batch = make_batch([0, 0, 1, 2])
+    want = rf"module 'model\.layers\.0\.mlp.*\({field}=0\.1\).*Fix: set {field}: 0"
+    model.train()
+    with pytest.raises(UnsupportedModuleError, match=want):
+        GhostClipper(model, 0.05)
+    model.eval()
+    clipper = GhostClipper(model, 0.05)
+    model.train()
+    with pytest.raises(UnsupportedModuleError, match=want):
+        clipper.backward(row_losses(model, batch), batch["row_units"])
+    clipper.remove_hooks()
+    for m in model.modules():
+        for a in ("jitter_noise", "input_jitter_noise"):
+            if hasattr(m, a):
+                setattr(m, a, 0.0)
+    norms, _ = _clipped(model, batch)
+    assert torch.isfinite(norms).all()
+
+
+def test_gpt_oss_with_its_own_attention_sinks_and_sliding_window_is_exact():
+    """``make_exact`` swaps in an attention function without sinks; here GPT-OSS runs its
+    own eager attention (the sinks' extra softmax column, trained by the generic rule) with
+    a sliding window shorter than the rows, padding inside a row and a padding row."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = family_config("gpt_oss")
+    cfg.sliding_window = 4
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                 experts_implementation="eager").to(torch.float64)
+    batch = make_batch([0, 0, 1, -1, 2])
+    ref_norms, ref_sum = per_unit_reference(model, batch, 0.05)
+    assert all(float(ref_sum[f"model.layers.{i}.self_attn.sinks"].abs().max()) > 0 for i in (0, 1))
+    for mode in ("book-keeping", "two-pass"):
+        norms, got = _clipped(model, batch, mode=mode)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
+        for n, g in got.items():
+            scale = float(ref_sum[n].abs().max())
+            torch.testing.assert_close(g, ref_sum[n], rtol=1e-9, atol=1e-12 * scale,
+                                       msg=lambda m, n=n, mode=mode: f"{mode} {n}: {m}")

@@ -50,11 +50,17 @@ def _cut(x, rows_n: int, pos_n: int, rows: torch.Tensor, pos: torch.Tensor):
     return x
 
 
-def _cut_output(t: torch.Tensor, rows_n: int, pos_n: int, rows, pos, name: str) -> torch.Tensor:
+def _cut_output(t: torch.Tensor, rows_n: int, pos_n: int, rows, pos, name: str,
+                flat=None) -> torch.Tensor:
+    """The unit's part of an output (or of its gradient): by the call's positions, by the
+    batch's rows, or, for ``flat = (n, index)``, by the row-major flattening of a [rows, T,
+    ...] input (``n`` = rows·T positions, ``index`` the unit's)."""
     if t.dim() >= 1 and t.shape[0] == pos_n:
         return t.index_select(0, pos)
     if t.dim() >= 1 and t.shape[0] == rows_n:
         return t.index_select(0, rows)
+    if flat is not None and t.dim() >= 1 and t.shape[0] == flat[0]:
+        return t.index_select(0, flat[1])
     raise UnsupportedModuleError(
         f"module {name}: an output of shape {tuple(t.shape)} has no batch dimension (rows "
         f"{rows_n}, positions {pos_n}), so its gradient cannot be split per unit; freeze the "
@@ -87,8 +93,9 @@ class FunctionalRule(LayerRule):
             pos = (unit_of_pos == u).nonzero().flatten()
             args = _cut(call.args, R, R * k, rows, pos)
             kwargs = _cut(call.kwargs, R, R * k, rows, pos)
-            cot = tuple(_cut_output(g, R, R * k, rows, pos, name) for g in G)
-            want = tuple(_cut_output(o, R, R * k, rows, pos, name) for o in call.outputs)
+            flat = _flat_positions(call.args, R, k, rows)
+            cot = tuple(_cut_output(g, R, R * k, rows, pos, name, flat) for g in G)
+            want = tuple(_cut_output(o, R, R * k, rows, pos, name, flat) for o in call.outputs)
 
             try:
                 got, grads = self._vjp(module, params, frozen, args, kwargs, call.diff, cot, want, name)
@@ -113,9 +120,48 @@ class FunctionalRule(LayerRule):
             o = o if type(o) in (tuple, list) else (o,)
             return tuple(o[i] for i in diff)
 
-        got, pullback = vjp(f, params)
+        try:
+            got, pullback = vjp(f, params)
+        except RuntimeError as e:
+            if "setup_context" not in str(e):
+                raise
+            # A custom autograd.Function that torch.func cannot transform (PhiMoE's
+            # sparsemixer): the same re-run with plain autograd.
+            return _autograd_vjp(module, list(params), args, kwargs, diff, cot, want, name)
         _probe(got, want, name)
         return got, pullback(cot)[0]
+
+
+def _autograd_vjp(module, names, args, kwargs, diff, cot, want, name):
+    """The unit's re-run with plain autograd on the real module, inside the engine's
+    backward (reentrant), the engine's hooks off for the re-run (``calls.rerun``)."""
+    from llmdp.clipping.calls import rerun
+
+    ps = [module.get_parameter(n) for n in names]
+    with rerun(), torch.enable_grad():
+        o = module(*args, **kwargs)
+        o = o if type(o) in (tuple, list) else (o,)
+        got = tuple(o[i] for i in diff)
+        _probe(got, want, name)
+        grads = torch.autograd.grad(got, ps, cot, allow_unused=True)
+    return got, {n: torch.zeros_like(p) if g is None else g for n, p, g in zip(names, ps, grads)}
+
+
+def _flat_positions(args, R: int, k: int, rows: torch.Tensor):
+    """A call on the batch's rows whose first tensor argument is [R, T, ...] (T > 1) may
+    return outputs over its R·T flattened positions: a router that does ``x.view(-1, d)``
+    itself (DeepSeek-V3's and GLM-4-MoE's top-k routers). Such an output is cut as the
+    row-major flattening, the only one ``view`` makes; the probe then checks that what the
+    unit's rows give alone is the batch's output at exactly those positions. (n, the
+    unit's positions), or None."""
+    if k != 1:
+        return None
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None or first.dim() < 3 or first.shape[0] != R or first.shape[1] < 2:
+        return None
+    T = first.shape[1]
+    index = (rows.unsqueeze(1) * T + torch.arange(T, device=rows.device)).reshape(-1)
+    return R * T, index
 
 
 def _probe(got, want, name: str) -> None:
@@ -164,19 +210,8 @@ class SubtreeRule(FunctionalRule):
 
     def _vjp(self, module, params, frozen, args, kwargs, diff, cot, want, name):
         """Plain autograd on the real module (a parametrization swaps tensors in place,
-        which torch.func refuses), inside the engine's backward (reentrant), the engine's
-        hooks off for the re-run (``calls.rerun``)."""
-        from llmdp.clipping.calls import rerun
-
-        names = list(params)
-        ps = [module.get_parameter(n) for n in names]
-        with rerun(), torch.enable_grad():
-            o = module(*args, **kwargs)
-            o = o if type(o) in (tuple, list) else (o,)
-            got = tuple(o[i] for i in diff)
-            _probe(got, want, name)
-            grads = torch.autograd.grad(got, ps, cot, allow_unused=True)
-        return got, {n: torch.zeros_like(p) if g is None else g for n, p, g in zip(names, ps, grads)}
+        which torch.func refuses): `_autograd_vjp`."""
+        return _autograd_vjp(module, list(params), args, kwargs, diff, cot, want, name)
 
 
 def is_param_wrapper(module) -> bool:
