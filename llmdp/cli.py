@@ -1,13 +1,10 @@
 """`llmdp train|audit|sweep|compare|privacy|tokenizer|data|export|submit ...`: the command line.
 
-Why one file (about 530 lines): argparse's tree of every subcommand and the dispatch to
-the modules that do the work, read together; each subcommand's work lives elsewhere.
-
 Each subcommand imports its modules when it runs (the imports inside the functions below
 are deliberate): `llmdp --help` or `llmdp privacy epsilon` must not pay for torch,
 transformers and Ray, which `train` and `export` load.
 
-Why one file of about 550 lines: the parser (every command, its arguments and its help
+Why one file of about 560 lines: the parser (every command, its arguments and its help
 text) and the dispatch that maps one parsed command to its module are one table read
 together; each command's work lives in its own module.
 """
