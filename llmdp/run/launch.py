@@ -2,7 +2,7 @@
 
 Every path handed to workers is absolute (Ray workers chdir into their own folder).
 
-Why one file of about 540 lines: a launch is one sequence (check the run directory, prepare,
+Why one file of about 510 lines: a launch is one sequence (check the run directory, prepare,
 hold the budget, fit, end the hold, write the report whatever happened); its error handling
 (interrupts, a disk that refuses a write, a failure) decides what the report and the exit
 say, and reads best next to the steps it guards.
@@ -17,12 +17,9 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any
-
-import yaml
 
 from llmdp._fs import RunLock, StorageError, cache_root, check_free, private_files, storage_error
-from llmdp.config.schema import ConfigError, RecipeConfig, config_hash, dump_yaml, to_dict
+from llmdp.config.schema import RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.hub.export import ExportError, export_run
 from llmdp.privacy.dataset_ledger import check_declared_public, open_dataset_ledger
 from llmdp.privacy.events import event_to_json
@@ -34,7 +31,7 @@ from llmdp.run.baseline import BANNER, public_banner
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
 from llmdp.run.localray import WORKER_ENV, start_local_ray
 from llmdp.run.planning import plan_run, warn_open
-from llmdp.run.preflight import run_lock, truncation_note
+from llmdp.run.preflight import check_run_dir, run_lock, truncation_note
 from llmdp.run.progress import EPS_KEY, Progress, batch_note, mechanism_label
 from llmdp.run.provenance import SOURCE, copy_declared_releases
 from llmdp.run.restore import restore_point
@@ -42,45 +39,6 @@ from llmdp.run.rundir import RESUME_HINT, RunDir
 from llmdp.run.spec import LedgerSpec, RunPaths, RunSpec
 from llmdp.tokenizer.train import ensure_release_recorded
 from llmdp.train.loop import train_loop_per_worker
-
-# What a run directory's checkpoints and ledger depend on: resuming under a recipe that
-# changes any of these would mix two different trainings (and two guarantees) in one run.
-_RESUME_KEYS = ("model", "data", "privacy", "optim", "train.expected_batch_size", "train.steps",
-                "train.epochs", "train.seed")
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
-
-
-def check_run_dir(run_dir: str, cfg: RecipeConfig) -> None:
-    """Refuse to reuse a run directory that holds a run of a different recipe."""
-    old_path = os.path.join(run_dir, "config.yaml")
-    if not os.path.exists(old_path):
-        return
-    with open(old_path, encoding="utf-8") as f:
-        old = _flatten(json.loads(json.dumps(yaml.safe_load(f) or {})))
-    old.setdefault("privacy.dp", True)  # written before privacy.dp existed: a DP run
-    new = _flatten(json.loads(json.dumps(to_dict(cfg))))
-    # A key the old config lacks is a field added to the schema since: not a change.
-    changed = sorted(k for k in old
-                     if any(k == r or k.startswith(r + ".") for r in _RESUME_KEYS)
-                     and old[k] != new.get(k))
-    if changed:
-        shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:4])
-        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
-        raise ConfigError(
-            f"output.name: {os.path.basename(run_dir)!r} already holds a run ({run_dir}) of a "
-            f"different recipe ({shown}{more}); resuming it would mix two trainings. Give this "
-            f"run its own name (e.g. output.name={os.path.basename(run_dir)}-2) or delete that "
-            f"directory",
-            key="output.name",
-        )
 
 
 def _check_run_ledger(run_dir: str, run_id: str, ledger: dict) -> None:

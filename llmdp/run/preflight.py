@@ -11,13 +11,57 @@ holding or recording anything) and makes no run folder.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from typing import Any
+
+import yaml
 
 from llmdp._fs import RunLock, private_files
-from llmdp.config.schema import ConfigError, RecipeConfig
+from llmdp.config.schema import ConfigError, RecipeConfig, to_dict
 
-__all__ = ["run_lock", "check_output_dir", "truncation_note", "dry_run"]
+__all__ = ["check_run_dir", "run_lock", "check_output_dir", "truncation_note", "dry_run"]
+
+
+# What a run directory's checkpoints and ledger depend on: resuming under a recipe that
+# changes any of these would mix two different trainings (and two guarantees) in one run.
+_RESUME_KEYS = ("model", "data", "privacy", "optim", "train.expected_batch_size", "train.steps",
+                "train.epochs", "train.seed")
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def check_run_dir(run_dir: str, cfg: RecipeConfig) -> None:
+    """Refuse to reuse a run directory that holds a run of a different recipe."""
+    old_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(old_path):
+        return
+    with open(old_path, encoding="utf-8") as f:
+        old = _flatten(json.loads(json.dumps(yaml.safe_load(f) or {})))
+    old.setdefault("privacy.dp", True)  # written before privacy.dp existed: a DP run
+    new = _flatten(json.loads(json.dumps(to_dict(cfg))))
+    # A key the old config lacks is a field added to the schema since: not a change.
+    changed = sorted(k for k in old
+                     if any(k == r or k.startswith(r + ".") for r in _RESUME_KEYS)
+                     and old[k] != new.get(k))
+    if changed:
+        shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:4])
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        raise ConfigError(
+            f"output.name: {os.path.basename(run_dir)!r} already holds a run ({run_dir}) of a "
+            f"different recipe ({shown}{more}); resuming it would mix two trainings. Give this "
+            f"run its own name (e.g. output.name={os.path.basename(run_dir)}-2) or delete that "
+            f"directory",
+            key="output.name",
+        )
 
 
 def check_output_dir(cfg: RecipeConfig) -> None:
@@ -150,7 +194,6 @@ def dry_run(cfg: RecipeConfig, log=print) -> dict:
     (`plan_run`), print the plan, the truncation, the DP evaluation's noise and the budget,
     and return them; no run folder, no ledger entry, no hold."""
     from llmdp.privacy.prior import composed_epsilon
-    from llmdp.run.launch import check_run_dir
     from llmdp.run.planning import plan_run, warn_open
 
     check_output_dir(cfg)  # what the run would be refused for first
