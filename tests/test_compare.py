@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 
@@ -92,6 +94,24 @@ def test_cli_writes_the_png(runs, tmp_path, capsys):
     assert main(["compare", *map(str, runs), "--out", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
     assert f"plot: {out}" in capsys.readouterr().out
+
+
+def test_the_png_is_owner_only_whatever_the_umask_and_replaces_an_open_one(runs, tmp_path):
+    """The plot holds internal metrics: written 0600 (its new folder 0700) under the usual
+    umask 022, and a world-readable plot already at --out is replaced by an owner-only one;
+    nothing else is left in the folder."""
+    out = tmp_path / "plots" / "curve.png"
+    old = os.umask(0o022)
+    try:
+        assert main(["compare", *map(str, runs), "--out", str(out)]) == 0
+        assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(out.parent).st_mode) == 0o700
+        os.chmod(out, 0o644)
+        assert main(["compare", *map(str, runs), "--out", str(out)]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
+    assert out.read_bytes()[:4] == b"\x89PNG" and os.listdir(out.parent) == ["curve.png"]
 
 
 def test_a_folder_that_is_not_a_run_is_a_clear_error(tmp_path, runs, capsys):

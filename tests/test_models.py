@@ -84,6 +84,15 @@ def test_dtype_and_pretrained_path(tmp_path):
     assert not (tmp_path / "cache").exists()  # nothing built for a checkpoint
 
 
+def test_a_pretrained_gpt_oss_loads_with_eager_attention(tmp_path):
+    """gpt-oss has no sdpa attention (its sinks) and transformers refuses sdpa for it: a
+    pretrained gpt-oss checkpoint loads with eager attention, not a raw ValueError."""
+    d = build_tiny_model(tmp_path / "ckpt", tiny_model_config("gpt_oss"), 300, 2, 0, 1)
+    cfg = ModelConfig(init="pretrained", name_or_path=d, tokenizer=tiny_tokenizer_dir())
+    model, _ = load_model(cfg, cache_dir=tmp_path / "cache")
+    assert model.config._attn_implementation == "eager"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_only_adapters_trainable(tmp_path, family):
     cfg = _tiny_cfg(family, lora=LoraConfig(r=4, alpha=8.0, target_modules=LORA_TARGETS[family]))

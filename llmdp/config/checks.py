@@ -40,11 +40,14 @@ def check_logging(g, prefix: str, base_dir: str):
     rank 0 imports it); it is an optional extra."""
     import importlib.util
 
-    package = {"tensorboard": "tensorboard", "mlflow": "mlflow"}.get(g.backend)
-    if package is not None and importlib.util.find_spec(package) is None:
+    # mlflow's SQLite store (llmdp.train.explog) needs SQLAlchemy and Alembic besides the client
+    needs = {"tensorboard": ("tensorboard",),
+             "mlflow": ("mlflow", "sqlalchemy", "alembic")}.get(g.backend, ())
+    missing = [p for p in needs if importlib.util.find_spec(p) is None]
+    if missing:
         raise ConfigError(
-            f"{prefix}.backend: {g.backend!r} needs the {package} package, which is not "
-            f"installed; install it with `pip install 'llmdp[{g.backend}]'`, or remove "
+            f"{prefix}.backend: {g.backend!r} needs the Python package(s) "
+            f"{', '.join(missing)}, not installed; install with `pip install 'llmdp[{g.backend}]'`, or remove "
             f"{prefix}.backend (metrics.jsonl is written either way)",
             key=f"{prefix}.backend",
         )

@@ -477,7 +477,8 @@ class OutputConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     # A local experiment log beside metrics.jsonl (in the run directory): tensorboard or
-    # mlflow (a local file store), optional extras (`pip install 'llmdp[tensorboard]'`).
+    # mlflow (a local SQLite store, mlruns/mlflow.db), optional extras
+    # (`pip install 'llmdp[tensorboard]'`, `'llmdp[mlflow]'`).
     # DP releases under dp/, metrics computed on private data without DP under internal/
     # (llmdp.train.explog). None: metrics.jsonl only.
     backend: str | None = _f(None, choices=("tensorboard", "mlflow"))

@@ -253,6 +253,20 @@ def load_tokenizer(name_or_path, key: str = "model.tokenizer"):
     return tokenizer
 
 
+def pretrained_attention(path) -> str:
+    """The attention a pretrained checkpoint is loaded with: ``PRETRAINED_ATTN_IMPLEMENTATION``
+    (sdpa) where its model class implements it, else eager (gpt-oss: its attention sinks
+    have no sdpa kernel, and transformers refuses sdpa for it rather than falling back)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]
+    except (KeyError, ValueError, OSError):  # a class transformers does not map: its own default
+        return PRETRAINED_ATTN_IMPLEMENTATION
+    return PRETRAINED_ATTN_IMPLEMENTATION if getattr(cls, "_supports_sdpa", True) else TINY_ATTN_IMPLEMENTATION
+
+
 def load_model(model_cfg, *, vocab_size: int | None = None, cache_dir) -> tuple[nn.Module, Any]:
     """(model, tokenizer) for ``model_cfg`` (an ``llmdp.config.schema.ModelConfig``).
 
@@ -296,7 +310,7 @@ def load_model(model_cfg, *, vocab_size: int | None = None, cache_dir) -> tuple[
         path = model_cfg.name_or_path
         if path is None:
             raise ValueError("model.name_or_path: required when model.init is 'pretrained'")
-        attn = getattr(model_cfg, "attn_implementation", None) or PRETRAINED_ATTN_IMPLEMENTATION
+        attn = getattr(model_cfg, "attn_implementation", None)
         base_tok = getattr(model_cfg, "base_tokenizer", None)
         if base_tok is not None:  # adapt the embeddings to model.tokenizer (built once)
             h = adapted_model_hash(path, base_tok, tok_src)
@@ -306,6 +320,8 @@ def load_model(model_cfg, *, vocab_size: int | None = None, cache_dir) -> tuple[
     else:
         raise ValueError(f"model.init={init!r} is not one of ['pretrained', 'tiny']")
 
+    if attn is None:
+        attn = pretrained_attention(path)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, **load_kwargs)
     if init == "pretrained":
         if vocab_size is not None and vocab_size != model.get_input_embeddings().num_embeddings:

@@ -6,7 +6,8 @@ baseline: ``"dp": false``), the final held-out evaluation (``evaluation.internal
 without DP on private held-out data: internal, for the trainer's eyes only; or
 ``evaluation.public`` on public data) and the final DP evaluation (``evaluation.dp``: a DP
 release, with its noise's standard deviation). A run without a section shows "–" there. The
-table and the plot are local outputs (they hold internal metrics): not for publication.
+table and the plot are local outputs (they hold internal metrics): not for publication; the
+plot's file is written owner-only, like the run's own files.
 
 Runs are pooled (mean ± sd) only when they are seed replicates: their resolved recipes
 (``config.yaml``) are equal but for the seeds and the fields that do not change what is
@@ -17,6 +18,7 @@ the fields they differ in. A run without ``config.yaml`` is never pooled.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -340,13 +342,39 @@ def plot(rows: list[dict], out: str) -> dict:
     if drawn:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        _save_private(fig, out)
+    finally:
+        plt.close(fig)
     return {"heldout": [(x, y, r["run"]) for x, y, r in held],
             "dp_eval": [(x, y, sd, r["run"]) for x, y, sd, r in dpe],
             "dp_eval_bars": yerr, "groups": [list(k) for k in groups], "heldout_mean": means,
             "non_private": baselines, "path": out}
+
+
+def _save_private(fig, out: str) -> None:
+    """Write the figure to ``out`` owner-only (0600, whatever the umask; a folder it creates
+    0700), like the run's other internal files (`llmdp._fs.private_files`): the plot holds
+    internal metrics. It is drawn into a new file beside ``out`` and renamed over it, so that
+    a plot already there (with wider permissions) is replaced, never left readable or half
+    written. The format is ``out``'s extension (matplotlib's default, PNG, without one)."""
+    import tempfile
+
+    from llmdp._fs import private_files
+
+    folder = os.path.dirname(os.path.abspath(out))
+    ext = os.path.splitext(out)[1]
+    with private_files():
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".compare-", suffix=ext, dir=folder)  # 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                fig.savefig(f, dpi=120, format=ext[1:] or None)
+            os.replace(tmp, out)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def _tag(keys, dataset, delta, start) -> str:
