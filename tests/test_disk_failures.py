@@ -128,6 +128,26 @@ def _sealed(tmp_path) -> str:
     return folder
 
 
+@pytest.mark.parametrize("strategy", ["replicated", "fsdp"])
+def test_a_checkpoint_of_two_workers_is_sealed_by_its_writers_only(tmp_path, strategy):
+    """Two workers: the full format (replicated) is written by rank 0 alone, so its manifest
+    must expect one writer (a restart of the worker group then resumes from it); the
+    sharded one by both ranks, and a rank's missing manifest is damage."""
+    from llmdp.train.strategy import Fsdp, Replicated
+
+    writers = (Replicated if strategy == "replicated" else Fsdp)().checkpoint_writers(2)
+    folder = str(tmp_path / "ckpt")
+    os.makedirs(folder)
+    for rank in range(writers):
+        with open(os.path.join(folder, f"part{rank}.bin"), "wb") as f:
+            f.write(bytes([rank]) * 64)
+        checkpoints.seal(folder, rank, writers, 4)
+    assert checkpoints.verify(folder) is None
+    if writers > 1:
+        os.remove(os.path.join(folder, checkpoints.MANIFEST.format(rank=1)))
+        assert "manifest.1.json" in checkpoints.verify(folder)
+
+
 def test_a_sealed_checkpoint_verifies_and_each_kind_of_damage_is_named(tmp_path):
     folder = _sealed(tmp_path)
     assert checkpoints.verify(folder) is None

@@ -467,7 +467,7 @@ def checkpoint(run: Training, step: int, graceful: bool = False) -> None:
         mine = run.strategy.save_checkpoint(run.model, run.optimizer, run.names, tmp, meta,
                                             noise=run.noise.stream if run.noise else None)
         if mine:  # written last: the folder is whole only with every writer's manifest
-            checkpoints.seal(tmp, run.rank, run.world, step)
+            checkpoints.seal(tmp, run.rank, run.strategy.checkpoint_writers(run.world), step)
         run.context.report({"step": step}, tmp if mine else None)
 
 

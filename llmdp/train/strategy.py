@@ -157,6 +157,11 @@ class Strategy:
         their global noise vectors (None, None: whole vectors). Here the whole parameters."""
         return [p.shape for p in params], None, None
 
+    def checkpoint_writers(self, world: int) -> int:
+        """How many ranks write a part of a checkpoint (``save_checkpoint`` is True on them,
+        each seals its part: `checkpoints.seal`): the full format's rank 0 alone."""
+        return 1
+
     def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         names: Sequence[str], folder: str, meta: dict, noise=None) -> bool:
         """Write this rank's part of a training checkpoint into ``folder`` (a fresh local
@@ -258,6 +263,10 @@ class Replicated(Strategy):
 
 class Fsdp(Strategy):
     name = "fsdp"
+
+    def checkpoint_writers(self, world: int) -> int:
+        """The sharded format: every rank writes (and seals) its own shards."""
+        return world
 
     def check(self, privacy: Any) -> None:
         if privacy.debug_check:
