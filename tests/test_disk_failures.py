@@ -138,9 +138,14 @@ def test_a_checkpoint_of_two_workers_is_sealed_by_its_writers_only(tmp_path, str
     writers = (Replicated if strategy == "replicated" else Fsdp)().checkpoint_writers(2)
     folder = str(tmp_path / "ckpt")
     os.makedirs(folder)
+    if strategy == "replicated":  # rank 0's full state
+        checkpoints.write_full(folder, {"w": torch.ones(8)}, {"state": {}, "param_groups": []}, {"step": 4})
+    else:  # every rank's shards, rank 0's state.json
+        for rank in range(writers):
+            with open(os.path.join(folder, f"__{rank}_0.distcp"), "wb") as f:
+                f.write(bytes([rank]) * 64)
+        checkpoints.write_meta(folder, {"step": 4, "strategy": "fsdp"})
     for rank in range(writers):
-        with open(os.path.join(folder, f"part{rank}.bin"), "wb") as f:
-            f.write(bytes([rank]) * 64)
         checkpoints.seal(folder, rank, writers, 4)
     assert checkpoints.verify(folder) is None
     if writers > 1:
