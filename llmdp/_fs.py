@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import shutil
 import tempfile
@@ -51,6 +52,46 @@ def install_dir(tmp: str, out_dir: str, is_current: Callable[[], bool]) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
         return False
     return True
+
+
+def fsync_dir(folder) -> None:
+    """fsync a folder: the names created, renamed or removed in it are on the disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path, write: Callable, text: bool = False) -> None:
+    """``write(f)`` into ``path`` as a whole or not at all: a temporary file of its own in the
+    same folder (concurrent writers never share one), flushed and fsynced, renamed over
+    ``path``, the folder fsynced (the rename is durable). The temporary file is removed if
+    anything fails (a full disk leaves no truncated file). ``text``: ``f`` is a UTF-8 text
+    file (else binary)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with (os.fdopen(fd, "w", encoding="utf-8") if text else os.fdopen(fd, "wb")) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fsync_dir(folder)
+
+
+def sha256_file(path, block: int = 1 << 22) -> str:
+    """The hex sha256 of a file's bytes, read a block at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(block), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class RunDirInUse(RuntimeError):

@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 
 import datasets
 
+from llmdp._fs import sha256_file
 from llmdp.config.validate import ConfigError
 from llmdp.data.files import (
     _BUILDERS,
@@ -280,17 +281,6 @@ def load_records(
 # ----------------------------------------------------------------------------- fingerprints
 
 
-def _sha256_file(path: str, chunk_size: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(chunk_size)
-            if not chunk:
-                break
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fingerprint_file(path) -> str:
     """sha256 (hex) of the file's bytes, streamed.
 
@@ -299,10 +289,10 @@ def fingerprint_file(path) -> str:
     """
     path = os.path.abspath(os.fspath(path))
     if os.path.isfile(path):
-        return _sha256_file(path)
+        return sha256_file(path)
     h = hashlib.sha256(b"llmdp-dir-v1\0")
     for f in data_files(path):
-        h.update(os.path.relpath(f, path).encode() + b"\0" + _sha256_file(f).encode() + b"\n")
+        h.update(os.path.relpath(f, path).encode() + b"\0" + sha256_file(f).encode() + b"\n")
     return h.hexdigest()
 
 
@@ -324,7 +314,7 @@ def _fingerprint_saved(path: str, kind: str, split: str | None) -> str:
         table_dir = path
         h = hashlib.sha256(b"llmdp-saved-v1\0")  # one table: the split name does not matter
     for f in _saved_arrow_files(table_dir):
-        h.update(os.path.basename(f).encode() + b"\0" + _sha256_file(f).encode() + b"\n")
+        h.update(os.path.basename(f).encode() + b"\0" + sha256_file(f).encode() + b"\n")
     return h.hexdigest()
 
 

@@ -63,6 +63,7 @@ from pathlib import Path
 
 import dp_accounting
 
+from llmdp._fs import fsync_dir
 from llmdp.config.validate import _is_int
 from llmdp.privacy.accountant import threshold_delta
 from llmdp.privacy.events import event_from_json
@@ -197,14 +198,6 @@ def check_record(rec) -> str | None:
     return None
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def make_dirs(directory) -> None:
     """mkdir -p, fsync'ing the parent of every directory created, so a fresh run
     directory survives a power loss together with the ledger inside it."""
@@ -218,7 +211,7 @@ def make_dirs(directory) -> None:
             d.mkdir()
         except FileExistsError:
             continue
-        _fsync_dir(d.parent)
+        fsync_dir(d.parent)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -244,7 +237,7 @@ def append_line(path, record: dict) -> None:
     finally:
         os.close(fd)
     if created:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def release_entries(numbered_records, where: str) -> list[tuple[dp_accounting.DpEvent, int]]:

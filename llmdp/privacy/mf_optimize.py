@@ -7,9 +7,9 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
+from llmdp._fs import atomic_write
 from llmdp.privacy.mf import Factorization
 from llmdp.privacy.mf_workload import ERRORS, Workload
 
@@ -44,22 +44,10 @@ def _read_cache(path: Path, inputs: dict) -> Factorization | None:
 
 
 def _write_cache(path: Path, inputs: dict, fact: Factorization) -> None:
-    """Atomically: a temporary file in the same directory, then os.replace."""
+    """Atomically (`llmdp._fs.atomic_write`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = json.dumps({"inputs": inputs, "factorization": fact.to_dict()}, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, lambda f: f.write(blob), text=True)
 
 
 def strategy_for(mechanism: str, n: int, *, bands: int | None = None,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 
+from llmdp._fs import atomic_write
 from llmdp.run.rundir import RAY_TRAIN_SNAPSHOT
 from llmdp.train import checkpoints
 from llmdp.train.checkpoints import CheckpointError
@@ -109,7 +110,7 @@ def _write_snapshot(storage: str, snapshot: dict | None, keep: list[str], latest
         snap[key] = [n for n in snap.get(key) or [] if n in keep]
     path = os.path.join(storage, RAY_TRAIN_SNAPSHOT)
     data = json.dumps(snap).encode()
-    checkpoints.atomic_write(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: f.write(data))
 
 
 def restore_point(run_dir: str, log=print) -> str | None:

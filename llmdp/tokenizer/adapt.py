@@ -27,7 +27,7 @@ import shutil
 
 import torch
 
-from llmdp._fs import building_dir, install_dir
+from llmdp._fs import building_dir, install_dir, sha256_file
 from llmdp.train.hf import dtype_kwarg, save_kwargs
 
 log = logging.getLogger(__name__)
@@ -366,14 +366,6 @@ def adapt_embeddings(model, base_tokenizer, new_tokenizer) -> dict:
 # ----------------------------------------------------------------------------- build + cache
 
 
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 _ID_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "tokenizer.model", "spm.model", "vocab.json",
              "merges.txt", "model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -393,7 +385,7 @@ def _identity(src) -> dict:
         if not os.path.isfile(full):
             continue
         if name in _ID_FILES:
-            files[name] = _sha256_file(full)
+            files[name] = sha256_file(full)
         elif name.endswith(_WEIGHT_SUFFIXES):
             weights[name] = os.path.getsize(full)
     return {"path": path, "sha256": files, "weights": weights}

@@ -38,12 +38,13 @@ that the final model holds exactly the last checkpoint's trainable parameters.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
+
+from llmdp._fs import atomic_write, sha256_file
 
 FULL = "state.pt"
 META = "state.json"
@@ -101,34 +102,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is damaged (its manifest is missing or does not match its files)."""
 
 
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, write) -> None:
-    """``write(f)`` into ``path`` as a whole or not at all: a temporary name in the same folder,
-    flushed and fsynced, renamed over ``path``; the folder fsynced (the rename is durable).
-    The temporary file is removed if anything fails (a full disk leaves no truncated file)."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
 def write_full(folder: str, params: dict, optimizer_state: dict, meta: dict) -> None:
     """The full format (rank 0): ``state.pt``, written atomically."""
     import torch  # lazy: as above
@@ -152,14 +125,6 @@ def write_meta(folder: str, meta: dict) -> None:
     atomic_write(os.path.join(folder, META), lambda f: f.write(data))
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _is_manifest(name: str) -> bool:
     return name.startswith("manifest.") and name.endswith(".json")
 
@@ -175,7 +140,7 @@ def seal(folder: str, rank: int, world: int, step: int) -> None:
             rel = os.path.relpath(path, folder)
             if _is_manifest(name) or name.endswith(".tmp"):
                 continue
-            files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+            files[rel] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
     record = {"format": MANIFEST_FORMAT, "rank": rank, "step": int(step), "files": files}
     if rank == 0:
         record["writers"] = int(world)
@@ -222,7 +187,7 @@ def verify(folder: str) -> str | None:
             if os.path.getsize(path) != want.get("size"):
                 return f"{rel} has {os.path.getsize(path)} bytes, its manifest says {want.get('size')}"
         for rel, want in listed:
-            if _sha256(os.path.join(folder, rel)) != want.get("sha256"):
+            if sha256_file(os.path.join(folder, rel)) != want.get("sha256"):
                 return f"{rel} does not match its sha256 in the manifest (its bytes changed)"
     except CheckpointError as e:
         return str(e)
