@@ -88,6 +88,20 @@ def per_unit_reference(model, batch, C):
     return norms, {n: sum(f[u] * per[u][i] for u in range(U)) for i, (n, _) in enumerate(named)}
 
 
+def assert_matches_reference(model, batch, modes=("book-keeping", "two-pass"), rtol=1e-9, atol=1e-12,
+                             label="", ref=None):
+    """The engine's per-unit norms (to ``rtol``) and clipped sum (each parameter to ``rtol``
+    and ``atol`` times its largest entry) against ``per_unit_reference``, in every mode."""
+    ref_norms, ref_sum = ref if ref is not None else per_unit_reference(model, batch, 0.05)
+    for mode in modes:
+        norms, got = _clipped(model, batch, mode=mode)
+        torch.testing.assert_close(norms, ref_norms, rtol=rtol, atol=0)
+        for n, g in got.items():
+            scale = float(ref_sum[n].abs().max())
+            torch.testing.assert_close(g, ref_sum[n], rtol=rtol, atol=atol * scale,
+                                       msg=lambda m, n=n, mode=mode: f"{label} {mode} {n}: {m}")
+
+
 def lora_model(family: str, tie: bool = False):
     """LoRA (r = 2, random B so every factor has a gradient) on every Linear of the decoder
     ("all-linear"); on MoE models also on the 3-D expert weights (peft's
@@ -112,14 +126,7 @@ def test_every_family_is_exact_with_lora(family):
     if family in MOE:
         assert any("experts.lora_A" in n for n in trainable)  # the 3-D experts' adapters
     batch = make_batch([0, 0, 1, -1, 2])
-    ref_norms, ref_sum = per_unit_reference(model, batch, 0.05)
-    for mode in ("book-keeping", "two-pass"):
-        norms, got = _clipped(model, batch, mode=mode)
-        torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
-        for n, g in got.items():
-            scale = float(ref_sum[n].abs().max())
-            torch.testing.assert_close(g, ref_sum[n], rtol=1e-9, atol=1e-12 * scale,
-                                       msg=lambda m, n=n, mode=mode: f"{family} {mode} {n}: {m}")
+    assert_matches_reference(model, batch, label=family)
 
 
 # Tied where the family's checkpoints tie (GPT-2, Gemma), untied elsewhere; and the other
@@ -326,14 +333,7 @@ def test_phimoe_is_exact_with_its_deterministic_routing_and_its_sampled_routing_
 
     model = _phimoe().eval()
     batch = make_batch([0, 0, 1, -1, 2])
-    ref_norms, ref_sum = per_unit_reference(model, batch, 0.05)
-    for mode in ("book-keeping", "two-pass"):
-        norms, got = _clipped(model, batch, mode=mode)
-        torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
-        for n, g in got.items():
-            scale = float(ref_sum[n].abs().max())
-            torch.testing.assert_close(g, ref_sum[n], rtol=1e-9, atol=1e-12 * scale,
-                                       msg=lambda m, n=n, mode=mode: f"{mode} {n}: {m}")
+    assert_matches_reference(model, batch)
     model.train()
     with pytest.raises(UnsupportedModuleError,
                        match=r"model\.layers\.0\.mlp\.router.*PhimoeTopKRouter.*samples its routing "
@@ -395,10 +395,4 @@ def test_gpt_oss_with_its_own_attention_sinks_and_sliding_window_is_exact():
     batch = make_batch([0, 0, 1, -1, 2])
     ref_norms, ref_sum = per_unit_reference(model, batch, 0.05)
     assert all(float(ref_sum[f"model.layers.{i}.self_attn.sinks"].abs().max()) > 0 for i in (0, 1))
-    for mode in ("book-keeping", "two-pass"):
-        norms, got = _clipped(model, batch, mode=mode)
-        torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
-        for n, g in got.items():
-            scale = float(ref_sum[n].abs().max())
-            torch.testing.assert_close(g, ref_sum[n], rtol=1e-9, atol=1e-12 * scale,
-                                       msg=lambda m, n=n, mode=mode: f"{mode} {n}: {m}")
+    assert_matches_reference(model, batch, ref=(ref_norms, ref_sum))
