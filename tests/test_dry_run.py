@@ -50,6 +50,7 @@ def test_a_dry_run_plans_without_a_trace(tmp_path, recipe, capsys):
     text = capsys.readouterr().out
     assert "dry run: N=" in text and "sigma=" in text and "epsilon=" in text, text
     assert "truncation: " in text and "budget: " in text and "DP evaluation: " in text, text
+    assert "memory per worker: about " in text, text
     assert ledger_rows() is None  # no dataset ledger started, nothing held or recorded
     assert not os.path.exists(tmp_path / "runs" / "dry")
     assert not os.path.exists(tmp_path / "runs" / ".dry.lock")

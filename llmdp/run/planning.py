@@ -46,6 +46,7 @@ class Planned:
     eval_store: Any = None  # the held-out units (UnitStore), or None
     eval_plan: Any = None  # the DP evaluation's plan (llmdp.evaluation.dp.DpEvalPlan), or None
     starting_model: dict | None = None  # llmdp.run.provenance.starting_model (None: random init)
+    memory: Any = None  # llmdp.train.memory.MemoryEstimate (plan_run(memory=True)), or None
 
     def entries(self) -> list:
         """(event, count) of every release the run will make if it completes: the earlier
@@ -83,11 +84,12 @@ def store_builder(d, path, dataset, data_format: str, log=print):
     return build
 
 
-def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
+def plan_run(cfg: RecipeConfig, log=print, augment=None, memory: bool = False) -> Planned:
     """Data units, model facts and the DP plan of ``cfg`` (shared caches only: nothing is
     written to the run directory or to a ledger). ``augment(store, tokenizer) -> store``
     (``llmdp audit``) returns the training store with the canaries its keyed coins
-    included, as units of their own; N, q and σ are then planned for that store."""
+    included, as units of their own; N, q and σ are then planned for that store.
+    ``memory``: also estimate the memory per worker (``llmdp.train.memory``; the dry run)."""
     cache = cache_root()
     os.makedirs(cache, exist_ok=True)
     if cfg.data.synthetic is not None and not os.path.exists(cfg.data.path):
@@ -118,6 +120,11 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tok_use["vocab_adaptation"] = getattr(model, "llmdp_vocab_adaptation", None)
     tok_use["vocab_size"] = len(tokenizer)
+    mem = None
+    if memory:
+        from llmdp.train.memory import estimate_memory
+
+        mem = estimate_memory(model, cfg)  # moves the model to the meta device
     del model
 
     spec = UnitSpec(kind=d.unit, sequence_length=d.sequence_length,
@@ -207,7 +214,7 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None) -> Planned:
         _check_dp_eval_noise(cfg, eval_plan, eval_store.num_units, log)
     return Planned(cfg=cfg, plan=plan, store=store, unit_spec=spec, source_sha=source_sha,
                    tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats,
-                   eval_store=eval_store, eval_plan=eval_plan, starting_model=start)
+                   eval_store=eval_store, eval_plan=eval_plan, starting_model=start, memory=mem)
 
 
 # A tokenizer that encodes more than this share of the data's tokens as its unknown token

@@ -191,8 +191,9 @@ def _budget(cfg: RecipeConfig, planned, epsilon: float, log) -> dict:
 
 def dry_run(cfg: RecipeConfig, log=print) -> dict:
     """`llmdp train RECIPE --dry-run`: tokenize and plan ``cfg`` as its run would
-    (`plan_run`), print the plan, the truncation, the DP evaluation's noise and the budget,
-    and return them; no run folder, no ledger entry, no hold."""
+    (`plan_run`), print the plan, the truncation, the DP evaluation's noise, the memory per
+    worker (``llmdp.train.memory``) and the budget, and return them; no run folder, no
+    ledger entry, no hold."""
     from llmdp.privacy.prior import composed_epsilon
     from llmdp.run.planning import plan_run, warn_open
 
@@ -200,7 +201,7 @@ def dry_run(cfg: RecipeConfig, log=print) -> dict:
     check_run_dir(os.path.abspath(cfg.run_dir), cfg)
     with private_files(cfg.output.group_readable):  # the unit cache: private data at rest
         warn_open(cfg, log)
-        planned = plan_run(cfg, log)
+        planned = plan_run(cfg, log, memory=True)
     plan, stats = planned.plan, planned.data_stats
     evals = [] if planned.eval_plan is None else [
         {"event": _event_json(planned.eval_plan.event()), "count": planned.eval_plan.releases}]
@@ -211,7 +212,7 @@ def dry_run(cfg: RecipeConfig, log=print) -> dict:
            "delta": plan.delta if plan.dp else None,
            "epsilon": eps if plan.dp else None, "accountant": plan.accountant,
            "truncation": _truncation(stats), "dp_eval_std": None, "budget": None,
-           "memory_per_worker": None}  # the planner makes no memory estimate
+           "memory_per_worker": planned.memory.to_dict()}
     if not plan.dp:
         log(f"dry run: NON-PRIVATE baseline: N={plan.dataset_size} units, q="
             f"{plan.sampling_probability:.5g}, T={plan.steps}; no noise, no ε, no ledger")
@@ -222,6 +223,7 @@ def dry_run(cfg: RecipeConfig, log=print) -> dict:
             f"({plan.accountant})")
     note = truncation_note(stats, cfg.data.max_rows_per_unit, cfg.data.sequence_length)
     log(note or "truncation: no unit was cut by data.max_rows_per_unit")
+    log(planned.memory.line())
     if planned.eval_plan is not None:
         out["dp_eval_std"] = planned.eval_plan.expected_std(planned.eval_store.num_units)
     if plan.dp:
