@@ -70,6 +70,10 @@ CASES = {
     "full": {},
     "lora": {"model": {"lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}}},
     "checkpointing": {"model": {"gradient_checkpointing": True}},
+    "lora-checkpointing": {"model": {"gradient_checkpointing": True,
+                                     "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}}},
+    "gpt2-checkpointing": {"tiny": {"family": "gpt2", "num_layers": 6},
+                           "model": {"gradient_checkpointing": True}},
     "two-pass": {"privacy": {"clipping_mode": "two-pass"}},
     "gpt2": {"tiny": {"family": "gpt2"}},
     "moe": {"tiny": {"family": "qwen3_moe"}},
@@ -79,8 +83,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_estimate_is_the_measured_peak(tmp_path, monkeypatch, case):
     """The real worker loop (two steps, micro-batches of 16 full rows, seeded sampling), its
-    peak tensor memory measured: the estimate is within [0.7, 1.4] of it (0.83-1.03 when
-    written). Without the activations it is not (checked: 5 of the 6 cases fail)."""
+    peak tensor memory measured: the estimate is within [0.75, 1.7] of it, wider above than
+    below (an under-estimate is an out-of-memory error; 0.86-1.36 when written). Without the
+    activations it is not (checked: 5 of the 6 first cases fail)."""
     from llmdp.run.launch import prepare
     from llmdp.train.loop import LocalContext, train_loop_per_worker
 
@@ -92,9 +97,9 @@ def test_the_estimate_is_the_measured_peak(tmp_path, monkeypatch, case):
     assert est.traced  # every case here, the experts too (bf16 grouped GEMM on meta)
     prep = prepare(cfg, log=lambda *a: None)
     peak = _peak_of(lambda: train_loop_per_worker(prep, LocalContext()))
-    assert 0.7 * peak <= est.total <= 1.4 * peak, (case, est.to_dict(), peak)
-    if case == "checkpointing":
-        assert "gradient_checkpointing saves nothing here" in est.line()
+    assert 0.75 * peak <= est.total <= 1.7 * peak, (case, est.to_dict(), peak)
+    if "checkpointing" in case:
+        assert "the clipping engine still keeps every trainable layer's input" in est.line()
 
 
 def test_the_exact_parts_are_the_models(tmp_path):
@@ -141,5 +146,27 @@ def test_the_dry_run_prints_the_memory_per_worker(tmp_path, monkeypatch):
                                                 "clipping", "workspace"))
     line = next(x for x in lines if x.startswith("memory per worker: about "))
     assert "16 rows x 64 tokens per micro-batch" in line and "activations traced" in line
-    assert "model.gradient_checkpointing saves nothing here" in line
+    assert "the clipping engine still keeps every trainable layer's input" in line
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gradient_checkpointing_lowers_the_measured_peak(tmp_path, monkeypatch, family):
+    """The same DP run with and without ``model.gradient_checkpointing`` (six layers): the
+    checkpointed peak is lower. It was higher for Llama (103 against 73 MiB at eight
+    layers) while the norm rule read its saved operand inside the checkpointed layers."""
+    from llmdp.run.launch import prepare
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
+
+    peaks = {}
+    for ckpt in (False, True):
+        d = tmp_path / str(ckpt)
+        d.mkdir()
+        monkeypatch.setenv("LLMDP_HOME", str(d / "home"))
+        monkeypatch.setenv("XDG_DATA_HOME", str(d / "home"))
+        monkeypatch.setenv("LLMDP_CACHE", str(d / "cache"))
+        cfg = _recipe(d, tiny={"family": family, "num_layers": 6},
+                      model={"gradient_checkpointing": ckpt})
+        prep = prepare(cfg, log=lambda *a: None)
+        peaks[ckpt] = _peak_of(lambda prep=prep: train_loop_per_worker(prep, LocalContext()))
+    assert peaks[True] < 0.8 * peaks[False], peaks

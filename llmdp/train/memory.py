@@ -11,12 +11,11 @@ the start of the backward of the largest micro-batch (``train.physical_batch_siz
   dtype as ``torch.optim`` keeps them;
 - **activations**: the tensors autograd saves for the backward of the model's forward and
   the per-unit loss, *traced* on the meta device (shapes only: nothing is computed or
-  allocated) with the recipe's own loss function. Gradient checkpointing lowers none of
-  it under per-unit clipping: the engine keeps every trainable call's input (and its
-  audit the call's output) from the forward until the clipped sum, so the activations are
-  traced without checkpointing and the largest layer's share is added for its
-  recomputation (measured on CPU, a two-layer d128 Llama at 16 × 128 tokens: a peak of
-  111 MiB checkpointed against 65 MiB not);
+  allocated) with the recipe's own loss function, with the inputs the clipping engine
+  keeps of every call with trainable parameters (its A, until the clipped sum) and, under
+  gradient checkpointing, the inputs each checkpointed layer keeps, each storage once;
+  checkpointed, the largest layer's share of a trace without checkpointing is added for
+  its recomputation in the backward;
 - **clipping**: what the engine keeps beyond autograd, the output gradient of every call
   of a trainable Linear in book-keeping (and auto) mode, until the clipped sum is formed
   after the backward; two-pass keeps none;
@@ -72,9 +71,9 @@ class MemoryEstimate:
         parts = ", ".join(f"{k} {_gib(getattr(self, k))}" for k in
                           ("weights", "gradients", "optimizer", "activations", "clipping", "workspace"))
         how = "traced" if self.traced else "standard-layer formula"
-        ckpt = ("; model.gradient_checkpointing saves nothing here: the clipping engine keeps "
-                "each layer's inputs until the clipped sum, and the recomputed layer comes on "
-                "top" if self.checkpointed else "")
+        ckpt = ("; with model.gradient_checkpointing the clipping engine still keeps every "
+                "trainable layer's input" if self.checkpointed else
+                "; model.gradient_checkpointing lowers the activations")
         return (f"memory per worker: about {_gib(self.total)} at {self.rows} rows x "
                 f"{self.sequence_length} tokens per micro-batch ({parts}; activations {how}; "
                 f"tensor memory only, an estimate; activations scale with "
@@ -107,29 +106,19 @@ def estimate_memory(model: nn.Module, cfg, *, world: int | None = None) -> Memor
     R, T = int(cfg.train.physical_batch_size), int(cfg.data.sequence_length)
     compute = torch.bfloat16 if cfg.scaling.mixed_precision == "bf16" else None
     model.to("meta")
+    if compute is not None:
+        model.to(compute)  # autocast's matmuls: 16-bit activations (an approximation)
     new = hasattr(model, "is_activation_checkpointing")  # transformers' newer names
     checkpointed = bool(getattr(model, "is_activation_checkpointing" if new else
                                 "is_gradient_checkpointing", False))
-    if checkpointed:  # saves nothing under the engine (module docstring): traced without
-        getattr(model, "activation_checkpointing_disable" if new else "gradient_checkpointing_disable")()
-    if compute is not None:
-        model.to(compute)  # autocast's matmuls: 16-bit activations (an approximation)
-    try:
-        trace = _trace(model, R, T)
-    except Exception:  # noqa: BLE001 - a forward that needs values: experts routed eagerly
-        trace = None
-    if trace is None and compute is None:
-        # The grouped-GEMM experts kernel routes with data-independent shapes but needs
-        # 16-bit operands: trace in bf16 and count each bf16 tensor at the model's width.
-        width = _dtype_bytes(model)
-        model.to(torch.bfloat16)
-        try:
-            trace = _trace(model, R, T, widen=width / 2)
-        except Exception:  # noqa: BLE001
-            trace = None
+    trace = _trace_any(model, R, T, compute)
     if trace is not None:
         saved, largest, kept_g, layer = trace
-        saved += layer if checkpointed else 0
+        if checkpointed:  # the recomputed layer: its share of a trace without checkpointing
+            getattr(model, "activation_checkpointing_disable" if new else
+                    "gradient_checkpointing_disable")()
+            again = _trace_any(model, R, T, compute)
+            saved += again[3] if again is not None else 0
     else:
         saved, largest, kept_g = _formula(model, R, T), 0, 0
     clipping = 0 if cfg.privacy.clipping_mode == "two-pass" else kept_g  # a baseline too (C = inf)
@@ -139,38 +128,66 @@ def estimate_memory(model: nn.Module, cfg, *, world: int | None = None) -> Memor
                           rows=R, sequence_length=T, checkpointed=checkpointed)
 
 
+def _trace_any(model: nn.Module, R: int, T: int, compute) -> tuple[int, int, int, int] | None:
+    """:func:`_trace` in the model's dtype, else (experts routed by value) in bf16 with each
+    bf16 tensor counted at the model's width; None if neither runs on the meta device."""
+    try:
+        return _trace(model, R, T)
+    except Exception:  # noqa: BLE001 - a forward that needs values: experts routed eagerly
+        if compute is not None:
+            return None
+    # The grouped-GEMM experts kernel routes with data-independent shapes but needs 16-bit
+    # operands.
+    width = _dtype_bytes(model)
+    model.to(torch.bfloat16)
+    try:
+        return _trace(model, R, T, widen=width / 2)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def _trace(model: nn.Module, R: int, T: int, widen: float = 1.0) -> tuple[int, int, int, int]:
-    """(bytes autograd saves for the step's backward, the largest saved tensor's bytes plus
-    a float64 copy of the largest trainable Linear output, bytes of the trainable Linear
-    calls' output gradients, the largest decoder layer's saved bytes), on the meta device;
-    ``widen``: the factor for bf16 tensors (a trace in bf16 of a wider model)."""
+    """On the meta device: (bytes held for the backward: the tensors autograd saves, the
+    inputs the clipping engine keeps of every call with trainable parameters, and the
+    inputs a checkpointed layer keeps, each storage once; the largest of them plus a
+    float64 copy of the largest trainable Linear output; bytes of the trainable Linear
+    calls' output gradients; the largest decoder layer's share of the first). ``widen``:
+    the factor for bf16 tensors (a trace in bf16 of a wider model)."""
     from llmdp.train.losses import row_losses
 
     storages: dict[int, int] = {}
     owner: dict[int, int] = {}
     current = [-1]
 
-    def pack(t):
-        s = t.untyped_storage()
-        n = s.nbytes() * (widen if t.dtype == torch.bfloat16 else 1)
-        storages[s._cdata] = max(storages.get(s._cdata, 0), int(n))
-        owner.setdefault(s._cdata, current[0])
+    def hold(t):
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            n = int(s.nbytes() * (widen if t.dtype == torch.bfloat16 else 1))
+            storages[s._cdata] = max(storages.get(s._cdata, 0), n)
+            owner.setdefault(s._cdata, current[0])
         return t
 
     kept = [0, 0]
 
-    def on_output(module, args, out):
-        if module.weight.requires_grad or (module.bias is not None and module.bias.requires_grad):
-            n = out.numel() * (widen if out.dtype == torch.bfloat16 else 1)
-            kept[0] += int(n * out.element_size())
+    def on_call(module, args, out):
+        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            return
+        if args:
+            hold(args[0])  # the engine's A (a norm's input for its re-run)
+        if (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D") and isinstance(out, torch.Tensor):
+            kept[0] += int(out.numel() * out.element_size() * (widen if out.dtype == torch.bfloat16 else 1))
             kept[1] = max(kept[1], out.numel() * 8)  # its row norms read a float64 copy of G
 
     def enter(i):
-        return lambda *_: current.__setitem__(0, i)
+        def pre(module, args, kwargs):
+            current[0] = i
+            hold(args[0] if args else kwargs.get("hidden_states"))  # a checkpoint keeps it
+        return pre
 
-    hooks = [m.register_forward_hook(on_output) for m in model.modules() if isinstance(m, nn.Linear)]
+    hooks = [m.register_forward_hook(on_call) for m in model.modules()
+             if any(True for _ in m.parameters(recurse=False))]
     for i, layer in enumerate(_decoder_layers(model)):
-        hooks.append(layer.register_forward_pre_hook(enter(i)))
+        hooks.append(layer.register_forward_pre_hook(enter(i), with_kwargs=True))
         hooks.append(layer.register_forward_hook(lambda *_: current.__setitem__(0, -1)))
     dev = torch.device("meta")
     batch = {"input_ids": torch.zeros(R, T, dtype=torch.long, device=dev),
@@ -180,7 +197,7 @@ def _trace(model: nn.Module, R: int, T: int, widen: float = 1.0) -> tuple[int, i
     was = model.training
     model.train()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(hold, lambda t: t):
             row_losses(model, batch)
     finally:
         for h in hooks:

@@ -132,3 +132,28 @@ def test_the_direct_path_issues_two_operations_per_call(dtype):
             torch.testing.assert_close(got["weight"].double(), want.double(), rtol=0, atol=0)
     assert counts[True] <= 2 < counts[False] - 6, counts
 
+
+
+def test_under_activation_checkpointing_the_saved_operand_is_not_read(monkeypatch):
+    """Reading the product's saved z inside a checkpointed region unpacks it through the
+    checkpoint's hooks: a recomputation of the region in the forward, kept until the
+    backward (a Llama's peak was higher checkpointed than not). There the norm takes the
+    generic path, and stays exact; ``direct_operand`` refuses under any saved-tensor hooks."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(16).double()
+    x = torch.randn(4, 5, 16, dtype=torch.float64, requires_grad=True)
+    assert RowwiseRule.direct_operand(norm, (x,), norm(x)) is not None
+    unpacked = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: unpacked.append(1) or t):
+        assert RowwiseRule.direct_operand(norm, (x,), norm(x)) is None
+    assert not unpacked
+
+    model = family_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    seen = _spy(monkeypatch)
+    batch = make_batch([0, 0, 1, -1, 2])
+    assert_matches_reference(model, batch, modes=("book-keeping",), rtol=1e-10, atol=1e-13, label="llama-ckpt")
+    # the layers' two norms each (checkpointed) generic; the final norm, outside them, direct
+    assert sorted(d for _, d in seen) == [False] * 4 + [True], seen

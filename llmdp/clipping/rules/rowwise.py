@@ -23,7 +23,8 @@ class RowwiseRule(LayerRule):
     node's saved operands at the forward (``Record.direct``), and row r's gradient is
     Σ_t G[r,t]·z[r,t], which is what the node's own backward computes for the row (the same
     product, summed over the row's positions, cast to w's dtype): two operations instead of
-    the norm's forward and backward again (issue 50: ~10 launches per norm call)."""
+    the norm's forward and backward again (issue 50: ~10 launches per norm call). Not under
+    saved-tensor hooks (activation checkpointing): reading a saved operand there recomputes."""
 
     @staticmethod
     def direct_operand(module, args, output) -> torch.Tensor | None:
@@ -33,7 +34,7 @@ class RowwiseRule(LayerRule):
         (so the node's gradient for w is the call's whole gradient for w); else None (the
         generic re-run)."""
         node = getattr(output, "grad_fn", None)
-        if node is None or node.name() != "MulBackward0":
+        if node is None or node.name() != "MulBackward0" or _saved_tensor_hooks_active():
             return None
         trainable = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if len(trainable) != 1:
@@ -73,6 +74,15 @@ class RowwiseRule(LayerRule):
 
         per_row = vmap(one)(rec.A, rec.G)
         return {n: units.rows_to_units(per_row[n]) for n in params}
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are active (activation checkpointing, offloading): reading
+    the node's saved operands would unpack them through the hooks, which for a checkpoint
+    recomputes the region in the forward and keeps the result until the backward (measured:
+    a higher peak checkpointed than not). The generic rule reads nothing saved."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 WALK_NODES = 64  # a norm's own graph is ~8 nodes; a longer one is left to the generic rule
