@@ -206,7 +206,7 @@ class Counter(TorchDispatchMode):
                        "syncs": sum(v for k, v in d["syncs"].items() if k in SYNCS),
                        "implicit_syncs": sum(v for k, v in d["syncs"].items() if k not in SYNCS),
                        "sync_kinds": dict(d["syncs"]), "gemm_flops": dict(d["gemm_flops"]),
-                       "bytes": d["bytes"], "top_ops": dict(d["ops"].most_common(12))}
+                       "bytes": d["bytes"], "top_ops": dict(d["ops"].most_common(int(os.environ.get("TOPOPS", 12))))}
         tot = {"launches": sum(v["launches"] for v in out.values()),
                "syncs": sum(v["syncs"] for v in out.values()),
                "implicit_syncs": sum(v["implicit_syncs"] for v in out.values()),

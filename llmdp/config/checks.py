@@ -350,6 +350,13 @@ def check_recipe(r, prefix: str, base_dir: str):
             f"not embed positions that far",
             key="model.tiny.max_position_embeddings",
         )
+    if r.optim.name == "dp-adambc" and r.privacy.dp and r.privacy.mechanism != "dp-sgd":
+        raise ConfigError(
+            f"optim.name: dp-adambc removes DP-SGD's noise variance (σC/B)² from Adam's second "
+            f"moment; privacy.mechanism: {r.privacy.mechanism} adds correlated noise whose "
+            f"per-step variance is not that: use optim.name: adamw or sgd with "
+            f"{r.privacy.mechanism}, or privacy.mechanism: dp-sgd with dp-adambc",
+            key="optim.name")
     _check_eval_recipe(r)
     _check_public_recipe(r)
     _check_baseline_recipe(r)

@@ -321,7 +321,9 @@ class PrivacyConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = _f("adamw", choices=("adamw", "sgd"))
+    # dp-adambc: Adam with the DP noise's variance (σC/B)² removed from its second moment
+    # (llmdp.train.optimizers; Tang et al. 2024), floored at adambc_floor; dp-sgd only.
+    name: str = _f("adamw", choices=("adamw", "sgd", "dp-adambc"))
     lr: float = _f(1e-3, gt=0)
     weight_decay: float = _f(0.0, ge=0)
     betas: tuple[float, float] = _f((0.9, 0.999), items={"ge": 0, "lt": 1})
@@ -333,6 +335,7 @@ class OptimConfig:
     # train.steps / train.epochs; used when warmup_steps is 0 (as in transformers).
     warmup_ratio: float = _f(0.0, ge=0, lt=1)
     min_lr_ratio: float = _f(0.0, ge=0, le=1)
+    adambc_floor: float = _f(1e-8, gt=0)  # dp-adambc's γ': the corrected second moment's floor
 
 
 def warmup_steps_for(optim: Any, total_steps: int) -> int:

@@ -61,6 +61,7 @@ from llmdp.train.correlated import StepNoise, bound_stream, may_continue
 from llmdp.train.explog import NO_LOG, open_log
 from llmdp.train.losses import row_eval_stats
 from llmdp.train.models import load_model
+from llmdp.train.optimizers import DPAdamBC, noise_variance
 from llmdp.train.parallel import broadcast_bytes
 from llmdp.train.step import StepKeys, accumulate_clipped_sum, fixed_micro_steps
 from llmdp.train.strategy import Replicated, Strategy, strategy_for
@@ -69,14 +70,20 @@ from llmdp.train.testhooks import maybe_inject_fault, maybe_wait_for_ctrl_c
 # --------------------------------------------------------------------------- optimizer
 
 
-def build_optimizer(params, optim: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(params, optim: OptimConfig, noise_var: float = 0.0) -> torch.optim.Optimizer:
+    """The recipe's optimizer over ``params``; ``noise_var``: Φ = (σC/B)², the per-coordinate
+    variance of the privatized gradient's noise (from the plan: public), which DP-AdamBC
+    removes from its second moment (``llmdp.train.optimizers``)."""
+    if optim.name == "dp-adambc":
+        return DPAdamBC(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                        noise_var=noise_var, floor=optim.adambc_floor)
     if optim.name == "adamw":
         return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                  weight_decay=optim.weight_decay)
     if optim.name == "sgd":
         return torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum,
                                weight_decay=optim.weight_decay)
-    raise ValueError(f"optim.name: {optim.name!r} is not one of ['adamw', 'sgd']")
+    raise ValueError(f"optim.name: {optim.name!r} is not one of ['adamw', 'sgd', 'dp-adambc']")
 
 
 # --------------------------------------------------------------------------- the loop
@@ -150,7 +157,8 @@ def setup(spec: RunSpec, context) -> Training:
     # clip_bound: C, or inf for a NON-PRIVATE baseline (every factor 1: nothing is clipped)
     clipper = GhostClipper(model, plan.clip_bound, engine=cfg.privacy.clipping,
                            mode=cfg.privacy.clipping_mode, grad_buffers=strategy.grad_sinks(model))
-    optimizer = build_optimizer(clipper.params, cfg.optim)
+    optimizer = build_optimizer(clipper.params, cfg.optim, noise_variance(
+        plan.noise_multiplier, plan.max_grad_norm, plan.expected_batch_size) if spec.dp else 0.0)
     store = open_store(spec.paths.store_dir)
     run = Training(
         spec=spec, context=context, rank=rank, world=world, device=device, strategy=strategy,

@@ -7,8 +7,8 @@ the start of the backward of the largest micro-batch (``train.physical_batch_siz
 - **weights**: every parameter and buffer in its dtype;
 - **gradients**: the clipped sums' accumulators, one per trainable parameter, in float32 or
   wider (``Strategy.grad_sinks``: a bf16 parameter's clipped sum is summed in float32);
-- **optimizer**: AdamW's two moments, SGD's momentum (none without), in the parameter's
-  dtype as ``torch.optim`` keeps them;
+- **optimizer**: AdamW's and DP-AdamBC's two moments, SGD's momentum (none without), in
+  the parameter's dtype as ``torch.optim`` keeps them (DP-AdamBC: float32 at least);
 - **activations**: the tensors autograd saves for the backward of the model's forward and
   the per-unit loss, *traced* on the meta device (shapes only: nothing is computed or
   allocated) with the recipe's own loss function, with the inputs the clipping engine
@@ -85,7 +85,7 @@ def _gib(n: int) -> str:
 
 
 def _optimizer_slots(optim) -> int:
-    if optim.name == "adamw":
+    if optim.name in ("adamw", "dp-adambc"):
         return 2
     return 1 if optim.name == "sgd" and optim.momentum > 0 else 0
 
