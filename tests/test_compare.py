@@ -224,3 +224,37 @@ def test_only_seed_replicates_are_pooled(tmp_path, capsys):
     assert "optim.lr=0.01, train.steps=8" in summary and "optim.lr=0.001, train.steps=24" in summary
     assert "no config.yaml: not pooled" in summary
     assert not any(" 4 " in ln or " 3 " in ln for ln in summary.splitlines())
+
+
+def test_the_fraction_of_the_non_private_gain_recovered(tmp_path, capsys):
+    """Issue 54 item 4: per starting model, each DP entry's (start − DP) / (start −
+    NON-PRIVATE) with its three losses (pooled means); a start from which the baseline
+    gained nothing gets no fraction."""
+    from llmdp.tune.compare import gain_recovered, summarize
+
+    public = {"kind": "public", "run_id": "pre-1", "shown": "<local>/model"}
+
+    def run(eps, loss, start, before):
+        return {"dp": eps is not None, "epsilon": eps, "delta": 1e-6 if eps else None,
+                "steps_completed": 6, "status": "complete", "starting_model": start,
+                "dataset_ledger": {"dataset_id": "path:/d/a"} if eps else None,
+                "evaluation": {"internal": [_internal(0, before, 0.01), _internal(6, loss, 0.2)]}}
+
+    specs = {"p-e1": (1.0, [3.4, 3.6], public, 3.9), "p-e8": (8.0, [3.1, 3.2, 3.0], public, 3.9),
+             "p-np": (None, [2.9, 3.1], public, 3.9),
+             "s-e8": (8.0, [7.0], None, 7.6), "s-np": (None, [7.7], None, 7.6)}
+    paths = [_run(tmp_path, f"{name}-{i}", run(eps, loss, start, before),
+                  _recipe(seed=i, target_epsilon=eps, dp=eps is not None,
+                          model="/m/pre-1" if start else None))
+             for name, (eps, losses, start, before) in specs.items() for i, loss in enumerate(losses)]
+    rows = compare(paths, log=print)
+    out = capsys.readouterr().out
+    gains = {(g["start"], round(g["epsilon"])): g for g in gain_recovered(summarize(rows))}
+    g8 = gains[("public run pre-1", 8)]
+    assert (g8["start_loss"], round(g8["dp_loss"], 12), round(g8["non_private_loss"], 12)) == (3.9, 3.1, 3.0)
+    assert g8["fraction"] == pytest.approx((3.9 - 3.1) / (3.9 - 3.0), rel=1e-12)
+    assert gains[("public run pre-1", 1)]["fraction"] == pytest.approx((3.9 - 3.5) / 0.9, rel=1e-12)
+    assert gains[("random weights", 8)]["fraction"] is None  # the baseline got worse: no gain
+    assert "fraction of the non-private gain recovered" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("public run pre-1") and "88.9%" in ln)
+    assert "3.9000" in line and "3.1000" in line and "3.0000" in line

@@ -25,7 +25,8 @@ import os
 
 from llmdp.config.validate import ConfigError
 
-__all__ = ["load_run", "format_table", "summarize", "format_summary", "plot", "compare"]
+__all__ = ["load_run", "format_table", "summarize", "format_summary", "gain_recovered",
+           "format_gain", "plot", "compare"]
 
 DASH = "–"
 
@@ -229,6 +230,41 @@ def format_summary(pooled: list[dict]) -> str:
                      for row in [head, ["-" * w for w in widths], *body])
 
 
+def gain_recovered(pooled: list[dict]) -> list[dict]:
+    """For each DP entry of `summarize` with a NON-PRIVATE entry from the same starting
+    model: the fraction of the non-private gain it recovers, (start − DP) / (start −
+    NON-PRIVATE), with the three held-out losses (start: the DP entry's loss before its first
+    step, else the baseline's). None where a loss is missing or fine-tuning without DP gained
+    nothing (start ≤ NON-PRIVATE: no gain to recover)."""
+    out = []
+    for e in pooled:
+        if not e["dp"]:
+            continue
+        for b in pooled:
+            if b["dp"] or b["start"] != e["start"]:
+                continue
+            start = e["before_loss"] if e["before_loss"] is not None else b["before_loss"]
+            frac = None
+            if None not in (start, e["loss"], b["loss"]) and start - b["loss"] > 0:
+                frac = (start - e["loss"]) / (start - b["loss"])
+            out.append({"start": e["start"], "epsilon": e["epsilon"], "differs": e["differs"],
+                        "start_loss": start, "dp_loss": e["loss"], "non_private_loss": b["loss"],
+                        "baseline_differs": b["differs"], "fraction": frac})
+    return out
+
+
+def format_gain(gains: list[dict]) -> str:
+    """`gain_recovered` as an aligned text table."""
+    head = ["starting model", "ε", "start loss", "DP loss", "NON-PRIVATE loss",
+            "gain recovered (start − DP) / (start − NON-PRIVATE)"]
+    body = [[g["start"], _f(g["epsilon"]), _f(g["start_loss"]), _f(g["dp_loss"]),
+             _f(g["non_private_loss"]), DASH if g["fraction"] is None else f"{g['fraction']:.1%}"]
+            for g in gains]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
+                     for row in [head, ["-" * w for w in widths], *body])
+
+
 def format_table(rows: list[dict]) -> str:
     """The runs as an aligned text table."""
     head = ["run", "privacy", "ε (δ)", "held-out loss", "held-out accuracy",
@@ -418,6 +454,11 @@ def compare(paths, out: str | None = None, log=print) -> list[dict]:
         log("\nby starting model and ε (runs that differ only by seed pooled; runs whose "
             "recipes differ otherwise are separate entries):")
         log(format_summary(pooled))
+    gains = gain_recovered(pooled)
+    if gains:
+        log("\nfraction of the non-private gain recovered (held-out losses: internal, not for "
+            "publication):")
+        log(format_gain(gains))
     missing = [r["run"] for r in rows if r["heldout"] is None and r["dp_eval"] is None]
     if missing:
         log(f"no evaluation metrics in {', '.join(missing)} (listed with {DASH})")
