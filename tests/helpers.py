@@ -136,8 +136,38 @@ def _rms_norm_native(self, x):
     return self.weight * y
 
 
+class _NoFloat32(torch.overrides.TorchFunctionMode):
+    """Casts of a float64 tensor to float32 left out (the tensor itself), inside a module
+    whose forward casts its operands: DeepSeek-V3's and GLM-4-MoE's routers take their
+    logits with ``F.linear(h.type(torch.float32), w.type(torch.float32))``, a float32 GEMM
+    whose rounding depends on how many tokens it is given (the BLAS picks its kernel by
+    shape), so a unit's rows alone and the whole batch would route with different float32
+    scores on some machines: not a per-unit difference the engine can see."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.type, torch.Tensor.to, torch.Tensor.float) and args \
+                and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+            target = (torch.float32 if func is torch.Tensor.float else
+                      kwargs.get("dtype", args[1] if len(args) > 1 else None))
+            if target in (torch.float32, "torch.FloatTensor"):
+                return args[0]
+        return func(*args, **kwargs)
+
+
+def _native_dtype_forward(module):
+    orig = module.forward
+
+    def forward(*a, **k):
+        with _NoFloat32():
+            return orig(*a, **k)
+
+    return forward
+
+
 def make_exact(model):
-    """Make RMSNorm and eager attention compute in the model's own dtype (in place).
+    """Make RMSNorm, eager attention and the grouped top-k routers compute in the model's own
+    dtype (in place).
 
     For float64 reference checks only: the math is the same as transformers', without
     the float32 round trips. Patches instances (not classes) and sets the attention
@@ -149,6 +179,8 @@ def make_exact(model):
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
             module.forward = types.MethodType(_rms_norm_native, module)
+        elif type(module).__name__.endswith("TopkRouter"):  # DeepSeek-V3, GLM-4-MoE
+            module.forward = _native_dtype_forward(module)
     if model.config.model_type != "gpt2":  # GPT-2's eager path is already native-dtype
         model.set_attn_implementation(EXACT_ATTN)
     return model
