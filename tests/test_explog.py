@@ -123,3 +123,37 @@ def test_a_backend_whose_package_is_missing_is_one_message_with_the_fix(monkeypa
     raw["logging"] = {"backend": "wandb"}
     with pytest.raises(ConfigError, match=r"logging\.backend.*wandb"):
         recipe_from_dict(raw)
+
+
+def test_a_failing_experiment_log_never_stops_the_run(tmp_path, monkeypatch, capsys):
+    """Issue 51: a write the experiment log refuses (here: a full disk from the third record
+    on, and at close) is one warning; the run completes every step, metrics.jsonl has every
+    record and the report is complete."""
+    import json
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from llmdp.report.build import write_report
+
+    calls = {"n": 0}
+    real = SummaryWriter.add_scalar
+
+    def add_scalar(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(28, "No space left on device")
+        return real(self, *a, **k)
+
+    def close(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", add_scalar)
+    monkeypatch.setattr(SummaryWriter, "close", close)
+    prep = _dp_eval_run(tmp_path, "tensorboard")
+    err = capsys.readouterr().err
+    assert err.count("writing the experiment log failed (OSError") == 1, err
+    lines = [json.loads(x) for x in open(os.path.join(prep.run_dir, "metrics.jsonl"))]
+    assert [x["step"] for x in lines if "train_loss" in x] == list(range(1, 7))
+    warned = [x for x in lines if x.get("event") == "warning"]
+    assert len(warned) == 1 and warned[0]["internal"] and "goes on without it" in warned[0]["message"]
+    assert write_report(prep.run_dir)["status"] == "complete"

@@ -519,7 +519,10 @@ def finish(run: Training, stopped: dict | None) -> dict:
             {"event": "stopped", "step": stopped["step"], "reason": stopped["reason"],
              "cause": stopped.get("cause")}
         _metrics_line(run.spec.paths.metrics, {**end, "time": time.time()})
-        run.explog.close()
+        try:
+            run.explog.close()
+        except Exception as e:  # noqa: BLE001 - as in _emit: never fail a finished run for it
+            _explog_failed(run, e)
     if stopped is not None:
         return {"steps": stopped["step"], "stopped": stopped["reason"]}
     return {"steps": run.spec.plan.steps}
@@ -531,7 +534,24 @@ def _writer(run: Training) -> Callable[[dict], None]:
 
 def _emit(run: Training, record: dict) -> None:  # rank 0: metrics.jsonl and the experiment log
     _metrics_line(run.spec.paths.metrics, record)
-    run.explog.record(record)
+    try:
+        run.explog.record(record)
+    except Exception as e:  # noqa: BLE001 - any backend's failure: the run must not stop for it
+        _explog_failed(run, e)
+
+
+def _explog_failed(run: Training, e: BaseException) -> None:
+    """The experiment log could not be written (a full disk, a locked SQLite store, a
+    backend's bug): say so once and go on without it. Stopping would lose the steps still
+    to run while their budget may already be held; metrics.jsonl has every record."""
+    backend = run.spec.cfg.logging.backend
+    msg = (f"logging.backend {backend}: writing the experiment log failed ({type(e).__name__}: "
+           f"{str(e)[:200]}); the run goes on without it (metrics.jsonl in the run directory "
+           f"has every record)")
+    run.explog = NO_LOG
+    _metrics_line(run.spec.paths.metrics, {"event": "warning", "internal": True, "message": msg,
+                                           "time": time.time()})
+    print(f"llmdp: warning: {msg}", file=sys.stderr, flush=True)
 
 
 def _generations(run: Training) -> None:
