@@ -1076,7 +1076,9 @@ def test_readme_documents_the_cache_and_the_part_of_a_corpus(monkeypatch, tmp_pa
 @pytest.mark.slow  # generates and tokenizes the demo's 5,000 notes (~40 s on 2 cores)
 def test_readme_demo_figures_match_the_data_preparation(tmp_path):
     """N, q, δ and σ that the README quotes for `make demo` are what the recipe produces
-    (the data preparation and the plan of recipes/tiny-cpu.yaml, no training)."""
+    (the data preparation of recipes/tiny-cpu.yaml, the same data and tokenizer, planned
+    with recipes/demo-finetune.yaml's mechanism and optimizer, whose strategy and σ depend
+    on them; no training: the fine-tuning recipe's starting model need not exist)."""
     import re
 
     from llmdp.run.launch import prepare
@@ -1090,8 +1092,15 @@ def test_readme_demo_figures_match_the_data_preparation(tmp_path):
     cwd = os.getcwd()
     os.chdir(REPO)
     try:
+        demo = load_recipe("recipes/demo-finetune.yaml")
+        p, o = demo.privacy, demo.optim
+        like_demo = [f"privacy.mechanism={p.mechanism}", f"privacy.sampler={p.sampler}",
+                     f"privacy.bands={'null' if p.bands is None else p.bands}",
+                     f"optim.name={o.name}", f"optim.lr={o.lr}", f"optim.momentum={o.momentum}",
+                     f"optim.schedule={o.schedule}", f"optim.warmup_ratio={o.warmup_ratio}"]
         cfg = load_recipe("recipes/tiny-cpu.yaml", [
-            f"data.path={tmp_path / 'clinical_notes.jsonl'}", f"output.dir={tmp_path / 'runs'}"])
+            f"data.path={tmp_path / 'clinical_notes.jsonl'}", f"output.dir={tmp_path / 'runs'}",
+            *like_demo])
     finally:
         os.chdir(cwd)
     plan = prepare(cfg, log=lambda *a: None).plan
