@@ -18,7 +18,7 @@ import torch
 
 from llmdp.evaluation import dp as dp_eval
 from llmdp.evaluation.metrics import evaluate
-from llmdp.privacy import keys
+from llmdp.privacy.rng import keys
 from llmdp.train.parallel import sum_floats_over_workers
 
 __all__ = ["due", "evaluate_held_out", "generate_from_prompts"]

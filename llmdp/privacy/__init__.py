@@ -13,19 +13,19 @@ from __future__ import annotations
 _HOMES = {
     "SAMPLERS": "llmdp.config.choices",
     **dict.fromkeys(("ACCOUNTANTS", "delta_for_epsilon", "epsilon", "epsilon_estimate",
-                     "epsilon_for"), "llmdp.privacy.accountant"),
-    "chacha20_keystream": "llmdp.privacy.chacha",
+                     "epsilon_for"), "llmdp.privacy.accounting.accountant"),
+    "chacha20_keystream": "llmdp.privacy.rng.chacha",
     **dict.fromkeys(("compose", "dpsgd_step_event", "event_from_json", "event_to_json",
-                     "is_truncated"), "llmdp.privacy.events"),
-    **dict.fromkeys(("secure_key", "seeded_key"), "llmdp.privacy.keys"),
-    **dict.fromkeys(("LEDGER_FILENAME", "Ledger", "LedgerError"), "llmdp.privacy.ledger"),
-    **dict.fromkeys(("add_gaussian_", "add_noise_", "gaussian_like"), "llmdp.privacy.noise"),
+                     "is_truncated"), "llmdp.privacy.accounting.events"),
+    **dict.fromkeys(("secure_key", "seeded_key"), "llmdp.privacy.rng.keys"),
+    **dict.fromkeys(("LEDGER_FILENAME", "Ledger", "LedgerError"), "llmdp.privacy.ledger.records"),
+    **dict.fromkeys(("add_gaussian_", "add_noise_", "gaussian_like"), "llmdp.privacy.noise.gaussian"),
     **dict.fromkeys(("DPPlan", "PlanError", "calibrate_noise", "default_delta", "make_plan",
                      "steps_for_epochs"), "llmdp.privacy.plan"),
-    "ReferencePoissonSampler": "llmdp.privacy.reference_sampler",
+    "ReferencePoissonSampler": "llmdp.privacy.sampling.reference",
     **dict.fromkeys(("PoissonSampler", "TruncatedPoissonSampler", "make_sampler",
-                     "uniform_stream"), "llmdp.privacy.sampling"),
-    **dict.fromkeys(("truncation_cost", "truncation_probability"), "llmdp.privacy.truncation"),
+                     "uniform_stream"), "llmdp.privacy.sampling.poisson"),
+    **dict.fromkeys(("truncation_cost", "truncation_probability"), "llmdp.privacy.accounting.truncation"),
 }
 
 __all__ = sorted(_HOMES)

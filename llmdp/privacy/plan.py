@@ -22,18 +22,18 @@ import dp_accounting
 
 from llmdp.config.choices import RELATIONS, SAMPLERS
 from llmdp.config.validate import _check_delta, _check_positive, _check_steps, _is_int, _is_number
-from llmdp.privacy import accountant as _acc
-from llmdp.privacy import sampling as _sampling
-from llmdp.privacy.calibrate import EpsilonCurve, PlanError, calibrate_curve
-from llmdp.privacy.events import dpsgd_step_event
-from llmdp.privacy.noise_tail import MAX_TAIL_FRACTION, NOISE_TAIL, NoiseTail, noise_tail
-from llmdp.privacy.truncation import (
+from llmdp.privacy.accounting import accountant as _acc
+from llmdp.privacy.accounting.calibrate import EpsilonCurve, PlanError, calibrate_curve
+from llmdp.privacy.accounting.events import dpsgd_step_event
+from llmdp.privacy.accounting.truncation import (
     DEFAULT_TRUNCATION_BUDGET,
     calibrate_truncated,
     plan_truncated,
     truncation_cost,
     truncation_probability,
 )
+from llmdp.privacy.noise.tail import MAX_TAIL_FRACTION, NOISE_TAIL, NoiseTail, noise_tail
+from llmdp.privacy.sampling import poisson as _sampling
 
 __all__ = [
     "PlanError",
@@ -160,7 +160,7 @@ class DPPlan:
     (P(Binomial(N, q) > B_max): how often a step drops units; derived, filled in if
     None). For "poisson" the three are None.
 
-    The noise generator's truncated tails (`llmdp.privacy.noise_tail`) are folded into
+    The noise generator's truncated tails (`llmdp.privacy.noise.tail`) are folded into
     `delta`, the published δ, when `noise_coordinates` (the trainable parameter count: the
     noise coordinates of one step) is known: the accountant then runs at
     `accountant_delta` = δ - the tails' share of the run's noised releases (its `steps`
@@ -194,7 +194,7 @@ class DPPlan:
     # this run's guarantee (`llmdp.run.provenance`): ((what, count, coordinates, noise
     # multiplier), ...); their tails are folded into δ with this run's.
     prior_noise: tuple | None = None
-    # A correlated mechanism (`llmdp.privacy.mf_plan`): "banded-mf" / "blt" with a cyclic
+    # A correlated mechanism (`llmdp.privacy.mf.plan`): "banded-mf" / "blt" with a cyclic
     # sampler of `cycle` groups, its strategy (`mf.Factorization.to_dict()`), and the factor
     # f of the ledger's round event (σ·f; `round_factor_exact`: K rounds compose to exactly
     # the one-release analysis). The ledger counts rounds of `cycle` steps (`ledger_steps`).
@@ -267,7 +267,7 @@ class DPPlan:
             )
 
     def _check_mechanism_fields(self) -> None:
-        from llmdp.privacy.mf_plan import check_mechanism
+        from llmdp.privacy.mf.plan import check_mechanism
 
         check_mechanism(self.mechanism, self.sampler, cycle=self.cycle, dp=self.dp,
                         bands=None if self.strategy is None else len(self.strategy.get("coefficients") or ()) or None)
@@ -304,17 +304,17 @@ class DPPlan:
         return self.mechanism != "dp-sgd"
 
     def factorization(self):
-        """The strategy C (`llmdp.privacy.mf.Factorization`), None for DP-SGD / a baseline."""
+        """The strategy C (`llmdp.privacy.mf.factorization.Factorization`), None for DP-SGD / a baseline."""
         if self.strategy is None:
             return None
-        from llmdp.privacy.mf import Factorization
+        from llmdp.privacy.mf.factorization import Factorization
 
         return Factorization.from_dict(self.strategy)
 
     @property
     def ledger_steps(self) -> int:
         """The run's releases in ledger units: T steps (DP-SGD), K = ⌈T/cycle⌉ rounds
-        (a correlated mechanism: `llmdp.privacy.mf_plan`)."""
+        (a correlated mechanism: `llmdp.privacy.mf.plan`)."""
         return self.ledger_begun(self.steps)
 
     def ledger_index(self, step: int) -> int:
@@ -427,7 +427,7 @@ class DPPlan:
 
     def step_event(self) -> dp_accounting.DpEvent:
         """The event of one ledger unit: a step (Poisson, or truncated Poisson:
-        `max_batch_size`), or a correlated mechanism's round (`llmdp.privacy.mf_plan`)."""
+        `max_batch_size`), or a correlated mechanism's round (`llmdp.privacy.mf.plan`)."""
         if not self.dp:
             raise PlanError(_NO_EVENT)
         return dpsgd_step_event(
@@ -447,7 +447,7 @@ class DPPlan:
                 f"units, got num_units={num_units!r}: rebuild the plan for this dataset"
             )
         if self.sampler in ("cyclic-poisson", "fixed-cycle"):
-            from llmdp.privacy import cyclic
+            from llmdp.privacy.sampling import cyclic
 
             if groups is None or len(groups) != self.dataset_size:
                 raise PlanError(f"a {self.sampler} sampler needs every unit's group (store_groups), "
@@ -715,7 +715,7 @@ def make_plan(
 
     `dp=False`: a NON-PRIVATE baseline's plan (no target, no σ; truncated Poisson needs its cap).
 
-    `mechanism` "banded-mf" / "blt" (`llmdp.privacy.mf_plan`): a correlated mechanism with
+    `mechanism` "banded-mf" / "blt" (`llmdp.privacy.mf.plan`): a correlated mechanism with
     a cyclic sampler of `cycle` groups; its strategy is optimized here for T steps (`bands`,
     `buffers`; the workload of SGD with `momentum` and the per-step `learning_rates`
     multipliers; cached under `strategy_cache`), and σ is calibrated on the ledger's rounds.
@@ -833,8 +833,8 @@ def make_plan(
 
 def _cycle(mechanism, sampler, bands, cycle, dp, dataset_size, expected_batch_size):
     """(cycle, expected batch size) of a correlated mechanism's cyclic sampler, the
-    combination checked (`llmdp.privacy.mf_plan`)."""
-    from llmdp.privacy import mf_plan
+    combination checked (`llmdp.privacy.mf.plan`)."""
+    from llmdp.privacy.mf import plan as mf_plan
 
     mf_plan.check_mechanism(mechanism, sampler, bands=bands, cycle=cycle, dp=dp)
     cyc = mf_plan.resolve_cycle(sampler, bands=bands, cycle=cycle, dataset_size=int(dataset_size),
@@ -845,10 +845,10 @@ def _cycle(mechanism, sampler, bands, cycle, dp, dataset_size, expected_batch_si
 
 def _correlated_plan(common: dict, sigma, max_sigma, *, bands, buffers, momentum, learning_rates,
                      strategy_cache) -> DPPlan:
-    """A correlated mechanism's `DPPlan` (`llmdp.privacy.mf_plan`): its strategy, the round
+    """A correlated mechanism's `DPPlan` (`llmdp.privacy.mf.plan`): its strategy, the round
     event's factor f, and σ (given, or calibrated on the ledger's rounds: the round's
     multiplier σ·f is what the accountant sees)."""
-    from llmdp.privacy import mf_plan
+    from llmdp.privacy.mf import plan as mf_plan
 
     steps, cyc, sampler = common["steps"], common["cycle"], common["sampler"]
     if callable(learning_rates):  # the schedule's multipliers of a T-step run

@@ -22,10 +22,13 @@ from typing import Any
 
 from llmdp.audit.section import audit_section
 from llmdp.evaluation.report import dp_eval_covered, evaluation_section
-from llmdp.privacy import accountant
-from llmdp.privacy.budget import budget_status, recorded_budget, release_entries_of
-from llmdp.privacy.events import is_truncated
-from llmdp.privacy.ledger import (
+from llmdp.privacy.accounting import accountant
+from llmdp.privacy.accounting.events import is_truncated
+from llmdp.privacy.accounting.prior import release_entries
+from llmdp.privacy.ledger.budget import budget_status, recorded_budget, release_entries_of
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.ledger.location import resolve_location
+from llmdp.privacy.ledger.records import (
     VOID_KIND,
     LedgerDamaged,
     LedgerError,
@@ -33,11 +36,8 @@ from llmdp.privacy.ledger import (
     net_records,
     step_count,
 )
-from llmdp.privacy.ledger_location import resolve_location
-from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
-from llmdp.privacy.prior import release_entries
-from llmdp.privacy.service import cross_check
+from llmdp.privacy.ledger.service import cross_check
+from llmdp.privacy.noise.gaussian import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
 from llmdp.report.adjacency import adjacency, published_counts
 from llmdp.report.render import _epsilon_panel, render_markdown
 from llmdp.report.spent import epsilon_curve, ledger_noise_tail
@@ -268,7 +268,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         # reserved write-ahead) by attempts that failed or were stopped at once (a crash, a
         # killed process, a second Ctrl-C), then re-executed after a resume.
         "steps_lost_to_failures": max(0, ledger_steps - plan.ledger_begun(completed)),
-        # a correlated mechanism (llmdp.privacy.mf_plan): its strategy, sampler, participation
+        # a correlated mechanism (llmdp.privacy.mf.plan): its strategy, sampler, participation
         "correlated_noise": _correlated_section(plan),
         "dataset_ledger": _dataset_ledger(plan_info, plan, unit_meta or {
             "kind": unit_kind, "sequence_length": seq_len, "user_field": data_cfg.get("user_field"),
@@ -409,7 +409,7 @@ def _tokenizer_not_covered(plan_info: dict) -> list[str]:
 
 def _noise_generator(plan, trainable: int | None, steps: int, tail=None) -> dict:
     """What the noise generator adds beyond the accountant's exact Gaussian (issue 12, 8c;
-    issue 29, 8): its tail truncation, with the δ it adds (`llmdp.privacy.noise_tail`:
+    issue 29, 8): its tail truncation, with the δ it adds (`llmdp.privacy.noise.tail`:
     folded into the published δ for a plan that knows its noise coordinates, ``tail`` from
     the ledger's releases; stated beside δ, not in it, for a plan of an earlier llmdp), its
     float32 rounding (not quantified), and that the accountant assumes a continuous
@@ -434,7 +434,7 @@ def _noise_generator(plan, trainable: int | None, steps: int, tail=None) -> dict
         return out
     delta = plan.delta
     out.update({
-        # δ = δ_accountant / Z + Σ count·η  (llmdp.privacy.noise_tail), per kind of release
+        # δ = δ_accountant / Z + Σ count·η  (llmdp.privacy.noise.tail), per kind of release
         "truncation_delta_releases": [
             {"releases": what, "count": count, "coordinates": coords, "noise_multiplier": sigma,
              "delta": eta} for what, count, coords, sigma, eta in tail.parts],
@@ -577,7 +577,7 @@ def _correlated_section(plan) -> dict | None:
     """The correlated mechanism in plain words and numbers (public configuration only)."""
     if not plan.correlated:
         return None
-    from llmdp.privacy.mf_plan import mf_commitment, participation_text
+    from llmdp.privacy.mf.plan import mf_commitment, participation_text
 
     out = {**(mf_commitment(plan) if plan.dp else {"cycle": plan.cycle, "sampler": plan.sampler}),
            "mechanism": plan.mechanism,
@@ -600,7 +600,7 @@ def _sampling_section(plan, seeded: bool, truncated_steps: int, completed: int) 
               "against anyone who knows the seed)" if seeded else
               "fresh OS entropy per step (ChaCha20 keystream, RFC 8439)")
     if plan.correlated:
-        from llmdp.privacy.mf_plan import participation_text
+        from llmdp.privacy.mf.plan import participation_text
 
         return {
             "assumed": participation_text(plan.mechanism, plan.sampler, plan.cycle, plan.steps,

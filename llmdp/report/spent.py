@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 import os
 
-from llmdp.privacy import accountant
-from llmdp.privacy.ledger import (
+from llmdp.privacy.accounting import accountant
+from llmdp.privacy.accounting.prior import release_entries as prior_release_entries
+from llmdp.privacy.ledger.records import (
     EVAL_MECHANISM,
     Ledger,
     is_step_release,
@@ -19,12 +20,11 @@ from llmdp.privacy.ledger import (
     release_entries,
     step_count,
 )
-from llmdp.privacy.prior import release_entries as prior_release_entries
 from llmdp.run.rundir import RunDir
 
 
 def ledger_noise_tail(plan, releases):
-    """The noise generator's tails (`llmdp.privacy.noise_tail.NoiseTail`) of the releases a
+    """The noise generator's tails (`llmdp.privacy.noise.tail.NoiseTail`) of the releases a
     run's ledger records (``releases``: its records): its steps at the plan's noise
     coordinates and σ, its DP evaluations at the plan's ``eval_noise``. The ledger's counts,
     not the plan's: steps re-executed after a failure were released, and drew noise, twice.

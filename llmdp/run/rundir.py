@@ -27,8 +27,8 @@ import os
 from functools import cached_property
 from typing import Any
 
-from llmdp.privacy.calibrate import PlanError
-from llmdp.privacy.ledger import Ledger
+from llmdp.privacy.accounting.calibrate import PlanError
+from llmdp.privacy.ledger.records import Ledger
 from llmdp.privacy.plan import DPPlan
 from llmdp.train import checkpoints
 
@@ -64,8 +64,8 @@ def _planned_mismatches(plan: DPPlan, info: dict):
     if not plan.dp or info.get("epsilon_planned") is None:
         return
     from llmdp.evaluation.dp import DpEvalPlan
-    from llmdp.privacy.events import event_to_json
-    from llmdp.privacy.prior import composed_epsilon
+    from llmdp.privacy.accounting.events import event_to_json
+    from llmdp.privacy.accounting.prior import composed_epsilon
 
     evals = []
     if info.get("dp_eval"):
@@ -81,7 +81,7 @@ def _planned_mismatches(plan: DPPlan, info: dict):
 
 def _mismatches(plan: DPPlan):
     if plan.correlated and plan.dp:
-        from llmdp.privacy import mf_plan
+        from llmdp.privacy.mf import plan as mf_plan
 
         fact, kw = plan.factorization(), {"steps": plan.steps, "cycle": plan.cycle}
         sens = mf_plan.scaled_sensitivity(fact, plan.sampler, **kw)

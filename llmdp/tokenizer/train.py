@@ -10,7 +10,7 @@ The job, top to bottom (`train_tokenizer`):
    ``privacy.delta``) for K = ``privacy.max_words_per_unit`` words per unit
    (`llmdp.tokenizer.private.calibrate_tokenizer_noise`), and check the dataset's budget;
 3. **write-ahead**: append the release to the dataset's ledger (the one training runs on
-   this data use: ``data.dataset_id`` in the ledgers' database, `llmdp.privacy.ledgerdb`) before
+   this data use: ``data.dataset_id`` in the ledgers' database, `llmdp.privacy.ledger.database`) before
    any noisy count exists: a Gaussian event of multiplier sigma/sqrt(K) with the
    threshold's delta in the record's ``extra``;
 4. DP word counts (fresh OS entropy), then SentencePiece on the released counts only
@@ -221,14 +221,14 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
 
 def _train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
     # lazy: llmdp.privacy imports torch; this module stays light (llmdp.report.build imports it)
-    from llmdp.privacy import accountant as acc
-    from llmdp.privacy.budget import DatasetBudget, check_release, first_budget_record
-    from llmdp.privacy.dataset_ledger import open_dataset_ledger
-    from llmdp.privacy.events import event_to_json
-    from llmdp.privacy.keys import secure_key, seeded_key
-    from llmdp.privacy.ledgerdb import LedgerDB
+    from llmdp.privacy.accounting import accountant as acc
+    from llmdp.privacy.accounting.events import event_to_json
+    from llmdp.privacy.ledger.budget import DatasetBudget, check_release, first_budget_record
+    from llmdp.privacy.ledger.database import LedgerDB
+    from llmdp.privacy.ledger.dataset import open_dataset_ledger
+    from llmdp.privacy.ledger.service import BudgetError
     from llmdp.privacy.plan import default_delta
-    from llmdp.privacy.service import BudgetError
+    from llmdp.privacy.rng.keys import secure_key, seeded_key
     from llmdp.tokenizer import private as tp
 
     done = _check_out_dir(cfg)
@@ -282,7 +282,7 @@ def _train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
             # (DESIGN §3.5): the release is durable before any noisy count exists.
             with db.transaction(ledger["dataset_id"], full=True) as tx:
                 # The dataset's budget (its ledger's), whatever this recipe says; the first
-                # budgeted release records its recipe's (llmdp.privacy.budget).
+                # budgeted release records its recipe's (llmdp.privacy.ledger.budget).
                 recipe = None if p.budget_epsilon is None else DatasetBudget(
                     float(p.budget_epsilon), float(delta), p.accountant, unit)
                 first, why = check_release(
@@ -488,10 +488,10 @@ def tokenizer_for_run(model_cfg, data_cfg, *, data_sha256: str, delta: float | N
 
 def ensure_release_recorded(release: dict, ledger: dict, meta: dict) -> bool:
     """Make sure the tokenizer's release is in the run's dataset ledger (``ledger``: from
-    `llmdp.privacy.dataset_ledger.open_dataset_ledger`; it may not be the ledger the tokenizer wrote to:
+    `llmdp.privacy.ledger.dataset.open_dataset_ledger`; it may not be the ledger the tokenizer wrote to:
     another dataset id, another database): append a copy when no record of its run id is
     there. True if a record was appended."""
-    from llmdp.privacy.ledgerdb import LedgerDB  # lazy: llmdp.privacy imports torch
+    from llmdp.privacy.ledger.database import LedgerDB  # lazy: llmdp.privacy imports torch
 
     db = LedgerDB(ledger["location"])
     try:

@@ -26,7 +26,7 @@ from torch import nn
 from llmdp.audit import plant
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
-from llmdp.privacy import chacha, keys
+from llmdp.privacy.rng import chacha, keys
 from llmdp.train.losses import row_losses
 from llmdp.train.parallel import _dist_on, broadcast_bytes
 

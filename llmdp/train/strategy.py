@@ -22,7 +22,7 @@ and loaded (DESIGN §1, §3.1-3.2). The worker loop (``llmdp.train.loop``) holds
     nothing is reduced per micro-step. Once per logical step one reduce-scatter gives
     every rank the cross-worker sum of its own shard; every rank adds to its shard its
     slice of the one global N(0, σ²C²I), seeked in the secure stream of the step's noise key
-    (``llmdp.privacy.noise``), so each coordinate gets exactly one draw, the very one the
+    (``llmdp.privacy.noise.gaussian``), so each coordinate gets exactly one draw, the very one the
     replicated strategy adds to it; then ÷ q·N, and the optimizer steps on the sharded
     parameters (``parallel.privatize_sharded_``).
 

@@ -1,0 +1,1 @@
+"""llmdp.privacy.accounting (see llmdp/privacy/__init__.py)."""

@@ -1,0 +1,1 @@
+"""llmdp.privacy.ledger (see llmdp/privacy/__init__.py)."""

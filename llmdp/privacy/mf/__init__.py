@@ -1,0 +1,1 @@
+"""llmdp.privacy.mf (see llmdp/privacy/__init__.py)."""

@@ -1,0 +1,1 @@
+"""llmdp.privacy.noise (see llmdp/privacy/__init__.py)."""

@@ -1,0 +1,1 @@
+"""llmdp.privacy.rng (see llmdp/privacy/__init__.py)."""

@@ -1,0 +1,1 @@
+"""llmdp.privacy.sampling (see llmdp/privacy/__init__.py)."""
