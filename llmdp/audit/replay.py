@@ -72,8 +72,8 @@ import torch.distributed as dist
 
 from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import UnitStore, as_indices
-from llmdp.privacy.noise import gaussian as dp_noise
-from llmdp.privacy.sampling.poisson import make_sampler
+from llmdp.privacy import noise as dp_noise
+from llmdp.privacy.sampling import make_sampler
 from llmdp.run.spec import RunSpec
 from llmdp.train import correlated, parallel
 from llmdp.train.step import StepKeys
@@ -208,7 +208,7 @@ def unit_groups_of(spec: RunSpec) -> np.ndarray | None:
     if not spec.plan.correlated:
         return None
     from llmdp.data.store import open_store
-    from llmdp.privacy.sampling.cyclic import store_groups
+    from llmdp.privacy.sampling import store_groups
 
     return store_groups(open_store(spec.paths.store_dir), spec.plan.cycle)
 
@@ -218,7 +218,7 @@ def _sampler(spec: RunSpec, unit: int | None = None, groups: np.ndarray | None =
     or, cyclic, D's groups without u's at D's q_g (the mechanism is unchanged)."""
     plan = spec.plan
     if plan.correlated:
-        from llmdp.privacy.sampling.cyclic import CyclicPoissonSampler, FixedCycleSampler
+        from llmdp.privacy.sampling import CyclicPoissonSampler, FixedCycleSampler
 
         g = unit_groups_of(spec) if groups is None else groups
         g = g if unit is None else np.delete(g, int(unit))

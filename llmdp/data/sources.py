@@ -426,7 +426,7 @@ def dataset_identity(d) -> dict:
     case-insensitive), ``uri:<normalized URI>`` of other filesystems; data llmdp generates
     (``data.synthetic``) is named by its generator spec. ``name``: the file or dataset
     name, for "looks like" messages."""
-    from llmdp.privacy.ledger.dataset_ids import hub_id, path_id, uri_id
+    from llmdp.privacy.ledger import hub_id, path_id, uri_id
 
     if d.path is not None and "://" in d.path:  # a URI: the dataset is named by it
         source = uri_id(d.path)

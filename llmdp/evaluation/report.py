@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from llmdp.privacy.ledger.records import EVAL_MECHANISM
+from llmdp.privacy.ledger import EVAL_MECHANISM
 
 __all__ = ["evaluation_section", "dp_eval_covered", "evaluation_markdown"]
 

@@ -59,7 +59,7 @@ from llmdp.hub.folder import (  # noqa: F401 - EXPORT_INFO, ExportError: this mo
     _write_model,
 )
 from llmdp.hub.public import _refuse_baseline, declared_public, export_public
-from llmdp.privacy.ledger.records import Ledger
+from llmdp.privacy.ledger import Ledger
 from llmdp.report.build import build_report, seeded_sources
 from llmdp.report.card import model_card
 from llmdp.report.publish import publishable_ledger, publishable_report

@@ -22,18 +22,20 @@ import dp_accounting
 
 from llmdp.config.choices import RELATIONS, SAMPLERS
 from llmdp.config.validate import _check_delta, _check_positive, _check_steps, _is_int, _is_number
-from llmdp.privacy.accounting import accountant as _acc
-from llmdp.privacy.accounting.calibrate import EpsilonCurve, PlanError, calibrate_curve
-from llmdp.privacy.accounting.events import dpsgd_step_event
-from llmdp.privacy.accounting.truncation import (
+from llmdp.privacy import accounting as _acc
+from llmdp.privacy import sampling as _sampling
+from llmdp.privacy.accounting import (
     DEFAULT_TRUNCATION_BUDGET,
+    EpsilonCurve,
+    PlanError,
+    calibrate_curve,
     calibrate_truncated,
+    dpsgd_step_event,
     plan_truncated,
     truncation_cost,
     truncation_probability,
 )
-from llmdp.privacy.noise.tail import MAX_TAIL_FRACTION, NOISE_TAIL, NoiseTail, noise_tail
-from llmdp.privacy.sampling import poisson as _sampling
+from llmdp.privacy.noise import MAX_TAIL_FRACTION, NOISE_TAIL, NoiseTail, noise_tail
 
 __all__ = [
     "PlanError",
@@ -267,7 +269,7 @@ class DPPlan:
             )
 
     def _check_mechanism_fields(self) -> None:
-        from llmdp.privacy.mf.plan import check_mechanism
+        from llmdp.privacy.mf import check_mechanism
 
         check_mechanism(self.mechanism, self.sampler, cycle=self.cycle, dp=self.dp,
                         bands=None if self.strategy is None else len(self.strategy.get("coefficients") or ()) or None)
@@ -307,7 +309,7 @@ class DPPlan:
         """The strategy C (`llmdp.privacy.mf.factorization.Factorization`), None for DP-SGD / a baseline."""
         if self.strategy is None:
             return None
-        from llmdp.privacy.mf.factorization import Factorization
+        from llmdp.privacy.mf import Factorization
 
         return Factorization.from_dict(self.strategy)
 
@@ -447,15 +449,15 @@ class DPPlan:
                 f"units, got num_units={num_units!r}: rebuild the plan for this dataset"
             )
         if self.sampler in ("cyclic-poisson", "fixed-cycle"):
-            from llmdp.privacy.sampling import cyclic
+            from llmdp.privacy.sampling import CyclicPoissonSampler, FixedCycleSampler
 
             if groups is None or len(groups) != self.dataset_size:
                 raise PlanError(f"a {self.sampler} sampler needs every unit's group (store_groups), "
                                 f"got {None if groups is None else len(groups)} for "
                                 f"{self.dataset_size} units")
             if self.sampler == "fixed-cycle":
-                return cyclic.FixedCycleSampler(groups, self.cycle)
-            return cyclic.CyclicPoissonSampler(groups, self.cycle, self.event_probability)
+                return FixedCycleSampler(groups, self.cycle)
+            return CyclicPoissonSampler(groups, self.cycle, self.event_probability)
         return _sampling.make_sampler(
             int(self.dataset_size), self.sampling_probability, self.max_batch_size
         )
@@ -834,12 +836,12 @@ def make_plan(
 def _cycle(mechanism, sampler, bands, cycle, dp, dataset_size, expected_batch_size):
     """(cycle, expected batch size) of a correlated mechanism's cyclic sampler, the
     combination checked (`llmdp.privacy.mf.plan`)."""
-    from llmdp.privacy.mf import plan as mf_plan
+    from llmdp.privacy import mf as _mf
 
-    mf_plan.check_mechanism(mechanism, sampler, bands=bands, cycle=cycle, dp=dp)
-    cyc = mf_plan.resolve_cycle(sampler, bands=bands, cycle=cycle, dataset_size=int(dataset_size),
-                                expected_batch_size=expected_batch_size)
-    mf_plan.check_mechanism(mechanism, sampler, bands=bands, cycle=cyc, dp=dp)
+    _mf.check_mechanism(mechanism, sampler, bands=bands, cycle=cycle, dp=dp)
+    cyc = _mf.resolve_cycle(sampler, bands=bands, cycle=cycle, dataset_size=int(dataset_size),
+                            expected_batch_size=expected_batch_size)
+    _mf.check_mechanism(mechanism, sampler, bands=bands, cycle=cyc, dp=dp)
     return cyc, (int(dataset_size) / cyc if sampler == "fixed-cycle" else float(expected_batch_size))
 
 
@@ -848,15 +850,15 @@ def _correlated_plan(common: dict, sigma, max_sigma, *, bands, buffers, momentum
     """A correlated mechanism's `DPPlan` (`llmdp.privacy.mf.plan`): its strategy, the round
     event's factor f, and σ (given, or calibrated on the ledger's rounds: the round's
     multiplier σ·f is what the accountant sees)."""
-    from llmdp.privacy.mf import plan as mf_plan
+    from llmdp.privacy import mf as _mf
 
     steps, cyc, sampler = common["steps"], common["cycle"], common["sampler"]
     if callable(learning_rates):  # the schedule's multipliers of a T-step run
         learning_rates = learning_rates(steps)
-    fact = mf_plan.build_strategy(common["mechanism"], sampler, steps=steps, cycle=cyc, bands=bands,
-                                  buffers=buffers, momentum=momentum, learning_rates=learning_rates,
-                                  cache_dir=strategy_cache)
-    f, exact = mf_plan.round_factor(fact, sampler, steps=steps, cycle=cyc)
+    fact = _mf.build_strategy(common["mechanism"], sampler, steps=steps, cycle=cyc, bands=bands,
+                              buffers=buffers, momentum=momentum, learning_rates=learning_rates,
+                              cache_dir=strategy_cache)
+    f, exact = _mf.round_factor(fact, sampler, steps=steps, cycle=cyc)
     # what the plan records: the strategy and how it was made, not whether a cache served it
     # (a re-launch's plan must equal the first launch's)
     fact = dataclasses.replace(fact, meta={k: v for k, v in fact.meta.items() if k != "cached"})

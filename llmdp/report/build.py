@@ -22,22 +22,23 @@ from typing import Any
 
 from llmdp.audit.section import audit_section
 from llmdp.evaluation.report import dp_eval_covered, evaluation_section
-from llmdp.privacy.accounting import accountant
-from llmdp.privacy.accounting.events import is_truncated
-from llmdp.privacy.accounting.prior import release_entries
-from llmdp.privacy.ledger.budget import budget_status, recorded_budget, release_entries_of
-from llmdp.privacy.ledger.database import LedgerDB
-from llmdp.privacy.ledger.location import resolve_location
-from llmdp.privacy.ledger.records import (
+from llmdp.privacy import accounting
+from llmdp.privacy.accounting import is_truncated, release_entries
+from llmdp.privacy.ledger import (
     VOID_KIND,
     LedgerDamaged,
+    LedgerDB,
     LedgerError,
+    budget_status,
+    cross_check,
     is_step_release,
     net_records,
+    recorded_budget,
+    release_entries_of,
+    resolve_location,
     step_count,
 )
-from llmdp.privacy.ledger.service import cross_check
-from llmdp.privacy.noise.gaussian import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
+from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
 from llmdp.report.adjacency import adjacency, published_counts
 from llmdp.report.render import _epsilon_panel, render_markdown
 from llmdp.report.spent import epsilon_curve, ledger_noise_tail
@@ -102,21 +103,21 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
 
     # Every accountant that supports every recorded event (RDP cannot account truncated
     # Poisson: it is left out rather than approximated).
-    usable = [name for name in accountant.ACCOUNTANTS
+    usable = [name for name in accounting.ACCOUNTANTS
               if name == plan.accountant or not any(is_truncated(e) for e, _ in entries)]
     # Releases this run's model builds on, made before it on the same units (a private
     # tokenizer): composed into the guarantee, thresholds' delta included.
     prior = list(plan_info.get("prior_releases") or [])
     prior_entries, prior_dthr = release_entries(prior)
     left = delta_acc > prior_dthr  # else the tails (and thresholds) spend all of δ: ε is inf
-    eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta_acc, prior_dthr, name)
+    eps = {name: accounting.epsilon_with_threshold(prior_entries + entries, delta_acc, prior_dthr, name)
            if left else math.inf for name in usable}
     # The training steps alone (as plan.json's epsilon_planned_training_only): neither an
     # earlier release it builds on (a private tokenizer) nor its DP evaluations.
     # Counts net of voids: reserved steps that a graceful stop recorded as never run.
     net = net_records(records)
     step_records = [r for r in net if r.get("kind") == "release" and is_step_release(r)]
-    eps_training = ((accountant.epsilon(release_entries_of(step_records), delta_acc, plan.accountant)
+    eps_training = ((accounting.epsilon(release_entries_of(step_records), delta_acc, plan.accountant)
                      if delta_acc > 0 else math.inf) if step_records else 0.0)
     ledger_steps = step_count(records)  # DP evaluations are releases, not steps
 
@@ -577,7 +578,7 @@ def _correlated_section(plan) -> dict | None:
     """The correlated mechanism in plain words and numbers (public configuration only)."""
     if not plan.correlated:
         return None
-    from llmdp.privacy.mf.plan import mf_commitment, participation_text
+    from llmdp.privacy.mf import mf_commitment, participation_text
 
     out = {**(mf_commitment(plan) if plan.dp else {"cycle": plan.cycle, "sampler": plan.sampler}),
            "mechanism": plan.mechanism,
@@ -600,7 +601,7 @@ def _sampling_section(plan, seeded: bool, truncated_steps: int, completed: int) 
               "against anyone who knows the seed)" if seeded else
               "fresh OS entropy per step (ChaCha20 keystream, RFC 8439)")
     if plan.correlated:
-        from llmdp.privacy.mf.plan import participation_text
+        from llmdp.privacy.mf import participation_text
 
         return {
             "assumed": participation_text(plan.mechanism, plan.sampler, plan.cycle, plan.steps,

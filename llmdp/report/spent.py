@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 import os
 
-from llmdp.privacy.accounting import accountant
-from llmdp.privacy.accounting.prior import release_entries as prior_release_entries
-from llmdp.privacy.ledger.records import (
+from llmdp.privacy import accounting
+from llmdp.privacy.accounting import release_entries as prior_release_entries
+from llmdp.privacy.ledger import (
     EVAL_MECHANISM,
     Ledger,
     is_step_release,
@@ -74,11 +74,11 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     prior, d_thr = prior_release_entries(list(prior_releases))
     if not prior and not entries:
         return steps, 0.0
-    interval = None if exact or plan.accountant != "pld" else accountant.PLD_DISPLAY_DISCRETIZATION_INTERVAL
+    interval = None if exact or plan.accountant != "pld" else accounting.PLD_DISPLAY_DISCRETIZATION_INTERVAL
     delta = accountant_delta(plan, kept)
     if delta <= d_thr:
         return steps, math.inf  # the noise tails (and thresholds) spend all of δ
-    return steps, accountant.epsilon_with_threshold(prior + entries, delta, d_thr, plan.accountant, interval)
+    return steps, accounting.epsilon_with_threshold(prior + entries, delta, d_thr, plan.accountant, interval)
 
 
 def epsilon_curve(run_dir: str | RunDir, points: int = 16) -> list[tuple[int, float]]:

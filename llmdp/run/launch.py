@@ -21,11 +21,16 @@ import uuid
 from llmdp._fs import RunLock, StorageError, cache_root, check_free, private_files, storage_error
 from llmdp.config.schema import RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.hub.export import ExportError, export_run
-from llmdp.privacy.accounting.events import event_to_json
-from llmdp.privacy.ledger.dataset import check_declared_public, open_dataset_ledger
-from llmdp.privacy.ledger.records import LedgerError
-from llmdp.privacy.ledger.service import BudgetError, LedgerService, run_ledger_problems
-from llmdp.privacy.mf.plan import mf_commitment
+from llmdp.privacy.accounting import event_to_json
+from llmdp.privacy.ledger import (
+    BudgetError,
+    LedgerError,
+    LedgerService,
+    check_declared_public,
+    open_dataset_ledger,
+    run_ledger_problems,
+)
+from llmdp.privacy.mf import mf_commitment
 from llmdp.report.build import write_report
 from llmdp.run.baseline import BANNER, public_banner
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully

@@ -21,9 +21,8 @@ from typing import Any
 from llmdp.config.best import hyperparameter_note
 from llmdp.config.schema import RecipeConfig, to_dict
 from llmdp.evaluation.dp import DpEvalPlan
-from llmdp.privacy.accounting.events import event_to_json
-from llmdp.privacy.accounting.prior import composed_epsilon
-from llmdp.privacy.ledger.service import LedgerService
+from llmdp.privacy.accounting import composed_epsilon, event_to_json
+from llmdp.privacy.ledger import LedgerService
 from llmdp.privacy.plan import DPPlan
 from llmdp.run.baseline import NON_PRIVATE, public_banner
 from llmdp.run.provenance import summary

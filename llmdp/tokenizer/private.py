@@ -66,9 +66,9 @@ from scipy.stats import norm
 
 from llmdp._fs import building_dir, replace_dir
 from llmdp.config.validate import _check_positive
-from llmdp.privacy.accounting.accountant import epsilon
-from llmdp.privacy.noise.gaussian import keyed_normal
-from llmdp.privacy.rng.keys import _check_key
+from llmdp.privacy.accounting import epsilon
+from llmdp.privacy.noise import keyed_normal
+from llmdp.privacy.rng import _check_key
 from llmdp.tokenizer.public import _make_portable
 
 __all__ = [

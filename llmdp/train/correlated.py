@@ -32,8 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llmdp.privacy.mf.factorization import Factorization
-from llmdp.privacy.mf.stream import CorrelatedNoise
+from llmdp.privacy.mf import CorrelatedNoise, Factorization
 
 __all__ = ["StepNoise"]
 

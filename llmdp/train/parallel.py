@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmdp.audit import plant
-from llmdp.privacy.noise import gaussian as dp_noise
+from llmdp.privacy import noise as dp_noise
 
 # --------------------------------------------------------------------------- replicated collectives
 

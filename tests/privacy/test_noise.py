@@ -127,14 +127,14 @@ def test_zero_or_invalid_std_is_refused(std):
 def _stream_of(monkeypatch, stream: bytes):
     """Make ``noise``'s keystream the bytes ``stream`` (zeros after it), whatever the key:
     words the tests choose, at the stream positions the method reads them from."""
-    import llmdp.privacy.noise.gaussian as noise
+    from llmdp.privacy.rng import chacha  # noise reads it through llmdp.privacy.rng, at each call
 
     def fake(key, nonce, counter, out):
         view = memoryview(out).cast("B")
         chunk = stream[64 * counter : 64 * counter + len(view)]
         view[:] = chunk + bytes(len(view) - len(chunk))
 
-    monkeypatch.setattr(noise.chacha, "keystream_into", fake)
+    monkeypatch.setattr(chacha, "keystream_into", fake)
 
 
 def _words_bytes(words) -> bytes:

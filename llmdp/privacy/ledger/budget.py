@@ -28,8 +28,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from llmdp.privacy.accounting import accountant as _acc
-from llmdp.privacy.accounting.events import event_from_json
+from llmdp.privacy import accounting as _acc
+from llmdp.privacy.accounting import event_from_json
 from llmdp.privacy.ledger.records import is_step_release, net_records, release_entries
 
 __all__ = ["NOT_COMPOSED", "unit_key", "split_by_unit", "release_entries_of", "unit_epsilon",

@@ -65,8 +65,7 @@ import dp_accounting
 
 from llmdp._fs import fsync_dir
 from llmdp.config.validate import _is_int
-from llmdp.privacy.accounting.accountant import threshold_delta
-from llmdp.privacy.accounting.events import event_from_json
+from llmdp.privacy.accounting import event_from_json, threshold_delta
 
 __all__ = ["LEDGER_FILENAME", "GENESIS", "LedgerError", "LedgerDamaged", "Ledger", "canonical", "record_hash",
            "append_line", "release_entries", "check_record", "now", "is_step_release",

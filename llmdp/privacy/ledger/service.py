@@ -38,9 +38,9 @@ import dataclasses
 import os
 import secrets
 
-from llmdp.privacy.accounting import accountant as _acc
-from llmdp.privacy.accounting.events import event_from_json
-from llmdp.privacy.accounting.prior import release_entries as prior_entries
+from llmdp.privacy import accounting as _acc
+from llmdp.privacy.accounting import event_from_json
+from llmdp.privacy.accounting import release_entries as prior_entries
 from llmdp.privacy.ledger import eval_source as _eval_source
 from llmdp.privacy.ledger import (
     records as _ledger,  # append_line looked up at each call (tests patch it)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 
 from llmdp.config.choices import CYCLIC_SAMPLERS, MECHANISMS
-from llmdp.privacy.accounting.calibrate import PlanError
+from llmdp.privacy.accounting import PlanError
 
 __all__ = ["MechanismError", "mf_commitment", "check_mechanism", "resolve_cycle", "rounds", "round_factor",
            "build_strategy", "participation_text"]

@@ -36,9 +36,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from llmdp.privacy import noise as dp_noise
+from llmdp.privacy import rng
 from llmdp.privacy.mf.factorization import Factorization, toeplitz_matrix
-from llmdp.privacy.noise import gaussian as dp_noise
-from llmdp.privacy.rng import chacha
 
 __all__ = ["CorrelatedNoise", "dense_noise", "STATE_DTYPES"]
 
@@ -146,7 +146,7 @@ class CorrelatedNoise:
                 f"(digest {self.digest[:12]}) was built for steps 0..{self.steps - 1} "
                 f"(steps={self.steps}); start a new segment (reset) or use a longer one")
         std = dp_noise._check_std(std)
-        key = chacha.check_key(key)  # before anything is touched
+        key = rng.check_key(key)  # before anything is touched
         if len(tensors) != len(self.shapes):
             raise ValueError(f"{len(tensors)} tensors, but the state was built for "
                              f"{len(self.shapes)}")

@@ -29,9 +29,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from llmdp.privacy import rng
 from llmdp.privacy.noise.tail import NOISE_TAIL, RADIUS_BITS, truncation_delta_per_step
-from llmdp.privacy.rng import chacha
-from llmdp.privacy.rng.chacha import chacha20_keystream
+from llmdp.privacy.rng import chacha20_keystream
 
 __all__ = [
     "chacha20_keystream",
@@ -97,19 +97,19 @@ def _check_target(t: torch.Tensor, what: str) -> None:
 
 
 def _nonce(index: int) -> bytes:
-    return chacha.stream_nonce(NOISE_TAG, index)
+    return rng.stream_nonce(NOISE_TAG, index)
 
 
 def _triton_available() -> bool:
-    from llmdp.privacy.rng import _triton_chacha  # lazy: imports Triton, only ever asked on CUDA
+    from llmdp._triton import available  # lazy: imports Triton, only ever asked on CUDA
 
-    return _triton_chacha.available()
+    return available()
 
 
 def _keystream_cpu(key: bytes, nonce: bytes, p0: int, n_pairs: int, buf: bytearray) -> bytearray:
     """The 32 bytes of each pair p0 … p0 + n_pairs - 1 (p0 % 2 == 0) into ``buf``'s prefix."""
     n_blocks = -(-n_pairs // PAIRS_PER_BLOCK)
-    chacha.keystream_into(key, nonce, p0 // PAIRS_PER_BLOCK, memoryview(buf)[: 64 * n_blocks])
+    rng.keystream_into(key, nonce, p0 // PAIRS_PER_BLOCK, memoryview(buf)[: 64 * n_blocks])
     return buf
 
 
@@ -195,7 +195,7 @@ def _words_torch(key: bytes, nonce: bytes, chunks: list[tuple[int, int]], device
     """The same words from :func:`chacha.chacha20_keystream_torch` on ``device`` (a CUDA
     machine without Triton; any other device)."""
     for p0, m in chunks:
-        w = chacha.chacha20_keystream_torch(key, nonce, p0 // PAIRS_PER_BLOCK, 2 * PAIR_WORDS * m,
+        w = rng.chacha20_keystream_torch(key, nonce, p0 // PAIRS_PER_BLOCK, 2 * PAIR_WORDS * m,
                                             device).view(m, PAIR_WORDS, 2)
         yield (w[:, :, 1] << 32) | w[:, :, 0]  # the little-endian 64-bit words, as int64
 
@@ -265,16 +265,16 @@ def add_gaussian_(t: torch.Tensor, key: bytes, index: int, std: float, offset: i
     std = _check_std(std)
     index = _check_index(index)
     _check_target(t, "the tensor")
-    key = chacha.check_key(key)
+    key = rng.check_key(key)
     n = t.numel()
     offset = _check_index(offset)
     total = offset + n if total is None else _check_index(total)
     if total < offset + n:
         raise ValueError(f"total={total} < offset + numel = {offset + n}")
     per_block = 2 * PAIRS_PER_BLOCK
-    if -(-total // per_block) > chacha.MAX_BLOCKS:
+    if -(-total // per_block) > rng.MAX_BLOCKS:
         raise ValueError(f"a noise vector of {total} elements passes the ChaCha20 block counter "
-                         f"(at most {per_block * chacha.MAX_BLOCKS} per tensor)")
+                         f"(at most {per_block * rng.MAX_BLOCKS} per tensor)")
     if n == 0:
         return t
     nonce = _nonce(index)
@@ -282,9 +282,9 @@ def add_gaussian_(t: torch.Tensor, key: bytes, index: int, std: float, offset: i
         flat = t.view(-1) if t.is_contiguous() else None
         work = flat if flat is not None else t.contiguous().view(-1)
         if t.device.type == "cuda" and _triton_available():
-            from llmdp.privacy.rng import _triton_chacha  # lazy: imports Triton (CUDA only)
+            from llmdp.privacy.rng import gauss_add_  # lazy: imports Triton (CUDA only)
 
-            _triton_chacha.gauss_add_(work, key, nonce, offset, std)
+            gauss_add_(work, key, nonce, offset, std)
         else:
             chunk = _CHUNK_PAIRS if t.device.type == "cpu" else _CHUNK_PAIRS_TORCH
             _add_chunked(work, key, nonce, offset, total, std, chunk)
@@ -364,8 +364,8 @@ def keyed_normal(key: bytes, label: bytes, std: float) -> float:
     dispatch; either number is a draw of the same Gaussian sampler.
     """
     std = _check_std(std)
-    block = bytearray(chacha.BLOCK_BYTES)
-    chacha.keystream_into(_label_key(key, label), _nonce(0), 0, block)
+    block = bytearray(rng.BLOCK_BYTES)
+    rng.keystream_into(_label_key(key, label), _nonce(0), 0, block)
     w1, w2, w3 = struct.unpack_from("<QQq", block)
     # as `_pairs`: the low 53 bits of the first two words; the third's top 53 bits, signed
     k1, k2, s2 = w1 & _MASK53, w2 & _MASK53, w3 >> 11

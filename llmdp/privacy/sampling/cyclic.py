@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from llmdp.privacy.rng.keys import _check_sample_key
+from llmdp.privacy.rng import _check_sample_key
 from llmdp.privacy.sampling.poisson import PoissonSampler, _check_q
 
 __all__ = [

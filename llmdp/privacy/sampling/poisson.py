@@ -69,8 +69,8 @@ import math
 
 import numpy as np
 
-from llmdp.privacy.rng import chacha
-from llmdp.privacy.rng.keys import _check_sample_key
+from llmdp.privacy import rng
+from llmdp.privacy.rng import _check_sample_key
 from llmdp.privacy.sampling._dyadic import (
     _fast_thresholds,
     _margin,
@@ -106,7 +106,7 @@ _TAG_UNIFORM = b"unif"
 def _words(key: bytes, tag: bytes, index: int, first: int, n: int) -> np.ndarray:
     """Words ``first … first + n - 1`` (uint64) of the ChaCha20 stream
     (key, ``tag ‖ index``). The one place sampling reads randomness (tests count it)."""
-    return chacha.words64(key, chacha.stream_nonce(tag, index), first, n)
+    return rng.words64(key, rng.stream_nonce(tag, index), first, n)
 
 
 class _Stream:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmdp.privacy.rng.keys import _check_sample_key
+from llmdp.privacy.rng import _check_sample_key
 from llmdp.privacy.sampling.poisson import (
     _CHUNK,
     _TAG_REFERENCE,
