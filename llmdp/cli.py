@@ -333,7 +333,7 @@ def _check_plan_flags(a, *, calibrate: bool) -> None:
 
 
 def _mechanism_flags(a) -> dict:
-    """make_plan's mechanism arguments from the flags (refused combinations: `mf_plan`)."""
+    """make_plan's mechanism arguments from the flags (refused combinations: `mf.plan`)."""
     from llmdp.privacy.mf import MechanismError, check_mechanism
 
     default = {"dp-sgd": "poisson", "banded-mf": "cyclic-poisson", "blt": "fixed-cycle"}

@@ -551,7 +551,7 @@ def _delta_at(delta: float, steps: int, coordinates: int | None, eval_noise=None
 def check_noise_tail(plan: DPPlan) -> DPPlan:
     """`plan`, or `PlanError` when the noise generator's truncated tails take more than
     MAX_TAIL_FRACTION of its δ: then the truncation, not the Gaussian, carries the
-    guarantee (`noise_tail.MAX_TAIL_FRACTION` says why 10%). The message names the numbers
+    guarantee (`noise.tail.MAX_TAIL_FRACTION` says why 10%). The message names the numbers
     of each kind of release and the fixes."""
     tail = plan.noise_tail()
     if tail is not None:

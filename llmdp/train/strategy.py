@@ -168,7 +168,7 @@ class Strategy:
         folder of this rank): the trainable parameters ``names``, the optimizer state,
         ``meta`` (step, run id, ledger position, scheduler: ``llmdp.train.checkpoints``; rank 0's
         is written) and ``noise``'s state (a correlated mechanism's stream,
-        `mf_stream.CorrelatedNoise`, bound to the tensors of ``names``; None: none). Returns
+        `mf.stream.CorrelatedNoise`, bound to the tensors of ``names``; None: none). Returns
         whether this rank reports ``folder`` to Ray Train, which merges the folders reported
         at one step into one checkpoint. Here the full format: the state gathered to rank 0,
         which writes ``state.pt`` (the stream is the same on every replica). [sync point]"""

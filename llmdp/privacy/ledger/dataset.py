@@ -1,6 +1,6 @@
 """Opening a dataset's ledger for a run or a tokenizer release: the one place both find it.
 
-The database is ``ledger_location.resolve_location(privacy.ledger)`` ($LLMDP_HOME/ledger.sqlite by
+The database is ``location.resolve_location(privacy.ledger)`` ($LLMDP_HOME/ledger.sqlite by
 default); the dataset's identity is ``data.sources.dataset_identity`` (``data.dataset_id``,
 never the data's bytes; a derived id normalized, `llmdp.privacy.ledger.dataset_ids`, and a ledger
 started under an earlier spelling of it kept). Legacy per-dataset JSONL ledgers are imported
@@ -56,7 +56,7 @@ def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print,
 
 def _check_new_ledger(d, ident: dict, sha256: str, members, location: str, log) -> dict | None:
     """Before a dataset ledger is started: refused (`ConfigError`) when this data matches
-    (the same id, content hash or an overlapping source: `ledger_registry.recorded`) a ledger
+    (the same id, content hash or an overlapping source: `registry.recorded`) a ledger
     with a budget, releases or holds in another database the user has written to, or, for a
     declared ``data.dataset_id``, in this one (a derived id's look-alikes here are refused by
     `service.open_dataset`): one dataset, one budget, whatever its name or database. A
@@ -117,7 +117,7 @@ def _named(found: list[dict]) -> str:
 def check_public_eval(ev, train, train_sha: str, ledger_opt: str | None, log=print) -> None:
     """A separate evaluation source declared public (``data.eval.public: true``: its exact
     metrics are published) gets the checks of declared-public training data: no ledger in
-    any database the user has written to may record it (`ledger_registry.recorded`: by id,
+    any database the user has written to may record it (`registry.recorded`: by id,
     content hash or overlapping source); and, unless the training data is declared public
     too, it may not be the run's training data, have its content or overlap it. Refused
     with a `ConfigError` before anything is opened or recorded."""
@@ -161,7 +161,7 @@ def check_declared_public(d, ledger_opt: str | None, sha256: str, *, run_dir: st
     one llmdp has treated as private: a dataset ledger that records it (by its identity, the
     same content hash or an overlapping source; a dataset record, a budget, a hold or a
     release), in ``privacy.ledger``'s database or any other the user has written to
-    (`ledger_registry.recorded`), refuses the declaration, with a `ConfigError` naming each
+    (`registry.recorded`), refuses the declaration, with a `ConfigError` naming each
     and the override. With ``data.public_override_ledger: true`` the run goes on and a
     ``note`` of the declaration is recorded in each. No ledger and no database is created.
     Returns the ledgers noted."""

@@ -4,7 +4,7 @@ One dataset has one ledger (DESIGN §3.10), but a recipe can name another databa
 (``privacy.ledger``) or run under another ``$LLMDP_HOME``, where that dataset has no ledger
 yet. So every database llmdp writes to (`llmdp.privacy.ledger.database.LedgerDB`, on its first
 connection for writing: runs, tokenizer releases, ``set-budget``) is listed, one location a
-line, in the user's registry (`ledger_location.registry_path`: the user's data directory,
+line, in the user's registry (`location.registry_path`: the user's data directory,
 whatever ``$LLMDP_HOME`` is; a PostgreSQL URL without its password). `recorded` looks for a
 source in each of them: a ledger of the same id (or an earlier spelling of it), of the same
 content hash, or of an overlapping source (`llmdp.privacy.ledger.service._similar_ledgers`).
@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 
-# The list itself lives below the database (`ledgerdb` registers each one it writes to).
+# The list itself lives below the database (`database` registers each one it writes to).
 from llmdp.privacy.ledger.location import (  # noqa: F401 - re-exported
     describe_location,
     is_url,

@@ -104,7 +104,7 @@ def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, lo
     ``data.dataset_id`` is declared (then a warning): one dataset, one budget. The same
     source name with other content is a warning only. ``distinct`` ({"distinct_from",
     "distinct_reason"}: the recipe's declaration that this data is not that of those
-    ledgers, `dataset_ledger.open_dataset_ledger`) is recorded in a new ledger's record.
+    ledgers, `dataset.open_dataset_ledger`) is recorded in a new ledger's record.
 
     Returns {"dataset_id" (the ledger opened), "new": bool, "versions": n, "similar": [...]}."""
     if not declared:
@@ -282,7 +282,7 @@ class LedgerService:
                 f"privacy.budget_epsilon={budget_epsilon:g} needs the run's privacy unit in the ledger "
                 f"meta (meta['unit'] with its 'kind'), got meta={self.meta!r}: a budget is per unit "
                 f"definition")
-        # head_log: resolved on the driver (`dataset_ledger.open_dataset_ledger`), so that a
+        # head_log: resolved on the driver (`dataset.open_dataset_ledger`), so that a
         # Ray actor with another $LLMDP_HOME anchors to the same log. Every record of this
         # run names its ledger.jsonl (an anchor too: `llmdp.privacy.ledger.anchors`).
         self.db = LedgerDB(location, head_log=head_log)

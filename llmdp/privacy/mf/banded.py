@@ -13,14 +13,14 @@ of general banded ones for n >= 1000, b <= 32, and optimizes them directly; jax_
     minimize over c (c_0 = 1, c_j = 0 for j >= b):  sens(c)² · ‖A·C(c)⁻¹‖_F²
 
 (scale-invariant, so c_0 = 1 loses nothing), in float64 by L-BFGS (torch) on the log of
-the loss, gradients by autograd through an O(n·b) Toeplitz solve (`mf_optimize`):
+the loss, gradients by autograd through an O(n·b) Toeplitz solve (`optimize`):
 
 * Poisson sampling (``min_sep`` None): sens = the largest column norm = ‖c‖₂ (b <= n),
   i.e. the loss of the column-normalized c / ‖c‖ ("Poisson" rows of jax_privacy's tests).
   McKenna's column normalization also rescales the last b-1 (truncated) columns, which
   leaves the Toeplitz class; `Factorization` keeps C Toeplitz, so only ‖c‖ is divided out.
 * (k, b)-min-sep participation, bands <= min_sep: sens² = Σ_{l<k} ‖C[:, l·b]‖² (exact for
-  any signs, `mf_sensitivity`).
+  any signs, `sensitivity`).
 * (k, b)-min-sep participation, bands > min_sep: c is restricted to non-negative,
   non-increasing sequences (c_j = Π_{i<=j} sigmoid(u_i)), where the pattern {0, b, 2b, ...}
   is the maximizer, so the optimized loss is the true one (not a bound).
@@ -88,7 +88,7 @@ def banded_loss(c, n: int, *, workload: str = "prefix", momentum: float = 0.0,
                 learning_rates=None, min_sep: int | None = None,
                 max_participations: int | None = None, error: str = "mean") -> float:
     """sens² · ‖A·C⁻¹‖_F² (or · the largest row error, ``error`` "max") of the n×n Toeplitz C
-    with coefficients ``c`` (numpy; sens from `mf_sensitivity.minsep_sensitivity`, an upper
+    with coefficients ``c`` (numpy; sens from `sensitivity.minsep_sensitivity`, an upper
     bound where it is not exact)."""
     W = Workload.build(n, workload, momentum, learning_rates)
     c = np.asarray(c, dtype=np.float64)

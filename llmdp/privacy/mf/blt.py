@@ -19,7 +19,7 @@ jax_privacy ``buffered_toeplitz.blt_pair_from_theta_pair``)
 
 Feasible set. jax_privacy's optimizer keeps θ, θ̂ in (0, 1), ω > 0, ω̂ < 0 by log-barriers
 (their ``LossFn.compute_penalties``): then c is positive and non-increasing, so the min-sep
-sensitivity has its exact closed form (`mf_sensitivity`). That set is exactly the
+sensitivity has its exact closed form (`sensitivity`). That set is exactly the
 interlacing 1 > θ_1 > θ̂_1 > θ_2 > θ̂_2 > ... > θ_d > θ̂_d > 0: with ω > 0, w ↦ Σ ω_i/(w - θ_i)
 falls from +∞ to -∞ between consecutive θ's, so each interval holds one zero 1/θ̂ of (1)
 (where the sum is -1), none lies above θ_1, and the last one lies below θ_d, in (0, θ_d) iff
@@ -33,7 +33,7 @@ gaps (no cancellation, decays near 1 keep their precision), and a vanishing log-
 Loss (Dvijotham et al. 2024, "Opt-BLT"; McMahan, Pillutla et al. 2025, "Correlated noise
 mechanisms for differentially private learning"): sens² · ‖A·C⁻¹‖_F² with the
 (k, b)-min-sep sensitivity, from the first n coefficients of C and C⁻¹ (O(n·d)) and the
-workload objective of `mf_optimize` (O(n) for Toeplitz workloads), in float64, minimized
+workload objective of `optimize` (O(n) for Toeplitz workloads), in float64, minimized
 by L-BFGS on its log. Buffers are added one at a time from d = 1 (a grid start; d + 1 warm
 starts by splitting one gap of the d-buffer optimum into a close (θ, θ̂) pair, or by a new
 pair near 1, θ = 1 - 1e-9 and θ̂ = 1 - q/n, each start tried briefly, the best continued)

@@ -7,7 +7,7 @@ workload, or its momentum / learning-rate-schedule variant). Factor A = B·C, re
 C·G + Z (Z i.i.d. Gaussian) and feed the optimizer Ĝ = C⁻¹(C·G + Z) = G + C⁻¹Z: step t's
 noise is row t of C⁻¹Z, and the model sees A·G + B·Z, noise that partly cancels across
 steps. The privacy cost is that of releasing C·G + Z, so it depends on C's column norms
-(one participation per band, `mf_sensitivity`), and the error is ‖B‖_F = ‖A·C⁻¹‖_F.
+(one participation per band, `sensitivity`), and the error is ‖B‖_F = ‖A·C⁻¹‖_F.
 
 llmdp's strategies are lower-triangular **Toeplitz** matrices, so one coefficient sequence
 c_0, c_1, ... describes C (C[i, j] = c_{i−j} for i ≥ j) and C⁻¹ is Toeplitz too:
@@ -17,7 +17,7 @@ c_0, c_1, ... describes C (C[i, j] = c_{i−j} for i ≥ j) and C⁻¹ is Toepli
   C⁻¹ is BLT with (θ̂, ω̂), so C⁻¹Z streams with one buffer per θ̂_i.
 
 A `Factorization` is frozen and exact: what was optimized is what is recorded (its
-`digest` in the ledger), streamed (`mf_stream`) and accounted (`mf_sensitivity`).
+`digest` in the ledger), streamed (`stream`) and accounted (`sensitivity`).
 ``scale`` multiplies C (the optimizers choose it so that the sensitivity the analysis uses
 is 1, which makes the plan's noise multiplier σ the mechanism's effective one); the noise
 a step adds is then (scale·C)⁻¹Z = C⁻¹Z / scale.

@@ -1,5 +1,5 @@
 """Choosing a correlated-noise strategy: `strategy_for`, the cached front door to the
-banded-MF and BLT optimizers (their objective and the RMSE figure of merit: `mf_workload`)."""
+banded-MF and BLT optimizers (their objective and the RMSE figure of merit: `workload`)."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def strategy_for(mechanism: str, n: int, *, bands: int | None = None,
                  max_buffers: int = 8, momentum: float = 0.0, learning_rates=None,
                  cache_dir: str | os.PathLike | None = None,
                  error: str = "mean") -> Factorization:
-    """The optimized strategy for ``mechanism`` ("banded-mf": `mf_banded.optimize_banded`
-    with ``bands``; "blt": `mf_blt.optimize_blt` with up to ``max_buffers`` buffers) over n
+    """The optimized strategy for ``mechanism`` ("banded-mf": `banded.optimize_banded`
+    with ``bands``; "blt": `blt.optimize_blt` with up to ``max_buffers`` buffers) over n
     steps, for Poisson sampling (``min_sep`` None: sensitivity = largest column norm) or
     (k, b)-min-sep participation, on the SGD workload (``momentum``, ``learning_rates``).
 

@@ -18,7 +18,7 @@ it has begun (a round is recorded before its first step: write-ahead).
   same for every round.
 * ``fixed-cycle`` (banded-mf or blt), without amplification: a unit participates at most
   k = K times, at steps ≥ cycle apart, so the whole run is one Gaussian mechanism with
-  noise multiplier σ / sens(C) (min-separation sensitivity, `mf_sensitivity`); C is
+  noise multiplier σ / sens(C) (min-separation sensitivity, `sensitivity`); C is
   scaled so that sens = 1. The ledger records it as K identical rounds of
   Gaussian(σ·f), f = min_{r ≤ K} √r / sens_r, sens_r the sensitivity of the first r rounds
   (r participations in the first min(r·cycle, T) steps): Gaussians compose exactly
@@ -123,7 +123,7 @@ def rounds(steps: int, cycle: int) -> int:
 def build_strategy(mechanism: str, sampler: str, *, steps: int, cycle: int, bands=None,
                    buffers: int = 8, momentum: float = 0.0, learning_rates=None, cache_dir=None):
     """The optimized strategy (`llmdp.privacy.mf.factorization.Factorization`), scaled so that the
-    sensitivity its sampler's analysis uses is 1 (cached by its inputs, `mf_optimize`)."""
+    sensitivity its sampler's analysis uses is 1 (cached by its inputs, `optimize`)."""
     from llmdp.privacy.mf.optimize import strategy_for
 
     fixed = sampler == "fixed-cycle"

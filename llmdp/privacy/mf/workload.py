@@ -1,6 +1,6 @@
 """The correlated-noise strategies' objective: the workload, the differentiable Toeplitz
-solve, the optimizer driver and the RMSE figure of merit (`mf_banded`, `mf_blt` and
-`mf_optimize` build on it).
+solve, the optimizer driver and the RMSE figure of merit (`banded`, `blt` and
+`optimize` build on it).
 
 
 The objective (Choquette-Choo et al. 2023, "Amplified banded matrix factorization: a
@@ -253,7 +253,7 @@ def rmse(fact: Factorization, *, workload: str = "prefix", momentum: float = 0.0
     """sqrt(sens² · ‖A·C⁻¹‖_F² / n): the root-mean-square noise of the model iterates per
     unit noise multiplier σ (scale-invariant). sens: the largest column norm (``min_sep``
     None, Poisson sampling) or the (k, b)-min-sep sensitivity (an upper bound where it is
-    not exact, `mf_sensitivity`)."""
+    not exact, `sensitivity`)."""
     n = fact.steps if n is None else int(n)
     W = Workload.build(n, workload, momentum, learning_rates)
     err = W.error_np(fact.inverse_coefficients(n))
@@ -275,7 +275,7 @@ def rmse_dense(fact: Factorization, *, workload: str = "prefix", momentum: float
                max_participations: int | None = None, n: int | None = None) -> float:
     """`rmse` from dense matrices (tests, small n): A built entry by entry, A·C⁻¹ by a
     triangular solve, the sensitivity from CᵀC on the pattern {0, b, 2b, ...} (the maximizer
-    when CᵀC >= 0 has the monotone structure, `mf_sensitivity`) or the largest column norm."""
+    when CᵀC >= 0 has the monotone structure, `sensitivity`) or the largest column norm."""
     n = fact.steps if n is None else int(n)
     W = Workload.build(n, workload, momentum, learning_rates)
     eta = W.eta

@@ -1,6 +1,6 @@
 """Gaussian noise: the one place it is drawn (DESIGN §3.2, §3.7).
 
-Noise comes from ChaCha20 (RFC 8439, ``chacha.py``), keyed by the step's noise key, not
+Noise comes from ChaCha20 (RFC 8439, ``rng/chacha.py``), keyed by the step's noise key, not
 from torch's generator: torch's Mersenne Twister / Philox are statistical PRNGs whose
 state can be recovered from outputs, and the DP guarantee needs noise an adversary cannot
 predict. The noise of a step is one global vector: tensor i of the trainable parameters

@@ -1,6 +1,6 @@
 """The δ that the noise generator's truncated tails add, folded into the published δ.
 
-The generator (`noise.py`: Box-Muller on a ChaCha20 stream) cannot draw a pair of radius
+The generator (`gaussian.py`: Box-Muller on a ChaCha20 stream) cannot draw a pair of radius
 above τ = NOISE_TAIL: its radius uniform u1 is never below 2**-106 (106 random bits), so
 each pair is an exact 2-D Gaussian *conditioned on* ‖pair‖ ≤ τ = sqrt(-2 ln 2**-106) ≈
 12.12, a truncation that removes TAIL_MASS = 2**-106 of each pair's mass. What that costs

@@ -1,12 +1,12 @@
 """Triton kernels: the ChaCha20 keystream (RFC 8439) and the Gaussian noise drawn from it,
-generated and added in place on the GPU (see ``chacha.py`` and ``noise.py`` for the
+generated and added in place on the GPU (see ``chacha.py`` and ``noise/gaussian.py`` for the
 contracts these kernels implement; the tests compare them bit for bit with OpenSSL and
 with the torch reference).
 
 Each program computes ``BLOCK`` ChaCha20 blocks, one per lane: the 16-word state lives in
 registers, 20 rounds of add-rotate-xor on uint32 lanes, no memory traffic but the output.
 The noise kernel turns each block (16 words: 8 little-endian 64-bit words) into 2
-Box-Muller pairs (4 normals) exactly as ``noise._pairs`` does on CPU, pair j from 64-bit
+Box-Muller pairs (4 normals) exactly as ``gaussian._pairs`` does on CPU, pair j from 64-bit
 words 4j … 4j + 3: k1, k2 = the low 53 bits of the first two, s2 = the third's top 53 bits,
 signed (the fourth unused), u1 = k1·2**-53 + (k2 + 1)·2**-106, θ = 2π·s2·2**-53, in
 float64, and adds ``std·r·(cos θ, sin θ)``, rounded to the target's dtype, to the elements
@@ -182,8 +182,8 @@ def keystream(key: bytes, nonce: bytes, counter: int, n_words: int, device) -> t
 
 def pairs_from_words(words: torch.Tensor, std: float) -> torch.Tensor:
     """[n, 2] float64: the pairs the fused kernel makes of ``words`` ([n, 4] int64: each
-    pair's four little-endian 64-bit words, as ``noise._pairs`` takes them), through the
-    same `_pair` function. For the tests: they compare it with ``noise._pairs`` on words
+    pair's four little-endian 64-bit words, as ``gaussian._pairs`` takes them), through the
+    same `_pair` function. For the tests: they compare it with ``gaussian._pairs`` on words
     they choose (k1 = 0, where u1's low 53 bits decide the radius)."""
     n = words.shape[0]
     halves = torch.stack([words & 0xFFFFFFFF, (words >> 32) & 0xFFFFFFFF], -1).view(n, 8)

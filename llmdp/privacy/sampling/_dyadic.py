@@ -7,7 +7,7 @@ and upper bounds of p at any precision (`_power_bounds`), the float64 nearest to
 (1-q)**(2**i) computed with Python integers (`_nearest_powers`), the rigorous relative
 error bound of a product of those (`_margin`), and the 64-bit thresholds that decide a
 coin from one keystream word when it is far enough from p (`_fast_thresholds`). Reading
-the further bits of U when it is not (`sampling._exact_coin`) is the sampler's part; the
+the further bits of U when it is not (`poisson._exact_coin`) is the sampler's part; the
 sampling module docstring states why the whole is exact.
 """
 
