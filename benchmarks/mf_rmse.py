@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from llmdp.config.schema import OptimConfig, lr_lambda
-from llmdp.privacy.mf_workload import rmse, rmse_identity
+from llmdp.privacy.mf.workload import rmse, rmse_identity
 from llmdp.privacy.plan import make_plan
 
 

@@ -10,7 +10,7 @@ fixed-cycle strategy, its buffers as optimized), each adding its row of (scale·
 float32 sum of d coordinates, at a step t ≥ b (every buffer live); and the state each
 keeps (n_buf · d float32). The correlated step *includes* the DP-SGD draw of z_t, so its
 ratio minus 1 is the overhead. Memory-bound on a GPU: the extra bytes per coordinate and
-step are those of `llmdp.privacy.mf_stream`'s docstring (banded 4·(3(b−1) + 6) − 8, BLT
+step are those of `llmdp.privacy.mf.stream`'s docstring (banded 4·(3(b−1) + 6) − 8, BLT
 4·(6n + 4) + 8 − 8 for float32), i.e. time ≈ extra bytes · d / memory bandwidth.
 """
 
@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from llmdp.privacy import noise as dp_noise
-from llmdp.privacy.mf_optimize import strategy_for
-from llmdp.privacy.mf_stream import CorrelatedNoise
+from llmdp.privacy.mf.optimize import strategy_for
+from llmdp.privacy.mf.stream import CorrelatedNoise
+from llmdp.privacy.noise import gaussian as dp_noise
 
 
 def _medians_s(fns: list, reps: int) -> list[float]:

@@ -3,7 +3,7 @@
 For each device (CPU, and CUDA when present) it times, for the same count of float32
 normals,
 
-* ``llmdp.privacy.noise.add_gaussian_``: ChaCha20 (RFC 8439) keystream + Box-Muller in
+* ``llmdp.privacy.noise.gaussian.add_gaussian_``: ChaCha20 (RFC 8439) keystream + Box-Muller in
   float64, added in place to a float32 tensor (what a DP step does to its clipped sums);
 * ``torch.randn(count)`` on the same device (a new tensor: the issue's baseline), and
   ``torch.randn(out=)`` into a preallocated one (the bare PRNG); neither is secure;
@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llmdp.privacy import chacha, noise  # noqa: E402
+from llmdp.privacy.noise import gaussian as noise
+from llmdp.privacy.rng import chacha  # noqa: E402
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:
@@ -71,7 +72,7 @@ def bench_device(device: torch.device, count: int, repeats: int, sass_out: str |
         res[f"secure_s_per_step_{label}"] = params / res["secure_normals_per_s"]
         res[f"randn_s_per_step_{label}"] = params / res["randn_normals_per_s"]
     if device.type == "cuda":
-        from llmdp.privacy import _triton_chacha
+        from llmdp.privacy.rng import _triton_chacha
 
         res["triton"] = _triton_chacha.available()
         n_words = min(count * 2, 1 << 30)
@@ -109,7 +110,7 @@ def instruction_mix(device: torch.device, sass_out: str | None = None) -> dict:
     import collections
     import re
 
-    from llmdp.privacy import _triton_chacha as k
+    from llmdp.privacy.rng import _triton_chacha as k
 
     t = torch.zeros(4096, dtype=torch.float32, device=device)
     kn = k._key_nonce_tensor(b"\0" * 32, b"\0" * 12, device)

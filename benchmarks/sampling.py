@@ -40,7 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llmdp.data.batching import assign_micro_batches  # noqa: E402
 from llmdp.data.store import open_store, write_store  # noqa: E402
 from llmdp.data.units import UnitArrays, UnitSpec  # noqa: E402
-from llmdp.privacy import keys, reference_sampler, sampling  # noqa: E402
+from llmdp.privacy.rng import keys  # noqa: E402
+from llmdp.privacy.sampling import poisson as sampling
+from llmdp.privacy.sampling import reference as reference_sampler
 
 
 def synthetic_store(directory: str, num_units: int, L: int = 128, seed: int = 0):

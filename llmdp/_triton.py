@@ -1,4 +1,4 @@
-"""Triton, optional: the CUDA kernels' import, shared by ``privacy/_triton_chacha.py`` and
+"""Triton, optional: the CUDA kernels' import, shared by ``privacy/rng/_triton_chacha.py`` and
 ``clipping/_triton_rowscaled.py``. ``triton``/``tl`` are None when it does not import (any
 failure means: use the torch path). With ``TRITON_INTERPRET=1`` set before the import, the
 kernels run on CPU tensors through Triton's interpreter (the tests use this).

@@ -333,8 +333,8 @@ def _check_plan_flags(a, *, calibrate: bool) -> None:
 
 
 def _mechanism_flags(a) -> dict:
-    """make_plan's mechanism arguments from the flags (refused combinations: `mf_plan`)."""
-    from llmdp.privacy.mf_plan import MechanismError, check_mechanism
+    """make_plan's mechanism arguments from the flags (refused combinations: `mf.plan`)."""
+    from llmdp.privacy.mf import MechanismError, check_mechanism
 
     default = {"dp-sgd": "poisson", "banded-mf": "cyclic-poisson", "blt": "fixed-cycle"}
     sampler = a.sampler or default[a.mechanism]
@@ -417,7 +417,7 @@ def _mechanism_out(plan) -> dict:
     """A correlated plan's mechanism, sampler, rounds and strategy (none for DP-SGD)."""
     if not plan.correlated:
         return {}
-    from llmdp.privacy.mf_plan import mf_commitment, participation_text
+    from llmdp.privacy.mf import mf_commitment, participation_text
 
     fact = plan.factorization()
     return {"mechanism": plan.mechanism, "sampler": plan.sampler, "cycle": plan.cycle,
@@ -450,9 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     from llmdp._fs import RunDirInUse, StorageError
     from llmdp.config.schema import ConfigError
     from llmdp.hub.export import ExportError
-    from llmdp.privacy.ledger import LedgerError
+    from llmdp.privacy.ledger import BudgetError, LedgerError
     from llmdp.privacy.plan import PlanError
-    from llmdp.privacy.service import BudgetError
     from llmdp.train.checkpoints import CheckpointError
     try:
         if args.command == "train":
@@ -524,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             _print_plan(plan, args, {"target_epsilon": args.target_epsilon})
             return 0
         if args.privacy_command == "ledger":
-            from llmdp.privacy.ledger_cli import main as ledger_main
+            from llmdp.privacy.ledger import main as ledger_main
 
             return ledger_main(args)
         if args.privacy_command == "report":

@@ -278,8 +278,8 @@ def dataset_records(location, data_path=None, dataset_id=None) -> list[dict]:
     local ``data_path``) in the database at ``location`` (None: the default)."""
     import os as _os
 
-    from llmdp.privacy.ledger_location import resolve_location
-    from llmdp.privacy.ledgerdb import LedgerDB
+    from llmdp.privacy.ledger.database import LedgerDB
+    from llmdp.privacy.ledger.location import resolve_location
 
     ds = dataset_id or "path:" + _os.path.realpath(str(data_path))
     db = LedgerDB(resolve_location(None if location is None else str(location)))
@@ -290,14 +290,14 @@ def dataset_records(location, data_path=None, dataset_id=None) -> list[dict]:
 
 
 def dataset_entries(location, data_path=None, dataset_id=None):
-    from llmdp.privacy.budget import release_entries_of
+    from llmdp.privacy.ledger.budget import release_entries_of
 
     return release_entries_of(dataset_records(location, data_path, dataset_id))
 
 
 def simulate_steps(prepared, steps=None) -> None:
     """Write a prepared run's steps to its ledgers as the ledger service does (no training)."""
-    from llmdp.privacy.service import LedgerService
+    from llmdp.privacy.ledger.service import LedgerService
 
     svc = LedgerService(**prepared.ledger.service)
     svc.start_attempt()
@@ -308,13 +308,14 @@ def simulate_steps(prepared, steps=None) -> None:
 
 def use_noise_cap(monkeypatch, radius_bits: int) -> tuple[float, float]:
     """Model a noise generator whose radius uniform has ``radius_bits`` bits: pairs truncated
-    at τ = sqrt(2·bits·ln 2), mass m = 2**-bits removed from each (`llmdp.privacy.noise_tail`;
+    at τ = sqrt(2·bits·ln 2), mass m = 2**-bits removed from each (`llmdp.privacy.noise.tail`;
     the modules that state τ too). The generator draws 106 bits, whose tails are negligible
     at any usable σ; tests of the machinery that folds tails into δ use 53 (the earlier
     generator), where they show in ε at usual σ. Returns (m, τ)."""
     import math
 
-    from llmdp.privacy import noise_tail, plan
+    from llmdp.privacy import plan
+    from llmdp.privacy.noise import tail as noise_tail
     from llmdp.report import build as report
 
     mass, tau = 2.0**-radius_bits, math.sqrt(2 * radius_bits * math.log(2))

@@ -436,7 +436,7 @@ def test_a_missing_model_folder_is_named_by_name_or_path(workdir, capsys):
 
 def _make_ledger(home) -> str:
     """A dataset ledger with one record in ``home`` (LLMDP_HOME)."""
-    from llmdp.privacy.ledgerdb import LedgerDB
+    from llmdp.privacy.ledger.database import LedgerDB
 
     location = os.path.join(home, "ledger.sqlite")
     db = LedgerDB(location)

@@ -20,8 +20,8 @@ from llmdp.clipping.reference import (
     per_unit_gradients_func,
 )
 from llmdp.config.schema import ConfigError, recipe_from_dict, to_dict
-from llmdp.privacy.ledger_location import resolve_location
-from llmdp.privacy.ledgerdb import LedgerDB
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.ledger.location import resolve_location
 from llmdp.privacy.plan import DPPlan, PlanError, make_plan
 from llmdp.run.baseline import BANNER, NON_PRIVATE
 from llmdp.train.loop import LocalContext, train_loop_per_worker

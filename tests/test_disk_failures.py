@@ -92,7 +92,7 @@ def released_steps(run_dir) -> int:
 
 def dp_accounting_epsilon(run_dir, report) -> float:
     """ε of the ledger's steps by dp-accounting itself (PLD, add-or-remove-one)."""
-    from llmdp.privacy.events import event_from_json
+    from llmdp.privacy.accounting.events import event_from_json
 
     lines = [json.loads(x) for x in open(os.path.join(run_dir, "ledger.jsonl"))]
     events = {json.dumps(r["event"], sort_keys=True) for r in lines if r["kind"] == "release"}

@@ -118,7 +118,7 @@ def test_private_tokenizer_then_a_run_whose_worker_fails_one_guarantee(tmp_path,
     from transformers import AutoModelForCausalLM
 
     from llmdp.hub.export import verify_run
-    from llmdp.privacy.ledger import Ledger
+    from llmdp.privacy.ledger.records import Ledger
     from llmdp.run.rundir import RunDir
     from llmdp.train import checkpoints
 

@@ -15,8 +15,8 @@ from llmdp.config.schema import ConfigError, recipe_from_dict, to_dict
 from llmdp.data.holdout import Holdout, split_units
 from llmdp.evaluation import dp as dp_eval
 from llmdp.evaluation.metrics import evaluate
-from llmdp.privacy import keys
-from llmdp.privacy.ledger import EVAL_MECHANISM, Ledger, is_step_release
+from llmdp.privacy.ledger.records import EVAL_MECHANISM, Ledger, is_step_release
+from llmdp.privacy.rng import keys
 from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.helpers import dataset_records, tiny_tokenizer_dir, write_notes
 
@@ -290,8 +290,8 @@ def test_dp_evaluations_on_a_private_eval_source_are_in_its_own_ledger(tmp_path)
     ledger.jsonl (the run's report composes it once); a later budgeted run on the evaluation
     file starts from what the evaluations spent, not from 0; a budget on the evaluation file
     that the planned evaluations do not fit refuses the launch."""
-    from llmdp.privacy.budget import unit_epsilon
-    from llmdp.privacy.service import BudgetError
+    from llmdp.privacy.ledger.budget import unit_epsilon
+    from llmdp.privacy.ledger.service import BudgetError
     from llmdp.report.build import write_report
 
     private = write_notes(tmp_path / "eval_notes.jsonl", 20, seed=7)
@@ -530,7 +530,7 @@ def test_epsilon_training_only_is_the_steps_alone_as_planned(tmp_path):
     """Issue 30 item 13: privacy_report.json's epsilon_training_only counted the DP
     evaluations while plan.json's epsilon_planned_training_only does not; both are the
     training steps alone (dp-accounting on the step releases, called directly)."""
-    from llmdp.privacy.events import event_from_json
+    from llmdp.privacy.accounting.events import event_from_json
     from llmdp.report.build import write_report
 
     cfg = eval_recipe(tmp_path, evaluation={"noise_multiplier": 3.0})

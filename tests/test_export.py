@@ -476,8 +476,8 @@ def test_export_and_private_tokenizer_publish_no_private_statistics_or_hashes(tm
     from safetensors import safe_open
 
     from llmdp.data.sources import source_fingerprint
-    from llmdp.privacy import accountant
-    from llmdp.privacy.events import event_from_json
+    from llmdp.privacy.accounting import accountant
+    from llmdp.privacy.accounting.events import event_from_json
 
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))  # the dataset ledger is named by the hash
     corpus = write_notes(tmp_path / "notes.jsonl", 120, seed=5)
@@ -563,9 +563,9 @@ def test_curve_and_progress_count_the_ledger_not_completed_steps(full_run, tmp_p
     progress bar end at the report's ε, which composes every step of the ledger."""
     from tqdm import tqdm
 
-    from llmdp.privacy.ledger import Ledger
+    from llmdp.privacy.ledger.records import Ledger
+    from llmdp.privacy.ledger.service import LedgerService
     from llmdp.privacy.plan import DPPlan
-    from llmdp.privacy.service import LedgerService
     from llmdp.report.build import write_report
     from llmdp.report.spent import epsilon_curve
     from llmdp.run.progress import Progress
@@ -607,7 +607,7 @@ def test_publishable_report_is_an_allow_list(full_run):
     """A key the allow-list does not name stays out (a new internal metric is private by
     default), and a hash of the data inside an allowed text (a stop reason naming the
     dataset ledger file) is redacted; the guarantee's numbers are kept as they are."""
-    from llmdp.privacy.ledger import Ledger
+    from llmdp.privacy.ledger.records import Ledger
     from llmdp.report.publish import PUBLISHABLE_REPORT, publishable_ledger, publishable_report
 
     full = json.load(open(os.path.join(full_run, "privacy_report.json")))

@@ -69,8 +69,8 @@ def _report(run_dir) -> dict:
 
 @pytest.mark.slow
 def test_ctrl_c_at_step_0_mid_block_and_in_finalization_each_resumes_to_its_target(tmp_path):
-    from llmdp.privacy.accountant import RDP_ORDERS
-    from llmdp.privacy.events import event_from_json
+    from llmdp.privacy.accounting.accountant import RDP_ORDERS
+    from llmdp.privacy.accounting.events import event_from_json
     from llmdp.run.rundir import STOP_REQUEST, RunDir
     from llmdp.train import checkpoints
 

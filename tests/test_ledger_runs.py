@@ -14,7 +14,7 @@ import dp_accounting
 import pytest
 
 from llmdp.config.schema import recipe_from_dict
-from llmdp.privacy.ledger import Ledger
+from llmdp.privacy.ledger.records import Ledger
 from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.helpers import dataset_records, simulate_steps, tiny_tokenizer_dir, write_notes
 
@@ -85,7 +85,7 @@ def test_two_working_directories_and_an_edited_record_charge_one_budget(tmp_path
     assert sum(r["count"] for r in recs if r["kind"] == "release") == 18
     # The budget status composes all 18 steps (the edited data may pack into one more
     # sequence: another q for the third run): dp-accounting directly, record by record.
-    from llmdp.privacy.events import event_from_json
+    from llmdp.privacy.accounting.events import event_from_json
 
     acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     for r in recs:
@@ -135,7 +135,7 @@ def test_a_file_and_its_folder_charge_one_budget(tmp_path, monkeypatch):
     the folder run is refused, naming the file's ledger; declaring that ledger's id, its
     steps are charged to the same budget, which counts both runs (dp-accounting)."""
     from llmdp.config.validate import ConfigError
-    from llmdp.privacy.events import event_from_json
+    from llmdp.privacy.accounting.events import event_from_json
 
     monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
     sub = tmp_path / "data" / "sub"
@@ -171,7 +171,7 @@ def test_a_legacy_jsonl_dataset_ledger_is_imported_once(tmp_path, monkeypatch):
     """An earlier llmdp's dataset ledger (<cache>/ledgers/<sha16>.jsonl) is imported into the
     database at the first run on that data, and only once."""
     from llmdp.data.sources import source_fingerprint
-    from llmdp.privacy.events import event_to_json
+    from llmdp.privacy.accounting.events import event_to_json
 
     monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))
@@ -201,7 +201,7 @@ def test_the_budget_is_the_datasets_whatever_the_recipe_says(tmp_path, monkeypat
     (its log line says whose budget); a recipe with another ε, δ or accountant is refused,
     naming both budgets and the command that changes it; a run for another privacy unit is
     refused, naming both units. A refusal records nothing and leaves no run directory."""
-    from llmdp.privacy.service import BudgetError
+    from llmdp.privacy.ledger.service import BudgetError
 
     monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))
     data = write_notes(tmp_path / "notes.jsonl", 30)
@@ -395,7 +395,7 @@ def test_two_concurrent_runs_under_a_budget_that_fits_one(tmp_path):
     assert winner["status"] == "complete" and winner["steps"] == 6
     assert winner["run_id"] in loser  # the refusal names the run holding the budget
     ds = "path:" + os.path.realpath(data)
-    from llmdp.privacy.ledgerdb import LedgerDB
+    from llmdp.privacy.ledger.database import LedgerDB
 
     recs = LedgerDB(str(tmp_path / "home" / "ledger.sqlite")).records(ds)
     steps = sum(r["count"] for r in recs if r["kind"] == "release")
@@ -473,7 +473,7 @@ def test_budget_lines_name_the_unit_the_total_after_the_run_and_the_holders(tmp_
     import re
 
     from llmdp._fs import RunLock
-    from llmdp.privacy.service import BudgetError
+    from llmdp.privacy.ledger.service import BudgetError
     from llmdp.run.launch import prepare
 
     monkeypatch.setenv("LLMDP_HOME", str(tmp_path / "home"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llmdp.config.schema import recipe_from_dict, to_dict
-from llmdp.privacy.ledger import Ledger
+from llmdp.privacy.ledger.records import Ledger
 from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.helpers import dataset_records, tiny_tokenizer_dir, write_notes
 
@@ -173,7 +173,7 @@ def test_budget_refuses_to_start_and_stops_before_crossing(tmp_path):
     not fit; when it starts but the budget runs out, it stops before the crossing step."""
     import dp_accounting
 
-    from llmdp.privacy.service import BudgetError
+    from llmdp.privacy.ledger.service import BudgetError
     from llmdp.report.build import write_report
 
     first = make_recipe(tmp_path)
@@ -314,7 +314,7 @@ def test_a_ctrl_c_during_finalization_does_not_strand_the_run(tmp_path, monkeypa
 
     import llmdp.run.launch
     from llmdp.hub.export import export_run
-    from llmdp.privacy.ledger import Ledger
+    from llmdp.privacy.ledger.records import Ledger
     from llmdp.train.loop import LocalContext, train_loop_per_worker
 
     cfg = make_recipe(tmp_path, steps=4)

@@ -41,7 +41,7 @@ def _free_port() -> int:
 def test_worker_loop_on_cuda_to_its_report(tmp_path, monkeypatch, strategy, lora, mixed):
     import torch.distributed as dist
 
-    from llmdp.privacy import noise
+    from llmdp.privacy.noise import gaussian as noise
     from llmdp.report.build import write_report
 
     if not torch.cuda.is_available():

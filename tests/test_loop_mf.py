@@ -10,7 +10,7 @@ import dp_accounting
 import pytest
 import torch
 
-from llmdp.privacy.ledger import Ledger
+from llmdp.privacy.ledger.records import Ledger
 from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.test_loop import Crash, make_recipe, prepared_config
 

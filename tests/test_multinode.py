@@ -84,7 +84,7 @@ def _check_the_resumed_run(run_dir: Path, capsys) -> dict:
     """Resumed from the step-3 checkpoint, completed; every executed step (re-executed ones
     included) has its release in the ledger; the report's ε is dp-accounting's on the
     recorded releases. Returns the report."""
-    from llmdp.privacy.ledger import Ledger, is_step_release
+    from llmdp.privacy.ledger.records import Ledger, is_step_release
 
     metrics = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
     assert [m["step"] for m in metrics if m.get("event") == "start"] == [0, 3]
@@ -278,7 +278,7 @@ def _launch(tmp_path: Path, env: dict, seen: dict, until=None) -> subprocess.Pop
 
 
 def test_a_sigkilled_driver_leaves_no_ray_process_and_its_relaunch_resumes(tmp_path, capsys):
-    from llmdp.privacy.budget import live_holds
+    from llmdp.privacy.ledger.budget import live_holds
     from llmdp.run.localray import RECORD
 
     _write_recipe(tmp_path, "driver")

@@ -16,7 +16,7 @@ import torch
 
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
-from llmdp.privacy import noise as dp_noise
+from llmdp.privacy.noise import gaussian as dp_noise
 from llmdp.train import parallel
 from llmdp.train.step import accumulate_clipped_sum
 from llmdp.train.strategy import Fsdp, Replicated, strategy_for

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from llmdp.privacy.calibrate import PlanError
+from llmdp.privacy.accounting.calibrate import PlanError
 from llmdp.privacy.plan import make_plan
 from llmdp.run.rundir import RunDir
 

@@ -13,8 +13,8 @@ import shutil
 import pytest
 
 from llmdp.config.schema import ConfigError, recipe_from_dict, to_dict
-from llmdp.privacy.ledger_location import resolve_location
-from llmdp.privacy.ledgerdb import LedgerDB
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.ledger.location import resolve_location
 from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.helpers import simulate_steps
 from tests.test_loop import make_recipe, prepared_config

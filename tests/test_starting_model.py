@@ -15,9 +15,9 @@ import dp_accounting
 import pytest
 
 from llmdp.config.schema import ConfigError, recipe_from_dict, to_dict
-from llmdp.privacy.events import event_from_json
-from llmdp.privacy.noise_tail import noise_tail
-from llmdp.privacy.prior import composed_epsilon
+from llmdp.privacy.accounting.events import event_from_json
+from llmdp.privacy.accounting.prior import composed_epsilon
+from llmdp.privacy.noise.tail import noise_tail
 from llmdp.run.provenance import EXTERNAL, PROVENANCE
 from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.helpers import use_noise_cap
@@ -208,7 +208,7 @@ def test_a_dp_export_under_another_ledger_database_needs_the_start_data_declarat
     no record of its run cannot be matched with this run's data: refused until
     model.start_data says; `same` composes the releases its provenance records."""
     from llmdp.hub.export import export_run
-    from llmdp.privacy.ledger_location import resolve_location
+    from llmdp.privacy.ledger.location import resolve_location
 
     use_noise_cap(monkeypatch, 53)
     first, rep1 = _train(recipe_from_dict(_raw(tmp_path, "first")), tmp_path)
@@ -241,7 +241,7 @@ def test_a_dp_export_under_another_ledger_database_needs_the_start_data_declarat
     assert rep["epsilon"] > rep["epsilon_training_only"] * 1.2
     # the declared releases are in this database's dataset ledger too (its budget and every
     # later run count them), once, however often a run from the start is prepared
-    from llmdp.privacy.ledgerdb import LedgerDB
+    from llmdp.privacy.ledger.database import LedgerDB
 
     def releases_here():
         db = LedgerDB(resolve_location(str(elsewhere)))

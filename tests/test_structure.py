@@ -116,3 +116,15 @@ def test_every_module_appears_in_the_designs_layout():
     stale = [k for k in blocks if k.endswith(".py") and not (PACKAGE / k).exists()]
     stale += [k for k in blocks if k.endswith("/") and not (PACKAGE / k).is_dir()]
     assert not stale, f"docs/DESIGN.md §2 names what llmdp/ does not hold: {stale}"
+
+
+# llmdp/privacy/ is cut by concept (docs/DESIGN.md §2): sub-packages rng, noise, sampling,
+# accounting, mf and ledger, and plan.py, which composes them; not a flat folder of modules.
+MAX_PRIVACY_ENTRIES = 10
+
+
+def test_privacy_is_a_few_subpackages_not_a_flat_folder():
+    entries = sorted(p.name for p in (PACKAGE / "privacy").iterdir() if p.name != "__pycache__")
+    assert len(entries) <= MAX_PRIVACY_ENTRIES, (
+        f"llmdp/privacy/ holds {len(entries)} entries (at most {MAX_PRIVACY_ENTRIES}): {entries}; "
+        "put a new module in the sub-package of its concept")

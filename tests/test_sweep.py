@@ -19,9 +19,9 @@ from dp_accounting import dp_event
 
 from llmdp.cli import main
 from llmdp.config.schema import ConfigError, SweepConfig, recipe_from_dict
-from llmdp.privacy.accountant import RDP_ORDERS
-from llmdp.privacy.events import event_to_json
-from llmdp.privacy.service import BudgetError, LedgerService
+from llmdp.privacy.accounting.accountant import RDP_ORDERS
+from llmdp.privacy.accounting.events import event_to_json
+from llmdp.privacy.ledger.service import BudgetError, LedgerService
 from llmdp.tune.cost import sweep_cost
 from llmdp.tune.grid import draw_random_trials, resolve_sweep
 from llmdp.tune.sweep import SWEEP_JSON, run_sweep, select_trial
@@ -356,7 +356,7 @@ def test_the_cost_composes_every_trials_ledger_and_the_tokenizer_once(tmp_path):
                       run_trial=runner, plan_trial=plan_trial)
     # δ less the three trials' noise tails (18 steps at the plan's σ and parameter count;
     # the fake trials record no DP evaluation): item 8 of issue 29 for the sweep's bound (a).
-    from llmdp.privacy.noise_tail import truncation_delta_per_step
+    from llmdp.privacy.noise.tail import truncation_delta_per_step
 
     k, sigma = plans[0].plan.noise_coordinates, plans[0].plan.noise_multiplier
     d_acc = (DELTA - 18 * truncation_delta_per_step(k, sigma)) * (1 - 18 * k * 2.0**-106)
@@ -553,7 +553,7 @@ def test_sweep_of_two_trials_on_ray(tmp_path, monkeypatch, capsys):
     ledgers, and a re-run that runs nothing again. (Needs the held-out evaluation.)"""
     import ray
 
-    from llmdp.privacy.ledger import Ledger
+    from llmdp.privacy.ledger.records import Ledger
 
     monkeypatch.chdir(tmp_path)
     write_notes(tmp_path / "notes.jsonl", 80)

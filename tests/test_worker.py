@@ -11,7 +11,7 @@ import torch
 
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
-from llmdp.privacy import keys
+from llmdp.privacy.rng import keys
 from llmdp.train.parallel import privatize_
 from llmdp.train.step import accumulate_clipped_sum
 from llmdp.train.strategy import Replicated
@@ -268,7 +268,7 @@ def test_sensitivity_of_the_clipped_sum_at_B_1024(big_store, dtype, device):
 def test_privatize_reduces_and_noises_float32_sinks_and_casts_at_the_end():
     """bf16 parameters: the clipped sums, the noise and the ÷ q·N stay in float32; the
     result is cast to bf16 only once, into p.grad."""
-    from llmdp.privacy.noise import gaussian_like
+    from llmdp.privacy.noise.gaussian import gaussian_like
 
     model = tiny_llama(vocab_size=TINY_VOCAB, dtype=torch.bfloat16)
     sinks = Replicated().grad_sinks(model)
@@ -372,7 +372,7 @@ def test_max_nonfinite_steps_is_validated(value, why):
 def test_report_states_the_noise_tail_and_its_delta(tmp_path):
     """Issue 12 item 8c: the report (JSON and Markdown) carries the generator's tail and
     the δ it adds, computed from the run's trainable parameter count and σ."""
-    from llmdp.privacy.noise import NOISE_TAIL, truncation_delta_per_step
+    from llmdp.privacy.noise.gaussian import NOISE_TAIL, truncation_delta_per_step
     from llmdp.report.build import write_report
     from llmdp.report.render import render_markdown
     from llmdp.train.loop import LocalContext, train_loop_per_worker
@@ -410,7 +410,7 @@ def test_report_delta_is_the_accountants_plus_the_noise_tails(tmp_path, monkeypa
 
     from llmdp.config.schema import recipe_from_dict
     from llmdp.config.yamlio import to_dict
-    from llmdp.privacy.noise import truncation_delta_per_step
+    from llmdp.privacy.noise.gaussian import truncation_delta_per_step
     from llmdp.report.build import build_report, write_report
     from llmdp.report.render import render_markdown
     from llmdp.train.loop import LocalContext, train_loop_per_worker

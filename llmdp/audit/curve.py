@@ -178,7 +178,7 @@ def audit_curve(scores: Any, included: Any, q: float, sigma: float, steps: int, 
     """The bound from canary `scores` (higher = more likely included) and the truth
     `included`, for a run of `steps` steps at Poisson rate q that claims noise multiplier
     σ, at confidence 1 − β over the settings `ks` (default: m's grid)."""
-    from llmdp.privacy.accountant import epsilon_for
+    from llmdp.privacy.accounting import epsilon_for
 
     delta = _check_unit("delta", delta, closed_high=False, open_low=True)
     m, level, counts = guess_counts(scores, included, beta, ks)

@@ -13,7 +13,7 @@ What is checked, per step (:class:`ReplayResult.violations` lists what failed, e
 line tagged with its check, "(a)" or "(b)", and naming the unit, step and rank):
 
 (a) sensitivity: the clipped sums at the moment the noise is added (after the
-    cross-worker reduction; captured by wrapping ``llmdp.privacy.noise.add_noise_``; under
+    cross-worker reduction; captured by wrapping ``llmdp.privacy.noise.gaussian.add_noise_``; under
     fsdp every rank captures its shard at its offsets and the full vector is assembled)
     differ by at most C·(1 + tol) in float64. With ``expect_clipped`` also by at least
     C·(1 − floor_tol): the removed unit is clipped, so its contribution is exactly C and the
@@ -208,7 +208,7 @@ def unit_groups_of(spec: RunSpec) -> np.ndarray | None:
     if not spec.plan.correlated:
         return None
     from llmdp.data.store import open_store
-    from llmdp.privacy.cyclic import store_groups
+    from llmdp.privacy.sampling import store_groups
 
     return store_groups(open_store(spec.paths.store_dir), spec.plan.cycle)
 
@@ -218,7 +218,7 @@ def _sampler(spec: RunSpec, unit: int | None = None, groups: np.ndarray | None =
     or, cyclic, D's groups without u's at D's q_g (the mechanism is unchanged)."""
     plan = spec.plan
     if plan.correlated:
-        from llmdp.privacy.cyclic import CyclicPoissonSampler, FixedCycleSampler
+        from llmdp.privacy.sampling import CyclicPoissonSampler, FixedCycleSampler
 
         g = unit_groups_of(spec) if groups is None else groups
         g = g if unit is None else np.delete(g, int(unit))

@@ -239,7 +239,7 @@ def check_privacy(p, prefix: str, base_dir: str):
 
 def _check_mechanism(p, prefix: str) -> None:
     """A correlated mechanism only with a sampler its analysis covers (DESIGN §3.3)."""
-    from llmdp.privacy.mf_plan import MechanismError, check_mechanism
+    from llmdp.privacy.mf import MechanismError, check_mechanism
 
     try:
         check_mechanism(p.mechanism, p.sampler, bands=p.bands, cycle=p.cycle, dp=p.dp)

@@ -291,7 +291,7 @@ class PrivacyConfig:
     sampler: str = _f("poisson", choices=SAMPLERS)
     max_batch_size: int | None = _f(None, ge=1)  # truncated-poisson cap; None: the plan picks it
     # "dp-sgd": independent noise each step. Correlated noise (DP-FTRL by matrix
-    # factorization, `llmdp.privacy.mf`): "banded-mf" (C with `bands` diagonals; sampler
+    # factorization, `llmdp.privacy.mf.factorization`): "banded-mf" (C with `bands` diagonals; sampler
     # cyclic-poisson, amplified, or fixed-cycle) or "blt" (buffered linear Toeplitz, at most
     # `buffers` buffers; sampler fixed-cycle). Each needs a cyclic sampler.
     mechanism: str = _f("dp-sgd", choices=MECHANISMS)

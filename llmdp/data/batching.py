@@ -1,6 +1,6 @@
 """Batch assembly: a step's sampled units -> the same number of micro-batches on every worker.
 
-Every worker expands the same sampling key into the same sample (privacy/sampling.py) and
+Every worker expands the same sampling key into the same sample (privacy/sampling/poisson.py) and
 runs :func:`assign_micro_batches` on it with the store's public-to-workers unit sizes, so
 all workers agree on the whole assignment without exchanging indices. Then each reads
 only the rows of its own units.

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import dp_accounting
 import numpy as np
 
-from llmdp.privacy import accountant as _acc
+from llmdp.privacy import accounting as _acc
 from llmdp.privacy.noise import keyed_normal
 
 __all__ = ["DpEvalPlan", "plan_dp_eval", "noisy_sums", "release", "normalized_sums"]

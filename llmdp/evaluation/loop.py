@@ -18,7 +18,7 @@ import torch
 
 from llmdp.evaluation import dp as dp_eval
 from llmdp.evaluation.metrics import evaluate
-from llmdp.privacy import keys
+from llmdp.privacy import rng
 from llmdp.train.parallel import sum_floats_over_workers
 
 __all__ = ["due", "evaluate_held_out", "generate_from_prompts"]
@@ -56,8 +56,8 @@ def evaluate_held_out(run, step: int, *, final: bool = False, write=None) -> dic
             if ok:
                 cfg = spec.cfg.privacy
                 # seeded: keyed by the run and its attempt too (`train.loop.seeded_scope`)
-                key = (keys.seeded_key(int(cfg.seed), step, "eval", *run.key_scope)
-                       if cfg.rng == "seeded" else keys.secure_key())
+                key = (rng.seeded_key(int(cfg.seed), step, "eval", *run.key_scope)
+                       if cfg.rng == "seeded" else rng.secure_key())
                 released = {"event": "dp_eval", **dp_eval.release(total, plan, key, step)}
             else:
                 released = {"event": "dp_eval", "step": step, "refused": why}

@@ -22,18 +22,20 @@ import dp_accounting
 
 from llmdp.config.choices import RELATIONS, SAMPLERS
 from llmdp.config.validate import _check_delta, _check_positive, _check_steps, _is_int, _is_number
-from llmdp.privacy import accountant as _acc
+from llmdp.privacy import accounting as _acc
 from llmdp.privacy import sampling as _sampling
-from llmdp.privacy.calibrate import EpsilonCurve, PlanError, calibrate_curve
-from llmdp.privacy.events import dpsgd_step_event
-from llmdp.privacy.noise_tail import MAX_TAIL_FRACTION, NOISE_TAIL, NoiseTail, noise_tail
-from llmdp.privacy.truncation import (
+from llmdp.privacy.accounting import (
     DEFAULT_TRUNCATION_BUDGET,
+    EpsilonCurve,
+    PlanError,
+    calibrate_curve,
     calibrate_truncated,
+    dpsgd_step_event,
     plan_truncated,
     truncation_cost,
     truncation_probability,
 )
+from llmdp.privacy.noise import MAX_TAIL_FRACTION, NOISE_TAIL, NoiseTail, noise_tail
 
 __all__ = [
     "PlanError",
@@ -160,7 +162,7 @@ class DPPlan:
     (P(Binomial(N, q) > B_max): how often a step drops units; derived, filled in if
     None). For "poisson" the three are None.
 
-    The noise generator's truncated tails (`llmdp.privacy.noise_tail`) are folded into
+    The noise generator's truncated tails (`llmdp.privacy.noise.tail`) are folded into
     `delta`, the published δ, when `noise_coordinates` (the trainable parameter count: the
     noise coordinates of one step) is known: the accountant then runs at
     `accountant_delta` = δ - the tails' share of the run's noised releases (its `steps`
@@ -194,7 +196,7 @@ class DPPlan:
     # this run's guarantee (`llmdp.run.provenance`): ((what, count, coordinates, noise
     # multiplier), ...); their tails are folded into δ with this run's.
     prior_noise: tuple | None = None
-    # A correlated mechanism (`llmdp.privacy.mf_plan`): "banded-mf" / "blt" with a cyclic
+    # A correlated mechanism (`llmdp.privacy.mf.plan`): "banded-mf" / "blt" with a cyclic
     # sampler of `cycle` groups, its strategy (`mf.Factorization.to_dict()`), and the factor
     # f of the ledger's round event (σ·f; `round_factor_exact`: K rounds compose to exactly
     # the one-release analysis). The ledger counts rounds of `cycle` steps (`ledger_steps`).
@@ -267,7 +269,7 @@ class DPPlan:
             )
 
     def _check_mechanism_fields(self) -> None:
-        from llmdp.privacy.mf_plan import check_mechanism
+        from llmdp.privacy.mf import check_mechanism
 
         check_mechanism(self.mechanism, self.sampler, cycle=self.cycle, dp=self.dp,
                         bands=None if self.strategy is None else len(self.strategy.get("coefficients") or ()) or None)
@@ -304,7 +306,7 @@ class DPPlan:
         return self.mechanism != "dp-sgd"
 
     def factorization(self):
-        """The strategy C (`llmdp.privacy.mf.Factorization`), None for DP-SGD / a baseline."""
+        """The strategy C (`llmdp.privacy.mf.factorization.Factorization`), None for DP-SGD / a baseline."""
         if self.strategy is None:
             return None
         from llmdp.privacy.mf import Factorization
@@ -314,7 +316,7 @@ class DPPlan:
     @property
     def ledger_steps(self) -> int:
         """The run's releases in ledger units: T steps (DP-SGD), K = ⌈T/cycle⌉ rounds
-        (a correlated mechanism: `llmdp.privacy.mf_plan`)."""
+        (a correlated mechanism: `llmdp.privacy.mf.plan`)."""
         return self.ledger_begun(self.steps)
 
     def ledger_index(self, step: int) -> int:
@@ -427,7 +429,7 @@ class DPPlan:
 
     def step_event(self) -> dp_accounting.DpEvent:
         """The event of one ledger unit: a step (Poisson, or truncated Poisson:
-        `max_batch_size`), or a correlated mechanism's round (`llmdp.privacy.mf_plan`)."""
+        `max_batch_size`), or a correlated mechanism's round (`llmdp.privacy.mf.plan`)."""
         if not self.dp:
             raise PlanError(_NO_EVENT)
         return dpsgd_step_event(
@@ -447,15 +449,15 @@ class DPPlan:
                 f"units, got num_units={num_units!r}: rebuild the plan for this dataset"
             )
         if self.sampler in ("cyclic-poisson", "fixed-cycle"):
-            from llmdp.privacy import cyclic
+            from llmdp.privacy.sampling import CyclicPoissonSampler, FixedCycleSampler
 
             if groups is None or len(groups) != self.dataset_size:
                 raise PlanError(f"a {self.sampler} sampler needs every unit's group (store_groups), "
                                 f"got {None if groups is None else len(groups)} for "
                                 f"{self.dataset_size} units")
             if self.sampler == "fixed-cycle":
-                return cyclic.FixedCycleSampler(groups, self.cycle)
-            return cyclic.CyclicPoissonSampler(groups, self.cycle, self.event_probability)
+                return FixedCycleSampler(groups, self.cycle)
+            return CyclicPoissonSampler(groups, self.cycle, self.event_probability)
         return _sampling.make_sampler(
             int(self.dataset_size), self.sampling_probability, self.max_batch_size
         )
@@ -549,7 +551,7 @@ def _delta_at(delta: float, steps: int, coordinates: int | None, eval_noise=None
 def check_noise_tail(plan: DPPlan) -> DPPlan:
     """`plan`, or `PlanError` when the noise generator's truncated tails take more than
     MAX_TAIL_FRACTION of its δ: then the truncation, not the Gaussian, carries the
-    guarantee (`noise_tail.MAX_TAIL_FRACTION` says why 10%). The message names the numbers
+    guarantee (`noise.tail.MAX_TAIL_FRACTION` says why 10%). The message names the numbers
     of each kind of release and the fixes."""
     tail = plan.noise_tail()
     if tail is not None:
@@ -715,7 +717,7 @@ def make_plan(
 
     `dp=False`: a NON-PRIVATE baseline's plan (no target, no σ; truncated Poisson needs its cap).
 
-    `mechanism` "banded-mf" / "blt" (`llmdp.privacy.mf_plan`): a correlated mechanism with
+    `mechanism` "banded-mf" / "blt" (`llmdp.privacy.mf.plan`): a correlated mechanism with
     a cyclic sampler of `cycle` groups; its strategy is optimized here for T steps (`bands`,
     `buffers`; the workload of SGD with `momentum` and the per-step `learning_rates`
     multipliers; cached under `strategy_cache`), and σ is calibrated on the ledger's rounds.
@@ -833,30 +835,30 @@ def make_plan(
 
 def _cycle(mechanism, sampler, bands, cycle, dp, dataset_size, expected_batch_size):
     """(cycle, expected batch size) of a correlated mechanism's cyclic sampler, the
-    combination checked (`llmdp.privacy.mf_plan`)."""
-    from llmdp.privacy import mf_plan
+    combination checked (`llmdp.privacy.mf.plan`)."""
+    from llmdp.privacy import mf as _mf
 
-    mf_plan.check_mechanism(mechanism, sampler, bands=bands, cycle=cycle, dp=dp)
-    cyc = mf_plan.resolve_cycle(sampler, bands=bands, cycle=cycle, dataset_size=int(dataset_size),
-                                expected_batch_size=expected_batch_size)
-    mf_plan.check_mechanism(mechanism, sampler, bands=bands, cycle=cyc, dp=dp)
+    _mf.check_mechanism(mechanism, sampler, bands=bands, cycle=cycle, dp=dp)
+    cyc = _mf.resolve_cycle(sampler, bands=bands, cycle=cycle, dataset_size=int(dataset_size),
+                            expected_batch_size=expected_batch_size)
+    _mf.check_mechanism(mechanism, sampler, bands=bands, cycle=cyc, dp=dp)
     return cyc, (int(dataset_size) / cyc if sampler == "fixed-cycle" else float(expected_batch_size))
 
 
 def _correlated_plan(common: dict, sigma, max_sigma, *, bands, buffers, momentum, learning_rates,
                      strategy_cache) -> DPPlan:
-    """A correlated mechanism's `DPPlan` (`llmdp.privacy.mf_plan`): its strategy, the round
+    """A correlated mechanism's `DPPlan` (`llmdp.privacy.mf.plan`): its strategy, the round
     event's factor f, and σ (given, or calibrated on the ledger's rounds: the round's
     multiplier σ·f is what the accountant sees)."""
-    from llmdp.privacy import mf_plan
+    from llmdp.privacy import mf as _mf
 
     steps, cyc, sampler = common["steps"], common["cycle"], common["sampler"]
     if callable(learning_rates):  # the schedule's multipliers of a T-step run
         learning_rates = learning_rates(steps)
-    fact = mf_plan.build_strategy(common["mechanism"], sampler, steps=steps, cycle=cyc, bands=bands,
-                                  buffers=buffers, momentum=momentum, learning_rates=learning_rates,
-                                  cache_dir=strategy_cache)
-    f, exact = mf_plan.round_factor(fact, sampler, steps=steps, cycle=cyc)
+    fact = _mf.build_strategy(common["mechanism"], sampler, steps=steps, cycle=cyc, bands=bands,
+                              buffers=buffers, momentum=momentum, learning_rates=learning_rates,
+                              cache_dir=strategy_cache)
+    f, exact = _mf.round_factor(fact, sampler, steps=steps, cycle=cyc)
     # what the plan records: the strategy and how it was made, not whether a cache served it
     # (a re-launch's plan must equal the first launch's)
     fact = dataclasses.replace(fact, meta={k: v for k, v in fact.meta.items() if k != "cached"})

@@ -22,22 +22,23 @@ from typing import Any
 
 from llmdp.audit.section import audit_section
 from llmdp.evaluation.report import dp_eval_covered, evaluation_section
-from llmdp.privacy import accountant
-from llmdp.privacy.budget import budget_status, recorded_budget, release_entries_of
-from llmdp.privacy.events import is_truncated
+from llmdp.privacy import accounting
+from llmdp.privacy.accounting import is_truncated, release_entries
 from llmdp.privacy.ledger import (
     VOID_KIND,
     LedgerDamaged,
+    LedgerDB,
     LedgerError,
+    budget_status,
+    cross_check,
     is_step_release,
     net_records,
+    recorded_budget,
+    release_entries_of,
+    resolve_location,
     step_count,
 )
-from llmdp.privacy.ledger_location import resolve_location
-from llmdp.privacy.ledgerdb import LedgerDB
 from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
-from llmdp.privacy.prior import release_entries
-from llmdp.privacy.service import cross_check
 from llmdp.report.adjacency import adjacency, published_counts
 from llmdp.report.render import _epsilon_panel, render_markdown
 from llmdp.report.spent import epsilon_curve, ledger_noise_tail
@@ -102,21 +103,21 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
 
     # Every accountant that supports every recorded event (RDP cannot account truncated
     # Poisson: it is left out rather than approximated).
-    usable = [name for name in accountant.ACCOUNTANTS
+    usable = [name for name in accounting.ACCOUNTANTS
               if name == plan.accountant or not any(is_truncated(e) for e, _ in entries)]
     # Releases this run's model builds on, made before it on the same units (a private
     # tokenizer): composed into the guarantee, thresholds' delta included.
     prior = list(plan_info.get("prior_releases") or [])
     prior_entries, prior_dthr = release_entries(prior)
     left = delta_acc > prior_dthr  # else the tails (and thresholds) spend all of δ: ε is inf
-    eps = {name: accountant.epsilon_with_threshold(prior_entries + entries, delta_acc, prior_dthr, name)
+    eps = {name: accounting.epsilon_with_threshold(prior_entries + entries, delta_acc, prior_dthr, name)
            if left else math.inf for name in usable}
     # The training steps alone (as plan.json's epsilon_planned_training_only): neither an
     # earlier release it builds on (a private tokenizer) nor its DP evaluations.
     # Counts net of voids: reserved steps that a graceful stop recorded as never run.
     net = net_records(records)
     step_records = [r for r in net if r.get("kind") == "release" and is_step_release(r)]
-    eps_training = ((accountant.epsilon(release_entries_of(step_records), delta_acc, plan.accountant)
+    eps_training = ((accounting.epsilon(release_entries_of(step_records), delta_acc, plan.accountant)
                      if delta_acc > 0 else math.inf) if step_records else 0.0)
     ledger_steps = step_count(records)  # DP evaluations are releases, not steps
 
@@ -268,7 +269,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
         # reserved write-ahead) by attempts that failed or were stopped at once (a crash, a
         # killed process, a second Ctrl-C), then re-executed after a resume.
         "steps_lost_to_failures": max(0, ledger_steps - plan.ledger_begun(completed)),
-        # a correlated mechanism (llmdp.privacy.mf_plan): its strategy, sampler, participation
+        # a correlated mechanism (llmdp.privacy.mf.plan): its strategy, sampler, participation
         "correlated_noise": _correlated_section(plan),
         "dataset_ledger": _dataset_ledger(plan_info, plan, unit_meta or {
             "kind": unit_kind, "sequence_length": seq_len, "user_field": data_cfg.get("user_field"),
@@ -409,7 +410,7 @@ def _tokenizer_not_covered(plan_info: dict) -> list[str]:
 
 def _noise_generator(plan, trainable: int | None, steps: int, tail=None) -> dict:
     """What the noise generator adds beyond the accountant's exact Gaussian (issue 12, 8c;
-    issue 29, 8): its tail truncation, with the δ it adds (`llmdp.privacy.noise_tail`:
+    issue 29, 8): its tail truncation, with the δ it adds (`llmdp.privacy.noise.tail`:
     folded into the published δ for a plan that knows its noise coordinates, ``tail`` from
     the ledger's releases; stated beside δ, not in it, for a plan of an earlier llmdp), its
     float32 rounding (not quantified), and that the accountant assumes a continuous
@@ -434,7 +435,7 @@ def _noise_generator(plan, trainable: int | None, steps: int, tail=None) -> dict
         return out
     delta = plan.delta
     out.update({
-        # δ = δ_accountant / Z + Σ count·η  (llmdp.privacy.noise_tail), per kind of release
+        # δ = δ_accountant / Z + Σ count·η  (llmdp.privacy.noise.tail), per kind of release
         "truncation_delta_releases": [
             {"releases": what, "count": count, "coordinates": coords, "noise_multiplier": sigma,
              "delta": eta} for what, count, coords, sigma, eta in tail.parts],
@@ -577,7 +578,7 @@ def _correlated_section(plan) -> dict | None:
     """The correlated mechanism in plain words and numbers (public configuration only)."""
     if not plan.correlated:
         return None
-    from llmdp.privacy.mf_plan import mf_commitment, participation_text
+    from llmdp.privacy.mf import mf_commitment, participation_text
 
     out = {**(mf_commitment(plan) if plan.dp else {"cycle": plan.cycle, "sampler": plan.sampler}),
            "mechanism": plan.mechanism,
@@ -600,7 +601,7 @@ def _sampling_section(plan, seeded: bool, truncated_steps: int, completed: int) 
               "against anyone who knows the seed)" if seeded else
               "fresh OS entropy per step (ChaCha20 keystream, RFC 8439)")
     if plan.correlated:
-        from llmdp.privacy.mf_plan import participation_text
+        from llmdp.privacy.mf import participation_text
 
         return {
             "assumed": participation_text(plan.mechanism, plan.sampler, plan.cycle, plan.steps,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import os
 
-from llmdp.privacy import accountant
+from llmdp.privacy import accounting
+from llmdp.privacy.accounting import release_entries as prior_release_entries
 from llmdp.privacy.ledger import (
     EVAL_MECHANISM,
     Ledger,
@@ -19,12 +20,11 @@ from llmdp.privacy.ledger import (
     release_entries,
     step_count,
 )
-from llmdp.privacy.prior import release_entries as prior_release_entries
 from llmdp.run.rundir import RunDir
 
 
 def ledger_noise_tail(plan, releases):
-    """The noise generator's tails (`llmdp.privacy.noise_tail.NoiseTail`) of the releases a
+    """The noise generator's tails (`llmdp.privacy.noise.tail.NoiseTail`) of the releases a
     run's ledger records (``releases``: its records): its steps at the plan's noise
     coordinates and σ, its DP evaluations at the plan's ``eval_noise``. The ledger's counts,
     not the plan's: steps re-executed after a failure were released, and drew noise, twice.
@@ -74,11 +74,11 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     prior, d_thr = prior_release_entries(list(prior_releases))
     if not prior and not entries:
         return steps, 0.0
-    interval = None if exact or plan.accountant != "pld" else accountant.PLD_DISPLAY_DISCRETIZATION_INTERVAL
+    interval = None if exact or plan.accountant != "pld" else accounting.PLD_DISPLAY_DISCRETIZATION_INTERVAL
     delta = accountant_delta(plan, kept)
     if delta <= d_thr:
         return steps, math.inf  # the noise tails (and thresholds) spend all of δ
-    return steps, accountant.epsilon_with_threshold(prior + entries, delta, d_thr, plan.accountant, interval)
+    return steps, accounting.epsilon_with_threshold(prior + entries, delta, d_thr, plan.accountant, interval)
 
 
 def epsilon_curve(run_dir: str | RunDir, points: int = 16) -> list[tuple[int, float]]:

@@ -21,11 +21,16 @@ import uuid
 from llmdp._fs import RunLock, StorageError, cache_root, check_free, private_files, storage_error
 from llmdp.config.schema import RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.hub.export import ExportError, export_run
-from llmdp.privacy.dataset_ledger import check_declared_public, open_dataset_ledger
-from llmdp.privacy.events import event_to_json
-from llmdp.privacy.ledger import LedgerError
-from llmdp.privacy.mf_plan import mf_commitment
-from llmdp.privacy.service import BudgetError, LedgerService, run_ledger_problems
+from llmdp.privacy.accounting import event_to_json
+from llmdp.privacy.ledger import (
+    BudgetError,
+    LedgerError,
+    LedgerService,
+    check_declared_public,
+    open_dataset_ledger,
+    run_ledger_problems,
+)
+from llmdp.privacy.mf import mf_commitment
 from llmdp.report.build import write_report
 from llmdp.run.baseline import BANNER, public_banner
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
@@ -80,7 +85,7 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         "sampler": cfg.privacy.sampler,
         "relation": plan.relation,
         "mechanism": plan.mechanism,
-        # a correlated mechanism is committed with its every parameter (llmdp.privacy.mf_plan)
+        # a correlated mechanism is committed with its every parameter (llmdp.privacy.mf.plan)
         **({"mf": mf_commitment(plan)} if plan.correlated and plan.dp else {}),
     }
 

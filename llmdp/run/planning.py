@@ -19,10 +19,9 @@ from llmdp.data.sources import source_fingerprint
 from llmdp.data.store import UnitSpec, build_store
 from llmdp.data.synthetic import ensure_clinical_notes
 from llmdp.evaluation.dp import plan_dp_eval
-from llmdp.privacy.dataset_ledger import check_public_eval
-from llmdp.privacy.events import event_to_json
+from llmdp.privacy.accounting import calibrate_with_prior, event_to_json
+from llmdp.privacy.ledger import check_public_eval
 from llmdp.privacy.plan import check_noise_tail, make_plan
-from llmdp.privacy.prior import calibrate_with_prior
 from llmdp.run.provenance import merge_priors, starting_model
 from llmdp.tokenizer.train import tokenizer_for_run
 from llmdp.train.models import load_model
@@ -51,7 +50,7 @@ class Planned:
     def entries(self) -> list:
         """(event, count) of every release the run will make if it completes: the earlier
         releases it builds on, its DP evaluations and its steps (what a sweep composes)."""
-        from llmdp.privacy.prior import release_entries
+        from llmdp.privacy.accounting import release_entries
 
         prior, _ = release_entries(self.prior_releases)
         evals = self.eval_plan.entries() if self.eval_plan is not None else []
@@ -343,7 +342,7 @@ def warn_open(cfg: RecipeConfig, log) -> None:
     """A run folder, unit cache or ledger that exists with wider permissions than llmdp
     gives them (an older version's, or changed by hand): said at launch, with the fix."""
     from llmdp._fs import fix_command, too_open
-    from llmdp.privacy.ledger_location import is_url, llmdp_home, resolve_location
+    from llmdp.privacy.ledger import is_url, llmdp_home, resolve_location
 
     group = cfg.output.group_readable
     where = [cfg.run_dir, os.path.join(cache_root(), "units")]

@@ -136,11 +136,18 @@ def _budget(cfg: RecipeConfig, planned, epsilon: float, log) -> dict:
     after this run: read from its ledger read-only (a ledger that does not exist yet has
     spent nothing)."""
     from llmdp.data.sources import dataset_identity  # lazy: it imports datasets
-    from llmdp.privacy.budget import DatasetBudget, dataset_epsilon, recorded_budget, unit_epsilon
-    from llmdp.privacy.dataset_ids import canonical_id
-    from llmdp.privacy.ledger_location import describe_location, is_url, resolve_location
-    from llmdp.privacy.ledgerdb import LedgerDB
-    from llmdp.privacy.prior import release_entries
+    from llmdp.privacy.accounting import release_entries
+    from llmdp.privacy.ledger import (
+        DatasetBudget,
+        LedgerDB,
+        canonical_id,
+        dataset_epsilon,
+        describe_location,
+        is_url,
+        recorded_budget,
+        resolve_location,
+        unit_epsilon,
+    )
 
     plan = planned.plan
     location = resolve_location(cfg.privacy.ledger)
@@ -194,7 +201,7 @@ def dry_run(cfg: RecipeConfig, log=print) -> dict:
     (`plan_run`), print the plan, the truncation, the DP evaluation's noise, the memory per
     worker (``llmdp.train.memory``) and the budget, and return them; no run folder, no
     ledger entry, no hold."""
-    from llmdp.privacy.prior import composed_epsilon
+    from llmdp.privacy.accounting import composed_epsilon
     from llmdp.run.planning import plan_run, warn_open
 
     check_output_dir(cfg)  # what the run would be refused for first
@@ -233,6 +240,6 @@ def dry_run(cfg: RecipeConfig, log=print) -> dict:
 
 
 def _event_json(event):
-    from llmdp.privacy.events import event_to_json
+    from llmdp.privacy.accounting import event_to_json
 
     return event_to_json(event)

@@ -290,9 +290,7 @@ def _same_data(a: dict, mine: str, model_cfg, ledger_opt: str | None, folder: st
 def _releases_of(run_id: str, ledger_opt: str | None) -> tuple[list[dict], str | None]:
     """The release records of run ``run_id`` (net of voids) and the ledger that holds them
     in the database ``privacy.ledger`` names, or ([], None)."""
-    from llmdp.privacy.ledger import net_records
-    from llmdp.privacy.ledger_location import is_url, resolve_location
-    from llmdp.privacy.ledgerdb import LedgerDB
+    from llmdp.privacy.ledger import LedgerDB, is_url, net_records, resolve_location
 
     location = resolve_location(ledger_opt)
     if not is_url(location) and not os.path.exists(location):
@@ -315,9 +313,9 @@ def composed_releases(parts: list[tuple[dict, list[dict]]], ledger: str) -> dict
     (``prior_releases``' shape, ``source`` = SOURCE) with the earlier releases each composed
     itself, each once, and the noise tails of all of them (``prior_noise``: each run's plan
     at its recorded counts)."""
-    from llmdp.privacy.events import event_from_json
+    from llmdp.privacy.accounting import event_from_json
     from llmdp.privacy.ledger import EVAL_MECHANISM, is_step_release, step_count
-    from llmdp.privacy.noise_tail import noise_tail
+    from llmdp.privacy.noise import noise_tail
     from llmdp.privacy.plan import DPPlan
     from llmdp.run.rundir import check_read_back
 
@@ -342,8 +340,7 @@ def composed_releases(parts: list[tuple[dict, list[dict]]], ledger: str) -> dict
                 prior.append({**r, "copy_to_ledger": True} if declared else r)
     plan = read_plan(parts[0][0])
     tail = noise_tail(noise) if noise else None
-    from llmdp.privacy.accountant import epsilon_with_threshold
-    from llmdp.privacy.prior import release_entries
+    from llmdp.privacy.accounting import epsilon_with_threshold, release_entries
 
     entries, d_thr = release_entries(prior)
     at = plan.delta if tail is None else tail.accountant_delta(plan.delta)
@@ -407,7 +404,7 @@ def copy_declared_releases(prior: list[dict], ledger: dict, meta: dict, log=prin
     run's dataset ledger (``ledger``: `open_dataset_ledger`'s), each once (by release id), so
     that the dataset's budget and every later run on it count them, not only this run's
     report (DESIGN §3.10). Returns how many were appended."""
-    from llmdp.privacy.ledgerdb import LedgerDB
+    from llmdp.privacy.ledger import LedgerDB
 
     todo = [r for r in prior if r.get("copy_to_ledger")]
     if not todo or ledger is None:

@@ -27,7 +27,7 @@ import os
 from functools import cached_property
 from typing import Any
 
-from llmdp.privacy.calibrate import PlanError
+from llmdp.privacy.accounting import PlanError
 from llmdp.privacy.ledger import Ledger
 from llmdp.privacy.plan import DPPlan
 from llmdp.train import checkpoints
@@ -64,8 +64,7 @@ def _planned_mismatches(plan: DPPlan, info: dict):
     if not plan.dp or info.get("epsilon_planned") is None:
         return
     from llmdp.evaluation.dp import DpEvalPlan
-    from llmdp.privacy.events import event_to_json
-    from llmdp.privacy.prior import composed_epsilon
+    from llmdp.privacy.accounting import composed_epsilon, event_to_json
 
     evals = []
     if info.get("dp_eval"):
@@ -81,15 +80,15 @@ def _planned_mismatches(plan: DPPlan, info: dict):
 
 def _mismatches(plan: DPPlan):
     if plan.correlated and plan.dp:
-        from llmdp.privacy import mf_plan
+        from llmdp.privacy import mf
 
         fact, kw = plan.factorization(), {"steps": plan.steps, "cycle": plan.cycle}
-        sens = mf_plan.scaled_sensitivity(fact, plan.sampler, **kw)
+        sens = mf.scaled_sensitivity(fact, plan.sampler, **kw)
         if not abs(sens - 1.0) <= 1e-9:  # linear in the scale: 1 at scale / sens
             yield ("strategy.scale", fact.scale, f"{fact.scale / sens!r} (the scale at which the "
                    f"strategy's sensitivity is 1; at the stored scale it is {sens!r})")
             return
-        f, exact = mf_plan.round_factor(fact, plan.sampler, **kw)
+        f, exact = mf.round_factor(fact, plan.sampler, **kw)
         if not math.isclose(plan.round_factor, f, rel_tol=1e-12):
             yield ("round_factor", plan.round_factor, repr(f))
         if plan.round_factor_exact != exact:

@@ -21,10 +21,9 @@ from typing import Any
 from llmdp.config.best import hyperparameter_note
 from llmdp.config.schema import RecipeConfig, to_dict
 from llmdp.evaluation.dp import DpEvalPlan
-from llmdp.privacy.events import event_to_json
+from llmdp.privacy.accounting import composed_epsilon, event_to_json
+from llmdp.privacy.ledger import LedgerService
 from llmdp.privacy.plan import DPPlan
-from llmdp.privacy.prior import composed_epsilon
-from llmdp.privacy.service import LedgerService
 from llmdp.run.baseline import NON_PRIVATE, public_banner
 from llmdp.run.provenance import summary
 
@@ -70,7 +69,7 @@ class _ActorLedger:
 @dataclass(frozen=True)
 class LedgerSpec:
     """How the run reaches its single ledger writer: ``service`` holds the
-    :class:`~llmdp.privacy.service.LedgerService` arguments; ``actor`` names the Ray actor
+    :class:`~llmdp.privacy.ledger.service.LedgerService` arguments; ``actor`` names the Ray actor
     serving them on the driver, once started (None: rank 0 opens the service in-process)."""
 
     service: Mapping[str, Any]

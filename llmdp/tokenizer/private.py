@@ -16,7 +16,7 @@ frequency table, and trains SentencePiece on the released table only (post-proce
    keyed hash of the word (BLAKE2b keyed by a subkey of `key`), the first K kept. The
    choice depends only on the unit's own words and the key, never on other units.
 3. **Gaussian noise** (`word_noise`): every word that occurs in some unit gets
-   N(0, sigma^2) added to its count, drawn by `llmdp.privacy.noise.keyed_normal` (ChaCha20
+   N(0, sigma^2) added to its count, drawn by `llmdp.privacy.noise.gaussian.keyed_normal` (ChaCha20
    under a per-word key derived from (key, word)), so one word's noise is a deterministic
    function of (key, word) alone and independent across words. (The same floating-point
    Box-Muller sampler and caveats as the gradient noise.)
@@ -40,13 +40,13 @@ event, is delta_C(eps):
 
 hence at a target delta the whole composition is (eps, delta)-DP with
 ``eps = eps_C(delta - delta_threshold) - log(1 - delta_threshold)``
-(`llmdp.privacy.accountant.epsilon_with_threshold`). dp-accounting 0.6 has no event for "plus delta" (no
+(`llmdp.privacy.accounting.accountant.epsilon_with_threshold`). dp-accounting 0.6 has no event for "plus delta" (no
 ``EpsilonDeltaDpEvent``; its PLD accountant accepts none that is exactly an (0, delta)
 mechanism), so the ledger records the Gaussian event and stores delta_threshold in the
 record's ``extra`` (`ledger_extra`): **a report must use `accountant.epsilon_with_threshold`
 with `Ledger.delta_threshold()` over such a ledger, never the plain epsilon.**
 
-Seeded keys (`llmdp.privacy.keys.seeded_key`) are for tests only (DESIGN §3.7); a real
+Seeded keys (`llmdp.privacy.rng.keys.seeded_key`) are for tests only (DESIGN §3.7); a real
 run uses `secure_key()`.
 """
 
@@ -66,9 +66,9 @@ from scipy.stats import norm
 
 from llmdp._fs import building_dir, replace_dir
 from llmdp.config.validate import _check_positive
-from llmdp.privacy.accountant import epsilon
-from llmdp.privacy.keys import _check_key
+from llmdp.privacy.accounting import epsilon
 from llmdp.privacy.noise import keyed_normal
+from llmdp.privacy.rng import _check_key
 from llmdp.tokenizer.public import _make_portable
 
 __all__ = [
@@ -156,7 +156,7 @@ def bound_unit_words(words: Iterable[str], max_words_per_unit: int, key: bytes) 
 
 def word_noise(key: bytes, word: str, std: float) -> float:
     """One N(0, std^2) draw, a deterministic function of (key, word):
-    `llmdp.privacy.noise.keyed_normal` with label = domain + UTF-8 word (ChaCha20 under a
+    `llmdp.privacy.noise.gaussian.keyed_normal` with label = domain + UTF-8 word (ChaCha20 under a
     per-word key; Box-Muller on a 106-bit radius uniform and a 53-bit angle)."""
     return keyed_normal(_check_key(key), _NOISE_DOMAIN + word.encode("utf-8"), std)
 
@@ -246,7 +246,7 @@ def calibrate_tokenizer_noise(
     delta_threshold = f * delta (f = `delta_threshold_fraction`, default 1/2), delta_gauss
     the rest. z = the smallest noise multiplier (to `rel_tol`, found by bisection) with
     eps(GaussianDpEvent(z), delta_gauss) <= target_epsilon + log(1 - delta_threshold)
-    (dp-accounting via `llmdp.privacy.accountant`), sigma = z * sqrt(K),
+    (dp-accounting via `llmdp.privacy.accounting.accountant`), sigma = z * sqrt(K),
     tau = 1 + sigma * Phi_bar^{-1}(delta_threshold / K).
     """
     k = _check_k(max_words_per_unit)

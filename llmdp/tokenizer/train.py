@@ -10,7 +10,7 @@ The job, top to bottom (`train_tokenizer`):
    ``privacy.delta``) for K = ``privacy.max_words_per_unit`` words per unit
    (`llmdp.tokenizer.private.calibrate_tokenizer_noise`), and check the dataset's budget;
 3. **write-ahead**: append the release to the dataset's ledger (the one training runs on
-   this data use: ``data.dataset_id`` in the ledgers' database, `llmdp.privacy.ledgerdb`) before
+   this data use: ``data.dataset_id`` in the ledgers' database, `llmdp.privacy.ledger.LedgerDB`) before
    any noisy count exists: a Gaussian event of multiplier sigma/sqrt(K) with the
    threshold's delta in the record's ``extra``;
 4. DP word counts (fresh OS entropy), then SentencePiece on the released counts only
@@ -221,14 +221,10 @@ def train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
 
 def _train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
     # lazy: llmdp.privacy imports torch; this module stays light (llmdp.report.build imports it)
-    from llmdp.privacy import accountant as acc
-    from llmdp.privacy.budget import DatasetBudget, check_release, first_budget_record
-    from llmdp.privacy.dataset_ledger import open_dataset_ledger
-    from llmdp.privacy.events import event_to_json
-    from llmdp.privacy.keys import secure_key, seeded_key
-    from llmdp.privacy.ledgerdb import LedgerDB
+    import llmdp.privacy.ledger as ledgers
+    from llmdp.privacy import accounting as acc
     from llmdp.privacy.plan import default_delta
-    from llmdp.privacy.service import BudgetError
+    from llmdp.privacy.rng import secure_key, seeded_key
     from llmdp.tokenizer import private as tp
 
     done = _check_out_dir(cfg)
@@ -271,30 +267,30 @@ def _train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
         event = tp.tokenizer_event(sigma, k)
         extra = tp.ledger_extra(sigma, tau, k)
         eps = acc.epsilon_with_threshold([(event, 1)], delta, extra["delta_threshold"], p.accountant)
-        ledger = open_dataset_ledger(cfg.data, p.ledger, data["sha256"], log=log)
+        ledger = ledgers.open_dataset_ledger(cfg.data, p.ledger, data["sha256"], log=log)
         unit = {"kind": data["unit"], "user_field": data["user_field"]}
         release_id = uuid.uuid4().hex[:12]
         meta = {"mechanism": "private-tokenizer", "unit": unit, "dataset_fingerprint": data["sha256"],
                 "dataset_size": n, "rng": p.rng, "tokenizer": cfg.out_dir}
-        db = LedgerDB(ledger["location"])
+        db = ledgers.LedgerDB(ledger["location"])
         try:
             # Check the budget and record the release in one transaction; write-ahead
             # (DESIGN §3.5): the release is durable before any noisy count exists.
             with db.transaction(ledger["dataset_id"], full=True) as tx:
                 # The dataset's budget (its ledger's), whatever this recipe says; the first
-                # budgeted release records its recipe's (llmdp.privacy.budget).
-                recipe = None if p.budget_epsilon is None else DatasetBudget(
+                # budgeted release records its recipe's (llmdp.privacy.ledger.budget).
+                recipe = None if p.budget_epsilon is None else ledgers.DatasetBudget(
                     float(p.budget_epsilon), float(delta), p.accountant, unit)
-                first, why = check_release(
+                first, why = ledgers.check_release(
                     tx.records, {"unit": unit}, event, recipe=recipe, dataset_id=ledger["dataset_id"],
                     where=ledger["shown"], extra_threshold=extra["delta_threshold"],
                     what=f"this tokenizer (ε_tok = {eps:.4f})")
                 if why is not None:
-                    raise BudgetError(why)
+                    raise ledgers.BudgetError(why)
                 if first is not None:
-                    tx.append(first_budget_record(first, f"tokenizer release {release_id} "
+                    tx.append(ledgers.first_budget_record(first, f"tokenizer release {release_id} "
                                                          f"(privacy.budget_epsilon)"))
-                rec = tx.append({"kind": "release", "event": event_to_json(event), "count": 1,
+                rec = tx.append({"kind": "release", "event": acc.event_to_json(event), "count": 1,
                                  "first_step": 0, "run_id": f"tokenizer-{release_id}",
                                  "attempt": "1", "meta": meta, "extra": extra})
         finally:
@@ -314,7 +310,7 @@ def _train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
             "target_epsilon": p.target_epsilon, "max_words_per_unit": k,
             "noise_std": sigma, "threshold": tau, "delta_threshold": extra["delta_threshold"],
             "noise_multiplier_gaussian": details["noise_multiplier_gaussian"],
-            "event": event_to_json(event), "extra": extra, "release_id": release_id,
+            "event": acc.event_to_json(event), "extra": extra, "release_id": release_id,
             "run_id": f"tokenizer-{release_id}",
             "ledger": {"location": ledger["shown"], "dataset_id": ledger["dataset_id"],
                        "seq": rec["seq"], "hash": rec["hash"]},
@@ -488,10 +484,10 @@ def tokenizer_for_run(model_cfg, data_cfg, *, data_sha256: str, delta: float | N
 
 def ensure_release_recorded(release: dict, ledger: dict, meta: dict) -> bool:
     """Make sure the tokenizer's release is in the run's dataset ledger (``ledger``: from
-    `llmdp.privacy.dataset_ledger.open_dataset_ledger`; it may not be the ledger the tokenizer wrote to:
+    `llmdp.privacy.ledger.open_dataset_ledger`; it may not be the ledger the tokenizer wrote to:
     another dataset id, another database): append a copy when no record of its run id is
     there. True if a record was appended."""
-    from llmdp.privacy.ledgerdb import LedgerDB  # lazy: llmdp.privacy imports torch
+    from llmdp.privacy.ledger import LedgerDB  # lazy: llmdp.privacy imports torch
 
     db = LedgerDB(ledger["location"])
     try:

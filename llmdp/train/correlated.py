@@ -2,7 +2,7 @@
 its FSDP shards), its checkpointed state, and its segments.
 
 Step t of a segment adds row t of (scale·C)⁻¹Z to the reduced clipped sum, where z_t is
-the step's ordinary DP-SGD draw (`llmdp.privacy.mf_stream.CorrelatedNoise`). A *segment*
+the step's ordinary DP-SGD draw (`llmdp.privacy.mf.stream.CorrelatedNoise`). A *segment*
 is one run of the mechanism from a zero state. The stream's state is part of every
 checkpoint (``llmdp.train.strategy``: in ``state.pt``, or under fsdp as DTensors placed
 like the parameters, so that DCP reshards it with them), and a resumed attempt either
@@ -22,7 +22,7 @@ continues the segment, bit for bit, or starts a new one:
   failed (their rows of C·G + Z were published with noise the restored state would
   share), so the resumed attempt starts a fresh, independent mechanism at its first
   step (zero state, C restarted at row 0), and the ledger counts the rounds it begins
-  again, as it counts DP-SGD's re-executed steps (`llmdp.privacy.mf_plan`: each segment
+  again, as it counts DP-SGD's re-executed steps (`llmdp.privacy.mf.plan`: each segment
   is accounted as its own release; their composition is what the ledger composes).
 """
 
@@ -32,8 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llmdp.privacy.mf import Factorization
-from llmdp.privacy.mf_stream import CorrelatedNoise
+from llmdp.privacy.mf import CorrelatedNoise, Factorization
 
 __all__ = ["StepNoise"]
 

@@ -50,7 +50,7 @@ from llmdp.config.schema import OptimConfig, lr_lambda
 from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import open_store
 from llmdp.evaluation import loop as evaluation
-from llmdp.privacy.cyclic import store_groups
+from llmdp.privacy.sampling import store_groups
 from llmdp.run.baseline import NON_PRIVATE
 from llmdp.run.provenance import write_provenance
 from llmdp.run.rundir import STOP_REQUEST

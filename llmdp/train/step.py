@@ -26,7 +26,7 @@ from torch import nn
 from llmdp.audit import plant
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
-from llmdp.privacy import chacha, keys
+from llmdp.privacy import rng
 from llmdp.train.losses import row_losses
 from llmdp.train.parallel import _dist_on, broadcast_bytes
 
@@ -41,7 +41,7 @@ class StepKeys:
 
     @classmethod
     def from_step_key(cls, step_key: bytes) -> StepKeys:
-        return cls(chacha.derive_key(step_key, b"sample"), chacha.derive_key(step_key, b"noise"))
+        return cls(rng.derive_key(step_key, b"sample"), rng.derive_key(step_key, b"noise"))
 
     @classmethod
     def draw(cls, step: int, rng_mode: str, seed: int | None, device: torch.device,
@@ -56,10 +56,10 @@ class StepKeys:
                 raise ValueError("a seeded draw needs the run's scope (run id, attempt): two "
                                  "runs or attempts with one seed would otherwise share noise")
             run, attempt = scope
-            return cls.from_step_key(keys.seeded_key(int(seed), step, "step", run=run,
+            return cls.from_step_key(rng.seeded_key(int(seed), step, "step", run=run,
                                                      attempt=attempt))
         rank0 = not _dist_on() or dist.get_rank() == 0
-        raw = keys.secure_key() if rank0 else None
+        raw = rng.secure_key() if rank0 else None
         return cls.from_step_key(broadcast_bytes(raw, 32, device))
 
 

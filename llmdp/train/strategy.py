@@ -22,7 +22,7 @@ and loaded (DESIGN §1, §3.1-3.2). The worker loop (``llmdp.train.loop``) holds
     nothing is reduced per micro-step. Once per logical step one reduce-scatter gives
     every rank the cross-worker sum of its own shard; every rank adds to its shard its
     slice of the one global N(0, σ²C²I), seeked in the secure stream of the step's noise key
-    (``llmdp.privacy.noise``), so each coordinate gets exactly one draw, the very one the
+    (``llmdp.privacy.noise.gaussian``), so each coordinate gets exactly one draw, the very one the
     replicated strategy adds to it; then ÷ q·N, and the optimizer steps on the sharded
     parameters (``parallel.privatize_sharded_``).
 
@@ -168,7 +168,7 @@ class Strategy:
         folder of this rank): the trainable parameters ``names``, the optimizer state,
         ``meta`` (step, run id, ledger position, scheduler: ``llmdp.train.checkpoints``; rank 0's
         is written) and ``noise``'s state (a correlated mechanism's stream,
-        `mf_stream.CorrelatedNoise`, bound to the tensors of ``names``; None: none). Returns
+        `mf.stream.CorrelatedNoise`, bound to the tensors of ``names``; None: none). Returns
         whether this rank reports ``folder`` to Ray Train, which merges the folders reported
         at one step into one checkpoint. Here the full format: the state gathered to rank 0,
         which writes ``state.pt`` (the stream is the same on every replica). [sync point]"""

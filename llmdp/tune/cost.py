@@ -17,25 +17,24 @@ import math
 from dp_accounting import dp_event
 
 from llmdp.config.validate import ConfigError
-from llmdp.privacy import accountant as _acc
-from llmdp.privacy.budget import (
+from llmdp.privacy import accounting as _acc
+from llmdp.privacy.accounting import compose, event_to_json, is_truncated, release_entries
+from llmdp.privacy.ledger import (
+    BudgetError,
     DatasetBudget,
+    LedgerDB,
     budget_refusal,
     hold_entries,
     holder_alive,
     live_holds,
+    open_dataset_ledger,
     recipe_mismatch,
     recorded_budget,
     release_entries_of,
     split_by_unit,
     unit_key,
 )
-from llmdp.privacy.dataset_ledger import open_dataset_ledger
-from llmdp.privacy.events import compose, event_to_json, is_truncated
-from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.noise_tail import NoiseTail
-from llmdp.privacy.prior import release_entries
-from llmdp.privacy.service import BudgetError
+from llmdp.privacy.noise import NoiseTail
 
 __all__ = ["COVERS_COMPOSITION", "COVERS_RANDOM", "sweep_cost", "check_sweep_budget",
            "own_entries", "unique_priors", "merge_entries", "event_key"]
@@ -187,7 +186,7 @@ def _recorded_budget_of(cfg) -> DatasetBudget | None:
     import os
 
     from llmdp.data.sources import dataset_identity  # lazy: it imports datasets
-    from llmdp.privacy.ledger_location import is_url, resolve_location
+    from llmdp.privacy.ledger import is_url, resolve_location
 
     location = resolve_location(cfg.privacy.ledger)
     if not is_url(location) and not os.path.exists(location):

@@ -121,7 +121,7 @@ def selection_refusal(rows: list[dict]) -> str | None:
 def _check_trials(cfgs: list, points: list) -> None:
     """Every trial: a DP run with a DP evaluation, on one dataset ledger."""
     from llmdp.data.sources import dataset_identity
-    from llmdp.privacy.ledger_location import resolve_location
+    from llmdp.privacy.ledger import resolve_location
 
     def where(p, prefix: str) -> str:  # the grid point if it sets that key, else the recipe
         return (f"the grid point ({_describe(p)})"
@@ -307,7 +307,7 @@ def _read_state(sweep_dir: str, random: bool) -> dict | None:
 
 
 def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial, rng) -> dict:
-    from llmdp.privacy.prior import release_entries
+    from llmdp.privacy.accounting import release_entries
     from llmdp.run.launch import finished_run, run
     from llmdp.run.localray import shared_local_ray
 

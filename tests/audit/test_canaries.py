@@ -136,7 +136,7 @@ def test_the_plant_switch_is_the_environment_only(monkeypatch):
 
 
 def test_fixed_batches_plant_replaces_sampling(monkeypatch):
-    from llmdp.privacy.sampling import PoissonSampler, make_sampler
+    from llmdp.privacy.sampling.poisson import PoissonSampler, make_sampler
 
     assert isinstance(make_sampler(100, 0.1), PoissonSampler)
     monkeypatch.setenv(plant.ENV, "fixed-batches")

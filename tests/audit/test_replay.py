@@ -177,7 +177,7 @@ def _spec(tmp: str, name: str):
 def _aligned_batch(n: int) -> int:
     """The expected batch size B nearest N/2 at which removing the last of N units moves
     no other unit's coin on the real sampler (``aligned_draw``; far from every B does)."""
-    from llmdp.privacy.keys import seeded_key
+    from llmdp.privacy.rng.keys import seeded_key
 
     for b in sorted(range(2, n - 1), key=lambda b: (abs(b - n / 2), b)):
         if all(aligned_draw(n, b / n, None, n - 1, seeded_key(0, s, "test")) for s in range(8)):
@@ -262,7 +262,7 @@ def test_the_last_unit_leaves_every_other_coin_in_place_only_at_some_n_and_q(tmp
     (indices shift). At q = B/N exactly the coins move (the skip walk's chunk size follows
     ⌊N·q⌋): the replay cannot use such a pair, and says so."""
     from llmdp.audit.replay import _ATTEMPT, ReplayError
-    from llmdp.privacy.keys import seeded_key
+    from llmdp.privacy.rng.keys import seeded_key
 
     assert not any(aligned_draw(40, 0.5, None, 39, seeded_key(0, s, "test")) for s in range(8))
     spec = _spec(str(tmp_path), "llama-doc-trunc-last")

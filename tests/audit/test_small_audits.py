@@ -24,8 +24,8 @@ from llmdp.audit import gradient as gc
 from llmdp.audit import plant
 from llmdp.audit.run import AuditSettings, summarize
 from llmdp.clipping import GhostClipper
-from llmdp.privacy.accountant import epsilon_for
-from llmdp.privacy.sampling import make_sampler
+from llmdp.privacy.accounting.accountant import epsilon_for
+from llmdp.privacy.sampling.poisson import make_sampler
 from llmdp.train import parallel
 from llmdp.train.losses import row_losses
 from tests.helpers import random_rows, tiny_llama

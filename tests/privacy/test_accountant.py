@@ -7,8 +7,8 @@ import pytest
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
-from llmdp.privacy import accountant as acc
-from llmdp.privacy.events import dpsgd_step_event
+from llmdp.privacy.accounting import accountant as acc
+from llmdp.privacy.accounting.events import dpsgd_step_event
 
 ADD_REMOVE = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
 

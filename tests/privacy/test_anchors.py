@@ -1,4 +1,4 @@
-"""Issue 29 item 6: a dataset ledger is anchored outside its database (`llmdp.privacy.anchors`).
+"""Issue 29 item 6: a dataset ledger is anchored outside its database (`llmdp.privacy.ledger.anchors`).
 
 Whoever can write the database could delete the newest records and move ``llmdp_heads``
 back (no hash to recompute: the chain that is left verifies), or delete a whole ledger's
@@ -23,11 +23,11 @@ import dp_accounting
 import pytest
 
 from llmdp.cli import main
-from llmdp.privacy.anchors import head_log_path
-from llmdp.privacy.events import dpsgd_step_event, event_to_json
-from llmdp.privacy.ledger import Ledger, LedgerDamaged
-from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.service import LedgerService, open_dataset
+from llmdp.privacy.accounting.events import dpsgd_step_event, event_to_json
+from llmdp.privacy.ledger.anchors import head_log_path
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.ledger.records import Ledger, LedgerDamaged
+from llmdp.privacy.ledger.service import LedgerService, open_dataset
 from tests.privacy.test_ledger_stress import postgres_url  # noqa: F401 - the fixture
 
 SIGMA, Q, DELTA = 1.0, 0.05, 1e-5
@@ -119,7 +119,7 @@ def test_truncation_with_the_head_moved_back_is_detected(backend, request, tmp_p
     keep = 8  # the dataset and budget records, the hold and 5 releases: 5 steps left
     _truncate(location, ds, keep)
     # The database alone still verifies: exactly the defect of the issue.
-    from llmdp.privacy.ledger_verify import verify_rows
+    from llmdp.privacy.ledger.verify import verify_rows
 
     con = LedgerDB(location, read_only=True)
     cur = con._connect().cursor()
@@ -228,7 +228,7 @@ def test_a_crash_between_the_commit_and_the_head_log_leaves_an_honest_ledger(tmp
     code = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {REPO!r})
-        from llmdp.privacy import anchors
+        from llmdp.privacy.ledger import anchors
         from tests.privacy.test_anchors import _service
         from pathlib import Path
         anchors.HeadLog.append = lambda *a, **k: os._exit(9)  # dies right after the commit
@@ -316,7 +316,7 @@ def test_uncommitted_lines_of_one_transaction_prove_nothing(tmp_path, capsys):
     (a crash): neither line is a claim (the first is not the last line, but no later
     transaction came after it), so the honest ledger verifies; a later committed line of
     the run would make them claims, and is what proves a truncation."""
-    from llmdp.privacy.ledger import append_line
+    from llmdp.privacy.ledger.records import append_line
 
     location = str(tmp_path / "ledger.sqlite")
     _ten_releases(location, "ds", tmp_path).db.close()

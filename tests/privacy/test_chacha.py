@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmdp.privacy import chacha
+from llmdp.privacy.rng import chacha
 
 # --------------------------------------------------------------------------- RFC 8439 vectors
 
@@ -218,7 +218,9 @@ _INTERPRETED = textwrap.dedent(
     """
     import os, sys, torch
     assert os.environ["TRITON_INTERPRET"] == "1"
-    from llmdp.privacy import _triton_chacha as T, chacha, noise
+    from llmdp.privacy.rng import _triton_chacha as T
+    from llmdp.privacy.rng import chacha
+    from llmdp.privacy.noise import gaussian as noise
     assert T.available()
     w = T.keystream(bytes(range(32)), bytes.fromhex("000000090000004a00000000"), 1, 16, "cpu")
     assert w.tolist() == {block}, w.tolist()

@@ -1,4 +1,4 @@
-"""Cyclic samplers (`llmdp.privacy.cyclic`): content-hash groups, cyclic Poisson, fixed cycle.
+"""Cyclic samplers (`llmdp.privacy.sampling.cyclic`): content-hash groups, cyclic Poisson, fixed cycle.
 
 Statistical tests state their tolerance in standard deviations (sd) of the statistic;
 keys come from `seeded_key` and contents from seeded generators, so every test is
@@ -19,7 +19,8 @@ import llmdp.data.store as store_mod
 from llmdp.data.holdout import split_hash
 from llmdp.data.store import open_store, write_store, write_unit_files
 from llmdp.data.units import EncodedCorpus, UnitSpec, _unit_content, build_units, selection_hash
-from llmdp.privacy.cyclic import (
+from llmdp.privacy.rng.keys import seeded_key
+from llmdp.privacy.sampling.cyclic import (
     DEFAULT_GROUP_KEY,
     CyclicPoissonSampler,
     FixedCycleSampler,
@@ -27,8 +28,7 @@ from llmdp.privacy.cyclic import (
     store_groups,
     unit_groups,
 )
-from llmdp.privacy.keys import seeded_key
-from llmdp.privacy.sampling import PoissonSampler
+from llmdp.privacy.sampling.poisson import PoissonSampler
 
 EOS = 1
 

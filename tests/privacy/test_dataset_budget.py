@@ -33,11 +33,11 @@ import dp_accounting
 import pytest
 
 from llmdp.data.units import UnitSpec
-from llmdp.privacy.accountant import RDP_ORDERS
-from llmdp.privacy.budget import unit_key
-from llmdp.privacy.events import dpsgd_step_event, event_to_json
-from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.service import BudgetError, LedgerService
+from llmdp.privacy.accounting.accountant import RDP_ORDERS
+from llmdp.privacy.accounting.events import dpsgd_step_event, event_to_json
+from llmdp.privacy.ledger.budget import unit_key
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.ledger.service import BudgetError, LedgerService
 
 Q, SIGMA, DELTA, BUDGET = 0.01, 1.0, 1e-5, 2.0
 A_STEPS, B_STEPS, BLOCK = 600, 1500, 100
@@ -140,7 +140,7 @@ def _run_b(location: str, budget, delta: float, held, b_done, result: str) -> No
 
 def _two_processes(location: str, tmp_path: Path, b_budget, b_delta) -> tuple[dict, dict]:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["llmdp.privacy.service", __name__])
+    ctx.set_forkserver_preload(["llmdp.privacy.ledger.service", __name__])
     held, b_done = ctx.Event(), ctx.Event()
     res = [tmp_path / "a.json", tmp_path / "b.json"]
     procs = [ctx.Process(target=_run_a, args=(location, held, b_done, str(res[0])), daemon=True),

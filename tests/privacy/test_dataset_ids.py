@@ -17,10 +17,10 @@ import pytest
 
 from llmdp.config.validate import ConfigError
 from llmdp.data.sources import source_fingerprint
-from llmdp.privacy.dataset_ids import canonical_id, normalize_uri
-from llmdp.privacy.dataset_ledger import open_dataset_ledger
-from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.service import open_dataset
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.ledger.dataset import open_dataset_ledger
+from llmdp.privacy.ledger.dataset_ids import canonical_id, normalize_uri
+from llmdp.privacy.ledger.service import open_dataset
 from tests.helpers import write_notes
 
 

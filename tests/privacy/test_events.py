@@ -3,7 +3,7 @@ import json
 import dp_accounting as dpa
 import pytest
 
-from llmdp.privacy.events import (
+from llmdp.privacy.accounting.events import (
     compose,
     dpsgd_step_event,
     event_from_json,

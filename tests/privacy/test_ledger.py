@@ -17,8 +17,9 @@ import textwrap
 
 import pytest
 
-from llmdp.privacy.events import dpsgd_step_event, event_to_json
-from llmdp.privacy.ledger import (
+from llmdp.privacy.accounting.events import dpsgd_step_event, event_to_json
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.ledger.records import (
     GENESIS,
     Ledger,
     LedgerError,
@@ -26,8 +27,7 @@ from llmdp.privacy.ledger import (
     check_record,
     record_hash,
 )
-from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.service import LedgerService, cross_check
+from llmdp.privacy.ledger.service import LedgerService, cross_check
 
 EV = dpsgd_step_event(0.01, 1.0)
 EVJ = event_to_json(EV)
@@ -153,7 +153,7 @@ def test_blocks_written_ahead_to_the_database_and_ledger_jsonl(tmp_path):
 
 
 def test_a_missing_ledger_is_empty(tmp_path):
-    from llmdp.privacy.accountant import epsilon
+    from llmdp.privacy.accounting.accountant import epsilon
 
     lg = Ledger(tmp_path / "nope.jsonl")
     assert lg.records() == [] and lg.entries() == [] and lg.total_count() == 0 and lg.runs() == []
@@ -217,7 +217,7 @@ def test_the_line_is_fsynced_before_ensure_returns(tmp_path, monkeypatch):
 def test_a_line_that_cannot_be_written_leaves_no_record(tmp_path, monkeypatch):
     """The run's line is written inside the database transaction: if writing it fails,
     the record is not committed either."""
-    import llmdp.privacy.ledger as ledger_mod
+    import llmdp.privacy.ledger.records as ledger_mod
 
     svc = service(tmp_path)
     svc.start_attempt()
@@ -240,8 +240,8 @@ def test_a_line_that_cannot_be_written_leaves_no_record(tmp_path, monkeypatch):
 def test_a_crash_after_ensure_is_counted_in_both_ledgers(tmp_path):
     code = textwrap.dedent(f"""
         import os
-        from llmdp.privacy.events import dpsgd_step_event, event_to_json
-        from llmdp.privacy.service import LedgerService
+        from llmdp.privacy.accounting.events import dpsgd_step_event, event_to_json
+        from llmdp.privacy.ledger.service import LedgerService
         svc = LedgerService(location={db_path(tmp_path)!r}, dataset_id={DS!r},
                             run_ledger={str(tmp_path / "child" / "ledger.jsonl")!r}, run_id="child",
                             meta={{}}, block_size=3, total_steps=10,
@@ -261,7 +261,7 @@ def test_a_crash_after_ensure_is_counted_in_both_ledgers(tmp_path):
 def test_two_processes_append_to_one_ledger(tmp_path):
     code = textwrap.dedent(f"""
         import sys
-        from llmdp.privacy.ledgerdb import LedgerDB
+        from llmdp.privacy.ledger.database import LedgerDB
         db = LedgerDB({db_path(tmp_path)!r})
         for i in range(25):
             db.append({DS!r}, {{"kind": "note", "run_id": sys.argv[1], "i": i}})
@@ -405,7 +405,7 @@ def test_a_deleted_last_line_is_caught_against_the_database(tmp_path):
 def test_a_line_whose_transaction_did_not_commit_is_caught(tmp_path, monkeypatch):
     """A crash after the run's line was written but before the database committed: the
     line is in no dataset ledger."""
-    import llmdp.privacy.ledger as ledger_mod
+    import llmdp.privacy.ledger.records as ledger_mod
 
     svc = service(tmp_path)
     svc.start_attempt()

@@ -10,10 +10,10 @@ import sqlite3
 import pytest
 
 from llmdp.cli import main
-from llmdp.privacy.events import dpsgd_step_event, event_to_json
-from llmdp.privacy.ledger import Ledger
-from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.service import BudgetError, LedgerService
+from llmdp.privacy.accounting.events import dpsgd_step_event, event_to_json
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.ledger.records import Ledger
+from llmdp.privacy.ledger.service import BudgetError, LedgerService
 
 EVJ = event_to_json(dpsgd_step_event(0.01, 1.0))
 DS = "ds-1"
@@ -267,7 +267,7 @@ def rdp_spent(steps: int, delta: float = 1e-5) -> float:
     """ε of ``steps`` releases of the fixture's event, by dp-accounting directly."""
     import dp_accounting
 
-    from llmdp.privacy.accountant import RDP_ORDERS
+    from llmdp.privacy.accounting.accountant import RDP_ORDERS
 
     acc = dp_accounting.rdp.RdpAccountant(
         orders=list(RDP_ORDERS), neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
@@ -388,7 +388,7 @@ def test_a_dp_evaluation_is_not_counted_as_a_step(tmp_path, capsys):
     ("51 step(s)" for 50 steps and one evaluation)."""
     import dp_accounting
 
-    from llmdp.privacy.events import event_to_json as ej
+    from llmdp.privacy.accounting.events import event_to_json as ej
 
     svc = LedgerService(
         location=db(tmp_path), dataset_id=DS, run_ledger=str(tmp_path / "run" / "ledger.jsonl"),

@@ -2,7 +2,7 @@
 4, 5; DESIGN §3.10): a new ``data.dataset_id`` on data whose content matches a ledger with a
 budget or releases is refused unless ``data.distinct_from`` says (recorded) that it is other
 data; a run in another ledger database (``privacy.ledger``, ``LLMDP_HOME``) is checked
-against every database the user's runs used (`llmdp.privacy.ledger_registry`); a public
+against every database the user's runs used (`llmdp.privacy.ledger.registry`); a public
 declaration (``data.public``, ``data.eval.public``) is refused on data any of them records.
 Every test goes through the launch's preparation (`llmdp.run.launch.prepare`)."""
 
@@ -15,8 +15,8 @@ import shutil
 import pytest
 
 from llmdp.config.schema import ConfigError, recipe_from_dict, to_dict
-from llmdp.privacy.ledger_location import resolve_location
-from llmdp.privacy.ledgerdb import LedgerDB
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.ledger.location import resolve_location
 from tests.helpers import simulate_steps, write_notes
 from tests.test_loop import make_recipe, prepared_config
 

@@ -36,12 +36,12 @@ from pathlib import Path
 import dp_accounting
 import pytest
 
-from llmdp.privacy.accountant import RDP_ORDERS
-from llmdp.privacy.budget import live_holds
-from llmdp.privacy.events import dpsgd_step_event, event_to_json
-from llmdp.privacy.ledger import Ledger, LedgerError
-from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.service import cross_check
+from llmdp.privacy.accounting.accountant import RDP_ORDERS
+from llmdp.privacy.accounting.events import dpsgd_step_event, event_to_json
+from llmdp.privacy.ledger.budget import live_holds
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.ledger.records import Ledger, LedgerError
+from llmdp.privacy.ledger.service import cross_check
 
 PROCESSES = 8
 STEPS = 50  # each process's planned steps (one reservation each: block_size=1)
@@ -76,7 +76,7 @@ def _worker(location: str, dataset_id: str, run_ledger: str, run_id: str, use_ho
     out: dict = {"run_id": run_id, "steps": 0, "stopped_at": None, "message": None,
                  "hold": None, "error": None}
     try:
-        from llmdp.privacy.service import LedgerService, open_dataset
+        from llmdp.privacy.ledger.service import LedgerService, open_dataset
 
         svc = LedgerService(
             location=location, dataset_id=dataset_id, run_ledger=run_ledger, run_id=run_id,
@@ -111,7 +111,7 @@ def _worker(location: str, dataset_id: str, run_ledger: str, run_id: str, use_ho
 def _run_processes(location: str, dataset_id: str, tmp_path: Path, use_hold: bool) -> list[dict]:
     ctx = multiprocessing.get_context("forkserver")
     # Import once in the server (effective when it starts: the first test that runs).
-    ctx.set_forkserver_preload(["llmdp.privacy.service", __name__])
+    ctx.set_forkserver_preload(["llmdp.privacy.ledger.service", __name__])
     barrier = ctx.Barrier(PROCESSES)
     procs, paths = [], []
     for i in range(PROCESSES):

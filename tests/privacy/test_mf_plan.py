@@ -13,9 +13,9 @@ import pytest
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
-from llmdp.privacy import accountant as acc
-from llmdp.privacy.mf import toeplitz_matrix
-from llmdp.privacy.mf_plan import MechanismError, check_mechanism
+from llmdp.privacy.accounting import accountant as acc
+from llmdp.privacy.mf.factorization import toeplitz_matrix
+from llmdp.privacy.mf.plan import MechanismError, check_mechanism
 from llmdp.privacy.plan import DPPlan, PlanError, make_plan
 
 N = 6000

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from llmdp.privacy import mf_banded, mf_blt, mf_optimize
-from llmdp.privacy.mf import Factorization, toeplitz_inverse, toeplitz_matrix
-from llmdp.privacy.mf_banded import banded_loss, optimize_banded, sqrt_coefficients
-from llmdp.privacy.mf_blt import blt_factorization, blt_omegas, optimize_blt
-from llmdp.privacy.mf_optimize import strategy_for
-from llmdp.privacy.mf_sensitivity import (
+from llmdp.privacy.mf import banded as mf_banded
+from llmdp.privacy.mf import blt as mf_blt
+from llmdp.privacy.mf import optimize as mf_optimize
+from llmdp.privacy.mf.banded import banded_loss, optimize_banded, sqrt_coefficients
+from llmdp.privacy.mf.blt import blt_factorization, blt_omegas, optimize_blt
+from llmdp.privacy.mf.factorization import Factorization, toeplitz_inverse, toeplitz_matrix
+from llmdp.privacy.mf.optimize import strategy_for
+from llmdp.privacy.mf.sensitivity import (
     aligned_sum,
     brute_force_sensitivity,
     column_norms,
@@ -23,7 +25,7 @@ from llmdp.privacy.mf_sensitivity import (
     minsep_upper_bound,
     prefix_sensitivity,
 )
-from llmdp.privacy.mf_workload import Workload, rmse, rmse_dense, rmse_identity
+from llmdp.privacy.mf.workload import Workload, rmse, rmse_dense, rmse_identity
 
 
 def _dense_workload(n, momentum=0.0, lr=None):

@@ -1,4 +1,4 @@
-"""Streaming correlated noise (`llmdp.privacy.mf_stream`): the stream against the dense
+"""Streaming correlated noise (`llmdp.privacy.mf.stream`): the stream against the dense
 (scale·C)⁻¹Z of the very same DP-SGD draws, its covariance, shards, resume and refusals.
 
 Bit for bit: b = 1 with scale·c_0 = 1 and the DP-SGD noise; shards against the whole;
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from llmdp.privacy.keys import seeded_key
-from llmdp.privacy.mf import Factorization, toeplitz_inverse, toeplitz_matrix
-from llmdp.privacy.mf_stream import CorrelatedNoise, dense_noise
-from llmdp.privacy.noise import add_noise_, gaussian_like
+from llmdp.privacy.mf.factorization import Factorization, toeplitz_inverse, toeplitz_matrix
+from llmdp.privacy.mf.stream import CorrelatedNoise, dense_noise
+from llmdp.privacy.noise.gaussian import add_noise_, gaussian_like
+from llmdp.privacy.rng.keys import seeded_key
 
 T = 12
 STD = 0.8

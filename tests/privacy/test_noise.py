@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmdp.privacy.keys import seeded_key
-from llmdp.privacy.noise import add_noise_, gaussian_like
+from llmdp.privacy.noise.gaussian import add_noise_, gaussian_like
+from llmdp.privacy.rng.keys import seeded_key
 
 N = 1_000_000
 STD = 2.5
@@ -127,14 +127,14 @@ def test_zero_or_invalid_std_is_refused(std):
 def _stream_of(monkeypatch, stream: bytes):
     """Make ``noise``'s keystream the bytes ``stream`` (zeros after it), whatever the key:
     words the tests choose, at the stream positions the method reads them from."""
-    import llmdp.privacy.noise as noise
+    from llmdp.privacy.rng import chacha  # noise reads it through llmdp.privacy.rng, at each call
 
     def fake(key, nonce, counter, out):
         view = memoryview(out).cast("B")
         chunk = stream[64 * counter : 64 * counter + len(view)]
         view[:] = chunk + bytes(len(view) - len(chunk))
 
-    monkeypatch.setattr(noise.chacha, "keystream_into", fake)
+    monkeypatch.setattr(chacha, "keystream_into", fake)
 
 
 def _words_bytes(words) -> bytes:
@@ -196,8 +196,8 @@ def test_radius_uniform_has_106_bits_and_the_stated_cap(monkeypatch):
     draw of `gaussian_like` and `keyed_normal` is the independent reference's to a few ulps."""
     import random
 
-    import llmdp.privacy.noise as noise
-    from llmdp.privacy.noise_tail import TAIL_MASS
+    import llmdp.privacy.noise.gaussian as noise
+    from llmdp.privacy.noise.tail import TAIL_MASS
 
     assert TAIL_MASS == 2.0**-106 and noise.NOISE_TAIL == math.sqrt(212 * math.log(2))
     assert abs(noise.NOISE_TAIL - 12.1222) < 1e-4
@@ -232,7 +232,7 @@ def test_element_e_is_normal_e_mod_4_of_block_e_div_4(monkeypatch):
     """The layout FSDP seeks in: pair j reads 64-bit words 4j … 4j + 2 of the stream (32
     bytes; 2 pairs a 64-byte block), element 2j its cos, 2j + 1 its sin: a pair planted at
     any position comes out there, whatever slice is drawn."""
-    import llmdp.privacy.noise as noise
+    import llmdp.privacy.noise.gaussian as noise
 
     pairs = [(2**53 - 1, 2**53 - 1, 0, 0)] * 40  # u1 = 1: zeros
     pairs[23] = (0, 0, 0, 0)  # the largest draw, at pair 23: elements 46 (cos) and 47 (sin 0)
@@ -248,7 +248,7 @@ def test_noise_is_float32_and_never_added_in_bf16():
     import pytest
     import torch
 
-    from llmdp.privacy.noise import add_noise_
+    from llmdp.privacy.noise.gaussian import add_noise_
 
     t = torch.zeros(1000, dtype=torch.float32)
     add_noise_([t], b"k" * 32, 1.0)
@@ -262,8 +262,8 @@ def test_truncation_delta_bounds_the_known_allocations():
     allocations of the sensitivity: all on one pair, and spread evenly over k pairs."""
     import math
 
-    from llmdp.privacy.noise import NOISE_TAIL as tau
-    from llmdp.privacy.noise import truncation_delta_per_step
+    from llmdp.privacy.noise.gaussian import NOISE_TAIL as tau
+    from llmdp.privacy.noise.gaussian import truncation_delta_per_step
 
     def h(a):
         return math.exp(-((tau - a) ** 2) / 2) - math.exp(-(tau**2) / 2)
@@ -328,7 +328,7 @@ def test_float64_sums_get_float64_noise_float32_the_same_draws_rounded():
 
 _MEMORY_PROBE = """
 import resource, torch
-from llmdp.privacy.noise import add_noise_
+from llmdp.privacy.noise.gaussian import add_noise_
 t = torch.zeros(100_000_000)  # 400 MB of float32 sums
 t.add_(1.0)                   # touch every page before measuring
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -369,7 +369,7 @@ def test_cuda_noise_matches_cpu_and_slices_are_bit_identical():
         part = gaussian_like((m,), key, 4, 2.0, device="cuda", offset=off, total=n)
         assert torch.equal(part, whole[off : off + m])
     # The torch-ops fallback on CUDA (no Triton) draws the same numbers.
-    import llmdp.privacy.noise as noise
+    import llmdp.privacy.noise.gaussian as noise
 
     t = torch.zeros(n, dtype=torch.float64, device="cuda")
     noise._add_chunked(t, key, noise._nonce(4), 0, n, 2.0, noise._CHUNK_PAIRS_TORCH)
@@ -379,7 +379,7 @@ def test_cuda_noise_matches_cpu_and_slices_are_bit_identical():
 def test_torch_ops_words_equal_openssl_words():
     """The fallback's keystream source (plain torch ops: CUDA without Triton) gives the very
     words of the CPU source, chunk by chunk, so both feed the one transform the same."""
-    import llmdp.privacy.noise as noise
+    import llmdp.privacy.noise.gaussian as noise
 
     key, nonce = seeded_key(5, 0, "words"), noise._nonce(3)
     chunks = [(0, 5), (8, 4), (64, 37), (1 << 16, 3)]
@@ -389,7 +389,7 @@ def test_torch_ops_words_equal_openssl_words():
 
 _FORK_PROBE = """
 import os, torch
-from llmdp.privacy import noise
+from llmdp.privacy.noise import gaussian as noise
 x = torch.zeros(400_000)
 noise.add_gaussian_(x, b"k" * 32, 0, 1.0)  # starts the keystream thread in the parent
 pid = os.fork()
@@ -422,8 +422,8 @@ def test_noise_works_in_a_forked_child():
 def _keyed_normal_exact(key: bytes, label: bytes, std: float) -> float:
     """The keyed draw's reference: `_exact_pair` of the first four 64-bit words of the
     label key's stream, read independently of `noise` (int.from_bytes), cos branch."""
-    from llmdp.privacy import chacha
-    from llmdp.privacy.noise import _label_key
+    from llmdp.privacy.noise.gaussian import _label_key
+    from llmdp.privacy.rng import chacha
 
     block = bytearray(64)
     chacha.keystream_into(_label_key(key, label), chacha.stream_nonce(b"gaus", 0), 0, block)
@@ -439,7 +439,7 @@ def test_keyed_normal_is_the_first_draw_of_its_label_key():
     off by far more than an ulp."""
     import random
 
-    from llmdp.privacy.noise import _label_key, keyed_normal
+    from llmdp.privacy.noise.gaussian import _label_key, keyed_normal
 
     key = seeded_key(0, 1, "noise")
     rng = random.Random(29)

@@ -1,6 +1,6 @@
 """The noise generator's truncated tails are part of the published δ (issue 29, item 8).
 
-The published δ = δ_accountant / Z + Σ count·η (`llmdp.privacy.noise_tail`): σ is calibrated
+The published δ = δ_accountant / Z + Σ count·η (`llmdp.privacy.noise.tail`): σ is calibrated
 so that dp-accounting, called directly at δ_accountant = (δ - T·η)·(1 - T·k·m) (m = the
 mass each pair's truncation removes), gives the target ε; a plan whose tails take more than
 a tenth of δ is refused.
@@ -16,8 +16,8 @@ import math
 import dp_accounting
 import pytest
 
-from llmdp.privacy import noise_tail as nt
-from llmdp.privacy.noise_tail import (
+from llmdp.privacy.noise import tail as nt
+from llmdp.privacy.noise.tail import (
     MAX_TAIL_FRACTION,
     NOISE_TAIL,
     TAIL_MASS,

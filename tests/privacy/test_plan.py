@@ -8,10 +8,10 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 from scipy import stats
 
-from llmdp.privacy import calibrate as C
 from llmdp.privacy import plan as P
-from llmdp.privacy import truncation as T
-from llmdp.privacy.accountant import RDP_ORDERS
+from llmdp.privacy.accounting import calibrate as C
+from llmdp.privacy.accounting import truncation as T
+from llmdp.privacy.accounting.accountant import RDP_ORDERS
 from llmdp.privacy.plan import DPPlan, PlanError, calibrate_noise, default_delta, make_plan
 
 ADD_REMOVE = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE

@@ -18,18 +18,18 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from llmdp.privacy import _dyadic as D
-from llmdp.privacy import chacha
-from llmdp.privacy import reference_sampler as R
-from llmdp.privacy import sampling as S
-from llmdp.privacy.keys import secure_key, seeded_key
-from llmdp.privacy.reference_sampler import ReferencePoissonSampler
-from llmdp.privacy.sampling import (
+from llmdp.privacy.rng import chacha
+from llmdp.privacy.rng.keys import secure_key, seeded_key
+from llmdp.privacy.sampling import _dyadic as D
+from llmdp.privacy.sampling import poisson as S
+from llmdp.privacy.sampling import reference as R
+from llmdp.privacy.sampling.poisson import (
     PoissonSampler,
     TruncatedPoissonSampler,
     make_sampler,
     uniform_stream,
 )
+from llmdp.privacy.sampling.reference import ReferencePoissonSampler
 
 SAMPLERS = [PoissonSampler, ReferencePoissonSampler]
 

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from llmdp.privacy import keys
+from llmdp.privacy.rng import keys
 from llmdp.train.step import StepKeys
 
 CPU = torch.device("cpu")

@@ -15,10 +15,11 @@ import subprocess
 import dp_accounting
 import pytest
 
-from llmdp.privacy.accountant import RDP_ORDERS
-from llmdp.privacy.budget import NOT_COMPOSED, budget_status, steps_within_budget, unit_key
-from llmdp.privacy.events import dpsgd_step_event, event_to_json
-from llmdp.privacy.ledger import (
+from llmdp.privacy.accounting.accountant import RDP_ORDERS
+from llmdp.privacy.accounting.events import dpsgd_step_event, event_to_json
+from llmdp.privacy.ledger.budget import NOT_COMPOSED, budget_status, steps_within_budget, unit_key
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.ledger.records import (
     Ledger,
     LedgerError,
     check_record,
@@ -26,8 +27,7 @@ from llmdp.privacy.ledger import (
     release_entries,
     step_count,
 )
-from llmdp.privacy.ledgerdb import LedgerDB
-from llmdp.privacy.service import BudgetError, LedgerService, cross_check
+from llmdp.privacy.ledger.service import BudgetError, LedgerService, cross_check
 
 Q, SIGMA, DELTA = 0.01, 1.0, 1e-5
 EV = dpsgd_step_event(Q, SIGMA)  # a DP-SGD step

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from dp_accounting.pld import PLDAccountant
 
-from llmdp.privacy.accountant import epsilon, epsilon_with_threshold
-from llmdp.privacy.accountant import threshold_delta as combined_threshold_delta
-from llmdp.privacy.events import dpsgd_step_event, event_to_json
-from llmdp.privacy.keys import seeded_key
-from llmdp.privacy.ledgerdb import LedgerDB
+from llmdp.privacy.accounting.accountant import epsilon, epsilon_with_threshold
+from llmdp.privacy.accounting.accountant import threshold_delta as combined_threshold_delta
+from llmdp.privacy.accounting.events import dpsgd_step_event, event_to_json
+from llmdp.privacy.ledger.database import LedgerDB
+from llmdp.privacy.rng.keys import seeded_key
 from llmdp.tokenizer.private import (
     SPECIAL_TOKENS,
     bound_unit_words,
@@ -195,7 +195,7 @@ def test_tokenizer_plus_dpsgd_composes_in_one_ledger(tmp_path, calibrated):
                     "run_id": "tok", "extra": ledger_extra(sigma, tau, K)})
     db.append("d", {"kind": "release", "event": event_to_json(dpsgd_step_event(q, noise)),
                     "count": steps, "run_id": "r"})
-    from llmdp.privacy.budget import release_entries_of
+    from llmdp.privacy.ledger.budget import release_entries_of
 
     records = db.records("d")
     entries = release_entries_of(records)

@@ -19,8 +19,8 @@ from llmdp.config.schema import (
     load_tokenizer_recipe,
     tokenizer_recipe_from_dict,
 )
-from llmdp.privacy.accountant import threshold_delta
-from llmdp.privacy.keys import seeded_key
+from llmdp.privacy.accounting.accountant import threshold_delta
+from llmdp.privacy.rng.keys import seeded_key
 from llmdp.tokenizer import private as tp
 from llmdp.tokenizer.train import corpus_units, record_texts, tokenizer_for_run, train_tokenizer
 from tests.helpers import dataset_entries, dataset_records, simulate_steps, write_notes
@@ -164,7 +164,7 @@ def test_second_launch_does_nothing_and_other_recipe_is_refused(trained):
 
 
 def test_budget_refuses_before_recording(tmp_path, corpus):
-    from llmdp.privacy.service import BudgetError
+    from llmdp.privacy.ledger.service import BudgetError
 
     with pytest.raises(BudgetError, match=r"privacy\.budget_epsilon=3"):
         _train(tmp_path, corpus, budget_epsilon=3.0)
@@ -177,7 +177,7 @@ def test_the_datasets_budget_checks_a_tokenizer_whatever_its_recipe_says(tmp_pat
     (its ledger's): without a budget in its recipe it is refused when it does not fit; with
     another budget, or for another privacy unit, it is refused naming both."""
     from llmdp.cli import main
-    from llmdp.privacy.service import BudgetError
+    from llmdp.privacy.ledger.service import BudgetError
 
     db, ds = str(tmp_path / "ledger.sqlite"), "path:" + os.path.realpath(corpus)
 

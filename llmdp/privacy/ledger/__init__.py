@@ -1,0 +1,53 @@
+"""The dataset ledgers: every DP release on a dataset, hash-chained in a database, and the
+budget kept against them (DESIGN §3.5, §4 "The dataset ledgers").
+
+- `records`: the records (canonical JSON, SHA-256 chain) and a run's ``ledger.jsonl``;
+- `database`: the ledgers' database (SQLite or PostgreSQL): transactions, repair;
+- `verify`: the chain check of a ledger's rows; `anchors`: the head log and the runs'
+  files the ledgers are checked against;
+- `location`: where the database is; `registry`: every database the user wrote to;
+- `dataset_ids`: one id per dataset; `dataset`: opening a dataset's ledger for a run;
+- `service`: the ledger service (the single writer: holds, blocks, budget checks);
+- `budget`: the dataset's budget and the arithmetic over records;
+- `eval_source`: DP evaluations on a separate private source;
+- `cli`: ``llmdp privacy ledger ...``.
+
+Names are looked up in their modules on first use: importing this package loads nothing,
+and the ledger's modules do not load torch.
+"""
+
+from __future__ import annotations
+
+# Each name code outside this sub-package uses, by the module of it that defines it.
+_NAMES = {
+    "records": ("EVAL_MECHANISM", "Ledger", "LedgerDamaged", "LedgerError", "VOID_KIND",
+                "is_step_release", "net_records", "release_entries", "step_count"),
+    "database": ("LedgerDB",),
+    "location": ("describe_location", "is_url", "llmdp_home", "resolve_location"),
+    "dataset_ids": ("canonical_id", "hub_id", "path_id", "uri_id"),
+    "dataset": ("check_declared_public", "check_public_eval", "open_dataset_ledger"),
+    "service": ("BudgetError", "LedgerService", "cross_check", "run_ledger_problems"),
+    "budget": ("DatasetBudget", "budget_refusal", "budget_status", "check_release",
+               "dataset_epsilon", "first_budget_record", "hold_entries", "holder_alive",
+               "live_holds", "recipe_mismatch", "recorded_budget", "release_entries_of",
+               "split_by_unit", "unit_epsilon", "unit_key"),
+    "cli": ("main",),
+}
+_HOMES = {name: module for module, names in _NAMES.items() for name in names}
+
+__all__ = sorted(name for name in _HOMES if not name.startswith("_"))
+
+
+def __getattr__(name: str):
+    # Looked up in the defining module at every access, never cached here: a test that
+    # patches that module's attribute is seen by every caller that reaches it through here.
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_HOMES))
