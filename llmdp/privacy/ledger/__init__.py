@@ -18,6 +18,8 @@ and the ledger's modules do not load torch.
 
 from __future__ import annotations
 
+from llmdp.privacy import entry_point
+
 # Each name code outside this sub-package uses, by the module of it that defines it.
 _NAMES = {
     "records": ("EVAL_MECHANISM", "Ledger", "LedgerDamaged", "LedgerError", "VOID_KIND",
@@ -33,21 +35,4 @@ _NAMES = {
                "split_by_unit", "unit_epsilon", "unit_key"),
     "cli": ("main",),
 }
-_HOMES = {name: module for module, names in _NAMES.items() for name in names}
-
-__all__ = sorted(name for name in _HOMES if not name.startswith("_"))
-
-
-def __getattr__(name: str):
-    # Looked up in the defining module at every access, never cached here: a test that
-    # patches that module's attribute is seen by every caller that reaches it through here.
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_HOMES))
+__all__, __getattr__, __dir__, _HOMES = entry_point(__name__, _NAMES)
