@@ -52,6 +52,26 @@ BASELINE = {"dp": False, "epsilon": None, "delta": None, "steps_completed": 6, "
 NO_EVAL = {"dp": True, "epsilon": 4.0, "delta": 1e-5, "steps_completed": 5, "status": "complete"}
 
 
+PUBLIC_START = {"kind": "public", "run_id": "pre-1", "shown": "<local>/model"}
+
+
+def _seed_runs(tmp_path, specs, accuracy=lambda start: 0.2):
+    """One run folder per (entry, seed): ``specs`` maps an entry's name to (ε or None for a
+    baseline, its final held-out loss per seed, its starting model or None, the loss before
+    the first step); each run's recipe differs from its entry's others by the seed only."""
+    def report(eps, loss, start, before):
+        return {"dp": eps is not None, "epsilon": eps, "delta": 1e-6 if eps else None,
+                "steps_completed": 6, "status": "complete", "starting_model": start,
+                "dataset_ledger": {"dataset_id": "path:/d/a"} if eps else None,
+                "evaluation": {"internal": [_internal(0, before, 0.01),
+                                            _internal(6, loss, accuracy(start))]}}
+
+    return [_run(tmp_path, f"{name}-{i}", report(eps, loss, start, before),
+                 _recipe(seed=i, target_epsilon=eps, dp=eps is not None,
+                         model="/m/pre-1" if start else None))
+            for name, (eps, losses, start, before) in specs.items() for i, loss in enumerate(losses)]
+
+
 @pytest.fixture
 def runs(tmp_path):
     return [_run(tmp_path, "dp-low", DP_LOW), _run(tmp_path, "dp-high", DP_HIGH),
@@ -154,23 +174,12 @@ def test_seeds_are_pooled_per_starting_model_and_each_start_is_its_own_curve(tmp
     """Issue 32 item 5: runs that differ only by seed are one point (mean ± sample sd, with
     min and max), per starting model; the two starts are two curves and two NON-PRIVATE
     lines; the held-out loss before the first step is the starting model untouched."""
-    public = {"kind": "public", "run_id": "pre-1", "shown": "<local>/model"}
-
-    def run(eps, losses, start, before):
-        return {"dp": eps is not None, "epsilon": eps, "delta": 1e-6 if eps else None,
-                "steps_completed": 6, "status": "complete", "starting_model": start,
-                "dataset_ledger": {"dataset_id": "path:/d/a"} if eps else None,
-                "evaluation": {"internal": [_internal(0, before, 0.01),
-                                            _internal(6, losses, 0.2 if start else 0.1)]}}
-
+    public = PUBLIC_START
     specs = {"s-e1": (1.0, [5.9, 6.0, 6.1], None, 7.6), "s-e8": (7.9998, [5.4, 5.5, 5.6], None, 7.6),
              "s-np": (None, [3.9, 4.0], None, 7.6),
              "p-e1": (1.0001, [3.4, 3.6, 3.5], public, 3.9), "p-e8": (8.0, [3.1, 3.2, 3.0], public, 3.9),
              "p-np": (None, [2.9, 3.0, 3.1], public, 3.9)}
-    paths = [_run(tmp_path, f"{name}-{i}", run(eps, loss, start, before),
-                  _recipe(seed=i, target_epsilon=eps, dp=eps is not None,
-                          model="/m/pre-1" if start else None))
-             for name, (eps, losses, start, before) in specs.items() for i, loss in enumerate(losses)]
+    paths = _seed_runs(tmp_path, specs, accuracy=lambda start: 0.2 if start else 0.1)
     rows = compare(paths, log=print)
     out = capsys.readouterr().out
     assert "runs that differ only by seed pooled" in out
@@ -232,21 +241,11 @@ def test_the_fraction_of_the_non_private_gain_recovered(tmp_path, capsys):
     gained nothing gets no fraction."""
     from llmdp.tune.compare import gain_recovered, summarize
 
-    public = {"kind": "public", "run_id": "pre-1", "shown": "<local>/model"}
-
-    def run(eps, loss, start, before):
-        return {"dp": eps is not None, "epsilon": eps, "delta": 1e-6 if eps else None,
-                "steps_completed": 6, "status": "complete", "starting_model": start,
-                "dataset_ledger": {"dataset_id": "path:/d/a"} if eps else None,
-                "evaluation": {"internal": [_internal(0, before, 0.01), _internal(6, loss, 0.2)]}}
-
+    public = PUBLIC_START
     specs = {"p-e1": (1.0, [3.4, 3.6], public, 3.9), "p-e8": (8.0, [3.1, 3.2, 3.0], public, 3.9),
              "p-np": (None, [2.9, 3.1], public, 3.9),
              "s-e8": (8.0, [7.0], None, 7.6), "s-np": (None, [7.7], None, 7.6)}
-    paths = [_run(tmp_path, f"{name}-{i}", run(eps, loss, start, before),
-                  _recipe(seed=i, target_epsilon=eps, dp=eps is not None,
-                          model="/m/pre-1" if start else None))
-             for name, (eps, losses, start, before) in specs.items() for i, loss in enumerate(losses)]
+    paths = _seed_runs(tmp_path, specs)
     rows = compare(paths, log=print)
     out = capsys.readouterr().out
     gains = {(g["start"], round(g["epsilon"])): g for g in gain_recovered(summarize(rows))}
