@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = psub.add_parser("report", help="(re)build and print the privacy report of a run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
+    r.add_argument("--baseline", default=None, metavar="RUN",
+                   help="a NON-PRIVATE run from the same start: the report's internal section "
+                        "says what fraction of its gain this run recovers")
     lg = psub.add_parser(
         "ledger", help="the dataset ledgers: list, verify, repair, end-hold, import, set-budget",
         description="Dataset ledgers live in one database: $LLMDP_HOME/ledger.sqlite by default "
@@ -531,7 +534,9 @@ def main(argv: list[str] | None = None) -> int:
             from llmdp.run.rundir import RunDir
 
             RunDir(args.run_dir).require(ConfigError)
-            report = write_report(args.run_dir)
+            if args.baseline is not None:
+                RunDir(args.baseline).require(ConfigError)
+            report = write_report(args.run_dir, baseline=args.baseline)
             if args.json:
                 print(json.dumps(report))
             else:

@@ -257,3 +257,45 @@ def test_the_fraction_of_the_non_private_gain_recovered(tmp_path, capsys):
     assert "fraction of the non-private gain recovered" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("public run pre-1") and "88.9%" in ln)
     assert "3.9000" in line and "3.1000" in line and "3.0000" in line
+
+
+def test_the_report_states_the_gain_against_a_given_baseline(tmp_path, capsys):
+    """Issue 54 item 4: `llmdp privacy report RUN --baseline BASELINE` adds the fraction of
+    the baseline's gain the DP run recovers to the local report (its three losses as the
+    runs' own reports give them), never to the publishable one; a DP run given as the
+    baseline is one message."""
+    from llmdp.config.schema import recipe_from_dict, to_dict
+    from llmdp.report.build import write_report
+    from llmdp.report.publish import publishable_report
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
+    from llmdp.tune.compare import load_run
+    from tests.test_loop import make_recipe, prepared_config
+
+    dirs = {}
+    for name, dp in (("dp", True), ("base", False)):
+        raw = to_dict(make_recipe(tmp_path))
+        raw["data"]["eval"] = {"fraction": 0.25}
+        raw["train"]["eval_every"] = 3
+        raw["output"]["name"] = name
+        if not dp:
+            raw["privacy"] = {"dp": False}
+        prep = prepared_config(recipe_from_dict(raw))
+        train_loop_per_worker(prep, LocalContext())
+        write_report(prep.run_dir)  # what `llmdp train`'s driver writes at the end
+        dirs[name] = prep.run_dir
+    assert main(["privacy", "report", dirs["dp"], "--baseline", dirs["base"], "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    g = report["non_private_gain"]
+    run, base = load_run(dirs["dp"]), load_run(dirs["base"])
+    assert (g["start_loss"], g["dp_loss"], g["non_private_loss"]) == (
+        run["before"]["loss"], run["heldout"]["loss"], base["heldout"]["loss"])
+    if g["start_loss"] - g["non_private_loss"] > 0:
+        assert g["fraction"] == pytest.approx((g["start_loss"] - g["dp_loss"])
+                                              / (g["start_loss"] - g["non_private_loss"]), rel=1e-12)
+    else:
+        assert g["fraction"] is None
+    md = open(os.path.join(dirs["dp"], "privacy_report.md"), encoding="utf-8").read()
+    assert "Fraction of the non-private gain recovered (internal: do not publish)" in md
+    assert "non_private_gain" not in publishable_report(report)
+    assert main(["privacy", "report", dirs["dp"], "--baseline", dirs["dp"]]) == 2
+    assert "a DP run; give a NON-PRIVATE baseline" in capsys.readouterr().err

@@ -635,10 +635,14 @@ def _sampling_section(plan, seeded: bool, truncated_steps: int, completed: int) 
     }
 
 
-def write_report(run_dir: str, failure: str | None = None, interrupted: bool = False) -> dict[str, Any]:
+def write_report(run_dir: str, failure: str | None = None, interrupted: bool = False,
+                 baseline: str | None = None) -> dict[str, Any]:
     """(Re)write the run's privacy_report.json, .md and .png. A file it creates is
     owner-only (group-readable with the run's ``output.group_readable``) whoever calls it
-    (`llmdp privacy report` too): the report holds internal statistics of private data."""
+    (`llmdp privacy report` too): the report holds internal statistics of private data.
+    ``baseline``: a NON-PRIVATE run from the same start, whose gain the report says how much
+    of this run recovers (``non_private_gain``: internal, never in the publishable report,
+    whose allow-list does not name it)."""
     import yaml  # lazy: only the readers that need the recipe pay for it
 
     from llmdp._fs import private_files
@@ -649,11 +653,16 @@ def write_report(run_dir: str, failure: str | None = None, interrupted: bool = F
     except (OSError, AttributeError, yaml.YAMLError):  # no readable recipe: build_report says so
         group = False
     with private_files(group):
-        return _write_report(rd, run_dir, failure, interrupted)
+        return _write_report(rd, run_dir, failure, interrupted, baseline)
 
 
-def _write_report(rd: RunDir, run_dir: str, failure: str | None, interrupted: bool) -> dict[str, Any]:
+def _write_report(rd: RunDir, run_dir: str, failure: str | None, interrupted: bool,
+                  baseline: str | None = None) -> dict[str, Any]:
     report = build_report(rd, failure=failure, interrupted=interrupted)
+    if baseline is not None:
+        from llmdp.tune.compare import gain_against
+
+        report["non_private_gain"] = gain_against(run_dir, baseline, report)
     try:  # the plot's curve, kept for the publishable report (export renders its PNG from it)
         report["epsilon_curve"] = [[t, e] for t, e in epsilon_curve(rd)]
     except Exception as e:  # a curve must never lose a report

@@ -51,6 +51,19 @@ def plain_guarantee(r: dict) -> str:
             f"δ = {delta:.3g}. The smaller ε, the stronger the protection.")
 
 
+def _gain_markdown(g: dict | None) -> list[str]:
+    """`llmdp privacy report --baseline`'s section (internal: held-out losses without DP)."""
+    if not g:
+        return []
+    def f(x):
+        return "–" if x is None else f"{x:.4f}"
+    frac = "–" if g["fraction"] is None else f"{g['fraction']:.1%}"
+    return ["## Fraction of the non-private gain recovered (internal: do not publish)", "",
+            f"(start − DP) / (start − NON-PRIVATE) = **{frac}**: held-out loss {f(g['start_loss'])} "
+            f"before training, {f(g['dp_loss'])} after this run, {f(g['non_private_loss'])} after "
+            f"the NON-PRIVATE baseline `{g['baseline']}` (from {g['start']}).", ""]
+
+
 def render_markdown(r: dict) -> str:
     """Markdown of a report: the full local one, or a publishable one (`publishable_report`),
     whose internal sections are absent and so are not rendered."""
@@ -156,6 +169,7 @@ def render_markdown(r: dict) -> str:
             "",
         ]
     lines += evaluation_markdown(r.get("evaluation"))
+    lines += _gain_markdown(r.get("non_private_gain"))
     lines += audit_markdown(r.get("empirical_audit"))
     ledger = r["ledger"]
     lines += [

@@ -26,7 +26,7 @@ import os
 from llmdp.config.validate import ConfigError
 
 __all__ = ["load_run", "format_table", "summarize", "format_summary", "gain_recovered",
-           "format_gain", "plot", "compare"]
+           "format_gain", "gain_against", "plot", "compare"]
 
 DASH = "–"
 
@@ -88,6 +88,11 @@ def load_run(path: str) -> dict:
                           f"`llmdp privacy report {path}` builds it") from None
     except ValueError as e:
         raise ConfigError(f"{report_path}: not a JSON report ({e})") from None
+    return _row(rd, report)
+
+
+def _row(rd, report: dict) -> dict:
+    """`load_run`'s row of the run at ``rd`` (a RunDir) from its report ``report``."""
     ev = report.get("evaluation")
     ev = ev if isinstance(ev, dict) else {}
     held, source = _last(ev.get("internal")), "internal"
@@ -251,6 +256,35 @@ def gain_recovered(pooled: list[dict]) -> list[dict]:
                         "start_loss": start, "dp_loss": e["loss"], "non_private_loss": b["loss"],
                         "baseline_differs": b["differs"], "fraction": frac})
     return out
+
+
+def gain_against(run_dir: str, baseline_dir: str, report: dict | None = None) -> dict:
+    """A DP run's fraction of the non-private gain against one NON-PRIVATE ``baseline_dir``
+    from the same starting model (`llmdp privacy report RUN --baseline BASELINE`): the
+    three held-out losses and (start − DP) / (start − NON-PRIVATE) (None when a loss is
+    missing or the baseline gained nothing). Internal: the losses are computed on private
+    held-out data without DP. ``report``: the run's report as it is being built (else read)."""
+    from llmdp.run.rundir import RunDir  # lazy, as in load_run
+
+    run = load_run(run_dir) if report is None else _row(RunDir(run_dir), report)
+    base = load_run(baseline_dir)
+    if base["dp"]:
+        raise ConfigError(f"--baseline {baseline_dir}: a DP run; give a NON-PRIVATE baseline "
+                          f"(a run with privacy.dp: false from the same starting model)")
+    if not run["dp"]:
+        raise ConfigError(f"{run_dir}: a NON-PRIVATE baseline itself; --baseline is for a DP run")
+    if run["start"] != base["start"]:
+        raise ConfigError(f"--baseline {baseline_dir}: it started from {base['start']}, the run "
+                          f"from {run['start']}; the gains compare only from the same start")
+    start = (run["before"] or {}).get("loss")
+    if start is None:
+        start = (base["before"] or {}).get("loss")
+    dp_loss, np_loss = (run["heldout"] or {}).get("loss"), (base["heldout"] or {}).get("loss")
+    frac = None
+    if None not in (start, dp_loss, np_loss) and start - np_loss > 0:
+        frac = (start - dp_loss) / (start - np_loss)
+    return {"baseline": base["run"], "start": run["start"], "start_loss": start,
+            "dp_loss": dp_loss, "non_private_loss": np_loss, "fraction": frac}
 
 
 def format_gain(gains: list[dict]) -> str:
