@@ -56,6 +56,31 @@ def _own_llmdp_home(_module_llmdp_home, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", home)
 
 
+# One local Ray per test process for the tests that launch runs in process and need no Ray
+# of their own (`shared_ray`; tests.helpers.start_shared_ray): `ray.init`, its shutdown
+# and a fresh Ray's first worker group cost ~15 s of this 2-core machine per launch. A
+# launch finds it started and leaves it running (`launch._fit`); each run gives its workers
+# its own environment (`localray.run_env`: the test switches as the test set them). A test
+# that does not ask for it gets no Ray left by another: the shared one is stopped before it
+# runs (tests of Ray's own start-up, clusters, subprocesses; a module-scoped Ray of a test
+# module stops it itself, `stop_shared_ray`, before its `ray.init`).
+@pytest.fixture
+def shared_ray(tmp_path_factory):
+    from tests.helpers import start_shared_ray
+
+    start_shared_ray(lambda: str(tmp_path_factory.mktemp("shared-ray")))
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _no_foreign_ray(request):
+    if "shared_ray" not in request.fixturenames:
+        from tests.helpers import stop_shared_ray
+
+        stop_shared_ray()
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     # The slow (Ray, end-to-end) tests first, in their order: the suite's last minutes are
     # then short tests, which the workers of `pytest -n` share out evenly, instead of one
@@ -78,6 +103,10 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session, exitstatus):
     import shutil
+
+    from tests.helpers import stop_shared_ray
+
+    stop_shared_ray()
 
     shutil.rmtree(os.environ["LLMDP_CACHE"], ignore_errors=True)
     shutil.rmtree(os.environ["LLMDP_HOME"], ignore_errors=True)

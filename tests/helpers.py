@@ -323,3 +323,37 @@ def use_noise_cap(monkeypatch, radius_bits: int) -> tuple[float, float]:
     for module in (noise_tail, plan, report):
         monkeypatch.setattr(module, "NOISE_TAIL", tau)
     return mass, tau
+
+
+# ------------------------------------------------------------------ one Ray per test process
+
+_SHARED_RAY: dict = {}
+
+#: CPUs of the shared Ray: the largest test launch (2 workers x 1 CPU, and the driver's side).
+SHARED_RAY_CPUS = 4
+
+
+def start_shared_ray(where) -> None:
+    """The test process's one local Ray (conftest's ``shared_ray``), started on first use;
+    ``where()`` gives the folder of its watchdog's record. A Ray someone else started is
+    used as it is."""
+    import ray
+
+    if "local" in _SHARED_RAY or ray.is_initialized():
+        return
+    from llmdp.run import localray
+
+    _SHARED_RAY["local"] = localray.start_local_ray(where(), [], lambda *a: None,
+                                                    num_cpus=SHARED_RAY_CPUS)
+
+
+def stop_shared_ray() -> None:
+    """Stop the shared Ray if it runs (a test that needs its own Ray, or none)."""
+    if "local" not in _SHARED_RAY:
+        return
+    import ray
+
+    local = _SHARED_RAY.pop("local")
+    ray.shutdown()
+    if local is not None:
+        local.stop()

@@ -103,6 +103,7 @@ def test_a_dry_run_counts_what_the_dataset_has_spent(tmp_path, recipe, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_ray")
 def test_the_dry_run_is_the_real_run(tmp_path, recipe, capsys):
     """A tiny real run on Ray: its report's N, σ and ε are the dry run's, and its launch
     prints the same truncation line."""

@@ -106,6 +106,9 @@ output: {dir: tokenizers, name: private}
 """
 
 
+# On the test process's one Ray (conftest.shared_ray): the fault reaches the workers
+# through the run's own environment (localray.run_env), as a fresh Ray's would.
+@pytest.mark.usefixtures("shared_ray")
 def test_private_tokenizer_then_a_run_whose_worker_fails_one_guarantee(tmp_path, monkeypatch, capsys):
     """`llmdp tokenizer train`, then `llmdp train` with that tokenizer on two Ray workers,
     worker 1 raising at step 5 (after the ledger write): Ray restarts the group from the

@@ -130,3 +130,18 @@ def test_a_record_of_a_live_driver_or_another_host_is_left_alone(tmp_path, stray
 def test_no_record_nothing_to_do(tmp_path):
     assert reap_leftovers(str(tmp_path), log=lambda m: pytest.fail(m)) == []
     assert _localray.kill_recorded([]) == []
+
+
+def test_a_runs_environment_carries_its_own_test_switches_and_clears_an_earlier_runs(monkeypatch):
+    """A Ray that outlives a run (a sweep's, a test session's) merges each run's env_vars into
+    its own: a switch a run does not set is given as empty, so an earlier run's cannot leak
+    into it; the offline settings are always there."""
+    for k in _localray.TEST_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("LLMDP_TEST_PLANT", "noise-off")
+    first = _localray.run_env()
+    assert first["LLMDP_TEST_PLANT"] == "noise-off" and first["LLMDP_FAULT"] == ""
+    monkeypatch.delenv("LLMDP_TEST_PLANT")
+    later = _localray.run_env()
+    assert {k: later[k] for k in _localray.TEST_ENV} == dict.fromkeys(_localray.TEST_ENV, "")
+    assert {k: later[k] for k in _localray.WORKER_ENV} == _localray.WORKER_ENV

@@ -154,8 +154,10 @@ def test_a_killed_node_resumes_on_a_standby_node_and_counts_every_step(
     _write_recipe(tmp_path, "nodes")
     run_dir = tmp_path / "runs" / "nodes"
     marker = tmp_path / "hung"
-    ray.init(address=cluster.address, runtime_env={"env_vars": {
-        "LLMDP_FAULT": f"step={HANG_STEP},rank=1,marker={marker},action=hang"}})
+    # The fault reaches the run's workers through the run's own environment
+    # (localray.run_env), as any test switch does.
+    monkeypatch.setenv("LLMDP_FAULT", f"step={HANG_STEP},rank=1,marker={marker},action=hang")
+    ray.init(address=cluster.address)
     head = cluster.head_node.node_id
     # The driver, hence its ledger actor, is on the head, where no worker fits (0 CPUs).
     assert ray.get_runtime_context().get_node_id() == head

@@ -34,7 +34,7 @@ from llmdp.privacy.mf import mf_commitment
 from llmdp.report.build import write_report
 from llmdp.run.baseline import BANNER, public_banner
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
-from llmdp.run.localray import WORKER_ENV, start_local_ray
+from llmdp.run.localray import WORKER_ENV, run_env, start_local_ray
 from llmdp.run.planning import plan_run, warn_open
 from llmdp.run.preflight import check_run_dir, run_lock, truncation_note
 from llmdp.run.progress import EPS_KEY, Progress, batch_note, mechanism_label
@@ -453,8 +453,12 @@ def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) ->
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    # This run's environment for its workers and actor, given per run: the Ray may outlive
+    # this run (localray.run_env).
+    env = {"env_vars": run_env()}
     actor = None if prepared.ledger is None else ray.remote(LedgerService).options(  # baseline: none
-        name=actor_name, num_cpus=0, scheduling_strategy=here).remote(**prepared.ledger.service)
+        name=actor_name, num_cpus=0, scheduling_strategy=here,
+        runtime_env=env).remote(**prepared.ledger.service)
     spec = prepared.with_ledger_actor(actor_name)
     if spec.dp:
         log(f"progress: {EPS_KEY} is the ε the ledger has charged so far, with the steps reserved "
@@ -476,6 +480,7 @@ def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) ->
                 # A failed worker group restarts from the latest checkpoint, up to this many times.
                 failure_config=FailureConfig(max_failures=cfg.train.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=2),
+                worker_runtime_env=env,
             ),
         )
         # Ctrl-C: ours instead of Ray Train's (which aborts the workers mid-step): the first

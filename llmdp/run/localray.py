@@ -244,20 +244,34 @@ WORKER_ENV = {
 }
 
 
-def start_local_ray(run_dir: str, cfgs, log):
+#: Test-only switches a worker reads from its environment (fault injection, planted bugs,
+#: pauses; never a recipe).
+TEST_ENV = ("LLMDP_FAULT", "LLMDP_TEST_PLANT", "LLMDP_TEST_PAUSE")
+
+
+def run_env() -> dict[str, str]:
+    """The environment of one run's workers and ledger actor: :data:`WORKER_ENV` and the
+    test switches as the driver has them *now*, each present (empty where unset). Given per
+    run (``RunConfig.worker_runtime_env``, the actor's ``runtime_env``), not only at
+    ``ray.init``: a Ray that outlives one run (a sweep's trials, a test session's) must not
+    hand a switch of an earlier run to a later one, and Ray merges a run's ``env_vars`` into
+    the job's, so an unset switch is given as empty rather than left out."""
+    return {**WORKER_ENV, **{k: os.environ.get(k, "") for k in TEST_ENV}}
+
+
+def start_local_ray(run_dir: str, cfgs, log, num_cpus: int = 0):
     """A local Ray (`localray.start`, its watchdog's record in ``run_dir``) with CPUs for the
-    largest of the runs ``cfgs`` will make (their workers, and the driver's side)."""
-    num_cpus = max(os.cpu_count() or 1, *(int(c.scaling.num_workers * c.scaling.cpus_per_worker) + 1
-                                          for c in cfgs))
+    largest of the runs ``cfgs`` will make (their workers, and the driver's side), and at
+    least ``num_cpus``."""
+    num_cpus = max(os.cpu_count() or 1, num_cpus,
+                   *(int(c.scaling.num_workers * c.scaling.cpus_per_worker) + 1 for c in cfgs))
     init = dict(
         include_dashboard=False,
         logging_level="WARNING",
         # Progress comes from metrics.jsonl; worker logs stay in Ray's session logs
         # (LLMDP_VERBOSE=1 shows them). A failing worker's traceback is still raised here.
         log_to_driver=os.environ.get("LLMDP_VERBOSE", "0") == "1",
-        runtime_env={"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
-                                                   if k in ("LLMDP_FAULT", "LLMDP_TEST_PLANT",
-                                                            "LLMDP_TEST_PAUSE")}}},
+        runtime_env={"env_vars": run_env()},
         configure_logging=True,
     )
     quiet_ray_notices()

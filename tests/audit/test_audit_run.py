@@ -14,7 +14,8 @@ from llmdp.audit import canaries as cn
 from llmdp.cli import main
 from tests.helpers import dataset_records, tiny_tokenizer, tiny_tokenizer_dir, write_notes
 
-pytestmark = pytest.mark.slow
+# slow, and in process on the test process's one Ray (conftest.shared_ray)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 # A tiny model on a tiny corpus (~220 sequence units) and a high sampling rate: each
 # included canary is sampled ~3 times in 40 steps. σ = 10 claims a small ε (~0.15), which

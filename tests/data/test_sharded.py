@@ -91,15 +91,10 @@ def test_a_bad_line_is_named_with_its_file_and_line(tmp_path, notes):
 # ----------------------------------------------------------------------------- on Ray Data
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+@pytest.fixture
+def ray_session(shared_ray):
+    """Ray Data's tasks run on the test process's one Ray (conftest.shared_ray)."""
+    yield
 
 
 def _units(store) -> list[tuple]:
