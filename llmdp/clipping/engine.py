@@ -93,7 +93,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmdp.audit import plant
+from llmdp.base import plants as plant
 from llmdp.clipping import norms as nb
 from llmdp.clipping import stacked
 from llmdp.clipping.accumulate import (
@@ -604,7 +604,7 @@ class GhostClipper:
                 r.G, r.A = None, None
         factors = nb.factors(nu, value, self.max_grad_norm)  # 0 for a non-finite norm
         norms = nb.round_up_to(nu, self._norm_dtype())  # never below the used norm
-        factors = _planted_factors(factors, norms)  # test-only (llmdp.audit.plant): unchanged
+        factors = _planted_factors(factors, norms)  # test-only (llmdp.base.plants): unchanged
         self._row_factors = units.row_factors(factors)
         # Rows that add nothing (padding, units with a non-finite gradient) are zeroed
         # before any contraction: a 0 factor alone would leave 0·NaN = NaN in the sum.

@@ -130,7 +130,7 @@ class ModelConfig:
     tokenizer_data: str = _f("same", choices=("same", "independent"))
     # What an llmdp DP starting model (model.name_or_path, or a DP run in its chain) was
     # trained on, when its data cannot be matched with this run's (an export, or a ledger
-    # database this run does not use; llmdp.run.provenance): "same" composes its releases,
+    # database this run does not use; llmdp.record.provenance): "same" composes its releases,
     # recorded in its provenance, into this run's guarantee; "independent" declares that its
     # data shares no individuals with this run's (the report says so). None: refused then.
     start_data: str | None = _f(None, choices=("same", "independent"))

@@ -410,11 +410,11 @@ def _run(job_file: str, items: list[dict], workers: int, log_fn, what: str) -> t
 
 def _ensure_ray(workers: int, workdir: str, log_fn):
     """A local Ray for the build when none is running, watched like the training's
-    (`llmdp.run.localray`: none of its processes outlives a killed driver); the caller stops
+    (`llmdp.base.localray`: none of its processes outlives a killed driver); the caller stops
     it. None when Ray runs already (or the driver joined a cluster)."""
     import ray
 
-    from llmdp.run import localray as _localray
+    from llmdp.base import localray as _localray
 
     if ray.is_initialized():
         return None

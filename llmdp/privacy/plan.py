@@ -171,7 +171,7 @@ class DPPlan:
     plan.json of an earlier llmdp, `llmdp privacy epsilon` without --parameters): not
     folded, `accountant_delta` == `delta`, as before (the report says so).
 
-    `dp=False`: a NON-PRIVATE baseline (`llmdp.run.baseline`): the same sampling and steps, σ = 0,
+    `dp=False`: a NON-PRIVATE baseline (`llmdp.record.baseline`): the same sampling and steps, σ = 0,
     no target or truncation cost, `clip_bound` inf (`max_grad_norm` keeps the recipe's C, not
     applied), `epsilon()` inf, no DP event. `to_dict` writes ``dp`` only when False.
     """
@@ -193,7 +193,7 @@ class DPPlan:
     noise_coordinates: int | None = None
     eval_noise: tuple | None = None  # (releases, coordinates, noise multiplier) of DP evals
     # The noised releases of a starting checkpoint trained on the same data, composed into
-    # this run's guarantee (`llmdp.run.provenance`): ((what, count, coordinates, noise
+    # this run's guarantee (`llmdp.record.provenance`): ((what, count, coordinates, noise
     # multiplier), ...); their tails are folded into δ with this run's.
     prior_noise: tuple | None = None
     # A correlated mechanism (`llmdp.privacy.mf.plan`): "banded-mf" / "blt" with a cyclic

@@ -208,7 +208,7 @@ def _resumed_draw(state: dict | None, spec: SweepSpec, points: list, path: str):
 
 
 def _trial_row(i: int, point, cfg, point_index: int) -> dict:
-    from llmdp.run.rundir import RunDir
+    from llmdp.record.rundir import RunDir
 
     rd = RunDir(cfg.run_dir)
     report = _read_json(rd.file("privacy_report.json"))
@@ -224,8 +224,8 @@ def _recorded(cfg, planned) -> tuple[list, list, object]:
     """(this trial's releases in its ledger.jsonl, the earlier releases in its plan.json, the
     noise tails of its recorded releases at its plan's noise: `spent.ledger_noise_tail`)."""
     from llmdp.privacy.ledger import Ledger
+    from llmdp.record.rundir import RunDir
     from llmdp.report.spent import ledger_noise_tail
-    from llmdp.run.rundir import RunDir
 
     rd = RunDir(cfg.run_dir)
     ledger = Ledger(rd.ledger_path) if os.path.exists(rd.ledger_path) else None
@@ -271,7 +271,7 @@ def _run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | 
     lock = RunLock(sweep_dir)  # one launch per sweep (its draw and its trials)
     try:
         if cfg.data.public:
-            from llmdp.run.localray import shared_local_ray
+            from llmdp.base.localray import shared_local_ray
             from llmdp.tune.public import run_public_sweep
 
             shared = shared_local_ray(sweep_dir, [cfg], log) if run_trial is run else contextlib.nullcontext()
@@ -307,9 +307,9 @@ def _read_state(sweep_dir: str, random: bool) -> dict | None:
 
 
 def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial, rng) -> dict:
+    from llmdp.base.localray import shared_local_ray
     from llmdp.privacy.accounting import release_entries
     from llmdp.run.launch import finished_run, run
-    from llmdp.run.localray import shared_local_ray
 
     points = spec.points()
     name = cfg.output.name

@@ -95,7 +95,7 @@ def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, lo
     (the same budget: a modified copy of the data is the same individuals unless the user
     declares a new ``data.dataset_id``). Legacy JSONL ledgers are imported once.
 
-    A derived id (``declared`` False, `llmdp.privacy.ledger.dataset_ids`) is looked up by its
+    A derived id (``declared`` False, `llmdp.data.ids`) is looked up by its
     spelling: a ledger started under an earlier spelling of the same source (e.g.
     ``hub:OrgName/Notes`` for ``hub:orgname/notes``) *is* this dataset's ledger and is kept;
     two such ledgers are refused (`ConfigError`, naming them). A new ledger whose data looks
@@ -151,7 +151,7 @@ def _derived_ledger(db, dataset_id: str, log) -> str:
     """The ledger of a derived id: the one whose stored id is a spelling of it
     (`dataset_ids.canonical_id`), kept under its stored id; ``dataset_id`` when none is."""
     from llmdp.config.validate import ConfigError
-    from llmdp.privacy.ledger.dataset_ids import canonical_id
+    from llmdp.data.ids import canonical_id
 
     same = [i for i in db.ledgers() if i == dataset_id or canonical_id(i) == dataset_id]
     if len(same) > 1:
@@ -195,7 +195,7 @@ def _similar_ledgers(db, dataset_id: str, sha256: str, name: str,
     other); else the same source name with other content (a hint only)."""
     import json as _json
 
-    from llmdp.privacy.ledger.dataset_ids import canonical_id, overlap
+    from llmdp.data.ids import canonical_id, overlap
 
     conn = db._connect()
     cur = conn.cursor()

@@ -150,7 +150,7 @@ def scaled_sensitivity(fact, sampler: str, *, steps: int, cycle: int) -> float:
     """The sensitivity the sampler's analysis uses, of the strategy as recorded (scale
     included): C's largest column norm (cyclic Poisson) or its min-separation sensitivity
     over all K rounds (fixed cycle). `build_strategy` scales it to 1, so it is linear in
-    ``scale``: a plan read back is checked against it (`llmdp.run.rundir.check_read_back`)."""
+    ``scale``: a plan read back is checked against it (`llmdp.record.rundir.check_read_back`)."""
     if sampler == "cyclic-poisson":
         from llmdp.privacy.mf.sensitivity import column_norms
 

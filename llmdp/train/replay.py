@@ -74,7 +74,7 @@ from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import UnitStore, as_indices
 from llmdp.privacy import noise as dp_noise
 from llmdp.privacy.sampling import make_sampler
-from llmdp.run.spec import RunSpec
+from llmdp.record.spec import RunSpec
 from llmdp.train import correlated, parallel
 from llmdp.train.step import StepKeys
 
@@ -90,7 +90,7 @@ _DIST_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into
              "broadcast_object_list")
 # llmdp.train.parallel's own collectives, looked up through the module at call time.
 _PARALLEL_OPS = ("privatize_", "privatize_sharded_", "all_reduce_", "sum_over_workers",
-                 "sum_floats_over_workers", "broadcast_bytes", "barrier", "_reduce_scatter")
+                 "broadcast_bytes", "barrier", "_reduce_scatter")
 # Ledger fields that name the run or the moment, not the release.
 _LEDGER_VOLATILE = frozenset({"time", "hash", "prev", "prev_hash", "run_prev", "seq", "run_id", "attempt",
                               "dataset_id", "run_ledger", "txn"})
