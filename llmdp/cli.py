@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
                       distribution=args.distribution, write_best=args.write_best)
             return 0
         if args.command == "compare":
-            from llmdp.tune.compare import compare
+            from llmdp.report.compare import compare
 
             compare(args.run_dirs, out=args.out)
             return 0

@@ -144,13 +144,12 @@ def test_the_cycle_finder_finds_one():
 
 
 def test_designs_layer_list_is_the_codes():
-    """docs/DESIGN.md §1 lists the layers as ``N. `unit`, `unit` ...`` lines under "Layers"."""
+    """docs/DESIGN.md §1 lists the layers under "### Layers", one numbered line each, bottom
+    first: ``N. `unit`, `unit` — what they are``."""
     text = DESIGN.read_text(encoding="utf-8")
     section = text[text.index("### Layers"):text.index("## 2. Layout")]
-    rows = re.findall(r"^(\d+)\. (.+)$", section, flags=re.M)
-    design = [tuple(re.findall(r"^`([\w.]+)`|(?<=, )`([\w.]+)`", body) and
-                    [a or b for a, b in re.findall(r"(?:^|, )`([\w.]+)`|()(?!)", body)])
-              for _, body in rows]
+    rows = re.findall(r"^(\d+)\. (.+?) — ", section, flags=re.M)
     assert [int(n) for n, _ in rows] == list(range(len(rows))), f"DESIGN's layers are not numbered 0..: {rows}"
+    design = [tuple(re.findall(r"`([\w.]+)`", units)) for _, units in rows]
     assert design == [tuple(layer) for layer in LAYERS], (
         f"docs/DESIGN.md §1's layers {design} are not tests/test_layers.py's {list(LAYERS)}")

@@ -660,7 +660,7 @@ def _write_report(rd: RunDir, run_dir: str, failure: str | None, interrupted: bo
                   baseline: str | None = None) -> dict[str, Any]:
     report = build_report(rd, failure=failure, interrupted=interrupted)
     if baseline is not None:
-        from llmdp.tune.compare import gain_against
+        from llmdp.report.compare import gain_against
 
         report["non_private_gain"] = gain_against(run_dir, baseline, report)
     try:  # the plot's curve, kept for the publishable report (export renders its PNG from it)

@@ -14,6 +14,7 @@ from typing import Any
 
 from llmdp._fs import cache_root
 from llmdp.config.schema import ConfigError, RecipeConfig, lr_lambda
+from llmdp.data import chunks
 from llmdp.data.holdout import Holdout
 from llmdp.data.sources import source_fingerprint
 from llmdp.data.store import UnitSpec, build_store
@@ -65,8 +66,6 @@ def store_builder(d, path, dataset, data_format: str, log=print):
     """The function that builds the unit store of this source: `build_store` in this
     process, or `llmdp.data.sharded.build_store_sharded` on Ray Data (``data.preprocess``;
     ``auto``: Ray Data for a supported local corpus of at least AUTO_RAY_BYTES)."""
-    from llmdp.data import chunks
-
     mode = d.preprocess
     if mode == "auto":
         big = dataset is None and chunks.supported_source(path, data_format) is None and \
@@ -89,6 +88,7 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None, memory: bool = False) -
     (``llmdp audit``) returns the training store with the canaries its keyed coins
     included, as units of their own; N, q and σ are then planned for that store.
     ``memory``: also estimate the memory per worker (``llmdp.train.memory``; the dry run)."""
+    chunks.check_preprocess(cfg.data)  # Ray Data can build the corpus, when it must
     cache = cache_root()
     os.makedirs(cache, exist_ok=True)
     if cfg.data.synthetic is not None and not os.path.exists(cfg.data.path):
