@@ -267,8 +267,8 @@ def test_the_report_states_the_gain_against_a_given_baseline(tmp_path, capsys):
     from llmdp.config.schema import recipe_from_dict, to_dict
     from llmdp.record.publish import publishable_report
     from llmdp.report.build import write_report
-    from llmdp.train.loop import LocalContext, train_loop_per_worker
     from llmdp.report.compare import load_run
+    from llmdp.train.loop import LocalContext, train_loop_per_worker
     from tests.test_loop import make_recipe, prepared_config
 
     dirs = {}
