@@ -3,10 +3,6 @@
 Each subcommand imports its modules when it runs (the imports inside the functions below
 are deliberate): `llmdp --help` or `llmdp privacy epsilon` must not pay for torch,
 transformers and Ray, which `train` and `export` load.
-
-Why one file of about 560 lines: the parser (every command, its arguments and its help
-text) and the dispatch that maps one parsed command to its module are one table read
-together; each command's work lives in its own module.
 """
 
 from __future__ import annotations
@@ -526,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             _print_plan(plan, args, {"target_epsilon": args.target_epsilon})
             return 0
         if args.privacy_command == "ledger":
-            from llmdp.privacy.ledger.cli import main as ledger_main
+            from llmdp.privacy.ledger import main as ledger_main
             from llmdp.record.rundir import RunDir
 
             return ledger_main(args, lambda run_dir: RunDir(run_dir).info)

@@ -77,12 +77,6 @@ Around the engine: what it refuses and how it finds it (`check_model`, uses the 
 cannot see, modules never reached) is ``audit.py``; what book-keeping keeps, how ``auto``
 chooses and the two-pass fingerprint, ``modes.py``; forming each call's part of the
 clipped sum and adding it to ``p.grad`` or the buffers, ``accumulate.py``.
-
-Why one file of about 1,000 lines: `GhostClipper` is the one object that sees a micro-batch
-from the forward hooks to the clipped sum; the order of its steps (keep inputs, take output
-gradients, per-unit norms with their error bounds, the exact fallback, factors, the clipped
-sum into the sinks) is one contract that invariants 1, 4 and 8 rest on. The per-family
-arithmetic is in `rules/`, the bounds' argument in `norms`, the low-precision kernels in `lowp`.
 """
 
 from __future__ import annotations

@@ -21,11 +21,6 @@ that involve two fields or two sections are the ``check_*`` functions of
 Privacy settings (``privacy``) are kept apart from performance settings (``train``,
 ``scaling``): ``train.seed`` seeds model initialization and dropout only; sampling and
 noise use fresh OS entropy unless ``privacy.rng: seeded`` (which the report labels).
-
-Why one file: this is the schema, every recipe key with its default, type and bounds
-beside its one-line meaning; a reader looks up any key here, and the "did you mean" and
-the documentation of the keys follow the order written. The logic lives elsewhere
-(``checks``, ``load``, ``yamlio`` in this package).
 """
 
 from __future__ import annotations

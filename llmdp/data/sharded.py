@@ -38,11 +38,6 @@ units with the smallest hashes) is settled by the driver from each shard's small
 hashes: a shard's evaluation units are written in hash order and the store uses a prefix
 of each. The store is addressed by a fingerprint that also covers the chunking, and is
 reused like the in-process one; both parts are renamed into place only when complete.
-
-Why one file: the tasks and the driver are the two halves of one protocol (the job file,
-the task list, the shard entries each task returns, the shard file names, the partition
-files of the user shuffle, the evaluation prefixes): apart, each half would have to be
-read against the other to be checked.
 """
 
 from __future__ import annotations

@@ -5,11 +5,6 @@ A `DPPlan` is frozen: once training starts, the numbers the accountant was promi
 cannot drift. `make_plan` validates user input with messages that name the field, the
 value and the fix, calibrates sigma to a target epsilon with dp-accounting and, for
 truncated Poisson sampling, picks the cap B_max whose epsilon cost is below a budget.
-
-Why one file of about 670 lines: `DPPlan` and its construction (`make_plan`: sampling,
-steps, δ, calibration, the truncated-Poisson cap and the noise tails folded into δ) are one
-value with one set of validity rules; the arithmetic it calls (calibration, truncation, the
-tail bound) already lives in its own modules.
 """
 
 from __future__ import annotations

@@ -7,10 +7,6 @@ was released), the resolved config and plan (how), and metrics.jsonl (what happe
 This module builds the report (`build_report`) and writes the run's local files
 (`write_report`: privacy_report.json / .md / .png). Its Markdown and the ε panel of its plots
 are rendered by `llmdp.report.render`; what of it may be published is `llmdp.record.publish`.
-
-Why one file of about 700 lines: `build_report` reads a run's files once and answers the
-checklist in one pass; its helpers each fill one field from what it read. Rendering
-(`render`), the publishable subset (`publish`) and the evaluation section live apart.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Driver: prepare the run (data, model, plan), run the workers on Ray Train, write the report.
 
 Every path handed to workers is absolute (Ray workers chdir into their own folder).
-
-Why one file of about 510 lines: a launch is one sequence (check the run directory, prepare,
-hold the budget, fit, end the hold, write the report whatever happened); its error handling
-(interrupts, a disk that refuses a write, a failure) decides what the report and the exit
-say, and reads best next to the steps it guards.
 """
 
 from __future__ import annotations

@@ -22,11 +22,6 @@ Per logical step, on every worker in lockstep (DESIGN §1):
 The clipped sum is ``llmdp.train.step``'s; the reduction and the noise are the strategy's
 (``llmdp.train.strategy``). Nothing here imports Ray: :func:`train_loop_per_worker` takes a ``context`` that the Ray
 trainer (or a test) provides, so the step is runnable and testable on its own.
-
-Why one file of about 590 lines: it is the recipe's one readable loop (torchtune's style):
-each stage above is a short function called once from :func:`_train_loop`, and their order
-(resume before the ledger, the gate before each step, the checkpoint's room checked before
-the steps it saves) is the contract; split, the order would be spread over modules.
 """
 
 from __future__ import annotations

@@ -49,12 +49,6 @@ on the real sampler) and the step key samples u (:func:`sampled_seed` searches s
 deterministically). :func:`replay` refuses a neighbour whose sample is not aligned
 (:class:`ReplayError`): the sums would not be comparable. Test-only: nothing here is part
 of a training run.
-
-Why one file of about 540 lines: the replay is one check, D against D∖{u} with the same
-draws, and its parts (which seed and unit make the two samples comparable, how each side
-runs the real step and records its sums, micro-steps and collectives, and the verdict's
-criteria (a) and (b)) only mean something read together: a change to what a side records
-is a change to what the verdict can claim.
 """
 
 from __future__ import annotations

@@ -37,10 +37,6 @@ everything else (K, every trial, (a), the budget figures), marked internal, and 
 never prints K. (a) holds for every K: under (a) everything may be published, and when
 (a) is the smaller ε, sweep.internal.md says it is the better statement. A grid sweep has no
 K: its sweep.md and sweep.json hold everything, publishable under (a).
-
-Why one file of about 610 lines: a sweep's launch, resume, selection and the split of its
-files into publishable and internal parts follow one contract (what a random search may
-publish under bound (b)); the grid, the draw and the cost live in `grid` / `cost`.
 """
 
 from __future__ import annotations

@@ -33,5 +33,6 @@ _NAMES = {
                "dataset_epsilon", "first_budget_record", "hold_entries", "holder_alive",
                "live_holds", "recipe_mismatch", "recorded_budget", "release_entries_of",
                "split_by_unit", "unit_epsilon", "unit_key"),
+    "cli": ("main",),
 }
 __all__, __getattr__, __dir__, _HOMES = entry_point(__name__, _NAMES)

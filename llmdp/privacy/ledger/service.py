@@ -25,11 +25,6 @@ budget, and a release for another privacy unit, are refused.
 "ε spent" is per privacy unit definition; the arithmetic (ε spent, holds, how many steps
 fit) is pure functions over ledger records, in `llmdp.privacy.ledger.budget` (and, for a separate
 evaluation source's ledger, `llmdp.privacy.ledger.eval_source`).
-
-Why one file of about 760 lines: it is mostly one class, `LedgerService`, the single writer,
-whose methods are each one transaction in which a check and the record it admits must be
-read together (a hold, a block, a DP evaluation), and whose write-ahead order between the
-database and ``ledger.jsonl`` is one contract; the pure arithmetic is already elsewhere.
 """
 
 from __future__ import annotations
