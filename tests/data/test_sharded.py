@@ -341,5 +341,8 @@ def test_a_corpus_named_by_uri_is_read_through_pyarrow_like_a_local_one(tmp_path
     assert dataset_identity(cfg.data)["source"] == f"path:{os.path.realpath(d)}"
     with pytest.raises(ConfigError, match=r"data.path: .* is a URI.*data.preprocess: 'local'"):
         _recipe(tmp_path, uri, preprocess="local")
-    with pytest.raises(ConfigError, match="does not exist"):
-        _recipe(tmp_path, f"file://{tmp_path}/nowhere", preprocess="ray")
+    from llmdp.run.planning import plan_run
+
+    nowhere = _recipe(tmp_path, f"file://{tmp_path}/nowhere", preprocess="ray")
+    with pytest.raises(ConfigError, match="does not exist"):  # when the run is planned
+        plan_run(nowhere, log=lambda *a: None)
