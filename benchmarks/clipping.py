@@ -209,7 +209,7 @@ def step_fn(method, model, batch, args):
     leaves (untimed); ``result`` returns the tensors the last step produced."""
     import torch
 
-    from llmdp.train.losses import row_losses
+    from llmdp.base.losses import row_losses
 
     C = args.max_grad_norm
     params = [p for p in model.parameters() if p.requires_grad]

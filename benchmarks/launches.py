@@ -355,8 +355,8 @@ def model_args(args, lora: bool):
 def count_step(method: str, lora: bool, args) -> dict:
     import clipping as bench  # benchmarks/clipping.py: the same models as the timing bench
 
+    from llmdp.base.losses import row_losses
     from llmdp.clipping import GhostClipper
-    from llmdp.train.losses import row_losses
     from llmdp.train.strategy import Replicated
 
     margs = model_args(args, lora)

@@ -63,7 +63,7 @@ def runs(seeds, epsilons, mechanisms=tuple(MECHANISMS), optim: tuple[str, ...] =
 
 def measure(run_dir: str) -> dict:
     """One run's numbers: from its report, and its step times from metrics.jsonl."""
-    from llmdp.tune.compare import load_run
+    from llmdp.report.compare import load_run
 
     row = load_run(run_dir)
     with open(os.path.join(run_dir, "privacy_report.json"), encoding="utf-8") as f:

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             for start, name, over in runs(seeds, epsilons, pinned)]
     if run_all(pre, [(name, cmd) for _, name, cmd in todo], out_dir, args.dry_run):
         return 0
-    from llmdp.tune.compare import compare, summarize
+    from llmdp.report.compare import compare, summarize
 
     png = os.path.join(out_dir, "privacy-utility.png")
     rows = compare([os.path.join(out_dir, name) for _, name, _ in todo], out=png)

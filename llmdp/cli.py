@@ -3,10 +3,6 @@
 Each subcommand imports its modules when it runs (the imports inside the functions below
 are deliberate): `llmdp --help` or `llmdp privacy epsilon` must not pay for torch,
 transformers and Ray, which `train` and `export` load.
-
-Why one file of about 560 lines: the parser (every command, its arguments and its help
-text) and the dispatch that maps one parsed command to its module are one table read
-together; each command's work lives in its own module.
 """
 
 from __future__ import annotations
@@ -455,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmdp.hub.export import ExportError
     from llmdp.privacy.ledger import BudgetError, LedgerError
     from llmdp.privacy.plan import PlanError
-    from llmdp.train.checkpoints import CheckpointError
+    from llmdp.record.checkpoints import CheckpointError
     try:
         if args.command == "train":
             from llmdp.config.schema import load_recipe
@@ -468,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
             (dry_run if args.dry_run else run)(cfg)
             return 0
         if args.command == "audit":
-            from llmdp.audit.run import AuditSettings, run_audit
             from llmdp.config.schema import load_recipe
+            from llmdp.run.audit import AuditSettings, run_audit
 
             m = args.canaries if args.canaries is not None else 20000 if args.canary_kind == "gradient" else 1000
             settings = AuditSettings(m, args.record_fraction, args.scores, args.confidence, args.canary_kind)
@@ -487,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                       distribution=args.distribution, write_best=args.write_best)
             return 0
         if args.command == "compare":
-            from llmdp.tune.compare import compare
+            from llmdp.report.compare import compare
 
             compare(args.run_dirs, out=args.out)
             return 0
@@ -527,11 +523,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.privacy_command == "ledger":
             from llmdp.privacy.ledger import main as ledger_main
+            from llmdp.record.rundir import RunDir
 
-            return ledger_main(args)
+            return ledger_main(args, lambda run_dir: RunDir(run_dir).info)
         if args.privacy_command == "report":
+            from llmdp.record.rundir import RunDir
             from llmdp.report.build import write_report
-            from llmdp.run.rundir import RunDir
 
             RunDir(args.run_dir).require(ConfigError)
             if args.baseline is not None:

@@ -341,7 +341,7 @@ def start_shared_ray(where) -> None:
 
     if "local" in _SHARED_RAY or ray.is_initialized():
         return
-    from llmdp.run import localray
+    from llmdp.base import localray
 
     _SHARED_RAY["local"] = localray.start_local_ray(where(), [], lambda *a: None,
                                                     num_cpus=SHARED_RAY_CPUS)

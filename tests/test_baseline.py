@@ -1,4 +1,4 @@
-"""privacy.dp: false, the NON-PRIVATE baseline of a recipe (llmdp.run.baseline): the same
+"""privacy.dp: false, the NON-PRIVATE baseline of a recipe (llmdp.record.baseline): the same
 sampling, micro-batching and optimizer with no clipping and no noise; labelled NON-PRIVATE
 everywhere, recorded in no ledger, never exported, resumable."""
 
@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from llmdp.base.losses import row_losses
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import (
     clip_factors,
@@ -23,9 +24,8 @@ from llmdp.config.schema import ConfigError, recipe_from_dict, to_dict
 from llmdp.privacy.ledger.database import LedgerDB
 from llmdp.privacy.ledger.location import resolve_location
 from llmdp.privacy.plan import DPPlan, PlanError, make_plan
-from llmdp.run.baseline import BANNER, NON_PRIVATE
+from llmdp.record.baseline import BANNER, NON_PRIVATE
 from llmdp.train.loop import LocalContext, train_loop_per_worker
-from llmdp.train.losses import row_losses
 from tests.clipping.test_engine import make_batch, tiny_llama
 from tests.test_loop import make_recipe, prepared_config
 
@@ -227,12 +227,12 @@ def test_export_refuses_a_baseline_even_unverified(baseline_run, tmp_path):
 
 
 def test_epsilon_planned_of_a_baseline_asks_no_accountant(baseline_run, monkeypatch):
-    import llmdp.run.spec
+    import llmdp.record.spec
 
     def no(*a, **k):
         raise AssertionError("the accountant was asked for a baseline")
 
-    monkeypatch.setattr(llmdp.run.spec, "composed_epsilon", no)
+    monkeypatch.setattr(llmdp.record.spec, "composed_epsilon", no)
     spec = dataclasses.replace(baseline_run["spec"])  # a fresh cached_property
     assert spec.epsilon_planned == math.inf
     rec = spec.plan_record()

@@ -28,8 +28,9 @@ import pytest
 import torch
 
 from llmdp.clipping import GhostClipper
-from llmdp.hub import save as hf_save
-from llmdp.train import checkpoints, parallel
+from llmdp.record import checkpoints
+from llmdp.train import parallel
+from llmdp.train import save as hf_save
 from llmdp.train.loop import LocalContext
 from llmdp.train.strategy import Fsdp, Replicated
 from tests.helpers import tiny_llama, tiny_store
@@ -95,7 +96,7 @@ def _train(spec, ckpt, keep_dir=None, start_from=None):
 def _ctrl_c_before(spec, step: int) -> None:
     """The driver's first Ctrl-C (its stop request) lands before step ``step`` (rank 0's
     hook, in this spawned process), or, with ``step`` None, the hook is the real one again."""
-    from llmdp.run.rundir import STOP_REQUEST
+    from llmdp.record.rundir import STOP_REQUEST
     from llmdp.train import loop, testhooks
 
     stop = os.path.join(spec.run_dir, STOP_REQUEST)
@@ -388,7 +389,7 @@ def test_banded_mf_resumed_after_ctrl_c_on_another_world_size_continues_its_nois
 
 
 def test_run_dir_reads_the_sharded_checkpoint_step(runs):
-    from llmdp.run.rundir import RunDir
+    from llmdp.record.rundir import RunDir
 
     rd = RunDir(runs["specs"]["w2"].run_dir)
     assert rd.latest_checkpoint() == _ckpt(runs["specs"]["w2"])

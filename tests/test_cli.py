@@ -9,7 +9,7 @@ import dp_accounting
 import pytest
 
 from llmdp.cli import main
-from llmdp.run.rundir import RunDir
+from llmdp.record.rundir import RunDir
 
 
 def direct_epsilon(q, sigma, steps, delta):

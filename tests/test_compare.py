@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from llmdp.cli import main
-from llmdp.tune.compare import compare, plot
+from llmdp.report.compare import compare, plot
 
 
 def _recipe(seed=0, lr=1e-3, steps=6, model=None, **privacy):
@@ -185,7 +185,7 @@ def test_seeds_are_pooled_per_starting_model_and_each_start_is_its_own_curve(tmp
     assert "runs that differ only by seed pooled" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("public run pre-1") and "8.0000" in ln)
     assert "3.1000 ± 0.1000 [3.0000, 3.2000]" in line and " 3 " in line and "3.9000, 0.0100" in line
-    from llmdp.tune.compare import summarize
+    from llmdp.report.compare import summarize
 
     pooled = {(s["start"], s["dp"], s["epsilon"] and round(s["epsilon"])): s for s in summarize(rows)}
     s = pooled[("random weights", True, 8)]
@@ -220,7 +220,7 @@ def test_only_seed_replicates_are_pooled(tmp_path, capsys):
              _run(tmp_path, "s24", report(7.2), _recipe(lr=1e-3, steps=24)),
              _run(tmp_path, "s24-seed1", report(7.4), _recipe(seed=1, lr=1e-3, steps=24)),
              _run(tmp_path, "old", report(7.0))]
-    from llmdp.tune.compare import summarize
+    from llmdp.report.compare import summarize
 
     rows = compare(paths, log=print)
     pooled = sorted(summarize(rows), key=lambda s: s["runs"])
@@ -239,7 +239,7 @@ def test_the_fraction_of_the_non_private_gain_recovered(tmp_path, capsys):
     """Issue 54 item 4: per starting model, each DP entry's (start − DP) / (start −
     NON-PRIVATE) with its three losses (pooled means); a start from which the baseline
     gained nothing gets no fraction."""
-    from llmdp.tune.compare import gain_recovered, summarize
+    from llmdp.report.compare import gain_recovered, summarize
 
     public = PUBLIC_START
     specs = {"p-e1": (1.0, [3.4, 3.6], public, 3.9), "p-e8": (8.0, [3.1, 3.2, 3.0], public, 3.9),
@@ -265,10 +265,10 @@ def test_the_report_states_the_gain_against_a_given_baseline(tmp_path, capsys):
     runs' own reports give them), never to the publishable one; a DP run given as the
     baseline is one message."""
     from llmdp.config.schema import recipe_from_dict, to_dict
+    from llmdp.record.publish import publishable_report
     from llmdp.report.build import write_report
-    from llmdp.report.publish import publishable_report
+    from llmdp.report.compare import load_run
     from llmdp.train.loop import LocalContext, train_loop_per_worker
-    from llmdp.tune.compare import load_run
     from tests.test_loop import make_recipe, prepared_config
 
     dirs = {}

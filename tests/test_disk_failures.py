@@ -23,8 +23,8 @@ import torch
 
 import llmdp.run.launch
 from llmdp.config.schema import recipe_from_dict, to_dict
-from llmdp.run.rundir import RAY_TRAIN_SNAPSHOT, RunDir
-from llmdp.train import checkpoints
+from llmdp.record import checkpoints
+from llmdp.record.rundir import RAY_TRAIN_SNAPSHOT, RunDir
 from llmdp.train.contexts import LocalContext
 from llmdp.train.loop import train_loop_per_worker
 from tests.test_loop import make_recipe
@@ -237,8 +237,8 @@ def test_a_listed_checkpoint_that_is_gone_or_an_unreadable_record_is_repaired(tm
 
 
 def test_no_intact_checkpoint_is_one_message_and_nothing_is_deleted(tmp_path):
+    from llmdp.record.checkpoints import CheckpointError
     from llmdp.run.restore import DAMAGED, restore_point
-    from llmdp.train.checkpoints import CheckpointError
 
     run_dir, (older, newer) = _storage(tmp_path)
     storage = os.path.join(run_dir, "checkpoints")

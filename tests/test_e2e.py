@@ -122,8 +122,8 @@ def test_private_tokenizer_then_a_run_whose_worker_fails_one_guarantee(tmp_path,
 
     from llmdp.hub.export import verify_run
     from llmdp.privacy.ledger.records import Ledger
-    from llmdp.run.rundir import RunDir
-    from llmdp.train import checkpoints
+    from llmdp.record import checkpoints
+    from llmdp.record.rundir import RunDir
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))  # this data's own dataset ledger

@@ -117,7 +117,7 @@ def test_split_is_by_keyed_content_hash_and_neighbour_stable():
 
 
 def test_eval_loss_and_accuracy_equal_a_direct_computation(tmp_path):
-    from llmdp.run.spec import RunSpec  # noqa: F401
+    from llmdp.record.spec import RunSpec  # noqa: F401
     from llmdp.train.models import load_model
 
     cfg = eval_recipe(tmp_path)
@@ -233,8 +233,8 @@ def _six_steps_and_two_evals(spec) -> float:
 
 
 def test_run_records_exactly_the_declared_eval_events_and_reports_their_composition(tmp_path):
+    from llmdp.record.publish import publishable_report
     from llmdp.report.build import write_report
-    from llmdp.report.publish import publishable_report
 
     cfg = eval_recipe(tmp_path, eval_every=2,
                       evaluation={"noise_multiplier": 3.0, "steps": [4], "prompts": ["Chief complaint:"],

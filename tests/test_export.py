@@ -608,7 +608,7 @@ def test_publishable_report_is_an_allow_list(full_run):
     default), and a hash of the data inside an allowed text (a stop reason naming the
     dataset ledger file) is redacted; the guarantee's numbers are kept as they are."""
     from llmdp.privacy.ledger.records import Ledger
-    from llmdp.report.publish import PUBLISHABLE_REPORT, publishable_ledger, publishable_report
+    from llmdp.record.publish import PUBLISHABLE_REPORT, publishable_ledger, publishable_report
 
     full = json.load(open(os.path.join(full_run, "privacy_report.json")))
     fp = full["dataset_fingerprint"]

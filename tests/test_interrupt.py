@@ -71,8 +71,8 @@ def _report(run_dir) -> dict:
 def test_ctrl_c_at_step_0_mid_block_and_in_finalization_each_resumes_to_its_target(tmp_path):
     from llmdp.privacy.accounting.accountant import RDP_ORDERS
     from llmdp.privacy.accounting.events import event_from_json
-    from llmdp.run.rundir import STOP_REQUEST, RunDir
-    from llmdp.train import checkpoints
+    from llmdp.record import checkpoints
+    from llmdp.record.rundir import STOP_REQUEST, RunDir
 
     write_notes(tmp_path / "notes.jsonl", 120)
     (tmp_path / "r.yaml").write_text(RECIPE.format(tok=tiny_tokenizer_dir()))
@@ -147,8 +147,8 @@ def test_the_second_ctrl_c_stops_at_once(tmp_path, monkeypatch):
     after their step); the second aborts the run at once and raises KeyboardInterrupt."""
     import ray
 
+    from llmdp.record.rundir import STOP_REQUEST
     from llmdp.run.launch import GracefulInterrupt
-    from llmdp.run.rundir import STOP_REQUEST
 
     (tmp_path / STOP_REQUEST).write_text("left by an earlier launch\n")
     lines = []

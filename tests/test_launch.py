@@ -235,7 +235,7 @@ def test_rayjob_has_the_crd_essentials():
     assert env["LLMDP_CACHE"].startswith("/mnt/shared/") and env["HF_HOME"].startswith("/mnt/shared/")
     # The driver's ray.init sets these for its workers; Ray fails a job whose runtime env
     # sets one of them too ("Failed to merge the Job's runtime env").
-    from llmdp.run.localray import WORKER_ENV
+    from llmdp.base.localray import WORKER_ENV
 
     assert not set(env) & set(WORKER_ENV)
     claim = docs["PersistentVolumeClaim"]

@@ -1,4 +1,4 @@
-"""The local Ray's watchdog and the relaunch's cleanup (`llmdp.run.localray`), without Ray:
+"""The local Ray's watchdog and the relaunch's cleanup (`llmdp.base.localray`), without Ray:
 stand-in process trees, the watchdog run as the driver runs it."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from llmdp.run import localray as _localray
-from llmdp.run.localray import RECORD, reap_leftovers
+from llmdp.base import localray as _localray
+from llmdp.base.localray import RECORD, reap_leftovers
 
 REPO = Path(__file__).resolve().parents[1]
 GUARD_S = 60  # a guard against a hung test, never an assertion about speed
@@ -58,7 +58,7 @@ def test_the_watchdog_records_the_tree_and_ends_it_when_the_pipe_closes(tmp_path
     read_fd, write_fd = os.pipe()
     me = psutil.Process()
     watchdog = subprocess.Popen(
-        [sys.executable, "-m", "llmdp.run.localray", str(record), str(me.pid),
+        [sys.executable, "-m", "llmdp.base.localray", str(record), str(me.pid),
          f"{root.pid}:{psutil.Process(root.pid).create_time()!r}"],
         stdin=read_fd, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
     os.close(read_fd)

@@ -278,9 +278,9 @@ def test_the_report_opens_with_a_plain_sentence_and_warns_of_a_unit_smaller_than
     """Issue 30 item 14: the report (and card) open with a plain-language sentence; a
     sequence run on records that carry a person field (the notes' user_id) says, in the
     internal report only, that the unit does not protect that person."""
+    from llmdp.record.publish import publishable_report
     from llmdp.report.build import write_report
     from llmdp.report.card import model_card
-    from llmdp.report.publish import publishable_report
     from llmdp.report.render import render_markdown
     from llmdp.train.loop import LocalContext, train_loop_per_worker
 

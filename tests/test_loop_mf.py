@@ -114,7 +114,7 @@ def _crash_at(monkeypatch, n: int) -> None:
 
 def _ctrl_c_before(monkeypatch, prep, step: int) -> None:
     """The driver's first Ctrl-C (its stop request) lands before step ``step`` of this launch."""
-    from llmdp.run.rundir import STOP_REQUEST
+    from llmdp.record.rundir import STOP_REQUEST
     from llmdp.train import loop
 
     def request(run, at):
@@ -126,7 +126,7 @@ def _ctrl_c_before(monkeypatch, prep, step: int) -> None:
 
 
 def _clear_stop(monkeypatch, prep) -> None:
-    from llmdp.run.rundir import STOP_REQUEST
+    from llmdp.record.rundir import STOP_REQUEST
     from llmdp.train import loop
     from llmdp.train.testhooks import maybe_wait_for_ctrl_c
 
@@ -195,7 +195,7 @@ def test_ctrl_c_and_resume_continue_the_segment_bit_for_bit(tmp_path, monkeypatc
     _ctrl_c_before(monkeypatch, prep, 4)
     assert train_loop_per_worker(prep, LocalContext(checkpoint_dir=ckpt))["steps"] == 4
     _clear_stop(monkeypatch, prep)
-    from llmdp.train import checkpoints
+    from llmdp.record import checkpoints
 
     meta = checkpoints.read_meta(ckpt)
     assert (meta["step"], meta["graceful"], meta["noise"]["t"]) == (4, True, 4)

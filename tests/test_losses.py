@@ -5,9 +5,9 @@ or of their log-softmax, and the clipping engine sees exactly the same head grad
 import pytest
 import torch
 
-import llmdp.train.losses as L
+import llmdp.base.losses as L
+from llmdp.base.losses import row_losses, token_cross_entropy
 from llmdp.clipping import GhostClipper
-from llmdp.train.losses import row_losses, token_cross_entropy
 from tests.clipping.test_engine import make_batch, reference, tiny_llama
 
 

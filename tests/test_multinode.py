@@ -206,8 +206,8 @@ def test_a_killed_node_resumes_on_a_standby_node_and_counts_every_step(
     assert len(standby) == 1 and set(second) == (set(first) - {lost["node"]}) | standby
     _check_the_resumed_run(run_dir, capsys)
     from llmdp.hub.export import verify_run
-    from llmdp.run.rundir import RunDir
-    from llmdp.train import checkpoints
+    from llmdp.record import checkpoints
+    from llmdp.record.rundir import RunDir
 
     last = RunDir(run_dir).latest_checkpoint()
     assert checkpoints.read_meta(last)["step"] == 6
@@ -280,8 +280,8 @@ def _launch(tmp_path: Path, env: dict, seen: dict, until=None) -> subprocess.Pop
 
 
 def test_a_sigkilled_driver_leaves_no_ray_process_and_its_relaunch_resumes(tmp_path, capsys):
+    from llmdp.base.localray import RECORD
     from llmdp.privacy.ledger.budget import live_holds
-    from llmdp.run.localray import RECORD
 
     _write_recipe(tmp_path, "driver")
     run_dir = tmp_path / "runs" / "driver"

@@ -308,7 +308,7 @@ def test_fsdp_checkpoint_round_trip_restores_params_and_optimizer(two):
 @pytest.mark.parametrize("kw", [{"mode": "book-keeping"}, {"mode": "two-pass"}, {"engine": "reference"}])
 def test_grad_buffers_receive_exactly_what_p_grad_would(store, kw):
     batch = store.rows([0, 1, 2, 3])
-    from llmdp.train.losses import row_losses
+    from llmdp.base.losses import row_losses
 
     a = model64()
     GhostClipper(a, 0.05, **kw).backward(row_losses(a, batch), batch["row_units"])
@@ -407,7 +407,7 @@ def test_worker_loop_under_fsdp_checkpoints_resumes_and_exports(tmp_path):
         assert out["first"]["steps"] == out["again"]["steps"] == 2
     from torch.distributed.checkpoint import FileSystemReader
 
-    from llmdp.train import checkpoints
+    from llmdp.record import checkpoints
 
     meta = checkpoints.read_meta(str(ckpt))  # sharded: every rank wrote its own shards
     assert meta["strategy"] == "fsdp" and meta["step"] == 2 and meta["format"] == checkpoints.SHARDED
@@ -426,7 +426,7 @@ def test_worker_loop_under_fsdp_checkpoints_resumes_and_exports(tmp_path):
 def test_bf16_autocast_with_document_masking(attn):
     """Packed rows with document masking under bf16 autocast, and in a bf16 model: the
     additive mask works with eager and SDPA attention whatever the query dtype."""
-    from llmdp.train.losses import row_losses
+    from llmdp.base.losses import row_losses
     from tests.helpers import tiny_llama
 
     replicated = Replicated("bf16", torch.device("cpu"))

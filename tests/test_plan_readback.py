@@ -16,7 +16,7 @@ import pytest
 
 from llmdp.privacy.accounting.calibrate import PlanError
 from llmdp.privacy.plan import make_plan
-from llmdp.run.rundir import RunDir
+from llmdp.record.rundir import RunDir
 
 N = 6000
 

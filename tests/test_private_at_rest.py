@@ -159,9 +159,8 @@ def test_an_audit_writes_its_folder_and_results_owner_only(tmp_path, monkeypatch
     import json
 
     from llmdp.audit import gradient as gc
-    from llmdp.audit import run as audit
     from llmdp.report import build
-    from llmdp.run import launch, planning
+    from llmdp.run import audit, launch, planning
     from tests.helpers import write_notes
 
     write_notes(tmp_path / "notes.jsonl", 20)

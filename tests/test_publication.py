@@ -74,8 +74,8 @@ def test_another_runs_release_on_the_dataset_changes_nothing_a_run_publishes(tmp
     every other run's releases (a random sweep's K among them): the export of a run, its
     publishable report included, is the same whether or not another run released on the
     same dataset after it."""
+    from llmdp.record.publish import publishable_report
     from llmdp.report.build import build_report, write_report
-    from llmdp.report.publish import publishable_report
 
     a = _finished_run(tmp_path, "a")
     before = _export(a, tmp_path / "export-1")
@@ -112,7 +112,7 @@ def test_checkpoints_are_internal_and_never_said_to_be_covered(dpsgd_run, tmp_pa
     """The report and the card name only the final model's weights (and the DP releases) as
     covered; checkpoints are internal (optimizer state, non-DP counters, and for a
     correlated mechanism the secret state of its noise stream); the export copies none."""
-    from llmdp.train import checkpoints
+    from llmdp.record import checkpoints
 
     corr = _finished_run(tmp_path, "corr", mechanism="banded-mf", sampler="cyclic-poisson", bands=3)
     for run, correlated in ((dpsgd_run, False), (corr, True)):

@@ -12,8 +12,8 @@ import pickle
 
 import pytest
 
-from llmdp.run.rundir import NotARunDirectory, RunDir
-from llmdp.run.spec import LedgerSpec, RunPaths, RunSpec
+from llmdp.record.rundir import NotARunDirectory, RunDir
+from llmdp.record.spec import LedgerSpec, RunPaths, RunSpec
 from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.test_loop import make_recipe, prepared_config
 

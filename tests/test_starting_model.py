@@ -1,4 +1,4 @@
-"""A run that starts from a model llmdp wrote (issue 32 item 2, ``llmdp.run.provenance``):
+"""A run that starts from a model llmdp wrote (issue 32 item 2, ``llmdp.record.provenance``):
 the report and the card name the starting model and what it was trained on; a DP
 checkpoint trained on the same private data is composed into the guarantee (ε equals
 dp-accounting on both runs' events, at δ less both runs' noise tails); a NON-PRIVATE
@@ -18,7 +18,7 @@ from llmdp.config.schema import ConfigError, recipe_from_dict, to_dict
 from llmdp.privacy.accounting.events import event_from_json
 from llmdp.privacy.accounting.prior import composed_epsilon
 from llmdp.privacy.noise.tail import noise_tail
-from llmdp.run.provenance import EXTERNAL, PROVENANCE
+from llmdp.record.provenance import EXTERNAL, PROVENANCE
 from llmdp.train.loop import LocalContext, train_loop_per_worker
 from tests.helpers import use_noise_cap
 from tests.test_loop import make_recipe, prepared_config

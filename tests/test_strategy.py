@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import llmdp.train.loop
+from llmdp.base.losses import row_losses
 from llmdp.config.choices import STRATEGIES
 from llmdp.config.schema import PrivacyConfig
-from llmdp.train.losses import row_losses
 from llmdp.train.strategy import Fsdp, Replicated, Strategy, strategy_for
 from tests.helpers import TINY_VOCAB, tiny_llama
 

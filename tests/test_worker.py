@@ -202,8 +202,8 @@ def test_learning_rate_schedule(schedule):
 
 
 def test_debug_check_accepts_the_engine_and_catches_a_wrong_one(store, monkeypatch):
+    from llmdp.base.losses import row_losses
     from llmdp.clipping.rules import LinearRule
-    from llmdp.train.losses import row_losses
     from llmdp.train.step import ClippingCheckError, check_against_reference
 
     batch = store.rows([0, 1, 2])
@@ -292,9 +292,9 @@ def test_privatize_reduces_and_noises_float32_sinks_and_casts_at_the_end():
 
 def _nan_first_row(monkeypatch):
     """Every micro-batch's first real row gets a NaN loss (hence a NaN gradient)."""
-    import llmdp.train.losses
+    import llmdp.base.losses
 
-    real = llmdp.train.losses.row_losses
+    real = llmdp.base.losses.row_losses
 
     def nan_first_row(model, batch):
         losses = real(model, batch)
@@ -303,7 +303,7 @@ def _nan_first_row(monkeypatch):
         bad[first] = bool(batch["row_units"][first] >= 0)
         return torch.where(bad, losses * float("nan"), losses)
 
-    monkeypatch.setattr(llmdp.train.losses, "row_losses", nan_first_row)
+    monkeypatch.setattr(llmdp.base.losses, "row_losses", nan_first_row)
 
 
 def test_nonfinite_units_never_stop_the_run_nor_change_what_is_published(tmp_path, monkeypatch):
@@ -313,8 +313,8 @@ def test_nonfinite_units_never_stop_the_run_nor_change_what_is_published(tmp_pat
     same recipe with and without non-finite units publishes the same shape."""
     import json
 
+    from llmdp.record.publish import publishable_report
     from llmdp.report.build import write_report
-    from llmdp.report.publish import publishable_report
     from llmdp.train.loop import LocalContext, train_loop_per_worker
     from tests.test_loop import make_recipe, prepared_config
 
@@ -475,8 +475,8 @@ def test_a_chat_report_names_its_template_and_that_only_replies_are_trained(tmp_
     import json
 
     from llmdp.config.schema import recipe_from_dict, to_dict
+    from llmdp.record.publish import publishable_report
     from llmdp.report.build import write_report
-    from llmdp.report.publish import publishable_report
     from llmdp.report.render import render_markdown
     from tests.helpers import simulate_steps, tiny_tokenizer
     from tests.test_loop import make_recipe, prepared_config

@@ -77,12 +77,6 @@ Around the engine: what it refuses and how it finds it (`check_model`, uses the 
 cannot see, modules never reached) is ``audit.py``; what book-keeping keeps, how ``auto``
 chooses and the two-pass fingerprint, ``modes.py``; forming each call's part of the
 clipped sum and adding it to ``p.grad`` or the buffers, ``accumulate.py``.
-
-Why one file of about 1,000 lines: `GhostClipper` is the one object that sees a micro-batch
-from the forward hooks to the clipped sum; the order of its steps (keep inputs, take output
-gradients, per-unit norms with their error bounds, the exact fallback, factors, the clipped
-sum into the sinks) is one contract that invariants 1, 4 and 8 rest on. The per-family
-arithmetic is in `rules/`, the bounds' argument in `norms`, the low-precision kernels in `lowp`.
 """
 
 from __future__ import annotations
@@ -93,7 +87,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmdp.audit import plant
+from llmdp.base import plants as plant
 from llmdp.clipping import norms as nb
 from llmdp.clipping import stacked
 from llmdp.clipping.accumulate import (
@@ -604,7 +598,7 @@ class GhostClipper:
                 r.G, r.A = None, None
         factors = nb.factors(nu, value, self.max_grad_norm)  # 0 for a non-finite norm
         norms = nb.round_up_to(nu, self._norm_dtype())  # never below the used norm
-        factors = _planted_factors(factors, norms)  # test-only (llmdp.audit.plant): unchanged
+        factors = _planted_factors(factors, norms)  # test-only (llmdp.base.plants): unchanged
         self._row_factors = units.row_factors(factors)
         # Rows that add nothing (padding, units with a non-finite gradient) are zeroed
         # before any contraction: a 0 factor alone would leave 0·NaN = NaN in the sum.

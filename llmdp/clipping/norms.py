@@ -102,11 +102,6 @@ What is not covered: the float32 sums over *other* units. Removing unit u change
 the other units' parts round in the shared float32 sink (by at most float32's relative
 precision of their sum); that is the same for every float32 DP-SGD implementation and is
 far below the noise, but it is not part of the bound above.
-
-Why one file of about 810 lines: the rule interface, the error-bound argument (invariant 8)
-and the norm actually used for clipping must be read together: every rule returns an `Sq`
-whose bound this module's argument covers, and `used_norm` / `factors` are where that
-argument becomes the clip factor. The rules themselves live in `rules/`.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from llmdp.config.choices import mechanism_problem
 from llmdp.config.validate import ConfigError, check_exactly_one
 
 
@@ -165,15 +166,8 @@ def check_data(d, prefix: str, base_dir: str):
             key=f"{prefix}.max_units",
         )
     _check_source(d, prefix)
-    if d.preprocess == "ray" or (d.path is not None and "://" in d.path):
-        from llmdp.data.chunks import supported_source  # lazy: reads the corpus's file list
-
-        why = supported_source(d.path, d.format) if d.dataset is None else \
-            "data.dataset (a Hub dataset) is read in one process"
-        if why is not None:
-            raise ConfigError(
-                f"{prefix}.preprocess: 'ray' cannot build this corpus: {why}; set "
-                f"{prefix}.preprocess: local (or auto)", key=f"{prefix}.preprocess")
+    # Whether Ray Data can build the corpus (data.preprocess: ray, or a URI) reads its file
+    # list: `llmdp.data.chunks.check_preprocess`, when the run is planned.
     return d
 
 
@@ -239,12 +233,10 @@ def check_privacy(p, prefix: str, base_dir: str):
 
 def _check_mechanism(p, prefix: str) -> None:
     """A correlated mechanism only with a sampler its analysis covers (DESIGN §3.3)."""
-    from llmdp.privacy.mf import MechanismError, check_mechanism
-
-    try:
-        check_mechanism(p.mechanism, p.sampler, bands=p.bands, cycle=p.cycle, dp=p.dp)
-    except MechanismError as e:
-        raise ConfigError(f"{prefix}.{e.field}: {e}", key=f"{prefix}.{e.field}") from None
+    problem = mechanism_problem(p.mechanism, p.sampler, bands=p.bands, cycle=p.cycle, dp=p.dp)
+    if problem is not None:
+        message, field = problem
+        raise ConfigError(f"{prefix}.{field}: {message}", key=f"{prefix}.{field}")
 
 
 def check_eval_data(e, prefix: str, base_dir: str):

@@ -21,11 +21,6 @@ that involve two fields or two sections are the ``check_*`` functions of
 Privacy settings (``privacy``) are kept apart from performance settings (``train``,
 ``scaling``): ``train.seed`` seeds model initialization and dropout only; sampling and
 noise use fresh OS entropy unless ``privacy.rng: seeded`` (which the report labels).
-
-Why one file: this is the schema, every recipe key with its default, type and bounds
-beside its one-line meaning; a reader looks up any key here, and the "did you mean" and
-the documentation of the keys follow the order written. The logic lives elsewhere
-(``checks``, ``load``, ``yamlio`` in this package).
 """
 
 from __future__ import annotations
@@ -130,7 +125,7 @@ class ModelConfig:
     tokenizer_data: str = _f("same", choices=("same", "independent"))
     # What an llmdp DP starting model (model.name_or_path, or a DP run in its chain) was
     # trained on, when its data cannot be matched with this run's (an export, or a ledger
-    # database this run does not use; llmdp.run.provenance): "same" composes its releases,
+    # database this run does not use; llmdp.record.provenance): "same" composes its releases,
     # recorded in its provenance, into this run's guarantee; "independent" declares that its
     # data shares no individuals with this run's (the report says so). None: refused then.
     start_data: str | None = _f(None, choices=("same", "independent"))

@@ -163,6 +163,20 @@ def supported_source(path, data_format: str = "auto") -> str | None:
     return None
 
 
+def check_preprocess(d, prefix: str = "data") -> None:
+    """A recipe's ``data`` (a `DataConfig`) whose corpus Ray Data cannot build although it
+    must (``data.preprocess: ray``, or a URI ``data.path``): one `ConfigError` naming
+    ``data.preprocess``. A recipe check that reads the corpus's file list, so the planning of
+    a run makes it (`llmdp.run.planning.plan_run`, first), not the loading of the recipe."""
+    if d.preprocess == "ray" or (d.path is not None and "://" in d.path):
+        why = supported_source(d.path, d.format) if d.dataset is None else \
+            "data.dataset (a Hub dataset) is read in one process"
+        if why is not None:
+            raise ConfigError(
+                f"{prefix}.preprocess: 'ray' cannot build this corpus: {why}; set "
+                f"{prefix}.preprocess: local (or auto)", key=f"{prefix}.preprocess")
+
+
 def total_bytes(path) -> int:
     """Bytes of the corpus files behind ``data.path``."""
     return sum(_size(f) for f in list_files(path))

@@ -59,12 +59,6 @@ not a list of ``{role, content}`` messages or has a role outside :data:`KNOWN_RO
 that the caller refuses or skips them (``data.on_bad_record``) instead of encoding them
 into something else: a number is never turned into text, a missing text never into an
 EOS-only unit, a misspelt role never into a record without targets.
-
-Why one file of about 500 lines: it is one class, `RecordEncoder`, whose three encodings
-(text, plain format, chat template) share its field checks, template choice, counters and
-fingerprint, and an eighth of it is the format specification above, which the unit store's
-fingerprint and the privacy report rely on. Cutting the class by encoding would spread
-one contract (which tokens are targets) over several files.
 """
 
 from __future__ import annotations

@@ -38,11 +38,6 @@ units with the smallest hashes) is settled by the driver from each shard's small
 hashes: a shard's evaluation units are written in hash order and the store uses a prefix
 of each. The store is addressed by a fingerprint that also covers the chunking, and is
 reused like the in-process one; both parts are renamed into place only when complete.
-
-Why one file: the tasks and the driver are the two halves of one protocol (the job file,
-the task list, the shard entries each task returns, the shard file names, the partition
-files of the user shuffle, the evaluation prefixes): apart, each half would have to be
-read against the other to be checked.
 """
 
 from __future__ import annotations
@@ -410,11 +405,11 @@ def _run(job_file: str, items: list[dict], workers: int, log_fn, what: str) -> t
 
 def _ensure_ray(workers: int, workdir: str, log_fn):
     """A local Ray for the build when none is running, watched like the training's
-    (`llmdp.run.localray`: none of its processes outlives a killed driver); the caller stops
+    (`llmdp.base.localray`: none of its processes outlives a killed driver); the caller stops
     it. None when Ray runs already (or the driver joined a cluster)."""
     import ray
 
-    from llmdp.run import localray as _localray
+    from llmdp.base import localray as _localray
 
     if ray.is_initialized():
         return None

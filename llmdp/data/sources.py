@@ -187,7 +187,7 @@ def _offline_flags() -> bool:
 
 
 def _is_connection_error(exc: BaseException) -> bool:
-    from llmdp.train.hf import is_connection_error
+    from llmdp.base.hf import is_connection_error
 
     return is_connection_error(exc)
 
@@ -420,13 +420,13 @@ def dataset_identity(d) -> dict:
     """The ledger identity of a recipe's ``data`` (a training or tokenizer recipe):
     ``{"dataset_id", "source", "name", "declared"}``. ``data.dataset_id`` when declared
     (verbatim); else derived from the source, never from its bytes, one id whatever its
-    spelling (`llmdp.privacy.ledger.dataset_ids`): ``path:<real path>`` of local data (the same file
+    spelling (`llmdp.data.ids`): ``path:<real path>`` of local data (the same file
     from any working directory, edited or not, through a symlink or a ``file://`` URI, is
     one dataset), ``hub:<name>[/<config>]`` of a Hub dataset (lower-cased: Hub ids are
     case-insensitive), ``uri:<normalized URI>`` of other filesystems; data llmdp generates
     (``data.synthetic``) is named by its generator spec. ``name``: the file or dataset
     name, for "looks like" messages."""
-    from llmdp.privacy.ledger import hub_id, path_id, uri_id
+    from llmdp.data.ids import hub_id, path_id, uri_id
 
     if d.path is not None and "://" in d.path:  # a URI: the dataset is named by it
         source = uri_id(d.path)

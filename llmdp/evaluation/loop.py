@@ -16,10 +16,10 @@ import time
 
 import torch
 
+from llmdp.base.collectives import sum_floats_over_workers
 from llmdp.evaluation import dp as dp_eval
 from llmdp.evaluation.metrics import evaluate
 from llmdp.privacy import rng
-from llmdp.train.parallel import sum_floats_over_workers
 
 __all__ = ["due", "evaluate_held_out", "generate_from_prompts"]
 

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmdp.base.collectives import sum_floats_over_workers
+from llmdp.base.losses import row_eval_stats
 from llmdp.data.batching import assign_micro_batches
-from llmdp.train.losses import row_eval_stats
-from llmdp.train.parallel import sum_floats_over_workers
 
 __all__ = ["unit_stats", "my_share", "evaluate", "summary"]
 

@@ -11,7 +11,7 @@ The folder (`export_run`):
   in (``merge_and_unload``); a full fine-tune is exported as full weights. safetensors only;
 - the tokenizer;
 - the publishable ``privacy_report.json`` / ``.md`` / ``.png`` and ``ledger.jsonl``
-  (`llmdp.report.publish.publishable_report` / `publishable_ledger`: allow-lists of DP outputs and
+  (`llmdp.record.publish.publishable_report` / `publishable_ledger`: allow-lists of DP outputs and
   public configuration; no data statistics, internal metrics, loss curve or data hash;
   local paths replaced by their last component). The run directory keeps the full ones;
 - ``README.md``: a model card whose YAML metadata (license, base_model, library_name,
@@ -60,13 +60,13 @@ from llmdp.hub.folder import (  # noqa: F401 - EXPORT_INFO, ExportError: this mo
 )
 from llmdp.hub.public import _refuse_baseline, declared_public, export_public
 from llmdp.privacy.ledger import Ledger
+from llmdp.record import checkpoints
+from llmdp.record.publish import publishable_ledger, publishable_report
+from llmdp.record.rundir import RunDir
 from llmdp.report.build import build_report, seeded_sources
 from llmdp.report.card import model_card
-from llmdp.report.publish import publishable_ledger, publishable_report
 from llmdp.report.render import plot_publishable, render_markdown
 from llmdp.report.spent import epsilon_curve
-from llmdp.run.rundir import RunDir
-from llmdp.train import checkpoints
 
 __all__ = ["ExportError", "verify_run", "export_run", "push_folder", "HfApi"]
 
@@ -192,7 +192,7 @@ def verify_run(run_dir: str) -> tuple[list[str], dict | None]:
 
 
 def _publishable(run_dir: str, report: dict) -> dict:
-    """The publishable report of the run (`llmdp.report.publish.publishable_report`), with the
+    """The publishable report of the run (`llmdp.record.publish.publishable_report`), with the
     ledger's ε curve (computed now when the stored report has none)."""
     full = dict(report)
     if not full.get("epsilon_curve") and os.path.exists(os.path.join(run_dir, "ledger.jsonl")):
@@ -202,7 +202,7 @@ def _publishable(run_dir: str, report: dict) -> dict:
 
 def _write_publishable(run_dir: str, out: str, pub: dict) -> None:
     """privacy_report.json / .md / .png and ledger.jsonl of the export, from `pub` and the
-    run's ledger through the allow-lists of llmdp.report.publish; nothing is copied as is."""
+    run's ledger through the allow-lists of llmdp.record.publish; nothing is copied as is."""
     with open(os.path.join(out, "privacy_report.json"), "w", encoding="utf-8") as f:
         json.dump(pub, f, indent=2)
     with open(os.path.join(out, "privacy_report.md"), "w", encoding="utf-8") as f:

@@ -14,7 +14,7 @@ import shutil
 import torch
 import yaml
 
-from llmdp.run.provenance import PROVENANCE, publishable, read_provenance
+from llmdp.record.provenance import PROVENANCE, publishable, read_provenance
 
 EXPORT_INFO = "llmdp_export.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -165,7 +165,7 @@ def _base_model_id(cfg: dict, given: str | None, *, push: str | None = None,
 
 def _write_model(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model: str | None, log) -> str:
     """Write the weights into ``out``, with the model's provenance (no local path: a run
-    starting from the export names it, `llmdp.run.provenance`); returns the format:
+    starting from the export names it, `llmdp.record.provenance`); returns the format:
     adapter | merged | full."""
     fmt = _write_weights(run_dir, out, cfg, merge=merge, base_model=base_model, log=log)
     info = read_provenance(os.path.join(run_dir, "model"))
@@ -216,7 +216,7 @@ def _write_weights(run_dir: str, out: str, cfg: dict, *, merge: bool, base_model
                               f"rebuild it (re-run the recipe's preparation) or export the adapter")
     log(f"merging the adapter into {os.path.basename(str(local_base))}")
     base = AutoModelForCausalLM.from_pretrained(local_base, dtype=_saved_dtype(local_base))
-    from llmdp.train.hf import quiet_peft
+    from llmdp.base.hf import quiet_peft
 
     with quiet_peft():
         merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()

@@ -24,9 +24,9 @@ from llmdp.hub.folder import (
     _write_export_info,
     _write_model,
 )
+from llmdp.record.baseline import NON_PRIVATE, public_banner
+from llmdp.record.provenance import lineage, read_provenance, taint
 from llmdp.report.card import public_model_card
-from llmdp.run.baseline import NON_PRIVATE, public_banner
-from llmdp.run.provenance import lineage, read_provenance, taint
 
 
 def declared_public(run_dir: str) -> bool:

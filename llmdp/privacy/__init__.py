@@ -5,7 +5,7 @@
 - `sampling`: Poisson, truncated-Poisson and cyclic samplers of privacy units;
 - `accounting`: DpEvents, ε / δ over dp-accounting, the σ search, prior releases;
 - `mf`: correlated noise by matrix factorization (banded MF, BLT);
-- `ledger`: the dataset ledgers (records, database, service, budget, CLI);
+- `ledger`: the dataset ledgers (records, database, service, budget);
 - `plan`: the frozen `DPPlan` (`make_plan`).
 
 Importable without Ray. Each sub-package's ``__init__.py`` is its entry point (``from

@@ -5,11 +5,6 @@ A `DPPlan` is frozen: once training starts, the numbers the accountant was promi
 cannot drift. `make_plan` validates user input with messages that name the field, the
 value and the fix, calibrates sigma to a target epsilon with dp-accounting and, for
 truncated Poisson sampling, picks the cap B_max whose epsilon cost is below a budget.
-
-Why one file of about 670 lines: `DPPlan` and its construction (`make_plan`: sampling,
-steps, δ, calibration, the truncated-Poisson cap and the noise tails folded into δ) are one
-value with one set of validity rules; the arithmetic it calls (calibration, truncation, the
-tail bound) already lives in its own modules.
 """
 
 from __future__ import annotations
@@ -171,7 +166,7 @@ class DPPlan:
     plan.json of an earlier llmdp, `llmdp privacy epsilon` without --parameters): not
     folded, `accountant_delta` == `delta`, as before (the report says so).
 
-    `dp=False`: a NON-PRIVATE baseline (`llmdp.run.baseline`): the same sampling and steps, σ = 0,
+    `dp=False`: a NON-PRIVATE baseline (`llmdp.record.baseline`): the same sampling and steps, σ = 0,
     no target or truncation cost, `clip_bound` inf (`max_grad_norm` keeps the recipe's C, not
     applied), `epsilon()` inf, no DP event. `to_dict` writes ``dp`` only when False.
     """
@@ -193,7 +188,7 @@ class DPPlan:
     noise_coordinates: int | None = None
     eval_noise: tuple | None = None  # (releases, coordinates, noise multiplier) of DP evals
     # The noised releases of a starting checkpoint trained on the same data, composed into
-    # this run's guarantee (`llmdp.run.provenance`): ((what, count, coordinates, noise
+    # this run's guarantee (`llmdp.record.provenance`): ((what, count, coordinates, noise
     # multiplier), ...); their tails are folded into δ with this run's.
     prior_noise: tuple | None = None
     # A correlated mechanism (`llmdp.privacy.mf.plan`): "banded-mf" / "blt" with a cyclic

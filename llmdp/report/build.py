@@ -6,11 +6,7 @@ was released), the resolved config and plan (how), and metrics.jsonl (what happe
 
 This module builds the report (`build_report`) and writes the run's local files
 (`write_report`: privacy_report.json / .md / .png). Its Markdown and the ε panel of its plots
-are rendered by `llmdp.report.render`; what of it may be published is `llmdp.report.publish`.
-
-Why one file of about 700 lines: `build_report` reads a run's files once and answers the
-checklist in one pass; its helpers each fill one field from what it read. Rendering
-(`render`), the publishable subset (`publish`) and the evaluation section live apart.
+are rendered by `llmdp.report.render`; what of it may be published is `llmdp.record.publish`.
 """
 
 from __future__ import annotations
@@ -39,12 +35,12 @@ from llmdp.privacy.ledger import (
     step_count,
 )
 from llmdp.privacy.noise import NOISE_METHOD, NOISE_TAIL, truncation_delta_per_step
+from llmdp.record.baseline import baseline_report
+from llmdp.record.provenance import SOURCE, scope
+from llmdp.record.rundir import RunDir, read_jsonl, run_state
 from llmdp.report.adjacency import adjacency, published_counts
 from llmdp.report.render import _epsilon_panel, render_markdown
 from llmdp.report.spent import epsilon_curve, ledger_noise_tail
-from llmdp.run.baseline import baseline_report
-from llmdp.run.provenance import SOURCE, scope
-from llmdp.run.rundir import RunDir, read_jsonl, run_state
 from llmdp.tokenizer.train import read_tokenizer_info
 
 REPORT_VERSION = 1
@@ -83,7 +79,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     cfg = rd.config()
     plan_info = rd.info
     plan = rd.plan
-    if not plan.dp:  # a NON-PRIVATE baseline: no ledger, no ε (llmdp.run.baseline)
+    if not plan.dp:  # a NON-PRIVATE baseline: no ledger, no ε (llmdp.record.baseline)
         metrics = rd.metrics
         return {"report_version": REPORT_VERSION, **baseline_report(
             rd, metrics, run_state(metrics, plan.steps, failure, interrupted),
@@ -275,7 +271,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             "kind": unit_kind, "sequence_length": seq_len, "user_field": data_cfg.get("user_field"),
             "document_masking": bool(data_cfg.get("document_masking"))}, records,
             plan_info.get("run_id")),
-        # a test switched a planted bug on (llmdp.audit.plant): no guarantee at all
+        # a test switched a planted bug on (llmdp.base.plants): no guarantee at all
         "planted": plan_info.get("planted"),
         "exceeds_target": _exceeds(eps[plan.accountant], plan, plan_info, ledger_steps, completed,
                                    len(attempts)),
@@ -660,7 +656,7 @@ def _write_report(rd: RunDir, run_dir: str, failure: str | None, interrupted: bo
                   baseline: str | None = None) -> dict[str, Any]:
     report = build_report(rd, failure=failure, interrupted=interrupted)
     if baseline is not None:
-        from llmdp.tune.compare import gain_against
+        from llmdp.report.compare import gain_against
 
         report["non_private_gain"] = gain_against(run_dir, baseline, report)
     try:  # the plot's curve, kept for the publishable report (export renders its PNG from it)

@@ -1,6 +1,6 @@
 """The model card (``README.md``) of an export: YAML metadata (license, base_model,
 library_name, tags, datasets when public, and a ``differential_privacy`` block) and a
-privacy section, generated from the publishable report (`llmdp.report.publish.publishable_report`)
+privacy section, generated from the publishable report (`llmdp.record.publish.publishable_report`)
 with local paths already scrubbed by `llmdp.hub.export.export_run`. An unverified export's card
 lists, at the top, the checks that failed.
 """
@@ -167,7 +167,7 @@ def _start_name(start) -> str | None:
 def public_model_card(report: dict, cfg: dict, *, fmt: str, base_model: str | None,
                       license: str | None, unverified: list[str], repo_id: str | None = None):
     """The card of a run on data its recipe declared public (``data.public: true``): its first
-    line (after the metadata) is the run's declaration (`llmdp.run.baseline.public_banner`);
+    line (after the metadata) is the run's declaration (`llmdp.record.baseline.public_banner`);
     no ε, no differential_privacy block: llmdp makes no guarantee about such a model."""
     from huggingface_hub import ModelCard, ModelCardData  # lazy: huggingface_hub is slow to import
 

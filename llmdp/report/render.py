@@ -1,7 +1,7 @@
 """How a privacy report reads: its Markdown and the ε panel of its plots.
 
 `render_markdown` renders a report dict, the full local one (`llmdp.report.build.build_report`)
-or the publishable one (`llmdp.report.publish.publishable_report`), whose internal sections are
+or the publishable one (`llmdp.record.publish.publishable_report`), whose internal sections are
 absent and so are not rendered. `plot_publishable` draws the publishable plot (ε only); the
 local plot, which adds the internal loss curve, is `llmdp.report.build.plot`. Both draw ε with
 `_epsilon_panel`.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from llmdp.audit.section import audit_markdown
 from llmdp.evaluation.report import evaluation_markdown
-from llmdp.report.publish import PUBLISHABLE_NOTE
-from llmdp.run.baseline import baseline_panel, render_baseline_markdown
+from llmdp.record.baseline import baseline_panel, render_baseline_markdown
+from llmdp.record.publish import PUBLISHABLE_NOTE
 
 
 def _attempts(r: dict) -> str:

@@ -20,7 +20,7 @@ from llmdp.privacy.ledger import (
     release_entries,
     step_count,
 )
-from llmdp.run.rundir import RunDir
+from llmdp.record.rundir import RunDir
 
 
 def ledger_noise_tail(plan, releases):

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from llmdp.run.rundir import STOP_REQUEST, read_jsonl
+from llmdp.record.rundir import STOP_REQUEST, read_jsonl
 
 __all__ = ["GracefulInterrupt", "stopped_gracefully"]
 

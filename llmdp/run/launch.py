@@ -1,11 +1,6 @@
 """Driver: prepare the run (data, model, plan), run the workers on Ray Train, write the report.
 
 Every path handed to workers is absolute (Ray workers chdir into their own folder).
-
-Why one file of about 510 lines: a launch is one sequence (check the run directory, prepare,
-hold the budget, fit, end the hold, write the report whatever happened); its error handling
-(interrupts, a disk that refuses a write, a failure) decides what the report and the exit
-say, and reads best next to the steps it guards.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ import time
 import uuid
 
 from llmdp._fs import RunLock, StorageError, cache_root, check_free, private_files, storage_error
+from llmdp.base.localray import WORKER_ENV, run_env, start_local_ray
 from llmdp.config.schema import RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.hub.export import ExportError, export_run
 from llmdp.privacy.accounting import event_to_json
@@ -31,17 +27,16 @@ from llmdp.privacy.ledger import (
     run_ledger_problems,
 )
 from llmdp.privacy.mf import mf_commitment
+from llmdp.record.baseline import BANNER, public_banner
+from llmdp.record.provenance import SOURCE, copy_declared_releases
+from llmdp.record.rundir import RESUME_HINT, RunDir
+from llmdp.record.spec import LedgerSpec, RunPaths, RunSpec
 from llmdp.report.build import write_report
-from llmdp.run.baseline import BANNER, public_banner
 from llmdp.run.interrupt import GracefulInterrupt, stopped_gracefully
-from llmdp.run.localray import WORKER_ENV, run_env, start_local_ray
 from llmdp.run.planning import plan_run, warn_open
 from llmdp.run.preflight import check_run_dir, run_lock, truncation_note
 from llmdp.run.progress import EPS_KEY, Progress, batch_note, mechanism_label
-from llmdp.run.provenance import SOURCE, copy_declared_releases
 from llmdp.run.restore import restore_point
-from llmdp.run.rundir import RESUME_HINT, RunDir
-from llmdp.run.spec import LedgerSpec, RunPaths, RunSpec
 from llmdp.tokenizer.train import ensure_release_recorded
 from llmdp.train.loop import train_loop_per_worker
 
@@ -60,7 +55,7 @@ def _check_run_ledger(run_dir: str, run_id: str, ledger: dict) -> None:
 
 def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
     """Everything the workers need, built once on the driver: data units, model files, the
-    plan, the ledger service; returned as one :class:`~llmdp.run.spec.RunSpec`, whose record
+    plan, the ledger service; returned as one :class:`~llmdp.record.spec.RunSpec`, whose record
     is written to the run directory's plan.json (once)."""
 
     run_dir = os.path.abspath(cfg.run_dir)

@@ -14,6 +14,7 @@ from typing import Any
 
 from llmdp._fs import cache_root
 from llmdp.config.schema import ConfigError, RecipeConfig, lr_lambda
+from llmdp.data import chunks
 from llmdp.data.holdout import Holdout
 from llmdp.data.sources import source_fingerprint
 from llmdp.data.store import UnitSpec, build_store
@@ -22,7 +23,7 @@ from llmdp.evaluation.dp import plan_dp_eval
 from llmdp.privacy.accounting import calibrate_with_prior, event_to_json
 from llmdp.privacy.ledger import check_public_eval
 from llmdp.privacy.plan import check_noise_tail, make_plan
-from llmdp.run.provenance import merge_priors, starting_model
+from llmdp.record.provenance import merge_priors, starting_model
 from llmdp.tokenizer.train import tokenizer_for_run
 from llmdp.train.models import load_model
 
@@ -44,7 +45,7 @@ class Planned:
     data_stats: dict
     eval_store: Any = None  # the held-out units (UnitStore), or None
     eval_plan: Any = None  # the DP evaluation's plan (llmdp.evaluation.dp.DpEvalPlan), or None
-    starting_model: dict | None = None  # llmdp.run.provenance.starting_model (None: random init)
+    starting_model: dict | None = None  # llmdp.record.provenance.starting_model (None: random init)
     memory: Any = None  # llmdp.train.memory.MemoryEstimate (plan_run(memory=True)), or None
 
     def entries(self) -> list:
@@ -65,8 +66,6 @@ def store_builder(d, path, dataset, data_format: str, log=print):
     """The function that builds the unit store of this source: `build_store` in this
     process, or `llmdp.data.sharded.build_store_sharded` on Ray Data (``data.preprocess``;
     ``auto``: Ray Data for a supported local corpus of at least AUTO_RAY_BYTES)."""
-    from llmdp.data import chunks
-
     mode = d.preprocess
     if mode == "auto":
         big = dataset is None and chunks.supported_source(path, data_format) is None and \
@@ -89,6 +88,7 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None, memory: bool = False) -
     (``llmdp audit``) returns the training store with the canaries its keyed coins
     included, as units of their own; N, q and σ are then planned for that store.
     ``memory``: also estimate the memory per worker (``llmdp.train.memory``; the dry run)."""
+    chunks.check_preprocess(cfg.data)  # Ray Data can build the corpus, when it must
     cache = cache_root()
     os.makedirs(cache, exist_ok=True)
     if cfg.data.synthetic is not None and not os.path.exists(cfg.data.path):
@@ -107,7 +107,7 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None, memory: bool = False) -
     # A separate evaluation source declared public is not private data (nothing written).
     check_public_eval(d.eval, d, source_sha, cfg.privacy.ledger, log=log)
     # What the starting model means for the guarantee: a baseline's is refused, a DP run's on
-    # this data is composed (its releases), any other is named (llmdp.run.provenance).
+    # this data is composed (its releases), any other is named (llmdp.record.provenance).
     start = starting_model(cfg.model, d, dp=cfg.privacy.dp, ledger_opt=cfg.privacy.ledger)
 
     if cfg.model.init == "tiny" and cfg.model.lora is not None:

@@ -135,12 +135,12 @@ def _budget(cfg: RecipeConfig, planned, epsilon: float, log) -> dict:
     """The dataset's budget, what it has spent for this run's unit and what it would be at
     after this run: read from its ledger read-only (a ledger that does not exist yet has
     spent nothing)."""
+    from llmdp.data.ids import canonical_id
     from llmdp.data.sources import dataset_identity  # lazy: it imports datasets
     from llmdp.privacy.accounting import release_entries
     from llmdp.privacy.ledger import (
         DatasetBudget,
         LedgerDB,
-        canonical_id,
         dataset_epsilon,
         describe_location,
         is_url,

@@ -17,8 +17,8 @@ import time
 
 from tqdm import tqdm
 
+from llmdp.record.baseline import NON_PRIVATE
 from llmdp.report.spent import ledger_epsilon
-from llmdp.run.baseline import NON_PRIVATE
 
 EPS_KEY = "eps(ledger)"  # charged so far, steps reserved ahead included (module docstring)
 

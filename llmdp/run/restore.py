@@ -14,7 +14,7 @@ another checkpoint at restore: the worker is handed one checkpoint, and Ray's ow
 (what it restores after a worker failure, which folders its ``num_to_keep`` deletes, what
 ``RunDir`` reports as the resume point, what the export checks the model against) would keep
 naming the damaged one. Here, under the run lock, nothing else writes the storage: every
-candidate is read against its manifest (`llmdp.train.checkpoints.verify`), newest first; a
+candidate is read against its manifest (`llmdp.record.checkpoints.verify`), newest first; a
 damaged one is moved to ``checkpoints/damaged/`` (kept, never deleted), a listed folder that
 is gone is left out, and the snapshot is rewritten (atomically) to list what is left with
 the newest intact checkpoint as the latest. Ray then restores exactly that one, and so does
@@ -33,9 +33,9 @@ import json
 import os
 
 from llmdp._fs import atomic_write
-from llmdp.run.rundir import RAY_TRAIN_SNAPSHOT
-from llmdp.train import checkpoints
-from llmdp.train.checkpoints import CheckpointError
+from llmdp.record import checkpoints
+from llmdp.record.checkpoints import CheckpointError
+from llmdp.record.rundir import RAY_TRAIN_SNAPSHOT
 
 __all__ = ["DAMAGED", "restore_point"]
 

@@ -49,8 +49,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import llmdp
+from llmdp.base.localray import WORKER_ENV
 from llmdp.config.schema import ConfigError, RecipeConfig, load_recipe
-from llmdp.run.localray import WORKER_ENV
 
 __all__ = [
     "EXCLUDES",

@@ -28,7 +28,7 @@ import shutil
 import torch
 
 from llmdp._fs import building_dir, install_dir, sha256_file
-from llmdp.train.hf import dtype_kwarg, save_kwargs
+from llmdp.base.hf import dtype_kwarg, save_kwargs
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 
 from llmdp.config.schema import ConfigError, TokenizerRecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.data.synthetic import ensure_clinical_notes
-from llmdp.report.allowlist import allow_listed
+from llmdp.privacy.allowlist import allow_listed
 
 __all__ = [
     "INFO_FILE",

@@ -22,11 +22,6 @@ Per logical step, on every worker in lockstep (DESIGN §1):
 The clipped sum is ``llmdp.train.step``'s; the reduction and the noise are the strategy's
 (``llmdp.train.strategy``). Nothing here imports Ray: :func:`train_loop_per_worker` takes a ``context`` that the Ray
 trainer (or a test) provides, so the step is runnable and testable on its own.
-
-Why one file of about 590 lines: it is the recipe's one readable loop (torchtune's style):
-each stage above is a short function called once from :func:`_train_loop`, and their order
-(resume before the ledger, the gate before each step, the checkpoint's room checked before
-the steps it saves) is the contract; split, the order would be spread over modules.
 """
 
 from __future__ import annotations
@@ -45,21 +40,22 @@ import torch
 from torch import nn
 
 from llmdp._fs import StorageError, check_free, disk_errors, private_files
+from llmdp.base.losses import row_eval_stats
 from llmdp.clipping import GhostClipper
 from llmdp.config.schema import OptimConfig, lr_lambda
 from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import open_store
 from llmdp.evaluation import loop as evaluation
 from llmdp.privacy.sampling import store_groups
-from llmdp.run.baseline import NON_PRIVATE
-from llmdp.run.provenance import write_provenance
-from llmdp.run.rundir import STOP_REQUEST
-from llmdp.run.spec import RunPaths, RunSpec
-from llmdp.train import checkpoints, parallel
+from llmdp.record import checkpoints
+from llmdp.record.baseline import NON_PRIVATE
+from llmdp.record.provenance import write_provenance
+from llmdp.record.rundir import STOP_REQUEST
+from llmdp.record.spec import RunPaths, RunSpec
+from llmdp.train import parallel
 from llmdp.train.contexts import LocalContext, RayContext  # noqa: F401 (LocalContext: re-exported)
 from llmdp.train.correlated import StepNoise, bound_stream, may_continue
 from llmdp.train.explog import NO_LOG, open_log
-from llmdp.train.losses import row_eval_stats
 from llmdp.train.models import load_model
 from llmdp.train.optimizers import DPAdamBC, noise_variance
 from llmdp.train.parallel import broadcast_bytes
@@ -216,7 +212,7 @@ def _record_canaries(run: Training, step: int) -> None:
 
 
 def resume(run: Training) -> None:
-    """Load the checkpoint Ray Train restored, if any (either format, ``llmdp.train.checkpoints``;
+    """Load the checkpoint Ray Train restored, if any (either format, ``llmdp.record.checkpoints``;
     a sharded one written on any number of workers). [sync point under fsdp]"""
     ckpt_dir = run.context.get_checkpoint_dir()
     if not ckpt_dir or checkpoints.state_file(ckpt_dir) is None:

@@ -153,7 +153,7 @@ def _trace(model: nn.Module, R: int, T: int, widen: float = 1.0) -> tuple[int, i
     float64 copy of the largest trainable Linear output; bytes of the trainable Linear
     calls' output gradients; the largest decoder layer's share of the first). ``widen``:
     the factor for bf16 tensors (a trace in bf16 of a wider model)."""
-    from llmdp.train.losses import row_losses
+    from llmdp.base.losses import row_losses
 
     storages: dict[int, int] = {}
     owner: dict[int, int] = {}

@@ -25,9 +25,15 @@ import torch
 from torch import nn
 
 from llmdp._fs import building_dir, install_dir
+from llmdp.base.hf import (
+    dtype_kwarg,
+    hub_offline_flag,
+    is_connection_error,
+    quiet_peft,
+    save_kwargs,
+)
 from llmdp.config.validate import ConfigError
 from llmdp.tokenizer.adapt import adapted_model_hash, build_adapted_model
-from llmdp.train.hf import check_hub_model, dtype_kwarg, quiet_peft, save_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -428,3 +434,40 @@ def count_parameters(model: nn.Module) -> dict:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"total": total, "trainable": trainable}
+
+
+def check_hub_model(name: str, key: str) -> None:
+    """A ``model.name_or_path`` / ``model.tokenizer`` that is not a local folder is a Hub id:
+    it must be in the local Hugging Face cache or reachable, else one message says how to
+    bring it to an air-gapped machine (transformers would retry the network for about a
+    minute and end in an OSError traceback). Raises ``ConfigError``."""
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        for fname in ("config.json", "tokenizer_config.json", "tokenizer.json"):
+            if isinstance(try_to_load_from_cache(name, fname), str):
+                return  # cached: transformers loads it (offline too)
+    except HFValidationError as e:
+        raise ConfigError(f"{key}: {name!r} is neither a local folder nor a Hub id like org/name "
+                          f"({e}); fix the path or the id", key=key) from None
+    fix = (f"on a machine with network run `hf download {name} --local-dir DIR`, copy DIR "
+           f"here and set {key}=DIR (a local folder), or copy that machine's Hugging Face cache "
+           f"(HF_HOME)")
+    if hub_offline_flag():
+        raise ConfigError(f"{key}: {name!r} is not a local folder and not in the Hugging Face "
+                          f"cache, and offline mode is on (HF_HUB_OFFLINE): {fix}", key=key)
+    try:
+        HfApi().model_info(name, timeout=10)
+    except (RepositoryNotFoundError, GatedRepoError) as e:
+        gated = isinstance(e, GatedRepoError)
+        raise ConfigError(f"{key}: {name!r} is not a local folder, and the Hub "
+                          + ("holds it as a gated model: accept its terms and `hf auth login`"
+                             if gated else "has no such model (check the id; a private model "
+                             "needs `hf auth login`)"), key=key) from None
+    except Exception as e:  # noqa: BLE001 - sorted below
+        if not is_connection_error(e):
+            raise
+        raise ConfigError(f"{key}: {name!r} is not a local folder and not in the Hugging Face "
+                          f"cache, and the Hub cannot be reached ({type(e).__name__}: {e}): "
+                          f"{fix}", key=key) from None

@@ -25,19 +25,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmdp.audit import plant
+from llmdp.base import plants as plant
+from llmdp.base.collectives import dist_on, sum_small
 from llmdp.privacy import noise as dp_noise
 
 # --------------------------------------------------------------------------- replicated collectives
 
 
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def broadcast_bytes(data: bytes | None, nbytes: int, device: torch.device) -> bytes:
     """Rank 0's bytes on every rank. [sync point]"""
-    if not _dist_on():
+    if not dist_on():
         assert data is not None
         return data
     buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -50,7 +47,7 @@ def broadcast_bytes(data: bytes | None, nbytes: int, device: torch.device) -> by
 def all_reduce_(grads: Sequence[torch.Tensor]) -> None:
     """Sum tensors over workers with one flat all-reduce (in their own dtype, float32 or
     wider: checked by :func:`privatize_`). [sync point, once per step]"""
-    if not _dist_on():
+    if not dist_on():
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
@@ -63,28 +60,15 @@ def all_reduce_(grads: Sequence[torch.Tensor]) -> None:
 
 def broadcast_params(params: Sequence[torch.Tensor]) -> None:
     """Start every replica from rank 0's parameters (e.g. LoRA's random init). [sync point]"""
-    if not _dist_on():
+    if not dist_on():
         return
     for p in params:
         dist.broadcast(p.data, src=0)
 
 
-def _sum_small(values: Sequence, dtype: torch.dtype, cast, device: torch.device) -> list:
-    if not _dist_on():
-        return [cast(v) for v in values]
-    t = torch.tensor(list(values), dtype=dtype, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return [cast(v) for v in t.tolist()]
-
-
 def sum_over_workers(values: Sequence[int], device: torch.device) -> list[int]:
     """Sum small integer counters over workers (one tiny all-reduce). [sync point]"""
-    return _sum_small(values, torch.int64, int, device)
-
-
-def sum_floats_over_workers(values: Sequence[float], device: torch.device) -> list[float]:
-    """Sum a few float64 values over workers (one tiny all-reduce). [sync point]"""
-    return _sum_small(values, torch.float64, float, device)
+    return sum_small(values, torch.int64, int, device)
 
 
 def privatize_(
@@ -109,7 +93,7 @@ def privatize_(
                 "reduction and the noise must be float32 or wider (DESIGN §3.8); accumulate "
                 "low-precision parameters into Strategy.grad_sinks buffers (llmdp.train.strategy)"
             )
-    _planted_sum(grads)  # test-only (llmdp.audit.plant): nothing unless a test plants a bug
+    _planted_sum(grads)  # test-only (llmdp.base.plants): nothing unless a test plants a bug
     all_reduce_(grads)  # [sync point] nothing but summation touches the clipped sum
     noise_multiplier = _planted_noise(noise_multiplier)
     if noise_multiplier > 0 and correlated is not None:
@@ -125,7 +109,7 @@ def privatize_(
 
 def barrier() -> None:
     """Wait for every worker (nothing without a process group). [sync point]"""
-    if _dist_on():
+    if dist_on():
         dist.barrier()
 
 
@@ -182,7 +166,7 @@ def fully_shard_model(model: nn.Module, mixed_precision: str = "none",
         mp = MixedPrecisionPolicy()
     # The clipping engine's taps return a view of each hooked layer's output; when that is
     # the root's output (the LM head's logits), FSDP2 warns that an in-place op on it would
-    # skip its pre-backward hook. The loss (llmdp.train.losses) never modifies logits in place.
+    # skip its pre-backward hook. The loss (llmdp.base.losses) never modifies logits in place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     layers = decoder_layers(model)
     if not layers:
@@ -294,7 +278,7 @@ def privatize_sharded_(
             )
     if not params:
         return
-    _planted_sum(buffers)  # test-only (llmdp.audit.plant)
+    _planted_sum(buffers)  # test-only (llmdp.base.plants)
     noise_multiplier = _planted_noise(noise_multiplier)
     mesh = params[0].device_mesh
     group, world = mesh.get_group(), mesh.size()

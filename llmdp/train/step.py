@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmdp.audit import plant
+from llmdp.base import plants as plant
+from llmdp.base.collectives import dist_on
+from llmdp.base.losses import row_losses
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
 from llmdp.privacy import rng
-from llmdp.train.losses import row_losses
-from llmdp.train.parallel import _dist_on, broadcast_bytes
+from llmdp.train.parallel import broadcast_bytes
 
 
 @dataclass
@@ -58,7 +59,7 @@ class StepKeys:
             run, attempt = scope
             return cls.from_step_key(rng.seeded_key(int(seed), step, "step", run=run,
                                                      attempt=attempt))
-        rank0 = not _dist_on() or dist.get_rank() == 0
+        rank0 = not dist_on() or dist.get_rank() == 0
         raw = rng.secure_key() if rank0 else None
         return cls.from_step_key(broadcast_bytes(raw, 32, device))
 

@@ -32,7 +32,7 @@ and loaded (DESIGN §1, §3.1-3.2). The worker loop (``llmdp.train.loop``) holds
     gradient accumulator. Sharded accumulators would need a reduce-scatter per
     micro-step. With LoRA the buffers are adapter-sized.
 
-Checkpoints and the final model (``llmdp.train.checkpoints``, ``llmdp.hub.save``):
+Checkpoints and the final model (``llmdp.record.checkpoints``, ``llmdp.train.save``):
 
 - ``replicated``: rank 0 writes the full state (``state.pt``) and saves the final model
   with its own ``save_pretrained``.
@@ -63,9 +63,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from llmdp.base import losses
 from llmdp.config.choices import MIXED_PRECISION, STRATEGIES
-from llmdp.hub import save as hf_save
-from llmdp.train import checkpoints, losses, parallel
+from llmdp.record import checkpoints
+from llmdp.train import parallel
+from llmdp.train import save as hf_save
 
 
 class Strategy:
@@ -109,7 +111,7 @@ class Strategy:
 
     def loss_fn(self, base: Callable | None = None) -> Callable:
         """The per-row loss function under this strategy's mixed precision (``base``:
-        ``llmdp.train.losses.row_losses``, looked up at this call)."""
+        ``llmdp.base.losses.row_losses``, looked up at this call)."""
         return losses.row_losses if base is None else base
 
     # ---- one step
@@ -166,7 +168,7 @@ class Strategy:
                         names: Sequence[str], folder: str, meta: dict, noise=None) -> bool:
         """Write this rank's part of a training checkpoint into ``folder`` (a fresh local
         folder of this rank): the trainable parameters ``names``, the optimizer state,
-        ``meta`` (step, run id, ledger position, scheduler: ``llmdp.train.checkpoints``; rank 0's
+        ``meta`` (step, run id, ledger position, scheduler: ``llmdp.record.checkpoints``; rank 0's
         is written) and ``noise``'s state (a correlated mechanism's stream,
         `mf.stream.CorrelatedNoise`, bound to the tensors of ``names``; None: none). Returns
         whether this rank reports ``folder`` to Ray Train, which merges the folders reported
@@ -349,7 +351,7 @@ class Fsdp(Strategy):
         return meta
 
     def save_model(self, model: nn.Module, folder: str) -> None:
-        """Gathered once, streaming (``llmdp.hub.save``): tensor by tensor, rank 0 writing
+        """Gathered once, streaming (``llmdp.train.save``): tensor by tensor, rank 0 writing
         shards of bounded size. A PEFT model (its adapter is small) and a model whose saved
         weights are not its own tensors renamed: the full state dict gathered to rank 0,
         saved by the model's ``save_pretrained``. [sync point]"""

@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from llmdp.run.rundir import STOP_REQUEST
+from llmdp.record.rundir import STOP_REQUEST
 
 __all__ = ["maybe_inject_fault", "maybe_wait_for_ctrl_c"]
 

@@ -2,7 +2,7 @@
 declared public (``data.public: true``) costs no privacy.
 
 Every grid point is an ordinary declared-public run (no DP, no ledger, no accounting: the
-declaration is the recipe's, `llmdp.run.baseline.public_banner`), selected by its final
+declaration is the recipe's, `llmdp.record.baseline.public_banner`), selected by its final
 held-out loss (computed without DP: the data is public). ``--write-best FILE`` writes the
 selected point as dotted overrides with where they came from; a private recipe takes
 them with ``train.hyperparameters_from: FILE`` (`llmdp.config.best`), and its report says that its
@@ -27,10 +27,10 @@ def run_public_sweep(cfg, spec, *, log=print, run_trial=None, write_best: str | 
     """The sweep of the declared-public recipe ``cfg`` over ``spec``'s grid (a
     `llmdp.tune.grid.SweepSpec`; grid trials only: a random search exists to hide K from
     a DP guarantee, and there is none here). Returns sweep.json's content."""
-    from llmdp.run.baseline import public_banner
+    from llmdp.record.baseline import public_banner
+    from llmdp.record.provenance import shown
+    from llmdp.record.rundir import RunDir
     from llmdp.run.launch import run
-    from llmdp.run.provenance import shown
-    from llmdp.run.rundir import RunDir
     from llmdp.tune.trials import _describe, _read_json, _trial_config, _write_json
 
     if spec.trials != "grid":

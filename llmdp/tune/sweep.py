@@ -37,10 +37,6 @@ everything else (K, every trial, (a), the budget figures), marked internal, and 
 never prints K. (a) holds for every K: under (a) everything may be published, and when
 (a) is the smaller ε, sweep.internal.md says it is the better statement. A grid sweep has no
 K: its sweep.md and sweep.json hold everything, publishable under (a).
-
-Why one file of about 610 lines: a sweep's launch, resume, selection and the split of its
-files into publishable and internal parts follow one contract (what a random search may
-publish under bound (b)); the grid, the draw and the cost live in `grid` / `cost`.
 """
 
 from __future__ import annotations
@@ -208,7 +204,7 @@ def _resumed_draw(state: dict | None, spec: SweepSpec, points: list, path: str):
 
 
 def _trial_row(i: int, point, cfg, point_index: int) -> dict:
-    from llmdp.run.rundir import RunDir
+    from llmdp.record.rundir import RunDir
 
     rd = RunDir(cfg.run_dir)
     report = _read_json(rd.file("privacy_report.json"))
@@ -224,8 +220,8 @@ def _recorded(cfg, planned) -> tuple[list, list, object]:
     """(this trial's releases in its ledger.jsonl, the earlier releases in its plan.json, the
     noise tails of its recorded releases at its plan's noise: `spent.ledger_noise_tail`)."""
     from llmdp.privacy.ledger import Ledger
+    from llmdp.record.rundir import RunDir
     from llmdp.report.spent import ledger_noise_tail
-    from llmdp.run.rundir import RunDir
 
     rd = RunDir(cfg.run_dir)
     ledger = Ledger(rd.ledger_path) if os.path.exists(rd.ledger_path) else None
@@ -271,7 +267,7 @@ def _run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | 
     lock = RunLock(sweep_dir)  # one launch per sweep (its draw and its trials)
     try:
         if cfg.data.public:
-            from llmdp.run.localray import shared_local_ray
+            from llmdp.base.localray import shared_local_ray
             from llmdp.tune.public import run_public_sweep
 
             shared = shared_local_ray(sweep_dir, [cfg], log) if run_trial is run else contextlib.nullcontext()
@@ -307,9 +303,9 @@ def _read_state(sweep_dir: str, random: bool) -> dict | None:
 
 
 def _run_locked(cfg, spec: SweepSpec, sweep_dir: str, log, run_trial, plan_trial, rng) -> dict:
+    from llmdp.base.localray import shared_local_ray
     from llmdp.privacy.accounting import release_entries
     from llmdp.run.launch import finished_run, run
-    from llmdp.run.localray import shared_local_ray
 
     points = spec.points()
     name = cfg.output.name

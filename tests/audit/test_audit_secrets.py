@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from llmdp.audit import canaries as cn
-from llmdp.audit.run import AuditSettings, _keep_sampling_rate, summarize
 from llmdp.audit.section import audit_section, render_audit
+from llmdp.run.audit import AuditSettings, _keep_sampling_rate, summarize
 
 M = 64
 

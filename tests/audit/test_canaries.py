@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from llmdp.audit import canaries as cn
-from llmdp.audit import plant
+from llmdp.base import plants as plant
 from tests.helpers import tiny_store, tiny_tokenizer
 
 M = 4000
@@ -174,8 +174,8 @@ def test_unit_losses_are_each_units_normalized_loss(tmp_path):
     ``row_losses`` entries, computed on that unit alone."""
     import torch
 
-    from llmdp.audit.scores import unit_losses
-    from llmdp.train.losses import row_losses
+    from llmdp.base.losses import row_losses
+    from llmdp.run.auditscores import unit_losses
     from tests.helpers import TINY_VOCAB, tiny_llama
 
     store = tiny_store(tmp_path / "cache", num_documents=6, sequence_length=24)

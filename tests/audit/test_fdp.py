@@ -178,8 +178,8 @@ def test_the_ceiling_stays_below_the_accountants_epsilon_and_grows_with_the_sign
 def test_the_audit_section_shows_bound_ceiling_and_confidence():
     """The report's audit line reads the f-DP bound against its ceiling; a correlated run has
     no ceiling, with the reason."""
-    from llmdp.audit.run import audit_ceiling
     from llmdp.audit.section import audit_line, render_audit
+    from llmdp.run.audit import audit_ceiling
 
     report = {"sampling_probability": 0.2, "noise_multiplier": 1.0, "steps_completed": 10}
     ceil = audit_ceiling(report, 500, 1e-5, 0.05 / 4)

@@ -14,9 +14,9 @@ import torch
 
 from llmdp.audit import fdp
 from llmdp.audit import gradient as gc
+from llmdp.base.losses import row_losses
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import per_unit_gradients_autograd
-from llmdp.train.losses import row_losses
 from tests.helpers import random_rows, tiny_llama
 
 C = 0.7

@@ -1,4 +1,4 @@
-"""Grey-box neighbour replay (issue 19, item 0; ``llmdp.audit.replay``): the real DP step
+"""Grey-box neighbour replay (issue 19, item 0; ``llmdp.train.replay``): the real DP step
 on D and on D∖{u}, same randomness. Every case of the matrix passes with no plant; each
 planted bug is caught by the check it breaks.
 
@@ -27,7 +27,9 @@ import numpy as np
 import pytest
 import torch
 
-from llmdp.audit.replay import (
+from llmdp.data.batching import assign_micro_batches
+from llmdp.data.store import open_store
+from llmdp.train.replay import (
     ReplayResult,
     aligned,
     aligned_draw,
@@ -35,8 +37,6 @@ from llmdp.audit.replay import (
     sampled_seed,
     with_seed,
 )
-from llmdp.data.batching import assign_micro_batches
-from llmdp.data.store import open_store
 from llmdp.train.step import StepKeys
 
 C = 1e-3
@@ -261,8 +261,8 @@ def test_the_last_unit_leaves_every_other_coin_in_place_only_at_some_n_and_q(tmp
     the real samplers, and the chosen seed samples it; removing the first unit is refused
     (indices shift). At q = B/N exactly the coins move (the skip walk's chunk size follows
     ⌊N·q⌋): the replay cannot use such a pair, and says so."""
-    from llmdp.audit.replay import _ATTEMPT, ReplayError
     from llmdp.privacy.rng.keys import seeded_key
+    from llmdp.train.replay import _ATTEMPT, ReplayError
 
     assert not any(aligned_draw(40, 0.5, None, 39, seeded_key(0, s, "test")) for s in range(8))
     spec = _spec(str(tmp_path), "llama-doc-trunc-last")
@@ -306,7 +306,7 @@ def test_banded_mf_sums_are_within_c_at_the_units_turns_and_equal_elsewhere(tmp_
     """The correlated mechanism takes the same clipped sums as DP-SGD: at each step of the
     removed unit's group ‖Δ‖ = C (clipped), at the other group's step Δ = 0 exactly; the
     stream's entry is where the sums are captured, and the ledger's round records agree."""
-    from llmdp.audit.replay import unit_groups_of
+    from llmdp.train.replay import unit_groups_of
 
     spec = _mf_spec(str(tmp_path))
     groups = unit_groups_of(spec)
@@ -329,8 +329,8 @@ def test_banded_mf_sums_are_within_c_at_the_units_turns_and_equal_elsewhere(tmp_
 
 
 def test_a_planted_clip_scale_fails_the_banded_mf_replay(tmp_path, monkeypatch):
-    from llmdp.audit import plant
-    from llmdp.audit.replay import unit_groups_of
+    from llmdp.base import plants as plant
+    from llmdp.train.replay import unit_groups_of
 
     spec = _mf_spec(str(tmp_path))
     u = int(np.flatnonzero(unit_groups_of(spec) == 0)[-1])
@@ -377,7 +377,7 @@ def test_massive_activation_with_cancelling_gradients(tmp_path, name, policy):
     """The removed unit adds at most C(1 + 1e-6) — and, clipped, at least C(1 − 1e-3) —
     through the real step, with a layer whose float32 ghost norm cancelled to garbage
     (before the fix: ‖Δ‖/C far from 1 on these cases)."""
-    from llmdp.audit.replay import with_model
+    from llmdp.train.replay import with_model
 
     spec = _spec(str(tmp_path), name)
     factory = with_model(spec, lambda vocab: _MassiveDifference(vocab, big=MASSIVE[name]["big"]))
@@ -407,7 +407,7 @@ def _odd_unit(spec) -> int:
                                              ("bf16-sum", "llama-seq-bk-ghost"),
                                              ("extra-micro-step", "llama-tied-lora-doc-trunc")])
 def test_a_planted_bug_fails_the_replay(tmp_path, monkeypatch, plant_name, case):
-    from llmdp.audit import plant
+    from llmdp.base import plants as plant
 
     spec = _spec(str(tmp_path), case)
     unit = _odd_unit(spec) if plant_name == "extra-micro-step" else _units(spec)["boundary"]
@@ -512,7 +512,7 @@ def test_two_worker_case_passes(pair_verdicts, name):
 
 @pytest.mark.slow
 def test_bf16_sum_fails_the_replay_under_fsdp(tmp_path, monkeypatch):
-    from llmdp.audit import plant
+    from llmdp.base import plants as plant
 
     name = "fsdp-llama-doc-trunc"
     spec = _spec(str(tmp_path), name)

@@ -5,7 +5,7 @@ from the mechanism's real parts: the sampler (``make_sampler``, where the ``fixe
 plant lives), the canaries' probe loss and the ghost-clipping engine (``clip-off``,
 ``clip-scale``), the reduction and the noise (``parallel.privatize_``: ``noise-off``,
 ``bf16-sum``), the cleaned projections and the likelihood-ratio scores
-(``llmdp.audit.gradient``), and ``llmdp.audit.run.summarize`` (both one-run estimators, the
+(``llmdp.audit.gradient``), and ``llmdp.run.audit.summarize`` (both one-run estimators, the
 union bound, the violation flag). Only Ray, the unit store and the run directory are left
 out: a Ray audit of the real pipeline is in test_audit_run.py.
 """
@@ -21,13 +21,13 @@ import torch
 
 from llmdp.audit import canaries as cn
 from llmdp.audit import gradient as gc
-from llmdp.audit import plant
-from llmdp.audit.run import AuditSettings, summarize
+from llmdp.base import plants as plant
+from llmdp.base.losses import row_losses
 from llmdp.clipping import GhostClipper
 from llmdp.privacy.accounting.accountant import epsilon_for
 from llmdp.privacy.sampling.poisson import make_sampler
+from llmdp.run.audit import AuditSettings, summarize
 from llmdp.train import parallel
-from llmdp.train.losses import row_losses
 from tests.helpers import random_rows, tiny_llama
 
 Q, SIGMA, STEPS, C, DELTA = 0.3, 1.0, 8, 1.0, 1e-5

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from llmdp.base.losses import row_losses
 from llmdp.clipping import GhostClipper, UnsupportedModuleError
 from llmdp.clipping.reference import clip_factors, per_unit_gradients_func
-from llmdp.train.losses import row_losses
 from tests.helpers import tiny_model
 
 V, L = 97, 12

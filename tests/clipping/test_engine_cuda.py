@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmdp.base.losses import row_losses
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
-from llmdp.train.losses import row_losses
 from tests.clipping.test_engine import (
     CONFIGS,
     IDS,

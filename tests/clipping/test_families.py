@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmdp.base.losses import row_losses
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import clip_factors
-from llmdp.train.losses import row_losses
 from tests.clipping.test_engine import make_batch
 from tests.helpers import make_exact
 

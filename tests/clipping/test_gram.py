@@ -208,7 +208,7 @@ def test_the_neighbour_test_on_a_bf16_llama(monkeypatch, mode):
     """Removing any one unit changes what was added by at most C (float64), on a bf16 Llama
     with every Linear's ghost norm from the float32 Grams; its norms agree with the float64
     Grams' within the fallback threshold."""
-    from llmdp.train.losses import row_losses
+    from llmdp.base.losses import row_losses
     from tests.clipping.test_engine import V, make_batch
     from tests.helpers import tiny_model
 

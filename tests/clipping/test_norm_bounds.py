@@ -380,9 +380,9 @@ def test_host_syncs_per_backward_do_not_grow_with_the_layers(monkeypatch, mode, 
     read for all calls at once, not two syncs per call (72 at 6 layers before); the
     implicit syncs (boolean-mask indexing, bincount, host-to-device copies) are flat too:
     at most the embedding's most frequent token count (its bound needs it on the host)."""
+    from llmdp.base.losses import row_losses
     from llmdp.clipping.rules.linear import LinearRule
     from llmdp.config.schema import LoraConfig
-    from llmdp.train.losses import row_losses
     from llmdp.train.models import apply_lora
     from tests.helpers import tiny_model
 
@@ -505,9 +505,9 @@ def test_a_gradient_that_is_exactly_zero_is_not_recomputed(mode):
     bound and deviation are all 0 and ν is the smallest positive float (ρ = 1). Those calls
     were recomputed in float64 for every unit (896 per step on the first H100 LoRA run, 6x
     the non-private step); there is nothing to tighten. The norms stay upper bounds."""
+    from llmdp.base.losses import row_losses
     from llmdp.clipping.reference import per_unit_gradients_autograd
     from llmdp.config.schema import LoraConfig
-    from llmdp.train.losses import row_losses
     from llmdp.train.models import apply_lora
     from tests.helpers import tiny_model
 
@@ -531,8 +531,8 @@ def test_lora_at_initialization_recomputes_nothing(dtype):
     deviation must be exactly 0 (no rounding term on a row of zeros, ``lowp.row_norms``),
     or every unit of every lora_A call would look like a bound that is all rounding and be
     recomputed exactly (224 fallbacks per step on the emulated CUDA path once, issue 50)."""
+    from llmdp.base.losses import row_losses
     from llmdp.config.schema import LoraConfig
-    from llmdp.train.losses import row_losses
     from llmdp.train.models import apply_lora
     from tests.helpers import tiny_model
 

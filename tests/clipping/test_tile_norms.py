@@ -192,7 +192,7 @@ _ENGINE = textwrap.dedent(
     import torch
     from llmdp.clipping import GhostClipper, lowp
     from llmdp.clipping.rules import linear
-    from llmdp.train.losses import row_losses
+    from llmdp.base.losses import row_losses
     from tests.clipping.test_engine import V, make_batch
     from tests.helpers import tiny_model
 

@@ -265,11 +265,16 @@ def _recipe(tmp_path, data_path, **data):
 
 
 def test_preprocess_ray_on_a_source_it_cannot_read_is_refused_by_name(tmp_path):
+    """Refused when the run is planned, first (the check reads the corpus's file list, which
+    the recipe's loading does not: `llmdp.data.chunks.check_preprocess`)."""
+    from llmdp.run.planning import plan_run
+
     csv = tmp_path / "notes.csv"
     csv.write_text("text\nhello there\n")
+    cfg = _recipe(tmp_path, csv, preprocess="ray")
     with pytest.raises(ConfigError, match=r"data.preprocess: 'ray' cannot build this corpus: csv "
                                           r"files are read in one process.*data.preprocess: local"):
-        _recipe(tmp_path, csv, preprocess="ray")
+        plan_run(cfg, log=lambda *a: None)
     assert _recipe(tmp_path, csv, preprocess="auto").data.preprocess == "auto"
     with pytest.raises(ConfigError, match="data.preprocess"):
         _recipe(tmp_path, csv, preprocess="spark")
@@ -331,5 +336,8 @@ def test_a_corpus_named_by_uri_is_read_through_pyarrow_like_a_local_one(tmp_path
     assert dataset_identity(cfg.data)["source"] == f"path:{os.path.realpath(d)}"
     with pytest.raises(ConfigError, match=r"data.path: .* is a URI.*data.preprocess: 'local'"):
         _recipe(tmp_path, uri, preprocess="local")
-    with pytest.raises(ConfigError, match="does not exist"):
-        _recipe(tmp_path, f"file://{tmp_path}/nowhere", preprocess="ray")
+    from llmdp.run.planning import plan_run
+
+    nowhere = _recipe(tmp_path, f"file://{tmp_path}/nowhere", preprocess="ray")
+    with pytest.raises(ConfigError, match="does not exist"):  # when the run is planned
+        plan_run(nowhere, log=lambda *a: None)

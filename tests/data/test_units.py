@@ -313,9 +313,9 @@ def test_store_reads_only_the_requested_rows(tmp_path):
 
 def test_user_rows_are_clipped_as_one_unit(tmp_path):
     """A user's rows, through the store, are one unit: engine == torch.func reference (float64)."""
+    from llmdp.base.losses import row_losses
     from llmdp.clipping import GhostClipper
     from llmdp.clipping.reference import clipped_sum, per_unit_gradients_func
-    from llmdp.train.losses import row_losses
     from tests.helpers import tiny_llama
 
     c, _, _ = corpus(num_records=40, num_users=5, long_user="prolific", long_docs=30, max_len=30)
@@ -359,7 +359,7 @@ def test_user_rows_are_clipped_as_one_unit(tmp_path):
 def test_document_masking_makes_packed_documents_independent():
     """With segment ids, a packed row's logits equal each document run alone (float64),
     position ids restarting at 0 per document; without them, later documents see earlier ones."""
-    from llmdp.train.losses import segment_attention
+    from llmdp.base.losses import segment_attention
     from tests.helpers import tiny_llama
 
     model = tiny_llama(dtype=torch.float64, exact=True).eval()

@@ -298,7 +298,7 @@ def test_a_repair_acknowledges_the_lost_records_and_only_those(tmp_path, capsys)
 
 
 def test_a_runs_records_name_its_ledger_file_which_is_never_published(tmp_path):
-    from llmdp.report.publish import publishable_ledger
+    from llmdp.record.publish import publishable_ledger
 
     location = str(tmp_path / "ledger.sqlite")
     _ten_releases(location, "ds", tmp_path).db.close()

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 
 from llmdp.config.validate import ConfigError
+from llmdp.data.ids import canonical_id, normalize_uri
 from llmdp.data.sources import source_fingerprint
 from llmdp.privacy.ledger.database import LedgerDB
 from llmdp.privacy.ledger.dataset import open_dataset_ledger
-from llmdp.privacy.ledger.dataset_ids import canonical_id, normalize_uri
 from llmdp.privacy.ledger.service import open_dataset
 from tests.helpers import write_notes
 

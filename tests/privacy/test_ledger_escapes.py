@@ -87,7 +87,7 @@ def test_a_new_dataset_id_on_budgeted_data_is_refused_unless_declared_distinct(t
         "ledgers": [old], "reason": "the 2026 intake: other patients, the same template"}
     md = open(os.path.join(spec.run_dir, "privacy_report.md"), encoding="utf-8").read()
     assert f"declared distinct from {old}" in md
-    from llmdp.report.publish import publishable_report
+    from llmdp.record.publish import publishable_report
 
     assert "distinct_from" not in json.dumps(publishable_report(rep))  # internal only
 

@@ -6,11 +6,12 @@ budget kept against them (DESIGN §3.5, §4 "The dataset ledgers").
 - `verify`: the chain check of a ledger's rows; `anchors`: the head log and the runs'
   files the ledgers are checked against;
 - `location`: where the database is; `registry`: every database the user wrote to;
-- `dataset_ids`: one id per dataset; `dataset`: opening a dataset's ledger for a run;
+- `dataset`: opening a dataset's ledger for a run (each dataset's one id: `llmdp.data.ids`);
 - `service`: the ledger service (the single writer: holds, blocks, budget checks);
 - `budget`: the dataset's budget and the arithmetic over records;
 - `eval_source`: DP evaluations on a separate private source;
-- `cli`: ``llmdp privacy ledger ...``.
+- `cli`: ``llmdp privacy ledger ...`` (handed the reader of a run directory's plan.json:
+  run directories are `llmdp.record`, a layer above this one).
 
 Names are looked up in their modules on first use: importing this package loads nothing,
 and the ledger's modules do not load torch.
@@ -26,7 +27,6 @@ _NAMES = {
                 "is_step_release", "net_records", "release_entries", "step_count"),
     "database": ("LedgerDB",),
     "location": ("describe_location", "is_url", "llmdp_home", "resolve_location"),
-    "dataset_ids": ("canonical_id", "hub_id", "path_id", "uri_id"),
     "dataset": ("check_declared_public", "check_public_eval", "open_dataset_ledger"),
     "service": ("BudgetError", "LedgerService", "cross_check", "run_ledger_problems"),
     "budget": ("DatasetBudget", "budget_refusal", "budget_status", "check_release",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 
 from llmdp.config.choices import ACCOUNTANTS
 from llmdp.privacy.ledger.budget import (
@@ -36,7 +37,6 @@ from llmdp.privacy.ledger.records import (
     net_records,
 )
 from llmdp.privacy.ledger.service import run_ledger_problems
-from llmdp.run.rundir import RunDir
 
 
 def _db(location: str | None, read_only: bool):
@@ -44,8 +44,13 @@ def _db(location: str | None, read_only: bool):
     return LedgerDB(loc, read_only=read_only)
 
 
-def _run_info(run_dir: str) -> tuple[dict, str]:
-    info = RunDir(run_dir).info  # NotARunDirectory (a ValueError) without plan.json
+# A run directory's plan.json, as `llmdp.record.rundir.RunDir(run_dir).info` reads it (the
+# command line passes that reader in: run directories are a layer above the ledgers).
+RunInfo = Callable[[str], dict]
+
+
+def _run_info(run_dir: str, read_info: RunInfo) -> tuple[dict, str]:
+    info = read_info(run_dir)  # NotARunDirectory (a ValueError) without plan.json
     d = info.get("dataset_ledger")
     if not isinstance(d, dict):
         raise ValueError(f"{run_dir}: a run of an earlier llmdp (its dataset ledger is the JSONL "
@@ -108,15 +113,16 @@ def _delta_arg(value: str) -> float:
     return d
 
 
-def verify_run(run_dir: str, location: str | None = None) -> list[str]:
+def verify_run(run_dir: str, location: str | None, read_info: RunInfo) -> list[str]:
     """Problems of a run's ledger.jsonl, checked on its own and against its dataset ledger
     (raises `LedgerError` if the dataset ledger itself is damaged)."""
-    info, loc = _run_info(run_dir)
+    info, loc = _run_info(run_dir, read_info)
     return run_ledger_problems(os.path.join(run_dir, LEDGER_FILENAME), info.get("run_id"),
                                resolve_location(location or loc), info["dataset_ledger"]["dataset_id"])
 
 
-def main(args) -> int:
+def main(args, read_info: RunInfo) -> int:
+    """``llmdp privacy ledger ARGS``; ``read_info``: a run directory's plan.json (`RunInfo`)."""
     cmd = args.ledger_command
     if cmd == "list":
         delta = None if getattr(args, "delta", None) is None else _delta_arg(args.delta)
@@ -134,7 +140,7 @@ def main(args) -> int:
         return 0
     if cmd == "verify":
         if args.run_dir:
-            problems = verify_run(args.run_dir, args.ledger)
+            problems = verify_run(args.run_dir, args.ledger, read_info)
             if problems:
                 raise LedgerError("; ".join(problems))
             print(f"{os.path.join(args.run_dir, LEDGER_FILENAME)}: intact, and every record is in "
@@ -161,7 +167,7 @@ def main(args) -> int:
         return 0
     if cmd == "repair":
         if args.run_dir:
-            return _repair_run(args.run_dir, args.ledger, args.reason)
+            return _repair_run(args.run_dir, args.ledger, args.reason, read_info)
         if not args.dataset:
             raise ValueError("llmdp privacy ledger repair: give a RUN_DIR (rewrite its "
                              "ledger.jsonl) or --dataset ID (a damaged dataset ledger)")
@@ -210,14 +216,14 @@ def main(args) -> int:
     raise ValueError(f"unknown ledger command {cmd!r}")
 
 
-def _repair_run(run_dir: str, location: str | None, reason: str) -> int:
+def _repair_run(run_dir: str, location: str | None, reason: str, read_info: RunInfo) -> int:
     """Rewrite a run's ledger.jsonl from its dataset ledger (which must be intact): the
     damaged file is kept beside it, and the repair is recorded in the dataset ledger."""
-    problems = verify_run(run_dir, location)
+    problems = verify_run(run_dir, location, read_info)
     if not problems:
         print(f"{os.path.join(run_dir, LEDGER_FILENAME)}: intact; nothing to repair")
         return 0
-    info, loc = _run_info(run_dir)
+    info, loc = _run_info(run_dir, read_info)
     ds, run_id = info["dataset_ledger"]["dataset_id"], info["run_id"]
     path = os.path.join(run_dir, LEDGER_FILENAME)
     db = _db(location or loc, read_only=False)

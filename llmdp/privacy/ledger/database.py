@@ -24,11 +24,6 @@ and the records a run's ledger service writes name the run's ``ledger.jsonl``. E
 read and every transaction checks the ledger against both, so deleting the last records
 and moving the head back, or deleting a whole ledger, is detected as damage too (a repair
 lists what it acknowledges as ``lost``).
-
-Why one file of about 600 lines: the two backends (SQLite, PostgreSQL) share one
-transaction protocol (exclusive lock, chain check, head row, head-log anchor after the
-commit), and a change to any step of it must be made to both at once; splitting by backend
-would put the two halves of one contract in two files.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The database is ``location.resolve_location(privacy.ledger)`` ($LLMDP_HOME/ledger.sqlite by
 default); the dataset's identity is ``data.sources.dataset_identity`` (``data.dataset_id``,
-never the data's bytes; a derived id normalized, `llmdp.privacy.ledger.dataset_ids`, and a ledger
+never the data's bytes; a derived id normalized, `llmdp.data.ids`, and a ledger
 started under an earlier spelling of it kept). Legacy per-dataset JSONL ledgers are imported
 once. The head log the database's ledgers are anchored to (`llmdp.privacy.ledger.anchors`) is
 resolved here, on the driver, and handed to the run's ledger service.
@@ -25,8 +25,8 @@ def open_dataset_ledger(d, ledger_opt: str | None, sha256: str, log=print,
     it replaces, imported once. Prints where it is. ``recipe_legacy``: a legacy JSONL
     ``privacy.ledger`` is this data's (False for another source of the recipe, e.g. a
     separate evaluation source: that file is the training data's ledger)."""
+    from llmdp.data.ids import local_members
     from llmdp.data.sources import dataset_identity  # lazy: llmdp.data.sources imports datasets
-    from llmdp.privacy.ledger.dataset_ids import local_members
 
     ident = dataset_identity(d)
     location = resolve_location(ledger_opt)
@@ -63,7 +63,7 @@ def _check_new_ledger(d, ident: dict, sha256: str, members, location: str, log) 
     ledger named in ``data.distinct_from`` (or whose record names this id there) is other
     data. Returns the declaration to record in the new ledger (None without one)."""
     from llmdp.config.validate import ConfigError
-    from llmdp.privacy.ledger.dataset_ids import canonical_id
+    from llmdp.data.ids import canonical_id
     from llmdp.privacy.ledger.registry import marks_text, recorded, same_location
 
     names = tuple(getattr(d, "distinct_from", ()) or ())
@@ -122,8 +122,8 @@ def check_public_eval(ev, train, train_sha: str, ledger_opt: str | None, log=pri
     too, it may not be the run's training data, have its content or overlap it. Refused
     with a `ConfigError` before anything is opened or recorded."""
     from llmdp.config.validate import ConfigError
+    from llmdp.data.ids import canonical_id, local_members, overlap
     from llmdp.data.sources import dataset_identity, source_fingerprint
-    from llmdp.privacy.ledger.dataset_ids import canonical_id, local_members, overlap
     from llmdp.privacy.ledger.registry import recorded
 
     if ev is None or ev.public is not True or (ev.path is None and ev.dataset is None):
@@ -166,8 +166,8 @@ def check_declared_public(d, ledger_opt: str | None, sha256: str, *, run_dir: st
     ``note`` of the declaration is recorded in each. No ledger and no database is created.
     Returns the ledgers noted."""
     from llmdp.config.validate import ConfigError
+    from llmdp.data.ids import local_members
     from llmdp.data.sources import dataset_identity  # lazy: llmdp.data.sources imports datasets
-    from llmdp.privacy.ledger.dataset_ids import local_members
     from llmdp.privacy.ledger.records import now
     from llmdp.privacy.ledger.registry import recorded
 

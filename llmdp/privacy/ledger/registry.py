@@ -63,7 +63,7 @@ def marks_text(m: dict) -> str:
 
 
 def _in_db(db, ident: dict, sha256: str, members) -> list[dict]:
-    from llmdp.privacy.ledger.dataset_ids import canonical_id
+    from llmdp.data.ids import canonical_id
     from llmdp.privacy.ledger.service import _similar_ledgers
 
     mine = canonical_id(ident["dataset_id"])

@@ -25,11 +25,6 @@ budget, and a release for another privacy unit, are refused.
 "ε spent" is per privacy unit definition; the arithmetic (ε spent, holds, how many steps
 fit) is pure functions over ledger records, in `llmdp.privacy.ledger.budget` (and, for a separate
 evaluation source's ledger, `llmdp.privacy.ledger.eval_source`).
-
-Why one file of about 760 lines: it is mostly one class, `LedgerService`, the single writer,
-whose methods are each one transaction in which a check and the record it admits must be
-read together (a hold, a block, a DP evaluation), and whose write-ahead order between the
-database and ``ledger.jsonl`` is one contract; the pure arithmetic is already elsewhere.
 """
 
 from __future__ import annotations
@@ -95,7 +90,7 @@ def open_dataset(db, dataset_id: str, *, sha256: str, source: str, name: str, lo
     (the same budget: a modified copy of the data is the same individuals unless the user
     declares a new ``data.dataset_id``). Legacy JSONL ledgers are imported once.
 
-    A derived id (``declared`` False, `llmdp.privacy.ledger.dataset_ids`) is looked up by its
+    A derived id (``declared`` False, `llmdp.data.ids`) is looked up by its
     spelling: a ledger started under an earlier spelling of the same source (e.g.
     ``hub:OrgName/Notes`` for ``hub:orgname/notes``) *is* this dataset's ledger and is kept;
     two such ledgers are refused (`ConfigError`, naming them). A new ledger whose data looks
@@ -151,7 +146,7 @@ def _derived_ledger(db, dataset_id: str, log) -> str:
     """The ledger of a derived id: the one whose stored id is a spelling of it
     (`dataset_ids.canonical_id`), kept under its stored id; ``dataset_id`` when none is."""
     from llmdp.config.validate import ConfigError
-    from llmdp.privacy.ledger.dataset_ids import canonical_id
+    from llmdp.data.ids import canonical_id
 
     same = [i for i in db.ledgers() if i == dataset_id or canonical_id(i) == dataset_id]
     if len(same) > 1:
@@ -195,7 +190,7 @@ def _similar_ledgers(db, dataset_id: str, sha256: str, name: str,
     other); else the same source name with other content (a hint only)."""
     import json as _json
 
-    from llmdp.privacy.ledger.dataset_ids import canonical_id, overlap
+    from llmdp.data.ids import canonical_id, overlap
 
     conn = db._connect()
     cur = conn.cursor()

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 
-from llmdp.config.choices import CYCLIC_SAMPLERS, MECHANISMS
+from llmdp.config.choices import mechanism_problem
 from llmdp.privacy.accounting import PlanError
 
 __all__ = ["MechanismError", "mf_commitment", "check_mechanism", "resolve_cycle", "rounds", "round_factor",
@@ -55,44 +55,11 @@ class MechanismError(PlanError):
 
 
 def check_mechanism(mechanism: str, sampler: str, *, bands=None, cycle=None, dp: bool = True) -> None:
-    """Refuse, naming the field, every (mechanism, sampler, bands, cycle) no analysis covers."""
-    if mechanism not in MECHANISMS:
-        raise MechanismError(f"{mechanism!r} is not one of {MECHANISMS}", "mechanism")
-    if mechanism == "dp-sgd":
-        if sampler in CYCLIC_SAMPLERS:
-            raise MechanismError(
-                f"sampler {sampler!r} is for the correlated mechanisms (banded-mf, blt); DP-SGD "
-                "is accounted for Poisson sampling: set sampler: poisson (or truncated-poisson), "
-                "or mechanism: banded-mf", "sampler")
-        for name, v in (("bands", bands), ("cycle", cycle)):
-            if v is not None:
-                raise MechanismError(f"{v!r} is only used by the correlated mechanisms (mechanism "
-                                     f"is 'dp-sgd'); remove {name} or set mechanism: banded-mf",
-                                     name)
-        return
-    if sampler not in CYCLIC_SAMPLERS:
-        raise MechanismError(
-            f"{sampler!r} with mechanism {mechanism!r}: a correlated mechanism's analysis needs "
-            f"a unit's steps at least b apart (you cannot plug in plain Poisson sampling: a unit "
-            f"could be drawn at neighbouring steps, whose noise is correlated). Set sampler: "
-            f"cyclic-poisson (banded-mf, amplified) or fixed-cycle", "sampler")
-    if mechanism == "blt" and sampler == "cyclic-poisson":
-        raise MechanismError(
-            "'cyclic-poisson' with mechanism 'blt': amplification by sampling is proven here for "
-            "banded strategies only (BLT's columns are not banded, so a unit's participations "
-            "share rows); set sampler: fixed-cycle (BLT without amplification) or mechanism: "
-            "banded-mf", "sampler")
-    if mechanism == "banded-mf" and bands is None and dp:
-        raise MechanismError("required with mechanism 'banded-mf': the number of bands b of C "
-                             "(1 is DP-SGD; 2-64 typical)", "bands")
-    if mechanism == "blt" and bands is not None:
-        raise MechanismError(f"{bands!r} is only used by mechanism 'banded-mf' (mechanism is "
-                             "'blt': set privacy.buffers instead); remove bands", "bands")
-    if sampler == "cyclic-poisson" and cycle is not None and bands is not None and bands > cycle:
-        raise MechanismError(
-            f"bands {bands} is more than cycle {cycle} with sampler 'cyclic-poisson': the amplified "
-            "analysis needs b <= cycle (a unit's participations then touch disjoint rows of C·G); "
-            "lower bands or raise cycle", "bands")
+    """Refuse, naming the field, every (mechanism, sampler, bands, cycle) no analysis covers
+    (the rules: `llmdp.config.choices.mechanism_problem`, which recipe checks read too)."""
+    problem = mechanism_problem(mechanism, sampler, bands=bands, cycle=cycle, dp=dp)
+    if problem is not None:
+        raise MechanismError(*problem)
 
 
 def resolve_cycle(sampler: str, *, bands, cycle, dataset_size: int, expected_batch_size: float) -> int:
@@ -150,7 +117,7 @@ def scaled_sensitivity(fact, sampler: str, *, steps: int, cycle: int) -> float:
     """The sensitivity the sampler's analysis uses, of the strategy as recorded (scale
     included): C's largest column norm (cyclic Poisson) or its min-separation sensitivity
     over all K rounds (fixed cycle). `build_strategy` scales it to 1, so it is linear in
-    ``scale``: a plan read back is checked against it (`llmdp.run.rundir.check_read_back`)."""
+    ``scale``: a plan read back is checked against it (`llmdp.record.rundir.check_read_back`)."""
     if sampler == "cyclic-poisson":
         from llmdp.privacy.mf.sensitivity import column_norms
 

@@ -445,7 +445,9 @@ def make_sampler(
     num_units: int, sampling_probability: float, max_batch_size: int | None = None
 ) -> PoissonSampler | TruncatedPoissonSampler:
     """`PoissonSampler` if `max_batch_size` is None, else `TruncatedPoissonSampler`."""
-    from llmdp.audit import plant  # the test-only switch (LLMDP_TEST_PLANT), never a recipe
+    from llmdp.base import (
+        plants as plant,  # the test-only switch (LLMDP_TEST_PLANT), never a recipe
+    )
 
     if plant.on("fixed-batches"):  # a planted bug for the auditor's self-test
         return plant.FixedBatches(num_units, sampling_probability)

@@ -3,7 +3,7 @@
 Both scores compare the final model θ_T with the model the run started from, θ_0 (the
 same weights every worker started from: the recipe's model, LoRA initialised under
 ``train.seed``). θ_T's trainable parameters are read by name from the run's last
-checkpoint (either format, ``llmdp.train.checkpoints``), so full fine-tuning, LoRA, replicated
+checkpoint (either format, ``llmdp.record.checkpoints``), so full fine-tuning, LoRA, replicated
 and fsdp are read alike. Higher means "more likely included".
 
     black-box  loss(θ_0) − loss(θ_T) of the canary (its normalized loss, the unit loss the
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmdp.train.losses import row_losses
+from llmdp.base.losses import row_losses
 
 __all__ = ["black_box_scores", "initial_model", "final_model", "unit_losses", "white_box_scores"]
 
@@ -42,7 +42,7 @@ def initial_model(cfg, cache_dir: str) -> nn.Module:
 
 def final_model(cfg, cache_dir: str, checkpoint_dir: str) -> nn.Module:
     """θ_T: θ_0 with the trainable parameters of ``checkpoint_dir`` (by name)."""
-    from llmdp.train import checkpoints
+    from llmdp.record import checkpoints
 
     model = initial_model(cfg, cache_dir)
     params = dict(model.named_parameters())

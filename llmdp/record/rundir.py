@@ -5,15 +5,15 @@
     ledger.jsonl         the run's ledger (the ledger service writes it, write-ahead)
     metrics.jsonl        per-step metrics (rank 0)
     checkpoints/         Ray Train's checkpoints (``checkpoint_*/``: ``state.pt``, or
-                         ``state.json`` + DCP shards; ``llmdp.train.checkpoints``) and its record
+                         ``state.json`` + DCP shards; ``llmdp.record.checkpoints``) and its record
                          of them (``checkpoint_manager_snapshot.json``)
     local_ray.json       while a local Ray started by the run lives: its processes
-                         (``llmdp.run.localray``; a relaunch ends what a dead launch left)
+                         (``llmdp.base.localray``; a relaunch ends what a dead launch left)
     model/               the trained model (``save_pretrained``)
     privacy_report.*     the report (``llmdp.report.build``)
 
 The run itself never reads plan.json back: the driver hands the workers a
-:class:`llmdp.run.spec.RunSpec`. The report, the export and the CLI read it here, and
+:class:`llmdp.record.spec.RunSpec`. The report, the export and the CLI read it here, and
 every field derived from the plan's inputs is derived again (`check_read_back`): an
 edited or damaged plan.json is refused, never reported.
 """
@@ -30,7 +30,7 @@ from typing import Any
 from llmdp.privacy.accounting import PlanError
 from llmdp.privacy.ledger import Ledger
 from llmdp.privacy.plan import DPPlan
-from llmdp.train import checkpoints
+from llmdp.record import checkpoints
 
 PLAN_JSON = "plan.json"
 RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of its checkpoints
@@ -211,7 +211,7 @@ class RunDir:
 
     def latest_checkpoint(self) -> str | None:
         """The checkpoint folder Ray Train restores (either format of
-        ``llmdp.train.checkpoints``), or None: the latest one its controller registered
+        ``llmdp.record.checkpoints``), or None: the latest one its controller registered
         (``checkpoint_manager_snapshot.json``; none registered: None), else (no snapshot)
         the newest folder. A driver killed between a worker's upload and the registration
         leaves a newer folder that Ray Train does not resume from."""

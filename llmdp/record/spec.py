@@ -4,7 +4,7 @@
 service, earlier releases, tokenizer, paths); Ray ships it to the workers as it is (it is
 frozen and picklable), and the worker loop reads typed fields: it never re-validates the
 recipe, restates a default, or reads plan.json back. plan.json is the spec's published
-record (:meth:`RunSpec.plan_record`), written once and read by ``llmdp.run.rundir.RunDir``.
+record (:meth:`RunSpec.plan_record`), written once and read by ``llmdp.record.rundir.RunDir``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from llmdp.evaluation.dp import DpEvalPlan
 from llmdp.privacy.accounting import composed_epsilon, event_to_json
 from llmdp.privacy.ledger import LedgerService
 from llmdp.privacy.plan import DPPlan
-from llmdp.run.baseline import NON_PRIVATE, public_banner
-from llmdp.run.provenance import summary
+from llmdp.record.baseline import NON_PRIVATE, public_banner
+from llmdp.record.provenance import summary
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class RunSpec:
     data_stats: Mapping[str, Any] = field(default_factory=dict)  # internal: computed on private data
     eval_plan: DpEvalPlan | None = None  # the DP evaluations (None: none)
     unit: Mapping[str, Any] = field(default_factory=dict)  # the privacy unit (kind, description, ...)
-    # the model the run starts from and what it means for ε (llmdp.run.provenance; None:
+    # the model the run starts from and what it means for ε (llmdp.record.provenance; None:
     # random weights); its composed releases are in prior_releases
     starting_model: Mapping[str, Any] | None = None
     # the checkpoint folder (its name) the driver read whole against its manifest before this
@@ -127,7 +127,7 @@ class RunSpec:
     @property
     def dp(self) -> bool:
         """False for a NON-PRIVATE baseline (privacy.dp: false): no clipping, no noise, no
-        ledger, labelled NON-PRIVATE everywhere (``llmdp.run.baseline``)."""
+        ledger, labelled NON-PRIVATE everywhere (``llmdp.record.baseline``)."""
         return self.plan.dp
 
     @functools.cached_property  # computed once (a PLD), for the log line and plan.json
@@ -163,7 +163,7 @@ class RunSpec:
 
     def plan_record(self) -> dict[str, Any]:
         """What plan.json holds (a baseline's: ``"privacy": "NON-PRIVATE"``, no ε, no ledger)."""
-        from llmdp.audit import plant  # the test-only planted bug, if one is switched on
+        from llmdp.base import plants as plant  # the test-only planted bug, if one is switched on
 
         planted = plant.active()
         return {

@@ -9,7 +9,7 @@ expected batch is scaled with the expected number of included canaries
 (``_keep_sampling_rate``: m/2, never the realized number, which is secret), so that q, σ and
 ε are the recipe's in expectation: the audit measures the mechanism the recipe runs.
 
-After training, each canary is scored against the final model (``llmdp.audit.scores``:
+After training, each canary is scored against the final model (``llmdp.run.auditscores``:
 black-box loss reduction, white-box gradient probe) and the one-run bound of Steinke,
 Nasr and Jagielski (2023) turns the guesses on the most confident canaries into an ε
 lower bound at the stated confidence (``llmdp.audit.estimate``). With both scores each is
@@ -170,8 +170,8 @@ def run_audit(cfg, settings: AuditSettings = AuditSettings(), log=print) -> dict
 def _run_audit(cfg, settings: AuditSettings, log) -> dict:
     from llmdp._fs import cache_root
     from llmdp.config.schema import ConfigError
+    from llmdp.record.rundir import RunDir
     from llmdp.run import launch as trainer
-    from llmdp.run.rundir import RunDir
 
     t0 = time.time()
     acfg = audit_config(cfg)
@@ -219,8 +219,8 @@ def _run_audit(cfg, settings: AuditSettings, log) -> dict:
     all_dirs = sorted(d for d in os.listdir(secret) if d.startswith("store-all-"))
     if len(all_dirs) != 1:
         raise RuntimeError(f"{secret}: expected one canary store, found {all_dirs}")
-    from llmdp.audit import scores as sc
     from llmdp.data.store import open_store
+    from llmdp.run import auditscores as sc
 
     store = open_store(os.path.join(secret, all_dirs[0]))
     models = os.path.join(cache_root(), "models")
@@ -236,7 +236,7 @@ def _run_audit(cfg, settings: AuditSettings, log) -> dict:
 
 
 def _finish(per, canaries, report, settings, run_dir, secret, t0, t_train, log) -> dict:
-    from llmdp.audit import plant
+    from llmdp.base import plants as plant
     from llmdp.report.build import write_report
 
     np.savez(os.path.join(secret, "scores.npz"), included=canaries.included, **{

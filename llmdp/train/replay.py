@@ -49,12 +49,6 @@ on the real sampler) and the step key samples u (:func:`sampled_seed` searches s
 deterministically). :func:`replay` refuses a neighbour whose sample is not aligned
 (:class:`ReplayError`): the sums would not be comparable. Test-only: nothing here is part
 of a training run.
-
-Why one file of about 540 lines: the replay is one check, D against D∖{u} with the same
-draws, and its parts (which seed and unit make the two samples comparable, how each side
-runs the real step and records its sums, micro-steps and collectives, and the verdict's
-criteria (a) and (b)) only mean something read together: a change to what a side records
-is a change to what the verdict can claim.
 """
 
 from __future__ import annotations
@@ -74,7 +68,7 @@ from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import UnitStore, as_indices
 from llmdp.privacy import noise as dp_noise
 from llmdp.privacy.sampling import make_sampler
-from llmdp.run.spec import RunSpec
+from llmdp.record.spec import RunSpec
 from llmdp.train import correlated, parallel
 from llmdp.train.step import StepKeys
 
@@ -90,7 +84,7 @@ _DIST_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into
              "broadcast_object_list")
 # llmdp.train.parallel's own collectives, looked up through the module at call time.
 _PARALLEL_OPS = ("privatize_", "privatize_sharded_", "all_reduce_", "sum_over_workers",
-                 "sum_floats_over_workers", "broadcast_bytes", "barrier", "_reduce_scatter")
+                 "broadcast_bytes", "barrier", "_reduce_scatter")
 # Ledger fields that name the run or the moment, not the release.
 _LEDGER_VOLATILE = frozenset({"time", "hash", "prev", "prev_hash", "run_prev", "seq", "run_id", "attempt",
                               "dataset_id", "run_ledger", "txn"})

@@ -76,7 +76,7 @@ def _num(x) -> float | None:
 
 def load_run(path: str) -> dict:
     """One run's row: its privacy and its final metrics (None where the report has none)."""
-    from llmdp.run.rundir import RunDir  # lazy: the privacy package imports torch
+    from llmdp.record.rundir import RunDir  # lazy: the privacy package imports torch
 
     rd = RunDir(path).require(ConfigError)
     report_path = rd.file("privacy_report.json")
@@ -264,7 +264,7 @@ def gain_against(run_dir: str, baseline_dir: str, report: dict | None = None) ->
     three held-out losses and (start − DP) / (start − NON-PRIVATE) (None when a loss is
     missing or the baseline gained nothing). Internal: the losses are computed on private
     held-out data without DP. ``report``: the run's report as it is being built (else read)."""
-    from llmdp.run.rundir import RunDir  # lazy, as in load_run
+    from llmdp.record.rundir import RunDir  # lazy, as in load_run
 
     run = load_run(run_dir) if report is None else _row(RunDir(run_dir), report)
     base = load_run(baseline_dir)

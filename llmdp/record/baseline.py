@@ -51,7 +51,7 @@ def _config_hash(run_dir: str) -> str | None:
 
 
 def baseline_report(rd, metrics: list[dict], state: dict, *, internal_metrics: dict) -> dict[str, Any]:
-    """The report of a baseline run (``rd``: its `llmdp.run.rundir.RunDir`; ``metrics``: its
+    """The report of a baseline run (``rd``: its `llmdp.record.rundir.RunDir`; ``metrics``: its
     metrics.jsonl records; ``state``: where it stands, `llmdp.report.build.run_state`): status,
     steps and the recipe's facts; no ε, no ledger."""
     cfg, info, plan = rd.config(), rd.info, rd.plan

@@ -11,7 +11,7 @@ import os
 import re
 from typing import Any
 
-from llmdp.report.allowlist import allow_listed
+from llmdp.privacy.allowlist import allow_listed
 
 # DESIGN §3.9: an export (or anything meant for publication) holds DP releases and public
 # configuration only. The publishable report and ledger are derived from the local ones by

@@ -178,7 +178,7 @@ def start(run_dir: str, log=print, **init) -> LocalRay | None:
         [pkg_parent] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "llmdp.run.localray", record, str(me.pid)]
+            [sys.executable, "-m", "llmdp.base.localray", record, str(me.pid)]
             + [f"{pid}:{ct!r}" for pid, ct in roots],
             stdin=read_fd, env=env, start_new_session=True,  # not hit by the terminal's Ctrl-C
             stdout=subprocess.DEVNULL)

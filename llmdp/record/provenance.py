@@ -47,7 +47,7 @@ SOURCE = "starting-model"  # prior releases of a starting checkpoint carry this 
 def write_provenance(spec, folder: str) -> None:
     """The provenance of the model ``spec`` (a `RunSpec`) trained, into ``folder``."""
     from llmdp.config.schema import to_dict
-    from llmdp.run.baseline import public_banner
+    from llmdp.record.baseline import public_banner
 
     cfg = spec.cfg
     data = to_dict(cfg)["data"]
@@ -94,7 +94,7 @@ def publishable(info: dict, scrub) -> dict:
 def _own_releases(spec) -> list[dict]:
     """The release records of the run's ledger, net of voids, as an export publishes them."""
     from llmdp.privacy.ledger import Ledger, net_records
-    from llmdp.report.publish import publishable_ledger
+    from llmdp.record.publish import publishable_ledger
 
     path = os.path.join(spec.run_dir, "ledger.jsonl")
     recs = net_records(Ledger(path).records()) if os.path.exists(path) else []
@@ -317,7 +317,7 @@ def composed_releases(parts: list[tuple[dict, list[dict]]], ledger: str) -> dict
     from llmdp.privacy.ledger import EVAL_MECHANISM, is_step_release, step_count
     from llmdp.privacy.noise import noise_tail
     from llmdp.privacy.plan import DPPlan
-    from llmdp.run.rundir import check_read_back
+    from llmdp.record.rundir import check_read_back
 
     def read_plan(info: dict) -> DPPlan:  # its derived fields derived again, as plan.json's
         return check_read_back(DPPlan.from_dict(info["plan"]),
