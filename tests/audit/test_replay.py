@@ -458,7 +458,7 @@ def _fsdp_proc(rank, port, jobs, out):
 def _spawn(jobs, out) -> dict:
     import torch.multiprocessing as mp
 
-    from tests.test_checkpoint_dcp import _ports
+    from tests.train.test_checkpoint_dcp import _ports
 
     # The port is chosen free, then bound by gloo a moment later: on a loaded machine another
     # process can take it in between, and a gloo process dies by a signal (seen once: SIGABRT,

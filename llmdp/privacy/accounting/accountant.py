@@ -123,7 +123,7 @@ def _check_epsilon(eps: float) -> float:
 # `_MemoPLDAccountant` is that accountant with the step's PLD kept (and a DP evaluation's
 # Gaussian release's): for these events it calls the very constructor dp-accounting's
 # `_maybe_compose` calls, with the same arguments, then `self_compose(count)` and `compose`
-# as it does; the numbers are the same bit for bit (tests/privacy/test_accountant.py checks
+# as it does; the numbers are the same bit for bit (tests/privacy/accounting/test_accountant.py checks
 # them against a plain PLDAccountant, and that a kept PLD is never changed by use). Nothing
 # is re-implemented; every other event is dp-accounting's code path as is.
 _STEP_PLDS_KEPT = 32  # each a few MB at most: two pmfs of up to ~250k floats
