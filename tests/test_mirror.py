@@ -18,6 +18,7 @@ PACKAGE = Path(llmdp.__file__).resolve().parent
 NOT_PACKAGES = {"fixtures", "__pycache__"}
 #: Test modules at the top of tests/: of no one package.
 PROJECT_LEVEL = {"test_e2e.py", "test_imports.py", "test_structure.py", "test_mirror.py",
+                 "test_invariants.py",
                  "test_benchmarks.py"}
 
 

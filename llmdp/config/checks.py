@@ -238,7 +238,7 @@ def check_privacy(p, prefix: str, base_dir: str):
 
 
 def _check_mechanism(p, prefix: str) -> None:
-    """A correlated mechanism only with a sampler its analysis covers (DESIGN §3.3)."""
+    """A correlated mechanism only with a sampler its analysis covers (DESIGN, invariant `sampling-as-accounted`)."""
     from llmdp.privacy.mf import MechanismError, check_mechanism
 
     try:

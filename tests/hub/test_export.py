@@ -1,5 +1,7 @@
 """`llmdp export`: the folder loads offline and generates what the trained model generates,
-the card states the report, the Hub upload is called exactly, and bad runs are refused."""
+the card states the report, the Hub upload is called exactly, and bad runs are refused.
+
+Owns invariant `only-dp-outputs-leave` (docs/DESIGN.md §3): its tests are here."""
 
 from __future__ import annotations
 
@@ -433,7 +435,7 @@ def test_recipe_push_to_exports_after_training(tmp_path, hf, monkeypatch):
 # ----------------------------------------------------------------------------- what is published
 
 # Names of metrics and statistics computed on the private data without DP, and of hashes of
-# it: none may appear in a published file (DESIGN §3.9).
+# it: none may appear in a published file (DESIGN, invariant `only-dp-outputs-leave`).
 INTERNAL_NAMES = ("train_loss", "worker0_units", "worker0_tokens", "tokens_per_s", "units_per_s",
                   "worker0_clipped_fraction", "worker0_norm_fallbacks", "worker0_norm_bound_max",
                   "micro_steps", "sample_truncated", "step_time_s",

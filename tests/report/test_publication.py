@@ -1,5 +1,7 @@
 """What a run publishes (issue 49): nothing that other runs move, no claim that checkpoints
-are covered, and the adjacency that is true of what is published (N published exactly)."""
+are covered, and the adjacency that is true of what is published (N published exactly).
+
+Owns invariant `published-from-dp-only` (docs/DESIGN.md §3): its tests are here."""
 
 from __future__ import annotations
 

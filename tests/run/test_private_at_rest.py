@@ -3,7 +3,9 @@
 world-readable; what is meant for publication keeps ordinary permissions; a folder found
 too open is reported at launch with the command that fixes it. (The Ray run, the Ray Data
 store, the fsdp checkpoint, the tokenizer and the export are checked in their own tests:
-test_e2e.py, test_checkpoint_dcp.py, tokenizer/test_train.py, test_export.py.)"""
+test_e2e.py, test_checkpoint_dcp.py, tokenizer/test_train.py, test_export.py.)
+
+Owns invariant `secrets-stay-secret` (docs/DESIGN.md §3): its tests are here."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ def test_a_public_start_is_named_and_the_guarantee_covers_only_the_fine_tuning(t
     assert "randomly initialized" not in card
     exported = json.load(open(out / PROVENANCE, encoding="utf-8"))
     assert exported["run_id"] == dp.run_id and exported["starting_model"]["run_id"] == pub.run_id
-    # the chain travels with the export, without ledger locations or dataset ids (DESIGN §3.9)
+    # the chain travels with the export, without ledger locations or dataset ids (DESIGN, invariant `only-dp-outputs-leave`)
     assert [(a["run_id"], a["kind"]) for a in exported["ancestry"]] == [(pub.run_id, "public")]
     text = json.dumps(exported)
     assert '"dataset_id"' not in text and '"ledger_location"' not in text and exported["releases"]

@@ -1,4 +1,6 @@
-"""The DP-SGD step on a worker: what the mechanism promises, checked in float64."""
+"""The DP-SGD step on a worker: what the mechanism promises, checked in float64.
+
+Owns invariant `noise-once` (docs/DESIGN.md §3): its tests are here."""
 
 from __future__ import annotations
 

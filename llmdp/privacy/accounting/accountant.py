@@ -7,7 +7,7 @@ the RDP order grid.
 
 Truncated Poisson sampling (`TruncatedSubsampledGaussianDpEvent`) is accounted by
 dp-accounting's PLD accountant only (its RDP accountant does not support the event), and
-only under the add-or-remove-one relation here (DESIGN §3.3); asking RDP for it raises.
+only under the add-or-remove-one relation here (DESIGN, invariant `sampling-as-accounted`); asking RDP for it raises.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def check_supported(event: dp_accounting.DpEvent, accountant: str) -> None:
 
     The truncated-Poisson event is supported by dp-accounting's PLD accountant only
     (`RdpAccountant.supports` is False for it), and llmdp accounts it under the
-    add-or-remove-one relation only (DESIGN §3.3).
+    add-or-remove-one relation only (DESIGN, invariant `sampling-as-accounted`).
     """
     _check_accountant(accountant)
     if not is_truncated(event):

@@ -200,7 +200,7 @@ def test_run_ledgers_show_truncation_when_the_head_log_is_gone_too(tmp_path, cap
 def test_a_runs_last_line_alone_proves_nothing(tmp_path, capsys):
     """A run's last ledger.jsonl line may be a write whose transaction never committed (a
     crash), so it is no evidence against the dataset ledger: without the head log, the
-    newest record deleted is not detected (documented: README, DESIGN §3.10); with the
+    newest record deleted is not detected (documented: README, DESIGN, invariant `ledger-not-bypassed`); with the
     head log, it is."""
     location = str(tmp_path / "ledger.sqlite")
     _ten_releases(location, "ds", tmp_path).db.close()

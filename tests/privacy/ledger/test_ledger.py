@@ -2,7 +2,9 @@
 every step through the ledger service, the dataset ledgers' database, and every kind of
 damage: a torn, garbage, deleted or edited line or record is detected with a message that
 names it and the way out; nothing proceeds silently; a repair needs --acknowledge-loss and
-leaves a record that excuses exactly the damage it saw."""
+leaves a record that excuses exactly the damage it saw.
+
+Owns invariant `write-ahead-ledger` (docs/DESIGN.md §3): its tests are here."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 """A dataset's ledger cannot be escaped by a new name or another database (issue 49 items 3,
-4, 5; DESIGN §3.10): a new ``data.dataset_id`` on data whose content matches a ledger with a
+4, 5; DESIGN, invariant `ledger-not-bypassed`): a new ``data.dataset_id`` on data whose content matches a ledger with a
 budget or releases is refused unless ``data.distinct_from`` says (recorded) that it is other
 data; a run in another ledger database (``privacy.ledger``, ``LLMDP_HOME``) is checked
 against every database the user's runs used (`llmdp.privacy.ledger.registry`); a public
 declaration (``data.public``, ``data.eval.public``) is refused on data any of them records.
-Every test goes through the launch's preparation (`llmdp.run.launch.prepare`)."""
+Every test goes through the launch's preparation (`llmdp.run.launch.prepare`).
+
+Owns invariant `ledger-not-bypassed` (docs/DESIGN.md §3): its tests are here."""
 
 from __future__ import annotations
 

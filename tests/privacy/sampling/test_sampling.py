@@ -5,7 +5,8 @@ tolerances are what a correct sampler passes with overwhelming probability.
 
 `PoissonSampler` (geometric skips, O(qN)) and `ReferencePoissonSampler` (one coin per
 unit, O(N)) draw different samples from the same key; they are compared in distribution.
-"""
+
+Owns invariant `sampling-as-accounted` (docs/DESIGN.md §3): its tests are here."""
 
 import itertools
 import math
