@@ -32,7 +32,7 @@ USER_UNITS = ["data.unit=user", "data.user_field=user_id", "data.max_rows_per_un
               "privacy.delta=1e-3"]  # 16 users: δ must be given below N = 100
 
 
-# (sequence units on two Ray workers: tests/test_multinode.py runs them, on two nodes)
+# (sequence units on two Ray workers: tests/run/test_multinode.py runs them, on two nodes)
 @pytest.mark.parametrize("unit", ["user"])
 def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys, unit):
     import ray
@@ -115,7 +115,7 @@ def test_private_tokenizer_then_a_run_whose_worker_fails_one_guarantee(tmp_path,
     step-3 checkpoint; the run finishes, the ledger counts every executed step, the report
     composes the tokenizer's release with all of them and says what the failure cost, and a
     second launch does nothing. (fsdp's sharded checkpoints through a restart:
-    tests/test_multinode.py, on two nodes.)"""
+    tests/run/test_multinode.py, on two nodes.)"""
     import math
 
     from transformers import AutoModelForCausalLM
@@ -135,7 +135,7 @@ def test_private_tokenizer_then_a_run_whose_worker_fails_one_guarantee(tmp_path,
     marker = tmp_path / "fault-happened"
     monkeypatch.setenv("LLMDP_FAULT", f"step=4,rank=1,marker={marker}")
     # The failure re-executes steps; the user allowed ε past the target for it (else the run
-    # stops at the target: tests/test_ledger_runs.py).
+    # stops at the target: tests/privacy/ledger/test_ledger_runs.py).
     argv = ["train", "r.yaml", "data.unit=document", "data.max_rows_per_unit=2",
             "privacy.target_epsilon=6", "privacy.delta=1e-3",  # 80 documents: δ given
             "train.max_failures=1", "privacy.allow_exceed_target_on_failure=true",

@@ -1,4 +1,4 @@
-"""Per-unit normalized loss (DESIGN §3.4)."""
+"""Per-unit normalized loss (DESIGN, invariant `unit-is-a-unit`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ CE_CHUNK_ELEMENTS = 1 << 26
 
 
 def row_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Each row's share of its unit's normalized loss (DESIGN §3.4).
+    """Each row's share of its unit's normalized loss (DESIGN, invariant `unit-is-a-unit`).
 
     A unit's loss is the mean cross-entropy over *all* its target tokens; a row's entry is
     the sum over its own target tokens divided by the unit's target-token count, so that

@@ -1,4 +1,4 @@
-"""Per-unit gradient clipping (DESIGN §3.1, §4)."""
+"""Per-unit gradient clipping (DESIGN, invariant `one-sensitivity-boundary`, §4)."""
 
 from llmdp.clipping.audit import UnsupportedModuleError, check_model
 from llmdp.clipping.engine import ENGINES, GhostClipper

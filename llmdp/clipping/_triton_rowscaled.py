@@ -11,7 +11,7 @@ into the tile's float32 accumulator — times c_r, in float32, for the clipped s
 kernels hold two [BLOCK_A, BLOCK_B] float32 tiles (the chunk's, the accumulator), and the K
 loop has no branch: every iteration is one load of X and Y, one dot, one add. The factor
 multiplies float32 partial sums, never an operand rounded back to bf16 (which would make
-the added gradient differ from the one whose norm was clipped, DESIGN §3.8). One pass over
+the added gradient differ from the one whose norm was clipped, DESIGN, invariant `precision-never-widens`). One pass over
 X and Y, one write of the result: the cost of the non-private weight-gradient GEMM. The
 rounding bounds of this structure are ``error_count`` and ``norm_error_count``.
 

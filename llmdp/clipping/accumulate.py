@@ -6,7 +6,7 @@ known: contracted from the call's input A and output gradient G where the layer'
 upcast to float32. Rows whose factor is 0 (padding, units with a non-finite gradient) are
 zeroed first where they hold a non-finite value, so that they add exactly nothing.
 
-DESIGN §3.8: the clipped sum is accumulated in float32 or wider. It is added to ``p.grad``
+DESIGN, invariant `precision-never-widens`: the clipped sum is accumulated in float32 or wider. It is added to ``p.grad``
 only when the parameter is float32 or wider (`add_to_grad`); half-precision trainable
 parameters, and parameters sharded by FSDP2 (DTensors, whose ``.grad`` the engine never
 asks autograd for), need ``grad_buffers`` (`check_buffers`, `add_to_buffers`): one plain,
@@ -75,7 +75,7 @@ def add_to_grad(name_of: dict[int, str], contributions) -> None:
     for p, g in contributions:
         if p.dtype.itemsize < 4 or not p.dtype.is_floating_point:
             # A bf16/fp16 .grad would round the clipped sum (each unit's share of it
-            # could exceed C): DESIGN §3.8. Sum into float32 buffers instead.
+            # could exceed C): DESIGN, invariant `precision-never-widens`. Sum into float32 buffers instead.
             raise TypeError(
                 f"parameter '{name_of.get(id(p), '?')}' is {p.dtype}: the clipped sum "
                 "must be accumulated in float32 or wider; pass grad_buffers="

@@ -1,4 +1,4 @@
-"""What the clipping engine refuses, and how it finds it (DESIGN §3.6, §3.8).
+"""What the clipping engine refuses, and how it finds it (DESIGN, invariant `no-silent-fallbacks`, invariant `precision-never-widens`).
 
 Nothing is clipped silently wrong: each case below raises `UnsupportedModuleError` naming
 the module or parameter and what to do instead.
@@ -30,7 +30,7 @@ __all__ = ["UnsupportedModuleError", "check_model", "check_random", "random_modu
 
 
 class UnsupportedModuleError(ValueError):
-    """A trainable module the clipping engine cannot clip per unit (DESIGN §3.6)."""
+    """A trainable module the clipping engine cannot clip per unit (DESIGN, invariant `no-silent-fallbacks`)."""
 
 
 # Modules whose output for one example depends on other examples of the batch: their
@@ -148,7 +148,7 @@ class UseAudit:
         """Walk the loss's autograd graph; refuse a trainable parameter reached by an op
         that no recorded call owns (e.g. ``F.linear(x, module.weight)`` outside the
         module): its gradient would be trained without being in its unit's norm (two-pass)
-        or silently dropped (book-keeping). DESIGN §3.8. ``names``: tensor id -> parameter
+        or silently dropped (book-keeping). DESIGN, invariant `precision-never-widens`. ``names``: tensor id -> parameter
         name; ``tap``: the autograd node class (or classes) of the engine's taps."""
         if total.grad_fn is None:
             return
@@ -202,7 +202,7 @@ class UseAudit:
 def check_coverage(model: nn.Module, hooked, seen) -> None:
     """Every hooked module (``hooked``: a container of modules) must have been seen with its
     output gradient (``seen``: the records reached): a trainable parameter the engine did not
-    see would be trained without being clipped, or not at all (DESIGN §3.6: no silent
+    see would be trained without being clipped, or not at all (DESIGN, invariant `no-silent-fallbacks`: no silent
     fallback)."""
     reached = {id(r.module) for r in seen}
     missing = [n for n, m in model.named_modules() if m in hooked and id(m) not in reached]

@@ -1,5 +1,5 @@
 """Cross terms ⟨g_i, g_j⟩ between two uses of one parameter in a micro-batch (tied input
-embedding and LM head, a module called twice): every use is in the unit's norm (DESIGN §3.8).
+embedding and LM head, a module called twice): every use is in the unit's norm (DESIGN, invariant `precision-never-widens`).
 Each is computed in float64 with a bound on its error (``norms.py``, module docstring 1):
 |computed − ⟨g_i, g_j⟩| ≤ γ_n·N_i·N_j, N the uses' magnitudes."""
 

@@ -33,7 +33,7 @@ How (``engine="ghost"``, the default):
    Σ_r c_{u(r)} G_rᵀA_r from it as it arrives). ``mode="auto"`` picks book-keeping when
    what it keeps fits comfortably in free memory.
 
-Precision (DESIGN §3.8). The norms and the clipped sum are contracted from the same A and G,
+Precision (DESIGN, invariant `precision-never-widens`). The norms and the clipped sum are contracted from the same A and G,
 as the model produced them, with exact products: Gram matrices in float64, per-row
 gradients and the clipped sum in float32 (on CUDA's tensor cores for bf16/fp16, with
 float32 partial sums that the clipping factor multiplies, never a half-precision operand;
@@ -46,7 +46,7 @@ one whose norm was clipped). It is added to ``p.grad`` only when that is float32
 wider; half-precision trainable parameters need float32 ``grad_buffers``
 (``llmdp.train.strategy.Strategy.grad_sinks``).
 
-Every use is in the norm (DESIGN §3.8). Each recorded call of a hooked module is one use
+Every use is in the norm (DESIGN, invariant `precision-never-widens`). Each recorded call of a hooked module is one use
 of its parameters; a parameter with several uses in a micro-batch (tied embeddings, a
 module called twice) gets all cross terms ⟨g_i, g_j⟩. A use the hooks cannot see (a
 functional ``F.linear(x, module.weight)`` outside the module) is found by walking the
@@ -185,7 +185,7 @@ class GhostClipper:
     Args:
         model: the module whose trainable parameters (``requires_grad``) are trained.
         max_grad_norm: C, the L2 bound on each unit's gradient over *all* trainable
-            parameters (flat clipping, DESIGN §3.1).
+            parameters (flat clipping, DESIGN, invariant `one-sensitivity-boundary`).
         engine: ``"ghost"`` (hooks, default) or ``"reference"`` (slow, for tests).
         mode: ``"auto"``, ``"book-keeping"`` or ``"two-pass"`` (see the module docstring).
         layer_policy: ``"auto"`` (per layer and batch, the cheaper of ghost norm and

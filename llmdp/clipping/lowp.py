@@ -3,7 +3,7 @@
 Every contraction of the engine takes a layer's input A and output gradient G *as the
 model produced them* (bf16, fp16, float32 or float64; under autocast, what the matmul
 read) and has a stated error bound, which the engine adds to the norms it clips with
-(``norms.py``, DESIGN §3.8):
+(``norms.py``, DESIGN, invariant `precision-never-widens`):
 
 * **the Gram side** (Gram matrices of the ghost norm, the cross terms, the norms of
   instantiated gradients): the operands are widened to float64 — exact for every

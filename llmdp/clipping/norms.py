@@ -13,7 +13,7 @@ hook) and the gradient G of the loss at its output (seen during the backward pas
 * ``exact``           one unit's gradient in float64, a slice at a time (the fallback below).
 
 Only modules whose output at one row depends on that row alone have rules; anything else
-is refused by the engine (DESIGN §3.6): no silent fallback. The built-in rules live in
+is refused by the engine (DESIGN, invariant `no-silent-fallbacks`): no silent fallback. The built-in rules live in
 ``rules/`` (one file per family: linear, embedding, normalization layers) and register
 themselves with :func:`register_rule`; cross terms between two uses of one parameter are in
 ``cross.py``.
@@ -21,7 +21,7 @@ themselves with :func:`register_rule`; cross terms between two uses of one param
 Units: ``unit_of_row[r]`` is row r's unit (−1: padding row). A unit's gradient is the sum
 over its rows, so its ghost norm sums ⟨A_r A_r'ᵀ, G_r G_r'ᵀ⟩ over all pairs of its rows.
 
-The norm used for clipping is never below the true norm (DESIGN §3.8)
+The norm used for clipping is never below the true norm (DESIGN, invariant `precision-never-widens`)
 ------------------------------------------------------------------------
 The exact per-unit gradient g_u is the one A and G define (as the model produced them);
 what the engine adds for unit u is a_u, formed in floating point. Clipping needs a number

@@ -9,7 +9,7 @@ Two independent routes are offered:
   (``functional_call`` + ``vmap(grad)``), never looking at the batch's autograd graph.
 
 Both return, for every trainable parameter, a tensor of shape ``[U, *param.shape]``: the
-gradient of unit ``u``'s loss, which is the sum of the gradients of its rows (DESIGN §3.4).
+gradient of unit ``u``'s loss, which is the sum of the gradients of its rows (DESIGN, invariant `unit-is-a-unit`).
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ def check_privacy(p, prefix: str, base_dir: str):
 
 
 def _check_mechanism(p, prefix: str) -> None:
-    """A correlated mechanism only with a sampler its analysis covers (DESIGN §3.3)."""
+    """A correlated mechanism only with a sampler its analysis covers (DESIGN, invariant `sampling-as-accounted`)."""
     problem = mechanism_problem(p.mechanism, p.sampler, bands=p.bands, cycle=p.cycle, dp=p.dp)
     if problem is not None:
         message, field = problem

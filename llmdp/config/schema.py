@@ -387,7 +387,7 @@ class TrainConfig:
     length_bucketing: bool = True  # group rows of similar length; pad each micro-batch to its longest
     # Steps with a unit whose gradient is NaN/inf (that unit adds nothing) before the
     # operator is warned (console and metrics.jsonl, internal). The run never stops on it:
-    # the count is a statistic of private data without DP (DESIGN §3 invariant 11).
+    # the count is a statistic of private data without DP (DESIGN, invariant `published-from-dp-only`).
     max_nonfinite_steps: int = _f(10, ge=0)
     # A file `llmdp sweep ... --write-best FILE` wrote on data declared public: its
     # overrides are applied when the recipe is read (llmdp.config.best), and the report says

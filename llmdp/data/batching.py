@@ -5,7 +5,7 @@ runs :func:`assign_micro_batches` on it with the store's public-to-workers unit 
 all workers agree on the whole assignment without exchanging indices. Then each reads
 only the rows of its own units.
 
-Rules (DESIGN §3.4 and the loop's lockstep):
+Rules (DESIGN, invariant `unit-is-a-unit` and the loop's lockstep):
 
 - a unit's rows stay together in one micro-batch (it is clipped once, as one unit);
 - a micro-batch holds at most ``physical_batch_size`` rows;

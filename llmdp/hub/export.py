@@ -252,7 +252,7 @@ def export_run(
         fmt = _write_model(run_dir, tmp, cfg, merge=merge, base_model=base_id, log=log)
         _copy_files(os.path.join(run_dir, "model"), tmp, _TOKENIZER_FILES)
         roots = _local_roots(run_dir)
-        # Only DP outputs and public configuration leave (DESIGN §3.9): the report, its plot,
+        # Only DP outputs and public configuration leave (DESIGN, invariant `only-dp-outputs-leave`): the report, its plot,
         # the ledger and the card are the publishable ones, derived from the local report.
         clean = _scrub(_publishable(run_dir, report), roots)
         _write_publishable(run_dir, tmp, clean)

@@ -1,5 +1,5 @@
 """Allow-lists: what may leave a run or a tokenizer folder is named, field by field; the
-rest is dropped (DESIGN §3.9). Shared by the publishable report and ledger (``publish.py``)
+rest is dropped (DESIGN, invariant `only-dp-outputs-leave`). Shared by the publishable report and ledger (``publish.py``)
 and the private tokenizer's folder (``tokenizer/train.py``)."""
 
 from __future__ import annotations

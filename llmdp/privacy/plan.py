@@ -146,7 +146,7 @@ class DPPlan:
 
     Noise is added once per logical step to the *sum* of clipped unit gradients with
     std sigma*C, and the noisy sum is divided by the expected batch size B = q*N
-    (DESIGN §3.2), hence `noise_std` = sigma*C/B on the averaged gradient.
+    (DESIGN, invariant `noise-once`), hence `noise_std` = sigma*C/B on the averaged gradient.
 
     `sampler="truncated-poisson"` caps every step at `max_batch_size` = B_max units
     (required, 1 <= B_max <= N; the PLD accountant only) and is accounted with

@@ -23,7 +23,7 @@ A run whose ``model.name_or_path`` is a local folder reads it (`starting_model`)
 * a NON-PRIVATE baseline on private data: a DP run from it is refused (what it learned
   without DP would be published under a DP label);
 
-Provenance is transitive (DESIGN §3.12): each record carries its ``ancestry`` (every
+Provenance is transitive (DESIGN, invariant `only-dp-outputs-leave`): each record carries its ``ancestry`` (every
 ancestor's record, nearest first; `lineage`), so the checks above apply to the whole chain,
 exports included: a DP run, or an export, of a model with a NON-PRIVATE baseline anywhere in
 its chain is refused (`taint`); every DP ancestor on this data is composed, each once; the
@@ -403,7 +403,7 @@ def copy_declared_releases(prior: list[dict], ledger: dict, meta: dict, log=prin
     they sit in another ledger database, or only in the start's provenance) appended to this
     run's dataset ledger (``ledger``: `open_dataset_ledger`'s), each once (by release id), so
     that the dataset's budget and every later run on it count them, not only this run's
-    report (DESIGN §3.10). Returns how many were appended."""
+    report (DESIGN, invariant `ledger-not-bypassed`). Returns how many were appended."""
     from llmdp.privacy.ledger import LedgerDB
 
     todo = [r for r in prior if r.get("copy_to_ledger")]

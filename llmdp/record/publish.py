@@ -1,4 +1,4 @@
-"""What of a run may be published: the publishable report and ledger (DESIGN §3.9).
+"""What of a run may be published: the publishable report and ledger (DESIGN, invariant `only-dp-outputs-leave`).
 
 Derived from the full local report (`llmdp.report.build.build_report`) and the run's ledger by
 allow-lists, with hashes of the private data redacted from their texts. Read by the export
@@ -13,7 +13,7 @@ from typing import Any
 
 from llmdp.privacy.allowlist import allow_listed
 
-# DESIGN §3.9: an export (or anything meant for publication) holds DP releases and public
+# DESIGN, invariant `only-dp-outputs-leave`: an export (or anything meant for publication) holds DP releases and public
 # configuration only. The publishable report and ledger are derived from the local ones by
 # ALLOW-lists: a key not named here (a new internal metric, a data statistic, a hash) stays
 # out by default. `True` keeps the value (strings still pass `_redact_hashes`); a dict keeps
@@ -47,7 +47,7 @@ PUBLISHABLE_REPORT: dict[str, Any] = {
     "interruptions": True, "steps_voided": True, "steps_lost_to_failures": True, "exceeds_target": True,
     # Not `dataset_ledger`: ε spent on the dataset and what remains of its budget are totals
     # over every run's releases (a random sweep's K among them); they stay in the local report
-    # (DESIGN §3.11). `stopped` is replaced by `published_stop` (its text names those totals).
+    # (DESIGN, invariant `published-from-dp-only`). `stopped` is replaced by `published_stop` (its text names those totals).
     "noise_multiplier": True, "sampling_probability": True, "expected_batch_size": True,
     "dataset_size": True, "max_grad_norm": True, "noise_std_per_coordinate": True,
     "noise_generator": True, "clipping": True, "normalization": True,
@@ -122,7 +122,7 @@ def _data_hashes(report: dict) -> tuple[str, ...]:
 def published_stop(report: dict) -> str | None:
     """Why the run stopped early, in words that depend on no other run: the local text
     (`LedgerService._stop_message`) names the ε spent on the whole dataset and the runs that
-    hold the rest of its budget, which other runs move (DESIGN §3.11)."""
+    hold the rest of its budget, which other runs move (DESIGN, invariant `published-from-dp-only`)."""
     if not report.get("stopped"):
         return None
     done, planned = report.get("steps_completed"), report.get("steps_planned")

@@ -1,4 +1,4 @@
-"""The neighbouring relation a report states, true of what is published (DESIGN §3.11).
+"""The neighbouring relation a report states, true of what is published (DESIGN, invariant `published-from-dp-only`).
 
 The report publishes N, the number of privacy units, exactly (q = B/N and δ are functions
 of it). Under add-or-remove adjacency N differs between neighbours, so an exact N is a

@@ -46,7 +46,7 @@ from llmdp.tokenizer.train import read_tokenizer_info
 REPORT_VERSION = 1
 
 # Metrics in metrics.jsonl that are computed on private data without DP. They are useful to
-# the trainer and must not be published (DESIGN §3.7).
+# the trainer and must not be published (DESIGN, invariant `secrets-stay-secret`).
 INTERNAL_METRICS = {
     "train_loss": "mean normalized training loss of the sampled units (per step)",
     "worker0_units": "number of units rank 0 processed (reveals the realized sample size)",
@@ -67,7 +67,7 @@ INTERNAL_METRICS = {
     "worker0_norm_fallbacks / worker0_norm_bound_max": "rank 0's clipping-norm rounding "
     "bounds: (layer call, unit) pairs recomputed as the exact float64 gradient because the "
     "bound was over 1 % of the unit's norm, and the largest share of a used norm that was "
-    "bound (DESIGN §3.8)",
+    "bound (DESIGN, invariant `precision-never-widens`)",
     "eval (held-out loss, perplexity, accuracy, units, tokens)": "the model's metrics on the "
     "private held-out units without DP (`evaluation.internal`; the DP evaluation is publishable)",
 }

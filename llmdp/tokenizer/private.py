@@ -46,7 +46,7 @@ mechanism), so the ledger records the Gaussian event and stores delta_threshold 
 record's ``extra`` (`ledger_extra`): **a report must use `accountant.epsilon_with_threshold`
 with `Ledger.delta_threshold()` over such a ledger, never the plain epsilon.**
 
-Seeded keys (`llmdp.privacy.rng.keys.seeded_key`) are for tests only (DESIGN §3.7); a real
+Seeded keys (`llmdp.privacy.rng.keys.seeded_key`) are for tests only (DESIGN, invariant `secrets-stay-secret`); a real
 run uses `secure_key()`.
 """
 

@@ -129,7 +129,7 @@ def read_tokenizer_info(path) -> dict | None:
 
 # ----------------------------------------------------------------------------- what the folder holds
 #
-# DESIGN §3.9: a private tokenizer's folder may be published; it holds the DP release and
+# DESIGN, invariant `only-dp-outputs-leave`: a private tokenizer's folder may be published; it holds the DP release and
 # public configuration only (`PUBLIC_INFO`, an allow-list). Facts about the private corpus
 # that are not DP (its hash, exact record and unit counts) and the dataset ledger's path
 # (named by that hash) stay beside the folder, in ``<folder>.llmdp-private.json`` (never
@@ -275,7 +275,7 @@ def _train_tokenizer(cfg: TokenizerRecipeConfig, log=print) -> dict:
         db = ledgers.LedgerDB(ledger["location"])
         try:
             # Check the budget and record the release in one transaction; write-ahead
-            # (DESIGN §3.5): the release is durable before any noisy count exists.
+            # (DESIGN, invariant `write-ahead-ledger`): the release is durable before any noisy count exists.
             with db.transaction(ledger["dataset_id"], full=True) as tx:
                 # The dataset's budget (its ledger's), whatever this recipe says; the first
                 # budgeted release records its recipe's (llmdp.privacy.ledger.budget).

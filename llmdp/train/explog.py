@@ -8,7 +8,7 @@ Every record the loop writes to ``metrics.jsonl`` is passed on here, split by wh
 * ``internal/...``: everything else with a number: the training loss, the held-out loss,
   throughput, clipped fractions, computed on the private data WITHOUT DP.
 
-The internal ones are for the operator's eyes only (DESIGN §3.7, §3.9): the log says so in
+The internal ones are for the operator's eyes only (DESIGN, invariant `secrets-stay-secret`, invariant `only-dp-outputs-leave`): the log says so in
 its own text (a TensorBoard text entry, an MLflow parameter and tag), and rank 0 prints it
 once when the log opens. The log lives in the run directory, which is private (owner-only);
 nothing from it is exported. The backends are optional extras imported here only when a

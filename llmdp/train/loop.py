@@ -479,7 +479,7 @@ def _warn_nonfinite(run: Training) -> None:
     """Units with a NaN/inf gradient added nothing (factor 0), so every update stays DP.
     How many steps had one is a count over private data without DP: it may warn the
     operator (rank 0's console and the internal metrics.jsonl, both internal) but never
-    changes what the run does or publishes (DESIGN §3 invariant 11): the run never stops
+    changes what the run does or publishes (DESIGN, invariant `published-from-dp-only`): the run never stops
     on it, so its length, status and report are the same with or without such units."""
     limit = run.spec.cfg.train.max_nonfinite_steps
     if run.rank != 0 or run.nonfinite_warned or run.nonfinite_steps <= limit:

@@ -401,7 +401,7 @@ def _mixes_examples(module: nn.Module) -> bool:
 
 
 def validate_trainable_modules(model: nn.Module, *, assume_training: bool = False) -> None:
-    """Refuse layers that mix examples (DESIGN invariant 6).
+    """Refuse layers that mix examples (DESIGN invariant `no-silent-fallbacks`).
 
     A BatchNorm (or an InstanceNorm tracking running stats) that has trainable parameters
     or is in training mode makes one unit's output, gradient or buffers depend on the other

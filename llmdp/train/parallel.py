@@ -1,5 +1,5 @@
 """Collectives and FSDP2 mechanics the scaling strategies are built from (``llmdp.train.strategy``
-says what each strategy does with them; DESIGN §1, §3.1-3.2).
+says what each strategy does with them; DESIGN §1; invariants `one-sensitivity-boundary` and `noise-once`).
 
 - replicated collectives: rank 0's bytes and parameters to every rank, one flat
   all-reduce, small counters summed over workers;
@@ -84,13 +84,13 @@ def privatize_(
     ``correlated``'s row of (scale·C)⁻¹Z built from that draw: `llmdp.train.correlated`),
     divide by q·N. In place on ``p.grad``, or on ``sinks`` (float32 sums of low-precision
     parameters), then cast into ``p.grad``: the only rounding to the parameter dtype happens
-    after the noise (DESIGN §3.8)."""
+    after the noise (DESIGN, invariant `precision-never-widens`)."""
     grads = [p.grad for p in params] if sinks is None else list(sinks)
     for i, g in enumerate(grads):
         if g is None or not g.is_floating_point() or g.dtype.itemsize < 4:
             raise TypeError(
                 f"clipped sum {i} is {None if g is None else g.dtype}: clipped sums, their "
-                "reduction and the noise must be float32 or wider (DESIGN §3.8); accumulate "
+                "reduction and the noise must be float32 or wider (DESIGN, invariant `precision-never-widens`); accumulate "
                 "low-precision parameters into Strategy.grad_sinks buffers (llmdp.train.strategy)"
             )
     _planted_sum(grads)  # test-only (llmdp.base.plants): nothing unless a test plants a bug

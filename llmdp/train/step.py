@@ -150,7 +150,7 @@ class ClippingCheckError(RuntimeError):
 
 def check_against_reference(clipper: GhostClipper, losses: torch.Tensor, row_units) -> torch.Tensor:
     """Run the engine and the slow exact reference on the same forward pass and compare
-    per-unit norms and clipped sums; stop the run on a mismatch (DESIGN §3.6)."""
+    per-unit norms and clipped sums; stop the run on a mismatch (DESIGN, invariant `no-silent-fallbacks`)."""
     per_unit = per_unit_gradients_autograd(losses, clipper.params, row_units, retain_graph=True)
     ref_sums, ref_norms = clipped_sum(per_unit, clipper.max_grad_norm)
     del per_unit

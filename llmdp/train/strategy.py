@@ -1,6 +1,6 @@
 """Scaling strategies as objects (``scaling.strategy``): where the model lives, where the
 clipped sum accumulates, how it is reduced and noised, and how the training state is saved
-and loaded (DESIGN §1, §3.1-3.2). The worker loop (``llmdp.train.loop``) holds one
+and loaded (DESIGN §1; invariants `one-sensitivity-boundary` and `noise-once`). The worker loop (``llmdp.train.loop``) holds one
 :class:`Strategy` and never branches on the strategy's name.
 
 :class:`Replicated` (``replicated``)
@@ -225,7 +225,7 @@ class Replicated(Strategy):
     def grad_sinks(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         # float32+ trainable parameters: the engine sums into p.grad. Narrower ones (bf16 /
         # fp16 full fine-tuning): float32 sinks, so that the clipped sums, their all-reduce
-        # and the noise are float32 (DESIGN §3.8), cast to the parameter dtype at the end.
+        # and the noise are float32 (DESIGN, invariant `precision-never-widens`), cast to the parameter dtype at the end.
         if all(p.dtype.itemsize >= 4 for p in model.parameters() if p.requires_grad):
             return None
         return parallel.full_size_sinks(model)

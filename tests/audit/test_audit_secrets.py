@@ -56,7 +56,7 @@ def test_the_planned_batch_does_not_depend_on_the_coins(monkeypatch, tmp_path):
     (m/2), a function of the settings, not of the key: two keys that include different
     numbers of canaries plan the same B and log the same lines."""
     import llmdp.run.planning as planning
-    from tests.test_loop import make_recipe
+    from tests.train.test_loop import make_recipe
 
     monkeypatch.setattr(planning, "plan_run",
                         lambda cfg, log=None: SimpleNamespace(store=SimpleNamespace(num_units=200)))

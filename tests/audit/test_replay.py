@@ -16,7 +16,8 @@ groups: ‖Δ‖ = C at the removed unit's group's steps, Δ = 0 exactly at the 
 C = 1e-3: every unit's gradient is far above C, so every removed unit is clipped and
 contributes exactly C (``expect_clipped``: ‖Δ‖ ≥ C(1 − 1e-3), the bound is not vacuous),
 and the sum over D is many times C, so rounding on it would show.
-"""
+
+Owns invariant `one-sensitivity-boundary` (docs/DESIGN.md §3): its tests are here."""
 
 from __future__ import annotations
 
@@ -458,7 +459,7 @@ def _fsdp_proc(rank, port, jobs, out):
 def _spawn(jobs, out) -> dict:
     import torch.multiprocessing as mp
 
-    from tests.test_checkpoint_dcp import _ports
+    from tests.train.test_checkpoint_dcp import _ports
 
     # The port is chosen free, then bound by gloo a moment later: on a loaded machine another
     # process can take it in between, and a gloo process dies by a signal (seen once: SIGABRT,

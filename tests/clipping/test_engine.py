@@ -1,4 +1,6 @@
-"""The clipping engine against torch.func per-unit gradients, in float64."""
+"""The clipping engine against torch.func per-unit gradients, in float64.
+
+Owns invariant `no-silent-fallbacks` (docs/DESIGN.md §3): its tests are here."""
 
 import pytest
 import torch

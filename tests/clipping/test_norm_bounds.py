@@ -7,7 +7,9 @@ The construction (the issue's): one unit of T positions through a layer, inputs
 a + 0.01·randn with a[0] = big, output gradients G_t = (−1)^t·v, so Σ_t G_t = 0 and the
 large channel cancels exactly in g = Σ_t G_t A_tᵀ. Each unit's contribution is measured in
 float64 from what the engine added to the gradient sinks; the true norm from A and G by an
-error-free float64 sum (``_exact_sum``)."""
+error-free float64 sum (``_exact_sum``).
+
+Owns invariant `precision-never-widens` (docs/DESIGN.md §3): its tests are here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Privacy units (sequence / document / user) against plain-Python references."""
+"""Privacy units (sequence / document / user) against plain-Python references.
+
+Owns invariant `unit-is-a-unit` (docs/DESIGN.md §3): its tests are here."""
 
 from __future__ import annotations
 

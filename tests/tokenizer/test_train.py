@@ -111,7 +111,7 @@ def test_folder_loads_offline_and_round_trips(trained, corpus):
 
 
 def test_folder_holds_the_release_and_public_configuration_only(trained, corpus, tmp_path):
-    """DESIGN §3.9: the folder may be published: no hash of the corpus, no exact count of
+    """DESIGN, invariant `only-dp-outputs-leave`: the folder may be published: no hash of the corpus, no exact count of
     its records or units, no path of the dataset ledger. Those stay beside the folder for
     training runs on this machine; a copy of the folder alone has none of them."""
     import hashlib

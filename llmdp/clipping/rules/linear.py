@@ -47,7 +47,7 @@ class LinearRule(LayerRule):
 
     # Every contraction goes through ``lowp`` on A and G as the model produced them: the
     # norms in float64 (exact products), the clipped sum on tensor cores (bf16/fp16 on
-    # CUDA) or in float64; each with its bound (norms.py, DESIGN §3.8).
+    # CUDA) or in float64; each with its bound (norms.py, DESIGN, invariant `precision-never-widens`).
 
     def _clipped_operands(self, A3, G3):
         return (A3, G3) if self.transposed else (G3, A3)

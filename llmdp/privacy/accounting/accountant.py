@@ -7,7 +7,7 @@ the RDP order grid.
 
 Truncated Poisson sampling (`TruncatedSubsampledGaussianDpEvent`) is accounted by
 dp-accounting's PLD accountant only (its RDP accountant does not support the event), and
-only under the add-or-remove-one relation here (DESIGN §3.3); asking RDP for it raises.
+only under the add-or-remove-one relation here (DESIGN, invariant `sampling-as-accounted`); asking RDP for it raises.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _check_epsilon(eps: float) -> float:
 # `_MemoPLDAccountant` is that accountant with the step's PLD kept (and a DP evaluation's
 # Gaussian release's): for these events it calls the very constructor dp-accounting's
 # `_maybe_compose` calls, with the same arguments, then `self_compose(count)` and `compose`
-# as it does; the numbers are the same bit for bit (tests/privacy/test_accountant.py checks
+# as it does; the numbers are the same bit for bit (tests/privacy/accounting/test_accountant.py checks
 # them against a plain PLDAccountant, and that a kept PLD is never changed by use). Nothing
 # is re-implemented; every other event is dp-accounting's code path as is.
 _STEP_PLDS_KEPT = 32  # each a few MB at most: two pmfs of up to ~250k floats
@@ -226,7 +226,7 @@ def check_supported(event: dp_accounting.DpEvent, accountant: str) -> None:
 
     The truncated-Poisson event is supported by dp-accounting's PLD accountant only
     (`RdpAccountant.supports` is False for it), and llmdp accounts it under the
-    add-or-remove-one relation only (DESIGN §3.3).
+    add-or-remove-one relation only (DESIGN, invariant `sampling-as-accounted`).
     """
     _check_accountant(accountant)
     if not is_truncated(event):

@@ -3,7 +3,7 @@
 Every DP release llmdp makes is described by a small immutable dp-accounting event,
 stored in the ledger as `(event, count)` and handed to an accountant. Building them
 in one module keeps what the trainer *does* and what the accountant *assumes* in one
-place (DESIGN §3.3: sampling is what the accountant assumes).
+place (DESIGN, invariant `sampling-as-accounted`: sampling is what the accountant assumes).
 
 Events are serialized to JSON through dp-accounting's own `to_named_tuple` /
 `from_named_tuple`, so the ledger stores the library's structure verbatim rather

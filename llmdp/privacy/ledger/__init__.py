@@ -1,5 +1,5 @@
 """The dataset ledgers: every DP release on a dataset, hash-chained in a database, and the
-budget kept against them (DESIGN §3.5, §4 "The dataset ledgers").
+budget kept against them (DESIGN, invariant `write-ahead-ledger`, §4 "The dataset ledgers").
 
 - `records`: the records (canonical JSON, SHA-256 chain) and a run's ``ledger.jsonl``;
 - `database`: the ledgers' database (SQLite or PostgreSQL): transactions, repair;

@@ -1,5 +1,5 @@
 """What the dataset ledgers are checked against outside their database: the head log and
-the runs' ``ledger.jsonl`` files (DESIGN §3, invariant 10).
+the runs' ``ledger.jsonl`` files (DESIGN, invariant `ledger-not-bypassed`).
 
 The database holds each ledger's records *and* its head (``llmdp_heads``), so whoever can
 write the database can delete the last k records and move the head back, or delete a whole

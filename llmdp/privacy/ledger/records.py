@@ -29,7 +29,7 @@ Release records hold ``(event, count)``, the only thing the accountant reads:
     {"kind": "release", "event": <event_to_json>, "count": k, "first_step": s,
      "attempt": ..., "meta": {...}, ...}
 
-Invariant (DESIGN §3.5): a step's event is durable *before* its update is applied, so a
+Invariant (DESIGN, invariant `write-ahead-ledger`): a step's event is durable *before* its update is applied, so a
 crash can make the ledger over-count, never under-count; a writer reserves blocks of steps
 (one record per block).
 

@@ -1,6 +1,6 @@
 """Every ledger database the user has written to, and what each records about some data.
 
-One dataset has one ledger (DESIGN §3.10), but a recipe can name another database
+One dataset has one ledger (DESIGN, invariant `ledger-not-bypassed`), but a recipe can name another database
 (``privacy.ledger``) or run under another ``$LLMDP_HOME``, where that dataset has no ledger
 yet. So every database llmdp writes to (`llmdp.privacy.ledger.database.LedgerDB`, on its first
 connection for writing: runs, tokenizer releases, ``set-budget``) is listed, one location a

@@ -5,7 +5,7 @@ One ledger per *dataset* (``data.dataset_id``) in the ledgers' database
 release made on that data: every run, every attempt, private tokenizers. The run directory
 keeps its own ``ledger.jsonl`` with this run's records (what the run's report composes),
 written inside the same database transaction. A :class:`LedgerService` writes both,
-write-ahead (DESIGN §3.5): rank 0 asks it to :meth:`admit` a step before the step starts and
+write-ahead (DESIGN, invariant `write-ahead-ledger`): rank 0 asks it to :meth:`admit` a step before the step starts and
 to :meth:`ensure` it before the update is applied; no other process writes.
 
 Under Ray it runs as a named actor on the driver's node (``ray.remote(LedgerService)``),

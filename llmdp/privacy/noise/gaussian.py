@@ -1,4 +1,4 @@
-"""Gaussian noise: the one place it is drawn (DESIGN §3.2, §3.7).
+"""Gaussian noise: the one place it is drawn (DESIGN, invariant `noise-once`, invariant `secrets-stay-secret`).
 
 Noise comes from ChaCha20 (RFC 8439, ``rng/chacha.py``), keyed by the step's noise key, not
 from torch's generator: torch's Mersenne Twister / Philox are statistical PRNGs whose
@@ -71,7 +71,7 @@ def _check_std(std) -> float:
         or not isinstance(std, (int, float, np.floating))
         or not (0 < std < math.inf)
     ):
-        # Zero noise would be a silent non-private fallback (DESIGN §3.6).
+        # Zero noise would be a silent non-private fallback (DESIGN, invariant `no-silent-fallbacks`).
         raise ValueError(f"std must be a finite number > 0, got std={std!r}")
     return float(std)
 
@@ -89,7 +89,7 @@ def _check_index(index) -> int:
 def _check_target(t: torch.Tensor, what: str) -> None:
     if not t.is_floating_point() or t.dtype.itemsize < 4:
         # Noise drawn or added in bf16/fp16 would be rounded to a coarse grid (and the
-        # clipped sum it is added to already was): DESIGN §3.8.
+        # clipped sum it is added to already was): DESIGN, invariant `precision-never-widens`.
         raise TypeError(
             f"{what} is {t.dtype}: noise is drawn and added in float32 or wider; "
             "keep the clipped sums in float32 (llmdp.train.strategy.Strategy.grad_sinks)"

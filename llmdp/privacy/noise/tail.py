@@ -22,7 +22,7 @@ and the tail's share of the published δ is δ - δ_accountant (`NoiseTail.delta
 planner calibrates σ at that δ_accountant (it depends on σ through η) and refuses a plan
 whose tail is more than MAX_TAIL_FRACTION of δ (`check_noise_tail`). With 106 bits the
 tails of 10**5 steps of 10**10 coordinates add at most 2e-12 at σ >= 0.3 and 1e-17 at
-σ >= 0.5 (`tests/privacy/test_noise_tail.py`); the shipped recipes' are ~1e-14 of their δ.
+σ >= 0.5 (`tests/privacy/noise/test_noise_tail.py`); the shipped recipes' are ~1e-14 of their δ.
 With the earlier 53-bit radius uniform (τ ≈ 8.57, 2**-53 per pair) full fine-tuning of a
 1B model at δ = 1e-7 (recipes/llama-3.2-1b-full.yaml) spent 42% of δ on them by the bound
 below (3.7 δ by the looser one of then) and was refused. No torch here: the planner and

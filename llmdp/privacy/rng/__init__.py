@@ -1,5 +1,5 @@
 """The randomness behind DP-SGD: the ChaCha20 keystream (RFC 8439) and the keys it is
-read under (DESIGN §3.7).
+read under (DESIGN, invariant `secrets-stay-secret`).
 
 - `chacha`: the keystream (OpenSSL on CPU, the Triton kernel on CUDA, a torch-ops
   reference), its stream nonces and key derivation;

@@ -1,4 +1,4 @@
-"""ChaCha20 (RFC 8439): the one keystream behind the noise and the sampling (DESIGN §3.7).
+"""ChaCha20 (RFC 8439): the one keystream behind the noise and the sampling (DESIGN, invariant `secrets-stay-secret`).
 
 Why ChaCha20. DP-SGD needs randomness an adversary cannot predict (a statistical PRNG such
 as torch's Philox or Mersenne Twister can be reconstructed from its outputs). ChaCha20 is

@@ -3,8 +3,8 @@
 A step's randomness (its sample and its noise) is a deterministic function of one secret
 32-byte key: `secure_key()` draws it from the OS, so nobody can recompute the draw;
 `seeded_key(seed, step, purpose, run=, attempt=)` derives it from a seed, for tests and
-reproducible runs, which then carry no guarantee against anyone who knows the seed (DESIGN
-§3.7). The run and the attempt are in the key: two runs with one seed (two trials of a
+reproducible runs, which then carry no guarantee against anyone who knows the seed (DESIGN,
+invariant `secrets-stay-secret`). The run and the attempt are in the key: two runs with one seed (two trials of a
 sweep) and two attempts of one run (a step re-run after a resume, whose sum may be rounded
 differently) draw independent noise, which no one can cancel by differencing them. The
 sampler (`llmdp.privacy.sampling.poisson`) and the noise (`llmdp.privacy.noise.gaussian`) expand such keys
@@ -38,7 +38,7 @@ def seeded_key(seed: int, step: int, purpose: str, run: str = "", attempt: str =
 
     For tests and reproducible runs ONLY: anyone who knows `seed` can recompute every
     sample and every noise vector, so such a run carries no DP guarantee against
-    anyone who knows the seed (DESIGN §3.7); its report must say so. ``run`` and
+    anyone who knows the seed (DESIGN, invariant `secrets-stay-secret`); its report must say so. ``run`` and
     ``attempt``: the release's identity (a training run's id and its ledger attempt,
     `llmdp.train.loop.seeded_scope`); every release passes its own, so that no two releases
     share noise. Left empty only by tests of the primitives (samplers, noise).

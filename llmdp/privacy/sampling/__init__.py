@@ -1,4 +1,4 @@
-"""Sampling of privacy units: exactly the sampling the accountant assumes (DESIGN §3.3).
+"""Sampling of privacy units: exactly the sampling the accountant assumes (DESIGN, invariant `sampling-as-accounted`).
 
 - `poisson`: Poisson and truncated-Poisson samplers from a ChaCha20 keystream, exact coins
   (`make_sampler`);

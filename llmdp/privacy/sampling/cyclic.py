@@ -247,7 +247,7 @@ class CyclicPoissonSampler(_GroupedSampler):
 
     The batch size is Binomial(|group|, q_g), unbounded (no truncation). The update is
     divided by `expected_batch_size` = q_g N / cycle, a constant of the plan; the group
-    sizes, the sample and the key are private (DESIGN §3.7): never log them.
+    sizes, the sample and the key are private (DESIGN, invariant `secrets-stay-secret`): never log them.
     """
 
     def __init__(self, groups: np.ndarray, cycle: int, group_probability: float):

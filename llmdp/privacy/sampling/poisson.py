@@ -1,6 +1,6 @@
 """Poisson and truncated Poisson sampling of privacy units from a ChaCha20 keystream.
 
-DESIGN §3.3: the sampler must be exactly what the accountant assumes.
+DESIGN, invariant `sampling-as-accounted`: the sampler must be exactly what the accountant assumes.
 
 * `PoissonSampler` is the sampling of `PoissonSampledDpEvent(q, ...)`: at every step,
   every privacy unit is included independently with probability q. It draws the sample in
@@ -216,7 +216,7 @@ class PoissonSampler:
     Same key -> same sample, on every machine (float64 products are correctly rounded
     IEEE operations; no library function enters a decision): this is how workers agree
     on the draw. The key is 32 bytes (a step's sample key, ``chacha.derive_key(step_key,
-    b"sample")``). The sample, like the key, is secret (DESIGN §3.7): never log either.
+    b"sample")``). The sample, like the key, is secret (DESIGN, invariant `secrets-stay-secret`): never log either.
     """
 
     TAG = _TAG_POISSON
@@ -398,7 +398,7 @@ class TruncatedPoissonSampler:
     B_max units per step ("pad below it"); units beyond B_max are never processed.
 
     Same key -> same sample, on every machine. The sample and the key are secret
-    (DESIGN §3.7): never log them. Whether a step was truncated is computed on private
+    (DESIGN, invariant `secrets-stay-secret`): never log them. Whether a step was truncated is computed on private
     data: it may only appear among the metrics the report marks internal.
     """
 
