@@ -32,8 +32,8 @@ stage_env() {
 stage_tests() {
     timeout "${TESTS_S:-300}" python3 -m pytest -o addopts="" -p no:cacheprovider --import-mode=importlib \
         -m gpu -q -rfE --tb=short --timeout 150 \
-        tests/clipping tests/test_loop_cuda.py tests/privacy/test_chacha.py tests/privacy/test_noise.py \
-        tests/test_worker.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/tests.log" 2>&1
+        tests/clipping tests/train/test_loop_cuda.py tests/privacy/rng/test_chacha.py tests/privacy/noise/test_noise.py \
+        tests/train/test_worker.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/tests.log" 2>&1
     echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
 }
 stage_noise() {

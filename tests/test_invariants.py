@@ -16,7 +16,7 @@ DESIGN = ROOT / "docs" / "DESIGN.md"
 
 #: The test module that owns each invariant.
 OWNERS = {
-    "one-sensitivity-boundary": "tests/audit/test_replay.py",
+    "one-sensitivity-boundary": "tests/train/test_replay.py",
     "noise-once": "tests/train/test_worker.py",
     "sampling-as-accounted": "tests/privacy/sampling/test_sampling.py",
     "unit-is-a-unit": "tests/data/test_units.py",

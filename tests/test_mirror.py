@@ -7,6 +7,7 @@ imports and structure, this layout, the benchmarks' scripts)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import llmdp
@@ -18,7 +19,7 @@ PACKAGE = Path(llmdp.__file__).resolve().parent
 NOT_PACKAGES = {"fixtures", "__pycache__"}
 #: Test modules at the top of tests/: of no one package.
 PROJECT_LEVEL = {"test_e2e.py", "test_imports.py", "test_structure.py", "test_mirror.py",
-                 "test_invariants.py",
+                 "test_invariants.py", "test_layers.py",
                  "test_benchmarks.py"}
 
 
@@ -42,3 +43,15 @@ def test_only_tests_of_no_one_package_sit_at_the_top():
     top = sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in PROJECT_LEVEL)
     assert not top, (f"test modules at the top of tests/: {top}; move each into the folder of "
                      "the package it tests (tests/<package>/...)")
+
+
+def test_every_test_path_the_project_cites_exists():
+    """A moved test module leaves no stale path behind (docs, code, scripts)."""
+    root = TESTS.parent
+    files = [p for d in ("llmdp", "docs", "benchmarks", "launch", "tests") for p in (root / d).rglob("*")
+             if p.suffix in (".py", ".md", ".sh", ".yaml")]
+    files += [root / n for n in ("README.md", "BENCHMARKS.md", "pyproject.toml", "Makefile")]
+    stale = sorted({f"{f.relative_to(root)}: {m}" for f in files if f.is_file()
+                    for m in re.findall(r"(?<![\w/.])tests/[\w/]+\.py", f.read_text(encoding="utf-8"))
+                    if not (root / m).is_file()})
+    assert not stale, f"cited test paths that do not exist: {stale}"

@@ -33,7 +33,7 @@ def mechanism_problem(mechanism: str, sampler: str, *, bands=None, cycle=None,
                       dp: bool = True) -> tuple[str, str] | None:
     """Why no analysis here covers this (mechanism, sampler, bands, cycle), as (message, the
     field under ``privacy`` to change), or None. Raised as ``privacy.mf.MechanismError`` by the
-    plan and as a ``ConfigError`` by the recipe checks (DESIGN §3.3)."""
+    plan and as a ``ConfigError`` by the recipe checks (DESIGN, invariant `sampling-as-accounted`)."""
     if mechanism not in MECHANISMS:
         return (f"{mechanism!r} is not one of {MECHANISMS}", "mechanism")
     if mechanism == "dp-sgd":

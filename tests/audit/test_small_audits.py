@@ -104,7 +104,7 @@ def test_audits_flag_a_mechanism_without_clipping_or_noise(bug, monkeypatch):
 @pytest.mark.parametrize("bug", ["clip-scale", "bf16-sum", "fixed-batches"])
 def test_what_the_audit_cannot_see(bug, monkeypatch):
     """The subtler plants are below a one-run audit's resolution, and this test pins that
-    down so that the documentation stays true (the replay suite, tests/audit/test_replay.py,
+    down so that the documentation stays true (the replay suite, tests/train/test_replay.py,
     and the sampler's tests are what catch them):
 
     clip-scale: a canary adds 1.01·C: the mechanism is the claimed one at σ/1.01, whose ε
