@@ -357,3 +357,53 @@ def stop_shared_ray() -> None:
     ray.shutdown()
     if local is not None:
         local.stop()
+
+
+# ------------------------------------------------------------------ import graphs
+
+
+def import_cycles(edges) -> list[list[str]]:
+    """The strongly connected components of more than one node of a graph ``edges`` (node ->
+    its successors, any iterable or mapping), each sorted: import cycles, of modules
+    (tests/test_imports.py) or of packages (tests/test_layers.py). Iterative Tarjan."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(set(edges) | {w for s in edges.values() for w in s}):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out

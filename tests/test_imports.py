@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import import_cycles
+
 ROOT = Path(__file__).resolve().parents[1] / "llmdp"
 PRIVACY = ROOT / "privacy"
 
@@ -78,54 +80,9 @@ def _edges(mods: dict[str, Path]) -> dict[str, set[str]]:
     return edges
 
 
-def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (iterative Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-    counter = 0
-    for root in edges:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(edges[root])))]
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on.add(root)
-        while work:
-            v, it = work[-1]
-            w = next(it, None)
-            if w is not None:
-                if w not in index:
-                    index[w] = low[w] = counter
-                    counter += 1
-                    stack.append(w)
-                    on.add(w)
-                    work.append((w, iter(sorted(edges[w]))))
-                elif w in on:
-                    low[v] = min(low[v], index[w])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[v])
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    w = stack.pop()
-                    on.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                if len(comp) > 1:
-                    out.append(sorted(comp))
-    return out
-
-
 def test_the_detector_finds_a_cycle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
-    assert _cycles(edges) == [["a", "b", "c"]]
+    assert import_cycles(edges) == [["a", "b", "c"]]
 
 
 def test_no_import_cycles_inside_llmdp():
@@ -133,7 +90,7 @@ def test_no_import_cycles_inside_llmdp():
     assert "llmdp.clipping.engine" in mods and "llmdp.train.loop" in mods
     edges = _edges(mods)
     assert "llmdp.train.parallel" in edges["llmdp.train.loop"]  # lazy and module-level imports both count
-    cycles = _cycles(edges)
+    cycles = import_cycles(edges)
     detail = "; ".join(" <-> ".join(c) for c in cycles)
     assert not cycles, f"import cycles inside llmdp/: {detail}"
 

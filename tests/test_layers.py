@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import llmdp
+from tests.helpers import import_cycles
 
 PACKAGE = Path(llmdp.__file__).resolve().parent
 DESIGN = PACKAGE.parent / "docs" / "DESIGN.md"
@@ -99,48 +100,9 @@ def test_no_unit_imports_its_own_layer_or_one_above():
     assert not wrong, "imports of the same or a higher layer:\n" + "\n".join(wrong)
 
 
-def _cycles(edges) -> list[list[str]]:
-    """The strongly connected components of more than one unit (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in edges.get(v, {}):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(set(edges) | {d for s in edges.values() for d in s}):
-        if v not in index:
-            visit(v)
-    return out
-
-
 def test_no_import_cycle_between_units():
-    cycles = _cycles(_edges())
+    cycles = import_cycles(_edges())
     assert not cycles, f"units that import each other (lazily included): {cycles}"
-
-
-def test_the_cycle_finder_finds_one():
-    assert _cycles({"a": {"b": []}, "b": {"c": []}, "c": {"a": []}, "d": {"a": []}}) == [["a", "b", "c"]]
 
 
 def test_designs_layer_list_is_the_codes():
