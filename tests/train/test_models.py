@@ -18,7 +18,7 @@ from llmdp.train.models import (
 )
 from tests.helpers import random_rows, tiny_model, tiny_model_config, tiny_tokenizer_dir
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO_TOKENIZER = REPO / "tokenizers" / "demo-public"
 FAMILIES = ["llama", "gpt2", "gemma", "qwen2"]
 LORA_TARGETS = {"llama": ("q_proj", "v_proj"), "gpt2": ("c_attn",), "gemma": ("q_proj", "v_proj"),
