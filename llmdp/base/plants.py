@@ -12,11 +12,11 @@ The plants, each at the one place the real mechanism does that thing:
     clip-scale        every clipping factor × 1.01 (``clipping/engine.py``): a unit adds
                       up to 1.01·C
     bf16-sum          each clipped sum rounded to bfloat16 before the reduction
-                      (``parallel.privatize_`` / ``privatize_sharded_``)
+                      (``privatize.privatize_`` / ``privatize_sharded_``)
     extra-micro-step  one more (padding) micro-step when this worker's share holds an odd
                       number of target tokens (``step.accumulate_clipped_sum``): control
                       flow that depends on the data
-    noise-off         no noise is added (``parallel.privatize_`` / ``privatize_sharded_``)
+    noise-off         no noise is added (``privatize.privatize_`` / ``privatize_sharded_``)
     clip-off          every finite unit's factor is 1 (``clipping/engine.py``): nothing is
                       clipped
     fixed-batches     the sampler is replaced by fixed batches: one permutation drawn from

@@ -69,7 +69,7 @@ from llmdp.data.store import UnitStore, as_indices
 from llmdp.privacy import noise as dp_noise
 from llmdp.privacy.sampling import make_sampler
 from llmdp.record.spec import RunSpec
-from llmdp.train import correlated, parallel
+from llmdp.train import correlated, parallel, privatize
 from llmdp.train.step import StepKeys
 
 __all__ = ["ReplayError", "ReplayResult", "Side", "WithoutUnit", "aligned", "aligned_draw", "replay",
@@ -82,9 +82,10 @@ _DIST_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into
              "reduce_scatter_single", "all_to_all", "all_to_all_single", "barrier", "gather",
              "scatter", "send", "recv", "isend", "irecv", "all_gather_object",
              "broadcast_object_list")
-# llmdp.train.parallel's own collectives, looked up through the module at call time.
-_PARALLEL_OPS = ("privatize_", "privatize_sharded_", "all_reduce_", "sum_over_workers",
-                 "broadcast_bytes", "barrier", "_reduce_scatter")
+# llmdp.train.parallel's own collectives, looked up through the module at call time, and
+# the privatization step's two entry points (llmdp.train.privatize).
+_PARALLEL_OPS = ("all_reduce_", "sum_over_workers", "broadcast_bytes", "barrier", "reduce_scatter_")
+_PRIVATIZE_OPS = ("privatize_", "privatize_sharded_")
 # Ledger fields that name the run or the moment, not the release.
 _LEDGER_VOLATILE = frozenset({"time", "hash", "prev", "prev_hash", "run_prev", "seq", "run_id", "attempt",
                               "dataset_id", "run_ledger", "txn"})
@@ -341,6 +342,8 @@ def _recording(model: torch.nn.Module) -> Iterator[dict]:
         patch(dist, name, f"dist.{name}")
     for name in _PARALLEL_OPS:
         patch(parallel, name, f"parallel.{name}")
+    for name in _PRIVATIZE_OPS:
+        patch(privatize, name, f"privatize.{name}")
     patch(dp_noise, "add_noise_", "noise.add_noise_", capture=at_noise)
     # A correlated mechanism's noise enters here instead (its z_t is drawn into buffers of
     # its own: the sums are what it is handed).

@@ -7,7 +7,7 @@ and loaded (DESIGN §1; invariants `one-sensitivity-boundary` and `noise-once`).
     Every worker holds the whole model. The clipping engine adds each micro-step's clipped
     sum into ``p.grad``; once per logical step one all-reduce sums them over workers, every
     replica adds the *same* N(0, σ²C²I) (same noise key), and divides by q·N
-    (``parallel.privatize_``). Trainable parameters narrower than float32 (bf16 full
+    (``privatize.privatize_``). Trainable parameters narrower than float32 (bf16 full
     fine-tuning) get float32 sinks instead of ``p.grad``, as ``fsdp`` does: summed,
     all-reduced and noised in float32, then cast.
 
@@ -24,7 +24,7 @@ and loaded (DESIGN §1; invariants `one-sensitivity-boundary` and `noise-once`).
     slice of the one global N(0, σ²C²I), seeked in the secure stream of the step's noise key
     (``llmdp.privacy.noise.gaussian``), so each coordinate gets exactly one draw, the very one the
     replicated strategy adds to it; then ÷ q·N, and the optimizer steps on the sharded
-    parameters (``parallel.privatize_sharded_``).
+    parameters (``privatize.privatize_sharded_``).
 
     Limitation (for now): the full-size local buffers cost one unsharded float32 copy of
     the trainable parameters per worker, plus a transient padded copy of the same size at
@@ -66,7 +66,7 @@ from torch import nn
 from llmdp.base import losses
 from llmdp.config.choices import MIXED_PRECISION, STRATEGIES
 from llmdp.record import checkpoints
-from llmdp.train import parallel
+from llmdp.train import parallel, privatize
 from llmdp.train import save as hf_save
 
 
@@ -246,7 +246,7 @@ class Replicated(Strategy):
 
     def privatize(self, params, sinks, noise_key, noise_multiplier, max_grad_norm,
                   expected_batch_size, names=None, correlated=None) -> None:
-        parallel.privatize_(params, noise_key, noise_multiplier, max_grad_norm, expected_batch_size,
+        privatize.privatize_(params, noise_key, noise_multiplier, max_grad_norm, expected_batch_size,
                             sinks=_aligned(sinks, names), correlated=correlated)
 
     def training_state(self, model, optimizer, names):
@@ -283,7 +283,7 @@ class Fsdp(Strategy):
         sinks = _aligned(sinks, names)
         if sinks is None or len(sinks) != len(params):
             raise ValueError("scaling.strategy 'fsdp' needs one full-size buffer per parameter")
-        parallel.privatize_sharded_(params, sinks, noise_key, noise_multiplier, max_grad_norm,
+        privatize.privatize_sharded_(params, sinks, noise_key, noise_multiplier, max_grad_norm,
                                     expected_batch_size, correlated=correlated)
 
     def after_update(self, optimizer: torch.optim.Optimizer) -> None:
@@ -302,7 +302,7 @@ class Fsdp(Strategy):
 
     def noise_layout(self, params):
         """This rank's shards: their rows of the global noise vectors."""
-        return parallel.noise_slices(params)
+        return privatize.noise_slices(params)
 
     @staticmethod
     def _noise_entries(model, names, noise) -> dict:

@@ -3,7 +3,7 @@
 Each audit is a gradient-canary audit of T DP-SGD steps of a tiny Llama on random rows, built
 from the mechanism's real parts: the sampler (``make_sampler``, where the ``fixed-batches``
 plant lives), the canaries' probe loss and the ghost-clipping engine (``clip-off``,
-``clip-scale``), the reduction and the noise (``parallel.privatize_``: ``noise-off``,
+``clip-scale``), the reduction and the noise (``privatize.privatize_``: ``noise-off``,
 ``bf16-sum``), the cleaned projections and the likelihood-ratio scores
 (``llmdp.audit.gradient``), and ``llmdp.run.audit.summarize`` (both one-run estimators, the
 union bound, the violation flag). Only Ray, the unit store and the run directory are left
@@ -27,7 +27,7 @@ from llmdp.clipping import GhostClipper
 from llmdp.privacy.accounting.accountant import epsilon_for
 from llmdp.privacy.sampling.poisson import make_sampler
 from llmdp.run.audit import AuditSettings, summarize
-from llmdp.train import parallel
+from llmdp.train import privatize
 from tests.helpers import random_rows, tiny_llama
 
 Q, SIGMA, STEPS, C, DELTA = 0.3, 1.0, 8, 1.0, 1e-5
@@ -61,7 +61,7 @@ def small_audit(seed: int, sigma: float = SIGMA) -> dict:
             batch = {k: v[units] for k, v in rows.items()}
             batch["row_units"] = torch.arange(units.numel())
             GhostClipper(model, C).backward(loss_fn(model, batch), batch["row_units"])
-        parallel.privatize_(params, hashlib.sha256(key + b"/noise/%d" % t).digest(), sigma, C, Q * n)
+        privatize.privatize_(params, hashlib.sha256(key + b"/noise/%d" % t).digest(), sigma, C, Q * n)
         xs.append(gc.projections(can, mod.weight.grad, None, Q * n, C, sigma))
         opt.step()
     scores = gc.scores(np.stack(xs), sigma, Q)

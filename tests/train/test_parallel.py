@@ -339,12 +339,12 @@ def test_grad_buffers_are_checked():
 
 
 def test_shard_rows_layout_is_torch_chunk():
-    from llmdp.train.parallel import _rows
+    from llmdp.train.parallel import rows_of
 
     for d0 in (1, 2, 5, 7, 301):
         for world in (1, 2, 3, 4):
             chunk = -(-d0 // world)
-            got = [_rows(d0, chunk, r) for r in range(world)]
+            got = [rows_of(d0, chunk, r) for r in range(world)]
             ref = torch.arange(d0).chunk(world)
             ref = [(int(c[0]), c.numel()) for c in ref] + [(d0, 0)] * (world - len(ref))
             assert [(lo if n else d0, n) for lo, n in got] == ref

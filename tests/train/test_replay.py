@@ -504,9 +504,9 @@ def test_two_worker_case_passes(pair_verdicts, name):
         assert not v["notes"], f"{key}: {v['text']}"  # every check was made
         # fsdp: the parameters' all-gathers and the sums' reduce-scatter were seen;
         # replicated: the sums' all-reduce
-        seen = {"dist.all_gather_single", "parallel.privatize_sharded_",
+        seen = {"dist.all_gather_single", "privatize.privatize_sharded_",
                 "dist.reduce_scatter_single"} if CASES[name].get("strategy") == "fsdp" else \
-            {"parallel.privatize_", "parallel.all_reduce_", "dist.all_reduce"}
+            {"privatize.privatize_", "parallel.all_reduce_", "dist.all_reduce"}
         assert seen <= set(v["ops"]), v["ops"]
         assert [r["kind"] for r in v["ledger"]] == ["release"], v["ledger"]
 

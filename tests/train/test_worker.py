@@ -14,7 +14,7 @@ import torch
 from llmdp.clipping import GhostClipper
 from llmdp.data.batching import assign_micro_batches
 from llmdp.privacy.rng import keys
-from llmdp.train.parallel import privatize_
+from llmdp.train.privatize import privatize_
 from llmdp.train.step import accumulate_clipped_sum
 from llmdp.train.strategy import Replicated
 from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
