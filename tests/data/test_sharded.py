@@ -91,12 +91,6 @@ def test_a_bad_line_is_named_with_its_file_and_line(tmp_path, notes):
 # ----------------------------------------------------------------------------- on Ray Data
 
 
-@pytest.fixture
-def ray_session(shared_ray):
-    """Ray Data's tasks run on the test process's one Ray (conftest.shared_ray)."""
-    yield
-
-
 def _units(store) -> list[tuple]:
     """Every unit's content: its rows' tokens, target flags and segment ids."""
     out = []
@@ -129,7 +123,7 @@ KINDS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_ray_data_forms_the_same_units_as_one_process(tmp_path, tok, notes, ray_session, kind):
+def test_ray_data_forms_the_same_units_as_one_process(tmp_path, tok, notes, shared_ray, kind):
     local, ray_ = _both(tmp_path, tok, notes, KINDS[kind])
     shards = ray_.meta["preprocess"]["shards"]
     assert shards > 3 and ray_.fingerprint != local.fingerprint
@@ -151,7 +145,7 @@ def test_ray_data_forms_the_same_units_as_one_process(tmp_path, tok, notes, ray_
 
 
 @pytest.mark.slow
-def test_sequence_units_are_packed_per_shard(tmp_path, tok, notes, ray_session):
+def test_sequence_units_are_packed_per_shard(tmp_path, tok, notes, shared_ray):
     from llmdp.data.sharded import build_store_sharded, chunk_bytes_for
     from llmdp.data.units import build_units
 
@@ -188,7 +182,7 @@ def test_sequence_units_are_packed_per_shard(tmp_path, tok, notes, ray_session):
 
 
 @pytest.mark.slow
-def test_fraction_holdout_and_max_units_across_shards(tmp_path, tok, notes, ray_session):
+def test_fraction_holdout_and_max_units_across_shards(tmp_path, tok, notes, shared_ray):
     spec = KINDS["document"]
     kw = dict(unit_fraction=0.8, holdout=Holdout(fraction=0.25, max_units=9))
     local, ray_ = _both(tmp_path, tok, notes, spec, **kw)
@@ -200,7 +194,7 @@ def test_fraction_holdout_and_max_units_across_shards(tmp_path, tok, notes, ray_
 
 
 @pytest.mark.slow
-def test_malformed_records_stop_with_file_and_line_or_are_skipped(tmp_path, tok, notes, ray_session):
+def test_malformed_records_stop_with_file_and_line_or_are_skipped(tmp_path, tok, notes, shared_ray):
     from llmdp.data.sharded import build_store_sharded
 
     recs = [json.loads(x) for x in open(notes)]
@@ -222,7 +216,7 @@ def test_malformed_records_stop_with_file_and_line_or_are_skipped(tmp_path, tok,
 
 
 @pytest.mark.slow
-def test_memory_stays_under_the_cap_for_a_corpus_20_times_larger(tmp_path, ray_session):
+def test_memory_stays_under_the_cap_for_a_corpus_20_times_larger(tmp_path, shared_ray):
     """The small version of benchmarks/preprocess.py: a corpus 20x the cap, every task's
     data (peak RSS over its process's RSS at the task's start) under the cap, and the
     driver's peak RSS over its own (after one warm-up build on the same Ray) a fraction of
