@@ -13,7 +13,7 @@ The bound (per unit u; t, s range over the positions of the unit's rows, every r
 ----------------------------------------------------------------------------------------
 Let a_ts = A_t·A_s and b_ts = G_t·G_s (exact), ã_ts and b̃_ts the computed float32
 entries, n_t ≥ ‖A_t‖ and m_t ≥ ‖G_t‖ (``lowp.row_norms``: upper bounds, exactly 0 for a
-row of zeros). ``lowp.fast_bound`` gives (u, k) with, for a contraction of length d,
+row of zeros). ``lowp.gram_fast_bound`` gives (u, k) with, for a contraction of length d,
 
     |ã_ts − a_ts| ≤ γ_k(u)·Σ_i |A_ti|·|A_si| + η ≤ γ_a·n_t·n_s + η_a      (Cauchy–Schwarz)
 
@@ -57,12 +57,16 @@ Not covered by the model: a float32 overflow (an entry past 2¹²⁸, i.e. row n
 (``norms.factors``): utility, never privacy.
 
 When (``use_lowp``): the policy is ``"auto"`` unless a test or benchmark forces it
-(``forced``). Auto takes this path only on CUDA with bf16/fp16 operands on tensor cores,
-for T ≤ ``T_MAX``, where the cost model (``lowp_gram_cheaper``) says it is cheaper than the
-float64 Grams and than the tile kernel. Its Grams are ``bmm_fast``'s chunked float32
-GEMMs: each chunk's partial result is added to the float32 output in memory, so the model
-counts those adds' bytes (and the float64 bound arithmetic) at the device's bandwidth, as
-well as the tensor-core FLOPs.
+(``forced``). Auto takes this path for T ≤ ``T_MAX`` on CUDA with bf16/fp16 operands on
+tensor cores where the cost model (``lowp_gram_cheaper``) says it is cheaper than the
+float64 Grams and than the tile kernel, and on the CPU for float32 (or narrower) operands
+of every Linear with p + d ≥ ``CPU_MIN_WIDTH`` (measured: there it is the cheaper).
+Its Grams are ``lowp.gram_fast``'s chunked float32 GEMMs (``CHUNK_T`` positions on tensor
+cores, ``GRAM_CHUNK`` elsewhere): each chunk's partial result is added to the float32
+output in memory, so the model counts those adds' bytes (and the float64 bound
+arithmetic) at the device's bandwidth, as well as the tensor-core FLOPs; the entry bound
+γ then grows with the chunk and the number of chunks, not with the contraction's length
+(``lowp.gram_fast_bound``).
 """
 
 from __future__ import annotations
@@ -107,6 +111,15 @@ def eligible(A3: torch.Tensor, G3: torch.Tensor) -> bool:
 BOUND_BYTES = 160
 
 
+# On the CPU the float32 Grams (``lowp.gram_fast``: IEEE float32 GEMMs of ``GRAM_CHUNK``
+# positions) run at 2-3x the float64 ones' rate and need no float64 copy of A and G; the
+# bound's float64 arithmetic (~20 ns per Gram entry on one core) is what they cost beyond
+# their GEMMs. Measured on one core (BENCHMARKS, issue 50): float64 faster only for the
+# narrowest layers; from p + d = 256 on the float32 Grams win (1.7x at 512, 2.3x at 8,448,
+# 3.1x for a 32,000-wide LM head).
+CPU_MIN_WIDTH = 256
+
+
 def lowp_gram_cheaper(rows: int, T: int, p: int, d: int, spec, tile_time: float | None) -> bool:
     """This path's time against the float64 Grams' (2·R·T²·(p+d) float64 FLOPs) and, where
     the tile kernel serves, its time ``tile_time``: 2·R·T²·(p+d) FLOPs at ``spec.flops``,
@@ -129,14 +142,18 @@ def use_lowp(A3: torch.Tensor, G3: torch.Tensor, spec, tile_time: float | None) 
         return False
     if _policy == "lowp":
         return True
-    if not (lowp.tensor_cores(A3, A3) and lowp.tensor_cores(G3, G3)) or G3.shape[1] > T_MAX:
+    if G3.shape[1] > T_MAX:
+        return False
+    if not (A3.is_cuda or G3.is_cuda):
+        return G3.shape[-1] + A3.shape[-1] >= CPU_MIN_WIDTH
+    if not (lowp.tensor_cores(A3, A3) and lowp.tensor_cores(G3, G3)):
         return False
     return lowp_gram_cheaper(G3.shape[0], G3.shape[1], G3.shape[-1], A3.shape[-1], spec, tile_time)
 
 
 def gram32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x [R, T, a], y [R, S, a] -> x yᵀ [R, T, S] in float32 (``lowp.bmm_fast``)."""
-    return lowp.bmm_fast(x, y.transpose(1, 2))
+    """x [R, T, a], y [R, S, a] -> x yᵀ [R, T, S] in float32 (``lowp.gram_fast``)."""
+    return lowp.gram_fast(x, y.transpose(1, 2))
 
 
 def self_gram32(x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +165,7 @@ def entry_gamma(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """(γ, η) of ``gram32(x, y)``'s entries: |ã_ts − a_ts| ≤ γ·‖x_t‖·‖y_s‖ + η
     (module docstring)."""
     a = x.shape[-1]
-    u, k = lowp.fast_bound(x, y.transpose(1, 2), a)
+    u, k = lowp.gram_fast_bound(x, y.transpose(1, 2), a)
     return gamma(k, u), 4.0 * (a + 1) * 2.0**-126
 
 

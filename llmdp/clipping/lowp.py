@@ -15,9 +15,11 @@ read) and has a stated error bound, which the engine adds to the norms it clips 
   Stability of Numerical Algorithms*, §3.1; γ_n(u) = n·u/(1 − n·u)). On CUDA these are
   float64 GEMMs (the FP64 tensor cores of A100/H100-class GPUs, at about their float32
   SIMT rate, ~1/15 of bf16; the layer choice counts them at the device's float64 rate,
-  ``norms.device_spec``). float32 Gram matrices are not used: their worst-case error at a
-  hidden size of 4,096 is ≈ 2.4·10⁻⁴ of |A||A|ᵀ per entry, more than 1 % of the norm on
-  any real sequence (``norms`` module docstring, 4).
+  ``norms.device_spec``). float32 Gram matrices with an a-priori bound are not used: their
+  worst-case error at a hidden size of 4,096 is ≈ 2.4·10⁻⁴ of |A||A|ᵀ per entry, more than
+  1 % of the norm on any real sequence (``norms`` module docstring, 4); ``gram.py`` uses
+  them with an a-posteriori bound instead, formed by ``gram_fast`` in chunks of the
+  contraction (``gram_fast_bound``: γ grows with the chunk, not with the width).
 * **the clipped sum** Σ_r c_r G_rᵀA_r (``row_scaled_tn``):
   - bf16/fp16 on CUDA: the operands go to the tensor cores as they are, with float32
     accumulation, in a Triton kernel (``_triton_rowscaled``) that multiplies each chunk's
@@ -30,7 +32,7 @@ read) and has a stated error bound, which the engine adds to the norms it clips 
     n = min(T, 128) + 1 + ⌈(R·⌈T/128⌉ + R)/4⌉ (``_triton_rowscaled.error_count``);
   - anything else (CPU, float32 models, mixed dtypes, no Triton): widened to float32
     (exact), float32 GEMMs over groups of rows of about ``ROW_GROUP_POSITIONS`` positions,
-    their results summed in float64 and cast to float32 once: γ_{g+3}(2⁻²⁴) for a group of
+    each into its own result, added to a float32 total: γ_{g+2+m}(2⁻²⁴) for m groups of
     g positions (one float64 GEMM for float64 inputs: γ_{RT+2}(2⁻⁵³)), plus one relative
     rounding of the result.
   ``row_scaled_bound`` says which bound applies to the path ``row_scaled_tn`` will take.
@@ -183,6 +185,42 @@ def bmm_fast(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return out
     with exact_fp32(x.device):
         return _widened_bmm(x, y, result_dtype(x, y))
+
+
+GRAM_CHUNK = 256  # contraction length of one float32 GEMM of ``gram_fast`` off tensor cores
+
+
+def gram_fast(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x [B, m, k] @ y [B, k, n] for a Gram matrix in float32: ``bmm_fast`` on tensor cores
+    (chunks of ``CHUNK_T``); elsewhere float32 operands (narrower ones widened to float32
+    a chunk at a time, exact) contracted ``GRAM_CHUNK`` at a time, each chunk an IEEE
+    float32 GEMM whose result is added to a float32 total. The bound (``gram_fast_bound``)
+    then grows with the chunk and the number of chunks, not with k: a Gram over the LM
+    head's 32,000-wide output gradient is bounded by γ_381(2⁻²⁴), not γ_32001. Float64
+    operands: ``bmm_fast`` (one float64 contraction)."""
+    if tensor_cores(x, y) or result_dtype(x, y) == torch.float64:
+        return bmm_fast(x, y)
+    k = x.shape[2]
+    out = None
+    with exact_fp32(x.device):
+        for k0 in range(0, k, GRAM_CHUNK):
+            xs, ys = x[:, :, k0:k0 + GRAM_CHUNK], y[:, k0:k0 + GRAM_CHUNK]
+            part = torch.bmm(xs.to(torch.float32), ys.to(torch.float32))
+            out = part if out is None else out.add_(part)
+    return out
+
+
+def gram_fast_bound(x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[float, int]:
+    """(u, n) for ``gram_fast`` over a contraction of length k: each entry within
+    γ_n(u)·Σ|x||y| of its exact value. Off tensor cores, in float32: a product and its
+    chunk's chain of at most c = ``GRAM_CHUNK`` terms (in any order: c roundings, γ_c),
+    then one rounding per later chunk's add to the total, m − 1 of them (m = ⌈k/c⌉
+    chunks): n = c + m ≥ min(k, c) + m − 1 + 1; never more than ``fast_bound``'s k + 1
+    (c + m − 1 ≤ c·m)."""
+    if tensor_cores(x, y) or result_dtype(x, y) == torch.float64:
+        return fast_bound(x, y, k)
+    c = min(k, GRAM_CHUNK)
+    return U32, min(k + 1, c + -(-k // GRAM_CHUNK))
 
 
 def fast_bound(x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[float, int]:
@@ -340,8 +378,9 @@ def row_scaled_bound(x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
     if result_dtype(x, y) == torch.float64:
         return U64, R * T + 2
     # float32 over one group of rows (the scaled operand's rounding, the products, the
-    # chain), then float64 across groups: below one more float32 rounding for R < 2²⁸
-    return U32, _rows_per_group(T) * T + 3
+    # chain), then one float32 rounding per later group's add to the total
+    rows = _rows_per_group(T)
+    return U32, rows * T + 2 + -(-R // rows)
 
 
 def _triton_failed(x: torch.Tensor, e: Exception) -> None:
@@ -403,17 +442,23 @@ def row_scaled_tn(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor,
             parts = [(s2.t() @ sl if x_small else sl.t() @ s2)
                      for sl in (big2[:, j:j + step].to(dt) for j in range(0, n, step))]
         return parts[0] if len(parts) == 1 else torch.cat(parts, 1 if x_small else 0)
-    # float32 GEMMs over groups of rows (≈ ROW_GROUP_POSITIONS positions each), summed in
-    # float64: the float32 chain of any product is one group long (``row_scaled_bound``).
+    # float32 GEMMs over groups of rows (≈ ROW_GROUP_POSITIONS positions each), each into
+    # its own output and then added to the float32 total: the float32 chain of any product
+    # is one group long, plus one rounding per later group's add (``row_scaled_bound``).
+    # (Not ``addmm_`` into the total: a GEMM may put the total into its chain, and every
+    # earlier group's terms would then take a whole group's roundings again.)
     g = _rows_per_group(T) * T
     parts = []
     with exact_fp32(x.device):
         for j in range(0, n, step):
             sl = big2[:, j:j + step].to(dt)
-            acc = None
+            acc = part = None
             for p0 in range(0, R * T, g):
-                a_, b_ = s2[p0:p0 + g], sl[p0:p0 + g]
-                part = (a_.t() @ b_ if x_small else b_.t() @ a_).to(torch.float64)
-                acc = part if acc is None else acc.add_(part)
-            parts.append(acc.to(torch.float32))
+                a_, b_ = (s2[p0:p0 + g], sl[p0:p0 + g]) if x_small else (sl[p0:p0 + g], s2[p0:p0 + g])
+                if acc is None:
+                    acc = a_.t() @ b_
+                    continue
+                part = torch.mm(a_.t(), b_, out=part) if part is not None else a_.t() @ b_
+                acc.add_(part)
+            parts.append(acc)
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1 if x_small else 0)

@@ -81,9 +81,10 @@ difference, lost to rounding — down to a negative number, which was clamped to
    bound costs a clipped unit at most 1 % of its contribution (a 1 % shorter step in its
    direction, far inside the noise and any learning-rate tuning); above it, the float64
    gradient (2·T·p·d FLOPs per unit at the float64 rate) is the cheaper loss. The Gram
-   matrices are float64 because there the cancellation lives: a float32 Gram's bound,
-   γ_d(2⁻²⁴)·N² ≈ 2.4·10⁻⁴·N² at d = 4,096, is more than 1 % of ‖g‖² as soon as
-   N²/‖g‖² > 40, i.e. on any sequence. The float32 contractions' bounds grow like
+   matrices are float64, or float32 with an a-posteriori bound (``gram.py``), because
+   there the cancellation lives: a float32 Gram's a-priori bound, γ_d(2⁻²⁴)·N² ≈
+   2.4·10⁻⁴·N² at d = 4,096, is more than 1 % of ‖g‖² as soon as N²/‖g‖² > 40, i.e. on any
+   sequence. The float32 contractions' bounds grow like
    n·2⁻²⁴·N_u/‖g_u‖ (n ≈ 256 positions on CPU, T + 2R on CUDA's tensor cores at 2⁻²²),
    N/‖g‖ ≈ 1.5·√T on random-like data: ρ ≈ 4·10⁻⁴ at T = 256; a fallback needs
    N/‖g‖ ≳ 700 (CPU) — a massive activation that cancels — or, on CUDA, T ≳ 1,000. The
@@ -266,14 +267,50 @@ def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
     U = h.shape[0]
     h2 = h.reshape(U, -1)
     k = h2.shape[1]
-    # float64 accumulation (the input cast to float64: its squares, the sum, the root, the
-    # square back: k + 4 roundings at most)
-    value = torch.linalg.vector_norm(h2, dim=1, dtype=F64).square()
-    sq = Sq(value, gamma(k + 4, U64), inst_dev, rel, mag, mag_f)
+    if (h2.device.type == "cpu" and h2.dtype == torch.float32 and k > 2 * lowp.GRAM_CHUNK
+            and isinstance(mag, torch.Tensor)):
+        value, err = _sq_chunked32(h2, mag)
+        sq = Sq(value, err, inst_dev, rel, mag, mag_f)
+    else:
+        # float64 accumulation (the input cast to float64: its squares, the sum, the root,
+        # the square back: k + 4 roundings at most)
+        value = torch.linalg.vector_norm(h2, dim=1, dtype=F64).square()
+        sq = Sq(value, gamma(k + 4, U64), inst_dev, rel, mag, mag_f)
     if stored_u:
         norm_up = up(torch.sqrt(value + sq.err), 2)
         sq._dev = up(sq.dev + (stored_u / (1.0 - stored_u)) * norm_up, 3)
     return sq
+
+
+def _sq_chunked32(h2: torch.Tensor, mag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(‖h_u‖², its bound) per row of a float32 [U, k] on the CPU without a float64 copy of
+    h (the copy costs more than the sum there: 8·U·k bytes written and read again): the
+    float32 norms of chunks of c = ``lowp.GRAM_CHUNK`` entries, squared and summed in
+    float64.
+
+    A chunk's float32 norm (its squares, their sum in any order, the root; at least float32
+    accumulation) is ñ = √(s·(1 + θ_c))·(1 + δ) for its exact sum of squares s, |θ_c| ≤
+    γ_c(2⁻²⁴), |δ| ≤ 2⁻²⁴, so ñ² is within γ_{c+2}; its square in float64 and the float64
+    sum of the m + 1 chunks (nonnegative) add less than one more float32 rounding (m <
+    2²⁸): the computed value is within γ_{c+3}(2⁻²⁴) of ‖h‖², relatively, and taking the
+    bound relative to the computed value (exact ≤ computed/(1 − γ)) is one more: err =
+    γ_{c+5}(2⁻²⁴)·value, with a rounding to spare. Squares and partial sums below
+    float32's normal range lose at most 2⁻¹²⁶ each (flushed to zero) — at most 2k of them,
+    2k·2⁻¹²⁶ on ‖h‖² — added to err as an absolute term wherever ``mag`` (N_u, from row
+    norms that are exactly 0 only for rows of zeros) is not 0: a nonzero entry of h needs a
+    nonzero product, so N_u = 0 means h = 0, and a gradient that is exactly 0 keeps err = 0
+    (``worth_recomputing`` tells it by that). No host read, no pass over h beyond the norms.
+    A norm past float32's range is inf: the unit's bound is then not finite and it adds
+    nothing (``factors``)."""
+    U, k = h2.shape
+    c = lowp.GRAM_CHUNK
+    m = k // c
+    parts = torch.linalg.vector_norm(h2[:, :m * c].reshape(U, m, c), dim=-1)  # [U, m] float32
+    value = parts.to(F64).square().sum(-1)
+    if m * c < k:
+        value = value + torch.linalg.vector_norm(h2[:, m * c:], dim=-1).to(F64).square()
+    err = value * gamma(c + 5, U32) + (mag > 0).to(F64) * (2.0 * k * 2.0**-126)
+    return value, err
 
 
 def deviation(s: Sq, sink_u: float) -> torch.Tensor:

@@ -52,7 +52,7 @@ def _check(A3, G3, unit_of_row, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(1, 64, 48), (37, 300, 17), (200, 64, 64)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 64, 48), (37, 300, 17), (200, 64, 64), (9, 40, 1100)], ids=str)
 @pytest.mark.parametrize("unit_of_row", [[0, 1, 2], [0, 0, 1, -1, 1]], ids=["identity", "pairs"])
 def test_the_bound_holds_on_random_data(dtype, shape, unit_of_row):
     T, d, p = shape
@@ -268,7 +268,13 @@ def test_the_policy():
     A = torch.randn(2, 8, 16)
     G = torch.randn(2, 8, 4)
     spec = norms.device_spec(torch.device("cpu"), torch.float32)
-    assert not gram.use_lowp(A, G, spec, None)  # auto: CUDA tensor cores only
+    assert not gram.use_lowp(A, G, spec, None)  # auto on the CPU: p + d below CPU_MIN_WIDTH
+    wide = torch.randn(2, 8, gram.CPU_MIN_WIDTH - 4)
+    assert gram.use_lowp(wide, G, spec, None)  # p + d = CPU_MIN_WIDTH: the float32 Grams
+    assert gram.use_lowp(wide.bfloat16(), G.bfloat16(), spec, None)
+    assert not gram.use_lowp(wide.double(), G.double(), spec, None)
+    long_rows = torch.randn(1, gram.T_MAX + 1, gram.CPU_MIN_WIDTH)
+    assert not gram.use_lowp(long_rows, long_rows, spec, None)  # T > T_MAX: float64
     with gram.forced("lowp"):
         assert gram.use_lowp(A, G, spec, None)
         assert gram.use_lowp(A.bfloat16(), G.bfloat16(), spec, None)

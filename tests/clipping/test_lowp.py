@@ -367,3 +367,59 @@ def test_cuda_per_row_products_and_row_norms_are_within_their_bounds_at_long_T(d
     exact = big.double().norm(dim=-1)
     got = lowp.row_norms(big)
     assert (got >= exact).all() and (got <= exact * (1 + 3 * lowp.gamma(70_003, lowp.U32))).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k", [7, lowp.GRAM_CHUNK, lowp.GRAM_CHUNK + 1, 3000])
+def test_gram_fast_is_within_its_chunked_bound(dtype, k):
+    """``gram_fast`` off tensor cores: float32 GEMMs of ``GRAM_CHUNK`` terms added in float32,
+    each entry within γ_n(2⁻²⁴)·Σ|x||y| of the exact contraction (math.fsum of the exact
+    float64 products), n = c + m: the chunk's chain and one rounding per later chunk; for a
+    long contraction far below the unchunked k + 1 (what makes the LM head's float32 Grams
+    usable: their a-posteriori bound is a γ-multiple of the entries' magnitudes)."""
+    g = torch.Generator().manual_seed(k)
+    # entries over ~2⁴⁰ of dynamic range, of both signs: long float32 chains do round
+    x = (torch.randn(2, 5, k, generator=g) * torch.exp2(torch.randint(-20, 20, (2, 5, k), generator=g))).to(dtype)
+    y = (torch.randn(2, k, 6, generator=g) * torch.exp2(torch.randint(-20, 20, (2, k, 6), generator=g))).to(dtype)
+    out = lowp.gram_fast(x, y)
+    assert out.dtype == torch.float32
+    ref = _fsum_last(x.double()[:, :, None, :] * y.double().transpose(1, 2)[:, None, :, :])
+    u, n = lowp.gram_fast_bound(x, y, k)
+    m = -(-k // lowp.GRAM_CHUNK)
+    assert u == lowp.U32 and n == min(k + 1, min(k, lowp.GRAM_CHUNK) + m)
+    mag = torch.einsum("rta,ras->rts", x.double().abs(), y.double().abs())
+    assert ((out.double() - ref).abs() <= lowp.gamma(n, u) * mag).all()
+    if k > 2 * lowp.GRAM_CHUNK:
+        assert n < (k + 1) / 8  # the point of chunking
+        # the result is the chunks' float32 sum, in that order (not one long chain)
+        parts = [torch.bmm(x[:, :, i:i + lowp.GRAM_CHUNK].float(), y[:, i:i + lowp.GRAM_CHUNK].float())
+                 for i in range(0, k, lowp.GRAM_CHUNK)]
+        total = parts[0]
+        for q in parts[1:]:
+            total = total + q
+        assert torch.equal(out, total)
+
+
+@pytest.mark.parametrize("T", [100, 300])
+def test_row_scaled_tn_over_several_row_groups_is_within_its_bound(T):
+    """The CPU float32 clipped sum over several groups of rows (each group's GEMM into its
+    own result, added to a float32 total): every entry within γ_n(2⁻²⁴)·Σ_r f_r|x_r|ᵀ|y_r|
+    (``row_scaled_bound``: the group's chain and one rounding per later group) plus the
+    result's own rounding, against exact sums (math.fsum), with entries over ~2⁴⁰ of range."""
+    g = torch.Generator().manual_seed(T)
+    R, a, b = 7, 5, 6
+    x = torch.randn(R, T, a, generator=g) * torch.exp2(torch.randint(-20, 20, (R, T, a), generator=g))
+    y = torch.randn(R, T, b, generator=g) * torch.exp2(torch.randint(-20, 20, (R, T, b), generator=g))
+    f = torch.rand(R, generator=g)
+    rows = lowp._rows_per_group(T)
+    assert -(-R // rows) >= 4  # several groups
+    out = lowp.row_scaled_tn(x, y, f)
+    assert out.dtype == torch.float32
+    # exact: the factor times each exact product, summed correctly rounded
+    prods = f.double()[:, None, None, None] * x.double()[:, :, :, None] * y.double()[:, :, None, :]
+    ref = _fsum_last(prods.permute(2, 3, 0, 1).reshape(a, b, R * T))
+    u, n = lowp.row_scaled_bound(x, y)
+    assert (u, n) == (lowp.U32, rows * T + 2 + -(-R // rows))
+    mag = torch.einsum("r,rta,rtb->ab", f.double(), x.double().abs(), y.double().abs())
+    claimed = lowp.gamma(n, u) * mag * (1 + lowp.U32) + lowp.U32 * ref.abs()
+    assert ((out.double() - ref).abs() <= claimed).all()

@@ -549,3 +549,33 @@ def test_lora_at_initialization_recomputes_nothing(dtype):
     assert clipper.last_norm_stats.fallbacks == 0
     assert bool((n > 0).all())  # the B side has a gradient
     assert all(float(s.abs().sum()) == 0 for k, s in sinks.items() if "lora_A" in k)
+
+
+@pytest.mark.parametrize("k", [3 * lowp.GRAM_CHUNK, 5 * lowp.GRAM_CHUNK + 77])
+def test_instantiated_norms_on_the_cpu_are_within_their_bound(k):
+    """The CPU's float32 instantiated gradients are measured without a float64 copy
+    (``norms._sq_chunked32``: float32 norms of chunks, squared and summed in float64): the
+    value is within its bound of the exact ‖h‖² (math.fsum of exact float64 squares) over
+    ~2¹⁶⁰ of dynamic range, with rows whose squares all underflow (covered by the absolute
+    term) and a row of exact zeros (value and bound exactly 0, its N_u being 0); the bound is
+    far below float32's γ_k (the chunks) and the path is the one ``sq_of_instantiated``
+    takes."""
+    g = torch.Generator().manual_seed(k)
+    h = torch.randn(5, k, generator=g) * torch.exp2(torch.randint(-90, 60, (5, k), generator=g).float())
+    h[1] = 0
+    h[2] = torch.randn(k, generator=g) * 1e-30  # every square underflows float32
+    h[3, :-1] = 0
+    h[3, -1] = 3.0  # only the remainder (or the last chunk) holds anything
+    mag = (h != 0).any(1).double()  # N_u stands in: 0 exactly where h is 0
+    value, err = norms._sq_chunked32(h, mag)
+    exact = [math.fsum((x.double() ** 2).tolist()) for x in h]
+    for u in range(5):
+        assert abs(float(value[u]) - exact[u]) <= float(err[u]), (u, float(value[u]), exact[u], float(err[u]))
+    assert float(value[1]) == 0 and float(err[1]) == 0
+    assert float(err[2]) > exact[2]  # the absolute term is what covers it
+    rel = float(err[0]) / float(value[0])
+    assert rel < lowp.gamma(k, lowp.U32) / 2
+    sq = norms.sq_of_instantiated(h, 0.0, 0.0, 0.0, mag)
+    assert torch.equal(sq.value, value) and torch.equal(sq.err, err)
+    sq64 = norms.sq_of_instantiated(h.double(), 0.0, 0.0, 0.0, mag)  # float64: unchanged path
+    assert torch.equal(sq64.value, torch.linalg.vector_norm(h.double(), dim=1).square())
