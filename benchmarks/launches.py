@@ -325,6 +325,7 @@ def emulate_cuda(counter: Counter):
 
     orig_bmm_fast = lowp.bmm_fast
     patch(lowp, "tensor_cores", tc)
+    patch(lowp, "on_cpu", lambda x: False)
     patch(lowp, "_triton_path", tc)
     patch(lowp, "bmm_fast", bmm_fast)
     patch(tr, "_launch", launch_kernel)

@@ -144,7 +144,7 @@ def use_lowp(A3: torch.Tensor, G3: torch.Tensor, spec, tile_time: float | None) 
         return True
     if G3.shape[1] > T_MAX:
         return False
-    if not (A3.is_cuda or G3.is_cuda):
+    if lowp.on_cpu(G3):
         return G3.shape[-1] + A3.shape[-1] >= CPU_MIN_WIDTH
     if not (lowp.tensor_cores(A3, A3) and lowp.tensor_cores(G3, G3)):
         return False

@@ -119,6 +119,13 @@ def _index(x: torch.Tensor) -> int:
     return torch.cuda.current_device() if x.is_cuda else -1
 
 
+def on_cpu(x: torch.Tensor) -> bool:
+    """Whether the engine takes its CPU-only choices for x (``gram.use_lowp``'s width rule,
+    ``norms._sq_chunked32``): x is on the CPU. ``benchmarks/launches.py``'s CUDA emulation
+    answers False, so that it counts the GPU's paths."""
+    return x.device.type == "cpu"
+
+
 def tensor_cores(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Both operands half precision of one dtype on a CUDA device whose torch has
     ``bmm(out_dtype=float32)``: contract them as they are."""

@@ -267,7 +267,7 @@ def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
     U = h.shape[0]
     h2 = h.reshape(U, -1)
     k = h2.shape[1]
-    if (h2.device.type == "cpu" and h2.dtype == torch.float32 and k > 2 * lowp.GRAM_CHUNK
+    if (lowp.on_cpu(h2) and h2.dtype == torch.float32 and k > 2 * lowp.GRAM_CHUNK
             and isinstance(mag, torch.Tensor)):
         value, err = _sq_chunked32(h2, mag)
         sq = Sq(value, err, inst_dev, rel, mag, mag_f)
