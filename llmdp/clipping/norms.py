@@ -186,16 +186,25 @@ class Sq:
     * ``mag`` with ``mag_f`` f:     mag = mag·f (``up``'s factor, ``up_factor``); ``mag``
       None: ‖h‖ rounded up from value and err (``sq_of_instantiated``'s);
     * ``dev`` a tuple (f₀, f₁, …):  dev = ((mag·f₀)·f₁)…; ``dev`` 0.0: dev = 0;
-    * ``rel`` a float:              rel = that constant for every unit.
+    * ``rel`` a float:              rel = that constant for every unit;
+    * ``value`` None with ``root`` r: value = r² (an instantiated gradient's float64 norm,
+      ``sq_of_instantiated``: one launch fewer per call).
 
     Reading a field (``sq.err``…) forms it (once) for code that needs one call's tensors.
     """
 
-    __slots__ = ("value", "_err", "_dev", "_rel", "_mag", "_mag_f")
+    __slots__ = ("_value", "_root", "_err", "_dev", "_rel", "_mag", "_mag_f")
 
-    def __init__(self, value: torch.Tensor, err, dev, rel, mag, mag_f: float | None = None):
-        self.value = value
+    def __init__(self, value: torch.Tensor | None, err, dev, rel, mag, mag_f: float | None = None,
+                 root: torch.Tensor | None = None):
+        self._value, self._root = value, root
         self._err, self._dev, self._rel, self._mag, self._mag_f = err, dev, rel, mag, mag_f
+
+    @property
+    def value(self) -> torch.Tensor:
+        if self._value is None:  # deferred: value = root², formed here or stacked (Stack.of)
+            self._value = self._root.square()
+        return self._value
 
     @property
     def err(self) -> torch.Tensor:
@@ -273,11 +282,11 @@ def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
         sq = Sq(value, err, inst_dev, rel, mag, mag_f)
     else:
         # float64 accumulation (the input cast to float64: its squares, the sum, the root,
-        # the square back: k + 4 roundings at most)
-        value = torch.linalg.vector_norm(h2, dim=1, dtype=F64).square()
-        sq = Sq(value, gamma(k + 4, U64), inst_dev, rel, mag, mag_f)
+        # the square back: k + 4 roundings at most); the square deferred (`Sq`)
+        root = torch.linalg.vector_norm(h2, dim=1, dtype=F64)
+        sq = Sq(None, gamma(k + 4, U64), inst_dev, rel, mag, mag_f, root=root)
     if stored_u:
-        norm_up = up(torch.sqrt(value + sq.err), 2)
+        norm_up = up(torch.sqrt(sq.value + sq.err), 2)
         sq._dev = up(sq.dev + (stored_u / (1.0 - stored_u)) * norm_up, 3)
     return sq
 

@@ -50,7 +50,7 @@ class Stack:
     def of(sqs: list[Sq], sink_us: list[float]) -> Stack:
         """The stacks of ``sqs``, their deferred bounds (`Sq`) formed here for all pairs at
         once: each row the operations `Sq`'s fields would take, on the same operands."""
-        value = torch.stack([s.value for s in sqs])
+        value = _values(sqs)
         err = _rows(value, [s._err for s in sqs], lambda s: s.err, sqs)
         dev = _dev_rows(value, sqs)
         rel = _rows(None, [s._rel for s in sqs], lambda s: s.rel, sqs)
@@ -58,6 +58,19 @@ class Stack:
         rel = rel + g + rel * g  # norms.deviation, with the sink's γ per pair
         norm = torch.sqrt(torch.clamp(value + err, min=0))
         return Stack(value, err, nb.up(dev + rel * (norm + dev), 6))
+
+
+def _values(sqs: list[Sq]) -> torch.Tensor:
+    """[N, U] values; the rows deferred as a root r (``Sq``) squared here for all at once,
+    r·r as ``Sq.value`` would form it."""
+    roots = [i for i, s in enumerate(sqs) if s._value is None]
+    if not roots:
+        return torch.stack([s.value for s in sqs])
+    if len(roots) == len(sqs):
+        return torch.stack([s._root for s in sqs]).square()
+    out = torch.stack([s._root if s._value is None else s._value for s in sqs])
+    idx = const(roots, out.device, torch.long)
+    return out.index_copy_(0, idx, out.index_select(0, idx).square())
 
 
 def _rows(base: torch.Tensor | None, forms: list, field, sqs: list[Sq]) -> torch.Tensor:
@@ -90,9 +103,9 @@ def _dev_rows(value: torch.Tensor, sqs: list[Sq]) -> torch.Tensor:
         out = torch.zeros_like(value) if not tensors else None
     else:
         mags, mag_f = [], []
-        for s, f in zip(sqs, forms):
+        for i, (s, f) in enumerate(zip(sqs, forms)):
             if not isinstance(f, tuple):
-                mags.append(s.value)  # a placeholder row, replaced below
+                mags.append(value[i])  # a placeholder row, replaced below
                 mag_f.append(1.0)
             elif s._mag is not None and s._mag_f is not None:
                 mags.append(s._mag)

@@ -119,6 +119,12 @@ def _deferred_sqs(U: int, g: torch.Generator) -> list[nb.Sq]:
         m, f = [(mag, nb.up_factor(20 + i)), (mag, None), (None, None)][i % 3]
         if m is None and isinstance(dev, tuple):
             m = mag  # the rules pass N_u whenever dev is a multiple of it
+        if i % 4 == 1:  # the value deferred as a root (an instantiated gradient's norm)
+            root = torch.sqrt(value)
+            if isinstance(err, torch.Tensor):
+                err = root.square() * 1e-9
+            out.append(nb.Sq(None, err, dev, rel, m, f, root=root))
+            continue
         out.append(nb.Sq(value, err, dev, rel, m, f))
     return out
 
@@ -156,10 +162,10 @@ def test_deferred_bounds_are_formed_bit_for_bit_as_one_call_at_a_time():
     eager = [_eager(s) for s in sqs]
     # the fields, read one call at a time
     for s, e in zip(_deferred_sqs(U, torch.Generator().manual_seed(3)), eager):
-        for k in ("err", "dev", "rel", "mag"):
+        for k in ("value", "err", "dev", "rel", "mag"):
             assert _same(getattr(s, k), getattr(e, k)), k
-    # the stacks: every mix of forms, and each form alone
-    for pick in (range(len(sqs)), [0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11], [2, 8], [5, 11]):
+    # the stacks: every mix of forms, and each form alone (1, 5, 9: values as roots)
+    for pick in (range(len(sqs)), [0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11], [2, 8], [5, 11], [1, 5, 9]):
         pick = list(pick)
         a = stacked.Stack.of([sqs[i] for i in pick], [sinks[i] for i in pick])
         b = stacked.Stack.of([eager[i] for i in pick], [sinks[i] for i in pick])
