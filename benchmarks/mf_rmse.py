@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from llmdp.config.schema import OptimConfig, lr_lambda
+from llmdp.privacy.mechanism import BandedMf, Blt
 from llmdp.privacy.mf.workload import rmse, rmse_identity
 from llmdp.privacy.plan import make_plan
 
@@ -49,21 +50,22 @@ def main() -> None:
           f"{a.schedule} learning rate, warmup {a.warmup_ratio:g}·T")
     print(f"{'eps':>5} {'mechanism':<28} {'sigma':>8} {'rmse/sigma':>10} {'noise':>8} {'vs dp-sgd':>9} {'opt s':>6}")
     base = dict(dataset_size=n, expected_batch_size=b, max_grad_norm=1.0, steps=t,
-                delta=a.delta, strategy_cache=a.cache)
+                delta=a.delta)
+    mf = dict(strategy_cache=a.cache, **work)
     for eps in a.epsilon:
         sgd = make_plan(target_epsilon=eps, **base)
         ident = rmse_identity(t, **work)
         ref = sgd.noise_multiplier * ident
         rows = [("dp-sgd (poisson)", sgd.noise_multiplier, ident, 0.0)]
         configs = [(f"banded-mf b={k} (cyclic-poisson)",
-                    dict(mechanism="banded-mf", sampler="cyclic-poisson", bands=k))
+                    dict(mechanism=BandedMf(bands=k, **mf), sampler="cyclic-poisson"))
                    for k in a.bands if k * b <= n]
         configs += [(f"banded-mf b={k} (fixed-cycle)",
-                     dict(mechanism="banded-mf", sampler="fixed-cycle", bands=k)) for k in a.bands]
-        configs += [("blt (fixed-cycle)", dict(mechanism="blt", sampler="fixed-cycle"))]
+                     dict(mechanism=BandedMf(bands=k, **mf), sampler="fixed-cycle")) for k in a.bands]
+        configs += [("blt (fixed-cycle)", dict(mechanism=Blt(**mf), sampler="fixed-cycle"))]
         for name, kw in configs:
             t0 = time.perf_counter()
-            p = make_plan(target_epsilon=eps, **base, **kw, **work)
+            p = make_plan(target_epsilon=eps, **base, **kw)
             fact = p.factorization()
             fixed = p.sampler == "fixed-cycle"
             r = rmse(fact, **work, min_sep=p.cycle if fixed else None,

@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from llmdp.config.choices import Accountant, Mechanism
+
 
 def _add_plan_args(p: argparse.ArgumentParser, sigma: bool) -> None:
     p.add_argument("--dataset-size", type=int, required=True, help="N, number of privacy units")
@@ -24,12 +26,12 @@ def _add_plan_args(p: argparse.ArgumentParser, sigma: bool) -> None:
     else:
         p.add_argument("--target-epsilon", type=float, required=True)
     p.add_argument("--delta", type=float, default=None, help="default: a power of ten below 1/(10N)")
-    p.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    p.add_argument("--accountant", choices=Accountant.choices(), default=Accountant.PLD)
     p.add_argument("--parameters", type=int, default=None, metavar="D",
                    help="trainable parameters (the noise coordinates of a step): the noise "
                         "generator's truncated tails are then included in --delta, as `llmdp "
                         "train` does; without it they are not")
-    p.add_argument("--mechanism", choices=["dp-sgd", "banded-mf", "blt"], default="dp-sgd",
+    p.add_argument("--mechanism", choices=Mechanism.choices(), default=Mechanism.DP_SGD,
                    help="dp-sgd (independent noise), or correlated noise: banded-mf, blt")
     p.add_argument("--sampler", default=None, metavar="poisson|cyclic-poisson|fixed-cycle",
                    help="default: poisson (dp-sgd), cyclic-poisson (banded-mf), fixed-cycle (blt)")
@@ -186,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--epsilon", default=None, metavar="E")
     lb.add_argument("--delta", default=None, metavar="D",
                     help="required for a first budget; default: the recorded one")
-    lb.add_argument("--accountant", default=None, metavar="pld|rdp",
+    lb.add_argument("--accountant", default=None, metavar="|".join(Accountant.choices()),
                     help="default: the recorded one, else pld")
     lb.add_argument("--unit", default=None, metavar="document|user|sequence",
                     help="the privacy unit; default: the recorded one, else that of the ledger's releases")
@@ -332,21 +334,19 @@ def _check_plan_flags(a, *, calibrate: bool) -> None:
 
 
 def _mechanism_flags(a) -> dict:
-    """make_plan's mechanism arguments from the flags (refused combinations: `mf.plan`)."""
+    """make_plan's sampler and mechanism config from the flags (refused combinations:
+    `mf.plan`; the config's fields read by name: --bands, --cycle, --buffers)."""
+    from llmdp._fs import cache_root
+    from llmdp.privacy.mechanism import mechanism_config
     from llmdp.privacy.mf import MechanismError, check_mechanism
 
-    default = {"dp-sgd": "poisson", "banded-mf": "cyclic-poisson", "blt": "fixed-cycle"}
-    sampler = a.sampler or default[a.mechanism]
+    sampler = a.sampler or Mechanism(a.mechanism).default_sampler
     try:
         check_mechanism(a.mechanism, sampler, bands=a.bands, cycle=a.cycle)
     except MechanismError as e:
         raise FlagError(f"--{e.field}: {e}") from None
-    if a.mechanism == "dp-sgd":
-        return {"sampler": sampler}
-    from llmdp._fs import cache_root
-
-    return {"sampler": sampler, "mechanism": a.mechanism, "bands": a.bands, "cycle": a.cycle,
-            "buffers": a.buffers, "strategy_cache": os.path.join(cache_root(), "mf")}
+    return {"sampler": sampler, "mechanism": mechanism_config(
+        a.mechanism, a, strategy_cache=os.path.join(cache_root(), "mf"))}
 
 
 def _plan_from_args(a, *, calibrate: bool):

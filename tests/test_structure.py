@@ -12,11 +12,12 @@ PACKAGE = Path(llmdp.__file__).resolve().parent
 
 # Choice lists and small validators that must be defined in exactly one module.
 SINGLE_DEFINITIONS = (
-    "SAMPLERS",
-    "RELATIONS",
+    "Accountant",
+    "Sampler",
+    "Mechanism",
+    "Relation",
     "STRATEGIES",
     "MIXED_PRECISION",
-    "ACCOUNTANTS",
     "_is_int",
     "_check_delta",
     "_check_steps",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from llmdp.config.choices import mechanism_problem
+from llmdp.config.choices import Accountant, Mechanism, Sampler, mechanism_problem
 from llmdp.config.validate import ConfigError, check_exactly_one
 
 
@@ -204,7 +204,7 @@ def check_privacy(p, prefix: str, base_dir: str):
             f"non-private baseline spends no budget and is recorded in no ledger; remove one",
             key=f"{prefix}.budget_epsilon",
         )
-    elif p.sampler == "truncated-poisson" and p.max_batch_size is None:
+    elif p.sampler == Sampler.TRUNCATED_POISSON and p.max_batch_size is None:
         raise ConfigError(
             f"{prefix}.max_batch_size: required with {prefix}.sampler 'truncated-poisson' when "
             f"{prefix}.dp is false: the cap is otherwise chosen by its ε cost, which a "
@@ -213,14 +213,14 @@ def check_privacy(p, prefix: str, base_dir: str):
             key=f"{prefix}.max_batch_size",
         )
     _check_rng_seed(p, prefix)
-    if p.max_batch_size is not None and p.sampler != "truncated-poisson":
+    if p.max_batch_size is not None and p.sampler != Sampler.TRUNCATED_POISSON:
         raise ConfigError(
             f"{prefix}.max_batch_size: {p.max_batch_size} is only used with {prefix}.sampler "
             f"'truncated-poisson' (sampler is {p.sampler!r}); remove it or set "
             f"sampler: truncated-poisson",
             key=f"{prefix}.max_batch_size",
         )
-    if p.sampler == "truncated-poisson" and p.accountant != "pld":
+    if p.sampler == Sampler.TRUNCATED_POISSON and p.accountant != Accountant.PLD:
         raise ConfigError(
             f"{prefix}.accountant: {p.accountant!r} cannot account {prefix}.sampler "
             f"'truncated-poisson' (dp-accounting supports the truncated event only in its PLD "
@@ -342,7 +342,7 @@ def check_recipe(r, prefix: str, base_dir: str):
             f"not embed positions that far",
             key="model.tiny.max_position_embeddings",
         )
-    if r.optim.name == "dp-adambc" and r.privacy.dp and r.privacy.mechanism != "dp-sgd":
+    if r.optim.name == "dp-adambc" and r.privacy.dp and r.privacy.mechanism != Mechanism.DP_SGD:
         raise ConfigError(
             f"optim.name: dp-adambc removes DP-SGD's noise variance (σC/B)² from Adam's second "
             f"moment; privacy.mechanism: {r.privacy.mechanism} adds correlated noise whose "

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, field
 from typing import Any
 
+from llmdp.config.choices import Choice
 from llmdp.config.validate import (
     ConfigError,
     check_choice,
@@ -126,8 +127,16 @@ def schema_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------ building
 
+def _choice_type(tp: Any) -> type[Choice] | None:
+    """The `Choice` enum a field is typed with (``accountant: Accountant``), or None."""
+    inner, _ = _unwrap_optional(tp)
+    return inner if isinstance(inner, type) and issubclass(inner, Choice) else None
+
+
 def _describe(tp: Any) -> str:
     inner, nullable = _unwrap_optional(tp)
+    if _choice_type(inner) is not None:  # written as a string
+        return describe_type(str, nullable=nullable)
     if dataclasses.is_dataclass(inner):
         text = "a mapping"
     elif typing.get_origin(inner) is tuple:
@@ -225,9 +234,12 @@ def _coerce(key: str, value: Any, tp: Any, ctx: _Ctx) -> Any:
             for i, (v, t) in enumerate(zip(value, item_types))
         )
 
-    out = check_type(key, value, inner, nullable=nullable)
+    choice = _choice_type(inner)
+    out = check_type(key, value, str if choice is not None else inner, nullable=nullable)
     if isinstance(out, str) and not out.strip():
         raise ConfigError(f"{key}: empty string; expected a non-empty string", key=key)
+    if choice is not None:  # the enum is the list: its values, its error (check_choice)
+        return choice(check_choice(key, out, choice.choices()))
     return out
 
 

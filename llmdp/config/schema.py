@@ -36,7 +36,7 @@ from llmdp.config import checks as _checks
 from llmdp.config import load as _load
 from llmdp.config import yamlio as _yaml
 from llmdp.config.best import apply_best
-from llmdp.config.choices import ACCOUNTANTS, MECHANISMS, MIXED_PRECISION, SAMPLERS, STRATEGIES
+from llmdp.config.choices import MIXED_PRECISION, STRATEGIES, Accountant, Mechanism, Sampler
 from llmdp.config.load import field_spec as _f
 from llmdp.config.validate import ConfigError, fmt
 from llmdp.config.yamlio import config_hash, dump_yaml, parse_override, to_dict
@@ -280,16 +280,16 @@ class PrivacyConfig:
     noise_multiplier: float | None = _f(None, gt=0)
     delta: float | None = _f(None, gt=0, lt=1)  # None: the plan picks a default below 1/N
     max_grad_norm: float = _f(1.0, gt=0)
-    accountant: str = _f("pld", choices=ACCOUNTANTS)
+    accountant: Accountant = Accountant.PLD  # its values: llmdp.config.choices
     # "poisson": exact Poisson sampling; "truncated-poisson": Poisson capped at
     # max_batch_size units (bounded memory), accounted with the truncated event (pld only).
-    sampler: str = _f("poisson", choices=SAMPLERS)
+    sampler: Sampler = Sampler.POISSON
     max_batch_size: int | None = _f(None, ge=1)  # truncated-poisson cap; None: the plan picks it
     # "dp-sgd": independent noise each step. Correlated noise (DP-FTRL by matrix
     # factorization, `llmdp.privacy.mf.factorization`): "banded-mf" (C with `bands` diagonals; sampler
     # cyclic-poisson, amplified, or fixed-cycle) or "blt" (buffered linear Toeplitz, at most
     # `buffers` buffers; sampler fixed-cycle). Each needs a cyclic sampler.
-    mechanism: str = _f("dp-sgd", choices=MECHANISMS)
+    mechanism: Mechanism = Mechanism.DP_SGD
     bands: int | None = _f(None, ge=1)  # banded-mf: b (<= cycle with cyclic-poisson)
     # The cyclic samplers' number of groups (the minimum separation of a unit's steps).
     # None: cyclic-poisson uses `bands`; fixed-cycle uses round(N / train.expected_batch_size).
@@ -530,7 +530,7 @@ class TokenizerPrivacyConfig:
     max_words_per_unit: int = _f(128, ge=1)
     # Share of delta spent on the threshold (words held by a single unit); rest: Gaussian.
     delta_threshold_fraction: float = _f(0.5, gt=0, lt=1)
-    accountant: str = _f("pld", choices=ACCOUNTANTS)
+    accountant: Accountant = Accountant.PLD  # its values: llmdp.config.choices
     rng: str = _f("secure", choices=("secure", "seeded"))
     seed: int | None = _f(None, ge=0)  # required iff rng == "seeded"
     ledger: str | None = _f(None, path="ledger")  # the ledgers' database (default as for training)

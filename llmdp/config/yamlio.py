@@ -21,17 +21,21 @@ from typing import Any
 
 import yaml
 
+from llmdp.config.choices import Choice
 from llmdp.config.load import _hints, _section_type, schema_keys
 from llmdp.config.validate import ConfigError, fmt, unknown_key_error
 
 # ---------------------------------------------------------------- plain copies
 
 def to_dict(cfg: Any) -> Any:
-    """A plain, YAML- and JSON-able copy: dataclasses become dicts, tuples become lists."""
+    """A plain, YAML- and JSON-able copy: dataclasses become dicts, tuples become lists, a
+    `Choice` (``privacy.accountant``, ...) its plain string (what the recipe said)."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, (list, tuple)):
         return [to_dict(v) for v in cfg]
+    if isinstance(cfg, Choice):
+        return cfg.value
     return cfg
 
 

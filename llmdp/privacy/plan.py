@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import dp_accounting
 
-from llmdp.config.choices import RELATIONS, SAMPLERS
+from llmdp.config.choices import Accountant, Choice, Mechanism, Relation, Sampler
 from llmdp.config.validate import _check_delta, _check_positive, _check_steps, _is_int, _is_number
 from llmdp.privacy import accounting as _acc
 from llmdp.privacy import sampling as _sampling
@@ -30,13 +30,12 @@ from llmdp.privacy.accounting import (
     truncation_cost,
     truncation_probability,
 )
+from llmdp.privacy.mechanism import DpSgd, MechanismConfig, check_config
 from llmdp.privacy.noise import MAX_TAIL_FRACTION, NOISE_TAIL, NoiseTail, noise_tail
 
 __all__ = [
     "PlanError",
     "DPPlan",
-    "SAMPLERS",
-    "RELATIONS",
     "default_delta",
     "steps_for_epochs",
     "calibrate_noise",
@@ -48,8 +47,8 @@ __all__ = [
     "DEFAULT_TRUNCATION_BUDGET",
 ]
 
-TRUNCATED = SAMPLERS[1]
-
+TRUNCATED = Sampler.TRUNCATED_POISSON
+_DP_SGD = DpSgd()  # make_plan's default mechanism (nothing beyond the shared inputs)
 
 
 def default_delta(dataset_size: int) -> float:
@@ -97,19 +96,19 @@ def _check_sampling(dataset_size, expected_batch_size) -> float:
     return float(expected_batch_size) / int(dataset_size)
 
 
-def _check_accountant_field(accountant) -> str:
-    if accountant not in _acc.ACCOUNTANTS:
+def _check_accountant_field(accountant) -> Accountant:
+    if Accountant.get(accountant) is None:
         raise PlanError(
-            f"privacy.accountant must be one of {_acc.ACCOUNTANTS}, got accountant={accountant!r}"
+            f"privacy.accountant must be one of {Accountant.choices()}, got accountant={accountant!r}"
         )
-    return accountant
+    return Accountant(accountant)
 
 
 def _check_sampler_fields(sampler, accountant, dataset_size, max_batch_size) -> int | None:
     """Validate (sampler, accountant, max_batch_size); returns B_max as an int or None."""
-    if sampler not in SAMPLERS:
+    if Sampler.get(sampler) is None:
         raise PlanError(
-            f"privacy.sampler must be one of {SAMPLERS}, got sampler={sampler!r}: only "
+            f"privacy.sampler must be one of {Sampler.choices()}, got sampler={sampler!r}: only "
             "Poisson and truncated Poisson sampling are accounted (shuffled fixed batches "
             "are never accounted as Poisson)"
         )
@@ -121,7 +120,7 @@ def _check_sampler_fields(sampler, accountant, dataset_size, max_batch_size) -> 
                 f"sampler: {TRUNCATED}"
             )
         return None
-    if accountant != "pld":
+    if accountant != Accountant.PLD:
         raise PlanError(
             f"privacy.accountant={accountant!r} cannot account privacy.sampler={TRUNCATED!r}: "
             "dp-accounting supports the truncated event (TruncatedSubsampledGaussianDpEvent) "
@@ -177,9 +176,9 @@ class DPPlan:
     noise_multiplier: float
     max_grad_norm: float
     delta: float
-    accountant: str = "pld"
-    sampler: str = "poisson"
-    relation: str = "add_or_remove_one"
+    accountant: Accountant = Accountant.PLD
+    sampler: Sampler = Sampler.POISSON
+    relation: Relation = Relation.ADD_OR_REMOVE_ONE
     target_epsilon: float | None = None
     max_batch_size: int | None = None
     truncation_cost: float | None = None
@@ -195,7 +194,7 @@ class DPPlan:
     # sampler of `cycle` groups, its strategy (`mf.Factorization.to_dict()`), and the factor
     # f of the ledger's round event (σ·f; `round_factor_exact`: K rounds compose to exactly
     # the one-release analysis). The ledger counts rounds of `cycle` steps (`ledger_steps`).
-    mechanism: str = "dp-sgd"
+    mechanism: Mechanism = Mechanism.DP_SGD
     cycle: int | None = None
     strategy: dict | None = dataclasses.field(default=None, hash=False)
     round_factor: float | None = None
@@ -222,8 +221,12 @@ class DPPlan:
         _check_accountant_field(self.accountant)
         _check_sampler_fields(self.sampler, self.accountant, self.dataset_size, self.max_batch_size)
         self._check_mechanism_fields()
-        if self.relation not in RELATIONS:
-            raise PlanError(f"relation must be one of {RELATIONS}, got relation={self.relation!r}")
+        if Relation.get(self.relation) is None:
+            raise PlanError(f"relation must be one of {Relation.choices()}, got relation={self.relation!r}")
+        # checked: each choice as its member (equal to, and written as, the string it was)
+        for name, kind in (("accountant", Accountant), ("sampler", Sampler),
+                           ("relation", Relation), ("mechanism", Mechanism)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
         if self.target_epsilon is not None:
             _check_positive("target_epsilon", self.target_epsilon, "the privacy budget",
                             error=PlanError)
@@ -277,7 +280,7 @@ class DPPlan:
             raise PlanError(f"cycle must be an integer in [1, dataset_size] with mechanism "
                             f"{self.mechanism!r}, got cycle={self.cycle!r}")
         object.__setattr__(self, "cycle", int(self.cycle))
-        if self.sampler == "cyclic-poisson" and self.event_probability > 1:
+        if self.sampler == Sampler.CYCLIC_POISSON and self.event_probability > 1:
             raise PlanError(f"the group probability q_g = B·cycle/N = {self.event_probability:.4g} "
                             "is above 1: lower train.expected_batch_size or the cycle")
         if not self.dp:
@@ -286,7 +289,7 @@ class DPPlan:
             raise PlanError(f"a {self.mechanism} plan needs its strategy (privacy.mf), got "
                             f"strategy={self.strategy!r}")
         fact = self.factorization()
-        want = {"banded-mf": "banded", "blt": "blt"}[self.mechanism]
+        want = {Mechanism.BANDED_MF: "banded", Mechanism.BLT: "blt"}[self.mechanism]
         if fact.kind != want or fact.steps != self.steps:
             raise PlanError(f"the strategy is a {fact.kind} factorization for {fact.steps} steps; "
                             f"mechanism {self.mechanism!r} over {self.steps} steps needs a {want} one")
@@ -298,7 +301,7 @@ class DPPlan:
     @property
     def correlated(self) -> bool:
         """Whether the noise is correlated across steps (banded MF, BLT)."""
-        return self.mechanism != "dp-sgd"
+        return self.mechanism != Mechanism.DP_SGD
 
     def factorization(self):
         """The strategy C (`llmdp.privacy.mf.factorization.Factorization`), None for DP-SGD / a baseline."""
@@ -328,7 +331,7 @@ class DPPlan:
         q_g = B·cycle/N (cyclic Poisson), 1 (fixed cycle: no amplification)."""
         if not self.correlated:
             return self.sampling_probability
-        if self.sampler == "fixed-cycle":
+        if self.sampler == Sampler.FIXED_CYCLE:
             return 1.0
         return float(self.expected_batch_size) * self.cycle / int(self.dataset_size)
 
@@ -443,14 +446,14 @@ class DPPlan:
                 f"the sampler must draw from the plan's dataset_size={self.dataset_size} "
                 f"units, got num_units={num_units!r}: rebuild the plan for this dataset"
             )
-        if self.sampler in ("cyclic-poisson", "fixed-cycle"):
+        if self.sampler in (Sampler.CYCLIC_POISSON, Sampler.FIXED_CYCLE):
             from llmdp.privacy.sampling import CyclicPoissonSampler, FixedCycleSampler
 
             if groups is None or len(groups) != self.dataset_size:
                 raise PlanError(f"a {self.sampler} sampler needs every unit's group (store_groups), "
                                 f"got {None if groups is None else len(groups)} for "
                                 f"{self.dataset_size} units")
-            if self.sampler == "fixed-cycle":
+            if self.sampler == Sampler.FIXED_CYCLE:
                 return FixedCycleSampler(groups, self.cycle)
             return CyclicPoissonSampler(groups, self.cycle, self.event_probability)
         return _sampling.make_sampler(
@@ -490,7 +493,8 @@ class DPPlan:
         )
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        # a choice as its plain string: the record is byte for byte what it always was
+        d = {k: v.value if isinstance(v, Choice) else v for k, v in dataclasses.asdict(self).items()}
         if d["dp"]:
             del d["dp"]  # a DP plan's record is as before the field existed (from_dict: True)
         if d["eval_noise"] is not None:
@@ -620,7 +624,7 @@ def calibrate_noise(
     delta: float,
     sampling_probability: float,
     steps: int,
-    accountant: str = "pld",
+    accountant: Accountant = Accountant.PLD,
     max_noise_multiplier: float = 100.0,
     *,
     dataset_size: int | None = None,
@@ -674,20 +678,14 @@ def make_plan(
     delta: float | None = None,
     target_epsilon: float | None = None,
     noise_multiplier: float | None = None,
-    accountant: str = "pld",
+    accountant: Accountant = Accountant.PLD,
     max_noise_multiplier: float = 100.0,
-    sampler: str = "poisson",
+    sampler: Sampler = Sampler.POISSON,
     max_batch_size: int | None = None,
     truncation_budget: float = DEFAULT_TRUNCATION_BUDGET,
     dp: bool = True,
     noise_coordinates: int | None = None,
-    mechanism: str = "dp-sgd",
-    bands: int | None = None,
-    cycle: int | None = None,
-    buffers: int = 8,
-    momentum: float = 0.0,
-    learning_rates=None,
-    strategy_cache: str | None = None,
+    mechanism: MechanismConfig = _DP_SGD,
 ) -> DPPlan:
     """Validate the inputs and build a `DPPlan`, calibrating sigma if a target is given.
 
@@ -712,11 +710,14 @@ def make_plan(
 
     `dp=False`: a NON-PRIVATE baseline's plan (no target, no σ; truncated Poisson needs its cap).
 
-    `mechanism` "banded-mf" / "blt" (`llmdp.privacy.mf.plan`): a correlated mechanism with
-    a cyclic sampler of `cycle` groups; its strategy is optimized here for T steps (`bands`,
-    `buffers`; the workload of SGD with `momentum` and the per-step `learning_rates`
-    multipliers; cached under `strategy_cache`), and σ is calibrated on the ledger's rounds.
+    `mechanism`: the mechanism's own inputs, one config per `Mechanism`
+    (`llmdp.privacy.mechanism`): `DpSgd()` (the default), or `BandedMf` / `Blt`
+    (`llmdp.privacy.mf.plan`): a correlated mechanism with a cyclic sampler of `cycle`
+    groups; its strategy is optimized here for T steps (`bands`, `buffers`; the workload of
+    SGD with `momentum` and the per-step `learning_rates` multipliers; cached under
+    `strategy_cache`), and σ is calibrated on the ledger's rounds.
     """
+    mechanism = check_config(mechanism)
     if (steps is None) == (epochs is None):
         got = "both" if steps is not None else "neither"
         raise PlanError(
@@ -741,11 +742,11 @@ def make_plan(
     _check_accountant_field(accountant)
     cap = _check_sampler_fields(sampler, accountant, dataset_size, max_batch_size)
     cyc = None
-    if mechanism != "dp-sgd":  # the cyclic sampler's groups; a fixed cycle's batch is N / cycle
-        cyc, expected_batch_size = _cycle(mechanism, sampler, bands, cycle, dp, dataset_size,
-                                          expected_batch_size)
+    if mechanism.mechanism.correlated:  # the cyclic sampler's groups; a fixed cycle's batch is N / cycle
+        cyc, expected_batch_size = mechanism.resolve(sampler, dp=dp, dataset_size=dataset_size,
+                                                     expected_batch_size=expected_batch_size)
         q = expected_batch_size / int(dataset_size)
-    mf = {} if cyc is None else {"mechanism": mechanism, "cycle": cyc}
+    mf = {} if cyc is None else {"mechanism": mechanism.mechanism, "cycle": cyc}
     if sampler == TRUNCATED and cap is None and not dp:
         raise PlanError(
             f"privacy.max_batch_size is required with privacy.sampler={TRUNCATED!r} and "
@@ -784,9 +785,7 @@ def make_plan(
                       accountant=accountant, sampler=sampler,
                       noise_coordinates=None if noise_coordinates is None else int(noise_coordinates),
                       target_epsilon=None if target_epsilon is None else float(target_epsilon), **mf)
-        return _correlated_plan(common, sigma, max_sigma, bands=bands, buffers=buffers,
-                                momentum=momentum, learning_rates=learning_rates,
-                                strategy_cache=strategy_cache)
+        return _correlated_plan(common, sigma, max_sigma, mechanism)
     cost = None
     if sampler == TRUNCATED:
         sigma, cap, cost = plan_truncated(
@@ -828,31 +827,14 @@ def make_plan(
 
 
 
-def _cycle(mechanism, sampler, bands, cycle, dp, dataset_size, expected_batch_size):
-    """(cycle, expected batch size) of a correlated mechanism's cyclic sampler, the
-    combination checked (`llmdp.privacy.mf.plan`)."""
-    from llmdp.privacy import mf as _mf
-
-    _mf.check_mechanism(mechanism, sampler, bands=bands, cycle=cycle, dp=dp)
-    cyc = _mf.resolve_cycle(sampler, bands=bands, cycle=cycle, dataset_size=int(dataset_size),
-                            expected_batch_size=expected_batch_size)
-    _mf.check_mechanism(mechanism, sampler, bands=bands, cycle=cyc, dp=dp)
-    return cyc, (int(dataset_size) / cyc if sampler == "fixed-cycle" else float(expected_batch_size))
-
-
-def _correlated_plan(common: dict, sigma, max_sigma, *, bands, buffers, momentum, learning_rates,
-                     strategy_cache) -> DPPlan:
-    """A correlated mechanism's `DPPlan` (`llmdp.privacy.mf.plan`): its strategy, the round
-    event's factor f, and σ (given, or calibrated on the ledger's rounds: the round's
-    multiplier σ·f is what the accountant sees)."""
+def _correlated_plan(common: dict, sigma, max_sigma, config) -> DPPlan:
+    """A correlated mechanism's `DPPlan` (`llmdp.privacy.mf.plan`): its strategy (built by
+    its config, `llmdp.privacy.mechanism`), the round event's factor f, and σ (given, or
+    calibrated on the ledger's rounds: the round's multiplier σ·f is what the accountant sees)."""
     from llmdp.privacy import mf as _mf
 
     steps, cyc, sampler = common["steps"], common["cycle"], common["sampler"]
-    if callable(learning_rates):  # the schedule's multipliers of a T-step run
-        learning_rates = learning_rates(steps)
-    fact = _mf.build_strategy(common["mechanism"], sampler, steps=steps, cycle=cyc, bands=bands,
-                              buffers=buffers, momentum=momentum, learning_rates=learning_rates,
-                              cache_dir=strategy_cache)
+    fact = config.strategy(sampler, steps=steps, cycle=cyc)
     f, exact = _mf.round_factor(fact, sampler, steps=steps, cycle=cyc)
     # what the plan records: the strategy and how it was made, not whether a cache served it
     # (a re-launch's plan must equal the first launch's)

@@ -38,6 +38,8 @@ import json
 import os
 from typing import Any
 
+from llmdp.config.choices import Mechanism
+
 PROVENANCE = "llmdp_provenance.json"
 VERSION = 2  # 2: the run's own releases and its ancestry (issue 49)
 EXTERNAL = "external checkpoint: provenance not known to llmdp"
@@ -358,7 +360,7 @@ def _as_prior(info: dict, releases: list[dict], ledger: str, event_from_json, is
     prior = [dict(r) for r in info.get("prior_releases") or []]
     for r in releases:
         event_from_json(r["event"])  # readable, or the ledger's error surfaces here
-        mech = (r.get("meta") or {}).get("mechanism") or ("dp-sgd" if is_step_release(r) else "dp")
+        mech = (r.get("meta") or {}).get("mechanism") or (Mechanism.DP_SGD.value if is_step_release(r) else "dp")
         prior.append({"source": SOURCE, "run_id": r.get("run_id"), "event": r["event"],
                       "count": int(r["count"]), "extra": r.get("extra"),
                       "mechanism": f"{mech} (starting checkpoint, run {info['run_id']})",

@@ -27,6 +27,7 @@ import os
 from functools import cached_property
 from typing import Any
 
+from llmdp.config.choices import Sampler
 from llmdp.privacy.accounting import PlanError
 from llmdp.privacy.ledger import Ledger
 from llmdp.privacy.plan import DPPlan
@@ -93,7 +94,7 @@ def _mismatches(plan: DPPlan):
             yield ("round_factor", plan.round_factor, repr(f))
         if plan.round_factor_exact != exact:
             yield ("round_factor_exact", plan.round_factor_exact, repr(exact))
-    if plan.correlated and plan.sampler == "fixed-cycle":
+    if plan.correlated and plan.sampler == Sampler.FIXED_CYCLE:
         batch = int(plan.dataset_size) / plan.cycle
         if not math.isclose(plan.expected_batch_size, batch, rel_tol=1e-12):
             yield ("expected_batch_size", plan.expected_batch_size, f"{batch!r} (N / cycle)")

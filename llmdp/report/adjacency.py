@@ -20,17 +20,22 @@ that is true of what is published:
 
 from __future__ import annotations
 
+from llmdp.config.choices import Relation, Sampler
+
 __all__ = ["adjacency", "published_counts"]
 
-_ZERO_OUT_RELATIONS = ("add_or_remove_one",)
+_ZERO_OUT_RELATIONS = (Relation.ADD_OR_REMOVE_ONE,)
+# Not a `Relation` (nothing here is accounted under it, `DPPlan` refuses it): its wording is
+# kept for a plan that states it.
+_REPLACE_ONE = "replace_one"
 
 
 def adjacency(plan, unit_desc: str) -> str:
     """The adjacency the guarantee is stated for, given the plan's accounting relation
     (``plan.relation``) and sampler (``plan.sampler``)."""
     relation, sampler = plan.relation, plan.sampler
-    if relation == "replace_one":
-        if sampler == "truncated-poisson":
+    if relation == _REPLACE_ONE:
+        if sampler == Sampler.TRUNCATED_POISSON:
             raise ValueError("privacy.relation: replace_one with privacy.sampler: truncated-poisson: "
                              "dp-accounting accounts truncated Poisson only under add_or_remove_one; "
                              "use relation add_or_remove_one or sampler poisson")
@@ -38,8 +43,8 @@ def adjacency(plan, unit_desc: str) -> str:
                 "same in both datasets (the relation it is accounted under)")
     if relation not in _ZERO_OUT_RELATIONS:
         raise ValueError(f"privacy.relation: {relation!r} is not a relation a report can state; "
-                         f"expected one of {[*_ZERO_OUT_RELATIONS, 'replace_one']}")
-    if sampler == "truncated-poisson":
+                         f"expected one of {[*_ZERO_OUT_RELATIONS, _REPLACE_ONE]}")
+    if sampler == Sampler.TRUNCATED_POISSON:
         return (f"add-or-remove one privacy unit ({unit_desc}), with N treated as public: "
                 "dp-accounting accounts truncated Poisson only under add-or-remove-one, and a "
                 "zeroed-out unit would still take a place under the cap B_max; N is published "

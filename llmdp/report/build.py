@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from llmdp.audit.section import audit_section
+from llmdp.config.choices import Accountant, Mechanism, Sampler
 from llmdp.evaluation.report import dp_eval_covered, evaluation_section
 from llmdp.privacy import accounting
 from llmdp.privacy.accounting import is_truncated, release_entries
@@ -99,7 +100,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
 
     # Every accountant that supports every recorded event (RDP cannot account truncated
     # Poisson: it is left out rather than approximated).
-    usable = [name for name in accounting.ACCOUNTANTS
+    usable = [name for name in Accountant
               if name == plan.accountant or not any(is_truncated(e) for e, _ in entries)]
     # Releases this run's model builds on, made before it on the same units (a private
     # tokenizer): composed into the guarantee, thresholds' delta included.
@@ -168,7 +169,7 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
             "count": r.get("count"),  # net of the steps voided (reserved, never run)
             "voided": r.get("voided", 0),
             "event": r.get("event"),
-            "mechanism": (r.get("meta") or {}).get("mechanism", "dp-sgd"),
+            "mechanism": (r.get("meta") or {}).get("mechanism", Mechanism.DP_SGD),
             "time": r.get("time"),
         }
         for r in net
@@ -608,7 +609,7 @@ def _sampling_section(plan, seeded: bool, truncated_steps: int, completed: int) 
             "note": "empty samples run as noise-only steps; a unit never appears at two steps "
                     f"less than {plan.cycle} apart",
         }
-    if plan.sampler == "truncated-poisson":
+    if plan.sampler == Sampler.TRUNCATED_POISSON:
         return {
             "assumed": "truncated Poisson: every unit independently with probability q, then, "
             f"if more than B_max = {plan.max_batch_size} units were drawn, a uniformly random "

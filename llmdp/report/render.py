@@ -10,6 +10,7 @@ local plot, which adds the internal loss curve, is `llmdp.report.build.plot`. Bo
 from __future__ import annotations
 
 from llmdp.audit.section import audit_markdown
+from llmdp.config.choices import Mechanism
 from llmdp.evaluation.report import evaluation_markdown
 from llmdp.record.baseline import baseline_panel, render_baseline_markdown
 from llmdp.record.publish import PUBLISHABLE_NOTE
@@ -246,7 +247,7 @@ def _dataset_rows(r: dict) -> list[str]:
     other = d.get("not_composed") or []
     # A dp-sgd record counts steps (a block of k steps is one record of count k).
     listed = "; ".join(f"{x['run_id']} ({x['mechanism']}, {x['count']} "
-                       f"{'step(s)' if x['mechanism'] == 'dp-sgd' else 'release(s)'}, unit {x['unit']}): "
+                       f"{'step(s)' if x['mechanism'] == Mechanism.DP_SGD else 'release(s)'}, unit {x['unit']}): "
                        f"{x['status']}" for x in other)
     # Internal: totals over every run's releases on the dataset, which other runs move (a
     # random sweep's K among them); the publishable report never holds this section.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 
+from llmdp.config.choices import Accountant
 from llmdp.privacy import accounting
 from llmdp.privacy.accounting import release_entries as prior_release_entries
 from llmdp.privacy.ledger import (
@@ -74,7 +75,7 @@ def ledger_epsilon(ledger_path: str, plan, prior_releases=(), steps: int | None 
     prior, d_thr = prior_release_entries(list(prior_releases))
     if not prior and not entries:
         return steps, 0.0
-    interval = None if exact or plan.accountant != "pld" else accounting.PLD_DISPLAY_DISCRETIZATION_INTERVAL
+    interval = None if exact or plan.accountant != Accountant.PLD else accounting.PLD_DISPLAY_DISCRETIZATION_INTERVAL
     delta = accountant_delta(plan, kept)
     if delta <= d_thr:
         return steps, math.inf  # the noise tails (and thresholds) spend all of δ

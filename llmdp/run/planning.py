@@ -22,6 +22,7 @@ from llmdp.data.synthetic import ensure_clinical_notes
 from llmdp.evaluation.dp import plan_dp_eval
 from llmdp.privacy.accounting import calibrate_with_prior, event_to_json
 from llmdp.privacy.ledger import check_public_eval
+from llmdp.privacy.mechanism import mechanism_config
 from llmdp.privacy.plan import check_noise_tail, make_plan
 from llmdp.record.provenance import merge_priors, starting_model
 from llmdp.tokenizer.train import tokenizer_for_run
@@ -188,7 +189,7 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None, memory: bool = False) -
         dp=priv.dp,
         # the noise coordinates of a step: the generator's tails are folded into δ
         noise_coordinates=n_train if priv.dp else None,
-        **_mechanism_args(cfg, cache),
+        mechanism=_mechanism(cfg, cache),
     )
     prior_releases = [tok_use["release"]] if tok_use["compose"] and priv.dp else []
     if start is not None and start["composed"]:
@@ -248,25 +249,24 @@ def _check_encoding(store, tokenizer, model_cfg) -> None:
         f"(almost) nothing and still spend its ε. Fix: {fix}", key=key)
 
 
-def _mechanism_args(cfg: RecipeConfig, cache: str) -> dict:
-    """make_plan's arguments for a correlated mechanism (none for DP-SGD). The strategy is
-    optimized for the workload the optimizer runs: SGD with momentum β and the learning-rate
-    schedule's multipliers (A[t, j] = Σ_{i=j..t} η_i β^(i−j)); for AdamW, whose update is a
+def _mechanism(cfg: RecipeConfig, cache: str):
+    """make_plan's mechanism config (`llmdp.privacy.mechanism`): its fields read by name from
+    ``privacy`` (bands, cycle, buffers). A correlated mechanism's strategy is optimized for the
+    workload the optimizer runs: SGD with momentum β and the learning-rate schedule's
+    multipliers (A[t, j] = Σ_{i=j..t} η_i β^(i−j)); for AdamW, whose update is a
     per-coordinate rescaling of the noisy gradients' moving averages, the prefix-sum workload
     (a post-processing of the same release: the guarantee is the same, the strategy is then
     optimal for SGD's cumulative sums, not proven optimal for Adam)."""
-    priv = cfg.privacy
-    if priv.mechanism == "dp-sgd":
-        return {}
     sgd = cfg.optim.name == "sgd"
 
     def lrs(total: int) -> list[float]:
         f = lr_lambda(cfg.optim, total)
         return [float(f(t)) for t in range(total)]
 
-    return {"mechanism": priv.mechanism, "bands": priv.bands, "cycle": priv.cycle,
-            "buffers": priv.buffers, "momentum": float(cfg.optim.momentum) if sgd else 0.0,
-            "learning_rates": lrs if sgd else None, "strategy_cache": os.path.join(cache, "mf")}
+    return mechanism_config(cfg.privacy.mechanism, cfg.privacy,
+                            momentum=float(cfg.optim.momentum) if sgd else 0.0,
+                            learning_rates=lrs if sgd else None,
+                            strategy_cache=os.path.join(cache, "mf"))
 
 
 # The smallest corpus for which llmdp picks δ itself (a power of ten below 1/(10 N): 1e-4 at

@@ -17,6 +17,7 @@ import time
 
 from tqdm import tqdm
 
+from llmdp.config.choices import Sampler
 from llmdp.record.baseline import NON_PRIVATE
 from llmdp.report.spent import ledger_epsilon
 
@@ -36,7 +37,7 @@ def batch_note(plan, requested: float) -> str:
     b = float(plan.expected_batch_size)
     if abs(b - float(requested)) <= 1e-9 * max(1.0, b):
         return ""
-    if plan.sampler == "fixed-cycle" and plan.cycle:
+    if plan.sampler == Sampler.FIXED_CYCLE and plan.cycle:
         return (f" (fixed-cycle sampler: each step takes one of {plan.cycle} groups of the N "
                 f"units, B = N/{plan.cycle} = {b:.4g}, not train.expected_batch_size = "
                 f"{float(requested):g})")

@@ -65,6 +65,7 @@ import numpy as np
 from scipy.stats import norm
 
 from llmdp._fs import building_dir, replace_dir
+from llmdp.config.choices import Accountant
 from llmdp.config.validate import _check_positive
 from llmdp.privacy.accounting import epsilon
 from llmdp.privacy.noise import keyed_normal
@@ -238,7 +239,7 @@ def calibrate_tokenizer_noise(
     max_words_per_unit: int,
     *,
     delta_threshold_fraction: float = DEFAULT_DELTA_THRESHOLD_FRACTION,
-    accountant: str = "pld",
+    accountant: Accountant = Accountant.PLD,
     rel_tol: float = 1e-4,
 ) -> tuple[float, float, dict]:
     """(sigma, tau, details) making one release (target_epsilon, target_delta)-DP.

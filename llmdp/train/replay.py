@@ -64,6 +64,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from llmdp.config.choices import Sampler
 from llmdp.data.batching import assign_micro_batches
 from llmdp.data.store import UnitStore, as_indices
 from llmdp.privacy import noise as dp_noise
@@ -217,7 +218,7 @@ def _sampler(spec: RunSpec, unit: int | None = None, groups: np.ndarray | None =
 
         g = unit_groups_of(spec) if groups is None else groups
         g = g if unit is None else np.delete(g, int(unit))
-        if plan.sampler == "fixed-cycle":
+        if plan.sampler == Sampler.FIXED_CYCLE:
             return FixedCycleSampler(g, plan.cycle)
         return CyclicPoissonSampler(g, plan.cycle, plan.event_probability)
     n = int(plan.dataset_size) - (unit is not None)
@@ -275,7 +276,7 @@ def sampled_seed(spec: RunSpec, unit: int, step: int = 0, tries: int = 2000) -> 
         s_d, truncated = _draw(_sampler(s, None, groups), keys.sample, step)
         if unit not in s_d or truncated or not aligned(s, unit, step, groups):
             continue
-        if spec.plan.sampler == "poisson" and not spec.plan.correlated:
+        if spec.plan.sampler == Sampler.POISSON and not spec.plan.correlated:
             if store is None:
                 from llmdp.data.store import open_store
 
@@ -477,7 +478,7 @@ def replay(spec_or_factory: RunSpec | Callable[[], Any], remove: int, steps: int
     run_d, sides_d = _side(factory, spec, None, steps, layer_policy, before_d, None, groups)
     _, sides_n = _side(factory, spec, remove, steps, layer_policy, [], before_d, groups)
     res = ReplayResult(unit=int(remove), clip_bound=C, sampler=spec.plan.sampler)
-    truncated = spec.plan.max_batch_size is not None and spec.plan.sampler == "truncated-poisson"
+    truncated = spec.plan.max_batch_size is not None and spec.plan.sampler == Sampler.TRUNCATED_POISSON
     rank = run_d.rank
     for t, (d, n) in enumerate(zip(sides_d, sides_n)):
         res.steps.append((d, n))

@@ -28,6 +28,7 @@ from llmdp.base.collectives import dist_on
 from llmdp.base.losses import row_losses
 from llmdp.clipping import GhostClipper
 from llmdp.clipping.reference import clipped_sum, per_unit_gradients_autograd
+from llmdp.config.choices import Sampler
 from llmdp.privacy import rng
 from llmdp.train.parallel import broadcast_bytes
 
@@ -184,7 +185,7 @@ def fixed_micro_steps(plan, max_rows_per_unit: int, world_size: int, physical_ba
     bounds), so memory and step count do not depend on the realized sample. Plain
     Poisson: 0 (the count follows the sample).
     """
-    if plan.sampler != "truncated-poisson":
+    if plan.sampler != Sampler.TRUNCATED_POISSON:
         return 0
     per_bin = max(1, physical_batch_size // max(1, int(max_rows_per_unit)))
     per_worker = -(-int(plan.max_batch_size) // world_size)

@@ -16,6 +16,7 @@ import math
 
 from dp_accounting import dp_event
 
+from llmdp.config.choices import Accountant
 from llmdp.config.validate import ConfigError
 from llmdp.privacy import accounting as _acc
 from llmdp.privacy.accounting import compose, event_to_json, is_truncated, release_entries
@@ -91,7 +92,7 @@ def _epsilon_at(entries, delta: float, tail: NoiseTail | None, d_thr: float, acc
     return _acc.epsilon_with_threshold(entries, d_acc, d_thr, accountant), d_acc
 
 
-def sweep_cost(trial_entries, prior_entries, delta: float, accountant: str = "pld",
+def sweep_cost(trial_entries, prior_entries, delta: float, accountant: Accountant = Accountant.PLD,
                random: tuple[float, float] | None = None, *, prior_delta_threshold: float = 0.0,
                planned_trial=None, trial_tails=None, planned_tail=None) -> dict:
     """What a sweep's trials cost together, at the published ``delta``.
@@ -142,10 +143,10 @@ def sweep_cost(trial_entries, prior_entries, delta: float, accountant: str = "pl
     one_tail = None if not ones else NoiseTail(eta=max(t.eta for t in ones),
                                                lost_mass=max(t.lost_mass for t in ones))
     eps_b, d_acc_b = _epsilon_at(prior + [(event, 1)], delta, _tails([one_tail], mean),
-                                 prior_delta_threshold, "rdp")
+                                 prior_delta_threshold, Accountant.RDP)
     out["repeat_and_select"] = {
         "epsilon": eps_b, "delta_accountant": d_acc_b,
-        "accountant": "rdp", "mean_trials": mean, "shape": shape if math.isfinite(shape) else "inf",
+        "accountant": Accountant.RDP, "mean_trials": mean, "shape": shape if math.isfinite(shape) else "inf",
         "distribution": "poisson" if math.isinf(shape) else "geometric" if shape == 1 else f"shape {shape:g}",
         "reference": "Papernot & Steinke, Hyperparameter tuning with Renyi differential privacy "
                      "(ICLR 2022)",

@@ -9,6 +9,7 @@ import dp_accounting
 import pytest
 
 from llmdp.cli import main
+from llmdp.privacy.mechanism import BandedMf, Blt, DpSgd
 from llmdp.record.rundir import RunDir
 
 
@@ -392,3 +393,29 @@ def test_every_command_help_has_a_description(argv, capsys):
     between = out.split("\n\n")[1]  # usage, then the description, then the arguments
     assert not between.startswith(("positional arguments", "options")), out
     assert len(between.split()) >= 4, between
+
+
+@pytest.mark.parametrize("flags,config", [
+    ([], lambda cache: DpSgd()),
+    (["--mechanism", "banded-mf", "--bands", "2"], lambda cache: BandedMf(bands=2, strategy_cache=cache)),
+    (["--mechanism", "blt", "--buffers", "1", "--cycle", "3"],
+     lambda cache: Blt(buffers=1, cycle=3, strategy_cache=cache)),
+])
+def test_the_flags_make_the_plan_their_mechanism_config_makes(capsys, monkeypatch, tmp_path, flags, config):
+    """Issue 53: `llmdp privacy epsilon`'s flags become one mechanism config (its fields by
+    name); the plan is the one make_plan builds from that config."""
+    from llmdp.config.choices import Mechanism
+    from llmdp.privacy.mf import mf_commitment
+    from llmdp.privacy.plan import make_plan
+
+    monkeypatch.setenv("LLMDP_CACHE", str(tmp_path))
+    assert main(["privacy", "epsilon", "--dataset-size", "6000", "--batch-size", "60", "--steps", "6",
+                 "--noise-multiplier", "1.2", "--delta", "1e-5", "--json", *flags]) == 0
+    out = json.loads(capsys.readouterr().out)
+    mech = config(os.path.join(str(tmp_path), "mf"))
+    plan = make_plan(dataset_size=6000, expected_batch_size=60, max_grad_norm=1.0, steps=6, delta=1e-5,
+                     noise_multiplier=1.2, sampler=mech.mechanism.default_sampler, mechanism=mech)
+    assert out["epsilon"] == plan.epsilon() and out["accountant"] == "pld"
+    if mech.mechanism is not Mechanism.DP_SGD:
+        assert (out["mechanism"], out["sampler"]) == (mech.mechanism.value, plan.sampler.value)
+        assert out["commitment"] == json.loads(json.dumps(mf_commitment(plan)))

@@ -15,15 +15,17 @@ import re
 import pytest
 
 from llmdp.privacy.accounting.calibrate import PlanError
+from llmdp.privacy.mechanism import mechanism_config
 from llmdp.privacy.plan import make_plan
 from llmdp.record.rundir import RunDir
 
 N = 6000
 
 
-def _plan_dir(tmp_path, name, **kw):
+def _plan_dir(tmp_path, name, mechanism="dp-sgd", bands=None, **kw):
+    config = mechanism_config(mechanism, bands=bands, strategy_cache=str(tmp_path / "mf"))
     plan = make_plan(dataset_size=N, expected_batch_size=60, max_grad_norm=1.0, delta=1e-5,
-                     strategy_cache=str(tmp_path / "mf"), **kw)
+                     mechanism=config, **kw)
     rd = RunDir(str(tmp_path / name))
     rd.write_plan({"run_id": name, "plan": plan.to_dict()})
     return rd, plan

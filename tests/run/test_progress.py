@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from tqdm import tqdm
 
 from llmdp.evaluation.report import evaluation_section
+from llmdp.privacy.mechanism import Blt
 from llmdp.run.progress import Progress
 
 
@@ -45,8 +46,8 @@ def test_the_bar_and_the_plan_line_name_the_mechanism_and_why_b_changed(tmp_path
     from llmdp.run.progress import batch_note, mechanism_label
 
     blt = make_plan(dataset_size=94, expected_batch_size=32, max_grad_norm=1.0, steps=6,
-                    delta=1e-4, noise_multiplier=2.0, mechanism="blt", sampler="fixed-cycle",
-                    buffers=2, strategy_cache=str(tmp_path / "mf"))
+                    delta=1e-4, noise_multiplier=2.0, sampler="fixed-cycle",
+                    mechanism=Blt(buffers=2, strategy_cache=str(tmp_path / "mf")))
     sgd = make_plan(dataset_size=94, expected_batch_size=32, max_grad_norm=1.0, steps=6,
                     delta=1e-4, noise_multiplier=2.0)
     assert mechanism_label(blt) == "blt" and mechanism_label(sgd) == "dp-sgd"
@@ -72,8 +73,8 @@ def test_the_first_ctrl_c_says_what_the_stop_keeps(tmp_path):
 
     common = dict(dataset_size=94, expected_batch_size=32, max_grad_norm=1.0, steps=6,
                   delta=1e-4, noise_multiplier=2.0)
-    blt = make_plan(**common, mechanism="blt", sampler="fixed-cycle", buffers=2,
-                    strategy_cache=str(tmp_path / "mf"))
+    blt = make_plan(**common, sampler="fixed-cycle",
+                    mechanism=Blt(buffers=2, strategy_cache=str(tmp_path / "mf")))
     said = GracefulInterrupt(str(tmp_path), print, blt).first_message()
     assert "after the current step, not at the next checkpoint" in said
     assert "every round of 3 steps begun, whole" in said and "only the steps that ran" not in said

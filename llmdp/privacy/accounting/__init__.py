@@ -17,7 +17,7 @@ from llmdp.privacy import entry_point
 # Each name code outside this sub-package uses, by the module of it that defines it.
 _NAMES = {
     "events": ("compose", "dpsgd_step_event", "event_from_json", "event_to_json", "is_truncated"),
-    "accountant": ("ACCOUNTANTS", "PLD_DISPLAY_DISCRETIZATION_INTERVAL", "epsilon",
+    "accountant": ("PLD_DISPLAY_DISCRETIZATION_INTERVAL", "epsilon",
                    "epsilon_estimate", "epsilon_for", "epsilon_with_threshold", "make_accountant",
                    "threshold_delta"),
     "calibrate": ("EpsilonCurve", "PlanError", "calibrate_curve"),

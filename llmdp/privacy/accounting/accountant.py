@@ -23,12 +23,11 @@ from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
-from llmdp.config.choices import ACCOUNTANTS
+from llmdp.config.choices import Accountant
 from llmdp.config.validate import _check_delta, _check_steps
 from llmdp.privacy.accounting.events import dpsgd_step_event, is_truncated
 
 __all__ = [
-    "ACCOUNTANTS",
     "NEIGHBORING_RELATION",
     "PLD_VALUE_DISCRETIZATION_INTERVAL",
     "RDP_ORDERS",
@@ -98,10 +97,10 @@ RDP_ORDERS = tuple(
 )
 
 
-def _check_accountant(accountant: str) -> str:
-    if accountant not in ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got accountant={accountant!r}")
-    return accountant
+def _check_accountant(accountant) -> Accountant:
+    if Accountant.get(accountant) is None:
+        raise ValueError(f"accountant must be one of {Accountant.choices()}, got accountant={accountant!r}")
+    return Accountant(accountant)
 
 
 def _check_epsilon(eps: float) -> float:
@@ -195,7 +194,7 @@ class _MemoPLDAccountant(PLDAccountant):
 
 
 def make_accountant(
-    accountant: str = "pld", *, value_discretization_interval: float | None = None
+    accountant: Accountant = Accountant.PLD, *, value_discretization_interval: float | None = None
 ) -> dp_accounting.PrivacyAccountant:
     """A fresh, empty dp-accounting accountant configured the llmdp way.
 
@@ -204,7 +203,7 @@ def make_accountant(
     is for estimates (display, planning searches).
     """
     _check_accountant(accountant)
-    if accountant == "pld":
+    if accountant == Accountant.PLD:
         interval = (
             PLD_VALUE_DISCRETIZATION_INTERVAL
             if value_discretization_interval is None
@@ -231,7 +230,7 @@ def check_supported(event: dp_accounting.DpEvent, accountant: str) -> None:
     _check_accountant(accountant)
     if not is_truncated(event):
         return
-    if accountant != "pld":
+    if accountant != Accountant.PLD:
         raise ValueError(
             f"privacy.accountant={accountant!r} cannot account truncated Poisson sampling "
             "(TruncatedSubsampledGaussianDpEvent, privacy.sampler='truncated-poisson'): "
@@ -280,7 +279,7 @@ def _composed(
         if not acc.supports(event):
             raise ValueError(
                 f"accountant={accountant!r} does not support event {event!r} under the "
-                f"add-or-remove-one relation; try the other accountant in {ACCOUNTANTS}"
+                f"add-or-remove-one relation; try the other accountant in {Accountant.choices()}"
             )
         try:
             acc.compose(event, count)
@@ -295,7 +294,7 @@ def _composed(
 
 
 def epsilon(
-    entries: Iterable[tuple[dp_accounting.DpEvent, int]], delta: float, accountant: str = "pld",
+    entries: Iterable[tuple[dp_accounting.DpEvent, int]], delta: float, accountant: Accountant = Accountant.PLD,
     value_discretization_interval: float | None = None,
 ) -> float:
     """Epsilon at `delta` of the composition of `(event, count)` entries; 0.0 if empty.
@@ -347,7 +346,7 @@ def epsilon_with_threshold(
     entries: Iterable[tuple[dp_accounting.DpEvent, int]],
     delta: float,
     delta_threshold: float,
-    accountant: str = "pld",
+    accountant: Accountant = Accountant.PLD,
     value_discretization_interval: float | None = None,
 ) -> float:
     """Epsilon at `delta` of `entries` composed with mechanisms that each are, with
@@ -374,7 +373,7 @@ def epsilon_with_threshold(
 
 
 def delta_for_epsilon(
-    entries: Iterable[tuple[dp_accounting.DpEvent, int]], epsilon: float, accountant: str = "pld"
+    entries: Iterable[tuple[dp_accounting.DpEvent, int]], epsilon: float, accountant: Accountant = Accountant.PLD
 ) -> float:
     """Smallest delta at which the entries are (epsilon, delta)-DP; 0.0 if empty."""
     eps = _check_epsilon(epsilon)
@@ -399,7 +398,7 @@ def epsilon_for(
     noise_multiplier: float,
     steps: int,
     delta: float,
-    accountant: str = "pld",
+    accountant: Accountant = Accountant.PLD,
     *,
     dataset_size: int | None = None,
     max_batch_size: int | None = None,
@@ -464,7 +463,7 @@ def epsilon_estimate(
         noise_multiplier,
         steps,
         delta,
-        "pld",
+        Accountant.PLD,
         dataset_size,
         max_batch_size,
         float(value_discretization_interval),

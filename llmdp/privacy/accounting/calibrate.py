@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from scipy.optimize import brentq
 
+from llmdp.config.choices import Accountant
 from llmdp.privacy.accounting import accountant as _acc
 
 __all__ = [
@@ -261,7 +262,7 @@ class EpsilonCurve:
                     self.q, sigma, self.steps, delta, self.accountant, **self._kwargs()
                 )
             else:
-                assert self.accountant == "pld", "a grid is a PLD setting"
+                assert self.accountant == Accountant.PLD, "a grid is a PLD setting"
                 value = _acc.epsilon_estimate(
                     self.q, sigma, self.steps, delta,
                     value_discretization_interval=self.interval, **self._kwargs(),
@@ -302,8 +303,8 @@ def calibrate_curve(curve: EpsilonCurve, target: float, max_sigma: float,
     # geometric steps with PLD.
     if start is not None:
         kw = dict(start=start, factor=1.01, accelerate=True)
-    elif curve.accountant == "pld":
-        rdp = EpsilonCurve(curve.q, curve.steps, curve.delta, "rdp", delta_at=curve.delta_at)
+    elif curve.accountant == Accountant.PLD:
+        rdp = EpsilonCurve(curve.q, curve.steps, curve.delta, Accountant.RDP, delta_at=curve.delta_at)
         if rdp(max_sigma) <= target:
             guess = calibrate_sigma(rdp, target, start=1.0, factor=2.0, rtol=1e-2,
                                     max_sigma=max_sigma, check=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from llmdp.config.choices import Accountant
 from llmdp.privacy.accounting import accountant as _acc
 from llmdp.privacy.accounting.calibrate import (
     _SEARCH_INTERVAL,
@@ -80,7 +81,7 @@ def calibrate_with_prior(plan, prior_releases, rtol: float = 1e-3):
             f"checkpoint with a smaller epsilon"
         )
 
-    coarse = _SEARCH_INTERVAL if plan.accountant == "pld" else None
+    coarse = _SEARCH_INTERVAL if plan.accountant == Accountant.PLD else None
 
     def curve(interval) -> Memo:
         def eps(sigma: float) -> float:

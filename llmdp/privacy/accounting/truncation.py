@@ -13,6 +13,7 @@ import math
 
 from scipy import stats
 
+from llmdp.config.choices import Accountant
 from llmdp.privacy.accounting import accountant as _acc
 from llmdp.privacy.accounting.calibrate import (
     _SEARCH_INTERVAL,
@@ -69,7 +70,7 @@ def truncation_cost(
 
         def eps(b):
             return _acc.epsilon_for(
-                sampling_probability, noise_multiplier, steps, delta, "pld",
+                sampling_probability, noise_multiplier, steps, delta, Accountant.PLD,
                 dataset_size=None if b is None else dataset_size, max_batch_size=b,
             )
     else:
@@ -89,7 +90,7 @@ def truncation_cost(
 
 def _truncated_curve(q, steps, delta, n, b, interval=None, delta_at=None) -> EpsilonCurve:
     return EpsilonCurve(
-        q, steps, delta, "pld", dataset_size=n, max_batch_size=b, interval=interval,
+        q, steps, delta, Accountant.PLD, dataset_size=n, max_batch_size=b, interval=interval,
         delta_at=delta_at,
     )
 
@@ -106,7 +107,7 @@ def calibrate_truncated(q, steps, delta, n, b, target, max_sigma, delta_at=None)
     search grid, first under Poisson then at the cap, then checked (nudged up if needed)
     on the reporting grid, so epsilon(sigma) <= target holds for the reported number.
     `delta_at(sigma)`: the accountant's δ at sigma (`EpsilonCurve`; None: `delta`)."""
-    sigma = calibrate_curve(EpsilonCurve(q, steps, delta, "pld", interval=_SEARCH_INTERVAL,
+    sigma = calibrate_curve(EpsilonCurve(q, steps, delta, Accountant.PLD, interval=_SEARCH_INTERVAL,
                                          delta_at=delta_at), target, max_sigma)
     sigma = _calibrate_truncated(q, steps, delta, n, b, target, max_sigma, sigma, delta_at)
     return round_up(_truncated_curve(q, steps, delta, n, b, delta_at=delta_at), target, sigma)
@@ -183,7 +184,7 @@ def plan_truncated(*, q, n, steps, delta, sigma, target, cap, budget, max_sigma,
         return delta if delta_at is None else delta_at(s)
 
     if target is not None:
-        sigma = calibrate_curve(EpsilonCurve(q, steps, delta, "pld", interval=_SEARCH_INTERVAL,
+        sigma = calibrate_curve(EpsilonCurve(q, steps, delta, Accountant.PLD, interval=_SEARCH_INTERVAL,
                                              delta_at=delta_at), target, max_sigma)
     b = cap if cap is not None else smallest_cap(q, steps, dl(sigma), n, sigma, budget)
     if target is not None:

@@ -28,6 +28,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from llmdp.config.choices import Accountant, Mechanism
 from llmdp.privacy import accounting as _acc
 from llmdp.privacy.accounting import event_from_json
 from llmdp.privacy.ledger.records import is_step_release, net_records, release_entries
@@ -108,7 +109,7 @@ def not_composed(records, unit) -> list[dict]:
     _, other = split_by_unit(records, unit)
     out: dict[tuple, dict] = {}  # one line per (run, unit, mechanism), counts summed
     for r in other:
-        k = (r.get("run_id"), unit_key(r.get("meta")), (r.get("meta") or {}).get("mechanism", "dp-sgd"))
+        k = (r.get("run_id"), unit_key(r.get("meta")), (r.get("meta") or {}).get("mechanism", Mechanism.DP_SGD))
         row = out.setdefault(k, {"run_id": k[0], "unit": k[1], "mechanism": k[2], "count": 0,
                                  "status": NOT_COMPOSED})
         row["count"] += int(r["count"])
@@ -290,8 +291,8 @@ class DatasetBudget:
             raise ValueError(f"a budget's ε must be a finite number > 0, got {self.epsilon!r}")
         if not (isinstance(self.delta, (int, float)) and 0 < self.delta < 1):
             raise ValueError(f"a budget's δ must be in (0, 1), got {self.delta!r}")
-        if self.accountant not in _acc.ACCOUNTANTS:
-            raise ValueError(f"a budget's accountant must be one of {list(_acc.ACCOUNTANTS)}, "
+        if Accountant.get(self.accountant) is None:
+            raise ValueError(f"a budget's accountant must be one of {list(Accountant)}, "
                              f"got {self.accountant!r}")
         if unit_key(self.unit) == _UNKNOWN_UNIT:
             raise ValueError(f"a budget needs a privacy unit definition (its 'kind'), got "

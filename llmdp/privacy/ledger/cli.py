@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable
 
-from llmdp.config.choices import ACCOUNTANTS
+from llmdp.config.choices import Accountant
 from llmdp.privacy.ledger.budget import (
     BUDGET_KIND,
     DatasetBudget,
@@ -58,7 +58,7 @@ def _run_info(run_dir: str, read_info: RunInfo) -> tuple[dict, str]:
     return info, d["location"]
 
 
-def _per_unit(recs, delta: float, accountant: str = "pld") -> str:
+def _per_unit(recs, delta: float, accountant: Accountant = Accountant.PLD) -> str:
     """ε spent at ``delta`` for every privacy unit definition the ledger's releases name."""
     units = {}
     for r in recs:
@@ -329,8 +329,8 @@ def set_budget(args) -> int:
     delta = _number("--delta", args.delta)
     if delta is not None and not 0 < delta < 1:
         raise ValueError(f"--delta: {args.delta} is not in (0, 1)")
-    if args.accountant is not None and args.accountant not in ACCOUNTANTS:
-        raise ValueError(f"--accountant: {args.accountant!r} is not one of {list(ACCOUNTANTS)}")
+    if args.accountant is not None and Accountant.get(args.accountant) is None:
+        raise ValueError(f"--accountant: {args.accountant!r} is not one of {list(Accountant)}")
     unit = _unit_from_args(args)
     db = _db(args.ledger, read_only=False)
     try:
@@ -351,7 +351,7 @@ def set_budget(args) -> int:
                                  "ledger holds no release to take the privacy unit from (document; "
                                  "user --user-field F; sequence --sequence-length L)")
             new = DatasetBudget(eps, delta if delta is not None else old.delta,
-                                args.accountant or (old.accountant if old is not None else "pld"),
+                                args.accountant or (old.accountant if old is not None else Accountant.PLD),
                                 unit)
             if old is not None and not old.differences(new) and old.key == new.key:
                 print(f"{args.dataset}: the budget is already {new.describe()}; nothing recorded")

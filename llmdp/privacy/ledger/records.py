@@ -64,6 +64,7 @@ from pathlib import Path
 import dp_accounting
 
 from llmdp._fs import fsync_dir
+from llmdp.config.choices import Mechanism
 from llmdp.config.validate import _is_int
 from llmdp.privacy.accounting import event_from_json, threshold_delta
 
@@ -79,18 +80,17 @@ _RELEASE_KIND = "release"
 KINDS = ("dataset", "data_version", "release", "hold", "hold_end", "import", "repair", "note",
          "budget", "void")
 VOID_KIND = "void"
-# A run's releases are its training steps (``meta.mechanism`` "dp-sgd", or absent: every run
-# before DP evaluations; "banded-mf" / "blt": a correlated mechanism, whose count is of
-# rounds, `llmdp.privacy.mf.plan`) and its DP evaluations ("dp-eval", count 1 each).
+# A run's releases are its training steps (``meta.mechanism`` a `Mechanism`: "dp-sgd", or
+# absent: every run before DP evaluations; "banded-mf" / "blt": a correlated mechanism, whose
+# count is of rounds, `llmdp.privacy.mf.plan`) and its DP evaluations ("dp-eval", count 1 each).
 EVAL_MECHANISM = "dp-eval"
-TRAINING_MECHANISMS = ("dp-sgd", "banded-mf", "blt")
 
 
 def is_step_release(rec: dict) -> bool:
     """Whether ``rec`` is a release of training steps or rounds (not a DP evaluation, not a
     tokenizer)."""
     return (rec.get("kind") == _RELEASE_KIND
-            and (rec.get("meta") or {}).get("mechanism", "dp-sgd") in TRAINING_MECHANISMS)
+            and Mechanism.get((rec.get("meta") or {}).get("mechanism", Mechanism.DP_SGD)) is not None)
 
 
 def _voided_steps(release: dict, voids: list[dict]) -> int:

@@ -39,6 +39,7 @@ import time
 import numpy as np
 import torch
 
+from llmdp.config.choices import Mechanism
 from llmdp.privacy.mf.factorization import Factorization, toeplitz_inverse
 from llmdp.privacy.mf.sensitivity import (
     aligned_sum,
@@ -162,7 +163,7 @@ def optimize_banded(n: int, bands: int, *, workload: str = "prefix", momentum: f
     mean_err = err if error == "mean" else W.error_np(toeplitz_inverse(full), "mean")
     meta = {
         **W.key(),
-        "mechanism": "banded-mf",
+        "mechanism": Mechanism.BANDED_MF.value,
         "bands": bands,
         "participation": "poisson" if min_sep is None else "min-sep",
         "min_sep": None if min_sep is None else int(min_sep),

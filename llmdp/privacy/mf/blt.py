@@ -51,6 +51,7 @@ import time
 import numpy as np
 import torch
 
+from llmdp.config.choices import Mechanism
 from llmdp.privacy.mf.factorization import Factorization
 from llmdp.privacy.mf.sensitivity import aligned_sum, effective_participations, minsep_sensitivity
 from llmdp.privacy.mf.workload import ERRORS, Workload, lbfgs, single_threaded
@@ -258,7 +259,7 @@ def optimize_blt(n: int, *, max_buffers: int = 8, min_sep: int = 1,
     mean_err = err if error == "mean" else W.error_np(fact.inverse_coefficients(n), "mean")
     meta = {
         **W.key(),
-        "mechanism": "blt",
+        "mechanism": Mechanism.BLT.value,
         "bands": None,
         "buffers": d,
         "participation": "min-sep",

@@ -10,15 +10,15 @@ import os
 from pathlib import Path
 
 from llmdp._fs import atomic_write
+from llmdp.config.choices import CORRELATED_MECHANISMS, Mechanism
 from llmdp.privacy.mf.factorization import Factorization
 from llmdp.privacy.mf.workload import ERRORS, Workload
 
-__all__ = ["MECHANISMS", "strategy_for"]
+__all__ = ["strategy_for"]
 
-MECHANISMS = ("banded-mf", "blt")
 # bump a mechanism's format when its optimizer's result for the same inputs changes (a
 # cached strategy of an older optimizer is then not reused). blt 2: near-1 starts (mf_blt)
-_CACHE_FORMAT = {"banded-mf": 1, "blt": 2}
+_CACHE_FORMAT = {Mechanism.BANDED_MF: 1, Mechanism.BLT: 2}
 
 
 # ---- the front door, cached
@@ -64,12 +64,12 @@ def strategy_for(mechanism: str, n: int, *, bands: int | None = None,
     later call with the same inputs returns it (``meta["cached"]`` True, ``meta["seconds"]``
     the original optimization's wall time); a file that does not parse or holds other
     inputs is ignored and rewritten."""
-    if mechanism not in MECHANISMS:
-        raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+    if mechanism not in CORRELATED_MECHANISMS:
+        raise ValueError(f"mechanism must be one of {CORRELATED_MECHANISMS}, got {mechanism!r}")
     if error not in ERRORS:
         raise ValueError(f"error must be one of {ERRORS}, got {error!r}")
     n = int(n)
-    if mechanism == "banded-mf":
+    if mechanism == Mechanism.BANDED_MF:
         if bands is None:
             raise ValueError("banded-mf needs bands (1 <= bands <= n)")
         bands, max_buffers = int(bands), None
@@ -89,7 +89,7 @@ def strategy_for(mechanism: str, n: int, *, bands: int | None = None,
         hit = _read_cache(path, inputs)
         if hit is not None:
             return dataclasses.replace(hit, meta={**hit.meta, "cached": True})
-    if mechanism == "banded-mf":
+    if mechanism == Mechanism.BANDED_MF:
         from llmdp.privacy.mf.banded import optimize_banded
 
         fact = optimize_banded(n, bands, momentum=W.momentum, learning_rates=W.learning_rates,

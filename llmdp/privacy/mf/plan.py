@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 
-from llmdp.config.choices import mechanism_problem
+from llmdp.config.choices import Mechanism, Sampler, mechanism_problem
 from llmdp.privacy.accounting import PlanError
 
 __all__ = ["MechanismError", "mf_commitment", "check_mechanism", "resolve_cycle", "rounds", "round_factor",
@@ -67,14 +67,14 @@ def resolve_cycle(sampler: str, *, bands, cycle, dataset_size: int, expected_bat
     fixed-cycle's round(N / B) (every step then takes ~B units)."""
     if cycle is not None:
         c = int(cycle)
-    elif sampler == "cyclic-poisson":
+    elif sampler == Sampler.CYCLIC_POISSON:
         c = int(bands)
     else:
         c = max(1, round(int(dataset_size) / float(expected_batch_size)))
     if c > dataset_size:
         raise MechanismError(f"{c} groups is more than the {dataset_size} units: every group needs "
                              "units; lower cycle", "cycle")
-    if sampler == "cyclic-poisson" and float(expected_batch_size) * c > dataset_size:
+    if sampler == Sampler.CYCLIC_POISSON and float(expected_batch_size) * c > dataset_size:
         raise MechanismError(
             f"{c} groups at train.expected_batch_size {expected_batch_size:g} need a group "
             f"probability q_g = B·cycle/N = {float(expected_batch_size) * c / dataset_size:.4g} > 1 "
@@ -93,7 +93,7 @@ def build_strategy(mechanism: str, sampler: str, *, steps: int, cycle: int, band
     sensitivity its sampler's analysis uses is 1 (cached by its inputs, `optimize`)."""
     from llmdp.privacy.mf.optimize import strategy_for
 
-    fixed = sampler == "fixed-cycle"
+    fixed = sampler == Sampler.FIXED_CYCLE
     k = rounds(steps, cycle)
     return strategy_for(mechanism, int(steps), bands=bands,
                         min_sep=int(cycle) if fixed else None,
@@ -118,7 +118,7 @@ def scaled_sensitivity(fact, sampler: str, *, steps: int, cycle: int) -> float:
     included): C's largest column norm (cyclic Poisson) or its min-separation sensitivity
     over all K rounds (fixed cycle). `build_strategy` scales it to 1, so it is linear in
     ``scale``: a plan read back is checked against it (`llmdp.record.rundir.check_read_back`)."""
-    if sampler == "cyclic-poisson":
+    if sampler == Sampler.CYCLIC_POISSON:
         from llmdp.privacy.mf.sensitivity import column_norms
 
         return float(max(column_norms(fact.c_coefficients(steps), steps)))
@@ -131,7 +131,7 @@ def round_factor(fact, sampler: str, *, steps: int, cycle: int) -> tuple[float, 
     """(f, exact): the ledger's round event is Gaussian(σ·f) (fixed-cycle), or the
     Poisson-subsampled Gaussian at σ·f with f = 1 (cyclic-poisson: C's largest column norm,
     checked to be 1). ``exact``: K rounds compose to exactly the one-release analysis."""
-    if sampler == "cyclic-poisson":
+    if sampler == Sampler.CYCLIC_POISSON:
         from llmdp.privacy.mf.sensitivity import column_norms
 
         top = float(max(column_norms(fact.c_coefficients(steps), steps)))
@@ -153,9 +153,9 @@ def round_factor(fact, sampler: str, *, steps: int, cycle: int) -> tuple[float, 
 def participation_text(mechanism: str, sampler: str, cycle: int, steps: int, q_group=None) -> str:
     """The participation assumption in plain words (report, card, console)."""
     k = rounds(steps, cycle)
-    name = {"banded-mf": "banded matrix factorization", "blt": "buffered linear Toeplitz (BLT)"}
+    name = {Mechanism.BANDED_MF: "banded matrix factorization", Mechanism.BLT: "buffered linear Toeplitz (BLT)"}
     mech = name.get(mechanism, mechanism)
-    if sampler == "cyclic-poisson":
+    if sampler == Sampler.CYCLIC_POISSON:
         return (f"correlated noise ({mech}); the units are split into {cycle} fixed groups by a "
                 f"keyed hash of their content, step t draws each unit of group t mod {cycle} with "
                 f"probability {q_group:.4g} (cyclic Poisson), so a unit takes part in at most {k} "
@@ -177,6 +177,6 @@ def mf_commitment(plan) -> dict:
             "buffers": fact.buffers, "cycle": plan.cycle, "steps": plan.steps,
             "rounds": plan.ledger_steps, "max_participations": plan.ledger_steps,
             "noise_multiplier": plan.noise_multiplier, "sampler": plan.sampler,
-            "group_probability": plan.event_probability if plan.sampler == "cyclic-poisson" else None,
+            "group_probability": plan.event_probability if plan.sampler == Sampler.CYCLIC_POISSON else None,
             "round_factor": plan.round_factor, "round_factor_exact": plan.round_factor_exact,
             "ledger_unit": "round"}

@@ -14,6 +14,7 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
 from llmdp.privacy.accounting import accountant as acc
+from llmdp.privacy.mechanism import mechanism_config
 from llmdp.privacy.mf.factorization import toeplitz_matrix
 from llmdp.privacy.mf.plan import MechanismError, check_mechanism
 from llmdp.privacy.plan import DPPlan, PlanError, make_plan
@@ -33,9 +34,10 @@ def _direct(events, delta, accountant):
     return a.get_epsilon(delta)
 
 
-def _plan(tmp_path, **kw):
+def _plan(tmp_path, mechanism="dp-sgd", bands=None, cycle=None, **kw):
+    config = mechanism_config(mechanism, bands=bands, cycle=cycle, strategy_cache=str(tmp_path))
     base = dict(dataset_size=N, expected_batch_size=60, max_grad_norm=1.0, delta=1e-5,
-                strategy_cache=str(tmp_path))
+                mechanism=config)
     return make_plan(**{**base, **kw})
 
 
