@@ -188,7 +188,8 @@ class Sq:
     * ``dev`` a tuple (f₀, f₁, …):  dev = ((mag·f₀)·f₁)…; ``dev`` 0.0: dev = 0;
     * ``rel`` a float:              rel = that constant for every unit;
     * ``value`` None with ``root`` r: value = r² (an instantiated gradient's float64 norm,
-      ``sq_of_instantiated``: one launch fewer per call).
+      ``sq_of_instantiated``: one launch fewer per call);
+    * ``mag`` a `PendingMag`: N_u's per-row dot not yet taken (``linear_mag_parts``).
 
     Reading a field (``sq.err``…) forms it (once) for code that needs one call's tensors.
     """
@@ -216,7 +217,10 @@ class Sq:
     def mag(self) -> torch.Tensor:
         if self._mag is None:  # sq_of_instantiated: ‖h‖ from its squared norm, rounded up
             self._mag = up(torch.sqrt(self.value + self.err), 2)
-        elif self._mag_f is not None:
+            return self._mag
+        if isinstance(self._mag, PendingMag):
+            self._mag = self._mag.form()
+        if self._mag_f is not None:
             self._mag, self._mag_f = self._mag * self._mag_f, None
         return self._mag
 
@@ -584,17 +588,60 @@ def linear_mag(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = None) -
     return raw * f
 
 
-def linear_mag_parts(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = None) -> tuple[torch.Tensor, float]:
-    """``linear_mag`` as (its sum, the factor that rounds it up): N_u = sum·factor."""
+def linear_mag_parts(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = None,
+                     defer: bool = False) -> tuple[torch.Tensor | PendingMag, float]:
+    """``linear_mag`` as (its sum, the factor that rounds it up): N_u = sum·factor. With
+    ``defer`` (off the CPU, ``DEFER_MAG``) the sum is a `PendingMag`: the row norms now,
+    their per-row dot in the step's one bound computation, for all such calls at once."""
     na = units.self_norms(A3) if units is not None and A3.dtype.is_floating_point else lowp.row_norms(A3)
     ng = lowp.row_norms(G3)
-    # Σ_t na·ng per row: one batched float64 dot product (T products, T − 1 additions in
-    # whatever order the kernel takes: n counts them all)
-    per_row = torch.bmm(na.unsqueeze(1), ng.unsqueeze(2)).view(na.shape[0])
     n = A3.shape[-1] + G3.shape[-1] + A3.shape[1] + 8
-    if units is None:
-        return per_row, up_factor(n)
-    return units.rows_to_units(per_row), up_factor(n + units.max_rows)
+    f = up_factor(n) if units is None else up_factor(n + units.max_rows)
+    if defer and DEFER_MAG and not lowp.on_cpu(A3):
+        return PendingMag(na, ng, units), f
+    return PendingMag(na, ng, units).form(), f
+
+
+# Off the CPU an instantiated Linear's N_u is formed in the bound computation, batched over
+# the calls (one launch fewer per call); False forms it per call (tests compare the two).
+DEFER_MAG = True
+
+
+class PendingMag:
+    """N_u's sum before its per-row dot: Σ_t na_t·ng_t per row (T products, T − 1 additions
+    in whatever order the kernel takes: ``linear_mag_parts``' n counts them all), then the
+    rows summed into units. ``form_all`` forms many with one batched dot."""
+
+    __slots__ = ("na", "ng", "units")
+
+    def __init__(self, na: torch.Tensor, ng: torch.Tensor, units: Units | None):
+        self.na, self.ng, self.units = na, ng, units
+
+    def form(self) -> torch.Tensor:
+        per_row = torch.bmm(self.na.unsqueeze(1), self.ng.unsqueeze(2)).view(self.na.shape[0])
+        return per_row if self.units is None else self.units.rows_to_units(per_row)
+
+    @staticmethod
+    def form_all(pending: list[PendingMag]) -> list[torch.Tensor]:
+        """Each one's ``form()``: those of one shape and one set of units as one batched
+        dot (the same products and sums, each row's in the kernel's order)."""
+        out: list = [None] * len(pending)
+        groups: dict = {}
+        for i, p in enumerate(pending):
+            groups.setdefault((tuple(p.na.shape), tuple(p.ng.shape), id(p.units)), []).append(i)
+        for idx in groups.values():
+            if len(idx) == 1:
+                out[idx[0]] = pending[idx[0]].form()
+                continue
+            first = pending[idx[0]]
+            R, T = first.na.shape
+            na = torch.stack([pending[i].na for i in idx]).view(len(idx) * R, 1, T)
+            ng = torch.stack([pending[i].ng for i in idx]).view(len(idx) * R, T, 1)
+            rows = torch.bmm(na, ng).view(len(idx), R).t()  # [R, calls]
+            sums = rows if first.units is None else first.units.rows_to_units(rows)
+            for j, i in enumerate(idx):
+                out[i] = sums[:, j]
+        return out
 
 
 def rows_mag(G3: torch.Tensor, units: Units) -> torch.Tensor:

@@ -113,6 +113,10 @@ def _dev_rows(value: torch.Tensor, sqs: list[Sq]) -> torch.Tensor:
             else:
                 mags.append(s.mag)
                 mag_f.append(None)
+        pending = [i for i, m in enumerate(mags) if isinstance(m, nb.PendingMag)]
+        if pending:  # N_u of instantiated calls: one batched dot for all (norms.PendingMag)
+            for i, m in zip(pending, nb.PendingMag.form_all([mags[i] for i in pending])):
+                mags[i] = m
         out = torch.stack(mags)
         if any(f is not None for f in mag_f):
             out = out * const([1.0 if f is None else f for f in mag_f], dev)[:, None]

@@ -579,3 +579,34 @@ def test_instantiated_norms_on_the_cpu_are_within_their_bound(k):
     assert torch.equal(sq.value, value) and torch.equal(sq.err, err)
     sq64 = norms.sq_of_instantiated(h.double(), 0.0, 0.0, 0.0, mag)  # float64: unchanged path
     assert torch.equal(sq64.value, torch.linalg.vector_norm(h.double(), dim=1).square())
+
+
+@pytest.mark.parametrize("mode", ["book-keeping", "two-pass"])
+def test_deferred_mags_change_no_bit_of_the_norms_or_the_sums(monkeypatch, mode):
+    """Off the CPU (``lowp.on_cpu`` answering False, as on a GPU) an instantiated Linear's
+    N_u is formed in the step's one bound computation (``norms.DEFER_MAG``): the norms used
+    and the clipped sums are the per-call ones bit for bit (units of several rows, padding)."""
+    monkeypatch.setattr(lowp, "on_cpu", lambda x: False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 5))
+    x = torch.randn(5, 7, 12)
+    units = torch.tensor([0, 0, 1, 2, -1])
+
+    def run(defer: bool):
+        monkeypatch.setattr(norms, "DEFER_MAG", defer)
+        sinks = {f"{i}.{n}": torch.zeros_like(p) for i, m in enumerate(model) for n, p in m.named_parameters()}
+        clipper = GhostClipper(model, C, mode=mode, layer_policy="instantiate", grad_buffers=sinks)
+        used = clipper.backward(model(x).square().mean((1, 2)), units)
+        return used, sinks
+
+    batched = []
+    real = norms.PendingMag.form_all
+    monkeypatch.setattr(norms.PendingMag, "form_all", staticmethod(lambda p: (batched.append(len(p)), real(p))[1]))
+    used_a, sinks_a = run(True)
+    assert batched and max(batched) == 3  # the three calls' N_u, formed together
+    batched.clear()
+    used_b, sinks_b = run(False)
+    assert not batched
+    assert torch.equal(used_a, used_b)
+    for k in sinks_a:
+        assert torch.equal(sinks_a[k], sinks_b[k]), k

@@ -186,3 +186,37 @@ def test_constants_are_made_once_and_not_shared_with_callers_writes():
     s.err.add_(1.0)  # a caller writing into a stack must not change the cached constants
     again = stacked.Stack.of([sq, sq], [U32, U32])
     assert torch.equal(again.err, torch.full((2, 4), 0.5, dtype=F64))
+
+
+def test_pending_mags_are_formed_as_one_call_at_a_time():
+    """N_u deferred (``norms.PendingMag``: row norms kept, their per-row dot taken for all
+    calls at once in ``Stack.of``) is the per-call N_u bit for bit, for units of one row and
+    of several rows with padding, shapes mixed (grouped by shape), and so is the stack's
+    deviation."""
+    g = torch.Generator().manual_seed(5)
+    R, U = 6, 4
+    one = nb.Units.make(torch.arange(R), R)
+    several = nb.Units.make(torch.tensor([0, 0, 1, 2, 3, -1]), U)
+
+    def norms_of(T):
+        x = torch.rand(R, T, generator=g, dtype=F64) * 10.0 ** torch.randint(-8, 8, (R, T), generator=g).to(F64)
+        x[1, :] = 0.0  # a row of zeros
+        return x
+
+    sqs, eager = [], []
+    for i, (units, T) in enumerate([(one, 7), (several, 7), (one, 7), (one, 11), (several, 7), (one, 11)]):
+        pm = nb.PendingMag(norms_of(T), norms_of(T), units)
+        f = nb.up_factor(30 + i)
+        dev = (gamma(9 + i, U32), nb.up_factor(2))
+        value = torch.rand(units.num_units, generator=g, dtype=F64)
+        sqs.append(nb.Sq(value, gamma(20, U64), dev, gamma(3, U32), pm, f))
+        eager.append(nb.Sq(value, gamma(20, U64), dev, gamma(3, U32), pm.form(), f))
+    for s, e in zip(sqs, eager):
+        assert torch.equal(nb.PendingMag.form_all([s._mag])[0], e._mag)
+    by_units = [[0, 2, 3, 5], [1, 4]]  # a stack holds calls of one set of units
+    for pick in by_units:
+        a = stacked.Stack.of([sqs[i] for i in pick], [U32] * len(pick))
+        b = stacked.Stack.of([eager[i] for i in pick], [U32] * len(pick))
+        assert torch.equal(a.d, b.d) and torch.equal(a.err, b.err)
+    for s, e in zip(sqs, eager):  # read one call at a time
+        assert torch.equal(s.mag, e.mag) and torch.equal(s.dev, e.dev)

@@ -117,7 +117,7 @@ class LinearRule(LayerRule):
             x, y = (A3, G3) if self.transposed else (G3, A3)
             u, n = lowp.fast_bound(x, y, G3.shape[1])
             h = units.rows_to_units(lowp.per_row_tn(x, y))
-            mag, mag_f = linear_mag_parts(A3, G3, units)
+            mag, mag_f = linear_mag_parts(A3, G3, units, defer=True)
             uc, nc = clip or lowp.row_scaled_bound(*self._clipped_operands(A3, G3))
             dev = (gamma(n + units.max_rows + 1, u) + gamma(nc, uc), up_factor(2))  # × N_u
             out["weight"] = (h, sq_of_instantiated(h, dev, 0.0, rel, mag, mag_f))
