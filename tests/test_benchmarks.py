@@ -210,3 +210,13 @@ def test_noise_benchmark_counts_sass_opcodes_in_both_listing_forms():
                       "        /*0050*/                   DFMA R4, R6, R8, R4 ;\n")
     assert mod.sass_opcodes(cuobjdump_form) == ["SHF", "DFMA"]
     assert mod.sass_opcodes("no listing here") == []
+
+
+def test_step_ratio_benchmark_runs_small(capsys):
+    """benchmarks/step_ratio.py: both steps in one process, ratios printed, the profile's
+    table of extra operators (a tiny model; the ratio itself is never asserted)."""
+    main = _script("step_ratio").main
+    assert main(["--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "48",
+                 "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "1", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "ratio median" in out and "exact fallbacks 0" in out and "extra ms" in out

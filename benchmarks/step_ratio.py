@@ -1,0 +1,110 @@
+"""The DP step's time against the non-private step's, both in one process (issue 50).
+
+    python benchmarks/step_ratio.py                                  # d512, 8 layers, T256 x 8
+    python benchmarks/step_ratio.py --hidden 256 --layers 4 --heads 4 --intermediate 688 \\
+        --vocab 8192 --seq 64 [--lora]                               # the issue's d256 shape
+    python benchmarks/step_ratio.py --family qwen3_moe --hidden 256 --heads 4 --intermediate 688
+    python benchmarks/step_ratio.py --profile                        # + where the extra time goes
+
+One thread. The model and batch of ``benchmarks/clipping.py`` (``build``), its non-private
+step (``row_losses(...).sum().backward()``) and its llmdp step (``GhostClipper.backward``)
+alternated ``--steps`` times after a warm-up, each timed by the thread's CPU time (less
+moved by other processes on a shared machine than wall-clock time, not immune to them);
+prints the median and the smallest time of each and their ratios, the exact fallbacks and
+the largest bound share. ``--gram`` forces the Linear ghost norms' Gram path (``auto``,
+``lowp``, ``float64``: ``clipping/gram.py``). ``--profile``: one more step of each under
+torch.profiler, and the operators (by input shape) whose CPU time differs most between the
+two steps. ``benchmarks/clipping.py`` runs each method in its own process for peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import clipping as bench  # noqa: E402
+import torch  # noqa: E402
+
+
+def _profile(steps: dict) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    res = {}
+    for k, (step, reset) in steps.items():
+        reset()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            step()
+        res[k] = {(e.key, str(e.input_shapes)): (e.self_cpu_time_total / 1e3, e.count)
+                  for e in prof.key_averages(group_by_input_shape=True)}
+    keys = set(res["non-private"]) | set(res["llmdp"])
+
+    def diff(k):
+        return res["llmdp"].get(k, (0, 0))[0] - res["non-private"].get(k, (0, 0))[0]
+
+    rows = sorted(keys, key=lambda k: -diff(k))
+    out = ["profiled CPU ms: " + ", ".join(f"{k} {sum(v[0] for v in r.values()):.0f}" for k, r in res.items()),
+           "   extra ms   llmdp ms/calls   non-private ms/calls  operator  input shapes"]
+    for k in rows[:24] + rows[-6:]:
+        d, n = res["llmdp"].get(k, (0, 0)), res["non-private"].get(k, (0, 0))
+        out.append(f"{diff(k):10.1f}  {d[0]:9.1f}/{d[1]:<5d}  {n[0]:9.1f}/{n[1]:<5d}  {k[0]:28s} {k[1][:90]}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", default="llama", choices=("llama", *bench.MOE_FAMILIES))
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=1376)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--mode", default="auto", help="llmdp mode: auto, book-keeping, two-pass")
+    ap.add_argument("--gram", default="auto", choices=("auto", "lowp", "float64"))
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args(argv)
+    ns = argparse.Namespace(family=a.family, experts=8, top_k=2, hidden=a.hidden, intermediate=a.intermediate,
+                            layers=a.layers, heads=a.heads, vocab=a.vocab, seq=a.seq, batch=a.batch,
+                            device="cpu", dtype="float32", max_grad_norm=1.0, lora=a.lora, lora_rank=16)
+    torch.set_num_threads(1)
+    from llmdp.clipping import gram
+
+    model, batch = bench.build(ns)
+    np_step, np_reset, _, _ = bench.step_fn("non-private", model, batch, ns)
+    dp_step, dp_reset, _, _ = bench.step_fn("llmdp-" + a.mode, model, batch, ns)
+    steps = {"non-private": (np_step, np_reset), "llmdp": (dp_step, dp_reset)}
+    times: dict = {k: [] for k in steps}
+    with gram.forced(a.gram):
+        for i in range(a.steps + 1):
+            for k, (step, reset) in steps.items():
+                reset()
+                t0 = time.thread_time()
+                step()
+                if i:  # the first round warms caches and allocators
+                    times[k].append(time.thread_time() - t0)
+        prof = _profile(steps) if a.profile else []
+    med = {k: statistics.median(v) for k, v in times.items()}
+    low = {k: min(v) for k, v in times.items()}
+    st = getattr(bench._STATS.get("clipper"), "last_norm_stats", None)
+    print(f"{a.family} d{a.hidden} x {a.layers} layers, vocab {a.vocab}, T{a.seq} x {a.batch}"
+          f"{', LoRA r16' if a.lora else ''}; one thread; {a.steps} steps; gram {a.gram}")
+    print(f"non-private s/step median {med['non-private']:.3f} min {low['non-private']:.3f}; "
+          f"llmdp median {med['llmdp']:.3f} min {low['llmdp']:.3f}")
+    print(f"ratio median {med['llmdp'] / med['non-private']:.3f}, min {low['llmdp'] / low['non-private']:.3f}; "
+          f"exact fallbacks {getattr(st, 'fallbacks', None)}, largest bound share "
+          f"{getattr(st, 'bound_max', float('nan')):.2e}")
+    for line in prof:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
