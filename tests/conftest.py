@@ -27,24 +27,12 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # drained; the actor's process is ~1.5 s of CPU per worker group, off in tests.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
-# One folder of PLDs for the whole test session (tests.helpers.share_step_plds): made by the
-# first process (pytest's, or xdist's controller) and inherited by its workers.
-_PLD_OWNER = "LLMDP_TEST_PLDS" not in os.environ
-if _PLD_OWNER:
-    os.environ["LLMDP_TEST_PLDS"] = tempfile.mkdtemp(prefix="llmdp-test-plds-")
-
 # Under pytest-xdist (`make test` runs one worker per core), one thread per worker process:
 # the workers already fill the cores, and torch's default (a thread per core in every
 # process) would oversubscribe them. Set before torch is imported.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
-
-
-def pytest_configure(config):
-    from tests.helpers import share_step_plds
-
-    share_step_plds(os.environ["LLMDP_TEST_PLDS"])
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -122,5 +110,3 @@ def pytest_sessionfinish(session, exitstatus):
 
     shutil.rmtree(os.environ["LLMDP_CACHE"], ignore_errors=True)
     shutil.rmtree(os.environ["LLMDP_HOME"], ignore_errors=True)
-    if _PLD_OWNER:
-        shutil.rmtree(os.environ["LLMDP_TEST_PLDS"], ignore_errors=True)

@@ -325,52 +325,6 @@ def use_noise_cap(monkeypatch, radius_bits: int) -> tuple[float, float]:
     return mass, tau
 
 
-# ------------------------------------------------------------------ PLDs once per test session
-
-
-def share_step_plds(folder: str) -> None:
-    """The test session's processes (pytest-xdist's workers) build each DP-SGD step's and
-    DP evaluation's PLD once: `llmdp.privacy.accounting.accountant` keeps them per process
-    (`_step_pld`, `_gaussian_pld`, an LRU of 32); here each is also kept in ``folder`` (a
-    pickle per question, its key the exact repr of the event and grid), so that a test
-    asking a question another test's process already asked loads dp-accounting's object
-    instead of building it again (0.1 to 1.5 s each, most of a calibration's time). The
-    objects are those dp-accounting built, bit for bit; the per-process LRU (its
-    ``cache_info``/``cache_clear``) is unchanged on top. Tests only: never in llmdp."""
-    import functools
-    import hashlib
-    import pickle
-
-    from llmdp.privacy.accounting import accountant
-
-    def on_disk(build):
-        @functools.wraps(build)
-        def kept(*args):
-            key = hashlib.sha256(repr((build.__name__, args)).encode()).hexdigest()
-            path = os.path.join(folder, key + ".pkl")
-            try:
-                with open(path, "rb") as f:
-                    return pickle.load(f)
-            except (OSError, EOFError, pickle.UnpicklingError):
-                pass
-            value = build(*args)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:  # written whole, then renamed: a reader sees all or none
-                pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, path)
-            return value
-
-        return kept
-
-    for name in ("_step_pld", "_gaussian_pld"):
-        lru = getattr(accountant, name)
-        if getattr(lru, "_shared_by_tests", False):
-            continue
-        shared = functools.lru_cache(maxsize=lru.cache_info().maxsize)(on_disk(lru.__wrapped__))
-        shared._shared_by_tests = True
-        setattr(accountant, name, shared)
-
-
 # ------------------------------------------------------------------ one Ray per test process
 
 _SHARED_RAY: dict = {}
