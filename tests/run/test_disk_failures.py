@@ -14,8 +14,6 @@ import errno
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import dp_accounting
 import pytest
@@ -437,13 +435,19 @@ def test_a_full_disk_while_the_report_is_written_is_one_message_and_the_rerun_co
 # --------------------------------------------------------------------------- under Ray
 
 
+# In process on the test process's one Ray (conftest.shared_ray): the fault reaches the
+# workers through the run's own environment (localray.run_env), as a fresh Ray's would.
 @pytest.mark.slow
-def test_under_ray_a_damaged_latest_checkpoint_falls_back_to_the_earlier_one(tmp_path):
+@pytest.mark.usefixtures("shared_ray")
+def test_under_ray_a_damaged_latest_checkpoint_falls_back_to_the_earlier_one(
+        tmp_path, monkeypatch, capsys):
     """Ray Train's own restore: a fault in step 6 after checkpoints at 2 and 4; the one at 4
     is truncated; the same command resumes from step 2 (not Ray's traceback, not its advice
     to delete the folder) and finishes."""
+    from llmdp.cli import main
     from tests.helpers import TINY_MODEL_YAML, tiny_tokenizer_dir, write_notes
 
+    monkeypatch.chdir(tmp_path)
     write_notes(tmp_path / "notes.jsonl", 40)
     (tmp_path / "r.yaml").write_text((TINY_MODEL_YAML + """data: {{path: notes.jsonl, sequence_length: 24}}
 privacy: {{noise_multiplier: 1.0, max_grad_norm: 1.0, delta: 1.0e-4}}
@@ -453,18 +457,22 @@ scaling: {{num_workers: 1}}
 output: {{dir: runs, name: ray}}
 """).format(tok=tiny_tokenizer_dir()))
     run_dir = tmp_path / "runs" / "ray"
-    env = {**os.environ, "LLMDP_FAULT": f"step=5,rank=0,marker={tmp_path / 'fault'}"}
-    cmd = [sys.executable, "-m", "llmdp.cli", "train", "r.yaml"]
-    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert first.returncode != 0 and (tmp_path / "fault").exists(), first.stderr[-3000:]
+    monkeypatch.setenv("LLMDP_FAULT", f"step=5,rank=0,marker={tmp_path / 'fault'}")
+    cmd = ["train", "r.yaml"]
+    from ray.train import TrainingFailedError
+
+    with pytest.raises(TrainingFailedError, match="injected fault at step 5"):
+        main(cmd)  # (the command exits with its traceback)
+    assert (tmp_path / "fault").exists()
     latest = RunDir(run_dir).latest_checkpoint()
     assert checkpoints.read_meta(latest)["step"] == 4
     state = os.path.join(latest, checkpoints.FULL)
     open(state, "r+b").truncate(os.path.getsize(state) // 2)
 
-    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    out = second.stdout + second.stderr
-    assert second.returncode == 0, out[-3000:]
+    second = main(cmd)
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert second == 0, out[-3000:]
     assert "resuming from step 2 of 6" in out and "CheckpointManagerInitializationError" not in out
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert report["status"] == "complete" and report["steps_completed"] == 6
