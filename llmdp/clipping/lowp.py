@@ -150,13 +150,15 @@ def bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return _widened_bmm(x, y, torch.float64)
 
 
-def _widened_bmm(x: torch.Tensor, y: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+def _widened_bmm(x: torch.Tensor, y: torch.Tensor, dt: torch.dtype, step: int | None = None) -> torch.Tensor:
     """x @ y in ``dt``, the operands widened to ``dt`` a slice of k at a time (never a
-    whole widened copy of a large operand)."""
+    whole widened copy of a large operand), each slice's product added to the first's.
+    ``step``: slices of exactly that length (``gram_fast``, whose bound counts them)."""
     B, m, k = x.shape
     n = y.shape[2]
     widen = (x.dtype != dt) or (y.dtype != dt)
-    step = k if not widen else max(1, CHUNK_ELEMENTS // max(1, B * max(m, n)))
+    if step is None:
+        step = k if not widen else max(1, CHUNK_ELEMENTS // max(1, B * max(m, n)))
     if step >= k:
         return torch.bmm(x.to(dt), y.to(dt))
     out = None
@@ -207,14 +209,8 @@ def gram_fast(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     operands: ``bmm_fast`` (one float64 contraction)."""
     if tensor_cores(x, y) or result_dtype(x, y) == torch.float64:
         return bmm_fast(x, y)
-    k = x.shape[2]
-    out = None
     with exact_fp32(x.device):
-        for k0 in range(0, k, GRAM_CHUNK):
-            xs, ys = x[:, :, k0:k0 + GRAM_CHUNK], y[:, k0:k0 + GRAM_CHUNK]
-            part = torch.bmm(xs.to(torch.float32), ys.to(torch.float32))
-            out = part if out is None else out.add_(part)
-    return out
+        return _widened_bmm(x, y, torch.float32, step=GRAM_CHUNK)
 
 
 def gram_fast_bound(x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[float, int]:

@@ -309,7 +309,8 @@ def _sq_chunked32(h2: torch.Tensor, mag: torch.Tensor) -> tuple[torch.Tensor, to
     bound relative to the computed value (exact ≤ computed/(1 − γ)) is one more: err =
     γ_{c+5}(2⁻²⁴)·value, with a rounding to spare. Squares and partial sums below
     float32's normal range lose at most 2⁻¹²⁶ each (flushed to zero) — at most 2k of them,
-    2k·2⁻¹²⁶ on ‖h‖² — added to err as an absolute term wherever ``mag`` (N_u, from row
+    each amplified by the later roundings by less than 2: 4k·2⁻¹²⁶ on ‖h‖² — added to err
+    as an absolute term wherever ``mag`` (N_u, from row
     norms that are exactly 0 only for rows of zeros) is not 0: a nonzero entry of h needs a
     nonzero product, so N_u = 0 means h = 0, and a gradient that is exactly 0 keeps err = 0
     (``worth_recomputing`` tells it by that). No host read, no pass over h beyond the norms.
@@ -322,7 +323,7 @@ def _sq_chunked32(h2: torch.Tensor, mag: torch.Tensor) -> tuple[torch.Tensor, to
     value = parts.to(F64).square().sum(-1)
     if m * c < k:
         value = value + torch.linalg.vector_norm(h2[:, m * c:], dim=-1).to(F64).square()
-    err = value * gamma(c + 5, U32) + (mag > 0).to(F64) * (2.0 * k * 2.0**-126)
+    err = value * gamma(c + 5, U32) + (mag > 0).to(F64) * (4.0 * k * 2.0**-126)
     return value, err
 
 
