@@ -193,15 +193,17 @@ def _pair_parts(ga: torch.Tensor, gg: torch.Tensor, na_l, na_r, mg_l, mg_r):
 
 
 def sq_norm(A3: torch.Tensor, G3: torch.Tensor, units, gram_a: torch.Tensor | None = None,
-            norms_a: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            norms_a: torch.Tensor | None = None, norms_g: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per unit (V, E): V = Σ ã b̃ over the unit's row pairs in float64, E ≥ |V − ‖g_u‖²|
     (module docstring), both [U] float64. ``gram_a``: gram32(A3, A3) if known (shared
-    between the layers that read A, ``Units.shared``); ``norms_a``: lowp.row_norms(A3)."""
+    between the layers that read A, ``Units.shared``); ``norms_a``, ``norms_g``:
+    lowp.row_norms(A3), lowp.row_norms(G3) if known."""
     g_a, eta_a = entry_gamma(A3, A3)
     g_g, eta_g = entry_gamma(G3, G3)
     n = norms_a if norms_a is not None else lowp.row_norms(A3)
     na = padded_norms(n, g_a, eta_a)
-    mg = padded_norms(lowp.row_norms(G3), g_g, eta_g)
+    mg = padded_norms(norms_g if norms_g is not None else lowp.row_norms(G3), g_g, eta_g)
     ga = gram_a if gram_a is not None else gram32(A3, A3)
     value, e_a, e_g = (units.rows_to_units(x) for x in _pair_parts(ga, gram32(G3, G3), na, na, mg, mg))
     if units.has_pairs:

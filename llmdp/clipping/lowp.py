@@ -282,7 +282,7 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
 
 
 def _row_norms_torch(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``row_norms``' bound by torch operations (no Triton): ~7 launches.
+    """``row_norms``' bound by torch operations (no Triton).
 
     m is read on the bits and turned into its float64 value by integer operations
     (``magnitude_of_bits``): no float32 arithmetic touches it, so a subnormal m is not
@@ -291,17 +291,27 @@ def _row_norms_torch(x: torch.Tensor, scale: float) -> torch.Tensor:
     float32 norm is not 0 — such a row is not all zeros — and m is read only for the rows
     whose norm is 0 (all zeros, or all subnormal where the arithmetic flushes them): one
     pass over x instead of three (finding those rows costs no device sync on the CPU;
-    ``CPU_ZERO_ROWS_ONLY``)."""
+    ``CPU_ZERO_ROWS_ONLY``). Those rows are usual, not rare — a causal LM's last position
+    has no label, so every layer's output gradient is 0 there — so their common case, all
+    of them exactly 0 (every m read 0), takes five small operations: their result is 0."""
     k = x.shape[-1]
     n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+    tiny_f = math.sqrt(k) * (1.0 + 4.0 * U64)
     if x.device.type != "cpu" or not CPU_ZERO_ROWS_ONLY:
         tiny = magnitude_of_bits(_abs_bits(x).amax(-1)).clamp_(max=ROW_NORM_TINY)
-    else:
-        tiny = torch.full(n32.shape, ROW_NORM_TINY, dtype=torch.float64)
-        zero = n32 == 0
-        if bool(zero.any()):
-            tiny[zero] = magnitude_of_bits(_abs_bits(x[zero]).amax(-1)).clamp_(max=ROW_NORM_TINY)
-    return (n32.to(torch.float64) * scale).add_(tiny, alpha=math.sqrt(k) * (1.0 + 4.0 * U64))
+        return (n32.to(torch.float64) * scale).add_(tiny, alpha=tiny_f)
+    # ROW_NORM_TINY·tiny_f is a float64 product: rounded up (the other rows' term is
+    # ≥ the same product computed tensor-wise below, which rounds the same way)
+    out = (n32.to(torch.float64) * scale).add_(ROW_NORM_TINY * tiny_f * (1.0 + 2.0 * U64))
+    zero = n32 == 0
+    if bool(zero.any()):
+        m_bits = _abs_bits(x[zero]).amax(-1)
+        if bool(m_bits.any()):  # a row of subnormals (flushed or underflowed): m read
+            tiny = magnitude_of_bits(m_bits).clamp_(max=ROW_NORM_TINY)
+            out[zero] = tiny.mul_(tiny_f)
+        else:  # every such row is all zeros: exactly 0
+            out.masked_fill_(zero, 0.0)
+    return out
 
 
 def _abs_bits(x: torch.Tensor) -> torch.Tensor:
@@ -381,8 +391,8 @@ def row_scaled_bound(x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
     if result_dtype(x, y) == torch.float64:
         return U64, R * T + 2
     # float32 over one group of rows (the scaled operand's rounding, the products, the
-    # chain), then one float32 rounding per later group's add to the total
-    rows = _rows_per_group(T)
+    # chain: at most R rows), then one float32 rounding per later group's add to the total
+    rows = min(_rows_per_group(T), R)
     return U32, rows * T + 2 + -(-R // rows)
 
 
@@ -395,7 +405,13 @@ def _triton_failed(x: torch.Tensor, e: Exception) -> None:
                   "(exact products, slower)", RuntimeWarning, stacklevel=3)
 
 
-ROW_GROUP_POSITIONS = 256  # positions per float32 GEMM of the clipped sum (then float64)
+# Positions per float32 GEMM of the CPU clipped sum (each group's result added to the
+# float32 total). Measured on one core (BENCHMARKS, issue 50): the d512 LM head's sum over
+# T256 x 8 takes 626 ms in groups of 256 positions, 510 ms in one of 2,048, as the
+# non-private weight gradient's one GEMM (505 ms); the bound grows to γ_2051(2⁻²⁴)·Σ|f||x||y|,
+# still a small share of the norm (the step's largest share is printed by
+# benchmarks/step_ratio.py), and a larger share costs utility, never privacy.
+ROW_GROUP_POSITIONS = 2048
 
 
 def _rows_per_group(T: int) -> int:

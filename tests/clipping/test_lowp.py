@@ -401,7 +401,7 @@ def test_gram_fast_is_within_its_chunked_bound(dtype, k):
 
 
 @pytest.mark.parametrize("T", [100, 300])
-def test_row_scaled_tn_over_several_row_groups_is_within_its_bound(T):
+def test_row_scaled_tn_over_several_row_groups_is_within_its_bound(T, monkeypatch):
     """The CPU float32 clipped sum over several groups of rows (each group's GEMM into its
     own result, added to a float32 total): every entry within γ_n(2⁻²⁴)·Σ_r f_r|x_r|ᵀ|y_r|
     (``row_scaled_bound``: the group's chain and one rounding per later group) plus the
@@ -411,6 +411,7 @@ def test_row_scaled_tn_over_several_row_groups_is_within_its_bound(T):
     x = torch.randn(R, T, a, generator=g) * torch.exp2(torch.randint(-20, 20, (R, T, a), generator=g))
     y = torch.randn(R, T, b, generator=g) * torch.exp2(torch.randint(-20, 20, (R, T, b), generator=g))
     f = torch.rand(R, generator=g)
+    monkeypatch.setattr(lowp, "ROW_GROUP_POSITIONS", 256)  # groups of 2 rows, or of 1
     rows = lowp._rows_per_group(T)
     assert -(-R // rows) >= 4  # several groups
     out = lowp.row_scaled_tn(x, y, f)

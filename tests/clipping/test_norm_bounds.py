@@ -552,7 +552,7 @@ def test_lora_at_initialization_recomputes_nothing(dtype):
 
 
 @pytest.mark.parametrize("k", [3 * lowp.GRAM_CHUNK, 5 * lowp.GRAM_CHUNK + 77])
-def test_instantiated_norms_on_the_cpu_are_within_their_bound(k):
+def test_instantiated_norms_on_the_cpu_are_within_their_bound(k, monkeypatch):
     """The CPU's float32 instantiated gradients are measured without a float64 copy
     (``norms._sq_chunked32``: float32 norms of chunks, squared and summed in float64): the
     value is within its bound of the exact ‖h‖² (math.fsum of exact float64 squares) over
@@ -575,6 +575,10 @@ def test_instantiated_norms_on_the_cpu_are_within_their_bound(k):
     assert float(err[2]) > exact[2]  # the absolute term is what covers it
     rel = float(err[0]) / float(value[0])
     assert rel < lowp.gamma(k, lowp.U32) / 2
+    sq = norms.sq_of_instantiated(h, 0.0, 0.0, 0.0, mag)  # small: the float64 norm
+    assert h.numel() < norms.CHUNKED_MIN_ELEMENTS and torch.equal(
+        sq.value, torch.linalg.vector_norm(h, dim=1, dtype=torch.float64).square())
+    monkeypatch.setattr(norms, "CHUNKED_MIN_ELEMENTS", h.numel())  # as a large one
     sq = norms.sq_of_instantiated(h, 0.0, 0.0, 0.0, mag)
     assert torch.equal(sq.value, value) and torch.equal(sq.err, err)
     sq64 = norms.sq_of_instantiated(h.double(), 0.0, 0.0, 0.0, mag)  # float64: unchanged path

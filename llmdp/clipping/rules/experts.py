@@ -92,7 +92,7 @@ KERNELS = ("eager", "grouped_mm", "batched_mm")
 PROBE_REL = 0.05
 PAD_RATIO = 0.75  # a group joins a norm chunk with at least this part of its padded rows
 PAD_MIN = 16  # or when the chunk is this short (small groups together)
-TILE = lowp.ROW_GROUP_POSITIONS  # pairs of one expert in one float32 GEMM of the clipped sum
+TILE = 256  # pairs of one expert in one float32 GEMM of the clipped sum
 FLUSH = 16  # tiles added in float32 before their sum goes to the float64 one
 
 
