@@ -229,7 +229,9 @@ def _export_source(path: str) -> ModelSource:
                           "export the run again with this llmdp (its report states it)")
     return ModelSource(kind="export", path=path, model_dir=path, run_id=einfo.get("run_id"),
                        report=report, guarantee=guarantee_of(report, "the export's privacy_report.json"),
-                       chain=_public_chain(chain), schema=_schema_of_report(report, path),
+                       chain=_public_chain(chain),
+                       schema=(_schema_of_recipe(einfo["record_schema"]) if einfo.get("record_schema")
+                               else _schema_of_report(report, path)),
                        seeded=seeded, config=None)
 
 
@@ -292,7 +294,8 @@ def _schema_of_recipe(data: dict) -> Schema:
 
 
 def _schema_of_report(report: dict, path: str) -> Schema:
-    """An export has no recipe: its report's ``record_format`` names the record's fields
+    """An export of an earlier llmdp (no ``record_schema`` in llmdp_export.json): its report's
+    ``record_format`` names the record's fields
     (``data.text_field='text'``), its ``unit_size.user_field`` the user field."""
     fmt = report.get("record_format") or ""
     fields = dict(re.findall(r"data\.(\w+_field)='([^']*)'", fmt))
