@@ -45,8 +45,7 @@ class Output:
     def open(self) -> int:
         """Create the file, or check and recover a partial one; returns the first missing index."""
         folder = os.path.dirname(self.path)
-        if not os.path.isdir(folder):
-            raise GenerateError(f"--out {self.path}: the folder {folder} does not exist; create it")
+        os.makedirs(folder, exist_ok=True)
         if os.path.exists(self.sidecar):
             try:
                 with open(self.sidecar, encoding="utf-8") as f:

@@ -9,8 +9,9 @@ with one message naming the file, the field, the value and the fix (`GenerateErr
 
 - a model trained without DP (a NON-PRIVATE baseline, ``privacy.dp: false``, or a run on
   data declared public): there is no guarantee to carry over;
-- a NON-PRIVATE baseline anywhere in the model's provenance chain (invariant 12: what it
-  learned without DP is in every descendant);
+- a NON-PRIVATE baseline anywhere in the model's provenance chain (DESIGN, invariant
+  `only-dp-outputs-leave`; provenance is transitive: what it learned without DP is in every
+  descendant);
 - a run or an export that does not verify (incomplete, report and ledger disagree, weights
   that are not the last checkpoint's, an export made with ``--allow-unverified``);
 - a model whose DP releases drew their randomness from a fixed seed when its report does
