@@ -11,7 +11,6 @@ statistics and an internal memorization check.
     card.py          synthetic_data_card.md / .json
     stats.py         public statistics of the synthetic corpus
     memorization.py  internal: exact overlaps with the training data and the audit's canaries
-    quality.py       internal: a MAUVE-style score and train-on-synthetic, test-on-real
 
 Nothing is imported here: each module is loaded where it is used.
 """
