@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.llmdp-installed
 
-.PHONY: install demo demo-private-tokenizer test test-quick lint clean
+.PHONY: install demo demo-private-tokenizer demo-synthetic test test-quick lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,17 @@ demo: $(STAMP)
 demo-private-tokenizer: $(STAMP)
 	$(BIN)/llmdp tokenizer train tokenizers/demo-private.yaml
 	$(BIN)/llmdp train recipes/tiny-cpu-private-tokenizer.yaml
+
+# After `make demo` (which it leaves unchanged): 1,000 synthetic notes sampled from the demo's
+# DP model (ε = 8), with synthetic_data_card.md/.json beside them; then the NON-PRIVATE baseline
+# of the same recipe and the INTERNAL memorization check of the corpus against both.
+demo-synthetic: $(STAMP)
+	$(BIN)/llmdp generate runs/demo-finetune --num-records 1000 --max-new-tokens 128 \
+		--out runs/demo-synthetic/notes.jsonl
+	$(BIN)/llmdp train recipes/demo-finetune.yaml privacy.dp=false eval.epsilon=null \
+		output.name=demo-finetune-nonprivate
+	$(BIN)/llmdp synthetic check runs/demo-synthetic/notes.jsonl runs/demo-finetune \
+		--baseline runs/demo-finetune-nonprivate
 
 # Two pytest workers, one per core of the 2-core reference machine (pytest-xdist;
 # `make test PYTEST_WORKERS=0` runs in one process); an idle worker takes tests queued on

@@ -1,4 +1,4 @@
-"""`llmdp train|audit|sweep|compare|privacy|tokenizer|data|export|submit ...`: the command line.
+"""`llmdp train|audit|sweep|compare|privacy|tokenizer|data|export|generate|synthetic|submit ...`: the command line.
 
 Each subcommand imports its modules when it runs (the imports inside the functions below
 are deliberate): `llmdp --help` or `llmdp privacy epsilon` must not pay for torch,
@@ -246,6 +246,64 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the base model's Hub id, when the recipe named a local path (without "
                         "--push: any name or path, recorded as given)")
     e.add_argument("--license", default=None, help="license in the card's metadata (default: other)")
+
+    g = sub.add_parser(
+        "generate",
+        help="a synthetic corpus sampled from a DP model, with its card: llmdp generate "
+             "RUN_DIR|EXPORT_DIR --num-records N --out FILE",
+        description="Sample N records from the final weights of a DP run (or of its export) "
+                    "into FILE (JSON lines in the recipe's record schema), then write "
+                    "synthetic_data_card.md/.json beside it: the model's (ε, δ) read from its "
+                    "privacy report, the provenance chain, the settings and public statistics. "
+                    "Every record is post-processing of the DP model: only public prompts or "
+                    "labels steer it, nothing filters it. Record i depends only on (--seed, i): "
+                    "the batch size and --ray-data change nothing but speed. Re-running the same "
+                    "command after a crash resumes at the first missing record.")
+    g.add_argument("source", metavar="RUN_DIR|EXPORT_DIR")
+    g.add_argument("--num-records", type=int, required=True, metavar="N")
+    g.add_argument("--out", required=True, metavar="FILE", help="the JSON-lines output (a "
+                   "FILE.progress.json sidecar beside it while it is written)")
+    g.add_argument("--seed", type=int, default=0, help="the sampling seed (public; default 0)")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0: none)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    gp = g.add_mutually_exclusive_group()
+    gp.add_argument("--prompts", default=None, metavar="PUBLIC_FILE",
+                    help="public prompts, one a line, cycled over the records (refused if it is "
+                         "the recipe's private data or data a ledger records)")
+    gp.add_argument("--labels", default=None, metavar="PUBLIC_LIST",
+                    help="public labels, one a line: record i is conditioned on label i mod L "
+                         "and carries it in a `label` field")
+    g.add_argument("--num-users", type=int, default=None, metavar="K",
+                   help="records with a user field: synthetic user ids drawn among K "
+                        "(default N/10)")
+    g.add_argument("--batch-size", type=int, default=16, help="records per forward batch "
+                   "(speed only)")
+    g.add_argument("--ray-data", action="store_true", help="sample on Ray Data (map_batches "
+                   "over blocks of record indices)")
+    g.add_argument("--workers", type=int, default=1, help="--ray-data: the actors (one model each)")
+    g.add_argument("--filter-with", default=None, metavar="PATH",
+                   help="refused: a filter by data is not post-processing (see the message)")
+    g.add_argument("--memorization", action="store_true",
+                   help="also run the INTERNAL memorization check against the run's training data")
+    g.add_argument("--baseline", default=None, metavar="RUN",
+                   help="--memorization: the NON-PRIVATE baseline run to compare with (internal)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sy = sub.add_parser("synthetic", help="synthetic corpora: llmdp synthetic check FILE RUN_DIR")
+    sc = sy.add_subparsers(dest="synthetic_command", required=True).add_parser(
+        "check", help="INTERNAL memorization check of a synthetic corpus against the run's "
+                      "training data: longest shared token run, k-gram match rate, canaries",
+        description="Read the run's private training data (INTERNAL: the numbers are not DP and "
+                    "are never published) and report the longest exact token substring a "
+                    "synthetic record shares with it, the rate of k-gram matches, the same for "
+                    "the NON-PRIVATE baseline's samples (--baseline), and whether any of the "
+                    "run's audit canaries is reproduced. Written to "
+                    "FILE.memorization.internal.json.")
+    sc.add_argument("file", metavar="FILE")
+    sc.add_argument("run_dir", metavar="RUN_DIR")
+    sc.add_argument("--baseline", default=None, metavar="RUN")
+    sc.add_argument("--k", type=int, default=8, help="the n-gram length (default 8)")
 
     s = sub.add_parser(
         "submit",
@@ -508,6 +566,24 @@ def main(argv: list[str] | None = None) -> int:
             export_run(args.run_dir, args.to, merge=args.merge, push=args.push, private=args.private,
                        dry_run=args.dry_run, allow_unverified=args.allow_unverified,
                        base_model=args.base_model, license=args.license)
+            return 0
+        if args.command == "generate":
+            from llmdp.synthetic.generate import generate
+
+            _quiet_libraries()
+            generate(args.source, out=args.out, num_records=args.num_records, seed=args.seed,
+                     temperature=args.temperature, top_p=args.top_p,
+                     max_new_tokens=args.max_new_tokens, prompts=args.prompts, labels=args.labels,
+                     num_users=args.num_users, batch_size=args.batch_size, ray_data=args.ray_data,
+                     workers=args.workers, filter_with=args.filter_with,
+                     memorization=args.memorization, baseline=args.baseline,
+                     progress=not args.no_progress)
+            return 0
+        if args.command == "synthetic":
+            from llmdp.synthetic.generate import check_file
+
+            _quiet_libraries()
+            check_file(args.file, args.run_dir, baseline=args.baseline, k=args.k)
             return 0
         if args.command == "submit":
             from llmdp.run.submit import main as submit_main

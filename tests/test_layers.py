@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("report",),
     ("hub",),
     ("run",),
-    ("tune",),
+    ("tune", "synthetic"),
     ("cli",),
 )
 

@@ -17,7 +17,8 @@ The folder (`export_run`):
 - ``README.md``: a model card whose YAML metadata (license, base_model, library_name,
   tags, datasets when public, and a ``differential_privacy`` block) and privacy section are
   generated from the publishable report (`llmdp.report.card.model_card`);
-- ``llmdp_export.json``: what was exported and whether the run was verified.
+- ``llmdp_export.json``: what was exported, whether the run was verified, and the record
+  fields of its recipe (public configuration, read by `llmdp generate`).
 
 Before anything is written the run is verified (`verify_run`): its ledger and report exist
 and agree (the report is rebuilt from the ledger and compared), the run is complete (or
@@ -261,10 +262,19 @@ def export_run(
         card.save(os.path.join(tmp, "README.md"))
         _write_export_info(tmp, {"run_id": report.get("run_id"), "format": fmt, "base_model": base_id,
                                  "verified": not problems, "problems": problems,
-                                 "epsilon": report["epsilon"], "delta": report["delta"]})
+                                 "epsilon": report["epsilon"], "delta": report["delta"],
+                                 "record_schema": record_schema(cfg)})
         replace_dir(tmp, to)
     return _finish_export(to, fmt, problems, push, private, dry_run, log,
                           f"ε = {report['epsilon']:.4f} at δ = {report['delta']:.3g}")
+
+
+def record_schema(cfg: dict) -> dict:
+    """The record fields of the recipe (public configuration): what `llmdp generate` writes
+    records of, from an export that has no recipe."""
+    data = cfg.get("data") or {}
+    return {k: data.get(k) for k in ("text_field", "messages_field", "prompt_field",
+                                     "response_field", "user_field", "chat_template")}
 
 
 def _finish_export(to, fmt, problems, push, private, dry_run, log, what: str) -> dict:

@@ -383,7 +383,8 @@ def test_top_level_help_lists_every_privacy_command(capsys):
 
 
 @pytest.mark.parametrize("argv", [["train"], ["compare"], ["export"], ["privacy", "report"],
-                                  ["privacy", "ledger", "list"], ["tokenizer", "train"]])
+                                  ["privacy", "ledger", "list"], ["tokenizer", "train"],
+                                  ["generate"], ["synthetic", "check"]])
 def test_every_command_help_has_a_description(argv, capsys):
     """Issue 51 item 10: `llmdp train --help` and `llmdp compare --help` printed the usage
     and the options with no word on what the command does; every command has one."""

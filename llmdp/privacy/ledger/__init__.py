@@ -26,6 +26,7 @@ _NAMES = {
     "records": ("EVAL_MECHANISM", "Ledger", "LedgerDamaged", "LedgerError", "VOID_KIND",
                 "is_step_release", "net_records", "release_entries", "step_count"),
     "database": ("LedgerDB",),
+    "registry": ("marks_text", "recorded"),
     "location": ("describe_location", "is_url", "llmdp_home", "resolve_location"),
     "dataset": ("check_declared_public", "check_public_eval", "open_dataset_ledger"),
     "service": ("BudgetError", "LedgerService", "cross_check", "run_ledger_problems"),
