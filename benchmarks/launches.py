@@ -316,6 +316,12 @@ def emulate_cuda(counter: Counter):
         counter.launch("triton:row_norm_bounds", 0, x.dtype, _bytes(x, out))
         return out
 
+    def row_norm_bounds2(x, y, scale_x, scale_y):
+        with counter.mute():
+            out = lowp._row_norms_torch(x, scale_x), lowp._row_norms_torch(y, scale_y)
+        counter.launch("triton:row_norm_bounds2", 0, x.dtype, _bytes(x, y, *out))
+        return out
+
     h200 = norms.DeviceSpec(*norms._CUDA_SPECS["H200"])
 
     def device_spec(device, dtype):
@@ -333,6 +339,7 @@ def emulate_cuda(counter: Counter):
     patch(trn, "serves", lambda x: x.dtype in trn._DTYPES and x.dim() >= 1 and x.shape[-1] > 0
           and x.stride(-1) == 1)
     patch(trn, "row_norm_bounds", row_norm_bounds)
+    patch(trn, "row_norm_bounds2", row_norm_bounds2)
     patch(norms, "device_spec", device_spec)
     patch(rlinear, "device_spec", device_spec)
     patch(modes, "_available_memory", lambda device: 140 * 10**9)

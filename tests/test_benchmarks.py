@@ -220,3 +220,20 @@ def test_step_ratio_benchmark_runs_small(capsys):
                  "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "1", "--profile"]) == 0
     out = capsys.readouterr().out
     assert "ratio median" in out and "exact fallbacks 0" in out and "extra ms" in out
+
+
+def test_launches_at_16_layers_are_within_issue_50_targets(tmp_path):
+    """benchmarks/launches.py with the CUDA path emulated (the counts do not depend on the
+    widths: small ones here), 16 Llama layers, T64 x 8, book-keeping: one step's launches
+    within issue 50's targets, LoRA r16 on all seven projections <= 4,500 and full
+    fine-tuning <= 3,000, with at most 9 host syncs each. A change that adds launches per
+    call, per layer or per window read fails here."""
+    main = _script("launches").main
+    out = tmp_path / "launches.json"
+    assert main(["--emulate-cuda", "--layers", "16", "--hidden", "64", "--intermediate", "172",
+                 "--vocab", "512", "--configs", "lora,full", "--methods", "llmdp-book-keeping",
+                 "--threads", "1", "--json", str(out)]) == 0
+    rows = {("lora" if r["lora"] else "full"): r["total"] for r in json.loads(out.read_text())["rows"]}
+    assert rows["lora"]["launches"] <= 4500, rows["lora"]
+    assert rows["full"]["launches"] <= 3000, rows["full"]
+    assert all(r["syncs"] + r["implicit_syncs"] <= 9 for r in rows.values()), rows

@@ -38,13 +38,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 if triton is not None:
 
     @triton.jit
-    def row_norm_bounds_kernel(X, OUT, K, stride, P,
-                               BLOCK: tl.constexpr, WIDE: tl.constexpr, BF16: tl.constexpr):
-        row = tl.program_id(0)
+    def _row_bound(base, K, P, OUT, BLOCK: tl.constexpr, BF16: tl.constexpr):
+        """One row's bound (module docstring): its squares and largest magnitude read once."""
         scale, root_k, tiny = tl.load(P), tl.load(P + 1), tl.load(P + 2)  # float64
-        if WIDE:
-            row = row.to(tl.int64)
-        base = X + row * stride
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         mbits = tl.zeros([BLOCK], dtype=tl.int32)
         for k0 in range(0, K, BLOCK):
@@ -65,7 +61,29 @@ if triton is not None:
         m = mant.to(tl.float64) * p2  # max |x_i| in float64, exactly
         n = tl.sqrt_rn(s)
         out = n.to(tl.float64) * scale + tl.minimum(m, tiny) * root_k
-        tl.store(OUT + row, out)
+        tl.store(OUT, out)
+
+    @triton.jit
+    def row_norm_bounds_kernel(X, OUT, K, stride, P,
+                               BLOCK: tl.constexpr, WIDE: tl.constexpr, BF16: tl.constexpr):
+        row = tl.program_id(0)
+        if WIDE:
+            row = row.to(tl.int64)
+        _row_bound(X + row * stride, K, P, OUT + row, BLOCK, BF16)
+
+    @triton.jit(do_not_specialize=["KX", "KY", "sx", "sy", "ROWS_X"])
+    def row_norm_bounds2_kernel(X, Y, OUT, KX, KY, sx, sy, ROWS_X, P,
+                                BLOCK: tl.constexpr, WIDE: tl.constexpr, BF16: tl.constexpr):
+        """The rows of two tensors of one dtype in one launch (``row_norm_bounds2``): the
+        programs before ``ROWS_X`` take x's rows, the others y's, each with its own
+        parameters (P: x's three, then y's)."""
+        row = tl.program_id(0)
+        if WIDE:
+            row = row.to(tl.int64)
+        if row < ROWS_X:
+            _row_bound(X + row * sx, KX, P, OUT + row, BLOCK, BF16)
+        else:
+            _row_bound(Y + (row - ROWS_X) * sy, KY, P + 3, OUT + row, BLOCK, BF16)
 
 
 def serves(x: torch.Tensor) -> bool:
@@ -92,7 +110,39 @@ def row_norm_bounds(x: torch.Tensor, scale: float) -> torch.Tensor:
     return out.reshape(lead)
 
 
+def row_norm_bounds2(x: torch.Tensor, y: torch.Tensor, scale_x: float,
+                     scale_y: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row_norm_bounds`` of x and of y (one dtype, both served) in one launch: the same
+    program per row, so the same bits as two launches."""
+    kx, ky = x.shape[-1], y.shape[-1]
+    x2, y2 = x.reshape(-1, kx), y.reshape(-1, ky)
+    rx, ry = x2.shape[0], y2.shape[0]
+    out = torch.empty(rx + ry, dtype=torch.float64, device=x.device)
+    if rx + ry:
+        wide = max(rx * max(x2.stride(0), kx), ry * max(y2.stride(0), ky), rx + ry) >= 2**31
+        p = _params2(scale_x, math.sqrt(kx) * (1.0 + 4.0 * 2.0**-53),
+                     scale_y, math.sqrt(ky) * (1.0 + 4.0 * 2.0**-53), x.device)
+        row_norm_bounds2_kernel[(rx + ry,)](
+            x2, y2, out, kx, ky, x2.stride(0), y2.stride(0), rx, p,
+            BLOCK=min(BLOCK, triton.next_power_of_2(max(kx, ky))), WIDE=wide,
+            BF16=x.dtype == torch.bfloat16)
+    return out[:rx].reshape(x.shape[:-1]), out[rx:].reshape(y.shape[:-1])
+
+
 _PARAMS: dict = {}
+
+
+def _params2(scale_x: float, root_x: float, scale_y: float, root_y: float,
+             device: torch.device) -> torch.Tensor:
+    """x's [scale, √k, TINY] then y's, as ``_params`` (kept)."""
+    key = (scale_x, root_x, scale_y, root_y, str(device))
+    t = _PARAMS.get(key)
+    if t is None:
+        if len(_PARAMS) > 256:
+            _PARAMS.clear()
+        t = _PARAMS[key] = torch.tensor([scale_x, root_x, TINY, scale_y, root_y, TINY],
+                                        dtype=torch.float64, device=device)
+    return t
 
 
 def _params(scale: float, root_k: float, device: torch.device) -> torch.Tensor:

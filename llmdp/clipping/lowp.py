@@ -273,12 +273,29 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     if x.dtype == torch.float64 or x.dtype not in _ABS_BITS:
         return torch.linalg.vector_norm(x.to(torch.float64), dim=-1)
-    scale = (1.0 + gamma(k + 3, U32)) * (1.0 + 2.0 * U64)  # the float64 mul and add, rounded up
+    scale = _row_scale(k)
     from llmdp.clipping import _triton_rownorms
 
     if _triton_rownorms.serves(x):
         return _triton_rownorms.row_norm_bounds(x, scale)
     return _row_norms_torch(x, scale)
+
+
+def _row_scale(k: int) -> float:
+    """``row_norms``' factor 1 + γ_{k+3}(2⁻²⁴), with the float64 mul and add, rounded up."""
+    return (1.0 + gamma(k + 3, U32)) * (1.0 + 2.0 * U64)
+
+
+def row_norms2(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``row_norms(x)``, ``row_norms(y)``): in one launch of the row-norm kernel where it
+    serves both (one narrow dtype, one device; a Linear's A and G under autocast), the same
+    program per row as two launches, so the same values."""
+    from llmdp.clipping import _triton_rownorms
+
+    if (x.dtype == y.dtype and x.dtype in _ABS_BITS and x.device == y.device
+            and _triton_rownorms.serves(x) and _triton_rownorms.serves(y)):
+        return _triton_rownorms.row_norm_bounds2(x, y, _row_scale(x.shape[-1]), _row_scale(y.shape[-1]))
+    return row_norms(x), row_norms(y)
 
 
 def _row_norms_torch(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -188,7 +188,8 @@ class Sq:
     * ``dev`` a tuple (f₀, f₁, …):  dev = ((mag·f₀)·f₁)…; ``dev`` 0.0: dev = 0;
     * ``rel`` a float:              rel = that constant for every unit;
     * ``value`` None with ``root`` r: value = r² (an instantiated gradient's float64 norm,
-      ``sq_of_instantiated``: one launch fewer per call);
+      ``sq_of_instantiated``: one launch fewer per call); r a `PendingRoot`: that norm not
+      yet taken either (off the CPU: the calls of one shape in one reduction);
     * ``mag`` a `PendingMag`: N_u's per-row dot not yet taken (``linear_mag_parts``).
 
     Reading a field (``sq.err``…) forms it (once) for code that needs one call's tensors.
@@ -204,6 +205,8 @@ class Sq:
     @property
     def value(self) -> torch.Tensor:
         if self._value is None:  # deferred: value = root², formed here or stacked (Stack.of)
+            if isinstance(self._root, PendingRoot):
+                self._root = self._root.form()
             self._value = self._root.square()
         return self._value
 
@@ -286,8 +289,11 @@ def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
         sq = Sq(value, err, inst_dev, rel, mag, mag_f)
     else:
         # float64 accumulation (the input cast to float64: its squares, the sum, the root,
-        # the square back: k + 4 roundings at most); the square deferred (`Sq`)
-        root = torch.linalg.vector_norm(h2, dim=1, dtype=F64)
+        # the square back: k + 4 roundings at most); the square deferred (`Sq`), and off the
+        # CPU the norm too, for a small h (`PendingRoot`)
+        root = (PendingRoot(h2) if DEFER_ROOT and not lowp.on_cpu(h2)
+                and h2.numel() * h2.element_size() <= PendingRoot.MAX_BYTES
+                else torch.linalg.vector_norm(h2, dim=1, dtype=F64))
         sq = Sq(None, gamma(k + 4, U64), inst_dev, rel, mag, mag_f, root=root)
     if stored_u:
         norm_up = up(torch.sqrt(sq.value + sq.err), 2)
@@ -354,9 +360,10 @@ def check_nonnegative(value: torch.Tensor, err: torch.Tensor, what: str = "") ->
         )
 
 
-def negative(value: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
-    """Where a finite value + err is negative (a bug, ``used_norm``), as a device tensor."""
-    s = value + err
+def negative(value: torch.Tensor, err: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+    """Where a finite value + err is negative (a bug, ``used_norm``), as a device tensor
+    (``total``: value + err, if the caller has it)."""
+    s = value + err if total is None else total
     return (s < 0) & torch.isfinite(s)
 
 
@@ -367,32 +374,45 @@ def worth_recomputing(value: torch.Tensor, err: torch.Tensor, dev: torch.Tensor,
     g_u = 0 (ν is then the smallest positive float, all rounding, and ρ = 1; recomputing
     would find 0 again: a LoRA B initialized to 0 makes every A's gradient 0). The fallback
     only tightens ν; skipping it never lowers ν below the true norm."""
-    material = (value != 0) | (err != 0) | (dev != 0)
+    material = torch.stack(torch.broadcast_tensors(value, err, dev)).ne(0).any(0)  # any not 0
     return (rho(value, nu) > threshold) & torch.isfinite(value) & torch.isfinite(nu) & material
 
 
 def rho(value: torch.Tensor, nu: torch.Tensor) -> torch.Tensor:
     """The part of ν that is bound, 1 − √value/ν, in [0, 1] (0 where ν = 0)."""
     root = torch.sqrt(torch.clamp(value, min=0))
-    safe = torch.where(nu > 0, nu, torch.ones_like(nu))
-    r = torch.where(nu > 0, 1 - root / safe, torch.zeros_like(nu))
+    pos = nu > 0
+    r = torch.where(pos, 1 - root / torch.where(pos, nu, 1.0), 0.0)
     return torch.clamp(torch.nan_to_num(r, nan=0.0), 0, 1)
 
 
 def used_norm(value: torch.Tensor, err: torch.Tensor, delta_sq: torch.Tensor, what: str = "",
-              check: bool = True) -> torch.Tensor:
+              check: bool = True, total: torch.Tensor | None = None) -> torch.Tensor:
     """ν = √(value + err)↑ + √(Σ δ²)↑ (module docstring, 3), for [U] float64 inputs whose
     own float64 sums are already in ``err`` (and rounded up in ``delta_sq``). A negative
     value + err breaks the bound's construction: a bug, raised, never clamped (``check``
     False: the caller checks ``negative(value, err)`` itself, several calls at once, with
-    one device sync instead of one per call)."""
-    s = value + err
+    one device sync instead of one per call; ``total``: value + err, if the caller has it)."""
+    s = value + err if total is None else total
     if check:
         check_nonnegative(value, err, what)
-    inf = s.new_full((), math.inf)  # a fill on the device, not a copy from the host
+    inf = _inf(s)
     root = torch.nextafter(torch.sqrt(s), inf)
     dev = torch.nextafter(torch.sqrt(delta_sq), inf)
     return torch.nextafter(root + dev, inf)
+
+
+_INF: dict = {}
+
+
+def _inf(x: torch.Tensor) -> torch.Tensor:
+    """+inf as a 0-dim tensor of x's dtype on x's device, kept (made once by a fill on the
+    device, not a copy from the host; no launch per use)."""
+    key = (x.dtype, x.device)
+    t = _INF.get(key)
+    if t is None:
+        t = _INF[key] = x.new_full((), math.inf)
+    return t
 
 
 def factors(nu: torch.Tensor, value: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
@@ -473,6 +493,15 @@ class Units:
         if "norms" not in e:
             e["norms"] = lowp.row_norms(x)
         return e["norms"]
+
+    def norms_pair(self, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``self_norms(x)``, ``lowp.row_norms(g)``): both in one launch when x's are not
+        known yet (``lowp.row_norms2``), x's then kept as ``self_norms`` keeps them."""
+        e = self._entry(x)
+        if "norms" in e:
+            return e["norms"], lowp.row_norms(g)
+        e["norms"], ng = lowp.row_norms2(x, g)
+        return e["norms"], ng
 
     @staticmethod
     def make(unit_of_row: torch.Tensor, num_units: int) -> Units:
@@ -602,8 +631,13 @@ def linear_mag_parts(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = N
     ``defer`` (off the CPU, ``DEFER_MAG``) the sum is a `PendingMag`: the row norms now,
     their per-row dot in the step's one bound computation, for all such calls at once.
     ``norms_g``: ``lowp.row_norms(G3)`` if the caller has it (the Gram path reads it too)."""
-    na = units.self_norms(A3) if units is not None and A3.dtype.is_floating_point else lowp.row_norms(A3)
-    ng = norms_g if norms_g is not None else lowp.row_norms(G3)
+    if norms_g is not None:
+        ng = norms_g
+        na = units.self_norms(A3) if units is not None and A3.dtype.is_floating_point else lowp.row_norms(A3)
+    elif units is not None and A3.dtype.is_floating_point:
+        na, ng = units.norms_pair(A3, G3)
+    else:
+        na, ng = lowp.row_norms2(A3, G3) if A3.dtype.is_floating_point else (lowp.row_norms(A3), lowp.row_norms(G3))
     n = A3.shape[-1] + G3.shape[-1] + A3.shape[1] + 8
     f = up_factor(n) if units is None else up_factor(n + units.max_rows)
     if defer and DEFER_MAG and not lowp.on_cpu(A3):
@@ -614,6 +648,45 @@ def linear_mag_parts(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = N
 # Off the CPU an instantiated Linear's N_u is formed in the bound computation, batched over
 # the calls (one launch fewer per call); False forms it per call (tests compare the two).
 DEFER_MAG = True
+
+
+# Off the CPU a small instantiated gradient's float64 norm is taken in the bound computation,
+# the calls of one shape in one reduction (``PendingRoot.form_all``); False takes it per call.
+DEFER_ROOT = True
+
+
+class PendingRoot:
+    """‖h_u‖ in float64 of an instantiated per-unit gradient h2 [U, k], not yet taken. The
+    calls of one shape and dtype are stacked and reduced at once (``form_all``): each unit's
+    norm the same float64 reduction of the same k entries (its bound, γ_{k+4}(2⁻⁵³), holds
+    for any order of the sum, so also where a device reduces a stack in another order).
+    Only for h up to ``MAX_BYTES`` (LoRA's adapters: the stack is a small copy; a large
+    per-unit gradient is reduced where it is, without one)."""
+
+    __slots__ = ("h2",)
+    MAX_BYTES = 1 << 22
+
+    def __init__(self, h2: torch.Tensor):
+        self.h2 = h2
+
+    def form(self) -> torch.Tensor:
+        return torch.linalg.vector_norm(self.h2, dim=1, dtype=F64)
+
+    @staticmethod
+    def form_all(pending: list[PendingRoot]) -> list[torch.Tensor]:
+        """Each one's ``form()``: those of one shape, dtype and device in one reduction."""
+        out: list = [None] * len(pending)
+        groups: dict = {}
+        for i, p in enumerate(pending):
+            groups.setdefault((tuple(p.h2.shape), p.h2.dtype, p.h2.device), []).append(i)
+        for idx in groups.values():
+            if len(idx) == 1:
+                out[idx[0]] = pending[idx[0]].form()
+                continue
+            roots = torch.linalg.vector_norm(torch.stack([pending[i].h2 for i in idx]), dim=2, dtype=F64)
+            for j, i in enumerate(idx):
+                out[i] = roots[j]
+        return out
 
 
 class PendingMag:

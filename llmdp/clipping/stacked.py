@@ -53,9 +53,15 @@ class Stack:
         value = _values(sqs)
         err = _rows(value, [s._err for s in sqs], lambda s: s.err, sqs)
         dev = _dev_rows(value, sqs)
-        rel = _rows(None, [s._rel for s in sqs], lambda s: s.rel, sqs)
-        g = const([gamma(1, su) for su in sink_us], value.device)[:, None]
-        rel = rel + g + rel * g  # norms.deviation, with the sink's γ per pair
+        rels = [s._rel for s in sqs]
+        gs = [gamma(1, su) for su in sink_us]
+        if not any(isinstance(r, torch.Tensor) for r in rels):
+            # constants only: the same float64 operations on the host, in the same order
+            rel = const([float(r) + g + float(r) * g for r, g in zip(rels, gs)], value.device)[:, None]
+        else:
+            rel = _rows(None, rels, lambda s: s.rel, sqs)
+            g = const(gs, value.device)[:, None]
+            rel = rel + g + rel * g  # norms.deviation, with the sink's γ per pair
         norm = torch.sqrt(torch.clamp(value + err, min=0))
         return Stack(value, err, nb.up(dev + rel * (norm + dev), 6))
 
@@ -66,6 +72,10 @@ def _values(sqs: list[Sq]) -> torch.Tensor:
     roots = [i for i, s in enumerate(sqs) if s._value is None]
     if not roots:
         return torch.stack([s.value for s in sqs])
+    pending = [i for i in roots if isinstance(sqs[i]._root, nb.PendingRoot)]
+    if pending:  # norms of instantiated calls not taken yet: one reduction per shape
+        for i, r in zip(pending, nb.PendingRoot.form_all([sqs[i]._root for i in pending])):
+            sqs[i]._root = r
     if len(roots) == len(sqs):
         return torch.stack([s._root for s in sqs]).square()
     out = torch.stack([s._root if s._value is None else s._value for s in sqs])
@@ -165,23 +175,30 @@ def call_flags(stack: Stack, groups: list[list[int]],
     roundings, as the engine formed it for one call (``GhostClipper._fallback_mask``)."""
     dev = stack.value.device
     width = max(len(g) for g in groups)
-    pad = stack.value.shape[0]  # a zero row: adding it changes no sum
-    idx = const([i for g in groups for i in g + [pad] * (width - len(g))], dev, torch.long)
-    idx = idx.view(len(groups), width)
+    if width == 1 and [g[0] for g in groups] == list(range(stack.value.shape[0])):
+        # one parameter per call, in order (LoRA's adapters, Linears without a bias): the
+        # sums over a call's parameters are the rows themselves
+        value, err, d = stack.value, stack.err, stack.d
+        dsq = d * d
+    else:
+        pad = stack.value.shape[0]  # a zero row: adding it changes no sum
+        idx = const([i for g in groups for i in g + [pad] * (width - len(g))], dev, torch.long)
+        idx = idx.view(len(groups), width)
 
-    def gathered(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x.new_zeros(1, x.shape[1])])[idx]  # [calls, width, U]
+        def gathered(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x.new_zeros(1, x.shape[1])])[idx]  # [calls, width, U]
 
-    value = _running_sum(gathered(stack.value), 1)
-    err = _running_sum(gathered(stack.err), 1)
-    d = gathered(stack.d)
-    dsq = _running_sum(d * d, 1)
+        value = _running_sum(gathered(stack.value), 1)
+        err = _running_sum(gathered(stack.err), 1)
+        d = gathered(stack.d)
+        dsq = _running_sum(d * d, 1)
     ks = [len(g) + 2 for g in groups]
     up_k = const([1.0 + gamma(k + 1, U64) for k in ks], dev)[:, None]
     g_k = const([gamma(k, U64) for k in ks], dev)[:, None]
     err = err * up_k + g_k * (value.abs() * up_k)
-    nu = nb.used_norm(value, err, dsq * up_k, check=False)
-    return nb.worth_recomputing(value, err, dsq, nu, threshold), nb.negative(value, err)
+    s = value + err
+    nu = nb.used_norm(value, err, dsq * up_k, check=False, total=s)
+    return nb.worth_recomputing(value, err, dsq, nu, threshold), nb.negative(value, err, s)
 
 
 def total(value: torch.Tensor, err: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -136,3 +136,16 @@ def test_the_row_norm_kernel_compiles_for_sm90_without_spills(T, R):
             where = f"row norms, k={k}, {dtype}: {rep}"
             assert rep["spill_stores"] == rep["spill_loads"] == rep["stack"] == 0, where
             assert rep["shared"] <= SM90_SHARED, where
+    # a Linear's A and G in one launch (``lowp.row_norms2``): every layer's (p, d)
+    for p, d in SHAPES:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.empty((R * T, p), dtype=dtype, device="meta")
+            y = torch.empty((R * T, d), dtype=dtype, device="meta")
+            out = torch.empty(2 * R * T, dtype=torch.float64, device="meta")
+            params = torch.empty(6, dtype=torch.float64, device="meta")
+            rep = _usage(rn.row_norm_bounds2_kernel, (x, y, out, p, d, p, d, R * T, params),
+                         dict(BLOCK=min(rn.BLOCK, 1 << (max(p, d) - 1).bit_length()), WIDE=False,
+                              BF16=dtype == torch.bfloat16))
+            where = f"row norms of two tensors, {p}x{d}, {dtype}: {rep}"
+            assert rep["spill_stores"] == rep["spill_loads"] == rep["stack"] == 0, where
+            assert rep["shared"] <= SM90_SHARED, where

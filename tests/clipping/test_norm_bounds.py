@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from llmdp.clipping import GhostClipper, lowp, norms
+from llmdp.clipping import GhostClipper, engine, lowp, norms
 from llmdp.clipping.lowp import U64
 
 C = 1e-6
@@ -611,6 +611,46 @@ def test_deferred_mags_change_no_bit_of_the_norms_or_the_sums(monkeypatch, mode)
     batched.clear()
     used_b, sinks_b = run(False)
     assert not batched
+    assert torch.equal(used_a, used_b)
+    for k in sinks_a:
+        assert torch.equal(sinks_a[k], sinks_b[k]), k
+
+
+@pytest.mark.parametrize("mode", ["book-keeping", "two-pass"])
+def test_deferred_roots_change_no_bit_of_the_norms_or_the_sums(monkeypatch, mode):
+    """Off the CPU (``lowp.on_cpu`` answering False, as on a GPU) a small instantiated
+    gradient's float64 norm is taken in the step's bound computation, the calls of one shape
+    in one reduction (``norms.DEFER_ROOT``, ``PendingRoot.form_all``): the norms used and the
+    clipped sums are the per-call ones bit for bit (units of several rows, padding, biases)."""
+    monkeypatch.setattr(lowp, "on_cpu", lambda x: False)
+    monkeypatch.setattr(engine, "WINDOWS", 1)  # book-keeping: every call's flags in one read
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(),
+                          nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 5))
+    x = torch.randn(5, 7, 12)
+    units = torch.tensor([0, 0, 1, 2, -1])
+
+    def run(defer: bool):
+        monkeypatch.setattr(norms, "DEFER_ROOT", defer)
+        sinks = {f"{i}.{n}": torch.zeros_like(p) for i, m in enumerate(model) for n, p in m.named_parameters()}
+        clipper = GhostClipper(model, C, mode=mode, layer_policy="instantiate", grad_buffers=sinks)
+        used = clipper.backward(model(x).square().mean((1, 2)), units)
+        return used, sinks
+
+    groups = []
+    real = norms.PendingRoot.form_all
+
+    def spy(pending):
+        shapes = [tuple(p.h2.shape) for p in pending]
+        groups.append(max(shapes.count(s) for s in shapes))
+        return real(pending)
+
+    monkeypatch.setattr(norms.PendingRoot, "form_all", staticmethod(spy))
+    used_a, sinks_a = run(True)
+    assert groups and max(groups) >= 2  # the two 24x24 weights' norms in one reduction
+    groups.clear()
+    used_b, sinks_b = run(False)
+    assert not groups
     assert torch.equal(used_a, used_b)
     for k in sinks_a:
         assert torch.equal(sinks_a[k], sinks_b[k]), k

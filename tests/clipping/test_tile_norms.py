@@ -283,6 +283,20 @@ _ROW_NORMS = textwrap.dedent(
                 assert ((got == 0) == (ex == 0)).all()  # zero rows exactly 0, no others
         x = torch.randn(2, 9, 33, generator=g).to(dtype)[:, ::2]  # strided rows
         assert (lowp.row_norms(x) >= exact(x)).all()
+        # two tensors in one launch (a Linear's A and G): the one-tensor launches' bits
+        launches = []
+        real = rn.row_norm_bounds2_kernel.run
+        rn.row_norm_bounds2_kernel.run = lambda *a, **k: (launches.append(1), real(*a, **k))[1]
+        for xs, ys in [((3, 5, 7), (3, 5, 1030)), ((2, 4, 2500), (2, 4, 3)), ((4, 1, 1), (4, 1, 1))]:
+            x = torch.randn(*xs, generator=g).to(dtype)
+            y = torch.randn(*ys, generator=g).to(dtype)
+            y[1] = 0  # zero rows stay exactly 0
+            y[0, 0] *= tiny
+            na, ng = lowp.row_norms2(x, y)
+            assert torch.equal(na, lowp.row_norms(x)) and torch.equal(ng, lowp.row_norms(y))
+            assert (ng[1] == 0).all() and (ng >= exact(y)).all()
+        rn.row_norm_bounds2_kernel.run = real
+        assert len(launches) == 3
     print("ok")
     """
 )
@@ -291,7 +305,8 @@ _ROW_NORMS = textwrap.dedent(
 def test_the_row_norm_kernel_is_an_upper_bound_in_the_interpreter():
     """``_triton_rownorms`` (``lowp.row_norms`` on CUDA, one launch): never below the exact
     norm, within its stated slack above it, zero rows exactly 0, on normal and subnormal
-    values of float32, bf16 and fp16, rows shorter and longer than a block, strided."""
+    values of float32, bf16 and fp16, rows shorter and longer than a block, strided; and
+    two tensors' rows in one launch (``lowp.row_norms2``) give the one-tensor kernel's bits."""
     _interpreted(_ROW_NORMS)
 
 

@@ -65,7 +65,7 @@ class LinearRule(LayerRule):
         if module.weight.requires_grad:
             # N_u, its rounding up, and the bounds that are constants times it or the
             # value are deferred to the step's one bound computation (`Sq`, stacked.py)
-            ng = lowp.row_norms(G3)  # for N_u, and the Gram path's bound
+            na, ng = units.norms_pair(A3, G3)  # for N_u, and the Gram path's bound
             mag, mag_f = linear_mag_parts(A3, G3, units, norms_g=ng)
             x, y = self._clipped_operands(A3, G3)
             u, n = clip or lowp.row_scaled_bound(x, y)
@@ -77,7 +77,7 @@ class LinearRule(LayerRule):
                 # float32 Grams with the a-posteriori bound (gram.py); A's shared like
                 # the float64 one between the layers that read it
                 value, err = gram.sq_norm(A3, G3, units, units.cached(A3, "gram32", gram.self_gram32),
-                                          units.self_norms(A3), ng)
+                                          na, ng)
                 out["weight"] = sq_bound(value, err, (gamma(n, u), up_factor(1)), gamma(2, res_u), mag, mag_f)
             elif tile and tile_norm_cheaper(R, T, G3.shape[-1], A3.shape[-1], spec):
                 # The norm of h̃_u, the tensor-core value of the unit's gradient (never
