@@ -30,7 +30,8 @@ demo-private-tokenizer: $(STAMP)
 # DP model (ε = 8), with synthetic_data_card.md/.json beside them; then the NON-PRIVATE baseline
 # of the same recipe with AdamW at 3e-3 (the recipe's SGD at lr 0.5 is tuned for clipped,
 # noisy updates and diverges without them: held-out loss 14.8, BENCHMARKS.md issue 55), the
-# INTERNAL memorization check of the corpus against both and its INTERNAL quality against the held-out split (MAUVE, train on synthetic / test on real).
+# INTERNAL memorization check of the corpus against both and its INTERNAL quality against the
+# held-out split (MAUVE, train on synthetic / test on real).
 demo-synthetic: $(STAMP)
 	$(BIN)/llmdp generate runs/demo-finetune --num-records 1000 --max-new-tokens 128 \
 		--out runs/demo-synthetic/notes.jsonl
