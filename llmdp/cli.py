@@ -290,8 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--memorization: the NON-PRIVATE baseline run to compare with (internal)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    sy = sub.add_parser("synthetic", help="synthetic corpora: llmdp synthetic check FILE RUN_DIR")
-    sc = sy.add_subparsers(dest="synthetic_command", required=True).add_parser(
+    sy = sub.add_parser("synthetic", help="synthetic corpora: llmdp synthetic check|quality "
+                                          "FILE RUN_DIR")
+    sys_ = sy.add_subparsers(dest="synthetic_command", required=True)
+    sc = sys_.add_parser(
         "check", help="INTERNAL memorization check of a synthetic corpus against the run's "
                       "training data: longest shared token run, k-gram match rate, canaries",
         description="Read the run's private training data (INTERNAL: the numbers are not DP and "
@@ -304,6 +306,28 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("run_dir", metavar="RUN_DIR")
     sc.add_argument("--baseline", default=None, metavar="RUN")
     sc.add_argument("--k", type=int, default=8, help="the n-gram length (default 8)")
+    sq = sys_.add_parser(
+        "quality", help="INTERNAL quality of a synthetic corpus against the run's held-out data: "
+                        "MAUVE, train on synthetic / test on real",
+        description="Compare the synthetic corpus with the run's held-out split (INTERNAL: it "
+                    "reads private data without DP; the numbers are never published and never "
+                    "in the card): a MAUVE score on embeddings of the run's public starting "
+                    "model, and the held-out loss of the starting model fine-tuned without DP "
+                    "on the synthetic corpus, next to the starting model's, the DP model's and "
+                    "(--baseline) the NON-PRIVATE model's (whose samples are scored the same "
+                    "way). The run's DP evaluation, when it made one, is quoted as the only DP "
+                    "number. Written to FILE.quality.internal.json.")
+    sq.add_argument("file", metavar="FILE")
+    sq.add_argument("run_dir", metavar="RUN_DIR")
+    sq.add_argument("--baseline", default=None, metavar="RUN",
+                    help="the NON-PRIVATE baseline of the same recipe (privacy.dp=false)")
+    sq.add_argument("--steps", type=int, default=100,
+                    help="steps of the non-private fine-tuning on the synthetic corpus (default 100)")
+    sq.add_argument("--lr", type=float, default=1e-3, help="its AdamW learning rate (default 1e-3)")
+    sq.add_argument("--batch-size", type=int, default=16, help="its units per step (default 16)")
+    sq.add_argument("--max-rows", type=int, default=1000,
+                    help="rows of each side embedded for MAUVE (default 1000)")
+    sq.add_argument("--seed", type=int, default=0, help="k-means and the fine-tuning's draws")
 
     s = sub.add_parser(
         "submit",
@@ -580,9 +604,16 @@ def main(argv: list[str] | None = None) -> int:
                      progress=not args.no_progress)
             return 0
         if args.command == "synthetic":
+            _quiet_libraries()
+            if args.synthetic_command == "quality":
+                from llmdp.synthetic.quality import quality
+
+                quality(args.file, args.run_dir, baseline=args.baseline, steps=args.steps,
+                        lr=args.lr, batch_size=args.batch_size, max_rows=args.max_rows,
+                        seed=args.seed)
+                return 0
             from llmdp.synthetic.generate import check_file
 
-            _quiet_libraries()
             check_file(args.file, args.run_dir, baseline=args.baseline, k=args.k)
             return 0
         if args.command == "submit":

@@ -28,7 +28,7 @@ from llmdp.record.provenance import merge_priors, starting_model
 from llmdp.tokenizer.train import tokenizer_for_run
 from llmdp.train.models import load_model
 
-__all__ = ["Planned", "plan_run"]
+__all__ = ["Planned", "plan_run", "held_out_store", "unit_spec", "holdout_of", "encoding_args"]
 
 
 @dataclass
@@ -83,6 +83,61 @@ def store_builder(d, path, dataset, data_format: str, log=print):
     return build
 
 
+def unit_spec(d) -> UnitSpec:
+    """The privacy units of the recipe's data section ``d`` (``cfg.data``)."""
+    return UnitSpec(kind=d.unit, sequence_length=d.sequence_length,
+                    max_rows_per_unit=1 if d.unit == "sequence" else d.max_rows_per_unit,
+                    document_masking=d.document_masking,
+                    user_field=d.user_field if d.unit == "user" else None)
+
+
+def holdout_of(d) -> Holdout | None:
+    """The held-out split of the training source (``data.eval.fraction``), or None."""
+    ev = d.eval
+    return None if ev is None or ev.fraction is None else \
+        Holdout(fraction=ev.fraction, key=ev.split_key, max_units=ev.max_units)
+
+
+def encoding_args(d) -> dict:
+    """How the recipe's records become tokens (the record fields, the chat template)."""
+    return dict(text_field=d.text_field, messages_field=d.messages_field,
+                prompt_field=d.prompt_field, response_field=d.response_field,
+                chat_template=d.chat_template)
+
+
+def _build_part(d, spec: UnitSpec, tokenizer, source_sha: str, log, part: str):
+    """The training units (``part`` "train") or the held-out units ("eval": the split of the
+    training source, or a separate evaluation source) in the shared unit cache."""
+    units_dir = os.path.join(cache_root(), "units")
+    source_args = dict(**encoding_args(d), num_proc=d.num_proc, on_bad_record=d.on_bad_record)
+    holdout, ev = holdout_of(d), d.eval
+    if part == "train" or holdout is not None:  # the split: both parts from one build
+        return store_builder(d, d.path, d.dataset, d.format, log)(
+            units_dir, tokenizer=tokenizer, spec=spec, data_path=d.path, dataset=d.dataset,
+            data_format=d.format, split=d.split, config_name=d.config_name,
+            unit_fraction=d.unit_fraction, source_sha256=source_sha, text_split=d.text_split,
+            holdout=holdout, part=part, **source_args)
+    # a separate source: every unit is evaluated (up to max_units)
+    return store_builder(d, ev.path, ev.dataset, ev.format, log)(
+        units_dir, tokenizer=tokenizer, spec=spec, data_path=ev.path, dataset=ev.dataset,
+        data_format=ev.format, split=ev.split, config_name=ev.config_name,
+        text_split=d.text_split, part="eval",
+        holdout=Holdout(fraction=1.0, key=ev.split_key, max_units=ev.max_units), **source_args)
+
+
+def held_out_store(cfg: RecipeConfig, tokenizer, part: str = "eval", log=print):
+    """A planned run's held-out units (``part`` "eval") or training units ("train"), as the
+    run built them (the same fingerprint: read from the shared cache, or built again), or
+    None when the recipe holds nothing out. Private data: what is computed on them is
+    internal unless it is privatized."""
+    d = cfg.data
+    if part == "eval" and d.eval is None:
+        return None
+    source_sha = source_fingerprint(path=d.path, dataset=d.dataset, split=d.split,
+                                    config_name=d.config_name, format=d.format)
+    return _build_part(d, unit_spec(d), tokenizer, source_sha, log, part)
+
+
 def plan_run(cfg: RecipeConfig, log=print, augment=None, memory: bool = False) -> Planned:
     """Data units, model facts and the DP plan of ``cfg`` (shared caches only: nothing is
     written to the run directory or to a ledger). ``augment(store, tokenizer) -> store``
@@ -127,40 +182,12 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None, memory: bool = False) -
         mem = estimate_memory(model, cfg)  # moves the model to the meta device
     del model
 
-    spec = UnitSpec(kind=d.unit, sequence_length=d.sequence_length,
-                    max_rows_per_unit=1 if d.unit == "sequence" else d.max_rows_per_unit,
-                    document_masking=d.document_masking,
-                    user_field=d.user_field if d.unit == "user" else None)
-    ev = d.eval
-    holdout = None if ev is None or ev.fraction is None else \
-        Holdout(fraction=ev.fraction, key=ev.split_key, max_units=ev.max_units)
-    source_args = dict(
-        text_field=d.text_field, messages_field=d.messages_field, prompt_field=d.prompt_field,
-        response_field=d.response_field, chat_template=d.chat_template, num_proc=d.num_proc,
-        on_bad_record=d.on_bad_record)
-    units_dir = os.path.join(cache, "units")
-    build = store_builder(d, d.path, d.dataset, d.format, log)
-    store = build(
-        units_dir, tokenizer=tokenizer, spec=spec, data_path=d.path, dataset=d.dataset,
-        data_format=d.format, split=d.split, config_name=d.config_name,
-        unit_fraction=d.unit_fraction, source_sha256=source_sha, text_split=d.text_split,
-        holdout=holdout, **source_args)
+    spec = unit_spec(d)
+    store = _build_part(d, spec, tokenizer, source_sha, log, "train")
     _check_encoding(store, tokenizer, cfg.model)  # before anything is planned on it
     if augment is not None:
         store = augment(store, tokenizer)
-    eval_store = None
-    if holdout is not None:  # built with the training part, from the same corpus
-        eval_store = build(
-            units_dir, tokenizer=tokenizer, spec=spec, data_path=d.path, dataset=d.dataset,
-            data_format=d.format, split=d.split, config_name=d.config_name,
-            unit_fraction=d.unit_fraction, source_sha256=source_sha, text_split=d.text_split,
-            holdout=holdout, part="eval", **source_args)
-    elif ev is not None:  # a separate source: every unit is evaluated (up to max_units)
-        eval_store = store_builder(d, ev.path, ev.dataset, ev.format, log)(
-            units_dir, tokenizer=tokenizer, spec=spec, data_path=ev.path, dataset=ev.dataset,
-            data_format=ev.format, split=ev.split, config_name=ev.config_name,
-            text_split=d.text_split, part="eval",
-            holdout=Holdout(fraction=1.0, key=ev.split_key, max_units=ev.max_units), **source_args)
+    eval_store = None if d.eval is None else _build_part(d, spec, tokenizer, source_sha, log, "eval")
     N = store.num_units
     if cfg.train.expected_batch_size > N:
 

@@ -1,6 +1,6 @@
-"""DP synthetic data (`llmdp generate`, `llmdp synthetic check`): a corpus sampled from a DP
+"""DP synthetic data (`llmdp generate`, `llmdp synthetic check|quality`): a corpus sampled from a DP
 model, which inherits the model's (ε, δ) as post-processing, with its card, public
-statistics and an internal memorization check.
+statistics, an internal memorization check and an internal quality measurement.
 
     source.py        the model to sample: a run folder or an export folder, its guarantee
                      (read, never recomputed), provenance chain, record schema; refusals
@@ -11,6 +11,8 @@ statistics and an internal memorization check.
     card.py          synthetic_data_card.md / .json
     stats.py         public statistics of the synthetic corpus
     memorization.py  internal: exact overlaps with the training data and the audit's canaries
+    mauve.py         a MAUVE-style similarity of two embedding sets
+    quality.py       internal: MAUVE and train-on-synthetic / test-on-real against the held-out split
 
 Nothing is imported here: each module is loaded where it is used.
 """

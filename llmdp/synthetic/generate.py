@@ -242,7 +242,6 @@ def _sample_on_ray(source, settings: Settings, start: int, batch_size: int, work
 def check_file(file, run_dir, *, baseline=None, k: int = 8, batch_size: int = 16, log=print) -> dict:
     """`llmdp synthetic check FILE RUN_DIR`: the memorization check of a finished corpus."""
     from llmdp.synthetic import memorization as mem
-    from llmdp.synthetic.output import sidecar_path
     from llmdp.synthetic.source import load_model, load_source
     from llmdp.synthetic.stats import read_records
 
@@ -262,20 +261,27 @@ def check_file(file, run_dir, *, baseline=None, k: int = 8, batch_size: int = 16
     _, tokenizer = load_model(source.model_dir)
     base = None
     if baseline is not None:
-        try:
-            with open(sidecar_path(file), encoding="utf-8") as f:
-                raw = json.load(f)["settings"]
-        except (OSError, ValueError, KeyError):
-            raise GenerateError(f"--baseline: {sidecar_path(file)} (the settings the corpus was "
-                                f"sampled with) is missing or unreadable; the baseline is sampled "
-                                f"with the same settings") from None
-        fields = {k2: raw[k2] for k2 in ("num_records", "seed", "temperature", "top_p",
-                                         "max_new_tokens", "num_users")}
-        settings = Settings(**fields, prompts=tuple(raw.get("prompts") or ()),
-                            labels=tuple(raw.get("labels") or ()))
-        base = mem.baseline_samples(baseline, source.schema, settings, batch_size)
+        base = mem.baseline_samples(baseline, source.schema, sampled_settings(file), batch_size)
     res = mem.check(source, records, tokenizer, k=k, baseline_records=base, baseline_run=baseline)
     path = file + ".memorization.internal.json"
     mem.write(path, res)
     log(mem.render(res))
     return {**res, "written": path}
+
+
+def sampled_settings(file: str, flag: str = "--baseline") -> Settings:
+    """The settings ``file`` was sampled with (its sidecar), to sample a NON-PRIVATE baseline
+    the same way (internal comparisons only)."""
+    from llmdp.synthetic.output import sidecar_path
+
+    try:
+        with open(sidecar_path(file), encoding="utf-8") as f:
+            raw = json.load(f)["settings"]
+    except (OSError, ValueError, KeyError):
+        raise GenerateError(f"{flag}: {sidecar_path(file)} (the settings the corpus was "
+                            f"sampled with) is missing or unreadable; the baseline is sampled "
+                            f"with the same settings") from None
+    fields = {k: raw[k] for k in ("num_records", "seed", "temperature", "top_p",
+                                  "max_new_tokens", "num_users")}
+    return Settings(**fields, prompts=tuple(raw.get("prompts") or ()),
+                    labels=tuple(raw.get("labels") or ()))

@@ -14,7 +14,8 @@ TINY = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
 
 
 def make_run(tmp_path, *, name: str = "run", dp: bool = True, rng: str = "secure",
-             data=None, user_field: str | None = "user_id", steps: int = 4) -> str:
+             data=None, user_field: str | None = "user_id", steps: int = 4,
+             eval_fraction: float | None = None) -> str:
     from llmdp.config.schema import recipe_from_dict
     from llmdp.report.build import write_report
     from llmdp.run.launch import prepare
@@ -27,7 +28,8 @@ def make_run(tmp_path, *, name: str = "run", dp: bool = True, rng: str = "secure
     raw = {
         "model": {"init": "tiny", "tokenizer": tiny_tokenizer_dir(), "tiny": TINY},
         "data": {"path": str(data), "sequence_length": 24,
-                 **({"user_field": user_field} if user_field else {})},
+                 **({"user_field": user_field} if user_field else {}),
+                 **({"eval": {"fraction": eval_fraction}} if eval_fraction else {})},
         "privacy": privacy,
         "optim": {"name": "adamw", "lr": 5e-2, "schedule": "constant"},
         "train": {"expected_batch_size": 8, "steps": steps, "physical_batch_size": 4,
