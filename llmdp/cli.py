@@ -316,7 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "on the synthetic corpus, next to the starting model's, the DP model's and "
                     "(--baseline) the NON-PRIVATE model's (whose samples are scored the same "
                     "way). The run's DP evaluation, when it made one, is quoted as the only DP "
-                    "number. Written to FILE.quality.internal.json.")
+                    "number. Written to FILE.quality.internal.json. With --reference PUBLIC_FILE, "
+                    "also MAUVE against that file (declared public, checked not to be the "
+                    "recipe's private data): a PUBLIC number, written to "
+                    "FILE.quality.public.json and to the synthetic data card.")
     sq.add_argument("file", metavar="FILE")
     sq.add_argument("run_dir", metavar="RUN_DIR")
     sq.add_argument("--baseline", default=None, metavar="RUN",
@@ -328,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     sq.add_argument("--max-rows", type=int, default=1000,
                     help="rows of each side embedded for MAUVE (default 1000)")
     sq.add_argument("--seed", type=int, default=0, help="k-means and the fine-tuning's draws")
+    sq.add_argument("--reference", default=None, metavar="PUBLIC_FILE",
+                    help="a JSONL file of public records in the recipe's schema: MAUVE of the "
+                         "corpus against it is public (the card shows it)")
 
     s = sub.add_parser(
         "submit",
@@ -608,9 +614,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.synthetic_command == "quality":
                 from llmdp.synthetic.quality import quality
 
-                quality(args.file, args.run_dir, baseline=args.baseline, steps=args.steps,
-                        lr=args.lr, batch_size=args.batch_size, max_rows=args.max_rows,
-                        seed=args.seed)
+                quality(args.file, args.run_dir, baseline=args.baseline, reference=args.reference,
+                        steps=args.steps, lr=args.lr, batch_size=args.batch_size,
+                        max_rows=args.max_rows, seed=args.seed)
                 return 0
             from llmdp.synthetic.generate import check_file
 

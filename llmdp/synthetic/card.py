@@ -115,6 +115,14 @@ def render(c: dict) -> str:
     for name, f in (st.get("fields") or {}).items():
         lines.append(f"- field `{name}`: present in {f.get('present')}"
                      + (f", {f['distinct']} distinct values" if "distinct" in f else ""))
+    q = c.get("quality_public")
+    if q:
+        m, ref = q["mauve_vs_public_reference"], q.get("reference") or {}
+        lines += ["", "## Quality (public: the corpus against a file declared public)", "",
+                  f"- MAUVE against {ref.get('file')} (sha256 {str(ref.get('sha256'))[:12]}…, "
+                  f"declared {ref.get('declared')}): {m['mauve']:.4f} ({m['p_size']} vs "
+                  f"{m['q_size']} rows, {m['num_buckets']} clusters; `llmdp synthetic quality "
+                  f"--reference`)"]
     lines.append("")
     return "\n".join(lines)
 

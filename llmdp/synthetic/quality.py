@@ -6,7 +6,15 @@ the run's held-out split (issue 55, item 3). Every number is labelled by its inp
   ``FILE.quality.internal.json`` only, never to the synthetic data card;
 - ``dp``: a DP release already made and accounted by the run (its DP evaluation of the
   held-out loss, copied from its privacy report);
-- ``public``: the corpus' own statistics are in the card already (`llmdp.synthetic.stats`).
+- ``public``: computed from public inputs only: the corpus' own statistics (in the card
+  already, `llmdp.synthetic.stats`), and, with ``--reference FILE``, MAUVE between the
+  synthetic rows and a file the user declares public (checked like generate's prompts:
+  not the recipe's private data, not data a ledger records; `llmdp.synthetic.inputs`), on
+  the starting model's embeddings. Its inputs are the corpus (post-processing of the DP
+  model), the public file and the starting model's weights, so it is post-processing too:
+  written to ``FILE.quality.public.json`` and to the synthetic data card. The held-out
+  split's MAUVE is internal: publishing a similarity to private data would need a DP
+  release of it, which llmdp does not make (the public reference is the way to publish one).
 
 What is measured, all on the units of the recipe's own tokenizer and packing (`data.unit`,
 `data.sequence_length`: the synthetic file is cut into units exactly as the training data
@@ -42,7 +50,9 @@ BANNER = ("INTERNAL: computed on the private held-out data (and a NON-PRIVATE ba
           "given) without DP; for the data owner's own judgement, never published with the "
           "corpus and never in its card")
 LABELS = {"internal": "reads private data or a NON-PRIVATE model without DP: not publishable",
-          "dp": "a DP release of the run, accounted in its ledger: publishable"}
+          "dp": "a DP release of the run, accounted in its ledger: publishable",
+          "public": "computed from the synthetic corpus, a file declared public and the starting "
+                    "model only: post-processing of the DP model, publishable (in the card)"}
 
 
 def embed(model, store, max_rows: int, batch_rows: int = 32):
@@ -152,7 +162,7 @@ def synthetic_store(file: str, cfg, tokenizer, cache_dir: str):
                             f"({e}); give the output of `llmdp generate` for this run") from None
 
 
-def quality(file, run_dir, *, baseline=None, steps: int = 100, lr: float = 1e-3,
+def quality(file, run_dir, *, baseline=None, reference=None, steps: int = 100, lr: float = 1e-3,
             batch_size: int = 16, max_rows: int = 1000, seed: int = 0, log=print) -> dict:
     from llmdp._fs import cache_root
     from llmdp.synthetic.source import load_source
@@ -178,18 +188,74 @@ def quality(file, run_dir, *, baseline=None, steps: int = 100, lr: float = 1e-3,
                             f"nothing out, so there is no real data to compare with; train with "
                             f"data.eval.fraction (e.g. 0.05)")
     baseline_model_dir = _check_baseline(baseline, cfg) if baseline is not None else None
+    ref_info = None
+    if reference is not None:
+        from llmdp.synthetic.inputs import check_public_file
+
+        ref_info = check_public_file(reference, "--reference", source)
+        reference = os.path.abspath(os.fspath(reference))
     start, tokenizer = load_starting_model(cfg.model, cache_dir=os.path.join(cache_root(), "models"))
     tmp = tempfile.mkdtemp(prefix="llmdp-quality-")
     try:
+        public = None
+        if reference is not None:
+            public = _public_mauve(file, reference, ref_info, cfg, start, tokenizer, tmp,
+                                   max_rows=max_rows, seed=seed)
         out = _measure(file, source, cfg, start, tokenizer, tmp, baseline=baseline,
                        baseline_model_dir=baseline_model_dir, steps=steps, lr=lr,
                        batch_size=batch_size, max_rows=max_rows, seed=seed)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     path = file + ".quality.internal.json"
+    if public is not None:
+        out["mauve"]["synthetic_vs_public_reference"] = public
     write(path, out)
+    result = {**out, "written": path}
+    if public is not None:
+        result["written_public"] = _write_public(file, public)
     log(render(out))
-    return {**out, "written": path}
+    return result
+
+
+def _public_mauve(file, reference, ref_info, cfg, start, tokenizer, tmp, *, max_rows, seed) -> dict:
+    """MAUVE of the synthetic rows against the public reference's rows (module docstring):
+    nothing private is read (not the held-out split, not the training data)."""
+    from llmdp.synthetic.mauve import mauve
+
+    synth = synthetic_store(file, cfg, tokenizer, os.path.join(tmp, "synthetic"))
+    try:
+        ref = synthetic_store(reference, cfg, tokenizer, os.path.join(tmp, "reference"))
+    except GenerateError as e:
+        raise GenerateError(str(e).replace(f"FILE {reference}", f"--reference {reference}")
+                            .replace("give the output of `llmdp generate` for this run",
+                                     "give a JSONL file of public records in the recipe's "
+                                     "schema")) from None
+    score = mauve(embed(start, synth, max_rows), embed(start, ref, max_rows), seed=seed)
+    return {"label": "public", "what": "the synthetic rows against the rows of a file declared "
+            "public (--reference), on the starting model's embeddings", "reference": ref_info,
+            **score}
+
+
+def _write_public(file: str, public: dict) -> str:
+    """``FILE.quality.public.json``, and the MAUVE in the synthetic data card beside the
+    file (when it is there)."""
+    from llmdp.synthetic.card import CARD_JSON, write_card
+
+    path = file + ".quality.public.json"
+    write(path, {"label": "public", "meaning": LABELS["public"], "file": os.path.basename(file),
+                 "mauve_vs_public_reference": public})
+    folder = os.path.dirname(file)
+    card_path = os.path.join(folder, CARD_JSON)
+    if os.path.isfile(card_path):
+        with open(card_path, encoding="utf-8") as f:
+            data = json.load(f)
+        if data.get("file") == os.path.basename(file):
+            data["quality_public"] = {
+                "mauve_vs_public_reference": {k: public[k] for k in
+                                              ("mauve", "p_size", "q_size", "num_buckets")},
+                "reference": public["reference"], "meaning": LABELS["public"]}
+            write_card(folder, data)
+    return path
 
 
 def _measure(file, source, cfg, start, tokenizer, tmp, *, baseline, baseline_model_dir, steps,

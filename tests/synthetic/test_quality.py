@@ -97,3 +97,39 @@ def test_refusals_are_one_message(runs, tmp_path, capsys):
     assert "--steps 0" in capsys.readouterr().err
     assert main(["synthetic", "quality", str(tmp_path / "nope.jsonl"), runs["dp"]]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_public_reference_gives_a_public_mauve_in_the_card(runs, tmp_path):
+    """--reference: MAUVE of the corpus against a file declared public, labelled public,
+    written to FILE.quality.public.json and to the synthetic data card (JSON and Markdown);
+    the held-out numbers stay internal and out of the card."""
+    from tests.helpers import write_notes
+
+    ref = write_notes(tmp_path / "public_notes.jsonl", 20, seed=7)
+    card = os.path.join(os.path.dirname(runs["file"]), "synthetic_data_card.json")
+    assert main(["synthetic", "quality", runs["file"], runs["dp"], "--reference", str(ref), *FAST]) == 0
+    pub = json.load(open(runs["file"] + ".quality.public.json", encoding="utf-8"))
+    m = pub["mauve_vs_public_reference"]
+    assert pub["label"] == m["label"] == "public" and 0.0 <= m["mauve"] <= 1.0
+    assert m["reference"]["sha256"] and "public" in m["reference"]["declared"]
+    c = json.load(open(card, encoding="utf-8"))
+    assert c["quality_public"]["mauve_vs_public_reference"]["mauve"] == m["mauve"]
+    md = open(card.replace(".json", ".md"), encoding="utf-8").read()
+    assert "## Quality (public" in md and f"{m['mauve']:.4f}" in md
+    # nothing computed on the held-out split went into the card
+    assert "held_out" not in json.dumps(c) and "internal" not in json.dumps(c["quality_public"]).lower()
+    r = json.load(open(runs["file"] + ".quality.internal.json", encoding="utf-8"))
+    assert r["mauve"]["synthetic_vs_held_out"]["label"] == "internal"
+    assert r["mauve"]["synthetic_vs_public_reference"]["mauve"] == m["mauve"]
+
+
+def test_a_private_reference_is_refused(runs, capsys):
+    """--reference naming the recipe's private training data: refused before anything is
+    computed, one message naming the flag."""
+    import yaml
+
+    cfg = yaml.safe_load(open(os.path.join(runs["dp"], "config.yaml"), encoding="utf-8"))
+    assert main(["synthetic", "quality", runs["file"], runs["dp"], "--reference",
+                 cfg["data"]["path"], *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "--reference" in err and "private" in err and "Traceback" not in err
