@@ -331,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     sq.add_argument("--max-rows", type=int, default=1000,
                     help="rows of each side embedded for MAUVE (default 1000)")
     sq.add_argument("--seed", type=int, default=0, help="k-means and the fine-tuning's draws")
+    sq.add_argument("--dp-epsilon", type=float, default=None, metavar="E",
+                    help="also release MAUVE against the held-out split with DP at this ε (one "
+                         "Gaussian release recorded in the dataset's ledger, within its budget; "
+                         "it goes in the card)")
     sq.add_argument("--reference", default=None, metavar="PUBLIC_FILE",
                     help="a JSONL file of public records in the recipe's schema: MAUVE of the "
                          "corpus against it is public (the card shows it)")
@@ -615,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                 from llmdp.synthetic.quality import quality
 
                 quality(args.file, args.run_dir, baseline=args.baseline, reference=args.reference,
+                        dp_epsilon=args.dp_epsilon,
                         steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                         max_rows=args.max_rows, seed=args.seed)
                 return 0

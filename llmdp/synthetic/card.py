@@ -115,6 +115,15 @@ def render(c: dict) -> str:
     for name, f in (st.get("fields") or {}).items():
         lines.append(f"- field `{name}`: present in {f.get('present')}"
                      + (f", {f['distinct']} distinct values" if "distinct" in f else ""))
+    qd = c.get("quality_dp")
+    if qd:
+        lines += ["", "## Quality (a DP release on the private held-out split)", "",
+                  f"- MAUVE against the held-out split: {qd['mauve']:.4f}, released with ε = "
+                  f"{qd['epsilon']:.4f} at δ = {qd['delta']!r} ({qd['accountant']}; Gaussian noise "
+                  f"multiplier {qd['noise_multiplier']:.4f} on a histogram over {qd['buckets']} "
+                  f"buckets fitted on the synthetic rows; {qd['adjacency']}), recorded in the "
+                  f"dataset ledger {qd['ledger_dataset_id']!r} (release {qd['release_id']}): "
+                  f"this ε is spent on the dataset in addition to the model's"]
     q = c.get("quality_public")
     if q:
         m, ref = q["mauve_vs_public_reference"], q.get("reference") or {}

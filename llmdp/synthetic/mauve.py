@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mauve", "kmeans", "divergence_frontier"]
+__all__ = ["mauve", "kmeans", "divergence_frontier", "Quantizer", "fit_quantizer", "frontier_area"]
 
 
 def _canonical(x: np.ndarray) -> np.ndarray:
@@ -91,6 +91,60 @@ def divergence_frontier(p: np.ndarray, q: np.ndarray, *, scale: float = 5.0,
         pts.append((np.exp(-scale * _kl(q, r)), np.exp(-scale * _kl(p, r))))
     pts = np.asarray(pts, dtype=np.float64)
     return pts[np.lexsort((-pts[:, 1], pts[:, 0]))]
+
+
+def frontier_area(hp: np.ndarray, hq: np.ndarray, *, scale: float = 5.0) -> float:
+    """MAUVE of two histograms over the same buckets (each summing to 1): the area under
+    their divergence frontier."""
+    frontier = divergence_frontier(hp, hq, scale=scale)
+    return float(np.sum(np.diff(frontier[:, 0]) * (frontier[1:, 1] + frontier[:-1, 1]) / 2))
+
+
+class Quantizer:
+    """Buckets fitted on one set of embeddings (``fit_quantizer``): the normalization, the
+    centering and the principal components of that set, and its k-means centers; ``assign``
+    puts any other embeddings in the nearest bucket by the same steps. What it holds is a
+    function of the fitting set alone."""
+
+    def __init__(self, mean: np.ndarray, components: np.ndarray, centers: np.ndarray):
+        self.mean, self.components, self.centers = mean, components, centers
+
+    @property
+    def num_buckets(self) -> int:
+        return int(self.centers.shape[0])
+
+    def project(self, x) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)
+        norms = np.linalg.norm(x, axis=1, keepdims=True)
+        return (x / np.where(norms > 0, norms, 1.0) - self.mean) @ self.components.T
+
+    def assign(self, x) -> np.ndarray:
+        y = self.project(x)
+        d = (y * y).sum(axis=1)[:, None] - 2.0 * y @ self.centers.T + (self.centers ** 2).sum(axis=1)[None, :]
+        return d.argmin(axis=1)
+
+
+def fit_quantizer(features, *, num_buckets: int | str = "auto", seed: int = 0,
+                  pca_variance: float = 0.9, n_init: int = 5, max_iter: int = 300) -> Quantizer:
+    """A `Quantizer` fitted on ``features`` alone (canonical row order, normalization, PCA
+    keeping ``pca_variance``, k-means; ``num_buckets`` "auto": a tenth of the rows)."""
+    x = _canonical(np.asarray(features, dtype=np.float64))
+    if x.ndim != 2 or not len(x):
+        raise ValueError(f"fit_quantizer: a non-empty [n, d] set, got {x.shape}")
+    if num_buckets == "auto":
+        num_buckets = max(2, int(round(len(x) / 10)))
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    xn = x / np.where(norms > 0, norms, 1.0)
+    mean = xn.mean(axis=0, keepdims=True)
+    xc = xn - mean
+    _, sv, vt = np.linalg.svd(xc, full_matrices=False)
+    var = sv ** 2
+    keep = 1 if var.sum() <= 0 else int(np.searchsorted(np.cumsum(var) / var.sum(), pca_variance - 1e-12) + 1)
+    comps = vt[:keep]
+    y = xc @ comps.T
+    labels = kmeans(y, int(num_buckets), seed=seed, n_init=n_init, max_iter=max_iter)
+    centers = np.stack([y[labels == c].mean(axis=0) for c in np.unique(labels)])
+    return Quantizer(mean, comps, centers)
 
 
 def mauve(p_features, q_features, *, num_buckets: int | str = "auto", seed: int = 0,

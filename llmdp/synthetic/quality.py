@@ -162,8 +162,9 @@ def synthetic_store(file: str, cfg, tokenizer, cache_dir: str):
                             f"({e}); give the output of `llmdp generate` for this run") from None
 
 
-def quality(file, run_dir, *, baseline=None, reference=None, steps: int = 100, lr: float = 1e-3,
-            batch_size: int = 16, max_rows: int = 1000, seed: int = 0, log=print) -> dict:
+def quality(file, run_dir, *, baseline=None, reference=None, dp_epsilon: float | None = None,
+            steps: int = 100, lr: float = 1e-3, batch_size: int = 16, max_rows: int = 1000,
+            seed: int = 0, log=print) -> dict:
     from llmdp._fs import cache_root
     from llmdp.synthetic.source import load_source
     from llmdp.train.models import load_model as load_starting_model
@@ -178,6 +179,8 @@ def quality(file, run_dir, *, baseline=None, reference=None, steps: int = 100, l
         raise GenerateError(f"--lr {lr}: must be a finite number > 0")
     if seed < 0:
         raise GenerateError(f"--seed {seed}: must be an integer >= 0")
+    if dp_epsilon is not None and not (dp_epsilon > 0 and np.isfinite(dp_epsilon)):
+        raise GenerateError(f"--dp-epsilon {dp_epsilon}: must be a finite number > 0")
     source = load_source(run_dir)
     if source.config is None:
         raise GenerateError(f"RUN_DIR {source.path}: an export folder holds no held-out data; give "
@@ -197,10 +200,13 @@ def quality(file, run_dir, *, baseline=None, reference=None, steps: int = 100, l
     start, tokenizer = load_starting_model(cfg.model, cache_dir=os.path.join(cache_root(), "models"))
     tmp = tempfile.mkdtemp(prefix="llmdp-quality-")
     try:
-        public = None
+        public = dp = None
         if reference is not None:
             public = _public_mauve(file, reference, ref_info, cfg, start, tokenizer, tmp,
                                    max_rows=max_rows, seed=seed)
+        if dp_epsilon is not None:
+            dp = _dp_mauve(file, source, cfg, start, tokenizer, tmp, dp_epsilon=dp_epsilon,
+                           max_rows=max_rows, seed=seed, log=log)
         out = _measure(file, source, cfg, start, tokenizer, tmp, baseline=baseline,
                        baseline_model_dir=baseline_model_dir, steps=steps, lr=lr,
                        batch_size=batch_size, max_rows=max_rows, seed=seed)
@@ -209,12 +215,54 @@ def quality(file, run_dir, *, baseline=None, reference=None, steps: int = 100, l
     path = file + ".quality.internal.json"
     if public is not None:
         out["mauve"]["synthetic_vs_public_reference"] = public
+    if dp is not None:
+        out["mauve"]["synthetic_vs_held_out_dp"] = dp
     write(path, out)
     result = {**out, "written": path}
     if public is not None:
         result["written_public"] = _write_public(file, public)
+    if dp is not None:
+        result["written_dp"] = _write_dp(file, dp)
     log(render(out))
     return result
+
+
+def _dp_mauve(file, source, cfg, start, tokenizer, tmp, *, dp_epsilon, max_rows, seed, log) -> dict:
+    """MAUVE against the held-out split as a DP release (`llmdp.synthetic.dp_quality`): every
+    held-out unit's rows embedded (no row cap: which units count must not depend on the
+    others), the synthetic rows (up to ``max_rows``: a public choice) fitting the buckets."""
+    from llmdp.run.planning import held_out_store
+    from llmdp.synthetic.dp_quality import release_mauve
+
+    held = held_out_store(cfg, tokenizer, "eval", log=lambda *a, **k: None)
+    counts = np.asarray(held.unit_row_count, dtype=np.int64)
+    held_emb = embed(start, held, int(counts.sum()))
+    unit_of_row = np.repeat(np.arange(held.num_units), counts)[:len(held_emb)]
+    synth = synthetic_store(file, cfg, tokenizer, os.path.join(tmp, "dp-synthetic"))
+    return release_mauve(cfg=cfg, source=source, synth_emb=embed(start, synth, max_rows),
+                         held_emb=held_emb, unit_of_row=unit_of_row, num_units=held.num_units,
+                         target_epsilon=dp_epsilon, seed=seed, file=file, log=log)
+
+
+def _write_dp(file: str, dp: dict) -> str:
+    """``FILE.quality.dp.json``, and the released MAUVE with its (ε, δ) in the card."""
+    from llmdp.synthetic.card import CARD_JSON, write_card
+
+    path = file + ".quality.dp.json"
+    write(path, {"label": "dp", "meaning": LABELS["dp"], "file": os.path.basename(file),
+                 "mauve_vs_held_out": {k: v for k, v in dp.items() if k != "internal_noise_free"}})
+    folder = os.path.dirname(file)
+    card_path = os.path.join(folder, CARD_JSON)
+    if os.path.isfile(card_path):
+        with open(card_path, encoding="utf-8") as f:
+            data = json.load(f)
+        if data.get("file") == os.path.basename(file):
+            data["quality_dp"] = {k: dp[k] for k in ("mauve", "epsilon", "delta", "accountant",
+                                                     "noise_multiplier", "sensitivity", "buckets",
+                                                     "held_out_units", "release_id", "adjacency")}
+            data["quality_dp"]["ledger_dataset_id"] = dp["ledger"]["dataset_id"]
+            write_card(folder, data)
+    return path
 
 
 def _public_mauve(file, reference, ref_info, cfg, start, tokenizer, tmp, *, max_rows, seed) -> dict:
@@ -335,6 +383,14 @@ def _measure(file, source, cfg, start, tokenizer, tmp, *, baseline, baseline_mod
 def render(r: dict) -> str:
     lines = [r["internal"]]
     for key, m in r["mauve"].items():
+        if m["label"] == "dp":
+            lines.append(f"[dp] MAUVE {key.replace('_', ' ')}: {m['mauve']:.4f} (ε = "
+                         f"{m['epsilon']:.4f} at δ = {m['delta']:.3g}, {m['buckets']} buckets, "
+                         f"{m['held_out_units']} held-out units)")
+            if m.get("internal_noise_free") is not None:
+                lines.append(f"[internal] the same buckets without the noise: "
+                             f"{m['internal_noise_free']:.4f}")
+            continue
         lines.append(f"[{m['label']}] MAUVE {key.replace('_', ' ')}: {m['mauve']:.4f} "
                      f"({m['p_size']} vs {m['q_size']} rows, {m['num_buckets']} clusters)")
     for key, v in r["held_out_loss"].items():
