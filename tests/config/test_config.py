@@ -1000,6 +1000,7 @@ def _readme_train_commands() -> list[list[str]]:
         text = f.read()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        block = re.sub(r"\\\n", " ", block)  # a command continued on the next line: one line
         for line in block.splitlines():
             words = shlex.split(line, comments=True)
             if len(words) > 2 and words[0].endswith("llmdp") and words[1] == "train":
