@@ -246,22 +246,13 @@ def _dp_mauve(file, source, cfg, start, tokenizer, tmp, *, dp_epsilon, max_rows,
 
 def _write_dp(file: str, dp: dict) -> str:
     """``FILE.quality.dp.json``, and the released MAUVE with its (ε, δ) in the card."""
-    from llmdp.synthetic.card import CARD_JSON, write_card
-
     path = file + ".quality.dp.json"
     write(path, {"label": "dp", "meaning": LABELS["dp"], "file": os.path.basename(file),
                  "mauve_vs_held_out": {k: v for k, v in dp.items() if k != "internal_noise_free"}})
-    folder = os.path.dirname(file)
-    card_path = os.path.join(folder, CARD_JSON)
-    if os.path.isfile(card_path):
-        with open(card_path, encoding="utf-8") as f:
-            data = json.load(f)
-        if data.get("file") == os.path.basename(file):
-            data["quality_dp"] = {k: dp[k] for k in ("mauve", "epsilon", "delta", "accountant",
-                                                     "noise_multiplier", "sensitivity", "buckets",
-                                                     "held_out_units", "release_id", "adjacency")}
-            data["quality_dp"]["ledger_dataset_id"] = dp["ledger"]["dataset_id"]
-            write_card(folder, data)
+    _into_card(file, "quality_dp", {
+        **{k: dp[k] for k in ("mauve", "epsilon", "delta", "accountant", "noise_multiplier",
+                              "sensitivity", "buckets", "held_out_units", "release_id", "adjacency")},
+        "ledger_dataset_id": dp["ledger"]["dataset_id"]})
     return path
 
 
@@ -284,25 +275,31 @@ def _public_mauve(file, reference, ref_info, cfg, start, tokenizer, tmp, *, max_
             **score}
 
 
+def _into_card(file: str, key: str, value: dict) -> None:
+    """``value`` under ``key`` in the synthetic data card beside ``file`` (JSON and Markdown),
+    when that card describes this file."""
+    from llmdp.synthetic.card import CARD_JSON, write_card
+
+    folder = os.path.dirname(file)
+    card_path = os.path.join(folder, CARD_JSON)
+    if not os.path.isfile(card_path):
+        return
+    with open(card_path, encoding="utf-8") as f:
+        data = json.load(f)
+    if data.get("file") == os.path.basename(file):
+        data[key] = value
+        write_card(folder, data)
+
+
 def _write_public(file: str, public: dict) -> str:
     """``FILE.quality.public.json``, and the MAUVE in the synthetic data card beside the
     file (when it is there)."""
-    from llmdp.synthetic.card import CARD_JSON, write_card
-
     path = file + ".quality.public.json"
     write(path, {"label": "public", "meaning": LABELS["public"], "file": os.path.basename(file),
                  "mauve_vs_public_reference": public})
-    folder = os.path.dirname(file)
-    card_path = os.path.join(folder, CARD_JSON)
-    if os.path.isfile(card_path):
-        with open(card_path, encoding="utf-8") as f:
-            data = json.load(f)
-        if data.get("file") == os.path.basename(file):
-            data["quality_public"] = {
-                "mauve_vs_public_reference": {k: public[k] for k in
-                                              ("mauve", "p_size", "q_size", "num_buckets")},
-                "reference": public["reference"], "meaning": LABELS["public"]}
-            write_card(folder, data)
+    _into_card(file, "quality_public", {
+        "mauve_vs_public_reference": {k: public[k] for k in ("mauve", "p_size", "q_size", "num_buckets")},
+        "reference": public["reference"], "meaning": LABELS["public"]})
     return path
 
 
