@@ -636,8 +636,8 @@ def linear_mag_parts(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = N
         na = units.self_norms(A3) if units is not None and A3.dtype.is_floating_point else lowp.row_norms(A3)
     elif units is not None and A3.dtype.is_floating_point:
         na, ng = units.norms_pair(A3, G3)
-    else:
-        na, ng = lowp.row_norms2(A3, G3) if A3.dtype.is_floating_point else (lowp.row_norms(A3), lowp.row_norms(G3))
+    else:  # row_norms2 takes each on its own where one launch cannot serve both
+        na, ng = lowp.row_norms2(A3, G3)
     n = A3.shape[-1] + G3.shape[-1] + A3.shape[1] + 8
     f = up_factor(n) if units is None else up_factor(n + units.max_rows)
     if defer and DEFER_MAG and not lowp.on_cpu(A3):

@@ -200,16 +200,19 @@ def quality(file, run_dir, *, baseline=None, reference=None, dp_epsilon: float |
     start, tokenizer = load_starting_model(cfg.model, cache_dir=os.path.join(cache_root(), "models"))
     tmp = tempfile.mkdtemp(prefix="llmdp-quality-")
     try:
+        # the corpus cut into the recipe's units and embedded once, for every score below
+        synth = synthetic_store(file, cfg, tokenizer, os.path.join(tmp, "synthetic"))
+        synth_emb = embed(start, synth, max_rows)
         public = dp = None
         if reference is not None:
-            public = _public_mauve(file, reference, ref_info, cfg, start, tokenizer, tmp,
+            public = _public_mauve(synth_emb, reference, ref_info, cfg, start, tokenizer, tmp,
                                    max_rows=max_rows, seed=seed)
         if dp_epsilon is not None:
-            dp = _dp_mauve(file, source, cfg, start, tokenizer, tmp, dp_epsilon=dp_epsilon,
-                           max_rows=max_rows, seed=seed, log=log)
-        out = _measure(file, source, cfg, start, tokenizer, tmp, baseline=baseline,
-                       baseline_model_dir=baseline_model_dir, steps=steps, lr=lr,
-                       batch_size=batch_size, max_rows=max_rows, seed=seed)
+            dp = _dp_mauve(file, synth_emb, source, cfg, start, tokenizer, dp_epsilon=dp_epsilon,
+                           seed=seed, log=log)
+        out = _measure(file, synth, synth_emb, source, cfg, start, tokenizer, tmp,
+                       baseline=baseline, baseline_model_dir=baseline_model_dir, steps=steps,
+                       lr=lr, batch_size=batch_size, max_rows=max_rows, seed=seed)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     path = file + ".quality.internal.json"
@@ -227,7 +230,7 @@ def quality(file, run_dir, *, baseline=None, reference=None, dp_epsilon: float |
     return result
 
 
-def _dp_mauve(file, source, cfg, start, tokenizer, tmp, *, dp_epsilon, max_rows, seed, log) -> dict:
+def _dp_mauve(file, synth_emb, source, cfg, start, tokenizer, *, dp_epsilon, seed, log) -> dict:
     """MAUVE against the held-out split as a DP release (`llmdp.synthetic.dp_quality`): every
     held-out unit's rows embedded (no row cap: which units count must not depend on the
     others), the synthetic rows (up to ``max_rows``: a public choice) fitting the buckets."""
@@ -238,30 +241,34 @@ def _dp_mauve(file, source, cfg, start, tokenizer, tmp, *, dp_epsilon, max_rows,
     counts = np.asarray(held.unit_row_count, dtype=np.int64)
     held_emb = embed(start, held, int(counts.sum()))
     unit_of_row = np.repeat(np.arange(held.num_units), counts)[:len(held_emb)]
-    synth = synthetic_store(file, cfg, tokenizer, os.path.join(tmp, "dp-synthetic"))
-    return release_mauve(cfg=cfg, source=source, synth_emb=embed(start, synth, max_rows),
+    return release_mauve(cfg=cfg, source=source, synth_emb=synth_emb,
                          held_emb=held_emb, unit_of_row=unit_of_row, num_units=held.num_units,
                          target_epsilon=dp_epsilon, seed=seed, file=file, log=log)
+
+
+# What the DP release's result holds that is not released: the score of the exact histogram
+# and the number of held-out units (a count of private units; ``eval.count`` may keep it
+# private). Both stay in the internal file.
+PRIVATE_KEYS = ("internal_noise_free", "held_out_units")
 
 
 def _write_dp(file: str, dp: dict) -> str:
     """``FILE.quality.dp.json``, and the released MAUVE with its (ε, δ) in the card."""
     path = file + ".quality.dp.json"
     write(path, {"label": "dp", "meaning": LABELS["dp"], "file": os.path.basename(file),
-                 "mauve_vs_held_out": {k: v for k, v in dp.items() if k != "internal_noise_free"}})
+                 "mauve_vs_held_out": {k: v for k, v in dp.items() if k not in PRIVATE_KEYS}})
     _into_card(file, "quality_dp", {
         **{k: dp[k] for k in ("mauve", "epsilon", "delta", "accountant", "noise_multiplier",
-                              "sensitivity", "buckets", "held_out_units", "release_id", "adjacency")},
+                              "sensitivity", "buckets", "release_id", "adjacency")},
         "ledger_dataset_id": dp["ledger"]["dataset_id"]})
     return path
 
 
-def _public_mauve(file, reference, ref_info, cfg, start, tokenizer, tmp, *, max_rows, seed) -> dict:
+def _public_mauve(synth_emb, reference, ref_info, cfg, start, tokenizer, tmp, *, max_rows, seed) -> dict:
     """MAUVE of the synthetic rows against the public reference's rows (module docstring):
     nothing private is read (not the held-out split, not the training data)."""
     from llmdp.synthetic.mauve import mauve
 
-    synth = synthetic_store(file, cfg, tokenizer, os.path.join(tmp, "synthetic"))
     try:
         ref = synthetic_store(reference, cfg, tokenizer, os.path.join(tmp, "reference"))
     except GenerateError as e:
@@ -269,7 +276,7 @@ def _public_mauve(file, reference, ref_info, cfg, start, tokenizer, tmp, *, max_
                             .replace("give the output of `llmdp generate` for this run",
                                      "give a JSONL file of public records in the recipe's "
                                      "schema")) from None
-    score = mauve(embed(start, synth, max_rows), embed(start, ref, max_rows), seed=seed)
+    score = mauve(synth_emb, embed(start, ref, max_rows), seed=seed)
     return {"label": "public", "what": "the synthetic rows against the rows of a file declared "
             "public (--reference), on the starting model's embeddings", "reference": ref_info,
             **score}
@@ -303,8 +310,8 @@ def _write_public(file: str, public: dict) -> str:
     return path
 
 
-def _measure(file, source, cfg, start, tokenizer, tmp, *, baseline, baseline_model_dir, steps,
-             lr, batch_size, max_rows, seed) -> dict:
+def _measure(file, synth, synth_emb, source, cfg, start, tokenizer, tmp, *, baseline,
+             baseline_model_dir, steps, lr, batch_size, max_rows, seed) -> dict:
     from llmdp.run.planning import held_out_store
     from llmdp.synthetic import memorization as mem
     from llmdp.synthetic.generate import sampled_settings
@@ -315,7 +322,6 @@ def _measure(file, source, cfg, start, tokenizer, tmp, *, baseline, baseline_mod
     held = held_out_store(cfg, tokenizer, "eval", log=quiet)
     train_units = held_out_store(cfg, tokenizer, "train", log=quiet)
     pbs = cfg.train.physical_batch_size
-    synth = synthetic_store(file, cfg, tokenizer, tmp)
 
     held_emb = embed(start, held, max_rows)
     # training rows spread over the store (a sample the size of the held-out one)
@@ -329,8 +335,8 @@ def _measure(file, source, cfg, start, tokenizer, tmp, *, baseline, baseline_mod
         def rows(units, width=None):
             return train_units.rows(np.asarray(units, dtype=np.int64) * step, width=width)
 
-    def scores(store, what):
-        emb = embed(start, store, max_rows)
+    def scores(store, what, emb=None):
+        emb = embed(start, store, max_rows) if emb is None else emb
         return {"label": "internal", "what": what, **mauve(emb, held_emb, seed=seed)}
 
     out: dict = {"internal": BANNER, "labels": LABELS, "file": os.path.basename(file),
@@ -339,7 +345,7 @@ def _measure(file, source, cfg, start, tokenizer, tmp, *, baseline, baseline_mod
                  "embeddings": "the run's starting model (public): last hidden state, mean-pooled "
                                "over each row's tokens",
                  "mauve": {"synthetic_vs_held_out": scores(synth, "the synthetic rows against the "
-                                                                   "held-out rows"),
+                                                                   "held-out rows", synth_emb),
                            "reference_training_vs_held_out": scores(
                                _Every, "training rows against held-out rows (two samples of the "
                                        "private distribution: the ceiling)")}}

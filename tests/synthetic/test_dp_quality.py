@@ -145,8 +145,8 @@ def test_the_release_is_durable_before_any_noise(runs, monkeypatch):
 
 
 def test_the_noise_free_score_stays_out_of_the_public_files(runs, monkeypatch):
-    """The exact histogram's score (internal) is in the internal file only, not in the DP
-    file nor the card."""
+    """The exact histogram's score and the held-out count (internal) are in the internal
+    file only, not in the DP file nor the card."""
     from llmdp.synthetic.quality import quality
 
     monkeypatch.setenv("XDG_DATA_HOME", str(runs["base"] / "registry"))
@@ -157,6 +157,9 @@ def test_the_noise_free_score_stays_out_of_the_public_files(runs, monkeypatch):
     dp_file = open(runs["file"] + ".quality.dp.json", encoding="utf-8").read()
     card = open(os.path.join(os.path.dirname(runs["file"]), "synthetic_data_card.json"), encoding="utf-8").read()
     assert "noise_free" not in dp_file and "noise_free" not in card
+    # the number of held-out units is a private count: internal only
+    assert internal["mauve"]["synthetic_vs_held_out_dp"]["held_out_units"] > 0
+    assert "held_out_units" not in dp_file and "held_out_units" not in card
 
 
 def test_a_release_over_the_dataset_budget_is_refused(runs, monkeypatch, capsys):
