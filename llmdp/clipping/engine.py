@@ -568,6 +568,7 @@ class GhostClipper:
         mode = self._resolve_mode(num_units)
         self.last_mode = mode
         units = Units.make(row_units, num_units)
+        units.defer = mode == "book-keeping"  # A and G kept until the bound computation
         self._fallbacks = 0
         self._exact_totals = []
         # padding rows' losses left out (by value: a boolean index reads its size back)

@@ -193,31 +193,131 @@ def _pair_parts(ga: torch.Tensor, gg: torch.Tensor, na_l, na_r, mg_l, mg_r):
 
 
 def sq_norm(A3: torch.Tensor, G3: torch.Tensor, units, gram_a: torch.Tensor | None = None,
-            norms_a: torch.Tensor | None = None, norms_g: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            norms_a=None, norms_g=None):
     """Per unit (V, E): V = Σ ã b̃ over the unit's row pairs in float64, E ≥ |V − ‖g_u‖²|
     (module docstring), both [U] float64. ``gram_a``: gram32(A3, A3) if known (shared
     between the layers that read A, ``Units.shared``); ``norms_a``, ``norms_g``:
-    lowp.row_norms(A3), lowp.row_norms(G3) if known."""
+    lowp.row_norms(A3), lowp.row_norms(G3) (or their `lowp.LazyRowNorms`) if known.
+
+    Units of one row each, on the CPU under book-keeping (``Units.defer``), Grams up to
+    ``PendingGram.MAX_BYTES``: (p, p) for one `PendingGram` p, formed in the step's bound
+    computation with the other calls of its shape (``PendingGram.form_all``)."""
     g_a, eta_a = entry_gamma(A3, A3)
     g_g, eta_g = entry_gamma(G3, G3)
     n = norms_a if norms_a is not None else lowp.row_norms(A3)
-    na = padded_norms(n, g_a, eta_a)
-    mg = padded_norms(norms_g if norms_g is not None else lowp.row_norms(G3), g_g, eta_g)
+    m = norms_g if norms_g is not None else lowp.row_norms(G3)
     ga = gram_a if gram_a is not None else gram32(A3, A3)
-    value, e_a, e_g = (units.rows_to_units(x) for x in _pair_parts(ga, gram32(G3, G3), na, na, mg, mg))
-    if units.has_pairs:
-        a, b = units.pair_a, units.pair_b
-        pv, pa, pg = _pair_parts(gram32(A3[a], A3[b]), gram32(G3[a], G3[b]), na[a], na[b], mg[a], mg[b])
-        value = value + units.pairs_to_units(pv)
-        e_a = e_a + units.pairs_to_units(pa)
-        e_g = e_g + units.pairs_to_units(pg)
-    T = A3.shape[1]
+    gg = gram32(G3, G3)
+    if not units.has_pairs:
+        p = PendingGram(ga, gg, n, m, g_a, eta_a, g_g, eta_g, units)
+        if units.defer and lowp.DEFER_CPU_NORMS and lowp.on_cpu(G3) and p.nbytes <= PendingGram.MAX_BYTES:
+            return p, p
+        return p.form()
+    na = padded_norms(lowp.resolved(n), g_a, eta_a)
+    mg = padded_norms(lowp.resolved(m), g_g, eta_g)
+    value, e_a, e_g = (units.rows_to_units(x) for x in _pair_parts(ga, gg, na, na, mg, mg))
+    a, b = units.pair_a, units.pair_b
+    pv, pa, pg = _pair_parts(gram32(A3[a], A3[b]), gram32(G3[a], G3[b]), na[a], na[b], mg[a], mg[b])
+    value = value + units.pairs_to_units(pv)
+    e_a = e_a + units.pairs_to_units(pa)
+    e_g = e_g + units.pairs_to_units(pg)
+    return _bound(value, e_a, e_g, units.rows_to_units((na * mg).sum(1)), units, A3.shape[1], g_a, g_g)
+
+
+def _bound(value, e_a, e_g, nm, units, T: int, g_a, g_g):
+    """(V, E) from V, E_a, E_g and Σ n̂_t m̂_t (``nm``) per unit, for Grams over T positions.
+    ``g_a``, ``g_g``: floats, or [calls, 1] vectors for [calls, U] stacks (``_finish``: the
+    same float64 operations per entry)."""
     h = units.pair_count(T, T)
     k = h + units.max_rows + 2  # E_a, E_g: two products per term, the sums of V's
     up1 = 1.0 + gamma(k + 1, U64)
-    n_hat = units.rows_to_units((na * mg).sum(1)) * (1.0 + gamma(T + units.max_rows + 3, U64))
+    n_hat = nm * (1.0 + gamma(T + units.max_rows + 3, U64))
     second = g_a * g_g + gamma(h, U64) * (1.0 + g_a) * (1.0 + g_g)
     second *= 1.0 + gamma(6, U64)  # its own roundings (at most five a term), upward
     err = g_a * (e_a * up1) + g_g * (e_g * up1) + second * (n_hat * n_hat)
     return value, err * (1.0 + gamma(12, U64))
+
+
+class PendingGram:
+    """``sq_norm``'s (V, E) for units of one row each, not yet formed (issue 50): the call's
+    two float32 Grams and its row norms (possibly `lowp.LazyRowNorms`) kept until the step's
+    bound computation (``stacked.Stack.of``), where ``form_all`` takes the calls of one
+    shape and one set of units at once: their Grams and norms stacked [calls, R, T, S], the
+    same float64 operations on them, each call's constants (γ, η, its second-order term) a
+    vector along the first axis — the same IEEE operations on the same operands per entry,
+    so the same bits as ``form()`` on its own (tests/clipping/test_deferred_norms.py). On
+    the CPU, ~35 small operations per call become ~35 per step. Kept only up to
+    ``MAX_BYTES`` of Grams per call (the engine keeps A and G anyway; a Gram over T ≤ 128
+    positions of 8 rows is 0.5 MB)."""
+
+    __slots__ = ("ga", "gg", "na", "ng", "g_a", "eta_a", "g_g", "eta_g", "units")
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, ga, gg, na, ng, g_a, eta_a, g_g, eta_g, units):
+        self.ga, self.gg, self.na, self.ng = ga, gg, na, ng
+        self.g_a, self.eta_a, self.g_g, self.eta_g, self.units = g_a, eta_a, g_g, eta_g, units
+
+    @property
+    def nbytes(self) -> int:
+        return self.ga.numel() * self.ga.element_size() + self.gg.numel() * self.gg.element_size()
+
+    def form(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _finish([self])[0]
+
+    @staticmethod
+    def form_all(items: list[PendingGram]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each one's ``form()``: those of one Gram shape, dtype, device and set of units in
+        one pass; their deferred row norms first, all at once."""
+        lowp.LazyRowNorms.form_all([n for p in items for n in (p.na, p.ng)])
+        out: list = [None] * len(items)
+        groups: dict = {}
+        for i, p in enumerate(items):
+            key = (tuple(p.ga.shape), tuple(p.gg.shape), p.ga.dtype, p.gg.dtype, p.ga.device, id(p.units))
+            groups.setdefault(key, []).append(i)
+        for idx in groups.values():
+            for i, r in zip(idx, _finish([items[i] for i in idx])):
+                out[i] = r
+        return out
+
+
+def _finish(items: list[PendingGram]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(V, E) of each of ``items`` (one shape, one set of units of one row each): one call
+    as ``sq_norm`` forms it, or many on [calls, ...] stacks with per-call vectors."""
+    first, C = items[0], len(items)
+    units, dev = first.units, first.ga.device
+    R, T, S = first.ga.shape
+
+    def stacked(ts: list[torch.Tensor]) -> torch.Tensor:
+        return ts[0].unsqueeze(0) if C == 1 else torch.stack(ts)
+
+    def per_call(vals: list[float], dims: int):
+        if C == 1:
+            return vals[0]
+        return torch.tensor(vals, dtype=F64, device=dev).view(C, *([1] * dims))
+
+    def padded(ns, gs, etas):
+        # padded_norms per call, τ a vector: the same add, nextafter and choice per entry
+        n = stacked([lowp.resolved(x) for x in ns])
+        tau = per_call([math.sqrt(e / g) * (1.0 + 4.0 * U64) for g, e in zip(gs, etas)], 2)
+        return torch.where(n > 0, torch.nextafter(n + tau, torch.full_like(n, math.inf)), torch.zeros_like(n))
+
+    na = padded([p.na for p in items], [p.g_a for p in items], [p.eta_a for p in items])
+    mg = padded([p.ng for p in items], [p.g_g for p in items], [p.eta_g for p in items])
+    ga64 = stacked([p.ga for p in items]).to(F64)
+    gg64 = stacked([p.gg for p in items]).to(F64)
+    value = (ga64 * gg64).sum(3).sum(2)  # [C, R]: over s, then t, as _pair_parts
+
+    def weighted(abs_gram, w):  # _weighted per call: Σ_{t,s} w_t·|M_ts|·w_s
+        inner = torch.bmm(abs_gram.view(C * R, T, S), w.reshape(C * R, S, 1)).view(C, R, T)
+        return (inner * w).sum(2)
+
+    e_a = weighted(gg64.abs_(), na)
+    e_g = weighted(ga64.abs_(), mg)
+
+    def to_units(x: torch.Tensor) -> torch.Tensor:  # [C, R] -> [C, U]
+        return units.rows_to_units(x.t()).t()
+
+    g_a = per_call([p.g_a for p in items], 1)
+    g_g = per_call([p.g_g for p in items], 1)
+    value, err = _bound(to_units(value), to_units(e_a), to_units(e_g), to_units((na * mg).sum(2)), units, T, g_a, g_g)
+    return [(value[j], err[j]) for j in range(C)]

@@ -298,6 +298,70 @@ def row_norms2(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return row_norms(x), row_norms(y)
 
 
+#: On the CPU, the book-keeping engine takes the row norms of its calls' small inputs and
+#: output gradients in the step's one bound computation (`LazyRowNorms`); False: per call.
+DEFER_CPU_NORMS = True
+
+
+class LazyRowNorms:
+    """``row_norms(x)`` not yet taken (issue 50). On the CPU a small operation costs ~10 µs
+    of host time, and ``row_norms`` is ten of them (the float32 reduction, its float64
+    scale and term, the zero rows read on their bits): for LoRA's adapters, whose inputs
+    are a few kB, that is most of what a call costs. Deferred, the row norms of the
+    step's calls are taken in its one bound computation (``stacked.Stack.of``), those of
+    one shape, dtype and device stacked and reduced at once (``form_all``): the same
+    program per row — a reduction along the last dimension, elementwise float64 operations,
+    the zero rows' bits — so a row's bound does not depend on the rows stacked with it
+    (tests/clipping/test_deferred_norms.py compares the bits). Only for an ``x`` up to
+    ``MAX_BYTES`` that the engine keeps until then anyway (book-keeping keeps A and G for
+    the clipped sum): the stack is a small copy."""
+
+    __slots__ = ("x", "_n")
+    MAX_BYTES = 1 << 16
+
+    def __init__(self, x: torch.Tensor):
+        self.x, self._n = x, None
+
+    def get(self) -> torch.Tensor:
+        if self._n is None:
+            self._n, self.x = row_norms(self.x), None
+        return self._n
+
+    @staticmethod
+    def form_all(items: list) -> None:
+        """Take every not-yet-taken one of ``items`` (others ignored): those of one shape,
+        dtype and device in one ``row_norms`` of their stack."""
+        groups: dict = {}
+        for it in items:
+            if isinstance(it, LazyRowNorms) and it._n is None:
+                groups.setdefault((tuple(it.x.shape), it.x.dtype, it.x.device), {})[id(it)] = it
+        for group in groups.values():
+            g = list(group.values())
+            if len(g) == 1:
+                g[0].get()
+                continue
+            n = row_norms(torch.stack([it.x for it in g]))
+            for j, it in enumerate(g):
+                it._n, it.x = n[j], None
+
+
+def resolved(n):
+    """A row-norm tensor, taken now if it was deferred (`LazyRowNorms`)."""
+    return n.get() if isinstance(n, LazyRowNorms) else n
+
+
+def deferrable(x: torch.Tensor, defer: bool) -> bool:
+    """Whether ``x``'s row norms may be deferred (`LazyRowNorms`): the caller keeps x until
+    the bound computation (``defer``), x on the CPU and small, ``DEFER_CPU_NORMS``."""
+    return (defer and DEFER_CPU_NORMS and on_cpu(x)
+            and x.numel() * x.element_size() <= LazyRowNorms.MAX_BYTES)
+
+
+def row_norms_maybe_lazy(x: torch.Tensor, defer: bool):
+    """``row_norms(x)``, or a `LazyRowNorms` of it where ``deferrable``."""
+    return LazyRowNorms(x) if deferrable(x, defer) else row_norms(x)
+
+
 def _row_norms_torch(x: torch.Tensor, scale: float) -> torch.Tensor:
     """``row_norms``' bound by torch operations (no Triton).
 

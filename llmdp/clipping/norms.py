@@ -190,7 +190,9 @@ class Sq:
     * ``value`` None with ``root`` r: value = r² (an instantiated gradient's float64 norm,
       ``sq_of_instantiated``: one launch fewer per call); r a `PendingRoot`: that norm not
       yet taken either (off the CPU: the calls of one shape in one reduction);
-    * ``mag`` a `PendingMag`: N_u's per-row dot not yet taken (``linear_mag_parts``).
+    * ``mag`` a `PendingMag`: N_u's per-row dot not yet taken (``linear_mag_parts``);
+    * ``value`` and ``err`` one `gram.PendingGram`: a Gram-path ghost norm and its bound
+      not yet formed (on the CPU: the calls of one shape in one pass).
 
     Reading a field (``sq.err``…) forms it (once) for code that needs one call's tensors.
     """
@@ -208,11 +210,16 @@ class Sq:
             if isinstance(self._root, PendingRoot):
                 self._root = self._root.form()
             self._value = self._root.square()
+        elif not isinstance(self._value, torch.Tensor):  # a `gram.PendingGram`: (V, E) both
+            self._value, self._err = self._value.form()
         return self._value
 
     @property
     def err(self) -> torch.Tensor:
         if not isinstance(self._err, torch.Tensor):
+            if self._err is self._value:  # a `gram.PendingGram`: ``value`` forms both
+                self._value, self._err = self._value.form()
+                return self._err
             self._err = self.value * self._err
         return self._err
 
@@ -284,7 +291,9 @@ def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
     h2 = h.reshape(U, -1)
     k = h2.shape[1]
     if (lowp.on_cpu(h2) and h2.dtype == torch.float32 and k > 2 * lowp.GRAM_CHUNK
-            and h2.numel() >= CHUNKED_MIN_ELEMENTS and isinstance(mag, torch.Tensor)):
+            and h2.numel() >= CHUNKED_MIN_ELEMENTS and isinstance(mag, (torch.Tensor, PendingMag))):
+        if isinstance(mag, PendingMag):  # the CPU's deferred N_u (``linear_mag_parts``): err needs it
+            mag = mag.form()
         value, err = _sq_chunked32(h2, mag)
         sq = Sq(value, err, inst_dev, rel, mag, mag_f)
     else:
@@ -457,6 +466,10 @@ class Units:
     gram_calls: int = 0  # Gram matrices computed (not taken from the memory), for tests
     _csr: tuple | None = field(default=None, repr=False)  # (rows, ptr), ``csr``
     _slot: torch.Tensor | None = field(default=None, repr=False)  # ``slot``
+    # The engine keeps every call's A and G until the step's bound computation (book-keeping):
+    # on the CPU the rules may leave small row norms and Gram bounds to it (`lowp.LazyRowNorms`,
+    # `gram.PendingGram`), formed there for many calls at once.
+    defer: bool = False
 
     def _entry(self, x: torch.Tensor) -> dict:
         key = (x.data_ptr(), x.device, x.dtype, tuple(x.shape), tuple(x.stride()))
@@ -487,19 +500,28 @@ class Units:
             self.gram_calls += 1
         return e[key]
 
-    def self_norms(self, x: torch.Tensor) -> torch.Tensor:
-        """‖x[r, t]‖ ([R, T, a] -> [R, T], float64), shared like ``self_gram``."""
+    def self_norms(self, x: torch.Tensor, lazy: bool = False):
+        """‖x[r, t]‖ ([R, T, a] -> [R, T], float64), shared like ``self_gram``. ``lazy``: a
+        `lowp.LazyRowNorms` where ``defer`` allows it (the caller resolves it)."""
         e = self._entry(x)
         if "norms" not in e:
-            e["norms"] = lowp.row_norms(x)
+            e["norms"] = lowp.row_norms_maybe_lazy(x, self.defer)
+        return e["norms"] if lazy else self._resolved(e)
+
+    @staticmethod
+    def _resolved(e: dict) -> torch.Tensor:
+        e["norms"] = lowp.resolved(e["norms"])
         return e["norms"]
 
-    def norms_pair(self, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def norms_pair(self, x: torch.Tensor, g: torch.Tensor, lazy: bool = False) -> tuple:
         """(``self_norms(x)``, ``lowp.row_norms(g)``): both in one launch when x's are not
-        known yet (``lowp.row_norms2``), x's then kept as ``self_norms`` keeps them."""
+        known yet (``lowp.row_norms2``), x's then kept as ``self_norms`` keeps them.
+        ``lazy``: either may be a `lowp.LazyRowNorms` (``self_norms``)."""
+        if lazy and self.defer and lowp.DEFER_CPU_NORMS and lowp.on_cpu(g):  # each deferred if small
+            return self.self_norms(x, lazy=True), lowp.row_norms_maybe_lazy(g, True)
         e = self._entry(x)
         if "norms" in e:
-            return e["norms"], lowp.row_norms(g)
+            return self._resolved(e), lowp.row_norms(g)
         e["norms"], ng = lowp.row_norms2(x, g)
         return e["norms"], ng
 
@@ -625,22 +647,27 @@ def linear_mag(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = None) -
 
 
 def linear_mag_parts(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = None,
-                     defer: bool = False, norms_g: torch.Tensor | None = None
+                     defer: bool | str = False, norms_g=None
                      ) -> tuple[torch.Tensor | PendingMag, float]:
     """``linear_mag`` as (its sum, the factor that rounds it up): N_u = sum·factor. With
-    ``defer`` (off the CPU, ``DEFER_MAG``) the sum is a `PendingMag`: the row norms now,
-    their per-row dot in the step's one bound computation, for all such calls at once.
-    ``norms_g``: ``lowp.row_norms(G3)`` if the caller has it (the Gram path reads it too)."""
+    ``defer`` True the sum is a `PendingMag`, its per-row dot taken in the step's one bound
+    computation for all such calls at once: off the CPU (``DEFER_MAG``) with the row norms
+    taken now; on the CPU where the engine keeps A and G until then (``Units.defer``) with
+    the row norms deferred too (`lowp.LazyRowNorms`). ``defer="cpu"``: the CPU's deferral
+    only. ``norms_g``: ``lowp.row_norms(G3)`` (or its `LazyRowNorms`) if the caller has it
+    (the Gram path reads it too)."""
+    lazy = bool(defer) and units is not None and units.defer and lowp.on_cpu(A3) and lowp.DEFER_CPU_NORMS
     if norms_g is not None:
         ng = norms_g
-        na = units.self_norms(A3) if units is not None and A3.dtype.is_floating_point else lowp.row_norms(A3)
+        na = (units.self_norms(A3, lazy=lazy) if units is not None and A3.dtype.is_floating_point
+              else lowp.row_norms(A3))
     elif units is not None and A3.dtype.is_floating_point:
-        na, ng = units.norms_pair(A3, G3)
+        na, ng = units.norms_pair(A3, G3, lazy=lazy)
     else:  # row_norms2 takes each on its own where one launch cannot serve both
         na, ng = lowp.row_norms2(A3, G3)
     n = A3.shape[-1] + G3.shape[-1] + A3.shape[1] + 8
     f = up_factor(n) if units is None else up_factor(n + units.max_rows)
-    if defer and DEFER_MAG and not lowp.on_cpu(A3):
+    if lazy or (defer is True and DEFER_MAG and not lowp.on_cpu(A3)):
         return PendingMag(na, ng, units), f
     return PendingMag(na, ng, units).form(), f
 
@@ -700,13 +727,18 @@ class PendingMag:
         self.na, self.ng, self.units = na, ng, units
 
     def form(self) -> torch.Tensor:
+        self.na, self.ng = lowp.resolved(self.na), lowp.resolved(self.ng)
         per_row = torch.bmm(self.na.unsqueeze(1), self.ng.unsqueeze(2)).view(self.na.shape[0])
         return per_row if self.units is None else self.units.rows_to_units(per_row)
 
     @staticmethod
     def form_all(pending: list[PendingMag]) -> list[torch.Tensor]:
         """Each one's ``form()``: those of one shape and one set of units as one batched
-        dot (the same products and sums, each row's in the kernel's order)."""
+        dot (the same products and sums, each row's in the kernel's order); their deferred
+        row norms first, all at once (`lowp.LazyRowNorms.form_all`)."""
+        lowp.LazyRowNorms.form_all([n for p in pending for n in (p.na, p.ng)])
+        for p in pending:
+            p.na, p.ng = lowp.resolved(p.na), lowp.resolved(p.ng)
         out: list = [None] * len(pending)
         groups: dict = {}
         for i, p in enumerate(pending):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmdp.clipping import lowp
 from llmdp.clipping import norms as nb
 from llmdp.clipping.lowp import U64, gamma
 from llmdp.clipping.norms import F64, Sq
@@ -50,6 +51,7 @@ class Stack:
     def of(sqs: list[Sq], sink_us: list[float]) -> Stack:
         """The stacks of ``sqs``, their deferred bounds (`Sq`) formed here for all pairs at
         once: each row the operations `Sq`'s fields would take, on the same operands."""
+        _form_pending(sqs)
         value = _values(sqs)
         err = _rows(value, [s._err for s in sqs], lambda s: s.err, sqs)
         dev = _dev_rows(value, sqs)
@@ -64,6 +66,21 @@ class Stack:
             rel = rel + g + rel * g  # norms.deviation, with the sink's γ per pair
         norm = torch.sqrt(torch.clamp(value + err, min=0))
         return Stack(value, err, nb.up(dev + rel * (norm + dev), 6))
+
+
+def _form_pending(sqs: list[Sq]) -> None:
+    """The CPU's deferred row norms (`lowp.LazyRowNorms`: of the Gram-path norms and of the
+    N_u not formed yet), all at once, then the Gram-path (V, E) (`gram.PendingGram`), those of
+    one shape at once."""
+    grams = [s for s in sqs if s._value is not None and not isinstance(s._value, torch.Tensor)]
+    lazy = [n for s in grams for n in (s._value.na, s._value.ng)]
+    lazy += [n for s in sqs if isinstance(s._mag, nb.PendingMag) for n in (s._mag.na, s._mag.ng)]
+    lowp.LazyRowNorms.form_all(lazy)
+    if grams:
+        from llmdp.clipping.gram import PendingGram
+
+        for s, (v, e) in zip(grams, PendingGram.form_all([s._value for s in grams])):
+            s._value, s._err = v, e
 
 
 def _values(sqs: list[Sq]) -> torch.Tensor:

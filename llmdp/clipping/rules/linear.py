@@ -9,6 +9,7 @@ from llmdp.clipping.lowp import U32, U64, gamma
 from llmdp.clipping.norms import (
     F64,
     LayerRule,
+    PendingMag,
     _as_3d,
     _bias_sq,
     _ghost_cheaper,
@@ -65,8 +66,10 @@ class LinearRule(LayerRule):
         if module.weight.requires_grad:
             # N_u, its rounding up, and the bounds that are constants times it or the
             # value are deferred to the step's one bound computation (`Sq`, stacked.py)
-            na, ng = units.norms_pair(A3, G3)  # for N_u, and the Gram path's bound
-            mag, mag_f = linear_mag_parts(A3, G3, units, norms_g=ng)
+            # (on the CPU under book-keeping both may be deferred to the step's bound
+            # computation: `lowp.LazyRowNorms`, `norms.PendingMag`, `gram.PendingGram`)
+            na, ng = units.norms_pair(A3, G3, lazy=True)  # for N_u, and the Gram path's bound
+            mag, mag_f = linear_mag_parts(A3, G3, units, defer="cpu", norms_g=ng)
             x, y = self._clipped_operands(A3, G3)
             u, n = clip or lowp.row_scaled_bound(x, y)
             R, T = G3.shape[0], G3.shape[1]
@@ -89,7 +92,7 @@ class LinearRule(LayerRule):
                 dev = (gamma(k, lowp.UTC) + gamma(n, u), up_factor(2))  # × N_u
                 out["weight"] = sq_bound(value, err, dev, gamma(2, res_u), mag, mag_f)
             else:
-                mag = mag * mag_f
+                mag = (mag.form() if isinstance(mag, PendingMag) else mag) * mag_f
                 value, err = _pair_sum_two(A3, G3, A3, G3, units, gram_a=units.self_gram(A3),
                                            mags=(mag, mag))
                 # the clipped sum's own error; then the factor's and the result's roundings
