@@ -8,9 +8,11 @@
 
 One thread. The model and batch of ``benchmarks/clipping.py`` (``build``), its non-private
 step (``row_losses(...).sum().backward()``) and its llmdp step (``GhostClipper.backward``)
-alternated ``--steps`` times after a warm-up, each timed by the thread's CPU time (less
-moved by other processes on a shared machine than wall-clock time, not immune to them);
-prints the median and the smallest time of each and their ratios, the exact fallbacks and
+alternated ``--steps`` times after a warm-up (``--block K``: K steps of one kind in a row,
+the first of each block untimed, as a training loop runs one kind; alternating single steps
+makes each step meet the other's allocator state: more page faults, for both), each timed
+by the thread's CPU time (less moved by other processes on a shared machine than
+wall-clock time, not immune to them); prints the median and the smallest time of each and their ratios, the exact fallbacks and
 the largest bound share. ``--gram`` forces the Linear ghost norms' Gram path (``auto``,
 ``lowp``, ``float64``: ``clipping/gram.py``). ``--profile``: one more step of each under
 torch.profiler, and the operators (by input shape) whose CPU time differs most between the
@@ -69,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--mode", default="auto", help="llmdp mode: auto, book-keeping, two-pass")
     ap.add_argument("--gram", default="auto", choices=("auto", "lowp", "float64"))
+    ap.add_argument("--block", type=int, default=1,
+                    help="steps of one kind in a row before switching (the first of each block untimed)")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args(argv)
     ns = argparse.Namespace(family=a.family, experts=8, top_k=2, hidden=a.hidden, intermediate=a.intermediate,
@@ -83,19 +87,30 @@ def main(argv=None) -> int:
     steps = {"non-private": (np_step, np_reset), "llmdp": (dp_step, dp_reset)}
     times: dict = {k: [] for k in steps}
     with gram.forced(a.gram):
-        for i in range(a.steps + 1):
-            for k, (step, reset) in steps.items():
-                reset()
-                t0 = time.thread_time()
-                step()
-                if i:  # the first round warms caches and allocators
-                    times[k].append(time.thread_time() - t0)
+        if a.block <= 1:
+            for i in range(a.steps + 1):
+                for k, (step, reset) in steps.items():
+                    reset()
+                    t0 = time.thread_time()
+                    step()
+                    if i:  # the first round warms caches and allocators
+                        times[k].append(time.thread_time() - t0)
+        else:  # blocks of one kind, as training runs them: the first of each block untimed
+            while len(times["llmdp"]) < a.steps:
+                for k, (step, reset) in steps.items():
+                    for j in range(a.block + 1):
+                        reset()
+                        t0 = time.thread_time()
+                        step()
+                        if j:
+                            times[k].append(time.thread_time() - t0)
         prof = _profile(steps) if a.profile else []
     med = {k: statistics.median(v) for k, v in times.items()}
     low = {k: min(v) for k, v in times.items()}
     st = getattr(bench._STATS.get("clipper"), "last_norm_stats", None)
     print(f"{a.family} d{a.hidden} x {a.layers} layers, vocab {a.vocab}, T{a.seq} x {a.batch}"
-          f"{', LoRA r16' if a.lora else ''}; one thread; {a.steps} steps; gram {a.gram}")
+          f"{', LoRA r16' if a.lora else ''}; one thread; {len(times['llmdp'])} steps"
+          f"{f' in blocks of {a.block}' if a.block > 1 else ''}; gram {a.gram}")
     print(f"non-private s/step median {med['non-private']:.3f} min {low['non-private']:.3f}; "
           f"llmdp median {med['llmdp']:.3f} min {low['llmdp']:.3f}")
     print(f"ratio median {med['llmdp'] / med['non-private']:.3f}, min {low['llmdp'] / low['non-private']:.3f}; "
