@@ -11,10 +11,12 @@ step (``row_losses(...).sum().backward()``) and its llmdp step (``GhostClipper.b
 alternated ``--steps`` times after a warm-up (``--block K``: K steps of one kind in a row,
 the first of each block untimed, as a training loop runs one kind; alternating single steps
 makes each step meet the other's allocator state: more page faults, for both), each timed
-by the thread's CPU time (less moved by other processes on a shared machine than
-wall-clock time, not immune to them); prints the median and the smallest time of each and their ratios, the exact fallbacks and
-the largest bound share. ``--gram`` forces the Linear ghost norms' Gram path (``auto``,
-``lowp``, ``float64``: ``clipping/gram.py``). ``--profile``: one more step of each under
+by the thread's CPU time (less moved by other processes on a shared machine than wall-clock
+time, not immune to them); prints the median and the smallest time of each and their ratios,
+the median of the ratios of neighbouring steps (or blocks) of the two kinds (the steadiest
+of the three on a shared machine whose speed drifts), the exact fallbacks and the largest
+bound share. ``--gram`` forces the Linear ghost norms' Gram path (``auto``, ``lowp``,
+``float64``: ``clipping/gram.py``). ``--profile``: one more step of each under
 torch.profiler, and the operators (by input shape) whose CPU time differs most between the
 two steps. ``benchmarks/clipping.py`` runs each method in its own process for peak memory.
 """
@@ -113,6 +115,13 @@ def main(argv=None) -> int:
           f"{f' in blocks of {a.block}' if a.block > 1 else ''}; gram {a.gram}")
     print(f"non-private s/step median {med['non-private']:.3f} min {low['non-private']:.3f}; "
           f"llmdp median {med['llmdp']:.3f} min {low['llmdp']:.3f}")
+    # each step (or block) against its neighbour of the other kind: a drift of the machine's
+    # speed, slower than a step or block, moves both alike (the steadier figure on a shared VM)
+    b = max(1, a.block)
+    nb_ = len(times["llmdp"]) // b
+    paired = statistics.median(statistics.fmean(times["llmdp"][i * b:(i + 1) * b])
+                               / statistics.fmean(times["non-private"][i * b:(i + 1) * b]) for i in range(nb_))
+    print(f"paired ratio median {paired:.3f} over {nb_} {'blocks' if b > 1 else 'steps'}")
     print(f"ratio median {med['llmdp'] / med['non-private']:.3f}, min {low['llmdp'] / low['non-private']:.3f}; "
           f"exact fallbacks {getattr(st, 'fallbacks', None)}, largest bound share "
           f"{getattr(st, 'bound_max', float('nan')):.2e}")

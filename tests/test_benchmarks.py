@@ -220,6 +220,12 @@ def test_step_ratio_benchmark_runs_small(capsys):
                  "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "1", "--profile"]) == 0
     out = capsys.readouterr().out
     assert "ratio median" in out and "exact fallbacks 0" in out and "extra ms" in out
+    assert "paired ratio median" in out and "over 1 steps" in out
+    # blocks of one kind: 4 timed steps of each in blocks of 2 (a first untimed in each)
+    assert main(["--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "48",
+                 "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "4", "--block", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "4 steps in blocks of 2" in out and "over 2 blocks" in out
 
 
 def test_launches_at_16_layers_are_within_issue_50_targets(tmp_path):
