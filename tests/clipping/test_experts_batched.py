@@ -209,3 +209,47 @@ def test_per_expert_tensor_core_sums_against_per_unit_references(family, layout,
         for n in want:
             assert torch.isfinite(got[n]).all(), n
             torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-15 * float(want[n].abs().max()))
+
+
+def test_the_cpu_weight_sum_is_the_documented_one_bit_for_bit(monkeypatch):
+    """The CPU's float32 clipped sum per expert (``ExpertsRule._weight_sum``): tiles of TILE
+    pairs (the smaller operand scaled), their float32 sum flushed to float64 every FLUSH
+    tiles, cast to float32 once; written out here in that order and compared bit for bit, on
+    experts with no pair, one tile, at most FLUSH tiles (summed in the result's own slice)
+    and several flushes, with zero factors (their pairs add exactly 0, a NaN among them
+    reaches nothing)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(ex, "TILE", 4)
+    monkeypatch.setattr(ex, "FLUSH", 2)
+    g = torch.Generator().manual_seed(5)
+    n_e = [0, 3, 8, 17, 40, 0]
+    P, a, b = sum(n_e), 6, 9
+    x, y = torch.randn(P + 1, a, generator=g), torch.randn(P + 1, b, generator=g) * 1e3
+    x[-1], y[-1] = 0, 0
+    f = torch.rand(P, generator=g, dtype=torch.float64).to(torch.float32)
+    f[::7] = 0
+    x[0:P:7] = float("nan")  # the zero-factor pairs: must not reach the sum
+    live = f != 0
+    ptr = [0]
+    for n in n_e:
+        ptr.append(ptr[-1] + n)
+    pairs = SimpleNamespace(n_e=n_e, e_ptr=ptr)
+    got = ex.ExpertsRule()._weight_sum(pairs, x, y, f, live, None)
+    xz, yz = torch.where(live[:, None], x[:-1], 0), torch.where(live[:, None], y[:-1], 0)
+    fz = torch.where(live, f, 0)[:, None]
+    want = []
+    for lo, hi in zip(ptr[:-1], ptr[1:]):
+        acc32 = acc64 = None
+        for i, p0 in enumerate(range(lo, hi, 4)):
+            p1 = min(hi, p0 + 4)
+            part = (xz[p0:p1] * fz[p0:p1]).t() @ yz[p0:p1]  # a = 6 <= b = 9: x scaled
+            acc32 = part if acc32 is None else acc32 + part
+            if (i + 1) % 2 == 0 or p1 == hi:
+                acc64 = acc32.double() if acc64 is None else acc64 + acc32.double()
+                acc32 = None
+        want.append(torch.zeros(a, b) if acc64 is None else acc64.float())
+    want = torch.stack(want)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert torch.equal(got, want)
+    assert not got[0].any() and not got[-1].any() and got[1:-1].abs().amax(dim=(1, 2)).min() > 0

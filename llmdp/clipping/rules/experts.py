@@ -409,11 +409,20 @@ class ExpertsRule(LayerRule):
         if not bool(live.all()):  # zero-factor pairs zeroed once (0·NaN would be NaN)
             x, y = torch.where(live[:, None], x, 0), torch.where(live[:, None], y, 0)
         f = torch.where(live, f, 0).to(dt)[:, None]
-        out = torch.zeros((E, a, b), dtype=dt, device=x.device)
+        # [E, a, b] in dt, each expert's slice written once (an expert without pairs zeroed):
+        # no fill of the whole result first
+        out = torch.empty((E, a, b), dtype=dt, device=x.device)
         scale_x = a <= b  # scale the smaller operand (a copy of it)
         with lowp.exact_fp32(x.device):
             for ex in range(E):
                 lo, hi = pairs.e_ptr[ex], pairs.e_ptr[ex + 1]
+                if hi == lo:
+                    out[ex].zero_()
+                    continue
+                # an expert of at most FLUSH tiles has one float32 partial sum: its float64
+                # sum is that value exactly, and its cast back too, so the tiles are added
+                # in the expert's slice of the result itself (the same roundings)
+                one = hi - lo <= TILE * FLUSH
                 acc32 = acc64 = None
                 for i, p0 in enumerate(range(lo, hi, TILE)):
                     p1 = min(hi, p0 + TILE)
@@ -422,13 +431,17 @@ class ExpertsRule(LayerRule):
                         xs = xs * f[p0:p1]
                     else:
                         ys = ys * f[p0:p1]
-                    part = xs.t() @ ys
-                    acc32 = part if acc32 is None else acc32.add_(part)
-                    if (i + 1) % FLUSH == 0 or p1 == hi:
+                    if acc32 is None:
+                        acc32 = torch.mm(xs.t(), ys, out=out[ex]) if one else xs.t() @ ys
+                        part = None
+                    else:
+                        part = torch.mm(xs.t(), ys, out=part) if part is not None else xs.t() @ ys
+                        acc32.add_(part)
+                    if not one and ((i + 1) % FLUSH == 0 or p1 == hi):
                         acc64 = acc32.to(F64) if acc64 is None else acc64.add_(acc32.to(F64))
                         acc32 = None
                 if acc64 is not None:
-                    out[ex] = acc64
+                    out[ex] = acc64  # the one cast to dt
         return out
 
     def exact(self, rec, name, rows, start, stop):
