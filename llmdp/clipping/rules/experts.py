@@ -37,8 +37,10 @@ A *group* is one unit's pairs on one expert.
   factors in float32: one rounding; the products; a chain of at most TILE terms), the
   tiles' results added in float32 ``FLUSH`` at a time (at most FLUSH − 1 more roundings of
   any product), those sums in float64 (below one more float32 rounding), cast to float32
-  once (an expert of at most FLUSH tiles has one such sum: summed in its slice of the result) (a relative rounding, counted with the factor's cast in ``rel``). So every product
-  is within γ_{TILE+FLUSH+3}(2⁻²⁴) of its exact value; float64 operands: one float64 sum
+  once (a relative rounding, counted with the factor's cast in ``rel``; an expert of at
+  most FLUSH tiles has one float32 sum, that value already: summed in its slice of the
+  result). So every product is within γ_{TILE+FLUSH+3}(2⁻²⁴) of its exact value; float64
+  operands: one float64 sum
   of at most n products of scaled operands, γ_{n+2}(2⁻⁵³), n the largest expert's pairs
   rounded up to tiles. The norms' ``dev`` counts that bound, at the unit's share of each
   expert's sum (its groups' N, as the Linear rule's; the Linear rule's ``clip``
