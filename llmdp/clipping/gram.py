@@ -171,7 +171,15 @@ def entry_gamma(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
 
 def padded_norms(n: torch.Tensor, g: float, eta: float) -> torch.Tensor:
     """n̂ = n + √(η/γ) where n > 0, 0 where n = 0, never below n + √(η/γ) (module docstring)."""
-    tau = math.sqrt(eta / g) * (1.0 + 4.0 * U64)  # the quotient and the root, rounded up
+    return _padded(n, _tau(g, eta))
+
+
+def _tau(g: float, eta: float) -> float:
+    return math.sqrt(eta / g) * (1.0 + 4.0 * U64)  # the quotient and the root, rounded up
+
+
+def _padded(n: torch.Tensor, tau) -> torch.Tensor:
+    """``padded_norms`` with τ given (a float, or a vector broadcasting along n's rows)."""
     inf = torch.full_like(n, math.inf)
     return torch.where(n > 0, torch.nextafter(n + tau, inf), torch.zeros_like(n))
 
@@ -210,7 +218,7 @@ def sq_norm(A3: torch.Tensor, G3: torch.Tensor, units, gram_a: torch.Tensor | No
     gg = gram32(G3, G3)
     if not units.has_pairs:
         p = PendingGram(ga, gg, n, m, g_a, eta_a, g_g, eta_g, units)
-        if units.defer and lowp.DEFER_CPU_NORMS and lowp.on_cpu(G3) and p.nbytes <= PendingGram.MAX_BYTES:
+        if lowp.cpu_deferral(G3, units.defer) and p.nbytes <= PendingGram.MAX_BYTES:
             return p, p
         return p.form()
     na = padded_norms(lowp.resolved(n), g_a, eta_a)
@@ -270,11 +278,8 @@ class PendingGram:
         one pass; their deferred row norms first, all at once."""
         lowp.LazyRowNorms.form_all([n for p in items for n in (p.na, p.ng)])
         out: list = [None] * len(items)
-        groups: dict = {}
-        for i, p in enumerate(items):
-            key = (tuple(p.ga.shape), tuple(p.gg.shape), p.ga.dtype, p.gg.dtype, p.ga.device, id(p.units))
-            groups.setdefault(key, []).append(i)
-        for idx in groups.values():
+        for idx in lowp.group_by(items, lambda p: (tuple(p.ga.shape), tuple(p.gg.shape), p.ga.dtype,
+                                                   p.gg.dtype, p.ga.device, id(p.units))):
             for i, r in zip(idx, _finish([items[i] for i in idx])):
                 out[i] = r
         return out
@@ -282,7 +287,8 @@ class PendingGram:
 
 def _finish(items: list[PendingGram]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(V, E) of each of ``items`` (one shape, one set of units of one row each): one call
-    as ``sq_norm`` forms it, or many on [calls, ...] stacks with per-call vectors."""
+    as ``sq_norm`` forms it, or many on stacks, the calls' rows as one batch of C·R rows for
+    ``_pair_parts`` and each call's constants (τ, γ) a vector along the calls."""
     first, C = items[0], len(items)
     units, dev = first.units, first.ga.device
     R, T, S = first.ga.shape
@@ -295,29 +301,16 @@ def _finish(items: list[PendingGram]) -> list[tuple[torch.Tensor, torch.Tensor]]
             return vals[0]
         return torch.tensor(vals, dtype=F64, device=dev).view(C, *([1] * dims))
 
-    def padded(ns, gs, etas):
-        # padded_norms per call, τ a vector: the same add, nextafter and choice per entry
-        n = stacked([lowp.resolved(x) for x in ns])
-        tau = per_call([math.sqrt(e / g) * (1.0 + 4.0 * U64) for g, e in zip(gs, etas)], 2)
-        return torch.where(n > 0, torch.nextafter(n + tau, torch.full_like(n, math.inf)), torch.zeros_like(n))
+    na = _padded(stacked([lowp.resolved(p.na) for p in items]), per_call([_tau(p.g_a, p.eta_a) for p in items], 2))
+    mg = _padded(stacked([lowp.resolved(p.ng) for p in items]), per_call([_tau(p.g_g, p.eta_g) for p in items], 2))
+    na2, mg2 = na.view(C * R, T), mg.view(C * R, T)
+    parts = _pair_parts(stacked([p.ga for p in items]).view(C * R, T, S),
+                        stacked([p.gg for p in items]).view(C * R, T, S), na2, na2, mg2, mg2)
 
-    na = padded([p.na for p in items], [p.g_a for p in items], [p.eta_a for p in items])
-    mg = padded([p.ng for p in items], [p.g_g for p in items], [p.eta_g for p in items])
-    ga64 = stacked([p.ga for p in items]).to(F64)
-    gg64 = stacked([p.gg for p in items]).to(F64)
-    value = (ga64 * gg64).sum(3).sum(2)  # [C, R]: over s, then t, as _pair_parts
+    def to_units(x: torch.Tensor) -> torch.Tensor:  # [C·R] -> [C, U]
+        return units.rows_to_units(x.view(C, R).t()).t()
 
-    def weighted(abs_gram, w):  # _weighted per call: Σ_{t,s} w_t·|M_ts|·w_s
-        inner = torch.bmm(abs_gram.view(C * R, T, S), w.reshape(C * R, S, 1)).view(C, R, T)
-        return (inner * w).sum(2)
-
-    e_a = weighted(gg64.abs_(), na)
-    e_g = weighted(ga64.abs_(), mg)
-
-    def to_units(x: torch.Tensor) -> torch.Tensor:  # [C, R] -> [C, U]
-        return units.rows_to_units(x.t()).t()
-
-    g_a = per_call([p.g_a for p in items], 1)
-    g_g = per_call([p.g_g for p in items], 1)
-    value, err = _bound(to_units(value), to_units(e_a), to_units(e_g), to_units((na * mg).sum(2)), units, T, g_a, g_g)
+    value, e_a, e_g = (to_units(x) for x in parts)
+    value, err = _bound(value, e_a, e_g, to_units((na2 * mg2).sum(1)), units, T,
+                        per_call([p.g_a for p in items], 1), per_call([p.g_g for p in items], 1))
     return [(value[j], err[j]) for j in range(C)]

@@ -331,18 +331,24 @@ class LazyRowNorms:
     def form_all(items: list) -> None:
         """Take every not-yet-taken one of ``items`` (others ignored): those of one shape,
         dtype and device in one ``row_norms`` of their stack."""
-        groups: dict = {}
-        for it in items:
-            if isinstance(it, LazyRowNorms) and it._n is None:
-                groups.setdefault((tuple(it.x.shape), it.x.dtype, it.x.device), {})[id(it)] = it
-        for group in groups.values():
-            g = list(group.values())
-            if len(g) == 1:
-                g[0].get()
+        todo = list({id(it): it for it in items if isinstance(it, LazyRowNorms) and it._n is None}.values())
+        for idx in group_by(todo, lambda it: (tuple(it.x.shape), it.x.dtype, it.x.device)):
+            if len(idx) == 1:
+                todo[idx[0]].get()
                 continue
-            n = row_norms(torch.stack([it.x for it in g]))
-            for j, it in enumerate(g):
-                it._n, it.x = n[j], None
+            n = row_norms(torch.stack([todo[i].x for i in idx]))
+            for j, i in enumerate(idx):
+                todo[i]._n, todo[i].x = n[j], None
+
+
+def group_by(items: list, key) -> list[list[int]]:
+    """The indices of ``items`` grouped by ``key(item)``, groups and members in first-seen
+    order: the calls of one shape that a deferred bound forms at once (`LazyRowNorms`,
+    `gram.PendingGram`, `norms.PendingRoot`, `norms.PendingMag`)."""
+    groups: dict = {}
+    for i, it in enumerate(items):
+        groups.setdefault(key(it), []).append(i)
+    return list(groups.values())
 
 
 def resolved(n):
@@ -350,11 +356,16 @@ def resolved(n):
     return n.get() if isinstance(n, LazyRowNorms) else n
 
 
+def cpu_deferral(x: torch.Tensor, defer: bool) -> bool:
+    """Whether bounds of ``x`` may be left to the step's bound computation on the CPU: the
+    engine keeps x until then (``defer``: ``Units.defer``), x on the CPU, ``DEFER_CPU_NORMS``."""
+    return bool(defer) and DEFER_CPU_NORMS and on_cpu(x)
+
+
 def deferrable(x: torch.Tensor, defer: bool) -> bool:
-    """Whether ``x``'s row norms may be deferred (`LazyRowNorms`): the caller keeps x until
-    the bound computation (``defer``), x on the CPU and small, ``DEFER_CPU_NORMS``."""
-    return (defer and DEFER_CPU_NORMS and on_cpu(x)
-            and x.numel() * x.element_size() <= LazyRowNorms.MAX_BYTES)
+    """Whether ``x``'s row norms may be deferred (`LazyRowNorms`): ``cpu_deferral`` and x
+    small."""
+    return cpu_deferral(x, defer) and x.numel() * x.element_size() <= LazyRowNorms.MAX_BYTES
 
 
 def row_norms_maybe_lazy(x: torch.Tensor, defer: bool):

@@ -210,14 +210,20 @@ class Sq:
             if isinstance(self._root, PendingRoot):
                 self._root = self._root.form()
             self._value = self._root.square()
-        elif not isinstance(self._value, torch.Tensor):  # a `gram.PendingGram`: (V, E) both
+        elif self.pending_gram is not None:  # (V, E) both
             self._value, self._err = self._value.form()
         return self._value
 
     @property
+    def pending_gram(self):
+        """The `gram.PendingGram` this `Sq`'s value and err wait for, or None."""
+        v = self._value
+        return v if v is not None and not isinstance(v, torch.Tensor) else None
+
+    @property
     def err(self) -> torch.Tensor:
         if not isinstance(self._err, torch.Tensor):
-            if self._err is self._value:  # a `gram.PendingGram`: ``value`` forms both
+            if self.pending_gram is not None:  # (V, E) both
                 self._value, self._err = self._value.form()
                 return self._err
             self._err = self.value * self._err
@@ -517,7 +523,7 @@ class Units:
         """(``self_norms(x)``, ``lowp.row_norms(g)``): both in one launch when x's are not
         known yet (``lowp.row_norms2``), x's then kept as ``self_norms`` keeps them.
         ``lazy``: either may be a `lowp.LazyRowNorms` (``self_norms``)."""
-        if lazy and self.defer and lowp.DEFER_CPU_NORMS and lowp.on_cpu(g):  # each deferred if small
+        if lazy and lowp.cpu_deferral(g, self.defer):  # each deferred if small
             return self.self_norms(x, lazy=True), lowp.row_norms_maybe_lazy(g, True)
         e = self._entry(x)
         if "norms" in e:
@@ -656,7 +662,7 @@ def linear_mag_parts(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = N
     the row norms deferred too (`lowp.LazyRowNorms`). ``defer="cpu"``: the CPU's deferral
     only. ``norms_g``: ``lowp.row_norms(G3)`` (or its `LazyRowNorms`) if the caller has it
     (the Gram path reads it too)."""
-    lazy = bool(defer) and units is not None and units.defer and lowp.on_cpu(A3) and lowp.DEFER_CPU_NORMS
+    lazy = bool(defer) and units is not None and lowp.cpu_deferral(A3, units.defer)
     if norms_g is not None:
         ng = norms_g
         na = (units.self_norms(A3, lazy=lazy) if units is not None and A3.dtype.is_floating_point
@@ -703,10 +709,7 @@ class PendingRoot:
     def form_all(pending: list[PendingRoot]) -> list[torch.Tensor]:
         """Each one's ``form()``: those of one shape, dtype and device in one reduction."""
         out: list = [None] * len(pending)
-        groups: dict = {}
-        for i, p in enumerate(pending):
-            groups.setdefault((tuple(p.h2.shape), p.h2.dtype, p.h2.device), []).append(i)
-        for idx in groups.values():
+        for idx in lowp.group_by(pending, lambda p: (tuple(p.h2.shape), p.h2.dtype, p.h2.device)):
             if len(idx) == 1:
                 out[idx[0]] = pending[idx[0]].form()
                 continue
@@ -740,10 +743,7 @@ class PendingMag:
         for p in pending:
             p.na, p.ng = lowp.resolved(p.na), lowp.resolved(p.ng)
         out: list = [None] * len(pending)
-        groups: dict = {}
-        for i, p in enumerate(pending):
-            groups.setdefault((tuple(p.na.shape), tuple(p.ng.shape), id(p.units)), []).append(i)
-        for idx in groups.values():
+        for idx in lowp.group_by(pending, lambda p: (tuple(p.na.shape), tuple(p.ng.shape), id(p.units))):
             if len(idx) == 1:
                 out[idx[0]] = pending[idx[0]].form()
                 continue

@@ -29,6 +29,7 @@ import torch
 
 from llmdp.clipping import lowp
 from llmdp.clipping import norms as nb
+from llmdp.clipping.gram import PendingGram
 from llmdp.clipping.lowp import U64, gamma
 from llmdp.clipping.norms import F64, Sq
 
@@ -72,13 +73,11 @@ def _form_pending(sqs: list[Sq]) -> None:
     """The CPU's deferred row norms (`lowp.LazyRowNorms`: of the Gram-path norms and of the
     N_u not formed yet), all at once, then the Gram-path (V, E) (`gram.PendingGram`), those of
     one shape at once."""
-    grams = [s for s in sqs if s._value is not None and not isinstance(s._value, torch.Tensor)]
+    grams = [s for s in sqs if s.pending_gram is not None]
     lazy = [n for s in grams for n in (s._value.na, s._value.ng)]
     lazy += [n for s in sqs if isinstance(s._mag, nb.PendingMag) for n in (s._mag.na, s._mag.ng)]
     lowp.LazyRowNorms.form_all(lazy)
     if grams:
-        from llmdp.clipping.gram import PendingGram
-
         for s, (v, e) in zip(grams, PendingGram.form_all([s._value for s in grams])):
             s._value, s._err = v, e
 

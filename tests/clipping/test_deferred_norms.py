@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from llmdp.clipping import GhostClipper, engine, gram, lowp, norms
+from llmdp.clipping import engine, gram, lowp, norms
 from llmdp.clipping.norms import Units
+from tests.clipping.test_norm_bounds import assert_same_bits, clipped_step
 
 C = 1e-2
 
@@ -171,14 +172,11 @@ def test_the_engine_is_the_same_with_the_deferral_on_or_off(monkeypatch, row_uni
 
     def run(defer: bool):
         monkeypatch.setattr(lowp, "DEFER_CPU_NORMS", defer)
-        sinks = {n: torch.zeros(p.shape) for n, p in model.named_parameters() if p.requires_grad}
         with gram.forced("lowp"):
-            clipper = GhostClipper(model, C, mode="book-keeping", layer_policy="ghost", grad_buffers=sinks)
-            used = clipper.backward(row_losses(model, batch), batch["row_units"])
-        clipper.remove_hooks()
-        return used, sinks
+            return clipped_step(model, lambda: row_losses(model, batch), batch["row_units"], C,
+                                mode="book-keeping", layer_policy="ghost")
 
-    used_a, sinks_a = run(True)
+    a = run(True)
     if 1 in row_units[2:3]:  # row pairs: the Gram path forms per call (its norms with it)
         assert not seen["grams"]
     else:
@@ -186,11 +184,9 @@ def test_the_engine_is_the_same_with_the_deferral_on_or_off(monkeypatch, row_uni
         assert seen["norms"] and max(seen["norms"]) >= 2
     seen["grams"].clear()
     seen["norms"].clear()
-    used_b, sinks_b = run(False)
+    b = run(False)
     assert not seen["grams"] and not any(seen["norms"])
-    assert torch.equal(used_a, used_b)
-    for k in sinks_a:
-        assert torch.equal(sinks_a[k], sinks_b[k]), k
+    assert_same_bits(a, b)
 
 
 @pytest.mark.parametrize("mode", ["book-keeping", "two-pass"])
@@ -218,23 +214,17 @@ def test_instantiated_adapters_are_the_same_with_the_deferral_on_or_off(monkeypa
 
     def run(defer: bool):
         monkeypatch.setattr(lowp, "DEFER_CPU_NORMS", defer)
-        sinks = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
-        clipper = GhostClipper(model, C, mode=mode, layer_policy="instantiate", grad_buffers=sinks)
-        used = clipper.backward(model(x), units)
-        clipper.remove_hooks()
-        return used, sinks
+        return clipped_step(model, lambda: model(x), units, C, mode=mode, layer_policy="instantiate")
 
-    used_a, sinks_a = run(True)
+    a = run(True)
     if mode == "book-keeping":
         assert max(seen["norms"]) >= 2
     else:
         assert not any(seen["norms"])
     seen["norms"].clear()
-    used_b, sinks_b = run(False)
+    b = run(False)
     assert not any(seen["norms"])
-    assert torch.equal(used_a, used_b)
-    for k in sinks_a:
-        assert torch.equal(sinks_a[k], sinks_b[k]), k
+    assert_same_bits(a, b)
     assert engine.WINDOWS >= 2
 
 

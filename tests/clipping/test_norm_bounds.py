@@ -26,6 +26,25 @@ C = 1e-6
 SLACK = 1 + 1e-6  # what the acceptance criterion allows over C (the bound itself gives ≤ C)
 
 
+def clipped_step(model, losses, units, max_grad_norm=C, **kw):
+    """(norms used, sinks by parameter name) of one engine step on ``losses()`` (called after
+    the clipper hooks the model), float32 sinks like the parameters; hooks removed."""
+    sinks = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    clipper = GhostClipper(model, max_grad_norm, grad_buffers=sinks, **kw)
+    used = clipper.backward(losses(), units)
+    clipper.remove_hooks()
+    return used, sinks
+
+
+def assert_same_bits(a, b) -> None:
+    """Two ``clipped_step`` results equal bit for bit: the norms used and every sink."""
+    (used_a, sinks_a), (used_b, sinks_b) = a, b
+    assert torch.equal(used_a, used_b)
+    assert sinks_a.keys() == sinks_b.keys()
+    for k in sinks_a:
+        assert torch.equal(sinks_a[k], sinks_b[k]), k
+
+
 def _exact_sum(x: torch.Tensor) -> torch.Tensor:
     """Σ over dim 0 of float64 values, compensated (Ogita–Rump–Oishi Sum2): within
     u·|s| + γ_n²·Σ|x| of the exact sum, i.e. exact to float64's last bit here."""
@@ -598,22 +617,18 @@ def test_deferred_mags_change_no_bit_of_the_norms_or_the_sums(monkeypatch, mode)
 
     def run(defer: bool):
         monkeypatch.setattr(norms, "DEFER_MAG", defer)
-        sinks = {f"{i}.{n}": torch.zeros_like(p) for i, m in enumerate(model) for n, p in m.named_parameters()}
-        clipper = GhostClipper(model, C, mode=mode, layer_policy="instantiate", grad_buffers=sinks)
-        used = clipper.backward(model(x).square().mean((1, 2)), units)
-        return used, sinks
+        return clipped_step(model, lambda: model(x).square().mean((1, 2)), units, mode=mode,
+                            layer_policy="instantiate")
 
     batched = []
     real = norms.PendingMag.form_all
     monkeypatch.setattr(norms.PendingMag, "form_all", staticmethod(lambda p: (batched.append(len(p)), real(p))[1]))
-    used_a, sinks_a = run(True)
+    a = run(True)
     assert batched and max(batched) == 3  # the three calls' N_u, formed together
     batched.clear()
-    used_b, sinks_b = run(False)
+    b = run(False)
     assert not batched
-    assert torch.equal(used_a, used_b)
-    for k in sinks_a:
-        assert torch.equal(sinks_a[k], sinks_b[k]), k
+    assert_same_bits(a, b)
 
 
 @pytest.mark.parametrize("mode", ["book-keeping", "two-pass"])
@@ -632,10 +647,8 @@ def test_deferred_roots_change_no_bit_of_the_norms_or_the_sums(monkeypatch, mode
 
     def run(defer: bool):
         monkeypatch.setattr(norms, "DEFER_ROOT", defer)
-        sinks = {f"{i}.{n}": torch.zeros_like(p) for i, m in enumerate(model) for n, p in m.named_parameters()}
-        clipper = GhostClipper(model, C, mode=mode, layer_policy="instantiate", grad_buffers=sinks)
-        used = clipper.backward(model(x).square().mean((1, 2)), units)
-        return used, sinks
+        return clipped_step(model, lambda: model(x).square().mean((1, 2)), units, mode=mode,
+                            layer_policy="instantiate")
 
     groups = []
     real = norms.PendingRoot.form_all
@@ -646,11 +659,9 @@ def test_deferred_roots_change_no_bit_of_the_norms_or_the_sums(monkeypatch, mode
         return real(pending)
 
     monkeypatch.setattr(norms.PendingRoot, "form_all", staticmethod(spy))
-    used_a, sinks_a = run(True)
+    a = run(True)
     assert groups and max(groups) >= 2  # the two 24x24 weights' norms in one reduction
     groups.clear()
-    used_b, sinks_b = run(False)
+    b = run(False)
     assert not groups
-    assert torch.equal(used_a, used_b)
-    for k in sinks_a:
-        assert torch.equal(sinks_a[k], sinks_b[k]), k
+    assert_same_bits(a, b)

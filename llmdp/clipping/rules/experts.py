@@ -425,7 +425,7 @@ class ExpertsRule(LayerRule):
                 # sum is that value exactly, and its cast back too, so the tiles are added
                 # in the expert's slice of the result itself (the same roundings)
                 one = hi - lo <= TILE * FLUSH
-                acc32 = acc64 = None
+                acc32 = acc64 = part = None
                 for i, p0 in enumerate(range(lo, hi, TILE)):
                     p1 = min(hi, p0 + TILE)
                     xs, ys = x[p0:p1].to(dt), y[p0:p1].to(dt)
@@ -435,7 +435,6 @@ class ExpertsRule(LayerRule):
                         ys = ys * f[p0:p1]
                     if acc32 is None:
                         acc32 = torch.mm(xs.t(), ys, out=out[ex]) if one else xs.t() @ ys
-                        part = None
                     else:
                         part = torch.mm(xs.t(), ys, out=part) if part is not None else xs.t() @ ys
                         acc32.add_(part)
