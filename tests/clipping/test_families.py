@@ -396,3 +396,42 @@ def test_gpt_oss_with_its_own_attention_sinks_and_sliding_window_is_exact():
     ref_norms, ref_sum = per_unit_reference(model, batch, 0.05)
     assert all(float(ref_sum[f"model.layers.{i}.self_attn.sinks"].abs().max()) > 0 for i in (0, 1))
     assert_matches_reference(model, batch, ref=(ref_norms, ref_sum))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "cohere"])
+def test_the_generic_rule_reruns_the_units_of_one_size_together_exactly(family, monkeypatch):
+    """The generic rule re-runs the units of one size at once (vmap of the same per-unit
+    VJP): here units 0, 2 and 3 (one row each) together, unit 1 (two rows) alone, in every
+    call the rule serves — and the result is the per-unit reference's, and the one-unit-at-
+    a-time loop's."""
+    from llmdp.clipping.rules import functional as fn
+
+    model = family_model(family)
+    batch = make_batch([0, 1, 1, -1, 2, 3])
+    ref_norms, ref_sum = per_unit_reference(model, batch, 0.05)
+    alone, left = [], []
+    vjp, batched = fn.FunctionalRule._vjp, fn.FunctionalRule._batched
+
+    def spy_vjp(self, *a, **k):
+        alone.append(1)
+        return vjp(self, *a, **k)
+
+    def spy_batched(self, *a, **k):
+        got = batched(self, *a, **k)
+        left.append(got)
+        return got
+
+    monkeypatch.setattr(fn.FunctionalRule, "_vjp", spy_vjp)
+    monkeypatch.setattr(fn.FunctionalRule, "_batched", spy_batched)
+    norms, got = _clipped(model, batch, mode="book-keeping")
+    assert left and all(x == [1] for x in left), left  # every call: only unit 1 left to the loop
+    assert len(alone) == len(left)
+    monkeypatch.setattr(fn, "BATCHED", False)
+    loop_norms, loop = _clipped(model, batch, mode="book-keeping")
+    assert len(alone) == len(left) * 5  # the loop: units 0-3 one at a time
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
+    torch.testing.assert_close(norms, loop_norms, rtol=1e-12, atol=0)
+    scale = max(float(r.abs().max()) for r in ref_sum.values())
+    for n, g in got.items():
+        torch.testing.assert_close(g, ref_sum[n], rtol=1e-9, atol=1e-12 * scale, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(g, loop[n], rtol=1e-12, atol=1e-15 * scale, msg=lambda m, n=n: f"{n}: {m}")

@@ -24,12 +24,21 @@ for experts, U × the experts' size, which a ghost rule for experts would avoid)
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from llmdp.clipping.audit import UnsupportedModuleError
 from llmdp.clipping.norms import LayerRule
 
 __all__ = ["FunctionalRule", "PROBE_ULPS", "SubtreeRule"]
+
+BATCHED = True  # units of one size re-run together under vmap (``FunctionalRule._batched``)
+
+
+def _batched_ok(module, rule) -> bool:
+    """vmap is torch.func's: the rule's own ``_vjp`` is (the subtree rule's is not)."""
+    return BATCHED and type(rule)._vjp is FunctionalRule._vjp
 
 PROBE_ULPS = 16  # re-run outputs within 16 ulps (of the output dtype, at its scale) of the batch's
 
@@ -48,6 +57,17 @@ def _cut(x, rows_n: int, pos_n: int, rows: torch.Tensor, pos: torch.Tensor):
     if isinstance(x, dict):
         return {k: _cut(v, rows_n, pos_n, rows, pos) for k, v in x.items()}
     return x
+
+
+def _cut_stack(x, by_len, out: bool = False):
+    """(x cut for a stack of units, True), or (x, False) where it is passed as it is: the
+    first (length, index [n, L]) of ``by_len`` whose length is x's leading dimension gives
+    x[index], [n, L, ...] (``_cut``'s tensors of rank >= 2; any rank >= 1 for an output)."""
+    if isinstance(x, torch.Tensor) and x.dim() >= (1 if out else 2):
+        for n, index in by_len:
+            if x.shape[0] == n:
+                return x[index], True
+    return x, False
 
 
 def _cut_output(t: torch.Tensor, rows_n: int, pos_n: int, rows, pos, name: str,
@@ -86,7 +106,10 @@ class FunctionalRule(LayerRule):
         R, k = unit_of_row.numel(), call.per_row
         unit_of_pos = unit_of_row.repeat_interleave(k) if k > 1 else unit_of_row
         G = rec.G if isinstance(rec.G, tuple) else (rec.G,)
-        for u in range(U):
+        todo = range(U)
+        if _batched_ok(module, self):
+            todo = self._batched(module, params, frozen, call, G, units, out, name)
+        for u in todo:
             rows = (unit_of_row == u).nonzero().flatten()
             if rows.numel() == 0:
                 continue
@@ -109,6 +132,84 @@ class FunctionalRule(LayerRule):
             for n in params:
                 out[n][u] = grads[n]
         return out
+
+    def _batched(self, module, params, frozen, call, G, units, out, name) -> list[int]:
+        """The units of one size (rows, and so positions) re-run at once: ``torch.func.vmap``
+        of the same per-unit VJP over a [n, ...] stack of their cut tensors, each unit's
+        slice its own re-run (vmap keeps them apart by construction). Fills ``out`` for those
+        units and returns the units left to the loop (all of them where the module cannot
+        run under vmap: a custom autograd Function, random numbers, a data-dependent
+        shape)."""
+        from torch.func import functional_call, vjp, vmap
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        unit_of_row = units.unit_of_row
+        R, k, U = unit_of_row.numel(), call.per_row, units.num_units
+        real = unit_of_row >= 0
+        counts = torch.bincount(unit_of_row[real], minlength=U).tolist()  # one sync
+        order = torch.argsort(torch.where(real, unit_of_row, U), stable=True)  # rows by unit
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        by_size: dict[int, list[int]] = {}
+        for u, c in enumerate(counts):
+            if c:
+                by_size.setdefault(c, []).append(u)
+        diff = call.diff
+        first = next((a for a in call.args if isinstance(a, torch.Tensor)), None)  # as _flat_positions
+        T = first.shape[1] if first is not None and first.dim() >= 3 and first.shape[0] == R else None
+        left: list[int] = []
+        for c, us in by_size.items():
+            if len(us) < 2:
+                left += us
+                continue
+            n = len(us)
+            dev = unit_of_row.device
+            idx = torch.tensor([starts[u] for u in us], device=dev)[:, None] + torch.arange(c, device=dev)
+            rows = order[idx]  # [n, c], each unit's rows ascending (a stable sort)
+            pos = (rows[..., None] * k + torch.arange(k, device=dev)).reshape(n, c * k)
+            flat = (rows[..., None] * T + torch.arange(T, device=dev)).reshape(n, c * T) \
+                if k == 1 and T is not None and T > 1 else None
+
+            leaves, spec = tree_flatten((call.args, call.kwargs))
+            by_len = [(R * k, pos), (R, rows)]  # as _cut: positions first, then rows
+            cuts = [_cut_stack(x, by_len) for x in leaves]
+            if flat is not None:
+                by_len.append((R * T, flat))  # as _cut_output: outputs also by flat positions
+            outs = [_cut_stack(t, by_len, out=True) for t in (*G, *call.outputs)]
+            if not all(b for _, b in outs):
+                left += us  # the loop names the output that has no batch dimension
+                continue
+            batched = [x for x, b in cuts if b]
+
+            def one(bl, cot, lv=cuts, sp=spec):
+                it = iter(bl)
+                args, kwargs = tree_unflatten([next(it) if b else x for x, b in lv], sp)
+
+                def f(p):
+                    o = functional_call(module, {**p, **frozen}, args, kwargs)
+                    o = o if type(o) in (tuple, list) else (o,)
+                    return tuple(o[i] for i in diff)
+
+                got, pullback = vjp(f, params)
+                return got, pullback(cot)[0]
+
+            cot = tuple(x for x, _ in outs[:len(G)])
+            want = tuple(x for x, _ in outs[len(G):])
+            try:
+                with warnings.catch_warnings():  # an op without a batching rule is looped by
+                    warnings.filterwarnings("ignore", message="There is a performance drop")  # vmap
+                    got, grads = vmap(one)(batched, cot)
+            except UnsupportedModuleError:
+                raise
+            except Exception:  # not vmappable: the same re-runs one unit at a time
+                left += us
+                continue
+            _probe(got, want, name)
+            ui = torch.tensor(us, device=dev)
+            for pn in params:
+                out[pn][ui] = grads[pn].to(out[pn].dtype)
+        return sorted(left)
 
     def _vjp(self, module, params, frozen, args, kwargs, diff, cot, want, name):
         """(the unit's outputs, its gradients by parameter name): torch.func on the
