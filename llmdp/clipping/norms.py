@@ -514,6 +514,18 @@ class Units:
             e["norms"] = lowp.row_norms_maybe_lazy(x, self.defer)
         return e["norms"] if lazy else self._resolved(e)
 
+    def know_norms(self, x: torch.Tensor, norms: torch.Tensor) -> None:
+        """Give x's row norms, taken otherwise (``lowp.row_norms`` of the rows x was
+        gathered from: the experts rule's padded chunks, whose padding rows are a zero row
+        of norm 0): ``self_norms`` and ``norms_pair`` return them for x. A row's bound does
+        not depend on the rows reduced with it (``lowp.row_norms``: one reduction per row)."""
+        self._entry(x)["norms"] = norms
+
+    def _known_norms(self, x: torch.Tensor):
+        # the same memory seen the same way (the entry keeps its tensor alive: not reused)
+        e = self._grams.get((x.data_ptr(), x.device, x.dtype, tuple(x.shape), tuple(x.stride())))
+        return None if e is None else e.get("norms")
+
     @staticmethod
     def _resolved(e: dict) -> torch.Tensor:
         e["norms"] = lowp.resolved(e["norms"])
@@ -523,6 +535,9 @@ class Units:
         """(``self_norms(x)``, ``lowp.row_norms(g)``): both in one launch when x's are not
         known yet (``lowp.row_norms2``), x's then kept as ``self_norms`` keeps them.
         ``lazy``: either may be a `lowp.LazyRowNorms` (``self_norms``)."""
+        known = self._known_norms(g)
+        if known is not None:
+            return self.self_norms(x, lazy=lazy), known
         if lazy and lowp.cpu_deferral(g, self.defer):  # each deferred if small
             return self.self_norms(x, lazy=True), lowp.row_norms_maybe_lazy(g, True)
         e = self._entry(x)

@@ -253,3 +253,42 @@ def test_the_cpu_weight_sum_is_the_documented_one_bit_for_bit(monkeypatch):
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert torch.equal(got, want)
     assert not got[0].any() and not got[-1].any() and got[1:-1].abs().amax(dim=(1, 2)).min() > 0
+
+
+def test_the_chunks_row_norms_are_the_pairs_taken_once_and_bound_every_row(monkeypatch):
+    """The norms' chunks take their row norms from the pairs' (one ``row_norms`` per pair
+    tensor, gathered; the padding rows are the zero row): in float32, every chunk row's
+    norm is ≥ its exact norm, 0 exactly for the padding rows, and ``row_norms`` runs
+    twice per virtual Linear, never on a chunk."""
+    from llmdp.clipping import lowp
+    from llmdp.clipping import norms as nb
+
+    for k, v in FINE.items():
+        monkeypatch.setattr(ex, k, v)
+    given, taken = [], []
+    know, rn = nb.Units.know_norms, lowp.row_norms
+
+    def spy_know(self, x, n):
+        given.append((x, n))
+        return know(self, x, n)
+
+    def spy_rn(x):
+        taken.append(tuple(x.shape))
+        return rn(x)
+
+    monkeypatch.setattr(nb.Units, "know_norms", spy_know)
+    monkeypatch.setattr(lowp, "row_norms", spy_rn)
+    m, x = block("qwen3_moe")
+    m.float()
+    engine_step(m, x.float(), 1.0)
+    assert len(taken) == 4 and all(len(s) == 2 for s in taken), taken  # [P + 1, ·] x 2 x 2
+    assert len(given) > 4  # several chunks, A and G each
+    padding = 0
+    for xs, n in given:
+        exact = xs.double().norm(dim=-1)
+        assert n.dtype == torch.float64 and n.shape == exact.shape
+        assert (n >= exact).all()
+        zero = ~xs.bool().any(-1)
+        padding += int(zero.sum())
+        assert (n[zero] == 0).all() and (n[~zero] > 0).all()
+    assert padding > 0

@@ -160,15 +160,21 @@ class _Pairs:
             out.append((cur, M))
         return out
 
+    def rows(self, groups: torch.Tensor, M: int, live: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, M]: the pair rows of the given groups, each group padded to M with the zero
+        row (a group where ``live`` is False: all the zero row)."""
+        dev = groups.device
+        j = torch.arange(M, device=dev)
+        valid = j < self.dev_size[groups][:, None]
+        if live is not None:
+            valid = valid & live[:, None]
+        return torch.where(valid, self.dev_ptr[groups][:, None] + j, self.a_up.shape[0] - 1)
+
     def padded(self, x: torch.Tensor, groups: torch.Tensor, M: int,
                live: torch.Tensor | None = None) -> torch.Tensor:
         """x's rows of the given groups as [B, M, ·], each group zero-padded to M rows (a
         group where ``live`` is False: all zero rows)."""
-        j = torch.arange(M, device=x.device)
-        valid = j < self.dev_size[groups][:, None]
-        if live is not None:
-            valid = valid & live[:, None]
-        return x[torch.where(valid, self.dev_ptr[groups][:, None] + j, x.shape[0] - 1)]
+        return x[self.rows(groups, M, live)]
 
 
 class ExpertsRule(LayerRule):
@@ -252,22 +258,39 @@ class ExpertsRule(LayerRule):
             ptr.append(ptr[-1] + n)
         live = [ex for ex in range(E) if n_e[ex]] or [0]  # one empty product keeps the shapes
 
+        P = ptr[-1]
+
+        def gathered(x, scale=None):
+            """x's rows of the pairs, [P + 1, ·], the last row zero (padding points there);
+            times each pair's weight where ``scale`` is given."""
+            out = x.new_empty((P + 1, x.shape[1]))
+            torch.index_select(x.detach(), 0, t, out=out[:P])
+            if scale is not None:
+                out[:P].mul_(scale[:, None].to(out.dtype))
+            out[P].zero_()
+            return out
+
         def per_expert(v, W, B, flip):
             """v's rows of each expert times its matrix (W[e] used as x @ W[e], or its
-            transpose when ``flip``), plus its bias: [P, ·]."""
-            outs = []
+            transpose when ``flip``), plus its bias: [P + 1, ·], each expert's rows written
+            in place (no concatenation), the last row zero."""
+            n = W.shape[1] if flip else W.shape[2]
+            out = v.new_empty((P + 1, n), dtype=torch.result_type(v, W))
             for ex in live:
-                m = W[ex].t() if flip else W[ex]
-                o = v[ptr[ex]:ptr[ex + 1]] @ m
-                outs.append(o + B[ex] if B is not None else o)
-            outs.append(outs[0].new_zeros((1, outs[0].shape[1])))  # the zero row
-            return torch.cat(outs)
+                lo, hi = ptr[ex], ptr[ex + 1]
+                if hi == lo:
+                    continue
+                torch.mm(v[lo:hi].detach(), W[ex].t() if flip else W[ex], out=out[lo:hi])
+                if B is not None:
+                    out[lo:hi].add_(B[ex])
+            out[P].zero_()
+            return out
 
-        a = X[t]
-        y1 = per_expert(a, W1, B1, not tr).detach().requires_grad_(True)
+        a = gathered(X)
+        y1 = per_expert(a, W1, B1, not tr).requires_grad_(True)
         with torch.enable_grad():
             h = module._apply_gate(y1) if module.has_gate else module.act_fn(y1)
-        g2 = Gout[t] * wt[:, None].to(Gout.dtype)
+        g2 = gathered(Gout, wt)
         dh = per_expert(g2, W2, None, tr)  # its zero row makes g1's zero
         g1, = torch.autograd.grad(h, y1, dh.to(h.dtype))
         h = h.detach()
@@ -277,7 +300,6 @@ class ExpertsRule(LayerRule):
             out = torch.zeros_like(Gout, dtype=F64).index_add_(0, t, (o * wt[:, None].to(o.dtype)).to(F64))
             real = (uop >= 0)[:, None]
             self._probe(module, out * real, rec.call.outputs[0] * real, name)
-        a, g2 = (torch.cat([v, v.new_zeros((1, v.shape[1]))]) for v in (a, g2))
         pairs = _Pairs(a, g1.detach(), h, g2, u[sel], e[sel], n_e, cnt, U)
         _same_as_before(rec.call, pairs, name)
         return pairs
@@ -322,12 +344,18 @@ class ExpertsRule(LayerRule):
             chunks = pairs.chunks(A.shape[-1] + G.shape[-1])
             # every chunk's groups from one host-to-device copy (slices of it: views)
             order = torch.tensor([g for groups, _ in chunks for g in groups], dtype=torch.long, device=dev)
+            # each pair's row norms once, gathered per chunk (a chunk's padding rows are the
+            # zero row, of norm exactly 0): not one reduction per chunk over its padding too
+            norms_A, norms_G = lowp.row_norms(A), lowp.row_norms(G)
             o0 = 0
             for groups, M in chunks:
                 gi, o0 = order[o0:o0 + len(groups)], o0 + len(groups)
-                A3, G3 = pairs.padded(A, gi, M), pairs.padded(G, gi, M)
+                idx = pairs.rows(gi, M)
+                A3, G3 = A[idx], G[idx]
                 B = len(groups)
                 sub = Units(torch.arange(B, device=dev), B, True)  # each group its own unit
+                sub.know_norms(A3, norms_A[idx])
+                sub.know_norms(G3, norms_G[idx])
                 r = Record(stub, lin, A3)
                 r.G = G3
                 if lin.choose_ghost(stub, A3, G3, self._policy, B):
