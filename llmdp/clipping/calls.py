@@ -60,6 +60,9 @@ class Call:
     per_row: int  # positions of the first tensor input per batch row
     units: Any = None  # the batch's `Units`, set by the engine when the output gradient arrives
     derived: Any = None  # a rule's fingerprint of what it derived from G (two-pass: pass 2 checks it)
+    # A rule's own forward that hands the output gradients on later in the same backward
+    # (``hold``/``fire``: rules/experts.py, which waits for the gradient inside the call)
+    late: Any = None
 
 
 class TapMany(torch.autograd.Function):
@@ -73,7 +76,11 @@ class TapMany(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gs):
-        ctx.clipper._on_output_grad(ctx.rec, tuple(gs))
+        late = ctx.rec.call.late if ctx.rec.call is not None else None
+        if late is not None:  # handed to the clipper when the call's inner gradient arrives
+            late.hold(ctx.clipper, ctx.rec, tuple(gs))
+        else:
+            ctx.clipper._on_output_grad(ctx.rec, tuple(gs))
         return (None, None, None, *gs)
 
 

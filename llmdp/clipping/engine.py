@@ -287,6 +287,8 @@ class GhostClipper:
                 owners[id(p)] = owners.get(id(p), 0) + 1
                 self._pids[(module, pname)] = id(p)
             self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True))
+            if hasattr(rule, "install"):  # a rule that runs the module's forward itself
+                self._handles.append(rule.install(module, self))
         # Which parameters have several uses (tied input embedding and LM head, a module
         # called twice) is counted per micro-batch from the recorded calls (_multi_use).
         missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in owners]
@@ -366,6 +368,8 @@ class GhostClipper:
         first = tensors_in(args, kwargs)
         rec = Record(module, rule, first[0].detach(), sum(o.numel() * o.element_size() for o in outs))
         rec.call = call
+        if hasattr(rule, "on_record"):
+            rule.on_record(module, rec)
         self._records.append(rec)
         self._audit.record(module, rule.params(module), list(outs), first, len(self._records) - 1)
         return rebuild(TapMany.apply(self._anchor, self, rec, *outs))

@@ -117,9 +117,17 @@ def layout(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["own", "recompute"])
+def forward(request, monkeypatch):
+    """own: the rule's own forward keeps the activation and the inner gradient (the CPU's
+    default); recompute: transformers' kernel runs, the rule recomputes them (CUDA's)."""
+    monkeypatch.setattr(ex, "OWN_FORWARD", request.param == "own")
+    return request.param
+
+
 @pytest.mark.parametrize("family", MOE)
 @pytest.mark.parametrize("policy", ["ghost", "instantiate"])
-def test_batched_experts_against_per_unit_references(family, policy, layout):
+def test_batched_experts_against_per_unit_references(family, policy, layout, forward):
     m, x = block(family)
     ref_norms, _ = per_unit_reference(m, x, 1.0)
     C = float(ref_norms.median())  # some units clipped, some not
@@ -128,7 +136,7 @@ def test_batched_experts_against_per_unit_references(family, policy, layout):
     for mode in ("book-keeping", "two-pass"):
         norms, got = engine_step(m, x, C, mode=mode, layer_policy=policy)
         torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0,
-                                   msg=lambda s, mode=mode: f"{family} {policy} {layout} {mode}: {s}")
+                                   msg=lambda s, mode=mode: f"{family} {policy} {layout} {forward} {mode}: {s}")
         assert set(got) == set(ref_sum)
         for n, g in got.items():
             scale = float(ref_sum[n].abs().max())
@@ -167,7 +175,7 @@ def test_the_layout_cases_are_reached(monkeypatch):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("mode", ["book-keeping", "two-pass"])
-def test_neighbouring_batches_differ_by_at_most_C(family, mode, layout):
+def test_neighbouring_batches_differ_by_at_most_C(family, mode, layout, forward):
     """What is added for the batch and for the batch less one unit (its row made padding,
     everything else the same) differ by that unit's clipped gradient: at most C."""
     m, x = block(family)
@@ -292,3 +300,34 @@ def test_the_chunks_row_norms_are_the_pairs_taken_once_and_bound_every_row(monke
         padding += int(zero.sum())
         assert (n[zero] == 0).all() and (n[~zero] > 0).all()
     assert padding > 0
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_the_own_forward_is_the_blocks_and_a_plain_backward_gets_every_gradient(family, monkeypatch):
+    """While a clipper records, the block runs the rule's forward: its output is the
+    block's own (float64, to rounding), a plain backward through it (no clipper backward)
+    gets the block's parameter and input gradients, the clipper's backward takes the
+    captured path (no recompute), and removing the hooks restores the block's forward."""
+    m, x = block(family)
+    x = x.clone().requires_grad_(True)
+    want = m(x)
+    want_grads = torch.autograd.grad(want.sum(), [x, *m.experts.parameters()])
+    clipper = GhostClipper(m, 1.0)
+    assert "forward" in m.experts.__dict__
+    got = m(x)
+    assert m.experts.__dict__["_llmdp_own"].pending() is not None  # the own forward ran
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    got_grads = torch.autograd.grad(got.sum(), [x, *m.experts.parameters()])
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    used = []
+    captured = ex.ExpertsRule._captured
+
+    def spy(self, *a, **k):
+        used.append(1)
+        return captured(self, *a, **k)
+    monkeypatch.setattr(ex.ExpertsRule, "_captured", spy)
+    clipper.backward(m(x), torch.tensor(ROW_UNITS))
+    assert used == [1]
+    clipper.remove_hooks()
+    assert "forward" not in m.experts.__dict__ and "_llmdp_own" not in m.experts.__dict__

@@ -285,10 +285,14 @@ def test_the_load_balancing_aux_loss_is_never_part_of_a_units_loss():
     torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=0)
 
 
-def test_two_pass_refuses_experts_recomputed_differently_in_the_second_pass():
+def test_two_pass_refuses_experts_recomputed_differently_in_the_second_pass(monkeypatch):
     """Two-pass recomputes the experts' derived tensors (the up projection's output
     gradient, the activation) in pass 2; if they are not pass 1's bit for bit (a
-    non-deterministic kernel), what would be added is not what was measured: refused."""
+    non-deterministic kernel), what would be added is not what was measured: refused.
+    (The recompute: transformers' kernel runs the forward, ``OWN_FORWARD`` off.)"""
+    from llmdp.clipping.rules import experts as ex
+
+    monkeypatch.setattr(ex, "OWN_FORWARD", False)
     model = family_model("qwen3_moe")
     experts = model.model.layers[0].mlp.experts
     calls = [0]
@@ -303,6 +307,29 @@ def test_two_pass_refuses_experts_recomputed_differently_in_the_second_pass():
     with pytest.raises(RuntimeError, match="recomputing the experts.*second pass"):
         _clipped(model, batch, mode="two-pass")
     experts._apply_gate = lambda y: experts.act_fn(y.chunk(2, dim=-1)[0]) * y.chunk(2, dim=-1)[1]
+    norms, _ = _clipped(model, batch, mode="two-pass")  # deterministic: accepted
+    assert torch.isfinite(norms).all()
+
+
+def test_two_pass_refuses_a_captured_inner_gradient_that_differs_in_the_second_pass(monkeypatch):
+    """The experts rule's own forward keeps the activation and takes the gradient at the
+    up projection's output from the backward itself (``_Inner``): pass 2's must be pass
+    1's bit for bit (a non-deterministic backward kernel would break it): refused."""
+    from llmdp.clipping.rules import experts as ex
+
+    model = family_model("qwen3_moe")
+    batch = make_batch([0, 1, 2])
+    seen = [0]
+    fire = ex._Late.fire
+
+    def drifting(self, g1):
+        seen[0] += 1
+        return fire(self, g1 * (1 + 1e-12 * seen[0]))
+
+    monkeypatch.setattr(ex._Late, "fire", drifting)
+    with pytest.raises(RuntimeError, match="recomputing the experts.*second pass"):
+        _clipped(model, batch, mode="two-pass")
+    monkeypatch.setattr(ex._Late, "fire", fire)
     norms, _ = _clipped(model, batch, mode="two-pass")  # deterministic: accepted
     assert torch.isfinite(norms).all()
 

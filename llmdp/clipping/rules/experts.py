@@ -52,6 +52,22 @@ A *group* is one unit's pairs on one expert.
   is 0 (a unit clipped to nothing, non-finite, or recomputed exactly) is zeroed first: it
   adds exactly 0, and a non-finite value cannot reach the sum.
 
+Own forward (the CPU). While a clipper records on the CPU (no autocast, the parameters in
+the input's dtype), the block runs this rule's forward instead of transformers' kernel
+(``_Own``: installed by the engine, removed with its hooks): the same Σ w·down(act(up(x)))
+with the module's own ``_apply_gate`` / ``act_fn``, its pairs sorted by (expert, token), one
+GEMM per expert into its rows (``_ExpertsLinear``, whose backward forms no weight gradient
+in the engine's backward, which asks for none, and every asked gradient otherwise); its
+first call is checked against the module's own forward (``PROBE_REL``). It keeps x's rows
+and the activation, and an identity on the up projection's output (``_Inner``) takes that
+gradient in the backward: the call's taps hold its output gradients until then
+(``calls.Call.late``), so the norms find all four pair tensors without recomputing any (the
+recompute's two GEMMs per expert and its VJP are gone). The pairs are re-sorted by unit
+only where the forward's (expert, token) order is not already (expert, unit); book-keeping
+then drops the forward's references (its pairs are copies with the zero row). Two-pass
+checks pass 2's captured tensors bit for bit as it checks the recompute's. CUDA keeps the
+recompute (transformers' grouped kernel) until the GPU issue measures this path.
+
 Memory: the four pair tensors ([P, d], [P, 2I], [P, I], [P, d]: as much as the experts'
 own forward keeps), kept in book-keeping until the clipped sum (two-pass recomputes them
 in the second pass and checks that they are the first pass's bit for bit, as the engine
@@ -80,7 +96,7 @@ import torch
 
 from llmdp.clipping import lowp
 from llmdp.clipping.audit import UnsupportedModuleError
-from llmdp.clipping.calls import tensors_in
+from llmdp.clipping.calls import rerunning, tensors_in
 from llmdp.clipping.lowp import U32, U64, gamma
 from llmdp.clipping.norms import F64, LayerRule, Record, Sq, Units, fingerprint, register_rule, up
 from llmdp.clipping.rules.linear import LinearRule
@@ -96,6 +112,10 @@ PAD_RATIO = 0.75  # a group joins a norm chunk with at least this part of its pa
 PAD_MIN = 16  # or when the chunk is this short (small groups together)
 TILE = 256  # pairs of one expert in one float32 GEMM of the clipped sum
 FLUSH = 16  # tiles added in float32 before their sum goes to the float64 one
+# On the CPU, while a clipper records, the block runs this rule's forward (``_Own``): the
+# same Σ w·down(act(up(x))), in an order the rule knows, keeping what the norms need
+# instead of recomputing it in the backward. False: transformers' kernel, and the recompute.
+OWN_FORWARD = True
 
 
 def is_experts(module) -> bool:
@@ -213,6 +233,64 @@ class ExpertsRule(LayerRule):
         self._policy = policy  # read by _sq, right after, in the same backward step
         return True  # norms below (ghost or instantiated per chunk), the sum by contraction
 
+    # ------------------------------------------------------------------ own forward
+    def install(self, module, engine):
+        """Run ``module``'s forward as `_Own` does while ``engine`` records (the engine
+        calls this once per module; the returned handle's ``remove`` undoes it)."""
+        own = module.__dict__.get("_llmdp_own")
+        if own is None:
+            own = _Own(module, self, module.__dict__.get("forward"))
+            module.__dict__["_llmdp_own"] = own
+            module.__dict__["forward"] = own
+        own.engines.add(engine)
+        return _Uninstall(module, own, engine)
+
+    def on_record(self, module, rec: Record) -> None:
+        """The engine recorded a call: if this rule's forward ran it, the call's output
+        gradients wait for the inner gradient (``calls.Call.late``)."""
+        own = module.__dict__.get("_llmdp_own")
+        late = own.pending() if own is not None and own.pending is not None else None
+        out = rec.call.outputs[0] if rec.call.outputs else None
+        if late is not None and out is not None and out.data_ptr() == late.out_ptr and out.dim() == 2:
+            rec.call.late = late
+
+    def _forward(self, module, X, idx, w, engines):
+        """(Σ w·down(act(up(x))) per token, its `_Late`), or None for a routing this forward
+        does not take (an expert index out of range: transformers' own kernel runs)."""
+        N, K = idx.shape
+        E = module.down_proj.shape[0]
+        dev = X.device
+        upn, upb, dnn, dnb = self._names(module)
+        if any(getattr(module, n).dtype != X.dtype for n in (upn, upb, dnn, dnb) if n):
+            return None
+        e = idx.reshape(-1).long()
+        if bool(((e < 0) | (e >= E)).any()):
+            return None
+        tok = torch.arange(N, device=dev).repeat_interleave(K)
+        order = torch.argsort(e * N + tok)  # by expert, then token (the keys are distinct)
+        t, es = tok[order], e[order]
+        n_e = torch.bincount(es, minlength=E).tolist()  # one sync
+        ptr = [0]
+        for n in n_e:
+            ptr.append(ptr[-1] + n)
+        W1, W2 = getattr(module, upn), getattr(module, dnn)
+        B1 = getattr(module, upb) if upb else None
+        B2 = getattr(module, dnb) if dnb else None
+        flip = not module.is_transposed
+        wt = w.reshape(-1)[order]
+        late = _Late(t, es, wt.detach(), n_e)
+        a = X[t]
+        refs = tuple(weakref.ref(e) for e in engines)
+        y1 = _Inner.apply(late, _experts_mm(a, W1, B1, ptr, flip, refs), *(e._anchor for e in engines))
+        h = module._apply_gate(y1) if module.has_gate else module.act_fn(y1)
+        o = _experts_mm(h, W2, B2, ptr, flip, refs)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=dev)
+        # as transformers' kernels: each pair's output times its weight, a token's K summed
+        out = (o * wt.unsqueeze(-1))[inv].view(N, K, o.shape[-1]).sum(dim=1).to(X.dtype)
+        late.a, late.h, late.out_ptr = a.detach(), h.detach(), out.data_ptr()
+        return out, late
+
     def _pairs(self, rec: Record, units: Units) -> _Pairs:
         cache = rec.cache
         if cache is not None and cache[0] is rec.G:
@@ -224,6 +302,8 @@ class ExpertsRule(LayerRule):
     def _build(self, rec: Record, units: Units) -> _Pairs:
         module, call = rec.module, rec.call
         name = type(module).__name__
+        if call.late is not None and call.late.g1 is not None:
+            return self._captured(rec, units, call.late, name)
         ts = tensors_in(call.args, call.kwargs)
         if len(ts) != 3 or ts[0].dim() != 2 or ts[1].shape != ts[2].shape or ts[1].dim() != 2 \
                 or ts[1].is_floating_point():
@@ -302,6 +382,34 @@ class ExpertsRule(LayerRule):
             self._probe(module, out * real, rec.call.outputs[0] * real, name)
         pairs = _Pairs(a, g1.detach(), h, g2, u[sel], e[sel], n_e, cnt, U)
         _same_as_before(rec.call, pairs, name)
+        return pairs
+
+    def _captured(self, rec: Record, units: Units, late, name: str) -> _Pairs:
+        """The pairs from what this rule's forward kept (``_forward``) and the gradient at
+        the up projection's output (``_Inner``): sorted by (expert, unit) from the
+        forward's (expert, token) order — usually already so: no copy but the zero row —
+        the padding rows' pairs dropped."""
+        call, module = rec.call, rec.module
+        Gout = rec.G[0] if isinstance(rec.G, tuple) else rec.G
+        k = call.per_row
+        uop = units.unit_of_row.repeat_interleave(k) if k > 1 else units.unit_of_row
+        E, U = module.down_proj.shape[0], units.num_units
+        u = uop[late.t]
+        key = torch.where(u >= 0, late.e * U + u, E * U)
+        cnt = torch.bincount(key, minlength=E * U + 1)[: E * U].tolist()  # one sync
+        n_e = [sum(cnt[ex * U:(ex + 1) * U]) for ex in range(E)]
+        P = sum(n_e)
+        ordered = P == key.numel() and bool((key[1:] >= key[:-1]).all())
+        sel = None if ordered else torch.argsort(key, stable=True)[:P]
+
+        def rows(x):  # the pairs' rows, and the zero row
+            x = x if sel is None else x[sel]
+            return torch.cat([x, x.new_zeros((1, x.shape[1]))])
+
+        g_dn = Gout[late.t] * late.w[:, None].to(Gout.dtype)  # as the recompute's g2
+        pairs = _Pairs(rows(late.a), rows(late.g1), rows(late.h), rows(g_dn),
+                       u if sel is None else u[sel], late.e if sel is None else late.e[sel], n_e, cnt, U)
+        _same_as_before(call, pairs, name)
         return pairs
 
     def _probe(self, module, got, want, name):
@@ -497,6 +605,172 @@ class ExpertsRule(LayerRule):
                     else:
                         out[ex - start] = lowp.bmm(Gr.t().unsqueeze(0), Ar.unsqueeze(0))[0]
         return out
+
+
+def _experts_mm(v, W, B, ptr, flip, engines=()):
+    """[P, ·]: each expert's rows of v (consecutive, ``ptr``) times its matrix (W[e], or its
+    transpose when ``flip``), plus its bias (`_ExpertsLinear`; ``engines``: weak references
+    to the clippers that recorded the call)."""
+    return _ExpertsLinear.apply(v, W, B, tuple(ptr), flip, engines)
+
+
+def _dp_backward(engines) -> bool:
+    """Whether one of ``engines`` (weak references) is running its backward: it asks for
+    its anchor's gradient only (``GhostClipper.backward``), never a parameter's."""
+    return any(e is not None and not e._recording for e in (r() for r in engines))
+
+
+class _ExpertsLinear(torch.autograd.Function):
+    """y[p] = v[p] @ W[e(p)] (+ B[e(p)]) for rows sorted by expert: one GEMM per expert
+    into its rows of y (no concatenation); the backward forms only the gradients asked for
+    (the engine's DP backward asks for v's only; a non-private backward also for W and B,
+    one GEMM per expert into its slice: no full-size gradient per expert)."""
+
+    @staticmethod
+    def forward(ctx, v, W, B, ptr, flip, engines):
+        ctx.save_for_backward(v, W)
+        ctx.ptr, ctx.flip, ctx.has_b, ctx.engines = ptr, flip, B is not None, engines
+        out = v.new_empty((v.shape[0], W.shape[1] if flip else W.shape[2]))
+        for ex in range(len(ptr) - 1):
+            lo, hi = ptr[ex], ptr[ex + 1]
+            if hi > lo:
+                torch.mm(v[lo:hi], W[ex].t() if flip else W[ex], out=out[lo:hi])
+                if B is not None:
+                    out[lo:hi].add_(B[ex])
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        v, W = ctx.saved_tensors
+        ptr, flip = ctx.ptr, ctx.flip
+        need_v, need_w, need_b = ctx.needs_input_grad[:3]
+        if _dp_backward(ctx.engines):  # the engine's backward: no weight-gradient GEMMs
+            need_w = need_b = False
+        gv = torch.zeros_like(v) if need_v else None
+        gw = torch.zeros_like(W) if need_w else None
+        gb = g.new_zeros((W.shape[0], g.shape[1])) if need_b and ctx.has_b else None
+        for ex in range(len(ptr) - 1):
+            lo, hi = ptr[ex], ptr[ex + 1]
+            if hi == lo:
+                continue
+            ge, ve = g[lo:hi], v[lo:hi]
+            if gv is not None:
+                torch.mm(ge, W[ex] if flip else W[ex].t(), out=gv[lo:hi])
+            if gw is not None:
+                torch.mm(ge.t(), ve, out=gw[ex]) if flip else torch.mm(ve.t(), ge, out=gw[ex])
+            if gb is not None:
+                gb[ex] = ge.sum(0)
+        return gv, gw, gb, None, None, None
+
+
+class _Late:
+    """One call of the rule's own forward: its pairs in the forward's order (expert, then
+    token: ``t`` the tokens, ``e`` the experts, ``w`` the weights, ``n_e`` per expert),
+    what it kept (``a``: the up projection's input rows, ``h``: the activation), and
+    ``g1``, the gradient at the up projection's output, once the backward reaches it. The
+    call's taps ``hold`` its output gradients until then; ``fire`` hands them to their
+    clippers, which then find ``g1`` here (``ExpertsRule._captured``)."""
+
+    __slots__ = ("t", "e", "w", "n_e", "a", "h", "g1", "held", "out_ptr", "__weakref__")
+
+    def __init__(self, t, e, w, n_e):
+        self.t, self.e, self.w, self.n_e = t, e, w, n_e
+        self.a = self.h = self.g1 = None
+        self.held: list = []
+        self.out_ptr = None
+
+    def hold(self, clipper, rec, gs) -> None:
+        self.held.append((clipper, rec, gs))
+
+    def fire(self, g1: torch.Tensor) -> None:
+        self.g1 = g1.detach()
+        held, self.held = self.held, []
+        for clipper, rec, gs in held:
+            clipper._on_output_grad(rec, gs)
+        if held and all(c._keep_G and r.cache is not None for c, r, _ in held):
+            # book-keeping keeps the pairs (copies, with the zero row) until the clipped
+            # sum: these are not needed again (two-pass rebuilds them in its second pass,
+            # from tensors its retained graph keeps anyway)
+            self.a = self.h = self.g1 = None
+
+
+class _Inner(torch.autograd.Function):
+    """Identity on the up projection's output; its backward hands that gradient to the
+    call's `_Late`. The recording engines' anchors are inputs, so it runs in each of their
+    backward passes (as the engine's taps do)."""
+
+    @staticmethod
+    def forward(ctx, late, y, *anchors):
+        ctx.late, ctx.n = late, len(anchors)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.late.fire(g)
+        return (None, g, *([None] * ctx.n))
+
+
+class _Own:
+    """The forward installed on one experts module: this rule's (``ExpertsRule._forward``)
+    while an engine records on the CPU, the module's own otherwise. The first call is
+    checked against the module's own forward (``PROBE_REL``): a block whose mathematics
+    differ is refused, naming it."""
+
+    def __init__(self, module, rule, prev):
+        self.module = weakref.ref(module)
+        self.rule, self.prev = rule, prev
+        self.engines: weakref.WeakSet = weakref.WeakSet()
+        self.pending = None  # a weak reference to the last call's `_Late`
+
+    def original(self, module, *args, **kwargs):
+        return self.prev(*args, **kwargs) if self.prev is not None else type(module).forward(module, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        module = self.module()
+        engines = [e for e in self.engines if e._recording and e._anchor is not None]
+        ts = tensors_in(args, kwargs)
+        if not (engines and OWN_FORWARD and torch.is_grad_enabled() and not rerunning()
+                and not torch._C._are_functorch_transforms_active() and len(ts) == 3
+                and ts[0].dim() == 2 and ts[1].dim() == 2 and ts[1].shape == ts[2].shape
+                and not ts[1].is_floating_point() and lowp.on_cpu(ts[0])):
+            return self.original(module, *args, **kwargs)
+        got = None if _autocast(ts[0]) else self.rule._forward(module, *ts, engines)
+        if got is None:
+            return self.original(module, *args, **kwargs)
+        out, late = got
+        if module not in self.rule._probed:
+            with torch.no_grad():
+                want = self.original(module, *args, **kwargs)
+            self.rule._probe(module, out.detach().to(F64), want, type(module).__name__)
+        self.pending = weakref.ref(late)
+        return out
+
+
+def _autocast(x: torch.Tensor) -> bool:
+    """Whether autocast is on for x's device (transformers' kernel then runs)."""
+    try:
+        return torch.is_autocast_enabled(x.device.type)
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_enabled() if x.is_cuda else torch.is_autocast_cpu_enabled()
+
+
+class _Uninstall:
+    """``remove``: the engine's handle on `_Own` (the module's forward is restored when no
+    engine uses it any more)."""
+
+    def __init__(self, module, own, engine):
+        self.module, self.own, self.engine = weakref.ref(module), own, weakref.ref(engine)
+
+    def remove(self) -> None:
+        engine, module = self.engine(), self.module()
+        if engine is not None:
+            self.own.engines.discard(engine)
+        if module is not None and not self.own.engines and module.__dict__.get("_llmdp_own") is self.own:
+            del module.__dict__["_llmdp_own"]
+            if self.own.prev is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = self.own.prev
 
 
 def _same_as_before(call, pairs: _Pairs, name: str) -> None:
