@@ -7,7 +7,9 @@
     python benchmarks/step_ratio.py --profile                        # + where the extra time goes
 
 One thread. The model and batch of ``benchmarks/clipping.py`` (``build``), its non-private
-step (``row_losses(...).sum().backward()``) and its llmdp step (``GhostClipper.backward``)
+step (``row_losses(...).sum().backward()``, with the llmdp step's clipper, whose hooks sit
+on the same model, not recording: as on a model without one) and its llmdp step
+(``GhostClipper.backward``)
 alternated ``--steps`` times after a warm-up (``--block K``: K steps of one kind in a row,
 the first of each block untimed, as a training loop runs one kind; alternating single steps
 makes each step meet the other's allocator state: more page faults, for both), each timed

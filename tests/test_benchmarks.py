@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -226,6 +227,34 @@ def test_step_ratio_benchmark_runs_small(capsys):
                  "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "4", "--block", "2"]) == 0
     out = capsys.readouterr().out
     assert "4 steps in blocks of 2" in out and "over 2 blocks" in out
+
+
+def test_step_ratios_non_private_step_records_nothing_on_the_dp_clippers_hooks():
+    """The DP step's clipper sits on the same model: during the non-private step it records
+    no call (no taps, no own forward: a baseline without a clipper), and records again
+    afterwards, also when the step fails."""
+    from llmdp.clipping import GhostClipper
+
+    unrecorded = _script("step_ratio")._unrecorded
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2)).double()
+    clipper = GhostClipper(model, 1.0)
+    seen = []
+
+    def step():
+        out = model(torch.ones(4, 3, dtype=torch.float64))
+        seen.append((clipper._recording, type(out.grad_fn).__name__))
+        out.sum().backward()
+
+    unrecorded(step, clipper)()
+    assert seen == [(False, "AddmmBackward0")] and clipper._recording  # no tap on the output
+    step()
+    assert seen[-1] == (True, "_TapBackward")
+
+    def failing():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError):
+        unrecorded(failing, clipper)()
+    assert clipper._recording
 
 
 def test_launches_at_16_layers_are_within_issue_50_targets(tmp_path):
