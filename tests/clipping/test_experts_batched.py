@@ -315,7 +315,7 @@ def test_the_own_forward_is_the_blocks_and_a_plain_backward_gets_every_gradient(
     clipper = GhostClipper(m, 1.0)
     assert "forward" in m.experts.__dict__
     got = m(x)
-    assert m.experts.__dict__["_llmdp_own"].pending() is not None  # the own forward ran
+    assert ex._OWN[m.experts].pending() is not None  # the own forward ran
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     got_grads = torch.autograd.grad(got.sum(), [x, *m.experts.parameters()])
     for g, w in zip(got_grads, want_grads):
@@ -330,4 +330,29 @@ def test_the_own_forward_is_the_blocks_and_a_plain_backward_gets_every_gradient(
     clipper.backward(m(x), torch.tensor(ROW_UNITS))
     assert used == [1]
     clipper.remove_hooks()
-    assert "forward" not in m.experts.__dict__ and "_llmdp_own" not in m.experts.__dict__
+    assert "forward" not in m.experts.__dict__ and m.experts not in ex._OWN
+
+
+def test_a_copy_of_a_block_with_the_own_forward_runs_its_own_parameters():
+    """A deep copy of a block whose forward the rule installed (a clipper attached) runs
+    the copy's parameters through its class's forward, not the original's; a clipper
+    attached to the copy installs its own."""
+    import copy
+
+    m, x = block("qwen3_moe")
+    GhostClipper(m, 1.0)
+    twin = copy.deepcopy(m)
+    with torch.no_grad():
+        for p in twin.experts.parameters():
+            p.mul_(2)
+    want = type(twin.experts).forward  # the class's forward on the copy
+    got = twin(x)
+    assert twin.experts not in ex._OWN
+    R, t, d = x.shape
+    ref = (want(twin.experts, x.reshape(R * t, d), twin.idx, twin.w).reshape(R, t, d) * twin.target).sum((1, 2))
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert not torch.allclose(got, m(x))
+    clipper = GhostClipper(twin, 1.0)
+    assert twin.experts in ex._OWN and ex._OWN[twin.experts] is not ex._OWN[m.experts]
+    norms = clipper.backward(twin(x), torch.tensor(ROW_UNITS))
+    assert torch.isfinite(norms).all()

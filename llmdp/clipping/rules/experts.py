@@ -88,6 +88,7 @@ dropped; a pair's unit is its token's row's (``calls.Call.per_row``).
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections import Counter
 from types import SimpleNamespace
@@ -235,20 +236,24 @@ class ExpertsRule(LayerRule):
 
     # ------------------------------------------------------------------ own forward
     def install(self, module, engine):
-        """Run ``module``'s forward as `_Own` does while ``engine`` records (the engine
-        calls this once per module; the returned handle's ``remove`` undoes it)."""
-        own = module.__dict__.get("_llmdp_own")
+        """Run ``module``'s forward as `_own_forward` does while ``engine`` records (the
+        engine calls this once per module; the returned handle's ``remove`` undoes it)."""
+        own = _OWN.get(module)
         if own is None:
-            own = _Own(module, self, module.__dict__.get("forward"))
-            module.__dict__["_llmdp_own"] = own
-            module.__dict__["forward"] = own
+            prev = module.__dict__.get("forward")
+            if getattr(prev, "__func__", None) is _own_forward:  # copied from an installed one
+                prev = None
+            own = _OWN[module] = _Own(self, prev)
+            # bound to the module: a copy of it (copy.deepcopy) is bound to the copy, which
+            # has no `_Own` and runs its class's forward
+            module.__dict__["forward"] = types.MethodType(_own_forward, module)
         own.engines.add(engine)
         return _Uninstall(module, own, engine)
 
     def on_record(self, module, rec: Record) -> None:
         """The engine recorded a call: if this rule's forward ran it, the call's output
         gradients wait for the inner gradient (``calls.Call.late``)."""
-        own = module.__dict__.get("_llmdp_own")
+        own = _OWN.get(module)
         late = own.pending() if own is not None and own.pending is not None else None
         out = rec.call.outputs[0] if rec.call.outputs else None
         if late is not None and out is not None and out.data_ptr() == late.out_ptr and out.dim() == 2:
@@ -711,39 +716,48 @@ class _Inner(torch.autograd.Function):
 
 
 class _Own:
-    """The forward installed on one experts module: this rule's (``ExpertsRule._forward``)
-    while an engine records on the CPU, the module's own otherwise. The first call is
-    checked against the module's own forward (``PROBE_REL``): a block whose mathematics
-    differ is refused, naming it."""
+    """An experts module's own-forward state (``ExpertsRule.install``): the rule, the
+    module's previous instance ``forward`` if any, the engines that installed it, and the
+    last call's `_Late` (a weak reference)."""
 
-    def __init__(self, module, rule, prev):
-        self.module = weakref.ref(module)
+    def __init__(self, rule, prev):
         self.rule, self.prev = rule, prev
         self.engines: weakref.WeakSet = weakref.WeakSet()
-        self.pending = None  # a weak reference to the last call's `_Late`
+        self.pending = None
 
     def original(self, module, *args, **kwargs):
         return self.prev(*args, **kwargs) if self.prev is not None else type(module).forward(module, *args, **kwargs)
 
-    def __call__(self, *args, **kwargs):
-        module = self.module()
-        engines = [e for e in self.engines if e._recording and e._anchor is not None]
-        ts = tensors_in(args, kwargs)
-        if not (engines and OWN_FORWARD and torch.is_grad_enabled() and not rerunning()
-                and not torch._C._are_functorch_transforms_active() and len(ts) == 3
-                and ts[0].dim() == 2 and ts[1].dim() == 2 and ts[1].shape == ts[2].shape
-                and not ts[1].is_floating_point() and lowp.on_cpu(ts[0])):
-            return self.original(module, *args, **kwargs)
-        got = None if _autocast(ts[0]) else self.rule._forward(module, *ts, engines)
-        if got is None:
-            return self.original(module, *args, **kwargs)
-        out, late = got
-        if module not in self.rule._probed:
-            with torch.no_grad():
-                want = self.original(module, *args, **kwargs)
-            self.rule._probe(module, out.detach().to(F64), want, type(module).__name__)
-        self.pending = weakref.ref(late)
-        return out
+
+# module -> its `_Own` (weak keys: a module's state goes with it; a copy has none)
+_OWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _own_forward(module, *args, **kwargs):
+    """The forward installed on an experts module: the rule's (``ExpertsRule._forward``)
+    while an engine records on the CPU, the module's own otherwise. The first call is
+    checked against the module's own forward (``PROBE_REL``): a block whose mathematics
+    differ is refused, naming it."""
+    own = _OWN.get(module)
+    if own is None:  # a copy of an installed module
+        return type(module).forward(module, *args, **kwargs)
+    engines = [e for e in own.engines if e._recording and e._anchor is not None]
+    ts = tensors_in(args, kwargs)
+    if not (engines and OWN_FORWARD and torch.is_grad_enabled() and not rerunning()
+            and not torch._C._are_functorch_transforms_active() and len(ts) == 3
+            and ts[0].dim() == 2 and ts[1].dim() == 2 and ts[1].shape == ts[2].shape
+            and not ts[1].is_floating_point() and lowp.on_cpu(ts[0])):
+        return own.original(module, *args, **kwargs)
+    got = None if _autocast(ts[0]) else own.rule._forward(module, *ts, engines)
+    if got is None:
+        return own.original(module, *args, **kwargs)
+    out, late = got
+    if module not in own.rule._probed:
+        with torch.no_grad():
+            want = own.original(module, *args, **kwargs)
+        own.rule._probe(module, out.detach().to(F64), want, type(module).__name__)
+    own.pending = weakref.ref(late)
+    return out
 
 
 def _autocast(x: torch.Tensor) -> bool:
@@ -755,8 +769,8 @@ def _autocast(x: torch.Tensor) -> bool:
 
 
 class _Uninstall:
-    """``remove``: the engine's handle on `_Own` (the module's forward is restored when no
-    engine uses it any more)."""
+    """``remove``: the engine's handle on its module's `_Own` (the module's forward is
+    restored when no engine uses it any more)."""
 
     def __init__(self, module, own, engine):
         self.module, self.own, self.engine = weakref.ref(module), own, weakref.ref(engine)
@@ -765,8 +779,8 @@ class _Uninstall:
         engine, module = self.engine(), self.module()
         if engine is not None:
             self.own.engines.discard(engine)
-        if module is not None and not self.own.engines and module.__dict__.get("_llmdp_own") is self.own:
-            del module.__dict__["_llmdp_own"]
+        if module is not None and not self.own.engines and _OWN.get(module) is self.own:
+            del _OWN[module]
             if self.own.prev is None:
                 del module.__dict__["forward"]
             else:
