@@ -537,7 +537,7 @@ class Units:
         ``lazy``: either may be a `lowp.LazyRowNorms` (``self_norms``)."""
         known = self._known_norms(g)
         if known is not None:
-            return self.self_norms(x, lazy=lazy), known
+            return self.self_norms(x, lazy=lazy), known if lazy else lowp.resolved(known)
         if lazy and lowp.cpu_deferral(g, self.defer):  # each deferred if small
             return self.self_norms(x, lazy=True), lowp.row_norms_maybe_lazy(g, True)
         e = self._entry(x)

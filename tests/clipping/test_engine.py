@@ -282,6 +282,34 @@ def test_a_module_that_mixes_rows_is_refused_by_the_generic_rule():
     assert "Center" in str(e.value) and "mixes rows" in str(e.value)
 
 
+def test_the_generic_rules_stacked_reruns_are_probed_each_at_its_own_scale():
+    """Units of one size re-run together (vmap) are probed one by one, each at its own
+    output's scale (as the one-at-a-time loop probes them): a row mixing far below a large
+    unit's scale but far above a small one's is refused."""
+    class Leak(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+        def forward(self, x):  # a batch mean leaks in at a relative 1e-16 of the large rows
+            return x * self.scale + 1e-16 * x.mean(0, keepdim=True)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.leak = Leak()
+
+        def forward(self, x):
+            return self.leak(x)
+
+    x = torch.ones(2, 3, 4, dtype=torch.float64)
+    x[0] *= 1e6  # unit 0: outputs ~1e6, the leak ~5e-11 is within its 16 ulps (~3.6e-9)
+    x[1] *= 1e-3  # unit 1: outputs ~1e-3, the leak is ~1e7 of its ulps
+    net = Net()
+    with pytest.raises(UnsupportedModuleError, match="Leak.*mixes rows"):
+        GhostClipper(net, 1.0).backward((net(x) ** 2).sum(dim=(1, 2)), torch.arange(2))
+
+
 UNITS = {"units-of-1": [0, 1, -1, 2], "units-of-3": [0, 0, 0, 1, -1, 1, 1]}
 
 

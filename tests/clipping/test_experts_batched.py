@@ -334,13 +334,19 @@ def test_the_own_forward_is_the_blocks_and_a_plain_backward_gets_every_gradient(
 
 
 def test_a_copy_of_a_block_with_the_own_forward_runs_its_own_parameters():
-    """A deep copy of a block whose forward the rule installed (a clipper attached) runs
-    the copy's parameters through its class's forward, not the original's; a clipper
-    attached to the copy installs its own."""
+    """A deep copy of a block whose forward the rule installed runs the copy's parameters
+    through its class's forward, not the original's; a clipper attached to the copy
+    installs its own."""
     import copy
 
     m, x = block("qwen3_moe")
-    GhostClipper(m, 1.0)
+
+    class Engine:  # the rule's install as an engine calls it, without the engine's hooks
+        _recording, _anchor = True, None
+
+    engine = Engine()
+    handle = ex.ExpertsRule().install(m.experts, engine)
+    assert "forward" in m.experts.__dict__
     twin = copy.deepcopy(m)
     with torch.no_grad():
         for p in twin.experts.parameters():
@@ -356,3 +362,5 @@ def test_a_copy_of_a_block_with_the_own_forward_runs_its_own_parameters():
     assert twin.experts in ex._OWN and ex._OWN[twin.experts] is not ex._OWN[m.experts]
     norms = clipper.backward(twin(x), torch.tensor(ROW_UNITS))
     assert torch.isfinite(norms).all()
+    handle.remove()
+    assert "forward" not in m.experts.__dict__ and m.experts not in ex._OWN

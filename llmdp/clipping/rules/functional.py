@@ -18,7 +18,10 @@ The per-unit gradients are instantiated ([U, *shape] per parameter, in the param
 dtype): the engine takes their norms in float64 and forms the clipped sum from the same
 tensors (``LayerRule.instantiate``), so what is added for a unit is the vector whose norm
 was clipped. Cost: one re-run of the module's forward and backward over the batch, in U
-pieces; memory: U copies of the module's parameters (small for routers, norms and sinks;
+pieces — or one piece per unit size: the units with the same number of rows re-run at once
+under ``torch.func.vmap`` (``_batched``), each its own re-run, probed at its own scale; a
+module vmap cannot run (a custom autograd Function, random numbers) keeps the U pieces;
+memory: U copies of the module's parameters (small for routers, norms and sinks;
 for experts, U × the experts' size, which a ghost rule for experts would avoid).
 """
 
@@ -33,14 +36,13 @@ from llmdp.clipping.norms import LayerRule
 
 __all__ = ["FunctionalRule", "PROBE_ULPS", "SubtreeRule"]
 
+PROBE_ULPS = 16  # re-run outputs within 16 ulps (of the output dtype, at its scale) of the batch's
 BATCHED = True  # units of one size re-run together under vmap (``FunctionalRule._batched``)
 
 
-def _batched_ok(module, rule) -> bool:
+def _batched_ok(rule) -> bool:
     """vmap is torch.func's: the rule's own ``_vjp`` is (the subtree rule's is not)."""
     return BATCHED and type(rule)._vjp is FunctionalRule._vjp
-
-PROBE_ULPS = 16  # re-run outputs within 16 ulps (of the output dtype, at its scale) of the batch's
 
 
 def _cut(x, rows_n: int, pos_n: int, rows: torch.Tensor, pos: torch.Tensor):
@@ -107,7 +109,7 @@ class FunctionalRule(LayerRule):
         unit_of_pos = unit_of_row.repeat_interleave(k) if k > 1 else unit_of_row
         G = rec.G if isinstance(rec.G, tuple) else (rec.G,)
         todo = range(U)
-        if _batched_ok(module, self):
+        if _batched_ok(self):
             todo = self._batched(module, params, frozen, call, G, units, out, name)
         for u in todo:
             rows = (unit_of_row == u).nonzero().flatten()
@@ -205,7 +207,7 @@ class FunctionalRule(LayerRule):
             except Exception:  # not vmappable: the same re-runs one unit at a time
                 left += us
                 continue
-            _probe(got, want, name)
+            _probe_stack(got, want, name)
             ui = torch.tensor(us, device=dev)
             for pn in params:
                 out[pn][ui] = grads[pn].to(out[pn].dtype)
@@ -282,6 +284,29 @@ def _probe(got, want, name: str) -> None:
         diff = (a.detach() - b).abs()
         if diff.numel() and float(torch.nan_to_num(diff, nan=float("inf")).max()) > tol and \
                 bool(torch.isfinite(b).all()):
+            raise _mixes(name)
+
+
+def _probe_stack(got, want, name: str) -> None:
+    """``_probe`` for each unit of a stack ([n, ...] outputs): each unit's outputs against
+    the batch's at its rows, to ``PROBE_ULPS`` at that unit's own scale."""
+    for a, b in zip(got, want):
+        if a.shape != b.shape:
+            raise UnsupportedModuleError(
+                f"module {name}: on one unit's rows it returns shape {tuple(a.shape[1:])}, not "
+                f"{tuple(b.shape[1:])} as in the batch, so its rows are not independent; freeze it "
+                f"or register a rule")
+        if not a.is_floating_point():
+            if not torch.equal(a, b):
+                raise _mixes(name)
+            continue
+        if not b.numel():
+            continue
+        a2, b2 = a.detach().reshape(a.shape[0], -1), b.detach().reshape(b.shape[0], -1)
+        scale = b2.abs().amax(1).to(torch.float64)
+        diff = torch.nan_to_num((a2 - b2).abs(), nan=float("inf")).amax(1).to(torch.float64)
+        bad = (diff > PROBE_ULPS * torch.finfo(b.dtype).eps * scale) & torch.isfinite(b2).all(1)
+        if bool(bad.any()):
             raise _mixes(name)
 
 
