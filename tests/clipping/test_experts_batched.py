@@ -364,3 +364,32 @@ def test_a_copy_of_a_block_with_the_own_forward_runs_its_own_parameters():
     assert torch.isfinite(norms).all()
     handle.remove()
     assert "forward" not in m.experts.__dict__ and m.experts not in ex._OWN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["book-keeping", "two-pass"])
+def test_neighbours_in_float32_and_bf16_differ_by_at_most_C(dtype, mode, forward):
+    """The neighbour test with float32 and bf16 experts (float32 sums): for each unit,
+    what is added for the batch and for the batch less that unit differ by at most C,
+    measured in float64 from what was added (every unit clipped), with the rule's own
+    forward (which then runs the block in that dtype) and with the recompute."""
+    m, x = block("qwen3_moe")
+    C = 0.5 * float(per_unit_reference(m, x, 1.0)[0].min())
+    m.to(dtype)
+    x = x.to(dtype)
+    names = [n for n, p in m.named_parameters() if p.requires_grad]
+
+    def added(ru):
+        sinks = {n: torch.zeros(p.shape, dtype=torch.float32) for n, p in m.named_parameters() if p.requires_grad}
+        clipper = GhostClipper(m, C, mode=mode, grad_buffers=sinks)
+        norms = clipper.backward(m(x), torch.tensor(ru))
+        clipper.remove_hooks()
+        return torch.cat([sinks[n].double().reshape(-1) for n in names]), norms
+
+    full, norms = added(ROW_UNITS)
+    assert (norms > 1.5 * C).all()
+    worst = 0.0
+    for gone in range(max(ROW_UNITS) + 1):
+        part, _ = added([(-1 if u == gone else u) for u in ROW_UNITS])
+        worst = max(worst, float((full - part).norm()) / C)
+    assert 1 - 1e-3 < worst <= 1 + 1e-6, worst

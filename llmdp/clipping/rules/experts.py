@@ -319,19 +319,12 @@ class ExpertsRule(LayerRule):
         Gout = rec.G[0] if isinstance(rec.G, tuple) else rec.G
         N, K = idx.shape
         E = module.down_proj.shape[0]
-        k = call.per_row
-        uop = units.unit_of_row.repeat_interleave(k) if k > 1 else units.unit_of_row
         dev = X.device
         tok = torch.arange(N, device=dev).repeat_interleave(K)
         e = idx.reshape(-1).long()
-        u = uop[tok]
-        keep = (u >= 0) & (e >= 0) & (e < E)
+        u, key, cnt, n_e = _groups(units, call.per_row, tok, e, E)
         U = units.num_units
-        key = torch.where(keep, e * U + u, E * U)
-        order = torch.argsort(key, stable=True)
-        cnt = torch.bincount(key, minlength=E * U + 1)[: E * U].tolist()  # one sync
-        n_e = [sum(cnt[ex * U:(ex + 1) * U]) for ex in range(E)]
-        sel = order[:sum(n_e)]
+        sel = torch.argsort(key, stable=True)[:sum(n_e)]
         t, wt = tok[sel], w.reshape(-1)[sel]
         upn, upb, dnn, dnb = self._names(module)
         W1, W2 = getattr(module, upn).detach(), getattr(module, dnn).detach()
@@ -341,7 +334,6 @@ class ExpertsRule(LayerRule):
         ptr = [0]
         for n in n_e:
             ptr.append(ptr[-1] + n)
-        live = [ex for ex in range(E) if n_e[ex]] or [0]  # one empty product keeps the shapes
 
         P = ptr[-1]
 
@@ -357,17 +349,9 @@ class ExpertsRule(LayerRule):
 
         def per_expert(v, W, B, flip):
             """v's rows of each expert times its matrix (W[e] used as x @ W[e], or its
-            transpose when ``flip``), plus its bias: [P + 1, ·], each expert's rows written
-            in place (no concatenation), the last row zero."""
-            n = W.shape[1] if flip else W.shape[2]
-            out = v.new_empty((P + 1, n), dtype=torch.result_type(v, W))
-            for ex in live:
-                lo, hi = ptr[ex], ptr[ex + 1]
-                if hi == lo:
-                    continue
-                torch.mm(v[lo:hi].detach(), W[ex].t() if flip else W[ex], out=out[lo:hi])
-                if B is not None:
-                    out[lo:hi].add_(B[ex])
+            transpose when ``flip``), plus its bias: [P + 1, ·], the last row zero."""
+            out = v.new_empty((P + 1, W.shape[1] if flip else W.shape[2]), dtype=torch.result_type(v, W))
+            _mm_into(v.detach(), W, B, ptr, flip, out[:P])
             out[P].zero_()
             return out
 
@@ -383,7 +367,8 @@ class ExpertsRule(LayerRule):
         if module not in self._probed:
             o = per_expert(h, W2, B2, not tr)[:-1]
             out = torch.zeros_like(Gout, dtype=F64).index_add_(0, t, (o * wt[:, None].to(o.dtype)).to(F64))
-            real = (uop >= 0)[:, None]
+            k = call.per_row
+            real = ((units.unit_of_row.repeat_interleave(k) if k > 1 else units.unit_of_row) >= 0)[:, None]
             self._probe(module, out * real, rec.call.outputs[0] * real, name)
         pairs = _Pairs(a, g1.detach(), h, g2, u[sel], e[sel], n_e, cnt, U)
         _same_as_before(rec.call, pairs, name)
@@ -396,13 +381,8 @@ class ExpertsRule(LayerRule):
         the padding rows' pairs dropped."""
         call, module = rec.call, rec.module
         Gout = rec.G[0] if isinstance(rec.G, tuple) else rec.G
-        k = call.per_row
-        uop = units.unit_of_row.repeat_interleave(k) if k > 1 else units.unit_of_row
-        E, U = module.down_proj.shape[0], units.num_units
-        u = uop[late.t]
-        key = torch.where(u >= 0, late.e * U + u, E * U)
-        cnt = torch.bincount(key, minlength=E * U + 1)[: E * U].tolist()  # one sync
-        n_e = [sum(cnt[ex * U:(ex + 1) * U]) for ex in range(E)]
+        u, key, cnt, n_e = _groups(units, call.per_row, late.t, late.e, module.down_proj.shape[0])
+        U = units.num_units
         P = sum(n_e)
         ordered = P == key.numel() and bool((key[1:] >= key[:-1]).all())
         sel = None if ordered else torch.argsort(key, stable=True)[:P]
@@ -612,6 +592,29 @@ class ExpertsRule(LayerRule):
         return out
 
 
+def _groups(units: Units, per_row: int, tok: torch.Tensor, e: torch.Tensor, E: int):
+    """(u, key, cnt, n_e) of pairs (token ``tok``, expert ``e``): each pair's unit, its sort
+    key (expert, then unit; E·U for a pair dropped: a padding row's, or an expert out of
+    range), the groups' sizes by key and the pairs kept per expert, on the host (one sync)."""
+    uop = units.unit_of_row.repeat_interleave(per_row) if per_row > 1 else units.unit_of_row
+    u, U = uop[tok], units.num_units
+    key = torch.where((u >= 0) & (e >= 0) & (e < E), e * U + u, E * U)
+    cnt = torch.bincount(key, minlength=E * U + 1)[: E * U].tolist()
+    return u, key, cnt, [sum(cnt[ex * U:(ex + 1) * U]) for ex in range(E)]
+
+
+def _mm_into(v, W, B, ptr, flip, out):
+    """out's rows of each expert e (consecutive, ``ptr``) = v's times W[e] (its transpose
+    when ``flip``) plus B[e]: one GEMM per expert, written in place; returns out."""
+    for ex in range(len(ptr) - 1):
+        lo, hi = ptr[ex], ptr[ex + 1]
+        if hi > lo:
+            torch.mm(v[lo:hi], W[ex].t() if flip else W[ex], out=out[lo:hi])
+            if B is not None:
+                out[lo:hi].add_(B[ex])
+    return out
+
+
 def _experts_mm(v, W, B, ptr, flip, engines=()):
     """[P, ·]: each expert's rows of v (consecutive, ``ptr``) times its matrix (W[e], or its
     transpose when ``flip``), plus its bias (`_ExpertsLinear`; ``engines``: weak references
@@ -635,14 +638,7 @@ class _ExpertsLinear(torch.autograd.Function):
     def forward(ctx, v, W, B, ptr, flip, engines):
         ctx.save_for_backward(v, W)
         ctx.ptr, ctx.flip, ctx.has_b, ctx.engines = ptr, flip, B is not None, engines
-        out = v.new_empty((v.shape[0], W.shape[1] if flip else W.shape[2]))
-        for ex in range(len(ptr) - 1):
-            lo, hi = ptr[ex], ptr[ex + 1]
-            if hi > lo:
-                torch.mm(v[lo:hi], W[ex].t() if flip else W[ex], out=out[lo:hi])
-                if B is not None:
-                    out[lo:hi].add_(B[ex])
-        return out
+        return _mm_into(v, W, B, ptr, flip, v.new_empty((v.shape[0], W.shape[1] if flip else W.shape[2])))
 
     @staticmethod
     def backward(ctx, g):
