@@ -566,8 +566,7 @@ def profile_counts(events, wall_s: float, explicit_syncs: int = 0, top: int = 15
         dev = str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
         if dev:
             kernels += 1
-            t = getattr(e, "device_time", None)
-            t = e.cuda_time if t is None else t
+            t = e.time_range.elapsed_us()  # a device event's own interval (microseconds)
             busy += t
             item = by_name.setdefault(e.name, [0.0, 0])
             item[0] += t

@@ -317,9 +317,19 @@ def test_clipping_benchmark_method_timeout_ends_one_row_not_the_run(tmp_path):
     assert data["complete"] and data["rows"][0]["error"].startswith("timed out after 0.2 s")
 
 
+class _Interval:
+    def __init__(self, us):
+        self.us = us
+
+    def elapsed_us(self):
+        return self.us
+
+
 class _Ev:
+    """torch.profiler's FunctionEvent, what profile_counts reads of it."""
+
     def __init__(self, name, device=False, t=0.0, parent=None):
-        self.name, self.device_time, self.cpu_parent = name, t, parent
+        self.name, self.time_range, self.cpu_parent = name, _Interval(t), parent
         self.device_type = "DeviceType.CUDA" if device else "DeviceType.CPU"
         self.self_cpu_time_total = 0.0
 
