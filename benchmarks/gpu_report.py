@@ -149,10 +149,9 @@ def main(argv=None) -> int:
             lines += ["env: " + " / ".join(x.strip() for x in f if x.strip()), ""]
     except OSError:
         lines += ["env: missing", ""]
-    found = sorted({f.split("-", 1)[1][:-5] for f in os.listdir(d)
-                    if f.startswith(("clip-", "peers-")) and f.endswith(".json")},
-                   key=lambda s: -int(s[1:].split("x")[0]))
-    for shape in found or ["T1024x8", "T256x32"]:
+    shapes = {"T1024x8", "T256x32"} | {f.split("-", 1)[1][:-5] for f in os.listdir(d)
+                                        if f.startswith(("clip-", "peers-")) and f.endswith(".json")}
+    for shape in sorted(shapes, key=lambda s: -int(s[1:].split("x")[0])):
         rows = _rows(d, f"clip-{shape}", f"peers-{shape}")
         lines += step_table(rows, f"Full fine-tuning, {shape}") + profile_table(rows, shape)
     rows = _rows(d, "lora", "lora-peers")
