@@ -64,9 +64,13 @@ of every Linear with p + d ≥ ``CPU_MIN_WIDTH`` (measured: there it is the chea
 Its Grams are ``lowp.gram_fast``'s chunked float32 GEMMs (``CHUNK_T`` positions on tensor
 cores, ``GRAM_CHUNK`` elsewhere): each chunk's partial result is added to the float32
 output in memory, so the model counts those adds' bytes (and the float64 bound
-arithmetic) at the device's bandwidth, as well as the tensor-core FLOPs; the entry bound
-γ then grows with the chunk and the number of chunks, not with the contraction's length
-(``lowp.gram_fast_bound``).
+arithmetic) at the device's bandwidth, a fixed cost per chunk (``CHUNK_FIXED_S``, measured
+on an H200), as well as the tensor-core FLOPs; the entry bound γ then grows with the chunk
+and the number of chunks, not with the contraction's length (``lowp.gram_fast_bound``).
+On the H200 these chunked GEMMs were slower than the tile kernel at every layer of the
+1.6 B benchmark model (BENCHMARKS, issue 52), and the model no longer takes them there or on
+an H100; where float64 is slow (an L40S) it can. A Gram kernel of our own (one launch, the
+chunks' sums in registers) is what would make this path pay on such GPUs.
 """
 
 from __future__ import annotations
@@ -120,16 +124,28 @@ BOUND_BYTES = 160
 CPU_MIN_WIDTH = 256
 
 
+# Measured on an H200 (BENCHMARKS, issue 52; ``benchmarks/kernels.py``): each chunk of
+# ``lowp.bmm_fast`` (a ``bmm(out_dtype=float32)`` of CHUNK_T positions and the ``add_`` of its
+# result) took 24-39 µs whatever its FLOPs, at 2-8 M Gram entries: two launches and their
+# tails, and 16 bytes per entry (the bmm's float32 write; the add's two reads and its write).
+# At every layer shape of the 1.6 B benchmark model the Gram path was the slower one there
+# (0.77-39.7 ms against the tile kernel's 0.26-20.0 ms); a model of 8 bytes and no fixed
+# cost sent the 128k LM head at T256 x 32 to it (1,018 chunks: 39.7 ms, not 20.0).
+CHUNK_FIXED_S = 20e-6  # per chunk, on CUDA
+CHUNK_BYTES = 16.0  # per Gram entry and chunk
+
+
 def lowp_gram_cheaper(rows: int, T: int, p: int, d: int, spec, tile_time: float | None) -> bool:
     """This path's time against the float64 Grams' (2·R·T²·(p+d) float64 FLOPs) and, where
     the tile kernel serves, its time ``tile_time``: 2·R·T²·(p+d) FLOPs at ``spec.flops``,
-    plus, per Gram entry, the chunked GEMMs' float32 adds (a read and a write of 4 bytes
-    per chunk of ``CHUNK_T``) and the bound's float64 arithmetic (``BOUND_BYTES``)."""
+    plus, per chunk of ``CHUNK_T`` positions, ``CHUNK_FIXED_S`` and ``CHUNK_BYTES`` per Gram
+    entry (the chunked GEMMs' float32 results and adds), plus the bound's float64
+    arithmetic (``BOUND_BYTES`` per entry), the bytes at ``spec.bandwidth``."""
     from llmdp.clipping._triton_rowscaled import CHUNK_T
 
     chunks = math.ceil(p / CHUNK_T) + math.ceil(d / CHUNK_T)
-    t = 2.0 * rows * T * T * (p + d) / spec.flops
-    t += rows * T * T * (8.0 * chunks + 2 * BOUND_BYTES) / spec.bandwidth
+    t = 2.0 * rows * T * T * (p + d) / spec.flops + chunks * CHUNK_FIXED_S
+    t += rows * T * T * (CHUNK_BYTES * chunks + 2 * BOUND_BYTES) / spec.bandwidth
     best = 2.0 * rows * T * T * (p + d) / spec.fp64
     if tile_time is not None:
         best = min(best, tile_time)

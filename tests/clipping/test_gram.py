@@ -287,19 +287,50 @@ def test_the_policy():
 
 
 def test_the_cost_model():
-    """On an H100 (tensor cores 989 TFLOP/s, FP64 67, 3.35 TB/s) the float32 Grams' FLOPs
-    are ~15x cheaper than the float64 ones, but this implementation's bytes per Gram entry
-    (the chunked GEMMs' float32 adds in memory, the bound's float64 arithmetic) decide:
-    it wins for short rows of wide layers (T = 64, 8192x8192), not at T = 512 of a
-    2048x2048 layer (the tile kernel, then the float64 Grams, are cheaper there)."""
+    """The float32 Grams' FLOPs are ~15x cheaper than the float64 ones on an H100 (989 and 67
+    TFLOP/s), but this implementation's cost per chunk of CHUNK_T positions (fixed, and
+    bytes per Gram entry: the chunked GEMMs' float32 results and adds) and the bound's
+    float64 arithmetic decide: on an H100 the tile kernel or the float64 Grams are cheaper
+    (T = 64 or 512, a few rows or many); on a GPU with slow float64 (an L40S: 1.4 TFLOP/s)
+    it wins for short rows of wide layers in a large batch, not for a few such rows (the
+    chunks' fixed cost)."""
     h100 = norms.DeviceSpec(*norms._CUDA_SPECS["H100"])
+    l40s = norms.DeviceSpec(*norms._CUDA_SPECS["L40S"])
     tile = norms.tile_norm_time
-    assert gram.lowp_gram_cheaper(8, 64, 8192, 8192, h100, tile(8, 64, 8192, 8192, h100))
-    assert not gram.lowp_gram_cheaper(8, 512, 2048, 2048, h100, None)
-    assert not gram.lowp_gram_cheaper(8, 512, 2048, 2048, h100, tile(8, 512, 2048, 2048, h100))
-    # the bytes are what loses: with free memory traffic the FLOP rates alone decide
+    for R, T, p, d in [(512, 64, 8192, 8192), (8, 64, 8192, 8192), (8, 512, 2048, 2048), (64, 256, 4096, 4096)]:
+        assert not gram.lowp_gram_cheaper(R, T, p, d, h100, tile(R, T, p, d, h100))
+        assert not gram.lowp_gram_cheaper(R, T, p, d, h100, None)
+    assert gram.lowp_gram_cheaper(512, 64, 8192, 8192, l40s, tile(512, 64, 8192, 8192, l40s))
+    assert not gram.lowp_gram_cheaper(8, 64, 8192, 8192, l40s, tile(8, 64, 8192, 8192, l40s))
+    # the bytes and the chunks' fixed cost are what loses: free of them, the FLOP rates decide
     free = norms.DeviceSpec(h100.flops, math.inf, h100.fp64)
-    assert gram.lowp_gram_cheaper(8, 512, 2048, 2048, free, None)
+    fixed = gram.CHUNK_FIXED_S
+    try:
+        gram.CHUNK_FIXED_S = 0.0
+        assert gram.lowp_gram_cheaper(8, 512, 2048, 2048, free, None)
+    finally:
+        gram.CHUNK_FIXED_S = fixed
+
+
+# benchmarks/kernels.py on an H200 (BENCHMARKS, issue 52): (T, R, p, d) -> ms of the Gram
+# path's two Grams and of the tile norm kernel, both measured at the 1.6 B model's layers.
+H200_MEASURED = {
+    (1024, 8, 2048, 2048): (1.17, 0.26), (1024, 8, 8192, 2048): (3.00, 0.90),
+    (1024, 8, 2048, 8192): (2.93, 0.96), (1024, 8, 128256, 2048): (38.74, 16.14),
+    (256, 32, 2048, 2048): (0.77, 0.32), (256, 32, 8192, 2048): (1.96, 1.17),
+    (256, 32, 2048, 8192): (3.02, 1.23), (256, 32, 128256, 2048): (39.67, 20.04),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(H200_MEASURED))
+def test_the_cost_model_takes_the_faster_path_measured_on_an_h200(shape):
+    """Where the H200 measured the tile kernel faster (every layer of the benchmark model),
+    the model does not send the layer to the Gram path (it sent the LM head at T256 x 32
+    there, 39.7 ms against 20.0, before the chunks' fixed cost was in it)."""
+    T, R, p, d = shape
+    gram_ms, tile_ms = H200_MEASURED[shape]
+    h200 = norms.DeviceSpec(*norms._CUDA_SPECS["H200"])
+    assert gram.lowp_gram_cheaper(R, T, p, d, h200, norms.tile_norm_time(R, T, p, d, h200)) == (gram_ms < tile_ms)
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "x", True, None])
