@@ -63,6 +63,7 @@ UTC = 2.0**-22  # tensor-core float32 accumulation (truncating block FMA): 4·U3
 
 _OUT_DTYPE_OK: dict[int, bool] = {}  # CUDA device index -> bmm(out_dtype=float32) works
 _TRITON_OK: dict[int, bool] = {}  # CUDA device index -> the Triton kernel built and ran
+_ROWNORMS_OK: dict[int, bool] = {}  # the same for the row-norm kernel (_triton_rownorms)
 
 
 def gamma(n: int | float, u: float) -> float:
@@ -276,8 +277,11 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     scale = _row_scale(k)
     from llmdp.clipping import _triton_rownorms
 
-    if _triton_rownorms.serves(x):
-        return _triton_rownorms.row_norm_bounds(x, scale)
+    if _triton_rownorms.serves(x) and _ROWNORMS_OK.get(_index(x), True):
+        try:
+            return _triton_rownorms.row_norm_bounds(x, scale)
+        except Exception as e:  # noqa: BLE001 - a kernel that does not build or run here
+            _kernel_failed(_ROWNORMS_OK, "row-norm", x, e, "torch operations (the same bound)")
     return _row_norms_torch(x, scale)
 
 
@@ -293,8 +297,12 @@ def row_norms2(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     from llmdp.clipping import _triton_rownorms
 
     if (x.dtype == y.dtype and x.dtype in _ABS_BITS and x.device == y.device
-            and _triton_rownorms.serves(x) and _triton_rownorms.serves(y)):
-        return _triton_rownorms.row_norm_bounds2(x, y, _row_scale(x.shape[-1]), _row_scale(y.shape[-1]))
+            and _triton_rownorms.serves(x) and _triton_rownorms.serves(y)
+            and _ROWNORMS_OK.get(_index(x), True)):
+        try:
+            return _triton_rownorms.row_norm_bounds2(x, y, _row_scale(x.shape[-1]), _row_scale(y.shape[-1]))
+        except Exception as e:  # noqa: BLE001 - as row_norms
+            _kernel_failed(_ROWNORMS_OK, "row-norm", x, e, "torch operations (the same bound)")
     return row_norms(x), row_norms(y)
 
 
@@ -451,16 +459,22 @@ def tile_norms(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def unit_sq_norms(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,
-                  num_units: int) -> torch.Tensor:
+                  num_units: int) -> torch.Tensor | None:
     """‖h̃_u‖² [U] float64 for h̃_u the float32 tensor-core value of Σ_{r in u} x_rᵀ y_r
     (``_triton_rowscaled.unit_sq_norms``): each entry of h̃_u within γ_n(2⁻²²)·Σ|x||y| of
     its exact value, n = ``unit_norm_count``; the float64 sum of squares within
     γ_{a·b+4}(2⁻⁵³) of ‖h̃_u‖², relatively (squares of float32 values are exact in float64;
     a tile's padding adds exact zeros, so at most a·b − 1 additions can round). Only where
-    ``tile_norms``."""
+    ``tile_norms``. None if the kernel fails (it does not build or run here): the caller
+    takes another path, and neither Triton kernel of ``_triton_rowscaled`` is used again on
+    this device (``_TRITON_OK``, as a failed clipped sum)."""
     from llmdp.clipping import _triton_rowscaled
 
-    return _triton_rowscaled.unit_sq_norms(x, y, rows, ptr, num_units)
+    try:
+        return _triton_rowscaled.unit_sq_norms(x, y, rows, ptr, num_units)
+    except Exception as e:  # noqa: BLE001 - a kernel that does not build or run here
+        _kernel_failed(_TRITON_OK, "per-unit norm", x, e, "the float64 Gram matrices (exact products, slower)")
+        return None
 
 
 def unit_norm_count(T: int, max_rows: int) -> int:
@@ -491,10 +505,16 @@ def row_scaled_bound(x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
 def _triton_failed(x: torch.Tensor, e: Exception) -> None:
     """The float64 path has a smaller error than the bound the norms were given for the
     kernel's: warn once, keep training on it, for this process."""
-    _TRITON_OK[_index(x)] = False
-    warnings.warn(f"llmdp: the Triton clipped-sum kernel failed on {x.device} "
-                  f"({type(e).__name__}: {e}); using the float64 fallback "
-                  "(exact products, slower)", RuntimeWarning, stacklevel=3)
+    _kernel_failed(_TRITON_OK, "clipped-sum", x, e, "the float64 fallback (exact products, slower)")
+
+
+def _kernel_failed(flags: dict, kernel: str, x: torch.Tensor, e: Exception, instead: str) -> None:
+    """A Triton kernel that failed on x's device is not used there again in this process
+    (``flags``); the path taken instead computes the same quantity within a bound no larger
+    than the kernel's (never a weaker bound). Warned once per device and kernel."""
+    flags[_index(x)] = False
+    warnings.warn(f"llmdp: the Triton {kernel} kernel failed on {x.device} "
+                  f"({type(e).__name__}: {e}); using {instead}", RuntimeWarning, stacklevel=3)
 
 
 # Positions per float32 GEMM of the CPU clipped sum (each group's result added to the

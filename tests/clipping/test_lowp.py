@@ -424,3 +424,73 @@ def test_row_scaled_tn_over_several_row_groups_is_within_its_bound(T, monkeypatc
     mag = torch.einsum("r,rta,rtb->ab", f.double(), x.double().abs(), y.double().abs())
     claimed = lowp.gamma(n, u) * mag * (1 + lowp.U32) + lowp.U32 * ref.abs()
     assert ((out.double() - ref).abs() <= claimed).all()
+
+
+def test_the_row_norm_kernel_that_fails_warns_once_and_torch_operations_serve(monkeypatch):
+    """A row-norm kernel that does not build or run (an old GPU, a Triton without its
+    ptxas) costs a warning, not the run: the same bound by torch operations, and the kernel
+    is not tried again on that device (one and two tensors alike)."""
+    from llmdp.clipping import _triton_rownorms
+
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("ptxas not found")
+
+    monkeypatch.setattr(_triton_rownorms, "serves", lambda x: True)
+    monkeypatch.setattr(_triton_rownorms, "row_norm_bounds", broken)
+    monkeypatch.setattr(_triton_rownorms, "row_norm_bounds2", broken)
+    monkeypatch.setattr(lowp, "_ROWNORMS_OK", {})
+    x, y, _ = _data(torch.float32)
+    with pytest.warns(RuntimeWarning, match="Triton row-norm kernel failed"):
+        nx = lowp.row_norms(x)
+    assert torch.equal(nx, lowp._row_norms_torch(x, lowp._row_scale(x.shape[-1])))
+    assert (nx >= torch.linalg.vector_norm(x.double(), dim=-1)).all()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        n2 = lowp.row_norms2(x, y)
+    assert len(calls) == 1
+    assert torch.equal(n2[0], nx) and torch.equal(n2[1], lowp._row_norms_torch(y, lowp._row_scale(y.shape[-1])))
+
+
+def test_a_norm_kernel_that_fails_leaves_the_norms_to_the_float64_grams(monkeypatch):
+    """The per-unit norm kernel failing inside a backward: that call's norms come from the
+    float64 Gram matrices (bit for bit what the engine computes without the kernel), the
+    clipped sum is the same, one warning, and the kernels are not tried again there."""
+    from torch import nn
+
+    from llmdp.clipping import GhostClipper, _triton_rowscaled, gram
+    from llmdp.clipping.rules import linear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(24, 40, bias=False)
+    A = torch.randn(6, 9, 24)
+    units = torch.tensor([0, 1, 1, 2, 3, 3])
+
+    def run():
+        sinks = {"weight": torch.zeros(40, 24)}
+        clipper = GhostClipper(lin, 0.5, layer_policy="ghost", grad_buffers=sinks)
+        loss = lin(A).square().sum((1, 2))
+        with gram.forced("float64"):
+            norms = clipper.backward(loss, units)
+        clipper.remove_hooks()
+        return norms, sinks["weight"]
+
+    ref_norms, ref_sum = run()
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(lowp, "tile_norms", lambda x, y: True)
+    monkeypatch.setattr(linear, "tile_norm_cheaper", lambda *a: True)
+    monkeypatch.setattr(_triton_rowscaled, "unit_sq_norms", broken)
+    monkeypatch.setattr(lowp, "_TRITON_OK", {})
+    with pytest.warns(RuntimeWarning, match="Triton per-unit norm kernel failed"):
+        norms, total = run()
+    assert len(calls) == 1 and lowp._TRITON_OK == {-1: False}
+    assert torch.equal(norms, ref_norms) and torch.equal(total, ref_sum)

@@ -82,11 +82,11 @@ class LinearRule(LayerRule):
                 value, err = gram.sq_norm(A3, G3, units, units.cached(A3, "gram32", gram.self_gram32),
                                           na, ng)
                 out["weight"] = sq_bound(value, err, (gamma(n, u), up_factor(1)), gamma(2, res_u), mag, mag_f)
-            elif tile and tile_norm_cheaper(R, T, G3.shape[-1], A3.shape[-1], spec):
+            elif tile and tile_norm_cheaper(R, T, G3.shape[-1], A3.shape[-1], spec) and (
+                    value := lowp.unit_sq_norms(x, y, *units.csr(), units.num_units)) is not None:
                 # The norm of h̃_u, the tensor-core value of the unit's gradient (never
-                # written), within γ_k·N_u of g_u; then the clipped sum's own error.
-                rows, ptr = units.csr()
-                value = lowp.unit_sq_norms(x, y, rows, ptr, units.num_units)
+                # written), within γ_k·N_u of g_u; then the clipped sum's own error. (A
+                # kernel that fails returns None: the float64 Grams below instead.)
                 err = gamma(x.shape[2] * y.shape[2] + 4, U64)  # × value
                 k = lowp.unit_norm_count(T, units.max_rows)
                 dev = (gamma(k, lowp.UTC) + gamma(n, u), up_factor(2))  # × N_u
