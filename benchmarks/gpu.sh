@@ -15,7 +15,7 @@
 #   peers    the same calls' peers: Opacus hooks, Opacus ghost, Opake whole-batch and
 #            micro-batched at both shapes; Opacus hooks and Opake whole-batch with LoRA
 #   kernels  the clipped-sum, norm, Gram and row-norm kernels against cuBLAS at the 8 layer
-#            shapes (benchmarks/kernels.py)
+#            shapes, and the tile sweep at T1024x8 (benchmarks/kernels.py; KERNELS_SWEEP= : none)
 #   gram     the Gram path forced on the benchmark batch (T256x32: its bound share rho and
 #            fallbacks), and the massive-activation construction on CUDA, Gram path forced and auto
 #   tests    the `gpu` marker's tests
@@ -153,7 +153,7 @@ stage_kernels() {
     if [ $DRY -eq 1 ]; then
         TRITON_INTERPRET=1 run_capped 300 $PY benchmarks/kernels.py --dry-run --json "$W/kernels.json"
     else
-        run_capped "${KERNELS_S:-60}" $PY benchmarks/kernels.py --json "$W/kernels.json"
+        run_capped "${KERNELS_S:-120}" $PY benchmarks/kernels.py ${KERNELS_SWEEP-"--sweep"} --json "$W/kernels.json"
     fi
 }
 stage_gram() {

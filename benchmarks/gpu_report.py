@@ -99,6 +99,12 @@ def kernels_table(d: str) -> list[str]:
             else:
                 cells.append("n/a")
         out.append(f"| {r['T']} x {r['R']} | {r['p']} x {r['d']} | " + " | ".join(cells) + " |")
+    for r in data["rows"]:
+        if "sweep" in r:
+            rates = "; ".join(f"{c['config']}: " + ", ".join(
+                f"{n} {c[n]:.0f}" if isinstance(c[n], float) else f"{n} failed" for n in ("clipped_sum", "norms"))
+                for c in r["sweep"]["configs"])
+            out.append(f"- sweep at T{r['T']}x{r['R']} {r['p']}x{r['d']} (TFLOP/s): {rates}")
     return out + [""]
 
 

@@ -48,7 +48,7 @@ KINDS = ("cublas", "clipped_sum", "norms", "gram", "row_norms")
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sweep", action="store_true", help="also sweep the tile configs at T1024x8")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the tile configs at T1024x8 (the first grid)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--json", help="also write the rows to this file (rewritten after each shape)")
     args = ap.parse_args(argv)
@@ -59,9 +59,9 @@ def main(argv=None) -> int:
     print("per layer: TFLOP/s (ms); cublas = the non-private weight gradient; gram = both Gram "
           "matrices of the Gram path; row_norms in GB/s")
     rows = []
-    for (T, R), (p, d) in itertools.product(DRY_GRIDS if args.dry_run else GRIDS,
-                                            DRY_SHAPES if args.dry_run else SHAPES):
-        row = bench_shape(T, R, p, d, device, sweep=args.sweep and T == 1024)
+    grids = DRY_GRIDS if args.dry_run else GRIDS
+    for (T, R), (p, d) in itertools.product(grids, DRY_SHAPES if args.dry_run else SHAPES):
+        row = bench_shape(T, R, p, d, device, sweep=args.sweep and (T, R) == grids[0])
         rows.append(row)
         print(_line(row), flush=True)
         if args.json:
@@ -127,25 +127,27 @@ def bench_shape(T: int, R: int, p: int, d: int, device: str, sweep: bool = False
 
 
 def _sweep(X, Y, f, rows, ptr, R, ms, flops) -> dict:
-    """The flat kernels' best tile config (each checked against the default's result)."""
+    """Every tile config of the flat kernels, each checked against the default's result
+    first: {"configs": [{"config", "clipped_sum", "norms"} (TFLOP/s, or the error)], "best"}."""
     from llmdp.clipping import _triton_rowscaled as k
 
     ref_rs = k.row_scaled_tn(X, Y, f, flat=True)
     ref_n = k.unit_sq_norms(X, Y, rows, ptr, R, flat=True)
-    best = {"clipped_sum": (0.0, None), "norms": (0.0, None)}
+    runs = []
     for cfg in CONFIGS:
-        try:
-            torch.testing.assert_close(k.row_scaled_tn(X, Y, f, config=cfg, flat=True), ref_rs,
-                                       rtol=1e-4, atol=1e-3)
-            t = flops / (ms(lambda c=cfg: k.row_scaled_tn(X, Y, f, config=c, flat=True)) * 1e-3) / 1e12
-            best["clipped_sum"] = max(best["clipped_sum"], (t, cfg), key=lambda x: x[0])
-            torch.testing.assert_close(k.unit_sq_norms(X, Y, rows, ptr, R, config=cfg, flat=True),
-                                       ref_n, rtol=1e-4, atol=0)
-            t = flops / (ms(lambda c=cfg: k.unit_sq_norms(X, Y, rows, ptr, R, config=c, flat=True)) * 1e-3) / 1e12
-            best["norms"] = max(best["norms"], (t, cfg), key=lambda x: x[0])
-        except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory)
-            print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
-    return {key: {"tflops": t, "config": cfg} for key, (t, cfg) in best.items()}
+        row = {"config": cfg}
+        for name, fn, ref, tol in (
+                ("clipped_sum", lambda c: k.row_scaled_tn(X, Y, f, config=c, flat=True), ref_rs, 1e-3),
+                ("norms", lambda c: k.unit_sq_norms(X, Y, rows, ptr, R, config=c, flat=True), ref_n, 0)):
+            try:
+                torch.testing.assert_close(fn(cfg), ref, rtol=1e-4, atol=tol)
+                row[name] = flops / (ms(lambda c=cfg, fn=fn: fn(c)) * 1e-3) / 1e12
+            except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory)
+                row[name] = f"{type(e).__name__}: {str(e)[:80]}"
+        runs.append(row)
+    best = {name: max((r for r in runs if isinstance(r[name], float)), key=lambda r: r[name], default=None)
+            for name in ("clipped_sum", "norms")}
+    return {"configs": runs, "best": {n: (r["config"], r[n]) if r else None for n, r in best.items()}}
 
 
 def _line(r: dict) -> str:
@@ -158,7 +160,7 @@ def _line(r: dict) -> str:
             parts.append(f"{name} {v['tflops']:.0f} ({v['ms']:.3f})")
         else:
             parts.append(f"{name} {v['gb_s']:.0f} GB/s ({v['ms']:.3f})")
-    sweep = f"  sweep {r['sweep']}" if "sweep" in r else ""
+    sweep = f"  sweep best {r['sweep']['best']}" if "sweep" in r else ""
     return f"T{r['T']}x{r['R']} {r['p']}x{r['d']}: " + ", ".join(parts) + sweep
 
 
