@@ -7,7 +7,7 @@ r"""Time, throughput, MFU and peak memory of one DP step, per clipping method, o
     python benchmarks/clipping.py ... --profile DIR    # also one step per method under torch.profiler
     python benchmarks/clipping.py --family qwen3_moe   # a mixture of experts (also mixtral, olmoe,
                                                        # qwen2_moe, gpt_oss): 8 experts, top-2
-    bash benchmarks/gpu.sh env tests noise clip peers lora recipe   # issue 36's GPU runs, one call
+    bash benchmarks/gpu.sh                             # every GPU measurement in one call (issue 52)
 
 Every method runs in its own subprocess (a clean peak-memory high-water mark): a forward
 pass and the backward that leaves what that method produces (the plain gradient for

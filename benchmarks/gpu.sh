@@ -20,6 +20,7 @@
 #            fallbacks), and the massive-activation construction on CUDA, Gram path forced and auto
 #   tests    the `gpu` marker's tests
 #   noise    secure noise against torch.randn (benchmarks/noise.py)
+#   recipe   (only when named) a GPU recipe's worker loop in this process (benchmarks/gpu_recipe.py)
 # An llmdp row that fails is run again with fewer of the engine's newest kernels
 # (benchmarks/clipping.py, VARIANTS): a kernel that does not build costs one row's time, not
 # the run. Every stage's output is packed into $OUT/results.tgz as soon as it ends, and
@@ -181,6 +182,11 @@ stage_noise() {
         run_capped 60 $PY benchmarks/noise.py --cuda-count 1600000000 --cpu-count 10000000 \
             --repeats 5 --json "$W/noise.json" --sass "$W/noise-kernel.sass" | tail -12
     fi
+}
+stage_recipe() {  # not in the default list: recipes/gpu-1b-synthetic.yaml as written, its worker loop in this process
+    run_capped "${RECIPE_S:-200}" $PY benchmarks/gpu_recipe.py recipes/gpu-1b-synthetic.yaml --steps 4 \
+        --out /tmp/llmdp-recipe-runs > "$W/recipe.log" 2>&1
+    echo "  recipe rc=$?"; tail -12 "$W/recipe.log"
 }
 pack() {
     tar czf "$OUT/results.tgz.part" -C "$W" --exclude=hide . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"

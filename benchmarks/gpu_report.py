@@ -1,6 +1,6 @@
 """The tables of a ``benchmarks/gpu.sh`` run, from the JSON and logs its stages left.
 
-    python benchmarks/gpu_report.py DIR      # DIR: gpu.sh's $OUT/work (or results.tgz unpacked)
+    python benchmarks/gpu_report.py DIR      # DIR: gpu.sh's WORK folder (or its results.tgz unpacked)
 
 Markdown on stdout: the DP step per shape (every method's time and peak memory against the
 non-private row of the same shape: peers ran in their own ``clipping.py`` call, so their
@@ -146,7 +146,7 @@ def noise_line(d: str) -> list[str]:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or not os.path.isdir(argv[0]):
-        print("usage: python benchmarks/gpu_report.py DIR (gpu.sh's $OUT/work)")
+        print("usage: python benchmarks/gpu_report.py DIR (gpu.sh's WORK folder)")
         return 2
     d = argv[0]
     lines = []
