@@ -440,9 +440,9 @@ def child(args) -> dict:
     from llmdp.clipping import gram
 
     torch.set_num_threads(args.threads)
-    apply_variant(args.variant, args.device)
     if args.gram != "auto":
         gram._policy = args.gram
+    apply_variant(args.variant, args.device)  # after --gram: a fallback variant's float64 Grams win
     grams = count_gram_choices() if method.startswith("llmdp-") else None
     model, batch = build(args)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -572,7 +572,7 @@ def profile_counts(events, wall_s: float, explicit_syncs: int = 0, top: int = 15
             item[0] += t
             item[1] += 1
             continue
-        if e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
+        if e.name.startswith("cu") and not e.name.startswith("cudnn"):
             calls[e.name] += 1
         parent = e.cpu_parent
         if e.name.startswith("aten::") and not (parent is not None and parent.name.startswith("aten::")):

@@ -283,7 +283,8 @@ def test_clipping_benchmark_falls_back_to_fewer_kernels_and_counts_the_gram_path
     clip = _script("clipping")
     out = tmp_path / "fallback.json"
     monkeypatch.setenv("LLMDP_BENCH_FAIL_VARIANTS", "default,no-gram-rownorm")
-    assert clip.main(_tiny_argv(methods="llmdp-auto", json=out, profile=tmp_path / "prof")) == 0
+    # --gram lowp asked, but the fallback variant leaves the Gram path out: the variant wins
+    assert clip.main(_tiny_argv(methods="llmdp-auto", json=out, profile=tmp_path / "prof") + ["--gram", "lowp"]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert "error" not in row and row["variant"] == "no-triton", row
     assert [f.split(":")[0] for f in row["failed_variants"]] == ["default", "no-gram-rownorm"]
