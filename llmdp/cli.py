@@ -111,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--distribution", choices=["poisson", "geometric"], default=None,
                     help="random: the distribution of the number of trials (default poisson)")
     sw.add_argument("--write-best", default=None, metavar="FILE",
-                    help="a recipe with data.public: true (trials non-private, nothing spent): "
-                         "write the selected point to FILE; a private recipe takes it with "
-                         "train.hyperparameters_from: FILE")
+                    help="a recipe with data.public: true (trials non-private, or with "
+                         "privacy.simulate: true the private run's DP noise simulated; nothing "
+                         "spent): write the selected point to FILE; a private recipe takes it "
+                         "with train.hyperparameters_from: FILE")
 
     cp = sub.add_parser(
         "compare", help="runs side by side and the privacy-utility plot: llmdp compare RUN_A "

@@ -76,8 +76,13 @@ def hyperparameter_note(cfg) -> dict | None:
     if not path:
         return None
     doc = read_best_file(path)
+    sim = doc.get("simulated_noise")
+    how = ("" if not isinstance(sim, dict) else
+           f", each trial with the DP noise of a private run simulated (σ = "
+           f"{sim.get('noise_multiplier'):.4g}, σC/B = {sim.get('noise_std_per_step'):.4g})")
     return {"chosen_on": doc.get("chosen_on"), "source": doc.get("source"), "sweep": doc.get("sweep"),
             "values": doc["overrides"], "epsilon": 0.0,
+            **({"simulated_noise": sim} if isinstance(sim, dict) else {}),
             "note": f"hyper-parameters {', '.join(f'{k}={v}' for k, v in doc['overrides'].items())} "
                     f"were chosen by the sweep {doc.get('sweep')!r} on data declared public "
-                    f"({doc.get('source')}), at zero privacy cost"}
+                    f"({doc.get('source')}){how}, at zero privacy cost"}

@@ -371,11 +371,47 @@ def _check_public_recipe(r) -> None:
         raise ConfigError(
             "data.public_override_ledger: true is only for a source declared public "
             "(data.public: true); remove it", key="data.public_override_ledger")
-    if d.public and r.privacy.dp:
+    p = r.privacy
+    if p.simulate_units is not None and not p.simulate:
+        raise ConfigError(
+            f"privacy.simulate_units: {p.simulate_units} is only for a simulated run "
+            f"(privacy.simulate: true); remove it", key="privacy.simulate_units")
+    if p.simulate:
+        _check_simulated_recipe(r)
+        return
+    if d.public and p.dp:
         raise ConfigError(
             "data.public: true declares the training data public, and a run on public data "
             "trains without DP: set privacy.dp: false as well (no DP recipe turns non-private "
-            "by one setting), or remove data.public to train with DP", key="privacy.dp")
+            "by one setting), or privacy.simulate: true to simulate a private run's DP noise on "
+            "it (nothing spent), or remove data.public to train with DP", key="privacy.dp")
+
+
+def _check_simulated_recipe(r) -> None:
+    """privacy.simulate: true runs the DP mechanism on data declared public and records
+    nothing: only with data.public: true and privacy.dp: true, never exported, no budget."""
+    p = r.privacy
+    if not r.data.public:
+        raise ConfigError(
+            "privacy.simulate: true simulates DP on data declared public and records nothing "
+            "in any ledger; this recipe's data is not declared public (data.public), so its "
+            "run must be a real DP run: remove privacy.simulate (or set data.public: true for "
+            "a public proxy corpus)", key="privacy.simulate")
+    if not p.dp:
+        raise ConfigError(
+            "privacy.simulate: true simulates the DP mechanism, but privacy.dp is false (no "
+            "clipping, no noise): set privacy.dp: true, or remove privacy.simulate",
+            key="privacy.simulate")
+    if p.budget_epsilon is not None:
+        raise ConfigError(
+            f"privacy.budget_epsilon: {p.budget_epsilon:g} with privacy.simulate: true: a "
+            f"simulated run spends nothing and opens no ledger; remove it",
+            key="privacy.budget_epsilon")
+    if r.output.push_to is not None:
+        raise ConfigError(
+            f"output.push_to: {r.output.push_to!r} with privacy.simulate: true: a simulated run "
+            f"is for tuning on a public proxy, not a model to publish; remove output.push_to",
+            key="output.push_to")
 
 
 def _check_baseline_recipe(r) -> None:

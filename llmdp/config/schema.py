@@ -275,6 +275,17 @@ class PrivacyConfig:
     # comparison only: labelled as such everywhere, recorded in no ledger, never exported.
     # target_epsilon / noise_multiplier are then ignored.
     dp: bool = True
+    # true (with data.public: true): a DP run *simulated* on data declared public, to tune
+    # at zero ε (`llmdp sweep`, DP-fy guide §5.4). The mechanism runs as planned for the
+    # private run — clipping at max_grad_norm, noise at the σ calibrated for target_epsilon
+    # (and the DP evaluations the recipe plans) over `simulate_units` units, the sampler,
+    # the mechanism — so each step's noise-to-signal σC/B is the private run's; but the data
+    # is public: no ledger, nothing spent, no DP evaluation run (held-out loss without DP).
+    simulate: bool = False
+    # The private corpus's number of units N, for which σ is calibrated (the private run's
+    # plan: `llmdp train PRIVATE.yaml --dry-run` prints it); None: this corpus's own N.
+    # Each step still draws B = train.expected_batch_size units of this corpus on average.
+    simulate_units: int | None = _f(None, ge=1)
     # Exactly one of target_epsilon / noise_multiplier.
     target_epsilon: float | None = _f(None, gt=0)
     noise_multiplier: float | None = _f(None, gt=0)

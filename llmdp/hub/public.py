@@ -43,6 +43,12 @@ def _refuse_baseline(run_dir: str) -> None:
     data declared public is (`verify_public_run`)."""
     cfg = _read_yaml(os.path.join(run_dir, "config.yaml"))
     info = _read_json(os.path.join(run_dir, "plan.json")) or {}
+    if info.get("simulated") or (cfg.get("privacy") or {}).get("simulate"):
+        raise ExportError(
+            f"{run_dir} is a simulated run (privacy.simulate: true): the DP mechanism of a "
+            f"private run simulated on public data, to choose hyper-parameters at zero ε. It "
+            f"released nothing and is not exported; export the private run trained with the "
+            f"chosen hyper-parameters (train.hyperparameters_from)")
     if not declared_public(run_dir) and (
             (cfg.get("privacy") or {}).get("dp") is False or (info.get("plan") or {}).get("dp") is False
             or info.get("privacy") == NON_PRIVATE):

@@ -60,7 +60,8 @@ def baseline_report(rd, metrics: list[dict], state: dict, *, internal_metrics: d
     data_cfg, train, priv = cfg["data"], cfg.get("train") or {}, cfg.get("privacy") or {}
     stats = dict(info.get("data") or {})
     public = bool(data_cfg.get("public"))
-    return {
+    sim = info.get("simulated")  # privacy.simulate: the DP mechanism ran on public data
+    out = {
         "privacy": NON_PRIVATE,
         "dp": False,
         "banner": public_banner(data_cfg) if public else BANNER,
@@ -113,6 +114,19 @@ def baseline_report(rd, metrics: list[dict], state: dict, *, internal_metrics: d
         "internal_metrics": internal_metrics,
         "config_hash": _config_hash(rd.path),
     }
+    if sim:
+        out.update({
+            "simulated": dict(sim),
+            "guarantee_note": ("Trained on data the recipe declares public with the DP "
+                               "mechanism of a private run simulated (clipping and noise as "
+                               "planned for that run), to tune at zero privacy cost: nothing "
+                               "was released, and the model may reveal any training unit"),
+            "clipping": f"each unit's gradient to norm C = {plan.max_grad_norm:g} (simulated)",
+            "noise_multiplier": plan.noise_multiplier,
+            "normalization": "sum of the clipped unit gradients plus the simulated noise, "
+            "divided by the expected batch size q*N",
+        })
+    return out
 
 
 def render_baseline_markdown(r: dict) -> str:
@@ -149,7 +163,8 @@ def render_baseline_markdown(r: dict) -> str:
     lines += [
         "| item | value |",
         "| --- | --- |",
-        f"| Privacy | {r['privacy']}: no clipping, no noise, no ε |",
+        ("| Privacy | none: simulated DP (privacy.simulate), no ε, nothing spent |"
+         if r.get("simulated") else f"| Privacy | {r['privacy']}: no clipping, no noise, no ε |"),
         f"| Status | {status} |",
         f"| Steps | {r['steps_completed']} completed of {r['steps_planned']} planned |",
         f"| Unit | {r['unit']} |",
@@ -159,7 +174,7 @@ def render_baseline_markdown(r: dict) -> str:
         f"| Expected batch size q·N | {r['expected_batch_size']:g} units |",
         *trunc,
         f"| Clipping | {r['clipping']} |",
-        "| Noise | none (σ = 0) |",
+        *(_simulated_rows(r["simulated"]) if r.get("simulated") else ["| Noise | none (σ = 0) |"]),
         f"| Update | {r['normalization']} |",
         f"| RNG mode | {r['rng_mode']} |",
         "",
@@ -174,6 +189,16 @@ def render_baseline_markdown(r: dict) -> str:
         ]
     lines += ["![training loss (NON-PRIVATE)](privacy_report.png)", ""]
     return "\n".join(lines)
+
+
+def _simulated_rows(sim: dict) -> list[str]:
+    """The report's rows of what a simulated run (privacy.simulate) simulated."""
+    target = ("" if sim.get("target_epsilon") is None
+              else f" at privacy.target_epsilon = {sim['target_epsilon']:g}")
+    return [f"| Noise | simulated: σ = {sim['noise_multiplier']:.4f}, the σ of a private run "
+            f"of {sim['private_units']} units{target} ({sim['mechanism']}) |",
+            f"| Noise std per averaged step σC/B | {sim['noise_std_per_step']:.4g} (the private "
+            f"run's) |"]
 
 
 def baseline_panel(ax) -> None:

@@ -130,11 +130,17 @@ class RunSpec:
         ledger, labelled NON-PRIVATE everywhere (``llmdp.record.baseline``)."""
         return self.plan.dp
 
+    @property
+    def simulated(self) -> bool:
+        """True for a simulated run (privacy.simulate: the DP mechanism on data declared
+        public): clipping and noise as planned, but no ledger and no ε (nothing released)."""
+        return self.dp and bool(getattr(self.cfg.privacy, "simulate", False))
+
     @functools.cached_property  # computed once (a PLD), for the log line and plan.json
     def epsilon_planned(self) -> float:
         """ε of the whole plan (its steps and DP evaluations) composed with the earlier
-        releases (inf for a baseline: no guarantee, and no accountant is asked)."""
-        if not self.dp:
+        releases (inf for a baseline or a simulated run: no guarantee, no accountant asked)."""
+        if not self.dp or self.simulated:
             return math.inf
         return composed_epsilon(self.plan, list(self.prior_releases) + self.planned_evals())
 
@@ -161,6 +167,17 @@ class RunSpec:
             return self
         return dataclasses.replace(self, ledger=dataclasses.replace(self.ledger, actor=name))
 
+    def simulation(self) -> dict[str, Any]:
+        """What a simulated run simulates: the private run's noise (σ, C, B, T, the
+        mechanism, σC/B) planned for ``privacy.simulate_units`` units at its target."""
+        p, plan = self.cfg.privacy, self.plan
+        return {"private_units": p.simulate_units or plan.dataset_size,
+                "target_epsilon": p.target_epsilon, "noise_multiplier": plan.noise_multiplier,
+                "max_grad_norm": plan.max_grad_norm, "expected_batch_size": plan.expected_batch_size,
+                "steps": plan.steps, "mechanism": str(plan.mechanism),
+                "noise_std_per_step": plan.noise_multiplier * plan.max_grad_norm
+                / plan.expected_batch_size}
+
     def plan_record(self) -> dict[str, Any]:
         """What plan.json holds (a baseline's: ``"privacy": "NON-PRIVATE"``, no ε, no ledger)."""
         from llmdp.base import plants as plant  # the test-only planted bug, if one is switched on
@@ -175,8 +192,12 @@ class RunSpec:
             # carries no guarantee; the report says so first and export refuses it.
             **({"planted": planted} if planted else {}),
             "plan": self.plan.to_dict(),
-            "epsilon_planned": self.epsilon_planned if self.dp else None,
-            "epsilon_planned_training_only": self.plan.epsilon() if self.dp else None,
+            # a simulated run (privacy.simulate) releases nothing: it has no ε, only the
+            # private run's noise it simulates
+            **({"simulated": self.simulation()} if self.simulated else {}),
+            "epsilon_planned": self.epsilon_planned if self.dp and not self.simulated else None,
+            "epsilon_planned_training_only": (self.plan.epsilon() if self.dp and not self.simulated
+                                              else None),
             "dp_eval": None if self.eval_plan is None else {
                 **self.eval_plan.to_dict(), "epsilon_alone": self.eval_plan.epsilon()},
             "eval_data": self.eval_data,

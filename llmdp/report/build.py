@@ -80,7 +80,9 @@ def build_report(run_dir: str | RunDir, failure: str | None = None, interrupted:
     cfg = rd.config()
     plan_info = rd.info
     plan = rd.plan
-    if not plan.dp:  # a NON-PRIVATE baseline: no ledger, no ε (llmdp.record.baseline)
+    # a NON-PRIVATE baseline, or a simulated run (DP noise on public data): no ledger, no ε
+    # (llmdp.record.baseline)
+    if not plan.dp or plan_info.get("simulated"):
         metrics = rd.metrics
         return {"report_version": REPORT_VERSION, **baseline_report(
             rd, metrics, run_state(metrics, plan.steps, failure, interrupted),

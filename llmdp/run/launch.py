@@ -84,8 +84,10 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
         **({"mf": mf_commitment(plan)} if plan.correlated and plan.dp else {}),
     }
 
-    # A NON-PRIVATE baseline (privacy.dp: false) opens no ledger and records nothing.
-    ledger = open_dataset_ledger(d, cfg.privacy.ledger, source_sha, log=log) if plan.dp else None
+    # A NON-PRIVATE baseline (privacy.dp: false) opens no ledger and records nothing; nor
+    # does a simulated run (privacy.simulate: the DP mechanism on data declared public).
+    ledger = (open_dataset_ledger(d, cfg.privacy.ledger, source_sha, log=log)
+              if plan.dp and not cfg.privacy.simulate else None)
     if d.public:  # declared public: refused on data that was treated as private (its ledger)
         check_declared_public(d, cfg.privacy.ledger, source_sha, run_dir=run_dir, log=log)
     if ledger is not None:
@@ -282,6 +284,24 @@ def run(cfg: RecipeConfig, log=print, augment=None) -> str:
             lock.release(remove=not os.path.isdir(cfg.run_dir))
 
 
+def simulated_line(spec: RunSpec) -> str:
+    """The console's and the report's account of a simulated run (``privacy.simulate``)."""
+    plan, p = spec.plan, spec.cfg.privacy
+    target = (f"ε = {p.target_epsilon:g}" if p.target_epsilon is not None
+              else f"σ = {p.noise_multiplier:g}")
+    units = p.simulate_units or plan.dataset_size
+    return (f"SIMULATED DP (privacy.simulate): {mechanism_label(plan)} at the noise of a private "
+            f"run planned for {target} over {units} units: sigma={plan.noise_multiplier:.4f}, "
+            f"C={plan.max_grad_norm:g}, B={plan.expected_batch_size:g}, T={plan.steps} (noise "
+            f"std per averaged step sigma*C/B = {noise_to_signal(plan):.4g}); on this corpus N="
+            f"{plan.dataset_size}, q={plan.sampling_probability:.5g}; no ledger, nothing spent")
+
+
+def noise_to_signal(plan) -> float:
+    """σC/B: the std of the noise on each coordinate of a step's averaged gradient."""
+    return plan.noise_multiplier * plan.max_grad_norm / plan.expected_batch_size
+
+
 def report_banner(spec: RunSpec) -> str:
     """The console's label of a run without DP: the declaration of data declared public,
     else the NON-PRIVATE baseline's banner."""
@@ -311,6 +331,8 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
     if not prepared.dp:
         log(f"{label}. plan: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, "
             f"B={plan.expected_batch_size:g}, T={plan.steps}; no clipping, no noise, no ledger")
+    elif prepared.simulated:
+        log(f"{label}. {simulated_line(prepared)}")
     else:
         log(f"plan: {mechanism_label(plan)}, N={plan.dataset_size} units, "
             f"q={plan.sampling_probability:.5g}, B={plan.expected_batch_size:g}"
@@ -372,7 +394,9 @@ def _run_locked(cfg: RecipeConfig, lock, log, augment=None) -> str:
             f"{m['accuracy_std']:.4f} (± the std of its noise)")
     log(f"run directory: {prepared.run_dir}")
     log(f"privacy report: {os.path.join(prepared.run_dir, 'privacy_report.md')}")
-    if report.get("dp") is False:
+    if report.get("simulated"):
+        log(f"{label}: simulated DP, nothing spent (no epsilon)")
+    elif report.get("dp") is False:
         log(f"{label} (no epsilon)")
     else:
         log(f"epsilon = {report['epsilon']:.4f} at delta = {report['delta']:.3g} ({report['accountant']})")
@@ -455,11 +479,12 @@ def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) ->
         name=actor_name, num_cpus=0, scheduling_strategy=here,
         runtime_env=env).remote(**prepared.ledger.service)
     spec = prepared.with_ledger_actor(actor_name)
-    if spec.dp:
+    if spec.dp and not spec.simulated:
         log(f"progress: {EPS_KEY} is the ε the ledger has charged so far, with the steps reserved "
             f"ahead of the current one (up to train.checkpoint_every={cfg.train.checkpoint_every}); "
             f"its last value is the report's")
-    progress = Progress(spec.paths.metrics, spec.plan, spec.prior_releases)
+    progress = Progress(spec.paths.metrics, spec.plan, spec.prior_releases,
+                        spends=spec.dp and not spec.simulated)
     progress.start()
     try:
         trainer = TorchTrainer(

@@ -23,7 +23,7 @@ from llmdp.evaluation.dp import plan_dp_eval
 from llmdp.privacy.accounting import calibrate_with_prior, event_to_json
 from llmdp.privacy.ledger import check_public_eval
 from llmdp.privacy.mechanism import mechanism_config
-from llmdp.privacy.plan import check_noise_tail, make_plan
+from llmdp.privacy.plan import check_noise_tail, default_delta, make_plan
 from llmdp.record.provenance import merge_priors, starting_model
 from llmdp.tokenizer.train import tokenizer_for_run
 from llmdp.train.models import load_model
@@ -198,10 +198,12 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None, memory: bool = False) -
             key="train.expected_batch_size",
         )
     priv = cfg.privacy  # privacy.dp false: a NON-PRIVATE baseline; σ is not calibrated
+    # privacy.simulate: σ is the private run's, planned for its N (simulate_units), below
+    planned_n = priv.simulate_units if priv.simulate and priv.simulate_units else N
     if priv.dp and cfg.privacy.delta is None:
-        _default_delta_or_refuse(N, spec.kind, log)
+        _default_delta_or_refuse(planned_n, spec.kind, log)
     plan = make_plan(
-        dataset_size=N,
+        dataset_size=planned_n,
         expected_batch_size=cfg.train.expected_batch_size,
         max_grad_norm=cfg.privacy.max_grad_norm,
         steps=cfg.train.steps,
@@ -233,6 +235,8 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None, memory: bool = False) -
         planned_evals = [] if eval_plan is None else [
             {"event": event_to_json(eval_plan.event()), "count": eval_plan.releases}]
         plan = check_noise_tail(calibrate_with_prior(plan, prior_releases + planned_evals))
+    if priv.simulate:  # the private run's σ, on this corpus; no DP evaluation runs
+        plan, eval_plan, prior_releases = simulated_plan(plan, N, cfg, cache), None, []
     data_stats = dict(store.stats())
     data_stats.update({"parameters_total": n_params, "parameters_trainable": n_train})
     if eval_store is not None:
@@ -242,6 +246,22 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None, memory: bool = False) -
     return Planned(cfg=cfg, plan=plan, store=store, unit_spec=spec, source_sha=source_sha,
                    tok_use=tok_use, prior_releases=prior_releases, data_stats=data_stats,
                    eval_store=eval_store, eval_plan=eval_plan, starting_model=start, memory=mem)
+
+
+def simulated_plan(private, N: int, cfg: RecipeConfig, cache: str):
+    """A simulated run's plan (``privacy.simulate``, a public proxy of a private run): the
+    private run's plan ``private`` (σ calibrated for its N, ``privacy.simulate_units``, with
+    its DP evaluations) with this corpus's N, so that each step draws B units of it on
+    average (q = B/N) and adds the private run's noise: σ, C, B, T and the mechanism are
+    the private run's, and so is the noise-to-signal ratio σC/B of every step. Its ε is
+    not the private run's and is never reported (nothing is released: the data is public)."""
+    return make_plan(
+        dataset_size=N, expected_batch_size=cfg.train.expected_batch_size,
+        max_grad_norm=private.max_grad_norm, steps=private.steps,
+        delta=min(private.delta, default_delta(N)), noise_multiplier=private.noise_multiplier,
+        accountant=private.accountant, sampler=private.sampler,
+        max_batch_size=private.max_batch_size, noise_coordinates=private.noise_coordinates,
+        mechanism=_mechanism(cfg, cache))
 
 
 # A tokenizer that encodes more than this share of the data's tokens as its unknown token

@@ -212,17 +212,23 @@ def dry_run(cfg: RecipeConfig, log=print) -> dict:
     plan, stats = planned.plan, planned.data_stats
     evals = [] if planned.eval_plan is None else [
         {"event": _event_json(planned.eval_plan.event()), "count": planned.eval_plan.releases}]
-    eps = composed_epsilon(plan, list(planned.prior_releases) + evals) if plan.dp else math.inf
+    spends = plan.dp and not cfg.privacy.simulate  # a simulated run releases nothing
+    eps = composed_epsilon(plan, list(planned.prior_releases) + evals) if spends else math.inf
     out = {"dataset_size": plan.dataset_size, "sampling_probability": plan.sampling_probability,
            "expected_batch_size": plan.expected_batch_size, "steps": plan.steps,
            "noise_multiplier": plan.noise_multiplier if plan.dp else None,
            "delta": plan.delta if plan.dp else None,
-           "epsilon": eps if plan.dp else None, "accountant": plan.accountant,
+           "epsilon": eps if spends else None, "accountant": plan.accountant,
            "truncation": _truncation(stats), "dp_eval_std": None, "budget": None,
            "memory_per_worker": planned.memory.to_dict()}
     if not plan.dp:
         log(f"dry run: NON-PRIVATE baseline: N={plan.dataset_size} units, q="
             f"{plan.sampling_probability:.5g}, T={plan.steps}; no noise, no ε, no ledger")
+    elif not spends:
+        log(f"dry run: simulated DP on data declared public: N={plan.dataset_size} units, q="
+            f"{plan.sampling_probability:.5g}, B={plan.expected_batch_size:g}, T={plan.steps} "
+            f"steps, sigma={plan.noise_multiplier:.4f} (the private run's, for "
+            f"{cfg.privacy.simulate_units or plan.dataset_size} units); no ε, no ledger")
     else:
         log(f"dry run: N={plan.dataset_size} units, q={plan.sampling_probability:.5g}, B="
             f"{plan.expected_batch_size:g}, T={plan.steps} steps, sigma="
@@ -233,7 +239,7 @@ def dry_run(cfg: RecipeConfig, log=print) -> dict:
     log(planned.memory.line())
     if planned.eval_plan is not None:
         out["dp_eval_std"] = planned.eval_plan.expected_std(planned.eval_store.num_units)
-    if plan.dp:
+    if spends:
         out["budget"] = _budget(cfg, planned, eps, log)
     log("dry run: nothing was trained, recorded or held; no run folder was made")
     return out

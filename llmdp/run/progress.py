@@ -49,10 +49,13 @@ class Progress(threading.Thread):
     ledger's (``ledger.jsonl`` next to metrics.jsonl), like the report's: steps re-executed
     after a failure count again; the last value, computed exactly, is the report's ε."""
 
-    def __init__(self, path: str, plan, prior_releases=(), ledger_path: str | None = None):
+    def __init__(self, path: str, plan, prior_releases=(), ledger_path: str | None = None,
+                 spends: bool | None = None):
         super().__init__(daemon=True)
         self.path, self.total, self.plan = path, plan.steps, plan
-        self.dp = plan.dp  # False: a NON-PRIVATE baseline: labelled so, no ε to show
+        # False: a NON-PRIVATE baseline (labelled so) or a simulated run (``spends`` False:
+        # privacy.simulate): no ledger, no ε to show
+        self.dp = plan.dp if spends is None else spends
         self.ledger_path = ledger_path or os.path.join(os.path.dirname(path), "ledger.jsonl")
         self.prior = list(prior_releases)  # e.g. the private tokenizer's release: ε starts there
         self._eps_at = (0, 0.0)  # (step, epsilon): epsilon spent so far, recomputed now and then

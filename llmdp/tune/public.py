@@ -44,7 +44,9 @@ def run_public_sweep(cfg, spec, *, log=print, run_trial=None, write_best: str | 
     sweep_dir = os.path.abspath(os.path.join(cfg.output.dir, f"{cfg.output.name}-sweep"))
     banner = public_banner(_data_dict(cfg))
     log(banner)
-    log(f"sweep: {len(spec.points())} non-private trial(s) on data declared public: no ledger, no "
+    simulated = bool(cfg.privacy.simulate)
+    kind = "simulated-DP" if simulated else "non-private"
+    log(f"sweep: {len(spec.points())} {kind} trial(s) on data declared public: no ledger, no "
         f"accounting, nothing spent")
     rows = []
     for i, point in enumerate(spec.points()):
@@ -56,13 +58,19 @@ def run_public_sweep(cfg, spec, *, log=print, run_trial=None, write_best: str | 
         held = (ev.get("public") or []) + (ev.get("internal") or [])
         loss = held[-1].get("loss") if held else None
         rows.append({"trial": i, "name": name, "point": list(point), "run_dir": run_dir,
-                     "status": report.get("status"), "held_out_loss": loss})
+                     "status": report.get("status"), "held_out_loss": loss,
+                     **({"simulated": report.get("simulated")} if simulated else {})})
     done = [r for r in rows if r["held_out_loss"] is not None and r["status"] == "complete"]
     best = min(done, key=lambda r: r["held_out_loss"]) if done else None
     state = {
         "declared_public": banner,
-        "privacy": "none: every trial is a non-private run on data the recipe declared public; "
-                   "nothing was recorded in a privacy ledger and no ε was spent",
+        "privacy": ("none: every trial ran the DP mechanism of the private run it simulates "
+                    "(privacy.simulate: its clipping, its noise σ) on data the recipe declared "
+                    "public; nothing was recorded in a privacy ledger and no ε was spent"
+                    if simulated else
+                    "none: every trial is a non-private run on data the recipe declared public; "
+                    "nothing was recorded in a privacy ledger and no ε was spent"),
+        "simulated": simulated,
         "epsilon": 0.0,
         "source": shown(cfg.data.dataset or cfg.data.path),
         "selection": "the lowest final held-out loss (computed without DP: the data is public)",
@@ -112,7 +120,9 @@ def write_best_file(path: str, best: dict, state: dict, sweep: str) -> None:
         overrides[key] = yaml.safe_load(value)
     doc = {"kind": BEST_KIND, "chosen_on": "public data", "source": state["source"],
            "sweep": sweep, "trial": best["name"], "selection": state["selection"],
-           "held_out_loss": best["held_out_loss"], "epsilon": 0.0, "overrides": overrides}
+           "held_out_loss": best["held_out_loss"], "epsilon": 0.0,
+           # the private run's noise the trials simulated (privacy.simulate), or None
+           "simulated_noise": best.get("simulated"), "overrides": overrides}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(f"# Hyper-parameters selected by `llmdp sweep` on data declared public "

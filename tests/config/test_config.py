@@ -1106,6 +1106,19 @@ def test_readme_demo_figures_match_the_data_preparation(tmp_path):
         os.chdir(cwd)
     plan = prepare(cfg, log=lambda *a: None).plan
     assert int(m.group(1).replace(",", "")) == plan.dataset_size
+    # the demo's tuning proxy simulates the noise of a private run of exactly these units
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        tune = load_recipe("recipes/demo-tune.yaml")
+    finally:
+        os.chdir(cwd)
+    assert tune.privacy.simulate and tune.privacy.simulate_units == plan.dataset_size
+    assert (tune.privacy.target_epsilon, tune.privacy.mechanism, tune.train.expected_batch_size,
+            tune.train.steps, tune.eval.epsilon) == (demo.privacy.target_epsilon,
+                                                       demo.privacy.mechanism,
+                                                       demo.train.expected_batch_size,
+                                                       demo.train.steps, demo.eval.epsilon)
     assert m.group(2) == f"{plan.sampling_probability:.3g}"
     assert m.group(3) == f"{plan.noise_multiplier:.3g}"
     assert float(m.group(4)) == plan.delta
