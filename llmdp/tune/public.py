@@ -33,13 +33,7 @@ def run_public_sweep(cfg, spec, *, log=print, run_trial=None, write_best: str | 
     from llmdp.run.launch import run
     from llmdp.tune.trials import _describe, _read_json, _trial_config, _write_json
 
-    if spec.trials != "grid":
-        raise ConfigError("sweep.trials: random searches are for private data (their bound hides "
-                          "the number of trials); a sweep of data declared public runs every grid "
-                          "point: use --trials grid", key="sweep.trials")
-    if cfg.data.eval is None:
-        raise ConfigError("data.eval: a sweep of data declared public selects by held-out loss; set "
-                          "data.eval.fraction (e.g. 0.1) or data.eval.path", key="data.eval")
+    check_public_sweep(cfg, spec)
     run_trial = run_trial or run
     sweep_dir = os.path.abspath(os.path.join(cfg.output.dir, f"{cfg.output.name}-sweep"))
     banner = public_banner(_data_dict(cfg))
@@ -91,6 +85,17 @@ def run_public_sweep(cfg, spec, *, log=print, run_trial=None, write_best: str | 
             log(f"sweep: the selected hyper-parameters -> {write_best} (a private recipe takes "
                 f"them with train.hyperparameters_from: {write_best})")
     return state
+
+
+def check_public_sweep(cfg, spec) -> None:
+    """What a sweep of data declared public is refused for, before anything is made."""
+    if spec.trials != "grid":
+        raise ConfigError("sweep.trials: random searches are for private data (their bound hides "
+                          "the number of trials); a sweep of data declared public runs every grid "
+                          "point: use --trials grid", key="sweep.trials")
+    if cfg.data.eval is None:
+        raise ConfigError("data.eval: a sweep of data declared public selects by held-out loss; set "
+                          "data.eval.fraction (e.g. 0.1) or data.eval.path", key="data.eval")
 
 
 def _data_dict(cfg) -> dict:

@@ -225,3 +225,33 @@ def test_a_public_proxy_sweep_spends_nothing_and_its_best_point_feeds_a_private_
     priv["train"]["hyperparameters_from"] = str(bad)
     with pytest.raises(ConfigError, match=rf"train.hyperparameters_from: {bad} is not a file `llmdp sweep"):
         recipe_from_dict(priv)
+
+
+def test_a_public_sweep_launched_as_the_cli_does_keeps_its_ray_record_in_its_folder(tmp_path, monkeypatch):
+    """`llmdp sweep` on a public recipe runs its trials on one local Ray, whose record goes
+    in the sweep's folder: the folder exists before Ray starts (it did not, and the command
+    failed at once); a refused sweep still makes no folder."""
+    from llmdp.base import localray
+    from llmdp.run import launch
+    from llmdp.tune.sweep import run_sweep
+
+    started = []
+
+    def start(run_dir, cfgs, log, **kw):  # what the real one writes first
+        with open(os.path.join(run_dir, "local_ray.json"), "w", encoding="utf-8") as f:
+            f.write("{}")
+        started.append(run_dir)
+
+    monkeypatch.setattr(localray, "start_local_ray", start)
+    monkeypatch.setattr(launch, "run", _in_process(tmp_path))  # the launcher's trials, in process
+    raw = to_dict(public_recipe(tmp_path))
+    raw["data"]["eval"] = {"fraction": 0.2}
+    cfg = recipe_from_dict(raw)
+    sweep_dir = tmp_path / "runs" / "pub-sweep"
+    with pytest.raises(ConfigError, match=r"sweep.trials: random searches are for private data"):
+        run_sweep(cfg, ["optim.lr=0.001,0.05"], trials="random", mean_trials=2, log=lambda *a: None)
+    assert not sweep_dir.exists() and not started
+    state = run_sweep(cfg, ["optim.lr=0.001,0.05"], log=lambda *a: None,
+                      write_best=str(tmp_path / "best.yaml"))
+    assert started == [str(sweep_dir)] and state["selected"] is not None
+    assert (sweep_dir / "sweep.json").exists()
