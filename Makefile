@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/llmdp train recipes/demo-pretrain.yaml
 	$(BIN)/llmdp train recipes/demo-finetune.yaml
 
-# The demo's tuning at zero ε: the fine-tuning recipe on the public notes with the private
+# The demo's tuning at zero ε: the fine-tuning recipe on new public notes with the private
 # run's DP noise simulated (recipes/demo-tune.yaml: its σ, C, B, T; nothing recorded or
 # spent), one trial per learning rate (about 5 minutes); the selection -> runs/demo-tuned.yaml,
 # which the private recipe takes with train.hyperparameters_from (BENCHMARKS.md, issue 54).
