@@ -43,7 +43,7 @@ def _refuse_baseline(run_dir: str) -> None:
     data declared public is (`verify_public_run`)."""
     cfg = _read_yaml(os.path.join(run_dir, "config.yaml"))
     info = _read_json(os.path.join(run_dir, "plan.json")) or {}
-    if info.get("simulated") or (cfg.get("privacy") or {}).get("simulate"):
+    if (cfg.get("privacy") or {}).get("simulate"):
         raise ExportError(
             f"{run_dir} is a simulated run (privacy.simulate: true): the DP mechanism of a "
             f"private run simulated on public data, to choose hyper-parameters at zero ε. It "

@@ -134,13 +134,19 @@ class RunSpec:
     def simulated(self) -> bool:
         """True for a simulated run (privacy.simulate: the DP mechanism on data declared
         public): clipping and noise as planned, but no ledger and no ε (nothing released)."""
-        return self.dp and bool(getattr(self.cfg.privacy, "simulate", False))
+        return self.dp and self.cfg.privacy.simulate
+
+    @property
+    def spends(self) -> bool:
+        """Whether the run releases anything with DP (a ledger, an ε): a DP run that is not
+        simulated."""
+        return self.dp and not self.simulated
 
     @functools.cached_property  # computed once (a PLD), for the log line and plan.json
     def epsilon_planned(self) -> float:
         """ε of the whole plan (its steps and DP evaluations) composed with the earlier
         releases (inf for a baseline or a simulated run: no guarantee, no accountant asked)."""
-        if not self.dp or self.simulated:
+        if not self.spends:
             return math.inf
         return composed_epsilon(self.plan, list(self.prior_releases) + self.planned_evals())
 
@@ -195,9 +201,8 @@ class RunSpec:
             # a simulated run (privacy.simulate) releases nothing: it has no ε, only the
             # private run's noise it simulates
             **({"simulated": self.simulation()} if self.simulated else {}),
-            "epsilon_planned": self.epsilon_planned if self.dp and not self.simulated else None,
-            "epsilon_planned_training_only": (self.plan.epsilon() if self.dp and not self.simulated
-                                              else None),
+            "epsilon_planned": self.epsilon_planned if self.spends else None,
+            "epsilon_planned_training_only": self.plan.epsilon() if self.spends else None,
             "dp_eval": None if self.eval_plan is None else {
                 **self.eval_plan.to_dict(), "epsilon_alone": self.eval_plan.epsilon()},
             "eval_data": self.eval_data,

@@ -285,21 +285,16 @@ def run(cfg: RecipeConfig, log=print, augment=None) -> str:
 
 
 def simulated_line(spec: RunSpec) -> str:
-    """The console's and the report's account of a simulated run (``privacy.simulate``)."""
-    plan, p = spec.plan, spec.cfg.privacy
+    """The console's account of a simulated run (``privacy.simulate``): `RunSpec.simulation`."""
+    plan, p, sim = spec.plan, spec.cfg.privacy, spec.simulation()
     target = (f"ε = {p.target_epsilon:g}" if p.target_epsilon is not None
               else f"σ = {p.noise_multiplier:g}")
-    units = p.simulate_units or plan.dataset_size
     return (f"SIMULATED DP (privacy.simulate): {mechanism_label(plan)} at the noise of a private "
-            f"run planned for {target} over {units} units: sigma={plan.noise_multiplier:.4f}, "
-            f"C={plan.max_grad_norm:g}, B={plan.expected_batch_size:g}, T={plan.steps} (noise "
-            f"std per averaged step sigma*C/B = {noise_to_signal(plan):.4g}); on this corpus N="
-            f"{plan.dataset_size}, q={plan.sampling_probability:.5g}; no ledger, nothing spent")
-
-
-def noise_to_signal(plan) -> float:
-    """σC/B: the std of the noise on each coordinate of a step's averaged gradient."""
-    return plan.noise_multiplier * plan.max_grad_norm / plan.expected_batch_size
+            f"run planned for {target} over {sim['private_units']} units: sigma="
+            f"{plan.noise_multiplier:.4f}, C={plan.max_grad_norm:g}, B={plan.expected_batch_size:g}, "
+            f"T={plan.steps} (noise std per averaged step sigma*C/B = "
+            f"{sim['noise_std_per_step']:.4g}); on this corpus N={plan.dataset_size}, "
+            f"q={plan.sampling_probability:.5g}; no ledger, nothing spent")
 
 
 def report_banner(spec: RunSpec) -> str:
@@ -479,12 +474,12 @@ def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) ->
         name=actor_name, num_cpus=0, scheduling_strategy=here,
         runtime_env=env).remote(**prepared.ledger.service)
     spec = prepared.with_ledger_actor(actor_name)
-    if spec.dp and not spec.simulated:
+    if spec.spends:
         log(f"progress: {EPS_KEY} is the ε the ledger has charged so far, with the steps reserved "
             f"ahead of the current one (up to train.checkpoint_every={cfg.train.checkpoint_every}); "
             f"its last value is the report's")
     progress = Progress(spec.paths.metrics, spec.plan, spec.prior_releases,
-                        spends=spec.dp and not spec.simulated)
+                        spends=spec.spends)
     progress.start()
     try:
         trainer = TorchTrainer(

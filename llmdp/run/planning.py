@@ -199,7 +199,7 @@ def plan_run(cfg: RecipeConfig, log=print, augment=None, memory: bool = False) -
         )
     priv = cfg.privacy  # privacy.dp false: a NON-PRIVATE baseline; σ is not calibrated
     # privacy.simulate: σ is the private run's, planned for its N (simulate_units), below
-    planned_n = priv.simulate_units if priv.simulate and priv.simulate_units else N
+    planned_n = priv.simulate_units or N  # (config/checks: only with privacy.simulate)
     if priv.dp and cfg.privacy.delta is None:
         _default_delta_or_refuse(planned_n, spec.kind, log)
     plan = make_plan(

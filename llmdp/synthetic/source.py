@@ -143,7 +143,7 @@ def _run_source(path: str) -> ModelSource:
         raise GenerateError(f"{path}: its config.yaml or plan.json cannot be read ({e}); give a "
                             f"finished run folder") from None
     priv, data = cfg.get("privacy") or {}, cfg.get("data") or {}
-    if priv.get("simulate") or info.get("simulated"):
+    if priv.get("simulate"):
         raise GenerateError(
             f"{path}/config.yaml: privacy.simulate is true: the model was trained on public data "
             f"with a private run's DP noise simulated, to tune hyper-parameters; it released "

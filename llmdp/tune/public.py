@@ -27,15 +27,26 @@ def run_public_sweep(cfg, spec, *, log=print, run_trial=None, write_best: str | 
     """The sweep of the declared-public recipe ``cfg`` over ``spec``'s grid (a
     `llmdp.tune.grid.SweepSpec`; grid trials only: a random search exists to hide K from
     a DP guarantee, and there is none here). Returns sweep.json's content."""
+    from llmdp.run.launch import run
+
+    check_public_sweep(cfg, spec)  # refused before anything is made
+    run_trial = run_trial or run
+    sweep_dir = os.path.abspath(os.path.join(cfg.output.dir, f"{cfg.output.name}-sweep"))
+    if run_trial is not run:  # trials run by the caller (tests: in process)
+        return _run_public_sweep(cfg, spec, sweep_dir, log, run_trial, write_best)
+    from llmdp.base.localray import shared_local_ray
+
+    os.makedirs(sweep_dir, exist_ok=True)  # the trials' one Ray keeps its record there
+    with shared_local_ray(sweep_dir, [cfg], log):
+        return _run_public_sweep(cfg, spec, sweep_dir, log, run_trial, write_best)
+
+
+def _run_public_sweep(cfg, spec, sweep_dir: str, log, run_trial, write_best) -> dict:
     from llmdp.record.baseline import public_banner
     from llmdp.record.provenance import shown
     from llmdp.record.rundir import RunDir
-    from llmdp.run.launch import run
     from llmdp.tune.trials import _describe, _read_json, _trial_config, _write_json
 
-    check_public_sweep(cfg, spec)
-    run_trial = run_trial or run
-    sweep_dir = os.path.abspath(os.path.join(cfg.output.dir, f"{cfg.output.name}-sweep"))
     banner = public_banner(_data_dict(cfg))
     log(banner)
     simulated = bool(cfg.privacy.simulate)

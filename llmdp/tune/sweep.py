@@ -267,15 +267,9 @@ def _run_sweep(cfg, grid=(), *, trials: str | None = None, mean_trials: float | 
     lock = RunLock(sweep_dir)  # one launch per sweep (its draw and its trials)
     try:
         if cfg.data.public:
-            from llmdp.base.localray import shared_local_ray
-            from llmdp.tune.public import check_public_sweep, run_public_sweep
+            from llmdp.tune.public import run_public_sweep
 
-            check_public_sweep(cfg, spec)  # refused before anything is made
-            if run_trial is run:  # the trials' one Ray keeps its record in the sweep's folder
-                os.makedirs(sweep_dir, exist_ok=True)
-            shared = shared_local_ray(sweep_dir, [cfg], log) if run_trial is run else contextlib.nullcontext()
-            with shared:
-                return run_public_sweep(cfg, spec, log=log, run_trial=run_trial, write_best=write_best)
+            return run_public_sweep(cfg, spec, log=log, run_trial=run_trial, write_best=write_best)
         return _run_locked(cfg, spec, sweep_dir, log, run_trial, plan_trial, rng)
     finally:
         lock.release(remove=not os.path.isdir(sweep_dir))  # a refused sweep leaves no lock file

@@ -99,6 +99,9 @@ def test_the_simulated_sigma_is_the_private_runs(tmp_path):
     priv["data"]["eval"], priv["eval"], priv["optim"] = {"fraction": 0.2}, raw["eval"], raw["optim"]
     real = prepared_config(recipe_from_dict(priv))
     assert real.eval_plan is not None and sim.eval_plan is None  # the simulation runs none
+    # the data is now recorded as private: a simulation on it would escape its ledger
+    with pytest.raises(ConfigError, match=r"data.public: true, but .* is recorded as private data"):
+        prepared_config(recipe_from_dict({**raw3, "output": {**raw3["output"], "name": "sim4"}}))
     assert sim.plan.noise_multiplier == real.plan.noise_multiplier
     assert sim.plan.dataset_size == real.plan.dataset_size
     # the evaluations' share of ε makes the private run's σ larger than training alone's
