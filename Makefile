@@ -23,11 +23,12 @@ demo: $(STAMP)
 
 # The demo's tuning at zero ε: the fine-tuning recipe on new public notes with the private
 # run's DP noise simulated (recipes/demo-tune.yaml: its σ, C, B, T; nothing recorded or
-# spent), one trial per learning rate (about 5 minutes); the selection -> runs/demo-tuned.yaml,
-# which the private recipe takes with train.hyperparameters_from (BENCHMARKS.md, issue 54).
+# spent), one trial per learning rate (about 7 minutes); the selection -> recipes/tuned/demo-finetune.yaml,
+# which recipes/demo-finetune.yaml takes with train.hyperparameters_from (committed: `make demo`
+# uses it without the sweep's minutes; BENCHMARKS.md, issue 54).
 demo-tune: $(STAMP)
 	$(BIN)/llmdp train recipes/demo-pretrain.yaml
-	$(BIN)/llmdp sweep recipes/demo-tune.yaml --write-best runs/demo-tuned.yaml
+	$(BIN)/llmdp sweep recipes/demo-tune.yaml --write-best recipes/tuned/demo-finetune.yaml
 
 # The demo with a tokenizer trained on the private notes with DP (two releases, one report).
 demo-private-tokenizer: $(STAMP)
@@ -45,7 +46,8 @@ demo-synthetic: $(STAMP)
 	$(BIN)/llmdp generate runs/demo-finetune --num-records 1000 --max-new-tokens 128 \
 		--out runs/demo-synthetic/notes.jsonl
 	$(BIN)/llmdp train recipes/demo-finetune.yaml privacy.dp=false eval.epsilon=null \
-		optim.name=adamw optim.lr=3e-3 optim.momentum=0.0 output.name=demo-finetune-nonprivate
+		train.hyperparameters_from=null optim.name=adamw optim.lr=3e-3 optim.momentum=0.0 \
+		output.name=demo-finetune-nonprivate
 	$(BIN)/llmdp synthetic check runs/demo-synthetic/notes.jsonl runs/demo-finetune \
 		--baseline runs/demo-finetune-nonprivate
 	$(BIN)/llmdp synthetic quality runs/demo-synthetic/notes.jsonl runs/demo-finetune \

@@ -48,7 +48,7 @@ MECHANISMS = {  # each pinned in full: the recipe's own mechanism is banded MF (
     "blt": ["privacy.mechanism=blt", "privacy.sampler=fixed-cycle", "privacy.bands=null"],
 }
 # Without --sgd: the AdamW these tables were measured with (the recipe now says SGD).
-ADAMW = ("optim.name=adamw", "optim.lr=0.003", "optim.momentum=0")
+ADAMW = ("train.hyperparameters_from=null", "optim.name=adamw", "optim.lr=0.003", "optim.momentum=0")
 
 
 def runs(seeds, epsilons, mechanisms=tuple(MECHANISMS), optim: tuple[str, ...] = (),
@@ -121,7 +121,8 @@ def main(argv=None) -> int:
     optim: tuple[str, ...] = ADAMW
     prefix = ""
     if args.sgd is not None:
-        optim = ("optim.name=sgd", f"optim.lr={args.sgd:g}", f"optim.momentum={args.momentum:g}")
+        optim = ("train.hyperparameters_from=null", "optim.name=sgd", f"optim.lr={args.sgd:g}",
+                 f"optim.momentum={args.momentum:g}")
         prefix = f"sgd{args.momentum:g}-lr{args.sgd:g}-"
     out_dir = os.path.abspath(os.path.join(REPO, args.out_dir))
     ledger = os.path.join(out_dir, "ledger.sqlite")

@@ -1,6 +1,7 @@
 """What DP costs on the demo corpus, from random weights and from the public-pretrained model.
 
     python benchmarks/privacy_utility.py [--seeds 0,1,2] [--epsilons 1,3,8] [--out-dir runs/pu]
+        [--tuned] [--starts scratch,pretrained]
 
 For each starting model, each ε and a NON-PRIVATE fine-tune, and each seed, one run of
 `llmdp train` with the same data, steps, batch, learning rate and clipping norm:
@@ -20,6 +21,15 @@ the plot OUT_DIR/privacy-utility.png (held-out loss against ε, one curve per st
 NON-PRIVATE fine-tune a dashed line). Last, the pooled table in Markdown for BENCHMARKS.md.
 A run already complete in OUT_DIR is not run again (the script can be interrupted and
 restarted).
+
+`--tuned` (issue 54): the demo's recipe as it is now (banded MF over cyclic Poisson, SGD with
+momentum 0.9, cosine schedule), its learning rate chosen *per ε at zero ε*: first, for each ε,
+`llmdp sweep recipes/demo-tune.yaml` (public notes the model has not seen, the private run's
+noise simulated: its σ for that ε with `eval.epsilon=null`, its C, B, T and mechanism; nothing
+spent) writes OUT_DIR/tuned-eps{ε}.yaml, and for the NON-PRIVATE fine-tune the same sweep
+without noise (`privacy.dp=false`) writes OUT_DIR/tuned-nonprivate.yaml; then each run takes
+its file with `train.hyperparameters_from` (its report says so). Run names start with
+`tuned-`; by default only the pretrained start (the demo's).
 """
 
 from __future__ import annotations
@@ -37,8 +47,9 @@ PRETRAIN = "recipes/demo-pretrain.yaml"  # makes the model demo-finetune.yaml st
 # What BENCHMARKS' tables were measured with, pinned whatever the recipes say now (the demo's
 # fine-tuning moved to banded MF and SGD with momentum, issue 54): DP-SGD, Poisson sampling,
 # AdamW at lr 3e-3. `--as-recipe` runs the recipes as they are instead.
+TUNE = "recipes/demo-tune.yaml"  # the demo's tuning at zero ε (--tuned)
 PINNED = ["privacy.mechanism=dp-sgd", "privacy.sampler=poisson", "privacy.bands=null",
-          "optim.name=adamw", "optim.lr=0.003", "optim.momentum=0"]
+          "train.hyperparameters_from=null", "optim.name=adamw", "optim.lr=0.003", "optim.momentum=0"]
 
 
 def llmdp() -> list[str]:
@@ -55,19 +66,45 @@ def complete(run_dir: str) -> bool:
         return False
 
 
-def runs(seeds, epsilons, pinned=tuple(PINNED)) -> list[tuple[str, str, list[str]]]:
+def runs(seeds, epsilons, pinned=tuple(PINNED), starts=tuple(STARTS), tuned=None,
+         prefix: str = "") -> list[tuple[str, str, list[str]]]:
     """(start, run name, overrides) for every run, seeds outermost: an interrupted sweep
     holds whole seeds. ``pinned``: overrides every run starts with (`PINNED`; none with
-    --as-recipe)."""
+    --as-recipe). ``tuned``: ε (None: non-private) -> the overrides that take that ε's
+    hyper-parameters file (--tuned). Run names start with ``prefix``."""
     out = []
     for seed in seeds:
-        for start in STARTS:
+        for start in starts:
             for eps in [None, *epsilons]:
-                name = f"{start}-{'nonprivate' if eps is None else f'eps{eps:g}'}-seed{seed}"
+                name = f"{prefix}{start}-{'nonprivate' if eps is None else f'eps{eps:g}'}-seed{seed}"
                 dp = ["privacy.dp=false"] if eps is None else [f"privacy.target_epsilon={eps:g}"]
-                out.append((start, name, [*pinned, *dp] + [
+                out.append((start, name, [*pinned, *dp, *(tuned or {}).get(eps, ())] + [
                     "eval.epsilon=null", "privacy.rng=seeded", f"privacy.seed={seed}"]))
     return out
+
+
+def tuning(epsilons, out_dir: str) -> list[tuple[float | None, str, list[str]]]:
+    """(ε or None, hyper-parameters file, command) of the zero-ε sweeps --tuned runs first: at
+    each ε the private run's noise simulated on the public notes (`TUNE`), for NON-PRIVATE
+    the same sweep without noise. Each sweep's noise is seeded (seed 0), so it regenerates."""
+    out = []
+    for eps in [None, *epsilons]:
+        tag = "nonprivate" if eps is None else f"eps{eps:g}"
+        best = os.path.join(out_dir, f"tuned-{tag}.yaml")
+        # without noise a larger rate may win: its grid reaches 2.0 (a non-private trial is cheap)
+        grid = ["--grid", "optim.lr=0.25,0.5,1.0,2.0"] if eps is None else []
+        what = (["privacy.dp=false", "privacy.simulate=false", "privacy.simulate_units=null"]
+                if eps is None else [f"privacy.target_epsilon={eps:g}", "privacy.rng=seeded",
+                                     "privacy.seed=0"])
+        out.append((eps, best, [*llmdp(), "sweep", "--write-best", best, *grid, TUNE, *what,
+                                "eval.epsilon=null", f"output.dir={out_dir}",
+                                f"output.name=tune-{tag}"]))
+    return out
+
+
+def tuned_overrides(best: str) -> list[str]:
+    """The override a run takes its sweep's file with (the recipe's own file replaced)."""
+    return [f"train.hyperparameters_from={best}"]
 
 
 def markdown(pooled: list[dict]) -> str:
@@ -90,19 +127,20 @@ def markdown(pooled: list[dict]) -> str:
 
 
 def run_all(pre: list[str], todo: list[tuple[str, list[str]]], out_dir: str,
-            dry_run: bool = False) -> bool:
+            dry_run: bool = False, done=None) -> bool:
     """Run the public pretraining ``pre`` (a second launch of a complete run goes straight on),
-    then every (run name, command) of ``todo`` not yet complete in ``out_dir``, one at a time,
-    printing each command and its wall time. ``dry_run``: print the commands only. Returns
-    ``dry_run`` (the caller's cue to stop there)."""
+    then every (run name, command) of ``todo`` not yet done (``done(name)``; default: a complete
+    run in ``out_dir``), one at a time, printing each command and its wall time. ``dry_run``:
+    print the commands only. Returns ``dry_run`` (the caller's cue to stop there)."""
     if dry_run:
         for cmd in [pre] + [c for _, c in todo]:
             print(" ".join(cmd))
         return True
+    done = done or (lambda name: complete(os.path.join(out_dir, name)))
     os.makedirs(out_dir, exist_ok=True)
     subprocess.run(pre, cwd=REPO, check=True)
     for i, (name, cmd) in enumerate(todo):
-        if complete(os.path.join(out_dir, name)):
+        if done(name):
             continue
         print(f"[{i + 1}/{len(todo)}] {' '.join(cmd[len(llmdp()):])}", flush=True)
         t0 = time.perf_counter()
@@ -119,16 +157,30 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     ap.add_argument("--as-recipe", action="store_true",
                     help="run the recipes as they are (optimizer, mechanism), not PINNED")
+    ap.add_argument("--tuned", action="store_true",
+                    help="the recipe as it is, its learning rate chosen per ε by the demo's "
+                         "zero-ε tuning (implies --as-recipe; default start: pretrained)")
+    ap.add_argument("--starts", default=None, help="comma-separated, of " + ",".join(STARTS))
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     epsilons = [float(e) for e in args.epsilons.split(",")]
+    starts = (args.starts or ("pretrained" if args.tuned else ",".join(STARTS))).split(",")
+    if not set(starts) <= set(STARTS):
+        ap.error(f"--starts {args.starts}: each of {', '.join(STARTS)}")
     out_dir = os.path.abspath(os.path.join(REPO, args.out_dir))
-    pinned = () if args.as_recipe else tuple(PINNED)
+    pinned = () if args.as_recipe or args.tuned else tuple(PINNED)
     ledger = os.path.join(out_dir, "ledger.sqlite")
     pre = [*llmdp(), "train", PRETRAIN]
+    tuned, prefix = None, ""
+    if args.tuned:
+        sweeps = tuning(epsilons, out_dir)
+        run_all(pre, [(f"tuning, {best}", cmd) for _, best, cmd in sweeps], out_dir, args.dry_run,
+                done=lambda name: os.path.exists(name.split(", ", 1)[1]))
+        tuned = {eps: tuned_overrides(best) for eps, best, _ in sweeps}
+        prefix = "tuned-"
     todo = [(start, name, [*llmdp(), "train", STARTS[start], *over, f"output.dir={out_dir}",
                            f"output.name={name}", f"privacy.ledger={ledger}"])
-            for start, name, over in runs(seeds, epsilons, pinned)]
+            for start, name, over in runs(seeds, epsilons, pinned, starts, tuned, prefix)]
     if run_all(pre, [(name, cmd) for _, name, cmd in todo], out_dir, args.dry_run):
         return 0
     from llmdp.report.compare import compare, summarize

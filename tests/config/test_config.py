@@ -1119,6 +1119,12 @@ def test_readme_demo_figures_match_the_data_preparation(tmp_path):
                                                        demo.privacy.mechanism,
                                                        demo.train.expected_batch_size,
                                                        demo.train.steps, demo.eval.epsilon)
+    # and the committed selection the demo takes (recipes/tuned/) was made at this σ
+    from llmdp.config.best import read_best_file
+
+    sim = read_best_file(demo.train.hyperparameters_from)["simulated_noise"]
+    assert (sim["private_units"], f"{sim['noise_multiplier']:.6g}") == (
+        plan.dataset_size, f"{plan.noise_multiplier:.6g}")
     assert m.group(2) == f"{plan.sampling_probability:.3g}"
     assert m.group(3) == f"{plan.noise_multiplier:.3g}"
     assert float(m.group(4)) == plan.delta

@@ -165,3 +165,34 @@ def test_the_sigma_each_recipe_quotes_gives_its_target_epsilon():
 def test_recipe_errors_still_name_the_key():
     with pytest.raises(Exception, match=r"scaling.strategy: 'zero' is not one of"):
         load("qwen2.5-7b-lora-fsdp", "scaling.strategy=zero")
+
+
+def test_the_demo_takes_its_learning_rate_from_its_tuning_at_zero_epsilon():
+    """Issue 54 item 1: recipes/demo-finetune.yaml sets no learning rate of its own; it takes
+    the one `make demo-tune` selected (`llmdp sweep recipes/demo-tune.yaml --write-best`, the
+    committed file): a grid point of that sweep, selected with the demo's own DP noise
+    simulated (its ε, mechanism, C, B, T), and its plan says so. A learning rate of one's
+    own needs the file dropped (refused otherwise, naming both)."""
+    from llmdp.config.best import hyperparameter_note, read_best_file
+    from llmdp.config.validate import ConfigError
+
+    with open(ROOT / "recipes" / "demo-finetune.yaml", encoding="utf-8") as f:
+        raw = yaml.safe_load(f)
+    assert "lr" not in raw["optim"]
+    demo, tune = load("demo-finetune"), load("demo-tune")
+    assert demo.train.hyperparameters_from == str(ROOT / "recipes" / "tuned" / "demo-finetune.yaml")
+    doc = read_best_file(demo.train.hyperparameters_from)
+    assert doc["sweep"] == tune.output.name and doc["epsilon"] == 0.0
+    assert doc["overrides"] == {"optim.lr": demo.optim.lr}
+    grid = [g for g in tune.sweep.grid if g.startswith("optim.lr=")]
+    assert len(grid) == 1 and demo.optim.lr in [float(v) for v in grid[0].split("=")[1].split(",")]
+    sim = doc["simulated_noise"]
+    assert (sim["target_epsilon"], sim["mechanism"], sim["max_grad_norm"],
+            sim["expected_batch_size"], sim["steps"]) == (
+        demo.privacy.target_epsilon, demo.privacy.mechanism, demo.privacy.max_grad_norm,
+        demo.train.expected_batch_size, demo.train.steps)
+    assert sim["private_units"] == tune.privacy.simulate_units
+    assert "chosen by the sweep 'demo-tune' on data declared public" in hyperparameter_note(demo)["note"]
+    with pytest.raises(ConfigError, match=r"optim.lr: 0.1 in the recipe, but train.hyperparameters_from"):
+        load("demo-finetune", "optim.lr=0.1")
+    assert load("demo-finetune", "train.hyperparameters_from=null", "optim.lr=0.1").optim.lr == 0.1
