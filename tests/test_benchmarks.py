@@ -407,28 +407,33 @@ def test_kernels_benchmark_dry_run_times_every_kernel_in_the_interpreter(tmp_pat
 
 def test_privacy_utility_tuned_runs_tune_at_zero_epsilon_per_epsilon_first(capsys):
     """Issue 54 item 5: --tuned runs, before any private run, one zero-ε sweep per ε of the
-    demo's tuning recipe with that ε's noise simulated (and a noiseless one for NON-PRIVATE),
-    each writing its file, and every run takes its own ε's file; the former recipe's table
-    (no --tuned) pins AdamW and drops the demo's committed selection (or it would be refused)."""
-    main = _script("privacy_utility").main
-    assert main(["--tuned", "--dry-run", "--seeds", "0,1", "--epsilons", "1,8", "--out-dir", "x"]) == 0
+    demo's tuning recipe with that ε's noise simulated, each writing its file, and every DP
+    run takes its own ε's file; NON-PRIVATE is the former recipe's (AdamW), which, like the
+    former recipe's table (no --tuned), drops the demo's committed selection (or it would be
+    refused)."""
+    mod = _script("privacy_utility")
+    assert mod.main(["--tuned", "--dry-run", "--seeds", "0,1", "--epsilons", "1,8", "--out-dir", "x"]) == 0
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]
     sweeps = [c for c in lines if c[1] == "sweep"]
     trains = [c for c in lines if c[1] == "train" and "recipes/demo-finetune.yaml" in c]
-    assert len(sweeps) == 3 and len(trains) == 2 * 3
+    assert len(sweeps) == 2 and len(trains) == 2 * 3
     assert lines.index(sweeps[-1]) < lines.index(trains[0])
+
+    def eps_of(c):
+        return next((a.split("=")[1] for a in c if a.startswith("privacy.target_epsilon=")), None)
+
     by_eps = {}
     for c in sweeps:
-        best = c[c.index("--write-best") + 1]
-        eps = next((a.split("=")[1] for a in c if a.startswith("privacy.target_epsilon=")), None)
         assert "recipes/demo-tune.yaml" in c and "eval.epsilon=null" in c
-        assert ("privacy.dp=false" in c) == (eps is None)
-        by_eps[eps] = best
-    assert set(by_eps) == {None, "1", "8"}
+        by_eps[eps_of(c)] = c[c.index("--write-best") + 1]
+    assert set(by_eps) == {"1", "8"}
     for c in trains:
-        eps = next((a.split("=")[1] for a in c if a.startswith("privacy.target_epsilon=")), None)
-        assert f"train.hyperparameters_from={by_eps[eps]}" in c
-        assert not any(a.startswith(("optim.", "privacy.mechanism")) for a in c)
-    old = _script("privacy_utility").runs([0], [8.0], starts=("pretrained",))
+        if eps_of(c) is None:
+            assert "privacy.dp=false" in c and "optim.name=adamw" in c
+            assert "train.hyperparameters_from=null" in c
+        else:
+            assert f"train.hyperparameters_from={by_eps[eps_of(c)]}" in c
+            assert not any(a.startswith(("optim.", "privacy.mechanism")) for a in c)
+    old = mod.runs([0], [8.0], starts=("pretrained",))
     assert all("train.hyperparameters_from=null" in over and "optim.lr=0.003" in over
                for _, _, over in old)

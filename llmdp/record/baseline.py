@@ -30,11 +30,14 @@ BANNER = ("NON-PRIVATE BASELINE: trained without clipping or noise; no privacy g
           "for comparison only")
 
 
-def public_banner(data_cfg: dict) -> str:
-    """The first line of a run on data its recipe declares public (``data.public: true``)."""
+def public_banner(data_cfg: dict, simulated: bool = False) -> str:
+    """The first line of a run on data its recipe declares public (``data.public: true``);
+    ``simulated``: the run simulated a private run's DP noise (``privacy.simulate``)."""
     source = data_cfg.get("path") or data_cfg.get("dataset")
+    how = ("trained with a private run's DP noise simulated, which guarantees nothing here"
+           if simulated else "trained without DP")
     return (f"DECLARED PUBLIC DATA: the recipe declared its training data ({source}) public "
-            "(data.public: true); trained without DP; llmdp makes no guarantee about this data, "
+            f"(data.public: true); {how}; llmdp makes no guarantee about this data, "
             "and the declaration is the user's responsibility")
 
 
@@ -64,7 +67,7 @@ def baseline_report(rd, metrics: list[dict], state: dict, *, internal_metrics: d
     out = {
         "privacy": NON_PRIVATE,
         "dp": False,
-        "banner": public_banner(data_cfg) if public else BANNER,
+        "banner": public_banner(data_cfg, bool(sim)) if public else BANNER,
         "declared_public": public,
         "run_id": info.get("run_id"),
         **state,  # status, failure, resume, stopped

@@ -57,7 +57,7 @@ def write_provenance(spec, folder: str) -> None:
         "llmdp_provenance": VERSION,
         "run_id": spec.run_id,
         "dp": bool(spec.dp),
-        "declared_public": public_banner(data) if cfg.data.public else None,
+        "declared_public": public_banner(data, bool(cfg.privacy.simulate)) if cfg.data.public else None,
         "public_source": (cfg.data.dataset or cfg.data.path) if cfg.data.public else None,
         "dataset_id": None if spec.dataset_ledger is None else spec.dataset_ledger["dataset_id"],
         "ledger_location": None if spec.dataset_ledger is None else spec.dataset_ledger["location"],

@@ -191,7 +191,7 @@ class RunSpec:
         planted = plant.active()
         return {
             # A run on data its recipe declares public says so first.
-            **({"declared_public": public_banner(to_dict(self.cfg)["data"])}
+            **({"declared_public": public_banner(to_dict(self.cfg)["data"], self.simulated)}
                if self.cfg.data.public else {}),
             **({} if self.dp else {"privacy": NON_PRIVATE}),
             # A test switched a planted bug on (LLMDP_TEST_PLANT, never a recipe): the run

@@ -300,7 +300,8 @@ def simulated_line(spec: RunSpec) -> str:
 def report_banner(spec: RunSpec) -> str:
     """The console's label of a run without DP: the declaration of data declared public,
     else the NON-PRIVATE baseline's banner."""
-    return public_banner(to_dict(spec.cfg)["data"]) if spec.cfg.data.public else BANNER
+    return (public_banner(to_dict(spec.cfg)["data"], bool(spec.cfg.privacy.simulate))
+            if spec.cfg.data.public else BANNER)
 
 
 def _end_hold(spec: RunSpec, status: str, log) -> None:

@@ -15,6 +15,7 @@ published: nothing in them was computed on private data).
 
 from __future__ import annotations
 
+import math
 import os
 
 import yaml
@@ -47,7 +48,7 @@ def _run_public_sweep(cfg, spec, sweep_dir: str, log, run_trial, write_best) -> 
     from llmdp.record.rundir import RunDir
     from llmdp.tune.trials import _describe, _read_json, _trial_config, _write_json
 
-    banner = public_banner(_data_dict(cfg))
+    banner = public_banner(_data_dict(cfg), bool(cfg.privacy.simulate))
     log(banner)
     simulated = bool(cfg.privacy.simulate)
     kind = "simulated-DP" if simulated else "non-private"
@@ -62,11 +63,12 @@ def _run_public_sweep(cfg, spec, sweep_dir: str, log, run_trial, write_best) -> 
         ev = report.get("evaluation") or {}
         held = (ev.get("public") or []) + (ev.get("internal") or [])
         loss = held[-1].get("loss") if held else None
+        before = held[0].get("loss") if held and held[0].get("step") == 0 else None
         rows.append({"trial": i, "name": name, "point": list(point), "run_dir": run_dir,
                      "status": report.get("status"), "held_out_loss": loss,
+                     "held_out_loss_before": before,
                      **({"simulated": report.get("simulated")} if simulated else {})})
-    done = [r for r in rows if r["held_out_loss"] is not None and r["status"] == "complete"]
-    best = min(done, key=lambda r: r["held_out_loss"]) if done else None
+    best, warning = select(rows)
     state = {
         "declared_public": banner,
         "privacy": ("none: every trial ran the DP mechanism of the private run it simulates "
@@ -81,13 +83,16 @@ def _run_public_sweep(cfg, spec, sweep_dir: str, log, run_trial, write_best) -> 
         "selection": "the lowest final held-out loss (computed without DP: the data is public)",
         "trials": rows,
         "selected": best,
+        **({"warning": warning} if warning else {}),
     }
     os.makedirs(sweep_dir, exist_ok=True)
     _write_json(os.path.join(sweep_dir, "sweep.json"), state)
     with open(os.path.join(sweep_dir, "sweep.md"), "w", encoding="utf-8") as f:
         f.write(_markdown(state))
+    if warning:
+        log(f"sweep: WARNING: {warning}")
     if best is None:
-        log("sweep: no trial completed with a held-out loss: nothing selected")
+        log("sweep: no trial completed with a finite held-out loss: nothing selected")
     else:
         log(f"sweep: selected trial {best['trial']} ({_describe(best['point'])}), held-out loss "
             f"{best['held_out_loss']:.4f}")
@@ -96,6 +101,27 @@ def _run_public_sweep(cfg, spec, sweep_dir: str, log, run_trial, write_best) -> 
             log(f"sweep: the selected hyper-parameters -> {write_best} (a private recipe takes "
                 f"them with train.hyperparameters_from: {write_best})")
     return state
+
+
+def select(rows: list[dict]) -> tuple[dict | None, str | None]:
+    """The complete trial of lowest final held-out loss among the finite ones (a diverged
+    trial's NaN compares false with everything: it must not stand as the minimum), and a
+    warning when even that trial ended worse than its model before the first step: every
+    grid point made the model worse (its rates too large, typically), a choice to reject."""
+    done = [r for r in rows if r["status"] == "complete" and r["held_out_loss"] is not None
+            and math.isfinite(r["held_out_loss"])]
+    if not done:
+        return None, None
+    best = min(done, key=lambda r: r["held_out_loss"])
+    before = best.get("held_out_loss_before")
+    if before is None or best["held_out_loss"] < before:
+        return best, None
+    from llmdp.tune.trials import _describe
+
+    return best, (f"the selected trial {best['trial']} ({_describe(best['point'])}) ended at "
+                  f"held-out loss {best['held_out_loss']:.4f}, no better than before its first "
+                  f"step ({before:.4f}): every trial made the model worse; widen the grid "
+                  f"(smaller learning rates) before using this selection")
 
 
 def check_public_sweep(cfg, spec) -> None:
@@ -125,6 +151,8 @@ def _markdown(state: dict) -> str:
         lines.append(f"| {r['trial']} | {', '.join(r['point']) or 'the recipe'} | {r['status']} | {loss} |")
     sel = state["selected"]
     lines += ["", "Selected: " + ("none" if sel is None else f"trial {sel['trial']}"), ""]
+    if state.get("warning"):
+        lines += [f"**Warning:** {state['warning']}.", ""]
     return "\n".join(lines)
 
 

@@ -255,3 +255,25 @@ def test_a_public_sweep_launched_as_the_cli_does_keeps_its_ray_record_in_its_fol
                       write_best=str(tmp_path / "best.yaml"))
     assert started == [str(sweep_dir)] and state["selected"] is not None
     assert (sweep_dir / "sweep.json").exists()
+
+
+def test_a_public_sweep_never_selects_a_diverged_trial_and_warns_when_every_trial_got_worse():
+    """A trial whose held-out loss is NaN (diverged) is never selected, even listed first (NaN
+    compares false with everything, so a plain min kept it); a selection no better than its
+    model before the first step is flagged: on the demo, SGD with momentum without clipping
+    went 4.07 -> 5.68 at its best grid point and the sweep selected it silently."""
+    from llmdp.tune.public import select
+
+    def row(i, loss, before=4.0, status="complete"):
+        return {"trial": i, "point": [f"optim.lr={i}"], "status": status, "held_out_loss": loss,
+                "held_out_loss_before": before}
+
+    nan = float("nan")
+    best, warning = select([row(0, nan), row(1, 3.5), row(2, 3.2), row(3, 3.0, status="stopped")])
+    assert best["trial"] == 2 and warning is None
+    best, warning = select([row(0, nan), row(1, 5.68), row(2, float("inf")), row(3, 5.70)])
+    assert best["trial"] == 1
+    assert "ended at held-out loss 5.6800, no better than before its first step (4.0000)" in warning
+    assert "optim.lr=1" in warning
+    assert select([row(0, nan), row(1, None)]) == (None, None)
+    assert select([row(0, 3.9, before=None)]) == (row(0, 3.9, before=None), None)

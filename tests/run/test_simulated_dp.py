@@ -146,6 +146,10 @@ def test_a_simulated_run_adds_the_private_runs_noise_and_records_nothing(tmp_pat
     assert rep["noise_multiplier"] == sigma and rep["evaluation"]["internal"]
     md = open(os.path.join(spec.run_dir, "privacy_report.md"), encoding="utf-8").read()
     assert md.startswith("DECLARED PUBLIC DATA") and "| Privacy | none: simulated DP" in md
+    # its first line says how it trained: the noise simulated, not "without DP"
+    for first in (md.splitlines()[0], info["declared_public"], rep["banner"]):
+        assert "trained with a private run's DP noise simulated" in first
+        assert "trained without DP" not in first
     assert f"the σ of a private run of {PRIVATE_UNITS} units at privacy.target_epsilon = 4" in md
     with pytest.raises(ExportError, match=r"is a simulated run \(privacy.simulate: true\)"):
         export_run(spec.run_dir, tmp_path / "export", log=lambda *a: None)
