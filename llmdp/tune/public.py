@@ -169,7 +169,8 @@ def write_best_file(path: str, best: dict, state: dict, sweep: str) -> None:
            "simulated_noise": best.get("simulated"), "overrides": overrides}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
+        shown = os.path.basename(path) if os.path.isabs(path) else path  # as the user gave it
         f.write(f"# Hyper-parameters selected by `llmdp sweep` on data declared public "
                 f"({state['source']}): 0 ε.\n# A private recipe takes them with "
-                f"train.hyperparameters_from: {os.path.basename(path)}\n")
+                f"train.hyperparameters_from: {shown}\n")
         yaml.safe_dump(doc, f, sort_keys=False)
