@@ -12,7 +12,10 @@ with `eval.epsilon=null` (ε is the training's alone) and `privacy.rng=seeded
 privacy.seed=SEED`. Each start is one fixed model; the seed draws the Poisson batches and
 the noise, the randomness DP adds (pinned: the numbers can be regenerated; such a run's
 report says its noise is seeded, so these are measurements, not releases). The runs write
-their ledger records in OUT_DIR/ledger.sqlite, not in the user's ledger.
+their ledger records in OUT_DIR/ledger.sqlite, not in the user's ledger (so run it under an
+LLMDP_HOME and a HOME (whose data directory lists every ledger database written to) whose
+ledgers do not hold the demo's notes: one dataset has one ledger, and a run that would open
+a second one for it is refused).
 
 Then `llmdp compare` over all of them: the per-run table, the table pooled over seeds
 (mean ± sample standard deviation [min, max] of the final held-out loss, the mean token
@@ -91,7 +94,10 @@ def tuning(epsilons, out_dir: str) -> list[tuple[float, str, list[str]]]:
     out = []
     for eps in epsilons:
         best = os.path.join(out_dir, f"tuned-eps{eps:g}.yaml")
-        out.append((eps, best, [*llmdp(), "sweep", "--write-best", best, TUNE,
+        # the recipe's grid (0.25, 0.5, 1.0) and 0.125 after it: ε = 1 selected 0.25, the
+        # grid's edge (a sweep resumes its trials by index: the first three are kept)
+        out.append((eps, best, [*llmdp(), "sweep", "--write-best", best,
+                                "--grid", "optim.lr=0.25,0.5,1.0,0.125", TUNE,
                                 f"privacy.target_epsilon={eps:g}", "privacy.rng=seeded",
                                 "privacy.seed=0", "eval.epsilon=null", f"output.dir={out_dir}",
                                 f"output.name=tune-eps{eps:g}"]))
