@@ -237,6 +237,11 @@ def dry_run(cfg: RecipeConfig, log=print) -> dict:
     note = truncation_note(stats, cfg.data.max_rows_per_unit, cfg.data.sequence_length)
     log(note or "truncation: no unit was cut by data.max_rows_per_unit")
     log(planned.memory.line())
+    from llmdp.config.best import hyperparameter_note
+
+    if (tuned := hyperparameter_note(cfg)) is not None:  # train.hyperparameters_from
+        out["hyperparameters"] = tuned
+        log(f"hyper-parameters: {tuned['note']}")
     if planned.eval_plan is not None:
         out["dp_eval_std"] = planned.eval_plan.expected_std(planned.eval_store.num_units)
     if spends:

@@ -80,6 +80,25 @@ def test_a_dry_run_says_what_the_run_will_be(tmp_path, recipe, capsys):
     assert out["epsilon"] == spec.epsilon_planned and out["delta"] == spec.plan.delta
 
 
+def test_a_dry_run_names_hyperparameters_chosen_at_zero_epsilon(tmp_path, recipe, capsys):
+    """A recipe that takes its hyper-parameters from a public sweep's file says, before it
+    runs, which values and where they came from (the demo's does: its lr); one without says
+    nothing of it."""
+    from llmdp.tune.public import write_best_file
+
+    best = {"name": "pub-trial-1", "point": ["optim.lr=0.25"], "held_out_loss": 2.5,
+            "simulated": {"noise_multiplier": 0.63, "noise_std_per_step": 0.0025}}
+    write_best_file("tuned.yaml", best, {"source": "<local>/public.jsonl",
+                                         "selection": "lowest"}, "pub")
+    out, text = _dry(recipe, capsys, "train.hyperparameters_from=tuned.yaml", "optim.lr=0.25")
+    assert out["hyperparameters"]["values"] == {"optim.lr": 0.25}
+    assert ("hyper-parameters: hyper-parameters optim.lr=0.25 were chosen by the sweep 'pub' on "
+            "data declared public (<local>/public.jsonl), each trial with the DP noise of a "
+            "private run simulated (σ = 0.63, σC/B = 0.0025), at zero privacy cost") in text
+    out, text = _dry(recipe, capsys)
+    assert "hyperparameters" not in out and "hyper-parameters" not in text
+
+
 def test_a_dry_run_counts_what_the_dataset_has_spent(tmp_path, recipe, capsys):
     """After a run's steps are in the dataset ledger, the dry run of another run on it
     states what was spent and what would be left, still reading the ledger only."""
