@@ -300,7 +300,7 @@ def simulated_line(spec: RunSpec) -> str:
 def report_banner(spec: RunSpec) -> str:
     """The console's label of a run without DP: the declaration of data declared public,
     else the NON-PRIVATE baseline's banner."""
-    return (public_banner(to_dict(spec.cfg)["data"], bool(spec.cfg.privacy.simulate))
+    return (public_banner(to_dict(spec.cfg)["data"], spec.simulated)
             if spec.cfg.data.public else BANNER)
 
 
