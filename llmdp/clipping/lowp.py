@@ -320,9 +320,16 @@ class LazyRowNorms:
     one shape, dtype and device stacked and reduced at once (``form_all``): the same
     program per row — a reduction along the last dimension, elementwise float64 operations,
     the zero rows' bits — so a row's bound does not depend on the rows stacked with it
-    (tests/clipping/test_deferred_norms.py compares the bits). Only for an ``x`` up to
-    ``MAX_BYTES`` that the engine keeps until then anyway (book-keeping keeps A and G for
-    the clipped sum): the stack is a small copy."""
+    (tests/clipping/test_deferred_norms.py compares the bits). Only for an ``x`` that the
+    engine keeps until then anyway (book-keeping keeps A and G for the clipped sum). An x
+    up to ``MAX_BYTES`` is stacked (a small copy, then one reduction); a larger one is not
+    copied: each is reduced into its slice of one float32 buffer and the rest of
+    ``row_norms`` (the float64 scale and term, the zero rows' bits) runs once on the buffer
+    (``_row_norms_torch_many``): the ~170 µs of fixed cost of ``row_norms``' small
+    operations is paid once per shape, not once per call (LoRA's adapters' output
+    gradients: a few hundred kB each, forty a step at the benchmark shape). Where the
+    one-buffer path does not serve (a float64 x, a device; ``many_serves``) a large x is
+    not deferred."""
 
     __slots__ = ("x", "_n")
     MAX_BYTES = 1 << 16
@@ -344,7 +351,11 @@ class LazyRowNorms:
             if len(idx) == 1:
                 todo[idx[0]].get()
                 continue
-            n = row_norms(torch.stack([todo[i].x for i in idx]))
+            xs = [todo[i].x for i in idx]
+            if xs[0].numel() * xs[0].element_size() <= LazyRowNorms.MAX_BYTES:
+                n = row_norms(torch.stack(xs))
+            else:  # no copy of large ones (``many_serves``: deferred only where it serves)
+                n = _row_norms_torch_many(xs, _row_scale(xs[0].shape[-1]))
             for j, i in enumerate(idx):
                 todo[i]._n, todo[i].x = n[j], None
 
@@ -371,9 +382,25 @@ def cpu_deferral(x: torch.Tensor, defer: bool) -> bool:
 
 
 def deferrable(x: torch.Tensor, defer: bool) -> bool:
-    """Whether ``x``'s row norms may be deferred (`LazyRowNorms`): ``cpu_deferral`` and x
-    small."""
-    return cpu_deferral(x, defer) and x.numel() * x.element_size() <= LazyRowNorms.MAX_BYTES
+    """Whether ``x``'s row norms may be deferred (`LazyRowNorms`): ``cpu_deferral``, and x
+    small or formed without a copy there (``many_serves``)."""
+    return cpu_deferral(x, defer) and (x.numel() * x.element_size() <= LazyRowNorms.MAX_BYTES
+                                       or many_serves(x))
+
+
+#: Large row norms deferred on the CPU and formed without a copy (`_row_norms_torch_many`);
+#: False: a large x's row norms are taken per call (tests compare the two).
+DEFER_LARGE_CPU_NORMS = True
+
+
+def many_serves(x: torch.Tensor) -> bool:
+    """``_row_norms_torch_many`` forms ``row_norms(x)``'s bits: a narrow float x on the
+    CPU, where ``row_norms`` takes ``_row_norms_torch``'s CPU path (no Triton kernel)."""
+    from llmdp.clipping import _triton_rownorms
+
+    return (DEFER_LARGE_CPU_NORMS and x.dtype in _ABS_BITS and x.device.type == "cpu"
+            and CPU_ZERO_ROWS_ONLY and x.dim() >= 1 and x.shape[-1] > 0
+            and not _triton_rownorms.serves(x))
 
 
 def row_norms_maybe_lazy(x: torch.Tensor, defer: bool):
@@ -410,6 +437,32 @@ def _row_norms_torch(x: torch.Tensor, scale: float) -> torch.Tensor:
             tiny = magnitude_of_bits(m_bits).clamp_(max=ROW_NORM_TINY)
             out[zero] = tiny.mul_(tiny_f)
         else:  # every such row is all zeros: exactly 0
+            out.masked_fill_(zero, 0.0)
+    return out
+
+
+def _row_norms_torch_many(xs: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """``_row_norms_torch(x, scale)`` for each x of ``xs`` (one shape and dtype, the CPU:
+    ``many_serves``), stacked [len(xs), *x.shape[:-1]], bit for bit, without a copy of any
+    x: each x's float32 reduction is the same operation on the same tensor (written into its
+    slice of one buffer), and the rest is elementwise on the buffer — the same IEEE float64
+    operations on the same operands — and, for the rows whose float32 norm is 0, the same
+    bits read from the same rows (gathered in the buffer's row-major order, which is the
+    order ``out[zero]`` assigns). A row of zeros gets 0 either way: where some other zero
+    row is not all zeros, its value is magnitude 0 (+0.0) times the factor, +0.0, as
+    ``masked_fill_`` would write it."""
+    k = xs[0].shape[-1]
+    n32 = torch.empty((len(xs), *xs[0].shape[:-1]), dtype=torch.float32)
+    for i, x in enumerate(xs):
+        torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32, out=n32[i])
+    tiny_f = math.sqrt(k) * (1.0 + 4.0 * U64)
+    out = (n32.to(torch.float64) * scale).add_(ROW_NORM_TINY * tiny_f * (1.0 + 2.0 * U64))
+    zero = n32 == 0
+    if bool(zero.any()):
+        m_bits = _abs_bits(torch.cat([x[z] for x, z in zip(xs, zero)])).amax(-1)
+        if bool(m_bits.any()):
+            out[zero] = magnitude_of_bits(m_bits).clamp_(max=ROW_NORM_TINY).mul_(tiny_f)
+        else:
             out.masked_fill_(zero, 0.0)
     return out
 

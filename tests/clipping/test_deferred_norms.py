@@ -59,12 +59,47 @@ def test_row_norms_are_deferred_only_where_allowed(monkeypatch):
     small, big = torch.randn(2, 3, 4), torch.randn(64, 64, 64)
     assert isinstance(lowp.row_norms_maybe_lazy(small, True), lowp.LazyRowNorms)
     assert isinstance(lowp.row_norms_maybe_lazy(small, False), torch.Tensor)
-    assert isinstance(lowp.row_norms_maybe_lazy(big, True), torch.Tensor)  # over MAX_BYTES
+    # over MAX_BYTES: deferred where it is formed without a copy (float32 on the CPU), not
+    # in float64 (no one-buffer path) or with that path switched off
+    assert isinstance(lowp.row_norms_maybe_lazy(big, True), lowp.LazyRowNorms)
+    assert isinstance(lowp.row_norms_maybe_lazy(big.double(), True), torch.Tensor)
+    monkeypatch.setattr(lowp, "DEFER_LARGE_CPU_NORMS", False)
+    assert isinstance(lowp.row_norms_maybe_lazy(big, True), torch.Tensor)
+    monkeypatch.undo()
     monkeypatch.setattr(lowp, "on_cpu", lambda x: False)  # a GPU: its own one-launch path
     assert isinstance(lowp.row_norms_maybe_lazy(small, True), torch.Tensor)
     monkeypatch.undo()
     monkeypatch.setattr(lowp, "DEFER_CPU_NORMS", False)
     assert isinstance(lowp.row_norms_maybe_lazy(small, True), torch.Tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_large_row_norms_are_formed_without_a_copy_bit_for_bit(dtype, monkeypatch):
+    """Row norms over ``MAX_BYTES`` formed together (``_row_norms_torch_many``): no stack
+    of the inputs, and every bit of ``row_norms`` of each — zero rows (0), a row of one
+    subnormal (the bits read), overflow (inf) — also in a group whose zero rows are all
+    zeros (the ``masked_fill_`` branch) and one with none."""
+    w = lowp.LazyRowNorms.MAX_BYTES // (3 * 7 * 2) + 1  # every x over MAX_BYTES
+    xs = [_rows(i, (3, 7, w), dtype) for i in range(3)]
+    zeros_only = [x.clone() for x in xs]
+    for x in zeros_only:
+        x[0, 1] = 0  # no subnormal row: the zero rows are all zeros
+    no_zero = [torch.randn(3, 7, w).to(dtype) + 1 for _ in range(2)]
+    stacks = []
+    real = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: (stacks.append(len(ts)), real(ts, *a, **k))[1])
+    for group in (xs, zeros_only, no_zero):
+        lazy = [lowp.row_norms_maybe_lazy(x, True) for x in group]
+        assert all(isinstance(n, lowp.LazyRowNorms) for n in lazy)
+        lowp.LazyRowNorms.form_all(lazy)
+        for x, n in zip(group, lazy):
+            assert n.x is None
+            assert torch.equal(n.get().view(torch.int64), lowp.row_norms(x).view(torch.int64))
+    assert stacks == []  # no copy of the inputs
+    n = lowp.row_norms(xs[0])
+    assert (n[:, -1] == 0).all()
+    if dtype != torch.float16:  # fp16 holds neither 1e-39 nor 3e38 (0 and inf there)
+        assert n[0, 1] > 0 and torch.isinf(n[-1, 2])
 
 
 def _reference(A3, G3, units):
