@@ -298,9 +298,7 @@ def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
     k = h2.shape[1]
     if (lowp.on_cpu(h2) and h2.dtype == torch.float32 and k > 2 * lowp.GRAM_CHUNK
             and h2.numel() >= CHUNKED_MIN_ELEMENTS and isinstance(mag, (torch.Tensor, PendingMag))):
-        if isinstance(mag, PendingMag):  # the CPU's deferred N_u (``linear_mag_parts``): err needs it
-            mag = mag.form()
-        value, err = _sq_chunked32(h2, mag)
+        value, err = _sq_chunked32(h2)  # (a deferred N_u stays deferred: err does not read it)
         sq = Sq(value, err, inst_dev, rel, mag, mag_f)
     else:
         # float64 accumulation (the input cast to float64: its squares, the sum, the root,
@@ -322,7 +320,7 @@ def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
 CHUNKED_MIN_ELEMENTS = 1 << 16
 
 
-def _sq_chunked32(h2: torch.Tensor, mag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _sq_chunked32(h2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(‖h_u‖², its bound) per row of a float32 [U, k] on the CPU without a float64 copy of
     h (the copy costs more than the sum there: 8·U·k bytes written and read again): the
     float32 norms of chunks of c = ``lowp.GRAM_CHUNK`` entries, squared and summed in
@@ -337,10 +335,12 @@ def _sq_chunked32(h2: torch.Tensor, mag: torch.Tensor) -> tuple[torch.Tensor, to
     γ_{c+5}(2⁻²⁴)·value, with a rounding to spare. Squares and partial sums below
     float32's normal range lose at most 2⁻¹²⁶ each (flushed to zero) — at most 2k of them,
     each amplified by the later roundings by less than 2: 4k·2⁻¹²⁶ on ‖h‖² — added to err
-    as an absolute term wherever ``mag`` (N_u, from row
-    norms that are exactly 0 only for rows of zeros) is not 0: a nonzero entry of h needs a
-    nonzero product, so N_u = 0 means h = 0, and a gradient that is exactly 0 keeps err = 0
-    (``worth_recomputing`` tells it by that). No host read, no pass over h beyond the norms.
+    as an absolute term wherever the row of h has a nonzero entry, read on its bits (the
+    sign shifted out: exact whatever the flush mode, which would read a subnormal as 0 in
+    a float comparison). A row that is exactly 0 has only exact zeros to square and sum,
+    so its value 0 and err 0 are exact, and a gradient that is exactly 0 keeps err = 0
+    (``worth_recomputing`` tells it by that). N_u is not read, so a deferred one stays
+    deferred (``PendingMag``). No host read; one pass over h's bits beyond the norms.
     A norm past float32's range is inf: the unit's bound is then not finite and it adds
     nothing (``factors``)."""
     U, k = h2.shape
@@ -350,7 +350,8 @@ def _sq_chunked32(h2: torch.Tensor, mag: torch.Tensor) -> tuple[torch.Tensor, to
     value = parts.to(F64).square().sum(-1)
     if m * c < k:
         value = value + torch.linalg.vector_norm(h2[:, m * c:], dim=-1).to(F64).square()
-    err = value * gamma(c + 5, U32) + (mag > 0).to(F64) * (4.0 * k * 2.0**-126)
+    nonzero = (h2.view(torch.int32) << 1).any(-1)  # a nonzero magnitude in the row
+    err = value * gamma(c + 5, U32) + nonzero.to(F64) * (4.0 * k * 2.0**-126)
     return value, err
 
 
