@@ -14,7 +14,9 @@ pass and the backward that leaves what that method produces (the plain gradient 
 ``non-private``; the sum of per-unit clipped gradients at C = ``--max-grad-norm``, σ = 0,
 for the others) in ``p.grad``, in llmdp's float32 sums (bf16/fp16 parameters), or, for
 Opake, in the float32 gradient tree its clipping function returns. Every unit here is one
-row, so per-unit and per-example clipping coincide. Time is the median over ``--steps``
+row, so per-unit and per-example clipping coincide. Each process gets glibc's allocator settings that llmdp's
+Ray workers get (``llmdp.base.localray.ALLOCATOR_ENV``; ``--system-allocator``: glibc's
+defaults), every method alike. Time is the median over ``--steps``
 steps after one warm-up step; peak memory is the process's peak RSS on CPU
 (``torch.cuda.max_memory_allocated`` on CUDA). Ratios are against ``non-private``.
 ``grad norm`` is the norm of what the last step produced: equal (to rounding) across the
@@ -629,6 +631,9 @@ def main(argv=None) -> int:
                     help="seconds one method may run (its row says it timed out; the run goes on)")
     ap.add_argument("--no-fallback", action="store_true",
                     help="an llmdp row that fails is not run again with fewer kernels")
+    ap.add_argument("--system-allocator", action="store_true",
+                    help="run the methods with glibc's default allocator settings, not those "
+                         "llmdp's workers get (llmdp.base.localray.ALLOCATOR_ENV)")
     ap.add_argument("--variant", default="default", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -694,6 +699,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def method_env(system_allocator: bool = False) -> dict[str, str]:
+    """The environment of a method's process: this one's, with glibc's allocator set as
+    llmdp's workers get it (``localray.run_env``: each key this environment does not set)
+    unless ``system_allocator``. Every method (the peers' too) runs under the same settings."""
+    from llmdp.base.localray import ALLOCATOR_ENV
+
+    env = dict(os.environ)
+    if not system_allocator:
+        for k, v in ALLOCATOR_ENV.items():
+            env.setdefault(k, v)
+    return env
+
+
 def run_method(m: str, args, variant: str) -> dict:
     """One method in its own process (``--method-timeout`` caps it): its row, ``variant``
     recorded; ``final`` set where another variant cannot help (a library missing, a
@@ -708,7 +726,8 @@ def run_method(m: str, args, variant: str) -> dict:
     if args.lora:
         cleaned.append("--lora")
     try:
-        proc = subprocess.run(cleaned, capture_output=True, text=True, timeout=args.method_timeout)
+        proc = subprocess.run(cleaned, capture_output=True, text=True, timeout=args.method_timeout,
+                              env=method_env(args.system_allocator))
     except subprocess.TimeoutExpired as e:
         err = (e.stderr or b"")
         err = err.decode(errors="replace") if isinstance(err, bytes) else err

@@ -21,6 +21,9 @@ bound share. ``--gram`` forces the Linear ghost norms' Gram path (``auto``, ``lo
 ``float64``: ``clipping/gram.py``). ``--profile``: one more step of each under
 torch.profiler, and the operators (by input shape) whose CPU time differs most between the
 two steps. ``benchmarks/clipping.py`` runs each method in its own process for peak memory.
+Both steps run under glibc's allocator settings that llmdp's workers get
+(``llmdp.base.localray.ALLOCATOR_ENV``: the script starts itself again with them;
+``--system-allocator``: glibc's defaults).
 """
 
 from __future__ import annotations
@@ -73,6 +76,17 @@ def _profile(steps: dict) -> list[str]:
     return out
 
 
+def _as_workers_run() -> None:
+    """Run this process again with glibc's allocator set as llmdp's Ray workers get it
+    (``llmdp.base.localray.ALLOCATOR_ENV``, each key this environment does not set):
+    glibc reads it when a process starts, so it cannot be set from here."""
+    from llmdp.base.localray import ALLOCATOR_ENV
+
+    missing = {k: v for k, v in ALLOCATOR_ENV.items() if k not in os.environ}
+    if missing:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default="llama", choices=("llama", *bench.MOE_FAMILIES))
@@ -90,7 +104,11 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=1,
                     help="steps of one kind in a row before switching (the first of each block untimed)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--system-allocator", action="store_true",
+                    help="glibc's default allocator settings, not those llmdp's workers get")
     a = ap.parse_args(argv)
+    if not a.system_allocator and argv is None:
+        _as_workers_run()
     ns = argparse.Namespace(family=a.family, experts=8, top_k=2, hidden=a.hidden, intermediate=a.intermediate,
                             layers=a.layers, heads=a.heads, vocab=a.vocab, seq=a.seq, batch=a.batch,
                             device="cpu", dtype="float32", max_grad_norm=1.0, lora=a.lora, lora_rank=16)

@@ -244,6 +244,21 @@ WORKER_ENV = {
 }
 
 
+#: glibc's allocator in every worker (and the ledger actor): freed memory below 32 MiB is
+#: kept for the next step instead of returned to the kernel (a training step frees and
+#: allocates the same tensors again; returned, each page is faulted in and zeroed again on
+#: its next use). On a 2-core CPU machine a DP step took thousands of minor page faults and
+#: 10–35 ms of kernel time that the non-private step did not, and both steps ran ~10 %
+#: slower and twice as unevenly (BENCHMARKS, issue 50). Read by glibc when a process starts,
+#: so given in the workers' environment at their start (``run_env``), not set at run time;
+#: ignored by other C libraries. A driver whose environment sets one of these (its own
+#: choice, or a Ray job's runtime env, which Ray refuses to merge with a run's) keeps its
+#: own: the run's environment leaves the key out.
+ALLOCATOR_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(8 << 30),
+}
+
 #: Test-only switches a worker reads from its environment (fault injection, planted bugs,
 #: pauses; never a recipe).
 TEST_ENV = ("LLMDP_FAULT", "LLMDP_TEST_PLANT", "LLMDP_TEST_PAUSE")
@@ -255,8 +270,10 @@ def run_env() -> dict[str, str]:
     run (``RunConfig.worker_runtime_env``, the actor's ``runtime_env``), not only at
     ``ray.init``: a Ray that outlives one run (a sweep's trials, a test session's) must not
     hand a switch of an earlier run to a later one, and Ray merges a run's ``env_vars`` into
-    the job's, so an unset switch is given as empty rather than left out."""
-    return {**WORKER_ENV, **{k: os.environ.get(k, "") for k in TEST_ENV}}
+    the job's, so an unset switch is given as empty rather than left out. With them
+    :data:`ALLOCATOR_ENV`, each key the driver's environment does not set already."""
+    allocator = {k: v for k, v in ALLOCATOR_ENV.items() if k not in os.environ}
+    return {**WORKER_ENV, **allocator, **{k: os.environ.get(k, "") for k in TEST_ENV}}
 
 
 def start_local_ray(run_dir: str, cfgs, log, num_cpus: int = 0):

@@ -145,3 +145,38 @@ def test_a_runs_environment_carries_its_own_test_switches_and_clears_an_earlier_
     later = _localray.run_env()
     assert {k: later[k] for k in _localray.TEST_ENV} == dict.fromkeys(_localray.TEST_ENV, "")
     assert {k: later[k] for k in _localray.WORKER_ENV} == _localray.WORKER_ENV
+
+
+def test_a_runs_environment_sets_the_allocator_unless_the_driver_does(monkeypatch):
+    """glibc's allocator settings (``ALLOCATOR_ENV``) are in every run's environment; a key
+    the driver's environment sets (its own choice, or a Ray job's runtime env, which Ray
+    refuses to merge with a run's) is left out, so the driver's value is what workers get."""
+    for k in _localray.ALLOCATOR_ENV:
+        monkeypatch.delenv(k, raising=False)
+    env = _localray.run_env()
+    assert {k: env[k] for k in _localray.ALLOCATOR_ENV} == _localray.ALLOCATOR_ENV
+    assert int(env["MALLOC_MMAP_THRESHOLD_"]) == 32 << 20  # in bytes, as glibc reads it
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    env = _localray.run_env()
+    assert "MALLOC_TRIM_THRESHOLD_" not in env and env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("shared_ray")
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc (Linux)")
+def test_a_ray_worker_starts_with_the_allocator_settings(monkeypatch):
+    """Given as a run gives its workers their environment (``runtime_env``), the settings are
+    in the worker process's environment *at its start* (``/proc/self/environ``: what the
+    process was exec'd with, which is when glibc reads them), not only in ``os.environ``."""
+    import ray
+
+    for k in _localray.ALLOCATOR_ENV:
+        monkeypatch.delenv(k, raising=False)
+
+    @ray.remote(num_cpus=0)
+    def start_environment() -> dict:
+        raw = Path("/proc/self/environ").read_bytes().split(b"\0")
+        return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+
+    got = ray.get(start_environment.options(runtime_env={"env_vars": _localray.run_env()}).remote())
+    assert {k: got.get(k) for k in _localray.ALLOCATOR_ENV} == _localray.ALLOCATOR_ENV
