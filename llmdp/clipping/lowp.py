@@ -423,46 +423,42 @@ def _row_norms_torch(x: torch.Tensor, scale: float) -> torch.Tensor:
     of them exactly 0 (every m read 0), takes five small operations: their result is 0."""
     k = x.shape[-1]
     n32 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
-    tiny_f = math.sqrt(k) * (1.0 + 4.0 * U64)
     if x.device.type != "cpu" or not CPU_ZERO_ROWS_ONLY:
         tiny = magnitude_of_bits(_abs_bits(x).amax(-1)).clamp_(max=ROW_NORM_TINY)
-        return (n32.to(torch.float64) * scale).add_(tiny, alpha=tiny_f)
-    # ROW_NORM_TINY·tiny_f is a float64 product: rounded up (the other rows' term is
-    # ≥ the same product computed tensor-wise below, which rounds the same way)
-    out = (n32.to(torch.float64) * scale).add_(ROW_NORM_TINY * tiny_f * (1.0 + 2.0 * U64))
-    zero = n32 == 0
-    if bool(zero.any()):
-        m_bits = _abs_bits(x[zero]).amax(-1)
-        if bool(m_bits.any()):  # a row of subnormals (flushed or underflowed): m read
-            tiny = magnitude_of_bits(m_bits).clamp_(max=ROW_NORM_TINY)
-            out[zero] = tiny.mul_(tiny_f)
-        else:  # every such row is all zeros: exactly 0
-            out.masked_fill_(zero, 0.0)
-    return out
+        return (n32.to(torch.float64) * scale).add_(tiny, alpha=math.sqrt(k) * (1.0 + 4.0 * U64))
+    return _cpu_bounds(n32, k, scale, lambda zero: x[zero])
 
 
 def _row_norms_torch_many(xs: list[torch.Tensor], scale: float) -> torch.Tensor:
     """``_row_norms_torch(x, scale)`` for each x of ``xs`` (one shape and dtype, the CPU:
     ``many_serves``), stacked [len(xs), *x.shape[:-1]], bit for bit, without a copy of any
     x: each x's float32 reduction is the same operation on the same tensor (written into its
-    slice of one buffer), and the rest is elementwise on the buffer — the same IEEE float64
-    operations on the same operands — and, for the rows whose float32 norm is 0, the same
-    bits read from the same rows (gathered in the buffer's row-major order, which is the
-    order ``out[zero]`` assigns). A row of zeros gets 0 either way: where some other zero
-    row is not all zeros, its value is magnitude 0 (+0.0) times the factor, +0.0, as
-    ``masked_fill_`` would write it."""
-    k = xs[0].shape[-1]
+    slice of one buffer), and the rest (``_cpu_bounds``) runs once on the buffer, its zero
+    rows gathered from each x in the buffer's row-major order."""
     n32 = torch.empty((len(xs), *xs[0].shape[:-1]), dtype=torch.float32)
     for i, x in enumerate(xs):
         torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32, out=n32[i])
+    return _cpu_bounds(n32, xs[0].shape[-1], scale,
+                       lambda zero: torch.cat([x[z] for x, z in zip(xs, zero)]))
+
+
+def _cpu_bounds(n32: torch.Tensor, k: int, scale: float, zero_rows) -> torch.Tensor:
+    """``_row_norms_torch``'s CPU bound from the rows' float32 norms ``n32`` (rows of k
+    entries); ``zero_rows(zero)`` gives the rows whose norm is 0, in ``zero``'s row-major
+    order (the order ``out[zero]`` assigns). Elementwise float64 operations and the zero
+    rows' bits: a row's bound does not depend on the rows formed with it. Where some zero
+    row is not all zeros, an all-zero row's value is magnitude 0 (+0.0) times the factor,
+    +0.0, as ``masked_fill_`` writes it."""
     tiny_f = math.sqrt(k) * (1.0 + 4.0 * U64)
+    # ROW_NORM_TINY·tiny_f is a float64 product: rounded up (the other rows' term is
+    # ≥ the same product computed tensor-wise below, which rounds the same way)
     out = (n32.to(torch.float64) * scale).add_(ROW_NORM_TINY * tiny_f * (1.0 + 2.0 * U64))
     zero = n32 == 0
     if bool(zero.any()):
-        m_bits = _abs_bits(torch.cat([x[z] for x, z in zip(xs, zero)])).amax(-1)
-        if bool(m_bits.any()):
+        m_bits = _abs_bits(zero_rows(zero)).amax(-1)
+        if bool(m_bits.any()):  # a row of subnormals (flushed or underflowed): m read
             out[zero] = magnitude_of_bits(m_bits).clamp_(max=ROW_NORM_TINY).mul_(tiny_f)
-        else:
+        else:  # every such row is all zeros: exactly 0
             out.masked_fill_(zero, 0.0)
     return out
 

@@ -298,7 +298,9 @@ def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
     k = h2.shape[1]
     if (lowp.on_cpu(h2) and h2.dtype == torch.float32 and k > 2 * lowp.GRAM_CHUNK
             and h2.numel() >= CHUNKED_MIN_ELEMENTS and isinstance(mag, (torch.Tensor, PendingMag))):
-        value, err = _sq_chunked32(h2)  # (a deferred N_u stays deferred: err does not read it)
+        # (taken where the rule gives N_u, as before; err does not read it, so a deferred
+        # N_u stays deferred; the reference and generic rules keep the float64 norm)
+        value, err = _sq_chunked32(h2)
         sq = Sq(value, err, inst_dev, rel, mag, mag_f)
     else:
         # float64 accumulation (the input cast to float64: its squares, the sum, the root,
@@ -336,7 +338,7 @@ def _sq_chunked32(h2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     float32's normal range lose at most 2⁻¹²⁶ each (flushed to zero) — at most 2k of them,
     each amplified by the later roundings by less than 2: 4k·2⁻¹²⁶ on ‖h‖² — added to err
     as an absolute term wherever the row of h has a nonzero entry, read on its bits (the
-    sign shifted out: exact whatever the flush mode, which would read a subnormal as 0 in
+    sign cleared: ``lowp._abs_bits``, exact whatever the flush mode, which would read a subnormal as 0 in
     a float comparison). A row that is exactly 0 has only exact zeros to square and sum,
     so its value 0 and err 0 are exact, and a gradient that is exactly 0 keeps err = 0
     (``worth_recomputing`` tells it by that). N_u is not read, so a deferred one stays
@@ -350,7 +352,7 @@ def _sq_chunked32(h2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     value = parts.to(F64).square().sum(-1)
     if m * c < k:
         value = value + torch.linalg.vector_norm(h2[:, m * c:], dim=-1).to(F64).square()
-    nonzero = (h2.view(torch.int32) << 1).any(-1)  # a nonzero magnitude in the row
+    nonzero = lowp._abs_bits(h2).any(-1)  # a nonzero magnitude in the row
     err = value * gamma(c + 5, U32) + nonzero.to(F64) * (4.0 * k * 2.0**-126)
     return value, err
 
