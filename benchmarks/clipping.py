@@ -703,13 +703,9 @@ def method_env(system_allocator: bool = False) -> dict[str, str]:
     """The environment of a method's process: this one's, with glibc's allocator set as
     llmdp's workers get it (``localray.run_env``: each key this environment does not set)
     unless ``system_allocator``. Every method (the peers' too) runs under the same settings."""
-    from llmdp.base.localray import ALLOCATOR_ENV
+    from llmdp.base.localray import allocator_env
 
-    env = dict(os.environ)
-    if not system_allocator:
-        for k, v in ALLOCATOR_ENV.items():
-            env.setdefault(k, v)
-    return env
+    return {**os.environ, **({} if system_allocator else allocator_env())}
 
 
 def run_method(m: str, args, variant: str) -> dict:

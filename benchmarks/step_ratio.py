@@ -80,10 +80,9 @@ def _as_workers_run() -> None:
     """Run this process again with glibc's allocator set as llmdp's Ray workers get it
     (``llmdp.base.localray.ALLOCATOR_ENV``, each key this environment does not set):
     glibc reads it when a process starts, so it cannot be set from here."""
-    from llmdp.base.localray import ALLOCATOR_ENV
+    from llmdp.base.localray import allocator_env
 
-    missing = {k: v for k, v in ALLOCATOR_ENV.items() if k not in os.environ}
-    if missing:
+    if missing := allocator_env():
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
 
 

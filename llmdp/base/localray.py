@@ -272,8 +272,13 @@ def run_env() -> dict[str, str]:
     hand a switch of an earlier run to a later one, and Ray merges a run's ``env_vars`` into
     the job's, so an unset switch is given as empty rather than left out. With them
     :data:`ALLOCATOR_ENV`, each key the driver's environment does not set already."""
-    allocator = {k: v for k, v in ALLOCATOR_ENV.items() if k not in os.environ}
-    return {**WORKER_ENV, **allocator, **{k: os.environ.get(k, "") for k in TEST_ENV}}
+    return {**WORKER_ENV, **allocator_env(), **{k: os.environ.get(k, "") for k in TEST_ENV}}
+
+
+def allocator_env() -> dict[str, str]:
+    """The keys of :data:`ALLOCATOR_ENV` this process's environment does not set, with their
+    values: what a process started from here is given (a set key is the user's or the job's)."""
+    return {k: v for k, v in ALLOCATOR_ENV.items() if k not in os.environ}
 
 
 def start_local_ray(run_dir: str, cfgs, log, num_cpus: int = 0):
