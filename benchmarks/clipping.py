@@ -445,6 +445,10 @@ def child(args) -> dict:
     if args.gram != "auto":
         gram._policy = args.gram
     apply_variant(args.variant, args.device)  # after --gram: a fallback variant's float64 Grams win
+    if args.chunk is not None:  # the kernels' chunk and their bounds' counts together
+        from llmdp.clipping import _triton_rowscaled
+
+        _triton_rowscaled.CHUNK_T = args.chunk
     grams = count_gram_choices() if method.startswith("llmdp-") else None
     model, batch = build(args)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -515,7 +519,7 @@ def child(args) -> dict:
         "peak_tflops": peak_tflops, "peak_source": peak_source, "device_name": device_name,
         "grad_norm": grad_norm, "note": note,
         "kernel": getattr(model.config, "_experts_implementation", None),
-        "variant": args.variant, "gram_policy": args.gram,
+        "variant": args.variant, "gram_policy": args.gram, "chunk": args.chunk,
         **({"gram": {**grams, "per_step": args.steps + 1 + bool(args.profile)}} if grams else {}),
         **({"bound_max": clipper.last_norm_stats.bound_max, "fallbacks": clipper.last_norm_stats.fallbacks,
             "mode": clipper.last_mode}
@@ -627,6 +631,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", help="folder: profile one more step per method (torch.profiler)")
     ap.add_argument("--gram", default="auto", choices=("auto", "lowp", "float64"),
                     help="the Gram path of Linear ghost norms (clipping/gram.py)")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="positions per tensor-core chain of the Triton kernels and their bounds "
+                         "(default: clipping/_triton_rowscaled.CHUNK_T)")
     ap.add_argument("--method-timeout", type=float, default=None,
                     help="seconds one method may run (its row says it timed out; the run goes on)")
     ap.add_argument("--no-fallback", action="store_true",
@@ -637,6 +644,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default="default", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.chunk is not None and (args.chunk < 16 or args.chunk & (args.chunk - 1)):
+        ap.error(f"--chunk {args.chunk}: the chunk is one tl.dot's K, a power of two of at least 16 (e.g. 64)")
     if args.child:
         print(json.dumps(child(args)))
         return 0
@@ -716,7 +725,7 @@ def run_method(m: str, args, variant: str) -> dict:
                "--gram", args.gram]
     for key in ("family", "experts", "top_k", "hidden", "intermediate", "layers", "heads", "vocab", "seq", "batch", "steps",
                 "threads", "device", "dtype", "max_grad_norm", "lora_rank", "opake_microbatch",
-                "peak_tflops", "profile"):
+                "peak_tflops", "profile", "chunk"):
         if getattr(args, key) is not None:
             cleaned += ["--" + key.replace("_", "-"), str(getattr(args, key))]
     if args.lora:

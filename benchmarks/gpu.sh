@@ -16,6 +16,8 @@
 #            micro-batched at both shapes; Opacus hooks and Opake whole-batch with LoRA
 #   kernels  the clipped-sum, norm, Gram and row-norm kernels against cuBLAS at the 8 layer
 #            shapes, and the tile sweep at T1024x8 (benchmarks/kernels.py; KERNELS_SWEEP= : none)
+#   chunk    (only when named) llmdp-auto at both shapes with the kernels' chunk at 64 positions
+#            (64-deep K blocks in 3 stages: the A/B of the clipped sum's pipeline)
 #   gram     the Gram path forced on the benchmark batch (T256x32: its bound share rho and
 #            fallbacks), and the massive-activation construction on CUDA, Gram path forced and auto
 #   tests    the `gpu` marker's tests
@@ -156,6 +158,11 @@ stage_kernels() {
     else
         run_capped "${KERNELS_S:-120}" $PY benchmarks/kernels.py ${KERNELS_SWEEP-"--sweep"} --json "$W/kernels.json"
     fi
+}
+stage_chunk() {
+    for shape in "$T1" "$T2"; do
+        clip "chunk64-$(tag "$shape")" "$shape" llmdp-auto --chunk 64
+    done
 }
 stage_gram() {
     CLIP_S=${GRAM_CLIP_S:-60} clip gram-lowp-"$(tag "$T2")" "$T2" llmdp-auto --gram lowp --no-fallback

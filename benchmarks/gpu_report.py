@@ -101,7 +101,7 @@ def kernels_table(d: str) -> list[str]:
         out.append(f"| {r['T']} x {r['R']} | {r['p']} x {r['d']} | " + " | ".join(cells) + " |")
     for r in data["rows"]:
         if "sweep" in r:
-            rates = "; ".join(f"{c['config']}: " + ", ".join(
+            rates = "; ".join(f"{c['config']} chunk {c.get('chunk', 128)}: " + ", ".join(
                 f"{n} {c[n]:.0f}" if isinstance(c[n], float) else f"{n} failed" for n in ("clipped_sum", "norms"))
                 for c in r["sweep"]["configs"])
             out.append(f"- sweep at T{r['T']}x{r['R']} {r['p']}x{r['d']} (TFLOP/s): {rates}")

@@ -17,8 +17,8 @@ bf16, it times (median, CUDA events: ``triton.testing.do_bench``):
 The GEMM-like rows give TFLOP/s (2·R·T·p·d FLOPs, the Gram's own count for ``gram``) and every
 row its milliseconds, so ``ms / cublas ms`` is what the DP step pays per layer beyond the
 non-private weight gradient. A kernel that fails prints why and the others go on.
-``--sweep`` (T1024x8 only): the flat kernels' tile configurations, each checked against the
-default's result before it is timed.
+``--sweep`` (T1024x8 only): the flat kernels' tile configurations, at chunks of 128 and of 64
+positions (``CONFIGS``), each checked against the default's result before it is timed.
 """
 
 from __future__ import annotations
@@ -39,10 +39,14 @@ GRIDS = [(1024, 8), (256, 32)]  # (T, R)
 DRY_SHAPES = [(64, 32), (160, 48)]
 DRY_GRIDS = [(128, 2), (64, 3)]
 # The K block is one chunk (``_triton_rowscaled._depth``: 128 positions at these T), so the
-# sweep varies the tiles, warps and stages.
-CONFIGS = [((ba, bb, 128), w, s) for (ba, bb), w, s in itertools.product(
-    [(128, 128), (128, 256), (256, 128)], [4, 8], [2, 3])] + [
-    ((64, 128, 128), 4, 3), ((128, 64, 128), 4, 3), ((64, 256, 128), 8, 2)]
+# sweep varies the tiles, warps and stages; first chunks of 64 positions (64-deep K blocks: the
+# clipped sum's pipeline before issue 50's item 5, and a smaller bound at T = 1,024), then 128.
+CONFIGS = [(64, (tiles, w, s)) for tiles, w, s in (((128, 128, 64), 8, 3), ((128, 128, 64), 8, 4),
+                                                  ((128, 128, 64), 4, 3), ((128, 256, 64), 8, 3),
+                                                  ((256, 128, 64), 8, 3))] + [
+    (128, ((ba, bb, 128), w, s)) for (ba, bb), w, s in itertools.product(
+        [(128, 128), (128, 256), (256, 128)], [4, 8], [2, 3])] + [
+    (128, ((64, 128, 128), 4, 3)), (128, ((128, 64, 128), 4, 3)), (128, ((64, 256, 128), 8, 2))]
 KINDS = ("cublas", "clipped_sum", "norms", "gram", "row_norms")
 
 
@@ -134,20 +138,20 @@ def _sweep(X, Y, f, rows, ptr, R, ms, flops) -> dict:
     ref_rs = k.row_scaled_tn(X, Y, f, flat=True)
     ref_n = k.unit_sq_norms(X, Y, rows, ptr, R, flat=True)
     runs = []
-    for cfg in CONFIGS:
-        row = {"config": cfg}
+    for chunk, cfg in CONFIGS:
+        row = {"config": cfg, "chunk": chunk}
         for name, fn, ref, tol in (
-                ("clipped_sum", lambda c: k.row_scaled_tn(X, Y, f, config=c, flat=True), ref_rs, 1e-3),
-                ("norms", lambda c: k.unit_sq_norms(X, Y, rows, ptr, R, config=c, flat=True), ref_n, 0)):
+                ("clipped_sum", lambda c, n: k.row_scaled_tn(X, Y, f, chunk=n, config=c, flat=True), ref_rs, 1e-3),
+                ("norms", lambda c, n: k.unit_sq_norms(X, Y, rows, ptr, R, chunk=n, config=c, flat=True), ref_n, 0)):
             try:
-                torch.testing.assert_close(fn(cfg), ref, rtol=1e-4, atol=tol)
-                row[name] = flops / (ms(lambda c=cfg, fn=fn: fn(c)) * 1e-3) / 1e12
+                torch.testing.assert_close(fn(cfg, chunk), ref, rtol=1e-4, atol=tol)
+                row[name] = flops / (ms(lambda c=cfg, n=chunk, fn=fn: fn(c, n)) * 1e-3) / 1e12
             except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory)
                 row[name] = f"{type(e).__name__}: {str(e)[:80]}"
         runs.append(row)
     best = {name: max((r for r in runs if isinstance(r[name], float)), key=lambda r: r[name], default=None)
             for name in ("clipped_sum", "norms")}
-    return {"configs": runs, "best": {n: (r["config"], r[n]) if r else None for n, r in best.items()}}
+    return {"configs": runs, "best": {n: (r["config"], r["chunk"], r[n]) if r else None for n, r in best.items()}}
 
 
 def _line(r: dict) -> str:

@@ -34,7 +34,9 @@ from llmdp._triton import available, interpreting, tl, triton  # noqa: F401 - re
 
 #: Positions per tensor-core accumulation chain, one ``tl.dot`` (then float32 adds): the
 #: rounding bound of both kernels grows with it, not with T (``error_count``,
-#: ``norm_error_count``). A power of two, at least 16 (the dot's smallest K).
+#: ``norm_error_count``). A power of two, at least 16 (the dot's smallest K). Read at each
+#: call (``_chunk_t``) by the kernels' launches and by their error counts alike, so a process
+#: that sets it (``benchmarks/clipping.py --chunk``) moves both together.
 CHUNK_T = 128
 
 #: Which loop structure each kernel uses by default (``flat=`` overrides it per call): the
@@ -187,13 +189,18 @@ if triton is not None:
         _store_tile(OUT, acc, A, B, offs_a, offs_b, mask_a, mask_b, WIDE, ACC, SINK)
 
 
+def _chunk_t(chunk: int | None) -> int:
+    """The chunk asked for, or ``CHUNK_T`` as it is now."""
+    return CHUNK_T if chunk is None else chunk
+
+
 def _quarter(k: int) -> int:
     """k float32 roundings (u = 2⁻²⁴) as a count at u = 2⁻²²: 1/(1 − k·2⁻²⁴) ≤
     1/(1 − ⌈k/4⌉·2⁻²²), so γ_k(2⁻²⁴) ≤ γ_⌈k/4⌉(2⁻²²)."""
     return -(-k // 4)
 
 
-def error_count(R: int, T: int, chunk: int = CHUNK_T) -> int:
+def error_count(R: int, T: int, chunk: int | None = None) -> int:
     """n such that every product's relative error in the clipped sum is within γ_n(2⁻²²)
     (``lowp.row_scaled_bound``). Product x_rt·y_rt is exact; it enters its chunk's
     tensor-core chain (one dot of at most min(T, chunk) products: at most min(T, chunk) + 1
@@ -204,27 +211,30 @@ def error_count(R: int, T: int, chunk: int = CHUNK_T) -> int:
     (``row_scaled_tn``'s split). So R·m + R − 1 float32 roundings, counted as
     ⌈(R·m + R)/4⌉ at 2⁻²² (``_quarter``); a chain of γ_a then γ_b is within γ_{a+b}
     (Higham, Lemma 3.3)."""
+    chunk = _chunk_t(chunk)
     m = -(-T // chunk)
     return min(T, chunk) + 1 + _quarter(R * m + R)
 
 
-def norm_error_count(T: int, max_rows: int, chunk: int = CHUNK_T) -> int:
+def norm_error_count(T: int, max_rows: int, chunk: int | None = None) -> int:
     """n such that every entry of a unit's h in ``unit_sq_norms`` is within
     γ_n(2⁻²²)·Σ_{r in u, t} |x_rt||y_rt| of its exact value: min(T, chunk) + 1 in a chunk's
     chain (as ``error_count``), then at most K·m − 1 float32 adds of the unit's K rows' m
     chunks each into h, counted as ⌈(K·m + 1)/4⌉ at 2⁻²²."""
+    chunk = _chunk_t(chunk)
     m = max_rows * -(-T // chunk)
     return min(T, chunk) + 1 + _quarter(m + 1)
 
 
-def _depth(T: int, chunk: int) -> int:
+def _depth(T: int, chunk: int | None) -> int:
     """The K block: one chunk, or the whole row when it is shorter (a power of two ≥ 16)."""
+    chunk = _chunk_t(chunk)
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk {chunk} is not a power of two of at least 16 (one tl.dot)")
     return min(chunk, max(16, triton.next_power_of_2(T)))
 
 
-def _blocks(a: int, b: int, T: int, chunk: int = CHUNK_T):
+def _blocks(a: int, b: int, T: int, chunk: int | None = None):
     """((BLOCK_A, BLOCK_B, BLOCK_T), warps, stages): H100/H200-sized 128×128 tiles (two
     float32 tiles of them in registers: 128 of a thread's registers at 8 warps), one chunk
     per K block; two stages of 128-deep bf16 blocks are 128 KiB of shared memory."""
@@ -234,7 +244,7 @@ def _blocks(a: int, b: int, T: int, chunk: int = CHUNK_T):
     return (128 if a >= 128 else 64, 128 if b >= 128 else 64, depth), 8, 2 if depth >= 128 else 3
 
 
-def _norm_launch(a: int, b: int, T: int, chunk: int = CHUNK_T):
+def _norm_launch(a: int, b: int, T: int, chunk: int | None = None):
     """(config, flat) of the norm kernel: ``_blocks``, in the flat loop at T ≥ 1,024 (on an
     H200 the flat loop with 128-deep K blocks in two stages ran at 269-316 TFLOP/s against
     the nested loop's 239-305), nested below (at T = 256 the nested loop beat the flat one,
@@ -242,11 +252,11 @@ def _norm_launch(a: int, b: int, T: int, chunk: int = CHUNK_T):
     return _blocks(a, b, T, chunk), (not interpreting() and T >= 1024)
 
 
-def _check_config(config, T: int, chunk: int):
+def _check_config(config, T: int, chunk: int | None):
     """A config's K block must be the chunk's (``_depth``): the bounds count on it."""
     if config is not None and config[0][2] != _depth(T, chunk):
         raise ValueError(f"the K block {config[0][2]} is not one chunk ({_depth(T, chunk)} "
-                         f"positions at T = {T}, chunk {chunk}): the bounds count one dot a chunk")
+                         f"positions at T = {T}, chunk {_chunk_t(chunk)}): the bounds count one dot a chunk")
     return config
 
 
@@ -268,7 +278,7 @@ def _programs(device: torch.device) -> int:
     return 8 if interpreting() else 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _norm_call(X, Y, rows, ptr, num_units: int, chunk: int, config, flat):
+def _norm_call(X, Y, rows, ptr, num_units: int, chunk: int | None, config, flat):
     """(kernel, grid, args, kwargs, out) of ``unit_sq_norms``' launch."""
     T, a = X.shape[1], X.shape[2]
     b = Y.shape[2]
@@ -286,7 +296,7 @@ def _norm_call(X, Y, rows, ptr, num_units: int, chunk: int, config, flat):
 
 
 def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,
-                  num_units: int, chunk: int = CHUNK_T, config=None, flat=None) -> torch.Tensor:
+                  num_units: int, chunk: int | None = None, config=None, flat=None) -> torch.Tensor:
     """[U] float64: Σ over tiles of the float64 sum of squares of each tile of the float32
     h_u = Σ_{r in u} X_rᵀ Y_r (X [R, T, a], Y [R, T, b], same half dtype; the rows of unit
     u are ``rows[ptr[u]:ptr[u+1]]``). Nothing of size a×b per unit is written.
@@ -299,7 +309,7 @@ def unit_sq_norms(X: torch.Tensor, Y: torch.Tensor, rows: torch.Tensor, ptr: tor
     return out.sum(1)
 
 
-def _row_scaled_call(X, Y, f, chunk: int, config, flat, programs: int, sink=None):
+def _row_scaled_call(X, Y, f, chunk: int | None, config, flat, programs: int, sink=None):
     """(kernel, grid, args, kwargs, out) of ``row_scaled_tn``'s launch, ``programs`` the
     number of programs that fill the device; ``sink``: added to in the kernel (``out`` is
     the sink itself when the rows are not split)."""
@@ -326,7 +336,7 @@ def _row_scaled_call(X, Y, f, chunk: int, config, flat, programs: int, sink=None
     return kernel, grid, args, kwargs, out
 
 
-def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int = CHUNK_T,
+def row_scaled_tn(X: torch.Tensor, Y: torch.Tensor, f: torch.Tensor, chunk: int | None = None,
                   config=None, flat=None, sink: torch.Tensor | None = None) -> torch.Tensor | None:
     """Σ_r f_r X_rᵀ Y_r as a float32 [a, b] tensor (X [R, T, a], Y [R, T, b], same half
     dtype; f [R]). ``config`` and ``flat`` as ``unit_sq_norms``'s (default: ``_blocks``,
@@ -373,12 +383,12 @@ def launches(R: int, T: int, a: int, b: int, dtype=torch.bfloat16, sms: int = 13
     out = []
     default_flat = _norm_launch(a, b, T)[1]
     for flat in (default_flat, not default_flat):
-        kernel, _, args, kwargs, _ = _norm_call(X, Y, rows, ptr, R, CHUNK_T, None, flat)
+        kernel, _, args, kwargs, _ = _norm_call(X, Y, rows, ptr, R, None, None, flat)
         out.append(("norms" + (" (default)" if flat == default_flat else ""), kernel, args, kwargs))
     sink = torch.empty((a, b), dtype=torch.float32, device="meta")
     for flat in (FLAT_ROW_SCALED, not FLAT_ROW_SCALED):
         for into in (None, sink):  # the sum returned, or added to the sink in the kernel
-            kernel, _, args, kwargs, _ = _row_scaled_call(X, Y, f, CHUNK_T, None, flat, 2 * sms, into)
+            kernel, _, args, kwargs, _ = _row_scaled_call(X, Y, f, None, None, flat, 2 * sms, into)
             out.append(("clipped sum" + (" into the sink" if into is not None else "")
                         + (" (default)" if flat == FLAT_ROW_SCALED else ""), kernel, args, kwargs))
     return out

@@ -369,6 +369,25 @@ def test_cuda_per_row_products_and_row_norms_are_within_their_bounds_at_long_T(d
     assert (got >= exact).all() and (got <= exact * (1 + 3 * lowp.gamma(70_003, lowp.U32))).all()
 
 
+def test_the_kernels_chunk_and_their_error_counts_move_together(monkeypatch):
+    """``_triton_rowscaled.CHUNK_T`` is read at each call, by the launches and by every count
+    of their bounds (``benchmarks/clipping.py --chunk``): set to 64, the clipped sum's and the
+    norms' counts, the per-row products' (``fast_bound``) and the launches' K block are all
+    those of a 64-position chunk, not a mix with the 128 the defaults were written with."""
+    from llmdp.clipping import _triton_rowscaled as k
+
+    at128 = (k.error_count(8, 1024), k.norm_error_count(1024, 3), lowp.unit_norm_count(1024, 1))
+    monkeypatch.setattr(k, "CHUNK_T", 64)
+    at64 = (k.error_count(8, 1024), k.norm_error_count(1024, 3), lowp.unit_norm_count(1024, 1))
+    assert at64 == (k.error_count(8, 1024, 64), k.norm_error_count(1024, 3, 64), k.norm_error_count(1024, 1, 64))
+    assert at128 == (k.error_count(8, 1024, 128), k.norm_error_count(1024, 3, 128),
+                     k.norm_error_count(1024, 1, 128))
+    assert all(a < b for a, b in zip(at64, at128))  # a shorter tensor-core chain: a smaller bound
+    if k.triton is not None and not k.interpreting():
+        for _, _, _, kwargs in k.launches(8, 1024, 256, 128):
+            assert kwargs["BLOCK_T"] == 64 and kwargs["num_stages"] == 3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("k", [7, lowp.GRAM_CHUNK, lowp.GRAM_CHUNK + 1, 3000])
 def test_gram_fast_is_within_its_chunked_bound(dtype, k):
