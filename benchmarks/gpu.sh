@@ -122,6 +122,8 @@ clip() {  # clip NAME SHAPE METHODS [EXTRA...]
 
 stage_env() {
     { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 || true
+      # the host's processor: a host-bound step (LoRA) moves with it between leases
+      echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) CPUs"
       $PY - <<'EOF'
 import importlib, importlib.metadata as md, json, platform, torch
 info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,

@@ -237,11 +237,23 @@ def _depth(T: int, chunk: int | None) -> int:
 def _blocks(a: int, b: int, T: int, chunk: int | None = None):
     """((BLOCK_A, BLOCK_B, BLOCK_T), warps, stages): H100/H200-sized 128×128 tiles (two
     float32 tiles of them in registers: 128 of a thread's registers at 8 warps), one chunk
-    per K block; two stages of 128-deep bf16 blocks are 128 KiB of shared memory."""
+    per K block; two stages of 128-deep bf16 blocks are 128 KiB of shared memory (the
+    norm kernels'; the clipped sum's, ``_sum_blocks``, three)."""
     depth = _depth(T, chunk)
     if interpreting():
         return (16, 16, depth), 4, 1
     return (128 if a >= 128 else 64, 128 if b >= 128 else 64, depth), 8, 2 if depth >= 128 else 3
+
+
+def _sum_blocks(a: int, b: int, T: int, chunk: int | None = None):
+    """The clipped sum's config: ``_blocks``' tiles in three stages (192 KiB of shared memory
+    with 128-deep blocks). On an H200 (BENCHMARKS.md, "The clipped sum in three stages on an
+    H200") the flat clipped sum ran at 360-440 TFLOP/s in three stages against 220-268 in
+    two at the 1.6 B model's layers (T = 1,024), and the DP step went from 0.379 to 0.330 s
+    (T1024x8) and from 0.381 to 0.351 s (T256x32); at the benchmark shapes it compiles for
+    sm_90 without a spill (``tests/clipping/test_kernel_spills.py``)."""
+    blocks, warps, stages = _blocks(a, b, T, chunk)
+    return blocks, warps, (stages if interpreting() else 3)
 
 
 def _norm_launch(a: int, b: int, T: int, chunk: int | None = None):
@@ -315,7 +327,7 @@ def _row_scaled_call(X, Y, f, chunk: int | None, config, flat, programs: int, si
     the sink itself when the rows are not split)."""
     R, T, a = X.shape
     b = Y.shape[2]
-    blocks, warps, stages = _check_config(config, T, chunk) or _blocks(a, b, T, chunk)
+    blocks, warps, stages = _check_config(config, T, chunk) or _sum_blocks(a, b, T, chunk)
     tiles = triton.cdiv(a, blocks[0]) * triton.cdiv(b, blocks[1])
     # Too few output tiles to fill the device (a small layer): split the rows into groups,
     # each with its own float32 partial result, summed afterwards (split-K over rows).
