@@ -317,9 +317,12 @@ def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
 
 
 # ``_sq_chunked32`` from this many entries on (U·k): below it the float64 norm's one
-# operation (its float64 copy small) is cheaper than the chunked sum's nine. Measured on one
-# core: [8, 4,096] 18 vs 39 µs, [8, 11,008] 61 vs 44 µs, [8, 65,536] 624 vs 242 µs.
-CHUNKED_MIN_ELEMENTS = 1 << 16
+# operation (its float64 copy small) is cheaper than the chunked sum's nine and its pass
+# over the bits. Measured on one core under the workers' allocator settings (float64 norm
+# vs chunked, µs): [8, 11,008] 42 vs 109, [8, 65,536] 265 vs 431, [8, 176,128] 819 vs 974,
+# [8, 262,144] 2,607 vs 2,125, [8, 524,288] 26,363 vs 3,906 (the float64 copy past the
+# allocator's 32 MiB threshold is faulted in every time).
+CHUNKED_MIN_ELEMENTS = 1 << 21
 
 
 def _sq_chunked32(h2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,7 +355,8 @@ def _sq_chunked32(h2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     value = parts.to(F64).square().sum(-1)
     if m * c < k:
         value = value + torch.linalg.vector_norm(h2[:, m * c:], dim=-1).to(F64).square()
-    nonzero = lowp._abs_bits(h2).any(-1)  # a nonzero magnitude in the row
+    # a nonzero magnitude in the row (the bits' largest: a bool reduction is several times slower)
+    nonzero = lowp._abs_bits(h2).amax(-1) > 0
     err = value * gamma(c + 5, U32) + nonzero.to(F64) * (4.0 * k * 2.0**-126)
     return value, err
 

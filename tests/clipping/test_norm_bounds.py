@@ -583,6 +583,7 @@ def test_instantiated_norms_on_the_cpu_are_within_their_bound(k, monkeypatch):
     g = torch.Generator().manual_seed(k)
     h = torch.randn(5, k, generator=g) * torch.exp2(torch.randint(-90, 60, (5, k), generator=g).float())
     h[1] = 0
+    h[1, ::2] = -0.0  # negative zeros are zeros: value and bound exactly 0
     h[2] = torch.randn(k, generator=g) * 1e-30  # every square underflows float32
     h[3, :-1] = 0
     h[3, -1] = 3.0  # only the remainder (or the last chunk) holds anything
