@@ -391,7 +391,8 @@ def test_kernels_benchmark_dry_run_times_every_kernel_in_the_interpreter(tmp_pat
 
     out = tmp_path / "k.json"
     code = ("import sys; sys.argv[0] = 'kernels'; import benchmarks.kernels as k; "
-            "k.DRY_SHAPES = [(40, 24)]; k.DRY_GRIDS = [(130, 2)]; k.CONFIGS = [((16, 32, 128), 4, 1)]; "
+            "k.DRY_SHAPES = [(40, 24)]; k.DRY_GRIDS = [(130, 2)]; "
+            "k.CONFIGS = [(128, ((16, 32, 128), 4, 1)), (64, ((16, 32, 64), 4, 1))]; "
             f"raise SystemExit(k.main(['--dry-run', '--sweep', '--json', {str(out)!r}]))")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
@@ -400,9 +401,11 @@ def test_kernels_benchmark_dry_run_times_every_kernel_in_the_interpreter(tmp_pat
     assert (r["T"], r["R"], r["p"], r["d"]) == (130, 2, 40, 24)
     for kind in ("cublas", "clipped_sum", "norms", "gram", "row_norms"):
         assert "error" not in r[kind] and r[kind]["ms"] > 0, (kind, r[kind])
-    (swept,) = r["sweep"]["configs"]  # the config's results checked against the default's, then timed
-    assert swept["config"] == [[16, 32, 128], 4, 1]
-    assert isinstance(swept["clipped_sum"], float) and isinstance(swept["norms"], float), swept
+    # each config's results checked against the default's, then timed: a chunk of 128 and of 64
+    swept = r["sweep"]["configs"]
+    assert [(c["chunk"], c["config"]) for c in swept] == [(128, [[16, 32, 128], 4, 1]), (64, [[16, 32, 64], 4, 1])]
+    for c in swept:
+        assert isinstance(c["clipped_sum"], float) and isinstance(c["norms"], float), c
 
 
 def test_privacy_utility_tuned_runs_tune_at_zero_epsilon_per_epsilon_first(capsys):
