@@ -245,15 +245,39 @@ def _blocks(a: int, b: int, T: int, chunk: int | None = None):
     return (128 if a >= 128 else 64, 128 if b >= 128 else 64, depth), 8, 2 if depth >= 128 else 3
 
 
-def _sum_blocks(a: int, b: int, T: int, chunk: int | None = None):
-    """The clipped sum's config: ``_blocks``' tiles in three stages (192 KiB of shared memory
-    with 128-deep blocks). On an H200 (BENCHMARKS.md, "The clipped sum in three stages on an
-    H200") the flat clipped sum ran at 360-440 TFLOP/s in three stages against 220-268 in
-    two at the 1.6 B model's layers (T = 1,024), and the DP step went from 0.379 to 0.330 s
-    (T1024x8) and from 0.381 to 0.351 s (T256x32); at the benchmark shapes it compiles for
-    sm_90 without a spill (``tests/clipping/test_kernel_spills.py``)."""
+#: Shared memory one block may use on sm_90 (227 KiB): ``launches``' device.
+SM90_SHARED = 232_448
+
+
+def _sum_blocks(a: int, b: int, T: int, chunk: int | None = None, shared: int = SM90_SHARED,
+                item: int = 2):
+    """The clipped sum's config: ``_blocks``' tiles in three stages where the device's shared
+    memory per block (``shared`` bytes; operands of ``item`` bytes) holds three stages of
+    both operands' blocks (192 KiB with 128-deep bf16 blocks: an H100 or H200, not an A100's
+    163 KiB), else ``_blocks``' stages. On an H200 (BENCHMARKS.md, "The clipped sum in three
+    stages on an H200") the flat clipped sum ran at 360-440 TFLOP/s in three stages against
+    220-268 in two at the 1.6 B model's layers (T = 1,024), and the DP step went from 0.379
+    to 0.330 s (T1024x8) and from 0.381 to 0.351 s (T256x32); at the benchmark shapes it
+    compiles for sm_90 without a spill (``tests/clipping/test_kernel_spills.py``)."""
     blocks, warps, stages = _blocks(a, b, T, chunk)
-    return blocks, warps, (stages if interpreting() else 3)
+    if interpreting() or 3 * (blocks[0] + blocks[1]) * blocks[2] * item > shared:
+        return blocks, warps, stages
+    return blocks, warps, 3
+
+
+_SHARED: dict = {}  # device index -> its shared memory per block
+
+
+def _shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on ``device`` (Triton's driver's figure, the
+    one its launches are checked against; 0 where it cannot be read: two stages)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SHARED:
+        try:
+            _SHARED[idx] = int(triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"])
+        except Exception:  # noqa: BLE001 - another backend, an older Triton
+            _SHARED[idx] = 0
+    return _SHARED[idx]
 
 
 def _norm_launch(a: int, b: int, T: int, chunk: int | None = None):
@@ -327,7 +351,10 @@ def _row_scaled_call(X, Y, f, chunk: int | None, config, flat, programs: int, si
     the sink itself when the rows are not split)."""
     R, T, a = X.shape
     b = Y.shape[2]
-    blocks, warps, stages = _check_config(config, T, chunk) or _sum_blocks(a, b, T, chunk)
+    blocks, warps, stages = _check_config(config, T, chunk) or _sum_blocks(
+        a, b, T, chunk,
+        SM90_SHARED if X.device.type == "meta" or interpreting() else _shared_memory(X.device),
+        X.element_size())
     tiles = triton.cdiv(a, blocks[0]) * triton.cdiv(b, blocks[1])
     # Too few output tiles to fill the device (a small layer): split the rows into groups,
     # each with its own float32 partial result, summed afterwards (split-K over rows).

@@ -388,6 +388,23 @@ def test_the_kernels_chunk_and_their_error_counts_move_together(monkeypatch):
             assert kwargs["BLOCK_T"] == 64 and kwargs["num_stages"] == 3
 
 
+def test_the_clipped_sum_runs_three_stages_only_where_the_shared_memory_holds_them():
+    """Three stages of 128-deep bf16 blocks (192 KiB) on an H100/H200 (227 KiB a block), two
+    on an A100 (163 KiB), on a device whose figure cannot be read (0) or for 4-byte operands;
+    64-deep blocks three stages everywhere, as before; the norm kernel keeps two."""
+    from llmdp.clipping import _triton_rowscaled as k
+
+    if k.triton is None or k.interpreting():
+        pytest.skip("the launch configs need Triton, not its interpreter")
+    stages = lambda T, shared, item=2: k._sum_blocks(2048, 2048, T, None, shared, item)[2]  # noqa: E731
+    assert stages(1024, 232_448) == 3 and stages(1024, 166_912) == 2 and stages(1024, 0) == 2
+    assert stages(1024, 232_448, item=4) == 2
+    assert stages(64, 166_912) == stages(64, 0) == 3 == k._blocks(2048, 2048, 64)[2]
+    got = {label: kw["num_stages"] for label, _, _, kw in k.launches(8, 1024, 2048, 2048)}
+    assert got["clipped sum (default)"] == got["clipped sum into the sink (default)"] == 3
+    assert got["norms (default)"] == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("k", [7, lowp.GRAM_CHUNK, lowp.GRAM_CHUNK + 1, 3000])
 def test_gram_fast_is_within_its_chunked_bound(dtype, k):
