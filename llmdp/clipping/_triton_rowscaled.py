@@ -270,7 +270,10 @@ _SHARED: dict = {}  # device index -> its shared memory per block
 
 def _shared_memory(device: torch.device) -> int:
     """Bytes of shared memory one block may use on ``device`` (Triton's driver's figure, the
-    one its launches are checked against; 0 where it cannot be read: two stages)."""
+    one its launches are checked against; 0 where it cannot be read: two stages). Off CUDA
+    (``benchmarks/launches.py``'s emulation of an H100/H200 on the CPU): ``SM90_SHARED``."""
+    if device.type != "cuda":
+        return SM90_SHARED
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SHARED:
         try:
@@ -352,9 +355,7 @@ def _row_scaled_call(X, Y, f, chunk: int | None, config, flat, programs: int, si
     R, T, a = X.shape
     b = Y.shape[2]
     blocks, warps, stages = _check_config(config, T, chunk) or _sum_blocks(
-        a, b, T, chunk,
-        SM90_SHARED if X.device.type == "meta" or interpreting() else _shared_memory(X.device),
-        X.element_size())
+        a, b, T, chunk, SM90_SHARED if interpreting() else _shared_memory(X.device), X.element_size())
     tiles = triton.cdiv(a, blocks[0]) * triton.cdiv(b, blocks[1])
     # Too few output tiles to fill the device (a small layer): split the rows into groups,
     # each with its own float32 partial result, summed afterwards (split-K over rows).
