@@ -355,7 +355,7 @@ def _row_scaled_call(X, Y, f, chunk: int | None, config, flat, programs: int, si
     R, T, a = X.shape
     b = Y.shape[2]
     blocks, warps, stages = _check_config(config, T, chunk) or _sum_blocks(
-        a, b, T, chunk, SM90_SHARED if interpreting() else _shared_memory(X.device), X.element_size())
+        a, b, T, chunk, _shared_memory(X.device), X.element_size())
     tiles = triton.cdiv(a, blocks[0]) * triton.cdiv(b, blocks[1])
     # Too few output tiles to fill the device (a small layer): split the rows into groups,
     # each with its own float32 partial result, summed afterwards (split-K over rows).
