@@ -96,6 +96,18 @@ def check_random(found) -> None:
                 f"draw, so per-unit gradients cannot be formed exactly. Fix: {fix}")
 
 
+#: autograd node type -> whether its nodes are leaves (``AccumulateGrad``: a ``variable``
+#: attribute): read once per type, not by a failing ``hasattr`` per node of every walk
+_LEAF: dict[type, bool] = {}
+
+
+def _is_leaf(node) -> bool:
+    leaf = _LEAF.get(type(node))
+    if leaf is None:
+        leaf = _LEAF[type(node)] = hasattr(node, "variable")
+    return leaf
+
+
 class UseAudit:
     """The autograd nodes and parameter tensors of each recorded call of one micro-batch,
     to find uses of trainable parameters that the hooks did not record."""
@@ -136,7 +148,7 @@ class UseAudit:
         todo = [o.grad_fn for o in outputs if o.grad_fn is not None]
         while todo:
             node = todo.pop()
-            if node in stop or hasattr(node, "variable"):
+            if node in stop or _is_leaf(node):
                 continue
             mine = self.owned.setdefault(node, set())
             if index in mine:
@@ -161,7 +173,10 @@ class UseAudit:
             for nxt, _ in node.next_functions:
                 if nxt is None:
                     continue
-                if hasattr(nxt, "variable"):  # a leaf: a parameter (or the anchor, an input)
+                leaf = _LEAF.get(type(nxt))
+                if leaf is None:
+                    leaf = _is_leaf(nxt)
+                if leaf:  # a leaf: a parameter (or the anchor, an input)
                     v = id(nxt.variable)
                     if v in names and not (src and any(v in self.rec_params[i] for i in src)):
                         bad.add(names[v])
@@ -205,6 +220,8 @@ def check_coverage(model: nn.Module, hooked, seen) -> None:
     see would be trained without being clipped, or not at all (DESIGN, invariant `no-silent-fallbacks`: no silent
     fallback)."""
     reached = {id(r.module) for r in seen}
+    if all(id(m) in reached for m in hooked):  # the usual case: no walk of the model's names
+        return
     missing = [n for n, m in model.named_modules() if m in hooked and id(m) not in reached]
     if missing:
         raise UnsupportedModuleError(

@@ -947,7 +947,15 @@ class LayerRule:
     claims_subtree = False
 
     def params(self, module) -> list[str]:
-        return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        # ``named_parameters(recurse=False)``'s trainable names, read off the module's own
+        # table: the engine asks several times per recorded call, and the generator behind
+        # ``named_parameters`` costs tens of µs each time (issue 50)
+        own = module._parameters
+        names = [n for n, p in own.items() if p is not None and p.requires_grad]
+        if len(names) > 1 and len({id(own[n]) for n in names}) < len(names):
+            # one tensor registered under two names: its first name only, as there
+            return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        return names
 
     def choose_ghost(self, module, A, G, policy: str, num_units: int) -> bool:
         return False

@@ -707,3 +707,22 @@ def test_a_registered_rule_serves_a_new_module_type(monkeypatch):
     check(LinearRule)
     with pytest.raises(TypeError, match="not a LayerRule"):
         register_rule(MyLinear)(object())
+
+
+def test_a_rules_parameters_are_named_parameters_trainable_names():
+    """``LayerRule.params`` reads the module's own table (issue 50: no generator per call):
+    the same names as ``named_parameters(recurse=False)``, a frozen one left out, a tensor
+    registered under two names named once, a child's parameters not named."""
+    from llmdp.clipping.norms import LayerRule
+
+    def expected(m):
+        return [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+
+    lin = torch.nn.Linear(3, 2)
+    lin.child = torch.nn.Linear(2, 2)
+    assert LayerRule().params(lin) == expected(lin) == ["weight", "bias"]
+    lin.bias.requires_grad_(False)
+    assert LayerRule().params(lin) == expected(lin) == ["weight"]
+    lin.register_parameter("alias", lin.weight)
+    lin.register_parameter("empty", None)
+    assert LayerRule().params(lin) == expected(lin) == ["weight"]
