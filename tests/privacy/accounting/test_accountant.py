@@ -314,3 +314,42 @@ def test_the_kept_epsilon_is_dp_accountings_for_the_very_same_question_only():
     # epsilon_for (a plan's steps) is answered through the same kept values.
     q, sigma = 0.01, 1.5
     assert acc.epsilon_for(q, sigma, 30, 1e-5) == expected[0]
+
+
+def test_the_kept_step_rdp_gives_dp_accountings_numbers_bit_for_bit():
+    """`make_accountant('rdp')` keeps a DP-SGD step's RDP vector across compositions. Every
+    number must equal a plain dp-accounting RdpAccountant's exactly (==), on the first use
+    and on later ones, for the event kinds llmdp composes, mixed and nested; the kept vector
+    is never changed by use (read-only)."""
+    acc._step_rdp.cache_clear()
+    poisson = dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(1.5))
+    cases = [
+        [(poisson, 30)],
+        [(poisson, 7), (poisson, 23)],  # the ledger's blocks
+        [(dpa.SelfComposedDpEvent(poisson, 4), 5)],
+        [(dpa.ComposedDpEvent([poisson, dpa.GaussianDpEvent(3.0)]), 2), (dpa.LaplaceDpEvent(2.0), 1),
+         (dpa.PoissonSampledDpEvent(0.0, dpa.GaussianDpEvent(1.0)), 3)],
+        [(dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(0.0)), 2)],  # no noise: inf
+        [(dpa.PoissonSampledDpEvent(0.02, dpa.ComposedDpEvent(  # nested Gaussians: dp-accounting's path
+            [dpa.GaussianDpEvent(2.0), dpa.GaussianDpEvent(3.0)])), 4)],
+        [(dpa.GaussianDpEvent(2.0), 3), (poisson, 5)],
+    ]
+    for entries in cases:
+        ref = RdpAccountant(orders=acc.RDP_ORDERS, neighboring_relation=ADD_REMOVE)
+        for event, count in entries:
+            ref.compose(event, count)
+        for _ in range(2):  # the second round from the kept vectors
+            mine = acc.make_accountant("rdp")
+            for event, count in entries:
+                mine.compose(event, count)
+            for delta in (1e-5, 1e-3):
+                assert mine.get_epsilon(delta) == ref.get_epsilon(delta)
+            for eps in (0.5, 2.0):
+                assert mine.get_delta(eps) == ref.get_delta(eps)
+    assert acc._step_rdp.cache_info().hits > 0
+    kept = acc._step_rdp(0.01, 1.5, acc.RDP_ORDERS)
+    before = kept.copy()
+    a = acc.make_accountant("rdp")
+    a.compose(poisson, 50)
+    a.get_epsilon(1e-6)
+    assert (kept == before).all() and not kept.flags.writeable
