@@ -21,8 +21,9 @@ bound share. ``--gram`` forces the Linear ghost norms' Gram path (``auto``, ``lo
 ``float64``: ``clipping/gram.py``). ``--profile``: one more step of each under
 torch.profiler, and the operators (by input shape) whose CPU time differs most between the
 two steps. ``benchmarks/clipping.py`` runs each method in its own process for peak memory.
-Both steps run under glibc's allocator settings that llmdp's workers get
-(``llmdp.base.localray.ALLOCATOR_ENV``: the script starts itself again with them;
+Both steps run with the objects alive before them frozen (``gc.freeze``), as the worker
+loop runs its steps (``llmdp.train.loop.setup_kept``), and under glibc's allocator settings
+that llmdp's workers get (``llmdp.base.localray.ALLOCATOR_ENV``: the script starts itself again with them;
 ``--system-allocator``: glibc's defaults).
 """
 
@@ -120,7 +121,10 @@ def main(argv=None) -> int:
     steps = {"non-private": (_unrecorded(np_step, bench._STATS["clipper"]), np_reset),
              "llmdp": (dp_step, dp_reset)}
     times: dict = {k: [] for k in steps}
-    with gram.forced(a.gram):
+    from llmdp.train.loop import setup_kept
+
+    # as the worker loop runs its steps: the objects alive now out of the collector's walks
+    with gram.forced(a.gram), setup_kept():
         if a.block <= 1:
             for i in range(a.steps + 1):
                 for k, (step, reset) in steps.items():

@@ -342,3 +342,27 @@ def test_a_ctrl_c_during_finalization_does_not_strand_the_run(tmp_path, monkeypa
     assert Ledger(os.path.join(run_dir, "ledger.jsonl")).records() == released  # nothing spent
     res = export_run(run_dir, tmp_path / "export", log=lambda *a: None, allow_unverified=True)
     assert not any("status" in p for p in res["problems"]), res["problems"]
+
+
+def test_the_steps_run_with_the_runs_objects_frozen_and_give_them_back(tmp_path, monkeypatch):
+    """`setup_kept`: every step runs with the objects alive at the steps' start out of the
+    collector's walks (``gc.freeze``: the model among them), and the loop gives them back
+    when the steps end, nothing frozen left in this process."""
+    import gc
+
+    from llmdp.train import loop
+
+    assert gc.get_freeze_count() == 0
+    seen = []
+    real = loop.dp_step
+
+    def step(run, i):
+        seen.append((gc.get_freeze_count(), any(o is run.model for o in gc.get_objects(2))))
+        return real(run, i)
+
+    monkeypatch.setattr(loop, "dp_step", step)
+    prep = prepared_config(make_recipe(tmp_path))
+    train_loop_per_worker(prep, LocalContext())
+    assert len(seen) == prep.plan.steps
+    assert all(frozen > 1000 and not in_gen2 for frozen, in_gen2 in seen), seen
+    assert gc.get_freeze_count() == 0
