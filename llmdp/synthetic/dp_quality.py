@@ -59,8 +59,10 @@ def unit_histogram(labels: np.ndarray, unit_of_row: np.ndarray, num_units: int, 
 
 
 def calibrate(target_epsilon: float, delta: float, accountant) -> tuple[float, float]:
-    """(σ, ε): the smallest noise multiplier on a geometric grid whose one Gaussian release
-    has ε ≤ ``target_epsilon`` at ``delta`` (dp-accounting), and that ε."""
+    """(σ, ε): the smallest noise multiplier, to the planner's relative tolerance, whose one
+    Gaussian release has ε ≤ ``target_epsilon`` at ``delta`` (dp-accounting), and that ε:
+    the planner's one σ search (`llmdp.privacy.accounting.calibrate_sigma`: bracketed,
+    Brent's method, then nudged up until the target holds)."""
     import dp_accounting
 
     from llmdp.privacy import accounting as acc
@@ -68,18 +70,12 @@ def calibrate(target_epsilon: float, delta: float, accountant) -> tuple[float, f
     def eps(s):
         return acc.epsilon([(dp_accounting.GaussianDpEvent(s), 1)], delta, accountant)
 
-    lo, hi = 1e-2, 1.0
-    while eps(hi) > target_epsilon:
-        lo, hi = hi, hi * 2.0
-        if hi > 1e6:
-            raise GenerateError(f"--dp-epsilon {target_epsilon}: too small to calibrate at δ = {delta:g}")
-    for _ in range(60):
-        mid = math.sqrt(lo * hi)
-        if eps(mid) > target_epsilon:
-            lo = mid
-        else:
-            hi = mid
-    return hi, eps(hi)
+    def unreachable(_top):
+        return GenerateError(f"--dp-epsilon {target_epsilon}: too small to calibrate at δ = {delta:g}")
+
+    sigma = acc.calibrate_sigma(eps, target_epsilon, start=1.0, factor=2.0, max_sigma=1e6,
+                                unreachable=unreachable)
+    return sigma, eps(sigma)
 
 
 #: Synthetic rows per bucket (the buckets' number is a function of the corpus alone): fewer,
