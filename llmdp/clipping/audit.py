@@ -173,10 +173,7 @@ class UseAudit:
             for nxt, _ in node.next_functions:
                 if nxt is None:
                     continue
-                leaf = _LEAF.get(type(nxt))
-                if leaf is None:
-                    leaf = _is_leaf(nxt)
-                if leaf:  # a leaf: a parameter (or the anchor, an input)
+                if _is_leaf(nxt):  # a leaf: a parameter (or the anchor, an input)
                     v = id(nxt.variable)
                     if v in names and not (src and any(v in self.rec_params[i] for i in src)):
                         bad.add(names[v])

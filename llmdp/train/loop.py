@@ -623,7 +623,11 @@ def setup_kept():
     LoRA benchmark's shape, the host stalled and with it the device), for nothing the run
     frees. Reference counts free objects as before; only a reference cycle among the frozen
     ones (none of the run's own, alive until it ends) waits to be collected until the end
-    of the steps (or a stop) gives them back."""
+    of the steps (or a stop) gives them back. A process that froze objects itself (the
+    caller's own policy: ``gc.unfreeze`` would undo it) is left as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
     gc.collect()
     gc.freeze()
     try:

@@ -366,3 +366,21 @@ def test_the_steps_run_with_the_runs_objects_frozen_and_give_them_back(tmp_path,
     assert len(seen) == prep.plan.steps
     assert all(frozen > 1000 and not in_gen2 for frozen, in_gen2 in seen), seen
     assert gc.get_freeze_count() == 0
+
+
+def test_the_steps_leave_a_callers_own_frozen_objects_frozen():
+    """A process that froze objects itself keeps them frozen: `setup_kept` does nothing there
+    (its ``gc.unfreeze`` would have undone the caller's freeze)."""
+    import gc
+
+    from llmdp.train.loop import setup_kept
+
+    gc.freeze()
+    try:
+        # (frozen objects that other threads free leave the count: it may only shrink)
+        frozen = gc.get_freeze_count()
+        with setup_kept():
+            assert 0 < gc.get_freeze_count() <= frozen  # nothing newer frozen
+        assert 0 < gc.get_freeze_count() <= frozen  # and nothing unfrozen
+    finally:
+        gc.unfreeze()

@@ -225,6 +225,16 @@ def _pmf_arrays(pld):
     return out
 
 
+def _assert_same_numbers(mine, ref, entries) -> None:
+    """``mine`` composed of ``entries`` answers ε(δ) and δ(ε) exactly as ``ref`` (==)."""
+    for event, count in entries:
+        mine.compose(event, count)
+    for delta in (1e-5, 1e-3):
+        assert mine.get_epsilon(delta) == ref.get_epsilon(delta)
+    for eps in (0.5, 2.0):
+        assert mine.get_delta(eps) == ref.get_delta(eps)
+
+
 def test_the_kept_step_pld_gives_dp_accountings_numbers_bit_for_bit():
     """`make_accountant('pld')` keeps a DP-SGD step's PLD across compositions. Every number
     must equal a plain dp-accounting PLDAccountant's exactly (==, not approx), on the first
@@ -252,13 +262,8 @@ def test_the_kept_step_pld_gives_dp_accountings_numbers_bit_for_bit():
             for event, count in entries:
                 ref.compose(event, count)
             for _ in range(2):  # the second round from the kept PLDs
-                mine = acc.make_accountant("pld", value_discretization_interval=interval)
-                for event, count in entries:
-                    mine.compose(event, count)
-                for delta in (1e-5, 1e-3):
-                    assert mine.get_epsilon(delta) == ref.get_epsilon(delta)
-                for eps in (0.5, 2.0):
-                    assert mine.get_delta(eps) == ref.get_delta(eps)
+                _assert_same_numbers(acc.make_accountant("pld", value_discretization_interval=interval),
+                                     ref, entries)
     assert acc._step_pld.cache_info().hits > 0 and acc._gaussian_pld.cache_info().hits > 0
     kept = acc._step_pld(poisson, 1e-4)
     before = _pmf_arrays(kept)
@@ -339,13 +344,7 @@ def test_the_kept_step_rdp_gives_dp_accountings_numbers_bit_for_bit():
         for event, count in entries:
             ref.compose(event, count)
         for _ in range(2):  # the second round from the kept vectors
-            mine = acc.make_accountant("rdp")
-            for event, count in entries:
-                mine.compose(event, count)
-            for delta in (1e-5, 1e-3):
-                assert mine.get_epsilon(delta) == ref.get_epsilon(delta)
-            for eps in (0.5, 2.0):
-                assert mine.get_delta(eps) == ref.get_delta(eps)
+            _assert_same_numbers(acc.make_accountant("rdp"), ref, entries)
     assert acc._step_rdp.cache_info().hits > 0
     kept = acc._step_rdp(0.01, 1.5, acc.RDP_ORDERS)
     before = kept.copy()
