@@ -59,6 +59,34 @@ def test_calibration_is_tight_and_never_above_target(target, delta, q, steps, ki
     assert eps >= 0.99 * target
 
 
+@pytest.mark.parametrize("target, delta, q, steps", [
+    (3.0, 1e-4, 0.0087, 6),  # a small sigma: a reporting-grid PLD costs seconds here
+    (0.5, 1e-6, 0.001, 3000),  # the grids differ by ~1% of epsilon: the shift is iterated
+])
+def test_pld_calibration_is_the_smallest_sigma_to_its_tolerance(monkeypatch, target, delta, q,
+                                                               steps):
+    """The PLD search locates the root on the search grid, then solves on the reporting grid:
+    sigma meets the target and sigma less twice the tolerance does not (dp-accounting called
+    directly), with the reporting grid evaluated a few times only (each a whole
+    composition; 8-13 before the search grid located the root)."""
+    from llmdp.privacy.accounting import accountant as A
+
+    grids = []
+    real = A.epsilon
+
+    def counted(entries, delta, accountant="pld", interval=None):
+        grids.append((str(accountant), interval))
+        return real(entries, delta, accountant, interval)
+
+    monkeypatch.setattr(A, "epsilon", counted)
+    A._EPSILONS.clear()
+    sigma = calibrate_noise(target, delta, q, steps)
+    assert _direct_epsilon(q, sigma, steps, delta) <= target
+    assert _direct_epsilon(q, sigma * (1 - 2 * C._SIGMA_RTOL), steps, delta) > target
+    assert ("pld", None) in grids and ("rdp", None) not in grids
+    assert grids.count(("pld", None)) <= 6, grids  # max_noise_multiplier's included
+
+
 def test_calibrate_never_above_target_even_if_brent_lands_above(monkeypatch):
     # Force the root finder to return a sigma slightly too small: the final check must
     # nudge it up until epsilon <= target.

@@ -15,9 +15,12 @@ the whole training compose to the target).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
+import dp_accounting
+from dp_accounting.rdp import RdpAccountant
 from scipy.optimize import brentq
 
 from llmdp.config.choices import Accountant
@@ -271,6 +274,59 @@ class EpsilonCurve:
         return self._values[sigma]
 
 
+# The orders of the RDP bound that only tells the PLD search where to start: dp-accounting's
+# RDP of a large integer order sums that many terms one by one (the reporting orders,
+# `accountant.RDP_ORDERS`, up to 8192: ~0.3 s per sigma); these cost ~0.015 s. Fewer orders
+# give a larger epsilon, so the start is, if anything, further above the PLD root (the
+# side the PLD search may start from); orders up to 256 suffice down to epsilon ~ 0.06 at
+# delta = 1e-6, and a start above the root only costs a few more steps on the search grid.
+_START_ORDERS = (1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0,
+                 14.0, 16.0, 20.0, 24.0, 28.0, 32.0, 40.0, 48.0, 56.0, 64.0, 96.0, 128.0,
+                 192.0, 256.0)
+
+
+def _rdp_upper_bound(curve: EpsilonCurve, sigma: float) -> float:
+    """epsilon of `curve`'s Poisson steps (no cap) by RDP at `_START_ORDERS`, at
+    `curve`'s δ at sigma: an upper bound of `curve`'s Poisson epsilon, cheap."""
+    delta = curve.delta_for(sigma)
+    if delta <= 0:
+        return math.inf
+    acc = RdpAccountant(_START_ORDERS, _acc.NEIGHBORING_RELATION)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(
+        curve.q, dp_accounting.GaussianDpEvent(sigma)), curve.steps)
+    return float(acc.get_epsilon(delta))
+
+
+def _close_to_the_root(curve: EpsilonCurve, target: float, guess: float,
+                       max_sigma: float) -> float | None:
+    """A sigma close to the root of `curve` (the reporting grid), found mostly on the
+    search grid (~10x cheaper per evaluation): the root of the search grid's curve, then
+    the root of that curve shifted by the two grids' difference at the last sigma (one
+    evaluation of `curve` each; the difference varies slowly with sigma), until two roots
+    agree to rtol/2. None if the search grid cannot help (it cannot reach the target, or
+    `curve` is infinite there). Only where to start: the root is then bracketed and solved
+    on `curve` itself and the answer checked, as from any start."""
+    coarse = EpsilonCurve(curve.q, curve.steps, curve.delta, curve.accountant,
+                          dataset_size=curve.dataset_size, max_batch_size=curve.max_batch_size,
+                          interval=_SEARCH_INTERVAL, delta_at=curve.delta_at)
+    try:
+        sigma = calibrate_sigma(coarse, target, start=guess, factor=1.1, rtol=_SIGMA_RTOL,
+                                max_sigma=max_sigma, check=False)
+        for _ in range(4):
+            value = curve(sigma)
+            if not math.isfinite(value):
+                return None
+            shifted = calibrate_sigma(coarse, target + (coarse(sigma) - value), start=sigma,
+                                      factor=1.0 + 10 * _SIGMA_RTOL, accelerate=True,
+                                      rtol=_SIGMA_RTOL / 10, max_sigma=max_sigma, check=False)
+            if abs(shifted - sigma) <= sigma * _SIGMA_RTOL / 2:
+                break
+            sigma = shifted
+        return sigma
+    except PlanError:
+        return None
+
+
 def calibrate_curve(curve: EpsilonCurve, target: float, max_sigma: float,
                     start: float | None = None) -> float:
     """The smallest sigma <= max_sigma with curve(sigma) <= target (`calibrate_sigma`,
@@ -304,13 +360,17 @@ def calibrate_curve(curve: EpsilonCurve, target: float, max_sigma: float,
     if start is not None:
         kw = dict(start=start, factor=1.01, accelerate=True)
     elif curve.accountant == Accountant.PLD:
-        rdp = EpsilonCurve(curve.q, curve.steps, curve.delta, Accountant.RDP, delta_at=curve.delta_at)
+        rdp = Memo(functools.partial(_rdp_upper_bound, curve))
         if rdp(max_sigma) <= target:
             guess = calibrate_sigma(rdp, target, start=1.0, factor=2.0, rtol=1e-2,
                                     max_sigma=max_sigma, check=False)
         else:  # RDP cannot reach the target but PLD can: start from the top.
             guess = max_sigma
         kw = dict(start=guess, factor=1.1)
+        if curve.interval is None:
+            close = _close_to_the_root(curve, target, guess, max_sigma)
+            if close is not None:
+                kw = dict(start=close, factor=1.0 + _SIGMA_RTOL, accelerate=True)
     else:
         kw = dict(start=1.0, factor=2.0)
     return calibrate_sigma(curve, target, rtol=_SIGMA_RTOL, max_sigma=max_sigma,
