@@ -67,7 +67,7 @@ from scipy.stats import norm
 from llmdp._fs import building_dir, replace_dir
 from llmdp.config.choices import Accountant
 from llmdp.config.validate import _check_positive
-from llmdp.privacy.accounting import epsilon
+from llmdp.privacy.accounting import calibrate_sigma, epsilon
 from llmdp.privacy.noise import keyed_normal
 from llmdp.privacy.rng import _check_key
 from llmdp.tokenizer.public import _make_portable
@@ -245,7 +245,7 @@ def calibrate_tokenizer_noise(
     """(sigma, tau, details) making one release (target_epsilon, target_delta)-DP.
 
     delta_threshold = f * delta (f = `delta_threshold_fraction`, default 1/2), delta_gauss
-    the rest. z = the smallest noise multiplier (to `rel_tol`, found by bisection) with
+    the rest. z = the smallest noise multiplier (to `rel_tol`, by `calibrate_sigma`) with
     eps(GaussianDpEvent(z), delta_gauss) <= target_epsilon + log(1 - delta_threshold)
     (dp-accounting via `llmdp.privacy.accounting.accountant`), sigma = z * sqrt(K),
     tau = 1 + sigma * Phi_bar^{-1}(delta_threshold / K).
@@ -283,13 +283,9 @@ def calibrate_tokenizer_noise(
                     f"target_epsilon={eps_t} is too large to calibrate (noise multiplier "
                     "< 0.05 per count); use a smaller epsilon"
                 )
-    while hi - lo > rel_tol * hi:
-        mid = math.sqrt(lo * hi)
-        if eps_of(mid) <= eps_g:
-            hi = mid
-        else:
-            lo = mid
-    z = hi
+    # The root in [lo, hi] by the planner's σ search (Brent's method on log z, to
+    # `rel_tol`, then checked: eps(z) <= target): ~6 evaluations where a bisection took 14.
+    z = calibrate_sigma(eps_of, eps_g, start=hi, factor=hi / lo, rtol=rel_tol, log=True)
     sigma = z * math.sqrt(k)
     tau = 1.0 + sigma * float(norm.isf(d_thr / k))
     details = {

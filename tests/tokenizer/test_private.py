@@ -187,6 +187,17 @@ def test_calibration_matches_dp_accounting(calibrated):
     assert epsilon_with_threshold(entries, DELTA, d["delta_threshold"]) <= eps + 1e-9
 
 
+def test_calibration_refuses_a_target_out_of_reach_either_way():
+    """Below what z <= 1e6 reaches, and above what z >= 0.05 per count allows (RDP here:
+    PLD at such a z is slow), one message each, naming the target."""
+    with pytest.raises(ValueError, match=r"no noise multiplier <= 1e6 reaches epsilon=1e-07 "
+                                         r"at delta=1e-06"):
+        calibrate_tokenizer_noise(1e-7, DELTA, K)
+    with pytest.raises(ValueError, match=r"target_epsilon=400.0 is too large to calibrate "
+                                         r"\(noise multiplier < 0.05 per count\)"):
+        calibrate_tokenizer_noise(400.0, DELTA, K, accountant="rdp")
+
+
 def test_tokenizer_plus_dpsgd_composes_in_one_ledger(tmp_path, calibrated):
     eps, sigma, tau, d = calibrated
     q, noise, steps = 0.01, 1.1, 300
