@@ -280,6 +280,8 @@ class EpsilonCurve:
 # give a larger epsilon, so the start is, if anything, further above the PLD root (the
 # side the PLD search may start from); orders up to 256 suffice down to epsilon ~ 0.06 at
 # delta = 1e-6, and a start above the root only costs a few more steps on the search grid.
+# (Not a cheap curve for an RDP search itself: which order is best changes with sigma, and
+# the two curves' difference with it; tried, it took more evaluations, not fewer.)
 _START_ORDERS = (1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0,
                  14.0, 16.0, 20.0, 24.0, 28.0, 32.0, 40.0, 48.0, 56.0, 64.0, 96.0, 128.0,
                  192.0, 256.0)
@@ -297,26 +299,23 @@ def _rdp_upper_bound(curve: EpsilonCurve, sigma: float) -> float:
     return float(acc.get_epsilon(delta))
 
 
-def _close_to_the_root(curve: EpsilonCurve, target: float, guess: float,
-                       max_sigma: float) -> float | None:
-    """A sigma close to the root of `curve` (the reporting grid), found mostly on the
-    search grid (~10x cheaper per evaluation): the root of the search grid's curve, then
-    the root of that curve shifted by the two grids' difference at the last sigma (one
-    evaluation of `curve` each; the difference varies slowly with sigma), until two roots
-    agree to rtol/2. None if the search grid cannot help (it cannot reach the target, or
-    `curve` is infinite there). Only where to start: the root is then bracketed and solved
-    on `curve` itself and the answer checked, as from any start."""
-    coarse = EpsilonCurve(curve.q, curve.steps, curve.delta, curve.accountant,
-                          dataset_size=curve.dataset_size, max_batch_size=curve.max_batch_size,
-                          interval=_SEARCH_INTERVAL, delta_at=curve.delta_at)
+def _close_to_the_root(curve: EpsilonCurve, cheap: Memo, target: float, *, start: float,
+                       factor: float, max_sigma: float) -> float | None:
+    """A sigma close to the root of `curve`, found mostly on `cheap`, a curve of the same
+    quantity that costs far less per sigma (the PLD search grid's, ~10x): `cheap`'s root (bracketed from `start` by `factor`), then the root of `cheap`
+    shifted by the two curves' difference at the last sigma (one evaluation of `curve`
+    each; the difference varies slowly with sigma), until two roots agree to rtol/2. None
+    if `cheap` cannot help (it cannot reach the target, or `curve` is infinite there). Only
+    where to start: the root is then bracketed and solved on `curve` itself and the answer
+    checked, as from any start."""
     try:
-        sigma = calibrate_sigma(coarse, target, start=guess, factor=1.1, rtol=_SIGMA_RTOL,
+        sigma = calibrate_sigma(cheap, target, start=start, factor=factor, rtol=_SIGMA_RTOL,
                                 max_sigma=max_sigma, check=False)
         for _ in range(4):
             value = curve(sigma)
             if not math.isfinite(value):
                 return None
-            shifted = calibrate_sigma(coarse, target + (coarse(sigma) - value), start=sigma,
+            shifted = calibrate_sigma(cheap, target + (cheap(sigma) - value), start=sigma,
                                       factor=1.0 + 10 * _SIGMA_RTOL, accelerate=True,
                                       rtol=_SIGMA_RTOL / 10, max_sigma=max_sigma, check=False)
             if abs(shifted - sigma) <= sigma * _SIGMA_RTOL / 2:
@@ -367,8 +366,13 @@ def calibrate_curve(curve: EpsilonCurve, target: float, max_sigma: float,
         else:  # RDP cannot reach the target but PLD can: start from the top.
             guess = max_sigma
         kw = dict(start=guess, factor=1.1)
-        if curve.interval is None:
-            close = _close_to_the_root(curve, target, guess, max_sigma)
+        if curve.interval is None:  # the reporting grid: the search grid tells where
+            coarse = EpsilonCurve(curve.q, curve.steps, curve.delta, curve.accountant,
+                                  dataset_size=curve.dataset_size,
+                                  max_batch_size=curve.max_batch_size,
+                                  interval=_SEARCH_INTERVAL, delta_at=curve.delta_at)
+            close = _close_to_the_root(curve, coarse, target, start=guess, factor=1.1,
+                                       max_sigma=max_sigma)
             if close is not None:
                 kw = dict(start=close, factor=1.0 + _SIGMA_RTOL, accelerate=True)
     else:
