@@ -20,6 +20,7 @@ edited or damaged plan.json is refused, never reported.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import math
@@ -28,7 +29,7 @@ from functools import cached_property
 from typing import Any
 
 from llmdp.config.choices import Sampler
-from llmdp.privacy.accounting import PlanError
+from llmdp.privacy.accounting import SIGMA_RTOL, PlanError
 from llmdp.privacy.ledger import Ledger
 from llmdp.privacy.plan import DPPlan
 from llmdp.record import checkpoints
@@ -157,6 +158,26 @@ class RunDir:
             return self.info.get("run_id")
         except (OSError, ValueError):
             return None
+
+    def first_plan(self, plan: DPPlan) -> DPPlan:
+        """The plan a re-launch goes on with: plan.json's (its derived fields derived again:
+        σ's ε within the target, `check_read_back`) where ``plan``, this launch's, differs
+        from it only in a σ calibrated to the same target, by no more than two σ searches
+        may (twice `SIGMA_RTOL`: another version of the search, or another machine's last
+        bits of dp-accounting's FFT, finds a σ as good); the run's releases so far were made
+        at the first σ. Otherwise ``plan`` itself (`write_plan` refuses it if it differs)."""
+        if not os.path.exists(self.plan_path):
+            return plan
+        try:
+            first = DPPlan.from_dict(self.info["plan"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return plan  # `write_plan` says what is wrong with it
+        if (first == plan or plan.target_epsilon is None
+                or not math.isclose(first.noise_multiplier, plan.noise_multiplier,
+                                    rel_tol=2 * SIGMA_RTOL)
+                or dataclasses.replace(plan, noise_multiplier=first.noise_multiplier) != first):
+            return plan
+        return self.plan
 
     def write_plan(self, record: dict[str, Any]) -> None:
         """Write plan.json, once. A re-launch of the same run (same recipe, checked by

@@ -65,7 +65,9 @@ def prepare(cfg: RecipeConfig, log=print, lock=None, augment=None) -> RunSpec:
     # bad recipe or bad data leaves no empty run directory behind.
     cache = cache_root()
     planned = plan_run(cfg, log, augment=augment)  # augment: llmdp audit's canaries
-    plan, store, spec, d = planned.plan, planned.store, planned.unit_spec, cfg.data
+    # a re-launch: the first launch's σ, where this one's search found one as good
+    plan = rd.first_plan(planned.plan)
+    store, spec, d = planned.store, planned.unit_spec, cfg.data
     source_sha, tok_use = planned.source_sha, planned.tok_use
     prior_releases, data_stats = planned.prior_releases, planned.data_stats
     N = store.num_units

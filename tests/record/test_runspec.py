@@ -117,3 +117,37 @@ def test_the_checkpoint_ray_train_restores_is_the_one_its_snapshot_names(tmp_pat
     assert rd.latest_checkpoint().endswith("checkpoint_2026-01-01_00-00-01.0")
     snapshot.write_text(json.dumps({"latest_checkpoint_result": None}))  # nothing registered
     assert rd.latest_checkpoint() is None and rd.checkpoint_step() == 0
+
+
+def test_a_relaunch_goes_on_with_the_first_sigma_when_its_search_finds_one_as_good(
+        tmp_path, monkeypatch):
+    """Another σ search (a new version's, another machine's last bits) finds a σ within
+    twice the search's tolerance of the first launch's: the re-launch goes on with the
+    first σ, the one its releases so far were made at (plan.json as it was, its ε within
+    the target); a σ further off is a different plan, refused as before."""
+    from llmdp.config.schema import recipe_from_dict, to_dict
+    from llmdp.privacy import plan as plan_module
+    from llmdp.privacy.accounting import SIGMA_RTOL, epsilon_for
+
+    raw = to_dict(make_recipe(tmp_path, steps=2, checkpoint_every=1))
+    raw["privacy"] = {"target_epsilon": 4.0, "max_grad_norm": 1.0, "delta": 1e-4,
+                      "accountant": "rdp"}
+    first = prepared_config(recipe_from_dict(raw))
+    on_disk = open(RunDir(first.run_dir).plan_path).read()
+    real = plan_module.calibrate_curve
+
+    for factor in (1 + 1.5 * SIGMA_RTOL, 1 - 1.5 * SIGMA_RTOL):
+        monkeypatch.setattr(plan_module, "calibrate_curve",
+                            lambda *a, f=factor, **k: real(*a, **k) * f)
+        again = prepared_config(recipe_from_dict(raw))
+        assert again.plan == first.plan and again.run_id == first.run_id
+        assert open(RunDir(first.run_dir).plan_path).read() == on_disk
+    p = first.plan
+    assert epsilon_for(p.sampling_probability, p.noise_multiplier, p.steps, p.accountant_delta,
+                       p.accountant) <= 4.0
+
+    monkeypatch.setattr(plan_module, "calibrate_curve",
+                        lambda *a, **k: real(*a, **k) * (1 + 3 * SIGMA_RTOL))
+    with pytest.raises(ValueError, match="holds a different plan"):
+        prepared_config(recipe_from_dict(raw))
+    assert open(RunDir(first.run_dir).plan_path).read() == on_disk

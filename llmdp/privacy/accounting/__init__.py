@@ -20,7 +20,7 @@ _NAMES = {
     "accountant": ("PLD_DISPLAY_DISCRETIZATION_INTERVAL", "epsilon",
                    "epsilon_estimate", "epsilon_for", "epsilon_with_threshold", "make_accountant",
                    "threshold_delta"),
-    "calibrate": ("EpsilonCurve", "PlanError", "calibrate_curve", "calibrate_sigma"),
+    "calibrate": ("SIGMA_RTOL", "EpsilonCurve", "PlanError", "calibrate_curve", "calibrate_sigma"),
     "truncation": ("DEFAULT_TRUNCATION_BUDGET", "calibrate_truncated", "plan_truncated",
                    "truncation_cost", "truncation_probability"),
     "prior": ("calibrate_with_prior", "composed_epsilon", "release_entries"),

@@ -27,6 +27,7 @@ from llmdp.config.choices import Accountant
 from llmdp.privacy.accounting import accountant as _acc
 
 __all__ = [
+    "SIGMA_RTOL",
     "PlanError",
     "EpsilonCurve",
     "Memo",
@@ -38,8 +39,10 @@ __all__ = [
 
 # Calibration tolerance on sigma, relative. Epsilon is smooth in sigma with
 # |d log eps / d log sigma| of order 1-3 in the DP-SGD regime, so 1e-5 relative on sigma
-# keeps the calibrated epsilon within ~1e-4 relative of the target.
-_SIGMA_RTOL = 1e-5
+# keeps the calibrated epsilon within ~1e-4 relative of the target. Two searches of one
+# plan (another version of the search, another machine's last bits of dp-accounting's FFT)
+# may then differ by up to twice this (`record.rundir.RunDir.first_plan`).
+SIGMA_RTOL = _SIGMA_RTOL = 1e-5
 
 # The PLD grid of the planner's searches (B_max, and sigma under the truncated event):
 # ~10x faster than the reporting grid `_acc.PLD_VALUE_DISCRETIZATION_INTERVAL`, and
