@@ -65,7 +65,7 @@ def test_a_new_plan_is_written_as_before(name, kw):
     got, want = plan.to_dict(), json.loads(BEFORE[name])
     if "target_epsilon" in kw:
         # sigma is the calibration's: the smallest sigma meeting the target, to a relative
-        # 1e-5 (`calibrate._SIGMA_RTOL`); the search that finds it has changed since (it
+        # 1e-5 (`calibrate.SIGMA_RTOL`); the search that finds it has changed since (it
         # locates the root on the search grid first), so it is that far from the fixture's
         # and meets the target, by dp-accounting called directly.
         sigma, before = got.pop("noise_multiplier"), want.pop("noise_multiplier")

@@ -82,7 +82,7 @@ def test_pld_calibration_is_the_smallest_sigma_to_its_tolerance(monkeypatch, tar
     A._EPSILONS.clear()
     sigma = calibrate_noise(target, delta, q, steps)
     assert _direct_epsilon(q, sigma, steps, delta) <= target
-    assert _direct_epsilon(q, sigma * (1 - 2 * C._SIGMA_RTOL), steps, delta) > target
+    assert _direct_epsilon(q, sigma * (1 - 2 * C.SIGMA_RTOL), steps, delta) > target
     assert ("pld", None) in grids and ("rdp", None) not in grids
     assert grids.count(("pld", None)) <= 6, grids  # max_noise_multiplier's included
 

@@ -19,12 +19,12 @@ import functools
 import math
 from collections.abc import Callable
 
-import dp_accounting
 from dp_accounting.rdp import RdpAccountant
 from scipy.optimize import brentq
 
 from llmdp.config.choices import Accountant
 from llmdp.privacy.accounting import accountant as _acc
+from llmdp.privacy.accounting.events import dpsgd_step_event
 
 __all__ = [
     "SIGMA_RTOL",
@@ -42,7 +42,7 @@ __all__ = [
 # keeps the calibrated epsilon within ~1e-4 relative of the target. Two searches of one
 # plan (another version of the search, another machine's last bits of dp-accounting's FFT)
 # may then differ by up to twice this (`record.rundir.RunDir.first_plan`).
-SIGMA_RTOL = _SIGMA_RTOL = 1e-5
+SIGMA_RTOL = 1e-5
 
 # The PLD grid of the planner's searches (B_max, and sigma under the truncated event):
 # ~10x faster than the reporting grid `_acc.PLD_VALUE_DISCRETIZATION_INTERVAL`, and
@@ -164,7 +164,7 @@ def solve(eps, target: float, lo: float, hi: float, *, rtol: float, log: bool = 
     return math.exp(root) if log else root
 
 
-def round_up(eps, target: float, sigma: float, step: float = _SIGMA_RTOL) -> float:
+def round_up(eps, target: float, sigma: float, step: float = SIGMA_RTOL) -> float:
     """sigma, nudged up geometrically (relative `step`, doubling) until eps(sigma) <= target."""
     for _ in range(60):
         if eps(sigma) <= target:
@@ -180,7 +180,7 @@ def calibrate_sigma(
     *,
     start: float,
     factor: float,
-    rtol: float = _SIGMA_RTOL,
+    rtol: float = SIGMA_RTOL,
     max_sigma: float = math.inf,
     accelerate: bool = False,
     walk_down: bool = True,
@@ -297,31 +297,31 @@ def _rdp_upper_bound(curve: EpsilonCurve, sigma: float) -> float:
     if delta <= 0:
         return math.inf
     acc = RdpAccountant(_START_ORDERS, _acc.NEIGHBORING_RELATION)
-    acc.compose(dp_accounting.PoissonSampledDpEvent(
-        curve.q, dp_accounting.GaussianDpEvent(sigma)), curve.steps)
+    acc.compose(dpsgd_step_event(curve.q, sigma), curve.steps)
     return float(acc.get_epsilon(delta))
 
 
-def _close_to_the_root(curve: EpsilonCurve, cheap: Memo, target: float, *, start: float,
-                       factor: float, max_sigma: float) -> float | None:
+def _close_to_the_root(curve: EpsilonCurve, cheap: EpsilonCurve, target: float, *,
+                       start: float, factor: float, max_sigma: float) -> float | None:
     """A sigma close to the root of `curve`, found mostly on `cheap`, a curve of the same
-    quantity that costs far less per sigma (the PLD search grid's, ~10x): `cheap`'s root (bracketed from `start` by `factor`), then the root of `cheap`
-    shifted by the two curves' difference at the last sigma (one evaluation of `curve`
+    quantity that costs far less per sigma (the PLD search grid's, ~10x): `cheap`'s root
+    (bracketed from `start` by `factor`), then the root of `cheap` shifted by the two
+    curves' difference at the last sigma (one evaluation of `curve`
     each; the difference varies slowly with sigma), until two roots agree to rtol/2. None
     if `cheap` cannot help (it cannot reach the target, or `curve` is infinite there). Only
     where to start: the root is then bracketed and solved on `curve` itself and the answer
     checked, as from any start."""
     try:
-        sigma = calibrate_sigma(cheap, target, start=start, factor=factor, rtol=_SIGMA_RTOL,
+        sigma = calibrate_sigma(cheap, target, start=start, factor=factor, rtol=SIGMA_RTOL,
                                 max_sigma=max_sigma, check=False)
         for _ in range(4):
             value = curve(sigma)
             if not math.isfinite(value):
                 return None
             shifted = calibrate_sigma(cheap, target + (cheap(sigma) - value), start=sigma,
-                                      factor=1.0 + 10 * _SIGMA_RTOL, accelerate=True,
-                                      rtol=_SIGMA_RTOL / 10, max_sigma=max_sigma, check=False)
-            if abs(shifted - sigma) <= sigma * _SIGMA_RTOL / 2:
+                                      factor=1.0 + 10 * SIGMA_RTOL, accelerate=True,
+                                      rtol=SIGMA_RTOL / 10, max_sigma=max_sigma, check=False)
+            if abs(shifted - sigma) <= sigma * SIGMA_RTOL / 2:
                 break
             sigma = shifted
         return sigma
@@ -377,8 +377,8 @@ def calibrate_curve(curve: EpsilonCurve, target: float, max_sigma: float,
             close = _close_to_the_root(curve, coarse, target, start=guess, factor=1.1,
                                        max_sigma=max_sigma)
             if close is not None:
-                kw = dict(start=close, factor=1.0 + _SIGMA_RTOL, accelerate=True)
+                kw = dict(start=close, factor=1.0 + SIGMA_RTOL, accelerate=True)
     else:
         kw = dict(start=1.0, factor=2.0)
-    return calibrate_sigma(curve, target, rtol=_SIGMA_RTOL, max_sigma=max_sigma,
+    return calibrate_sigma(curve, target, rtol=SIGMA_RTOL, max_sigma=max_sigma,
                            unreachable=unreachable, **kw)
