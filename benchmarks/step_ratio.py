@@ -19,8 +19,9 @@ the median of the ratios of neighbouring steps (or blocks) of the two kinds (the
 of the three on a shared machine whose speed drifts), the exact fallbacks and the largest
 bound share. ``--gram`` forces the Linear ghost norms' Gram path (``auto``, ``lowp``,
 ``float64``: ``clipping/gram.py``). ``--profile``: one more step of each under
-torch.profiler, and the operators (by input shape) whose CPU time differs most between the
-two steps. ``benchmarks/clipping.py`` runs each method in its own process for peak memory.
+torch.profiler after ``--block`` unprofiled steps of its kind (the steady state), each
+step's operators' own time against what ran outside them, and the operators (by input
+shape) whose CPU time differs most between the two steps. ``benchmarks/clipping.py`` runs each method in its own process for peak memory.
 Both steps run with the objects alive before them frozen (``gc.freeze``), as the worker
 loop runs its steps (``llmdp.train.loop.setup_kept``), and under glibc's allocator settings
 that llmdp's workers get (``llmdp.base.localray.ALLOCATOR_ENV``: the script starts itself again with them;
@@ -53,14 +54,27 @@ def _unrecorded(step, clipper):
     return run
 
 
-def _profile(steps: dict) -> list[str]:
+def _profile(steps: dict, warm: int = 3) -> list[str]:
+    """One step of each kind under torch.profiler, after ``warm`` unprofiled steps of the
+    same kind (the steady state a training loop runs in: a step profiled right after the
+    other kind meets that kind's allocator state, whose page faults then show up as extra
+    time in the largest operators, the LM head's and the loss's, though both steps do the
+    same work there). Prints each step's time, its aten operators' own CPU time, and the
+    difference, what ran outside them (Python: the hooks, the taps' callbacks, the engine's
+    bookkeeping; autograd's own work; the profiler's cost per operator), then the operators (by input
+    shape) whose own time differs most between the two steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    res = {}
+    res, wall = {}, {}
     for k, (step, reset) in steps.items():
+        for _ in range(warm):
+            reset()
+            step()
         reset()
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            t0 = time.thread_time()
             step()
+            wall[k] = (time.thread_time() - t0) * 1e3
         res[k] = {(e.key, str(e.input_shapes)): (e.self_cpu_time_total / 1e3, e.count)
                   for e in prof.key_averages(group_by_input_shape=True)}
     keys = set(res["non-private"]) | set(res["llmdp"])
@@ -69,7 +83,12 @@ def _profile(steps: dict) -> list[str]:
         return res["llmdp"].get(k, (0, 0))[0] - res["non-private"].get(k, (0, 0))[0]
 
     rows = sorted(keys, key=lambda k: -diff(k))
-    out = ["profiled CPU ms: " + ", ".join(f"{k} {sum(v[0] for v in r.values()):.0f}" for k, r in res.items()),
+    # aten operators' own time; the rest (Python autograd functions such as the taps, whose
+    # own time is their Python, and everything between operators) is outside them
+    ops = {k: sum(v[0] for (name, _), v in r.items() if name.startswith("aten::")) for k, r in res.items()}
+    out = [f"profiled step after {warm} of its kind, CPU ms: "
+           + ", ".join(f"{k} {wall[k]:.0f} (aten operators {ops[k]:.0f}, outside them {wall[k] - ops[k]:.0f})"
+                       for k in res),
            "   extra ms   llmdp ms/calls   non-private ms/calls  operator  input shapes"]
     for k in rows[:24] + rows[-6:]:
         d, n = res["llmdp"].get(k, (0, 0)), res["non-private"].get(k, (0, 0))
@@ -142,7 +161,7 @@ def main(argv=None) -> int:
                         step()
                         if j:
                             times[k].append(time.thread_time() - t0)
-        prof = _profile(steps) if a.profile else []
+        prof = _profile(steps, max(1, a.block)) if a.profile else []
     med = {k: statistics.median(v) for k, v in times.items()}
     low = {k: min(v) for k, v in times.items()}
     st = getattr(bench._STATS.get("clipper"), "last_norm_stats", None)

@@ -221,12 +221,35 @@ def test_step_ratio_benchmark_runs_small(capsys):
                  "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "1", "--profile"]) == 0
     out = capsys.readouterr().out
     assert "ratio median" in out and "exact fallbacks 0" in out and "extra ms" in out
+    assert "profiled step after 1 of its kind" in out and "outside them" in out
     assert "paired ratio median" in out and "over 1 steps" in out
     # blocks of one kind: 4 timed steps of each in blocks of 2 (a first untimed in each)
     assert main(["--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "48",
                  "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "4", "--block", "2"]) == 0
     out = capsys.readouterr().out
     assert "4 steps in blocks of 2" in out and "over 2 blocks" in out
+
+
+def test_step_ratios_profile_takes_a_step_after_steps_of_its_own_kind():
+    """--profile profiles each kind's step after ``warm`` unprofiled steps of that kind (the
+    steady state), never right after the other kind (whose allocator state would show as
+    extra time in the largest operators); each step reset before it runs."""
+    import torch
+
+    mod = _script("step_ratio")
+    seen = []
+
+    def kind(name):
+        def step():
+            seen.append((name, torch.autograd.profiler._is_profiler_enabled))
+            torch.ones(4).sum()
+        return step, lambda: seen.append(("reset", False))
+
+    out = mod._profile({"non-private": kind("np"), "llmdp": kind("dp")}, warm=2)
+    runs = [s for s in seen if s[0] != "reset"]
+    assert runs == [("np", False), ("np", False), ("np", True), ("dp", False), ("dp", False), ("dp", True)]
+    assert len(seen) == 2 * len(runs)  # a reset before every step
+    assert out[0].startswith("profiled step after 2 of its kind") and "outside them" in out[0]
 
 
 def test_step_ratios_non_private_step_records_nothing_on_the_dp_clippers_hooks():
