@@ -21,7 +21,8 @@ bound share. ``--gram`` forces the Linear ghost norms' Gram path (``auto``, ``lo
 ``float64``: ``clipping/gram.py``). ``--profile``: one more step of each under
 torch.profiler after ``--block`` unprofiled steps of its kind (the steady state), each
 step's operators' own time against what ran outside them, and the operators (by input
-shape) whose CPU time differs most between the two steps. ``benchmarks/clipping.py`` runs each method in its own process for peak memory.
+shape) whose CPU time differs most between the two steps. ``benchmarks/clipping.py`` runs
+each method in its own process for peak memory.
 Both steps run with the objects alive before them frozen (``gc.freeze``), as the worker
 loop runs its steps (``llmdp.train.loop.setup_kept``), and under glibc's allocator settings
 that llmdp's workers get (``llmdp.base.localray.ALLOCATOR_ENV``: the script starts itself again with them;
@@ -54,18 +55,18 @@ def _unrecorded(step, clipper):
     return run
 
 
-def _profile(steps: dict, warm: int = 3) -> list[str]:
+def _profile(steps: dict, warm: int) -> list[str]:
     """One step of each kind under torch.profiler, after ``warm`` unprofiled steps of the
     same kind (the steady state a training loop runs in: a step profiled right after the
     other kind meets that kind's allocator state, whose page faults then show up as extra
     time in the largest operators, the LM head's and the loss's, though both steps do the
     same work there). Prints each step's time, its aten operators' own CPU time, and the
     difference, what ran outside them (Python: the hooks, the taps' callbacks, the engine's
-    bookkeeping; autograd's own work; the profiler's cost per operator), then the operators (by input
-    shape) whose own time differs most between the two steps."""
+    bookkeeping; autograd's own work; the profiler's cost per operator), then the operators
+    (by input shape) whose own time differs most between the two steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    res, wall = {}, {}
+    res, cpu_ms = {}, {}
     for k, (step, reset) in steps.items():
         for _ in range(warm):
             reset()
@@ -74,7 +75,7 @@ def _profile(steps: dict, warm: int = 3) -> list[str]:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             t0 = time.thread_time()
             step()
-            wall[k] = (time.thread_time() - t0) * 1e3
+            cpu_ms[k] = (time.thread_time() - t0) * 1e3
         res[k] = {(e.key, str(e.input_shapes)): (e.self_cpu_time_total / 1e3, e.count)
                   for e in prof.key_averages(group_by_input_shape=True)}
     keys = set(res["non-private"]) | set(res["llmdp"])
@@ -87,7 +88,7 @@ def _profile(steps: dict, warm: int = 3) -> list[str]:
     # own time is their Python, and everything between operators) is outside them
     ops = {k: sum(v[0] for (name, _), v in r.items() if name.startswith("aten::")) for k, r in res.items()}
     out = [f"profiled step after {warm} of its kind, CPU ms: "
-           + ", ".join(f"{k} {wall[k]:.0f} (aten operators {ops[k]:.0f}, outside them {wall[k] - ops[k]:.0f})"
+           + ", ".join(f"{k} {cpu_ms[k]:.0f} (aten operators {ops[k]:.0f}, outside them {cpu_ms[k] - ops[k]:.0f})"
                        for k in res),
            "   extra ms   llmdp ms/calls   non-private ms/calls  operator  input shapes"]
     for k in rows[:24] + rows[-6:]:
