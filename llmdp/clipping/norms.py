@@ -304,10 +304,9 @@ def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
         sq = Sq(value, err, inst_dev, rel, mag, mag_f)
     else:
         # float64 accumulation (the input cast to float64: its squares, the sum, the root,
-        # the square back: k + 4 roundings at most); the square deferred (`Sq`), and off the
-        # CPU the norm too, for a small h (`PendingRoot`)
-        root = (PendingRoot(h2) if DEFER_ROOT and not lowp.on_cpu(h2)
-                and h2.numel() * h2.element_size() <= PendingRoot.MAX_BYTES
+        # the square back: k + 4 roundings at most); the square deferred (`Sq`), and the
+        # norm too, for a small h (`PendingRoot`)
+        root = (PendingRoot(h2) if DEFER_ROOT and h2.numel() * h2.element_size() <= PendingRoot.MAX_BYTES
                 else torch.linalg.vector_norm(h2, dim=1, dtype=F64))
         sq = Sq(None, gamma(k + 4, U64), inst_dev, rel, mag, mag_f, root=root)
     if stored_u:
@@ -705,8 +704,10 @@ def linear_mag_parts(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = N
 DEFER_MAG = True
 
 
-# Off the CPU a small instantiated gradient's float64 norm is taken in the bound computation,
-# the calls of one shape in one reduction (``PendingRoot.form_all``); False takes it per call.
+# A small instantiated gradient's float64 norm is taken in the bound computation, the calls
+# of one shape in one reduction (``PendingRoot.form_all``; on the CPU too: one reduction per
+# shape instead of one per call, ~125 µs of host time each, LoRA's 56 adapter calls at the
+# issue 50 shape); False takes it per call.
 DEFER_ROOT = True
 
 

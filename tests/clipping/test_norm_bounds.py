@@ -633,13 +633,16 @@ def test_deferred_mags_change_no_bit_of_the_norms_or_the_sums(monkeypatch, mode)
     assert_same_bits(a, b)
 
 
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu", "off-cpu"])
 @pytest.mark.parametrize("mode", ["book-keeping", "two-pass"])
-def test_deferred_roots_change_no_bit_of_the_norms_or_the_sums(monkeypatch, mode):
-    """Off the CPU (``lowp.on_cpu`` answering False, as on a GPU) a small instantiated
-    gradient's float64 norm is taken in the step's bound computation, the calls of one shape
-    in one reduction (``norms.DEFER_ROOT``, ``PendingRoot.form_all``): the norms used and the
-    clipped sums are the per-call ones bit for bit (units of several rows, padding, biases)."""
-    monkeypatch.setattr(lowp, "on_cpu", lambda x: False)
+def test_deferred_roots_change_no_bit_of_the_norms_or_the_sums(monkeypatch, mode, cpu):
+    """A small instantiated gradient's float64 norm is taken in the step's bound computation,
+    the calls of one shape in one reduction (``norms.DEFER_ROOT``, ``PendingRoot.form_all``),
+    on the CPU and off it (``lowp.on_cpu`` answering False, as on a GPU: the CPU's own
+    deferrals off): the norms used and the clipped sums are the per-call ones bit for bit
+    (units of several rows, padding, biases)."""
+    if not cpu:
+        monkeypatch.setattr(lowp, "on_cpu", lambda x: False)
     monkeypatch.setattr(engine, "WINDOWS", 1)  # book-keeping: every call's flags in one read
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(),
