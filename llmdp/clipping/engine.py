@@ -22,7 +22,7 @@ How (``engine="ghost"``, the default):
    calls at once and read with one host sync after the backward (``stacked``; the norm
    used is formed the same way): book-keeping keeps its calls' A and G until then (its
    instantiated calls', which it would drop, until a window of about 1/``WINDOWS`` of the
-   output gradients, and at least ``WINDOW_MIN_BYTES``, is full); two-pass, which drops G, brings it back for the flagged
+   output gradients is full); two-pass, which drops G, brings it back for the flagged
    calls only, by one more backward (rare);
 4. with the norms known, c_u = min(1, C/ν_u) (rounded toward 0), and the clipped sum is formed either
    from what was kept (``mode="book-keeping"``: Σ_r c_{u(r)} G_rᵀA_r per layer, one
@@ -123,14 +123,8 @@ GENERIC = FunctionalRule()
 
 ENGINES = ("ghost", "reference")
 #: Book-keeping reads its instantiated calls' fallback flags once per 1/WINDOWS of the
-#: backward's output gradients (``GhostClipper._read_window``): host syncs per backward ...
+#: backward's output gradients (``GhostClipper._read_window``): host syncs per backward.
 WINDOWS = 4
-#: ... and a window holds at least this many bytes of them: a read costs fixed host work per
-#: shape of call (a host sync, the stacks' operations), which a small backward's few MiB of
-#: kept A and G are not worth (LoRA r16 at d256, T64 x 8: 22 MiB, one window, the flags
-#: read with the norms). At most this much more memory is kept; a large model's windows
-#: (a quarter of its output gradients: GBs) are unchanged.
-WINDOW_MIN_BYTES = 64 << 20
 LAYER_POLICIES = ("auto", "ghost", "instantiate")
 
 
@@ -446,9 +440,8 @@ class GhostClipper:
         """Book-keeping: the fallback flags of the instantiated calls kept since the last
         read, with one host sync; their exact fallbacks; then their A and G are dropped
         (kept only where a unit's part is recomputed exactly at the clipped sum). Windows
-        hold about 1/WINDOWS of the backward's output gradients, and at least
-        WINDOW_MIN_BYTES of them: at most WINDOWS reads per backward, and that much kept
-        beyond what instantiation keeps."""
+        hold about 1/WINDOWS of the backward's output gradients: at most WINDOWS reads
+        per backward, and that much kept beyond what instantiation keeps."""
         recs, self._window, self._window_bytes = self._window, [], 0
         if recs:
             self._flag_calls(recs, self._units)
@@ -589,7 +582,7 @@ class GhostClipper:
         self._units, self._keep_G, self._phase = units, mode == "book-keeping", "norms"
         self._total = total
         self._deferred, self._window, self._window_bytes = [], [], 0
-        self._window_budget = max(1, WINDOW_MIN_BYTES, sum(r.out_bytes for r in records) // WINDOWS)
+        self._window_budget = max(1, sum(r.out_bytes for r in records) // WINDOWS)
         self._mismatch, self._refetch = [], set()
         self._recording = False  # activation-checkpoint recomputation must not record
         try:
