@@ -5,6 +5,8 @@
         --vocab 8192 --seq 64 [--lora]                               # the issue's d256 shape
     python benchmarks/step_ratio.py --family qwen3_moe --hidden 256 --heads 4 --intermediate 688
     python benchmarks/step_ratio.py --profile                        # + where the extra time goes
+    python benchmarks/step_ratio.py --lora --variant old:norms.DEFER_ROOT=False \
+        --variant new:norms.DEFER_ROOT=True                          # engine settings A/B
 
 One thread. The model and batch of ``benchmarks/clipping.py`` (``build``), its non-private
 step (``row_losses(...).sum().backward()``, with the llmdp step's clipper, whose hooks sit
@@ -27,6 +29,16 @@ Both steps run with the objects alive before them frozen (``gc.freeze``), as the
 loop runs its steps (``llmdp.train.loop.setup_kept``), and under glibc's allocator settings
 that llmdp's workers get (``llmdp.base.localray.ALLOCATOR_ENV``: the script starts itself again with them;
 ``--system-allocator``: glibc's defaults).
+
+``--variant NAME:SETTINGS`` (twice or more) compares engine settings instead: SETTINGS is
+``module.NAME=value`` assignments (comma-separated) to modules of ``llmdp.clipping``, a
+Python literal each (``engine.WINDOWS=2``). Each of ``--rounds`` rounds runs a block of
+``--block`` steps of every variant, in a shuffled order, between two non-private blocks
+(each block after one untimed step); a variant's ratio in a round is its block's time over
+the mean of the two non-private blocks, and the median and quartiles over rounds are
+printed. A drift of the machine's speed moves a round's blocks alike, so differences of a
+few percent between variants show in one process, where separate runs of this script
+differ by more than that (BENCHMARKS, issue 50's fifteenth session).
 """
 
 from __future__ import annotations
@@ -97,6 +109,80 @@ def _profile(steps: dict, warm: int) -> list[str]:
     return out
 
 
+def parse_variant(text: str) -> tuple[str, dict[tuple[str, str], object]]:
+    """``NAME:module.attr=value,...`` -> (NAME, {(module, attr): value}): modules of
+    ``llmdp.clipping``, values Python literals; anything else is refused by name."""
+    import ast
+    import importlib
+
+    name, sep, settings = text.partition(":")
+    if not sep or not name:
+        raise SystemExit(f"--variant {text!r}: expected NAME:module.attr=value[,...]")
+    out = {}
+    for item in filter(None, settings.split(",")):
+        target, eq, value = item.partition("=")
+        mod, dot, attr = target.strip().rpartition(".")
+        if not eq or not dot:
+            raise SystemExit(f"--variant {text!r}: {item!r} is not module.attr=value")
+        try:
+            module = importlib.import_module(f"llmdp.clipping.{mod}")
+            literal = ast.literal_eval(value.strip())
+        except (ImportError, ValueError, SyntaxError) as e:
+            raise SystemExit(f"--variant {text!r}: {item!r}: {e}") from None
+        if not hasattr(module, attr):
+            raise SystemExit(f"--variant {text!r}: llmdp.clipping.{mod} has no {attr!r}")
+        out[(module.__name__, attr)] = literal
+    return name, out
+
+
+def _ab(np_kind, dp_kind, variants: list, rounds: int, block: int, seed: int = 0) -> list[str]:
+    """Each variant's median (and quartiles) over ``rounds`` of its block's time over the
+    mean of the two non-private blocks around the round (module docstring). A setting that
+    a variant does not name has the engine's own value in its blocks, and every setting
+    has it again afterwards."""
+    import random
+    import sys as _sys
+
+    def timed(step, reset) -> float:
+        reset()
+        step()  # untimed: the block's first step meets the other kind's allocator state
+        t0 = time.thread_time()
+        for _ in range(block):
+            reset()
+            step()
+        return time.thread_time() - t0
+
+    # every setting a variant does not name is the engine's own value in its blocks
+    own = {k: getattr(_sys.modules[k[0]], k[1]) for _, settings in variants for k in settings}
+
+    def apply(settings) -> None:
+        for (mod, attr), value in {**own, **settings}.items():
+            setattr(_sys.modules[mod], attr, value)
+
+    rng = random.Random(seed)
+    ratios: dict = {name: [] for name, _ in variants}
+    for _ in range(rounds):
+        order = list(variants)
+        rng.shuffle(order)
+        t_np = timed(*np_kind)
+        got = {}
+        for name, settings in order:
+            apply(settings)
+            got[name] = timed(*dp_kind)
+        t_np = (t_np + timed(*np_kind)) / 2
+        for name in got:
+            ratios[name].append(got[name] / t_np)
+    apply({})
+    lines = [f"A/B: {rounds} rounds, blocks of {block} steps, each variant's block against the "
+             "non-private blocks around its round"]
+    for name, settings in variants:
+        q = sorted(ratios[name])
+        shown = ", ".join(f"{m.rpartition('.')[2]}.{a}={v!r}" for (m, a), v in settings.items())
+        lines.append(f"{name:>10s}  ratio median {statistics.median(q):.3f}  quartiles "
+                     f"{q[len(q) // 4]:.3f}..{q[(3 * len(q)) // 4]:.3f}  ({shown})")
+    return lines
+
+
 def _as_workers_run() -> None:
     """Run this process again with glibc's allocator set as llmdp's Ray workers get it
     (``llmdp.base.localray.ALLOCATOR_ENV``, each key this environment does not set):
@@ -126,7 +212,13 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--system-allocator", action="store_true",
                     help="glibc's default allocator settings, not those llmdp's workers get")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:SETTINGS",
+                    help="an engine setting to compare, e.g. old:engine.WINDOWS=4 (twice or more)")
+    ap.add_argument("--rounds", type=int, default=12, help="--variant: rounds of blocks")
     a = ap.parse_args(argv)
+    variants = [parse_variant(v) for v in a.variant]
+    if len(variants) == 1:
+        raise SystemExit("--variant: give two or more to compare")
     if not a.system_allocator and argv is None:
         _as_workers_run()
     ns = argparse.Namespace(family=a.family, experts=8, top_k=2, hidden=a.hidden, intermediate=a.intermediate,
@@ -142,6 +234,14 @@ def main(argv=None) -> int:
              "llmdp": (dp_step, dp_reset)}
     times: dict = {k: [] for k in steps}
     from llmdp.train.loop import setup_kept
+
+    if variants:
+        with gram.forced(a.gram), setup_kept():
+            lines = _ab(steps["non-private"], steps["llmdp"], variants, a.rounds, max(1, a.block))
+        print(f"{a.family} d{a.hidden} x {a.layers} layers, vocab {a.vocab}, T{a.seq} x {a.batch}"
+              f"{', LoRA r16' if a.lora else ''}; one thread; gram {a.gram}")
+        print("\n".join(lines))
+        return 0
 
     # as the worker loop runs its steps: the objects alive now out of the collector's walks
     with gram.forced(a.gram), setup_kept():

@@ -228,6 +228,14 @@ def test_step_ratio_benchmark_runs_small(capsys):
                  "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "4", "--block", "2"]) == 0
     out = capsys.readouterr().out
     assert "4 steps in blocks of 2" in out and "over 2 blocks" in out
+    # engine settings compared in one process
+    assert main(["--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "48",
+                 "--vocab", "64", "--seq", "8", "--batch", "2", "--rounds", "1",
+                 "--variant", "old:norms.DEFER_ROOT=False", "--variant", "new:norms.DEFER_ROOT=True"]) == 0
+    out = capsys.readouterr().out
+    assert "A/B: 1 rounds, blocks of 1 steps" in out and "old  ratio median" in out and "new  ratio" in out
+    with pytest.raises(SystemExit, match="two or more"):
+        main(["--variant", "old:norms.DEFER_ROOT=False"])
 
 
 def test_step_ratios_profile_takes_a_step_after_steps_of_its_own_kind():
@@ -463,3 +471,37 @@ def test_privacy_utility_tuned_runs_tune_at_zero_epsilon_per_epsilon_first(capsy
     old = mod.runs([0], [8.0], starts=("pretrained",))
     assert all("train.hyperparameters_from=null" in over and "optim.lr=0.003" in over
                for _, _, over in old)
+
+
+def test_step_ratio_ab_runs_each_variant_with_its_own_settings_only(monkeypatch):
+    """--variant: every round runs each variant's block (shuffled) between two non-private
+    blocks, with that variant's settings and the engine's own value of every setting it does
+    not name; the engine's settings are its own again afterwards; a bad setting is refused
+    by name."""
+    from llmdp.clipping import engine, norms
+
+    mod = _script("step_ratio")
+    seen = []
+
+    def kind(name):
+        def step():
+            seen.append((name, norms.DEFER_ROOT, engine.WINDOWS))
+        return step, lambda: None
+
+    own = (norms.DEFER_ROOT, engine.WINDOWS)
+    variants = [mod.parse_variant("a:norms.DEFER_ROOT=False"), mod.parse_variant("b:engine.WINDOWS=2")]
+    assert variants[1] == ("b", {("llmdp.clipping.engine", "WINDOWS"): 2})
+    lines = mod._ab(kind("np"), kind("dp"), variants, rounds=3, block=2)
+    assert (norms.DEFER_ROOT, engine.WINDOWS) == own
+    rounds = [seen[i:i + 12] for i in range(0, len(seen), 12)]
+    assert len(rounds) == 3 and len(seen) == 36  # 4 blocks of 1 untimed + 2 timed steps
+    for r in rounds:
+        assert [s[0] for s in r] == ["np"] * 3 + ["dp"] * 6 + ["np"] * 3
+        settings = {r[3][1:], r[6][1:]}
+        assert settings == {(False, own[1]), (own[0], 2)}  # each variant's own, the rest the engine's
+    assert "a  ratio median" in lines[1] and "(norms.DEFER_ROOT=False)" in lines[1]
+    assert "(engine.WINDOWS=2)" in lines[2]
+    for bad, why in [("x", "expected NAME:"), ("x:norms.NOPE=1", "has no 'NOPE'"),
+                     ("x:norms.DEFER_ROOT=maybe", "malformed"), ("x:nomod.A=1", "No module")]:
+        with pytest.raises(SystemExit, match=why):
+            mod.parse_variant(bad)
