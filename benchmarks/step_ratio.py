@@ -36,9 +36,10 @@ Python literal each (``engine.WINDOWS=2``). Each of ``--rounds`` rounds runs a b
 ``--block`` steps of every variant, in a shuffled order, between two non-private blocks
 (each block after one untimed step); a variant's ratio in a round is its block's time over
 the mean of the two non-private blocks, and the median and quartiles over rounds are
-printed. A drift of the machine's speed moves a round's blocks alike, so differences of a
-few percent between variants show in one process, where separate runs of this script
-differ by more than that (BENCHMARKS, issue 50's fifteenth session).
+printed, with those of its time over the first variant's in the same round (the steadier
+comparison: a drift of the machine's speed slower than a round moves both alike). Separate
+runs of this script differ by more than the few percent one setting moves (BENCHMARKS,
+issue 50's fifteenth session).
 """
 
 from __future__ import annotations
@@ -175,11 +176,16 @@ def _ab(np_kind, dp_kind, variants: list, rounds: int, block: int, seed: int = 0
     apply({})
     lines = [f"A/B: {rounds} rounds, blocks of {block} steps, each variant's block against the "
              "non-private blocks around its round"]
+    first = variants[0][0]
     for name, settings in variants:
         q = sorted(ratios[name])
         shown = ", ".join(f"{m.rpartition('.')[2]}.{a}={v!r}" for (m, a), v in settings.items())
+        # against the first variant in the same round: the steadiest comparison of the two
+        vs = sorted(x / y for x, y in zip(ratios[name], ratios[first]))
         lines.append(f"{name:>10s}  ratio median {statistics.median(q):.3f}  quartiles "
-                     f"{q[len(q) // 4]:.3f}..{q[(3 * len(q)) // 4]:.3f}  ({shown})")
+                     f"{q[len(q) // 4]:.3f}..{q[(3 * len(q)) // 4]:.3f}; against {first} in its "
+                     f"round: median {statistics.median(vs):.3f}, quartiles {vs[len(vs) // 4]:.3f}.."
+                     f"{vs[(3 * len(vs)) // 4]:.3f}  ({shown})")
     return lines
 
 

@@ -500,6 +500,7 @@ def test_step_ratio_ab_runs_each_variant_with_its_own_settings_only(monkeypatch)
         settings = {r[3][1:], r[6][1:]}
         assert settings == {(False, own[1]), (own[0], 2)}  # each variant's own, the rest the engine's
     assert "a  ratio median" in lines[1] and "(norms.DEFER_ROOT=False)" in lines[1]
+    assert "against a in its round: median 1.000" in lines[1] and "against a in its round" in lines[2]
     assert "(engine.WINDOWS=2)" in lines[2]
     for bad, why in [("x", "expected NAME:"), ("x:norms.NOPE=1", "has no 'NOPE'"),
                      ("x:norms.DEFER_ROOT=maybe", "malformed"), ("x:nomod.A=1", "No module")]:
