@@ -189,7 +189,7 @@ class Sq:
     * ``rel`` a float:              rel = that constant for every unit;
     * ``value`` None with ``root`` r: value = r² (an instantiated gradient's float64 norm,
       ``sq_of_instantiated``: one launch fewer per call); r a `PendingRoot`: that norm not
-      yet taken either (off the CPU: the calls of one shape in one reduction);
+      yet taken either (the calls of one shape in one reduction);
     * ``mag`` a `PendingMag`: N_u's per-row dot not yet taken (``linear_mag_parts``);
     * ``value`` and ``err`` one `gram.PendingGram`: a Gram-path ghost norm and its bound
       not yet formed (on the CPU: the calls of one shape in one pass).
