@@ -287,12 +287,16 @@ def sq_bound(value: torch.Tensor, err, dev, rel, mag, mag_f: float | None = None
 
 
 def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
-                       mag: torch.Tensor | None = None, mag_f: float | None = None) -> Sq:
+                       mag: torch.Tensor | None = None, mag_f: float | None = None,
+                       defer: bool = False) -> Sq:
     """The bounds of a per-unit gradient ``h`` [U, ...] that the clipped sum scales as it is:
     value = ‖h‖² in float64 (γ_{k+4}); dev = ‖h − g‖ ≤ ``inst_dev`` (the error of the
     computation that formed it: a tensor, factors of ``mag`` or 0.0, as `Sq` defers them)
     + ``stored_u``·‖g̃‖ (the rounding of storing a wider result in h's dtype, ≤
-    stored_u/(1 − stored_u)·‖h‖). ``mag`` None: ‖h‖ rounded up."""
+    stored_u/(1 − stored_u)·‖h‖). ``mag`` None: ‖h‖ rounded up. ``defer``: the engine keeps
+    h until the bound computation anyway (book-keeping: ``Units.defer``), so a small h's norm
+    may wait for it (`PendingRoot`); two-pass drops h once its norm is taken, which a
+    deferred norm would keep alive through the backward."""
     U = h.shape[0]
     h2 = h.reshape(U, -1)
     k = h2.shape[1]
@@ -305,8 +309,9 @@ def sq_of_instantiated(h: torch.Tensor, inst_dev, stored_u: float, rel: float,
     else:
         # float64 accumulation (the input cast to float64: its squares, the sum, the root,
         # the square back: k + 4 roundings at most); the square deferred (`Sq`), and the
-        # norm too, for a small h (`PendingRoot`)
-        root = (PendingRoot(h2) if DEFER_ROOT and h2.numel() * h2.element_size() <= PendingRoot.MAX_BYTES
+        # norm too, for a small h the engine keeps anyway (`PendingRoot`)
+        root = (PendingRoot(h2) if DEFER_ROOT and defer
+                and h2.numel() * h2.element_size() <= PendingRoot.MAX_BYTES
                 else torch.linalg.vector_norm(h2, dim=1, dtype=F64))
         sq = Sq(None, gamma(k + 4, U64), inst_dev, rel, mag, mag_f, root=root)
     if stored_u:
@@ -704,10 +709,9 @@ def linear_mag_parts(A3: torch.Tensor, G3: torch.Tensor, units: Units | None = N
 DEFER_MAG = True
 
 
-# A small instantiated gradient's float64 norm is taken in the bound computation, the calls
-# of one shape in one reduction (``PendingRoot.form_all``; on the CPU too: one reduction per
-# shape instead of one per call, ~125 µs of host time each, LoRA's 56 adapter calls at the
-# issue 50 shape); False takes it per call.
+# Under book-keeping (which keeps h until then) a small instantiated gradient's float64 norm
+# is taken in the bound computation, the calls of one shape in one reduction
+# (``PendingRoot.form_all``), on every device; False takes it per call.
 DEFER_ROOT = True
 
 

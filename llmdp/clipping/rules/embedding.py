@@ -98,7 +98,7 @@ class EmbeddingRule(LayerRule):
         # h's own error, and (two-pass forms the sum from G again) clipped_ghost's
         inst_dev = up(mag * (gamma(count + 2, roundoff(h.dtype)) + gamma(count + 3, roundoff(h.dtype))), 2)
         rel = gamma(units.num_units + 2, roundoff(h.dtype))
-        return {"weight": (h, sq_of_instantiated(h, inst_dev, 0.0, rel, mag))}
+        return {"weight": (h, sq_of_instantiated(h, inst_dev, 0.0, rel, mag, defer=units.defer))}
 
     def per_unit(self, rec, units):
         return {n: h for n, (h, _) in self.instantiate(rec, units).items()}

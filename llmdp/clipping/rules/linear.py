@@ -124,7 +124,7 @@ class LinearRule(LayerRule):
             mag, mag_f = linear_mag_parts(A3, G3, units, defer=True)
             uc, nc = clip or lowp.row_scaled_bound(*self._clipped_operands(A3, G3))
             dev = (gamma(n + units.max_rows + 1, u) + gamma(nc, uc), up_factor(2))  # × N_u
-            out["weight"] = (h, sq_of_instantiated(h, dev, 0.0, rel, mag, mag_f))
+            out["weight"] = (h, sq_of_instantiated(h, dev, 0.0, rel, mag, mag_f, defer=units.defer))
         if module.bias is not None and module.bias.requires_grad:
             h = units.rows_to_units(_row_sums(G3)).to(store)
             mag = rows_mag(G3, units)
@@ -132,7 +132,8 @@ class LinearRule(LayerRule):
             n = (2 * G3.shape[1] + 2 * G3.shape[0] + 4 if bias_clip is None
                  else G3.shape[1] + units.max_rows + 1 + bias_clip)
             dev = (gamma(n, U64), up_factor(1))  # × N_u
-            out["bias"] = (h, sq_of_instantiated(h, dev, 0.0 if store == F64 else U32, rel, mag))
+            out["bias"] = (h, sq_of_instantiated(h, dev, 0.0 if store == F64 else U32, rel, mag,
+                                                 defer=units.defer))
         return out
 
     def per_unit(self, rec, units):
