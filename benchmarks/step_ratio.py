@@ -162,18 +162,20 @@ def _ab(np_kind, dp_kind, variants: list, rounds: int, block: int, seed: int = 0
 
     rng = random.Random(seed)
     ratios: dict = {name: [] for name, _ in variants}
-    for _ in range(rounds):
-        order = list(variants)
-        rng.shuffle(order)
-        t_np = timed(*np_kind)
-        got = {}
-        for name, settings in order:
-            apply(settings)
-            got[name] = timed(*dp_kind)
-        t_np = (t_np + timed(*np_kind)) / 2
-        for name in got:
-            ratios[name].append(got[name] / t_np)
-    apply({})
+    try:
+        for _ in range(rounds):
+            order = list(variants)
+            rng.shuffle(order)
+            t_np = timed(*np_kind)
+            got = {}
+            for name, settings in order:
+                apply(settings)
+                got[name] = timed(*dp_kind)
+            t_np = (t_np + timed(*np_kind)) / 2
+            for name in got:
+                ratios[name].append(got[name] / t_np)
+    finally:
+        apply({})  # the engine's own settings again, also when a step failed
     lines = [f"A/B: {rounds} rounds, blocks of {block} steps, each variant's block against the "
              "non-private blocks around its round"]
     first = variants[0][0]

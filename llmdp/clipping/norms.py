@@ -976,7 +976,8 @@ class LayerRule:
         in the clipped sum is one float32 (float64) contraction of U terms: γ_{U+2}."""
         out = {}
         for n, g in self.per_unit(rec, units).items():
-            out[n] = (g, sq_of_instantiated(g, 0.0, 0.0, gamma(g.shape[0] + 2, roundoff(g.dtype))))
+            out[n] = (g, sq_of_instantiated(g, 0.0, 0.0, gamma(g.shape[0] + 2, roundoff(g.dtype)),
+                                            defer=units.defer))
         return out
 
     def clipped_ghost(self, rec: Record, row_factors: torch.Tensor) -> dict[str, torch.Tensor]:
