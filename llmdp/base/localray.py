@@ -75,6 +75,98 @@ def _alive(pid: int, created: float):
     return p if k is not None and abs(k[1] - created) < 1e-3 else None
 
 
+def _proc_table() -> dict[int, tuple[int, bool, int]] | None:
+    """pid -> (parent pid, zombie, start in clock ticks since boot) of every process, from
+    one pass over /proc/*/stat; None where there is no /proc (macOS: psutil instead)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    table = {}
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:  # gone, or not ours to read
+            continue
+        # "pid (comm) state ppid ... starttime ...": comm may hold spaces and parentheses
+        rest = data[data.rfind(b")") + 2:].split()
+        try:
+            table[int(name)] = (int(rest[1]), rest[0] == b"Z", int(rest[19]))
+        except (IndexError, ValueError):
+            continue
+    return table
+
+
+class _Descendants:
+    """The live processes below the watchdog's roots, looked for every ``_POLL_S``.
+
+    psutil's ``children(recursive=True)`` reads all of /proc once per call: once per root
+    (Ray starts five or more) at every look, ~10 ms of a core a look on a machine with a
+    hundred processes, more on a busy one, for as long as the Ray lives. Here one look
+    reads each /proc/PID/stat once; a process's start time (psutil's ``create_time``, what
+    the record holds and ``kill_recorded`` compares) is asked of psutil once per process,
+    kept under its pid and start ticks (a reused pid has other ticks). A process is
+    followed below its parent only if it started no earlier (a younger parent is a reused
+    pid); a zombie is gone, and left out."""
+
+    def __init__(self):
+        self._created: dict[tuple[int, int], float | None] = {}
+
+    def _created_at(self, pid: int, ticks: int) -> float | None:
+        key = (pid, ticks)
+        if key not in self._created:
+            psutil = _psutil()
+            try:
+                self._created[key] = psutil.Process(pid).create_time()
+            except psutil.Error:
+                self._created[key] = None
+        return self._created[key]
+
+    def __call__(self, roots: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        table = _proc_table()
+        if table is None:
+            return _descendants_psutil(roots)
+        kids: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in table.items():
+            kids.setdefault(ppid, []).append(pid)
+        live = []
+        for pid, ct in roots:
+            if pid in table and not table[pid][1]:
+                made = self._created_at(pid, table[pid][2])
+                if made is not None and abs(made - ct) < 1e-3:
+                    live.append(pid)
+        out, todo, met = [], list(live), set(live)
+        while todo:
+            parent = todo.pop()
+            for pid in kids.get(parent, ()):
+                if pid in met or table[pid][2] < table[parent][2]:
+                    continue
+                met.add(pid)
+                todo.append(pid)
+                if not table[pid][1] and (made := self._created_at(pid, table[pid][2])) is not None:
+                    out.append((pid, made))
+        return out
+
+
+def _descendants_psutil(roots: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``_Descendants`` where there is no /proc: psutil, one read of the table per root."""
+    psutil = _psutil()
+    out = []
+    for pid, ct in roots:
+        p = _alive(pid, ct)
+        if p is None:
+            continue
+        try:
+            kids = p.children(recursive=True)
+        except psutil.Error:
+            continue
+        out.extend(filter(None, map(_key, kids)))
+    return out
+
+
 def _write_record(path: str, record: dict) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -333,17 +425,10 @@ def _watch(record: str, driver_pid: int, roots: list[tuple[int, float]]) -> None
     base = {"host": socket.gethostname(), "driver": [driver_pid, driver.create_time()],
             "watchdog": [me.pid, me.create_time()]}
     written = None
+    descendants = _Descendants()
     while True:
-        for pid, ct in list(roots):
-            p = _alive(pid, ct)
-            if p is None:
-                continue
-            try:
-                kids = p.children(recursive=True)
-            except psutil.Error:
-                continue
-            for k in filter(None, map(_key, kids)):
-                seen.setdefault(*k)
+        for k in descendants(roots):
+            seen.setdefault(*k)
         if written != len(seen):
             _write_record(record, {**base, "processes": [[pid, ct, _name(pid)]
                                                         for pid, ct in seen.items()]})

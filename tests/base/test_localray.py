@@ -86,6 +86,46 @@ def test_the_watchdog_records_the_tree_and_ends_it_when_the_pipe_closes(tmp_path
             grandchild.kill()
 
 
+def test_the_watchdog_reads_the_process_table_once_per_look_whatever_the_roots(tmp_path, monkeypatch):
+    """One look (``_Descendants``) reads /proc once for all the roots (Ray starts five or
+    more; psutil's ``children`` reads it once per root, and psutil's ``process_iter`` is
+    not used either) and finds what psutil's ``children(recursive=True)`` finds below each
+    live root: not a zombie, nothing below a root that is gone or whose pid now names
+    another process; without /proc, psutil finds the same."""
+    (root1, grandchild1), (root2, grandchild2) = _tree(), _tree()
+    # a root whose child exited unreaped: a zombie, gone for the watchdog
+    zroot = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
+                              "subprocess.Popen(['true']); time.sleep(600)"], start_new_session=True)
+    try:
+        _wait(lambda: [c for c in psutil.Process(zroot.pid).children()
+                       if c.status() == psutil.STATUS_ZOMBIE])
+        roots = [(r.pid, psutil.Process(r.pid).create_time()) for r in (root1, root2, zroot)]
+        expected = {(c.pid, c.create_time()) for r in (root1, root2)
+                    for c in psutil.Process(r.pid).children(recursive=True)}
+        assert {grandchild1.pid, grandchild2.pid} <= {pid for pid, _ in expected}
+        scans = []
+        real_iter = psutil.process_iter
+        monkeypatch.setattr(psutil, "process_iter", lambda *a, **k: scans.append(1) or real_iter(*a, **k))
+        real_children = psutil.Process.children
+        monkeypatch.setattr(psutil.Process, "children", lambda *a, **k: pytest.fail("a scan per root"))
+        gone, reused = _dead_process(), (root1.pid, roots[0][1] - 100.0)
+        look = _localray._Descendants()
+        assert set(look(roots + [gone])) == expected
+        assert set(look(roots)) == expected and not scans  # /proc read directly, once a look
+        assert look([gone, reused]) == []
+        # where there is no /proc: psutil, the same processes
+        monkeypatch.setattr(_localray, "_proc_table", lambda: None)
+        monkeypatch.setattr(psutil.Process, "children", real_children)
+        assert set(look(roots + [gone])) == expected
+    finally:
+        for p in (root1, root2, zroot):
+            p.kill()
+            p.wait()
+        for g in (grandchild1, grandchild2):
+            if _alive(g):
+                g.kill()
+
+
 def _record(path: Path, procs, driver, host=None) -> None:
     path.write_text(json.dumps({"host": host or socket.gethostname(), "driver": list(driver),
                                 "processes": [[p.pid, p.create_time(), p.name()] for p in procs]}))
