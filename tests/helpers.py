@@ -359,6 +359,52 @@ def stop_shared_ray() -> None:
         local.stop()
 
 
+# ------------------------------------------------------------------ worker processes
+
+
+# What the tests' worker processes (gloo process groups, the ledger's concurrent clients)
+# import: loaded once into multiprocessing's forkserver of this test process, so that each
+# process forked from it starts with them (a spawned one imports torch, transformers' model
+# code and the training loop again: ~11 s of this machine's CPU per process). Set before
+# the server starts (one per test process, shared by every user of the "forkserver"
+# context; a module missing here is imported by the process that needs it).
+FORKSERVER_PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+    "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+    "llmdp.clipping", "llmdp.data.store", "llmdp.train.loop", "llmdp.train.parallel",
+    "llmdp.privacy.ledger.service", "tests.helpers",
+    "tests.privacy.ledger.test_ledger_stress", "tests.privacy.ledger.test_dataset_budget",
+]
+
+
+def forkserver():
+    """multiprocessing's "forkserver" context, its server to preload ``FORKSERVER_PRELOAD``."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
+def start_processes(fn, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.start_processes(fn, args, nprocs, join=True)`` from the
+    forkserver (``forkserver``): ``fn(rank, *args)`` in each process, with this process's
+    environment and working directory, as a spawned process has them (a forked one would
+    have the server's: it started with the first test that used it)."""
+    import torch.multiprocessing as mp
+
+    forkserver()
+    mp.start_processes(_as_spawned, args=(fn, dict(os.environ), os.getcwd(), args), nprocs=nprocs,
+                       join=True, start_method="forkserver")
+
+
+def _as_spawned(rank, fn, env, cwd, args):
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    fn(rank, *args)
+
+
 # ------------------------------------------------------------------ import graphs
 
 

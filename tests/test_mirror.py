@@ -20,7 +20,7 @@ NOT_PACKAGES = {"fixtures", "__pycache__"}
 #: Test modules at the top of tests/: of no one package.
 PROJECT_LEVEL = {"test_e2e.py", "test_imports.py", "test_structure.py", "test_mirror.py",
                  "test_invariants.py", "test_layers.py",
-                 "test_benchmarks.py"}
+                 "test_benchmarks.py", "test_helpers.py"}
 
 
 def _folders(root: Path) -> list[Path]:

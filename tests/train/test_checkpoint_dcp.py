@@ -33,7 +33,7 @@ from llmdp.train import parallel
 from llmdp.train import save as hf_save
 from llmdp.train.loop import LocalContext
 from llmdp.train.strategy import Fsdp, Replicated
-from tests.helpers import tiny_llama, tiny_store
+from tests.helpers import start_processes, tiny_llama, tiny_store
 from tests.train.test_parallel import S1, full, model64, one_step, step_
 
 WORLD = 2
@@ -256,8 +256,6 @@ def _final_models(rank, out):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     from llmdp.run.launch import prepare
 
     tmp = str(tmp_path_factory.mktemp("dcp"))
@@ -272,8 +270,7 @@ def runs(tmp_path_factory):
                                       bands=2), log=lambda *a: None)
     old = os.umask(0o002)  # a permissive umask: the workers' checkpoints stay owner-only
     try:
-        mp.start_processes(_proc, args=(_ports(4), specs, store.path, out), nprocs=WORLD, join=True,
-                           start_method="spawn")
+        start_processes(_proc, (_ports(4), specs, store.path, out), WORLD)
     finally:
         os.umask(old)
     res = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]

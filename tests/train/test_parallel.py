@@ -20,7 +20,7 @@ from llmdp.privacy.noise import gaussian as dp_noise
 from llmdp.train import parallel
 from llmdp.train.step import accumulate_clipped_sum
 from llmdp.train.strategy import Fsdp, Replicated, strategy_for
-from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
+from tests.helpers import TINY_VOCAB, start_processes, tiny_llama, tiny_store
 
 WORLD = 2
 # One more embedding row than the tokenizer needs: 301 rows shard unevenly (151 + 150).
@@ -184,11 +184,8 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(store, tmp_path_factory):
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("two")
-    mp.start_processes(_scenarios, args=(WORLD, _free_port(), store.path, str(out)),
-                       nprocs=WORLD, join=True, start_method="spawn")
+    start_processes(_scenarios, (WORLD, _free_port(), store.path, str(out)), WORLD)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -379,7 +376,6 @@ def _loop_proc(rank, world, port, spec, ckpt_dir, out_dir):
 
 
 def test_worker_loop_under_fsdp_checkpoints_resumes_and_exports(tmp_path):
-    import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
     from llmdp.config.schema import recipe_from_dict
@@ -400,8 +396,7 @@ def test_worker_loop_under_fsdp_checkpoints_resumes_and_exports(tmp_path):
     }
     prep = prepare(recipe_from_dict(raw), log=lambda *a: None)
     ckpt = tmp_path / "ckpt"
-    mp.start_processes(_loop_proc, args=(WORLD, _free_port(), prep, str(ckpt), str(tmp_path)),
-                       nprocs=WORLD, join=True, start_method="spawn")
+    start_processes(_loop_proc, (WORLD, _free_port(), prep, str(ckpt), str(tmp_path)), WORLD)
     for r in range(WORLD):
         out = torch.load(tmp_path / f"loop{r}.pt")
         assert out["first"]["steps"] == out["again"]["steps"] == 2

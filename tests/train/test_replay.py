@@ -459,6 +459,7 @@ def _fsdp_proc(rank, port, jobs, out):
 def _spawn(jobs, out) -> dict:
     import torch.multiprocessing as mp
 
+    from tests.helpers import start_processes
     from tests.train.test_checkpoint_dcp import _ports
 
     # The port is chosen free, then bound by gloo a moment later: on a loaded machine another
@@ -468,8 +469,7 @@ def _spawn(jobs, out) -> dict:
     # by the test, and a process that dies twice fails it.
     for attempt in (1, 2):
         try:
-            mp.start_processes(_fsdp_proc, args=(_ports(1)[0], jobs, out), nprocs=2, join=True,
-                               start_method="spawn")
+            start_processes(_fsdp_proc, (_ports(1)[0], jobs, out), 2)
             break
         except mp.ProcessExitedException as e:
             if attempt == 2 or e.signal_name is None:

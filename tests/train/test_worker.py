@@ -17,7 +17,7 @@ from llmdp.privacy.rng import keys
 from llmdp.train.privatize import privatize_
 from llmdp.train.step import accumulate_clipped_sum
 from llmdp.train.strategy import Replicated
-from tests.helpers import TINY_VOCAB, tiny_llama, tiny_store
+from tests.helpers import TINY_VOCAB, start_processes, tiny_llama, tiny_store
 
 P = 4  # physical batch size
 
@@ -175,13 +175,10 @@ def _free_port():
 
 @pytest.mark.parametrize("sigma", [0.0, 1.0])
 def test_two_workers_give_the_update_of_one(store, tmp_path, sigma):
-    import torch.multiprocessing as mp
-
     sample = [0, 2, 4, 5, 9, 12, 13]  # odd size: uneven shares, padding micro-steps
     key = b"k" * 32
     single, _ = private_grad(model64(), store, sample, C=0.05, sigma=sigma, B=9.0, key=key)
-    mp.start_processes(_two_worker_proc, args=(2, _free_port(), store.path, sample, str(tmp_path), sigma, key),
-                       nprocs=2, join=True, start_method="spawn")
+    start_processes(_two_worker_proc, (2, _free_port(), store.path, sample, str(tmp_path), sigma, key), 2)
     r0 = torch.load(tmp_path / "rank0.pt")
     r1 = torch.load(tmp_path / "rank1.pt")
     torch.testing.assert_close(r0, r1, rtol=0, atol=0)  # replicas agree bit for bit

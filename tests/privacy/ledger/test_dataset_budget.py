@@ -22,7 +22,6 @@ fresh processes that imported llmdp once, no inherited connection or lock.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from llmdp.privacy.accounting.events import dpsgd_step_event, event_to_json
 from llmdp.privacy.ledger.budget import unit_key
 from llmdp.privacy.ledger.database import LedgerDB
 from llmdp.privacy.ledger.service import BudgetError, LedgerService
+from tests.helpers import forkserver
 
 Q, SIGMA, DELTA, BUDGET = 0.01, 1.0, 1e-5, 2.0
 A_STEPS, B_STEPS, BLOCK = 600, 1500, 100
@@ -139,8 +139,7 @@ def _run_b(location: str, budget, delta: float, held, b_done, result: str) -> No
 
 
 def _two_processes(location: str, tmp_path: Path, b_budget, b_delta) -> tuple[dict, dict]:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["llmdp.privacy.ledger.service", __name__])
+    ctx = forkserver()  # this module and llmdp imported once, in the server
     held, b_done = ctx.Event(), ctx.Event()
     res = [tmp_path / "a.json", tmp_path / "b.json"]
     procs = [ctx.Process(target=_run_a, args=(location, held, b_done, str(res[0])), daemon=True),

@@ -24,7 +24,6 @@ import llmdp (dp-accounting, scipy: ~1.5 s of CPU) in each of the 8 processes of
 from __future__ import annotations
 
 import json
-import multiprocessing
 import shutil
 import tempfile
 import time
@@ -42,6 +41,7 @@ from llmdp.privacy.ledger.budget import live_holds
 from llmdp.privacy.ledger.database import LedgerDB
 from llmdp.privacy.ledger.records import Ledger, LedgerError
 from llmdp.privacy.ledger.service import cross_check
+from tests.helpers import forkserver
 
 PROCESSES = 8
 STEPS = 50  # each process's planned steps (one reservation each: block_size=1)
@@ -109,9 +109,7 @@ def _worker(location: str, dataset_id: str, run_ledger: str, run_id: str, use_ho
 
 
 def _run_processes(location: str, dataset_id: str, tmp_path: Path, use_hold: bool) -> list[dict]:
-    ctx = multiprocessing.get_context("forkserver")
-    # Import once in the server (effective when it starts: the first test that runs).
-    ctx.set_forkserver_preload(["llmdp.privacy.ledger.service", __name__])
+    ctx = forkserver()  # this module and llmdp imported once, in the server
     barrier = ctx.Barrier(PROCESSES)
     procs, paths = [], []
     for i in range(PROCESSES):

@@ -1,0 +1,33 @@
+"""The test helpers' worker processes (`tests.helpers.start_processes`): forked from the
+preloaded forkserver, yet each with the caller's environment and working directory, as a
+spawned process has them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tests.helpers import forkserver, start_processes
+
+
+def _write_env_and_cwd(rank: int, out: str) -> None:
+    Path(out, f"rank{rank}.txt").write_text(f"{os.environ.get('LLMDP_HELPER_CHECK')}\n{os.getcwd()}")
+
+
+def _noop() -> None:
+    pass
+
+
+def test_a_forked_worker_has_the_callers_environment_and_working_directory(tmp_path, monkeypatch):
+    # the server runs before this test's settings (as after an earlier test): what it holds
+    # is not what the workers get
+    p = forkserver().Process(target=_noop)
+    p.start()
+    p.join()
+    monkeypatch.setenv("LLMDP_HELPER_CHECK", "this test's")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    start_processes(_write_env_and_cwd, (str(tmp_path),), 2)
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == f"this test's\n{work}"
