@@ -132,6 +132,8 @@ class _Descendants:
         kids: dict[int, list[int]] = {}
         for pid, (ppid, _, _) in table.items():
             kids.setdefault(ppid, []).append(pid)
+        # start times of processes gone since the last look are not kept
+        self._created = {k: v for k, v in self._created.items() if k[0] in table and table[k[0]][2] == k[1]}
         live = []
         for pid, ct in roots:
             if pid in table and not table[pid][1]:
