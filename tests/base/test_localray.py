@@ -94,8 +94,11 @@ def test_the_watchdog_reads_the_process_table_once_per_look_whatever_the_roots(t
     another process; without /proc, psutil finds the same."""
     (root1, grandchild1), (root2, grandchild2) = _tree(), _tree()
     # a root whose child exited unreaped: a zombie, gone for the watchdog
-    zroot = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
-                              "subprocess.Popen(['true']); time.sleep(600)"], start_new_session=True)
+    # (os.fork, not subprocess: a dropped Popen polls its child once when it is collected,
+    # and reaps it if it has already exited, as it may on a loaded machine)
+    zroot = subprocess.Popen([sys.executable, "-c", "import os, time\n"
+                              "if os.fork() == 0:\n    os._exit(0)\ntime.sleep(600)"],
+                             start_new_session=True)
     try:
         _wait(lambda: [c for c in psutil.Process(zroot.pid).children()
                        if c.status() == psutil.STATUS_ZOMBIE])
