@@ -216,17 +216,19 @@ def test_malformed_records_stop_with_file_and_line_or_are_skipped(tmp_path, tok,
 
 
 @pytest.mark.slow
-def test_memory_stays_under_the_cap_for_a_corpus_20_times_larger(tmp_path, shared_ray):
-    """The small version of benchmarks/preprocess.py: a corpus 20x the cap, every task's
+def test_memory_stays_under_the_cap_for_a_corpus_10_times_larger(tmp_path, shared_ray):
+    """The small version of benchmarks/preprocess.py: a corpus 10x the cap, every task's
     data (peak RSS over its process's RSS at the task's start) under the cap, and the
     driver's peak RSS over its own (after one warm-up build on the same Ray) a fraction of
-    the corpus."""
+    the corpus. (10x: each of the two tasks reads 5x the cap in ~640 chunks, so holding its
+    share, or a few hundred bytes more per chunk, would pass the cap; the tokenizer's time
+    grows with the corpus, ~0.5 CPU-s per MiB, and 2 GiB is benchmarks/preprocess.py's.)"""
     from benchmarks.preprocess import build_once, write_corpus
 
     cap = 4.0  # MiB of data per task
     corpus = str(tmp_path / "corpus.jsonl")
-    info = write_corpus(corpus, 20 * cap)
-    assert info["bytes"] >= 20 * cap * (1 << 20)
+    info = write_corpus(corpus, 10 * cap)
+    assert info["bytes"] >= 10 * cap * (1 << 20)
     small = str(tmp_path / "small.jsonl")
     write_corpus(small, 0.05, seed=1)
     build_once(small, str(tmp_path / "u0"), cap_mb=cap, workers=2, unit="document")  # warm-up
@@ -235,7 +237,7 @@ def test_memory_stays_under_the_cap_for_a_corpus_20_times_larger(tmp_path, share
     assert r["task_over_base_mb"] <= cap, r
     # The driver: Ray Data's executor alone costs it ~5-15 MiB per build, whatever the
     # corpus (measured on a no-op pipeline), more than this tiny cap; what is checked is that
-    # the 80 MiB corpus never passes through it (benchmarks/preprocess.py checks the driver
+    # the 40 MiB corpus never passes through it (benchmarks/preprocess.py checks the driver
     # against a 500 MiB cap on a 2 GiB corpus).
     assert r["driver_over_base_mb"] <= 16, r
 
