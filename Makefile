@@ -58,12 +58,18 @@ demo-synthetic: $(STAMP)
 # `make test PYTEST_WORKERS=0` runs in one process); an idle worker takes tests queued on
 # the busy one (worksteal).
 PYTEST_WORKERS ?= 2
+# The tests start a few hundred Python processes (Ray's workers and actors, launches, the
+# forkserver, benchmark children), each importing llmdp and the tests' helpers. An
+# environment with PYTHONDONTWRITEBYTECODE set (container images often set it) would make
+# every one of them compile llmdp's 43,000 lines again, and pytest rewrite every test module
+# in both of its workers: the test run writes its bytecode (__pycache__/, git-ignored).
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist worksteal --durations=20
+	$(PYTEST) -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist worksteal --durations=20
 
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow"
+	$(PYTEST) -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check llmdp tests benchmarks
