@@ -61,7 +61,7 @@ PYTEST_WORKERS ?= 2
 # The tests start a few hundred Python processes (Ray's workers and actors, launches, the
 # forkserver, benchmark children), each importing llmdp and the tests' helpers. An
 # environment with PYTHONDONTWRITEBYTECODE set (container images often set it) would make
-# every one of them compile llmdp's 43,000 lines again, and pytest rewrite every test module
+# every one of them compile llmdp again, and pytest rewrite every test module
 # in both of its workers: the test run writes its bytecode (__pycache__/, git-ignored).
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 

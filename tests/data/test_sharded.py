@@ -220,9 +220,10 @@ def test_memory_stays_under_the_cap_for_a_corpus_10_times_larger(tmp_path, share
     """The small version of benchmarks/preprocess.py: a corpus 10x the cap, every task's
     data (peak RSS over its process's RSS at the task's start) under the cap, and the
     driver's peak RSS over its own (after one warm-up build on the same Ray) a fraction of
-    the corpus. (10x: each of the two tasks reads 5x the cap in ~640 chunks, so holding its
-    share, or a few hundred bytes more per chunk, would pass the cap; the tokenizer's time
-    grows with the corpus, ~0.5 CPU-s per MiB, and 2 GiB is benchmarks/preprocess.py's.)"""
+    the corpus. (10x: each of the two tasks reads 5x the cap in ~640 chunks, so a task that
+    kept its share, or about a KiB more per chunk than it frees, would exceed the cap; the
+    tokenizer's time grows with the corpus, ~0.5 CPU-s per MiB, and 2 GiB is
+    benchmarks/preprocess.py's.)"""
     from benchmarks.preprocess import build_once, write_corpus
 
     cap = 4.0  # MiB of data per task
