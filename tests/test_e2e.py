@@ -44,12 +44,27 @@ def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys, unit):
     monkeypatch.setenv("LLMDP_CACHE", str(tmp_path / "cache"))  # this run's unit stores alone
     write_notes(tmp_path / "notes.jsonl", 80)
     (tmp_path / "r.yaml").write_text(RECIPE.format(tok=tiny_tokenizer_dir()))
+    # The actors this launch's own Ray ran, read just before the launch shuts it down: not
+    # Ray Train's placement-group cleaner (that Ray ends with the run), nor the actor for
+    # Ray Datasets (the run gives Ray Train none).
+    import ray._private.state as ray_state
+
+    started, shutdown = set(), ray.shutdown
+
+    def read_then_shutdown(*a, **k):
+        if ray.is_initialized():
+            started.update(x["ActorClassName"] for x in ray_state.actors().values())
+        return shutdown(*a, **k)
+
+    monkeypatch.setattr(ray, "shutdown", read_then_shutdown)
     old = os.umask(0o022 if unit == "sequence" else 0o002)  # a permissive umask (issue 37)
     try:
         assert main(["train", "r.yaml", *(USER_UNITS if unit == "user" else [])]) == 0
     finally:
         os.umask(old)
     assert not ray.is_initialized()  # the driver shut down the Ray it started
+    assert {"RayTrainWorker", "SynchronizationActor", "LedgerService"} <= started, started
+    assert not started & {"PlacementGroupCleaner", "DatasetManager"}, started
     run_dir = tmp_path / "runs" / "e2e"
     # Private data at rest: the run folder (checkpoints, metrics), the unit stores (user
     # units: built by Ray Data tasks) and the ledger are owner-only.

@@ -501,6 +501,7 @@ def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) ->
                 worker_runtime_env=env,
             ),
         )
+        _without_unused_actors(trainer, own_ray=started_ray)
         # Ctrl-C: ours instead of Ray Train's (which aborts the workers mid-step): the first
         # stops the run after its current step, the second at once (`GracefulInterrupt`).
         trainer._register_sigint_handler = interrupts.install
@@ -519,6 +520,32 @@ def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) ->
             ray.shutdown()
         if local is not None:
             local.stop()  # after the shutdown: ends what is left of that Ray (agents)
+
+
+def _without_unused_actors(trainer, own_ray: bool) -> None:
+    """Leave out of Ray Train's default callbacks two that start an actor (a process of its
+    own, ~1.3-2.7 CPU-s of imports each) that a llmdp run never uses:
+    - the datasets callback, whose actor hands the workers shards of the trainer's Ray
+      Datasets, started for every worker group: llmdp gives the trainer none (each worker
+      reads its shard of the unit store itself);
+    - on a Ray this launch started, the placement-group cleaner: a detached actor that
+      frees the workers' placement group should the controller die without doing so. That
+      Ray, with all it holds, ends with this driver (`_fit`'s `finally`, or, were the driver
+      killed, its watchdog: `localray`). On a Ray that outlives the run (a cluster) it stays.
+    Another Ray Train, without these classes, keeps its defaults."""
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import (
+            PlacementGroupCleanerCallback,
+        )
+    except ImportError:  # pragma: no cover - a Ray Train without them
+        return
+    defaults = getattr(trainer, "_create_default_callbacks", None)
+    if defaults is None:  # pragma: no cover - idem
+        return
+    unused = (DatasetsCallback, PlacementGroupCleanerCallback) if own_ray else (DatasetsCallback,)
+    trainer._create_default_callbacks = lambda: [
+        cb for cb in defaults() if not isinstance(cb, unused)]
 
 
 def _ray_entry(spec: RunSpec) -> None:
