@@ -526,8 +526,8 @@ def _without_unused_actors(trainer, own_ray: bool) -> None:
     """Leave out of Ray Train's default callbacks two that start an actor (a process of its
     own, ~1.3-2.7 CPU-s of imports each) that a llmdp run never uses:
     - the datasets callback, whose actor hands the workers shards of the trainer's Ray
-      Datasets, started for every worker group: llmdp gives the trainer none (each worker
-      reads its shard of the unit store itself);
+      Datasets, started for every worker group: llmdp gives the trainer none (the workers
+      draw their units from the unit store themselves);
     - on a Ray this launch started, the placement-group cleaner: a detached actor that
       frees the workers' placement group should the controller die without doing so. That
       Ray, with all it holds, ends with this driver (`_fit`'s `finally`, or, were the driver
