@@ -14,7 +14,7 @@ import time
 import uuid
 
 from llmdp._fs import RunLock, StorageError, cache_root, check_free, private_files, storage_error
-from llmdp.base.localray import WORKER_ENV, run_env, start_local_ray
+from llmdp.base.localray import run_env, start_local_ray
 from llmdp.config.schema import RecipeConfig, config_hash, dump_yaml, to_dict
 from llmdp.hub.export import ExportError, export_run
 from llmdp.privacy.accounting import event_to_json
@@ -38,7 +38,7 @@ from llmdp.run.preflight import check_run_dir, run_lock, truncation_note
 from llmdp.run.progress import EPS_KEY, Progress, batch_note, mechanism_label
 from llmdp.run.restore import restore_point
 from llmdp.tokenizer.train import ensure_release_recorded
-from llmdp.train.loop import train_loop_per_worker
+from llmdp.train.loop import ray_entry
 
 
 def _check_run_ledger(run_dir: str, run_id: str, ledger: dict) -> None:
@@ -486,7 +486,7 @@ def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) ->
     progress.start()
     try:
         trainer = TorchTrainer(
-            functools.partial(_ray_entry, spec),  # the run spec, shipped as it is
+            functools.partial(ray_entry, spec),  # the run spec, shipped as it is
             scaling_config=ScalingConfig(
                 num_workers=cfg.scaling.num_workers,
                 use_gpu=cfg.scaling.use_gpu,
@@ -547,8 +547,3 @@ def _without_unused_actors(trainer, own_ray: bool) -> None:
     trainer._create_default_callbacks = lambda: [
         cb for cb in defaults() if not isinstance(cb, unused)]
 
-
-def _ray_entry(spec: RunSpec) -> None:
-    for k, v in WORKER_ENV.items():
-        os.environ.setdefault(k, v)
-    train_loop_per_worker(spec)

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from llmdp._fs import StorageError, check_free, disk_errors, private_files
+from llmdp.base.localray import WORKER_ENV
 from llmdp.base.losses import row_eval_stats
 from llmdp.clipping import GhostClipper
 from llmdp.config.schema import OptimConfig, lr_lambda
@@ -575,6 +576,16 @@ def train_loop_per_worker(spec: RunSpec, context=None) -> dict:
     """The whole job on one worker: set up, resume, run the remaining steps, finish."""
     with private_files(spec.cfg.output.group_readable):  # checkpoints, metrics: owner-only
         return _train_loop(spec, context)
+
+
+def ray_entry(spec: RunSpec) -> None:
+    """Ray Train's train function: the driver ships ``functools.partial(ray_entry, spec)``
+    (`launch._fit`), and each worker unpickles it by reference, importing this module. It
+    lives here, not in the driver's module, so that a worker imports the training loop and
+    not the driver's launch, planning and export (~1 CPU-s a worker)."""
+    for k, v in WORKER_ENV.items():
+        os.environ.setdefault(k, v)
+    train_loop_per_worker(spec)
 
 
 def _train_loop(spec: RunSpec, context) -> dict:

@@ -26,17 +26,39 @@ def spec(tmp_path) -> RunSpec:
 def test_run_spec_round_trips_through_pickle_and_cloudpickle(spec):
     from ray import cloudpickle
 
-    from llmdp.run.launch import _ray_entry
+    from llmdp.train.loop import ray_entry
 
     again = pickle.loads(pickle.dumps(spec))
     assert again == spec and again is not spec
     assert again.cfg == spec.cfg and again.plan == spec.plan and again.paths == spec.paths
     assert dict(again.ledger.service) == dict(spec.ledger.service)
     # What the driver hands TorchTrainer: the entry point bound to the spec (Ray's cloudpickle).
-    entry = cloudpickle.loads(cloudpickle.dumps(functools.partial(_ray_entry, spec)))
-    assert entry.func is _ray_entry and entry.args == (spec,)
+    entry = cloudpickle.loads(cloudpickle.dumps(functools.partial(ray_entry, spec)))
+    assert entry.func is ray_entry and entry.args == (spec,)
     with_actor = spec.with_ledger_actor("llmdp-ledger-x")
     assert pickle.loads(pickle.dumps(with_actor)).ledger.actor == "llmdp-ledger-x"
+
+
+def test_a_worker_unpickles_the_train_function_without_the_drivers_modules(spec, tmp_path):
+    """What a Ray Train worker does first: unpickle the train function the driver ships
+    (`launch._fit`). In a fresh interpreter that imports the training loop and the run
+    spec's classes, and none of the driver's modules (its launch, planning, export)."""
+    import subprocess
+    import sys
+
+    from ray import cloudpickle
+
+    from llmdp.run import launch
+
+    blob = tmp_path / "train_fn.pkl"
+    blob.write_bytes(cloudpickle.dumps(functools.partial(launch.ray_entry, spec)))
+    code = ("import pickle, sys; fn = pickle.load(open(sys.argv[1], 'rb')); "
+            "print(fn.func.__module__, fn.args[0].run_id, "
+            "sorted(m for m in sys.modules if m.startswith(('llmdp.run', 'llmdp.hub'))))")
+    done = subprocess.run([sys.executable, "-c", code, str(blob)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["llmdp.train.loop", spec.run_id, "[]"], done.stdout
 
 
 def test_run_spec_is_frozen_and_typed(spec):
