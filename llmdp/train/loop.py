@@ -582,7 +582,7 @@ def ray_entry(spec: RunSpec) -> None:
     """Ray Train's train function: the driver ships ``functools.partial(ray_entry, spec)``
     (`launch._fit`), and each worker unpickles it by reference, importing this module. It
     lives here, not in the driver's module, so that a worker imports the training loop and
-    not the driver's launch, planning and export (~1 CPU-s a worker)."""
+    not the driver's launch, planning and export (~0.5 CPU-s a worker)."""
     for k, v in WORKER_ENV.items():
         os.environ.setdefault(k, v)
     train_loop_per_worker(spec)
