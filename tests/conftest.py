@@ -21,11 +21,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # a poll to see its workers start and another to see them finish; tests poll every 0.2 s
 # (the controller's cadence only, nothing a test asserts; set before any Ray starts).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-# ... and starts, with every worker group, an actor that polls Ray for nodes being drained
-# (cloud preemption notices, for `ray.train.get_preemption_info`, which llmdp does not
-# read: a lost node is a failed worker group, resumed from its checkpoint). No test node is
-# drained; the actor's process is ~1.5 s of CPU per worker group, off in tests.
-os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# (Its preemption watcher is off on every local Ray llmdp starts, the tests' shared one
+# included, and on as on any cluster in the multi-node tests: `localray.LOCAL_RAY_ENV`.)
 
 # Under pytest-xdist (`make test` runs one worker per core), one thread per worker process:
 # the workers already fill the cores, and torch's default (a thread per core in every

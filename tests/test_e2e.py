@@ -45,15 +45,17 @@ def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys, unit):
     write_notes(tmp_path / "notes.jsonl", 80)
     (tmp_path / "r.yaml").write_text(RECIPE.format(tok=tiny_tokenizer_dir()))
     # The actors this launch's own Ray ran, read just before the launch shuts it down: not
-    # Ray Train's placement-group cleaner (that Ray ends with the run), nor the actor for
-    # Ray Datasets (the run gives Ray Train none).
+    # Ray Train's placement-group cleaner (that Ray ends with the run) nor its preemption
+    # watcher (a one-node Ray has no node to drain), nor the actor for Ray Datasets (the
+    # run gives Ray Train none); and that Ray's raylet started no idle workers ahead of use.
     import ray._private.state as ray_state
 
-    started, shutdown = set(), ray.shutdown
+    started, system, shutdown = set(), {}, ray.shutdown
 
     def read_then_shutdown(*a, **k):
         if ray.is_initialized():
             started.update(x["ActorClassName"] for x in ray_state.actors().values())
+            system.update(ray_state.state.get_system_config())
         return shutdown(*a, **k)
 
     monkeypatch.setattr(ray, "shutdown", read_then_shutdown)
@@ -64,7 +66,8 @@ def test_two_ray_workers_train_and_report(tmp_path, monkeypatch, capsys, unit):
         os.umask(old)
     assert not ray.is_initialized()  # the driver shut down the Ray it started
     assert {"RayTrainWorker", "SynchronizationActor", "LedgerService"} <= started, started
-    assert not started & {"PlacementGroupCleaner", "DatasetManager"}, started
+    assert not started & {"PlacementGroupCleaner", "PreemptionWatcher", "DatasetManager"}, started
+    assert system["enable_worker_prestart"] is False is system["prestart_worker_first_driver"]
     run_dir = tmp_path / "runs" / "e2e"
     # Private data at rest: the run folder (checkpoints, metrics), the unit stores (user
     # units: built by Ray Data tasks) and the ledger are owner-only.

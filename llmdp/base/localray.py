@@ -257,10 +257,11 @@ def start(run_dir: str, log=print, **init) -> LocalRay | None:
         ray.init(**init)  # a local Ray sized for the workers
     except ValueError as e:
         # A driver on a cluster node (a Ray job, `ray start`, SLURM symmetric-run, KubeRay)
-        # joins that cluster, whose resources are its own: Ray refuses num_cpus there.
+        # joins that cluster, whose resources and settings are its own: Ray refuses
+        # num_cpus there, and what only a one-node Ray of ours may leave out stays.
         if "existing cluster" not in str(e):
             raise
-        ray.init(**{k: v for k, v in init.items() if k not in ("num_cpus", "num_gpus")})
+        ray.init(**_joining(init))
         return None
     # What ray.init started: the driver's new children (GCS, raylet, dashboard, monitors).
     roots = [k for k in map(_key, me.children()) if k is not None and k not in before]
@@ -279,6 +280,17 @@ def start(run_dir: str, log=print, **init) -> LocalRay | None:
     finally:
         os.close(read_fd)
     return LocalRay(proc, write_fd, record)
+
+
+def _joining(init: dict) -> dict:
+    """``init`` for joining a cluster: without the resources and system settings of a new
+    Ray, and without :data:`LOCAL_RAY_ENV` (Ray Train's defaults stay on a cluster)."""
+    out = {k: v for k, v in init.items() if k not in ("num_cpus", "num_gpus", "_system_config")}
+    env = (out.get("runtime_env") or {}).get("env_vars")
+    if env:
+        out["runtime_env"] = {**out["runtime_env"],
+                              "env_vars": {k: v for k, v in env.items() if k not in LOCAL_RAY_ENV}}
+    return out
 
 
 def _record(processes, driver) -> dict:
@@ -358,6 +370,20 @@ ALLOCATOR_ENV = {
 TEST_ENV = ("LLMDP_FAULT", "LLMDP_TEST_PLANT", "LLMDP_TEST_PAUSE")
 
 
+#: Only on a local Ray that llmdp starts (`start_local_ray`: one node, no autoscaler, gone
+#: with its driver): Ray Train's preemption watcher, an actor (a process, ~1.5 CPU-s of
+#: imports) per worker group that polls the cluster for nodes being drained, has no node
+#: that could be drained. Given in the Ray's job environment, so Ray Train's controller
+#: reads it; a value the driver's own environment sets wins (Ray Train hands the driver's
+#: to its controller), and a driver that joins a cluster leaves it out (`_joining`).
+LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+#: The same Ray's raylet starts no idle Python workers ahead of use (one per CPU, ~0.4 CPU-s
+#: each): a launch's actors each carry a runtime environment of their own and never take
+#: one, so they idled until the end.
+LOCAL_RAY_SYSTEM = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+
+
 def run_env() -> dict[str, str]:
     """The environment of one run's workers and ledger actor: :data:`WORKER_ENV` and the
     test switches as the driver has them *now*, each present (empty where unset). Given per
@@ -387,8 +413,9 @@ def start_local_ray(run_dir: str, cfgs, log, num_cpus: int = 0):
         # Progress comes from metrics.jsonl; worker logs stay in Ray's session logs
         # (LLMDP_VERBOSE=1 shows them). A failing worker's traceback is still raised here.
         log_to_driver=os.environ.get("LLMDP_VERBOSE", "0") == "1",
-        runtime_env={"env_vars": run_env()},
+        runtime_env={"env_vars": {**run_env(), **LOCAL_RAY_ENV}},
         configure_logging=True,
+        _system_config=dict(LOCAL_RAY_SYSTEM),
     )
     quiet_ray_notices()
     return start(run_dir, log=log, num_cpus=num_cpus, **init)

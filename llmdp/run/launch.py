@@ -501,7 +501,7 @@ def _fit(prepared: RunSpec, log, interrupts: GracefulInterrupt | None = None) ->
                 worker_runtime_env=env,
             ),
         )
-        _without_unused_actors(trainer, own_ray=started_ray)
+        _without_unused_actors(trainer, own_ray=local is not None)
         # Ctrl-C: ours instead of Ray Train's (which aborts the workers mid-step): the first
         # stops the run after its current step, the second at once (`GracefulInterrupt`).
         trainer._register_sigint_handler = interrupts.install
@@ -531,8 +531,10 @@ def _without_unused_actors(trainer, own_ray: bool) -> None:
     - on a Ray this launch started, the placement-group cleaner: a detached actor that
       frees the workers' placement group should the controller die without doing so. That
       Ray, with all it holds, ends with this driver (`_fit`'s `finally`, or, were the driver
-      killed, its watchdog: `localray`). On a Ray that outlives the run (a cluster) it stays.
-    Another Ray Train, without these classes, keeps its defaults."""
+      killed, its watchdog: `localray`). On a Ray that outlives the run (a cluster this
+      driver joined, or one it found started: a sweep's, a caller's) it stays.
+    (Ray Train's preemption watcher is left out by that local Ray's environment:
+    `localray.LOCAL_RAY_ENV`.) Another Ray Train, without these classes, keeps its defaults."""
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
         from ray.train.v2._internal.callbacks.placement_group_callback import (

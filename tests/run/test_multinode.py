@@ -157,10 +157,9 @@ def test_a_killed_node_resumes_on_a_standby_node_and_counts_every_step(
     # The fault reaches the run's workers through the run's own environment
     # (localray.run_env), as any test switch does.
     monkeypatch.setenv("LLMDP_FAULT", f"step={HANG_STEP},rank=1,marker={marker},action=hang")
-    ray.init(address=cluster.address)
+    # The launch joins the cluster itself, as `llmdp train` on a cluster node does.
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     head = cluster.head_node.node_id
-    # The driver, hence its ledger actor, is on the head, where no worker fits (0 CPUs).
-    assert ray.get_runtime_context().get_node_id() == head
 
     stop, lost = threading.Event(), {}
 
@@ -194,6 +193,16 @@ def test_a_killed_node_resumes_on_a_standby_node_and_counts_every_step(
         killer.join(timeout=60)
     assert "error" not in lost, lost.get("error")
     assert rc == 0 and lost.get("node"), "the node was killed mid-run, and the run completed"
+    assert not ray.is_initialized()  # the launch left the cluster it joined ...
+    ray.init(address=cluster.address)
+    import ray._private.state as state
+
+    actors = list(state.actors().values())
+    # ... which kept Ray Train's placement-group cleaner and preemption watcher (only a
+    # local Ray of llmdp's goes without them); the driver, hence its ledger actor, was on
+    # the head, where no worker fits (0 CPUs)
+    assert {"PlacementGroupCleaner", "PreemptionWatcher"} <= {a["ActorClassName"] for a in actors}
+    assert [a["Address"]["NodeID"] for a in actors if a["ActorClassName"] == "LedgerService"] == [head]
 
     workers = _workers()
     assert len(workers) == 4  # two attempts of two workers
