@@ -1,13 +1,13 @@
-"""The test helpers' worker processes (`tests.helpers.start_processes`): forked from the
-preloaded forkserver, yet each with the caller's environment and working directory, as a
-spawned process has them."""
+"""The test helpers' worker processes (`tests.helpers.start_processes`) and commands
+(`tests.helpers.Command`): forked from the preloaded forkserver, yet each with the caller's
+environment and working directory, as a spawned process has them."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from tests.helpers import forkserver, start_processes
+from tests.helpers import Command, forkserver, start_processes
 
 
 def _write_env_and_cwd(rank: int, out: str) -> None:
@@ -31,3 +31,16 @@ def test_a_forked_worker_has_the_callers_environment_and_working_directory(tmp_p
     start_processes(_write_env_and_cwd, (str(tmp_path),), 2)
     for rank in range(2):
         assert (tmp_path / f"rank{rank}.txt").read_text() == f"this test's\n{work}"
+
+
+def test_a_forked_command_runs_in_its_directory_and_gives_its_exit_code_and_output(tmp_path):
+    p = forkserver().Process(target=_noop)  # a server started before (as by an earlier test)
+    p.start()
+    p.join()
+    work = tmp_path / "work"
+    work.mkdir()
+    log = tmp_path / "out.log"
+    cmd = Command(["train", "absent.yaml"], cwd=work, log=log)
+    assert cmd.wait(timeout=120) == 2 == cmd.returncode == cmd.poll()
+    assert cmd.output() == log.read_text()
+    assert f"recipe file not found: 'absent.yaml' (looked for {work / 'absent.yaml'})" in cmd.output()

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import dp_accounting
 import pytest
 
-from tests.helpers import TINY_MODEL_YAML, tiny_tokenizer_dir, write_notes
+from tests.helpers import TINY_MODEL_YAML, Command, tiny_tokenizer_dir, write_notes
 
 RECIPE = TINY_MODEL_YAML + """data: {{path: notes.jsonl, sequence_length: 32}}
 privacy: {{target_epsilon: 4.0, max_grad_norm: 0.5, delta: 1.0e-5, accountant: rdp}}  # (RDP: planned at once, 3 launches; PLD: test_e2e)
@@ -33,22 +31,21 @@ def _launch_and_ctrl_c(tmp_path, at: str) -> tuple[int, str]:
     until the first Ctrl-C: a SIGINT to the whole process group, as a terminal sends it."""
     marker = tmp_path / f"paused-at-{at}"
     env = {**os.environ, "LLMDP_TEST_PAUSE": f"at={at},marker={marker}"}
-    p = subprocess.Popen([sys.executable, "-m", "llmdp.cli", "train", "r.yaml"], cwd=tmp_path,
-                         env=env, start_new_session=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = Command(["train", "r.yaml"], cwd=tmp_path, env=env, new_session=True,
+                log=tmp_path / f"launch-{at}.log")
     try:
         deadline = time.monotonic() + 600
         while not marker.exists():
-            assert p.poll() is None, f"the launch ended before step {at}:\n{p.stdout.read()}"
+            assert p.poll() is None, f"the launch ended before step {at}:\n{p.output()}"
             assert time.monotonic() < deadline, f"no pause at {at} within 600 s"
             time.sleep(0.1)
         os.killpg(p.pid, signal.SIGINT)
-        out, _ = p.communicate(timeout=600)
+        p.wait(timeout=600)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    return p.returncode, out
+    return p.returncode, p.output()
 
 
 def _ledger(run_dir) -> list[dict]:

@@ -24,8 +24,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,7 +34,7 @@ import dp_accounting
 import pytest
 
 from llmdp.cli import main
-from tests.helpers import TINY_MODEL_YAML, dataset_records, tiny_tokenizer_dir, write_notes
+from tests.helpers import TINY_MODEL_YAML, Command, dataset_records, tiny_tokenizer_dir, write_notes
 
 pytestmark = pytest.mark.slow
 
@@ -268,15 +266,13 @@ def _gone_within_grace(procs, grace_s: float = 20.0) -> list[str]:
     return _live(procs)
 
 
-def _launch(tmp_path: Path, env: dict, seen: dict, until=None) -> subprocess.Popen:
+def _launch(tmp_path: Path, env: dict, seen: dict, until=None) -> Command:
     """`llmdp train r.yaml` as its own process; remembers every process under it (every Ray
     process it starts) until it exits or ``until()`` holds."""
     # With a budget: the relaunch holds its remaining steps again. One worker: the driver is
     # what this test loses.
-    proc = subprocess.Popen([sys.executable, "-m", "llmdp.cli", "train", "r.yaml",
-                             "privacy.budget_epsilon=50", "scaling.num_workers=1"], cwd=tmp_path,
-                            env=env, stdout=open(tmp_path / "driver.log", "a"),
-                            stderr=subprocess.STDOUT)
+    proc = Command(["train", "r.yaml", "privacy.budget_epsilon=50", "scaling.num_workers=1"],
+                   cwd=tmp_path, env=env, log=tmp_path / "driver.log")
     deadline = time.monotonic() + GUARD_S
     while proc.poll() is None and not (until is not None and until()):
         _remember_descendants(proc.pid, seen)

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -27,6 +25,7 @@ from llmdp.cli import main
 from llmdp.synthetic.generate import generate
 from llmdp.synthetic.output import sidecar_path
 from llmdp.synthetic.source import GenerateError
+from tests.helpers import Command
 from tests.synthetic._runs import lines, make_run
 
 QUIET = {"progress": False, "log": lambda *a: None}
@@ -107,16 +106,13 @@ def test_a_rerun_resumes_after_sigkill_without_duplicates_or_gaps(dp_run, tmp_pa
     whole = tmp_path / "whole.jsonl"
     generate(dp_run, out=whole, num_records=n, batch_size=1, **SMALL, **QUIET)
     out = tmp_path / "killed.jsonl"
-    argv = [sys.executable, "-m", "llmdp.cli", "generate", dp_run, "--num-records", str(n),
-            "--out", str(out), "--batch-size", "1", "--max-new-tokens", "20", "--no-progress"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
-        + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    argv = ["generate", dp_run, "--num-records", str(n), "--out", str(out), "--batch-size", "1",
+            "--max-new-tokens", "20", "--no-progress"]
+    proc = Command(argv, cwd=tmp_path, log=tmp_path / "generate.log")
     try:
         deadline = time.monotonic() + 120
         while not (out.exists() and len(lines(out)) >= 5):  # wait on the file, not a clock
-            assert proc.poll() is None, proc.stderr.read().decode()
+            assert proc.poll() is None, proc.output()
             assert time.monotonic() < deadline, "no record written in 120 s"
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)

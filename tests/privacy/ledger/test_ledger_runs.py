@@ -16,7 +16,7 @@ import pytest
 from llmdp.config.schema import recipe_from_dict
 from llmdp.privacy.ledger.records import Ledger
 from llmdp.train.loop import LocalContext, train_loop_per_worker
-from tests.helpers import dataset_records, simulate_steps, tiny_tokenizer_dir, write_notes
+from tests.helpers import Command, dataset_records, simulate_steps, tiny_tokenizer_dir, write_notes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -382,11 +382,10 @@ def test_two_concurrent_runs_under_a_budget_that_fits_one(tmp_path):
         raw["scaling"] = {"num_workers": 1, "cpus_per_worker": 1}
         path = tmp_path / f"{raw['output']['name']}.yaml"
         path.write_text(yaml.safe_dump(raw))
-        procs.append(subprocess.Popen([sys.executable, "-m", "llmdp.cli", "train", str(path)],
-                                      env=env, cwd=REPO, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outs = [pr.communicate(timeout=600)[0] for pr in procs]
-    codes = [pr.returncode for pr in procs]
+        procs.append(Command(["train", str(path)], env=env, cwd=REPO,
+                             log=tmp_path / f"{raw['output']['name']}.log"))
+    codes = [pr.wait(timeout=600) for pr in procs]
+    outs = [pr.output() for pr in procs]
     assert sorted(codes) == [0, 2], (codes, outs)
     loser = outs[codes.index(2)]
     winner_name = "ab"[codes.index(0)]
