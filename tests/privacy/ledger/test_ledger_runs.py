@@ -345,7 +345,7 @@ def test_allowed_failures_finish_and_the_report_says_so_first(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_two_concurrent_runs_under_a_budget_that_fits_one(tmp_path):
+def test_two_concurrent_runs_under_a_budget_that_fits_one(tmp_path, monkeypatch):
     """Two `llmdp train` processes on the same data at once, with a budget that fits one
     plan: exactly one trains; the other is refused before its first step (its plan does
     not fit beside the first's hold), with a message naming the run that holds the budget.
@@ -356,15 +356,16 @@ def test_two_concurrent_runs_under_a_budget_that_fits_one(tmp_path):
     procs, recipes = [], []
     env = {**os.environ, "LLMDP_HOME": str(tmp_path / "home"), "LLMDP_CACHE": str(tmp_path / "cache"),
            "PYTHONPATH": REPO}
-    # Build the unit store and the plan once (a probe), so that both launches start together.
-    (tmp_path / "probe.yaml").write_text(yaml.safe_dump(
-        {**_raw(tmp_path, data), "output": {"dir": str(tmp_path / "probe"), "name": "p"}}))
-    subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        import yaml
-        from llmdp.config.schema import recipe_from_dict
-        from llmdp.run.launch import prepare
-        prepare(recipe_from_dict(yaml.safe_load(open({str(tmp_path / 'probe.yaml')!r}))), log=print)
-    """)], env=env, cwd=REPO, check=True, timeout=300)
+    # Build the unit store and the plan once (a probe, here), so that both launches start
+    # together.
+    from llmdp.config.schema import recipe_from_dict
+    from llmdp.run.launch import prepare
+
+    with monkeypatch.context() as m:
+        for k in ("LLMDP_HOME", "LLMDP_CACHE"):
+            m.setenv(k, env[k])
+        prepare(recipe_from_dict({**_raw(tmp_path, data),
+                                  "output": {"dir": str(tmp_path / "probe"), "name": "p"}}), log=print)
     for name in ("a", "b"):
         raw = _raw(tmp_path, data, name=name)
         raw["privacy"]["budget_epsilon"] = 0.0  # replaced below
