@@ -399,10 +399,16 @@ def start_processes(fn, args: tuple, nprocs: int) -> None:
 
 
 def _as_spawned(rank, fn, env, cwd, args):
+    _adopt(env, cwd)
+    fn(rank, *args)
+
+
+def _adopt(env: dict, cwd: str) -> None:
+    """A forked process takes the caller's environment and working directory (it has the
+    forkserver's, from the test that started the server)."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    fn(rank, *args)
 
 
 # What a forked `llmdp` command imports beyond the workers' modules: the driver's launch,
@@ -450,7 +456,9 @@ class Command:
             os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        self.send_signal(9)  # SIGKILL
+        import signal
+
+        self.send_signal(signal.SIGKILL)
 
     def output(self) -> str:
         with open(self.log, errors="replace") as f:
@@ -462,9 +470,7 @@ def _run_command(args, cwd, env, log, new_session):
 
     if new_session:
         os.setsid()
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
+    _adopt(env, cwd)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -472,12 +478,7 @@ def _run_command(args, cwd, env, log, new_session):
     sys.argv = ["llmdp", *args]
     from llmdp.cli import main
 
-    try:
-        code = main(args)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    sys.exit(code)
+    sys.exit(main(args))  # the exit code; multiprocessing flushes stdout and stderr
 
 
 # ------------------------------------------------------------------ import graphs
