@@ -20,6 +20,17 @@ def _script(name: str):
     return module
 
 
+def _clipping():
+    """benchmarks/clipping.py, its per-method processes forked from the tests' forkserver
+    (``tests.helpers.ForkedScripts``: the same script run as ``__main__``, without a fresh
+    interpreter's ~3.5 CPU-s of imports each)."""
+    from tests.helpers import ForkedScripts
+
+    module = _script("clipping")
+    module.subprocess = ForkedScripts
+    return module
+
+
 @pytest.mark.parametrize("sampler", ["poisson", "truncated-poisson"])
 def test_sampling_benchmark_runs_small(tmp_path, capsys, sampler):
     main = _script("sampling").main
@@ -47,8 +58,8 @@ def test_sampling_benchmark_draw_only_runs_small(capsys):
     assert lines[-1]["reference_over_poisson_s_at_small_n"] > 0
 
 
-# benchmarks/clipping.py on a tiny Llama: every method runs in its own subprocess (~5 s of
-# imports each), so these tests run few methods and one timed step.
+# benchmarks/clipping.py on a tiny Llama: every method runs in its own process (forked here,
+# `_clipping`), so these tests run few methods and one timed step.
 TINY = dict(hidden=32, intermediate=64, layers=2, heads=2, vocab=128, seq=16, batch=4)
 
 
@@ -84,7 +95,7 @@ def test_clipping_benchmark_peak_table():
 
 
 def test_clipping_benchmark_lora_reports_throughput_and_mfu(tmp_path, capsys):
-    main = _script("clipping").main
+    main = _clipping().main
     rank, peak = 2, 0.5
     out = tmp_path / "lora.json"
     assert main(_tiny_argv(lora_rank=rank, peak_tflops=peak, methods="non-private,llmdp-auto",
@@ -118,7 +129,7 @@ def test_clipping_benchmark_full_flops_and_missing_opake(tmp_path, capsys, monke
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(shadow.parent), ROOT, os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "full.json"
-    assert _script("clipping").main(_tiny_argv(
+    assert _clipping().main(_tiny_argv(
         methods="opake-whole-batch,non-private,opake-microbatch", json=out)) == 0
     table = capsys.readouterr().out
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
@@ -139,7 +150,7 @@ def test_clipping_benchmark_opake_rows_match_llmdp(tmp_path):
     """Where Opake is installed, its rows compute llmdp's clipped sum (LoRA, tiny model)."""
     pytest.importorskip("opake.api.engine.clipping")
     out = tmp_path / "opake.json"
-    assert _script("clipping").main(_tiny_argv(
+    assert _clipping().main(_tiny_argv(
         lora_rank=2, methods="llmdp-auto,opake-whole-batch,opake-microbatch", json=out)
         + ["--lora"]) == 0
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
@@ -160,18 +171,30 @@ def test_contractions_benchmark_runs_small_on_cpu(capsys):
         assert line.count("x)") == 3, line
 
 
-def test_checkpoint_benchmark_runs_small(tmp_path):
-    """benchmarks/checkpoint.py on a tiny Llama, 1 and 2 gloo processes (a script run: its
-    workers are spawned from it); every (world size, path) row is there and consistent."""
-    import subprocess
-    import sys
+def test_checkpoint_benchmark_runs_small(tmp_path, capsys, monkeypatch):
+    """benchmarks/checkpoint.py on a tiny Llama, 1 and 2 gloo processes (forked from the
+    tests' forkserver instead of spawned: the script's worker function, the same program);
+    every (world size, path) row is there and consistent."""
+    import torch.multiprocessing as mp
 
+    from tests.helpers import in_script, start_processes
+
+    path = os.path.join(ROOT, "benchmarks", "checkpoint.py")
+
+    spawn = mp.start_processes
+
+    def forked(fn, args=(), nprocs=1, join=True, start_method="spawn"):
+        if start_method != "spawn":  # start_processes' own call, from the forkserver
+            return spawn(fn, args=args, nprocs=nprocs, join=join, start_method=start_method)
+        assert join
+        start_processes(in_script, (path, fn.__name__, *args), nprocs)
+
+    monkeypatch.setattr(mp, "start_processes", forked)
     out = tmp_path / "rows.json"
-    argv = [sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint.py"), "--hidden", "32",
-            "--intermediate", "64", "--layers", "2", "--heads", "2", "--vocab", "128",
+    argv = ["--hidden", "32", "--intermediate", "64", "--layers", "2", "--heads", "2", "--vocab", "128",
             "--worlds", "1,2", "--repeats", "1", "--dir", str(tmp_path), "--json", str(out)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert _script("checkpoint").main(argv) == 0
+    stdout = capsys.readouterr().out
     rows = json.load(open(out))
     assert sorted((r["world"], r["path"]) for r in rows) == [(1, "dcp"), (1, "full"), (2, "dcp"), (2, "full")]
     h, i, L, V = 32, 64, 2, 128
@@ -182,7 +205,7 @@ def test_checkpoint_benchmark_runs_small(tmp_path):
     # Rank 0 writes the whole state on the full path; only its shards (and the index) on dcp.
     full2 = next(r for r in rows if r["world"] == 2 and r["path"] == "full")
     assert full2["rank0_bytes_written"] > full2["state_bytes"]
-    assert "| 2 | dcp |" in done.stdout and "dcp ÷ full" in done.stdout
+    assert "| 2 | dcp |" in stdout and "dcp ÷ full" in stdout
 
 
 def test_checkpoint_benchmark_table_ratios():
@@ -311,7 +334,7 @@ def test_clipping_benchmark_falls_back_to_fewer_kernels_and_counts_the_gram_path
     why the others failed; the variants compute the same clipped sum. ``--gram lowp`` sends
     every Linear call to the Gram path (the row counts them), and the profiled step's counts
     come back in the row."""
-    clip = _script("clipping")
+    clip = _clipping()
     out = tmp_path / "fallback.json"
     monkeypatch.setenv("LLMDP_BENCH_FAIL_VARIANTS", "default,no-gram-rownorm")
     # --gram lowp asked, but the fallback variant leaves the Gram path out: the variant wins
@@ -342,7 +365,7 @@ def test_clipping_benchmark_falls_back_to_fewer_kernels_and_counts_the_gram_path
 
 
 def test_clipping_benchmark_method_timeout_ends_one_row_not_the_run(tmp_path):
-    clip = _script("clipping")
+    clip = _script("clipping")  # a fresh interpreter: a forked one finishes inside the timeout
     out = tmp_path / "timeout.json"
     assert clip.main(_tiny_argv(methods="non-private", json=out) + ["--method-timeout", "0.2"]) == 0
     data = json.loads(out.read_text())

@@ -1,13 +1,17 @@
-"""The test helpers' worker processes (`tests.helpers.start_processes`) and commands
-(`tests.helpers.Command`): forked from the preloaded forkserver, yet each with the caller's
+"""The test helpers' worker processes (`tests.helpers.start_processes`), commands
+(`tests.helpers.Command`) and benchmark scripts (`tests.helpers.ForkedScripts`): forked from the preloaded forkserver, yet each with the caller's
 environment and working directory, as a spawned process has them."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.helpers import Command, forkserver, start_processes
+import pytest
+
+from tests.helpers import Command, ForkedScripts, forkserver, start_processes
 
 
 def _write_env_and_cwd(rank: int, out: str) -> None:
@@ -44,3 +48,39 @@ def test_a_forked_command_runs_in_its_directory_and_gives_its_exit_code_and_outp
     assert cmd.wait(timeout=120) == 2 == cmd.returncode == cmd.poll()
     assert cmd.output() == log.read_text()
     assert f"recipe file not found: 'absent.yaml' (looked for {work / 'absent.yaml'})" in cmd.output()
+
+
+SCRIPT = """
+import os, sys
+import shown_by_pythonpath
+print("out", os.getcwd(), os.environ["LLMDP_HELPER_CHECK"], sys.argv[1:], __name__, flush=True)
+print("err", shown_by_pythonpath.WHERE, file=sys.stderr, flush=True)
+if sys.argv[1] == "wait":
+    import signal
+    signal.pause()
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_forked_script_runs_as_a_fresh_interpreter_would(tmp_path):
+    """``python SCRIPT ARGS`` as `subprocess.run` gives it: the script as ``__main__`` with
+    its arguments, the given environment (its PYTHONPATH on the module path) and directory,
+    its exit code, its stdout and stderr; past the timeout it is killed and TimeoutExpired
+    carries what it wrote."""
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "shown_by_pythonpath.py").write_text("WHERE = 'lib'\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = dict(os.environ, LLMDP_HELPER_CHECK="given", PYTHONPATH=str(lib))
+    done = ForkedScripts.run([sys.executable, str(script), "3"], capture_output=True, text=True,
+                             env=env, cwd=str(work), timeout=120)
+    assert done.returncode == 3
+    assert done.stdout == f"out {work} given ['3'] __main__\n" and done.stderr == "err lib\n"
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        ForkedScripts.run([sys.executable, str(script), "wait"], env=env, cwd=str(work), timeout=2)
+    assert e.value.output.startswith("out ") and e.value.stderr == "err lib\n"
+    with pytest.raises(ValueError, match="runs `python SCRIPT.py"):
+        ForkedScripts.run(["ls"], env=env)
