@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import traceback
 from pathlib import Path
 
@@ -37,7 +35,7 @@ from llmdp.privacy.accounting.events import dpsgd_step_event, event_to_json
 from llmdp.privacy.ledger.budget import unit_key
 from llmdp.privacy.ledger.database import LedgerDB
 from llmdp.privacy.ledger.service import BudgetError, LedgerService
-from tests.helpers import forkserver
+from tests.helpers import Command, forkserver
 
 Q, SIGMA, DELTA, BUDGET = 0.01, 1.0, 1e-5, 2.0
 A_STEPS, B_STEPS, BLOCK = 600, 1500, 100
@@ -212,9 +210,9 @@ def test_releases_inside_a_runs_own_hold_are_checked_against_the_dataset(tmp_pat
     release_all(a, 2 * BLOCK, out)
     assert out["steps"] == 2 * BLOCK
     legacy = _legacy_ledger(tmp_path / "old.jsonl", B_STEPS)
-    subprocess.run([sys.executable, "-m", "llmdp.cli", "privacy", "ledger", "import", str(legacy),
-                    "--dataset", DS, "--ledger", location], check=True, cwd=REPO,
-                   env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, timeout=WAIT_S)
+    cmd = Command(["privacy", "ledger", "import", str(legacy), "--dataset", DS, "--ledger", location],
+                  cwd=REPO, log=tmp_path / "import.log")  # `llmdp`, forked from the forkserver
+    assert cmd.wait(timeout=WAIT_S) == 0, cmd.output()
     ok, why = a.admit(2 * BLOCK)  # step 200 of 600: inside A's hold
     assert not ok
     assert "privacy.budget_epsilon=2 reached on the dataset ledger 'notes'" in why, why
