@@ -257,7 +257,10 @@ def _interpreted(script: str) -> None:
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
     # The interpreter runs every kernel program in Python: minutes on a quiet machine, many
-    # more on a loaded one. The limit only guards against a hang.
+    # more on a loaded one. The limit only guards against a hang. A fresh interpreter, not
+    # one forked from the tests' forkserver (tests.helpers.ForkedScripts): Triton must be
+    # imported with TRITON_INTERPRET set, and the server has imported it without (its own
+    # @jit library functions then refuse to run inside an interpreted kernel).
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=3600, cwd=root)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
