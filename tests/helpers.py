@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
 
 import torch
@@ -458,8 +459,6 @@ class Command:
     def wait(self, timeout: float | None = None) -> int:
         self._p.join(timeout)
         if self._p.exitcode is None:
-            import subprocess
-
             raise subprocess.TimeoutExpired(f"llmdp (pid {self.pid})", timeout)
         return self._p.exitcode
 
@@ -483,14 +482,20 @@ def _run_command(args, cwd, env, log, new_session):
     if new_session:
         os.setsid()
     _adopt(env, cwd)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    _output_to(log, (1, 2), os.O_APPEND)
     sys.argv = ["llmdp", *args]
     from llmdp.cli import main
 
     sys.exit(main(args))  # the exit code; multiprocessing flushes stdout and stderr
+
+
+def _output_to(path: str, fds: tuple[int, ...], mode: int) -> None:
+    """This process's file descriptors ``fds`` (1: stdout, 2: stderr) write to ``path``
+    (``mode``: ``os.O_APPEND`` or ``os.O_TRUNC``), owner-only."""
+    f = os.open(path, os.O_WRONLY | os.O_CREAT | mode, 0o600)
+    for fd in fds:
+        os.dup2(f, fd)
+    os.close(f)
 
 
 class ForkedScripts:
@@ -506,10 +511,8 @@ class ForkedScripts:
     (``monkeypatch.setattr(module, "subprocess", ForkedScripts)``); the script itself is
     unchanged."""
 
-    import subprocess as _sp
-
-    TimeoutExpired = _sp.TimeoutExpired
-    CompletedProcess = _sp.CompletedProcess
+    TimeoutExpired = subprocess.TimeoutExpired
+    CompletedProcess = subprocess.CompletedProcess
 
     @staticmethod
     def run(cmd, *, capture_output=True, text=True, timeout=None, env=None, cwd=None):
@@ -545,10 +548,8 @@ def _run_script(argv, cwd, env, out, err):
     import sys
 
     _adopt(env, cwd)
-    for path, fd in ((out, 1), (err, 2)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(f, fd)
-        os.close(f)
+    _output_to(out, (1,), os.O_TRUNC)
+    _output_to(err, (2,), os.O_TRUNC)
     script = os.path.abspath(argv[0])
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [os.path.dirname(script), *extra, *sys.path[1:]]

@@ -1,6 +1,7 @@
 """The test helpers' worker processes (`tests.helpers.start_processes`), commands
-(`tests.helpers.Command`) and benchmark scripts (`tests.helpers.ForkedScripts`): forked from the preloaded forkserver, yet each with the caller's
-environment and working directory, as a spawned process has them."""
+(`tests.helpers.Command`) and benchmark scripts (`tests.helpers.ForkedScripts`): forked
+from the preloaded forkserver, yet each with the caller's environment and working
+directory, as a spawned process has them."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_a_forked_script_runs_as_a_fresh_interpreter_would(tmp_path):
     assert done.returncode == 3
     assert done.stdout == f"out {work} given ['3'] __main__\n" and done.stderr == "err lib\n"
     with pytest.raises(subprocess.TimeoutExpired) as e:
-        ForkedScripts.run([sys.executable, str(script), "wait"], env=env, cwd=str(work), timeout=2)
+        ForkedScripts.run([sys.executable, str(script), "wait"], env=env, cwd=str(work), timeout=5)
     assert e.value.output.startswith("out ") and e.value.stderr == "err lib\n"
     with pytest.raises(ValueError, match="runs `python SCRIPT.py"):
         ForkedScripts.run(["ls"], env=env)
