@@ -674,3 +674,45 @@ def test_deferred_roots_change_no_bit_of_the_norms_or_the_sums(monkeypatch, mode
     b = run(False)
     assert not groups
     assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu", "off-cpu"])
+def test_large_roots_wait_only_off_the_cpu_and_change_no_bit(monkeypatch, cpu):
+    """On the CPU an instantiated gradient larger than ``PendingRoot.CPU_MAX_BYTES`` has its
+    norm taken in its call (a stack of such h is slower to reduce than each h on its own),
+    off it up to ``MAX_BYTES`` in the bound computation, with the other calls of its shape;
+    the norms used and the clipped sums are the per-call ones bit for bit either way."""
+    if not cpu:
+        monkeypatch.setattr(lowp, "on_cpu", lambda x: False)
+    monkeypatch.setattr(engine, "WINDOWS", 1)
+    torch.manual_seed(2)
+    # h of the 64x64 weights: [3 units, 4,096] float32, 48 KiB; of the others 12 KiB or less
+    model = nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 5))
+    x = torch.randn(5, 7, 12)
+    units = torch.tensor([0, 0, 1, 2, -1])
+    big = (3, 64 * 64)
+    assert 4 * big[0] * big[1] > norms.PendingRoot.CPU_MAX_BYTES
+    assert 4 * 3 * 12 * 64 <= norms.PendingRoot.CPU_MAX_BYTES
+
+    def run(defer: bool):
+        monkeypatch.setattr(norms, "DEFER_ROOT", defer)
+        return clipped_step(model, lambda: model(x).square().mean((1, 2)), units,
+                            mode="book-keeping", layer_policy="instantiate")
+
+    shapes = []
+    real = norms.PendingRoot.form_all
+
+    def spy(pending):
+        shapes.extend(tuple(p.h2.shape) for p in pending)
+        return real(pending)
+
+    monkeypatch.setattr(norms.PendingRoot, "form_all", staticmethod(spy))
+    a = run(True)
+    assert (3, 12 * 64) in shapes  # a small one waits on every device
+    assert (shapes.count(big) == 2) is (not cpu)
+    assert cpu is (big not in shapes)
+    shapes.clear()
+    b = run(False)
+    assert not shapes
+    assert_same_bits(a, b)
