@@ -727,8 +727,8 @@ class PendingRoot:
     threshold, faulted in every step). Measured on one core under the workers' allocator
     settings, 40 h of one shape, stacked vs each its own, µs: [8, 1,024] 162 vs 262,
     [32, 256] 148 vs 239, [8, 4,096] 1,472 vs 608, [8, 11,008] 5,390 vs 2,076, [32, 4,096]
-    26,298 vs 4,785. Either way each norm is the same operation on the same h, so the same
-    bits (tests/clipping/test_norm_bounds.py)."""
+    26,298 vs 4,785. Either way each unit's norm is the same float64 reduction of the same
+    k entries; the tests compare the bits (tests/clipping/test_norm_bounds.py)."""
 
     __slots__ = ("h2",)
     MAX_BYTES = 1 << 22
