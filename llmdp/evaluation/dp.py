@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import dp_accounting
 import numpy as np
 
 from llmdp.privacy import accounting as _acc
 from llmdp.privacy.noise import keyed_normal
+
+if TYPE_CHECKING:  # imported where used: a training worker loads this module, never those
+    import dp_accounting
 
 __all__ = ["DpEvalPlan", "plan_dp_eval", "noisy_sums", "release", "normalized_sums"]
 
@@ -80,6 +83,8 @@ class DpEvalPlan:
         return self.noise_multiplier * self.sensitivity
 
     def event(self) -> dp_accounting.DpEvent:
+        import dp_accounting
+
         return dp_accounting.GaussianDpEvent(self.noise_multiplier)
 
     def entries(self) -> list:
@@ -132,6 +137,8 @@ def plan_dp_eval(*, epsilon: float | None, noise_multiplier: float | None, steps
     at = tuple(sorted({int(s) for s in steps if 0 < int(s) < total_steps} | {int(total_steps)}))
     r = len(at)
     if noise_multiplier is None:
+        import dp_accounting
+
         if epsilon is None:
             raise ValueError("plan_dp_eval: give epsilon or noise_multiplier")
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-
-import dp_accounting
+from typing import TYPE_CHECKING
 
 from llmdp.config.choices import Accountant, Choice, Mechanism, Relation, Sampler
 from llmdp.config.validate import _check_delta, _check_positive, _check_steps, _is_int, _is_number
@@ -32,6 +31,9 @@ from llmdp.privacy.accounting import (
 )
 from llmdp.privacy.mechanism import DpSgd, MechanismConfig, check_config
 from llmdp.privacy.noise import MAX_TAIL_FRACTION, NOISE_TAIL, NoiseTail, noise_tail
+
+if TYPE_CHECKING:  # a plan's events are built at the call (`events`): a worker builds none
+    import dp_accounting
 
 __all__ = [
     "PlanError",

@@ -26,6 +26,10 @@ from dp_accounting.rdp import RdpAccountant
 from llmdp.config.choices import Accountant
 from llmdp.config.validate import _check_delta, _check_steps
 from llmdp.privacy.accounting.events import dpsgd_step_event, is_truncated
+from llmdp.privacy.accounting.grids import (  # noqa: F401 - the accountant's names too
+    PLD_DISPLAY_DISCRETIZATION_INTERVAL,
+    PLD_VALUE_DISCRETIZATION_INTERVAL,
+)
 
 __all__ = [
     "NEIGHBORING_RELATION",
@@ -67,10 +71,6 @@ _quiet_dropped_orders()
 
 # Adding or removing one privacy unit: the relation Poisson subsampling is analysed under.
 NEIGHBORING_RELATION = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-
-# dp-accounting's default. Measured on 2 CPU cores for q=0.01, T=2000, sigma~1: ~0.5-1.2 s
-# per epsilon (1e-3 would be ~10x faster but over-reports epsilon by ~0.1%-0.3%).
-PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-4
 
 # RDP converts to (eps, delta) by minimizing over orders, so the grid decides how tight
 # the bound is: fractional orders near 1 (they win at large epsilon), every 0.1 up to
@@ -483,12 +483,6 @@ def _epsilon_cached(
     steps = _check_steps(steps, 0)
     event = _event_for(sampling_probability, noise_multiplier, dataset_size, max_batch_size)
     return epsilon([(event, steps)], delta, accountant, value_discretization_interval)
-
-
-# A coarser PLD grid: ~10x faster, pessimistic like the default (it rounds privacy losses
-# up), and a little looser (~0.1-0.3% larger epsilon). For progress bars, plots and the
-# planner's searches only; reported guarantees always use `epsilon` above.
-PLD_DISPLAY_DISCRETIZATION_INTERVAL = 1e-3
 
 
 def epsilon_estimate(

@@ -19,12 +19,9 @@ import functools
 import math
 from collections.abc import Callable
 
-from dp_accounting.rdp import RdpAccountant
-from scipy.optimize import brentq
-
 from llmdp.config.choices import Accountant
-from llmdp.privacy.accounting import accountant as _acc
 from llmdp.privacy.accounting.events import dpsgd_step_event
+from llmdp.privacy.accounting.grids import PLD_DISPLAY_DISCRETIZATION_INTERVAL
 
 __all__ = [
     "SIGMA_RTOL",
@@ -45,9 +42,13 @@ __all__ = [
 SIGMA_RTOL = 1e-5
 
 # The PLD grid of the planner's searches (B_max, and sigma under the truncated event):
-# ~10x faster than the reporting grid `_acc.PLD_VALUE_DISCRETIZATION_INTERVAL`, and
+# ~10x faster than the reporting grid `grids.PLD_VALUE_DISCRETIZATION_INTERVAL`, and
 # pessimistic like it. Every number a plan carries is recomputed on the reporting grid.
-_SEARCH_INTERVAL = _acc.PLD_DISPLAY_DISCRETIZATION_INTERVAL
+_SEARCH_INTERVAL = PLD_DISPLAY_DISCRETIZATION_INTERVAL
+#
+# The accountant (dp-accounting, scipy: ~1 CPU-s of imports) is imported by the functions
+# that evaluate ε, not with this module: a training worker loads it (through the run's
+# plan) and never calibrates.
 
 
 class PlanError(ValueError):
@@ -149,6 +150,8 @@ def solve(eps, target: float, lo: float, hi: float, *, rtol: float, log: bool = 
             return eps(x) - target
 
         a, b, tol = lo, hi, rtol * lo
+    from scipy.optimize import brentq
+
     root, result = brentq(gap, a, b, xtol=tol, full_output=True)
     if not result.converged:
         root = None
@@ -260,6 +263,8 @@ class EpsilonCurve:
     def __call__(self, sigma: float) -> float:
         sigma = float(sigma)
         if sigma not in self._values:
+            from llmdp.privacy.accounting import accountant as _acc
+
             delta = self.delta_for(sigma)
             if delta <= 0:
                 value = math.inf  # the noise tails alone spend δ at this sigma
@@ -296,6 +301,10 @@ def _rdp_upper_bound(curve: EpsilonCurve, sigma: float) -> float:
     delta = curve.delta_for(sigma)
     if delta <= 0:
         return math.inf
+    from dp_accounting.rdp import RdpAccountant
+
+    from llmdp.privacy.accounting import accountant as _acc
+
     acc = RdpAccountant(_START_ORDERS, _acc.NEIGHBORING_RELATION)
     acc.compose(dpsgd_step_event(curve.q, sigma), curve.steps)
     return float(acc.get_epsilon(delta))

@@ -8,7 +8,6 @@ import dataclasses
 import math
 
 from llmdp.config.choices import Accountant
-from llmdp.privacy.accounting import accountant as _acc
 from llmdp.privacy.accounting.calibrate import (
     _SEARCH_INTERVAL,
     Memo,
@@ -25,6 +24,8 @@ __all__ = ["calibrate_with_prior", "composed_epsilon", "release_entries"]
 def release_entries(releases) -> tuple[list, float]:
     """(entries, delta_threshold) of earlier releases a run builds on (``plan.json``
     ``prior_releases``: dicts with ``event`` JSON, ``count`` and ``extra``)."""
+    from llmdp.privacy.accounting import accountant as _acc  # at the call, as in `calibrate`
+
     releases = list(releases)
     return ([(event_from_json(r["event"]), int(r["count"])) for r in releases],
             _acc.threshold_delta(releases))
@@ -45,6 +46,8 @@ def composed_epsilon(plan, prior_releases=(), accountant: str | None = None,
     if plan.accountant_delta <= d_thr:
         return math.inf
     entries = prior + ([(plan.step_event(), steps)] if steps else [])
+    from llmdp.privacy.accounting import accountant as _acc
+
     return _acc.epsilon_with_threshold(entries, plan.accountant_delta, d_thr,
                                        accountant or plan.accountant, value_discretization_interval)
 
@@ -71,6 +74,8 @@ def calibrate_with_prior(plan, prior_releases, rtol: float = 1e-3):
             f"releases (private tokenizer thresholds) already spend; raise privacy.delta (below "
             f"1/N) or train the tokenizer with a smaller delta"
         )
+    from llmdp.privacy.accounting import accountant as _acc
+
     spent = _acc.epsilon_with_threshold(prior_entries, plan.delta, d_thr, plan.accountant)
     # (at the whole δ: what the earlier releases alone spend, before any tail of this run)
     if spent >= target:

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import math
 
-from scipy import stats
-
 from llmdp.config.choices import Accountant
-from llmdp.privacy.accounting import accountant as _acc
 from llmdp.privacy.accounting.calibrate import (
     _SEARCH_INTERVAL,
     EpsilonCurve,
@@ -43,6 +40,8 @@ _MAX_ROUNDS = 6
 def truncation_probability(dataset_size: int, sampling_probability: float, max_batch_size: int) -> float:
     """P(|S| > B_max) for S ~ Binomial(N, q): the per-step probability that truncated
     Poisson sampling drops units. `scipy.stats.binom.sf(B_max, N, q)`."""
+    from scipy import stats  # here: a training worker loads this module, never scipy's
+
     return float(stats.binom.sf(int(max_batch_size), int(dataset_size), float(sampling_probability)))
 
 
@@ -63,6 +62,10 @@ def truncation_cost(
     coarser one). 0.0 where no truncation can happen (B_max >= N, or a tail probability
     that underflows: dp-accounting then uses the Poisson PLD itself).
     """
+    from scipy import stats
+
+    from llmdp.privacy.accounting import accountant as _acc
+
     # dp-accounting's own shortcut, for the event's dataset size N + 1 (`dpsgd_step_event`).
     if stats.binom.sf(int(max_batch_size) - 1, int(dataset_size), sampling_probability) == 0.0:
         return 0.0  # exactly the Poisson PLD (dp-accounting's own shortcut): no PLD needed

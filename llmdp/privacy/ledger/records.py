@@ -60,13 +60,19 @@ import hashlib
 import json
 import os
 from pathlib import Path
-
-import dp_accounting
+from typing import TYPE_CHECKING
 
 from llmdp._fs import fsync_dir
 from llmdp.config.choices import Mechanism
 from llmdp.config.validate import _is_int
-from llmdp.privacy.accounting import event_from_json, threshold_delta
+from llmdp.privacy import accounting as _acc
+
+if TYPE_CHECKING:
+    import dp_accounting
+
+# The accounting (dp-accounting, and the scipy it loads: ~1 CPU-s) is reached through the
+# package, at the call: a training worker loads this module (through the run's spec) and
+# never reads an event.
 
 __all__ = ["LEDGER_FILENAME", "GENESIS", "LedgerError", "LedgerDamaged", "Ledger", "canonical", "record_hash",
            "append_line", "release_entries", "check_record", "now", "is_step_release",
@@ -255,7 +261,7 @@ def release_entries(numbered_records, where: str) -> list[tuple[dp_accounting.Dp
         key = json.dumps(rec["event"], sort_keys=True)
         if key not in events:
             try:
-                events[key] = event_from_json(rec["event"])
+                events[key] = _acc.event_from_json(rec["event"])
             except Exception as e:
                 raise LedgerError(f"{where}: record {n} has an unreadable event: {e}") from e
         counts[key] = counts.get(key, 0) + int(rec["count"])
@@ -396,7 +402,7 @@ class Ledger:
 
     def delta_threshold(self) -> float:
         """Combined delta of the thresholds of thresholded releases (private tokenizers)."""
-        return threshold_delta(r for r in self.records() if r["kind"] == _RELEASE_KIND)
+        return _acc.threshold_delta(r for r in self.records() if r["kind"] == _RELEASE_KIND)
 
     def total_count(self, run_id: str | None = None) -> int:
         """Sum of release counts, net of voids (of one run if `run_id` is given)."""
