@@ -26,7 +26,7 @@ from dp_accounting.rdp import RdpAccountant
 from llmdp.config.choices import Accountant
 from llmdp.config.validate import _check_delta, _check_steps
 from llmdp.privacy.accounting.events import dpsgd_step_event, is_truncated
-from llmdp.privacy.accounting.grids import (  # noqa: F401 - the accountant's names too
+from llmdp.privacy.accounting.grids import (
     PLD_DISPLAY_DISCRETIZATION_INTERVAL,
     PLD_VALUE_DISCRETIZATION_INTERVAL,
 )

@@ -67,6 +67,7 @@ def dpsgd_step_event(
     q = B/N, the rate the sampler actually uses.
     """
     import dp_accounting
+
     q = float(sampling_probability)
     sigma = float(noise_multiplier)
     if not (0.0 < q <= 1.0):
@@ -101,6 +102,7 @@ def dpsgd_step_event(
 def is_truncated(event: dp_accounting.DpEvent) -> bool:
     """Whether `event` is, or contains, a `TruncatedSubsampledGaussianDpEvent`."""
     import dp_accounting
+
     if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
         return True
     if isinstance(event, dp_accounting.SelfComposedDpEvent):
@@ -132,6 +134,7 @@ def _plain(value: Any) -> Any:
 def event_to_json(event: dp_accounting.DpEvent) -> dict:
     """A plain, JSON-able dict of `event` (keeps `module_name`, `class_name`, all fields)."""
     from dp_accounting import dp_event
+
     if not isinstance(event, dp_event.DpEvent):
         raise TypeError(f"event must be a dp_accounting.DpEvent, got {type(event).__name__}")
     return _plain(event.to_named_tuple())
@@ -174,6 +177,7 @@ def _to_named_tuples(value: Any) -> Any:
 def event_from_json(d: dict) -> dp_accounting.DpEvent:
     """Rebuild the DpEvent that `event_to_json` produced (exact round trip)."""
     from dp_accounting import dp_event
+
     if not (isinstance(d, Mapping) and "module_name" in d and "class_name" in d):
         raise ValueError(f"not a serialized DpEvent (needs module_name and class_name): {d!r}")
     return dp_event.DpEvent.from_named_tuple(_to_named_tuples(d))
@@ -182,6 +186,7 @@ def event_from_json(d: dict) -> dp_accounting.DpEvent:
 def compose(entries: Iterable[tuple[dp_accounting.DpEvent, int]]) -> dp_accounting.DpEvent:
     """One ComposedDpEvent of `SelfComposedDpEvent(event, count)` per entry (count 0 skipped)."""
     import dp_accounting
+
     parts = []
     for event, count in entries:
         if not isinstance(event, dp_accounting.DpEvent):
