@@ -32,6 +32,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
+# dp-accounting's PLD constructors, memoized per test process on their exact arguments
+# (`tests.helpers.memoize_pld_constructors`): the suite builds the same step PLD many times
+# (a test's direct dp-accounting reference and the product's plan of the same event, the
+# same recipe planned in several tests), ~0.1-1.5 s each, a quarter of the quick tests'
+# CPU. A deterministic function of the same arguments gives the same PLD, so no number a
+# test compares changes; the kept PLDs' arrays are read-only, so a use that wrote into one
+# would raise instead of passing its change on to the next test.
+from tests.helpers import memoize_pld_constructors  # noqa: E402
+
+memoize_pld_constructors()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _module_llmdp_home(tmp_path_factory):
     """Each test module its own ledgers' database and head log ($LLMDP_HOME), for its

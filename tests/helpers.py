@@ -326,6 +326,66 @@ def use_noise_cap(monkeypatch, radius_bits: int) -> tuple[float, float]:
     return mass, tau
 
 
+# ------------------------------------------------------------------ dp-accounting's PLDs, built once
+
+#: PLDs kept per test process (each two pmfs of up to ~250k floats: a few MB).
+PLD_MEMO_SIZE = 32
+_PLD_CONSTRUCTORS = ("from_gaussian_mechanism", "from_truncated_subsampled_gaussian_mechanism")
+
+
+def memoize_pld_constructors() -> None:
+    """dp-accounting's PLD constructors of a Gaussian step (plain, Poisson-subsampled,
+    truncated), as every caller reaches them (``privacy_loss_distribution.<name>``: llmdp's
+    accountant and dp-accounting's own ``PLDAccountant``), memoized in this process on
+    their exact arguments: bound to the signature with its defaults, each value with its
+    type (0.5 as a float and as a float32 are another call). The same call of a
+    deterministic function returns the same PLD, so a memoized one is the very object it
+    would have built again: no number changes, and two calls with any argument different
+    are still two builds, so a test comparing llmdp with dp-accounting still compares two
+    computations wherever their arguments differ. Its pmfs' arrays are made read-only, so a
+    use that wrote into a kept PLD would raise, not hand its change on to a later caller."""
+    import functools
+    import inspect
+    from collections import OrderedDict
+
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    for name in _PLD_CONSTRUCTORS:
+        build = getattr(pld, name)
+        if getattr(build, "memoized", False):
+            continue
+        signature = inspect.signature(build)
+        kept: OrderedDict = OrderedDict()
+
+        def memoized(*args, _build=build, _signature=signature, _kept=kept, **kwargs):
+            bound = _signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            try:
+                key = tuple((k, type(v), v) for k, v in bound.arguments.items())
+                hit = _kept.get(key)
+            except TypeError:  # an unhashable argument: built as it is
+                return _build(*args, **kwargs)
+            if hit is None:
+                hit = _kept[key] = _read_only(_build(*args, **kwargs))
+                while len(_kept) > PLD_MEMO_SIZE:
+                    _kept.popitem(last=False)
+            else:
+                _kept.move_to_end(key)
+            return hit
+
+        memoized.memoized = True
+        functools.update_wrapper(memoized, build)
+        setattr(pld, name, memoized)
+
+
+def _read_only(distribution):
+    for pmf in (getattr(distribution, "_pmf_remove", None), getattr(distribution, "_pmf_add", None)):
+        probs = getattr(pmf, "_probs", None)
+        if probs is not None and hasattr(probs, "flags"):
+            probs.flags.writeable = False
+    return distribution
+
+
 # ------------------------------------------------------------------ one Ray per test process
 
 _SHARED_RAY: dict = {}
