@@ -32,16 +32,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
-# dp-accounting's PLD constructors, memoized per test process on their exact arguments
-# (`tests.helpers.memoize_pld_constructors`): the suite builds the same step PLD many times
-# (a test's direct dp-accounting reference and the product's plan of the same event, the
-# same recipe planned in several tests), ~0.1-1.5 s each, a quarter of the quick tests'
-# CPU. A deterministic function of the same arguments gives the same PLD, so no number a
-# test compares changes; the kept PLDs' arrays are read-only, so a use that wrote into one
-# would raise instead of passing its change on to the next test.
-from tests.helpers import memoize_pld_constructors  # noqa: E402
+# dp-accounting's builders of a Gaussian step's PLD and RDP, memoized per test process on
+# their exact arguments (`tests.helpers.memoize_accounting_steps`): the suite builds the
+# same step many times (a test's direct dp-accounting reference and the product's plan of
+# the same event, one recipe planned in several tests), 0.1-1.5 s per PLD: a quarter of
+# the quick tests' CPU went to PLDs, a quarter of that to rebuilding one already built in
+# the same process. A deterministic function of the same arguments gives the same result,
+# so no number a test compares changes; what is kept is read-only, so a use that wrote
+# into it would raise instead of passing its change on to the next test.
+from tests.helpers import memoize_accounting_steps  # noqa: E402
 
-memoize_pld_constructors()
+memoize_accounting_steps()
 
 
 @pytest.fixture(autouse=True, scope="module")

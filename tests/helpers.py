@@ -326,64 +326,86 @@ def use_noise_cap(monkeypatch, radius_bits: int) -> tuple[float, float]:
     return mass, tau
 
 
-# ------------------------------------------------------------------ dp-accounting's PLDs, built once
+# ------------------------------------------------------------------ dp-accounting's steps, built once
 
-#: PLDs kept per test process (each two pmfs of up to ~250k floats: a few MB).
-PLD_MEMO_SIZE = 32
+#: Results kept per test process and function (a PLD: two pmfs of up to ~250k floats, a
+#: few MB; an RDP vector: one float per order).
+ACCOUNTING_MEMO_SIZE = 32
 _PLD_CONSTRUCTORS = ("from_gaussian_mechanism", "from_truncated_subsampled_gaussian_mechanism")
 
 
-def memoize_pld_constructors() -> None:
-    """dp-accounting's PLD constructors of a Gaussian step (plain, Poisson-subsampled,
-    truncated), as every caller reaches them (``privacy_loss_distribution.<name>``: llmdp's
-    accountant and dp-accounting's own ``PLDAccountant``), memoized in this process on
-    their exact arguments: bound to the signature with its defaults, each value with its
-    type (0.5 as a float and as a float32 are another call). The same call of a
-    deterministic function returns the same PLD, so a memoized one is the very object it
-    would have built again: no number changes, and two calls with any argument different
+def memoize_accounting_steps() -> None:
+    """dp-accounting's builders of one Gaussian step, as every caller reaches them (a module
+    attribute: llmdp's accountant and dp-accounting's own accountants), memoized in this
+    process on their exact arguments: the PLD constructors (plain, Poisson-subsampled,
+    truncated) and the Poisson-subsampled Gaussian's RDP vector. The arguments are bound to
+    the signature with its defaults, each value keyed with its type (0.5 as a float and as
+    a float32 are another call; the RDP orders by their values and dtype). The same call of
+    a deterministic function returns the same result, so a memoized one is the very object
+    it would have built again: no number changes, and calls with any argument different
     are still two builds, so a test comparing llmdp with dp-accounting still compares two
-    computations wherever their arguments differ. Its pmfs' arrays are made read-only, so a
-    use that wrote into a kept PLD would raise, not hand its change on to a later caller."""
+    computations wherever their arguments differ. What is kept is made read-only (a PLD's
+    pmf arrays, the RDP vector), so a use that wrote into it would raise, not hand its
+    change on to a later caller."""
+    from dp_accounting.pld import privacy_loss_distribution as pld
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    for name in _PLD_CONSTRUCTORS:
+        _memoize(pld, name, _read_only_pld)
+    _memoize(rdp, "_compute_rdp_poisson_subsampled_gaussian", _read_only_array)
+
+
+def _memoize(module, name: str, read_only) -> None:
     import functools
     import inspect
     from collections import OrderedDict
 
-    from dp_accounting.pld import privacy_loss_distribution as pld
+    import numpy as np
 
-    for name in _PLD_CONSTRUCTORS:
-        build = getattr(pld, name)
-        if getattr(build, "memoized", False):
-            continue
-        signature = inspect.signature(build)
-        kept: OrderedDict = OrderedDict()
+    build = getattr(module, name)
+    if getattr(build, "memoized", False):
+        return
+    signature = inspect.signature(build)
+    kept: OrderedDict = OrderedDict()
 
-        def memoized(*args, _build=build, _signature=signature, _kept=kept, **kwargs):
-            bound = _signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            try:
-                key = tuple((k, type(v), v) for k, v in bound.arguments.items())
-                hit = _kept.get(key)
-            except TypeError:  # an unhashable argument: built as it is
-                return _build(*args, **kwargs)
-            if hit is None:
-                hit = _kept[key] = _read_only(_build(*args, **kwargs))
-                while len(_kept) > PLD_MEMO_SIZE:
-                    _kept.popitem(last=False)
-            else:
-                _kept.move_to_end(key)
-            return hit
+    def key_of(value):
+        if isinstance(value, np.ndarray):
+            return (np.ndarray, value.dtype.str, value.shape, value.tobytes())
+        if isinstance(value, (list, tuple)):
+            return (type(value), tuple(key_of(v) for v in value))
+        return (type(value), value)
 
-        memoized.memoized = True
-        functools.update_wrapper(memoized, build)
-        setattr(pld, name, memoized)
+    def memoized(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        try:
+            key = tuple((k, key_of(v)) for k, v in bound.arguments.items())
+            hit = kept.get(key)
+        except TypeError:  # an unhashable argument: built as it is
+            return build(*args, **kwargs)
+        if hit is None:
+            hit = kept[key] = read_only(build(*args, **kwargs))
+            while len(kept) > ACCOUNTING_MEMO_SIZE:
+                kept.popitem(last=False)
+        else:
+            kept.move_to_end(key)
+        return hit
+
+    functools.update_wrapper(memoized, build)
+    memoized.memoized = True
+    setattr(module, name, memoized)
 
 
-def _read_only(distribution):
+def _read_only_pld(distribution):
     for pmf in (getattr(distribution, "_pmf_remove", None), getattr(distribution, "_pmf_add", None)):
-        probs = getattr(pmf, "_probs", None)
-        if probs is not None and hasattr(probs, "flags"):
-            probs.flags.writeable = False
+        _read_only_array(getattr(pmf, "_probs", None))
     return distribution
+
+
+def _read_only_array(value):
+    if hasattr(value, "flags"):
+        value.flags.writeable = False
+    return value
 
 
 # ------------------------------------------------------------------ one Ray per test process

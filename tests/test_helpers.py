@@ -1,7 +1,8 @@
 """The test helpers' worker processes (`tests.helpers.start_processes`), commands
 (`tests.helpers.Command`) and benchmark scripts (`tests.helpers.ForkedScripts`): forked
 from the preloaded forkserver, yet each with the caller's environment and working
-directory, as a spawned process has them."""
+directory, as a spawned process has them; and dp-accounting's step builders, memoized per
+test process (`tests.helpers.memoize_accounting_steps`)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,36 @@ def test_a_forked_script_runs_as_a_fresh_interpreter_would(tmp_path):
     assert e.value.output.startswith("out ") and e.value.stderr == "err lib\n"
     with pytest.raises(ValueError, match="runs `python SCRIPT.py"):
         ForkedScripts.run(["ls"], env=env)
+
+
+def test_the_memoized_accounting_steps_are_the_same_builds_kept_read_only():
+    """conftest memoizes dp-accounting's step builders (`memoize_accounting_steps`): a
+    repeated call is the kept object, equal bit for bit to a fresh build; an argument that
+    differs in value, spelling aside, or only in type is another build; what is kept
+    cannot be written into."""
+    import numpy as np
+    from dp_accounting.pld import privacy_loss_distribution as pld
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    build = pld.from_gaussian_mechanism
+    assert build.memoized
+    a = build(2.0, value_discretization_interval=1e-3, sampling_prob=0.02)
+    # the same call spelled otherwise (keywords, defaults written out) is the kept one
+    assert build(standard_deviation=2.0, sensitivity=1, value_discretization_interval=1e-3,
+                 sampling_prob=0.02) is a
+    fresh = build.__wrapped__(2.0, value_discretization_interval=1e-3, sampling_prob=0.02)
+    for pmf, ref in ((a._pmf_remove, fresh._pmf_remove), (a._pmf_add, fresh._pmf_add)):
+        assert pmf._lower_loss == ref._lower_loss and pmf._infinity_mass == ref._infinity_mass
+        assert np.array_equal(pmf._probs, ref._probs)
+        with pytest.raises(ValueError, match="read-only"):
+            pmf._probs[0] = 1.0
+    assert a.get_epsilon_for_delta(1e-5) == fresh.get_epsilon_for_delta(1e-5)
+    assert build(2.0, value_discretization_interval=1e-3, sampling_prob=0.021) is not a
+    assert build(np.float32(2.0), value_discretization_interval=1e-3, sampling_prob=0.02) is not a
+
+    step = rdp._compute_rdp_poisson_subsampled_gaussian
+    orders = np.array([2.0, 4.0, 32.0])
+    v = step(q=0.01, noise_multiplier=1.5, orders=orders)
+    assert step(0.01, 1.5, np.array([2.0, 4.0, 32.0])) is v
+    assert np.array_equal(v, step.__wrapped__(0.01, 1.5, orders)) and not v.flags.writeable
+    assert step(0.01, 1.5, np.array([2.0, 4.0, 33.0])) is not v
