@@ -427,13 +427,11 @@ def test_report_delta_is_the_accountants_plus_the_noise_tails(tmp_path, monkeypa
     assert r["delta_accountant"] + r["delta_noise_tail"] == pytest.approx(r["delta"], rel=1e-14)
     assert 0.01 < r["delta_noise_tail"] / r["delta"] < 0.1
 
-    # dp-accounting's own PLD of the run's releases, built once (its ε at each δ below)
+    # dp-accounting's own PLD of the run's releases, built once: its ε at each δ below
     ref = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     ref.compose(dp_accounting.PoissonSampledDpEvent(
         r["sampling_probability"], dp_accounting.GaussianDpEvent(sigma)), steps)
-
-    def direct(delta):
-        return ref.get_epsilon(delta)
+    direct = ref.get_epsilon
 
     assert r["epsilon"] == pytest.approx(direct(want), rel=1e-6)
     assert direct(1e-4) < r["epsilon"] * (1 - 1e-4)  # at δ itself ε would be understated
