@@ -639,6 +639,29 @@ def _run_script(argv, cwd, env, out, err):
     runpy.run_path(script, run_name="__main__")  # exits as the script exits (SystemExit)
 
 
+# ------------------------------------------------------------------ Triton's interpreter
+
+
+def interpreted(script: str) -> str:
+    """``script``, to run with ``TRITON_INTERPRET=1`` in a fresh interpreter, after lines that
+    turn off the interpreter's integer-overflow sanitizer. By default the interpreter does
+    every add, subtract and multiply of 32-bit integers a second time in int64 and asserts
+    that the result fits, a debugging aid that compiled kernels do not have (Triton's CUDA
+    backend leaves it off unless debugging is asked for). At the tiny shapes a kernel can run
+    in the interpreter no offset comes near 2^31, so it cannot fire here; it was a third of
+    these tests' time (the kernels' 64-bit offsets for operands of 2^31 elements or more are
+    tested on their own: the WIDE switch, ``_triton_rowscaled.INT32_SPAN``). A Triton without
+    that setting runs the script as it is."""
+    return (
+        "import dataclasses as _dc\n"
+        "import triton.runtime.interpreter as _ti\n"
+        "_b = getattr(_ti, 'interpreter_builder', None)\n"
+        "if _dc.is_dataclass(getattr(_b, 'options', None)) and hasattr(_b.options, 'sanitize_overflow'):\n"
+        "    _b.options = _dc.replace(_b.options, sanitize_overflow=False)\n"
+        "del _dc, _ti, _b\n"
+    ) + script
+
+
 # ------------------------------------------------------------------ import graphs
 
 

@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from tests.helpers import interpreted
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -449,7 +451,8 @@ def test_kernels_benchmark_dry_run_times_every_kernel_in_the_interpreter(tmp_pat
             "k.CONFIGS = [(128, ((16, 32, 128), 4, 1)), (64, ((16, 32, 64), 4, 1))]; "
             f"raise SystemExit(k.main(['--dry-run', '--sweep', '--json', {str(out)!r}]))")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", interpreted(code)], env=env, capture_output=True, text=True,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (r,) = json.loads(out.read_text())["rows"]
     assert (r["T"], r["R"], r["p"], r["d"]) == (130, 2, 40, 24)

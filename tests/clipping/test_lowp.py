@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from llmdp.clipping import lowp
+from tests.helpers import interpreted
 
 HALVES = [torch.bfloat16, torch.float16]
 
@@ -303,7 +304,7 @@ _INTERPRETED = textwrap.dedent(
 def test_triton_clipped_sum_kernel_in_the_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", interpreted(_INTERPRETED)], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
 

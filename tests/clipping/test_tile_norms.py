@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import interpreted
+
 _KERNELS = textwrap.dedent(
     """
     import torch
@@ -261,7 +263,7 @@ def _interpreted(script: str) -> None:
     # one forked from the tests' forkserver (tests.helpers.ForkedScripts): Triton must be
     # imported with TRITON_INTERPRET set, and the server has imported it without (its own
     # @jit library functions then refuse to run inside an interpreted kernel).
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", interpreted(script)], env=env, capture_output=True, text=True,
                        timeout=3600, cwd=root)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llmdp.privacy.rng import chacha
+from tests.helpers import interpreted
 
 # --------------------------------------------------------------------------- RFC 8439 vectors
 
@@ -276,5 +277,5 @@ def test_triton_kernels_in_the_interpreter_match_the_cpu_path():
     pytest.importorskip("triton", reason="the test extra installs triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[3]))
     src = _INTERPRETED.replace("{block}", repr(BLOCK_232))
-    res = subprocess.run([sys.executable, "-c", src], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", interpreted(src)], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
