@@ -161,8 +161,11 @@ def _spec(tmp: str, name: str):
     from llmdp.run.launch import prepare
 
     case = CASES[name] if name in CASES else MASSIVE[name]
-    # A first plan learns N (the store is built once and cached for the second).
-    probe = prepare(recipe_from_dict(_raw(tmp, name + "-probe", case, 2, None)), log=lambda *a: None)
+    # A first plan learns N (the store is built once and cached for the second). N does not
+    # depend on the sampler: the probe samples by Poisson, whose plan needs no search for
+    # truncated Poisson's cap (seconds of dp-accounting for a plan that is thrown away).
+    probe = prepare(recipe_from_dict(_raw(tmp, name + "-probe", {**case, "sampler": "poisson"}, 2, None)),
+                    log=lambda *a: None)
     n = open_store(probe.paths.store_dir).num_units
     last = case.get("q") == "last"
     batch = _aligned_batch(n) if last else n
