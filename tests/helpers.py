@@ -649,9 +649,9 @@ def interpreted(script: str) -> str:
     that the result fits, a debugging aid that compiled kernels do not have (Triton's CUDA
     backend leaves it off unless debugging is asked for). At the tiny shapes a kernel can run
     in the interpreter no offset comes near 2^31, so it cannot fire here; it was a third of
-    these tests' time (the kernels' 64-bit offsets for operands of 2^31 elements or more are
-    tested on their own: the WIDE switch, ``_triton_rowscaled.INT32_SPAN``). A Triton without
-    that setting runs the script as it is."""
+    these tests' time. (Offsets past 2^31 are the kernels' own int64 arithmetic: the ChaCha
+    kernels' indices, the row-norm and tile kernels' WIDE switch.) A Triton without that
+    setting runs the script as it is."""
     return (
         "import dataclasses as _dc\n"
         "import triton.runtime.interpreter as _ti\n"
