@@ -645,13 +645,14 @@ def _run_script(argv, cwd, env, out, err):
 def interpreted(script: str) -> str:
     """``script``, to run with ``TRITON_INTERPRET=1`` in a fresh interpreter, after lines that
     turn off the interpreter's integer-overflow sanitizer. By default the interpreter does
-    every add, subtract and multiply of 32-bit integers a second time in int64 and asserts
-    that the result fits, a debugging aid that compiled kernels do not have (Triton's CUDA
-    backend leaves it off unless debugging is asked for). At the tiny shapes a kernel can run
-    in the interpreter no offset comes near 2^31, so it cannot fire here; it was a third of
-    these tests' time. (Offsets past 2^31 are the kernels' own int64 arithmetic: the ChaCha
-    kernels' indices, the row-norm and tile kernels' WIDE switch.) A Triton without that
-    setting runs the script as it is."""
+    every add, subtract and multiply of integers narrower than 64 bits a second time in
+    int64 and forms the check that the result fits, then hands it to ``device_assert``,
+    which asserts nothing unless the interpreter runs in debug mode (``options.debug``, off
+    here and in these tests): the check could never fail, and forming it was a third of
+    these tests' time. (Compiled kernels do not have it either: Triton's CUDA backend leaves
+    it off unless debugging is asked for. Offsets past 2^31 are the kernels' own int64
+    arithmetic: the ChaCha kernels' indices, the row-norm and tile kernels' WIDE switch.) A
+    Triton without that setting runs the script as it is."""
     return (
         "import dataclasses as _dc\n"
         "import triton.runtime.interpreter as _ti\n"
