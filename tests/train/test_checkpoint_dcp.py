@@ -101,8 +101,11 @@ def _ctrl_c_before(spec, step: int) -> None:
 
     stop = os.path.join(spec.run_dir, STOP_REQUEST)
     if step is None:
-        if os.path.exists(stop):
-            os.remove(stop)  # as the driver does when it ends
+        # rank 0 alone removes it, as the one driver does when it ends (both ranks of the
+        # pair call this: an exists-then-remove in each raced, and the slower one's remove
+        # found the file gone)
+        if parallel.world()[0] == 0 and os.path.exists(stop):
+            os.remove(stop)
         loop.maybe_wait_for_ctrl_c = testhooks.maybe_wait_for_ctrl_c
         return
 
