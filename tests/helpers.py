@@ -24,6 +24,7 @@ import atexit
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -559,8 +560,6 @@ class Command:
 
 
 def _run_command(args, cwd, env, log, new_session):
-    import sys
-
     if new_session:
         os.setsid()
     _adopt(env, cwd)
@@ -598,8 +597,6 @@ class ForkedScripts:
 
     @staticmethod
     def run(cmd, *, capture_output=True, text=True, timeout=None, env=None, cwd=None):
-        import sys
-
         if not (capture_output and text and len(cmd) >= 2 and cmd[0] == sys.executable
                 and str(cmd[1]).endswith(".py")):
             raise ValueError(f"ForkedScripts.run runs `python SCRIPT.py ...` with its output "
@@ -627,7 +624,6 @@ class ForkedScripts:
 
 def _run_script(argv, cwd, env, out, err):
     import runpy
-    import sys
 
     _adopt(env, cwd)
     _output_to(out, (1,), os.O_TRUNC)
@@ -642,25 +638,36 @@ def _run_script(argv, cwd, env, out, err):
 # ------------------------------------------------------------------ Triton's interpreter
 
 
-def interpreted(script: str) -> str:
-    """``script``, to run with ``TRITON_INTERPRET=1`` in a fresh interpreter, after lines that
-    turn off the interpreter's integer-overflow sanitizer. By default the interpreter does
-    every add, subtract and multiply of integers narrower than 64 bits a second time in
-    int64 and forms the check that the result fits, then hands it to ``device_assert``,
-    which asserts nothing unless the interpreter runs in debug mode (``options.debug``, off
-    here and in these tests): the check could never fail, and forming it was a third of
-    these tests' time. (Compiled kernels do not have it either: Triton's CUDA backend leaves
-    it off unless debugging is asked for. Offsets past 2^31 are the kernels' own int64
-    arithmetic: the ChaCha kernels' indices, the row-norm and tile kernels' WIDE switch.) A
-    Triton without that setting runs the script as it is."""
-    return (
+def run_interpreted(script: str, timeout: float = 3600) -> subprocess.CompletedProcess:
+    """``python -c script`` in a fresh interpreter with ``TRITON_INTERPRET=1``, the
+    repository on its path and as its working directory, its output captured as text.
+    Fresh, not forked from the tests' forkserver (`ForkedScripts`): Triton must be imported
+    with ``TRITON_INTERPRET`` set, and the server imported it without (its own @jit library
+    functions then refuse to run inside an interpreted kernel). ``timeout`` only guards
+    against a hang: the interpreter runs every kernel program in Python, minutes on a quiet
+    machine, many more on a loaded one.
+
+    The script runs after lines that turn off the interpreter's integer-overflow sanitizer.
+    By default the interpreter does every add, subtract and multiply of integers narrower
+    than 64 bits a second time in int64 and forms the check that the result fits, then
+    hands it to ``device_assert``, which asserts nothing unless the interpreter runs in
+    debug mode (``options.debug``, off here and in these tests): the check could never
+    fail, and forming it was a third of these tests' time. (Compiled kernels do not have it
+    either: Triton's CUDA backend leaves it off unless debugging is asked for. Offsets past
+    2^31 are the kernels' own int64 arithmetic: the ChaCha kernels' indices, the row-norm
+    and tile kernels' WIDE switch.) A Triton without that setting runs the script as it is."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    prelude = (
         "import dataclasses as _dc\n"
         "import triton.runtime.interpreter as _ti\n"
         "_b = getattr(_ti, 'interpreter_builder', None)\n"
         "if _dc.is_dataclass(getattr(_b, 'options', None)) and hasattr(_b.options, 'sanitize_overflow'):\n"
         "    _b.options = _dc.replace(_b.options, sanitize_overflow=False)\n"
         "del _dc, _ti, _b\n"
-    ) + script
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    return subprocess.run([sys.executable, "-c", prelude + script], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=root)
 
 
 # ------------------------------------------------------------------ import graphs

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import interpreted
+from tests.helpers import run_interpreted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -442,17 +442,13 @@ def test_kernels_benchmark_dry_run_times_every_kernel_in_the_interpreter(tmp_pat
     """benchmarks/kernels.py --dry-run (the GPU script's rehearsal): every kernel of a
     layer runs in Triton's interpreter on CPU tensors and is timed; none fails."""
     pytest.importorskip("triton")
-    import subprocess
-    import sys
 
     out = tmp_path / "k.json"
     code = ("import sys; sys.argv[0] = 'kernels'; import benchmarks.kernels as k; "
             "k.DRY_SHAPES = [(40, 24)]; k.DRY_GRIDS = [(130, 2)]; "
             "k.CONFIGS = [(128, ((16, 32, 128), 4, 1)), (64, ((16, 32, 64), 4, 1))]; "
             f"raise SystemExit(k.main(['--dry-run', '--sweep', '--json', {str(out)!r}]))")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", interpreted(code)], env=env, capture_output=True, text=True,
-                          cwd=ROOT)
+    proc = run_interpreted(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (r,) = json.loads(out.read_text())["rows"]
     assert (r["T"], r["R"], r["p"], r["d"]) == (130, 2, 40, 24)

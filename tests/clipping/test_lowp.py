@@ -6,17 +6,13 @@ kernel in Triton's interpreter; and, on a GPU, the tensor-core paths."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from llmdp.clipping import lowp
-from tests.helpers import interpreted
+from tests.helpers import run_interpreted
 
 HALVES = [torch.bfloat16, torch.float16]
 
@@ -303,9 +299,7 @@ _INTERPRETED = textwrap.dedent(
 
 def test_triton_clipped_sum_kernel_in_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([sys.executable, "-c", interpreted(_INTERPRETED)], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = run_interpreted(_INTERPRETED)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
 
 

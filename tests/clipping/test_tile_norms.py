@@ -15,15 +15,11 @@ must be set before Triton is imported), and on CUDA by the ``gpu`` tests of
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import interpreted
+from tests.helpers import run_interpreted
 
 _KERNELS = textwrap.dedent(
     """
@@ -256,15 +252,7 @@ _ENGINE = textwrap.dedent(
 
 def _interpreted(script: str) -> None:
     pytest.importorskip("triton")
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    # The interpreter runs every kernel program in Python: minutes on a quiet machine, many
-    # more on a loaded one. The limit only guards against a hang. A fresh interpreter, not
-    # one forked from the tests' forkserver (tests.helpers.ForkedScripts): Triton must be
-    # imported with TRITON_INTERPRET set, and the server has imported it without (its own
-    # @jit library functions then refuse to run inside an interpreted kernel).
-    r = subprocess.run([sys.executable, "-c", interpreted(script)], env=env, capture_output=True, text=True,
-                       timeout=3600, cwd=root)
+    r = run_interpreted(script)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 

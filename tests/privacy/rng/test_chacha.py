@@ -3,17 +3,14 @@ bit for bit (OpenSSL on CPU, plain torch ops, Triton on CUDA and in Triton's int
 seeking, and the key derivation."""
 
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from llmdp.privacy.rng import chacha
-from tests.helpers import interpreted
+from tests.helpers import run_interpreted
 
 # --------------------------------------------------------------------------- RFC 8439 vectors
 
@@ -275,7 +272,5 @@ def test_triton_kernels_in_the_interpreter_match_the_cpu_path():
     """The CUDA kernels' logic (uint32 lanes, masks, seeking, the fused transform), run by
     Triton's interpreter on CPU: bit-identical keystream, the same noise to float64 ulps."""
     pytest.importorskip("triton", reason="the test extra installs triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[3]))
-    src = _INTERPRETED.replace("{block}", repr(BLOCK_232))
-    res = subprocess.run([sys.executable, "-c", interpreted(src)], env=env, capture_output=True, text=True, timeout=600)
+    res = run_interpreted(_INTERPRETED.replace("{block}", repr(BLOCK_232)))
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
