@@ -44,6 +44,21 @@ from tests.helpers import memoize_accounting_steps  # noqa: E402
 
 memoize_accounting_steps()
 
+# A test process ends with all it imported and built still on its heap (torch,
+# transformers, Ray, the session's test objects): the interpreter's last garbage
+# collections, after every exit handler, walk all of it, ~3 CPU-s per pytest-xdist worker
+# that the controller waits for (py-spy: `gc_collect_main` during finalization). What
+# exit handlers clean up (Ray, the forkserver, temporary folders) runs first, and
+# pytest's own collections at the session's end (they report exceptions raised in
+# finalizers) run before any exit handler: then the heap is frozen, out of the
+# interpreter's reach, and the process exits. Registered here, before the handlers of
+# what the tests import later, it runs after them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import atexit
+    import gc
+
+    atexit.register(gc.freeze)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _module_llmdp_home(tmp_path_factory):
@@ -123,3 +138,4 @@ def pytest_sessionfinish(session, exitstatus):
 
     shutil.rmtree(os.environ["LLMDP_CACHE"], ignore_errors=True)
     shutil.rmtree(os.environ["LLMDP_HOME"], ignore_errors=True)
+
