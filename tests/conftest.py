@@ -138,4 +138,3 @@ def pytest_sessionfinish(session, exitstatus):
 
     shutil.rmtree(os.environ["LLMDP_CACHE"], ignore_errors=True)
     shutil.rmtree(os.environ["LLMDP_HOME"], ignore_errors=True)
-
