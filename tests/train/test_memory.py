@@ -61,10 +61,10 @@ def _peak_of(fn) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
+    events, stack = [], list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:  # the tree in its own order, so that events at the same instant keep theirs
         e = stack.pop()
-        stack.extend(e.children)
+        stack.extend(reversed(e.children))
         if type(e.extra_fields).__name__ == "_ExtraFields_Allocation":
             events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
     events.sort(key=lambda x: x[0])
